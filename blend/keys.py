@@ -1,0 +1,114 @@
+"""Provenance and store keys.
+
+A cache hit is a claim about provenance: a stored KV row may only be served
+for a request whose every KV-changing field is equal. Every such field lives
+in :class:`Provenance`; keys are sha256 over a canonical encoding of it plus
+the token ids (never Python ``hash()``, which is salted per process).
+
+Exact-reuse keys are prefix-chained: the key of segment i hashes the key of
+segment i-1, so a segment only hits behind the very same prefix::
+
+    preamble      doc A          doc B          question
+    k0=H(P,t0) -> k1=H(k0,tA) -> k2=H(k1,tB) -> (never stored)
+
+Canonical chunk keys (blend) hash the preamble's tokens and the chunk's own
+tokens only: the chunk is always computed alone right after the preamble.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import NewType, Sequence
+
+StoreKey = NewType("StoreKey", bytes)  # 32 raw sha256 bytes
+
+STORE_FORMAT_VERSION = 1
+
+
+class Namespace(Enum):
+    """Disjoint key spaces: approximate KV never lands where exact KV lives."""
+
+    EXACT = "exact"  # prefix-chained segments, bit-identical to a cold prefill
+    CANONICAL = "canonical"  # a chunk computed alone right after the preamble
+    APPROX = "approx"  # anything produced by a blended or semantic path
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Every field that changes the KV a model produces for given tokens.
+
+    Changing any one field must change every key derived from it.
+    """
+
+    model_arch: str  # model_type plus a hash of the architecture config
+    weights_sha256: str  # fingerprint over the model's tensors
+    tokenizer_sha256: str  # fingerprint of the tokenizer's vocabulary and rules
+    dtype: str  # compute dtype, e.g. "float32"
+    kv_dtype: str  # dtype the KV is stored at (may be lower than dtype)
+    device_class: str  # "cpu" or "cuda:<capability>"
+    backend: str  # attention/kernel backend and its version
+    rope: str  # canonical JSON of the rotary configuration (type, theta, scaling)
+    adapter: str = "none"  # LoRA/adapter identity and weights hash
+    format_version: int = STORE_FORMAT_VERSION
+
+    def canonical_json(self) -> str:
+        """Canonical, sorted JSON of every field (stored in entry headers)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    def digest(self) -> bytes:
+        """sha256 of the canonical JSON."""
+        return hashlib.sha256(self.canonical_json().encode()).digest()
+
+
+def _tokens_bytes(token_ids: Sequence[int]) -> bytes:
+    return b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids)
+
+
+def token_digest(token_ids: Sequence[int]) -> bytes:
+    """sha256 over token ids as little-endian uint32 with a length prefix."""
+    h = hashlib.sha256()
+    h.update(len(token_ids).to_bytes(8, "little"))
+    h.update(_tokens_bytes(token_ids))
+    return h.digest()
+
+
+def exact_chain(prov: Provenance, segments: Sequence[Sequence[int]]) -> list[StoreKey]:
+    """Prefix-chained keys, one per segment.
+
+    Args:
+        prov: the engine's provenance.
+        segments: token ids of each segment, in prompt order.
+
+    Returns:
+        keys[i] commits to the provenance and to every token of segments 0..i.
+    """
+    keys: list[StoreKey] = []
+    prev = b"exact-root" + prov.digest()
+    for seg in segments:
+        prev = hashlib.sha256(b"exact" + prev + token_digest(seg)).digest()
+        keys.append(StoreKey(prev))
+    return keys
+
+
+def canonical_key(prov: Provenance, preamble: Sequence[int], chunk: Sequence[int]) -> StoreKey:
+    """Key of a chunk's canonical KV (computed alone right after ``preamble``).
+
+    Args:
+        prov: the engine's provenance.
+        preamble: token ids that preceded the chunk when it was computed.
+        chunk: the chunk's token ids.
+
+    Returns:
+        A key independent of any other chunk and of which request computed it.
+    """
+    h = hashlib.sha256(b"canonical" + prov.digest() + token_digest(preamble) + token_digest(chunk))
+    return StoreKey(h.digest())
+
+
+def key_hex(key: StoreKey) -> str:
+    """Printable form of a key."""
+    return bytes(key).hex()
