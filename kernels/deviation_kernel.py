@@ -1,0 +1,64 @@
+"""Triton kernel for ``kv_deviation``: per-token L2 norm of (fresh - cached) over heads and dims.
+
+One program reduces BLOCK_S tokens over all H heads and D dims (fp32 sums of
+squares), then writes their square roots: (H, S, D) x 2 -> (S,).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_deviation
+from .launch import interpreting, next_pow2
+
+
+@triton.jit
+def _kv_deviation_kernel(
+    f_ptr, c_ptr, out_ptr,
+    H, S, D,
+    s_f_h, s_f_s, s_f_d, s_c_h, s_c_s, s_c_d,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    toks = pid * BLOCK_S + tl.arange(0, BLOCK_S)  # (BLOCK_S,)
+    tok_ok = toks < S
+    acc = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
+    for h in range(0, H):
+        f_row = f_ptr + h * s_f_h + toks[:, None] * s_f_s  # (BLOCK_S, 1)
+        c_row = c_ptr + h * s_c_h + toks[:, None] * s_c_s
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+            m = tok_ok[:, None] & (cols < D)[None, :]
+            f = tl.load(f_row + cols[None, :] * s_f_d, mask=m, other=0.0).to(tl.float32)
+            c = tl.load(c_row + cols[None, :] * s_c_d, mask=m, other=0.0).to(tl.float32)
+            diff = f - c
+            acc += diff * diff
+    tl.store(out_ptr + toks, tl.sqrt(tl.sum(acc, axis=1)), mask=tok_ok)
+
+
+def kv_deviation_triton(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """Launcher of the Triton ``kv_deviation`` (contract: ``blend.kernels.kv_deviation``).
+
+    Any strides are accepted; the two inputs may have different float dtypes.
+    """
+    check_deviation(fresh, cached)
+    if not (fresh.is_cuda or (fresh.device.type == "cpu" and interpreting())):
+        raise ValueError(
+            f"the Triton kv_deviation kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {fresh.device}"
+        )
+    h, s, d = fresh.shape
+    out = torch.empty((s,), dtype=torch.float32, device=fresh.device)  # (S,)
+    if s == 0:
+        return out
+    if h == 0 or d == 0:
+        return out.zero_()
+    block_s = 64 if interpreting() else 32
+    block_d = min(next_pow2(d), 128)
+    _kv_deviation_kernel[(triton.cdiv(s, block_s),)](
+        fresh, cached, out, h, s, d,
+        *fresh.stride(), *cached.stride(),
+        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+    )
+    return out

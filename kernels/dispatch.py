@@ -1,0 +1,182 @@
+"""The one place that decides which implementation runs.
+
+Policy, from the environment variable ``KVBLEND_KERNELS`` (read on every call,
+so tests and benchmarks may change it at run time):
+
+  auto    (default) Triton for CUDA tensors when Triton is installed, torch otherwise
+  torch   always the torch reference path
+  triton  always the Triton kernels; on CPU tensors this needs the interpreter
+          (``TRITON_INTERPRET=1``), which is for tests only
+
+Triton is imported only when a Triton kernel is about to run; importing this
+module (or ``blend.kernels``) never imports Triton and never queries a GPU.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import os
+from functools import lru_cache
+
+import torch
+
+from .reference import kv_deviation_ref, rope_mix_ref, sparse_query_attention_ref
+
+ENV_VAR = "KVBLEND_KERNELS"
+
+
+class KernelBackend(enum.Enum):
+    """Which implementation a kernel call runs."""
+
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+class BackendPolicy(enum.Enum):
+    """Values of ``KVBLEND_KERNELS``."""
+
+    AUTO = "auto"
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+@lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether Triton can be imported (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def backend_policy() -> BackendPolicy:
+    """The policy currently set by ``KVBLEND_KERNELS`` (default ``auto``).
+
+    Raises:
+        ValueError: the variable holds something other than auto|torch|triton.
+    """
+    raw = os.environ.get(ENV_VAR, BackendPolicy.AUTO.value).strip().lower() or BackendPolicy.AUTO.value
+    try:
+        return BackendPolicy(raw)
+    except ValueError:
+        allowed = "|".join(p.value for p in BackendPolicy)
+        raise ValueError(f"{ENV_VAR}={raw!r} is not one of {allowed}") from None
+
+
+def kernel_backend(tensor: torch.Tensor) -> KernelBackend:
+    """Pick the implementation for a call whose main input is ``tensor``.
+
+    Args:
+        tensor: the kernel's first tensor argument; only its device is looked at.
+
+    Returns:
+        ``KernelBackend.TRITON`` for CUDA tensors (policy auto, Triton installed)
+        or when the policy forces it; ``KernelBackend.TORCH`` otherwise.
+
+    Raises:
+        ValueError: bad ``KVBLEND_KERNELS`` value.
+        RuntimeError: policy ``triton`` but Triton is not installed.
+    """
+    policy = backend_policy()
+    if policy is BackendPolicy.TORCH:
+        return KernelBackend.TORCH
+    if policy is BackendPolicy.TRITON:
+        if not triton_available():
+            raise RuntimeError(f"{ENV_VAR}=triton but Triton is not installed")
+        return KernelBackend.TRITON
+    if tensor.is_cuda and triton_available():
+        return KernelBackend.TRITON
+    return KernelBackend.TORCH
+
+
+def rope_mix(
+    cached_k: torch.Tensor,
+    cached_v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    fresh_idx: torch.Tensor,
+    fresh_k: torch.Tensor,
+    fresh_v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build one layer's K/V for the blended sequence in one pass.
+
+    Rows listed in ``fresh_idx`` take their K/V from ``fresh_k``/``fresh_v``,
+    every other row from ``cached_k``/``cached_v``; then K's first R dims are
+    rotated (HF convention, ``x*cos + rotate_half(x)*sin``) at each row's new
+    position, in fp32, and stored in K's dtype. ``fresh_idx`` may be in any
+    order (row i of ``fresh_k`` lands at row ``fresh_idx[i]``); duplicates are
+    rejected.
+
+    Args:
+        cached_k: (Hkv, T, D) keys before RoPE (rows that get a fresh value may hold anything).
+        cached_v: (Hkv, T, D) values, same dtype as ``cached_k``.
+        cos: (T, R) rotary table at each row's new absolute position; R even, R <= D.
+        sin: (T, R) likewise. Any float dtype; the tables include any attention scaling.
+        fresh_idx: (S,) int64 distinct row indices in [0, T), any order; S may be 0 or T.
+        fresh_k: (Hkv, S, D) recomputed keys before RoPE.
+        fresh_v: (Hkv, S, D) recomputed values.
+
+    Returns:
+        ``(k_rot, v)``: (Hkv, T, D) keys after RoPE and (Hkv, T, D) values, new
+        contiguous tensors in the input dtype; the inputs are not modified.
+
+    Raises:
+        ValueError: shape, dtype or device mismatch, indices out of range or duplicated.
+    """
+    if kernel_backend(cached_k) is KernelBackend.TRITON:
+        from .rope_mix_kernel import rope_mix_triton
+
+        return rope_mix_triton(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v)
+    return rope_mix_ref(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v)
+
+
+def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """Per-token L2 deviation between fresh and cached K (or V), ready for top-k.
+
+    Args:
+        fresh: (H, S, D) any float dtype.
+        cached: (H, S, D) any float dtype.
+
+    Returns:
+        (S,) float32: ``sqrt(sum over h, d of (fresh - cached)**2)``, computed in fp32.
+
+    Raises:
+        ValueError: shape or device mismatch, non-float input.
+    """
+    if kernel_backend(fresh) is KernelBackend.TRITON:
+        from .deviation_kernel import kv_deviation_triton
+
+        return kv_deviation_triton(fresh, cached)
+    return kv_deviation_ref(fresh, cached)
+
+
+def sparse_query_attention(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a subset of queries over the whole K/V, causal by absolute position.
+
+    Key j is visible to query i iff ``k_pos[j] <= q_pos[i]``; query head h reads
+    KV head ``h // (Hq // Hkv)`` (GQA). Softmax statistics and accumulation are fp32.
+
+    Args:
+        q: (Hq, S, D) queries after RoPE.
+        q_pos: (S,) int64 absolute positions of the queries.
+        k: (Hkv, T, D) keys after RoPE, same dtype as ``q``; Hq % Hkv == 0.
+        v: (Hkv, T, D) values, same dtype as ``q``.
+        k_pos: (T,) int64 absolute positions of the keys.
+        scale: softmax scale (usually ``D ** -0.5``).
+
+    Returns:
+        (Hq, S, D) in q's dtype; a query that sees no key gets zeros.
+
+    Raises:
+        ValueError: shape, dtype or device mismatch.
+    """
+    if kernel_backend(q) is KernelBackend.TRITON:
+        from .attention_kernel import sparse_query_attention_triton
+
+        return sparse_query_attention_triton(q, q_pos, k, v, k_pos, scale)
+    return sparse_query_attention_ref(q, q_pos, k, v, k_pos, scale)
