@@ -8,9 +8,10 @@ provenance (a collision or a tampered header) is ``REJECTED``, never used.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterator, Protocol
+from typing import Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -88,12 +89,70 @@ class KVStore(Protocol):
     def stats(self) -> StoreStats: ...
 
 
-def check_entry(entry: KVEntry, provenance: str) -> str:
-    """Return why ``entry`` cannot serve ``provenance`` ('' if it can)."""
-    if entry.provenance != provenance:
-        return "provenance mismatch"
+@dataclass(frozen=True)
+class EntryInfo:
+    """What a tier knows about a stored entry without loading its tensors."""
+
+    ns: Namespace
+    key: StoreKey
+    provenance: str
+    shape: tuple[int, int, int, int]  # (L, Hkv, T, D)
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    stored_bytes: int  # bytes the tier holds for it (tensors plus header)
+
+
+@runtime_checkable
+class InspectableStore(KVStore, Protocol):
+    """Inspection used by ``kvblend store ls|verify|clear`` (every tier has it)."""
+
+    def info(self, ns: Namespace, key: StoreKey) -> EntryInfo | None:
+        """Header of a stored entry (None if absent); raises ``codec.EntryError`` if unreadable."""
+        ...
+
+    def verify(self, ns: Namespace, key: StoreKey) -> str:
+        """Decode the whole entry; '' if it is valid, else why not."""
+        ...
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        """Delete every entry (of ``ns``, or of all namespaces); returns how many."""
+        ...
+
+
+def _kv_dtype_of(provenance: str) -> str | None:
+    try:
+        fields = json.loads(provenance)
+    except ValueError:
+        return None
+    return fields.get("kv_dtype") if isinstance(fields, dict) else None
+
+
+def entry_problem(entry: KVEntry) -> str:
+    """Why ``entry`` is malformed on its own ('' if it is not).
+
+    The tensors must be (L, Hkv, T, D) of one dtype, and that dtype must be the
+    ``kv_dtype`` its provenance claims: reduced-precision KV stored under a
+    full-precision provenance would be served as full precision.
+    """
     if entry.k.shape != entry.v.shape or entry.k.dim() != 4:
         return f"bad shapes k={tuple(entry.k.shape)} v={tuple(entry.v.shape)}"
     if entry.k.dtype != entry.v.dtype:
         return f"dtype mismatch k={entry.k.dtype} v={entry.v.dtype}"
+    kv_dtype = _kv_dtype_of(entry.provenance)
+    have = str(entry.k.dtype).removeprefix("torch.")
+    if kv_dtype is not None and kv_dtype != have:
+        return f"tensors are {have}, provenance kv_dtype is {kv_dtype}"
     return ""
+
+
+def check_put(entry: KVEntry) -> None:
+    """Raise ``ValueError`` for an entry no tier may store (see :func:`entry_problem`)."""
+    why = entry_problem(entry)
+    if why:
+        raise ValueError(f"refusing to store a malformed KV entry: {why}")
+
+
+def check_entry(entry: KVEntry, provenance: str) -> str:
+    """Return why ``entry`` cannot serve ``provenance`` ('' if it can)."""
+    if entry.provenance != provenance:
+        return "provenance mismatch"
+    return entry_problem(entry)

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from typing import Iterator
 
-from blend.keys import Namespace, StoreKey
-from blend.store.base import KVEntry, Lookup, LookupStatus, StoreStats, check_entry
+from blend.keys import Namespace, StoreKey, key_hex
+from blend.store.base import (
+    EntryInfo,
+    KVEntry,
+    Lookup,
+    LookupStatus,
+    StoreStats,
+    check_entry,
+    check_put,
+    entry_problem,
+)
+
+log = logging.getLogger(__name__)
 
 
 class MemoryStore:
@@ -35,12 +47,14 @@ class MemoryStore:
             why = check_entry(entry, provenance)
             if why:
                 self._stats.rejected += 1
+                log.warning("memory store: rejected %s/%s: %s", ns.value, key_hex(key)[:16], why)
                 return Lookup(LookupStatus.REJECTED, reason=why, tier=self.name)
             self._data.move_to_end((ns, bytes(key)))
             self._stats.hits += 1
             return Lookup(LookupStatus.HIT, entry=entry, tier=self.name)
 
     def put(self, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
+        check_put(entry)
         with self._lock:
             old = self._data.pop((ns, bytes(key)), None)
             if old is not None:
@@ -77,3 +91,24 @@ class MemoryStore:
             s.entries = len(self._data)
             s.bytes = self._bytes
             return s
+
+    def info(self, ns: Namespace, key: StoreKey) -> EntryInfo | None:
+        with self._lock:
+            entry = self._data.get((ns, bytes(key)))
+        if entry is None:
+            return None
+        shape = tuple(int(s) for s in entry.k.shape)
+        dtype = str(entry.k.dtype).removeprefix("torch.")
+        return EntryInfo(ns, key, entry.provenance, shape, dtype, entry.nbytes)  # type: ignore[arg-type]
+
+    def verify(self, ns: Namespace, key: StoreKey) -> str:
+        with self._lock:
+            entry = self._data.get((ns, bytes(key)))
+        return "absent" if entry is None else entry_problem(entry)
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        with self._lock:
+            doomed = [k for k in self._data if ns is None or k[0] == ns]
+            for k in doomed:
+                self._bytes -= self._data.pop(k).nbytes
+            return len(doomed)

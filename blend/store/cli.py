@@ -1,0 +1,193 @@
+"""``kvblend store stats|ls|verify|clear``: inspect and repair a store.
+
+The main CLI (blend/cli.py) calls :func:`add_store_commands` on its
+subparsers and dispatches ``args.command == "store"`` to
+:func:`run_store_command`. Commands act on the persistent tiers the spec names
+(no in-process memory tier in front: a fresh process's memory tier is empty).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any, TextIO
+
+from blend.keys import Namespace, key_hex
+from blend.store.base import InspectableStore
+from blend.store.codec import EntryError
+from blend.store.disk import DiskStore
+from blend.store.spec import StoreSpecError, add_store_argument, open_store
+from blend.store.tiered import TieredStore
+
+
+class StoreCommand(Enum):
+    STATS = "stats"
+    LS = "ls"
+    VERIFY = "verify"
+    CLEAR = "clear"
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    namespace: str
+    key: str  # hex
+    ok: bool
+    reason: str = ""
+
+
+def add_store_commands(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``store`` with its sub-commands on an argparse subparsers object.
+
+    Args:
+        subparsers: the result of ``parser.add_subparsers(dest="command")``.
+
+    Returns:
+        The ``store`` parser.
+    """
+    p = subparsers.add_parser("store", help="inspect, verify or clear the KV store")
+    sub = p.add_subparsers(dest="store_command", required=True)
+    for cmd, text in [
+        (StoreCommand.STATS, "entries, bytes and counters per tier"),
+        (StoreCommand.LS, "list entries with their shapes, dtypes and provenance"),
+        (StoreCommand.VERIFY, "decode every entry and report corrupt ones"),
+        (StoreCommand.CLEAR, "delete entries"),
+    ]:
+        c = sub.add_parser(cmd.value, help=text)
+        add_store_argument(c)
+        c.add_argument("--json", action="store_true", help="machine-readable output")
+        if cmd in (StoreCommand.LS, StoreCommand.VERIFY, StoreCommand.CLEAR):
+            c.add_argument("--namespace", choices=[n.value for n in Namespace], default=None)
+        if cmd is StoreCommand.VERIFY:
+            c.add_argument("--delete", action="store_true", help="remove corrupt entries")
+    return p
+
+
+def _tiers(store: InspectableStore) -> list[InspectableStore]:
+    return store.tiers if isinstance(store, TieredStore) else [store]
+
+
+def _namespaces(args: argparse.Namespace) -> list[Namespace]:
+    ns = getattr(args, "namespace", None)
+    return [Namespace(ns)] if ns else list(Namespace)
+
+
+def _stats(store: InspectableStore, as_json: bool, out: TextIO) -> int:
+    rows = [(t.name, t.stats()) for t in _tiers(store)]
+    if as_json:
+        json.dump({name: asdict(s) for name, s in rows}, out, indent=1)
+        out.write("\n")
+        return 0
+    out.write(f"{'tier':<8} {'entries':>8} {'MiB':>10} {'hits':>6} {'misses':>6} {'rejected':>8}  extra\n")
+    for name, s in rows:
+        extra = " ".join(f"{k}={v:g}" for k, v in sorted(s.extra.items()))
+        out.write(f"{name:<8} {s.entries:>8} {s.bytes / 2**20:>10.1f} {s.hits:>6} {s.misses:>6} {s.rejected:>8}  {extra}\n")
+    return 0
+
+
+def _ls(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
+    rows: list[dict[str, Any]] = []
+    for tier in _tiers(store):
+        for ns in _namespaces(args):
+            for key in tier.keys(ns):
+                row: dict[str, Any] = {"tier": tier.name, "namespace": ns.value, "key": key_hex(key)}
+                try:
+                    info = tier.info(ns, key)
+                except EntryError as e:
+                    row["error"] = str(e)
+                else:
+                    if info is None:
+                        continue  # deleted or expired meanwhile
+                    prov = json.loads(info.provenance) if info.provenance.startswith("{") else {}
+                    row.update(shape=list(info.shape), dtype=info.dtype, bytes=info.stored_bytes,
+                               model=prov.get("model_arch", "?"))
+                rows.append(row)
+    if args.json:
+        json.dump(rows, out, indent=1)
+        out.write("\n")
+        return 0
+    for r in rows:
+        if "error" in r:
+            out.write(f"{r['tier']:<6} {r['namespace']:<9} {r['key'][:16]}  UNREADABLE: {r['error']}\n")
+        else:
+            L, H, T, D = r["shape"]
+            out.write(f"{r['tier']:<6} {r['namespace']:<9} {r['key'][:16]}  L={L} Hkv={H} T={T} D={D} "
+                      f"{r['dtype']:<8} {r['bytes'] / 2**20:8.2f} MiB  {r['model']}\n")
+    out.write(f"{len(rows)} entries\n")
+    return 0
+
+
+def _verify(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
+    results: list[tuple[str, VerifyResult]] = []
+    for tier in _tiers(store):
+        for ns in _namespaces(args):
+            for key in list(tier.keys(ns)):
+                why = tier.verify(ns, key)
+                if why == "absent":
+                    continue
+                results.append((tier.name, VerifyResult(ns.value, key_hex(key), not why, why)))
+                if why and args.delete:
+                    tier.delete(ns, key)
+        if isinstance(tier, DiskStore) and args.delete:
+            tier.sweep_temp()
+    bad = [(t, r) for t, r in results if not r.ok]
+    if args.json:
+        json.dump({"checked": len(results), "corrupt": [{"tier": t, **asdict(r)} for t, r in bad],
+                   "deleted": bool(args.delete)}, out, indent=1)
+        out.write("\n")
+    else:
+        for t, r in bad:
+            out.write(f"CORRUPT {t:<6} {r.namespace:<9} {r.key[:16]}  {r.reason}\n")
+        verb = "deleted" if args.delete else "found"
+        out.write(f"checked {len(results)} entries, {verb} {len(bad)} corrupt\n")
+    return 1 if bad and not args.delete else 0
+
+
+def _clear(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
+    ns = getattr(args, "namespace", None)
+    n = store.clear(Namespace(ns) if ns else None)
+    if args.json:
+        json.dump({"deleted": n}, out)
+        out.write("\n")
+    else:
+        out.write(f"deleted {n} entries\n")
+    return 0
+
+
+def run_store_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run a parsed ``kvblend store ...`` command.
+
+    Args:
+        args: parsed arguments (``store_command``, ``store``, ``json``, ...).
+        out: where to write (default stdout).
+
+    Returns:
+        The process exit status: 0 ok, 1 corrupt entries found, 2 bad store spec.
+    """
+    out = out or sys.stdout
+    try:
+        store = open_store(args.store, with_memory=False)
+    except StoreSpecError as e:
+        print(f"kvblend store: {e}", file=sys.stderr)
+        return 2
+    cmd = StoreCommand(args.store_command)
+    if cmd is StoreCommand.STATS:
+        return _stats(store, args.json, out)
+    if cmd is StoreCommand.LS:
+        return _ls(store, args, out)
+    if cmd is StoreCommand.VERIFY:
+        return _verify(store, args, out)
+    return _clear(store, args, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point (``python -m blend.store.cli stats``) until blend/cli.py wires it."""
+    parser = argparse.ArgumentParser(prog="kvblend")
+    add_store_commands(parser.add_subparsers(dest="command", required=True))
+    return run_store_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""Local disk tier: one safetensors file per entry, written atomically.
+
+Layout under ``root``::
+
+    root/<namespace>/<key hex[:2]>/<key hex>.safetensors     entries (see codec.py)
+    root/<namespace>/<key hex[:2]>/.<key hex>.<random>.tmp   a write in progress
+
+A put writes a private temporary file in the entry's directory, fsyncs it and
+renames it over the entry (``os.replace`` is atomic on POSIX): a reader sees
+the old file or the new one, a writer killed mid-write leaves only a ``.tmp``
+that is never read, and two writers of one key leave one complete file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+from blend.keys import Namespace, StoreKey, key_hex
+from blend.store.base import (
+    EntryInfo,
+    KVEntry,
+    Lookup,
+    LookupStatus,
+    StoreStats,
+    check_entry,
+    check_put,
+    entry_problem,
+)
+from blend.store.codec import EntryError, decode, decode_header, encode_parts, header_length
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".safetensors"
+TMP_SUFFIX = ".tmp"
+
+
+def _read_all(path: Path) -> bytearray:
+    """The whole file in one writable buffer (raises FileNotFoundError)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = bytearray(size)
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    return buf if got == size else buf[:got]
+
+
+class DiskStore:
+    """Entries as files under ``root``.
+
+    Args:
+        root: directory of the store (created on first put).
+        fsync: fsync each file before the rename (durable across power loss).
+    """
+
+    name = "disk"
+
+    def __init__(self, root: str | os.PathLike[str], fsync: bool = True) -> None:
+        self.root = Path(root).expanduser()
+        self.fsync = fsync
+        self._stats = StoreStats()
+        self._lock = threading.Lock()
+
+    def path(self, ns: Namespace, key: StoreKey) -> Path:
+        """Where the entry for (ns, key) lives."""
+        h = key_hex(key)
+        return self.root / ns.value / h[:2] / (h + SUFFIX)
+
+    def _count(self, field: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self._stats, field, getattr(self._stats, field) + n)
+
+    def _load(self, ns: Namespace, key: StoreKey) -> KVEntry | None:
+        """Decoded entry, None if absent; raises EntryError if unusable."""
+        try:
+            buf = _read_all(self.path(ns, key))
+        except FileNotFoundError:
+            return None
+        return decode(buf, ns, key)
+
+    def get(self, ns: Namespace, key: StoreKey, provenance: str) -> Lookup:
+        try:
+            entry = self._load(ns, key)
+        except EntryError as e:
+            why = str(e)
+        except OSError as e:
+            log.warning("disk store: cannot read %s: %s", self.path(ns, key), e)
+            self._count("misses")
+            return Lookup(LookupStatus.MISS, reason=f"unreadable: {e}", tier=self.name)
+        else:
+            if entry is None:
+                self._count("misses")
+                return Lookup(LookupStatus.MISS, tier=self.name)
+            why = check_entry(entry, provenance)
+            if not why:
+                self._count("hits")
+                return Lookup(LookupStatus.HIT, entry=entry, tier=self.name)
+        self._count("rejected")
+        log.warning("disk store: rejected %s: %s", self.path(ns, key), why)
+        return Lookup(LookupStatus.REJECTED, reason=why, tier=self.name)
+
+    def put(self, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
+        """Write ``entry`` atomically; an I/O failure is logged, not raised (the store is a cache)."""
+        check_put(entry)
+        parts = encode_parts(ns, key, entry)
+        dest = self.path(ns, key)
+        tmp = None
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{dest.stem}.", suffix=TMP_SUFFIX, dir=dest.parent)
+            with os.fdopen(fd, "wb") as f:
+                for part in parts:
+                    f.write(part)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, dest)
+            tmp = None
+        except OSError as e:
+            log.warning("disk store: write of %s failed: %s", dest, e)
+            with self._lock:
+                self._stats.extra["put_errors"] = self._stats.extra.get("put_errors", 0) + 1
+            return
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+        self._count("puts")
+
+    def contains(self, ns: Namespace, key: StoreKey) -> bool:
+        return self.path(ns, key).is_file()
+
+    def delete(self, ns: Namespace, key: StoreKey) -> bool:
+        try:
+            os.unlink(self.path(ns, key))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _files(self, ns: Namespace) -> Iterator[Path]:
+        base = self.root / ns.value
+        if base.is_dir():
+            yield from base.glob(f"??/*{SUFFIX}")
+
+    def keys(self, ns: Namespace) -> Iterator[StoreKey]:
+        for p in self._files(ns):
+            stem = p.name[: -len(SUFFIX)]
+            if len(stem) == 64:
+                try:
+                    yield StoreKey(bytes.fromhex(stem))
+                except ValueError:
+                    continue
+
+    def temp_files(self, older_than_s: float = 0.0) -> list[Path]:
+        """Leftovers of interrupted writes (never read as entries)."""
+        now = time.time()
+        found = []
+        for ns in Namespace:
+            base = self.root / ns.value
+            if base.is_dir():
+                for p in base.glob(f"??/.*{TMP_SUFFIX}"):
+                    try:
+                        if now - p.stat().st_mtime >= older_than_s:
+                            found.append(p)
+                    except FileNotFoundError:
+                        continue
+        return found
+
+    def sweep_temp(self, older_than_s: float = 3600.0) -> int:
+        """Remove interrupted writes older than ``older_than_s``; returns how many."""
+        n = 0
+        for p in self.temp_files(older_than_s):
+            try:
+                p.unlink()
+                n += 1
+            except FileNotFoundError:
+                pass
+        return n
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            s = StoreStats(**{**self._stats.__dict__, "extra": dict(self._stats.extra)})
+        for ns in Namespace:
+            for p in self._files(ns):
+                try:
+                    s.bytes += p.stat().st_size
+                    s.entries += 1
+                except FileNotFoundError:
+                    continue
+        s.extra["temp_files"] = len(self.temp_files())
+        return s
+
+    def info(self, ns: Namespace, key: StoreKey) -> EntryInfo | None:
+        path = self.path(ns, key)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                head += f.read(max(0, header_length(head) - 8))
+                size = os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
+            return None
+        hdr, _, _ = decode_header(head)
+        return EntryInfo(ns, key, hdr.provenance, hdr.shape, hdr.dtype, size)
+
+    def verify(self, ns: Namespace, key: StoreKey) -> str:
+        try:
+            entry = self._load(ns, key)
+        except EntryError as e:
+            return str(e)
+        except OSError as e:
+            return f"unreadable: {e}"
+        return "absent" if entry is None else entry_problem(entry)
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        n = 0
+        for space in [ns] if ns is not None else list(Namespace):
+            for p in list(self._files(space)):
+                try:
+                    p.unlink()
+                    n += 1
+                except FileNotFoundError:
+                    pass
+        self.sweep_temp(0.0)
+        return n

@@ -1,0 +1,240 @@
+"""Redis tier: entries as blobs (codec.py) in a Redis-compatible server.
+
+Keys are ``<prefix>:<namespace>:<key hex>``, so namespaces never share a key
+and several deployments can share a server under different prefixes. A SET
+is atomic: concurrent writers of one key leave one complete blob.
+
+The store is a cache, so an unreachable server is a miss, never an error::
+
+    up ──(connection error / timeout)──► down: warn once, every call returns
+     ▲                                   MISS / no-op without touching the network
+     └────(first call after retry_after_s succeeds: log "reachable again")
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterator, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from blend.keys import Namespace, StoreKey, key_hex
+from blend.store.base import (
+    EntryInfo,
+    KVEntry,
+    Lookup,
+    LookupStatus,
+    StoreStats,
+    check_entry,
+    check_put,
+    entry_problem,
+)
+from blend.store.codec import EntryError, decode, decode_header, encode_parts, header_length
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+def _glob_escape(s: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+
+
+class RedisStore:
+    """Entries in Redis under ``prefix``.
+
+    Args:
+        url: ``redis://HOST:PORT/DB`` (any URL redis-py accepts).
+        prefix: first component of every key.
+        ttl_s: expiry of each entry in seconds (None: no expiry).
+        connect_timeout_s: TCP connect timeout; a dead host costs at most this.
+        socket_timeout_s: per-read/write timeout on an established connection.
+        retry_after_s: after a failure, calls skip the server for this long.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "kvblend",
+        ttl_s: int | None = None,
+        *,
+        connect_timeout_s: float = 0.2,
+        socket_timeout_s: float = 2.0,
+        retry_after_s: float = 5.0,
+    ) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.retry_after_s = retry_after_s
+        self._client = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+        self._stats = StoreStats()
+        self._lock = threading.Lock()
+        self._down_until = 0.0  # time.monotonic() before which the server is skipped
+        self._outage = False
+
+    # -- availability ---------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """False while in the back-off window after a failure."""
+        with self._lock:
+            return time.monotonic() >= self._down_until
+
+    def _call(self, what: str, fn: Callable[[], T], default: T) -> T:
+        """Run ``fn`` against the server; on an outage warn once and return ``default``."""
+        if not self.available:
+            with self._lock:
+                self._stats.extra["skipped_calls"] = self._stats.extra.get("skipped_calls", 0) + 1
+            return default
+        try:
+            result = fn()
+        except _OUTAGE_ERRORS as e:
+            with self._lock:
+                self._down_until = time.monotonic() + self.retry_after_s
+                first = not self._outage
+                self._outage = True
+                self._stats.extra["outages"] = self._stats.extra.get("outages", 0) + (1 if first else 0)
+            if first:
+                log.warning(
+                    "redis store %s unreachable during %s (%s); serving misses, retrying every %.1fs",
+                    self.url, what, e, self.retry_after_s,
+                )
+            return default
+        except redis.RedisError as e:  # the server answered with an error: not an outage
+            log.warning("redis store %s: %s failed: %s", self.url, what, e)
+            return default
+        with self._lock:
+            recovered, self._outage = self._outage, False
+        if recovered:
+            log.warning("redis store %s reachable again", self.url)
+        return result
+
+    # -- KVStore --------------------------------------------------------------
+
+    def rkey(self, ns: Namespace, key: StoreKey) -> bytes:
+        """The Redis key of (ns, key)."""
+        return f"{self.prefix}:{ns.value}:{key_hex(key)}".encode()
+
+    def _count(self, field: str) -> None:
+        with self._lock:
+            setattr(self._stats, field, getattr(self._stats, field) + 1)
+
+    def _fetch(self, ns: Namespace, key: StoreKey) -> bytes | None:
+        return self._call("get", lambda: self._client.get(self.rkey(ns, key)), None)
+
+    def get(self, ns: Namespace, key: StoreKey, provenance: str) -> Lookup:
+        blob = self._fetch(ns, key)
+        if blob is None:
+            self._count("misses")
+            return Lookup(LookupStatus.MISS, tier=self.name)
+        try:
+            entry = decode(bytearray(blob), ns, key)
+            why = check_entry(entry, provenance)
+        except EntryError as e:
+            why = str(e)
+        if not why:
+            self._count("hits")
+            return Lookup(LookupStatus.HIT, entry=entry, tier=self.name)
+        self._count("rejected")
+        log.warning("redis store: rejected %s: %s", self.rkey(ns, key).decode(), why)
+        return Lookup(LookupStatus.REJECTED, reason=why, tier=self.name)
+
+    def put(self, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
+        """SET the blob (with the TTL); a failure is logged, not raised."""
+        check_put(entry)
+        blob = b"".join(encode_parts(ns, key, entry))
+        ok = self._call("put", lambda: self._client.set(self.rkey(ns, key), blob, ex=self.ttl_s), None)
+        if ok:
+            self._count("puts")
+
+    def put_raw(self, ns: Namespace, key: StoreKey, blob: bytes) -> None:
+        """Store arbitrary bytes under (ns, key): for tests and repair tools only."""
+        self._call("put", lambda: self._client.set(self.rkey(ns, key), blob, ex=self.ttl_s), None)
+
+    def contains(self, ns: Namespace, key: StoreKey) -> bool:
+        return bool(self._call("exists", lambda: self._client.exists(self.rkey(ns, key)), 0))
+
+    def delete(self, ns: Namespace, key: StoreKey) -> bool:
+        return bool(self._call("delete", lambda: self._client.delete(self.rkey(ns, key)), 0))
+
+    def _rkeys(self, ns: Namespace) -> list[bytes]:
+        pattern = _glob_escape(f"{self.prefix}:{ns.value}:") + "*"
+        return self._call("scan", lambda: list(self._client.scan_iter(match=pattern, count=1000)), [])
+
+    def keys(self, ns: Namespace) -> Iterator[StoreKey]:
+        head = len(f"{self.prefix}:{ns.value}:")
+        for rk in self._rkeys(ns):
+            try:
+                raw = bytes.fromhex(rk[head:].decode())
+            except ValueError:
+                continue
+            if len(raw) == 32:
+                yield StoreKey(raw)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            s = StoreStats(**{**self._stats.__dict__, "extra": dict(self._stats.extra)})
+        for ns in Namespace:
+            rks = self._rkeys(ns)
+            if not rks:
+                continue
+
+            def sizes(rks: list[bytes] = rks) -> list[int]:
+                pipe = self._client.pipeline(transaction=False)
+                for rk in rks:
+                    pipe.strlen(rk)
+                return pipe.execute()
+
+            lengths = self._call("stats", sizes, [])
+            s.entries += sum(1 for n in lengths if n)
+            s.bytes += sum(lengths)
+        s.extra["available"] = float(self.available)
+        return s
+
+    # -- inspection -----------------------------------------------------------
+
+    def info(self, ns: Namespace, key: StoreKey) -> EntryInfo | None:
+        rk = self.rkey(ns, key)
+        head = self._call("info", lambda: self._client.getrange(rk, 0, 7), b"")
+        if not head:
+            return None
+        start = header_length(head)
+        blob = head + self._call("info", lambda: self._client.getrange(rk, 8, start - 1), b"")
+        size = self._call("info", lambda: self._client.strlen(rk), 0)
+        hdr, _, _ = decode_header(blob)
+        return EntryInfo(ns, key, hdr.provenance, hdr.shape, hdr.dtype, int(size))
+
+    def verify(self, ns: Namespace, key: StoreKey) -> str:
+        blob = self._fetch(ns, key)
+        if blob is None:
+            return "absent"
+        try:
+            return entry_problem(decode(bytearray(blob), ns, key))
+        except EntryError as e:
+            return str(e)
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        n = 0
+        for space in [ns] if ns is not None else list(Namespace):
+            rks = self._rkeys(space)
+            for i in range(0, len(rks), 1000):
+                batch = rks[i : i + 1000]
+                n += int(self._call("clear", lambda b=batch: self._client.delete(*b), 0))
+        return n
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,137 @@
+"""``--store`` specs: which tiers a command uses.
+
+    memory                      in-process LRU only (lost at exit)
+    disk:PATH                   memory -> disk at PATH
+    redis://HOST:PORT/DB        memory -> redis
+    disk:PATH,redis://H:P/DB    memory -> disk -> redis (any comma-separated chain)
+    (none)                      $KVBLEND_STORE, else disk:$KVBLEND_HOME/store
+                                ($KVBLEND_HOME defaults to ~/.cache/kvblend)
+
+Redis options ride on the URL's query string and are removed before the URL
+reaches redis-py: ``redis://h:6379/0?prefix=team&ttl=86400``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from blend.store.base import InspectableStore
+from blend.store.disk import DiskStore
+from blend.store.memory import MemoryStore
+from blend.store.redis_store import RedisStore
+from blend.store.tiered import TieredStore
+
+DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes of KV held in process
+_REDIS_OPTIONS = ("prefix", "ttl")
+
+
+class StoreSpecError(ValueError):
+    """A ``--store`` value that names no store."""
+
+
+class TierKind(Enum):
+    MEMORY = "memory"
+    DISK = "disk"
+    REDIS = "redis"
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    kind: TierKind
+    location: str = ""  # disk: a path; redis: the URL without kvblend options
+    prefix: str = "kvblend"
+    ttl_s: int | None = None
+
+
+def kvblend_home() -> Path:
+    """``$KVBLEND_HOME`` or ``~/.cache/kvblend``."""
+    return Path(os.environ.get("KVBLEND_HOME") or Path.home() / ".cache" / "kvblend").expanduser()
+
+
+def default_spec() -> str:
+    return os.environ.get("KVBLEND_STORE") or f"disk:{kvblend_home() / 'store'}"
+
+
+def _parse_one(part: str) -> TierSpec:
+    if part == "memory":
+        return TierSpec(TierKind.MEMORY)
+    if part.startswith("disk:"):
+        path = part[len("disk:") :]
+        if not path:
+            raise StoreSpecError("disk: needs a path, e.g. disk:/var/cache/kvblend")
+        return TierSpec(TierKind.DISK, path)
+    if part.startswith(("redis://", "rediss://", "unix://")):
+        u = urlsplit(part)
+        query = parse_qsl(u.query)
+        opts = {k: v for k, v in query if k in _REDIS_OPTIONS}
+        rest = [(k, v) for k, v in query if k not in _REDIS_OPTIONS]
+        try:
+            ttl = int(opts["ttl"]) if "ttl" in opts else None
+        except ValueError:
+            raise StoreSpecError(f"ttl must be whole seconds, got {opts['ttl']!r}") from None
+        url = urlunsplit(u._replace(query=urlencode(rest)))
+        return TierSpec(TierKind.REDIS, url, prefix=opts.get("prefix", "kvblend"), ttl_s=ttl)
+    raise StoreSpecError(f"unknown store {part!r}: use memory, disk:PATH or redis://HOST:PORT/DB")
+
+
+def parse_store_spec(spec: str | None) -> list[TierSpec]:
+    """Tiers named by ``spec`` (None: the default), fastest first, without the memory front.
+
+    Args:
+        spec: see the module docstring.
+
+    Returns:
+        One TierSpec per comma-separated part.
+    """
+    text = (spec or default_spec()).strip()
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise StoreSpecError("empty store spec")
+    return [_parse_one(p) for p in parts]
+
+
+def _build(t: TierSpec, memory_budget_bytes: int | None) -> InspectableStore:
+    if t.kind is TierKind.MEMORY:
+        return MemoryStore(memory_budget_bytes)
+    if t.kind is TierKind.DISK:
+        return DiskStore(t.location)
+    return RedisStore(t.location, prefix=t.prefix, ttl_s=t.ttl_s)
+
+
+def open_store(
+    spec: str | None = None,
+    *,
+    memory_budget_bytes: int | None = DEFAULT_MEMORY_BUDGET,
+    with_memory: bool = True,
+) -> InspectableStore:
+    """Open the store a ``--store`` value names.
+
+    Args:
+        spec: ``memory``, ``disk:PATH``, ``redis://...`` or a comma chain; None: default.
+        memory_budget_bytes: budget of the in-process LRU tier.
+        with_memory: put an in-process LRU in front of persistent tiers (inspection
+            commands pass False: a fresh process's memory tier is empty).
+
+    Returns:
+        A single tier, or a :class:`TieredStore` chain.
+    """
+    tiers = [_build(t, memory_budget_bytes) for t in parse_store_spec(spec)]
+    if with_memory and not isinstance(tiers[0], MemoryStore):
+        tiers.insert(0, MemoryStore(memory_budget_bytes))
+    return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
+
+
+def add_store_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--store SPEC`` to a command that computes (or inspects) KV."""
+    parser.add_argument(
+        "--store",
+        default=None,
+        metavar="SPEC",
+        help="memory | disk:PATH | redis://HOST:PORT/DB[?prefix=P&ttl=S] | a comma chain "
+        f"(default: $KVBLEND_STORE or disk:$KVBLEND_HOME/store)",
+    )
