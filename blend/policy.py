@@ -1,0 +1,122 @@
+"""ReusePolicy: what a request may reuse. Exact reuse is the default.
+
+- ``ReusePolicy.none()``: full prefill, no store (the reference).
+- ``ReusePolicy.exact()``: prefix reuse only; bit-identical to a cold run.
+- ``ReusePolicy.blend(...)``: explicit opt-in to non-prefix reuse of canonical
+  chunk KV with selective recompute.
+- ``semantic=True`` on a blend policy additionally needs the engine's
+  experimental flag (donor KV from non-identical tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from blend.errors import InvalidPolicyError
+
+SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo")
+
+
+class ReuseMode(Enum):
+    NONE = "none"
+    EXACT = "exact"
+    BLEND = "blend"
+
+
+@dataclass(frozen=True)
+class ReusePolicy:
+    """Per-request reuse settings (immutable, validated on construction).
+
+    Attributes:
+        mode: none / exact / blend.
+        prefix_limit: exact mode: only the first N segments may be looked up
+            or stored (1 = share the preamble only); None = all but the question.
+        ratio: blend: share of reused document tokens recomputed at the first check layer.
+        selector: blend: which tokens to recompute (see :data:`SELECTOR_NAMES`).
+        check_layers: blend: layers where fresh and cached KV are compared; later
+            entries narrow the selection (gradual filtering).
+        layer_ratios: ratios at each check layer (gradual filtering); default
+            ``ratio`` at every check layer.
+        min_prompt_tokens: blend: below this prompt length compute fully (``fallback``).
+        threshold: blend: recompute every token whose relative deviation exceeds
+            this bound (capped by ``max_ratio``) instead of a fixed ratio.
+        max_ratio: cap for threshold mode.
+        force: blend even if the model's quality gate failed or never ran.
+        semantic: experimental donor reuse (needs the engine flag too).
+        seed: RNG seed of the random selector.
+    """
+
+    mode: ReuseMode = ReuseMode.EXACT
+    prefix_limit: int | None = None
+    ratio: float = 0.15
+    selector: str = "v"
+    check_layers: tuple[int, ...] = (1,)
+    layer_ratios: tuple[float, ...] | None = None
+    min_prompt_tokens: int = 0
+    threshold: float | None = None
+    max_ratio: float = 0.5
+    force: bool = False
+    semantic: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad_ratio(r: float) -> bool:
+            return not isinstance(r, (int, float)) or math.isnan(r) or not 0.0 <= r <= 1.0
+
+        if bad_ratio(self.ratio):
+            raise InvalidPolicyError(f"recompute ratio must be in [0, 1], got {self.ratio}")
+        if bad_ratio(self.max_ratio):
+            raise InvalidPolicyError(f"max_ratio must be in [0, 1], got {self.max_ratio}")
+        if self.selector not in SELECTOR_NAMES:
+            raise InvalidPolicyError(f"unknown selector {self.selector!r}; known: {', '.join(SELECTOR_NAMES)}")
+        if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
+            raise InvalidPolicyError(f"check_layers must be a non-empty increasing list, got {self.check_layers}")
+        if any(c < 0 for c in self.check_layers):
+            raise InvalidPolicyError(f"check layers must be >= 0, got {self.check_layers}")
+        if self.layer_ratios is not None:
+            if len(self.layer_ratios) != len(self.check_layers) or any(map(bad_ratio, self.layer_ratios)):
+                raise InvalidPolicyError("layer_ratios needs one ratio in [0, 1] per check layer")
+            if list(self.layer_ratios) != sorted(self.layer_ratios, reverse=True):
+                raise InvalidPolicyError("layer_ratios must not increase (gradual filtering narrows)")
+        if self.threshold is not None and (math.isnan(self.threshold) or self.threshold < 0):
+            raise InvalidPolicyError(f"threshold must be >= 0, got {self.threshold}")
+        if self.prefix_limit is not None and self.prefix_limit < 0:
+            raise InvalidPolicyError("prefix_limit must be >= 0")
+        if self.semantic and self.mode is not ReuseMode.BLEND:
+            raise InvalidPolicyError("semantic reuse is a blend option: use ReusePolicy.blend(..., semantic=True)")
+
+    @classmethod
+    def none(cls) -> "ReusePolicy":
+        """Full prefill: no lookup, no store."""
+        return cls(mode=ReuseMode.NONE)
+
+    @classmethod
+    def exact(cls, prefix_limit: int | None = None) -> "ReusePolicy":
+        """Exact prefix reuse (the default)."""
+        return cls(mode=ReuseMode.EXACT, prefix_limit=prefix_limit)
+
+    @classmethod
+    def blend(cls, ratio: float = 0.15, selector: str = "v", check_layers=(1,), **kw) -> "ReusePolicy":
+        """Blended reuse: canonical chunk KV re-positioned, ``ratio`` of it recomputed.
+
+        Args:
+            ratio: share of reused document tokens to recompute, in [0, 1].
+            selector: one of :data:`SELECTOR_NAMES`.
+            check_layers: an int or increasing sequence of check layers.
+            **kw: any other :class:`ReusePolicy` field.
+        """
+        layers = (check_layers,) if isinstance(check_layers, int) else tuple(check_layers)
+        return cls(mode=ReuseMode.BLEND, ratio=ratio, selector=selector, check_layers=layers, **kw)
+
+    def ratio_at(self, i: int) -> float:
+        """Recompute ratio at the i-th check layer."""
+        return self.ratio if self.layer_ratios is None else self.layer_ratios[i]
+
+    def describe(self) -> str:
+        if self.mode is not ReuseMode.BLEND:
+            return self.mode.value
+        checks = ",".join(map(str, self.check_layers))
+        what = f"threshold={self.threshold}<= {self.max_ratio}" if self.threshold is not None else f"{self.ratio:g}"
+        return f"blend@{what}:{self.selector}:check={checks}"

@@ -1,0 +1,106 @@
+"""ReuseReport: what every answer says about how its prompt was produced."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+
+from blend.prompt import SegmentKind
+
+
+class ReuseClass(Enum):
+    EXACT = "exact"  # prefix hit: bit-identical to a cold computation
+    BLENDED = "blended"  # identical tokens at another position, selectively recomputed
+    SEMANTIC = "semantic"  # donor KV from non-identical tokens (experimental)
+    COMPUTED = "computed"  # miss: computed for this request
+    REJECTED = "rejected"  # found but unusable (provenance mismatch, corrupt): computed
+    FALLBACK = "fallback"  # blend refused by a gate: computed fully
+
+
+@dataclass
+class SegmentReport:
+    kind: SegmentKind
+    reuse_class: ReuseClass
+    tokens: int
+    start: int  # absolute position of the segment's first token
+    key: str = ""  # hex store key ("" when not keyed)
+    recomputed: int = 0  # rows of this segment recomputed above the check layer
+    note: str = ""  # why (rejection reason, donor key, ...)
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind.value, "class": self.reuse_class.value, "tokens": self.tokens,
+            "start": self.start, "key": self.key, "recomputed": self.recomputed, "note": self.note,
+        }
+
+
+@dataclass
+class DeviationStats:
+    """Deviation of cached vs fresh KV at the first check layer, over blended rows."""
+
+    layer: int
+    mean: float
+    p50: float
+    p90: float
+    max: float
+    selected_min: float  # smallest deviation among selected rows
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Timings:
+    lookup_s: float = 0.0  # store lookups and loads
+    compute_s: float = 0.0  # model compute up to the first token's logits
+    ttft_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ReuseReport:
+    policy: str
+    segments: list[SegmentReport] = field(default_factory=list)
+    selector: str = ""
+    ratio: float | None = None
+    deviation: DeviationStats | None = None
+    gate: str = ""  # quality-gate verdict that applied, if any
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(s.tokens for s in self.segments)
+
+    @property
+    def reused_tokens(self) -> int:
+        """Rows whose KV came from the store (exact, blended or semantic)."""
+        reused = (ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.SEMANTIC)
+        return sum(s.tokens for s in self.segments if s.reuse_class in reused)
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Reused rows that were recomputed above the check layer."""
+        return sum(s.recomputed for s in self.segments)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Rows computed in full for this request (misses, fallbacks, the question)."""
+        return self.prompt_tokens - self.reused_tokens
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy,
+            "segments": [s.to_dict() for s in self.segments],
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "computed_tokens": self.computed_tokens,
+            "selector": self.selector,
+            "ratio": self.ratio,
+            "deviation": self.deviation.to_dict() if self.deviation else None,
+            "gate": self.gate,
+            "timings": self.timings.to_dict(),
+        }

@@ -1,0 +1,121 @@
+"""Tiny random models for tests: built in-process from a config, deterministic.
+
+They share a byte-level tokenizer built in-process (256 byte tokens plus the
+chat specials), so nothing is ever read from disk or a hub.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+from blend.errors import UnknownModelError
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+class TinyModel(Enum):
+    LLAMA = "tiny-llama"
+    QWEN2 = "tiny-qwen2"
+    LLAMA_ROPE_LLAMA3 = "tiny-llama-rope-llama3"
+    LLAMA_ROPE_LINEAR = "tiny-llama-rope-linear"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte <-> printable-unicode table used by byte-level BPE."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    chars = keep[:]
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(keep, (chr(c) for c in chars)))
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer: ids 0..255 are bytes, then the chat specials."""
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def tiny_config(kind: TinyModel):
+    """The config of a tiny test model (vocab 259 = bytes + 3 specials)."""
+    common = dict(
+        vocab_size=259,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        max_position_embeddings=4096,
+        bos_token_id=257,
+        eos_token_id=258,
+        pad_token_id=256,
+        tie_word_embeddings=False,
+    )
+    if kind is TinyModel.QWEN2:
+        return Qwen2Config(
+            **{**common, "hidden_size": 96}, num_attention_heads=6, num_key_value_heads=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            rms_norm_eps=1e-6, use_sliding_window=False,
+        )
+    rope = {"rope_type": "default", "rope_theta": 10_000.0}
+    if kind is TinyModel.LLAMA_ROPE_LLAMA3:
+        rope = {
+            "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 512,
+        }
+    elif kind is TinyModel.LLAMA_ROPE_LINEAR:
+        rope = {"rope_type": "linear", "rope_theta": 10_000.0, "factor": 4.0}
+    elif kind is not TinyModel.LLAMA:
+        raise UnknownModelError(f"unknown tiny model {kind}")
+    return LlamaConfig(
+        **common, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-5, rope_parameters=rope,
+    )
+
+
+def build_tiny(kind: TinyModel, seed: int = 0):
+    """Build a tiny random model deterministically.
+
+    Args:
+        kind: which tiny model.
+        seed: RNG seed for the weights.
+
+    Returns:
+        (model, tokenizer), model in fp32 eval mode.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(kind)
+    cfg.initializer_range = 0.08  # sharper logits than the default 0.02
+    saved = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # HF zero-inits biases and ones-inits norms: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    torch.random.set_rng_state(saved)
+    return model.eval(), byte_tokenizer()
