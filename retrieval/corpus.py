@@ -1,0 +1,218 @@
+"""Corpus readers: .txt, .md and .jsonl files into documents.
+
+Bad input never stops a corpus: every problem becomes a :class:`CorpusIssue`
+that names the file (and the line, where there is one) and the rest is read.
+Text is decoded as UTF-8 (a BOM is dropped) and line endings are normalized to
+``\\n``; chunk offsets refer to that normalized text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Iterable
+
+try:  # the engine's user-error base, when present
+    from blend.errors import KVBlendError as _UserError
+except Exception:  # pragma: no cover - engine not written yet
+    _UserError = Exception
+
+SUPPORTED_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".jsonl")
+_BINARY_SNIFF_BYTES = 8192
+
+
+class RetrievalError(_UserError):  # type: ignore[misc,valid-type]
+    """A user-caused retrieval failure with a one-line message."""
+
+
+class IssueKind(Enum):
+    """Why (part of) a file was not ingested."""
+
+    MISSING = "missing path"
+    UNSUPPORTED = "unsupported file type"
+    EMPTY = "empty"
+    BINARY = "binary"
+    NOT_UTF8 = "not UTF-8"
+    BAD_JSON = "invalid JSON"
+    NO_TEXT = "no text field"
+    UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True)
+class CorpusIssue:
+    """One problem with the input, named by file and (where known) line.
+
+    Attributes:
+        path: the file (or path argument) concerned.
+        line: 1-based line number, or None when the whole file is concerned.
+        kind: the category of problem.
+        message: a human-readable explanation.
+    """
+
+    path: str
+    line: int | None
+    kind: IssueKind
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.path}:{self.line}" if self.line is not None else self.path
+        return f"{where}: {self.kind.value}: {self.message}"
+
+
+class CorpusError(RetrievalError):
+    """Raised by the strict readers; carries the :class:`CorpusIssue`."""
+
+    def __init__(self, issue: CorpusIssue) -> None:
+        super().__init__(str(issue))
+        self.issue = issue
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document of a file.
+
+    Attributes:
+        source: absolute path of the file it came from.
+        line: 1-based JSONL line, or None for a whole .txt/.md file.
+        text: the document text (UTF-8 decoded, ``\\n`` line endings).
+    """
+
+    source: str
+    line: int | None
+    text: str
+
+    @property
+    def ref(self) -> str:
+        """``path`` or ``path:line`` for JSONL documents."""
+        return f"{self.source}:{self.line}" if self.line is not None else self.source
+
+
+@dataclass(frozen=True)
+class FileRead:
+    """The result of reading one file.
+
+    Attributes:
+        path: absolute path.
+        sha256: hex digest of the raw bytes ("" if unreadable).
+        documents: documents read (possibly empty).
+        issues: problems found; a file with documents may still have issues (JSONL).
+    """
+
+    path: str
+    sha256: str
+    documents: tuple[Document, ...]
+    issues: tuple[CorpusIssue, ...]
+
+
+def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], list[CorpusIssue]]:
+    """Turn path arguments into a sorted, de-duplicated list of files.
+
+    Directories are walked recursively for supported suffixes (hidden entries
+    skipped); a file named explicitly with another suffix is an issue.
+
+    Args:
+        paths: files and/or directories.
+
+    Returns:
+        (absolute file paths, issues for missing or unsupported arguments).
+    """
+    files: list[str] = []
+    issues: list[CorpusIssue] = []
+    for raw in paths:
+        p = Path(raw).expanduser()
+        if not p.exists():
+            issues.append(CorpusIssue(str(raw), None, IssueKind.MISSING, "no such file or directory"))
+        elif p.is_dir():
+            for root, dirs, names in os.walk(p):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                for name in sorted(names):
+                    if not name.startswith(".") and Path(name).suffix.lower() in SUPPORTED_SUFFIXES:
+                        files.append(str(Path(root, name).resolve()))
+        elif p.suffix.lower() not in SUPPORTED_SUFFIXES:
+            issues.append(
+                CorpusIssue(str(p.resolve()), None, IssueKind.UNSUPPORTED, f"expected one of {', '.join(SUPPORTED_SUFFIXES)}")
+            )
+        else:
+            files.append(str(p.resolve()))
+    seen: set[str] = set()
+    unique = [f for f in files if not (f in seen or seen.add(f))]
+    return unique, issues
+
+
+def _normalize(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _line_of(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
+
+
+def read_file(path: str | os.PathLike[str]) -> FileRead:
+    """Read one .txt, .md or .jsonl file into documents, collecting issues.
+
+    Args:
+        path: the file.
+
+    Returns:
+        A :class:`FileRead`; never raises for bad content.
+    """
+    p = str(Path(path).expanduser().resolve())
+    try:
+        data = Path(p).read_bytes()
+    except FileNotFoundError:
+        return FileRead(p, "", (), (CorpusIssue(p, None, IssueKind.MISSING, "no such file"),))
+    except OSError as e:
+        return FileRead(p, "", (), (CorpusIssue(p, None, IssueKind.UNREADABLE, e.strerror or str(e)),))
+    digest = hashlib.sha256(data).hexdigest()
+    if not data.strip():
+        return FileRead(p, digest, (), (CorpusIssue(p, None, IssueKind.EMPTY, "file has no text"),))
+    nul = data.find(b"\x00", 0, _BINARY_SNIFF_BYTES)
+    if nul >= 0:
+        msg = f"NUL byte at offset {nul}; not a text file"
+        return FileRead(p, digest, (), (CorpusIssue(p, _line_of(data, nul), IssueKind.BINARY, msg),))
+    if p.lower().endswith(".jsonl"):
+        docs, issues = _read_jsonl(p, data)
+        return FileRead(p, digest, tuple(docs), tuple(issues))
+    try:
+        text = _normalize(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        msg = f"invalid UTF-8 byte 0x{data[e.start]:02x} at offset {e.start}"
+        return FileRead(p, digest, (), (CorpusIssue(p, _line_of(data, e.start), IssueKind.NOT_UTF8, msg),))
+    return FileRead(p, digest, (Document(p, None, text),), ())
+
+
+def _read_jsonl(path: str, data: bytes) -> tuple[list[Document], list[CorpusIssue]]:
+    docs: list[Document] = []
+    issues: list[CorpusIssue] = []
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            msg = f"invalid UTF-8 byte 0x{raw[e.start]:02x} at column {e.start + 1}"
+            issues.append(CorpusIssue(path, lineno, IssueKind.NOT_UTF8, msg))
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            issues.append(CorpusIssue(path, lineno, IssueKind.BAD_JSON, e.msg))
+            continue
+        text = obj.get("text") if isinstance(obj, dict) else None
+        if not isinstance(text, str):
+            what = "missing" if not isinstance(obj, dict) or "text" not in obj else f"not a string ({type(text).__name__})"
+            issues.append(CorpusIssue(path, lineno, IssueKind.NO_TEXT, f"`text` field {what}"))
+            continue
+        if not text.strip():
+            issues.append(CorpusIssue(path, lineno, IssueKind.EMPTY, "`text` field is empty"))
+            continue
+        docs.append(Document(path, lineno, _normalize(text)))
+    if not docs and not issues:
+        issues.append(CorpusIssue(path, None, IssueKind.EMPTY, "no documents"))
+    return docs, issues

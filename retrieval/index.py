@@ -1,0 +1,270 @@
+"""A faiss vector index over int64 ids: exact inner product or approximate.
+
+``EXACT`` is ``IndexIDMap2(IndexFlatIP)``; ``HNSW`` is an inner-product HNSW
+graph; ``IVF`` an inverted file with a flat inner-product quantizer. ``AUTO``
+resolves to exact below ``threshold`` vectors and HNSW at or above it.
+
+The index keeps its own copy of ids and vectors, so it can always be rebuilt
+(HNSW cannot remove ids in place; IVF needs training data; AUTO switches
+kind as it grows). Search order is deterministic: score descending, then id
+ascending; a tie at the k-th place is resolved by fetching more candidates
+until the boundary score is strictly passed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+DEFAULT_APPROX_THRESHOLD = 20_000
+
+
+class IndexKind(Enum):
+    """Which faiss structure backs the index."""
+
+    AUTO = "auto"
+    EXACT = "exact"
+    HNSW = "hnsw"
+    IVF = "ivf"
+
+
+@dataclass(frozen=True)
+class ApproxParams:
+    """Parameters of the approximate indexes.
+
+    Attributes:
+        threshold: AUTO switches from exact to HNSW at this many vectors.
+        hnsw_m: HNSW graph degree.
+        ef_construction: HNSW build-time beam.
+        ef_search: HNSW search-time beam (raised to k if smaller).
+        ivf_lists_per_sqrt: IVF lists = this * sqrt(N) (at most N / 39).
+        ivf_nprobe_frac: fraction of IVF lists probed per query.
+    """
+
+    threshold: int = DEFAULT_APPROX_THRESHOLD
+    hnsw_m: int = 32
+    ef_construction: int = 200
+    ef_search: int = 128
+    ivf_lists_per_sqrt: float = 1.0
+    ivf_nprobe_frac: float = 0.5
+
+
+def brute_force_search(vectors: np.ndarray, ids: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Reference top-k by inner product in numpy (score desc, then id asc).
+
+    Args:
+        vectors: (N, D) float32.
+        ids: (N,) int64.
+        queries: (Q, D) float32.
+        k: neighbours per query.
+
+    Returns:
+        (scores (Q, k') float32, ids (Q, k') int64), k' = min(k, N).
+    """
+    scores = queries.astype(np.float32) @ vectors.astype(np.float32).T  # (Q, N)
+    k = min(k, len(ids))
+    out_s = np.zeros((len(queries), k), dtype=np.float32)  # (Q, k)
+    out_i = np.zeros((len(queries), k), dtype=np.int64)  # (Q, k)
+    for q in range(len(queries)):
+        order = np.lexsort((ids, -scores[q]))[:k]  # primary: -score, secondary: id
+        out_s[q], out_i[q] = scores[q, order], ids[order]
+    return out_s, out_i
+
+
+class VectorIndex:
+    """Inner-product index over (id, vector) pairs with add, remove, search, save, load.
+
+    Args:
+        dim: vector dimension.
+        kind: requested kind (AUTO resolves by size).
+        params: approximate-index parameters.
+    """
+
+    def __init__(self, dim: int, kind: IndexKind = IndexKind.AUTO, params: ApproxParams = ApproxParams()) -> None:
+        self.dim = dim
+        self.kind = kind
+        self.params = params
+        self._ids = np.zeros((0,), dtype=np.int64)  # (N,)
+        self._vecs = np.zeros((0, dim), dtype=np.float32)  # (N, D)
+        self._faiss: faiss.Index | None = None
+        self._built_kind: IndexKind | None = None
+
+    @property
+    def ntotal(self) -> int:
+        return int(len(self._ids))
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids
+
+    @property
+    def vectors(self) -> np.ndarray:
+        return self._vecs
+
+    def resolved_kind(self, n: int | None = None) -> IndexKind:
+        """The concrete kind for ``n`` vectors (default: the current count)."""
+        n = self.ntotal if n is None else n
+        if self.kind is IndexKind.AUTO:
+            return IndexKind.HNSW if n >= self.params.threshold else IndexKind.EXACT
+        if self.kind is IndexKind.IVF and n < 39:
+            return IndexKind.EXACT  # too few vectors to train lists
+        return self.kind
+
+    def add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        """Add vectors under new ids.
+
+        Args:
+            ids: (M,) int64, not already present.
+            vectors: (M, D) float32.
+        """
+        ids = np.ascontiguousarray(ids, dtype=np.int64)  # (M,)
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1, self.dim)  # (M, D)
+        if len(ids) != len(vectors):
+            raise ValueError(f"{len(ids)} ids for {len(vectors)} vectors")
+        if len(ids) == 0:
+            return
+        self._ids = np.concatenate([self._ids, ids])  # (N+M,)
+        self._vecs = np.concatenate([self._vecs, vectors])  # (N+M, D)
+        if self._faiss is not None and self._built_kind is self.resolved_kind():
+            self._faiss.add_with_ids(vectors, ids)
+        else:
+            self._faiss = None  # rebuilt lazily at the next search
+
+    def remove(self, ids: np.ndarray) -> int:
+        """Remove ids (unknown ids are ignored).
+
+        Args:
+            ids: (M,) int64.
+
+        Returns:
+            Number of vectors removed.
+        """
+        ids = np.asarray(ids, dtype=np.int64)  # (M,)
+        keep = ~np.isin(self._ids, ids)  # (N,)
+        removed = int((~keep).sum())
+        if removed == 0:
+            return 0
+        self._ids, self._vecs = self._ids[keep], self._vecs[keep]
+        if self._faiss is not None and self._built_kind in (IndexKind.EXACT, IndexKind.IVF) and self._built_kind is self.resolved_kind():
+            self._faiss.remove_ids(ids)
+        else:
+            self._faiss = None
+        return removed
+
+    def _build(self) -> faiss.Index:
+        kind = self.resolved_kind()
+        n, p = self.ntotal, self.params
+        if kind is IndexKind.EXACT:
+            index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
+        elif kind is IndexKind.HNSW:
+            inner = faiss.IndexHNSWFlat(self.dim, p.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+            inner.hnsw.efConstruction = p.ef_construction
+            index = faiss.IndexIDMap2(inner)
+        else:
+            nlist = int(max(1, min(p.ivf_lists_per_sqrt * np.sqrt(n), n // 39)))
+            quantizer = faiss.IndexFlatIP(self.dim)
+            index = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
+            index.train(self._vecs)
+        if n:
+            index.add_with_ids(self._vecs, self._ids)
+        self._faiss, self._built_kind = index, kind
+        return index
+
+    def _configure(self, index: faiss.Index, k: int) -> None:
+        if self._built_kind is IndexKind.HNSW:
+            faiss.downcast_index(index.index).hnsw.efSearch = max(self.params.ef_search, k)
+        elif self._built_kind is IndexKind.IVF:
+            ivf = faiss.extract_index_ivf(index)
+            ivf.nprobe = max(1, int(round(ivf.nlist * self.params.ivf_nprobe_frac)))
+
+    def search_candidates(self, queries: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The top-k candidates per query plus every vector tied with the k-th score.
+
+        Args:
+            queries: (Q, D) float32.
+            k: neighbours wanted.
+
+        Returns:
+            Per query (scores (C,) float32, ids (C,) int64), unsorted, C >= min(k, N)
+            for the exact index (an approximate one may return fewer).
+        """
+        queries = np.ascontiguousarray(queries, dtype=np.float32).reshape(-1, self.dim)  # (Q, D)
+        k = min(k, self.ntotal)
+        if k <= 0:
+            return [(np.zeros(0, np.float32), np.zeros(0, np.int64)) for _ in range(len(queries))]
+        index = self._faiss if self._faiss is not None else self._build()
+        kk = min(self.ntotal, k + 8)
+        while True:
+            self._configure(index, kk)
+            dist, lab = index.search(queries, kk)  # (Q, kk), (Q, kk)
+            valid = lab >= 0  # (Q, kk)
+            kth = np.where(valid[:, k - 1], dist[:, k - 1], -np.inf)  # (Q,)
+            last = np.where(valid[:, -1], dist[:, -1], -np.inf)  # (Q,)
+            if kk >= self.ntotal or not np.any((last >= kth) & valid[:, -1]):
+                break
+            kk = min(self.ntotal, kk * 2)
+        out = []
+        for q in range(len(queries)):
+            keep = valid[q] & ((dist[q] >= kth[q]) | (np.arange(kk) < k))  # (kk,)
+            out.append((dist[q][keep], lab[q][keep]))
+        return out
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k ids by inner product, ties broken by id.
+
+        Args:
+            queries: (Q, D) float32.
+            k: neighbours wanted.
+
+        Returns:
+            (scores (Q, k') float32, ids (Q, k') int64), k' = min(k, N); rows an
+            approximate index could not fill are padded with (-inf, -1).
+        """
+        cands = self.search_candidates(queries, k)
+        k = min(k, self.ntotal)
+        out_s = np.full((len(cands), k), -np.inf, dtype=np.float32)  # (Q, k)
+        out_i = np.full((len(cands), k), -1, dtype=np.int64)  # (Q, k)
+        for q, (s, i) in enumerate(cands):
+            order = np.lexsort((i, -s))[:k]  # primary: -score, secondary: id
+            out_s[q, : len(order)], out_i[q, : len(order)] = s[order], i[order]
+        return out_s, out_i
+
+    def save(self, folder: str | os.PathLike[str]) -> None:
+        """Write ids, vectors and the faiss index into ``folder`` (which must exist)."""
+        d = Path(folder)
+        np.save(d / "ids.npy", self._ids)
+        np.save(d / "vectors.npy", self._vecs)
+        index = self._faiss if self._faiss is not None else self._build()
+        faiss.write_index(index, str(d / "faiss.index"))
+        (d / "faiss.kind").write_text(self._built_kind.value if self._built_kind else "")
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike[str], dim: int, kind: IndexKind, params: ApproxParams = ApproxParams()) -> "VectorIndex":
+        """Read what :meth:`save` wrote; the faiss file is rebuilt if missing or inconsistent.
+
+        Args:
+            folder: the folder given to :meth:`save`.
+            dim: vector dimension.
+            kind: requested kind.
+            params: approximate-index parameters.
+
+        Returns:
+            The index, searching exactly as it did when saved.
+        """
+        d = Path(folder)
+        self = cls(dim, kind, params)
+        self._ids = np.load(d / "ids.npy").astype(np.int64)  # (N,)
+        self._vecs = np.load(d / "vectors.npy").astype(np.float32).reshape(-1, dim)  # (N, D)
+        try:
+            built = IndexKind((d / "faiss.kind").read_text().strip())
+            index = faiss.read_index(str(d / "faiss.index"))
+            if index.ntotal == self.ntotal and index.d == dim and built is self.resolved_kind():
+                self._faiss, self._built_kind = index, built
+        except (OSError, RuntimeError, ValueError):
+            self._faiss = None
+        return self

@@ -1,0 +1,239 @@
+"""Ingest: read files, chunk, embed, index, and precompute chunk KV.
+
+Idempotent and resumable: a file whose bytes, tokenizer and chunking are
+unchanged is skipped; a changed file replaces only its own chunks (chunk ids
+still present are kept with their vectors and KV); progress is committed
+atomically every ``commit_every`` new chunks and when an exception stops the
+run, so re-running after an interruption continues where it stopped and
+never duplicates a chunk.
+
+The engine is not imported here: KV is written through ``kv_writer`` (a batch
+of chunk texts -> bytes of KV written) and deleted through ``kv_deleter``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, TextIO
+
+from blend.retrieval.catalog import Catalog, ChunkRecord, ChunkRef, FileEntry, IndexMeta
+from blend.retrieval.chunker import ChunkerConfig, chunk_text, tokenizer_fingerprint
+from blend.retrieval.corpus import CorpusIssue, IssueKind, RetrievalError, expand_paths, read_file
+from blend.retrieval.embedder import Embedder
+from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
+from blend.retrieval.progress import Progress
+
+KVWriter = Callable[[list[str]], int]
+KVDeleter = Callable[[str, str], bool]
+
+
+@dataclass(frozen=True)
+class IngestSummary:
+    """What one ingest run did.
+
+    Attributes:
+        files_seen: files found under the given paths.
+        files_ingested: files (re)chunked and indexed this run.
+        files_unchanged: files skipped because nothing changed.
+        files_failed: files with no usable document (see ``issues``).
+        documents: documents read from ingested files.
+        chunks_added: chunks new to the index.
+        chunks_removed: chunks no file references any more.
+        chunks_total: chunks in the index after the run.
+        tokens_added: tokens of the added chunks.
+        kv_bytes: bytes of KV written by ``kv_writer``.
+        gc_collected: unreachable chunks whose KV was deleted.
+        gc_pending: unreachable chunks whose KV still awaits deletion.
+        seconds: wall time.
+        issues: problems found, each naming its file and line.
+        removed_ids: ids of the removed chunks.
+    """
+
+    files_seen: int
+    files_ingested: int
+    files_unchanged: int
+    files_failed: int
+    documents: int
+    chunks_added: int
+    chunks_removed: int
+    chunks_total: int
+    tokens_added: int
+    kv_bytes: int
+    gc_collected: int
+    gc_pending: int
+    seconds: float
+    issues: tuple[CorpusIssue, ...] = field(default_factory=tuple)
+    removed_ids: tuple[str, ...] = field(default_factory=tuple)
+
+    def format(self) -> str:
+        """A short human summary (issues are listed by the caller)."""
+        gc = f"; KV of {self.gc_pending} removed chunks awaits collection" if self.gc_pending else ""
+        return (
+            f"{self.files_seen} files: {self.files_ingested} ingested, {self.files_unchanged} unchanged, "
+            f"{self.files_failed} failed; {self.chunks_added} chunks added, {self.chunks_removed} removed, "
+            f"{self.chunks_total} in index; {self.tokens_added} tokens; KV {_fmt_bytes(self.kv_bytes)}; "
+            f"{self.seconds:.1f} s{gc}"
+        )
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def chunking_signature(tokenizer_fp: str, config: ChunkerConfig) -> str:
+    """sha256 over everything that decides a file's chunks besides its bytes."""
+    return hashlib.sha256(f"{tokenizer_fp}\x00{config.fingerprint()}".encode()).hexdigest()
+
+
+class _Lock:
+    """An exclusive, non-blocking lock on an index folder (one ingest at a time)."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self._f = open(root / ".lock", "w")
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            self._f.close()
+            raise RetrievalError(f"{root}: another ingest holds this index") from e
+
+    def release(self) -> None:
+        fcntl.flock(self._f, fcntl.LOCK_UN)
+        self._f.close()
+
+
+def ingest(
+    paths: Iterable[str | os.PathLike[str]],
+    index_dir: str | os.PathLike[str],
+    *,
+    tokenizer: Any,
+    embedder: Embedder,
+    tokenizer_fp: str | None = None,
+    config: ChunkerConfig = ChunkerConfig(),
+    kv_writer: KVWriter | None = None,
+    kv_deleter: KVDeleter | None = None,
+    kind: IndexKind = IndexKind.AUTO,
+    threshold: int = DEFAULT_APPROX_THRESHOLD,
+    commit_every: int = 512,
+    kv_batch: int = 16,
+    progress: bool = True,
+    stream: TextIO | None = None,
+) -> IngestSummary:
+    """Ingest files into an index folder (created if absent).
+
+    Args:
+        paths: files and/or directories (.txt, .md, .jsonl).
+        index_dir: the index folder.
+        tokenizer: the model's tokenizer, used for chunking.
+        embedder: the sentence embedder.
+        tokenizer_fp: the tokenizer's fingerprint (default: computed from it).
+        config: chunk sizes and overlap.
+        kv_writer: batch of new chunk texts -> bytes of KV written (None: no KV).
+        kv_deleter: (chunk id, text) -> True once that chunk's KV is deleted.
+        kind: index kind (AUTO: exact below ``threshold`` vectors, HNSW above).
+        threshold: size at which AUTO becomes approximate.
+        commit_every: commit after this many new chunks.
+        kv_batch: chunk texts per ``kv_writer`` call.
+        progress: draw a progress bar.
+        stream: where the bar goes (default stderr).
+
+    Returns:
+        The run's :class:`IngestSummary`.
+    """
+    t0 = time.perf_counter()
+    root = Path(index_dir).expanduser().resolve()
+    fp = tokenizer_fp or tokenizer_fingerprint(tokenizer)
+    signature = chunking_signature(fp, config)
+    files, issues = expand_paths(paths)
+    lock = _Lock(root)
+    try:
+        meta = IndexMeta(embedder.info.name, embedder.info.fingerprint, embedder.dim, kind.value, threshold)
+        cat = Catalog.open(root, meta)
+        stats = dict(ingested=0, unchanged=0, failed=0, docs=0, added=0, tokens=0, kv=0)
+        removed_all: list[str] = []
+        dirty, since_commit = not Catalog.exists(root), 0
+        bar = Progress(len(files), desc="ingest", unit="files", stream=stream, enabled=progress)
+        try:
+            for path in files:
+                bar.update(0, postfix=os.path.basename(path))
+                fr = read_file(path)
+                issues.extend(fr.issues)
+                if not fr.documents:
+                    stats["failed"] += 1
+                    if path in cat.files and any(i.kind is IssueKind.EMPTY for i in fr.issues):
+                        removed_all += cat.remove_file(path)  # the file was emptied: its chunks go
+                        dirty = True
+                    bar.update(1)
+                    continue
+                if cat.is_current(path, fr.sha256, signature):
+                    stats["unchanged"] += 1
+                    bar.update(1)
+                    continue
+                refs: list[ChunkRef] = []
+                fresh: dict[str, ChunkRecord] = {}
+                for doc in fr.documents:
+                    stats["docs"] += 1
+                    for ch in chunk_text(doc.text, tokenizer, fp, config):
+                        refs.append(ChunkRef(ch.chunk_id, doc.line, ch.start, ch.end))
+                        if ch.chunk_id not in cat.records and ch.chunk_id not in fresh:
+                            fresh[ch.chunk_id] = ChunkRecord(ch.chunk_id, -1, ch.text, ch.n_tokens)
+                new = list(fresh.values())
+                vecs = embedder.embed([r.text for r in new]) if new else None  # (M, D)
+                if kv_writer is not None:
+                    for b in range(0, len(new), kv_batch):
+                        stats["kv"] += int(kv_writer([r.text for r in new[b : b + kv_batch]]))
+                entry = FileEntry(path, fr.sha256, signature, tuple(refs))
+                removed_all += cat.replace_file(entry, [(r, vecs[i]) for i, r in enumerate(new)])
+                stats["ingested"] += 1
+                stats["added"] += len(new)
+                stats["tokens"] += sum(r.n_tokens for r in new)
+                dirty = True
+                since_commit += len(new)
+                bar.update(1, postfix=f"{os.path.basename(path)} +{len(new)} chunks")
+                if since_commit >= commit_every:
+                    cat.commit()
+                    dirty, since_commit = False, 0
+        finally:
+            if dirty:  # everything finished so far is consistent: keep it, even on an interrupt
+                cat.commit()
+            bar.close()
+        collected = 0
+        if kv_deleter is not None and cat.pending_gc:
+            collected = cat.collect_garbage(kv_deleter)
+            cat.commit()
+        return IngestSummary(
+            files_seen=len(files),
+            files_ingested=stats["ingested"],
+            files_unchanged=stats["unchanged"],
+            files_failed=stats["failed"],
+            documents=stats["docs"],
+            chunks_added=stats["added"],
+            chunks_removed=len(removed_all),
+            chunks_total=len(cat.records),
+            tokens_added=stats["tokens"],
+            kv_bytes=stats["kv"],
+            gc_collected=collected,
+            gc_pending=len(cat.pending_gc),
+            seconds=time.perf_counter() - t0,
+            issues=tuple(issues),
+            removed_ids=tuple(removed_all),
+        )
+    finally:
+        lock.release()
+
+
+def print_issues(issues: Iterable[CorpusIssue], stream: TextIO | None = None) -> None:
+    """Print one ``warning: path:line: kind: message`` line per issue."""
+    out = stream if stream is not None else sys.stderr
+    for issue in issues:
+        out.write(f"warning: {issue}\n")

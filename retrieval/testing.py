@@ -1,0 +1,67 @@
+"""Small in-process helpers for tests and benchmarks (no model downloads).
+
+``word_tokenizer()`` is a byte-level BPE-free tokenizer built with the
+``tokenizers`` library: whitespace/punctuation pre-tokenization and a
+word-level model whose vocabulary is learned from a given text, so token
+counts are predictable (one word or punctuation mark = one token).
+``FakeKV`` stands in for the engine's chunk KV store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+
+def word_tokenizer(corpus: Iterable[str] = ()) -> object:
+    """A ``transformers`` fast tokenizer with one token per word or punctuation mark.
+
+    Args:
+        corpus: texts whose words form the vocabulary (others map to ``[UNK]``,
+            still one token each).
+
+    Returns:
+        A ``PreTrainedTokenizerFast``.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]"], min_frequency=1)
+    tok.train_from_iterator(list(corpus) or ["a"], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+
+
+@dataclass
+class FakeKV:
+    """A dict standing in for the engine's canonical chunk KV store.
+
+    Attributes:
+        entries: chunk text -> bytes stored.
+        calls: texts passed to each ``write`` call.
+        fail_on_call: raise RuntimeError on this (1-based) write call.
+    """
+
+    entries: dict[str, int] = field(default_factory=dict)
+    calls: list[list[str]] = field(default_factory=list)
+    fail_on_call: int | None = None
+    deleted: list[str] = field(default_factory=list)
+
+    def write(self, texts: list[str]) -> int:
+        """Store texts not yet stored; returns bytes 'written' (100 per token-ish char)."""
+        self.calls.append(list(texts))
+        if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
+            raise RuntimeError("simulated crash while writing KV")
+        n = 0
+        for t in texts:
+            if t not in self.entries:
+                self.entries[t] = 100 * len(t)
+                n += self.entries[t]
+        return n
+
+    def delete(self, chunk_id: str, text: str) -> bool:
+        """Delete a chunk's KV; True when it is gone."""
+        self.deleted.append(chunk_id)
+        self.entries.pop(text, None)
+        return True
