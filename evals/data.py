@@ -1,0 +1,190 @@
+"""Evaluation data: CacheBlend-style records from JSON / JSONL, validated.
+
+Record format (as in ``../shared/data/musique_dev.json``)::
+
+    {"ctxs": [{"title": "...", "text": "..."}, ...], "question": "...", "answers": ["...", ...]}
+
+A file is either a JSON list of records or JSONL (one record per line). An
+optional string ``id`` is kept. A malformed file raises :class:`DataError`
+whose message names the item index (and JSONL line) and the field.
+
+``synthetic:single`` / ``synthetic:two-hop`` are built in (see
+:mod:`blend.evals.synthetic`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SYNTHETIC_PREFIX = "synthetic:"
+
+
+class DataError(ValueError):
+    """A data file or record that does not follow the record format."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """One retrieved passage."""
+
+    title: str
+    text: str
+
+    def prompt_text(self) -> str:
+        """The document as it goes into the prompt: "{title}\\n{text}", or the text alone."""
+        return f"{self.title}\n{self.text}" if self.title else self.text
+
+
+@dataclass(frozen=True)
+class Item:
+    """One question with its passages and gold answers."""
+
+    id: str
+    question: str
+    documents: tuple[Document, ...]
+    answers: tuple[str, ...]
+
+    def document_texts(self) -> list[str]:
+        """Prompt texts of the documents, in retrieval order."""
+        return [d.prompt_text() for d in self.documents]
+
+
+def _type_name(x: Any) -> str:
+    return type(x).__name__
+
+
+def parse_record(rec: Any, index: int, where: str = "") -> Item:
+    """Validate one record and build an :class:`Item`.
+
+    Args:
+        rec: the decoded JSON value.
+        index: 0-based item index (named in errors).
+        where: extra location text for errors, e.g. " (line 4)".
+
+    Returns:
+        The item.
+
+    Raises:
+        DataError: naming the item and the offending field.
+    """
+    loc = f"item {index}{where}"
+    if not isinstance(rec, dict):
+        raise DataError(f"{loc}: must be an object with ctxs, question, answers; got {_type_name(rec)}")
+    for field in ("ctxs", "question", "answers"):
+        if field not in rec:
+            raise DataError(f"{loc}: missing field '{field}'")
+    q = rec["question"]
+    if not isinstance(q, str) or not q.strip():
+        raise DataError(f"{loc}: field 'question' must be a non-empty string, got {_type_name(q)}")
+    answers = rec["answers"]
+    if isinstance(answers, str) or not isinstance(answers, list) or not answers:
+        raise DataError(f"{loc}: field 'answers' must be a non-empty list of strings, got {_type_name(answers)}")
+    for j, a in enumerate(answers):
+        if not isinstance(a, str):
+            raise DataError(f"{loc}: field 'answers[{j}]' must be a string, got {_type_name(a)}")
+    ctxs = rec["ctxs"]
+    if not isinstance(ctxs, list) or not ctxs:
+        raise DataError(f"{loc}: field 'ctxs' must be a non-empty list of passages, got {_type_name(ctxs)}")
+    docs = []
+    for j, c in enumerate(ctxs):
+        if not isinstance(c, dict):
+            raise DataError(f"{loc}: field 'ctxs[{j}]' must be an object with title/text, got {_type_name(c)}")
+        if "text" not in c:
+            raise DataError(f"{loc}: missing field 'ctxs[{j}].text'")
+        text, title = c["text"], c.get("title", "")
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(f"{loc}: field 'ctxs[{j}].text' must be a non-empty string, got {_type_name(text)}")
+        if title is None:
+            title = ""
+        if not isinstance(title, str):
+            raise DataError(f"{loc}: field 'ctxs[{j}].title' must be a string, got {_type_name(title)}")
+        docs.append(Document(title=title.strip(), text=text))
+    rid = rec.get("id", str(index))
+    if not isinstance(rid, (str, int)):
+        raise DataError(f"{loc}: field 'id' must be a string, got {_type_name(rid)}")
+    return Item(id=str(rid), question=q, documents=tuple(docs), answers=tuple(answers))
+
+
+def _decode(path: Path) -> list[tuple[Any, str]]:
+    raw = path.read_text(encoding="utf-8")
+    if not raw.strip():
+        raise DataError(f"{path}: empty file, expected a JSON list of records or JSONL")
+    if raw.lstrip().startswith("["):
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: invalid JSON: {e}") from e
+        return [(r, "") for r in data]
+    out = []
+    for lineno, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((json.loads(line), f" (line {lineno})"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: item {len(out)} (line {lineno}): invalid JSON: {e}") from e
+    return out
+
+
+def load_file(path: str | Path) -> list[Item]:
+    """Load and validate every record of a JSON or JSONL file.
+
+    Args:
+        path: the data file.
+
+    Returns:
+        All items, in file order.
+
+    Raises:
+        DataError: unreadable file, empty list, or a malformed record (named).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: no such data file")
+    records = _decode(p)
+    if not records:
+        raise DataError(f"{p}: the data file holds no records (empty list)")
+    return [parse_record(r, i, w) for i, (r, w) in enumerate(records)]
+
+
+def limit_items(items: list[Item], limit: int | None, passages: int | None) -> list[Item]:
+    """The first ``limit`` items, each with its first ``passages`` documents.
+
+    Args:
+        items: validated items.
+        limit: number of items (None: all).
+        passages: documents per item, in retrieval order (None: all).
+
+    Returns:
+        The truncated items.
+    """
+    if limit is not None and limit < 1:
+        raise DataError(f"--limit must be >= 1, got {limit}")
+    if passages is not None and passages < 1:
+        raise DataError(f"--passages must be >= 1, got {passages}")
+    chosen = items[:limit] if limit is not None else items
+    if passages is None:
+        return list(chosen)
+    return [Item(it.id, it.question, it.documents[:passages], it.answers) for it in chosen]
+
+
+def load_items(data: str, limit: int | None, passages: int | None, seed: int = 0) -> list[Item]:
+    """Load a data file or build a synthetic set.
+
+    Args:
+        data: a path, or ``synthetic:single`` / ``synthetic:two-hop``.
+        limit: number of items.
+        passages: documents per item.
+        seed: seed of the synthetic generators (ignored for files).
+
+    Returns:
+        The items to evaluate.
+    """
+    if data.startswith(SYNTHETIC_PREFIX):
+        from blend.evals.synthetic import generate
+
+        return generate(data[len(SYNTHETIC_PREFIX):], n=limit or 30, passages=passages or 5, seed=seed)
+    return limit_items(load_file(data), limit, passages)

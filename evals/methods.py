@@ -1,0 +1,206 @@
+"""Method specs of the harness and their reuse policies.
+
+Grammar (``--methods`` is a comma list of these; commas inside ``check=``
+belong to the check list)::
+
+    full                         full prefill, no reuse (always run: the reference)
+    prefix                       exact prefix reuse: only the preamble is shared
+    reuse                        full KV reuse (blend at ratio 0)
+    blend@R[:SELECTOR][:check=L1,L2,...]
+                                 selective recompute of a fraction R in [0, 1]
+
+e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+FALLBACK_SELECTORS = ("v", "k", "kv", "lead", "query", "random", "combo")
+DEFAULT_METHODS = "full,prefix,reuse,blend@0.05:v,blend@0.15:v,blend@0.3:v"
+REFERENCE = "full"
+
+
+class MethodError(ValueError):
+    """A method spec that does not parse."""
+
+
+class MethodKind(Enum):
+    """What a method reuses."""
+
+    FULL = "full"
+    PREFIX = "prefix"
+    REUSE = "reuse"
+    BLEND = "blend"
+
+
+def known_selectors() -> tuple[str, ...]:
+    """Selector names: ``blend.selectors.SELECTORS`` when that module exists, else the documented set."""
+    try:
+        from blend.selectors import SELECTORS  # type: ignore[import-not-found]
+    except ImportError:
+        return FALLBACK_SELECTORS
+    return tuple(sorted(SELECTORS))
+
+
+@dataclass(frozen=True)
+class Method:
+    """One parsed method.
+
+    Attributes:
+        name: the spec as written (e.g. ``blend@0.15:v:check=1,2``); key in the results.
+        canonical: normalised spec (``blend@1.0`` -> ``blend@1``), for spotting duplicates.
+        kind: what is reused.
+        ratio: recompute fraction (0.0 for reuse, 1.0 for full, None for prefix).
+        selector: token selector name for blend (None: the engine's default).
+        check_layers: check layers for blend (empty: the engine's default).
+    """
+
+    name: str
+    kind: MethodKind
+    canonical: str = ""
+    ratio: float | None = None
+    selector: str | None = None
+    check_layers: tuple[int, ...] = ()
+
+    def policy(self) -> Any:
+        """The engine's :class:`blend.policy.ReusePolicy` for this method."""
+        from blend.policy import ReusePolicy
+
+        if self.kind is MethodKind.FULL:
+            return ReusePolicy.none()
+        if self.kind is MethodKind.PREFIX:
+            return ReusePolicy.exact(prefix_limit=1)
+        if self.kind is MethodKind.REUSE:
+            return ReusePolicy.blend(ratio=0.0)
+        kwargs: dict[str, Any] = {"ratio": self.ratio}
+        if self.selector is not None:
+            kwargs["selector"] = self.selector
+        if self.check_layers:
+            kwargs["check_layers"] = self.check_layers
+        return ReusePolicy.blend(**kwargs)
+
+    def series(self) -> str:
+        """Plot series label: one line per selector (and check layers) over ratios."""
+        if self.kind is not MethodKind.BLEND:
+            return self.kind.value
+        label = self.selector or "default"
+        return f"{label} check={','.join(map(str, self.check_layers))}" if self.check_layers else label
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "kind": self.kind.value,
+            "ratio": self.ratio,
+            "selector": self.selector,
+            "check_layers": list(self.check_layers),
+        }
+
+
+_BLEND = re.compile(r"^blend@([^:]+)((?::[^:]+)*)$")
+
+
+def _fmt_ratio(r: float) -> str:
+    return f"{r:g}"
+
+
+def parse_method(spec: str) -> Method:
+    """Parse one method spec.
+
+    Args:
+        spec: e.g. ``full``, ``prefix``, ``reuse``, ``blend@0.15:v:check=1,2``.
+
+    Returns:
+        The method (``name`` is the stripped spec, ``canonical`` its normal form).
+
+    Raises:
+        MethodError: naming the spec and what is wrong with it.
+    """
+    s = spec.strip()
+    for kind, ratio in ((MethodKind.FULL, 1.0), (MethodKind.PREFIX, None), (MethodKind.REUSE, 0.0)):
+        if s == kind.value:
+            return Method(name=s, kind=kind, canonical=s, ratio=ratio)
+    m = _BLEND.match(s)
+    if not m:
+        raise MethodError(
+            f"unknown method '{spec}': expected full, prefix, reuse or blend@R[:selector][:check=L,...]"
+        )
+    try:
+        ratio = float(m.group(1))
+    except ValueError:
+        raise MethodError(f"method '{spec}': ratio '{m.group(1)}' is not a number") from None
+    if not math.isfinite(ratio) or not 0.0 <= ratio <= 1.0:
+        raise MethodError(f"method '{spec}': ratio must be in [0, 1], got {m.group(1)}")
+    selector: str | None = None
+    checks: tuple[int, ...] = ()
+    for part in [p for p in m.group(2).split(":") if p]:
+        if part.startswith("check="):
+            if checks:
+                raise MethodError(f"method '{spec}': check= given twice")
+            try:
+                checks = tuple(int(x) for x in part[len("check="):].split(","))
+            except ValueError:
+                raise MethodError(f"method '{spec}': check layers must be integers, got '{part}'") from None
+            if any(c < 0 for c in checks) or len(set(checks)) != len(checks):
+                raise MethodError(f"method '{spec}': check layers must be distinct and >= 0")
+        else:
+            if selector is not None:
+                raise MethodError(f"method '{spec}': more than one selector ('{selector}', '{part}')")
+            names = known_selectors()
+            if part not in names:
+                raise MethodError(f"method '{spec}': unknown selector '{part}' (known: {', '.join(names)})")
+            selector = part
+    canonical = f"blend@{_fmt_ratio(ratio)}"
+    if selector is not None:
+        canonical += f":{selector}"
+    if checks:
+        canonical += f":check={','.join(map(str, checks))}"
+    return Method(
+        name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks
+    )
+
+
+def split_specs(text: str) -> list[str]:
+    """Split a ``--methods`` list on commas, keeping ``check=1,2`` together.
+
+    A comma followed by an integer continues the previous ``check=`` list.
+    """
+    out: list[str] = []
+    for tok in text.split(","):
+        t = tok.strip()
+        if not t:
+            continue
+        if out and t.isdigit() and re.search(r"check=[\d,]*$", out[-1]):
+            out[-1] += f",{t}"
+        else:
+            out.append(t)
+    return out
+
+
+def parse_methods(text: str) -> list[Method]:
+    """Parse a ``--methods`` list; ``full`` is always included, first.
+
+    Args:
+        text: comma list of specs.
+
+    Returns:
+        Unique methods in the given order, ``full`` first.
+
+    Raises:
+        MethodError: an empty list, a bad spec, or two specs with one canonical name.
+    """
+    specs = split_specs(text)
+    if not specs:
+        raise MethodError("--methods is empty")
+    methods = [parse_method(s) for s in specs]
+    seen: dict[str, str] = {}
+    for spec, m in zip(specs, methods):
+        if m.canonical in seen and m.canonical != REFERENCE:
+            raise MethodError(f"methods '{seen[m.canonical]}' and '{spec}' are the same method ({m.canonical})")
+        seen[m.canonical] = spec
+    rest = [m for m in methods if m.name != REFERENCE]
+    return [parse_method(REFERENCE)] + rest

@@ -1,0 +1,60 @@
+"""Method spec parsing."""
+
+import pytest
+
+from blend.evals.methods import MethodError, MethodKind, parse_method, parse_methods, split_specs
+
+
+def test_parse_simple_methods():
+    assert parse_method("full").kind is MethodKind.FULL
+    assert parse_method("prefix").kind is MethodKind.PREFIX
+    r = parse_method("reuse")
+    assert r.kind is MethodKind.REUSE and r.ratio == 0.0
+
+
+def test_parse_blend_with_suffixes():
+    m = parse_method("blend@0.15:v:check=1,2")
+    assert (m.kind, m.ratio, m.selector, m.check_layers) == (MethodKind.BLEND, 0.15, "v", (1, 2))
+    assert m.name == "blend@0.15:v:check=1,2" and m.series() == "v check=1,2"
+    q = parse_method("blend@0.1:query")
+    assert (q.ratio, q.selector, q.check_layers) == (0.1, "query", ())
+    d = parse_method("blend@1.0")
+    assert d.selector is None and d.canonical == "blend@1" and d.name == "blend@1.0"
+    c = parse_method("blend@0.2:check=3:k")
+    assert (c.selector, c.check_layers) == ("k", (3,))
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("blend@1.5:v", "ratio must be in [0, 1]"),
+        ("blend@-0.1", "ratio must be in [0, 1]"),
+        ("blend@x:v", "not a number"),
+        ("blend@0.1:bogus", "unknown selector 'bogus'"),
+        ("blend@0.1:v:k", "more than one selector"),
+        ("blend@0.1:check=a", "must be integers"),
+        ("blend@0.1:check=1,1", "distinct"),
+        ("blend0.1", "unknown method"),
+        ("fulll", "unknown method"),
+    ],
+)
+def test_bad_specs(spec, needle):
+    with pytest.raises(MethodError) as e:
+        parse_method(spec)
+    assert needle in str(e.value) and spec in str(e.value)
+
+
+def test_split_keeps_check_lists():
+    assert split_specs("full, blend@0.15:v:check=1,2,reuse,blend@0.1:query") == [
+        "full", "blend@0.15:v:check=1,2", "reuse", "blend@0.1:query"
+    ]
+
+
+def test_parse_methods_full_first_and_duplicates():
+    ms = parse_methods("reuse,blend@0.3:v")
+    assert [m.name for m in ms] == ["full", "reuse", "blend@0.3:v"]
+    assert [m.name for m in parse_methods("reuse,full")] == ["full", "reuse"]
+    with pytest.raises(MethodError, match="same method"):
+        parse_methods("blend@0.10:v,blend@0.1:v")
+    with pytest.raises(MethodError, match="empty"):
+        parse_methods(" , ")

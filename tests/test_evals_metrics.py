@@ -1,0 +1,102 @@
+"""Metric functions against hand-computed cases."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from blend.evals import metrics as M
+
+
+def test_normalize_answer_squad_rules():
+    assert M.normalize_answer("The  Tessel, Observatory!") == "tessel observatory"
+    assert M.normalize_answer("An apple a day") == "apple day"
+    assert M.normalize_answer("theatre") == "theatre"  # 'the' only as a word
+
+
+def test_token_f1_hand_computed():
+    # pred tokens: [paris, france]; gold: [paris]; common 1 -> P=1/2, R=1 -> F1=2/3
+    assert M.token_f1("Paris, France", "Paris") == pytest.approx(2 / 3)
+    # pred [new, york, city], gold [york, new] -> common 2, P=2/3, R=1 -> 0.8
+    assert M.token_f1("New York City", "the York New") == pytest.approx(0.8)
+    # repeated tokens count with multiplicity: pred [a1,a1], gold [a1] -> common 1, P=.5 R=1
+    assert M.token_f1("x x", "x") == pytest.approx(2 / 3)
+    assert M.token_f1("Berlin", "Paris") == 0.0
+    assert M.token_f1("the", "a") == 1.0  # both normalise to nothing
+    assert M.token_f1("", "Paris") == 0.0
+
+
+def test_exact_match_and_best_over():
+    assert M.exact_match("the Varnholm.", "varnholm") == 1.0
+    assert M.exact_match("Varnholm city", "Varnholm") == 0.0
+    assert M.best_over(M.token_f1, "Paris", ["Berlin", "Paris, France"]) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError):
+        M.best_over(M.token_f1, "x", [])
+
+
+def test_rouge_l_hand_computed():
+    # pred [police, killed, gunman], gold [police, kill, gunman]: LCS=2, P=R=2/3 -> F=2/3
+    assert M.rouge_l("police killed the gunman", "police kill the gunman") == pytest.approx(2 / 3)
+    # pred [b, c, d, e], gold [c, e, f]: LCS=2 (c,e) -> P=1/2 R=2/3 -> F=4/7
+    assert M.rouge_l("b c d e", "c e f") == pytest.approx(4 / 7)
+    assert M.rouge_l("x y", "y x") == pytest.approx(0.5)  # LCS 1 of 2
+    assert M.rouge_l("", "a b") == 0.0
+
+
+def test_kl_divergence_hand_computed():
+    # P = softmax([0, ln 3]) = [1/4, 3/4]; Q uniform [1/2, 1/2]
+    p = torch.tensor([0.0, math.log(3.0)], dtype=torch.float64)  # ln 3 exact in fp64
+    q = torch.tensor([5.0, 5.0])  # shift-invariant
+    expected = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
+    assert M.kl_divergence(p, q) == pytest.approx(expected, rel=1e-12)
+    assert M.kl_divergence(p, p + 7.0) == pytest.approx(0.0, abs=1e-15)
+    # asymmetric
+    assert M.kl_divergence(q, p) != pytest.approx(expected)
+
+
+def test_kl_masked_reference_and_fp64():
+    # P puts zero mass on the masked token: its term contributes 0, not nan
+    p = torch.tensor([0.0, 0.0, float("-inf")])
+    q = torch.tensor([0.0, 0.0, 0.0])
+    assert M.kl_divergence(p, q) == pytest.approx(math.log(3 / 2), rel=1e-12)
+    # fp32 logits that differ by less than fp32 resolution of probabilities still give a positive KL
+    a = torch.tensor([0.0, 1e-4], dtype=torch.float32)
+    b = torch.tensor([0.0, 0.0], dtype=torch.float32)
+    assert 0 < M.kl_divergence(a, b) < 1e-8
+    with pytest.raises(ValueError):
+        M.kl_divergence(torch.zeros(3), torch.zeros(4))
+
+
+def test_top1_and_teacher_forced():
+    assert M.top1_agree(torch.tensor([0.0, 2.0, 1.0]), torch.tensor([0.0, 3.0, -1.0])) == 1.0
+    assert M.top1_agree(torch.tensor([0.0, 2.0, 1.0]), torch.tensor([4.0, 3.0, -1.0])) == 0.0
+    logits = torch.tensor(
+        [[0.0, 5.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, 5.0], [9.0, 0.0, 0.0]]  # argmax 1, 0, 2, (0: ignored)
+    )
+    assert M.teacher_forced_agreement(logits, [1, 0, 2]) == 1.0
+    assert M.teacher_forced_agreement(logits, [1, 1, 1]) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError):
+        M.teacher_forced_agreement(logits, [])
+    with pytest.raises(ValueError):
+        M.teacher_forced_agreement(logits[:2], [1, 0, 2])
+
+
+def test_mean_kl_rows():
+    p = torch.tensor([[0.0, math.log(3.0)], [1.0, 1.0], [0.0, 50.0]])
+    q = torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    k0 = 0.25 * math.log(0.5) + 0.75 * math.log(1.5)
+    assert M.mean_kl_rows(p, q, 2) == pytest.approx(k0 / 2)
+
+
+def test_stats_and_bootstrap():
+    assert M.mean([1.0, None, 3.0, float("nan")]) == 2.0
+    assert M.median([3.0, 1.0, 2.0, 10.0]) == 2.5
+    assert M.percentile([0.0, 10.0], 90) == pytest.approx(9.0)
+    assert M.mean([]) is None and M.median([None]) is None
+    vals = list(np.linspace(0, 1, 41))
+    lo, hi = M.bootstrap_ci(vals, n=500, seed=3)
+    assert lo < 0.5 < hi and hi - lo < 0.4
+    assert M.bootstrap_ci(vals, n=500, seed=3) == (lo, hi)  # seeded: reproducible
+    assert M.bootstrap_ci([2.0, 2.0, 2.0]) == (2.0, 2.0)
+    assert M.bootstrap_ci([None]) is None
