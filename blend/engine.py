@@ -163,6 +163,24 @@ class Engine:
     def _ids(self, ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(ids), dtype=torch.long, device=self.device)
 
+    def _exact_segment(self, cache: KVCache, seg: Segment, key, report: ReuseReport) -> SegmentReport:
+        """Append one prefix segment: load it on an exact hit, else compute and store it."""
+        start = cache.length
+        t0 = time.perf_counter()
+        found = self.store.get(Namespace.EXACT, key, self._prov_json)
+        report.timings.lookup_s += time.perf_counter() - t0
+        rep = SegmentReport(seg.kind, ReuseClass.COMPUTED, len(seg), start, key_hex(key))
+        if found.status is LookupStatus.HIT and found.entry.num_tokens == len(seg):
+            self.runner.load(cache, SegmentKV(found.entry.k, found.entry.v))
+            rep.reuse_class = ReuseClass.EXACT
+            return rep
+        if found.status is not LookupStatus.MISS:
+            rep.reuse_class = ReuseClass.REJECTED
+            rep.note = found.reason or "stored entry has the wrong length"
+        kv = self._compute_stored(cache, seg)
+        self.store.put(Namespace.EXACT, key, self._entry(kv))
+        return rep
+
     # ---- prefill --------------------------------------------------------------------------
 
     def _prefill_full(self, prompt: Prompt, cache: KVCache, report: ReuseReport) -> torch.Tensor:
@@ -181,25 +199,12 @@ class Engine:
             cacheable = cacheable[: policy.prefix_limit]
         keys = exact_chain(self.provenance, [s.token_ids for s in cacheable])
         for i, seg in enumerate(prompt.segments[:-1]):
-            start = cache.length
-            if i >= len(keys):
+            if i < len(keys):
+                report.segments.append(self._exact_segment(cache, seg, keys[i], report))
+            else:
+                start = cache.length
                 self.runner.prefill(cache, self._ids(seg.token_ids), keep_kv=False)
                 report.segments.append(SegmentReport(seg.kind, ReuseClass.COMPUTED, len(seg), start))
-                continue
-            t0 = time.perf_counter()
-            found = self.store.get(Namespace.EXACT, keys[i], self._prov_json)
-            report.timings.lookup_s += time.perf_counter() - t0
-            rep = SegmentReport(seg.kind, ReuseClass.COMPUTED, len(seg), start, key_hex(keys[i]))
-            if found.status is LookupStatus.HIT and found.entry.num_tokens == len(seg):
-                self.runner.load(cache, SegmentKV(found.entry.k, found.entry.v))
-                rep.reuse_class = ReuseClass.EXACT
-            else:
-                if found.status is LookupStatus.REJECTED or found.status is LookupStatus.HIT:
-                    rep.reuse_class = ReuseClass.REJECTED
-                    rep.note = found.reason or "stored entry has the wrong length"
-                kv = self._compute_stored(cache, seg)
-                self.store.put(Namespace.EXACT, keys[i], self._entry(kv))
-            report.segments.append(rep)
         q = prompt.question
         start = cache.length
         h, _ = self.runner.prefill(cache, self._ids(q.token_ids), keep_kv=False)
@@ -234,6 +239,10 @@ class Engine:
         report.timings.ttft_s = time.perf_counter() - t0
         report.timings.compute_s = report.timings.ttft_s - report.timings.lookup_s
         return logits, cache, report
+
+    def gate_verdict(self, policy: ReusePolicy) -> str:
+        """Why blending is refused for this model ('' when allowed)."""
+        return ""
 
     # ---- public API -----------------------------------------------------------------------
 

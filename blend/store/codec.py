@@ -9,7 +9,7 @@ single read plus zero-copy tensor views, and a write needs no staging copy)::
                               "__metadata__": {"kvblend": "<EntryHeader JSON>"}}
 
 The kvblend header carries the format version, namespace, key, provenance
-JSON, shape, dtype and a sha256 over the tensor bytes (k then v). Any file a
+JSON, shape, dtype and a sha256 over those claims and the tensor bytes. Any file a
 safetensors reader opens is accepted here only if every one of those agrees;
 otherwise :func:`decode` raises :class:`EntryError` with a typed reason, which
 the tiers turn into a ``REJECTED`` lookup.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import Sequence
 
@@ -74,7 +74,7 @@ class EntryHeader:
     provenance: str  # canonical JSON of the producing Provenance
     shape: tuple[int, int, int, int]  # (L, Hkv, T, D), same for k and v
     dtype: str  # "float32" | "float16" | "bfloat16"
-    sha256: str  # hex, over k bytes then v bytes
+    sha256: str  # hex, over the other fields' JSON, then k bytes, then v bytes
     tag: str = FORMAT_TAG
 
     @property
@@ -84,6 +84,18 @@ class EntryHeader:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+def _checksum(meta: EntryHeader, *data: memoryview) -> str:
+    """sha256 over the header's claims (all but the checksum) and then the tensor bytes.
+
+    Covering the claims too means a header edited to another shape of the same
+    byte count, another provenance or another key fails the check.
+    """
+    h = hashlib.sha256(replace(meta, sha256="").to_json().encode())
+    for d in data:
+        h.update(d)
+    return h.hexdigest()
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -108,8 +120,6 @@ def encode_parts(ns: Namespace, key: StoreKey, entry: KVEntry) -> list[memoryvie
     if entry.k.shape != entry.v.shape or entry.k.dim() != 4 or entry.k.dtype != entry.v.dtype:
         raise ValueError(f"k/v must share a 4-d shape and dtype: {entry.k.shape} {entry.v.shape}")
     kb, vb = _raw(entry.k), _raw(entry.v)
-    digest = hashlib.sha256(kb)
-    digest.update(vb)
     meta = EntryHeader(
         format_version=STORE_FORMAT_VERSION,
         namespace=ns.value,
@@ -117,8 +127,9 @@ def encode_parts(ns: Namespace, key: StoreKey, entry: KVEntry) -> list[memoryvie
         provenance=entry.provenance,
         shape=tuple(int(s) for s in entry.k.shape),  # type: ignore[arg-type]
         dtype=dtype_name(entry.k.dtype),
-        sha256=digest.hexdigest(),
+        sha256="",
     )
+    meta = replace(meta, sha256=_checksum(meta, kb, vb))
     st = _ST_DTYPES[entry.k.dtype]
     shape = list(meta.shape)
     header = {
@@ -224,9 +235,8 @@ def decode(
         raise EntryError(EntryErrorKind.TRUNCATED, f"{have} data bytes, shape needs {2 * nbytes}")
     if have > 2 * nbytes:
         raise EntryError(EntryErrorKind.SHAPE, f"{have - 2 * nbytes} trailing bytes after the tensors")
-    data = memoryview(blob)[start:]
-    if hashlib.sha256(data).hexdigest() != hdr.sha256:
-        raise EntryError(EntryErrorKind.CHECKSUM, "sha256 of the tensor bytes differs from the header")
+    if _checksum(hdr, memoryview(blob)[start:]) != hdr.sha256:
+        raise EntryError(EntryErrorKind.CHECKSUM, "sha256 over the header claims and tensor bytes differs")
     return KVEntry(
         k=_view(blob, start, nbytes, dtype, hdr.shape),  # (L, Hkv, T, D)
         v=_view(blob, start + nbytes, nbytes, dtype, hdr.shape),  # (L, Hkv, T, D)

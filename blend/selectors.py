@@ -1,0 +1,104 @@
+"""Selectors: which reused rows to recompute, at a given budget.
+
+Every selector sees the same :class:`SelectionInputs` (one entry per
+candidate row) and returns positions into the candidate list, so the
+evaluation compares them at equal budgets.
+
+- ``v`` / ``k`` / ``kv``: largest deviation between fresh and cached V, K, or
+  both (normalised and summed) at the check layer (CacheBlend; LMCache uses K).
+- ``lead``: the first tokens of each document, round-robin (EPIC's fix for
+  attention sinks at chunk starts).
+- ``query``: largest attention mass from the question's tokens at the check layer.
+- ``random``: a seeded uniform baseline.
+- ``combo``: attention-weighted V deviation, a_j * ||dV_j||: to first order the
+  error a stale row j adds to the question's attention output is its attention
+  weight times its value error, so rows that are both stale and looked at
+  rank first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from blend.policy import SELECTOR_NAMES
+
+
+@dataclass(frozen=True)
+class SelectionInputs:
+    """Per-candidate signals at a check layer. All tensors are (N,)."""
+
+    dev_k: torch.Tensor  # float32 ||K_fresh - K_cached|| over heads and dims
+    dev_v: torch.Tensor  # float32 ||V_fresh - V_cached||
+    rel_v: torch.Tensor  # float32 dev_v / ||V_cached|| (scale-free, for thresholds)
+    doc: torch.Tensor  # int64 document index of the row
+    offset: torch.Tensor  # int64 token offset of the row inside its document
+    query_attn: torch.Tensor | None  # float32 attention mass from the question's tokens
+    seed: int = 0
+
+
+def _top(score: torch.Tensor, budget: int) -> torch.Tensor:
+    budget = min(budget, score.numel())
+    # stable tie-break by candidate order keeps selection deterministic
+    order = torch.argsort(score, descending=True, stable=True)
+    return order[:budget]
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    return x / x.mean().clamp_min(1e-12)
+
+
+def _lead(inp: SelectionInputs, budget: int) -> torch.Tensor:
+    # round-robin over documents: offset 0 of every document, then offset 1, ...
+    key = inp.offset.double() * (int(inp.doc.max()) + 1 if inp.doc.numel() else 1) + inp.doc.double()
+    return torch.argsort(key, stable=True)[: min(budget, key.numel())]
+
+
+def _random(inp: SelectionInputs, budget: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(inp.seed)
+    return torch.randperm(inp.dev_v.numel(), generator=g)[: min(budget, inp.dev_v.numel())]
+
+
+def _need_query(inp: SelectionInputs) -> torch.Tensor:
+    if inp.query_attn is None:
+        raise ValueError("this selector needs the question's attention at the check layer")
+    return inp.query_attn
+
+
+SELECTORS: dict[str, Callable[[SelectionInputs, int], torch.Tensor]] = {
+    "v": lambda inp, b: _top(inp.dev_v, b),
+    "k": lambda inp, b: _top(inp.dev_k, b),
+    "kv": lambda inp, b: _top(_norm(inp.dev_k) + _norm(inp.dev_v), b),
+    "lead": _lead,
+    "query": lambda inp, b: _top(_need_query(inp), b),
+    "random": _random,
+    "combo": lambda inp, b: _top(_need_query(inp) * inp.dev_v, b),
+}
+NEEDS_QUERY_ATTENTION = frozenset({"query", "combo"})
+assert set(SELECTORS) == set(SELECTOR_NAMES)
+
+
+def select(name: str, inp: SelectionInputs, budget: int) -> torch.Tensor:
+    """Pick ``budget`` candidates.
+
+    Args:
+        name: selector name (see module docstring).
+        inp: per-candidate signals.
+        budget: how many rows to keep (clipped to the candidate count).
+
+    Returns:
+        (min(budget, N),) int64 positions into the candidate list, sorted ascending.
+    """
+    if budget <= 0 or inp.dev_v.numel() == 0:
+        return torch.empty(0, dtype=torch.long)
+    return torch.sort(SELECTORS[name](inp, budget)).values
+
+
+def select_threshold(inp: SelectionInputs, threshold: float, cap: int) -> torch.Tensor:
+    """Every candidate whose relative V deviation exceeds ``threshold``, at most ``cap`` (largest first)."""
+    over = torch.nonzero(inp.rel_v > threshold).flatten()  # (M,)
+    if over.numel() > cap:
+        over = over[_top(inp.rel_v[over], cap)]
+    return torch.sort(over).values
