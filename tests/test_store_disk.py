@@ -1,0 +1,215 @@
+"""Disk tier and codec: round trips, every corruption case, ``kvblend store verify``."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import safetensors.torch
+import torch
+
+from blend.keys import Namespace
+from blend.store.base import LookupStatus
+from blend.store.cli import add_store_commands, run_store_command
+from blend.store.codec import EntryError, EntryErrorKind, decode, encode
+from blend.store.disk import DiskStore
+from _store_util import NS, key_for, make_prov, other_prov, rand_entry
+
+PROV = make_prov()
+
+
+def retag(blob: bytes, meta: dict[str, Any] | None = None, table: dict[str, Any] | None = None) -> bytes:
+    """Rewrite a blob's headers (kvblend metadata and/or the safetensors table), keeping the data."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    tab = json.loads(blob[8 : 8 + n])
+    m = json.loads(tab["__metadata__"]["kvblend"])
+    m.update(meta or {})
+    tab["__metadata__"]["kvblend"] = json.dumps(m)
+    for name, fields in (table or {}).items():
+        tab[name].update(fields)
+    hj = json.dumps(tab).encode()
+    hj += b" " * (-len(hj) % 8)
+    return struct.pack("<Q", len(hj)) + hj + blob[8 + n :]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16"])
+def test_roundtrip_is_bit_exact_and_plain_safetensors(tmp_path: Path, kv_dtype: str) -> None:
+    prov = make_prov(kv_dtype)
+    entry = rand_entry(prov, T=11)
+    store = DiskStore(tmp_path)
+    store.put(NS, key_for(prov, 0), entry)
+    got = DiskStore(tmp_path).get(NS, key_for(prov, 0), prov.canonical_json())  # a fresh process's view
+    assert got.status is LookupStatus.HIT and got.tier == "disk"
+    assert got.entry is not None
+    assert torch.equal(got.entry.k, entry.k) and torch.equal(got.entry.v, entry.v)
+    assert got.entry.k.dtype == entry.k.dtype
+    plain = safetensors.torch.load_file(str(store.path(NS, key_for(prov, 0))))  # any safetensors reader
+    assert torch.equal(plain["k"], entry.k) and torch.equal(plain["v"], entry.v)
+
+
+def test_miss_and_namespaces_are_disjoint(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    key = key_for(PROV, 0)
+    store.put(Namespace.APPROX, key, rand_entry(PROV))
+    assert store.get(Namespace.EXACT, key, PROV.canonical_json()).status is LookupStatus.MISS
+    assert store.get(Namespace.CANONICAL, key, PROV.canonical_json()).status is LookupStatus.MISS
+    assert store.get(Namespace.APPROX, key, PROV.canonical_json()).status is LookupStatus.HIT
+    assert list(store.keys(Namespace.APPROX)) == [key] and list(store.keys(Namespace.EXACT)) == []
+
+
+def _truncate(at: int) -> Callable[[bytes], bytes]:
+    return lambda b: b[:at]
+
+
+def _flip_data_byte(b: bytes) -> bytes:
+    out = bytearray(b)
+    out[-37] ^= 0x40  # inside v's bytes
+    return bytes(out)
+
+
+def _flip_header_byte(b: bytes) -> bytes:
+    out = bytearray(b)
+    out[20] ^= 0x01  # inside the JSON header
+    return bytes(out)
+
+
+CORRUPTIONS: dict[str, tuple[Callable[[bytes], bytes], set[EntryErrorKind]]] = {
+    "truncate_to_4_bytes": (_truncate(4), {EntryErrorKind.TRUNCATED}),
+    "truncate_in_header": (_truncate(60), {EntryErrorKind.TRUNCATED}),
+    "truncate_in_data": (_truncate(-100), {EntryErrorKind.TRUNCATED}),
+    "truncate_last_byte": (_truncate(-1), {EntryErrorKind.TRUNCATED}),
+    "empty_file": (lambda b: b"", {EntryErrorKind.TRUNCATED}),
+    "flip_data_byte": (_flip_data_byte, {EntryErrorKind.CHECKSUM}),
+    "flip_header_byte": (_flip_header_byte, {EntryErrorKind.BAD_HEADER}),
+    "trailing_garbage": (lambda b: b + b"\0" * 8, {EntryErrorKind.SHAPE}),
+    "other_format_version": (lambda b: retag(b, meta={"format_version": 2}), {EntryErrorKind.FORMAT_VERSION}),
+    "wrong_shape_in_header": (lambda b: retag(b, meta={"shape": [2, 3, 6, 8]}), {EntryErrorKind.SHAPE}),
+    "reshape_same_byte_count": (  # every shape field edited consistently: the checksum covers the claims
+        lambda b: retag(b, meta={"shape": [2, 3, 14, 4]}, table={"k": {"shape": [2, 3, 14, 4]}, "v": {"shape": [2, 3, 14, 4]}}),
+        {EntryErrorKind.CHECKSUM},
+    ),
+    "provenance_edited_in_header": (
+        lambda b: retag(b, meta={"provenance": other_prov(PROV).canonical_json()}), {EntryErrorKind.CHECKSUM}
+    ),
+    "wrong_dtype_in_header": (lambda b: retag(b, meta={"dtype": "float16"}), {EntryErrorKind.DTYPE}),
+    "wrong_dtype_everywhere": (
+        lambda b: retag(b, meta={"dtype": "float16"}, table={"k": {"dtype": "F16"}, "v": {"dtype": "F16"}}),
+        {EntryErrorKind.SHAPE},  # fp16 of that shape is half the bytes: offsets disagree
+    ),
+    "not_a_kvblend_blob": (lambda b: safetensors.torch.save({"k": torch.zeros(1)}), {EntryErrorKind.BAD_HEADER}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_corrupt_file_is_rejected_logged_and_found_by_verify(
+    tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    tamper, kinds = CORRUPTIONS[case]
+    key = key_for(PROV, 0)
+    blob = encode(NS, key, rand_entry(PROV))
+    with pytest.raises(EntryError) as err:
+        decode(bytearray(tamper(blob)), NS, key)
+    assert err.value.kind in kinds, err.value
+
+    store = DiskStore(tmp_path)
+    store.put(NS, key, rand_entry(PROV))
+    store.put(NS, key_for(PROV, 1), rand_entry(PROV, seed=1))  # a healthy neighbour
+    path = store.path(NS, key)
+    path.write_bytes(tamper(path.read_bytes()))
+    with caplog.at_level(logging.WARNING, logger="blend.store"):
+        got = store.get(NS, key, PROV.canonical_json())
+    assert got.status is LookupStatus.REJECTED and got.entry is None
+    assert got.reason.startswith(err.value.kind.value)
+    assert any("rejected" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert store.stats().rejected == 1
+
+    code, report = _cli(tmp_path, "verify")
+    assert code == 1 and report["checked"] == 2
+    assert [c["key"] for c in report["corrupt"]] == [key.hex()]
+    code, report = _cli(tmp_path, "verify", "--delete")
+    assert code == 0 and not path.exists() and store.contains(NS, key_for(PROV, 1))
+
+
+def test_file_copied_under_another_key_is_rejected(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    a, b = key_for(PROV, 0), key_for(PROV, 1)
+    store.put(NS, a, rand_entry(PROV))
+    store.path(NS, b).parent.mkdir(parents=True, exist_ok=True)
+    store.path(NS, b).write_bytes(store.path(NS, a).read_bytes())
+    got = store.get(NS, b, PROV.canonical_json())
+    assert got.status is LookupStatus.REJECTED and got.reason.startswith("key mismatch")
+
+
+def test_provenance_collision_is_rejected(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = DiskStore(tmp_path)
+    key = key_for(PROV, 0)
+    store.put(NS, key, rand_entry(other_prov(PROV)))  # same key, another model's KV
+    with caplog.at_level(logging.WARNING, logger="blend.store"):
+        got = store.get(NS, key, PROV.canonical_json())
+    assert got.status is LookupStatus.REJECTED and got.reason == "provenance mismatch"
+    assert any("provenance mismatch" in r.getMessage() for r in caplog.records)
+
+
+def test_reduced_precision_entry_is_never_served_as_full_precision(tmp_path: Path) -> None:
+    prov16 = make_prov("float16")
+    store = DiskStore(tmp_path)
+    store.put(NS, key_for(prov16, 0), rand_entry(prov16))
+    # Keys derive from the provenance, so the fp32 request asks for another key ...
+    assert key_for(prov16, 0) != key_for(PROV, 0)
+    assert store.get(NS, key_for(PROV, 0), PROV.canonical_json()).status is LookupStatus.MISS
+    # ... and even under a colliding key the fp32 provenance is refused.
+    got = store.get(NS, key_for(prov16, 0), PROV.canonical_json())
+    assert got.status is LookupStatus.REJECTED and got.reason == "provenance mismatch"
+    assert store.get(NS, key_for(prov16, 0), prov16.canonical_json()).entry.k.dtype == torch.float16  # type: ignore[union-attr]
+    # fp16 tensors labelled fp32 are refused on put, and rejected if found on disk.
+    lying = rand_entry(prov16)
+    lying = type(lying)(lying.k, lying.v, PROV.canonical_json())
+    with pytest.raises(ValueError, match="kv_dtype"):
+        store.put(NS, key_for(PROV, 0), lying)
+    blob = encode(NS, key_for(PROV, 0), lying)
+    store.path(NS, key_for(PROV, 0)).parent.mkdir(parents=True, exist_ok=True)
+    store.path(NS, key_for(PROV, 0)).write_bytes(blob)
+    got = store.get(NS, key_for(PROV, 0), PROV.canonical_json())
+    assert got.status is LookupStatus.REJECTED and "kv_dtype" in got.reason
+
+
+def test_stale_temp_files_are_ignored_and_swept(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    key = key_for(PROV, 0)
+    store.put(NS, key, rand_entry(PROV))
+    tmp = store.path(NS, key).parent / f".{key.hex()}.abc.tmp"
+    tmp.write_bytes(b"half an entry")
+    assert list(store.keys(NS)) == [key]
+    assert store.stats().extra["temp_files"] == 1
+    assert store.sweep_temp(older_than_s=0) == 1 and not tmp.exists()
+
+
+def _cli(root: Path, *argv: str) -> tuple[int, Any]:
+    parser = argparse.ArgumentParser()
+    add_store_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["store", argv[0], "--store", f"disk:{root}", "--json", *argv[1:]])
+    out = io.StringIO()
+    code = run_store_command(args, out)
+    return code, json.loads(out.getvalue())
+
+
+def test_cli_ls_stats_clear(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    for i in range(3):
+        store.put(NS, key_for(PROV, i), rand_entry(PROV, T=5 + i))
+    store.put(Namespace.EXACT, key_for(PROV, 9), rand_entry(PROV))
+    code, rows = _cli(tmp_path, "ls", "--namespace", "canonical")
+    assert code == 0 and sorted(r["shape"][2] for r in rows) == [5, 6, 7]
+    assert all(r["model"] == "llama:test" and r["dtype"] == "float32" for r in rows)
+    code, stats = _cli(tmp_path, "stats")
+    assert stats["disk"]["entries"] == 4
+    code, res = _cli(tmp_path, "clear", "--namespace", "exact")
+    assert res["deleted"] == 1 and len(list(store.keys(NS))) == 3
+    code, res = _cli(tmp_path, "clear")
+    assert res["deleted"] == 3 and store.stats().entries == 0

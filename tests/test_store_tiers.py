@@ -1,0 +1,159 @@
+"""Memory LRU budget and order, tiered promotion and write-through, specs, prefetcher."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from blend.keys import Namespace
+from blend.store.base import Lookup, LookupStatus
+from blend.store.disk import DiskStore
+from blend.store.memory import MemoryStore
+from blend.store.prefetch import FetchRequest, Prefetcher
+from blend.store.redis_store import RedisStore
+from blend.store.spec import StoreSpecError, TierKind, open_store, parse_store_spec
+from blend.store.tiered import TieredStore
+from _store_util import NS, key_for, make_prov, other_prov, rand_entry
+
+PROV = make_prov()
+J = PROV.canonical_json()
+
+
+def test_byte_budget_holds_under_10x_stream_and_keeps_the_newest() -> None:
+    one = rand_entry(PROV).nbytes
+    fit = 8
+    store = MemoryStore(budget_bytes=fit * one + one // 2)
+    for i in range(10 * fit):
+        store.put(NS, key_for(PROV, i), rand_entry(PROV, seed=i))
+        assert store.stats().bytes <= store.budget_bytes  # type: ignore[operator]
+    s = store.stats()
+    assert s.entries == fit and s.evictions == 9 * fit
+    kept = {bytes(k) for k in store.keys(NS)}
+    assert kept == {bytes(key_for(PROV, i)) for i in range(9 * fit, 10 * fit)}
+
+
+def test_lru_order_a_get_protects_an_entry() -> None:
+    one = rand_entry(PROV).nbytes
+    store = MemoryStore(budget_bytes=3 * one)
+    for i in range(3):
+        store.put(NS, key_for(PROV, i), rand_entry(PROV, seed=i))
+    assert store.get(NS, key_for(PROV, 0), J).status is LookupStatus.HIT  # 0 is now the newest
+    store.put(NS, key_for(PROV, 3), rand_entry(PROV, seed=3))  # evicts 1, the least recently used
+    assert not store.contains(NS, key_for(PROV, 1))
+    assert all(store.contains(NS, key_for(PROV, i)) for i in (0, 2, 3))
+    store.put(NS, key_for(PROV, 4), rand_entry(PROV, seed=4))  # then 2
+    assert not store.contains(NS, key_for(PROV, 2)) and store.contains(NS, key_for(PROV, 0))
+
+
+def test_entry_larger_than_budget_is_not_cached() -> None:
+    store = MemoryStore(budget_bytes=10)
+    store.put(NS, key_for(PROV, 0), rand_entry(PROV))
+    assert store.stats().entries == 0 and store.stats().bytes == 0
+
+
+def test_memory_rejects_collision() -> None:
+    store = MemoryStore()
+    store.put(NS, key_for(PROV, 0), rand_entry(other_prov(PROV)))
+    got = store.get(NS, key_for(PROV, 0), J)
+    assert got.status is LookupStatus.REJECTED and got.entry is None
+
+
+def test_disk_hit_is_promoted_to_memory(tmp_path: Path) -> None:
+    entry = rand_entry(PROV)
+    DiskStore(tmp_path).put(NS, key_for(PROV, 0), entry)  # written by another process
+    mem = MemoryStore(budget_bytes=1 << 20)
+    store = TieredStore([mem, DiskStore(tmp_path)])
+    assert not mem.contains(NS, key_for(PROV, 0))
+    first = store.get(NS, key_for(PROV, 0), J)
+    assert first.status is LookupStatus.HIT and first.tier == "disk"
+    assert mem.contains(NS, key_for(PROV, 0))
+    second = store.get(NS, key_for(PROV, 0), J)
+    assert second.tier == "memory" and second.entry is not None
+    assert second.entry.k.equal(entry.k)
+    s = store.stats()
+    assert s.hits == 2 and s.extra["promotions"] == 1 and s.extra["disk.hits"] == 1
+
+
+def test_write_through_and_bad_upper_copy_is_bypassed(tmp_path: Path) -> None:
+    mem, disk = MemoryStore(), DiskStore(tmp_path)
+    store = TieredStore([mem, disk])
+    entry = rand_entry(PROV)
+    store.put(NS, key_for(PROV, 0), entry)
+    assert mem.contains(NS, key_for(PROV, 0)) and disk.contains(NS, key_for(PROV, 0))
+    # the memory copy goes bad (another provenance); the valid disk copy wins and replaces it
+    mem._data[(NS, bytes(key_for(PROV, 0)))] = rand_entry(other_prov(PROV))
+    got = store.get(NS, key_for(PROV, 0), J)
+    assert got.status is LookupStatus.HIT and got.tier == "disk"
+    assert mem.get(NS, key_for(PROV, 0), J).status is LookupStatus.HIT
+    # all copies bad: REJECTED (not MISS), with the reason
+    disk.put(NS, key_for(PROV, 0), rand_entry(other_prov(PROV)))
+    mem.put(NS, key_for(PROV, 0), rand_entry(other_prov(PROV)))
+    got = store.get(NS, key_for(PROV, 0), J)
+    assert got.status is LookupStatus.REJECTED and got.reason == "provenance mismatch"
+    assert store.get(NS, key_for(PROV, 5), J).status is LookupStatus.MISS
+
+
+def test_specs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVBLEND_STORE", raising=False)
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    [default] = parse_store_spec(None)
+    assert default.kind is TierKind.DISK and default.location == str(tmp_path / "store")
+    default_store = open_store(None)
+    assert isinstance(default_store, TieredStore) and default_store.name == "memory+disk"
+    assert isinstance(open_store("memory"), MemoryStore)
+    chain = parse_store_spec("disk:/x, redis://127.0.0.1:6390/2?prefix=team&ttl=60")
+    assert [t.kind for t in chain] == [TierKind.DISK, TierKind.REDIS]
+    assert chain[1].location == "redis://127.0.0.1:6390/2" and chain[1].prefix == "team" and chain[1].ttl_s == 60
+    store = open_store("redis://127.0.0.1:6390/2?prefix=team", with_memory=False)
+    assert isinstance(store, RedisStore) and store.prefix == "team"
+    for bad in ["disk:", "s3://bucket", "redis://h:1/0?ttl=soon", ""]:
+        with pytest.raises(StoreSpecError):
+            parse_store_spec(bad) if bad else parse_store_spec(",")
+    monkeypatch.setenv("KVBLEND_STORE", "memory")
+    assert parse_store_spec(None)[0].kind is TierKind.MEMORY
+
+
+class SlowStore(MemoryStore):
+    """A memory store whose lookups take ``delay_s`` (a stand-in for disk/Redis)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def get(self, ns: Namespace, key, provenance: str) -> Lookup:  # type: ignore[no-untyped-def]
+        time.sleep(self.delay_s)
+        return super().get(ns, key, provenance)
+
+
+def test_prefetch_stream_keeps_order_and_overlaps() -> None:
+    store = SlowStore(delay_s=0.08)
+    n = 6
+    for i in range(n):
+        if i != 3:  # one miss in the middle
+            store.put(NS, key_for(PROV, i), rand_entry(PROV, seed=i))
+    reqs = [FetchRequest(NS, key_for(PROV, i), J) for i in range(n)]
+
+    t0 = time.perf_counter()
+    for r in reqs:  # sequential: load, then "compute"
+        store.get(r.ns, r.key, r.provenance)
+        time.sleep(0.08)
+    sequential = time.perf_counter() - t0
+
+    with Prefetcher(store, max_workers=2) as pf:
+        t0 = time.perf_counter()
+        got: list[Lookup] = []
+        for lookup in pf.stream(reqs, depth=1):
+            got.append(lookup)
+            time.sleep(0.08)  # compute with this entry while the next one loads
+        overlapped = time.perf_counter() - t0
+        fut = pf.submit(NS, key_for(PROV, 0), J)
+        assert fut.result().status is LookupStatus.HIT
+
+    assert [g.status for g in got] == [LookupStatus.MISS if i == 3 else LookupStatus.HIT for i in range(n)]
+    for i, g in enumerate(got):
+        if g.entry is not None:
+            assert g.entry.k.equal(rand_entry(PROV, seed=i).k)
+    assert overlapped < 0.8 * sequential, (overlapped, sequential)
+
