@@ -89,8 +89,16 @@ class Embedder:
         from transformers import AutoModel, AutoTokenizer
 
         d = Path(model_dir) if model_dir is not None else default_model_dir()
-        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-        model = AutoModel.from_pretrained(str(d), local_files_only=True)
+        from transformers.utils import logging as hf_logging
+
+        bar_was_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # keep the CLI's stderr to our own bar
+        try:
+            tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+            model = AutoModel.from_pretrained(str(d), local_files_only=True)
+        finally:
+            if bar_was_on:
+                hf_logging.enable_progress_bar()
         model.eval()
         h = hashlib.sha256((d / "config.json").read_bytes())
         for f in sorted(d.glob("*.safetensors")):

@@ -65,3 +65,34 @@ class FakeKV:
         self.deleted.append(chunk_id)
         self.entries.pop(text, None)
         return True
+
+
+class HashEmbedder:
+    """A deterministic stand-in for :class:`~blend.retrieval.embedder.Embedder`.
+
+    Bag-of-words vectors hashed into ``dim`` buckets, L2-normalized: texts that
+    share words are closer. Records every batch it embeds.
+    """
+
+    def __init__(self, dim: int = 64) -> None:
+        from blend.retrieval.embedder import EmbedderInfo
+
+        self.info = EmbedderInfo("hash-bow", dim, 0, "0" * 64)
+        self.batches: list[list[str]] = []
+
+    @property
+    def dim(self) -> int:
+        return self.info.dim
+
+    def embed(self, texts: list[str], batch_size: int | None = None) -> "object":
+        import hashlib
+
+        import numpy as np
+
+        self.batches.append(list(texts))
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)  # (N, D)
+        for r, t in enumerate(texts):
+            for w in t.lower().split():
+                out[r, int.from_bytes(hashlib.sha256(w.strip(".,!?").encode()).digest()[:4], "little") % self.dim] += 1.0
+        norms = np.linalg.norm(out, axis=1, keepdims=True)  # (N, 1)
+        return out / np.maximum(norms, 1e-9)

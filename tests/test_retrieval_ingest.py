@@ -1,0 +1,170 @@
+"""Ingest: idempotence, changed files, bad input, interruption, persistence."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blend.retrieval.catalog import Catalog
+from blend.retrieval.chunker import ChunkerConfig
+from blend.retrieval.corpus import IssueKind, RetrievalError
+from blend.retrieval.ingest import ingest
+from blend.retrieval.testing import FakeKV, HashEmbedder, word_tokenizer
+
+DOCS = {
+    "a.txt": "Anna keeps bees on the hill. The hives face south.\n\nHoney is sold on Fridays. Jars cost two crowns.",
+    "b.md": "# Ferry\n\nThe ferry leaves at noon. It carries forty people.\n\nThe captain is named Bruno.",
+    "c.txt": "The library opens at nine. Children read on Saturdays. The librarian is Clara.",
+}
+CFG = ChunkerConfig(target_tokens=14)
+
+
+@pytest.fixture()
+def corpus(tmp_path: Path) -> Path:
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for name, text in DOCS.items():
+        (d / name).write_text(text)
+    rows = [{"text": "The baker starts at four. Bread is ready at seven."}, {"text": "The mill grinds rye. It runs on water."}]
+    (d / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return word_tokenizer(list(DOCS.values()) + ["The baker starts at four. Bread is ready at seven. The mill grinds rye."])
+
+
+def _run(paths, index, tok, kv=None, emb=None, **kw):
+    return ingest(paths, index, tokenizer=tok, embedder=emb or HashEmbedder(), config=CFG,
+                  kv_writer=kv.write if kv else None, kv_deleter=kv.delete if kv else None,
+                  stream=io.StringIO(), **kw)
+
+
+def test_reingest_unchanged_adds_nothing(corpus, tmp_path, tok) -> None:
+    kv, emb = FakeKV(), HashEmbedder()
+    s1 = _run([corpus], tmp_path / "idx", tok, kv, emb)
+    assert s1.files_ingested == 4 and s1.chunks_added == s1.chunks_total > 4 and s1.kv_bytes > 0
+    calls, batches = len(kv.calls), len(emb.batches)
+    s2 = _run([corpus], tmp_path / "idx", tok, kv, emb)
+    assert (s2.files_unchanged, s2.files_ingested, s2.chunks_added, s2.chunks_removed) == (4, 0, 0, 0)
+    assert s2.chunks_total == s1.chunks_total and s2.kv_bytes == 0
+    assert len(kv.calls) == calls and len(emb.batches) == batches  # neither KV nor embeddings recomputed
+    cat = Catalog.open(tmp_path / "idx")
+    assert cat.vectors.ntotal == len(cat.records) == s1.chunks_total
+
+
+def test_changed_file_replaces_only_its_chunks(corpus, tmp_path, tok) -> None:
+    kv = FakeKV()
+    _run([corpus], tmp_path / "idx", tok, kv)
+    before = Catalog.open(tmp_path / "idx")
+    a_path = str((corpus / "a.txt").resolve())
+    a_old = {c.chunk_id for c in before.files[a_path].chunks}
+    others = {p: fe.chunks for p, fe in before.files.items() if p != a_path}
+    (corpus / "a.txt").write_text(DOCS["a.txt"].replace("Jars cost two crowns.", "Jars cost three crowns."))
+    s = _run([corpus], tmp_path / "idx", tok, kv)
+    assert s.files_ingested == 1 and s.files_unchanged == 3
+    after = Catalog.open(tmp_path / "idx")
+    a_new = {c.chunk_id for c in after.files[a_path].chunks}
+    assert set(s.removed_ids) == a_old - a_new and s.chunks_removed == 1 and s.chunks_added == 1
+    assert a_old & a_new  # the unchanged paragraph kept its chunk (and KV)
+    assert {p: fe.chunks for p, fe in after.files.items() if p != a_path} == others
+    assert not set(s.removed_ids) & set(after.records)
+    # the removed chunk's KV became unreachable and was collected
+    assert set(kv.deleted) == set(s.removed_ids) and s.gc_collected == 1 and not after.pending_gc
+    assert not any("two crowns" in t for t in kv.entries)
+    hits = after.search(HashEmbedder().embed(["Jars cost two crowns"]), k=len(after.records))[0]
+    assert all(h.chunk_id not in s.removed_ids for h in hits)
+
+
+def test_removed_kv_waits_without_deleter(corpus, tmp_path, tok) -> None:
+    _run([corpus], tmp_path / "idx", tok)
+    (corpus / "c.txt").write_text("The library is closed.")
+    s = _run([corpus], tmp_path / "idx", tok)
+    assert s.gc_pending == s.chunks_removed >= 1
+    cat = Catalog.open(tmp_path / "idx")
+    assert set(cat.pending_gc) == set(s.removed_ids)
+    kv = FakeKV()
+    assert cat.collect_garbage(kv.delete) == len(s.removed_ids)
+    cat.commit()
+    assert not Catalog.open(tmp_path / "idx").pending_gc
+
+
+def test_bad_inputs_reported_rest_ingested(corpus, tmp_path, tok) -> None:
+    (corpus / "empty.txt").write_text("")
+    (corpus / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    (corpus / "latin.md").write_bytes("ok line\nna\xefve caf\xe9\n".encode("latin-1"))
+    with open(corpus / "d.jsonl", "a") as f:
+        f.write(json.dumps({"title": "x"}) + "\n")
+    s = _run([corpus, tmp_path / "missing.txt"], tmp_path / "idx", tok)
+    msgs = [str(i) for i in s.issues]
+    assert any("missing.txt" in m and "missing" in m for m in msgs)
+    assert any("empty.txt" in m and i.kind is IssueKind.EMPTY for m, i in zip(msgs, s.issues))
+    assert any("binary.txt:" in m and i.kind is IssueKind.BINARY for m, i in zip(msgs, s.issues))
+    assert any("latin.md:2:" in m and i.kind is IssueKind.NOT_UTF8 for m, i in zip(msgs, s.issues))
+    assert any("d.jsonl:3:" in m and i.kind is IssueKind.NO_TEXT for m, i in zip(msgs, s.issues))
+    assert s.files_ingested == 4 and s.files_failed == 3
+    cat = Catalog.open(tmp_path / "idx")
+    assert {Path(p).name for p in cat.files} == {"a.txt", "b.md", "c.txt", "d.jsonl"}
+
+
+def test_interrupted_ingest_resumes_without_duplicates(corpus, tmp_path, tok) -> None:
+    clean = _run([corpus], tmp_path / "clean", tok, FakeKV())
+    kv = FakeKV(fail_on_call=3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _run([corpus], tmp_path / "idx", tok, kv, commit_every=1)
+    partial = Catalog.open(tmp_path / "idx")
+    assert 0 < len(partial.files) < 4
+    kv.fail_on_call = None
+    s = _run([corpus], tmp_path / "idx", tok, kv)
+    assert s.files_unchanged == len(partial.files) and s.files_ingested == 4 - len(partial.files)
+    cat = Catalog.open(tmp_path / "idx")
+    assert set(cat.records) == set(Catalog.open(tmp_path / "clean").records)
+    assert cat.vectors.ntotal == len(cat.records) == clean.chunks_total
+    assert len(set(cat.vectors.ids.tolist())) == cat.vectors.ntotal
+
+
+def test_persist_and_reload_identical_search(corpus, tmp_path, tok) -> None:
+    emb = HashEmbedder()
+    _run([corpus], tmp_path / "idx", tok, emb=emb)
+    cat = Catalog.open(tmp_path / "idx")
+    q = emb.embed(["who is the captain of the ferry", "when does the library open", "bread"])  # (3, D)
+    first = cat.search(q, 3)
+    again = Catalog.open(tmp_path / "idx").search(q, 3)
+    assert first == again
+    assert "Bruno" in first[0][0].text and first[0][0].source.endswith("b.md")
+    assert [h.score for h in first[0]] == sorted((h.score for h in first[0]), reverse=True)
+    assert first[2][0].line == 1 and first[2][0].source.endswith("d.jsonl")
+
+
+def test_shared_chunk_survives_until_last_reference(tmp_path, tok) -> None:
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "x.txt").write_text(DOCS["c.txt"])
+    (d / "y.txt").write_text(DOCS["c.txt"])
+    s = _run([d], tmp_path / "idx", tok)
+    n = s.chunks_total
+    (d / "x.txt").write_text("Something else entirely.")
+    s2 = _run([d], tmp_path / "idx", tok)
+    assert s2.chunks_removed == 0 and s2.chunks_total == n + 1
+    hit = Catalog.open(tmp_path / "idx").search(HashEmbedder().embed(["librarian Clara"]), 1)[0][0]
+    assert hit.source.endswith("y.txt")
+
+
+def test_open_missing_index_is_clear(tmp_path) -> None:
+    with pytest.raises(RetrievalError, match="no index here"):
+        Catalog.open(tmp_path / "nothing")
+
+
+def test_real_embedder_finds_the_right_document(corpus, tmp_path, tok) -> None:
+    from blend.retrieval.embedder import Embedder
+
+    emb = Embedder.load()
+    _run([corpus], tmp_path / "idx", tok, emb=emb)
+    cat = Catalog.open(tmp_path / "idx")
+    hits = cat.search(emb.embed(["Who is the captain of the ferry?"]), 2)[0]
+    assert hits[0].source.endswith("b.md") and any("Bruno" in h.text for h in hits)
