@@ -44,7 +44,10 @@ class BackendPolicy(enum.Enum):
 @lru_cache(maxsize=1)
 def triton_available() -> bool:
     """Whether Triton can be imported (checked without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def backend_policy() -> BackendPolicy:
