@@ -1,0 +1,71 @@
+"""Per-method aggregation of per-item rows (means, TTFT percentiles, bootstrap CIs)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from blend.evals import metrics as M
+from blend.evals.methods import Method
+
+# Quality fields averaged over items (mean of per-item values).
+MEAN_FIELDS = ("f1", "em", "rouge_l", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "recomputed_frac",
+               "computed_frac")
+
+
+def aggregate_method(
+    name: str, rows: Sequence[dict[str, Any]], method: Method | None, n_boot: int, seed: int
+) -> dict[str, Any]:
+    """Aggregate one method over items.
+
+    Args:
+        name: method name (key of ``row["methods"]``).
+        rows: per-item rows (each with ``methods[name]``).
+        method: the parsed method (its spec is recorded), or None.
+        n_boot: bootstrap resamples.
+        seed: bootstrap seed.
+
+    Returns:
+        The ``methods.<name>`` object of results.json (see :mod:`blend.evals.report`).
+    """
+    per = [r["methods"][name] for r in rows if name in r["methods"]]
+    out: dict[str, Any] = {f: M.mean([p.get(f) for p in per]) for f in MEAN_FIELDS}
+    ttft = [p.get("ttft_s") for p in per]
+    ratios = [p.get("ttft_ratio") for p in per]
+    f1 = [p.get("f1") for p in per]
+    out.update(
+        ttft_median_s=M.median(ttft),
+        ttft_p90_s=M.percentile(ttft, 90.0),
+        ttft_ratio=M.median(ratios),
+        ttft_ratio_mean=M.mean(ratios),
+        f1_ci=_ci(f1, np.mean, n_boot, seed),
+        ttft_ratio_ci=_ci(ratios, np.median, n_boot, seed),
+        recomputed_tokens=M.mean([p.get("recomputed_tokens") for p in per]),
+        prompt_tokens=M.mean([p.get("prompt_tokens") for p in per]),
+        n=len(per),
+        spec=method.to_dict() if method is not None else None,
+    )
+    return out
+
+
+def _ci(values: Sequence[float | None], stat: Any, n_boot: int, seed: int) -> list[float] | None:
+    ci = M.bootstrap_ci(values, stat=stat, n=n_boot, seed=seed)
+    return list(ci) if ci is not None else None
+
+
+def aggregate(
+    rows: Sequence[dict[str, Any]], methods: Sequence[Method], n_boot: int = 1000, seed: int = 0
+) -> dict[str, dict[str, Any]]:
+    """Aggregate every method, in method order.
+
+    Args:
+        rows: per-item rows.
+        methods: parsed methods (``full`` first).
+        n_boot: bootstrap resamples.
+        seed: bootstrap seed.
+
+    Returns:
+        ``{name: aggregate}``.
+    """
+    return {m.name: aggregate_method(m.name, rows, m, n_boot, seed) for m in methods}

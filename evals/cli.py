@@ -1,0 +1,158 @@
+"""``kvblend eval``: the evaluation command.
+
+The main CLI registers it with :func:`add_eval_command` and dispatches to
+:func:`run_eval`; ``python -m blend.evals.cli ...`` runs it standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from blend.evals.data import DataError, load_items
+from blend.evals.harness import EvalConfig, ResumeError, run_harness
+from blend.evals.methods import DEFAULT_METHODS, MethodError, parse_methods
+from blend.evals.plot import write_pareto
+from blend.evals.progress import Progress
+from blend.evals.report import markdown, write_json, write_markdown
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the eval options to a parser.
+
+    Args:
+        p: the (sub)parser.
+
+    Returns:
+        The same parser.
+    """
+    p.add_argument("--data", required=True,
+                   help="CacheBlend-style JSON/JSONL file, or synthetic:single / synthetic:two-hop")
+    p.add_argument("--limit", type=_positive, default=30, help="number of items (default 30)")
+    p.add_argument("--passages", type=_positive, default=5, help="documents per item (default 5)")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma list: full, prefix, reuse, blend@R[:selector][:check=L,...] "
+                        f"(default {DEFAULT_METHODS}; full is always run)")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name or path (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
+    p.add_argument("--store", default=None, help="KV store spec passed to the engine (default: in memory)")
+    p.add_argument("--max-new-tokens", type=_positive, default=32, help="answer length limit (default 32)")
+    p.add_argument("--repeats", type=_positive, default=3,
+                   help="TTFT samples per method and item; the median is kept (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds before timing (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of synthetic data and bootstrap (default 0)")
+    p.add_argument("--system", default=None, help="system prompt (default: the engine's)")
+    p.add_argument("--bootstrap", type=_positive, default=1000, help="bootstrap resamples (default 1000)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run from --out/rows.jsonl")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def add_eval_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``eval`` on an ``argparse`` subparsers object.
+
+    Args:
+        subparsers: the result of ``parser.add_subparsers()``.
+
+    Returns:
+        The eval parser (its ``func`` default is :func:`run_eval`).
+    """
+    p = subparsers.add_parser("eval", help="evaluate reuse methods against full prefill",
+                              description=__doc__.splitlines()[0])
+    configure_parser(p)
+    p.set_defaults(func=run_eval)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    """The run config of parsed arguments (methods already canonical, ``full`` first)."""
+    methods = parse_methods(args.methods)
+    return EvalConfig(
+        data=args.data, limit=args.limit, passages=args.passages, methods=tuple(m.name for m in methods),
+        model=args.model, dtype=args.dtype, store=args.store, max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats, warmup=args.warmup, seed=args.seed, system=args.system, bootstrap=args.bootstrap,
+    )
+
+
+def _load_engine(config: EvalConfig) -> Any:
+    """The engine of a run; the default store is in-process memory (``--store`` opens another)."""
+    from blend.engine import Engine
+    from blend.store.spec import open_store
+
+    store = open_store(config.store) if config.store else None
+    return Engine.load(model=config.model, dtype=config.dtype, store=store)
+
+
+def _engine_errors() -> tuple[type[Exception], ...]:
+    """The engine's user-facing errors (unknown model, over-long prompt, bad policy, bad store)."""
+    try:
+        from blend.errors import KVBlendError
+        from blend.store.spec import StoreSpecError
+    except ImportError:
+        return ()
+    return (KVBlendError, StoreSpecError)
+
+
+def run_eval(
+    args: argparse.Namespace,
+    engine_factory: Callable[[EvalConfig], Any] | None = None,
+    policy_of: Callable[[Any], Any] | None = None,
+) -> int:
+    """Run ``kvblend eval``.
+
+    Args:
+        args: parsed arguments (see :func:`configure_parser`).
+        engine_factory: config -> engine-like object (default :meth:`Engine.load`); tests inject fakes.
+        policy_of: method -> policy (default :meth:`Method.policy`); tests inject fakes.
+
+    Returns:
+        Exit status: 0 on success, 2 on bad input (data, methods, resume mismatch, an
+        engine error such as an unknown model or an over-long prompt; rows done so far are kept).
+    """
+    try:
+        methods = parse_methods(args.methods)
+        config = config_from_args(args)
+        if config.warmup < 0:
+            raise MethodError(f"--warmup must be >= 0, got {config.warmup}")
+        items = load_items(config.data, config.limit, config.passages, seed=config.seed)
+    except (DataError, MethodError, ValueError) as e:
+        print(f"kvblend eval: error: {e}", file=sys.stderr)
+        return 2
+    out: Path = args.out
+    progress = None if args.no_progress else Progress(total=len(items))
+    try:
+        engine = (engine_factory or _load_engine)(config)
+        results = run_harness(
+            engine, items, methods, config, out, resume=args.resume, progress=progress, policy_of=policy_of
+        )
+    except (ResumeError, *_engine_errors()) as e:
+        print(f"kvblend eval: error: {e}", file=sys.stderr)
+        return 2
+    write_json(results, out / "results.json")
+    write_markdown(results, out / "results.md")
+    write_pareto(results, out / "pareto.png")
+    print(markdown(results))
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pareto.png'}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry point: ``python -m blend.evals.cli --data ... --out ...``."""
+    parser = configure_parser(argparse.ArgumentParser(prog="kvblend eval", description=__doc__.splitlines()[0]))
+    return run_eval(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

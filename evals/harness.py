@@ -1,0 +1,305 @@
+"""The evaluation loop.
+
+For each item::
+
+    prompt = engine.build_prompt(question, documents)
+    precompute KV every method would reuse            (not timed)
+    [first item of the process: warm-up, every method once, untimed]
+    round 0: every method answers (max_new_tokens)    order rotated per item
+    rounds 1..repeats-1: every method, 1 token        TTFT samples only, order rotated
+    full prefill's answer -> teacher-forced logits of every method along it
+    metrics vs gold and vs full -> one row appended to rows.jsonl
+
+Rotating the order per item and per round spreads machine drift (thermal,
+caches, other processes) over all methods alike. ``full`` is always run: it
+is the reference of KL, top-1, teacher-forced and answer agreement.
+
+The harness only needs an engine-like object (duck-typed): ``build_prompt``,
+``precompute``, ``generate``, ``teacher_forced_logits``, ``provenance``,
+``model_name`` with the signatures of :class:`blend.engine.Engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from blend.evals import metrics as M
+from blend.evals.aggregate import aggregate
+from blend.evals.data import Item
+from blend.evals.environment import describe_environment, provenance_dict
+from blend.evals.methods import REFERENCE, Method, MethodKind
+from blend.evals.progress import Progress
+
+ROWS_FILE = "rows.jsonl"
+RUN_FILE = "run.json"
+SCHEMA_VERSION = 1
+
+# Config fields that may differ between an interrupted run and its --resume
+# (they change timings or the amount of work, never an item's quality row).
+_RESUME_FREE = ("limit", "store", "repeats", "warmup", "bootstrap")
+
+
+class ResumeError(ValueError):
+    """--resume over an output folder written with different settings or data."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Everything that defines a run (recorded in results.json and run.json)."""
+
+    data: str
+    limit: int
+    passages: int
+    methods: tuple[str, ...]
+    model: str
+    dtype: str
+    store: str | None = None
+    max_new_tokens: int = 32
+    repeats: int = 3
+    warmup: int = 1
+    seed: int = 0
+    system: str | None = None
+    bootstrap: int = 1000
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        d = dataclasses.asdict(self)
+        d["methods"] = list(self.methods)
+        return d
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that must match for --resume."""
+        return {k: v for k, v in self.to_dict().items() if k not in _RESUME_FREE}
+
+
+def rotated(seq: Sequence[Method], shift: int) -> list[Method]:
+    """``seq`` rotated left by ``shift`` (mod its length)."""
+    if not seq:
+        return []
+    k = shift % len(seq)
+    return list(seq[k:]) + list(seq[:k])
+
+
+def _clean(x: Any) -> Any:
+    """JSON-safe copy: non-finite floats become None."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def evaluate_item(
+    engine: Any,
+    item: Item,
+    index: int,
+    methods: Sequence[Method],
+    policies: dict[str, Any],
+    config: EvalConfig,
+    warm_up: bool,
+) -> dict[str, Any]:
+    """Run every method on one item and score it.
+
+    Args:
+        engine: engine-like object.
+        item: the item.
+        index: its index in the data (drives the rotation).
+        methods: parsed methods, ``full`` among them.
+        policies: ``{name: ReusePolicy}``.
+        config: run config (max_new_tokens, repeats, warmup, system).
+        warm_up: run untimed warm-up rounds first.
+
+    Returns:
+        The item's row: ``{index, id, question, answers, prompt_tokens, full_answer, methods: {name: row}}``.
+    """
+    prompt = engine.build_prompt(item.question, item.document_texts(), config.system)
+    for m in methods:
+        if m.kind is not MethodKind.FULL:
+            engine.precompute(prompt, policies[m.name])
+    if warm_up:
+        for w in range(config.warmup):
+            for m in rotated(methods, w):
+                engine.generate(prompt, policies[m.name], max_new_tokens=1)
+    answers: dict[str, Any] = {}
+    samples: dict[str, list[float]] = {m.name: [] for m in methods}
+    for m in rotated(methods, index):
+        ans = engine.generate(prompt, policies[m.name], max_new_tokens=config.max_new_tokens)
+        answers[m.name] = ans
+        samples[m.name].append(float(ans.ttft_s))
+    for r in range(1, config.repeats):
+        for m in rotated(methods, index + r):
+            samples[m.name].append(float(engine.generate(prompt, policies[m.name], max_new_tokens=1).ttft_s))
+
+    full = answers[REFERENCE]
+    cont = [int(t) for t in full.token_ids]
+    full_tf = engine.teacher_forced_logits(prompt, policies[REFERENCE], cont) if cont else None
+    full_ttft = M.median(samples[REFERENCE])
+    rows: dict[str, Any] = {}
+    for m in methods:
+        ans = answers[m.name]
+        kl = M.kl_divergence(full.first_logits, ans.first_logits)
+        top1 = M.top1_agree(full.first_logits, ans.first_logits)
+        if cont:
+            tf = full_tf if m.name == REFERENCE else engine.teacher_forced_logits(prompt, policies[m.name], cont)
+            tf_agree, tf_kl = M.teacher_forced_agreement(tf, cont), M.mean_kl_rows(full_tf, tf, len(cont))
+        else:  # full answered nothing: the first token is all there is to compare
+            tf_agree, tf_kl = top1, kl
+        rep = ans.report
+        ttft = M.median(samples[m.name])
+        rows[m.name] = {
+            "prediction": ans.text,
+            "answer_tokens": len(ans.token_ids),
+            "f1": M.best_over(M.token_f1, ans.text, item.answers),
+            "em": M.best_over(M.exact_match, ans.text, item.answers),
+            "rouge_l": M.best_over(M.rouge_l, ans.text, item.answers),
+            "agreement": M.answers_agree(ans.text, full.text),
+            "kl": kl,
+            "top1": top1,
+            "tf_agreement": tf_agree,
+            "tf_kl": tf_kl,
+            "ttft_s": ttft,
+            "ttft_samples": samples[m.name],
+            "ttft_ratio": (ttft / full_ttft) if ttft is not None and full_ttft else None,
+            "recomputed_tokens": int(rep.recomputed_tokens),
+            "reused_tokens": int(rep.reused_tokens),
+            "prompt_tokens": int(rep.prompt_tokens),
+            "recomputed_frac": int(rep.recomputed_tokens) / max(int(rep.prompt_tokens), 1),
+            # rows with fresh KV above the check layer: computed (not reused) plus recomputed
+            "computed_frac": (int(rep.prompt_tokens) - int(rep.reused_tokens) + int(rep.recomputed_tokens))
+            / max(int(rep.prompt_tokens), 1),
+        }
+    return _clean(
+        {
+            "index": index,
+            "id": item.id,
+            "question": item.question,
+            "answers": list(item.answers),
+            "prompt_tokens": len(prompt.token_ids),
+            "full_answer": full.text,
+            "methods": rows,
+        }
+    )
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    if not path.exists():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut short by the interruption: that item is redone
+    return rows
+
+
+def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bool) -> dict[int, dict[str, Any]]:
+    """Create the output folder; on --resume, load the rows already done.
+
+    Args:
+        out: output folder.
+        config: this run's config.
+        items: this run's items.
+        resume: continue from ``rows.jsonl`` instead of starting over.
+
+    Returns:
+        ``{index: row}`` of items already done (empty unless resuming).
+
+    Raises:
+        ResumeError: the folder was written with other settings or data.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    run_path, rows_path = out / RUN_FILE, out / ROWS_FILE
+    done: dict[int, dict[str, Any]] = {}
+    if resume and run_path.exists():
+        old = json.loads(run_path.read_text(encoding="utf-8"))
+        if old.get("identity") != config.identity():
+            diff = sorted(
+                k for k in set(old.get("identity", {})) | set(config.identity())
+                if old.get("identity", {}).get(k) != config.identity().get(k)
+            )
+            raise ResumeError(f"--resume: {out} was written with different settings ({', '.join(diff)})")
+        for row in _read_rows(rows_path):
+            i = int(row["index"])
+            if i >= len(items):
+                continue
+            if row.get("id") != items[i].id or row.get("question") != items[i].question:
+                raise ResumeError(f"--resume: item {i} in {rows_path} does not match the data (id {row.get('id')!r})")
+            done[i] = row
+        # Rewrite without a cut-off last line, so appends start on a fresh line.
+        rows_path.write_text("".join(json.dumps(done[i]) + "\n" for i in sorted(done)), encoding="utf-8")
+    else:
+        rows_path.write_text("", encoding="utf-8")
+    run_path.write_text(json.dumps({"identity": config.identity()}, indent=1) + "\n", encoding="utf-8")
+    return done
+
+
+def run_harness(
+    engine: Any,
+    items: Sequence[Item],
+    methods: Sequence[Method],
+    config: EvalConfig,
+    out: Path,
+    resume: bool = False,
+    progress: Progress | None = None,
+    policy_of: Callable[[Method], Any] | None = None,
+) -> dict[str, Any]:
+    """Evaluate every method on every item and build the results object.
+
+    Args:
+        engine: engine-like object (see module docstring).
+        items: items to evaluate.
+        methods: parsed methods; must include ``full``.
+        config: run config.
+        out: output folder (rows.jsonl and run.json are written as items finish).
+        resume: continue from rows already in ``out``.
+        progress: progress bar (None: silent).
+        policy_of: method -> policy (default :meth:`Method.policy`); tests inject fakes.
+
+    Returns:
+        The results object (see :mod:`blend.evals.report`), not yet written.
+    """
+    if REFERENCE not in [m.name for m in methods]:
+        raise ValueError("methods must include 'full' (the reference)")
+    policy_of = policy_of or (lambda m: m.policy())
+    policies = {m.name: policy_of(m) for m in methods}
+    done = prepare_out(out, config, items, resume)
+    if progress is not None:
+        progress.skip(len(done))
+    warm = False
+    with (out / ROWS_FILE).open("a", encoding="utf-8") as f:
+        for i, item in enumerate(items):
+            if i in done:
+                continue
+            row = evaluate_item(engine, item, i, methods, policies, config, warm_up=not warm)
+            warm = True
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            done[i] = row
+            if progress is not None:
+                progress.update(1)
+    if progress is not None:
+        progress.close()
+    rows = [done[i] for i in sorted(done)]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "config": config.to_dict(),
+        "model": {
+            "name": str(engine.model_name),
+            "dtype": config.dtype,
+            "provenance": provenance_dict(engine.provenance),
+        },
+        **describe_environment(),
+        "reference": REFERENCE,
+        "methods": aggregate(rows, methods, n_boot=config.bootstrap, seed=config.seed),
+        "items": rows,
+    }

@@ -1,0 +1,259 @@
+"""results.json (schema below), its validator, and results.md.
+
+results.json, schema_version 1::
+
+    {
+      "schema_version": 1,
+      "config":  {data, limit, passages, methods: [str], model, dtype, store, max_new_tokens,
+                  repeats, warmup, seed, system, bootstrap},
+      "model":   {"name": str, "dtype": str, "provenance": {...}},   # blend.keys.Provenance fields
+      "versions": {"python": str, "kvblend": str|null, "torch": ..., ...},
+      "machine": {"platform": str, "cpu_count": int, "accelerator": str|null, ...},
+      "reference": "full",
+      "methods": {
+        "<name>": {                          # one per method, "full" first; name as given
+          "f1", "em", "rouge_l":  mean over items, best over gold answers (SQuAD normalisation)
+          "agreement":            fraction of items whose normalised answer equals full's
+          "kl":                   mean KL(full || method) of the first answer token, nats
+          "top1":                 fraction of items whose first-token argmax equals full's
+          "tf_agreement":         mean fraction of full's answer tokens the method predicts
+                                  when teacher-forced along full's answer
+          "tf_kl":                mean KL(full || method) along full's answer (teacher-forced)
+          "ttft_median_s", "ttft_p90_s":  over items (each item: median of its repeats)
+          "ttft_ratio":           median over items of method TTFT / full TTFT (same item)
+          "ttft_ratio_mean":      mean of the same ratios
+          "f1_ci", "ttft_ratio_ci":  [low, high] 95% bootstrap over items (mean F1, median ratio)
+          "recomputed_frac":      mean recomputed tokens / prompt tokens (reused rows recomputed)
+          "computed_frac":        mean fraction of prompt rows with fresh KV above the check layer
+                                  ((prompt - reused + recomputed) / prompt; 1.0 for full prefill)
+          "recomputed_tokens", "prompt_tokens":  means
+          "n":                    items scored
+          "spec":                 {kind, ratio, selector, check_layers}
+        }                                    # every number may be null when undefined (n = 0)
+      },
+      "items": [                             # one per item, by index
+        {"index": int, "id": str, "question": str, "answers": [str], "prompt_tokens": int,
+         "full_answer": str,
+         "methods": {"<name>": {prediction, answer_tokens, f1, em, rouge_l, agreement, kl, top1,
+                                tf_agreement, tf_kl, ttft_s, ttft_samples: [float], ttft_ratio,
+                                recomputed_tokens, reused_tokens, prompt_tokens, recomputed_frac,
+                                computed_frac}}}
+      ]
+    }
+
+Everything except the ``ttft*`` fields, ``machine`` and ``versions`` is a
+function of the inputs (same inputs, same file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from blend.evals.methods import REFERENCE
+
+AGG_NUMBERS = (
+    "f1", "em", "rouge_l", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_median_s", "ttft_p90_s",
+    "ttft_ratio", "ttft_ratio_mean", "recomputed_frac", "computed_frac", "recomputed_tokens", "prompt_tokens",
+)
+ROW_NUMBERS = (
+    "f1", "em", "rouge_l", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_s", "ttft_ratio",
+    "recomputed_frac", "computed_frac",
+)
+ROW_INTS = ("answer_tokens", "recomputed_tokens", "reused_tokens", "prompt_tokens")
+TOP_LEVEL = {
+    "schema_version": int, "config": dict, "model": dict, "versions": dict, "machine": dict,
+    "reference": str, "methods": dict, "items": list,
+}
+# Metrics in [0, 1].
+UNIT = ("f1", "em", "rouge_l", "agreement", "top1", "tf_agreement", "recomputed_frac", "computed_frac")
+
+
+class SchemaError(ValueError):
+    """results.json does not follow the documented schema."""
+
+
+def _num(x: Any) -> bool:
+    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x))
+
+
+def _ci_ok(x: Any) -> bool:
+    return x is None or (isinstance(x, list) and len(x) == 2 and all(_num(v) and v is not None for v in x)
+                         and x[0] <= x[1])
+
+
+def validate_results(obj: Any) -> None:
+    """Check a results object against the schema in this module's docstring.
+
+    Args:
+        obj: the decoded results.json.
+
+    Raises:
+        SchemaError: naming the first offending path.
+    """
+    if not isinstance(obj, dict):
+        raise SchemaError("results: must be an object")
+    for key, typ in TOP_LEVEL.items():
+        if key not in obj:
+            raise SchemaError(f"results.{key}: missing")
+        if not isinstance(obj[key], typ) or isinstance(obj[key], bool):
+            raise SchemaError(f"results.{key}: must be {typ.__name__}, got {type(obj[key]).__name__}")
+    if obj["schema_version"] != 1:
+        raise SchemaError(f"results.schema_version: unknown version {obj['schema_version']}")
+    for key in ("name", "dtype", "provenance"):
+        if key not in obj["model"]:
+            raise SchemaError(f"results.model.{key}: missing")
+    names = list(obj["methods"])
+    if REFERENCE not in names:
+        raise SchemaError("results.methods: the reference 'full' is missing")
+    for name, agg in obj["methods"].items():
+        where = f"results.methods[{name!r}]"
+        if not isinstance(agg, dict):
+            raise SchemaError(f"{where}: must be an object")
+        for f in AGG_NUMBERS:
+            if f not in agg or not _num(agg[f]):
+                raise SchemaError(f"{where}.{f}: missing or not a finite number/null")
+        for f in UNIT:
+            if agg[f] is not None and not 0.0 <= agg[f] <= 1.0:
+                raise SchemaError(f"{where}.{f}: {agg[f]} outside [0, 1]")
+        if agg["kl"] is not None and agg["kl"] < 0:
+            raise SchemaError(f"{where}.kl: negative")
+        for f in ("f1_ci", "ttft_ratio_ci"):
+            if f not in agg or not _ci_ok(agg[f]):
+                raise SchemaError(f"{where}.{f}: must be [low, high] or null")
+        if not isinstance(agg.get("n"), int) or agg["n"] < 0:
+            raise SchemaError(f"{where}.n: must be a non-negative integer")
+    for i, row in enumerate(obj["items"]):
+        where = f"results.items[{i}]"
+        if not isinstance(row, dict):
+            raise SchemaError(f"{where}: must be an object")
+        for f, typ in (("index", int), ("id", str), ("question", str), ("answers", list), ("methods", dict)):
+            if not isinstance(row.get(f), typ):
+                raise SchemaError(f"{where}.{f}: missing or not {typ.__name__}")
+        if set(row["methods"]) != set(names):
+            raise SchemaError(f"{where}.methods: has {sorted(row['methods'])}, expected {sorted(names)}")
+        for name, r in row["methods"].items():
+            w = f"{where}.methods[{name!r}]"
+            if not isinstance(r.get("prediction"), str):
+                raise SchemaError(f"{w}.prediction: missing or not a string")
+            for f in ROW_NUMBERS:
+                if f not in r or not _num(r[f]):
+                    raise SchemaError(f"{w}.{f}: missing or not a finite number/null")
+            for f in ROW_INTS:
+                if not isinstance(r.get(f), int):
+                    raise SchemaError(f"{w}.{f}: missing or not an integer")
+            if not isinstance(r.get("ttft_samples"), list) or not all(_num(v) for v in r["ttft_samples"]):
+                raise SchemaError(f"{w}.ttft_samples: must be a list of numbers")
+    for name, agg in obj["methods"].items():
+        if agg["n"] != sum(1 for row in obj["items"] if name in row["methods"]):
+            raise SchemaError(f"results.methods[{name!r}].n: does not match the item rows")
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    """Validate and write results.json (atomically)."""
+    validate_results(results)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+# Markdown table: (header, field, format, better: "high" | "low" | None, vs-reference metric).
+COLUMNS: tuple[tuple[str, str, str, str | None, bool], ...] = (
+    ("F1", "f1", "{:.3f}", "high", False),
+    ("EM", "em", "{:.3f}", "high", False),
+    ("Rouge-L", "rouge_l", "{:.3f}", "high", False),
+    ("agree", "agreement", "{:.3f}", "high", True),
+    ("KL", "kl", "{:.4g}", "low", True),
+    ("top-1", "top1", "{:.3f}", "high", True),
+    ("TF agree", "tf_agreement", "{:.3f}", "high", True),
+    ("TTFT med (s)", "ttft_median_s", "{:.4f}", None, False),
+    ("TTFT ratio", "ttft_ratio", "{:.3f}", "low", False),
+    ("recomp", "recomputed_frac", "{:.3f}", None, False),
+    ("fresh KV", "computed_frac", "{:.3f}", None, False),
+)
+
+
+def sort_key(name: str, agg: dict[str, Any]) -> tuple[Any, ...]:
+    """Table order: full first, then by KL to full (lower first), then TTFT ratio, then name."""
+    inf = float("inf")
+    kl = agg.get("kl")
+    ratio = agg.get("ttft_ratio")
+    return (name != REFERENCE, inf if kl is None else kl, inf if ratio is None else ratio, name)
+
+
+def best_per_column(methods: dict[str, dict[str, Any]]) -> dict[str, set[str]]:
+    """Methods holding the best value of each column (ties included).
+
+    Metrics measured against full prefill exclude ``full`` itself (it is
+    perfect by definition); so does the TTFT ratio (1.0 by definition).
+    """
+    best: dict[str, set[str]] = {}
+    for _, field, _, better, vs_ref in COLUMNS:
+        if better is None:
+            continue
+        cand = {
+            n: a[field] for n, a in methods.items()
+            if a.get(field) is not None and not ((vs_ref or field == "ttft_ratio") and n == REFERENCE)
+        }
+        if not cand:
+            best[field] = set()
+            continue
+        target = max(cand.values()) if better == "high" else min(cand.values())
+        best[field] = {n for n, v in cand.items() if math.isclose(v, target, rel_tol=1e-9, abs_tol=1e-12)}
+    return best
+
+
+def _cell(agg: dict[str, Any], field: str, fmt: str) -> str:
+    v = agg.get(field)
+    if v is None:
+        return "–"
+    s = fmt.format(v)
+    ci = agg.get(f"{field}_ci")
+    if ci:
+        s += f" [{fmt.format(ci[0])}, {fmt.format(ci[1])}]"
+    return s
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """results.md: a header and the method table, sorted, best values in bold.
+
+    Args:
+        results: a validated results object.
+
+    Returns:
+        Markdown text.
+    """
+    cfg, model = results["config"], results["model"]
+    methods = results["methods"]
+    order = sorted(methods, key=lambda n: sort_key(n, methods[n]))
+    best = best_per_column(methods)
+    n_items = len(results["items"])
+    lines = [
+        f"# kvblend eval: {cfg['data']}",
+        "",
+        f"model `{model['name']}` ({model['dtype']}), {n_items} items, {cfg['passages']} passages, "
+        f"max {cfg['max_new_tokens']} new tokens, TTFT median of {cfg['repeats']} per item.",
+        f"Machine: {results['machine'].get('platform')}, accelerator {results['machine'].get('accelerator')}.",
+        "",
+        "Sorted by KL(full ‖ method) of the first answer token. **Bold**: best in column "
+        "(columns measured against full prefill, and the TTFT ratio, exclude `full`). "
+        "Brackets: 95% bootstrap CI over items.",
+        "",
+        "| method | " + " | ".join(c[0] for c in COLUMNS) + " | n |",
+        "|---|" + "---|" * len(COLUMNS) + "---|",
+    ]
+    for name in order:
+        agg = methods[name]
+        cells = []
+        for _, field, fmt, _, _ in COLUMNS:
+            c = _cell(agg, field, fmt)
+            cells.append(f"**{c}**" if name in best.get(field, set()) else c)
+        lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {agg['n']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(results: dict[str, Any], path: Path) -> None:
+    """Write results.md."""
+    path.write_text(markdown(results), encoding="utf-8")

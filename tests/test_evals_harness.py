@@ -1,0 +1,274 @@
+"""The harness end to end: a deterministic fake engine (flow, interleaving,
+resume) and the real engine on the tiny model (skipped until it imports)."""
+
+import argparse
+import hashlib
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from blend.evals.cli import configure_parser, run_eval
+from blend.evals.data import load_items
+from blend.evals.harness import EvalConfig, ResumeError, run_harness
+from blend.evals.methods import MethodKind, parse_methods
+from blend.evals.report import validate_results
+
+V = 48
+
+
+@dataclass(frozen=True)
+class FakeProvenance:
+    model_arch: str = "fake"
+    dtype: str = "float32"
+
+
+def _ratio(m) -> float:
+    return {MethodKind.FULL: 1.0, MethodKind.PREFIX: 1.0, MethodKind.REUSE: 0.0}.get(m.kind, m.ratio)
+
+
+class FakeEngine:
+    """Deterministic logits from the token ids; methods below ratio 1 add seeded noise.
+
+    Its answer text is the gold answer when its tokens equal full prefill's, so F1 is known.
+    Policies are the :class:`Method` objects themselves (``policy_of=lambda m: m``).
+    """
+
+    model_name = "fake"
+    provenance = FakeProvenance()
+
+    def __init__(self, gold: dict[str, str], fail_on: str | None = None):
+        self.gold, self.fail_on, self.calls = gold, fail_on, []
+
+    def build_prompt(self, question, documents, system=None):
+        if question == self.fail_on:
+            raise KeyboardInterrupt("simulated interruption")
+        self.calls.append(("prompt", question, None, None))
+        text = (system or "") + "|" + "|".join(documents) + "|" + question
+        return SimpleNamespace(token_ids=list(text.encode()), question=question)
+
+    @staticmethod
+    def _seeded(ids, salt: bytes) -> torch.Tensor:
+        h = hashlib.sha256(salt + bytes(i % 256 for i in ids)).digest()
+        return torch.randn(V, generator=torch.Generator().manual_seed(int.from_bytes(h[:8], "little")))
+
+    def _logits(self, ids, m) -> torch.Tensor:
+        base = 3.0 * self._seeded(ids, b"base")
+        return base + (1.0 - _ratio(m)) * 2.0 * self._seeded(ids, b"noise")
+
+    def _decode(self, prompt, m, n):
+        out, ids = [], list(prompt.token_ids)
+        first = self._logits(ids, m)
+        logits = first
+        while len(out) < n:
+            tok = int(torch.argmax(logits))
+            if tok == 0:
+                break
+            out.append(tok)
+            logits = self._logits(ids + out, m)
+        return out, first
+
+    def precompute(self, prompt, policy):
+        self.calls.append(("precompute", prompt.question, policy.name, None))
+
+    def generate(self, prompt, policy, max_new_tokens=32):
+        self.calls.append(("generate", prompt.question, policy.name, max_new_tokens))
+        out, first = self._decode(prompt, policy, max_new_tokens)
+        full_out, _ = self._decode(prompt, parse_methods("full")[0], max_new_tokens)
+        text = self.gold[prompt.question] if out == full_out else "wrong " + " ".join(map(str, out))
+        r, n = _ratio(policy), len(prompt.token_ids)
+        reused = 0 if policy.kind is MethodKind.FULL else n - 10
+        report = SimpleNamespace(recomputed_tokens=int(r * reused), reused_tokens=reused, prompt_tokens=n)
+        return SimpleNamespace(text=text, token_ids=out, first_logits=first, ttft_s=0.01 * (0.3 + 0.7 * r),
+                               report=report)
+
+    def teacher_forced_logits(self, prompt, policy, continuation):
+        self.calls.append(("tf", prompt.question, policy.name, None))
+        ids = list(prompt.token_ids)
+        return torch.stack([self._logits(ids + list(continuation[:i]), policy) for i in range(len(continuation) + 1)])
+
+
+METHODS = "full,reuse,blend@1.0,blend@0.5:v,blend@0.2:k"
+
+
+def _args(tmp_path, *extra, data="synthetic:single", out="out", methods=METHODS):
+    argv = ["--data", data, "--limit", "3", "--passages", "3", "--methods", methods, "--out", str(tmp_path / out),
+            "--max-new-tokens", "6", "--no-progress", "--bootstrap", "200", *extra]
+    return configure_parser(argparse.ArgumentParser()).parse_args(argv)
+
+
+def _fake_factory(engines, fail_on=None):
+    def make(config):
+        items = load_items(config.data, config.limit, config.passages, config.seed)
+        e = FakeEngine({it.question: it.answers[0] for it in items}, fail_on)
+        engines.append(e)
+        return e
+    return make
+
+
+def _strip_timings(x):
+    if isinstance(x, dict):
+        return {k: _strip_timings(v) for k, v in x.items() if not k.startswith("ttft")}
+    if isinstance(x, list):
+        return [_strip_timings(v) for v in x]
+    return x
+
+
+def test_fake_end_to_end_writes_outputs(tmp_path):
+    engines = []
+    assert run_eval(_args(tmp_path), _fake_factory(engines), policy_of=lambda m: m) == 0
+    out = tmp_path / "out"
+    res = json.loads((out / "results.json").read_text())
+    validate_results(res)
+    assert list(res["methods"]) == ["full", "reuse", "blend@1.0", "blend@0.5:v", "blend@0.2:k"]
+    for name in ("full", "blend@1.0"):  # identical logits: perfect against full and gold
+        m = res["methods"][name]
+        assert (m["agreement"], m["top1"], m["tf_agreement"], m["kl"], m["f1"], m["em"], m["n"]) == (
+            1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 3)
+    reuse = res["methods"]["reuse"]
+    assert reuse["kl"] > 0.01 and reuse["tf_kl"] > 0.01
+    assert reuse["ttft_ratio"] == pytest.approx(0.3) and res["methods"]["blend@0.5:v"]["ttft_ratio"] == pytest.approx(0.65)
+    # F1 of a method is 1 exactly on the items where its answer agrees with full's (the fake's oracle)
+    for row in res["items"]:
+        for r in row["methods"].values():
+            assert r["f1"] == r["agreement"]
+    assert res["model"]["provenance"] == {"model_arch": "fake", "dtype": "float32"}
+    assert len((out / "rows.jsonl").read_text().splitlines()) == 3
+    md = (out / "results.md").read_text()
+    assert "| `reuse` |" in md and "**" in md
+    assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_precompute_warmup_and_rotation(tmp_path):
+    engines = []
+    assert run_eval(_args(tmp_path), _fake_factory(engines), policy_of=lambda m: m) == 0
+    calls = engines[0].calls
+    questions = list(dict.fromkeys(c[1] for c in calls))
+    assert len(questions) == 3
+    names = ["full", "reuse", "blend@1.0", "blend@0.5:v", "blend@0.2:k"]
+    for i, q in enumerate(questions):
+        mine = [c for c in calls if c[1] == q]
+        gens = [(pos, c) for pos, c in enumerate(mine) if c[0] == "generate"]
+        first_quality = next(pos for pos, c in gens if c[3] == 6)
+        # precompute of every non-full method happens before anything is generated
+        assert sorted(c[2] for c in mine[:gens[0][0]] if c[0] == "precompute") == sorted(names[1:])
+        warm = [c for pos, c in gens if pos < first_quality]
+        assert all(c[3] == 1 for c in warm)
+        assert len(warm) == (5 if i == 0 else 0)  # warm-up only before the first timed item
+        quality = [c[2] for _, c in gens if c[3] == 6]
+        assert quality == names[i:] + names[:i]  # order rotates per item
+        last_quality = max(pos for pos, c in gens if c[3] == 6)
+        timing = [c for pos, c in gens if pos > last_quality]
+        assert all(c[3] == 1 for c in timing) and len(timing) == 2 * 5  # repeats=3: two one-token rounds
+        assert [c[2] for c in timing[:5]] == names[i + 1:] + names[:i + 1]  # rounds rotate too
+        assert sum(c[0] == "tf" for c in mine) == 5
+
+
+def test_full_always_run(tmp_path):
+    engines = []
+    assert run_eval(_args(tmp_path, methods="reuse"), _fake_factory(engines), policy_of=lambda m: m) == 0
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert list(res["methods"]) == ["full", "reuse"]
+
+
+def test_resume_after_interruption_matches_fresh_run(tmp_path):
+    items = load_items("synthetic:single", 3, 3)
+    engines = []
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(_args(tmp_path, out="r"), _fake_factory(engines, fail_on=items[2].question), policy_of=lambda m: m)
+    assert len((tmp_path / "r" / "rows.jsonl").read_text().splitlines()) == 2
+    # a line cut short by the interruption is dropped and redone
+    with (tmp_path / "r" / "rows.jsonl").open("a") as f:
+        f.write('{"index": 2, "id": "sing')
+    engines = []
+    assert run_eval(_args(tmp_path, "--resume", out="r"), _fake_factory(engines), policy_of=lambda m: m) == 0
+    assert {c[1] for c in engines[0].calls} == {items[2].question}  # only the missing item ran
+    assert run_eval(_args(tmp_path, out="fresh"), _fake_factory([]), policy_of=lambda m: m) == 0
+    resumed = json.loads((tmp_path / "r" / "results.json").read_text())
+    fresh = json.loads((tmp_path / "fresh" / "results.json").read_text())
+    assert _strip_timings(resumed) == _strip_timings(fresh)
+
+
+def test_resume_with_other_settings_is_refused(tmp_path, capsys):
+    assert run_eval(_args(tmp_path, out="r"), _fake_factory([]), policy_of=lambda m: m) == 0
+    assert run_eval(_args(tmp_path, "--resume", out="r", methods="full,reuse"), _fake_factory([]),
+                    policy_of=lambda m: m) == 2
+    assert "different settings (methods)" in capsys.readouterr().err
+    items = load_items("synthetic:single", 3, 3)
+    cfg = EvalConfig(data="synthetic:single", limit=3, passages=3, methods=("full",), model="m", dtype="float32")
+    run_harness(FakeEngine({i.question: "x" for i in items}), items, parse_methods("full"), cfg, tmp_path / "d",
+                policy_of=lambda m: m)
+    other = load_items("synthetic:single", 3, 3, seed=5)
+    with pytest.raises(ResumeError, match="item 0"):
+        run_harness(FakeEngine({}), other, parse_methods("full"), cfg, tmp_path / "d", resume=True,
+                    policy_of=lambda m: m)
+
+
+def test_bad_inputs_fail_with_named_item(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"ctxs": [{"title": "", "text": "t"}], "question": "q", "answers": ["a"]},
+                               {"ctxs": [{"title": "", "text": "t"}], "question": "q"}]))
+    assert run_eval(_args(tmp_path, data=str(bad)), _fake_factory([]), policy_of=lambda m: m) == 2
+    assert "item 1: missing field 'answers'" in capsys.readouterr().err
+    assert run_eval(_args(tmp_path, methods="full,blend@2"), _fake_factory([]), policy_of=lambda m: m) == 2
+    assert "ratio must be in [0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+# ---- the real engine on the tiny model -----------------------------------------------------
+
+TINY_DATA = [
+    {"ctxs": [{"title": "Mara Quill", "text": "Mara Quill works at the Tessel Observatory. She walks each morning."},
+              {"title": "", "text": "The Tessel Observatory is located in Varnholm, by the river."},
+              {"title": "Oren Marsh", "text": "Oren Marsh lives in Quenby and keeps bees in the garden."}],
+     "question": "In which city does Mara Quill work?", "answers": ["Varnholm"]},
+    {"ctxs": [{"title": "The red locker", "text": "The access code for the red locker is 4412."},
+              {"title": "", "text": "The blue safe has code 9981 and stands by the door."},
+              {"title": "Weather", "text": "Rain fell for most of the week over the hills."}],
+     "question": "What is the access code for the red locker?", "answers": ["4412"]},
+    {"ctxs": [{"title": "Elsa Harrow", "text": "Elsa Harrow lives in Belmark."},
+              {"title": "Tobin Ferro", "text": "Tobin Ferro lives in Caldria and plays chess."},
+              {"title": "", "text": "Buses run every twenty minutes during the day."}],
+     "question": "Where does Tobin Ferro live?", "answers": ["Caldria"]},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    pytest.importorskip("blend.engine", reason="blend.engine not importable yet")
+    pytest.importorskip("blend.policy", reason="blend.policy not importable yet")
+    base = tmp_path_factory.mktemp("tiny")
+    data = base / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in TINY_DATA) + "\n")
+    outs = []
+    for name in ("a", "b"):
+        argv = ["--data", str(data), "--limit", "3", "--passages", "3", "--model", "tiny-llama",
+                "--methods", "full,prefix,reuse,blend@1.0,blend@0.3:v", "--out", str(base / name),
+                "--max-new-tokens", "4", "--repeats", "1", "--no-progress", "--bootstrap", "100"]
+        assert run_eval(configure_parser(argparse.ArgumentParser()).parse_args(argv)) == 0
+        outs.append(base / name)
+    return outs
+
+
+def test_tiny_engine_end_to_end(tiny_runs):
+    out = tiny_runs[0]
+    for f in ("results.json", "results.md", "pareto.png"):
+        assert (out / f).stat().st_size > 0
+    res = json.loads((out / "results.json").read_text())
+    validate_results(res)
+    assert res["model"]["name"] == "tiny-llama" and res["model"]["provenance"]["dtype"] == "float32"
+    full = res["methods"]["full"]
+    assert (full["agreement"], full["top1"], full["tf_agreement"], full["n"]) == (1.0, 1.0, 1.0, 3)
+    assert full["kl"] == 0.0 and full["computed_frac"] == 1.0
+    b1 = res["methods"]["blend@1.0"]
+    assert (b1["agreement"], b1["top1"], b1["tf_agreement"]) == (1.0, 1.0, 1.0)
+    assert b1["kl"] < 1e-4
+    assert res["methods"]["reuse"]["recomputed_frac"] == 0.0
+
+
+def test_tiny_engine_reproducible_except_timings(tiny_runs):
+    a, b = (json.loads((o / "results.json").read_text()) for o in tiny_runs)
+    a["config"].pop("out", None), b["config"].pop("out", None)
+    assert _strip_timings(a) == _strip_timings(b)

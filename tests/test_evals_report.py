@@ -1,0 +1,126 @@
+"""results.json validator, results.md table, pareto.png, progress bar."""
+
+import copy
+import io
+
+import pytest
+
+from blend.evals.plot import series, write_pareto
+from blend.evals.progress import Progress, format_duration
+from blend.evals.report import SchemaError, best_per_column, markdown, validate_results
+
+ROW_KEYS = ("f1", "em", "rouge_l", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_s", "ttft_ratio",
+            "recomputed_frac", "computed_frac")
+
+
+def _agg(f1, kl, ratio, agreement, kind, r=None, selector=None, n=2):
+    return {
+        "f1": f1, "em": f1, "rouge_l": f1, "agreement": agreement, "kl": kl, "top1": agreement,
+        "tf_agreement": agreement, "tf_kl": kl, "ttft_median_s": 0.1 * ratio, "ttft_p90_s": 0.12 * ratio,
+        "ttft_ratio": ratio, "ttft_ratio_mean": ratio, "recomputed_frac": r or 0.0, "computed_frac": 1.0,
+        "recomputed_tokens": 10.0, "prompt_tokens": 100.0, "f1_ci": [max(f1 - 0.1, 0), min(f1 + 0.1, 1)],
+        "ttft_ratio_ci": [ratio * 0.9, ratio * 1.1], "n": n,
+        "spec": {"kind": kind, "ratio": r, "selector": selector, "check_layers": []},
+    }
+
+
+def _row(name):
+    r = {k: 0.5 for k in ROW_KEYS}
+    r.update(prediction="x", answer_tokens=1, recomputed_tokens=1, reused_tokens=2, prompt_tokens=3,
+             ttft_samples=[0.1, 0.2])
+    return r
+
+
+def make_results():
+    methods = {
+        "full": _agg(0.6, 0.0, 1.0, 1.0, "full", 1.0),
+        "reuse": _agg(0.2, 0.3, 0.3, 0.4, "reuse", 0.0),
+        "blend@0.1:v": _agg(0.5, 0.1, 0.4, 0.7, "blend", 0.1, "v"),
+        "blend@0.3:v": _agg(0.7, 0.05, 0.55, 0.9, "blend", 0.3, "v"),
+        "blend@0.3:k": _agg(0.4, 0.05, 0.5, 0.8, "blend", 0.3, "k"),
+    }
+    items = [
+        {"index": i, "id": str(i), "question": "q", "answers": ["a"], "prompt_tokens": 3, "full_answer": "x",
+         "methods": {n: _row(n) for n in methods}}
+        for i in range(2)
+    ]
+    return {
+        "schema_version": 1,
+        "config": {"data": "synthetic:single", "passages": 3, "max_new_tokens": 8, "repeats": 3},
+        "model": {"name": "m", "dtype": "float32", "provenance": {"dtype": "float32"}},
+        "versions": {"python": "3"}, "machine": {"platform": "p", "accelerator": None},
+        "reference": "full", "methods": methods, "items": items,
+    }
+
+
+def test_hand_built_results_validate():
+    validate_results(make_results())
+
+
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda r: r.pop("items"), "results.items: missing"),
+        (lambda r: r.__setitem__("schema_version", "1"), "results.schema_version"),
+        (lambda r: r["methods"].pop("full"), "'full' is missing"),
+        (lambda r: r["methods"]["reuse"].__setitem__("kl", "big"), "results.methods['reuse'].kl"),
+        (lambda r: r["methods"]["reuse"].__setitem__("f1", 1.5), "outside [0, 1]"),
+        (lambda r: r["methods"]["reuse"].__setitem__("kl", -0.1), "kl: negative"),
+        (lambda r: r["methods"]["reuse"].__setitem__("f1_ci", [0.5, 0.1]), "f1_ci"),
+        (lambda r: r["methods"]["reuse"].__setitem__("n", 3), "n: does not match"),
+        (lambda r: r["items"][1]["methods"].pop("reuse"), "results.items[1].methods"),
+        (lambda r: r["items"][0]["methods"]["full"].pop("tf_agreement"), "items[0].methods['full'].tf_agreement"),
+        (lambda r: r["items"][0]["methods"]["full"].__setitem__("prompt_tokens", 1.5), "prompt_tokens"),
+        (lambda r: r["model"].pop("provenance"), "results.model.provenance"),
+    ],
+)
+def test_validator_rejects(mutate, needle):
+    r = copy.deepcopy(make_results())
+    mutate(r)
+    with pytest.raises(SchemaError) as e:
+        validate_results(r)
+    assert needle in str(e.value)
+
+
+def test_markdown_sorted_and_best_marked():
+    md = markdown(make_results())
+    rows = [ln for ln in md.splitlines() if ln.startswith("| `")]
+    names = [ln.split("`")[1] for ln in rows]
+    # full first, then KL ascending, ties by TTFT ratio (k 0.5 before v 0.55)
+    assert names == ["full", "blend@0.3:k", "blend@0.3:v", "blend@0.1:v", "reuse"]
+    best = best_per_column(make_results()["methods"])
+    assert best["f1"] == {"blend@0.3:v"}  # 0.7 beats full's 0.6
+    assert best["kl"] == {"blend@0.3:v", "blend@0.3:k"}  # full excluded, ties both marked
+    assert best["agreement"] == {"blend@0.3:v"}
+    assert best["ttft_ratio"] == {"reuse"}
+    full_row = rows[0]
+    cells = full_row.split("|")
+    assert cells[6].strip() == "0"  # full's KL (0) is not marked best
+    assert "1.000" in cells[5] and "**" not in cells[5]  # nor its agreement with itself
+    assert "**0.700" in rows[2] and "**0.300" in rows[4]
+
+
+def test_pareto_series_and_png(tmp_path):
+    res = make_results()
+    assert series(res["methods"]) == {"k": [(0.3, "blend@0.3:k")], "v": [(0.1, "blend@0.1:v"), (0.3, "blend@0.3:v")]}
+    path = tmp_path / "pareto.png"
+    write_pareto(res, path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_progress_eta_with_fake_clock():
+    t = [100.0]
+    buf = io.StringIO()
+    p = Progress(total=4, stream=buf, clock=lambda: t[0])
+    assert p.eta_s() is None
+    t[0] += 10
+    p.update()
+    assert p.eta_s() == pytest.approx(30.0)  # 10 s per item, 3 left
+    assert "1/4 items" in buf.getvalue() and "left 0:30" in buf.getvalue()
+    r = Progress(total=10, stream=None, clock=lambda: t[0])
+    r.skip(6)  # resumed items do not count towards the rate
+    t[0] += 5
+    r.update()
+    assert r.eta_s() == pytest.approx(15.0)  # 5 s per item, 3 left
+    assert format_duration(3725) == "1:02:05" and format_duration(None) == "?"
