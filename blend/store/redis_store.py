@@ -38,7 +38,6 @@ from blend.store.codec import EntryError, decode, decode_header, encode_parts, h
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
 def _glob_escape(s: str) -> str:
@@ -80,6 +79,8 @@ class RedisStore:
             retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False,
             health_check_interval=0,
+            protocol=2,  # RESP2: no HELLO handshake, so Redis < 6 and other Redis-compatible servers work
+            socket_read_size=1 << 20,  # entries are tens of MB: fewer, larger reads
         )
         self._stats = StoreStats()
         self._lock = threading.Lock()
@@ -102,7 +103,10 @@ class RedisStore:
             return default
         try:
             result = fn()
-        except _OUTAGE_ERRORS as e:
+        except redis.ResponseError as e:  # the server answered with an error: not an outage
+            log.warning("redis store %s: %s failed: %s", self.url, what, e)
+            return default
+        except Exception as e:  # noqa: BLE001 -- connection loss, timeouts, or a server redis-py cannot parse
             with self._lock:
                 self._down_until = time.monotonic() + self.retry_after_s
                 first = not self._outage
@@ -110,12 +114,9 @@ class RedisStore:
                 self._stats.extra["outages"] = self._stats.extra.get("outages", 0) + (1 if first else 0)
             if first:
                 log.warning(
-                    "redis store %s unreachable during %s (%s); serving misses, retrying every %.1fs",
-                    self.url, what, e, self.retry_after_s,
+                    "redis store %s unreachable during %s (%s: %s); serving misses, retrying every %.1fs",
+                    self.url, what, type(e).__name__, e, self.retry_after_s,
                 )
-            return default
-        except redis.RedisError as e:  # the server answered with an error: not an outage
-            log.warning("redis store %s: %s failed: %s", self.url, what, e)
             return default
         with self._lock:
             recovered, self._outage = self._outage, False

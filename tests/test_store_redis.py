@@ -1,0 +1,201 @@
+"""Redis tier against a real redis-server: round trip, TTL and prefixes, corruption,
+outages (down, dying mid-request, hung) and recovery, promotion to memory."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Iterator
+
+import pytest
+import redis
+import torch
+
+from blend.keys import Namespace
+from blend.store.base import LookupStatus
+from blend.store.codec import encode
+from blend.store.memory import MemoryStore
+from blend.store.redis_store import RedisStore
+from blend.store.tiered import TieredStore
+from _store_util import NS, RedisServer, key_for, make_prov, other_prov, own_redis_server, rand_entry
+from _store_util import redis_url_for_tests, unique_prefix
+
+PROV = make_prov()
+J = PROV.canonical_json()
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    url, server = redis_url_for_tests()
+    yield url
+    if isinstance(server, RedisServer):
+        server.stop()
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[RedisStore]:
+    s = RedisStore(redis_url, prefix=unique_prefix())
+    yield s
+    s.clear()
+    s.close()
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("blend.store")]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_roundtrip(store: RedisStore, kv_dtype: str) -> None:
+    prov = make_prov(kv_dtype)
+    entry = rand_entry(prov, T=9)
+    store.put(NS, key_for(prov, 0), entry)
+    got = store.get(NS, key_for(prov, 0), prov.canonical_json())
+    assert got.status is LookupStatus.HIT and got.tier == "redis" and got.entry is not None
+    assert torch.equal(got.entry.k, entry.k) and torch.equal(got.entry.v, entry.v)
+    assert store.contains(NS, key_for(prov, 0)) and list(store.keys(NS)) == [key_for(prov, 0)]
+    info = store.info(NS, key_for(prov, 0))
+    assert info is not None and info.shape == (2, 3, 9, 8) and info.dtype == kv_dtype
+    assert store.delete(NS, key_for(prov, 0)) and not store.contains(NS, key_for(prov, 0))
+
+
+def test_prefix_per_namespace_and_ttl(redis_url: str) -> None:
+    prefix = unique_prefix()
+    store = RedisStore(redis_url, prefix=prefix, ttl_s=300)
+    key = key_for(PROV, 0)
+    store.put(Namespace.APPROX, key, rand_entry(PROV))
+    raw = redis.Redis.from_url(redis_url)
+    assert raw.exists(f"{prefix}:approx:{key.hex()}".encode())
+    assert 0 < raw.ttl(store.rkey(Namespace.APPROX, key)) <= 300
+    assert store.get(Namespace.EXACT, key, J).status is LookupStatus.MISS
+    assert list(store.keys(Namespace.EXACT)) == [] and list(store.keys(Namespace.APPROX)) == [key]
+    other = RedisStore(redis_url, prefix=unique_prefix())  # another deployment on the same server
+    assert other.get(Namespace.APPROX, key, J).status is LookupStatus.MISS
+    assert store.clear() == 1
+
+
+def _flip(b: bytes) -> bytes:
+    out = bytearray(b)
+    out[-5] ^= 0x01
+    return bytes(out)
+
+
+@pytest.mark.parametrize(
+    "tamper,reason",
+    [
+        (lambda b: b[: len(b) // 2], "truncated"),
+        (_flip, "checksum"),
+        (lambda b: b"garbage", "truncated"),
+    ],
+)
+def test_corrupt_blob_is_rejected_and_verify_finds_it(
+    store: RedisStore, tamper, reason: str, caplog: pytest.LogCaptureFixture  # type: ignore[no-untyped-def]
+) -> None:
+    key = key_for(PROV, 0)
+    store.put_raw(NS, key, tamper(encode(NS, key, rand_entry(PROV))))
+    with caplog.at_level(logging.WARNING, logger="blend.store"):
+        got = store.get(NS, key, J)
+    assert got.status is LookupStatus.REJECTED and got.reason.startswith(reason)
+    assert any("rejected" in w for w in _warnings(caplog))
+    assert store.verify(NS, key).startswith(reason)
+
+
+def test_collision_is_rejected(store: RedisStore) -> None:
+    store.put(NS, key_for(PROV, 0), rand_entry(other_prov(PROV)))
+    got = store.get(NS, key_for(PROV, 0), J)
+    assert got.status is LookupStatus.REJECTED and got.reason == "provenance mismatch"
+
+
+def test_redis_hit_is_promoted_to_memory(store: RedisStore) -> None:
+    store.put(NS, key_for(PROV, 0), rand_entry(PROV))
+    chain = TieredStore([MemoryStore(), store])
+    assert chain.get(NS, key_for(PROV, 0), J).tier == "redis"
+    assert chain.get(NS, key_for(PROV, 0), J).tier == "memory"
+
+
+def test_down_then_up(caplog: pytest.LogCaptureFixture) -> None:
+    server = own_redis_server()  # this test kills its server, so it never uses a shared one
+    try:
+        store = RedisStore(server.url, retry_after_s=0.3)
+        chain = TieredStore([MemoryStore(), store])
+        store.put(NS, key_for(PROV, 0), rand_entry(PROV))
+        assert store.get(NS, key_for(PROV, 0), J).status is LookupStatus.HIT
+        server.stop()
+        with caplog.at_level(logging.WARNING, logger="blend.store"):
+            t0 = time.perf_counter()
+            for i in range(20):
+                assert store.get(NS, key_for(PROV, i), J).status is LookupStatus.MISS
+                store.put(NS, key_for(PROV, i), rand_entry(PROV))  # no exception
+                assert chain.get(NS, key_for(PROV, 99), J).status is LookupStatus.MISS
+            elapsed = time.perf_counter() - t0
+        assert elapsed < 1.0, elapsed  # a dead server costs milliseconds
+        outage = [w for w in _warnings(caplog) if "unreachable" in w]
+        assert len(outage) == 1, _warnings(caplog)  # warned once per outage
+        assert store.stats().extra["available"] == 0.0
+
+        server.start()  # same port; a fresh, empty server
+        time.sleep(0.35)  # past the back-off
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="blend.store"):
+            store.put(NS, key_for(PROV, 1), rand_entry(PROV, seed=1))
+        assert any("reachable again" in w for w in _warnings(caplog))
+        got = store.get(NS, key_for(PROV, 1), J)
+        assert got.status is LookupStatus.HIT and got.entry is not None
+        assert torch.equal(got.entry.k, rand_entry(PROV, seed=1).k)
+    finally:
+        server.stop()
+
+
+class _FakeServer:
+    """A TCP server that plays Redis until a GET, then dies mid-reply (or never answers)."""
+
+    def __init__(self, hang: bool) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.hang = hang
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                while data := conn.recv(65536):
+                    if b"GET" in data:
+                        if self.hang:
+                            time.sleep(2.0)
+                        else:
+                            conn.sendall(b"$100000\r\n" + b"x" * 1000)  # a reply cut short
+                        break
+                    if b"HELLO" in data:  # the RESP3 handshake redis-py opens with
+                        conn.sendall(b"%1\r\n$5\r\nproto\r\n:3\r\n")
+                        continue
+                    n = data.count(b"\r\n*") + data.startswith(b"*")
+                    conn.sendall(b"+OK\r\n" * max(n, 1))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["dies-mid-reply", "hangs"])
+def test_server_failing_mid_request_is_a_miss(hang: bool, caplog: pytest.LogCaptureFixture) -> None:
+    fake = _FakeServer(hang)
+    try:
+        store = RedisStore(f"redis://127.0.0.1:{fake.port}/0", socket_timeout_s=0.2, retry_after_s=30)
+        with caplog.at_level(logging.WARNING, logger="blend.store"):
+            t0 = time.perf_counter()
+            got = store.get(NS, key_for(PROV, 0), J)
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            again = store.get(NS, key_for(PROV, 0), J)  # inside the back-off: no network at all
+            second = time.perf_counter() - t0
+        assert got.status is LookupStatus.MISS and again.status is LookupStatus.MISS
+        assert first < 1.0 and second < 0.01, (first, second)
+        assert len([w for w in _warnings(caplog) if "unreachable" in w]) == 1
+    finally:
+        fake.close()
