@@ -118,27 +118,34 @@ def project_qkv(w: LayerWeights, dims: ModelDims, x: torch.Tensor) -> tuple[torc
     return q, k, v
 
 
-def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """Boolean mask, True where key j is visible to query i (k_pos[j] <= q_pos[i]). (S, T)."""
-    return k_pos[None, :] <= q_pos[:, None]
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Additive mask: 0 where key j is visible to query i (k_pos[j] <= q_pos[i]), -inf elsewhere.
+
+    Returns:
+        (S, T) mask in ``dtype``, or None when every key is visible to every query.
+    """
+    visible = k_pos[None, :] <= q_pos[:, None]  # (S, T)
+    if bool(visible.all()):
+        return None
+    return torch.zeros(visible.shape, dtype=dtype, device=q_pos.device).masked_fill(~visible, float("-inf"))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           mask: torch.Tensor | None) -> torch.Tensor:
+           mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
     """Grouped-query attention with the torch SDPA kernel.
 
     Args:
         q: (Hq, S, D) after RoPE; k, v: (Hkv, T, D) (k after RoPE).
-        mask: (S, T) bool visibility, or None for plain causal with S == T.
+        mask: (S, T) additive mask from :func:`causal_mask`, or None.
+        causal: plain causal attention with S == T (ignores ``mask``).
 
     Returns:
         (S, Hq D) attention output rows.
     """
     gqa = q.shape[0] != k.shape[0]
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    # 4-D inputs take SDPA's fused CPU kernel; 3-D ones fall back to the slow math path
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=None if causal else mask,
+                                         is_causal=causal, scale=scale, enable_gqa=gqa)[0]  # (Hq, S, D)
     return out.transpose(0, 1).reshape(q.shape[1], -1)  # (S, Hq D)
 
 

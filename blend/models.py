@@ -77,6 +77,15 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
+def _quiet_transformers() -> None:
+    """No hub access, no progress bars: the engine prints its own progress."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def _package_dir(package: str) -> Path | None:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
@@ -210,6 +219,7 @@ def load_model(name: str) -> LoadedModel:
     Returns:
         The model, its tokenizer and fingerprints.
     """
+    _quiet_transformers()
     tiny = {m.value: m for m in TinyModel}
     if name in tiny:
         model, tok = build_tiny(tiny[name])

@@ -85,7 +85,8 @@ class ModelRunner:
         pos = torch.arange(start, start + s, device=self.device)  # (S,)
         cos, sin = self.rope(pos)  # (S, R)
         cache.set_positions(start, pos)
-        mask = None if start == 0 else causal_mask(pos, cache.pos[: start + s])  # (S, T)
+        causal = start == 0
+        mask = None if causal else causal_mask(pos, cache.pos[: start + s], self.dtype)  # (S, T)
         ks, vs = [], []
         h = self.embed(ids)  # (S, C)
         for i, w in enumerate(self.layers):
@@ -95,7 +96,7 @@ class ModelRunner:
                 vs.append(v)
             cache.write(i, start, apply_rope(k, cos, sin), v)
             k_all, v_all = cache.view(i, start + s)  # (Hkv, T, D)
-            h = attn_out(w, h, attend(apply_rope(q, cos, sin), k_all, v_all, d.scale, mask))
+            h = attn_out(w, h, attend(apply_rope(q, cos, sin), k_all, v_all, d.scale, mask, causal))
             h = mlp_block(w, d, h)
         cache.advance(s)
         seg = SegmentKV(torch.stack(ks), torch.stack(vs)) if keep_kv else None  # (L, Hkv, S, D)
