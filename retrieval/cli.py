@@ -1,0 +1,236 @@
+"""``kvblend ingest``, ``kvblend demo`` and ``kvblend ask --index``.
+
+The main CLI (``blend.cli``) calls :func:`add_retrieval_commands` to register
+``ingest`` and ``demo``, :func:`add_ask_index_arguments` to give ``ask`` its
+``--index/--top-k`` options, and :func:`ask_over_index` when ``--index`` is set.
+Every ``run_*`` returns an exit status: 0 ok; 1 the run finished but some input
+or answer was bad (listed); 2 a user error, printed as one ``kvblend: error:`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from blend.retrieval.chunker import ChunkerConfig
+from blend.retrieval.corpus import RetrievalError
+from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
+
+DEMO_MODEL = "smollm2-135m"
+
+
+def demo_dir() -> Path:
+    """The demo corpus shipped in the package (``blend/data/demo``)."""
+    import blend
+
+    return Path(blend.__file__).resolve().parent / "data" / "demo"
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    errs: list[type[BaseException]] = [RetrievalError, FileNotFoundError, ValueError]
+    try:
+        from blend.errors import KVBlendError
+
+        errs.append(KVBlendError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errs)
+
+
+def _guard(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    try:
+        return fn(args)
+    except _user_errors() as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"kvblend: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvblend: interrupted (finished files are saved; re-run to resume)", file=sys.stderr)
+        return 130
+
+
+def _add_store(p: argparse.ArgumentParser) -> None:
+    try:
+        from blend.store.spec import add_store_argument
+
+        add_store_argument(p)
+    except ImportError:  # pragma: no cover - store not available
+        p.add_argument("--store", default=None, metavar="SPEC")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEMO_MODEL, help="model name or path (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def add_ask_index_arguments(p: argparse.ArgumentParser) -> None:
+    """Options ``ask`` needs to answer over an index (``--index``, ``--top-k``, ``--json``)."""
+    p.add_argument("--index", default=None, metavar="DIR", help="answer over this index (see `kvblend ingest`)")
+    p.add_argument("--top-k", type=int, default=5, help="chunks to retrieve (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the answer and report as JSON")
+
+
+def add_retrieval_commands(subparsers: Any) -> None:
+    """Register ``ingest`` and ``demo`` on the main CLI's subparsers."""
+    p = subparsers.add_parser("ingest", help="chunk, embed, index and precompute KV for a corpus")
+    p.add_argument("paths", nargs="+", metavar="PATH", help=".txt, .md, .jsonl files or folders")
+    p.add_argument("--index", required=True, metavar="DIR", help="index folder (created if absent)")
+    _add_store(p)
+    _add_model(p)
+    p.add_argument("--chunk-tokens", type=int, default=256, help="target tokens per chunk (default: %(default)s)")
+    p.add_argument("--overlap", type=int, default=0, help="tokens of whole sentences repeated between chunks")
+    p.add_argument("--index-kind", choices=[k.value for k in IndexKind], default="auto",
+                   help="auto: exact below --approx-threshold vectors, HNSW above")
+    p.add_argument("--approx-threshold", type=int, default=DEFAULT_APPROX_THRESHOLD)
+    p.add_argument("--no-kv", action="store_true", help="index only; do not precompute chunk KV")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_ingest)
+
+    d = subparsers.add_parser("demo", help="ingest the bundled corpus and answer its questions with KV reuse")
+    _add_store(d)
+    d.add_argument("--model", default=DEMO_MODEL, help="model name or path (default: %(default)s)")
+    d.add_argument("--top-k", type=int, default=2)
+    d.add_argument("--reuse", choices=["exact", "blend"], default="blend")
+    d.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio (default: %(default)s)")
+    d.add_argument("--force-blend", action="store_true", help="blend even if the model's quality gate failed")
+    d.add_argument("--max-new-tokens", type=int, default=32)
+    d.add_argument("--index", default=None, metavar="DIR", help="default: $KVBLEND_HOME/demo-index")
+    d.set_defaults(func=run_demo)
+
+
+def _policy(reuse: str, ratio: float = 0.15, force: bool = False):
+    from blend.policy import ReusePolicy
+
+    if reuse == "blend":
+        return ReusePolicy.blend(ratio=ratio, force=force)
+    if reuse == "none":
+        return ReusePolicy.none()
+    return ReusePolicy.exact()
+
+
+def run_ingest(args: argparse.Namespace) -> int:
+    """``kvblend ingest PATH... --index DIR [--store SPEC]``."""
+    return _guard(_ingest, args)
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    from blend.retrieval.embedder import Embedder
+    from blend.retrieval.ingest import ingest, print_issues
+    from blend.retrieval.pipeline import engine_kv_deleter, engine_kv_writer, load_engine
+
+    config = ChunkerConfig(target_tokens=args.chunk_tokens, overlap_tokens=args.overlap)
+    engine = load_engine(getattr(args, "model", DEMO_MODEL), getattr(args, "dtype", "float32"), args.store)
+    summary = ingest(
+        args.paths, args.index, tokenizer=engine.tokenizer, embedder=Embedder.load(),
+        tokenizer_fp=engine.provenance.tokenizer_sha256, config=config,
+        kv_writer=None if args.no_kv else engine_kv_writer(engine),
+        kv_deleter=engine_kv_deleter(engine), kind=IndexKind(args.index_kind),
+        threshold=args.approx_threshold, progress=not args.quiet,
+    )
+    print_issues(summary.issues)
+    print(f"ingest: {summary.format()}")
+    return 1 if summary.issues else 0
+
+
+def ask_over_index(args: argparse.Namespace) -> int:
+    """``kvblend ask QUESTION --index DIR --top-k K --reuse exact|blend``."""
+    return _guard(_ask, args)
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from blend.retrieval.pipeline import RAG
+
+    rag = RAG.open(args.index, system=getattr(args, "system", None))  # a missing index fails before any model loads
+    try:  # the main CLI's full policy/engine options (selector, kv dtype, ...) when it parsed them
+        from blend.cli import engine_from_args, policy_from_args
+
+        policy = policy_from_args(args)
+        engine = engine_from_args(args)
+    except (ImportError, AttributeError):
+        from blend.retrieval.pipeline import load_engine
+
+        policy = _policy(getattr(args, "reuse", "exact"), getattr(args, "ratio", 0.15) or 0.15)
+        engine = load_engine(getattr(args, "model", DEMO_MODEL), getattr(args, "dtype", "float32"),
+                             getattr(args, "store", None))
+    rag = RAG(rag.catalog, None, engine, system=rag.system)
+    ans = rag.ask(args.question, top_k=getattr(args, "top_k", 5), policy=policy,
+                  max_new_tokens=getattr(args, "max_new_tokens", 32))
+    if getattr(args, "json", False):
+        print(json.dumps({
+            "answer": ans.answer, "ttft_s": ans.ttft_s, "policy": ans.policy,
+            "retrieved": [r.__dict__ for r in ans.retrieved], "reuse": [c.__dict__ for c in ans.reuse],
+            "report": ans.report,
+        }, indent=1))
+        return 0
+    print(ans.answer)
+    print(f"  policy {ans.policy}; TTFT {ans.ttft_s * 1000:.1f} ms")
+    _print_chunks(ans)
+    return 0
+
+
+def _print_chunks(ans: Any, indent: str = "  ") -> None:
+    for r, c in zip(ans.retrieved, ans.reuse):
+        where = os.path.basename(r.source.split(":")[0]) + (":" + r.source.split(":")[1] if r.source.count(":") else "")
+        print(f"{indent}[{r.score:.3f}] {r.chunk_id[:12]} {where:<18} {c.reuse_class:<9} "
+              f"{c.tokens} tok, {c.recomputed} recomputed")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """``kvblend demo``: ingest the bundled corpus, answer its questions, compare TTFT."""
+    return _guard(_demo, args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from blend.retrieval.embedder import Embedder
+    from blend.retrieval.ingest import ingest, print_issues
+    from blend.retrieval.pipeline import RAG, engine_kv_deleter, engine_kv_writer, load_engine
+    from blend.store.spec import kvblend_home
+
+    home = kvblend_home()
+    index = Path(args.index) if args.index else home / "demo-index"
+    spec = args.store if args.store else f"disk:{home / 'store'}"
+    print(f"demo: model {args.model}, index {index}, store {spec}")
+    t0 = time.perf_counter()
+    engine = load_engine(args.model, "float32", spec)
+    embedder = Embedder.load()
+    print(f"demo: loaded model and embedder in {time.perf_counter() - t0:.1f} s")
+    summary = ingest([demo_dir()], index, tokenizer=engine.tokenizer, embedder=embedder,
+                     tokenizer_fp=engine.provenance.tokenizer_sha256, kv_writer=engine_kv_writer(engine),
+                     kv_deleter=engine_kv_deleter(engine))
+    print_issues(summary.issues)
+    print(f"ingest: {summary.format()}")
+    questions = json.loads((demo_dir() / "questions.json").read_text())["questions"]
+    rag = RAG.open(index, engine=engine, embedder=embedder)
+    policy = _policy(args.reuse, args.ratio, args.force_blend)
+    full = _policy("none")
+    rag.ask(questions[0]["question"], top_k=args.top_k, policy=full, max_new_tokens=4)  # warm-up, untimed
+    correct, ratios, classes = 0, [], {}  # classes: reuse class -> chunks
+    for i, q in enumerate(questions, start=1):
+        ans = rag.ask(q["question"], top_k=args.top_k, policy=policy, max_new_tokens=args.max_new_tokens)
+        ref = rag.ask(q["question"], top_k=args.top_k, policy=full, max_new_tokens=args.max_new_tokens)
+        ok = answer_matches(ans.answer, q.get("accept") or [q["answer"]])
+        correct += ok
+        ratios.append(ans.ttft_s / max(ref.ttft_s, 1e-9))
+        print(f"\nQ{i}: {q['question']}")
+        print(f"  answer ({args.reuse}): {ans.answer!r}  expected {q['answer']!r} {'OK' if ok else 'WRONG'}")
+        print(f"  full prefill answer: {ref.answer!r}")
+        print(f"  TTFT {args.reuse} {ans.ttft_s * 1000:.1f} ms vs full prefill {ref.ttft_s * 1000:.1f} ms "
+              f"({ratios[-1]:.2f}x)")
+        _print_chunks(ans)
+        for c in ans.reuse:
+            classes[c.reuse_class] = classes.get(c.reuse_class, 0) + 1
+    tally = ", ".join(f"{k} {v}" for k, v in sorted(classes.items()))
+    print(f"\ndemo: {correct}/{len(questions)} answered correctly; chunk reuse: {tally}; mean TTFT "
+          f"{sum(ratios) / len(ratios):.2f}x of full prefill")
+    return 0 if correct == len(questions) else 1
+
+
+def answer_matches(answer: str, accepted: list[str]) -> bool:
+    """Whether any accepted string occurs in the answer (case- and space-insensitive)."""
+    norm = " ".join(answer.lower().replace("*", "").split())
+    return any(" ".join(a.lower().split()) in norm for a in accepted)

@@ -1,0 +1,263 @@
+"""The RAG pipeline API: open an index, ask, read the answer and its report.
+
+    rag = RAG.open("my-index")                       # engine loaded on first ask
+    ans = rag.ask("Who keeps the lighthouse?", top_k=3, policy=ReusePolicy.blend())
+    print(ans.answer, ans.retrieved, ans.reuse)
+
+A caller that retrieved documents itself passes them as ``documents=``
+(texts, or :class:`Retrieved` rows with scores); nothing is searched then.
+Documents enter the prompt by score descending, then chunk id (caller texts
+without scores keep the caller's order).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from blend.retrieval.catalog import Catalog
+from blend.retrieval.chunker import chunk_id
+from blend.retrieval.corpus import RetrievalError
+from blend.retrieval.embedder import Embedder
+
+if TYPE_CHECKING:  # the engine is imported lazily: retrieval works without it
+    from blend.engine import Engine
+    from blend.policy import ReusePolicy
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """A document that went into the prompt.
+
+    Attributes:
+        chunk_id: the chunk's id (for caller documents: the id its text would have).
+        score: cosine similarity to the question (NaN for caller texts without a score).
+        source: file (``path`` or ``path:line``) or "caller".
+        text: the chunk text.
+    """
+
+    chunk_id: str
+    score: float
+    source: str
+    text: str
+
+
+@dataclass(frozen=True)
+class ChunkReuse:
+    """How one retrieved chunk's KV was produced for this answer.
+
+    Attributes:
+        chunk_id: the chunk.
+        reuse_class: exact | blended | semantic | computed | rejected | fallback.
+        tokens: tokens of the chunk's prompt segment.
+        recomputed: of which recomputed above the check layer.
+    """
+
+    chunk_id: str
+    reuse_class: str
+    tokens: int
+    recomputed: int
+
+
+@dataclass(frozen=True)
+class RagAnswer:
+    """An answer with everything that produced it.
+
+    Attributes:
+        answer: the generated text.
+        retrieved: documents in prompt order.
+        reuse: per-document reuse, aligned with ``retrieved``.
+        report: the engine's full reuse report (``ReuseReport.to_dict()``).
+        ttft_s: time to first token.
+        policy: the policy's description.
+    """
+
+    answer: str
+    retrieved: tuple[Retrieved, ...]
+    reuse: tuple[ChunkReuse, ...]
+    report: dict
+    ttft_s: float
+    policy: str
+
+
+def order_documents(docs: Sequence[Retrieved]) -> list[Retrieved]:
+    """Deterministic prompt order: score descending, then chunk id; unscored keep their order.
+
+    Args:
+        docs: retrieved documents.
+
+    Returns:
+        The documents in prompt order.
+    """
+    if all(math.isnan(d.score) for d in docs):
+        return list(docs)
+    return sorted(docs, key=lambda d: (-(d.score if not math.isnan(d.score) else -math.inf), d.chunk_id))
+
+
+def engine_kv_writer(engine: "Engine", system: str | None = None) -> Callable[[list[str]], int]:
+    """A ``kv_writer`` for :func:`~blend.retrieval.ingest.ingest` backed by an engine.
+
+    Args:
+        engine: the engine whose store receives canonical chunk KV.
+        system: the system prompt the chunks will be asked under.
+
+    Returns:
+        texts -> bytes of KV written.
+    """
+    return lambda texts: int(engine.precompute_chunks(list(texts), system=system))
+
+
+def engine_kv_deleter(engine: "Engine", system: str | None = None) -> Callable[[str, str], bool]:
+    """A ``kv_deleter`` that removes a chunk's canonical KV from the engine's store.
+
+    The key is derived exactly as ``Engine.precompute_chunks`` derives it.
+
+    Args:
+        engine: the engine.
+        system: the system prompt the chunks were precomputed under.
+
+    Returns:
+        (chunk id, text) -> True once the entry is gone (or was never stored).
+    """
+    from blend.keys import Namespace, canonical_key
+    from blend.prompt import document_text, preamble_segment, tokenize_segment
+
+    preamble = preamble_segment(engine.tokenizer, system)
+
+    def delete(_cid: str, text: str) -> bool:
+        ids = tokenize_segment(engine.tokenizer, document_text(text))
+        key = canonical_key(engine.provenance, preamble.token_ids, ids)
+        engine.store.delete(Namespace.CANONICAL, key)
+        return not engine.store.contains(Namespace.CANONICAL, key)
+
+    return delete
+
+
+def load_engine(model: str = "smollm2-135m", dtype: str = "float32", store: Any = None) -> "Engine":
+    """Load an engine with a store given as a ``--store`` spec string, a store object or None.
+
+    Args:
+        model: model name or path.
+        dtype: compute dtype.
+        store: spec string (``memory``, ``disk:PATH``, ...), a store, or None (the default spec).
+
+    Returns:
+        The engine.
+    """
+    from blend.engine import Engine
+    from blend.store.spec import open_store
+
+    if store is None or isinstance(store, str):
+        store = open_store(store)
+    return Engine.load(model=model, dtype=dtype, store=store)
+
+
+class RAG:
+    """Questions over an index, answered by the engine with chunk KV reuse.
+
+    Args:
+        catalog: the opened index.
+        embedder: the sentence embedder the index was built with.
+        engine: an engine, or None to load one on first :meth:`ask`.
+        engine_args: model, dtype and store for that lazy load.
+        system: system prompt for every question.
+    """
+
+    def __init__(self, catalog: Catalog | None, embedder: Embedder | None, engine: "Engine | None" = None,
+                 engine_args: dict[str, Any] | None = None, system: str | None = None) -> None:
+        self.catalog = catalog
+        self._embedder = embedder
+        self._engine = engine
+        self._engine_args = engine_args or {}
+        self.system = system
+
+    @classmethod
+    def open(cls, index_dir: str | os.PathLike[str] | None, engine: "Engine | None" = None,
+             model: str = "smollm2-135m", store: Any = None, dtype: str = "float32",
+             embedder: Embedder | None = None, system: str | None = None) -> "RAG":
+        """Open an index folder for asking.
+
+        Args:
+            index_dir: folder written by ``kvblend ingest`` (None: caller documents only).
+            engine: an engine to use; default: load ``model`` with ``store`` on first ask.
+            model: model name or path for the lazy load.
+            store: ``--store`` spec string or store object for the lazy load.
+            dtype: compute dtype for the lazy load.
+            embedder: a loaded embedder (default: loaded on first search).
+            system: system prompt.
+
+        Returns:
+            The pipeline.
+        """
+        catalog = Catalog.open(index_dir) if index_dir is not None else None
+        if catalog is not None and embedder is not None and embedder.info.fingerprint != catalog.meta.embedder_fingerprint:
+            raise RetrievalError(f"{index_dir}: index was built with another embedder ({catalog.meta.embedder})")
+        return cls(catalog, embedder, engine, dict(model=model, dtype=dtype, store=store), system)
+
+    @property
+    def engine(self) -> "Engine":
+        """The engine, loaded on first use."""
+        if self._engine is None:
+            self._engine = load_engine(**self._engine_args)
+        return self._engine
+
+    @property
+    def embedder(self) -> Embedder:
+        """The embedder, loaded on first use."""
+        if self._embedder is None:
+            self._embedder = Embedder.load()
+        return self._embedder
+
+    def retrieve(self, question: str, top_k: int = 5) -> list[Retrieved]:
+        """Search the index.
+
+        Args:
+            question: the query text.
+            top_k: chunks wanted (>= 1).
+
+        Returns:
+            Up to ``top_k`` documents in prompt order.
+        """
+        if self.catalog is None:
+            raise RetrievalError("no index is open: pass documents= or open an index")
+        if top_k < 1:
+            raise RetrievalError(f"--top-k must be >= 1, got {top_k}")
+        if not self.catalog.records:
+            raise RetrievalError(f"{self.catalog.root}: the index is empty")
+        q = self.embedder.embed([question])  # (1, D)
+        hits = self.catalog.search(q, top_k)[0]
+        rows = [Retrieved(h.chunk_id, h.score, f"{h.source}:{h.line}" if h.line is not None else h.source, h.text)
+                for h in hits]
+        return order_documents(rows)
+
+    def _caller_documents(self, documents: Sequence[str | Retrieved]) -> list[Retrieved]:
+        fp = self.engine.provenance.tokenizer_sha256
+        rows = [d if isinstance(d, Retrieved) else Retrieved(chunk_id(fp, d), float("nan"), "caller", d) for d in documents]
+        return order_documents(rows)
+
+    def ask(self, question: str, top_k: int = 5, policy: "ReusePolicy | None" = None,
+            documents: Sequence[str | Retrieved] | None = None, max_new_tokens: int = 32) -> RagAnswer:
+        """Retrieve (unless ``documents`` are given), assemble the prompt, answer.
+
+        Args:
+            question: the question.
+            top_k: chunks to retrieve.
+            policy: reuse policy (default: the engine's default, exact reuse).
+            documents: the caller's own retrieved documents (texts or :class:`Retrieved`).
+            max_new_tokens: decoding budget.
+
+        Returns:
+            The answer with retrieved chunks, per-chunk reuse and the full report.
+        """
+        docs = self._caller_documents(documents) if documents is not None else self.retrieve(question, top_k)
+        engine = self.engine
+        prompt = engine.build_prompt(question, [d.text for d in docs], system=self.system)
+        ans = engine.generate(prompt, policy, max_new_tokens=max_new_tokens)
+        report = ans.report.to_dict()
+        segs = [s for s in report["segments"] if s.get("kind") == "document"]
+        reuse = tuple(
+            ChunkReuse(d.chunk_id, s["class"], int(s["tokens"]), int(s.get("recomputed", 0))) for d, s in zip(docs, segs)
+        )
+        return RagAnswer(ans.text, tuple(docs), reuse, report, float(ans.ttft_s), str(report.get("policy", "")))

@@ -1,0 +1,139 @@
+"""RAG pipeline and CLI on the tiny in-process model (fast; no real weights)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+from pathlib import Path
+
+import pytest
+
+engine_mod = pytest.importorskip("blend.engine")
+
+from blend.keys import Namespace  # noqa: E402
+from blend.retrieval.catalog import Catalog  # noqa: E402
+from blend.retrieval.chunker import ChunkerConfig  # noqa: E402
+from blend.retrieval.ingest import ingest  # noqa: E402
+from blend.retrieval.pipeline import RAG, Retrieved, engine_kv_deleter, engine_kv_writer, order_documents  # noqa: E402
+from blend.retrieval.testing import HashEmbedder  # noqa: E402
+
+DOCS = {
+    "keeper.txt": "The lighthouse keeper is Orla. She polishes the lens every morning.",
+    "ferry.txt": "The ferry is named Marigold. It sails to Gull Island twice a day.",
+    "pump.txt": "The pump weighs four kilograms. It lifts water eighteen metres.",
+}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from blend.store.memory import MemoryStore
+
+    return engine_mod.Engine.load("tiny-llama", store=MemoryStore())
+
+
+@pytest.fixture()
+def index(tmp_path: Path, engine) -> tuple[Path, Path]:
+    d = tmp_path / "docs"
+    d.mkdir()
+    for k, v in DOCS.items():
+        (d / k).write_text(v)
+    idx = tmp_path / "idx"
+    ingest([d], idx, tokenizer=engine.tokenizer, tokenizer_fp=engine.provenance.tokenizer_sha256,
+           embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=64), kv_writer=engine_kv_writer(engine),
+           kv_deleter=engine_kv_deleter(engine), stream=io.StringIO())
+    return d, idx
+
+
+def test_ask_retrieves_orders_and_reports(index, engine) -> None:
+    from blend.policy import ReusePolicy
+
+    _, idx = index
+    rag = RAG.open(idx, engine=engine, embedder=HashEmbedder())
+    ans = rag.ask("What is the ferry named?", top_k=2, policy=ReusePolicy.blend(ratio=0.15, force=True), max_new_tokens=4)
+    assert len(ans.retrieved) == 2 and "Marigold" in ans.retrieved[0].text
+    assert ans.retrieved[0].source.endswith("ferry.txt")
+    assert [r.score for r in ans.retrieved] == sorted((r.score for r in ans.retrieved), reverse=True)
+    assert [c.chunk_id for c in ans.reuse] == [r.chunk_id for r in ans.retrieved]
+    # KV was precomputed at ingest: every chunk is reused, none computed
+    assert all(c.reuse_class in ("exact", "blended") for c in ans.reuse), ans.reuse
+    assert ans.ttft_s > 0 and ans.report["segments"]
+    again = rag.ask("What is the ferry named?", top_k=2, policy=ReusePolicy.blend(ratio=0.15, force=True), max_new_tokens=4)
+    assert again.answer == ans.answer and again.retrieved == ans.retrieved
+
+
+def test_caller_documents_bypass_the_index(engine) -> None:
+    rag = RAG.open(None, engine=engine)
+    ans = rag.ask("Who keeps the lighthouse?", documents=[DOCS["keeper.txt"], DOCS["pump.txt"]], max_new_tokens=3)
+    assert [r.text for r in ans.retrieved] == [DOCS["keeper.txt"], DOCS["pump.txt"]]  # caller order kept
+    assert all(r.source == "caller" and math.isnan(r.score) for r in ans.retrieved)
+    assert len(ans.reuse) == 2
+
+
+def test_order_is_score_then_id() -> None:
+    rows = [Retrieved("b", 0.5, "s", "x"), Retrieved("a", 0.5, "s", "y"), Retrieved("c", 0.9, "s", "z")]
+    assert [r.chunk_id for r in order_documents(rows)] == ["c", "a", "b"]
+
+
+def test_changed_file_deletes_old_chunk_kv_from_engine_store(index, engine) -> None:
+    from blend.keys import canonical_key
+    from blend.prompt import document_text, preamble_segment, tokenize_segment
+
+    d, idx = index
+    pre = preamble_segment(engine.tokenizer, None).token_ids
+
+    def key(text: str):
+        return canonical_key(engine.provenance, pre, tokenize_segment(engine.tokenizer, document_text(text)))
+
+    assert engine.store.contains(Namespace.CANONICAL, key(DOCS["pump.txt"]))
+    (d / "pump.txt").write_text("The pump weighs five kilograms.")
+    s = ingest([d], idx, tokenizer=engine.tokenizer, tokenizer_fp=engine.provenance.tokenizer_sha256,
+               embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=64), kv_writer=engine_kv_writer(engine),
+               kv_deleter=engine_kv_deleter(engine), stream=io.StringIO())
+    assert s.chunks_removed == 1 and s.gc_collected == 1 and s.files_unchanged == 2
+    assert not engine.store.contains(Namespace.CANONICAL, key(DOCS["pump.txt"]))
+    assert engine.store.contains(Namespace.CANONICAL, key("The pump weighs five kilograms."))
+    assert engine.store.contains(Namespace.CANONICAL, key(DOCS["ferry.txt"]))
+
+
+def _cli(argv: list[str]) -> argparse.Namespace:
+    from blend.retrieval.cli import add_ask_index_arguments, add_retrieval_commands
+
+    p = argparse.ArgumentParser(prog="kvblend")
+    sub = p.add_subparsers(dest="cmd")
+    add_retrieval_commands(sub)
+    a = sub.add_parser("ask")
+    a.add_argument("question")
+    add_ask_index_arguments(a)
+    a.add_argument("--model", default="tiny-llama")
+    a.add_argument("--store", default="memory")
+    a.add_argument("--reuse", default="exact")
+    return p.parse_args(argv)
+
+
+def test_cli_ingest_and_ask(tmp_path, capsys) -> None:
+    from blend.retrieval.cli import ask_over_index, run_ingest
+
+    d = tmp_path / "docs"
+    d.mkdir()
+    for k, v in DOCS.items():
+        (d / k).write_text(v)
+    (d / "bad.jsonl").write_text('{"text": "A fine line."}\n{"nope": 1}\n')
+    rc = run_ingest(_cli(["ingest", str(d), str(tmp_path / "missing.md"), "--index", str(tmp_path / "idx"),
+                          "--model", "tiny-llama", "--store", "memory", "--quiet"]))
+    out, err = capsys.readouterr()
+    assert rc == 1  # finished, with bad inputs listed
+    assert "missing.md" in err and "bad.jsonl:2: no text field" in err
+    assert "4 ingested" in out and "KV" in out
+    assert len(Catalog.open(tmp_path / "idx").files) == 4
+    rc = ask_over_index(_cli(["ask", "What is the ferry named?", "--index", str(tmp_path / "idx"), "--top-k", "2"]))
+    out, _ = capsys.readouterr()
+    assert rc == 0 and "ferry.txt" in out
+
+
+def test_cli_user_errors_are_one_line(tmp_path, capsys) -> None:
+    from blend.retrieval.cli import ask_over_index
+
+    rc = ask_over_index(_cli(["ask", "q?", "--index", str(tmp_path / "none")]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kvblend: error:") and "no index here" in err[0]
