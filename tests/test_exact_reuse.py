@@ -1,0 +1,87 @@
+"""Invariant 2 for the exact path: cold equals warm bit for bit; the report says which."""
+
+import torch
+
+from blend.engine import Engine
+from blend.keys import Namespace
+from blend.policy import ReusePolicy
+from blend.report import ReuseClass
+from blend.store.memory import MemoryStore
+from conftest import make_docs
+
+
+def classes(ans):
+    return [s.reuse_class for s in ans.report.segments]
+
+
+def test_cold_equals_warm_bitwise_and_report(tiny_engine_factory):
+    store = MemoryStore()
+    cold_engine = tiny_engine_factory(store=store)
+    prompt = cold_engine.build_prompt("What is listed?", make_docs(3))
+    cold = cold_engine.generate(prompt, max_new_tokens=8, stop_at_newline=False)
+    warm = cold_engine.generate(prompt, max_new_tokens=8, stop_at_newline=False)
+    fresh = tiny_engine_factory().generate(prompt, max_new_tokens=8, stop_at_newline=False)
+    shared = tiny_engine_factory(store=store).generate(prompt, max_new_tokens=8, stop_at_newline=False)
+    for other in (warm, fresh, shared):
+        assert torch.equal(cold.first_logits, other.first_logits)
+        assert cold.token_ids == other.token_ids
+        assert cold.logits_sha256() == other.logits_sha256()
+    assert classes(cold) == [ReuseClass.COMPUTED] * 5
+    assert classes(warm) == [ReuseClass.EXACT] * 4 + [ReuseClass.COMPUTED]
+    assert classes(shared) == classes(warm)
+    assert warm.report.reused_tokens == len(prompt) - len(prompt.question)
+
+
+def test_exact_equals_full_prefill_within_tolerance(tiny_engine):
+    prompt = tiny_engine.build_prompt("Why?", make_docs(4))
+    full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    exact = tiny_engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+    assert (full.first_logits - exact.first_logits).abs().max() <= 1e-4
+
+
+def test_prefix_is_chained_a_reordered_prompt_only_shares_the_preamble(tiny_engine):
+    docs = make_docs(3)
+    tiny_engine.generate(tiny_engine.build_prompt("Q?", docs), max_new_tokens=1)
+    ans = tiny_engine.generate(tiny_engine.build_prompt("Q?", docs[::-1]), max_new_tokens=1)
+    assert classes(ans)[:2] == [ReuseClass.EXACT, ReuseClass.COMPUTED]
+    assert classes(ans)[2:4] == [ReuseClass.COMPUTED, ReuseClass.COMPUTED]
+
+
+def test_prefix_limit_shares_only_the_preamble(tiny_engine):
+    prompt = tiny_engine.build_prompt("Q?", make_docs(2))
+    tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=1), max_new_tokens=1)
+    again = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=1), max_new_tokens=1)
+    assert classes(again) == [ReuseClass.EXACT, ReuseClass.COMPUTED, ReuseClass.COMPUTED, ReuseClass.COMPUTED]
+    assert len(list(tiny_engine.store.keys(Namespace.EXACT))) == 1
+
+
+def test_reduced_precision_storage_cold_equals_warm(tiny_engine_factory):
+    eng = tiny_engine_factory(kv_dtype="bfloat16")
+    prompt = eng.build_prompt("Q?", make_docs(2))
+    cold = eng.generate(prompt, max_new_tokens=4)
+    warm = eng.generate(prompt, max_new_tokens=4)
+    assert classes(warm)[0] is ReuseClass.EXACT
+    assert torch.equal(cold.first_logits, warm.first_logits)
+    key = next(eng.store.keys(Namespace.EXACT))
+    assert eng.store.get(Namespace.EXACT, key, eng.provenance.canonical_json()).entry.k.dtype == torch.bfloat16
+
+
+def test_rejected_entry_is_reported_and_recomputed(tiny_engine):
+    from blend.store.base import KVEntry
+
+    prompt = tiny_engine.build_prompt("Q?", make_docs(1))
+    first = tiny_engine.generate(prompt, max_new_tokens=2)
+    key = next(iter(tiny_engine.store.keys(Namespace.EXACT)))
+    good = tiny_engine.store.get(Namespace.EXACT, key, tiny_engine.provenance.canonical_json()).entry
+    # a collision: same key, different provenance
+    tiny_engine.store.put(Namespace.EXACT, key, KVEntry(good.k, good.v, good.provenance + " "))
+    again = tiny_engine.generate(prompt, max_new_tokens=2)
+    assert ReuseClass.REJECTED in classes(again)
+    assert torch.equal(first.first_logits, again.first_logits)
+
+
+def test_stops_at_eos_and_max_tokens(tiny_engine):
+    prompt = tiny_engine.build_prompt("Q?", make_docs(1))
+    ans = tiny_engine.generate(prompt, max_new_tokens=3, stop_at_newline=False)
+    assert len(ans.token_ids) <= 3
+    assert not set(ans.token_ids) & tiny_engine.eos_ids

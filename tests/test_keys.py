@@ -1,0 +1,65 @@
+"""Invariant 4: changing any single provenance field, the preamble or one token changes the key."""
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blend.keys import Provenance, canonical_key, exact_chain
+
+BASE = Provenance(
+    model_arch="llama:abc", weights_sha256="w" * 64, tokenizer_sha256="t" * 64, dtype="float32",
+    kv_dtype="float32", device_class="cpu", backend="kvblend-layers/torch/sdpa",
+    rope='{"rope_theta": 100000.0}', adapter="none",
+)
+FIELDS = [f.name for f in dataclasses.fields(Provenance)]
+tokens = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40)
+
+
+def changed(prov: Provenance, field: str, salt: str) -> Provenance:
+    value = getattr(prov, field)
+    new = value + 1 if isinstance(value, int) else value + salt
+    return dataclasses.replace(prov, **{field: new})
+
+
+@settings(max_examples=60, deadline=None)
+@given(field=st.sampled_from(FIELDS), salt=st.text(min_size=1, max_size=5), pre=tokens, chunk=tokens)
+def test_any_single_field_changes_both_key_kinds(field, salt, pre, chunk):
+    other = changed(BASE, field, salt)
+    assert canonical_key(BASE, pre, chunk) != canonical_key(other, pre, chunk)
+    assert exact_chain(BASE, [pre, chunk]) != exact_chain(other, [pre, chunk])
+    assert all(a != b for a, b in zip(exact_chain(BASE, [pre, chunk]), exact_chain(other, [pre, chunk])))
+
+
+@settings(max_examples=60, deadline=None)
+@given(pre=tokens, chunk=tokens, where=st.integers(0, 10_000), delta=st.integers(1, 1000))
+def test_one_token_or_the_preamble_changes_the_key(pre, chunk, where, delta):
+    i = where % len(chunk)
+    chunk2 = chunk[:i] + [(chunk[i] + delta) % 2**31] + chunk[i + 1:]
+    assert canonical_key(BASE, pre, chunk) != canonical_key(BASE, pre, chunk2)
+    pre2 = pre + [7]
+    assert canonical_key(BASE, pre, chunk) != canonical_key(BASE, pre2, chunk)
+    assert exact_chain(BASE, [pre, chunk])[1] != exact_chain(BASE, [pre2, chunk])[1]
+
+
+def test_chain_is_prefix_dependent_and_boundaries_matter():
+    a, b = [1, 2, 3], [4, 5]
+    assert exact_chain(BASE, [a, b])[0] == exact_chain(BASE, [a])[0]
+    assert exact_chain(BASE, [a, b])[1] != exact_chain(BASE, [b, a])[1]
+    # the same tokens split differently are different segments
+    assert exact_chain(BASE, [[1, 2], [3, 4, 5]])[1] != exact_chain(BASE, [a, b])[1]
+    # canonical keys never depend on neighbours, exact ones always do
+    assert canonical_key(BASE, a, b) == canonical_key(BASE, a, b)
+    assert len(exact_chain(BASE, [a, b])[1]) == 32
+
+
+def test_engine_provenance_differs_by_dtype_model_and_kv_dtype():
+    from blend.engine import Engine
+
+    base = Engine.load("tiny-llama").provenance
+    assert Engine.load("tiny-llama", dtype="bfloat16").provenance.dtype == "bfloat16"
+    assert Engine.load("tiny-llama", kv_dtype="float16").provenance != base
+    qwen = Engine.load("tiny-qwen2").provenance
+    assert qwen.weights_sha256 != base.weights_sha256 and qwen.model_arch != base.model_arch
+    scaled = Engine.load("tiny-llama-rope-linear").provenance
+    assert scaled.rope != base.rope

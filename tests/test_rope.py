@@ -1,0 +1,51 @@
+"""K stored before RoPE and rotated at use reproduces the transformers keys, at any position."""
+
+import pytest
+import torch
+
+from blend.engine import Engine
+from blend.layers import project_qkv, rms_norm
+from blend.rope import apply_rope
+from conftest import TINY_MODELS
+
+
+@pytest.mark.parametrize("model", TINY_MODELS)
+@pytest.mark.parametrize("offset", [0, 1000, 3000])
+def test_rope_at_use_equals_transformers_keys(model, offset):
+    eng = Engine.load(model)
+    hf = eng.runner.loaded.model
+    layer = hf.model.layers[0]
+    x = torch.randn(1, 24, hf.config.hidden_size)
+    pos = torch.arange(offset, offset + 24)
+    with torch.no_grad():
+        # transformers' own path: k_proj, then its rotary embedding at these positions
+        cos, sin = hf.model.rotary_emb(x, pos[None])
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        normed = layer.input_layernorm(x)
+        d = eng.dims
+        k_hf = layer.self_attn.k_proj(normed).view(1, 24, d.num_kv_heads, d.head_dim).transpose(1, 2)
+        q_hf = layer.self_attn.q_proj(normed).view(1, 24, d.num_heads, d.head_dim).transpose(1, 2)
+        _, k_hf_rot = apply_rotary_pos_emb(q_hf, k_hf, cos, sin)
+        # the engine: K before RoPE (as stored), rotated at use
+        w = eng.runner.layers[0]
+        _, k_pre, _ = project_qkv(w, d, rms_norm(x[0], w.input_norm, d.eps))
+        c, s = eng.runner.rope(pos)
+        k_rot = apply_rope(k_pre, c, s)
+    assert torch.allclose(k_rot, k_hf_rot[0], atol=1e-5, rtol=1e-5)
+
+
+def test_same_document_repositioned_keys_equal_rope_at_new_positions():
+    """A chunk's stored K rotated at 0, 1000, 3000 equals RoPE applied there (kernel path)."""
+    from blend.kernels import rope_mix
+
+    eng = Engine.load("tiny-llama")
+    k_pre = torch.randn(eng.dims.num_kv_heads, 50, eng.dims.head_dim)
+    v = torch.randn_like(k_pre)
+    for start in (0, 1000, 3000):
+        pos = torch.arange(start, start + 50)
+        cos, sin = eng.runner.rope(pos)
+        k_mix, v_mix = rope_mix(k_pre, v, cos, sin, torch.empty(0, dtype=torch.long),
+                                k_pre[:, :0], v[:, :0])
+        assert torch.allclose(k_mix, apply_rope(k_pre, cos, sin), atol=1e-6)
+        assert torch.equal(v_mix, v)
