@@ -13,6 +13,22 @@ import torch.nn.functional as F
 from .checks import check_attention, check_deviation, check_rope_mix
 
 
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """out[..., :R] = x*cos + rotate_half(x)*sin in fp32 (R = cos.shape[-1]); out[..., R:] = x[..., R:]."""
+    r = cos.shape[-1]
+    half = r // 2
+    xf = x[..., :r].float()  # (H, N, R), no copy when x is fp32
+    rot = out[..., :r] if out.dtype == torch.float32 else torch.empty(xf.shape, dtype=torch.float32, device=x.device)
+    torch.mul(xf[..., :half], cos[:, :half], out=rot[..., :half])
+    rot[..., :half].addcmul_(xf[..., half:], sin[:, :half], value=-1.0)  # x1*c1 - x2*s1
+    torch.mul(xf[..., half:], cos[:, half:], out=rot[..., half:])
+    rot[..., half:].addcmul_(xf[..., :half], sin[:, half:])  # x2*c2 + x1*s2
+    if rot.data_ptr() != out.data_ptr():
+        out[..., :r] = rot
+    if r < x.shape[-1]:
+        out[..., r:] = x[..., r:]  # partial rotary: the rest passes through
+
+
 def rope_mix_ref(
     cached_k: torch.Tensor,
     cached_v: torch.Tensor,
@@ -22,23 +38,25 @@ def rope_mix_ref(
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of ``blend.kernels.rope_mix`` (same contract)."""
+    """Torch reference of ``blend.kernels.rope_mix`` (same contract).
+
+    Rotates every cached row straight into the output, then rotates the fresh
+    rows at their rows' positions and scatters them over: one full pass over K
+    instead of copy-then-rotate.
+    """
     shp = check_rope_mix(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v)
-    half, r = shp.rot_dim // 2, shp.rot_dim
-    k = cached_k.index_copy(1, fresh_idx, fresh_k)  # (Hkv, T, D) pre-RoPE, fresh rows in
-    v = cached_v.index_copy(1, fresh_idx, fresh_v)  # (Hkv, T, D)
-    if not v.is_contiguous():
-        v = v.contiguous()
     cos = cos.float()  # (T, R)
     sin = sin.float()  # (T, R)
-    x1 = k[..., :half].float()  # (Hkv, T, R/2)
-    x2 = k[..., half:r].float()  # (Hkv, T, R/2)
-    out = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (Hkv, T, D)
-    out[..., :half] = x1 * cos[:, :half] - x2 * sin[:, :half]
-    out[..., half:r] = x2 * cos[:, half:] + x1 * sin[:, half:]
-    if r < shp.head_dim:
-        out[..., r:] = k[..., r:]  # partial rotary: the rest passes through
-    return out, v
+    k_out = torch.empty(cached_k.shape, dtype=cached_k.dtype, device=cached_k.device)  # (Hkv, T, D)
+    _rotate_into(k_out, cached_k, cos, sin)
+    if shp.fresh > 0:
+        k_fresh = torch.empty(fresh_k.shape, dtype=fresh_k.dtype, device=fresh_k.device)  # (Hkv, S, D)
+        _rotate_into(k_fresh, fresh_k, cos[fresh_idx], sin[fresh_idx])
+        k_out.index_copy_(1, fresh_idx, k_fresh)
+    v_out = cached_v.index_copy(1, fresh_idx, fresh_v)  # (Hkv, T, D)
+    if not v_out.is_contiguous():
+        v_out = v_out.contiguous()
+    return k_out, v_out
 
 
 def kv_deviation_ref(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
