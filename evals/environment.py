@@ -53,6 +53,12 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def describe_environment() -> dict[str, Any]:
-    """``{"versions": ..., "machine": ...}`` for results.json."""
-    return {"versions": package_versions(), "machine": machine_info()}
+def describe_environment(engine_device: Any = None) -> dict[str, Any]:
+    """``{"versions": ..., "machine": ...}`` for results.json.
+
+    Args:
+        engine_device: the device the engine computes on (recorded as text), if it says.
+    """
+    machine = machine_info()
+    machine["engine_device"] = None if engine_device is None else str(engine_device)
+    return {"versions": package_versions(), "machine": machine}

@@ -298,7 +298,7 @@ def run_harness(
             "dtype": config.dtype,
             "provenance": provenance_dict(engine.provenance),
         },
-        **describe_environment(),
+        **describe_environment(engine_device=getattr(engine, "device", None)),
         "reference": REFERENCE,
         "methods": aggregate(rows, methods, n_boot=config.bootstrap, seed=config.seed),
         "items": rows,

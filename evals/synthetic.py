@@ -1,7 +1,7 @@
 """Built-in synthetic sets a small model can answer, so F1 against gold means something.
 
 * ``single``: one fact per document (a person's home city, or an object's
-  access code), among distractor documents of the same form.
+  access code word), among distractor documents of the same form.
 * ``two-hop``: the answer needs two documents — "Mara Quill works at the
   Tessel Observatory." and "The Tessel Observatory is located in Varnholm."
   — asked as "In which city does Mara Quill work?". Distractors are documents
@@ -46,6 +46,13 @@ ORG_TYPES = (
 )
 OBJ_ADJ = ("red", "blue", "green", "silver", "brass", "oak", "iron", "glass", "copper", "black", "amber", "stone")
 OBJ_NOUN = ("locker", "safe", "cabinet", "vault", "chest", "gate", "door", "crate", "drawer", "trunk")
+# Code words rather than digit strings: a 135M model copies a word far more
+# reliably than four digits tokenised one by one, so F1 measures reuse, not copying.
+CODE_WORDS = (
+    "juniper", "marigold", "tundra", "saffron", "quartz", "willow", "falcon", "harbour", "lantern", "nimbus",
+    "orchid", "pebble", "raven", "sequoia", "thimble", "violet", "walnut", "zephyr", "basalt", "cinder",
+    "dahlia", "glacier", "hazel", "indigo", "jasmine", "lotus", "mistral", "nutmeg", "obsidian", "paprika",
+)
 
 PERSON_FILLER = (
     "{s} is known among friends for a calm manner and a habit of arriving early to every appointment.",
@@ -147,12 +154,12 @@ def _single_item(rng: random.Random, index: int, passages: int) -> Item:
         question, answer = f"In which city does {people[0]} live?", cities[0]
     else:
         objs = rng.sample([f"{a} {n}" for a in OBJ_ADJ for n in OBJ_NOUN], passages)
-        codes = rng.sample(range(1000, 10000), passages)
+        codes = rng.sample(CODE_WORDS, passages)
         docs = [
             _doc(rng, f"The {o}", f"The access code for the {o} is {c}.", OBJECT_FILLER, o)
             for o, c in zip(objs, codes)
         ]
-        question, answer = f"What is the access code for the {objs[0]}?", str(codes[0])
+        question, answer = f"What is the access code for the {objs[0]}?", codes[0]
     order = list(range(passages))
     rng.shuffle(order)
     return Item(

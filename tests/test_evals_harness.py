@@ -272,3 +272,17 @@ def test_tiny_engine_reproducible_except_timings(tiny_runs):
     a, b = (json.loads((o / "results.json").read_text()) for o in tiny_runs)
     a["config"].pop("out", None), b["config"].pop("out", None)
     assert _strip_timings(a) == _strip_timings(b)
+
+
+def test_add_eval_command_defaults():
+    from blend.evals.cli import add_eval_command
+
+    parser = argparse.ArgumentParser(prog="kvblend")
+    add_eval_command(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["eval", "--data", "synthetic:two-hop", "--out", "o"])
+    assert args.func is run_eval
+    assert (args.limit, args.passages, args.max_new_tokens, args.resume) == (30, 5, 32, False)
+    assert [m.name for m in parse_methods(args.methods)] == [
+        "full", "prefix", "reuse", "blend@0.05:v", "blend@0.15:v", "blend@0.3:v"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["eval", "--data", "x", "--out", "o", "--limit", "0"])
