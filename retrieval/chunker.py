@@ -188,7 +188,7 @@ def _split_long(text: str, start: int, end: int, tokenizer: Any, target: int) ->
                     pieces.extend(_split_long(text, s, e, tokenizer, target))
                 else:
                     pieces.append(((s, e), c))
-            return _merge(pieces, target, text, tokenizer)
+            return _merge(pieces, target)
     # one unbreakable word: cut by characters, shrinking until each piece fits
     pieces = []
     pos = start
@@ -204,9 +204,7 @@ def _split_long(text: str, start: int, end: int, tokenizer: Any, target: int) ->
     return pieces
 
 
-def _merge(
-    pieces: list[tuple[tuple[int, int], int]], target: int, text: str, tokenizer: Any
-) -> list[tuple[tuple[int, int], int]]:
+def _merge(pieces: list[tuple[tuple[int, int], int]], target: int) -> list[tuple[tuple[int, int], int]]:
     """Greedily merge adjacent small pieces back up to the target."""
     out: list[tuple[tuple[int, int], int]] = []
     for (s, e), c in pieces:
