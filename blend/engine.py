@@ -8,6 +8,7 @@ decoding over the resulting KV cache, and a report of what was reused.
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -38,6 +39,7 @@ class EngineConfig:
     kv_dtype: str | None = None  # storage dtype of KV; None = dtype
     device: str = "cpu"
     experimental_semantic: bool = False
+    quality_gate: bool = True  # run/consult `kvblend check` before the first blend
 
 
 @dataclass
@@ -104,6 +106,7 @@ class Engine:
         cfg = loaded.model.config
         eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
         self.eos_ids = {int(e) for e in eos if e is not None}
+        self._gate = None  # recorded quality-gate result, loaded lazily
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
 
@@ -241,8 +244,26 @@ class Engine:
         return logits, cache, report
 
     def gate_verdict(self, policy: ReusePolicy) -> str:
-        """Why blending is refused for this model ('' when allowed)."""
-        return ""
+        """Why blending is refused for this model ('' when allowed).
+
+        The first blend request for a provenance with no recorded gate result runs
+        the gate (see :mod:`blend.gate`) and records it.
+        """
+        if policy.force or not self.config.quality_gate:
+            return ""
+        from blend import gate
+
+        if self._gate is None:
+            self._gate = gate.load_record(self)
+        if self._gate is None:
+            print(f"kvblend: first blend request for {self.model_name}: running the quality gate "
+                  "(kvblend check) once", file=sys.stderr, flush=True)
+            self._gate = gate.run_gate(self)
+            gate.record(self, self._gate)
+        if self._gate.passed:
+            return ""
+        return (f"model failed the blend quality gate ({self._gate.summary()}); "
+                "computed fully; force blending with --force-blend / ReusePolicy.blend(force=True)")
 
     # ---- public API -----------------------------------------------------------------------
 

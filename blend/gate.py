@@ -1,0 +1,196 @@
+"""The per-model quality gate for blended reuse (``kvblend check``).
+
+Four checks, each pass/fail with its figure:
+
+1. reference: the engine's logits (no reuse) equal the transformers forward;
+2. rope: layer-0 keys of re-positioned chunks equal those of a full prefill
+   (layer-0 K depends only on tokens and positions, so this isolates RoPE);
+3. ratio-1: blend at ratio 1.0 equals full prefill;
+4. fidelity: blend at the default ratio against full prefill on the built-in
+   calibration set: mean first-token KL and top-1 agreement.
+
+The result is recorded under ``$KVBLEND_HOME/gate/<provenance digest>.json``.
+The first blend request for a provenance without a record runs the gate; a
+model that failed gets class ``fallback`` unless the policy forces blending.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import torch
+
+from blend.calibration import calibration_items
+from blend.models import kvblend_home
+from blend.policy import ReusePolicy
+from blend.store.memory import MemoryStore
+
+GATE_RATIO = 0.15
+KL_BOUND = 0.25  # mean first-token KL(full || blend@0.15) at most this
+TOP1_BOUND = 0.75  # first-token top-1 agreement at least this
+LOGIT_TOL = {"float32": 1e-3, "bfloat16": 0.3, "float16": 0.05}
+ROPE_TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
+
+
+class CheckName(Enum):
+    REFERENCE = "reference"
+    ROPE = "rope"
+    RATIO_ONE = "ratio-1"
+    FIDELITY_KL = "fidelity-kl"
+    FIDELITY_TOP1 = "fidelity-top1"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: CheckName
+    passed: bool
+    figure: float
+    bound: float
+    detail: str
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "name": self.name.value}
+
+
+@dataclass(frozen=True)
+class GateResult:
+    model: str
+    provenance_sha256: str
+    checks: tuple[CheckResult, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def summary(self) -> str:
+        return ", ".join(f"{c.name.value} {'ok' if c.passed else 'FAIL'} {c.figure:.3g}" for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "provenance_sha256": self.provenance_sha256, "passed": self.passed,
+                "checks": [c.to_dict() for c in self.checks]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GateResult":
+        checks = tuple(CheckResult(CheckName(c["name"]), c["passed"], c["figure"], c["bound"], c["detail"])
+                       for c in d["checks"])
+        return cls(d["model"], d["provenance_sha256"], checks)
+
+
+def kl_full_vs(full_logits: torch.Tensor, other_logits: torch.Tensor) -> float:
+    """KL(full || other) of two next-token distributions, in float64."""
+    p = torch.log_softmax(full_logits.double(), -1)
+    q = torch.log_softmax(other_logits.double(), -1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def _private(engine):
+    """The same engine over a throwaway memory store (the gate never touches the user's store)."""
+    clone = copy.copy(engine)
+    clone.store = MemoryStore()
+    return clone
+
+
+def run_gate(engine, items: int = 4, progress: bool = True) -> GateResult:
+    """Run the four checks on ``engine``'s model.
+
+    Args:
+        engine: a :class:`blend.engine.Engine`.
+        items: calibration prompts for the fidelity check (1-6).
+        progress: print a line per step to stderr.
+
+    Returns:
+        The gate result (not yet recorded).
+    """
+    eng = _private(engine)
+    dtype = engine.config.dtype
+    say = (lambda m: print(f"kvblend check [{engine.model_name}]: {m}", file=sys.stderr, flush=True)) \
+        if progress else (lambda m: None)
+    cal = calibration_items(items)
+    first = eng.build_prompt(cal[0].question, cal[0].documents)
+    checks = []
+
+    say("reference equality with transformers")
+    hf = engine.runner.loaded.model
+    with torch.inference_mode():
+        ref = hf(torch.tensor([first.token_ids])).logits[0, -1].float()
+    full = eng.generate(first, ReusePolicy.none(), max_new_tokens=1)
+    diff = float((full.first_logits.cpu() - ref).abs().max())
+    checks.append(CheckResult(CheckName.REFERENCE, diff <= LOGIT_TOL[dtype], diff, LOGIT_TOL[dtype],
+                              "max |logits - transformers logits|"))
+
+    say("RoPE re-positioning")
+    _, full_cache, _ = eng.prefill(first, ReusePolicy.none())
+    _, reuse_cache, _ = eng.prefill(first, ReusePolicy.blend(ratio=0.0, force=True))
+    n = len(first)
+    rope_diff = float((full_cache.k[0][:, :n].float() - reuse_cache.k[0][:, :n].float()).abs().max())
+    checks.append(CheckResult(CheckName.ROPE, rope_diff <= ROPE_TOL[dtype], rope_diff, ROPE_TOL[dtype],
+                              "max |layer-0 K re-positioned - K of full prefill|"))
+
+    say("ratio 1.0 against full prefill")
+    one = eng.generate(first, ReusePolicy.blend(ratio=1.0, force=True), max_new_tokens=1)
+    d1 = float((one.first_logits - full.first_logits).abs().max())
+    checks.append(CheckResult(CheckName.RATIO_ONE, d1 <= LOGIT_TOL[dtype], d1, LOGIT_TOL[dtype],
+                              "max |logits(blend@1.0) - logits(full)|"))
+
+    kls, agree = [], []
+    for i, item in enumerate(cal):
+        say(f"fidelity {i + 1}/{len(cal)}")
+        prompt = eng.build_prompt(item.question, item.documents)
+        f = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=1).first_logits
+        b = eng.generate(prompt, ReusePolicy.blend(ratio=GATE_RATIO, force=True), max_new_tokens=1).first_logits
+        kls.append(kl_full_vs(f, b))
+        agree.append(float(int(f.argmax()) == int(b.argmax())))
+    kl, top1 = sum(kls) / len(kls), sum(agree) / len(agree)
+    checks.append(CheckResult(CheckName.FIDELITY_KL, kl <= KL_BOUND, kl, KL_BOUND,
+                              f"mean first-token KL(full || blend@{GATE_RATIO}) over {len(cal)} prompts"))
+    checks.append(CheckResult(CheckName.FIDELITY_TOP1, top1 >= TOP1_BOUND, top1, TOP1_BOUND,
+                              f"first-token top-1 agreement of blend@{GATE_RATIO} with full prefill"))
+    return GateResult(engine.model_name, engine.provenance.digest().hex(), tuple(checks))
+
+
+def gate_path(engine) -> Path:
+    return kvblend_home() / "gate" / f"{engine.provenance.digest().hex()}.json"
+
+
+def load_record(engine) -> GateResult | None:
+    """The recorded gate result for the engine's provenance, if any (unreadable = none)."""
+    path = gate_path(engine)
+    try:
+        return GateResult.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def record(engine, result: GateResult) -> None:
+    """Write the result atomically."""
+    path = gate_path(engine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(result.to_dict(), f, indent=1)
+    os.replace(tmp, path)
+
+
+def run_gate_cli(args) -> int:
+    """``kvblend check``: run, record and print the gate; exit 1 when it fails."""
+    from blend.cli import engine_from_args
+
+    engine = engine_from_args(args)
+    result = run_gate(engine, items=args.items, progress=not args.json)
+    record(engine, result)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        for c in result.checks:
+            cmp = ">=" if c.name is CheckName.FIDELITY_TOP1 else "<="
+            print(f"{'PASS' if c.passed else 'FAIL'}  {c.name.value:14s} {c.figure:.3g} ({cmp} {c.bound:g})  {c.detail}")
+        print(f"blend gate for {engine.model_name}: {'PASSED' if result.passed else 'FAILED'}")
+    return 0 if result.passed else 1

@@ -1,0 +1,61 @@
+"""The blend quality gate: checks, recording, fallback and force."""
+
+import json
+
+import pytest
+
+from blend import gate
+from blend.engine import Engine
+from blend.policy import ReusePolicy
+from blend.report import ReuseClass
+from conftest import make_docs
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_gate_checks_have_figures_and_mechanical_checks_pass_on_tiny(home):
+    eng = Engine.load("tiny-llama", quality_gate=False)
+    result = gate.run_gate(eng, items=2, progress=False)
+    by = {c.name: c for c in result.checks}
+    assert by[gate.CheckName.REFERENCE].passed and by[gate.CheckName.REFERENCE].figure <= 1e-4
+    assert by[gate.CheckName.ROPE].passed and by[gate.CheckName.ROPE].figure <= 1e-5
+    assert by[gate.CheckName.RATIO_ONE].passed
+    assert by[gate.CheckName.FIDELITY_KL].figure >= 0.0
+    assert 0.0 <= by[gate.CheckName.FIDELITY_TOP1].figure <= 1.0
+    assert len(list(eng.store.keys(__import__("blend.keys").keys.Namespace.CANONICAL))) == 0  # private store
+
+
+def test_failed_gate_falls_back_unless_forced(home):
+    eng = Engine.load("tiny-llama")
+    failing = gate.GateResult(eng.model_name, eng.provenance.digest().hex(), (
+        gate.CheckResult(gate.CheckName.FIDELITY_KL, False, 3.0, gate.KL_BOUND, "test"),))
+    gate.record(eng, failing)
+    prompt = eng.build_prompt("Which?", make_docs(3))
+    ans = eng.generate(prompt, ReusePolicy.blend(), max_new_tokens=1)
+    docs = [s.reuse_class for s in ans.report.segments if s.kind.value == "document"]
+    assert docs == [ReuseClass.FALLBACK] * 3 and "quality gate" in ans.report.gate
+    forced = eng.generate(prompt, ReusePolicy.blend(force=True), max_new_tokens=1)
+    assert ReuseClass.FALLBACK not in [s.reuse_class for s in forced.report.segments]
+
+
+def test_first_blend_request_runs_and_records_the_gate(home, capsys):
+    eng = Engine.load("tiny-llama")
+    assert gate.load_record(eng) is None
+    eng.generate(eng.build_prompt("Which?", make_docs(3)), ReusePolicy.blend(), max_new_tokens=1)
+    rec = gate.load_record(eng)
+    assert rec is not None and rec.provenance_sha256 == eng.provenance.digest().hex()
+    assert "running the quality gate" in capsys.readouterr().err
+    data = json.loads(gate.gate_path(eng).read_text())
+    assert {c["name"] for c in data["checks"]} == {n.value for n in gate.CheckName}
+
+
+def test_kl_is_zero_for_equal_and_positive_otherwise():
+    import torch
+
+    a = torch.tensor([1.0, 2.0, 3.0])
+    assert gate.kl_full_vs(a, a) == 0.0
+    assert gate.kl_full_vs(a, torch.tensor([3.0, 2.0, 1.0])) > 0.5
