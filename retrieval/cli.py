@@ -123,6 +123,10 @@ def _ingest(args: argparse.Namespace) -> int:
     from blend.retrieval.ingest import ingest, print_issues
     from blend.retrieval.pipeline import engine_kv_deleter, engine_kv_writer, load_engine
 
+    from blend.retrieval.corpus import expand_paths
+
+    if not expand_paths(args.paths)[0]:  # fail before loading any model
+        ingest(args.paths, args.index, tokenizer=None, embedder=None)  # type: ignore[arg-type]  # raises
     config = ChunkerConfig(target_tokens=args.chunk_tokens, overlap_tokens=args.overlap)
     engine = load_engine(getattr(args, "model", DEMO_MODEL), getattr(args, "dtype", "float32"), args.store)
     summary = ingest(

@@ -155,6 +155,9 @@ def ingest(
     fp = tokenizer_fp or tokenizer_fingerprint(tokenizer)
     signature = chunking_signature(fp, config)
     files, issues = expand_paths(paths)
+    if not files:
+        why = "; ".join(str(i) for i in issues) or "no paths given"
+        raise RetrievalError(f"nothing to ingest (.txt, .md, .jsonl): {why}")
     lock = _Lock(root)
     try:
         meta = IndexMeta(embedder.info.name, embedder.info.fingerprint, embedder.dim, kind.value, threshold)

@@ -207,7 +207,10 @@ class RAG:
     def embedder(self) -> Embedder:
         """The embedder, loaded on first use."""
         if self._embedder is None:
-            self._embedder = Embedder.load()
+            emb = Embedder.load()
+            if self.catalog is not None and emb.info.fingerprint != self.catalog.meta.embedder_fingerprint:
+                raise RetrievalError(f"{self.catalog.root}: index was built with another embedder ({self.catalog.meta.embedder})")
+            self._embedder = emb
         return self._embedder
 
     def retrieve(self, question: str, top_k: int = 5) -> list[Retrieved]:

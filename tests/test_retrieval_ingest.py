@@ -155,9 +155,12 @@ def test_shared_chunk_survives_until_last_reference(tmp_path, tok) -> None:
     assert hit.source.endswith("y.txt")
 
 
-def test_open_missing_index_is_clear(tmp_path) -> None:
+def test_open_missing_index_is_clear(tmp_path, tok) -> None:
     with pytest.raises(RetrievalError, match="no index here"):
         Catalog.open(tmp_path / "nothing")
+    with pytest.raises(RetrievalError, match="nothing to ingest.*gone.txt"):
+        _run([tmp_path / "gone.txt"], tmp_path / "idx", tok)
+    assert not Catalog.exists(tmp_path / "idx")
 
 
 def test_real_embedder_finds_the_right_document(corpus, tmp_path, tok) -> None:
@@ -168,3 +171,15 @@ def test_real_embedder_finds_the_right_document(corpus, tmp_path, tok) -> None:
     cat = Catalog.open(tmp_path / "idx")
     hits = cat.search(emb.embed(["Who is the captain of the ferry?"]), 2)[0]
     assert hits[0].source.endswith("b.md") and any("Bruno" in h.text for h in hits)
+
+
+def test_progress_bar_reports_rate_and_eta(corpus, tmp_path, tok) -> None:
+    from blend.retrieval.progress import Progress
+
+    out = io.StringIO()
+    ingest([corpus], tmp_path / "idx", tokenizer=tok, embedder=HashEmbedder(), config=CFG, stream=out)
+    last = out.getvalue().strip().splitlines()[-1]
+    assert "4/4 files" in last and "ETA" in last and "/s" in last
+    bar = Progress(10, desc="x", unit="chunks", stream=io.StringIO(), min_interval_s=0)
+    bar.update(5)
+    assert "5/10 chunks" in bar.line() and "[" + "#" * 12 in bar.line()
