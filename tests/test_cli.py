@@ -1,0 +1,104 @@
+"""The kvblend CLI: JSON contract, user errors, and cold equals warm across processes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_docs
+
+ENV_KEYS = ("KVBLEND_HOME", "PATH", "HOME", "KVBLEND_TEST_REDIS", "TRITON_INTERPRET")
+
+
+def kvblend(*args, home, check=True):
+    env = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
+    env["KVBLEND_HOME"] = str(home)
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "blend.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture
+def docs(tmp_path):
+    paths = []
+    for i, text in enumerate(make_docs(3, words=25)):
+        p = tmp_path / f"doc{i}.txt"
+        p.write_text(text)
+        paths.append(str(p))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    from _store_util import RedisServer, redis_url_for_tests
+
+    url, server = redis_url_for_tests()
+    yield url
+    if isinstance(server, RedisServer):
+        server.stop()
+
+
+def ask_args(docs, *extra):
+    args = ["ask", "Which word?", "--model", "tiny-llama", "--json", "--max-new-tokens", "4"]
+    for d in docs:
+        args += ["--doc", d]
+    return [*args, *extra]
+
+
+def test_ask_json_contract(docs, tmp_path):
+    out = json.loads(kvblend(*ask_args(docs, "--store", "memory"), home=tmp_path).stdout)
+    for field in ("answer", "answer_token_ids", "prompt_token_ids", "ttft_s", "logits_sha256", "report"):
+        assert field in out
+    assert len(out["logits_sha256"]) == 64
+    segs = out["report"]["segments"]
+    assert [s["class"] for s in segs] == ["computed"] * 5
+    assert all({"class", "tokens", "key"} <= set(s) for s in segs)
+    assert sum(s["tokens"] for s in segs) == len(out["prompt_token_ids"])
+    assert out["report"]["reused_tokens"] == 0 and out["report"]["recomputed_tokens"] == 0
+
+
+@pytest.mark.parametrize("reuse", ["exact", "blend"])
+def test_cold_equals_warm_across_processes_on_disk(docs, tmp_path, reuse):
+    store = f"disk:{tmp_path / 'store'}"
+    extra = ["--store", store, "--reuse", reuse, "--force-blend"]
+    a = json.loads(kvblend(*ask_args(docs, *extra), home=tmp_path).stdout)
+    b = json.loads(kvblend(*ask_args(docs, *extra), home=tmp_path).stdout)
+    assert a["logits_sha256"] == b["logits_sha256"]
+    assert a["answer_token_ids"] == b["answer_token_ids"]
+    hits = [s["class"] for s in b["report"]["segments"][:-1]]
+    assert hits == (["exact"] * 4 if reuse == "exact" else ["exact", "exact", "blended", "blended"])
+    assert "computed" in [s["class"] for s in a["report"]["segments"][:-1]]
+
+
+def test_cold_equals_warm_across_processes_in_redis(docs, tmp_path, redis_url):
+    extra = ["--store", redis_url + "?prefix=clitest" + os.urandom(4).hex(), "--reuse", "exact"]
+    a = json.loads(kvblend(*ask_args(docs, *extra), home=tmp_path).stdout)
+    b = json.loads(kvblend(*ask_args(docs, *extra), home=tmp_path).stdout)
+    assert a["logits_sha256"] == b["logits_sha256"]
+    assert [s["class"] for s in b["report"]["segments"][:-1]] == ["exact"] * 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ask", "q", "--doc", "/no/such/file", "--model", "tiny-llama"], "no such file"),
+    (["ask", "  ", "--doc", "{doc}", "--model", "tiny-llama"], "question is empty"),
+    (["ask", "q", "--doc", "{doc}", "--model", "no-such-model"], "unknown model"),
+    (["ask", "q", "--doc", "{bad}", "--model", "tiny-llama"], "not UTF-8"),
+    (["ask", "q", "--doc", "{long}", "--model", "tiny-llama"], "exceeds the model's context"),
+    (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--ratio", "2"], "ratio"),
+])
+def test_user_errors_are_one_line_and_exit_2(tmp_path, docs, args, message):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\x00abc")
+    long = tmp_path / "long.txt"
+    long.write_text("word " * 1000)
+    args = [a.format(doc=docs[0], bad=bad, long=long) for a in args]
+    proc = kvblend(*args, "--store", "memory", home=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

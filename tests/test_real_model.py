@@ -1,0 +1,49 @@
+"""A few invariants on the real SmolLM2-135M (fp32), converted once and cached."""
+
+import pytest
+import torch
+
+from blend.calibration import calibration_items
+from blend.policy import ReusePolicy
+from blend.report import ReuseClass
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def prompt(real_engine):
+    item = calibration_items(1)[0]
+    return real_engine.build_prompt(item.question, item.documents)
+
+
+def test_real_logits_equal_transformers(real_engine, prompt):
+    with torch.inference_mode():
+        ref = real_engine.runner.loaded.model(torch.tensor([prompt.token_ids])).logits[0, -1].float()
+    ans = real_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    assert (ans.first_logits - ref).abs().max() <= 1e-3
+
+
+def test_real_greedy_matches_transformers_generate(real_engine, prompt):
+    hf = real_engine.runner.loaded.model
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt.token_ids]), max_new_tokens=10, do_sample=False,
+                          eos_token_id=sorted(real_engine.eos_ids), pad_token_id=2)
+    want = [t for t in out[0, len(prompt):].tolist() if t not in real_engine.eos_ids]
+    got = real_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=10, stop_at_newline=False)
+    assert got.token_ids == want
+    assert "Marisol Ortega" in got.text
+
+
+def test_real_cold_equals_warm_exact_and_blend(real_engine, prompt):
+    for policy in (ReusePolicy.exact(), ReusePolicy.blend(ratio=0.15, force=True)):
+        cold = real_engine.generate(prompt, policy, max_new_tokens=4)
+        warm = real_engine.generate(prompt, policy, max_new_tokens=4)
+        assert torch.equal(cold.first_logits, warm.first_logits)
+        assert cold.token_ids == warm.token_ids
+        assert ReuseClass.COMPUTED not in [s.reuse_class for s in warm.report.segments[:-1]]
+
+
+def test_real_ratio_one_equals_full_prefill(real_engine, prompt):
+    full = real_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    one = real_engine.generate(prompt, ReusePolicy.blend(ratio=1.0, force=True), max_new_tokens=1)
+    assert (one.first_logits - full.first_logits).abs().max() <= 1e-3
