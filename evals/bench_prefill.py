@@ -1,0 +1,138 @@
+"""Foundation benchmarks (issue 2), measured in one process on the same inputs.
+
+1. Prefill time of the engine's own forward against transformers' forward on
+   the same tokens, at 1k and 4k tokens, fp32 and bf16 (target ratio <= 1.10).
+2. TTFT of an exact hit (a ~3.5k-token cached prefix plus a ~100-token
+   question) against the same request cold (target ratio <= 0.08).
+
+Repeats are interleaved (engine, transformers, engine, ...) so machine drift
+hits both alike; the median is reported.
+
+    python -m blend.evals.bench_prefill [--model smollm2-135m] [--repeats 3] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from blend.engine import Engine
+from blend.policy import ReusePolicy
+from blend.store.memory import MemoryStore
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    dtype: str
+    tokens: int
+    engine_s: float
+    transformers_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.engine_s / self.transformers_s
+
+
+@dataclass(frozen=True)
+class HitRow:
+    prompt_tokens: int
+    cached_tokens: int
+    cold_s: float
+    warm_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.warm_s / self.cold_s
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_prefill(model: str, dtype: str, tokens: int, repeats: int) -> PrefillRow:
+    """Median prefill seconds of the engine and of transformers on the same ids."""
+    eng = Engine.load(model, dtype=dtype, quality_gate=False)
+    hf = eng.runner.loaded.model.to(eng.dtype)
+    ids = torch.randint(100, eng.dims.vocab - 100, (tokens,), generator=torch.Generator().manual_seed(0))
+
+    def ours():
+        h, _ = eng.runner.prefill(eng.runner.new_cache(tokens), ids, keep_kv=False)
+        eng.runner.logits(h[-1:])
+
+    def theirs():
+        hf(ids[None], use_cache=False, logits_to_keep=1)
+
+    e, t = [], []
+    with torch.inference_mode():
+        ours(), theirs()  # warm-up
+        for _ in range(repeats):
+            e.append(_timed(ours))
+            t.append(_timed(theirs))
+    hf.to(torch.float32)
+    return PrefillRow(dtype, tokens, statistics.median(e), statistics.median(t))
+
+
+def _filler(i: int) -> str:
+    return (f"Section {i}. The committee met on a grey morning to review the annual report on roads, "
+            "bridges and the harbour wall. Members noted that repairs had run over budget, that the "
+            "ferry timetable would change in spring, and that the library roof still leaked. ") * 3
+
+
+def bench_exact_hit(model: str, repeats: int, prefix_tokens: int = 3500) -> HitRow:
+    """TTFT of a request whose documents are an exact cached prefix, against the same request cold."""
+    eng = Engine.load(model, quality_gate=False)
+    docs: list[str] = []
+    while len(eng.build_prompt("q", docs)) < prefix_tokens:
+        docs.append(_filler(len(docs)))
+    question = ("Considering every section above, which repairs ran over budget, what changes to the ferry "
+                "timetable were announced, and what is still wrong with the library roof? Please answer "
+                "in one short sentence that names each of the three items clearly and briefly. If a section "
+                "does not mention one of them, say which section would be the right place to look for it next.")
+    prompt = eng.build_prompt(question, docs)
+    cold, warm = [], []
+    eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # warm-up
+    for _ in range(repeats):
+        eng.store = MemoryStore()
+        cold.append(eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).ttft_s)
+        warm.append(eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).ttft_s)
+    return HitRow(len(prompt), len(prompt) - len(prompt.question), statistics.median(cold), statistics.median(warm))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", default="1024,4096")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--prefix-tokens", type=int, default=3500, help="cached prefix of the exact-hit case")
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args(argv)
+    rows = []
+    print("| dtype | tokens | engine s | transformers s | ratio |\n|---|---|---|---|---|", flush=True)
+    for dtype in args.dtypes.split(","):
+        for n in map(int, args.tokens.split(",")):
+            r = bench_prefill(args.model, dtype, n, args.repeats)
+            rows.append(r)
+            print(f"| {r.dtype} | {r.tokens} | {r.engine_s:.3f} | {r.transformers_s:.3f} | {r.ratio:.2f} |",
+                  flush=True)
+    hit = bench_exact_hit(args.model, args.repeats, args.prefix_tokens)
+    print(f"\nexact hit: prompt {hit.prompt_tokens} tokens, {hit.cached_tokens} cached; "
+          f"cold TTFT {hit.cold_s:.3f} s, warm TTFT {hit.warm_s:.3f} s, ratio {hit.ratio:.3f}")
+    if args.json:
+        out = {"prefill": [{**asdict(r), "ratio": r.ratio} for r in rows],
+               "exact_hit": {**asdict(hit), "ratio": hit.ratio}, "threads": torch.get_num_threads(),
+               "torch": torch.__version__}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
