@@ -28,6 +28,7 @@ computed, over the cached KV of every document (plain full KV reuse).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,7 +67,28 @@ def canonical_chunk_kv(engine: "Engine", preamble: Segment, ids) -> SegmentKV:
     return engine._compute_stored(cache, Segment(SegmentKind.DOCUMENT, tuple(ids), ""))
 
 
-def _fetch_chunks(engine: "Engine", prompt: Prompt, report: ReuseReport) -> list[tuple[SegmentKV, SegmentReport]]:
+@dataclass
+class ChunkKV:
+    """One document's KV for a blended request.
+
+    Attributes:
+        kv: K before RoPE and V, all layers.
+        report: the document's report row (class, key, note).
+        forced: (F,) int64 offsets inside the document that must be recomputed
+            whatever the selector says (tokens the KV does not belong to:
+            semantic reuse's edits); None when the KV is the document's own.
+    """
+
+    kv: SegmentKV
+    report: SegmentReport
+    forced: torch.Tensor | None = None
+
+    @property
+    def own_kv(self) -> bool:
+        return self.forced is None
+
+
+def _fetch_chunks(engine: "Engine", prompt: Prompt, policy: ReusePolicy, report: ReuseReport) -> list[ChunkKV]:
     """Canonical KV of every document: a hit is loaded; a miss or rejection is computed and stored."""
     prov_json = engine.provenance.canonical_json()
     out = []
@@ -78,18 +100,25 @@ def _fetch_chunks(engine: "Engine", prompt: Prompt, report: ReuseReport) -> list
         report.timings.lookup_s += time.perf_counter() - t0
         cls = ReuseClass.EXACT if i == 0 else ReuseClass.BLENDED
         rep = SegmentReport(doc.kind, cls, len(doc), start, key_hex(key))
-        if found.status is LookupStatus.HIT and found.entry.num_tokens == len(doc):
-            kv = SegmentKV(found.entry.k, found.entry.v)
-        else:
-            if found.status is LookupStatus.MISS:
-                rep.reuse_class, rep.note = ReuseClass.COMPUTED, "miss: computed canonically, then reused"
-            else:
-                rep.reuse_class = ReuseClass.REJECTED
-                rep.note = (found.reason or "stored entry has the wrong length") + "; recomputed"
-            kv = canonical_chunk_kv(engine, prompt.preamble, doc.token_ids)
-            engine.store.put(Namespace.CANONICAL, key, engine._entry(kv))
-        out.append((kv, rep))
         start += len(doc)
+        if found.status is LookupStatus.HIT and found.entry.num_tokens == len(doc):
+            out.append(ChunkKV(SegmentKV(found.entry.k, found.entry.v), rep))
+            continue
+        if found.status is LookupStatus.MISS:
+            if policy.semantic:
+                from blend.semantic import donor_chunk
+
+                donated = donor_chunk(engine, prompt, doc, rep, report)
+                if donated is not None:
+                    out.append(donated)
+                    continue
+            rep.reuse_class, rep.note = ReuseClass.COMPUTED, "miss: computed canonically, then reused"
+        else:
+            rep.reuse_class = ReuseClass.REJECTED
+            rep.note = (found.reason or "stored entry has the wrong length") + "; recomputed"
+        kv = canonical_chunk_kv(engine, prompt.preamble, doc.token_ids)
+        engine.store.put(Namespace.CANONICAL, key, engine._entry(kv))
+        out.append(ChunkKV(kv, rep))
     return out
 
 
@@ -115,6 +144,50 @@ def _validate(engine: "Engine", policy: ReusePolicy) -> None:
     n = engine.dims.num_layers
     if policy.check_layers[-1] >= n:
         raise InvalidPolicyError(f"check layers {policy.check_layers} outside the model's {n} layers (0..{n - 1})")
+    if policy.semantic and not engine.config.experimental_semantic:
+        raise InvalidPolicyError(
+            "semantic reuse is experimental: enable it in the engine (EngineConfig(experimental_semantic=True) "
+            "or --experimental-semantic) as well as in the policy"
+        )
+
+
+@dataclass(frozen=True)
+class BlendRows:
+    """Per-request tensors of the re-positioned rows [e, T) (n = blended doc rows + question rows)."""
+
+    k: torch.Tensor  # (L, Hkv, n, D) cached K before RoPE (zeros for question rows)
+    v: torch.Tensor  # (L, Hkv, n, D) cached V
+    pos: torch.Tensor  # (n,) int64 new absolute positions
+    cos: torch.Tensor  # (n, R) rotary tables at ``pos``
+    sin: torch.Tensor  # (n, R)
+    doc: torch.Tensor  # (nb,) int64 blended-document index of each document row
+    offset: torch.Tensor  # (nb,) int64 offset of each document row inside its document
+    forced: torch.Tensor  # (nb,) bool rows that must be recomputed (semantic edits)
+    nb: int  # document rows; rows >= nb are the question
+    budget_base: int  # reused document tokens the ratio counts
+
+
+def _blend_rows(engine: "Engine", blended: list[ChunkKV], nq: int, e: int, budget_base: int) -> BlendRows:
+    d, dt, dev = engine.dims, engine.dtype, engine.device
+    pad = torch.zeros(d.num_layers, d.num_kv_heads, nq, d.head_dim, dtype=dt, device=dev)
+    k = torch.cat([c.kv.k.to(device=dev, dtype=dt) for c in blended] + [pad], dim=2)  # (L, Hkv, n, D)
+    v = torch.cat([c.kv.v.to(device=dev, dtype=dt) for c in blended] + [pad], dim=2)  # (L, Hkv, n, D)
+    lens = [c.kv.k.shape[2] for c in blended]
+    nb = sum(lens)
+    pos = torch.arange(e, e + nb + nq, device=dev)  # (n,)
+    cos, sin = engine.runner.rope(pos)  # (n, R)
+    forced = torch.zeros(nb, dtype=torch.bool)
+    lo = 0
+    for c, n_c in zip(blended, lens):
+        if c.forced is not None:
+            forced[lo + c.forced] = True
+        lo += n_c
+    return BlendRows(
+        k=k, v=v, pos=pos, cos=cos, sin=sin,
+        doc=torch.cat([torch.full((n_c,), j, dtype=torch.long) for j, n_c in enumerate(lens)]),
+        offset=torch.cat([torch.arange(n_c) for n_c in lens]),
+        forced=forced, nb=nb, budget_base=budget_base,
+    )
 
 
 def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: KVCache,
@@ -133,114 +206,109 @@ def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: 
 
     pre_key = exact_chain(engine.provenance, [prompt.preamble.token_ids])[0]
     report.segments.append(engine._exact_segment(cache, prompt.preamble, pre_key, report))
-    chunks = _fetch_chunks(engine, prompt, report)
+    chunks = _fetch_chunks(engine, prompt, policy, report)
+    report.segments.extend(c.report for c in chunks)
+    # doc 1 sits at its canonical position: its own KV is exact there
+    n_exact = 1 if chunks and chunks[0].own_kv else 0
     t_load = time.perf_counter()
-    if chunks:  # doc 1 sits at its canonical position: its KV is exact
-        runner.load(cache, chunks[0][0])
+    for c in chunks[:n_exact]:
+        runner.load(cache, c.kv)
     report.timings.lookup_s += time.perf_counter() - t_load
-    report.segments.extend(rep for _, rep in chunks)
     q = prompt.question
-    if len(chunks) <= 1:  # nothing to re-position: this is the exact path
+    blended = chunks[n_exact:]
+    if not blended:  # nothing to re-position: this is the exact path
         start = cache.length
         h, _ = runner.prefill(cache, engine._ids(q.token_ids), keep_kv=False)
         report.segments.append(SegmentReport(q.kind, ReuseClass.COMPUTED, len(q), start))
         return runner.logits(h[-1:])[0]
 
-    blended = chunks[1:]
     e = cache.length
-    nb = sum(kv.k.shape[2] for kv, _ in blended)
-    nq = len(q)
-    n = nb + nq
-    reused_doc_tokens = sum(len(doc) for doc in prompt.documents)
-    dt, dev = engine.dtype, engine.device
-    L, hkv, hd = d.num_layers, d.num_kv_heads, d.head_dim
-    pad = torch.zeros(L, hkv, nq, hd, dtype=dt, device=dev)  # question rows have no cached KV
-    k_rows = torch.cat([kv.k.to(device=dev, dtype=dt) for kv, _ in blended] + [pad], dim=2)  # (L, Hkv, n, D)
-    v_rows = torch.cat([kv.v.to(device=dev, dtype=dt) for kv, _ in blended] + [pad], dim=2)  # (L, Hkv, n, D)
-    doc_of = torch.cat([torch.full((kv.k.shape[2],), j, dtype=torch.long) for j, (kv, _) in enumerate(blended)])
-    offset_of = torch.cat([torch.arange(kv.k.shape[2]) for kv, _ in blended])
-    pos = torch.arange(e, e + n, device=dev)  # (n,) new absolute positions
-    cos, sin = runner.rope(pos)  # (n, R)
-    cache.set_positions(e, pos)
+    rows = _blend_rows(engine, blended, len(q), e, sum(len(doc) for doc in prompt.documents))
+    nb, n = rows.nb, rows.pos.shape[0]
+    cache.set_positions(e, rows.pos)
     k_pos = cache.pos[: e + n]  # (T,)
-    ids = torch.tensor([t for doc in prompt.documents[1:] for t in doc.token_ids] + list(q.token_ids),
-                       dtype=torch.long, device=dev)  # (n,)
-    question_rows = torch.arange(nb, n, device=dev)
+    ids = torch.tensor([t for doc in prompt.documents[n_exact:] for t in doc.token_ids] + list(q.token_ids),
+                       dtype=torch.long, device=engine.device)  # (n,)
+    always = torch.cat([torch.nonzero(rows.forced).flatten(), torch.arange(nb, n)])  # forced + question rows
 
-    threshold_mode = policy.threshold is not None
     checks = list(policy.check_layers)
-    if policy.ratio == 0.0 and not threshold_mode:
+    if policy.ratio == 0.0 and policy.threshold is None:
         checks = []  # full KV reuse: nothing is ever selected, so nothing needs checking
-    active = torch.arange(n, device=dev) if checks else question_rows  # (A,) rows relative to e
+    active = torch.arange(n) if checks else always  # (A,) sorted rows relative to e
     h = runner.embed(ids[active])  # (A, C)
-    first_selected = torch.empty(0, dtype=torch.long)
+    first_selected = active[active < nb]
     for layer, w in enumerate(runner.layers):
         qh, kh, vh = project_qkv(w, d, rms_norm(h, w.input_norm, d.eps))  # (Hq,A,D) (Hkv,A,D) x2
-        k_mix, v_mix = rope_mix(k_rows[layer], v_rows[layer], cos, sin, active, kh, vh)  # (Hkv, n, D)
+        k_mix, v_mix = rope_mix(rows.k[layer], rows.v[layer], rows.cos, rows.sin, active, kh, vh)  # (Hkv, n, D)
         cache.write(layer, e, k_mix, v_mix)
         k_all, v_all = cache.view(layer, e + n)  # (Hkv, T, D)
         if checks and layer == checks[0]:
             ci = len(policy.check_layers) - len(checks)
-            keep = _check(engine, policy, ci, layer, active, nb, reused_doc_tokens, qh, kh, vh,
-                          k_rows[layer], v_rows[layer], cos, sin, pos, k_all, k_pos, doc_of, offset_of, report)
-            if ci == 0:
-                first_selected = active[keep[keep < int((active < nb).sum())]]
             checks.pop(0)
+            keep = _check(engine, policy, ci, layer, rows, active, qh, kh, vh, k_all, k_pos, report)
             qh, h, active = qh[:, keep], h[keep], active[keep]
-        q_rot = apply_rope(qh, cos[active], sin[active])  # (Hq, A, D)
-        attn = sparse_query_attention(q_rot, pos[active], k_all, v_all, k_pos, d.scale)  # (Hq, A, D)
+            if ci == 0:
+                first_selected = active[active < nb]
+        q_rot = apply_rope(qh, rows.cos[active], rows.sin[active])  # (Hq, A, D)
+        attn = sparse_query_attention(q_rot, rows.pos[active], k_all, v_all, k_pos, d.scale)  # (Hq, A, D)
         h = attn_out(w, h, attn.transpose(0, 1).reshape(h.shape[0], -1))
         h = mlp_block(w, d, h)
     cache.advance(n)
-    _count_recomputed(report, first_selected, blended)
-    report.segments.append(SegmentReport(q.kind, ReuseClass.COMPUTED, nq, e + nb))
+    _count_recomputed(first_selected, blended)
+    report.segments.append(SegmentReport(q.kind, ReuseClass.COMPUTED, len(q), e + nb))
     return runner.logits(h[-1:])[0]
 
 
-def _check(engine, policy, ci, layer, active, nb, reused_doc_tokens, qh, kh, vh, k_cached, v_cached,
-           cos, sin, pos, k_all, k_pos, doc_of, offset_of, report) -> torch.Tensor:
+def _check(engine: "Engine", policy: ReusePolicy, ci: int, layer: int, rows: BlendRows, active: torch.Tensor,
+           qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, k_all: torch.Tensor, k_pos: torch.Tensor,
+           report: ReuseReport) -> torch.Tensor:
     """One check layer: compare fresh and cached KV of the active document rows and select.
 
+    Args:
+        active: (A,) sorted active rows; document rows (< rows.nb) come first.
+        qh, kh, vh: fresh q/k/v of the active rows at this layer.
+
     Returns:
-        positions into ``active`` to keep (selected document rows, then every question row).
+        (A',) sorted positions into ``active`` to keep: selected and forced
+        document rows, then every question row.
     """
-    is_doc = active < nb  # (A,)
-    cand = active[is_doc]  # (N,) candidate rows relative to e
-    nd = int(is_doc.sum())
-    dev_k = kv_deviation(kh[:, :nd], k_cached[:, cand])  # (N,)
-    dev_v = kv_deviation(vh[:, :nd], v_cached[:, cand])  # (N,)
-    v_norm = v_cached[:, cand].float().pow(2).sum(dim=(0, 2)).sqrt().clamp_min(1e-12)  # (N,)
+    nd = int((active < rows.nb).sum())
+    cand = active[:nd]  # (N,) candidate rows relative to e
+    is_forced = rows.forced[cand]  # (N,)
+    free = torch.nonzero(~is_forced).flatten()  # (M,) positions into cand the selector may choose
+    dev_k = kv_deviation(kh[:, free], rows.k[layer][:, cand[free]])  # (M,)
+    dev_v = kv_deviation(vh[:, free], rows.v[layer][:, cand[free]])  # (M,)
+    v_norm = rows.v[layer][:, cand[free]].float().pow(2).sum(dim=(0, 2)).sqrt().clamp_min(1e-12)  # (M,)
     query_attn = None
     if policy.selector in NEEDS_QUERY_ATTENTION:
-        qrows = torch.arange(nd, active.shape[0])
-        q_rot = apply_rope(qh[:, qrows], cos[active[qrows]], sin[active[qrows]])  # (Hq, Nq, D)
-        mass = _question_attention(q_rot, pos[active[qrows]], k_all, k_pos, engine.dims.scale)  # (T,)
-        query_attn = mass[k_pos.shape[0] - pos.shape[0] + cand]
-    inp = SelectionInputs(dev_k, dev_v, dev_v / v_norm, doc_of[cand], offset_of[cand], query_attn, policy.seed)
-    budget = int(round(policy.ratio_at(ci) * reused_doc_tokens))
+        qi = torch.arange(nd, active.shape[0])
+        q_rot = apply_rope(qh[:, qi], rows.cos[active[qi]], rows.sin[active[qi]])  # (Hq, Nq, D)
+        mass = _question_attention(q_rot, rows.pos[active[qi]], k_all, k_pos, engine.dims.scale)  # (T,)
+        query_attn = mass[k_pos.shape[0] - rows.pos.shape[0] + cand[free]]
+    inp = SelectionInputs(dev_k, dev_v, dev_v / v_norm, rows.doc[cand[free]], rows.offset[cand[free]],
+                          query_attn, policy.seed)
+    budget = int(round(policy.ratio_at(ci) * rows.budget_base))
     if policy.threshold is not None:
-        keep_doc = select_threshold(inp, policy.threshold, int(round(policy.max_ratio * reused_doc_tokens)))
+        picked = select_threshold(inp, policy.threshold, int(round(policy.max_ratio * rows.budget_base)))
     else:
-        keep_doc = select(policy.selector, inp, budget)
-    if ci == 0 and nd:
-        q = torch.quantile(dev_v, torch.tensor([0.5, 0.9]))
+        picked = select(policy.selector, inp, budget)
+    if ci == 0 and free.numel():
+        qs = torch.quantile(dev_v, torch.tensor([0.5, 0.9]))
         report.deviation = DeviationStats(
-            layer=layer, mean=float(dev_v.mean()), p50=float(q[0]), p90=float(q[1]), max=float(dev_v.max()),
-            selected_min=float(dev_v[keep_doc].min()) if keep_doc.numel() else float("nan"),
+            layer=layer, mean=float(dev_v.mean()), p50=float(qs[0]), p90=float(qs[1]), max=float(dev_v.max()),
+            selected_min=float(dev_v[picked].min()) if picked.numel() else float("nan"),
         )
+    keep_doc = torch.sort(torch.cat([free[picked], torch.nonzero(is_forced).flatten()])).values
     return torch.cat([keep_doc, torch.arange(nd, active.shape[0])])
 
 
-def _count_recomputed(report: ReuseReport, selected: torch.Tensor, blended) -> None:
-    """Attribute rows selected at the first check layer to their documents."""
+def _count_recomputed(selected: torch.Tensor, blended: list[ChunkKV]) -> None:
+    """Attribute document rows selected at the first check layer to their documents."""
     lo = 0
-    counts = {}
-    for _, rep in blended:
-        hi = lo + rep.tokens
-        counts[id(rep)] = int(((selected >= lo) & (selected < hi)).sum())
+    for c in blended:
+        hi = lo + c.report.tokens
+        c.report.recomputed = int(((selected >= lo) & (selected < hi)).sum())
         lo = hi
-    for _, rep in blended:
-        rep.recomputed = counts[id(rep)]
 
 
 def _fallback(engine: "Engine", prompt: Prompt, cache: KVCache, report: ReuseReport) -> torch.Tensor:
