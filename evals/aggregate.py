@@ -10,7 +10,7 @@ from blend.evals import metrics as M
 from blend.evals.methods import Method
 
 # Quality fields averaged over items (mean of per-item values).
-MEAN_FIELDS = ("f1", "em", "rouge_l", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "recomputed_frac",
+MEAN_FIELDS = ("f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "recomputed_frac",
                "computed_frac")
 
 

@@ -159,6 +159,7 @@ def evaluate_item(
             "f1": M.best_over(M.token_f1, ans.text, item.answers),
             "em": M.best_over(M.exact_match, ans.text, item.answers),
             "rouge_l": M.best_over(M.rouge_l, ans.text, item.answers),
+            "contains": M.best_over(M.contains_answer, ans.text, item.answers),
             "agreement": M.answers_agree(ans.text, full.text),
             "kl": kl,
             "top1": top1,

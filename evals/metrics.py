@@ -73,6 +73,19 @@ def exact_match(prediction: str, gold: str) -> float:
     return float(normalize_answer(prediction) == normalize_answer(gold))
 
 
+def contains_answer(prediction: str, gold: str) -> float:
+    """1.0 when the normalised gold tokens occur as a contiguous run in the prediction.
+
+    A small model often answers in a sentence ("Mara Quill lives in Varnholm."),
+    which token F1 penalises; this measures whether the answer is in it.
+    """
+    pred, ref = _tokens(prediction), _tokens(gold)
+    if not ref:
+        return float(not pred)
+    n = len(ref)
+    return float(any(pred[i:i + n] == ref for i in range(len(pred) - n + 1)))
+
+
 def _lcs_len(a: Sequence[str], b: Sequence[str]) -> int:
     prev = [0] * (len(b) + 1)
     for x in a:

@@ -13,6 +13,7 @@ results.json, schema_version 1::
       "methods": {
         "<name>": {                          # one per method, "full" first; name as given
           "f1", "em", "rouge_l":  mean over items, best over gold answers (SQuAD normalisation)
+          "contains":             fraction of items whose answer contains a gold answer (normalised)
           "agreement":            fraction of items whose normalised answer equals full's
           "kl":                   mean KL(full || method) of the first answer token, nats
           "top1":                 fraction of items whose first-token argmax equals full's
@@ -34,7 +35,7 @@ results.json, schema_version 1::
       "items": [                             # one per item, by index
         {"index": int, "id": str, "question": str, "answers": [str], "prompt_tokens": int,
          "full_answer": str,
-         "methods": {"<name>": {prediction, answer_tokens, f1, em, rouge_l, agreement, kl, top1,
+         "methods": {"<name>": {prediction, answer_tokens, f1, em, rouge_l, contains, agreement, kl, top1,
                                 tf_agreement, tf_kl, ttft_s, ttft_samples: [float], ttft_ratio,
                                 recomputed_tokens, reused_tokens, prompt_tokens, recomputed_frac,
                                 computed_frac}}}
@@ -55,11 +56,11 @@ from typing import Any
 from blend.evals.methods import REFERENCE
 
 AGG_NUMBERS = (
-    "f1", "em", "rouge_l", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_median_s", "ttft_p90_s",
+    "f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_median_s", "ttft_p90_s",
     "ttft_ratio", "ttft_ratio_mean", "recomputed_frac", "computed_frac", "recomputed_tokens", "prompt_tokens",
 )
 ROW_NUMBERS = (
-    "f1", "em", "rouge_l", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_s", "ttft_ratio",
+    "f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_s", "ttft_ratio",
     "recomputed_frac", "computed_frac",
 )
 ROW_INTS = ("answer_tokens", "recomputed_tokens", "reused_tokens", "prompt_tokens")
@@ -68,7 +69,7 @@ TOP_LEVEL = {
     "reference": str, "methods": dict, "items": list,
 }
 # Metrics in [0, 1].
-UNIT = ("f1", "em", "rouge_l", "agreement", "top1", "tf_agreement", "recomputed_frac", "computed_frac")
+UNIT = ("f1", "em", "rouge_l", "contains", "agreement", "top1", "tf_agreement", "recomputed_frac", "computed_frac")
 
 
 class SchemaError(ValueError):
@@ -164,6 +165,7 @@ COLUMNS: tuple[tuple[str, str, str, str | None, bool], ...] = (
     ("F1", "f1", "{:.3f}", "high", False),
     ("EM", "em", "{:.3f}", "high", False),
     ("Rouge-L", "rouge_l", "{:.3f}", "high", False),
+    ("has gold", "contains", "{:.3f}", "high", False),
     ("agree", "agreement", "{:.3f}", "high", True),
     ("KL", "kl", "{:.4g}", "low", True),
     ("top-1", "top1", "{:.3f}", "high", True),

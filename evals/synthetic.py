@@ -85,16 +85,16 @@ ORG_FILLER = (
     "The {s} keeps detailed records of everything it does, some of them going back many decades.",
 )
 OBJECT_FILLER = (
-    "The {s} stands in a corner of the storeroom, beside shelves of labelled boxes and spare parts.",
-    "Nobody remembers exactly who bought the {s}, but it has been in use for as long as anyone can recall.",
-    "The hinges of the {s} were oiled last autumn, and it now opens without a sound.",
-    "A small brass plate on the front of the {s} bears an inventory number that no one ever reads.",
-    "Staff are reminded every month to close the {s} properly and to report any damage at once.",
-    "The {s} is checked during the yearly inventory, together with the ladders, lamps and tool chests.",
-    "Several people have keys to the room, but only a few know how to open the {s} itself.",
-    "The {s} was repainted once, and traces of the old colour still show around its edges.",
-    "Inside the {s} there is usually a folder of forms, a torch and a box of spare fuses.",
-    "The {s} is heavier than it looks, and moving it takes at least two people.",
+    "{s} stands in a corner of the storeroom, beside shelves of labelled boxes and spare parts.",
+    "Nobody remembers exactly who bought {s}, but it has been in use for as long as anyone can recall.",
+    "The hinges of {s} were oiled last autumn, and it now opens without a sound.",
+    "A small brass plate on the front of {s} bears an inventory number that no one ever reads.",
+    "Staff are reminded every month to close {s} properly and to report any damage at once.",
+    "{s} is checked during the yearly inventory, together with the ladders, lamps and tool chests.",
+    "Several people have keys to the room, but only a few know how to open {s} itself.",
+    "{s} was repainted once, and traces of the old colour still show around its edges.",
+    "Inside {s} there is usually a folder of forms, a torch and a box of spare fuses.",
+    "{s} is heavier than it looks, and moving it takes at least two people.",
 )
 GENERIC_FILLER = (
     "The weather that season was mild, with long grey afternoons and the occasional bright evening.",
@@ -153,13 +153,16 @@ def _single_item(rng: random.Random, index: int, passages: int) -> Item:
         ]
         question, answer = f"In which city does {people[0]} live?", cities[0]
     else:
-        objs = rng.sample([f"{a} {n}" for a in OBJ_ADJ for n in OBJ_NOUN], passages)
+        # Keyed by a distinctive owner: with "copper crate" vs "brass locker" the
+        # 135M model confuses the objects even under full prefill.
+        owners = _people(rng, passages)
+        objs = [f"{o}'s {a} {n}" for o, (a, n) in zip(owners, rng.sample([(a, n) for a in OBJ_ADJ for n in OBJ_NOUN], passages))]
         codes = rng.sample(CODE_WORDS, passages)
         docs = [
-            _doc(rng, f"The {o}", f"The access code for the {o} is {c}.", OBJECT_FILLER, o)
+            _doc(rng, o, f"The access code for {o} is {c}.", OBJECT_FILLER, o)
             for o, c in zip(objs, codes)
         ]
-        question, answer = f"What is the access code for the {objs[0]}?", codes[0]
+        question, answer = f"What is the access code for {objs[0]}?", codes[0]
     order = list(range(passages))
     rng.shuffle(order)
     return Item(

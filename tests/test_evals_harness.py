@@ -133,7 +133,7 @@ def test_fake_end_to_end_writes_outputs(tmp_path):
     # F1 of a method is 1 exactly on the items where its answer agrees with full's (the fake's oracle)
     for row in res["items"]:
         for r in row["methods"].values():
-            assert r["f1"] == r["agreement"]
+            assert r["f1"] == r["agreement"] == r["contains"]
     assert res["model"]["provenance"] == {"model_arch": "fake", "dtype": "float32"}
     assert len((out / "rows.jsonl").read_text().splitlines()) == 3
     md = (out / "results.md").read_text()

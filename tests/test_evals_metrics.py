@@ -35,6 +35,13 @@ def test_exact_match_and_best_over():
         M.best_over(M.token_f1, "x", [])
 
 
+def test_contains_answer():
+    assert M.contains_answer("Mara Quill lives in Tarnow Vale.", "tarnow vale") == 1.0
+    assert M.contains_answer("Mara lives in Tarnow.", "Tarnow Vale") == 0.0
+    assert M.contains_answer("Vale Tarnow", "Tarnow Vale") == 0.0  # order matters
+    assert M.best_over(M.contains_answer, "it is 4412", ["9981", "4412"]) == 1.0
+
+
 def test_rouge_l_hand_computed():
     # pred [police, killed, gunman], gold [police, kill, gunman]: LCS=2, P=R=2/3 -> F=2/3
     assert M.rouge_l("police killed the gunman", "police kill the gunman") == pytest.approx(2 / 3)

@@ -9,13 +9,13 @@ from blend.evals.plot import series, write_pareto
 from blend.evals.progress import Progress, format_duration
 from blend.evals.report import SchemaError, best_per_column, markdown, validate_results
 
-ROW_KEYS = ("f1", "em", "rouge_l", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_s", "ttft_ratio",
+ROW_KEYS = ("f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_s", "ttft_ratio",
             "recomputed_frac", "computed_frac")
 
 
 def _agg(f1, kl, ratio, agreement, kind, r=None, selector=None, n=2):
     return {
-        "f1": f1, "em": f1, "rouge_l": f1, "agreement": agreement, "kl": kl, "top1": agreement,
+        "f1": f1, "em": f1, "rouge_l": f1, "contains": f1, "agreement": agreement, "kl": kl, "top1": agreement,
         "tf_agreement": agreement, "tf_kl": kl, "ttft_median_s": 0.1 * ratio, "ttft_p90_s": 0.12 * ratio,
         "ttft_ratio": ratio, "ttft_ratio_mean": ratio, "recomputed_frac": r or 0.0, "computed_frac": 1.0,
         "recomputed_tokens": 10.0, "prompt_tokens": 100.0, "f1_ci": [max(f1 - 0.1, 0), min(f1 + 0.1, 1)],
@@ -95,8 +95,8 @@ def test_markdown_sorted_and_best_marked():
     assert best["ttft_ratio"] == {"reuse"}
     full_row = rows[0]
     cells = full_row.split("|")
-    assert cells[6].strip() == "0"  # full's KL (0) is not marked best
-    assert "1.000" in cells[5] and "**" not in cells[5]  # nor its agreement with itself
+    assert cells[7].strip() == "0"  # full's KL (0) is not marked best
+    assert "1.000" in cells[6] and "**" not in cells[6]  # nor its agreement with itself
     assert "**0.700" in rows[2] and "**0.300" in rows[4]
 
 
