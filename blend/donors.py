@@ -1,0 +1,185 @@
+"""Donor index: which stored canonical chunks are near-duplicates of a new one.
+
+The store holds KV, not token ids, so semantic reuse keeps its own small
+index of the canonical chunks it may borrow from. Each entry records the
+chunk's canonical store key, the digest of the preamble it was computed after,
+its token ids and a MinHash signature of its token shingles::
+
+    token ids   t0 t1 t2 t3 t4 t5 t6 ...
+    shingles    [t0..t4] [t1..t5] [t2..t6] ...      (SHINGLE consecutive ids)
+    shingle h   s_j = mix(poly(ids))                  uint64, one per shingle
+    signature   sig_i = min_j mix(s_j ^ seed_i)        i = 0..NUM_HASHES-1
+
+``mean(sig_a == sig_b)`` estimates the Jaccard similarity of two chunks'
+shingle sets. Every hash is a fixed splitmix64 mix over numpy uint64 (never
+Python ``hash()``), so signatures are equal across processes and machines and
+the index can be saved and reloaded.
+
+Lookups are a vectorised scan over the signatures of the chunks that share the
+request's preamble (a few microseconds per thousand chunks); banded LSH would
+replace the scan at millions of chunks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from blend.keys import StoreKey, token_digest
+
+SHINGLE = 5  # token ids per shingle
+NUM_HASHES = 128  # MinHash signature length: std. error of the estimate ~ sqrt(J(1-J)/128) <= 0.045
+_SEED_BASE = 0x6B76626C656E6421  # b"kvblend!": the fixed seed of the hash family
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser, element-wise over uint64 (wraps mod 2**64)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+_SEEDS = _mix(np.arange(NUM_HASHES, dtype=np.uint64) + np.uint64(_SEED_BASE))  # (H,)
+
+
+def shingle_hashes(token_ids: Sequence[int], shingle: int = SHINGLE) -> np.ndarray:
+    """One uint64 per window of ``shingle`` consecutive token ids (the whole chunk if shorter).
+
+    Returns:
+        (S,) uint64, S = max(1, n - shingle + 1); empty for an empty chunk.
+    """
+    ids = np.asarray(token_ids, dtype=np.uint64)  # (n,)
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    w = min(shingle, ids.size)
+    s = ids.size - w + 1
+    h = np.full(s, np.uint64(w), dtype=np.uint64)  # (S,)
+    for t in range(w):  # h = mix(h ^ id) chained over the window: order-sensitive
+        h = _mix(h ^ ids[t:t + s])
+    return h
+
+
+def minhash(token_ids: Sequence[int], shingle: int = SHINGLE) -> np.ndarray:
+    """MinHash signature of a chunk's shingle set.
+
+    Returns:
+        (NUM_HASHES,) uint64; all-ones for an empty chunk (similar to nothing).
+    """
+    sh = shingle_hashes(token_ids, shingle)  # (S,)
+    if sh.size == 0:
+        return np.full(NUM_HASHES, _M64, dtype=np.uint64)
+    return _mix(sh[None, :] ^ _SEEDS[:, None]).min(axis=1)  # (H,)
+
+
+def jaccard_estimate(a: np.ndarray, b: np.ndarray) -> float:
+    """Estimated Jaccard similarity of two signatures (share of equal minima)."""
+    return float(np.mean(a == b))
+
+
+@dataclass(frozen=True)
+class Donor:
+    """A stored canonical chunk that may lend its KV.
+
+    Attributes:
+        key: its canonical store key.
+        preamble: token digest of the preamble it was computed after.
+        token_ids: its token ids (for alignment).
+        signature: (NUM_HASHES,) uint64 MinHash signature.
+    """
+
+    key: StoreKey
+    preamble: bytes
+    token_ids: tuple[int, ...]
+    signature: np.ndarray
+
+
+class DonorIndex:
+    """Near-duplicate search over registered canonical chunks, per preamble."""
+
+    def __init__(self) -> None:
+        self._by_pre: dict[bytes, list[Donor]] = {}
+        self._keys: set[bytes] = set()
+        self._matrix: dict[bytes, np.ndarray] = {}  # (N, H) signatures, rebuilt after changes
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: StoreKey) -> bool:
+        return bytes(key) in self._keys
+
+    def add(self, key: StoreKey, preamble_ids: Sequence[int], token_ids: Sequence[int]) -> bool:
+        """Register a canonical chunk; returns False if its key is already registered."""
+        if bytes(key) in self._keys:
+            return False
+        pre = token_digest(preamble_ids)
+        donor = Donor(StoreKey(bytes(key)), pre, tuple(int(t) for t in token_ids), minhash(token_ids))
+        self._by_pre.setdefault(pre, []).append(donor)
+        self._keys.add(bytes(key))
+        self._matrix.pop(pre, None)
+        return True
+
+    def remove(self, key: StoreKey) -> bool:
+        """Forget a chunk (e.g. its KV was evicted from the store)."""
+        if bytes(key) not in self._keys:
+            return False
+        self._keys.discard(bytes(key))
+        for pre, donors in self._by_pre.items():
+            kept = [d for d in donors if d.key != key]
+            if len(kept) != len(donors):
+                self._by_pre[pre] = kept
+                self._matrix.pop(pre, None)
+        return True
+
+    def candidates(self, preamble_ids: Sequence[int], token_ids: Sequence[int], min_similarity: float,
+                   top: int = 4) -> list[tuple[Donor, float]]:
+        """Registered chunks after the same preamble, most similar first.
+
+        Args:
+            preamble_ids: the request's preamble (donors must share it).
+            token_ids: the new chunk's token ids.
+            min_similarity: estimated Jaccard similarity a donor must reach.
+            top: at most this many.
+
+        Returns:
+            (donor, estimated similarity) pairs, similarity descending, ties by registration order.
+        """
+        pre = token_digest(preamble_ids)
+        donors = self._by_pre.get(pre)
+        if not donors:
+            return []
+        mat = self._matrix.get(pre)
+        if mat is None:
+            mat = self._matrix[pre] = np.stack([d.signature for d in donors])  # (N, H)
+        sims = (mat == minhash(token_ids)[None, :]).mean(axis=1)  # (N,)
+        order = np.argsort(-sims, kind="stable")[:top]
+        return [(donors[i], float(sims[i])) for i in order if sims[i] >= min_similarity]
+
+    # ---- persistence --------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """Write the index as JSON (atomic: temp file + rename)."""
+        rows = [{"key": d.key.hex(), "preamble": d.preamble.hex(), "tokens": list(d.token_ids)}
+                for donors in self._by_pre.values() for d in donors]
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"shingle": SHINGLE, "num_hashes": NUM_HASHES, "donors": rows}))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DonorIndex":
+        """Read an index written by :meth:`save` (signatures are recomputed, so always consistent)."""
+        data = json.loads(Path(path).read_text())
+        idx = cls()
+        for r in data["donors"]:
+            donor = Donor(StoreKey(bytes.fromhex(r["key"])), bytes.fromhex(r["preamble"]),
+                          tuple(r["tokens"]), minhash(r["tokens"]))
+            idx._by_pre.setdefault(donor.preamble, []).append(donor)
+            idx._keys.add(bytes(donor.key))
+        return idx

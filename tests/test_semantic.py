@@ -1,0 +1,271 @@
+"""Semantic (donor) reuse: the gate, exactness limits, forced edits, and store isolation."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from blend.blending import canonical_chunk_kv
+from blend.donors import DonorIndex, jaccard_estimate, minhash
+from blend.errors import InvalidPolicyError
+from blend.keys import Namespace, StoreKey, canonical_key, key_hex
+from blend.policy import ReusePolicy
+from blend.report import ReuseClass
+from blend.semantic import FORCE_WINDOW, MIN_ALIGNED, align, donor_index, register_donor, set_donor_index
+from conftest import make_docs
+
+SEM0 = ReusePolicy.blend(ratio=0.0, semantic=True)
+
+
+@pytest.fixture
+def sem_engine(tiny_engine_factory):
+    return tiny_engine_factory(experimental_semantic=True)
+
+
+def classes(ans):
+    return [s.reuse_class for s in ans.report.segments]
+
+
+def store_originals(engine, docs):
+    """Precompute canonical KV of ``docs`` and register them as donors (the engine hook's job)."""
+    engine.precompute_chunks(docs)
+    prompt = engine.build_prompt("Which?", docs)
+    for d in prompt.documents:
+        register_donor(engine, prompt.preamble.token_ids, d.token_ids)
+    return prompt
+
+
+def edit_middle(text: str) -> tuple[str, int]:
+    """Replace one byte in the middle of a word; returns the text and the byte offset."""
+    i = len(text) // 2
+    while not text[i].isalpha():
+        i += 1
+    return text[:i] + ("z" if text[i] != "z" else "y") + text[i + 1:], i
+
+
+def snapshot(store) -> dict:
+    out = {}
+    for ns in Namespace:
+        for key in store.keys(ns):
+            e = store._data[(ns, bytes(key))]  # memory tier: read without touching LRU order or stats
+            out[(ns, bytes(key))] = (e.k.numpy().tobytes(), e.v.numpy().tobytes(), e.provenance)
+    return out
+
+
+# ---- the gate ---------------------------------------------------------------------------------
+
+
+def test_semantic_policy_needs_the_engine_flag(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(2))
+    with pytest.raises(InvalidPolicyError, match="experimental"):
+        tiny_engine.generate(prompt, ReusePolicy.blend(semantic=True), max_new_tokens=1)
+    assert register_donor(tiny_engine, prompt.preamble.token_ids, prompt.documents[0].token_ids) is False
+    assert len(donor_index(tiny_engine)) == 0
+    with pytest.raises(InvalidPolicyError):
+        ReusePolicy.exact().__class__(semantic=True)  # semantic outside blend mode
+
+
+def test_without_the_opt_in_a_near_duplicate_never_reuses_donor_kv(sem_engine):
+    docs = make_docs(3)
+    store_originals(sem_engine, docs)
+    edited = list(docs)
+    edited[1], _ = edit_middle(docs[1])
+    prompt = sem_engine.build_prompt("Which?", edited)
+    ans = sem_engine.generate(prompt, ReusePolicy.blend(ratio=0.15), max_new_tokens=1)
+    assert classes(ans)[1:-1] == [ReuseClass.EXACT, ReuseClass.COMPUTED, ReuseClass.BLENDED]
+    assert "donor" not in ans.report.segments[2].note
+    # what was stored for the edited document is its own full canonical computation
+    key = canonical_key(sem_engine.provenance, prompt.preamble.token_ids, prompt.documents[1].token_ids)
+    stored = sem_engine.store.get(Namespace.CANONICAL, key, sem_engine.provenance.canonical_json()).entry
+    with torch.inference_mode():
+        ref = canonical_chunk_kv(sem_engine, prompt.preamble, prompt.documents[1].token_ids)
+    assert torch.equal(stored.k, ref.k) and torch.equal(stored.v, ref.v)
+
+
+# ---- limits ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", [0, 1])
+def test_document_identical_to_its_donor_reproduces_the_blend_exactly(tiny_engine_factory, where):
+    docs = make_docs(3)
+    policy = ReusePolicy.blend(ratio=0.15)
+    ref_eng = tiny_engine_factory()
+    prompt = ref_eng.build_prompt("Which?", docs)
+    ref_eng.precompute_chunks(docs)
+    ref = ref_eng.generate(prompt, policy, max_new_tokens=4, stop_at_newline=False)
+
+    eng = tiny_engine_factory(experimental_semantic=True)
+    eng.precompute_chunks(docs)
+    # the document's own entry is gone; the same KV survives under another key (a donor)
+    ids = prompt.documents[where].token_ids
+    own = canonical_key(eng.provenance, prompt.preamble.token_ids, ids)
+    entry = eng.store.get(Namespace.CANONICAL, own, eng.provenance.canonical_json()).entry
+    alias = StoreKey(bytes(32))
+    eng.store.put(Namespace.CANONICAL, alias, entry)
+    eng.store.delete(Namespace.CANONICAL, own)
+    assert register_donor(eng, prompt.preamble.token_ids, ids, key=alias)
+
+    sem = eng.generate(prompt, ReusePolicy.blend(ratio=0.15, semantic=True), max_new_tokens=4,
+                       stop_at_newline=False)
+    rep = sem.report.segments[1 + where]
+    assert rep.reuse_class is ReuseClass.SEMANTIC
+    assert f"donor {key_hex(alias)}" in rep.note and "aligned 1.000" in rep.note
+    assert torch.equal(sem.first_logits, ref.first_logits)
+    assert sem.token_ids == ref.token_ids
+    assert sem.report.recomputed_tokens == ref.report.recomputed_tokens
+
+
+def test_ratio_one_semantic_equals_full_prefill(sem_engine):
+    docs = make_docs(3)
+    store_originals(sem_engine, docs)
+    edited = list(docs)
+    edited[0], _ = edit_middle(docs[0])
+    edited[2] = docs[2][:60] + " lantern inserted here " + docs[2][60:]
+    prompt = sem_engine.build_prompt("Which?", edited)
+    full = sem_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    sem = sem_engine.generate(prompt, ReusePolicy.blend(ratio=1.0, semantic=True), max_new_tokens=1)
+    assert classes(sem)[1:-1] == [ReuseClass.SEMANTIC, ReuseClass.BLENDED, ReuseClass.SEMANTIC]
+    assert (sem.first_logits - full.first_logits).abs().max() <= 1e-4
+    assert sem.report.recomputed_tokens == sum(len(d) for d in prompt.documents)  # every row, doc 1 included
+
+
+def test_one_token_edit_recomputes_that_token_and_its_window(sem_engine):
+    docs = make_docs(3)
+    store_originals(sem_engine, docs)
+    edited = list(docs)
+    edited[1], at = edit_middle(docs[1])  # byte-level tokenizer: byte offset == token offset
+    prompt = sem_engine.build_prompt("Which?", edited)
+    ans = sem_engine.generate(prompt, SEM0, max_new_tokens=1)
+    rep = ans.report.segments[2]
+    assert rep.reuse_class is ReuseClass.SEMANTIC
+    # ratio 0: the only document rows recomputed are the forced ones
+    assert rep.recomputed == 2 * FORCE_WINDOW + 1
+    assert ans.report.recomputed_tokens == rep.recomputed
+    a = align(sem_engine.build_prompt("Which?", docs).documents[1].token_ids, prompt.documents[1].token_ids)
+    assert a.forced.tolist() == list(range(at - FORCE_WINDOW, at + FORCE_WINDOW + 1))
+    # the edited token's row was filled with zeros from the donor side: recomputed at every layer
+    _, cache, _ = sem_engine.prefill(prompt, SEM0)
+    row = rep.start + at
+    for layer in range(sem_engine.dims.num_layers):
+        assert cache.v[layer][:, row].abs().sum() > 0, layer
+
+
+# ---- alignment -------------------------------------------------------------------------------
+
+
+def test_alignment_of_insertions_deletions_and_clipping():
+    donor = list(range(100, 140))  # 40 distinct tokens
+    ins = donor[:20] + [7, 8, 9] + donor[20:]
+    a = align(donor, ins, window=2)
+    assert a.forced.tolist() == list(range(18, 25))  # 3 inserted + 2 each side
+    assert a.edits == 1 and a.src.tolist()[:20] == list(range(20)) and a.dst.tolist()[20:] == list(range(23, 43))
+    dele = donor[:10] + donor[15:]
+    b = align(donor, dele, window=2)
+    assert b.forced.tolist() == [8, 9, 10, 11]  # the seam of the deletion
+    c = align(donor, [1] + donor[1:], window=4)  # edit at offset 0: window clipped at 0
+    assert c.forced.tolist() == [0, 1, 2, 3, 4]
+    same = align(donor, donor)
+    assert same.forced.numel() == 0 and same.aligned_fraction == 1.0 and same.edits == 0
+
+
+def test_threshold_respected_dissimilar_documents_get_no_donor(sem_engine):
+    docs = make_docs(3)
+    store_originals(sem_engine, docs)
+    # same 20-word vocabulary, different text: chance shingle overlap, but almost nothing aligns
+    others = make_docs(3, seed=7)
+    unrelated = "0123456789 " * 25
+    prompt = sem_engine.build_prompt("Which?", [docs[0], others[1], unrelated])
+    ans = sem_engine.generate(prompt, SEM0, max_new_tokens=1)
+    assert classes(ans)[1:-1] == [ReuseClass.EXACT, ReuseClass.COMPUTED, ReuseClass.COMPUTED]
+    pre = prompt.preamble.token_ids
+    stored = sem_engine.build_prompt("Which?", docs).documents
+    assert align(stored[1].token_ids, prompt.documents[1].token_ids).aligned_fraction < MIN_ALIGNED
+    assert donor_index(sem_engine).candidates(pre, prompt.documents[2].token_ids, 0.3) == []
+
+
+def test_report_labels_the_segment_with_donor_similarity_and_aligned_fraction(sem_engine):
+    docs = make_docs(2)
+    orig = store_originals(sem_engine, docs)
+    edited = [docs[0], docs[1].replace(" ", "  ", 1)]  # one inserted byte
+    prompt = sem_engine.build_prompt("Which?", edited)
+    ans = sem_engine.generate(prompt, SEM0, max_new_tokens=1)
+    rep = ans.report.segments[2]
+    d = rep.to_dict()
+    assert d["class"] == "semantic" and ans.report.to_dict()["segments"][2]["class"] == "semantic"
+    donor_key = canonical_key(sem_engine.provenance, orig.preamble.token_ids, orig.documents[1].token_ids)
+    assert f"donor {key_hex(donor_key)}" in rep.note
+    assert "similarity 0.9" in rep.note and "aligned 0.9" in rep.note
+    assert rep.key == key_hex(canonical_key(sem_engine.provenance, prompt.preamble.token_ids,
+                                            prompt.documents[1].token_ids))
+    assert ans.report.reused_tokens > len(prompt.preamble) + len(prompt.documents[0])
+
+
+# ---- store isolation -------------------------------------------------------------------------
+
+
+def test_store_is_byte_identical_after_semantic_requests_and_later_full_compute(sem_engine):
+    docs = make_docs(3)
+    store_originals(sem_engine, docs)
+    edited = list(docs)
+    edited[2], _ = edit_middle(docs[2])
+    prompt = sem_engine.build_prompt("Which?", edited)
+    before = snapshot(sem_engine.store)
+    for policy in (SEM0, ReusePolicy.blend(ratio=0.15, semantic=True), ReusePolicy.blend(ratio=1.0, semantic=True)):
+        ans = sem_engine.generate(prompt, policy, max_new_tokens=3)
+        assert ans.report.segments[3].reuse_class is ReuseClass.SEMANTIC
+    assert snapshot(sem_engine.store) == before
+    assert list(sem_engine.store.keys(Namespace.APPROX)) == []
+    # the edited document is stored canonically only when a request computes it in full
+    plain = sem_engine.generate(prompt, ReusePolicy.blend(ratio=0.15), max_new_tokens=1)
+    assert plain.report.segments[3].reuse_class is ReuseClass.COMPUTED
+    key = canonical_key(sem_engine.provenance, prompt.preamble.token_ids, prompt.documents[2].token_ids)
+    stored = sem_engine.store.get(Namespace.CANONICAL, key, sem_engine.provenance.canonical_json()).entry
+    with torch.inference_mode():
+        ref = canonical_chunk_kv(sem_engine, prompt.preamble, prompt.documents[2].token_ids)
+    assert torch.equal(stored.k, ref.k) and torch.equal(stored.v, ref.v)
+    again = sem_engine.generate(prompt, SEM0, max_new_tokens=1)  # own entry now: no donor needed
+    assert again.report.segments[3].reuse_class is ReuseClass.BLENDED
+
+
+def test_evicted_donor_is_skipped_and_forgotten(sem_engine):
+    docs = make_docs(2)
+    orig = store_originals(sem_engine, docs)
+    key = canonical_key(sem_engine.provenance, orig.preamble.token_ids, orig.documents[1].token_ids)
+    sem_engine.store.delete(Namespace.CANONICAL, key)
+    edited = [docs[0], edit_middle(docs[1])[0]]
+    ans = sem_engine.generate(sem_engine.build_prompt("Which?", edited), SEM0, max_new_tokens=1)
+    assert ans.report.segments[2].reuse_class is ReuseClass.COMPUTED
+    assert key not in donor_index(sem_engine)
+
+
+# ---- donor index -----------------------------------------------------------------------------
+
+
+def test_minhash_is_deterministic_across_processes_and_estimates_jaccard(tmp_path):
+    ids = list(range(1000, 1300))
+    code = "from blend.donors import minhash; print(minhash(list(range(1000, 1300))).tolist())"
+    env = {**os.environ, "PYTHONHASHSEED": "123"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == str(minhash(ids).tolist())
+    half = ids[:150] + list(range(5000, 5150))  # true 5-gram Jaccard = 146 / (296 + 296 - 146)
+    assert abs(jaccard_estimate(minhash(ids), minhash(half)) - 146 / 446) < 0.15
+    assert jaccard_estimate(minhash(ids), minhash(ids)) == 1.0
+
+
+def test_donor_index_save_load_and_preamble_scoping(tmp_path, sem_engine):
+    idx = DonorIndex()
+    a = list(range(200))
+    assert idx.add(StoreKey(b"a" * 32), [1, 2], a) and not idx.add(StoreKey(b"a" * 32), [1, 2], a)
+    idx.add(StoreKey(b"b" * 32), [1, 2], list(range(500, 700)))
+    idx.add(StoreKey(b"c" * 32), [9], a)  # same tokens after another preamble: not a donor for [1, 2]
+    near = a[:100] + [7] + a[101:]
+    got = idx.candidates([1, 2], near, 0.3)
+    assert [d.key for d, _ in got] == [StoreKey(b"a" * 32)]
+    idx.save(tmp_path / "donors.json")
+    back = DonorIndex.load(tmp_path / "donors.json")
+    assert len(back) == 3
+    assert [(d.key, s) for d, s in back.candidates([1, 2], near, 0.3)] == [(d.key, s) for d, s in got]
+    set_donor_index(sem_engine, back)
+    assert donor_index(sem_engine) is back
