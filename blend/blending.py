@@ -28,6 +28,7 @@ computed, over the cached KV of every document (plain full KV reuse).
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,7 +36,7 @@ import torch
 
 from blend.errors import InvalidPolicyError
 from blend.kernels import kv_deviation, rope_mix, sparse_query_attention
-from blend.keys import Namespace, canonical_key, exact_chain, key_hex
+from blend.keys import Namespace, StoreKey, canonical_key, exact_chain, key_hex
 from blend.kvcache import KVCache
 from blend.layers import attn_out, mlp_block, project_qkv, rms_norm
 from blend.policy import ReusePolicy
@@ -44,7 +45,7 @@ from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport
 from blend.rope import apply_rope
 from blend.runner import SegmentKV
 from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_threshold
-from blend.store.base import LookupStatus
+from blend.store.base import Lookup, LookupStatus
 
 if TYPE_CHECKING:
     from blend.engine import Engine
@@ -88,15 +89,30 @@ class ChunkKV:
         return self.forced is None
 
 
-def _fetch_chunks(engine: "Engine", prompt: Prompt, policy: ReusePolicy, report: ReuseReport) -> list[ChunkKV]:
+def _start_fetch(engine: "Engine", prompt: Prompt) -> list[tuple[StoreKey, Future[Lookup] | None]]:
+    """Key every document and start its lookup in the background (overlapped loading).
+
+    Returns:
+        (key, future) per document; the future is None when overlap is off.
+    """
+    prov_json = engine.provenance.canonical_json()
+    out = []
+    for doc in prompt.documents:
+        key = canonical_key(engine.provenance, prompt.preamble.token_ids, doc.token_ids)
+        fut = engine.prefetcher.submit(Namespace.CANONICAL, key, prov_json) if engine.config.overlap_loading else None
+        out.append((key, fut))
+    return out
+
+
+def _fetch_chunks(engine: "Engine", prompt: Prompt, policy: ReusePolicy, report: ReuseReport,
+                  pending: list[tuple[StoreKey, Future[Lookup] | None]]) -> list[ChunkKV]:
     """Canonical KV of every document: a hit is loaded; a miss or rejection is computed and stored."""
     prov_json = engine.provenance.canonical_json()
     out = []
     start = len(prompt.preamble)
-    for i, doc in enumerate(prompt.documents):
-        key = canonical_key(engine.provenance, prompt.preamble.token_ids, doc.token_ids)
+    for i, (doc, (key, fut)) in enumerate(zip(prompt.documents, pending)):
         t0 = time.perf_counter()
-        found = engine.store.get(Namespace.CANONICAL, key, prov_json)
+        found = fut.result() if fut is not None else engine.store.get(Namespace.CANONICAL, key, prov_json)
         report.timings.lookup_s += time.perf_counter() - t0
         cls = ReuseClass.EXACT if i == 0 else ReuseClass.BLENDED
         rep = SegmentReport(doc.kind, cls, len(doc), start, key_hex(key))
@@ -204,9 +220,10 @@ def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: 
         report.gate = verdict
         return _fallback(engine, prompt, cache, report)
 
+    pending = _start_fetch(engine, prompt)  # chunk loads overlap the preamble and earlier chunks
     pre_key = exact_chain(engine.provenance, [prompt.preamble.token_ids])[0]
     report.segments.append(engine._exact_segment(cache, prompt.preamble, pre_key, report))
-    chunks = _fetch_chunks(engine, prompt, policy, report)
+    chunks = _fetch_chunks(engine, prompt, policy, report, pending)
     report.segments.extend(c.report for c in chunks)
     # doc 1 sits at its canonical position: its own KV is exact there
     n_exact = 1 if chunks and chunks[0].own_kv else 0

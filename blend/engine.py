@@ -26,6 +26,7 @@ from blend.rope import rope_config_json
 from blend.runner import ModelRunner, SegmentKV
 from blend.store.base import KVEntry, KVStore, LookupStatus
 from blend.store.memory import MemoryStore
+from blend.store.prefetch import Prefetcher
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,6 +41,7 @@ class EngineConfig:
     device: str = "cpu"
     experimental_semantic: bool = False
     quality_gate: bool = True  # run/consult `kvblend check` before the first blend
+    overlap_loading: bool = True  # fetch chunk KV in background threads while computing
 
 
 @dataclass
@@ -107,6 +109,7 @@ class Engine:
         eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
         self.eos_ids = {int(e) for e in eos if e is not None}
         self._gate = None  # recorded quality-gate result, loaded lazily
+        self._prefetcher: Prefetcher | None = None
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
 
@@ -124,6 +127,15 @@ class Engine:
         cfg = EngineConfig(model=model, dtype=dtype, **config)
         _dtype(dtype)
         return cls(load_model(model), cfg, store)
+
+    @property
+    def prefetcher(self) -> Prefetcher:
+        """Background loader over the current store (rebuilt if the store was swapped)."""
+        if self._prefetcher is None or self._prefetcher.store is not self.store:
+            if self._prefetcher is not None:
+                self._prefetcher.close()
+            self._prefetcher = Prefetcher(self.store, device=self.device if self.device.type == "cuda" else None)
+        return self._prefetcher
 
     @property
     def dims(self):

@@ -95,6 +95,7 @@ def _private(engine):
     """The same engine over a throwaway memory store (the gate never touches the user's store)."""
     clone = copy.copy(engine)
     clone.store = MemoryStore()
+    clone._prefetcher = None  # never close the original engine's loader threads
     return clone
 
 
