@@ -44,6 +44,7 @@ from blend.prompt import Prompt, Segment, SegmentKind
 from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport
 from blend.rope import apply_rope
 from blend.runner import SegmentKV
+from blend.semantic import donor_chunk, register_donor
 from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_threshold
 from blend.store.base import Lookup, LookupStatus
 
@@ -118,12 +119,11 @@ def _fetch_chunks(engine: "Engine", prompt: Prompt, policy: ReusePolicy, report:
         rep = SegmentReport(doc.kind, cls, len(doc), start, key_hex(key))
         start += len(doc)
         if found.status is LookupStatus.HIT and found.entry.num_tokens == len(doc):
+            register_donor(engine, prompt.preamble.token_ids, doc.token_ids, key)
             out.append(ChunkKV(SegmentKV(found.entry.k, found.entry.v), rep))
             continue
         if found.status is LookupStatus.MISS:
             if policy.semantic:
-                from blend.semantic import donor_chunk
-
                 donated = donor_chunk(engine, prompt, doc, rep, report)
                 if donated is not None:
                     out.append(donated)
@@ -134,6 +134,7 @@ def _fetch_chunks(engine: "Engine", prompt: Prompt, policy: ReusePolicy, report:
             rep.note = (found.reason or "stored entry has the wrong length") + "; recomputed"
         kv = canonical_chunk_kv(engine, prompt.preamble, doc.token_ids)
         engine.store.put(Namespace.CANONICAL, key, engine._entry(kv))
+        register_donor(engine, prompt.preamble.token_ids, doc.token_ids, key)
         out.append(ChunkKV(kv, rep))
     return out
 

@@ -62,7 +62,8 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse", default="exact", choices=["exact", "blend", "none"],
                    help="exact prefix reuse (default), blended reuse (opt-in), or none")
     p.add_argument("--ratio", type=float, default=0.15, help="blend: share of reused tokens recomputed")
-    p.add_argument("--selector", default="v", choices=SELECTOR_NAMES)
+    p.add_argument("--selector", default="combo", choices=SELECTOR_NAMES,
+                   help="blend: which rows to recompute (default combo: attention-weighted V deviation)")
     p.add_argument("--check-layers", type=_int_list, default=(1,), help="blend: e.g. 1 or 1,2")
     p.add_argument("--threshold", type=float, default=None,
                    help="blend: recompute rows whose relative deviation exceeds this (capped by --max-ratio)")

@@ -27,6 +27,7 @@ from blend.runner import ModelRunner, SegmentKV
 from blend.store.base import KVEntry, KVStore, LookupStatus
 from blend.store.memory import MemoryStore
 from blend.store.prefetch import Prefetcher
+from blend.semantic import register_donor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -357,6 +358,7 @@ class Engine:
             laid = text if text.endswith("\n\n") else document_text(text)
             ids = tokenize_segment(self.tokenizer, laid)
             key = canonical_key(self.provenance, preamble.token_ids, ids)
+            register_donor(self, preamble.token_ids, ids, key)
             if self.store.contains(Namespace.CANONICAL, key):
                 continue
             with torch.inference_mode():

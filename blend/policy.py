@@ -51,7 +51,7 @@ class ReusePolicy:
     mode: ReuseMode = ReuseMode.EXACT
     prefix_limit: int | None = None
     ratio: float = 0.15
-    selector: str = "v"
+    selector: str = "combo"
     check_layers: tuple[int, ...] = (1,)
     layer_ratios: tuple[float, ...] | None = None
     min_prompt_tokens: int = 0
@@ -98,7 +98,7 @@ class ReusePolicy:
         return cls(mode=ReuseMode.EXACT, prefix_limit=prefix_limit)
 
     @classmethod
-    def blend(cls, ratio: float = 0.15, selector: str = "v", check_layers=(1,), **kw) -> "ReusePolicy":
+    def blend(cls, ratio: float = 0.15, selector: str = "combo", check_layers=(1,), **kw) -> "ReusePolicy":
         """Blended reuse: canonical chunk KV re-positioned, ``ratio`` of it recomputed.
 
         Args:
