@@ -333,10 +333,8 @@ class Engine:
         """Store whatever KV ``policy`` would reuse for ``prompt`` (preamble, chunks)."""
         if policy.mode is ReuseMode.EXACT:
             self.prefill(prompt, policy)
-        elif policy.mode is ReuseMode.BLEND:
-            self.precompute_chunks([s.text for s in prompt.documents], system=None,
-                                   preamble=prompt.preamble)
-            self.prefill(prompt, ReusePolicy.exact(prefix_limit=1))
+        elif policy.mode is ReuseMode.BLEND:  # canonical chunks (this also stores the preamble)
+            self.precompute_chunks([s.text for s in prompt.documents], preamble=prompt.preamble)
 
     def precompute_chunks(self, texts: Sequence[str], system: str | None = None,
                           preamble: Segment | None = None) -> int:
