@@ -15,7 +15,7 @@ from blend.evals.data import DataError, load_items
 from blend.evals.harness import EvalConfig, ResumeError, run_harness
 from blend.evals.methods import DEFAULT_METHODS, MethodError, parse_methods
 from blend.evals.plot import write_pareto
-from blend.evals.progress import Progress
+from blend.progress import Progress
 from blend.evals.report import markdown, write_json, write_markdown
 
 DEFAULT_MODEL = "smollm2-135m"

@@ -33,7 +33,7 @@ from blend.evals.aggregate import aggregate
 from blend.evals.data import Item
 from blend.evals.environment import describe_environment, provenance_dict
 from blend.evals.methods import REFERENCE, Method, MethodKind
-from blend.evals.progress import Progress
+from blend.progress import Progress
 
 ROWS_FILE = "rows.jsonl"
 RUN_FILE = "run.json"

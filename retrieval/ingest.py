@@ -27,7 +27,7 @@ from blend.retrieval.chunker import ChunkerConfig, chunk_text, tokenizer_fingerp
 from blend.retrieval.corpus import CorpusIssue, IssueKind, RetrievalError, expand_paths, read_file
 from blend.retrieval.embedder import Embedder
 from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
-from blend.retrieval.progress import Progress
+from blend.progress import Progress
 
 KVWriter = Callable[[list[str]], int]
 KVDeleter = Callable[[str, str], bool]
@@ -165,10 +165,11 @@ def ingest(
         stats = dict(ingested=0, unchanged=0, failed=0, docs=0, added=0, tokens=0, kv=0)
         removed_all: list[str] = []
         dirty, since_commit = not Catalog.exists(root), 0
-        bar = Progress(len(files), desc="ingest", unit="files", stream=stream, enabled=progress)
+        bar = Progress(len(files), desc="ingest", unit="files", stream=stream if stream is not None else sys.stderr,
+                       enabled=progress)
         try:
             for path in files:
-                bar.update(0, postfix=os.path.basename(path))
+                bar.update(0, note=os.path.basename(path))
                 fr = read_file(path)
                 issues.extend(fr.issues)
                 if not fr.documents:
@@ -202,7 +203,7 @@ def ingest(
                 stats["tokens"] += sum(r.n_tokens for r in new)
                 dirty = True
                 since_commit += len(new)
-                bar.update(1, postfix=f"{os.path.basename(path)} +{len(new)} chunks")
+                bar.update(1, note=f"{os.path.basename(path)} +{len(new)} chunks")
                 if since_commit >= commit_every:
                     cat.commit()
                     dirty, since_commit = False, 0

@@ -174,12 +174,12 @@ def test_real_embedder_finds_the_right_document(corpus, tmp_path, tok) -> None:
 
 
 def test_progress_bar_reports_rate_and_eta(corpus, tmp_path, tok) -> None:
-    from blend.retrieval.progress import Progress
+    from blend.progress import Progress
 
     out = io.StringIO()
     ingest([corpus], tmp_path / "idx", tokenizer=tok, embedder=HashEmbedder(), config=CFG, stream=out)
     last = out.getvalue().strip().splitlines()[-1]
-    assert "4/4 files" in last and "ETA" in last and "/s" in last
+    assert "4/4 files" in last and "left" in last and "/s" in last
     bar = Progress(10, desc="x", unit="chunks", stream=io.StringIO(), min_interval_s=0)
     bar.update(5)
     assert "5/10 chunks" in bar.line() and "[" + "#" * 12 in bar.line()
