@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import NewType, Sequence
 
+import numpy as np
+
 StoreKey = NewType("StoreKey", bytes)  # 32 raw sha256 bytes
 
 STORE_FORMAT_VERSION = 1
@@ -65,7 +67,8 @@ class Provenance:
 
 
 def _tokens_bytes(token_ids: Sequence[int]) -> bytes:
-    return b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids)
+    """Token ids as little-endian uint32 (raises on ids outside [0, 2**32))."""
+    return np.asarray(token_ids, dtype="<u4").tobytes()
 
 
 def token_digest(token_ids: Sequence[int]) -> bytes:
