@@ -183,7 +183,7 @@ def donor_chunk(engine: "Engine", prompt: Prompt, doc: Segment, rep: SegmentRepo
             if a.aligned_fraction >= MIN_ALIGNED:
                 scored.append((a.aligned_fraction, sim, donor, a))
         scored.sort(key=lambda s: (-s[0], -s[1]))  # stable: best aligned, then most similar
-        prov_json = engine.provenance.canonical_json()
+        prov_json = engine._prov_json
         for frac, sim, donor, a in scored[:MAX_CANDIDATES]:
             found = engine.store.get(Namespace.CANONICAL, donor.key, prov_json)
             if found.status is not LookupStatus.HIT or found.entry.num_tokens != len(donor.token_ids):
