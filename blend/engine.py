@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -53,6 +53,13 @@ class Answer:
     first_logits: torch.Tensor  # (V,) float32: the logits that chose the first answer token
     ttft_s: float
     report: ReuseReport
+    # The request's KV cache, kept only when asked (``generate(keep_cache=True)``):
+    # rows [0, len(prompt_token_ids)) are the prompt, as prefilled under the policy.
+    cache: KVCache | None = field(default=None, repr=False, compare=False)
+
+    def release_cache(self) -> None:
+        """Drop the kept KV cache (frees its memory)."""
+        self.cache = None
 
     def logits_sha256(self) -> str:
         """sha256 of the float32 bytes of :attr:`first_logits`."""
@@ -214,17 +221,17 @@ class Engine:
         if policy.prefix_limit is not None:
             cacheable = cacheable[: policy.prefix_limit]
         keys = exact_chain(self.provenance, [s.token_ids for s in cacheable])
-        for i, seg in enumerate(prompt.segments[:-1]):
-            if i < len(keys):
-                report.segments.append(self._exact_segment(cache, seg, keys[i], report))
-            else:
-                start = cache.length
-                self.runner.prefill(cache, self._ids(seg.token_ids), keep_kv=False)
-                report.segments.append(SegmentReport(seg.kind, ReuseClass.COMPUTED, len(seg), start))
-        q = prompt.question
+        for i, seg in enumerate(cacheable):
+            report.segments.append(self._exact_segment(cache, seg, keys[i], report))
+        # Everything after the reusable prefix (the question included) is one block:
+        # one causal pass is cheaper than segment-by-segment masked attention.
+        tail = prompt.segments[len(cacheable):]
         start = cache.length
-        h, _ = self.runner.prefill(cache, self._ids(q.token_ids), keep_kv=False)
-        report.segments.append(SegmentReport(q.kind, ReuseClass.COMPUTED, len(q), start))
+        ids = [t for seg in tail for t in seg.token_ids]
+        h, _ = self.runner.prefill(cache, self._ids(ids), keep_kv=False)
+        for seg in tail:
+            report.segments.append(SegmentReport(seg.kind, ReuseClass.COMPUTED, len(seg), start))
+            start += len(seg)
         return self.runner.logits(h[-1:])[0]
 
     def prefill(self, prompt: Prompt, policy: ReusePolicy, extra_capacity: int = 0
@@ -281,7 +288,7 @@ class Engine:
     # ---- public API -----------------------------------------------------------------------
 
     def generate(self, prompt: Prompt, policy: ReusePolicy | None = None, max_new_tokens: int = 32,
-                 stop_at_newline: bool = True) -> Answer:
+                 stop_at_newline: bool = True, keep_cache: bool = False) -> Answer:
         """Answer a prompt greedily.
 
         Args:
@@ -289,6 +296,9 @@ class Engine:
             policy: reuse policy (default: exact).
             max_new_tokens: decoding budget (>= 1).
             stop_at_newline: stop before a token containing a newline.
+            keep_cache: keep the request's KV cache on the answer, so that
+                :meth:`teacher_forced_logits` can score a continuation without
+                prefilling the prompt again.
 
         Returns:
             The answer with its first-token logits, TTFT and reuse report.
@@ -312,22 +322,42 @@ class Engine:
                     break
                 tok = int(torch.argmax(self.runner.decode_step(cache, tok)))
         text = self.tokenizer.decode(out, skip_special_tokens=True).strip()
-        return Answer(text, out, prompt.token_ids, logits, ttft, report)
+        return Answer(text, out, prompt.token_ids, logits, ttft, report, cache if keep_cache else None)
 
-    def teacher_forced_logits(self, prompt: Prompt, policy: ReusePolicy, continuation: Sequence[int]
-                              ) -> torch.Tensor:
+    def teacher_forced_logits(self, prompt: Prompt, policy: ReusePolicy, continuation: Sequence[int],
+                              answer: Answer | None = None) -> torch.Tensor:
         """Logits along a given continuation.
+
+        Args:
+            prompt: the prompt.
+            policy: reuse policy of the prefill.
+            continuation: token ids to feed after the prompt.
+            answer: an answer to this prompt under this policy generated with
+                ``keep_cache=True``; its prompt rows are reused instead of a second
+                prefill (the same numbers: decoding only appends rows). Its cache
+                is consumed.
 
         Returns:
             (len(continuation) + 1, V) float32; row 0 is the first-token logits,
-            row i the next-token logits after feeding ``continuation[:i]``.
+            row i the next-token logits after feeding ``continuation[:i]`` (all rows
+            of the continuation in one pass, so they match step-by-step decoding
+            to float rounding, not bit for bit).
         """
-        logits, cache, _ = self.prefill(prompt, policy, len(continuation))
-        rows = [logits]
-        with torch.inference_mode():
-            for tok in continuation:
-                rows.append(self.runner.decode_step(cache, int(tok)))
-        return torch.stack(rows)
+        n = len(prompt)
+        kept = answer.cache if answer is not None else None
+        if (kept is not None and list(answer.prompt_token_ids) == list(prompt.token_ids)
+                and kept.capacity >= n + len(continuation)):
+            cache, logits = kept, answer.first_logits
+            cache.length = n  # forget the decoded rows; the prompt rows are untouched
+            answer.release_cache()
+        else:
+            logits, cache, _ = self.prefill(prompt, policy, len(continuation))
+        if not continuation:
+            return logits[None]  # (1, V)
+        with torch.inference_mode():  # the whole continuation in one causal pass over the prompt rows
+            h, _ = self.runner.prefill(cache, self._ids(list(continuation)), keep_kv=False)  # (S, C)
+            rest = self.runner.logits(h)  # (S, V)
+        return torch.cat([logits[None], rest])  # (S + 1, V)
 
     def precompute(self, prompt: Prompt, policy: ReusePolicy) -> None:
         """Store whatever KV ``policy`` would reuse for ``prompt`` (preamble, chunks)."""

@@ -6,8 +6,10 @@ For each item::
     precompute KV every method would reuse            (not timed)
     [first item of the process: warm-up, every method once, untimed]
     round 0: every method answers (max_new_tokens)    order rotated per item
+             once full has answered, each method's logits along full's answer are
+             teacher-forced from that method's own prompt cache (kept by generate,
+             so no second prefill; freed right after)
     rounds 1..repeats-1: every method, 1 token        TTFT samples only, order rotated
-    full prefill's answer -> teacher-forced logits of every method along it
     metrics vs gold and vs full -> one row appended to rows.jsonl
 
 Rotating the order per item and per round spreads machine drift (thermal,
@@ -15,7 +17,8 @@ caches, other processes) over all methods alike. ``full`` is always run: it
 is the reference of KL, top-1, teacher-forced and answer agreement.
 
 The harness only needs an engine-like object (duck-typed): ``build_prompt``,
-``precompute``, ``generate``, ``teacher_forced_logits``, ``provenance``,
+``precompute``, ``generate`` (with ``keep_cache``), ``teacher_forced_logits``
+(with ``answer``), ``provenance``,
 ``model_name`` with the signatures of :class:`blend.engine.Engine`.
 """
 
@@ -129,17 +132,30 @@ def evaluate_item(
                 engine.generate(prompt, policies[m.name], max_new_tokens=1)
     answers: dict[str, Any] = {}
     samples: dict[str, list[float]] = {m.name: [] for m in methods}
+    cont: list[int] = []
+    tf_rows: dict[str, Any] = {}  # name -> teacher-forced logits along full's answer
+    pending: list[str] = []  # answered before full: their caches wait for full's answer
     for m in rotated(methods, index):
-        ans = engine.generate(prompt, policies[m.name], max_new_tokens=config.max_new_tokens)
+        ans = engine.generate(prompt, policies[m.name], max_new_tokens=config.max_new_tokens, keep_cache=True)
         answers[m.name] = ans
         samples[m.name].append(float(ans.ttft_s))
+        pending.append(m.name)
+        if REFERENCE not in answers:
+            continue
+        cont = [int(t) for t in answers[REFERENCE].token_ids]
+        # Score along full's answer from each method's own prompt cache (no second
+        # prefill), as soon as that answer exists, so few caches are held at once.
+        for name in ([REFERENCE] if REFERENCE in pending else []) + [n for n in pending if n != REFERENCE]:
+            if cont:
+                tf_rows[name] = engine.teacher_forced_logits(prompt, policies[name], cont, answer=answers[name])
+            _release(answers[name])
+        pending.clear()
     for r in range(1, config.repeats):
         for m in rotated(methods, index + r):
             samples[m.name].append(float(engine.generate(prompt, policies[m.name], max_new_tokens=1).ttft_s))
 
     full = answers[REFERENCE]
-    cont = [int(t) for t in full.token_ids]
-    full_tf = engine.teacher_forced_logits(prompt, policies[REFERENCE], cont) if cont else None
+    full_tf = tf_rows.get(REFERENCE)
     full_ttft = M.median(samples[REFERENCE])
     rows: dict[str, Any] = {}
     for m in methods:
@@ -147,7 +163,7 @@ def evaluate_item(
         kl = M.kl_divergence(full.first_logits, ans.first_logits)
         top1 = M.top1_agree(full.first_logits, ans.first_logits)
         if cont:
-            tf = full_tf if m.name == REFERENCE else engine.teacher_forced_logits(prompt, policies[m.name], cont)
+            tf = tf_rows[m.name]
             tf_agree, tf_kl = M.teacher_forced_agreement(tf, cont), M.mean_kl_rows(full_tf, tf, len(cont))
         else:  # full answered nothing: the first token is all there is to compare
             tf_agree, tf_kl = top1, kl
@@ -187,6 +203,13 @@ def evaluate_item(
             "methods": rows,
         }
     )
+
+
+def _release(answer: Any) -> None:
+    """Free an answer's kept KV cache (engine-like answers may not have one)."""
+    release = getattr(answer, "release_cache", None)
+    if release is not None:
+        release()
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:

@@ -73,7 +73,7 @@ class FakeEngine:
     def precompute(self, prompt, policy):
         self.calls.append(("precompute", prompt.question, policy.name, None))
 
-    def generate(self, prompt, policy, max_new_tokens=32):
+    def generate(self, prompt, policy, max_new_tokens=32, keep_cache=False):
         self.calls.append(("generate", prompt.question, policy.name, max_new_tokens))
         out, first = self._decode(prompt, policy, max_new_tokens)
         full_out, _ = self._decode(prompt, parse_methods("full")[0], max_new_tokens)
@@ -84,7 +84,7 @@ class FakeEngine:
         return SimpleNamespace(text=text, token_ids=out, first_logits=first, ttft_s=0.01 * (0.3 + 0.7 * r),
                                report=report)
 
-    def teacher_forced_logits(self, prompt, policy, continuation):
+    def teacher_forced_logits(self, prompt, policy, continuation, answer=None):
         self.calls.append(("tf", prompt.question, policy.name, None))
         ids = list(prompt.token_ids)
         return torch.stack([self._logits(ids + list(continuation[:i]), policy) for i in range(len(continuation) + 1)])
