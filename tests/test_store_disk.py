@@ -213,3 +213,66 @@ def test_cli_ls_stats_clear(tmp_path: Path) -> None:
     assert res["deleted"] == 1 and len(list(store.keys(NS))) == 3
     code, res = _cli(tmp_path, "clear")
     assert res["deleted"] == 3 and store.stats().entries == 0
+
+
+# ---- byte budget (LRU on disk) ----------------------------------------------------------
+
+
+def _age(store: DiskStore, key, seconds_ago: float) -> None:
+    import os
+    import time
+
+    t = time.time() - seconds_ago
+    os.utime(store.path(NS, key), (t, t))
+
+
+def test_budget_evicts_least_recently_used_and_a_hit_refreshes(tmp_path: Path) -> None:
+    one = len(encode(NS, key_for(PROV, 0), rand_entry(PROV, T=8)))
+    store = DiskStore(tmp_path, budget_bytes=int(one * 3.5))
+    for i in range(3):
+        store.put(NS, key_for(PROV, i), rand_entry(PROV, T=8))
+        _age(store, key_for(PROV, i), 100 - i)  # 0 oldest
+    assert store.get(NS, key_for(PROV, 0), PROV.canonical_json()).status is LookupStatus.HIT  # 0 now newest
+    store.put(NS, key_for(PROV, 3), rand_entry(PROV, T=8))  # 4 > 3.5 -> down to 3.15: the LRU one goes
+    left = {k for k in store.keys(NS)}
+    assert left == {key_for(PROV, 0), key_for(PROV, 2), key_for(PROV, 3)}  # 0 survived: its hit refreshed it
+    assert store.stats().evictions == 1 and store.stats().bytes <= int(one * 3.5 * 0.9)
+    assert store.get(NS, key_for(PROV, 1), PROV.canonical_json()).status is LookupStatus.MISS
+
+
+def test_budget_counts_files_of_other_processes_and_skips_oversized(tmp_path: Path) -> None:
+    other = DiskStore(tmp_path)  # unbounded writer sharing the folder
+    for i in range(4):
+        other.put(NS, key_for(PROV, i), rand_entry(PROV, T=8))
+        _age(other, key_for(PROV, i), 100 - i)
+    size = other.stats().bytes // 4
+    bounded = DiskStore(tmp_path, budget_bytes=size * 3)
+    bounded.put(NS, key_for(PROV, 9), rand_entry(PROV, T=8))  # first put scans: 5 files > 3
+    assert len(list(bounded.keys(NS))) == 2
+    assert key_for(PROV, 9) in {k for k in bounded.keys(NS)}
+    tiny = DiskStore(tmp_path / "tiny", budget_bytes=16)
+    tiny.put(NS, key_for(PROV, 0), rand_entry(PROV))  # larger than the whole budget: not stored
+    assert not tiny.contains(NS, key_for(PROV, 0))
+
+
+def test_prune_command_and_budget_spec(tmp_path: Path) -> None:
+    from blend.store.spec import StoreSpecError, open_store, parse_size
+
+    assert parse_size("500M") == 500 << 20 and parse_size("2GiB") == 2 << 30 and parse_size("123") == 123
+    for bad in ("", "abc", "0", "-5G", "12Q"):
+        with pytest.raises(StoreSpecError):
+            parse_size(bad)
+    st = open_store(f"disk:{tmp_path}?max_bytes=1G", with_memory=False)
+    assert isinstance(st, DiskStore) and st.budget_bytes == 1 << 30 and st.root == tmp_path
+    with pytest.raises(StoreSpecError, match="unknown disk option"):
+        open_store(f"disk:{tmp_path}?max_byte=1G")
+    store = DiskStore(tmp_path)
+    for i in range(4):
+        store.put(NS, key_for(PROV, i), rand_entry(PROV, T=8))
+        _age(store, key_for(PROV, i), 100 - i)
+    keep = store.stats().bytes // 2
+    code, res = _cli(tmp_path, "prune", "--max-bytes", str(keep))
+    assert code == 0 and res[0]["removed"] == 2 and res[0]["kept_bytes"] <= keep
+    assert {k for k in store.keys(NS)} == {key_for(PROV, 2), key_for(PROV, 3)}
+    code, res = _cli(tmp_path, "prune", "--max-bytes", "1")
+    assert res[0]["removed"] == 2 and store.stats().entries == 0

@@ -1,4 +1,4 @@
-"""``kvblend store stats|ls|verify|clear``: inspect and repair a store.
+"""``kvblend store stats|ls|verify|clear|prune``: inspect and repair a store.
 
 The main CLI (blend/cli.py) calls :func:`add_store_commands` on its
 subparsers and dispatches ``args.command == "store"`` to
@@ -19,7 +19,7 @@ from blend.keys import Namespace, key_hex
 from blend.store.base import InspectableStore
 from blend.store.codec import EntryError
 from blend.store.disk import DiskStore
-from blend.store.spec import StoreSpecError, add_store_argument, open_store
+from blend.store.spec import StoreSpecError, add_store_argument, open_store, parse_size
 from blend.store.tiered import TieredStore
 
 
@@ -28,6 +28,7 @@ class StoreCommand(Enum):
     LS = "ls"
     VERIFY = "verify"
     CLEAR = "clear"
+    PRUNE = "prune"
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ def add_store_commands(subparsers: Any) -> argparse.ArgumentParser:
         (StoreCommand.LS, "list entries with their shapes, dtypes and provenance"),
         (StoreCommand.VERIFY, "decode every entry and report corrupt ones"),
         (StoreCommand.CLEAR, "delete entries"),
+        (StoreCommand.PRUNE, "shrink disk tiers to a byte budget, least recently used entries first"),
     ]:
         c = sub.add_parser(cmd.value, help=text)
         add_store_argument(c)
@@ -62,7 +64,17 @@ def add_store_commands(subparsers: Any) -> argparse.ArgumentParser:
             c.add_argument("--namespace", choices=[n.value for n in Namespace], default=None)
         if cmd is StoreCommand.VERIFY:
             c.add_argument("--delete", action="store_true", help="remove corrupt entries")
+        if cmd is StoreCommand.PRUNE:
+            c.add_argument("--max-bytes", required=True, type=_size, metavar="SIZE",
+                           help="bytes to keep per disk tier, e.g. 500M or 20G")
     return p
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except StoreSpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _tiers(store: InspectableStore) -> list[InspectableStore]:
@@ -156,6 +168,22 @@ def _clear(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> in
     return 0
 
 
+def _prune(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
+    disks = [t for t in _tiers(store) if isinstance(t, DiskStore)]
+    if not disks:
+        print("kvblend store prune: the store has no disk tier (Redis expires entries with ?ttl=)", file=sys.stderr)
+        return 2
+    rows = [(str(t.root), t.prune(args.max_bytes)) for t in disks]
+    if args.json:
+        json.dump([{"root": root, **asdict(r)} for root, r in rows], out, indent=1)
+        out.write("\n")
+    else:
+        for root, r in rows:
+            out.write(f"{root}: removed {r.removed} entries ({r.freed_bytes / 2**20:.1f} MiB), "
+                      f"kept {r.kept_bytes / 2**20:.1f} MiB\n")
+    return 0
+
+
 def run_store_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run a parsed ``kvblend store ...`` command.
 
@@ -164,7 +192,7 @@ def run_store_command(args: argparse.Namespace, out: TextIO | None = None) -> in
         out: where to write (default stdout).
 
     Returns:
-        The process exit status: 0 ok, 1 corrupt entries found, 2 bad store spec.
+        The process exit status: 0 ok, 1 corrupt entries found, 2 bad store spec (or no disk tier to prune).
     """
     out = out or sys.stdout
     try:
@@ -179,6 +207,8 @@ def run_store_command(args: argparse.Namespace, out: TextIO | None = None) -> in
         return _ls(store, args, out)
     if cmd is StoreCommand.VERIFY:
         return _verify(store, args, out)
+    if cmd is StoreCommand.PRUNE:
+        return _prune(store, args, out)
     return _clear(store, args, out)
 
 

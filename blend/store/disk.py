@@ -9,6 +9,13 @@ A put writes a private temporary file in the entry's directory, fsyncs it and
 renames it over the entry (``os.replace`` is atomic on POSIX): a reader sees
 the old file or the new one, a writer killed mid-write leaves only a ``.tmp``
 that is never read, and two writers of one key leave one complete file.
+
+With a byte budget the tier is an LRU on disk: a hit refreshes the entry's
+mtime, and a put that takes the tier over budget removes the least recently
+used entries (oldest mtime first, every namespace) until it is back under
+``low_water`` of the budget. Other processes sharing the folder are counted at
+every prune (the scan sees their files); a reader that loses a file to a
+concurrent prune sees a miss.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import os
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -38,6 +46,16 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
+LOW_WATER = 0.9  # a prune frees down to this fraction of the budget
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What a prune removed and what is left."""
+
+    removed: int
+    freed_bytes: int
+    kept_bytes: int
 
 
 def _read_all(path: Path) -> bytearray:
@@ -60,15 +78,22 @@ class DiskStore:
     Args:
         root: directory of the store (created on first put).
         fsync: fsync each file before the rename (durable across power loss).
+        budget_bytes: upper bound on the bytes of entry files (None: unbounded);
+            least recently used entries are removed past it.
     """
 
     name = "disk"
 
-    def __init__(self, root: str | os.PathLike[str], fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], fsync: bool = True,
+                 budget_bytes: int | None = None) -> None:
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise ValueError(f"disk store budget must be positive, got {budget_bytes}")
         self.root = Path(root).expanduser()
         self.fsync = fsync
+        self.budget_bytes = budget_bytes
         self._stats = StoreStats()
         self._lock = threading.Lock()
+        self._approx_bytes: int | None = None  # bytes on disk as of the last scan plus our puts
 
     def path(self, ns: Namespace, key: StoreKey) -> Path:
         """Where the entry for (ns, key) lives."""
@@ -103,6 +128,8 @@ class DiskStore:
             why = check_entry(entry, provenance)
             if not why:
                 self._count("hits")
+                if self.budget_bytes is not None:
+                    self._touch(self.path(ns, key))
                 return Lookup(LookupStatus.HIT, entry=entry, tier=self.name)
         self._count("rejected")
         log.warning("disk store: rejected %s: %s", self.path(ns, key), why)
@@ -112,6 +139,10 @@ class DiskStore:
         """Write ``entry`` atomically; an I/O failure is logged, not raised (the store is a cache)."""
         check_put(entry)
         parts = encode_parts(ns, key, entry)
+        size = sum(len(p) for p in parts)
+        if self.budget_bytes is not None and size > self.budget_bytes:
+            log.warning("disk store: entry of %d bytes exceeds the budget of %d; not stored", size, self.budget_bytes)
+            return
         dest = self.path(ns, key)
         tmp = None
         try:
@@ -125,6 +156,7 @@ class DiskStore:
                     os.fsync(f.fileno())
             os.replace(tmp, dest)
             tmp = None
+            self._after_put(size)
         except OSError as e:
             log.warning("disk store: write of %s failed: %s", dest, e)
             with self._lock:
@@ -137,6 +169,75 @@ class DiskStore:
                 except OSError:
                     pass
         self._count("puts")
+
+    # ---- byte budget --------------------------------------------------------------------
+
+    @staticmethod
+    def _touch(path: Path) -> None:
+        try:
+            os.utime(path, None)  # mtime = now: most recently used
+        except OSError:
+            pass  # removed meanwhile, or a read-only store: recency is best effort
+
+    def _after_put(self, size: int) -> None:
+        if self.budget_bytes is None:
+            return
+        with self._lock:
+            if self._approx_bytes is None:
+                self._approx_bytes = self._scan_bytes()  # includes the file just written
+            else:
+                self._approx_bytes += size
+            over = self._approx_bytes > self.budget_bytes
+        if over:
+            self.prune(int(self.budget_bytes * LOW_WATER))
+
+    def _entries_by_age(self) -> list[tuple[float, int, Path]]:
+        """(mtime, size, path) of every entry file, least recently used first."""
+        rows = []
+        for ns in Namespace:
+            for p in self._files(ns):
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                rows.append((st.st_mtime, st.st_size, p))
+        rows.sort(key=lambda r: (r[0], str(r[2])))
+        return rows
+
+    def _scan_bytes(self) -> int:
+        return sum(size for _, size, _ in self._entries_by_age())
+
+    def prune(self, max_bytes: int) -> PruneResult:
+        """Remove least recently used entries until the entry files total at most ``max_bytes``.
+
+        Args:
+            max_bytes: bytes to keep (>= 0).
+
+        Returns:
+            How many entries were removed, the bytes freed and the bytes kept.
+        """
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        rows = self._entries_by_age()
+        total = sum(size for _, size, _ in rows)
+        removed = freed = 0
+        for _, size, path in rows:
+            if total <= max_bytes:
+                break
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass  # another process pruned it first: it is gone either way
+            else:
+                removed += 1
+                freed += size
+            total -= size
+        with self._lock:
+            self._approx_bytes = total
+            self._stats.evictions += removed
+        if removed:
+            log.info("disk store: pruned %d entries (%d bytes) under %s", removed, freed, self.root)
+        return PruneResult(removed, freed, total)
 
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
         return self.path(ns, key).is_file()

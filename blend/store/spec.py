@@ -2,6 +2,7 @@
 
     memory                      in-process LRU only (lost at exit)
     disk:PATH                   memory -> disk at PATH
+    disk:PATH?max_bytes=20G     ... with a byte budget (LRU; K/M/G/T are powers of 1024)
     redis://HOST:PORT/DB        memory -> redis
     disk:PATH,redis://H:P/DB    memory -> disk -> redis (any comma-separated chain)
     (none)                      $KVBLEND_STORE, else disk:$KVBLEND_HOME/store
@@ -46,6 +47,28 @@ class TierSpec:
     location: str = ""  # disk: a path; redis: the URL without kvblend options
     prefix: str = "kvblend"
     ttl_s: int | None = None
+    budget_bytes: int | None = None  # disk: LRU byte budget
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: a whole number with an optional K, M, G or T (powers of 1024, ``iB``/``B`` allowed).
+
+    Raises:
+        StoreSpecError: not a positive size.
+    """
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _UNITS and t[-1:] else ""
+    number = t[: len(t) - len(unit)]
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise StoreSpecError(f"size must look like 500M or 20G, got {text!r}") from None
+    if not value >= 1:
+        raise StoreSpecError(f"size must be at least one byte, got {text!r}")
+    return int(value)
 
 
 def kvblend_home() -> Path:
@@ -61,10 +84,15 @@ def _parse_one(part: str) -> TierSpec:
     if part == "memory":
         return TierSpec(TierKind.MEMORY)
     if part.startswith("disk:"):
-        path = part[len("disk:") :]
+        path, _, query = part[len("disk:") :].partition("?")
         if not path:
             raise StoreSpecError("disk: needs a path, e.g. disk:/var/cache/kvblend")
-        return TierSpec(TierKind.DISK, path)
+        opts = dict(parse_qsl(query, keep_blank_values=True))
+        unknown = sorted(set(opts) - {"max_bytes"})
+        if unknown:
+            raise StoreSpecError(f"unknown disk option(s) {', '.join(unknown)}: the only one is max_bytes")
+        budget = parse_size(opts["max_bytes"]) if "max_bytes" in opts else None
+        return TierSpec(TierKind.DISK, path, budget_bytes=budget)
     if part.startswith(("redis://", "rediss://", "unix://")):
         u = urlsplit(part)
         query = parse_qsl(u.query)
@@ -99,7 +127,7 @@ def _build(t: TierSpec, memory_budget_bytes: int | None) -> InspectableStore:
     if t.kind is TierKind.MEMORY:
         return MemoryStore(memory_budget_bytes)
     if t.kind is TierKind.DISK:
-        return DiskStore(t.location)
+        return DiskStore(t.location, budget_bytes=t.budget_bytes)
     return RedisStore(t.location, prefix=t.prefix, ttl_s=t.ttl_s)
 
 
@@ -132,6 +160,6 @@ def add_store_argument(parser: argparse.ArgumentParser) -> None:
         "--store",
         default=None,
         metavar="SPEC",
-        help="memory | disk:PATH | redis://HOST:PORT/DB[?prefix=P&ttl=S] | a comma chain "
+        help="memory | disk:PATH[?max_bytes=20G] | redis://HOST:PORT/DB[?prefix=P&ttl=S] | a comma chain "
         f"(default: $KVBLEND_STORE or disk:$KVBLEND_HOME/store)",
     )
