@@ -96,7 +96,7 @@ def _start_fetch(engine: "Engine", prompt: Prompt) -> list[tuple[StoreKey, Futur
     Returns:
         (key, future) per document; the future is None when overlap is off.
     """
-    prov_json = engine._prov_json
+    prov_json = engine.provenance_json
     out = []
     for doc in prompt.documents:
         key = canonical_key(engine.provenance, prompt.preamble.token_ids, doc.token_ids)
@@ -108,7 +108,7 @@ def _start_fetch(engine: "Engine", prompt: Prompt) -> list[tuple[StoreKey, Futur
 def _fetch_chunks(engine: "Engine", prompt: Prompt, policy: ReusePolicy, report: ReuseReport,
                   pending: list[tuple[StoreKey, Future[Lookup] | None]]) -> list[ChunkKV]:
     """Canonical KV of every document: a hit is loaded; a miss or rejection is computed and stored."""
-    prov_json = engine._prov_json
+    prov_json = engine.provenance_json
     out = []
     start = len(prompt.preamble)
     for i, (doc, (key, fut)) in enumerate(zip(prompt.documents, pending)):

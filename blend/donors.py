@@ -15,6 +15,12 @@ shingle sets. Every hash is a fixed splitmix64 mix over numpy uint64 (never
 Python ``hash()``), so signatures are equal across processes and machines and
 the index can be saved and reloaded.
 
+Persistence: registrations are appended, one JSON line each, to a record
+log kept by the persistent store tiers (a file beside a disk store, a list in
+Redis; see :func:`attach_log`), so a later process over the same store finds
+the same donors. A torn or corrupt line is skipped; a donor whose KV is gone
+from the store is skipped at lookup time like any miss.
+
 Lookups are a vectorised scan over the signatures of the chunks that share the
 request's preamble (a few microseconds per thousand chunks); banded LSH would
 replace the scan at millions of chunks.
@@ -23,13 +29,16 @@ replace the scan at millions of chunks.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from blend.keys import StoreKey, token_digest
+
+log = logging.getLogger(__name__)
 
 SHINGLE = 5  # token ids per shingle
 NUM_HASHES = 128  # MinHash signature length: std. error of the estimate ~ sqrt(J(1-J)/128) <= 0.045
@@ -100,6 +109,31 @@ class Donor:
     signature: np.ndarray
 
 
+@runtime_checkable
+class RecordLog(Protocol):
+    """An append-only log of small records kept by a persistent store tier."""
+
+    def append_record(self, log: str, line: bytes) -> None:
+        """Append one record (no newline inside) to the log named ``log``."""
+
+    def read_records(self, log: str) -> list[bytes]:
+        """Every record of ``log`` in append order (empty if there is none)."""
+
+
+def _donor_line(d: Donor) -> bytes:
+    return json.dumps({"key": d.key.hex(), "preamble": d.preamble.hex(), "tokens": list(d.token_ids)},
+                      separators=(",", ":")).encode()
+
+
+def _donor_from_line(line: bytes) -> Donor:
+    r = json.loads(line)
+    tokens = tuple(int(t) for t in r["tokens"])
+    key, pre = bytes.fromhex(r["key"]), bytes.fromhex(r["preamble"])
+    if len(key) != 32 or len(pre) != 32:
+        raise ValueError("key and preamble digest must be 32 bytes")
+    return Donor(StoreKey(key), pre, tokens, minhash(tokens))
+
+
 class DonorIndex:
     """Near-duplicate search over registered canonical chunks, per preamble."""
 
@@ -107,6 +141,8 @@ class DonorIndex:
         self._by_pre: dict[bytes, list[Donor]] = {}
         self._keys: set[bytes] = set()
         self._matrix: dict[bytes, np.ndarray] = {}  # (N, H) signatures, rebuilt after changes
+        self._logs: list[RecordLog] = []  # where new registrations are appended
+        self._log_name = ""
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -120,10 +156,43 @@ class DonorIndex:
             return False
         pre = token_digest(preamble_ids)
         donor = Donor(StoreKey(bytes(key)), pre, tuple(int(t) for t in token_ids), minhash(token_ids))
-        self._by_pre.setdefault(pre, []).append(donor)
-        self._keys.add(bytes(key))
-        self._matrix.pop(pre, None)
+        self._insert(donor)
+        for sink in self._logs:
+            sink.append_record(self._log_name, _donor_line(donor))
         return True
+
+    def _insert(self, donor: Donor) -> None:
+        self._by_pre.setdefault(donor.preamble, []).append(donor)
+        self._keys.add(bytes(donor.key))
+        self._matrix.pop(donor.preamble, None)
+
+    def attach_log(self, tiers: Sequence[object], name: str) -> int:
+        """Load the donors recorded by the persistent ``tiers`` and record new ones there.
+
+        Args:
+            tiers: store tiers; those implementing :class:`RecordLog` are used.
+            name: the log's name (one per model provenance: keys are provenance-bound).
+
+        Returns:
+            Donors loaded (lines already registered, torn or corrupt are skipped).
+        """
+        self._logs = [t for t in tiers if isinstance(t, RecordLog)]
+        self._log_name = name
+        loaded = bad = 0
+        for sink in self._logs:
+            for line in sink.read_records(name):
+                try:
+                    donor = _donor_from_line(line)
+                except (ValueError, KeyError, TypeError) as e:
+                    bad += 1
+                    log.debug("donor log %s: skipped a bad line: %s", name, e)
+                    continue
+                if bytes(donor.key) not in self._keys:
+                    self._insert(donor)
+                    loaded += 1
+        if bad:
+            log.warning("donor log %s: skipped %d unreadable line(s)", name, bad)
+        return loaded
 
     def remove(self, key: StoreKey) -> bool:
         """Forget a chunk (e.g. its KV was evicted from the store)."""

@@ -112,7 +112,7 @@ class Engine:
         self.model_name = loaded.name
         self.store: KVStore = store if store is not None else MemoryStore()
         self.provenance = build_provenance(loaded, config, self.device)
-        self._prov_json = self.provenance.canonical_json()
+        self.provenance_json = self.provenance.canonical_json()  # what every stored entry must carry
         cfg = loaded.model.config
         eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
         self.eos_ids = {int(e) for e in eos if e is not None}
@@ -165,7 +165,7 @@ class Engine:
     # ---- store helpers --------------------------------------------------------------------
 
     def _entry(self, kv: SegmentKV) -> KVEntry:
-        return KVEntry(kv.k.to(self.kv_dtype).cpu(), kv.v.to(self.kv_dtype).cpu(), self._prov_json)
+        return KVEntry(kv.k.to(self.kv_dtype).cpu(), kv.v.to(self.kv_dtype).cpu(), self.provenance_json)
 
     def _as_stored(self, kv: SegmentKV) -> SegmentKV:
         """The segment exactly as a later load would see it (storage dtype round trip)."""
@@ -190,7 +190,7 @@ class Engine:
         """Append one prefix segment: load it on an exact hit, else compute and store it."""
         start = cache.length
         t0 = time.perf_counter()
-        found = self.store.get(Namespace.EXACT, key, self._prov_json)
+        found = self.store.get(Namespace.EXACT, key, self.provenance_json)
         report.timings.lookup_s += time.perf_counter() - t0
         rep = SegmentReport(seg.kind, ReuseClass.COMPUTED, len(seg), start, key_hex(key))
         if found.status is LookupStatus.HIT and found.entry.num_tokens == len(seg):

@@ -31,6 +31,7 @@ when some later request computes it in full.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import time
 import weakref
 from dataclasses import dataclass
@@ -57,11 +58,19 @@ MAX_CANDIDATES = 4  # donors aligned per miss (alignment is the costly part)
 _INDEXES: "weakref.WeakKeyDictionary[Engine, DonorIndex]" = weakref.WeakKeyDictionary()
 
 
+def donor_log_name(engine: "Engine") -> str:
+    """The record log of this engine's donors: one per provenance (its keys only resolve under it)."""
+    return "donors-" + hashlib.sha256(engine.provenance_json.encode()).hexdigest()[:16]
+
+
 def donor_index(engine: "Engine") -> DonorIndex:
-    """The engine's donor index (created empty on first use; lives as long as the engine)."""
+    """The engine's donor index, created on first use from the donors its store's
+    persistent tiers recorded (disk, Redis); lives as long as the engine."""
     idx = _INDEXES.get(engine)
     if idx is None:
         idx = _INDEXES[engine] = DonorIndex()
+        tiers = getattr(engine.store, "tiers", [engine.store])
+        idx.attach_log(tiers, donor_log_name(engine))
     return idx
 
 
@@ -183,7 +192,7 @@ def donor_chunk(engine: "Engine", prompt: Prompt, doc: Segment, rep: SegmentRepo
             if a.aligned_fraction >= MIN_ALIGNED:
                 scored.append((a.aligned_fraction, sim, donor, a))
         scored.sort(key=lambda s: (-s[0], -s[1]))  # stable: best aligned, then most similar
-        prov_json = engine._prov_json
+        prov_json = engine.provenance_json
         for frac, sim, donor, a in scored[:MAX_CANDIDATES]:
             found = engine.store.get(Namespace.CANONICAL, donor.key, prov_json)
             if found.status is not LookupStatus.HIT or found.entry.num_tokens != len(donor.token_ids):

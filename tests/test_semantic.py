@@ -272,3 +272,45 @@ def test_donor_index_save_load_and_preamble_scoping(tmp_path, sem_engine):
     assert [(d.key, s) for d, s in back.candidates([1, 2], near, 0.3)] == [(d.key, s) for d, s in got]
     set_donor_index(sem_engine, back)
     assert donor_index(sem_engine) is back
+
+
+# ---- persisted donors ------------------------------------------------------------------------
+
+
+def test_donors_persist_beside_a_disk_store_for_a_new_process(tmp_path, tiny_engine_factory):
+    from blend.semantic import donor_log_name
+    from blend.store.disk import DiskStore
+    from blend.store.memory import MemoryStore
+    from blend.store.tiered import TieredStore
+
+    docs = make_docs(3)
+    first = tiny_engine_factory(experimental_semantic=True, store=TieredStore([MemoryStore(), DiskStore(tmp_path)]))
+    first.precompute_chunks(docs)  # registers donors: appended to the disk tier's record log
+    assert len(donor_index(first)) == 3
+    log = DiskStore(tmp_path).read_records(donor_log_name(first))
+    assert len(log) == 3
+    # a fresh engine over the same folder finds the donors without registering anything
+    second = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    edited = [docs[0], edit_middle(docs[1])[0], docs[2]]
+    ans = second.generate(second.build_prompt("Which?", edited), SEM0, max_new_tokens=1)
+    assert ans.report.segments[2].reuse_class is ReuseClass.SEMANTIC
+    assert len(donor_index(second)) == 3
+    # another provenance (dtype) has its own log: it sees none of these donors
+    other = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path), dtype="bfloat16")
+    assert donor_log_name(other) != donor_log_name(first) and len(donor_index(other)) == 0
+
+
+def test_torn_and_corrupt_donor_lines_are_skipped(tmp_path, tiny_engine_factory):
+    from blend.semantic import donor_log_name
+    from blend.store.disk import DiskStore
+
+    eng = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    eng.precompute_chunks(make_docs(2))
+    path = tmp_path / "logs" / f"{donor_log_name(eng)}.jsonl"
+    with open(path, "ab") as f:
+        f.write(b'{"key": "zz", "preamble": "00", "tokens": [1]}\n')  # bad hex
+        f.write(b'not json\n')
+        f.write(b'{"key": "' + b"ab" * 32)  # torn: no newline
+    again = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    assert len(donor_index(again)) == 2
+    assert DiskStore(tmp_path).clear() >= 2 and not path.exists()  # clearing everything drops the logs

@@ -199,3 +199,20 @@ def test_server_failing_mid_request_is_a_miss(hang: bool, caplog: pytest.LogCapt
         assert len([w for w in _warnings(caplog) if "unreachable" in w]) == 1
     finally:
         fake.close()
+
+
+def test_record_log_appends_reads_and_clears_with_everything(store: RedisStore) -> None:
+    assert store.read_records("donors-x") == []
+    store.append_record("donors-x", b'{"a":1}')
+    store.append_record("donors-x", b'{"b":2}')
+    assert store.read_records("donors-x") == [b'{"a":1}', b'{"b":2}']
+    store.clear(NS)  # one namespace: logs stay
+    assert len(store.read_records("donors-x")) == 2
+    store.clear()
+    assert store.read_records("donors-x") == []
+
+
+def test_record_log_during_an_outage_is_empty_not_an_error() -> None:
+    down = RedisStore("redis://127.0.0.1:1/0", prefix=unique_prefix(), connect_timeout_s=0.05)
+    down.append_record("donors-x", b"{}")
+    assert down.read_records("donors-x") == []

@@ -4,6 +4,7 @@ Layout under ``root``::
 
     root/<namespace>/<key hex[:2]>/<key hex>.safetensors     entries (see codec.py)
     root/<namespace>/<key hex[:2]>/.<key hex>.<random>.tmp   a write in progress
+    root/logs/<name>.jsonl                                   record logs (e.g. semantic donors)
 
 A put writes a private temporary file in the entry's directory, fsyncs it and
 renames it over the entry (``os.replace`` is atomic on POSIX): a reader sees
@@ -239,6 +240,41 @@ class DiskStore:
             log.info("disk store: pruned %d entries (%d bytes) under %s", removed, freed, self.root)
         return PruneResult(removed, freed, total)
 
+    # ---- record logs (RecordLog) --------------------------------------------------------
+
+    def _log_path(self, log_name: str) -> Path:
+        if not log_name or "/" in log_name or log_name.startswith("."):
+            raise ValueError(f"bad log name {log_name!r}")
+        return self.root / "logs" / f"{log_name}.jsonl"
+
+    def append_record(self, log_name: str, line: bytes) -> None:
+        """Append one line to a record log; one ``write`` on an O_APPEND file, so
+        concurrent appenders interleave whole lines. Failures are logged, not raised."""
+        if b"\n" in line:
+            raise ValueError("a record must not contain a newline")
+        path = self._log_path(log_name)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line + b"\n")
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("disk store: cannot append to %s: %s", path, e)
+
+    def read_records(self, log_name: str) -> list[bytes]:
+        """Complete lines of a record log (a torn last line is dropped)."""
+        try:
+            data = self._log_path(log_name).read_bytes()
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            log.warning("disk store: cannot read log %s: %s", log_name, e)
+            return []
+        lines = data.split(b"\n")
+        return [ln for ln in lines[:-1] if ln.strip()]  # the part after the last newline is torn
+
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
         return self.path(ns, key).is_file()
 
@@ -333,4 +369,10 @@ class DiskStore:
                 except FileNotFoundError:
                     pass
         self.sweep_temp(0.0)
+        if ns is None:  # everything: the record logs too (they only point at entries)
+            for p in (self.root / "logs").glob("*.jsonl"):
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
         return n

@@ -126,6 +126,15 @@ class RedisStore:
 
     # -- KVStore --------------------------------------------------------------
 
+    def append_record(self, log_name: str, line: bytes) -> None:
+        """Append one record to the list ``<prefix>:log:<name>`` (RPUSH; no TTL: logs are tiny)."""
+        self._call("append_record", lambda: self._client.rpush(f"{self.prefix}:log:{log_name}".encode(), line), None)
+
+    def read_records(self, log_name: str) -> list[bytes]:
+        """Every record of the list (empty when absent or the server is down)."""
+        got = self._call("read_records", lambda: self._client.lrange(f"{self.prefix}:log:{log_name}".encode(), 0, -1), [])
+        return [bytes(x) for x in got or []]
+
     def rkey(self, ns: Namespace, key: StoreKey) -> bytes:
         """The Redis key of (ns, key)."""
         return f"{self.prefix}:{ns.value}:{key_hex(key)}".encode()
@@ -235,6 +244,11 @@ class RedisStore:
             for i in range(0, len(rks), 1000):
                 batch = rks[i : i + 1000]
                 n += int(self._call("clear", lambda b=batch: self._client.delete(*b), 0))
+        if ns is None:  # everything: the record logs too (they only point at entries)
+            pattern = _glob_escape(f"{self.prefix}:log:") + "*"
+            logs = self._call("scan", lambda: list(self._client.scan_iter(match=pattern, count=1000)), [])
+            if logs:
+                self._call("clear", lambda: self._client.delete(*logs), 0)
         return n
 
     def close(self) -> None:
