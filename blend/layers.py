@@ -149,6 +149,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return out.transpose(0, 1).reshape(q.shape[1], -1)  # (S, Hq D)
 
 
+def attend_suffix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Chunked-prefill attention: q are the last S rows of k/v; earlier keys all visible.
+
+    Args:
+        q: (Hq, S, D) after RoPE; k, v: (Hkv, T, D), T >= S.
+
+    Returns:
+        (S, Hq D) attention output rows.
+    """
+    from blend.kernels.reference import causal_suffix_attention
+
+    out = causal_suffix_attention(q, k, v, scale)  # (Hq, S, D)
+    return out.transpose(0, 1).reshape(q.shape[1], -1)  # (S, Hq D)
+
+
 def attn_out(w: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Residual add of the attention output projection. (S, C)."""
     return h + F.linear(attn, w.w_o)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from blend.kvcache import KVCache
 from blend.layers import (
-    LayerWeights, ModelDims, attend, attn_out, causal_mask, dims_of, extract_layer, mlp_block,
+    LayerWeights, ModelDims, attend, attend_suffix, attn_out, causal_mask, dims_of, extract_layer, mlp_block,
     project_qkv, rms_norm,
 )
 from blend.models import LoadedModel
@@ -86,7 +86,10 @@ class ModelRunner:
         cos, sin = self.rope(pos)  # (S, R)
         cache.set_positions(start, pos)
         causal = start == 0
-        mask = None if causal else causal_mask(pos, cache.pos[: start + s], self.dtype)  # (S, T)
+        # appended after context that sits before it (always, unless rows were re-positioned):
+        # chunked prefill without a materialised mask
+        suffix = not causal and s > 1 and int(cache.pos[:start].max()) < start
+        mask = None if causal or suffix else causal_mask(pos, cache.pos[: start + s], self.dtype)  # (S, T)
         ks, vs = [], []
         h = self.embed(ids)  # (S, C)
         for i, w in enumerate(self.layers):
@@ -96,7 +99,12 @@ class ModelRunner:
                 vs.append(v)
             cache.write(i, start, apply_rope(k, cos, sin), v)
             k_all, v_all = cache.view(i, start + s)  # (Hkv, T, D)
-            h = attn_out(w, h, attend(apply_rope(q, cos, sin), k_all, v_all, d.scale, mask, causal))
+            q_rot = apply_rope(q, cos, sin)  # (Hq, S, D)
+            if suffix:
+                attn = attend_suffix(q_rot, k_all, v_all, d.scale)  # (S, Hq D)
+            else:
+                attn = attend(q_rot, k_all, v_all, d.scale, mask, causal)  # (S, Hq D)
+            h = attn_out(w, h, attn)
             h = mlp_block(w, d, h)
         cache.advance(s)
         seg = SegmentKV(torch.stack(ks), torch.stack(vs)) if keep_kv else None  # (L, Hkv, S, D)

@@ -14,7 +14,7 @@ from .dispatch import (
     rope_mix,
     sparse_query_attention,
 )
-from .reference import kv_deviation_ref, rope_mix_ref, sparse_query_attention_ref
+from .reference import kv_deviation_ref, rope_mix_ref, sparse_query_attention_blocked, sparse_query_attention_ref
 from .tolerances import TOL, Tol
 
 __all__ = [
@@ -29,5 +29,6 @@ __all__ = [
     "rope_mix",
     "rope_mix_ref",
     "sparse_query_attention",
+    "sparse_query_attention_blocked",
     "sparse_query_attention_ref",
 ]

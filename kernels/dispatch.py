@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import torch
 
-from .reference import kv_deviation_ref, rope_mix_ref, sparse_query_attention_ref
+from .reference import kv_deviation_ref, rope_mix_ref, sparse_query_attention_blocked, sparse_query_attention_ref
 
 ENV_VAR = "KVBLEND_KERNELS"
 
@@ -182,4 +182,4 @@ def sparse_query_attention(
         from .attention_kernel import sparse_query_attention_triton
 
         return sparse_query_attention_triton(q, q_pos, k, v, k_pos, scale)
-    return sparse_query_attention_ref(q, q_pos, k, v, k_pos, scale)
+    return sparse_query_attention_blocked(q, q_pos, k, v, k_pos, scale)

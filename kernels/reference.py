@@ -91,3 +91,118 @@ def sparse_query_attention_ref(
     seen = visible.any(dim=1)  # (S,)
     out = torch.where(seen[None, :, None], out, 0.0)  # rows with no visible key -> 0, never NaN
     return out.to(q.dtype)
+
+
+def _sorted(x: torch.Tensor) -> bool:
+    return x.numel() < 2 or bool((x[1:] >= x[:-1]).all())
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of the last S key rows' queries: keys [0, T-S) all visible, the last S causal.
+
+    This is chunked prefill (a segment appended after cached context). An
+    explicit (S, T) mask makes SDPA compute the whole rectangle; instead the
+    visible prefix and the causal square run as two fused CPU flash calls whose
+    outputs merge by their log-sum-exp::
+
+        keys       [ prefix P, no mask ][ own S rows, causal ]
+        out  =  (o_p * exp(lse_p - m) + o_s * exp(lse_s - m)) / (exp(lse_p - m) + exp(lse_s - m))
+
+    Args:
+        q: (Hq, S, D) queries after RoPE, sitting at the positions of k's last S rows.
+        k, v: (Hkv, T, D), T >= S, Hq % Hkv == 0; keys after RoPE.
+        scale: softmax scale.
+
+    Returns:
+        (Hq, S, D) in q's dtype.
+    """
+    hq, s, _ = q.shape
+    hkv, t, _ = k.shape
+    gqa = hq != hkv
+    p = t - s
+    if _FLASH_CPU is None or q.device.type != "cpu" or p == 0:
+        if p == 0:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=float(scale),
+                                                 enable_gqa=gqa)[0]
+            return out
+        pos = torch.arange(t, device=q.device)
+        visible = pos[None, :] <= pos[p:, None]  # (S, T)
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=float(scale),
+                                              enable_gqa=gqa)[0]
+    if gqa:  # the CPU flash op wants equal head counts
+        k = k.repeat_interleave(hq // hkv, dim=0)  # (Hq, T, D)
+        v = v.repeat_interleave(hq // hkv, dim=0)  # (Hq, T, D)
+    o_p, lse_p = _FLASH_CPU(q[None], k[None, :, :p], v[None, :, :p], scale=float(scale))  # (1,Hq,S,D) (1,Hq,S)
+    o_s, lse_s = _FLASH_CPU(q[None], k[None, :, p:], v[None, :, p:], is_causal=True, scale=float(scale))
+    m = torch.maximum(lse_p, lse_s)  # (1, Hq, S)
+    w_p, w_s = torch.exp(lse_p - m), torch.exp(lse_s - m)  # (1, Hq, S) each
+    out = (o_p.float() * w_p[..., None] + o_s.float() * w_s[..., None]) / (w_p + w_s)[..., None]
+    return out[0].to(q.dtype)  # (Hq, S, D)
+
+
+def _is_suffix(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """Queries sit exactly at the last S key positions, after every other key."""
+    s, t = q_pos.shape[0], k_pos.shape[0]
+    if s < 2 or s > t or not torch.equal(q_pos, k_pos[t - s:]):
+        return False
+    return s == t or bool(k_pos[: t - s].max() < q_pos[0])
+
+
+def sparse_query_attention_blocked(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    blocks: int | None = None,
+) -> torch.Tensor:
+    """The CPU path of ``blend.kernels.sparse_query_attention`` (same contract).
+
+    With keys in position order and queries sorted (the blend path's layout),
+    query block b only needs the key prefix up to its last query's position::
+
+        keys     |=========================================|  T
+        block 0  |=====|                                       its prefix only
+        block 1  |============|
+        ...
+        block B  |=========================================|
+
+    so most of the masked upper triangle the reference computes and throws
+    away is skipped. When the queries are every row of a contiguous suffix of
+    the keys (a check layer before selection, where all rows are active), it
+    is chunked prefill: :func:`causal_suffix_attention`. Anything else
+    (unsorted positions, few queries) goes to the reference.
+
+    Args:
+        q, q_pos, k, v, k_pos, scale: as for the reference.
+        blocks: query blocks (default: one per 32 queries, 8 to 32).
+
+    Returns:
+        (Hq, S, D) in q's dtype; a query that sees no key gets zeros.
+    """
+    shp = check_attention(q, q_pos, k, v, k_pos, scale)
+    s = shp.queries
+    blocks = blocks or min(32, max(8, s // 32))
+    if s < 2 * blocks or shp.keys == 0 or not (_sorted(q_pos) and _sorted(k_pos)):
+        return sparse_query_attention_ref(q, q_pos, k, v, k_pos, scale)
+    if _is_suffix(q_pos, k_pos) and bool((k_pos[1:] > k_pos[:-1]).all()):
+        return causal_suffix_attention(q.float(), k.float(), v.float(), scale).to(q.dtype)
+    ends = torch.searchsorted(k_pos, q_pos, right=True).tolist()  # visible key prefix per query
+    qf, kf, vf = q.float(), k.float(), v.float()
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (Hq, S, D)
+    bounds = [round(i * s / blocks) for i in range(blocks + 1)]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        tb = ends[b - 1]
+        if a == b or tb == 0:
+            continue  # no query of the block sees a key: zeros
+        lo = next(i for i in range(a, b) if ends[i] > 0)  # queries before lo see nothing
+        visible = k_pos[None, :tb] <= q_pos[lo:b, None]  # (S_b, T_b)
+        out[:, lo:b] = F.scaled_dot_product_attention(
+            qf[None, :, lo:b], kf[None, :, :tb], vf[None, :, :tb], attn_mask=visible, scale=float(scale),
+            enable_gqa=shp.q_heads != shp.kv_heads,
+        )[0]  # (Hq, S_b, D)
+    return out.to(q.dtype)

@@ -83,3 +83,79 @@ def test_attention_kernel_unsorted_and_repeated_key_positions(triton_backend, dt
     k_pos = torch.randperm(T, generator=gen) // 2 + 3  # every position twice, shuffled
     inp = make_attention_inputs(hkv=2, group=2, t=T, d=64, q_rows=_rows("unsorted", T), dtype=dtype, k_pos=k_pos)
     _check(inp, dtype)
+
+
+# ---- the CPU path: query blocks over key prefixes ------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("blocks", [1, 3, 8])
+def test_blocked_cpu_path_matches_reference(dtype, group, blocks):
+    from blend.kernels import sparse_query_attention_blocked
+
+    gen = torch.Generator().manual_seed(5)
+    t = 300
+    rows = torch.sort(torch.randperm(t, generator=gen)[:61]).values  # sorted, spread out
+    inp = make_attention_inputs(2, group, t, 64, rows, dtype)
+    expected = sparse_query_attention_ref(*inp.args())
+    actual = sparse_query_attention_blocked(*inp.args(), blocks=blocks)
+    assert actual.dtype == dtype and actual.shape == inp.q.shape
+    assert_close_tol(actual, expected)
+
+
+def test_blocked_cpu_path_edge_cases():
+    from blend.kernels import sparse_query_attention_blocked
+
+    t = 200
+    # queries before every key see nothing -> zeros, the rest still right
+    k_pos = torch.arange(t) + 50
+    rows = torch.arange(0, 200, 5)
+    inp = make_attention_inputs(1, 2, t, 32, rows, torch.float32, k_pos=k_pos)
+    q_pos = torch.cat([torch.arange(10, 20), inp.q_pos[10:]])  # the first ten sit before key 0
+    args = (inp.q, q_pos, inp.k, inp.v, inp.k_pos, inp.scale)
+    got = sparse_query_attention_blocked(*args, blocks=4)
+    assert torch.equal(got[:, :10], torch.zeros_like(got[:, :10]))
+    assert_close_tol(got, sparse_query_attention_ref(*args))
+    # unsorted queries or keys: the reference answers (same numbers)
+    perm = torch.randperm(rows.numel(), generator=torch.Generator().manual_seed(1))
+    args = (inp.q[:, perm], inp.q_pos[perm], inp.k, inp.v, inp.k_pos, inp.scale)
+    assert torch.equal(sparse_query_attention_blocked(*args), sparse_query_attention_ref(*args))
+
+
+def test_cpu_dispatch_uses_the_blocked_path(monkeypatch):
+    import blend.kernels.dispatch as D
+
+    calls = []
+    real = D.sparse_query_attention_blocked
+    monkeypatch.setattr(D, "sparse_query_attention_blocked", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv(ENV_VAR, "torch")
+    x = torch.randn(1, 40, 16)
+    sparse_query_attention(x, torch.arange(40), x, x, torch.arange(40), 0.25)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("prefix", [0, 1, 37])
+@pytest.mark.parametrize("group", [1, 3])
+def test_causal_suffix_attention_matches_masked_reference(dtype, prefix, group):
+    from blend.kernels.reference import causal_suffix_attention
+
+    s = 45
+    t = prefix + s
+    inp = make_attention_inputs(2, group, t, 64, torch.arange(prefix, t), dtype)
+    expected = sparse_query_attention_ref(*inp.args())
+    assert_close_tol(causal_suffix_attention(inp.q, inp.k, inp.v, inp.scale), expected)
+
+
+def test_blocked_path_takes_the_suffix_route_when_every_row_is_active(monkeypatch):
+    import blend.kernels.reference as R
+
+    seen = []
+    real = R.causal_suffix_attention
+    monkeypatch.setattr(R, "causal_suffix_attention", lambda *a: seen.append(1) or real(*a))
+    t = 300
+    inp = make_attention_inputs(3, 3, t, 64, torch.arange(100, t), torch.float32)
+    got = R.sparse_query_attention_blocked(*inp.args())
+    assert seen == [1]
+    assert_close_tol(got, sparse_query_attention_ref(*inp.args()))
