@@ -226,6 +226,17 @@ def timing_rows(t: int, ratio: float, dtype: torch.dtype, device: torch.device, 
              lambda: sparse_query_attention(p.q, q_pos, *rope_mix(*p.mix_args), p.pos, scale)),
         ],
     }
+    # chunked prefill: the last S = 7T/8 rows computed after T/8 cached rows (the exact path's
+    # segments, prefix mode's tail, a blend check layer before selection)
+    from blend.kernels.reference import causal_suffix_attention
+
+    n_pre = t // 8
+    suf = torch.arange(n_pre, t, device=device)
+    q_suf = torch.randn(HQ, t - n_pre, HEAD_DIM, dtype=dtype, device=device)
+    groups["chunked prefill (7T/8 rows after T/8)"] = [
+        ("SDPA gqa, bool (S, T) mask", lambda: sparse_query_attention_ref(q_suf, p.pos[suf], k_rot, v_mix, p.pos, scale)),
+        ("prefix pass + causal square, LSE merge", lambda: causal_suffix_attention(q_suf, k_rot, v_mix, scale)),
+    ]
     if t <= 8192:  # explicit (Hq, S, T) scores: 1.5 GB at 16k
         groups["sparse_query_attention"].append(("matmul + masked softmax", lambda: matmul_softmax(*att)))
     if full_prefill:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +208,72 @@ def best_per_column(methods: dict[str, dict[str, Any]]) -> dict[str, set[str]]:
     return best
 
 
+@dataclass(frozen=True)
+class BudgetBest:
+    """The best blend selector at one recompute budget (same check layers), by three measures."""
+
+    ratio: float
+    check_layers: tuple[int, ...]
+    candidates: int  # selectors compared at this budget
+    by_kl: str  # method with the lowest first-token KL to full
+    kl: float
+    by_tf: str  # method with the highest teacher-forced agreement along full's answer
+    tf_agreement: float
+    by_f1: str  # method with the highest F1 against gold
+    f1: float
+
+
+def _pick(group: dict[str, dict[str, Any]], field: str, high: bool) -> tuple[str, float] | None:
+    vals = {n: a[field] for n, a in group.items() if a.get(field) is not None}
+    if not vals:
+        return None
+    name = sorted(vals, key=lambda n: ((-vals[n]) if high else vals[n], n))[0]
+    return name, vals[name]
+
+
+def best_by_budget(methods: dict[str, dict[str, Any]]) -> list[BudgetBest]:
+    """For every blend budget with two or more selectors, the best one by KL, TF agreement and F1.
+
+    Args:
+        methods: the ``methods`` object of results.json (each with its ``spec``).
+
+    Returns:
+        One row per (ratio, check layers), ratios ascending; ties go to the first name.
+    """
+    groups: dict[tuple[float, tuple[int, ...]], dict[str, dict[str, Any]]] = {}
+    for name, agg in methods.items():
+        spec = agg.get("spec") or {}
+        if spec.get("kind") != "blend" or spec.get("ratio") is None:
+            continue
+        groups.setdefault((float(spec["ratio"]), tuple(spec.get("check_layers") or ())), {})[name] = agg
+    rows = []
+    for (ratio, checks), group in sorted(groups.items()):
+        picks = [_pick(group, "kl", False), _pick(group, "tf_agreement", True), _pick(group, "f1", True)]
+        if len(group) < 2 or any(p is None for p in picks):
+            continue
+        (kl_n, kl), (tf_n, tf), (f1_n, f1) = picks  # type: ignore[misc]
+        rows.append(BudgetBest(ratio, checks, len(group), kl_n, kl, tf_n, tf, f1_n, f1))
+    return rows
+
+
+def _budget_lines(methods: dict[str, dict[str, Any]]) -> list[str]:
+    rows = best_by_budget(methods)
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Best selector per budget",
+        "",
+        "| budget | check | selectors | lowest KL | KL | highest TF agree | TF agree | highest F1 | F1 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        checks = ",".join(map(str, r.check_layers)) or "default"
+        lines.append(f"| {r.ratio:g} | {checks} | {r.candidates} | `{r.by_kl}` | {r.kl:.4g} | `{r.by_tf}` | "
+                     f"{r.tf_agreement:.3f} | `{r.by_f1}` | {r.f1:.3f} |")
+    return lines
+
+
 def _cell(agg: dict[str, Any], field: str, fmt: str) -> str:
     v = agg.get(field)
     if v is None:
@@ -253,6 +320,7 @@ def markdown(results: dict[str, Any]) -> str:
             c = _cell(agg, field, fmt)
             cells.append(f"**{c}**" if name in best.get(field, set()) else c)
         lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {agg['n']} |")
+    lines += _budget_lines(methods)
     return "\n".join(lines) + "\n"
 
 

@@ -124,3 +124,17 @@ def test_progress_eta_with_fake_clock():
     r.update()
     assert r.eta_s() == pytest.approx(15.0)  # 5 s per item, 3 left
     assert format_duration(3725) == "1:02:05" and format_duration(None) == "?"
+
+
+def test_best_selector_per_budget():
+    from blend.evals.report import best_by_budget
+
+    methods = make_results()["methods"]
+    rows = best_by_budget(methods)
+    assert len(rows) == 1  # 0.1 has one selector only: nothing to compare
+    r = rows[0]
+    assert (r.ratio, r.candidates) == (0.3, 2)
+    assert r.by_kl == "blend@0.3:k"  # KL tie (0.05): first name wins
+    assert r.by_f1 == "blend@0.3:v" and r.f1 == 0.7
+    md = markdown(make_results())
+    assert "## Best selector per budget" in md and "| 0.3 | default | 2 | `blend@0.3:k` |" in md
