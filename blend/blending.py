@@ -257,7 +257,8 @@ def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: 
     first_selected = active[active < nb]
     for layer, w in enumerate(runner.layers):
         qh, kh, vh = project_qkv(w, d, rms_norm(h, w.input_norm, d.eps))  # (Hq,A,D) (Hkv,A,D) x2
-        k_mix, v_mix = rope_mix(rows.k[layer], rows.v[layer], rows.cos, rows.sin, active, kh, vh)  # (Hkv, n, D)
+        k_mix, v_mix = rope_mix(rows.k[layer], rows.v[layer], rows.cos, rows.sin, active, kh, vh,
+                                trusted_indices=True)  # (Hkv, n, D) x2; active: sorted distinct rows
         cache.write(layer, e, k_mix, v_mix)
         k_all, v_all = cache.view(layer, e + n)  # (Hkv, T, D)
         if checks and layer == checks[0]:

@@ -2,7 +2,8 @@
 
 Both paths reject the same inputs with the same ``ValueError``, so switching
 backend never changes which calls are legal. Index validation (range,
-duplicates) reads one flag pair back from the device: one host sync per call.
+duplicates) reads one flag pair back from the device: one host sync per call,
+which callers that build the indices themselves skip (``trusted_indices``).
 """
 
 from __future__ import annotations
@@ -50,8 +51,13 @@ def check_rope_mix(
     fresh_idx: torch.Tensor,
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
+    trusted_indices: bool = False,
 ) -> RopeMixShape:
-    """Validate ``rope_mix`` arguments; returns the sizes. Raises ValueError."""
+    """Validate ``rope_mix`` arguments; returns the sizes. Raises ValueError.
+
+    ``trusted_indices`` skips the range/duplicate check of ``fresh_idx`` (and its
+    host sync): for callers that build the indices themselves (the engine).
+    """
     _require(cached_k.dim() == 3, f"cached_k must be (Hkv, T, D), got {tuple(cached_k.shape)}")
     hkv, t, d = cached_k.shape
     _require(tuple(cached_v.shape) == (hkv, t, d), f"cached_v must be {(hkv, t, d)}, got {tuple(cached_v.shape)}")
@@ -71,7 +77,7 @@ def check_rope_mix(
         _require(x.dtype == cached_k.dtype, f"{name} dtype {x.dtype} != cached_k dtype {cached_k.dtype}")
     _same_device(cached_k=cached_k, cached_v=cached_v, cos=cos, sin=sin,
                  fresh_idx=fresh_idx, fresh_k=fresh_k, fresh_v=fresh_v)
-    if s > 0:
+    if s > 0 and not trusted_indices:
         srt = torch.sort(fresh_idx).values  # (S,)
         flags = torch.stack([(srt[0] < 0) | (srt[-1] >= t), (srt[1:] == srt[:-1]).any()]).tolist()
         _require(not flags[0], f"fresh_idx must lie in [0, {t})")

@@ -98,6 +98,7 @@ def rope_mix(
     fresh_idx: torch.Tensor,
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
+    trusted_indices: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Build one layer's K/V for the blended sequence in one pass.
 
@@ -116,6 +117,8 @@ def rope_mix(
         fresh_idx: (S,) int64 distinct row indices in [0, T), any order; S may be 0 or T.
         fresh_k: (Hkv, S, D) recomputed keys before RoPE.
         fresh_v: (Hkv, S, D) recomputed values.
+        trusted_indices: the caller guarantees ``fresh_idx`` is in range and
+            duplicate-free; skips that check and its device-to-host sync.
 
     Returns:
         ``(k_rot, v)``: (Hkv, T, D) keys after RoPE and (Hkv, T, D) values, new
@@ -127,8 +130,8 @@ def rope_mix(
     if kernel_backend(cached_k) is KernelBackend.TRITON:
         from .rope_mix_kernel import rope_mix_triton
 
-        return rope_mix_triton(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v)
-    return rope_mix_ref(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v)
+        return rope_mix_triton(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices)
+    return rope_mix_ref(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices)
 
 
 def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ def rope_mix_ref(
     fresh_idx: torch.Tensor,
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
+    trusted_indices: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of ``blend.kernels.rope_mix`` (same contract).
 
@@ -44,7 +45,7 @@ def rope_mix_ref(
     rows at their rows' positions and scatters them over: one full pass over K
     instead of copy-then-rotate.
     """
-    shp = check_rope_mix(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v)
+    shp = check_rope_mix(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices)
     cos = cos.float()  # (T, R)
     sin = sin.float()  # (T, R)
     k_out = torch.empty(cached_k.shape, dtype=cached_k.dtype, device=cached_k.device)  # (Hkv, T, D)

@@ -101,13 +101,14 @@ def rope_mix_triton(
     fresh_idx: torch.Tensor,
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
+    trusted_indices: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher of the Triton ``rope_mix`` (contract: ``blend.kernels.rope_mix``).
 
     Any strides are accepted (passed to the kernel, no copies); ``fresh_idx``
     may be unsorted; duplicates raise ValueError.
     """
-    shp = check_rope_mix(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v)
+    shp = check_rope_mix(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices)
     _check_device(cached_k)
     hkv, t, d, r = shp.heads, shp.rows, shp.head_dim, shp.rot_dim
     out_k = torch.empty((hkv, t, d), dtype=cached_k.dtype, device=cached_k.device)  # (Hkv, T, D)

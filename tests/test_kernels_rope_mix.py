@@ -97,3 +97,23 @@ def test_rope_mix_kernel_tables_with_distinct_halves(triton_backend, dtype):
     k_ref, _ = rope_mix_ref(*args)
     k_out, _ = rope_mix(*args)
     assert_close_tol(k_out, k_ref)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_trusted_indices_skip_the_check_and_agree(monkeypatch, backend):
+    """The engine's own (valid) indices skip the range/duplicate check and its host sync; same result."""
+    from blend.kernels import ENV_VAR
+    import blend.kernels.checks as C
+
+    monkeypatch.setenv(ENV_VAR, backend)
+    inp = make_rope_mix_inputs(hkv=2, t=T, d=64, rot_dim=64, fresh_idx=_fresh("unsorted", T), dtype=torch.float32)
+    checked = rope_mix(*inp.args())
+    sorts = []
+    real_sort = torch.sort
+    monkeypatch.setattr(C.torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+    trusted = rope_mix(*inp.args(), trusted_indices=True)
+    assert sorts == []
+    assert torch.equal(trusted[0], checked[0]) and torch.equal(trusted[1], checked[1])
+    # unchecked by design: a duplicate passes the check (the caller vouched for the indices)
+    C.check_rope_mix(*make_rope_mix_inputs(hkv=1, t=T, d=64, rot_dim=64, fresh_idx=torch.tensor([3, 1, 3]),
+                                           dtype=torch.float32).args(), trusted_indices=True)
