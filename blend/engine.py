@@ -250,8 +250,16 @@ class Engine:
         report = ReuseReport(policy=policy.describe())
         cache = self.runner.new_cache(len(prompt) + extra_capacity)
         t0 = time.perf_counter()
+        past = self.runner.rope.length_dependent_after
+        refuse = policy.mode is not ReuseMode.NONE and past is not None and len(prompt) > past
         with torch.inference_mode():
-            if policy.mode is ReuseMode.NONE:
+            if refuse:  # no stored KV is valid for this request, and none it computes is reusable
+                report.gate = (f"dynamic-NTK RoPE rescales past {past} positions: KV depends on the request's "
+                               f"length ({len(prompt)}), so nothing is reused or stored")
+                logits = self._prefill_full(prompt, cache, report)
+                for rep in report.segments[:-1]:
+                    rep.reuse_class, rep.note = ReuseClass.FALLBACK, report.gate
+            elif policy.mode is ReuseMode.NONE:
                 logits = self._prefill_full(prompt, cache, report)
             elif policy.mode is ReuseMode.EXACT:
                 logits = self._prefill_exact(prompt, policy, cache, report)

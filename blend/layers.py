@@ -64,8 +64,18 @@ def dims_of(config) -> ModelDims:
         eps=config.rms_norm_eps,
         act=config.hidden_act,
         vocab=config.vocab_size,
-        max_positions=config.max_position_embeddings,
+        max_positions=context_length(config),
     )
+
+
+def context_length(config) -> int:
+    """Longest sequence the model serves: ``max_position_embeddings``, times the
+    factor for dynamic-NTK RoPE (which rescales past the trained length by design)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    n = int(config.max_position_embeddings)
+    if isinstance(rope, dict) and "dynamic" in str(rope.get("rope_type", rope.get("type", ""))):
+        return int(n * float(rope.get("factor", 1.0)))
+    return n
 
 
 def extract_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> LayerWeights:

@@ -28,10 +28,22 @@ class RopeTables:
         self.rotary_emb = rotary_emb
         self.device = device
         self.dynamic = "dynamic" in str(getattr(rotary_emb, "rope_type", ""))
+        # dynamic NTK rescales past this many positions, so past it a KV depends on the length
+        # of the forward that computed it (prefix reuse is not exact there)
+        self.length_dependent_after: int | None = (
+            int(getattr(rotary_emb, "original_max_seq_len", 0)) or None if self.dynamic else None
+        )
         self._cos = torch.empty(0, 0)
         self._sin = torch.empty(0, 0)
 
     def _build(self, n: int) -> None:
+        if self.dynamic:
+            # transformers' dynamic module keeps the largest scaling it has seen (stateful);
+            # reset it so the tables are a function of n alone
+            emb = self.rotary_emb
+            if hasattr(emb, "original_inv_freq"):
+                emb.register_buffer("inv_freq", emb.original_inv_freq.to(self.device), persistent=False)
+                emb.max_seq_len_cached = emb.original_max_seq_len
         pos = torch.arange(n, device=self.device)[None]  # (1, n)
         dummy = torch.zeros(1, device=self.device, dtype=torch.float32)
         cos, sin = self.rotary_emb(dummy, pos)  # (1, n, R) fp32

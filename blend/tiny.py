@@ -28,6 +28,7 @@ class TinyModel(Enum):
     QWEN2 = "tiny-qwen2"
     LLAMA_ROPE_LLAMA3 = "tiny-llama-rope-llama3"
     LLAMA_ROPE_LINEAR = "tiny-llama-rope-linear"
+    LLAMA_ROPE_DYNAMIC = "tiny-llama-rope-dynamic"  # dynamic NTK past 512 positions
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -88,6 +89,9 @@ def tiny_config(kind: TinyModel):
         }
     elif kind is TinyModel.LLAMA_ROPE_LINEAR:
         rope = {"rope_type": "linear", "rope_theta": 10_000.0, "factor": 4.0}
+    elif kind is TinyModel.LLAMA_ROPE_DYNAMIC:
+        rope = {"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 4.0}
+        common = {**common, "max_position_embeddings": 512}  # the NTK base grows past this length
     elif kind is not TinyModel.LLAMA:
         raise UnknownModelError(f"unknown tiny model {kind}")
     return LlamaConfig(

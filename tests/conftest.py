@@ -13,7 +13,7 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 
-TINY_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-llama-rope-llama3", "tiny-llama-rope-linear"]
+TINY_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-llama-rope-llama3", "tiny-llama-rope-linear", "tiny-llama-rope-dynamic"]
 WORDS = ("alpha beta gamma delta river stone harbor lantern copper meadow violet anchor "
          "quartz ember willow summit canyon falcon orchid maple").split()
 
