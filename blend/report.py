@@ -15,7 +15,7 @@ class ReuseClass(Enum):
     SEMANTIC = "semantic"  # donor KV from non-identical tokens (experimental)
     COMPUTED = "computed"  # miss: computed for this request
     REJECTED = "rejected"  # found but unusable (provenance mismatch, corrupt): computed
-    FALLBACK = "fallback"  # blend refused by a gate: computed fully
+    FALLBACK = "fallback"  # reuse refused (quality gate, dynamic-NTK past its length): computed fully
 
 
 @dataclass
