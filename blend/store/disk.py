@@ -140,9 +140,9 @@ class DiskStore:
         """Write ``entry`` atomically; an I/O failure is logged, not raised (the store is a cache)."""
         check_put(entry)
         parts = encode_parts(ns, key, entry)
-        size = sum(len(p) for p in parts)
-        if self.budget_bytes is not None and size > self.budget_bytes:
-            log.warning("disk store: entry of %d bytes exceeds the budget of %d; not stored", size, self.budget_bytes)
+        if self.budget_bytes is not None and entry.nbytes > self.budget_bytes:
+            log.warning("disk store: entry of %d bytes exceeds the budget of %d; not stored",
+                        entry.nbytes, self.budget_bytes)
             return
         dest = self.path(ns, key)
         tmp = None
@@ -153,6 +153,7 @@ class DiskStore:
                 for part in parts:
                     f.write(part)
                 f.flush()
+                size = f.tell()
                 if self.fsync:
                     os.fsync(f.fileno())
             os.replace(tmp, dest)
