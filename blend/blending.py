@@ -46,7 +46,7 @@ from blend.rope import apply_rope
 from blend.runner import SegmentKV
 from blend.semantic import donor_chunk, register_donor
 from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_threshold
-from blend.store.base import Lookup, LookupStatus
+from blend.store.base import Lookup
 
 if TYPE_CHECKING:
     from blend.engine import Engine
@@ -108,21 +108,18 @@ def _start_fetch(engine: "Engine", prompt: Prompt) -> list[tuple[StoreKey, Futur
 def _fetch_chunks(engine: "Engine", prompt: Prompt, policy: ReusePolicy, report: ReuseReport,
                   pending: list[tuple[StoreKey, Future[Lookup] | None]]) -> list[ChunkKV]:
     """Canonical KV of every document: a hit is loaded; a miss or rejection is computed and stored."""
-    prov_json = engine.provenance_json
     out = []
     start = len(prompt.preamble)
     for i, (doc, (key, fut)) in enumerate(zip(prompt.documents, pending)):
-        t0 = time.perf_counter()
-        found = fut.result() if fut is not None else engine.store.get(Namespace.CANONICAL, key, prov_json)
-        report.timings.lookup_s += time.perf_counter() - t0
+        entry, rejected = engine.lookup(Namespace.CANONICAL, key, len(doc), report, fut)
         cls = ReuseClass.EXACT if i == 0 else ReuseClass.BLENDED
         rep = SegmentReport(doc.kind, cls, len(doc), start, key_hex(key))
         start += len(doc)
-        if found.status is LookupStatus.HIT and found.entry.num_tokens == len(doc):
+        if entry is not None:
             register_donor(engine, prompt.preamble.token_ids, doc.token_ids, key)
-            out.append(ChunkKV(SegmentKV(found.entry.k, found.entry.v), rep))
+            out.append(ChunkKV(SegmentKV(entry.k, entry.v), rep))
             continue
-        if found.status is LookupStatus.MISS:
+        if rejected is None:
             if policy.semantic:
                 donated = donor_chunk(engine, prompt, doc, rep, report)
                 if donated is not None:
@@ -130,8 +127,7 @@ def _fetch_chunks(engine: "Engine", prompt: Prompt, policy: ReusePolicy, report:
                     continue
             rep.reuse_class, rep.note = ReuseClass.COMPUTED, "miss: computed canonically, then reused"
         else:
-            rep.reuse_class = ReuseClass.REJECTED
-            rep.note = (found.reason or "stored entry has the wrong length") + "; recomputed"
+            rep.reuse_class, rep.note = ReuseClass.REJECTED, rejected + "; recomputed"
         kv = canonical_chunk_kv(engine, prompt.preamble, doc.token_ids)
         engine.store.put(Namespace.CANONICAL, key, engine._entry(kv))
         register_donor(engine, prompt.preamble.token_ids, doc.token_ids, key)

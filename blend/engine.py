@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -24,7 +25,7 @@ from blend.prompt import Prompt, Segment, build_prompt, preamble_segment, tokeni
 from blend.report import ReuseClass, ReuseReport, SegmentReport
 from blend.rope import rope_config_json
 from blend.runner import ModelRunner, SegmentKV
-from blend.store.base import KVEntry, KVStore, LookupStatus
+from blend.store.base import KVEntry, KVStore, Lookup, LookupStatus
 from blend.store.memory import MemoryStore
 from blend.store.prefetch import Prefetcher
 from blend.semantic import register_donor
@@ -186,20 +187,41 @@ class Engine:
     def _ids(self, ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(ids), dtype=torch.long, device=self.device)
 
+    def lookup(self, ns: Namespace, key, tokens: int, report: ReuseReport,
+               pending: Future[Lookup] | None = None) -> tuple[KVEntry | None, str | None]:
+        """Look a segment's KV up (or collect a background lookup), timed into ``report``.
+
+        Args:
+            ns: namespace of the key.
+            key: the segment's store key.
+            tokens: the segment's length (an entry of another length is unusable).
+            report: the request's report (``timings.lookup_s``).
+            pending: a lookup already started by the prefetcher, if any.
+
+        Returns:
+            ``(entry, None)`` on a usable hit; ``(None, None)`` on a miss;
+            ``(None, reason)`` when an entry was found but rejected.
+        """
+        t0 = time.perf_counter()
+        found = pending.result() if pending is not None else self.store.get(ns, key, self.provenance_json)
+        report.timings.lookup_s += time.perf_counter() - t0
+        if found.status is LookupStatus.HIT and found.entry.num_tokens == tokens:
+            return found.entry, None
+        if found.status is LookupStatus.MISS:
+            return None, None
+        return None, found.reason or "stored entry has the wrong length"
+
     def _exact_segment(self, cache: KVCache, seg: Segment, key, report: ReuseReport) -> SegmentReport:
         """Append one prefix segment: load it on an exact hit, else compute and store it."""
         start = cache.length
-        t0 = time.perf_counter()
-        found = self.store.get(Namespace.EXACT, key, self.provenance_json)
-        report.timings.lookup_s += time.perf_counter() - t0
+        entry, rejected = self.lookup(Namespace.EXACT, key, len(seg), report)
         rep = SegmentReport(seg.kind, ReuseClass.COMPUTED, len(seg), start, key_hex(key))
-        if found.status is LookupStatus.HIT and found.entry.num_tokens == len(seg):
-            self.runner.load(cache, SegmentKV(found.entry.k, found.entry.v))
+        if entry is not None:
+            self.runner.load(cache, SegmentKV(entry.k, entry.v))
             rep.reuse_class = ReuseClass.EXACT
             return rep
-        if found.status is not LookupStatus.MISS:
-            rep.reuse_class = ReuseClass.REJECTED
-            rep.note = found.reason or "stored entry has the wrong length"
+        if rejected is not None:
+            rep.reuse_class, rep.note = ReuseClass.REJECTED, rejected
         kv = self._compute_stored(cache, seg)
         self.store.put(Namespace.EXACT, key, self._entry(kv))
         return rep
