@@ -55,7 +55,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic data and bootstrap (default 0)")
     p.add_argument("--system", default=None, help="system prompt (default: the engine's)")
     p.add_argument("--bootstrap", type=_positive, default=1000, help="bootstrap resamples (default 1000)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run from --out/rows.jsonl")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run from --out/rows.jsonl; methods added to --methods are "
+                        "run on the items already done (beside a freshly timed full prefill)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

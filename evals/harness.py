@@ -12,6 +12,11 @@ For each item::
     rounds 1..repeats-1: every method, 1 token        TTFT samples only, order rotated
     metrics vs gold and vs full -> one row appended to rows.jsonl
 
+``--resume`` continues from ``rows.jsonl``: items done are skipped, and
+methods added to the list since are run on them beside a freshly timed
+``full`` (their TTFT ratios are against it; quality rows are deterministic,
+and full's answer must come out the same) and merged into the item's row.
+
 Rotating the order per item and per round spreads machine drift (thermal,
 caches, other processes) over all methods alike. ``full`` is always run: it
 is the reference of KL, top-1, teacher-forced and answer agreement.
@@ -44,7 +49,8 @@ SCHEMA_VERSION = 1
 
 # Config fields that may differ between an interrupted run and its --resume
 # (they change timings or the amount of work, never an item's quality row).
-_RESUME_FREE = ("limit", "store", "repeats", "warmup", "bootstrap")
+# ``methods`` may grow: a resumed run adds the new methods to the items done.
+_RESUME_FREE = ("limit", "store", "repeats", "warmup", "bootstrap", "methods")
 
 
 class ResumeError(ValueError):
@@ -205,6 +211,21 @@ def evaluate_item(
     )
 
 
+def _merge(old: dict[str, Any], new: dict[str, Any], index: int) -> dict[str, Any]:
+    """An item's row with the methods a resumed run added (their TTFT ratios are against the
+    full prefill timed beside them; quality is deterministic, so full's answer must not change)."""
+    if new["full_answer"] != old["full_answer"]:
+        raise ResumeError(
+            f"--resume: item {index}: full prefill now answers {new['full_answer']!r}, before "
+            f"{old['full_answer']!r}; the quality rows would not be comparable (start a fresh --out)"
+        )
+    merged = {**old, "methods": dict(old["methods"])}
+    for name, row in new["methods"].items():
+        if name not in old["methods"]:
+            merged["methods"][name] = row
+    return merged
+
+
 def _release(answer: Any) -> None:
     """Free an answer's kept KV cache (engine-like answers may not have one)."""
     release = getattr(answer, "release_cache", None)
@@ -258,7 +279,11 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
                 continue
             if row.get("id") != items[i].id or row.get("question") != items[i].question:
                 raise ResumeError(f"--resume: item {i} in {rows_path} does not match the data (id {row.get('id')!r})")
-            done[i] = row
+            done[i] = row  # a later line for the same item (methods added) supersedes an earlier one
+        dropped = sorted({n for r in done.values() for n in r["methods"]} - set(config.methods))
+        if dropped:
+            raise ResumeError(f"--resume: {out} holds methods this run does not list ({', '.join(dropped)}); "
+                              "a resumed run may add methods, not drop them")
         # Rewrite without a cut-off last line, so appends start on a fresh line.
         rows_path.write_text("".join(json.dumps(done[i]) + "\n" for i in sorted(done)), encoding="utf-8")
     else:
@@ -302,10 +327,16 @@ def run_harness(
     warm = False
     with (out / ROWS_FILE).open("a", encoding="utf-8") as f:
         for i, item in enumerate(items):
+            todo = list(methods)
             if i in done:
-                continue
-            row = evaluate_item(engine, item, i, methods, policies, config, warm_up=not warm)
+                todo = [m for m in methods if m.name not in done[i]["methods"]]
+                if not todo:
+                    continue
+                todo = [m for m in methods if m.name == REFERENCE] + todo  # full: the reference, timed again
+            row = evaluate_item(engine, item, i, todo, policies, config, warm_up=not warm)
             warm = True
+            if i in done:
+                row = _merge(done[i], row, i)
             f.write(json.dumps(row) + "\n")
             f.flush()
             done[i] = row

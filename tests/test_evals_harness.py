@@ -195,7 +195,10 @@ def test_resume_with_other_settings_is_refused(tmp_path, capsys):
     assert run_eval(_args(tmp_path, out="r"), _fake_factory([]), policy_of=lambda m: m) == 0
     assert run_eval(_args(tmp_path, "--resume", out="r", methods="full,reuse"), _fake_factory([]),
                     policy_of=lambda m: m) == 2
-    assert "different settings (methods)" in capsys.readouterr().err
+    assert "may add methods, not drop them" in capsys.readouterr().err
+    assert run_eval(_args(tmp_path, "--resume", "--max-new-tokens", "3", out="r"), _fake_factory([]),
+                    policy_of=lambda m: m) == 2
+    assert "different settings (max_new_tokens)" in capsys.readouterr().err
     items = load_items("synthetic:single", 3, 3)
     cfg = EvalConfig(data="synthetic:single", limit=3, passages=3, methods=("full",), model="m", dtype="float32")
     run_harness(FakeEngine({i.question: "x" for i in items}), items, parse_methods("full"), cfg, tmp_path / "d",
@@ -286,3 +289,23 @@ def test_add_eval_command_defaults():
         "full", "prefix", "reuse", "blend@0.05:v", "blend@0.15:v", "blend@0.3:v"]
     with pytest.raises(SystemExit):
         parser.parse_args(["eval", "--data", "x", "--out", "o", "--limit", "0"])
+
+
+def test_resume_adds_methods_to_items_already_done(tmp_path):
+    first = "full,reuse,blend@0.5:v"
+    assert run_eval(_args(tmp_path, out="r", methods=first), _fake_factory([]), policy_of=lambda m: m) == 0
+    engines = []
+    assert run_eval(_args(tmp_path, "--resume", out="r"), _fake_factory(engines), policy_of=lambda m: m) == 0
+    generated = {c[2] for c in engines[0].calls if c[0] == "generate"}
+    assert generated == {"full", "blend@1.0", "blend@0.2:k"}  # the new methods, beside a timed full
+    assert run_eval(_args(tmp_path, out="fresh"), _fake_factory([]), policy_of=lambda m: m) == 0
+    extended = json.loads((tmp_path / "r" / "results.json").read_text())
+    fresh = json.loads((tmp_path / "fresh" / "results.json").read_text())
+    assert set(extended["methods"]) == set(fresh["methods"])
+    strip = lambda r: {k: v for k, v in _strip_timings(r).items() if k != "config"}  # noqa: E731
+    assert strip(extended)["methods"] == strip(fresh)["methods"]
+    assert strip(extended)["items"] == strip(fresh)["items"]
+    # nothing left to add: a further resume runs nothing
+    engines = []
+    assert run_eval(_args(tmp_path, "--resume", out="r"), _fake_factory(engines), policy_of=lambda m: m) == 0
+    assert not [c for c in engines[0].calls if c[0] == "generate"]
