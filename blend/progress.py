@@ -75,10 +75,12 @@ class Progress:
         bar = "#" * fill + "." * (self.width - fill)
         elapsed = self.clock() - self._t0
         rate = (self.done - self._skipped) / elapsed if elapsed > 0 else 0.0
+        # slow units (an eval item takes minutes) read better as time per unit
+        speed = f"{rate:.2f}/s" if rate >= 1 or rate == 0 else f"{format_duration(1 / rate)}/{self.unit.rstrip('s')}"
         left = format_duration(self.eta_s()) if self.done < total else "0:00"
         head = f"{self.desc} " if self.desc else ""
         note = f"  {self.note}" if self.note else ""
-        return (f"{head}[{bar}] {self.done}/{total} {self.unit}  {rate:.2f}/s  "
+        return (f"{head}[{bar}] {self.done}/{total} {self.unit}  {speed}  "
                 f"elapsed {format_duration(elapsed)}  left {left}{note}")
 
     def _draw(self, force: bool = False) -> None:

@@ -118,6 +118,7 @@ def test_progress_eta_with_fake_clock():
     p.update()
     assert p.eta_s() == pytest.approx(30.0)  # 10 s per item, 3 left
     assert "1/4 items" in buf.getvalue() and "left 0:30" in buf.getvalue()
+    assert "0:10/item" in buf.getvalue()  # slow units (< 1/s): time per unit
     r = Progress(total=10, stream=None, clock=lambda: t[0])
     r.skip(6)  # resumed items do not count towards the rate
     t[0] += 5
