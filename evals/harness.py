@@ -267,10 +267,11 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
     done: dict[int, dict[str, Any]] = {}
     if resume and run_path.exists():
         old = json.loads(run_path.read_text(encoding="utf-8"))
-        if old.get("identity") != config.identity():
+        # fields free to differ are ignored on both sides (folders written before a field became free)
+        old_id = {k: v for k, v in old.get("identity", {}).items() if k not in _RESUME_FREE}
+        if old_id != config.identity():
             diff = sorted(
-                k for k in set(old.get("identity", {})) | set(config.identity())
-                if old.get("identity", {}).get(k) != config.identity().get(k)
+                k for k in set(old_id) | set(config.identity()) if old_id.get(k) != config.identity().get(k)
             )
             raise ResumeError(f"--resume: {out} was written with different settings ({', '.join(diff)})")
         for row in _read_rows(rows_path):
