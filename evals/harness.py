@@ -323,8 +323,10 @@ def run_harness(
     policy_of = policy_of or (lambda m: m.policy())
     policies = {m.name: policy_of(m) for m in methods}
     done = prepare_out(out, config, items, resume)
+    names = {m.name for m in methods}
+    complete = [i for i, row in done.items() if names <= set(row["methods"])]  # nothing to add
     if progress is not None:
-        progress.skip(len(done))
+        progress.skip(len(complete))
     warm = False
     with (out / ROWS_FILE).open("a", encoding="utf-8") as f:
         for i, item in enumerate(items):

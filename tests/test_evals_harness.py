@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from blend.evals.cli import configure_parser, run_eval
+from blend.evals.cli import config_from_args, configure_parser, run_eval
 from blend.evals.data import load_items
 from blend.evals.harness import EvalConfig, ResumeError, run_harness
 from blend.evals.methods import MethodKind, parse_methods
@@ -309,3 +309,11 @@ def test_resume_adds_methods_to_items_already_done(tmp_path):
     engines = []
     assert run_eval(_args(tmp_path, "--resume", out="r"), _fake_factory(engines), policy_of=lambda m: m) == 0
     assert not [c for c in engines[0].calls if c[0] == "generate"]
+    # the progress bar of an extending run counts each item once
+    from blend.progress import Progress
+
+    bar = Progress(total=3, stream=None)
+    cfg = config_from_args(_args(tmp_path, out="r", methods=METHODS + ",blend@0.7:v"))
+    run_harness(_fake_factory([])(cfg), load_items("synthetic:single", 3, 3), parse_methods(",".join(cfg.methods)),
+                cfg, tmp_path / "r", resume=True, progress=bar, policy_of=lambda m: m)
+    assert (bar.done, bar.total) == (3, 3)  # items extended count once, not on top of the done ones
