@@ -52,6 +52,9 @@ if TYPE_CHECKING:
     from blend.engine import Engine
 
 
+_BLENDED_KINDS = frozenset({SegmentKind.DOCUMENT})  # what a refused blend reports as fallback
+
+
 def canonical_chunk_kv(engine: "Engine", preamble: Segment, ids) -> SegmentKV:
     """A chunk's canonical KV: computed alone, right after the preamble.
 
@@ -210,12 +213,11 @@ def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: 
     runner, d = engine.runner, engine.dims
     report.selector, report.ratio = policy.selector, policy.ratio
     if len(prompt) < policy.min_prompt_tokens:
-        report.gate = f"prompt of {len(prompt)} tokens < min_prompt_tokens={policy.min_prompt_tokens}"
-        return _fallback(engine, prompt, cache, report)
+        return engine.prefill_refused(prompt, cache, report, f"prompt of {len(prompt)} tokens < "
+                                      f"min_prompt_tokens={policy.min_prompt_tokens}", _BLENDED_KINDS)
     verdict = engine.gate_verdict(policy)
     if verdict:
-        report.gate = verdict
-        return _fallback(engine, prompt, cache, report)
+        return engine.prefill_refused(prompt, cache, report, verdict, _BLENDED_KINDS)
 
     pending = _start_fetch(engine, prompt)  # chunk loads overlap the preamble and earlier chunks
     pre_key = exact_chain(engine.provenance, [prompt.preamble.token_ids])[0]
@@ -325,12 +327,3 @@ def _count_recomputed(selected: torch.Tensor, blended: list[ChunkKV]) -> None:
         c.report.recomputed = int(((selected >= lo) & (selected < hi)).sum())
         lo = hi
 
-
-def _fallback(engine: "Engine", prompt: Prompt, cache: KVCache, report: ReuseReport) -> torch.Tensor:
-    """Blend refused: compute the whole prompt (documents reported as ``fallback``)."""
-    logits = engine._prefill_full(prompt, cache, report)
-    for rep in report.segments:
-        if rep.kind is SegmentKind.DOCUMENT:
-            rep.reuse_class = ReuseClass.FALLBACK
-            rep.note = report.gate
-    return logits

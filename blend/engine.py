@@ -21,7 +21,9 @@ from blend.keys import Namespace, Provenance, canonical_key, exact_chain, key_he
 from blend.kvcache import KVCache
 from blend.models import LoadedModel, load_model
 from blend.policy import ReuseMode, ReusePolicy
-from blend.prompt import Prompt, Segment, build_prompt, preamble_segment, tokenize_segment, document_text
+from blend.prompt import (
+    Prompt, Segment, SegmentKind, build_prompt, document_text, preamble_segment, tokenize_segment,
+)
 from blend.report import ReuseClass, ReuseReport, SegmentReport
 from blend.rope import rope_config_json
 from blend.runner import ModelRunner, SegmentKV
@@ -228,6 +230,24 @@ class Engine:
 
     # ---- prefill --------------------------------------------------------------------------
 
+    def prefill_refused(self, prompt: Prompt, cache: KVCache, report: ReuseReport, reason: str,
+                        kinds: frozenset[SegmentKind]) -> torch.Tensor:
+        """Reuse refused: compute the whole prompt; segments of ``kinds`` are reported as fallback.
+
+        Args:
+            reason: why (``report.gate`` and each fallback segment's note).
+            kinds: the segment kinds that would have been reused.
+
+        Returns:
+            first-token logits (V,) float32.
+        """
+        report.gate = reason
+        logits = self._prefill_full(prompt, cache, report)
+        for rep in report.segments:
+            if rep.kind in kinds:
+                rep.reuse_class, rep.note = ReuseClass.FALLBACK, reason
+        return logits
+
     def _prefill_full(self, prompt: Prompt, cache: KVCache, report: ReuseReport) -> torch.Tensor:
         h, _ = self.runner.prefill(cache, self._ids(prompt.token_ids), keep_kv=False)
         start = 0
@@ -276,11 +296,11 @@ class Engine:
         refuse = policy.mode is not ReuseMode.NONE and past is not None and len(prompt) > past
         with torch.inference_mode():
             if refuse:  # no stored KV is valid for this request, and none it computes is reusable
-                report.gate = (f"dynamic-NTK RoPE rescales past {past} positions: KV depends on the request's "
-                               f"length ({len(prompt)}), so nothing is reused or stored")
-                logits = self._prefill_full(prompt, cache, report)
-                for rep in report.segments[:-1]:
-                    rep.reuse_class, rep.note = ReuseClass.FALLBACK, report.gate
+                logits = self.prefill_refused(
+                    prompt, cache, report,
+                    f"dynamic-NTK RoPE rescales past {past} positions: KV depends on the request's "
+                    f"length ({len(prompt)}), so nothing is reused or stored",
+                    frozenset({SegmentKind.PREAMBLE, SegmentKind.DOCUMENT}))
             elif policy.mode is ReuseMode.NONE:
                 logits = self._prefill_full(prompt, cache, report)
             elif policy.mode is ReuseMode.EXACT:

@@ -124,11 +124,10 @@ def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     hkv, t, _ = k.shape
     gqa = hq != hkv
     p = t - s
-    if _FLASH_CPU is None or q.device.type != "cpu" or p == 0:
-        if p == 0:
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=float(scale),
-                                                 enable_gqa=gqa)[0]
-            return out
+    if p == 0:  # no cached prefix: plain causal attention
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=float(scale),
+                                              enable_gqa=gqa)[0]
+    if _FLASH_CPU is None or q.device.type != "cpu":
         pos = torch.arange(t, device=q.device)
         visible = pos[None, :] <= pos[p:, None]  # (S, T)
         return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=float(scale),
@@ -145,11 +144,9 @@ def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 
 def _is_suffix(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """Queries sit exactly at the last S key positions, after every other key."""
+    """Queries sit exactly at the last S of strictly increasing key positions (so after every other key)."""
     s, t = q_pos.shape[0], k_pos.shape[0]
-    if s < 2 or s > t or not torch.equal(q_pos, k_pos[t - s:]):
-        return False
-    return s == t or bool(k_pos[: t - s].max() < q_pos[0])
+    return 2 <= s <= t and torch.equal(q_pos, k_pos[t - s:]) and bool((k_pos[1:] > k_pos[:-1]).all())
 
 
 def sparse_query_attention_blocked(
@@ -190,7 +187,7 @@ def sparse_query_attention_blocked(
     blocks = blocks or min(32, max(8, s // 32))
     if s < 2 * blocks or shp.keys == 0 or not (_sorted(q_pos) and _sorted(k_pos)):
         return sparse_query_attention_ref(q, q_pos, k, v, k_pos, scale)
-    if _is_suffix(q_pos, k_pos) and bool((k_pos[1:] > k_pos[:-1]).all()):
+    if _is_suffix(q_pos, k_pos):
         return causal_suffix_attention(q.float(), k.float(), v.float(), scale).to(q.dtype)
     ends = torch.searchsorted(k_pos, q_pos, right=True).tolist()  # visible key prefix per query
     qf, kf, vf = q.float(), k.float(), v.float()

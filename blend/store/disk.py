@@ -139,11 +139,11 @@ class DiskStore:
     def put(self, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
         """Write ``entry`` atomically; an I/O failure is logged, not raised (the store is a cache)."""
         check_put(entry)
-        parts = encode_parts(ns, key, entry)
         if self.budget_bytes is not None and entry.nbytes > self.budget_bytes:
             log.warning("disk store: entry of %d bytes exceeds the budget of %d; not stored",
                         entry.nbytes, self.budget_bytes)
             return
+        parts = encode_parts(ns, key, entry)
         dest = self.path(ns, key)
         tmp = None
         try:
