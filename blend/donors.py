@@ -120,13 +120,12 @@ class RecordLog(Protocol):
         """Every record of ``log`` in append order (empty if there is none)."""
 
 
-def _donor_line(d: Donor) -> bytes:
-    return json.dumps({"key": d.key.hex(), "preamble": d.preamble.hex(), "tokens": list(d.token_ids)},
-                      separators=(",", ":")).encode()
+def _donor_row(d: Donor) -> dict:
+    """A donor as JSON (the signature is recomputed on reading, so it is always consistent)."""
+    return {"key": d.key.hex(), "preamble": d.preamble.hex(), "tokens": list(d.token_ids)}
 
 
-def _donor_from_line(line: bytes) -> Donor:
-    r = json.loads(line)
+def _donor_from_row(r: dict) -> Donor:
     tokens = tuple(int(t) for t in r["tokens"])
     key, pre = bytes.fromhex(r["key"]), bytes.fromhex(r["preamble"])
     if len(key) != 32 or len(pre) != 32:
@@ -157,8 +156,9 @@ class DonorIndex:
         pre = token_digest(preamble_ids)
         donor = Donor(StoreKey(bytes(key)), pre, tuple(int(t) for t in token_ids), minhash(token_ids))
         self._insert(donor)
+        line = json.dumps(_donor_row(donor), separators=(",", ":")).encode()
         for sink in self._logs:
-            sink.append_record(self._log_name, _donor_line(donor))
+            sink.append_record(self._log_name, line)
         return True
 
     def _insert(self, donor: Donor) -> None:
@@ -182,7 +182,7 @@ class DonorIndex:
         for sink in self._logs:
             for line in sink.read_records(name):
                 try:
-                    donor = _donor_from_line(line)
+                    donor = _donor_from_row(json.loads(line))
                 except (ValueError, KeyError, TypeError) as e:
                     bad += 1
                     log.debug("donor log %s: skipped a bad line: %s", name, e)
@@ -234,8 +234,7 @@ class DonorIndex:
 
     def save(self, path: str | Path) -> None:
         """Write the index as JSON (atomic: temp file + rename)."""
-        rows = [{"key": d.key.hex(), "preamble": d.preamble.hex(), "tokens": list(d.token_ids)}
-                for donors in self._by_pre.values() for d in donors]
+        rows = [_donor_row(d) for donors in self._by_pre.values() for d in donors]
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps({"shingle": SHINGLE, "num_hashes": NUM_HASHES, "donors": rows}))
@@ -247,8 +246,5 @@ class DonorIndex:
         data = json.loads(Path(path).read_text())
         idx = cls()
         for r in data["donors"]:
-            donor = Donor(StoreKey(bytes.fromhex(r["key"])), bytes.fromhex(r["preamble"]),
-                          tuple(r["tokens"]), minhash(r["tokens"]))
-            idx._by_pre.setdefault(donor.preamble, []).append(donor)
-            idx._keys.add(bytes(donor.key))
+            idx._insert(_donor_from_row(r))
         return idx

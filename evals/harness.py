@@ -151,7 +151,7 @@ def evaluate_item(
         cont = [int(t) for t in answers[REFERENCE].token_ids]
         # Score along full's answer from each method's own prompt cache (no second
         # prefill), as soon as that answer exists, so few caches are held at once.
-        for name in ([REFERENCE] if REFERENCE in pending else []) + [n for n in pending if n != REFERENCE]:
+        for name in pending:
             if cont:
                 tf_rows[name] = engine.teacher_forced_logits(prompt, policies[name], cont, answer=answers[name])
             _release(answers[name])
@@ -323,19 +323,17 @@ def run_harness(
     policy_of = policy_of or (lambda m: m.policy())
     policies = {m.name: policy_of(m) for m in methods}
     done = prepare_out(out, config, items, resume)
-    names = {m.name for m in methods}
-    complete = [i for i, row in done.items() if names <= set(row["methods"])]  # nothing to add
+    missing = {i: [m for m in methods if m.name not in row["methods"]] for i, row in done.items()}
     if progress is not None:
-        progress.skip(len(complete))
+        progress.skip(sum(not todo for todo in missing.values()))  # items with nothing to add
     warm = False
     with (out / ROWS_FILE).open("a", encoding="utf-8") as f:
         for i, item in enumerate(items):
             todo = list(methods)
             if i in done:
-                todo = [m for m in methods if m.name not in done[i]["methods"]]
-                if not todo:
+                if not missing[i]:
                     continue
-                todo = [m for m in methods if m.name == REFERENCE] + todo  # full: the reference, timed again
+                todo = [m for m in methods if m.name == REFERENCE] + missing[i]  # full: the reference, timed again
             row = evaluate_item(engine, item, i, todo, policies, config, warm_up=not warm)
             warm = True
             if i in done:

@@ -60,7 +60,7 @@ def parse_size(text: str) -> int:
         StoreSpecError: not a positive size.
     """
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1:] if t[-1:] in _UNITS and t[-1:] else ""
+    unit = t[-1] if t and t[-1] in "KMGT" else ""
     number = t[: len(t) - len(unit)]
     try:
         value = float(number) * _UNITS[unit]
