@@ -18,8 +18,11 @@ the index can be saved and reloaded.
 Persistence: registrations are appended, one JSON line each, to a record
 log kept by the persistent store tiers (a file beside a disk store, a list in
 Redis; see :func:`attach_log`), so a later process over the same store finds
-the same donors. A torn or corrupt line is skipped; a donor whose KV is gone
-from the store is skipped at lookup time like any miss.
+the same donors. Forgetting a donor (its KV was evicted) appends a removal
+record, so the next process does not offer it again; a later registration of
+the same key brings it back. Records are replayed in order. A torn or corrupt
+line is skipped; a donor whose KV is gone from the store is skipped at lookup
+time like any miss.
 
 Lookups are a vectorised scan over the signatures of the chunks that share the
 request's preamble (a few microseconds per thousand chunks); banded LSH would
@@ -125,6 +128,11 @@ def _donor_row(d: Donor) -> dict:
     return {"key": d.key.hex(), "preamble": d.preamble.hex(), "tokens": list(d.token_ids)}
 
 
+def _removal_row(key: StoreKey) -> dict:
+    """The record that forgets a donor (replayed in order with the registrations)."""
+    return {"remove": bytes(key).hex()}
+
+
 def _donor_from_row(r: dict) -> Donor:
     tokens = tuple(int(t) for t in r["tokens"])
     key, pre = bytes.fromhex(r["key"]), bytes.fromhex(r["preamble"])
@@ -156,10 +164,13 @@ class DonorIndex:
         pre = token_digest(preamble_ids)
         donor = Donor(StoreKey(bytes(key)), pre, tuple(int(t) for t in token_ids), minhash(token_ids))
         self._insert(donor)
-        line = json.dumps(_donor_row(donor), separators=(",", ":")).encode()
+        self._append(_donor_row(donor))
+        return True
+
+    def _append(self, row: dict) -> None:
+        line = json.dumps(row, separators=(",", ":")).encode()
         for sink in self._logs:
             sink.append_record(self._log_name, line)
-        return True
 
     def _insert(self, donor: Donor) -> None:
         self._by_pre.setdefault(donor.preamble, []).append(donor)
@@ -174,31 +185,44 @@ class DonorIndex:
             name: the log's name (one per model provenance: keys are provenance-bound).
 
         Returns:
-            Donors loaded (lines already registered, torn or corrupt are skipped).
+            Donors loaded: registrations replayed in order, a removal record cancelling
+            the registrations before it; keys already registered, torn or corrupt lines
+            are skipped.
         """
         self._logs = [t for t in tiers if isinstance(t, RecordLog)]
         self._log_name = name
-        loaded = bad = 0
+        replayed: dict[bytes, Donor | None] = {}  # key -> donor, None once removed; insertion = first seen
+        bad = 0
         for sink in self._logs:
             for line in sink.read_records(name):
                 try:
-                    donor = _donor_from_row(json.loads(line))
-                except (ValueError, KeyError, TypeError) as e:
+                    row = json.loads(line)
+                    if "remove" in row:
+                        gone = bytes.fromhex(row["remove"])
+                        if len(gone) != 32:
+                            raise ValueError("key must be 32 bytes")
+                        replayed[gone] = None
+                    else:
+                        donor = _donor_from_row(row)
+                        replayed[bytes(donor.key)] = donor
+                except (ValueError, KeyError, TypeError, AttributeError) as e:
                     bad += 1
                     log.debug("donor log %s: skipped a bad line: %s", name, e)
-                    continue
-                if bytes(donor.key) not in self._keys:
-                    self._insert(donor)
-                    loaded += 1
         if bad:
             log.warning("donor log %s: skipped %d unreadable line(s)", name, bad)
+        loaded = 0
+        for key, donor in replayed.items():
+            if donor is not None and key not in self._keys:
+                self._insert(donor)
+                loaded += 1
         return loaded
 
     def remove(self, key: StoreKey) -> bool:
-        """Forget a chunk (e.g. its KV was evicted from the store)."""
+        """Forget a chunk (e.g. its KV was evicted from the store), here and in the attached logs."""
         if bytes(key) not in self._keys:
             return False
         self._keys.discard(bytes(key))
+        self._append(_removal_row(key))
         for pre, donors in self._by_pre.items():
             kept = [d for d in donors if d.key != key]
             if len(kept) != len(donors):

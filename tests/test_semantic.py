@@ -314,3 +314,47 @@ def test_torn_and_corrupt_donor_lines_are_skipped(tmp_path, tiny_engine_factory)
     again = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
     assert len(donor_index(again)) == 2
     assert DiskStore(tmp_path).clear() >= 2 and not path.exists()  # clearing everything drops the logs
+
+
+def test_a_forgotten_donor_stays_forgotten_in_a_new_process_until_registered_again(tmp_path, tiny_engine_factory):
+    from blend.semantic import donor_log_name
+    from blend.store.disk import DiskStore
+
+    docs = make_docs(2)
+    first = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    orig = store_originals(first, docs)
+    pre, doc1 = orig.preamble.token_ids, orig.documents[1].token_ids
+    key = canonical_key(first.provenance, pre, doc1)
+    first.store.delete(Namespace.CANONICAL, key)  # evicted: the next semantic lookup forgets it
+    edited = [docs[0], edit_middle(docs[1])[0]]
+    first.generate(first.build_prompt("Which?", edited), SEM0, max_new_tokens=1)
+    assert key not in donor_index(first)
+    rows = DiskStore(tmp_path).read_records(donor_log_name(first))
+    assert b'{"remove":"' + key_hex(key).encode() + b'"}' in rows
+    second = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    assert len(donor_index(second)) == len(donor_index(first)) and key not in donor_index(second)
+    # its KV comes back and it is registered again: a third process sees it
+    first.precompute_chunks(docs)  # stores its KV again and registers it (the engine's hook)
+    assert key in donor_index(first) and not register_donor(first, pre, doc1)
+    third = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    assert len(donor_index(third)) == len(donor_index(second)) + 1 and key in donor_index(third)
+
+
+def test_bad_removal_records_are_skipped():
+    class Log:
+        def __init__(self, lines):
+            self.lines = lines
+
+        def append_record(self, log, line):
+            self.lines.append(line)
+
+        def read_records(self, log):
+            return list(self.lines)
+
+    a = DonorIndex()
+    sink = Log([])
+    a.attach_log([sink], "x")
+    a.add(StoreKey(b"a" * 32), [1], list(range(50)))
+    sink.lines += [b'{"remove": "00"}', b'{"remove": 5}', b"[1, 2]", b"7"]
+    b = DonorIndex()
+    assert b.attach_log([sink], "x") == 1 and StoreKey(b"a" * 32) in b
