@@ -44,6 +44,7 @@ def aggregate_method(
         recomputed_tokens=M.mean([p.get("recomputed_tokens") for p in per]),
         prompt_tokens=M.mean([p.get("prompt_tokens") for p in per]),
         n=len(per),
+        threads=sorted({int(p["threads"]) for p in per if p.get("threads") is not None}),
         spec=method.to_dict() if method is not None else None,
     )
     return out

@@ -163,6 +163,7 @@ def evaluate_item(
     full = answers[REFERENCE]
     full_tf = tf_rows.get(REFERENCE)
     full_ttft = M.median(samples[REFERENCE])
+    threads = timing_threads()
     rows: dict[str, Any] = {}
     for m in methods:
         ans = answers[m.name]
@@ -190,6 +191,8 @@ def evaluate_item(
             "ttft_s": ttft,
             "ttft_samples": samples[m.name],
             "ttft_ratio": (ttft / full_ttft) if ttft is not None and full_ttft else None,
+            "ttft_ref_s": full_ttft,  # full prefill's TTFT beside it: what ttft_ratio divides by
+            "threads": threads,  # intra-op threads the times were measured with
             "recomputed_tokens": int(rep.recomputed_tokens),
             "reused_tokens": int(rep.reused_tokens),
             "prompt_tokens": int(rep.prompt_tokens),
@@ -209,6 +212,15 @@ def evaluate_item(
             "methods": rows,
         }
     )
+
+
+def timing_threads() -> int | None:
+    """Intra-op threads TTFTs are measured with (torch's setting; None without torch)."""
+    try:
+        import torch
+    except ImportError:  # an engine-like stand-in without torch
+        return None
+    return int(torch.get_num_threads())
 
 
 def _merge(old: dict[str, Any], new: dict[str, Any], index: int) -> dict[str, Any]:

@@ -29,6 +29,8 @@ results.json, schema_version 1::
                                   ((prompt - reused + recomputed) / prompt; 1.0 for full prefill)
           "recomputed_tokens", "prompt_tokens":  means
           "n":                    items scored
+          "threads":              [int] distinct intra-op thread counts its TTFTs were timed with
+                                  (a resumed run may differ from the first; empty if unrecorded)
           "spec":                 {kind, ratio, selector, check_layers}
         }                                    # every number may be null when undefined (n = 0)
       },
@@ -38,7 +40,10 @@ results.json, schema_version 1::
          "methods": {"<name>": {prediction, answer_tokens, f1, em, rouge_l, contains, agreement, kl, top1,
                                 tf_agreement, tf_kl, ttft_s, ttft_samples: [float], ttft_ratio,
                                 recomputed_tokens, reused_tokens, prompt_tokens, recomputed_frac,
-                                computed_frac}}}
+                                computed_frac, ttft_ref_s, threads}}}
+                                # ttft_ref_s: full's TTFT timed beside this method (the ratio's
+                                # denominator; after --resume, not necessarily the full row's ttft_s);
+                                # ttft_ref_s and threads are absent in rows written before they existed
       ]
     }
 
@@ -148,6 +153,10 @@ def validate_results(obj: Any) -> None:
                     raise SchemaError(f"{w}.{f}: missing or not an integer")
             if not isinstance(r.get("ttft_samples"), list) or not all(_num(v) for v in r["ttft_samples"]):
                 raise SchemaError(f"{w}.ttft_samples: must be a list of numbers")
+            if "ttft_ref_s" in r and not _num(r["ttft_ref_s"]):
+                raise SchemaError(f"{w}.ttft_ref_s: not a finite number/null")
+            if r.get("threads") is not None and (not isinstance(r["threads"], int) or r["threads"] < 1):
+                raise SchemaError(f"{w}.threads: must be a positive integer or null")
     for name, agg in obj["methods"].items():
         if agg["n"] != sum(1 for row in obj["items"] if name in row["methods"]):
             raise SchemaError(f"results.methods[{name!r}].n: does not match the item rows")
@@ -320,8 +329,23 @@ def markdown(results: dict[str, Any]) -> str:
             c = _cell(agg, field, fmt)
             cells.append(f"**{c}**" if name in best.get(field, set()) else c)
         lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {agg['n']} |")
+    lines += _thread_lines(methods, order)
     lines += _budget_lines(methods)
     return "\n".join(lines) + "\n"
+
+
+def _thread_lines(methods: dict[str, dict[str, Any]], order: list[str]) -> list[str]:
+    """A warning when methods' TTFTs were timed with different thread counts (a resumed run)."""
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for name in order:
+        groups.setdefault(tuple(methods[name].get("threads") or ()), []).append(name)
+    if len(groups) < 2:
+        return []
+    parts = [f"{'/'.join(map(str, t)) if t else 'unrecorded'}: " + ", ".join(f"`{n}`" for n in names)
+             for t, names in groups.items()]
+    return ["", "TTFT seconds were timed with different thread counts, so compare them only within a group; "
+            "every TTFT ratio is against full prefill timed beside it, so ratios compare across groups. "
+            "Threads: " + "; ".join(parts) + "."]
 
 
 def write_markdown(results: dict[str, Any], path: Path) -> None:

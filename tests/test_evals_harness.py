@@ -130,6 +130,13 @@ def test_fake_end_to_end_writes_outputs(tmp_path):
     reuse = res["methods"]["reuse"]
     assert reuse["kl"] > 0.01 and reuse["tf_kl"] > 0.01
     assert reuse["ttft_ratio"] == pytest.approx(0.3) and res["methods"]["blend@0.5:v"]["ttft_ratio"] == pytest.approx(0.65)
+    import torch
+
+    assert reuse["threads"] == [torch.get_num_threads()]
+    for row in res["items"]:  # each ratio's denominator is recorded beside it
+        for r in row["methods"].values():
+            assert r["ttft_ref_s"] == row["methods"]["full"]["ttft_s"]
+            assert r["ttft_ratio"] == pytest.approx(r["ttft_s"] / r["ttft_ref_s"])
     # F1 of a method is 1 exactly on the items where its answer agrees with full's (the fake's oracle)
     for row in res["items"]:
         for r in row["methods"].values():

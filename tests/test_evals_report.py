@@ -72,6 +72,8 @@ def test_hand_built_results_validate():
         (lambda r: r["items"][0]["methods"]["full"].pop("tf_agreement"), "items[0].methods['full'].tf_agreement"),
         (lambda r: r["items"][0]["methods"]["full"].__setitem__("prompt_tokens", 1.5), "prompt_tokens"),
         (lambda r: r["model"].pop("provenance"), "results.model.provenance"),
+        (lambda r: r["items"][0]["methods"]["full"].__setitem__("threads", 0), "methods['full'].threads"),
+        (lambda r: r["items"][0]["methods"]["full"].__setitem__("ttft_ref_s", "1"), "ttft_ref_s"),
     ],
 )
 def test_validator_rejects(mutate, needle):
@@ -98,6 +100,19 @@ def test_markdown_sorted_and_best_marked():
     assert cells[7].strip() == "0"  # full's KL (0) is not marked best
     assert "1.000" in cells[6] and "**" not in cells[6]  # nor its agreement with itself
     assert "**0.700" in rows[2] and "**0.300" in rows[4]
+
+
+def test_markdown_warns_when_methods_were_timed_with_other_thread_counts():
+    res = make_results()
+    assert "thread counts" not in markdown(res)  # nothing recorded anywhere: one group
+    for name in res["methods"]:
+        res["methods"][name]["threads"] = [1]
+    assert "thread counts" not in markdown(res)
+    res["methods"]["blend@0.3:k"]["threads"] = [2]  # added by a resumed run with two threads
+    res["methods"]["reuse"]["threads"] = []
+    note = [ln for ln in markdown(res).splitlines() if "thread counts" in ln]
+    assert len(note) == 1
+    assert "1: `full`, `blend@0.3:v`, `blend@0.1:v`; 2: `blend@0.3:k`; unrecorded: `reuse`" in note[0]
 
 
 def test_pareto_series_and_png(tmp_path):
