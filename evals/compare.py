@@ -1,0 +1,172 @@
+"""Compare evaluation runs: one quality-vs-TTFT plot and one table over several results.json.
+
+Typical use: the same model and questions at 5 and at 10 passages, to see how
+each selector holds up as prompts grow::
+
+    python -m blend.evals.compare docs/results/musique5 docs/results/musique10 \\
+        --selectors combo,v,query --out docs/results/compare_passages.png
+
+One panel per quality field (first-token KL and teacher-forced agreement by
+default) against the TTFT ratio; colour is the selector, line style the run.
+The table printed (markdown) names the lowest-KL selector at each budget in
+each run, with its KL and TTFT ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from blend.evals.plot import REFERENCE_STYLE, series
+from blend.evals.report import SchemaError, best_by_budget, validate_results
+
+LINESTYLES = ("-", "--", ":", "-.")
+FIELDS = {"kl": "KL(full || method), first token", "tf_agreement": "teacher-forced agreement with full",
+          "f1": "F1 vs gold", "agreement": "answer agreement with full", "top1": "top-1 agreement with full"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One evaluation run to compare.
+
+    Attributes:
+        label: legend name (from --labels, else "<passages> passages").
+        results: its validated results object.
+    """
+
+    label: str
+    results: dict[str, Any]
+
+
+def load_run(path: Path, label: str | None = None) -> Run:
+    """Read ``results.json`` from a run folder (or the file itself) and validate it.
+
+    Args:
+        path: an ``--out`` folder of ``kvblend eval`` or a results.json.
+        label: legend name; default ``"<passages> passages"``.
+
+    Raises:
+        SchemaError: the file is not a valid results object (message names the file).
+        FileNotFoundError: no results.json there.
+    """
+    f = path / "results.json" if path.is_dir() else path
+    results = json.loads(f.read_text(encoding="utf-8"))
+    try:
+        validate_results(results)
+    except SchemaError as e:
+        raise SchemaError(f"{f}: {e}") from e
+    return Run(label or f"{results['config'].get('passages')} passages", results)
+
+
+def comparison_table(runs: Sequence[Run]) -> str:
+    """Markdown: per run and budget, the lowest-KL selector, its KL and TTFT ratio.
+
+    Returns:
+        The table (header included); budgets with fewer than two selectors are left out.
+    """
+    lines = ["| run | budget | selectors | lowest KL | KL | TTFT ratio |", "|---|---|---|---|---|---|"]
+    for run in runs:
+        methods = run.results["methods"]
+        for b in best_by_budget(methods):
+            ratio = methods[b.by_kl].get("ttft_ratio")
+            shown = "–" if ratio is None else f"{ratio:.3f}"
+            lines.append(f"| {run.label} | {b.ratio:g} | {b.candidates} | `{b.by_kl}` | {b.kl:.4g} | {shown} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_comparison(runs: Sequence[Run], path: Path, fields: Sequence[str] = ("kl", "tf_agreement"),
+                     selectors: Sequence[str] | None = None, xmax: float | None = None) -> None:
+    """Draw the comparison PNG (matplotlib, Agg backend).
+
+    Args:
+        runs: the runs, in legend order (at most four: one line style each).
+        path: where to write the PNG.
+        fields: quality fields, one panel each (keys of :data:`FIELDS`).
+        selectors: selectors to draw (default: all); reference methods are always drawn.
+        xmax: zoom the TTFT-ratio axis to [0, xmax] (full and prefix, near 1.0, fall outside).
+
+    Raises:
+        ValueError: an unknown field, or more runs than line styles.
+    """
+    bad = [f for f in fields if f not in FIELDS]
+    if bad:
+        raise ValueError(f"unknown field(s) {bad}; choose from {sorted(FIELDS)}")
+    if len(runs) > len(LINESTYLES):
+        raise ValueError(f"at most {len(LINESTYLES)} runs per plot")
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    labels = sorted({lab for r in runs for lab in series(r.results["methods"])})
+    if selectors:
+        labels = [lab for lab in labels if lab.split(" ")[0] in selectors]
+    colors = {lab: plt.get_cmap("tab10")(i % 10) for i, lab in enumerate(labels)}
+    fig, axes = plt.subplots(1, len(fields), figsize=(6 * len(fields), 4.6), squeeze=False)
+    for ax, field in zip(axes[0], fields):
+        for run, style in zip(runs, LINESTYLES):
+            methods = run.results["methods"]
+            for lab, pts in series(methods).items():
+                if lab not in colors:
+                    continue
+                xy = [(methods[n]["ttft_ratio"], methods[n][field], r) for r, n in pts
+                      if methods[n].get("ttft_ratio") is not None and methods[n].get(field) is not None]
+                if not xy:
+                    continue
+                xs, ys, rs = zip(*xy)
+                ax.plot(xs, ys, style, marker="o", color=colors[lab], label=f"{lab}, {run.label}")
+                for x, y, r in xy:
+                    ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            for name, (marker, color) in REFERENCE_STYLE.items():
+                agg = methods.get(name)
+                if agg and agg.get("ttft_ratio") is not None and agg.get(field) is not None:
+                    ax.scatter([agg["ttft_ratio"]], [agg[field]], marker=marker, color=color, s=60, zorder=3,
+                               alpha=1.0 if style == "-" else 0.5, label=f"{name}, {run.label}")
+        if xmax is not None:
+            ax.set_xlim(0.0, xmax)
+        ax.set_xlabel("TTFT / full prefill TTFT (same item, same process)")
+        ax.set_title(FIELDS[field])
+        ax.grid(alpha=0.3)
+    handles, names = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, names, loc="lower center", ncol=min(len(names), 4), fontsize=8)
+    model = runs[0].results["model"]["name"] if runs else ""
+    fig.suptitle(f"{model}: " + " vs ".join(r.label for r in runs), fontsize=10)
+    rows = -(-len(handles) // 4) if handles else 0
+    fig.tight_layout(rect=(0, min(0.4, 0.045 * rows + 0.02), 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m blend.evals.compare RUN... --out PNG``: plot, then print the table."""
+    p = argparse.ArgumentParser(prog="python -m blend.evals.compare", description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", type=Path, help="kvblend eval --out folders (or results.json files)")
+    p.add_argument("--out", type=Path, required=True, help="PNG to write")
+    p.add_argument("--labels", default=None, help="comma-separated legend names, one per run")
+    p.add_argument("--fields", default="kl,tf_agreement", help=f"panels, from {','.join(FIELDS)}")
+    p.add_argument("--selectors", default=None, help="comma-separated selectors to draw (default: all)")
+    p.add_argument("--xmax", type=float, default=None, help="zoom the TTFT-ratio axis to [0, XMAX]")
+    args = p.parse_args(argv)
+    labels = args.labels.split(",") if args.labels else [None] * len(args.runs)
+    if len(labels) != len(args.runs):
+        print(f"compare: error: {len(labels)} labels for {len(args.runs)} runs", file=sys.stderr)
+        return 2
+    try:
+        runs = [load_run(path, lab) for path, lab in zip(args.runs, labels)]
+        write_comparison(runs, args.out, args.fields.split(","),
+                         args.selectors.split(",") if args.selectors else None, args.xmax)
+    except (OSError, ValueError, SchemaError) as e:
+        print(f"compare: error: {e}", file=sys.stderr)
+        return 2
+    print(comparison_table(runs), end="")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
