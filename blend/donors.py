@@ -20,7 +20,9 @@ log kept by the persistent store tiers (a file beside a disk store, a list in
 Redis; see :func:`attach_log`), so a later process over the same store finds
 the same donors. Forgetting a donor (its KV was evicted) appends a removal
 record, so the next process does not offer it again; a later registration of
-the same key brings it back. Records are replayed in order. A torn or corrupt
+the same key brings it back. Records are replayed in order; a log whose lines
+are mostly dead is compacted when a process attaches to it (compare-and-swap,
+so a concurrent append is never lost). A torn or corrupt
 line is skipped; a donor whose KV is gone from the store is skipped at lookup
 time like any miss.
 
@@ -44,6 +46,7 @@ from blend.keys import StoreKey, token_digest
 log = logging.getLogger(__name__)
 
 SHINGLE = 5  # token ids per shingle
+COMPACT_MIN_LINES = 64  # a log is compacted at attach when it has this many lines and over half are dead
 NUM_HASHES = 128  # MinHash signature length: std. error of the estimate ~ sqrt(J(1-J)/128) <= 0.045
 _SEED_BASE = 0x6B76626C656E6421  # b"kvblend!": the fixed seed of the hash family
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -123,6 +126,14 @@ class RecordLog(Protocol):
         """Every record of ``log`` in append order (empty if there is none)."""
 
 
+@runtime_checkable
+class CompactableLog(Protocol):
+    """A record log that can be rewritten atomically (disk and Redis tiers)."""
+
+    def rewrite_records(self, log: str, expected: list[bytes], lines: list[bytes]) -> bool:
+        """Replace the log with ``lines`` only if it still holds exactly ``expected``."""
+
+
 def _donor_row(d: Donor) -> dict:
     """A donor as JSON (the signature is recomputed on reading, so it is always consistent)."""
     return {"key": d.key.hex(), "preamble": d.preamble.hex(), "tokens": list(d.token_ids)}
@@ -139,6 +150,31 @@ def _donor_from_row(r: dict) -> Donor:
     if len(key) != 32 or len(pre) != 32:
         raise ValueError("key and preamble digest must be 32 bytes")
     return Donor(StoreKey(key), pre, tokens, minhash(tokens))
+
+
+def _replay(lines: Sequence[bytes]) -> tuple[list[Donor], int]:
+    """Replay a record log in order.
+
+    Returns:
+        (the live donors in first-registration order, unreadable lines skipped).
+    """
+    state: dict[bytes, Donor | None] = {}  # key -> donor, None once removed
+    bad = 0
+    for line in lines:
+        try:
+            row = json.loads(line)
+            if "remove" in row:
+                gone = bytes.fromhex(row["remove"])
+                if len(gone) != 32:
+                    raise ValueError("key must be 32 bytes")
+                state[gone] = None
+            else:
+                donor = _donor_from_row(row)
+                state[bytes(donor.key)] = donor
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            bad += 1
+            log.debug("donor log: skipped a bad line: %s", e)
+    return [d for d in state.values() if d is not None], bad
 
 
 class DonorIndex:
@@ -180,6 +216,10 @@ class DonorIndex:
     def attach_log(self, tiers: Sequence[object], name: str) -> int:
         """Load the donors recorded by the persistent ``tiers`` and record new ones there.
 
+        A log with many dead lines (removed or repeated donors) is compacted on the
+        way: rewritten to one line per live donor, if no other process appended to
+        it since it was read (see :class:`CompactableLog`).
+
         Args:
             tiers: store tiers; those implementing :class:`RecordLog` are used.
             name: the log's name (one per model provenance: keys are provenance-bound).
@@ -191,30 +231,20 @@ class DonorIndex:
         """
         self._logs = [t for t in tiers if isinstance(t, RecordLog)]
         self._log_name = name
-        replayed: dict[bytes, Donor | None] = {}  # key -> donor, None once removed; insertion = first seen
-        bad = 0
-        for sink in self._logs:
-            for line in sink.read_records(name):
-                try:
-                    row = json.loads(line)
-                    if "remove" in row:
-                        gone = bytes.fromhex(row["remove"])
-                        if len(gone) != 32:
-                            raise ValueError("key must be 32 bytes")
-                        replayed[gone] = None
-                    else:
-                        donor = _donor_from_row(row)
-                        replayed[bytes(donor.key)] = donor
-                except (ValueError, KeyError, TypeError, AttributeError) as e:
-                    bad += 1
-                    log.debug("donor log %s: skipped a bad line: %s", name, e)
-        if bad:
-            log.warning("donor log %s: skipped %d unreadable line(s)", name, bad)
         loaded = 0
-        for key, donor in replayed.items():
-            if donor is not None and key not in self._keys:
-                self._insert(donor)
-                loaded += 1
+        for sink in self._logs:
+            lines = sink.read_records(name)
+            live, bad = _replay(lines)
+            if bad:
+                log.warning("donor log %s: skipped %d unreadable line(s)", name, bad)
+            for donor in live:
+                if bytes(donor.key) not in self._keys:
+                    self._insert(donor)
+                    loaded += 1
+            if isinstance(sink, CompactableLog) and len(lines) >= COMPACT_MIN_LINES and len(lines) > 2 * len(live):
+                rows = [json.dumps(_donor_row(d), separators=(",", ":")).encode() for d in live]
+                if sink.rewrite_records(name, lines, rows):
+                    log.info("donor log %s: compacted %d lines to %d", name, len(lines), len(rows))
         return loaded
 
     def remove(self, key: StoreKey) -> bool:

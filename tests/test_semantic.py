@@ -358,3 +358,35 @@ def test_bad_removal_records_are_skipped():
     sink.lines += [b'{"remove": "00"}', b'{"remove": 5}', b"[1, 2]", b"7"]
     b = DonorIndex()
     assert b.attach_log([sink], "x") == 1 and StoreKey(b"a" * 32) in b
+
+
+def test_a_log_of_mostly_dead_lines_is_compacted_on_attach(tmp_path):
+    from blend.donors import COMPACT_MIN_LINES
+    from blend.store.disk import DiskStore
+
+    disk = DiskStore(tmp_path)
+    first = DonorIndex()
+    first.attach_log([disk], "donors-t")
+    keep = [StoreKey(bytes([i]) * 32) for i in range(3)]
+    for k in keep:
+        first.add(k, [1], list(range(k[0], k[0] + 40)))
+    churn = StoreKey(b"\xee" * 32)
+    for _ in range(COMPACT_MIN_LINES // 2):  # evicted and registered again, over and over
+        first.add(churn, [1], list(range(900, 940)))
+        first.remove(churn)
+    before = disk.read_records("donors-t")
+    assert len(before) >= COMPACT_MIN_LINES
+    second = DonorIndex()
+    assert second.attach_log([disk], "donors-t") == 3
+    after = disk.read_records("donors-t")
+    assert len(after) == 3 and all(k in second for k in keep) and churn not in second
+    third = DonorIndex()  # the compacted log replays to the same donors
+    assert third.attach_log([disk], "donors-t") == 3
+    assert [d.key for d, _ in third.candidates([1], list(range(1, 41)), 0.3)] == \
+        [d.key for d, _ in second.candidates([1], list(range(1, 41)), 0.3)]
+    small = DonorIndex()  # a short log is left as it is
+    small.attach_log([DiskStore(tmp_path / "s")], "donors-t")
+    small.add(churn, [1], [1, 2, 3])
+    small.remove(churn)
+    DonorIndex().attach_log([DiskStore(tmp_path / "s")], "donors-t")
+    assert len(DiskStore(tmp_path / "s").read_records("donors-t")) == 2

@@ -276,3 +276,56 @@ def test_prune_command_and_budget_spec(tmp_path: Path) -> None:
     assert {k for k in store.keys(NS)} == {key_for(PROV, 2), key_for(PROV, 3)}
     code, res = _cli(tmp_path, "prune", "--max-bytes", "1")
     assert res[0]["removed"] == 2 and store.stats().entries == 0
+
+
+# ---- record logs -------------------------------------------------------------------------------
+
+
+def test_record_log_rewrite_is_compare_and_swap(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    assert store.rewrite_records("donors-x", [], [b"z"]) is False  # no log yet: nothing to swap
+    for i in range(4):
+        store.append_record("donors-x", b'{"n":%d}' % i)
+    lines = store.read_records("donors-x")
+    assert store.rewrite_records("donors-x", lines[:3], [b"a"]) is False  # stale view: refused
+    assert store.read_records("donors-x") == lines
+    assert store.rewrite_records("donors-x", lines, [b"a", b"b"]) is True
+    store.append_record("donors-x", b"c")  # appends go to the new file
+    assert store.read_records("donors-x") == [b"a", b"b", b"c"]
+    with pytest.raises(ValueError):
+        store.rewrite_records("donors-x", [b"a", b"b", b"c"], [b"x\ny"])
+    assert not [p for p in (tmp_path / "logs").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_record_log_appends_racing_a_rewrite_are_never_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import threading
+    import time
+
+    real_replace = os.replace
+
+    def slow_replace(src: Any, dst: Any) -> None:  # widen the window between the check and the swap
+        time.sleep(0.003)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", slow_replace)
+    store = DiskStore(tmp_path)
+    store.append_record("donors-x", b"seed")
+    per_writer, writers = 150, 3
+
+    def write(w: int) -> None:
+        for i in range(per_writer):
+            DiskStore(tmp_path).append_record("donors-x", b"w%d-%d" % (w, i))
+            time.sleep(0.001)  # paced, so swaps succeed between appends (without the lock, most are lost)
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):  # keep compacting (to the same lines) under the writers;
+        lines = store.read_records("donors-x")  # a swap refused because of an append is fine
+        store.rewrite_records("donors-x", lines, lines)
+    for t in threads:
+        t.join()
+    got = store.read_records("donors-x")
+    assert sorted(got) == sorted([b"seed"] + [b"w%d-%d" % (w, i) for w in range(writers) for i in range(per_writer)])
+    assert store.rewrite_records("donors-x", got, got[:1]) and store.read_records("donors-x") == got[:1]

@@ -216,3 +216,15 @@ def test_record_log_during_an_outage_is_empty_not_an_error() -> None:
     down = RedisStore("redis://127.0.0.1:1/0", prefix=unique_prefix(), connect_timeout_s=0.05)
     down.append_record("donors-x", b"{}")
     assert down.read_records("donors-x") == []
+
+
+def test_record_log_rewrite_is_compare_and_swap(store: RedisStore) -> None:
+    for i in range(3):
+        store.append_record("donors-x", b'{"n":%d}' % i)
+    lines = store.read_records("donors-x")
+    assert store.rewrite_records("donors-x", lines[:2], [b"a"]) is False
+    assert store.read_records("donors-x") == lines
+    assert store.rewrite_records("donors-x", lines, [b"a", b"b"]) is True
+    assert store.read_records("donors-x") == [b"a", b"b"]
+    assert store.rewrite_records("donors-x", [b"a", b"b"], []) is True
+    assert store.read_records("donors-x") == []

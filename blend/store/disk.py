@@ -21,6 +21,7 @@ concurrent prune sees a miss.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import tempfile
@@ -249,20 +250,50 @@ class DiskStore:
         return self.root / "logs" / f"{log_name}.jsonl"
 
     def append_record(self, log_name: str, line: bytes) -> None:
-        """Append one line to a record log; one ``write`` on an O_APPEND file, so
-        concurrent appenders interleave whole lines. Failures are logged, not raised."""
+        """Append one line to a record log; one ``write`` on an O_APPEND file under a
+        shared lock, so concurrent appenders interleave whole lines and a compaction
+        (exclusive lock, then rename) never loses one. Failures are logged, not raised."""
         if b"\n" in line:
             raise ValueError("a record must not contain a newline")
         path = self._log_path(log_name)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = _open_current(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, fcntl.LOCK_SH)
             try:
                 os.write(fd, line + b"\n")
             finally:
-                os.close(fd)
+                os.close(fd)  # releases the lock
         except OSError as e:
             log.warning("disk store: cannot append to %s: %s", path, e)
+
+    def rewrite_records(self, log_name: str, expected: list[bytes], lines: list[bytes]) -> bool:
+        """Replace a record log with ``lines`` if it still holds exactly ``expected``
+        (compare-and-swap under an exclusive lock; temp file + rename, so a reader
+        sees the old log or the new one). Returns whether it was replaced."""
+        if any(b"\n" in ln for ln in lines):
+            raise ValueError("a record must not contain a newline")
+        path = self._log_path(log_name)
+        try:
+            fd = _open_current(path, os.O_RDWR, fcntl.LOCK_EX)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            log.warning("disk store: cannot lock log %s: %s", path, e)
+            return False
+        try:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                now = [ln for ln in f.read().split(b"\n")[:-1] if ln.strip()]
+            if now != list(expected):
+                return False  # appended to (or rewritten) since it was read: try another time
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_bytes(b"".join(ln + b"\n" for ln in lines))
+            os.replace(tmp, path)  # appenders waiting on the old file reopen the new one
+            return True
+        except OSError as e:
+            log.warning("disk store: cannot rewrite log %s: %s", path, e)
+            return False
+        finally:
+            os.close(fd)
 
     def read_records(self, log_name: str) -> list[bytes]:
         """Complete lines of a record log (a torn last line is dropped)."""
@@ -377,3 +408,25 @@ class DiskStore:
                 except FileNotFoundError:
                     pass
         return n
+
+
+def _open_current(path: Path, flags: int, lock: int) -> int:
+    """Open ``path`` and take ``lock`` (fcntl.flock) on the file that is at ``path``
+    once the lock is held: a compaction may have renamed a new file over the one
+    opened, so the open is retried until the locked file is the current one.
+
+    Returns:
+        The locked descriptor (closing it releases the lock).
+    """
+    while True:
+        fd = os.open(path, flags, 0o644)
+        try:
+            fcntl.flock(fd, lock)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass  # replaced between the open and the stat: open again
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)

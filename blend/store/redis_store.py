@@ -130,6 +130,28 @@ class RedisStore:
         """Append one record to the list ``<prefix>:log:<name>`` (RPUSH; no TTL: logs are tiny)."""
         self._call("append_record", lambda: self._client.rpush(f"{self.prefix}:log:{log_name}".encode(), line), None)
 
+    def rewrite_records(self, log_name: str, expected: list[bytes], lines: list[bytes]) -> bool:
+        """Replace the list with ``lines`` if it still holds exactly ``expected``
+        (WATCH + MULTI: a concurrent RPUSH aborts the swap). Returns whether it was replaced."""
+        name = f"{self.prefix}:log:{log_name}".encode()
+
+        def swap() -> bool:
+            with self._client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(name)
+                    if [bytes(x) for x in pipe.lrange(name, 0, -1)] != list(expected):
+                        return False
+                    pipe.multi()
+                    pipe.delete(name)
+                    if lines:
+                        pipe.rpush(name, *lines)
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    return False
+
+        return bool(self._call("rewrite_records", swap, False))
+
     def read_records(self, log_name: str) -> list[bytes]:
         """Every record of the list (empty when absent or the server is down)."""
         got = self._call("read_records", lambda: self._client.lrange(f"{self.prefix}:log:{log_name}".encode(), 0, -1), [])
