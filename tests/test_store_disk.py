@@ -295,6 +295,9 @@ def test_record_log_rewrite_is_compare_and_swap(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         store.rewrite_records("donors-x", [b"a", b"b", b"c"], [b"x\ny"])
     assert not [p for p in (tmp_path / "logs").iterdir() if p.name.endswith(".tmp")]
+    (tmp_path / "logs" / ".donors-x.jsonl.1.2.tmp").write_bytes(b"a\n")  # left by a crashed rewrite
+    store.clear()
+    assert not list((tmp_path / "logs").iterdir())
 
 
 def test_record_log_appends_racing_a_rewrite_are_never_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

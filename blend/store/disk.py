@@ -401,8 +401,8 @@ class DiskStore:
                 except FileNotFoundError:
                     pass
         self.sweep_temp(0.0)
-        if ns is None:  # everything: the record logs too (they only point at entries)
-            for p in (self.root / "logs").glob("*.jsonl"):
+        if ns is None:  # everything: the record logs too (they only point at entries), and
+            for p in (self.root / "logs").glob("*"):  # a compaction's temp file left by a crash
                 try:
                     p.unlink()
                 except FileNotFoundError:
