@@ -16,7 +16,7 @@ from enum import Enum
 
 from blend.errors import InvalidPolicyError
 
-SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo")
+SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo", "split")
 
 
 class ReuseMode(Enum):

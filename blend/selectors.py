@@ -14,6 +14,10 @@ evaluation compares them at equal budgets.
   error a stale row j adds to the question's attention output is its attention
   weight times its value error, so rows that are both stale and looked at
   rank first.
+- ``split``: half the budget by ``combo``, the rest by ``v`` among the rows
+  combo left: combo follows the question's attention, which misses stale rows
+  whose change matters through another document (two-hop prompts), and V
+  deviation sees those.
 """
 
 from __future__ import annotations
@@ -67,6 +71,16 @@ def _need_query(inp: SelectionInputs) -> torch.Tensor:
     return inp.query_attn
 
 
+def _split(inp: SelectionInputs, budget: int) -> torch.Tensor:
+    n = inp.dev_v.numel()
+    budget = min(budget, n)
+    first = _top(_need_query(inp) * inp.dev_v, (budget + 1) // 2)  # (ceil(b/2),)
+    taken = torch.zeros(n, dtype=torch.bool)
+    taken[first] = True
+    by_v = torch.argsort(inp.dev_v, descending=True, stable=True)  # (N,)
+    return torch.cat([first, by_v[~taken[by_v]][: budget - first.numel()]])
+
+
 SELECTORS: dict[str, Callable[[SelectionInputs, int], torch.Tensor]] = {
     "v": lambda inp, b: _top(inp.dev_v, b),
     "k": lambda inp, b: _top(inp.dev_k, b),
@@ -75,8 +89,9 @@ SELECTORS: dict[str, Callable[[SelectionInputs, int], torch.Tensor]] = {
     "query": lambda inp, b: _top(_need_query(inp), b),
     "random": _random,
     "combo": lambda inp, b: _top(_need_query(inp) * inp.dev_v, b),
+    "split": _split,
 }
-NEEDS_QUERY_ATTENTION = frozenset({"query", "combo"})
+NEEDS_QUERY_ATTENTION = frozenset({"query", "combo", "split"})
 assert set(SELECTORS) == set(SELECTOR_NAMES)
 
 

@@ -5,7 +5,8 @@ import torch
 
 from blend.errors import InvalidPolicyError
 from blend.keys import Namespace
-from blend.policy import ReusePolicy
+from blend.selectors import SelectionInputs, select
+from blend.policy import SELECTOR_NAMES, ReusePolicy
 from blend.report import ReuseClass
 from blend.runner import SegmentKV
 from blend.store.memory import MemoryStore
@@ -99,11 +100,27 @@ def test_reordered_duplicates_and_one_token_documents(tiny_engine):
 def test_budget_counts_reused_document_tokens_and_never_the_first_document(tiny_engine):
     prompt = tiny_engine.build_prompt("Which?", make_docs(4))
     reused = sum(len(d) for d in prompt.documents)
-    for sel in ("v", "k", "kv", "lead", "query", "random", "combo"):
+    for sel in SELECTOR_NAMES:
         ans = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=0.1, selector=sel), max_new_tokens=1)
         assert ans.report.recomputed_tokens == round(0.1 * reused), sel
         assert ans.report.segments[1].recomputed == 0
         assert ans.report.selector == sel
+
+
+def test_split_selector_takes_half_by_combo_and_the_rest_by_v():
+    g = torch.Generator().manual_seed(0)
+    n = 40
+    inp = SelectionInputs(torch.rand(n, generator=g), torch.rand(n, generator=g), torch.rand(n, generator=g),
+                          torch.zeros(n, dtype=torch.long), torch.arange(n), torch.rand(n, generator=g))
+    for budget in (1, 7, 10, 40, 55):
+        got = select("split", inp, budget)
+        b = min(budget, n)
+        assert got.numel() == b and got.unique().numel() == b
+        combo = set(select("combo", inp, (b + 1) // 2).tolist())
+        assert combo <= set(got.tolist())
+        rest = set(got.tolist()) - combo
+        by_v = [i for i in torch.argsort(inp.dev_v, descending=True, stable=True).tolist() if i not in combo]
+        assert rest == set(by_v[: b - len(combo)])
 
 
 def test_lead_selector_takes_document_starts(tiny_engine):
