@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-FALLBACK_SELECTORS = ("v", "k", "kv", "lead", "query", "random", "combo")
-DEFAULT_METHODS = "full,prefix,reuse,blend@0.05:v,blend@0.15:v,blend@0.3:v"
+FALLBACK_SELECTORS = ("v", "k", "kv", "lead", "query", "random", "combo", "split")
+# the shipped default selector at three budgets, against CacheBlend's V deviation at the middle one
+DEFAULT_METHODS = "full,prefix,reuse,blend@0.05:combo,blend@0.15:combo,blend@0.3:combo,blend@0.15:v"
 REFERENCE = "full"
 
 
