@@ -139,6 +139,11 @@ def _donor_row(d: Donor) -> dict:
     return {"key": d.key.hex(), "preamble": d.preamble.hex(), "tokens": list(d.token_ids)}
 
 
+def _record(row: dict) -> bytes:
+    """One log record: compact JSON, no newline."""
+    return json.dumps(row, separators=(",", ":")).encode()
+
+
 def _removal_row(key: StoreKey) -> dict:
     """The record that forgets a donor (replayed in order with the registrations)."""
     return {"remove": bytes(key).hex()}
@@ -204,7 +209,7 @@ class DonorIndex:
         return True
 
     def _append(self, row: dict) -> None:
-        line = json.dumps(row, separators=(",", ":")).encode()
+        line = _record(row)
         for sink in self._logs:
             sink.append_record(self._log_name, line)
 
@@ -242,7 +247,7 @@ class DonorIndex:
                     self._insert(donor)
                     loaded += 1
             if isinstance(sink, CompactableLog) and len(lines) >= COMPACT_MIN_LINES and len(lines) > 2 * len(live):
-                rows = [json.dumps(_donor_row(d), separators=(",", ":")).encode() for d in live]
+                rows = [_record(_donor_row(d)) for d in live]
                 if sink.rewrite_records(name, lines, rows):
                     log.info("donor log %s: compacted %d lines to %d", name, len(lines), len(rows))
         return loaded

@@ -71,10 +71,14 @@ def _need_query(inp: SelectionInputs) -> torch.Tensor:
     return inp.query_attn
 
 
+def _combo_score(inp: SelectionInputs) -> torch.Tensor:
+    return _need_query(inp) * inp.dev_v  # (N,) a_j * ||dV_j||
+
+
 def _split(inp: SelectionInputs, budget: int) -> torch.Tensor:
     n = inp.dev_v.numel()
     budget = min(budget, n)
-    first = _top(_need_query(inp) * inp.dev_v, (budget + 1) // 2)  # (ceil(b/2),)
+    first = _top(_combo_score(inp), (budget + 1) // 2)  # (ceil(b/2),)
     taken = torch.zeros(n, dtype=torch.bool)
     taken[first] = True
     by_v = torch.argsort(inp.dev_v, descending=True, stable=True)  # (N,)
@@ -88,7 +92,7 @@ SELECTORS: dict[str, Callable[[SelectionInputs, int], torch.Tensor]] = {
     "lead": _lead,
     "query": lambda inp, b: _top(_need_query(inp), b),
     "random": _random,
-    "combo": lambda inp, b: _top(_need_query(inp) * inp.dev_v, b),
+    "combo": lambda inp, b: _top(_combo_score(inp), b),
     "split": _split,
 }
 NEEDS_QUERY_ATTENTION = frozenset({"query", "combo", "split"})

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from blend.evals.plot import REFERENCE_STYLE, series
+from blend.evals.plot import draw_methods, series
 from blend.evals.report import SchemaError, best_by_budget, validate_results
 
 LINESTYLES = ("-", "--", ":", "-.")
@@ -109,23 +109,8 @@ def write_comparison(runs: Sequence[Run], path: Path, fields: Sequence[str] = ("
     fig, axes = plt.subplots(1, len(fields), figsize=(6 * len(fields), 4.6), squeeze=False)
     for ax, field in zip(axes[0], fields):
         for run, style in zip(runs, LINESTYLES):
-            methods = run.results["methods"]
-            for lab, pts in series(methods).items():
-                if lab not in colors:
-                    continue
-                xy = [(methods[n]["ttft_ratio"], methods[n][field], r) for r, n in pts
-                      if methods[n].get("ttft_ratio") is not None and methods[n].get(field) is not None]
-                if not xy:
-                    continue
-                xs, ys, rs = zip(*xy)
-                ax.plot(xs, ys, style, marker="o", color=colors[lab], label=f"{lab}, {run.label}")
-                for x, y, r in xy:
-                    ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-            for name, (marker, color) in REFERENCE_STYLE.items():
-                agg = methods.get(name)
-                if agg and agg.get("ttft_ratio") is not None and agg.get(field) is not None:
-                    ax.scatter([agg["ttft_ratio"]], [agg[field]], marker=marker, color=color, s=60, zorder=3,
-                               alpha=1.0 if style == "-" else 0.5, label=f"{name}, {run.label}")
+            draw_methods(ax, run.results["methods"], field, labels=colors, style=style, colors=colors,
+                         suffix=f", {run.label}", ref_alpha=1.0 if style == "-" else 0.5, ref_size=60)
         if xmax is not None:
             ax.set_xlim(0.0, xmax)
         ax.set_xlabel("TTFT / full prefill TTFT (same item, same process)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Container
 
 PANELS = (("f1", "F1 vs gold"), ("agreement", "answer agreement with full"), ("kl", "KL(full || method)"))
 REFERENCE_STYLE = {"full": ("*", "black"), "reuse": ("X", "tab:red"), "prefix": ("s", "tab:gray")}
@@ -39,6 +39,44 @@ def series(methods: dict[str, dict[str, Any]]) -> dict[str, list[tuple[float, st
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
+def draw_methods(ax: Any, methods: dict[str, dict[str, Any]], field: str, labels: Container[str] | None = None, style: str = "-",
+                 colors: dict[str, Any] | None = None, suffix: str = "", ref_alpha: float = 1.0,
+                 ref_size: int = 70) -> None:
+    """Draw one run's methods on one panel: a line per selector over ratios (each point
+    annotated with its ratio) and the reference methods as markers, ``field`` against TTFT ratio.
+
+    Args:
+        ax: a matplotlib axes.
+        methods: ``results["methods"]``.
+        field: the quality field on the y axis.
+        labels: selector lines to draw (default: all of :func:`series`).
+        style: line style.
+        colors: colour per line label (default: matplotlib's cycle).
+        suffix: appended to every legend label (e.g. ", 10 passages").
+        ref_alpha, ref_size: the reference markers' opacity and size.
+    """
+    for label, pts in series(methods).items():
+        if labels is not None and label not in labels:
+            continue
+        xy = [
+            (methods[n]["ttft_ratio"], methods[n][field], r)
+            for r, n in pts
+            if methods[n].get("ttft_ratio") is not None and methods[n].get(field) is not None
+        ]
+        if not xy:
+            continue
+        xs, ys, _ = zip(*xy)
+        color = {} if colors is None else {"color": colors[label]}
+        ax.plot(xs, ys, style, marker="o", label=label + suffix, **color)
+        for x, y, r in xy:
+            ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for name, (marker, color) in REFERENCE_STYLE.items():
+        agg = methods.get(name)
+        if agg and agg.get("ttft_ratio") is not None and agg.get(field) is not None:
+            ax.scatter([agg["ttft_ratio"]], [agg[field]], marker=marker, color=color, s=ref_size, zorder=3,
+                       alpha=ref_alpha, label=name + suffix)
+
+
 def write_pareto(results: dict[str, Any], path: Path) -> None:
     """Draw pareto.png (matplotlib, Agg backend).
 
@@ -52,26 +90,9 @@ def write_pareto(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     methods = results["methods"]
-    lines = series(methods)
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5.2 * len(PANELS), 4.2), squeeze=False)
     for ax, (field, title) in zip(axes[0], PANELS):
-        for label, pts in lines.items():
-            xy = [
-                (methods[n]["ttft_ratio"], methods[n][field], r)
-                for r, n in pts
-                if methods[n].get("ttft_ratio") is not None and methods[n].get(field) is not None
-            ]
-            if not xy:
-                continue
-            xs, ys, rs = zip(*xy)
-            ax.plot(xs, ys, marker="o", label=label)
-            for x, y, r in xy:
-                ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        for name, (marker, color) in REFERENCE_STYLE.items():
-            agg = methods.get(name)
-            if agg and agg.get("ttft_ratio") is not None and agg.get(field) is not None:
-                ax.scatter([agg["ttft_ratio"]], [agg[field]], marker=marker, color=color, s=70, zorder=3,
-                           label=name)
+        draw_methods(ax, methods, field)
         ax.set_xlabel("TTFT / full prefill TTFT")
         ax.set_title(title)
         ax.grid(alpha=0.3)

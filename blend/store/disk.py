@@ -282,7 +282,7 @@ class DiskStore:
             return False
         try:
             with os.fdopen(os.dup(fd), "rb") as f:
-                now = [ln for ln in f.read().split(b"\n")[:-1] if ln.strip()]
+                now = _complete_lines(f.read())
             if now != list(expected):
                 return False  # appended to (or rewritten) since it was read: try another time
             tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -304,8 +304,7 @@ class DiskStore:
         except OSError as e:
             log.warning("disk store: cannot read log %s: %s", log_name, e)
             return []
-        lines = data.split(b"\n")
-        return [ln for ln in lines[:-1] if ln.strip()]  # the part after the last newline is torn
+        return _complete_lines(data)
 
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
         return self.path(ns, key).is_file()
@@ -408,6 +407,11 @@ class DiskStore:
                 except FileNotFoundError:
                     pass
         return n
+
+
+def _complete_lines(data: bytes) -> list[bytes]:
+    """A record log's non-blank lines; the part after the last newline is torn and dropped."""
+    return [ln for ln in data.split(b"\n")[:-1] if ln.strip()]
 
 
 def _open_current(path: Path, flags: int, lock: int) -> int:
