@@ -1,11 +1,17 @@
-"""The ``kvblend`` command line.
+"""The ``kvblend`` command line: argument parsing and printing only.
 
     kvblend ask QUESTION --doc FILE [--doc FILE ...] [--reuse exact|blend|none] [--json]
+    kvblend ask QUESTION --index DIR [--top-k K] ...
     kvblend check [--model M] [--json]
-    kvblend eval ...      (see blend.evals.cli)
-    kvblend ingest ...    (see blend.retrieval.cli)
+    kvblend eval ...      (blend.evals.cli)
+    kvblend ingest ...    (blend.retrieval.cli)
     kvblend demo          (the README's main job)
-    kvblend store stats|ls|verify|clear
+    kvblend store stats|ls|verify|clear|prune   (blend.store.cli)
+
+Each area's sub-commands are registered by its own cli module, imported only
+when that command (or the top-level help) is asked for: ``kvblend ask --help``
+imports neither faiss nor the eval harness. Options, defaults and
+args -> engine/policy live in :mod:`blend.options`. Nothing imports this module.
 
 Errors a user can cause print one line and exit 2; no traceback.
 """
@@ -13,15 +19,25 @@ Errors a user can cause print one line and exit 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
+from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K
 from blend.errors import InvalidRequestError, KVBlendError
-from blend.policy import SELECTOR_NAMES, ReusePolicy
+from blend.options import add_engine_arguments, add_policy_arguments, engine_from_args, policy_from_args
 
 EXIT_USER_ERROR = 2
+
+# command -> (module, function registering it on the subparsers); the module is imported on demand
+AREA_COMMANDS: dict[str, tuple[str, str]] = {
+    "eval": ("blend.evals.cli", "add_eval_command"),
+    "ingest": ("blend.retrieval.cli", "add_ingest_command"),
+    "demo": ("blend.retrieval.cli", "add_demo_command"),
+    "store": ("blend.store.cli", "add_store_command"),
+}
 
 
 def read_document(path: str) -> str:
@@ -39,67 +55,8 @@ def read_document(path: str) -> str:
     return text
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
-
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --kv-dtype, --store: shared by every command that computes."""
-    from blend.store.spec import add_store_argument
-
-    p.add_argument("--model", default="smollm2-135m", help="model name or checkpoint directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="dtype KV is stored at (default: --dtype)")
-    add_store_argument(p)
-
-
-def add_policy_arguments(p: argparse.ArgumentParser) -> None:
-    """--reuse and the blend knobs."""
-    p.add_argument("--reuse", default="exact", choices=["exact", "blend", "none"],
-                   help="exact prefix reuse (default), blended reuse (opt-in), or none")
-    p.add_argument("--ratio", type=float, default=0.15, help="blend: share of reused tokens recomputed")
-    p.add_argument("--selector", default="combo", choices=SELECTOR_NAMES,
-                   help="blend: which rows to recompute (default combo: attention-weighted V deviation)")
-    p.add_argument("--check-layers", type=_int_list, default=(1,), help="blend: e.g. 1 or 1,2")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="blend: recompute rows whose relative deviation exceeds this (capped by --max-ratio)")
-    p.add_argument("--max-ratio", type=float, default=0.5)
-    p.add_argument("--min-prompt-tokens", type=int, default=0, help="blend: compute fully below this length")
-    p.add_argument("--force-blend", action="store_true", help="blend even if the model's quality gate failed")
-    p.add_argument("--semantic", action="store_true", help="blend: also reuse near-duplicate donor KV")
-    p.add_argument("--experimental-semantic", action="store_true",
-                   help="enable the experimental semantic-reuse path in the engine")
-
-
-def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
-    """The request's :class:`ReusePolicy` from parsed arguments."""
-    if args.reuse == "none":
-        return ReusePolicy.none()
-    if args.reuse == "exact":
-        return ReusePolicy.exact()
-    return ReusePolicy.blend(
-        ratio=args.ratio, selector=args.selector, check_layers=args.check_layers, threshold=args.threshold,
-        max_ratio=args.max_ratio, min_prompt_tokens=args.min_prompt_tokens, force=args.force_blend,
-        semantic=args.semantic,
-    )
-
-
-def engine_from_args(args: argparse.Namespace):
-    """Load the engine a command's arguments describe."""
-    from blend.engine import Engine
-    from blend.store.spec import open_store
-
-    return Engine.load(args.model, dtype=args.dtype, store=open_store(args.store), kv_dtype=args.kv_dtype,
-                       experimental_semantic=getattr(args, "experimental_semantic", False))
-
-
 def answer_json(engine, ans) -> dict:
     """The JSON object ``kvblend ask --json`` prints."""
-    report = ans.report.to_dict()
     return {
         "answer": ans.text,
         "answer_token_ids": ans.token_ids,
@@ -108,7 +65,7 @@ def answer_json(engine, ans) -> dict:
         "logits_sha256": ans.logits_sha256(),
         "model": engine.model_name,
         "provenance_sha256": engine.provenance.digest().hex(),
-        "report": report,
+        "report": ans.report.to_dict(),
     }
 
 
@@ -124,11 +81,13 @@ def print_report(ans, out=sys.stdout) -> None:
         print(f"  {s.kind.value:9s} {s.reuse_class.value:9s} {s.tokens:5d} tok @{s.start:<5d}{extra}{note}", file=out)
     if r.gate:
         print(f"gate: {r.gate}", file=out)
+    if r.gate_ran:
+        print(f"quality gate ran once before this request: {r.timings.gate_s:.1f} s (not in TTFT)", file=out)
 
 
 def run_ask(args: argparse.Namespace) -> int:
-    if getattr(args, "index", None):
-        from blend.retrieval.cli import ask_over_index
+    if args.index:
+        from blend.retrieval.cli import ask_over_index  # faiss and the index load only for --index
 
         return ask_over_index(args)
     if not args.doc:
@@ -146,12 +105,36 @@ def run_ask(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from blend.gate import run_gate_cli
+    """``kvblend check``: run, record and print the gate; exit 1 when it fails."""
+    from blend.gate import CheckName, record, run_gate
 
-    return run_gate_cli(args)
+    engine = engine_from_args(args)
+    result = run_gate(engine, items=args.items, progress=not args.json)
+    record(engine, result)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        for c in result.checks:
+            cmp = ">=" if c.name is CheckName.FIDELITY_TOP1 else "<="
+            print(f"{'PASS' if c.passed else 'FAIL'}  {c.name.value:14s} {c.figure:.3g} ({cmp} {c.bound:g})  {c.detail}")
+        print(f"blend gate for {engine.model_name}: {'PASSED' if result.passed else 'FAILED'}")
+    return 0 if result.passed else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The sub-command named on the command line (None: none yet, e.g. ``kvblend --help``)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``kvblend`` parser; with ``command``, only that area's cli module is imported.
+
+    Args:
+        command: the sub-command about to be parsed (None: register every command).
+
+    Returns:
+        The parser.
+    """
     parser = argparse.ArgumentParser(prog="kvblend", description="KV reuse for RAG prompts")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -159,9 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question")
     ask.add_argument("--doc", action="append", default=[], metavar="FILE", help="a document (repeatable)")
     ask.add_argument("--index", default=None, metavar="DIR", help="retrieve documents from an index")
-    ask.add_argument("--top-k", type=int, default=5)
+    ask.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
     ask.add_argument("--system", default=None, help="system prompt")
-    ask.add_argument("--max-new-tokens", type=int, default=32)
+    ask.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     ask.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_arguments(ask)
     add_policy_arguments(ask)
@@ -169,32 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="the per-model quality gate for blended reuse")
     check.add_argument("--json", action="store_true")
-    check.add_argument("--items", type=int, default=4, help="calibration prompts")
+    check.add_argument("--items", type=int, default=DEFAULT_GATE_ITEMS, help="calibration prompts")
     add_engine_arguments(check)
     check.set_defaults(func=run_check)
 
-    _add_optional(sub, "blend.store.cli", "add_store_commands", "run_store_command")
-    _add_optional(sub, "blend.evals.cli", "add_eval_command", "run_eval")
-    _add_optional(sub, "blend.retrieval.cli", "add_retrieval_commands", None)
+    for name, (module, adder) in AREA_COMMANDS.items():
+        if command is None or command == name or command not in {"ask", "check", *AREA_COMMANDS}:
+            register: Callable = getattr(importlib.import_module(module), adder)
+            register(sub)
     return parser
-
-
-def _add_optional(sub, module: str, adder: str, runner: str | None) -> None:
-    import importlib
-
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return
-    p = getattr(mod, adder)(sub)
-    if runner is not None and p is not None:
-        p.set_defaults(func=getattr(mod, runner))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvblend`` console script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_command_of(argv)).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KVBlendError as e:

@@ -1,48 +1,53 @@
 """The engine: prompt in, answer plus ReuseReport out.
 
-One request runs in three phases: a prefill that reuses what the policy
-allows (exact prefix segments, or blended canonical chunks), greedy
-decoding over the resulting KV cache, and a report of what was reused.
+One request runs in three phases. The engine first decides whether the
+policy's reuse is allowed at all (dynamic-NTK RoPE past its trained length,
+the blend's minimum length, the quality gate) and refuses it before any
+timing starts; then the prefill runs in the mode the policy names (full,
+exact prefix segments through the :class:`~blend.segments.SegmentCache`, or
+blended canonical chunks through :mod:`blend.blending`); then greedy
+decoding runs over the resulting KV cache. The report is built once, at the
+end of the prefill.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol, Sequence
 
 import torch
 
+from blend.blending import prefill_blend
+from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL
 from blend.errors import InvalidPolicyError, InvalidRequestError, PromptTooLongError
-from blend.keys import Namespace, Provenance, canonical_key, exact_chain, key_hex
+from blend.gate import GateVerdict, QualityGate
+from blend.keys import Provenance, key_hex
 from blend.kvcache import KVCache
+from blend.model import ModelRunner
 from blend.models import LoadedModel, load_model
 from blend.policy import ReuseMode, ReusePolicy
-from blend.prompt import (
-    Prompt, Segment, SegmentKind, build_prompt, document_text, preamble_segment, tokenize_segment,
-)
-from blend.report import ReuseClass, ReuseReport, SegmentReport
+from blend.prompt import Prompt, Segment, SegmentKind, build_prompt, preamble_segment
+from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport, Timings
 from blend.rope import rope_config_json
-from blend.runner import ModelRunner, SegmentKV
-from blend.store.base import KVEntry, KVStore, Lookup, LookupStatus
+from blend.segments import SegmentCache
+from blend.store.base import KVStore
 from blend.store.memory import MemoryStore
-from blend.store.prefetch import Prefetcher
-from blend.semantic import register_donor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_BLENDED_KINDS = frozenset({SegmentKind.DOCUMENT})  # what a refused blend reports as fallback
+_STORED_KINDS = frozenset({SegmentKind.PREAMBLE, SegmentKind.DOCUMENT})  # what any reuse would have read
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine-wide settings (per-request state goes in the policy and arguments)."""
 
-    model: str = "smollm2-135m"
-    dtype: str = "float32"
+    model: str = DEFAULT_MODEL
+    dtype: str = DEFAULT_DTYPE
     kv_dtype: str | None = None  # storage dtype of KV; None = dtype
-    device: str = "cpu"
+    device: str = DEFAULT_DEVICE
     experimental_semantic: bool = False
     quality_gate: bool = True  # run/consult `kvblend check` before the first blend
     overlap_loading: bool = True  # fetch chunk KV in background threads while computing
@@ -54,7 +59,7 @@ class Answer:
     token_ids: list[int]
     prompt_token_ids: list[int]
     first_logits: torch.Tensor  # (V,) float32: the logits that chose the first answer token
-    ttft_s: float
+    ttft_s: float  # the quality gate's one-off run excluded (see report.timings.gate_s)
     report: ReuseReport
     # The request's KV cache, kept only when asked (``generate(keep_cache=True)``):
     # rows [0, len(prompt_token_ids)) are the prompt, as prefilled under the policy.
@@ -67,6 +72,22 @@ class Answer:
     def logits_sha256(self) -> str:
         """sha256 of the float32 bytes of :attr:`first_logits`."""
         return hashlib.sha256(self.first_logits.float().contiguous().numpy().tobytes()).hexdigest()
+
+
+class BlendGate(Protocol):
+    """What the engine asks before blending (see :class:`blend.gate.QualityGate`)."""
+
+    def verdict(self, engine: "Engine") -> GateVerdict: ...
+
+
+@dataclass(frozen=True)
+class _Prefilled:
+    """One prefill mode's result: logits and the rows of the report."""
+
+    logits: torch.Tensor  # (V,) float32
+    segments: tuple[SegmentReport, ...]
+    lookup_s: float = 0.0
+    deviation: DeviationStats | None = None
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -100,34 +121,35 @@ class Engine:
     """Answers prompts with KV reuse.
 
     Args:
-        loaded: the model (see :func:`blend.models.load_model`).
+        runner: the model (weights, RoPE tables, layer loop).
         config: engine settings.
         store: KV store (default: an unbounded in-memory store).
+        gate: consulted before blending (None: blending is never refused by a gate).
     """
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, store: KVStore | None = None) -> None:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, store: KVStore | None = None,
+                 gate: BlendGate | None = None) -> None:
         self.config = config
-        self.device = torch.device(config.device)
-        self.dtype = _dtype(config.dtype)
+        self.runner = runner
+        self.device = runner.device
+        self.dtype = runner.dtype
         self.kv_dtype = _dtype(config.kv_dtype or config.dtype)
-        self.runner = ModelRunner(loaded, self.dtype, self.device)
-        self.tokenizer = loaded.tokenizer
-        self.model_name = loaded.name
-        self.store: KVStore = store if store is not None else MemoryStore()
-        self.provenance = build_provenance(loaded, config, self.device)
-        self.provenance_json = self.provenance.canonical_json()  # what every stored entry must carry
-        cfg = loaded.model.config
+        self.tokenizer = runner.loaded.tokenizer
+        self.model_name = runner.loaded.name
+        self.provenance = build_provenance(runner.loaded, config, self.device)
+        self.segments = SegmentCache(runner, store if store is not None else MemoryStore(), self.provenance,
+                                     self.kv_dtype, config.overlap_loading, config.experimental_semantic)
+        self.gate = gate
+        cfg = runner.loaded.model.config
         eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
         self.eos_ids = {int(e) for e in eos if e is not None}
-        self._gate = None  # recorded quality-gate result, loaded lazily
-        self._prefetcher: Prefetcher | None = None
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
 
     @classmethod
-    def load(cls, model: str = "smollm2-135m", dtype: str = "float32", store: KVStore | None = None,
+    def load(cls, model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, store: KVStore | None = None,
              **config) -> "Engine":
-        """Load a model by name or path and build an engine.
+        """Load a model by name or path and build an engine (gated unless ``quality_gate=False``).
 
         Args:
             model: see :mod:`blend.models`.
@@ -136,145 +158,86 @@ class Engine:
             **config: other :class:`EngineConfig` fields.
         """
         cfg = EngineConfig(model=model, dtype=dtype, **config)
-        _dtype(dtype)
-        return cls(load_model(model), cfg, store)
+        runner = ModelRunner(load_model(model), _dtype(dtype), torch.device(cfg.device))
+        return cls(runner, cfg, store, QualityGate() if cfg.quality_gate else None)
+
+    def with_store(self, store: KVStore, gate: BlendGate | None = None) -> "Engine":
+        """Another engine over the same weights with its own store (and no gate unless given)."""
+        return Engine(self.runner, self.config, store, gate)
+
+    def close(self) -> None:
+        """Stop background loader threads (the engine stays usable: lookups then run inline)."""
+        self.segments.close()
 
     @property
-    def prefetcher(self) -> Prefetcher:
-        """Background loader over the current store (rebuilt if the store was swapped)."""
-        if self._prefetcher is None or self._prefetcher.store is not self.store:
-            if self._prefetcher is not None:
-                self._prefetcher.close()
-            self._prefetcher = Prefetcher(self.store, device=self.device if self.device.type == "cuda" else None)
-        return self._prefetcher
+    def store(self) -> KVStore:
+        return self.segments.store
+
+    @property
+    def provenance_json(self) -> str:
+        return self.segments.provenance_json
 
     @property
     def dims(self):
         return self.runner.dims
 
-    # ---- prompts --------------------------------------------------------------------------
-
     def build_prompt(self, question: str, documents: Sequence[str], system: str | None = None) -> Prompt:
         """Segment a question and documents into a prompt (see :mod:`blend.prompt`)."""
         return build_prompt(self.tokenizer, question, documents, system)
 
-    def _check_length(self, prompt: Prompt, extra: int) -> None:
-        limit = self.dims.max_positions
-        if len(prompt) + extra > limit:
-            raise PromptTooLongError(
-                f"prompt of {len(prompt)} tokens plus {extra} new tokens exceeds the model's context of {limit}"
-            )
-
-    # ---- store helpers --------------------------------------------------------------------
-
-    def _entry(self, kv: SegmentKV) -> KVEntry:
-        return KVEntry(kv.k.to(self.kv_dtype).cpu(), kv.v.to(self.kv_dtype).cpu(), self.provenance_json)
-
-    def _as_stored(self, kv: SegmentKV) -> SegmentKV:
-        """The segment exactly as a later load would see it (storage dtype round trip)."""
-        if self.kv_dtype == self.dtype:
-            return kv
-        return SegmentKV(kv.k.to(self.kv_dtype).to(self.dtype), kv.v.to(self.kv_dtype).to(self.dtype))
-
-    def _compute_stored(self, cache: KVCache, seg: Segment) -> SegmentKV:
-        """Compute a segment whose KV will be stored; leave exactly the stored rows in the cache."""
-        start = cache.length
-        _, kv = self.runner.prefill(cache, self._ids(seg.token_ids))
-        if self.kv_dtype != self.dtype:  # cold must equal warm: continue from the rounded rows
-            cache.length = start
-            kv = self._as_stored(kv)
-            self.runner.load(cache, kv)
-        return kv
-
-    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(ids), dtype=torch.long, device=self.device)
-
-    def lookup(self, ns: Namespace, key, tokens: int, report: ReuseReport,
-               pending: Future[Lookup] | None = None) -> tuple[KVEntry | None, str | None]:
-        """Look a segment's KV up (or collect a background lookup), timed into ``report``.
-
-        Args:
-            ns: namespace of the key.
-            key: the segment's store key.
-            tokens: the segment's length (an entry of another length is unusable).
-            report: the request's report (``timings.lookup_s``).
-            pending: a lookup already started by the prefetcher, if any.
-
-        Returns:
-            ``(entry, None)`` on a usable hit; ``(None, None)`` on a miss;
-            ``(None, reason)`` when an entry was found but rejected.
-        """
-        t0 = time.perf_counter()
-        found = pending.result() if pending is not None else self.store.get(ns, key, self.provenance_json)
-        report.timings.lookup_s += time.perf_counter() - t0
-        if found.status is LookupStatus.HIT and found.entry.num_tokens == tokens:
-            return found.entry, None
-        if found.status is LookupStatus.MISS:
-            return None, None
-        return None, found.reason or "stored entry has the wrong length"
-
-    def _exact_segment(self, cache: KVCache, seg: Segment, key, report: ReuseReport) -> SegmentReport:
-        """Append one prefix segment: load it on an exact hit, else compute and store it."""
-        start = cache.length
-        entry, rejected = self.lookup(Namespace.EXACT, key, len(seg), report)
-        rep = SegmentReport(seg.kind, ReuseClass.COMPUTED, len(seg), start, key_hex(key))
-        if entry is not None:
-            self.runner.load(cache, SegmentKV(entry.k, entry.v))
-            rep.reuse_class = ReuseClass.EXACT
-            return rep
-        if rejected is not None:
-            rep.reuse_class, rep.note = ReuseClass.REJECTED, rejected
-        kv = self._compute_stored(cache, seg)
-        self.store.put(Namespace.EXACT, key, self._entry(kv))
-        return rep
-
     # ---- prefill --------------------------------------------------------------------------
 
-    def prefill_refused(self, prompt: Prompt, cache: KVCache, report: ReuseReport, reason: str,
-                        kinds: frozenset[SegmentKind]) -> torch.Tensor:
-        """Reuse refused: compute the whole prompt; segments of ``kinds`` are reported as fallback.
-
-        Args:
-            reason: why (``report.gate`` and each fallback segment's note).
-            kinds: the segment kinds that would have been reused.
+    def _refusal(self, prompt: Prompt, policy: ReusePolicy) -> tuple[str, frozenset[SegmentKind], float]:
+        """Whether the policy's reuse is refused for this prompt, before anything is timed.
 
         Returns:
-            first-token logits (V,) float32.
+            (reason or "", the segment kinds reported as fallback, seconds the quality gate ran).
         """
-        report.gate = reason
-        logits = self._prefill_full(prompt, cache, report)
-        for rep in report.segments:
-            if rep.kind in kinds:
-                rep.reuse_class, rep.note = ReuseClass.FALLBACK, reason
-        return logits
+        past = self.runner.rope.length_dependent_after
+        if policy.mode is not ReuseMode.NONE and past is not None and len(prompt) > past:
+            return (f"dynamic-NTK RoPE rescales past {past} positions: KV depends on the request's "
+                    f"length ({len(prompt)}), so nothing is reused or stored"), _STORED_KINDS, 0.0
+        if policy.mode is not ReuseMode.BLEND:
+            return "", _BLENDED_KINDS, 0.0
+        n = self.dims.num_layers
+        if policy.check_layers[-1] >= n:
+            raise InvalidPolicyError(f"check layers {policy.check_layers} outside the model's {n} layers (0..{n - 1})")
+        if policy.semantic and not self.config.experimental_semantic:
+            raise InvalidPolicyError(
+                "semantic reuse is experimental: enable it in the engine (EngineConfig(experimental_semantic=True) "
+                "or --experimental-semantic) as well as in the policy")
+        if len(prompt) < policy.min_prompt_tokens:
+            return (f"prompt of {len(prompt)} tokens < min_prompt_tokens={policy.min_prompt_tokens}",
+                    _BLENDED_KINDS, 0.0)
+        if policy.force or self.gate is None:
+            return "", _BLENDED_KINDS, 0.0
+        verdict = self.gate.verdict(self)
+        return verdict.refused, _BLENDED_KINDS, verdict.ran_s
 
-    def _prefill_full(self, prompt: Prompt, cache: KVCache, report: ReuseReport) -> torch.Tensor:
-        h, _ = self.runner.prefill(cache, self._ids(prompt.token_ids), keep_kv=False)
-        start = 0
-        for seg in prompt.segments:
-            report.segments.append(SegmentReport(seg.kind, ReuseClass.COMPUTED, len(seg), start))
-            start += len(seg)
-        return self.runner.logits(h[-1:])[0]
+    def _prefill_full(self, prompt: Prompt, cache: KVCache, refused: str = "",
+                      kinds: frozenset[SegmentKind] = frozenset()) -> _Prefilled:
+        """The whole prompt in one pass; segments of ``kinds`` are reported as fallback."""
+        logits, rows = self.segments.compute_rest(cache, prompt.segments)
+        if refused:
+            rows = tuple(replace(r, reuse_class=ReuseClass.FALLBACK, note=refused) if r.kind in kinds else r
+                         for r in rows)
+        return _Prefilled(logits, rows)
 
-    def _prefill_exact(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache,
-                       report: ReuseReport) -> torch.Tensor:
+    def _prefill_exact(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache) -> _Prefilled:
         """Prefix reuse: each segment but the question is looked up, else computed and stored."""
         cacheable = prompt.segments[:-1]
         if policy.prefix_limit is not None:
             cacheable = cacheable[: policy.prefix_limit]
-        keys = exact_chain(self.provenance, [s.token_ids for s in cacheable])
-        for i, seg in enumerate(cacheable):
-            report.segments.append(self._exact_segment(cache, seg, keys[i], report))
+        rows, lookup_s = [], 0.0
+        for seg, key in zip(cacheable, self.segments.exact_keys(cacheable)):
+            start = cache.length
+            done = self.segments.append_exact(cache, seg, key)
+            rows.append(SegmentReport(seg.kind, done.reuse_class, len(seg), start, key_hex(key), note=done.note))
+            lookup_s += done.lookup_s
         # Everything after the reusable prefix (the question included) is one block:
         # one causal pass is cheaper than segment-by-segment masked attention.
-        tail = prompt.segments[len(cacheable):]
-        start = cache.length
-        ids = [t for seg in tail for t in seg.token_ids]
-        h, _ = self.runner.prefill(cache, self._ids(ids), keep_kv=False)
-        for seg in tail:
-            report.segments.append(SegmentReport(seg.kind, ReuseClass.COMPUTED, len(seg), start))
-            start += len(seg)
-        return self.runner.logits(h[-1:])[0]
+        logits, tail = self.segments.compute_rest(cache, prompt.segments[len(cacheable):])
+        return _Prefilled(logits, (*rows, *tail), lookup_s)
 
     def prefill(self, prompt: Prompt, policy: ReusePolicy, extra_capacity: int = 0
                 ) -> tuple[torch.Tensor, KVCache, ReuseReport]:
@@ -288,57 +251,36 @@ class Engine:
         Returns:
             first-token logits (V,) float32, the filled cache, the report.
         """
-        self._check_length(prompt, extra_capacity)
-        report = ReuseReport(policy=policy.describe())
+        limit = self.dims.max_positions
+        if len(prompt) + extra_capacity > limit:
+            raise PromptTooLongError(f"prompt of {len(prompt)} tokens plus {extra_capacity} new tokens exceeds "
+                                     f"the model's context of {limit}")
+        refused, kinds, gate_s = self._refusal(prompt, policy)
         cache = self.runner.new_cache(len(prompt) + extra_capacity)
         t0 = time.perf_counter()
-        past = self.runner.rope.length_dependent_after
-        refuse = policy.mode is not ReuseMode.NONE and past is not None and len(prompt) > past
         with torch.inference_mode():
-            if refuse:  # no stored KV is valid for this request, and none it computes is reusable
-                logits = self.prefill_refused(
-                    prompt, cache, report,
-                    f"dynamic-NTK RoPE rescales past {past} positions: KV depends on the request's "
-                    f"length ({len(prompt)}), so nothing is reused or stored",
-                    frozenset({SegmentKind.PREAMBLE, SegmentKind.DOCUMENT}))
-            elif policy.mode is ReuseMode.NONE:
-                logits = self._prefill_full(prompt, cache, report)
+            if refused or policy.mode is ReuseMode.NONE:
+                done = self._prefill_full(prompt, cache, refused, kinds)
             elif policy.mode is ReuseMode.EXACT:
-                logits = self._prefill_exact(prompt, policy, cache, report)
+                done = self._prefill_exact(prompt, policy, cache)
             else:
-                from blend.blending import prefill_blend
+                out = prefill_blend(self.runner, self.segments, prompt, policy, cache)
+                done = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation)
+        ttft = time.perf_counter() - t0
+        blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS
+        report = ReuseReport(
+            policy=policy.describe(), segments=done.segments,
+            selector=policy.selector if blend_fields else "", ratio=policy.ratio if blend_fields else None,
+            deviation=done.deviation, gate=refused,
+            timings=Timings(lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s),
+        )
+        return done.logits, cache, report
 
-                logits = prefill_blend(self, prompt, policy, cache, report)
-        report.timings.ttft_s = time.perf_counter() - t0
-        report.timings.compute_s = report.timings.ttft_s - report.timings.lookup_s
-        return logits, cache, report
+    # ---- answers --------------------------------------------------------------------------
 
-    def gate_verdict(self, policy: ReusePolicy) -> str:
-        """Why blending is refused for this model ('' when allowed).
-
-        The first blend request for a provenance with no recorded gate result runs
-        the gate (see :mod:`blend.gate`) and records it.
-        """
-        if policy.force or not self.config.quality_gate:
-            return ""
-        from blend import gate
-
-        if self._gate is None:
-            self._gate = gate.load_record(self)
-        if self._gate is None:
-            print(f"kvblend: first blend request for {self.model_name}: running the quality gate "
-                  "(kvblend check) once", file=sys.stderr, flush=True)
-            self._gate = gate.run_gate(self)
-            gate.record(self, self._gate)
-        if self._gate.passed:
-            return ""
-        return (f"model failed the blend quality gate ({self._gate.summary()}); "
-                "computed fully; force blending with --force-blend / ReusePolicy.blend(force=True)")
-
-    # ---- public API -----------------------------------------------------------------------
-
-    def generate(self, prompt: Prompt, policy: ReusePolicy | None = None, max_new_tokens: int = 32,
-                 stop_at_newline: bool = True, keep_cache: bool = False) -> Answer:
+    def generate(self, prompt: Prompt, policy: ReusePolicy | None = None,
+                 max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, stop_at_newline: bool = True,
+                 keep_cache: bool = False) -> Answer:
         """Answer a prompt greedily.
 
         Args:
@@ -359,7 +301,7 @@ class Engine:
         t0 = time.perf_counter()
         logits, cache, report = self.prefill(prompt, policy, max_new_tokens)
         tok = int(torch.argmax(logits))
-        ttft = time.perf_counter() - t0
+        ttft = time.perf_counter() - t0 - report.timings.gate_s
         out: list[int] = []
         with torch.inference_mode():
             while True:
@@ -405,9 +347,11 @@ class Engine:
         if not continuation:
             return logits[None]  # (1, V)
         with torch.inference_mode():  # the whole continuation in one causal pass over the prompt rows
-            h, _ = self.runner.prefill(cache, self._ids(list(continuation)), keep_kv=False)  # (S, C)
+            h, _ = self.runner.prefill(cache, self.runner.ids(continuation), keep_kv=False)  # (S, C)
             rest = self.runner.logits(h)  # (S, V)
         return torch.cat([logits[None], rest])  # (S + 1, V)
+
+    # ---- ahead of requests ----------------------------------------------------------------
 
     def precompute(self, prompt: Prompt, policy: ReusePolicy) -> None:
         """Store whatever KV ``policy`` would reuse for ``prompt`` (preamble, chunks)."""
@@ -428,20 +372,4 @@ class Engine:
         Returns:
             Bytes of KV written (0 when everything was already stored).
         """
-        from blend.blending import canonical_chunk_kv
-
-        preamble = preamble or preamble_segment(self.tokenizer, system)
-        written = 0
-        for text in texts:
-            laid = text if text.endswith("\n\n") else document_text(text)
-            ids = tokenize_segment(self.tokenizer, laid)
-            key = canonical_key(self.provenance, preamble.token_ids, ids)
-            register_donor(self, preamble.token_ids, ids, key)
-            if self.store.contains(Namespace.CANONICAL, key):
-                continue
-            with torch.inference_mode():
-                kv = canonical_chunk_kv(self, preamble, ids)
-            entry = self._entry(kv)
-            self.store.put(Namespace.CANONICAL, key, entry)
-            written += entry.nbytes
-        return written
+        return self.segments.precompute_chunks(texts, preamble or preamble_segment(self.tokenizer, system))

@@ -16,28 +16,31 @@ model that failed gets class ``fallback`` unless the policy forces blending.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from blend.calibration import calibration_items
-from blend.models import kvblend_home
+from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_RATIO, kvblend_home
+from blend.kernels.tolerances import TOL
 from blend.policy import ReusePolicy
 from blend.store.memory import MemoryStore
 
-GATE_RATIO = 0.15
-KL_BOUND = 0.25  # mean first-token KL(full || blend@0.15) at most this
+if TYPE_CHECKING:  # the engine receives a gate; the gate only calls the engine's public methods
+    from blend.engine import Engine
+
+GATE_RATIO = DEFAULT_RATIO
+KL_BOUND = 0.25  # mean first-token KL(full || blend@GATE_RATIO) at most this
 TOP1_BOUND = 0.75  # first-token top-1 agreement at least this
-LOGIT_TOL = {"float32": 1e-3, "bfloat16": 0.3, "float16": 0.05}
-ROPE_TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 
 
 class CheckName(Enum):
@@ -91,15 +94,7 @@ def kl_full_vs(full_logits: torch.Tensor, other_logits: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
-def _private(engine):
-    """The same engine over a throwaway memory store (the gate never touches the user's store)."""
-    clone = copy.copy(engine)
-    clone.store = MemoryStore()
-    clone._prefetcher = None  # never close the original engine's loader threads
-    return clone
-
-
-def run_gate(engine, items: int = 4, progress: bool = True) -> GateResult:
+def run_gate(engine: "Engine", items: int = DEFAULT_GATE_ITEMS, progress: bool = True) -> GateResult:
     """Run the four checks on ``engine``'s model.
 
     Args:
@@ -110,8 +105,15 @@ def run_gate(engine, items: int = 4, progress: bool = True) -> GateResult:
     Returns:
         The gate result (not yet recorded).
     """
-    eng = _private(engine)
-    dtype = engine.config.dtype
+    eng = engine.with_store(MemoryStore())  # same weights; the gate never touches the user's store
+    try:
+        return _run_checks(engine, eng, items, progress)
+    finally:
+        eng.close()
+
+
+def _run_checks(engine: "Engine", eng: "Engine", items: int, progress: bool) -> GateResult:
+    tol = TOL[engine.dtype]
     say = (lambda m: print(f"kvblend check [{engine.model_name}]: {m}", file=sys.stderr, flush=True)) \
         if progress else (lambda m: None)
     cal = calibration_items(items)
@@ -124,7 +126,7 @@ def run_gate(engine, items: int = 4, progress: bool = True) -> GateResult:
         ref = hf(torch.tensor([first.token_ids])).logits[0, -1].float()
     full = eng.generate(first, ReusePolicy.none(), max_new_tokens=1)
     diff = float((full.first_logits.cpu() - ref).abs().max())
-    checks.append(CheckResult(CheckName.REFERENCE, diff <= LOGIT_TOL[dtype], diff, LOGIT_TOL[dtype],
+    checks.append(CheckResult(CheckName.REFERENCE, diff <= tol.logits, diff, tol.logits,
                               "max |logits - transformers logits|"))
 
     say("RoPE re-positioning")
@@ -132,13 +134,13 @@ def run_gate(engine, items: int = 4, progress: bool = True) -> GateResult:
     _, reuse_cache, _ = eng.prefill(first, ReusePolicy.blend(ratio=0.0, force=True))
     n = len(first)
     rope_diff = float((full_cache.k[0][:, :n].float() - reuse_cache.k[0][:, :n].float()).abs().max())
-    checks.append(CheckResult(CheckName.ROPE, rope_diff <= ROPE_TOL[dtype], rope_diff, ROPE_TOL[dtype],
+    checks.append(CheckResult(CheckName.ROPE, rope_diff <= tol.rope, rope_diff, tol.rope,
                               "max |layer-0 K re-positioned - K of full prefill|"))
 
     say("ratio 1.0 against full prefill")
     one = eng.generate(first, ReusePolicy.blend(ratio=1.0, force=True), max_new_tokens=1)
     d1 = float((one.first_logits - full.first_logits).abs().max())
-    checks.append(CheckResult(CheckName.RATIO_ONE, d1 <= LOGIT_TOL[dtype], d1, LOGIT_TOL[dtype],
+    checks.append(CheckResult(CheckName.RATIO_ONE, d1 <= tol.logits, d1, tol.logits,
                               "max |logits(blend@1.0) - logits(full)|"))
 
     kls, agree = [], []
@@ -157,11 +159,12 @@ def run_gate(engine, items: int = 4, progress: bool = True) -> GateResult:
     return GateResult(engine.model_name, engine.provenance.digest().hex(), tuple(checks))
 
 
-def gate_path(engine) -> Path:
+def gate_path(engine: "Engine") -> Path:
+    """Where the gate result of the engine's provenance is recorded."""
     return kvblend_home() / "gate" / f"{engine.provenance.digest().hex()}.json"
 
 
-def load_record(engine) -> GateResult | None:
+def load_record(engine: "Engine") -> GateResult | None:
     """The recorded gate result for the engine's provenance, if any (unreadable = none)."""
     path = gate_path(engine)
     try:
@@ -170,7 +173,7 @@ def load_record(engine) -> GateResult | None:
         return None
 
 
-def record(engine, result: GateResult) -> None:
+def record(engine: "Engine", result: GateResult) -> None:
     """Write the result atomically."""
     path = gate_path(engine)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,18 +183,44 @@ def record(engine, result: GateResult) -> None:
     os.replace(tmp, path)
 
 
-def run_gate_cli(args) -> int:
-    """``kvblend check``: run, record and print the gate; exit 1 when it fails."""
-    from blend.cli import engine_from_args
+@dataclass(frozen=True)
+class GateVerdict:
+    """Whether blending is allowed for a model, and what consulting the gate cost."""
 
-    engine = engine_from_args(args)
-    result = run_gate(engine, items=args.items, progress=not args.json)
-    record(engine, result)
-    if args.json:
-        print(json.dumps(result.to_dict()))
-    else:
-        for c in result.checks:
-            cmp = ">=" if c.name is CheckName.FIDELITY_TOP1 else "<="
-            print(f"{'PASS' if c.passed else 'FAIL'}  {c.name.value:14s} {c.figure:.3g} ({cmp} {c.bound:g})  {c.detail}")
-        print(f"blend gate for {engine.model_name}: {'PASSED' if result.passed else 'FAILED'}")
-    return 0 if result.passed else 1
+    refused: str  # why blending is refused ("" when allowed)
+    ran_s: float  # seconds the gate ran for this verdict (0 when a recorded result was used)
+
+
+class QualityGate:
+    """The gate an engine consults before blending: the recorded result for its
+    provenance, or (first blend request for a model with none) a run, recorded.
+
+    Args:
+        progress: print a line per step of a run to stderr.
+    """
+
+    def __init__(self, progress: bool = True) -> None:
+        self.progress = progress
+        self._results: dict[str, GateResult] = {}  # provenance digest -> result
+
+    def verdict(self, engine: "Engine") -> GateVerdict:
+        """Consult (or run once and record) the gate for ``engine``'s model.
+
+        Returns:
+            The verdict; ``ran_s`` > 0 when the gate ran now (its time is not the request's).
+        """
+        digest = engine.provenance.digest().hex()
+        result, ran_s = self._results.get(digest) or load_record(engine), 0.0
+        if result is None:
+            if self.progress:
+                print(f"kvblend: first blend request for {engine.model_name}: running the quality gate "
+                      "(kvblend check) once", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            result = run_gate(engine, progress=self.progress)
+            record(engine, result)
+            ran_s = time.perf_counter() - t0
+        self._results[digest] = result
+        if result.passed:
+            return GateVerdict("", ran_s)
+        return GateVerdict(f"model failed the blend quality gate ({result.summary()}); computed fully; "
+                           "force blending with --force-blend / ReusePolicy.blend(force=True)", ran_s)

@@ -7,12 +7,39 @@ and stored beside the rows, so attention masks come from positions, not
 from row order.
 
 K before RoPE is never kept here: the store holds it (for re-positioning),
-the cache holds what attention reads.
+the cache holds what attention reads. :class:`KVEntry` is that stored form
+of one segment (K before RoPE, V, all layers): what a computed segment
+leaves behind and what a store returns.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class KVEntry:
+    """KV rows of one segment, all layers.
+
+    Attributes:
+        k: keys before RoPE, (L, Hkv, T, D).
+        v: values, (L, Hkv, T, D).
+        provenance: canonical JSON of the producing :class:`~blend.keys.Provenance`.
+    """
+
+    k: torch.Tensor  # (L, Hkv, T, D)
+    v: torch.Tensor  # (L, Hkv, T, D)
+    provenance: str = ""  # "" until the segment cache stamps it for the store
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.k.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
 class KVCache:

@@ -28,11 +28,12 @@ from pathlib import Path
 
 import torch
 
+from blend.defaults import DEFAULT_MODEL, kvblend_home
 from blend.errors import UnknownModelError
 from blend.tiny import TinyModel, build_tiny
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
-SMOLLM2 = "smollm2-135m"
+SMOLLM2 = DEFAULT_MODEL
 QWEN_CODER = "qwen2.5-coder-0.5b"
 FINGERPRINT_FILE = "kvblend-fingerprint.json"
 
@@ -46,11 +47,6 @@ class LoadedModel:
     tokenizer: object  # a transformers tokenizer
     weights_sha256: str
     tokenizer_sha256: str
-
-
-def kvblend_home() -> Path:
-    """Cache root: ``$KVBLEND_HOME`` or ``~/.cache/kvblend``."""
-    return Path(os.environ.get("KVBLEND_HOME") or Path.home() / ".cache" / "kvblend").expanduser()
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:

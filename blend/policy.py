@@ -14,6 +14,9 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from blend.defaults import (
+    DEFAULT_CHECK_LAYERS, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_RATIO, DEFAULT_SELECTOR,
+)
 from blend.errors import InvalidPolicyError
 
 SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo", "split")
@@ -50,13 +53,13 @@ class ReusePolicy:
 
     mode: ReuseMode = ReuseMode.EXACT
     prefix_limit: int | None = None
-    ratio: float = 0.15
-    selector: str = "combo"
-    check_layers: tuple[int, ...] = (1,)
+    ratio: float = DEFAULT_RATIO
+    selector: str = DEFAULT_SELECTOR
+    check_layers: tuple[int, ...] = DEFAULT_CHECK_LAYERS
     layer_ratios: tuple[float, ...] | None = None
-    min_prompt_tokens: int = 0
+    min_prompt_tokens: int = DEFAULT_MIN_PROMPT_TOKENS
     threshold: float | None = None
-    max_ratio: float = 0.5
+    max_ratio: float = DEFAULT_MAX_RATIO
     force: bool = False
     semantic: bool = False
     seed: int = 0
@@ -98,7 +101,8 @@ class ReusePolicy:
         return cls(mode=ReuseMode.EXACT, prefix_limit=prefix_limit)
 
     @classmethod
-    def blend(cls, ratio: float = 0.15, selector: str = "combo", check_layers=(1,), **kw) -> "ReusePolicy":
+    def blend(cls, ratio: float = DEFAULT_RATIO, selector: str = DEFAULT_SELECTOR,
+              check_layers=DEFAULT_CHECK_LAYERS, **kw) -> "ReusePolicy":
         """Blended reuse: canonical chunk KV re-positioned, ``ratio`` of it recomputed.
 
         Args:

@@ -18,7 +18,7 @@ class ReuseClass(Enum):
     FALLBACK = "fallback"  # reuse refused (quality gate, dynamic-NTK past its length): computed fully
 
 
-@dataclass
+@dataclass(frozen=True)
 class SegmentReport:
     kind: SegmentKind
     reuse_class: ReuseClass
@@ -35,7 +35,7 @@ class SegmentReport:
         }
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviationStats:
     """Deviation of cached vs fresh KV at the first check layer, over blended rows."""
 
@@ -50,25 +50,33 @@ class DeviationStats:
         return dataclasses.asdict(self)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Timings:
     lookup_s: float = 0.0  # store lookups and loads
     compute_s: float = 0.0  # model compute up to the first token's logits
-    ttft_s: float = 0.0
+    ttft_s: float = 0.0  # the prefill, the quality gate's run excluded
+    gate_s: float = 0.0  # the quality gate ran before this request for this long (0: it did not run)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReuseReport:
+    """Built once by the engine when the prefill is done."""
+
     policy: str
-    segments: list[SegmentReport] = field(default_factory=list)
+    segments: tuple[SegmentReport, ...] = ()
     selector: str = ""
     ratio: float | None = None
     deviation: DeviationStats | None = None
-    gate: str = ""  # quality-gate verdict that applied, if any
+    gate: str = ""  # why reuse was refused, if it was (quality gate, length, dynamic NTK)
     timings: Timings = field(default_factory=Timings)
+
+    @property
+    def gate_ran(self) -> bool:
+        """Whether the blend quality gate ran (once per model) before this request."""
+        return self.timings.gate_s > 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -102,5 +110,6 @@ class ReuseReport:
             "ratio": self.ratio,
             "deviation": self.deviation.to_dict() if self.deviation else None,
             "gate": self.gate,
+            "gate_ran": self.gate_ran,
             "timings": self.timings.to_dict(),
         }

@@ -32,73 +32,26 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import time
-import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from blend.donors import DonorIndex
-from blend.keys import Namespace, StoreKey, canonical_key, key_hex
-from blend.prompt import Prompt, Segment
-from blend.report import ReuseClass, ReuseReport, SegmentReport
-from blend.runner import SegmentKV
-from blend.store.base import LookupStatus
-
-if TYPE_CHECKING:
-    from blend.blending import ChunkKV
-    from blend.engine import Engine
+from blend.keys import Namespace, StoreKey, key_hex
+from blend.kvcache import KVEntry
+from blend.store.base import KVStore, LookupStatus
+from blend.store.tiered import TieredStore
 
 FORCE_WINDOW = 4  # tokens recomputed on each side of every edit (their left context changed most)
 MIN_SIMILARITY = 0.3  # estimated shingle Jaccard a donor needs to be considered (5-gram shingles)
 MIN_ALIGNED = 0.5  # share of the new document's rows reused unforced (Alignment.aligned_fraction)
 MAX_CANDIDATES = 4  # donors aligned per miss (alignment is the costly part)
 
-_INDEXES: "weakref.WeakKeyDictionary[Engine, DonorIndex]" = weakref.WeakKeyDictionary()
 
-
-def donor_log_name(engine: "Engine") -> str:
-    """The record log of this engine's donors: one per provenance (its keys only resolve under it)."""
-    return "donors-" + hashlib.sha256(engine.provenance_json.encode()).hexdigest()[:16]
-
-
-def donor_index(engine: "Engine") -> DonorIndex:
-    """The engine's donor index, created on first use from the donors its store's
-    persistent tiers recorded (disk, Redis); lives as long as the engine."""
-    idx = _INDEXES.get(engine)
-    if idx is None:
-        idx = _INDEXES[engine] = DonorIndex()
-        tiers = getattr(engine.store, "tiers", [engine.store])
-        idx.attach_log(tiers, donor_log_name(engine))
-    return idx
-
-
-def set_donor_index(engine: "Engine", index: DonorIndex) -> None:
-    """Attach an index (e.g. :meth:`DonorIndex.load` of one saved beside a disk store)."""
-    _INDEXES[engine] = index
-
-
-def register_donor(engine: "Engine", preamble_ids: Sequence[int], doc_ids: Sequence[int],
-                   key: StoreKey | None = None) -> bool:
-    """Make a stored canonical chunk available as a donor.
-
-    Call it after the chunk's canonical KV is stored (or found). A no-op unless
-    the engine enabled ``experimental_semantic``.
-
-    Args:
-        engine: the engine whose store holds the chunk.
-        preamble_ids: the preamble it was computed after.
-        doc_ids: its token ids.
-        key: its canonical key (computed if omitted).
-
-    Returns:
-        True if it was newly registered.
-    """
-    if not engine.config.experimental_semantic:
-        return False
-    key = key if key is not None else canonical_key(engine.provenance, preamble_ids, doc_ids)
-    return donor_index(engine).add(key, preamble_ids, doc_ids)
+def donor_log_name(provenance_json: str) -> str:
+    """The record log of one provenance's donors (its keys only resolve under it)."""
+    return "donors-" + hashlib.sha256(provenance_json.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -161,56 +114,98 @@ def align(donor_ids: Sequence[int], new_ids: Sequence[int], window: int = FORCE_
                      torch.nonzero(forced).flatten(), edits, n)
 
 
-def donor_chunk(engine: "Engine", prompt: Prompt, doc: Segment, rep: SegmentReport,
-                report: ReuseReport) -> "ChunkKV | None":
-    """KV for a document whose canonical entry missed, seeded from the best donor.
+@dataclass(frozen=True)
+class DonorKV:
+    """A missing document's KV seeded from a donor.
+
+    Attributes:
+        kv: laid out on the document's own tokens (aligned rows from the donor,
+            edited rows zero), K before RoPE.
+        forced: (F,) int64 offsets to recompute at every layer; None when the donor
+            has the very same tokens (its rows *are* the document's canonical KV).
+        note: the donor's key, similarity, aligned fraction and edits (for the report).
+    """
+
+    kv: KVEntry
+    forced: torch.Tensor | None
+    note: str
+
+
+class Donors:
+    """The donor index of one engine's store: a component the segment cache owns.
+
+    Created on first use from the donors the store's persistent tiers recorded
+    (disk, Redis), so a new process over the same store finds the same donors.
+    Disabled unless the engine enabled ``experimental_semantic``.
 
     Args:
-        engine: the engine (store, provenance, donor index).
-        prompt: the request (its preamble selects the donors).
-        doc: the missing document.
-        rep: its report row; set to ``semantic`` with the donor on success.
-        report: the request's report (donor search and load time go to ``lookup_s``).
-
-    Returns:
-        The document's KV laid out on its own tokens (aligned rows from the donor,
-        edited rows zero) with the rows to recompute, or None when no donor passes
-        :data:`MIN_SIMILARITY` and :data:`MIN_ALIGNED` (the caller computes it).
+        store: the engine's store (canonical entries live there).
+        provenance_json: the engine's provenance (selects the record log).
+        enabled: the engine's experimental flag.
     """
-    from blend.blending import ChunkKV
 
-    t0 = time.perf_counter()
-    try:
-        idx = donor_index(engine)
-        own = canonical_key(engine.provenance, prompt.preamble.token_ids, doc.token_ids)
+    def __init__(self, store: KVStore, provenance_json: str, enabled: bool) -> None:
+        self.store, self.provenance_json, self.enabled = store, provenance_json, enabled
+        self.log_name = donor_log_name(provenance_json)
+        self._index: DonorIndex | None = None
+
+    @property
+    def index(self) -> DonorIndex:
+        """The index, attached to the record log on first use."""
+        if self._index is None:
+            self._index = DonorIndex()
+            if self.enabled:
+                tiers = self.store.tiers if isinstance(self.store, TieredStore) else [self.store]
+                self._index.attach_log(tiers, self.log_name)
+        return self._index
+
+    def use_index(self, index: DonorIndex) -> None:
+        """Replace the index (e.g. :meth:`DonorIndex.load` of one saved beside a disk store)."""
+        self._index = index
+
+    def register(self, key: StoreKey, preamble_ids: Sequence[int], doc_ids: Sequence[int]) -> bool:
+        """Offer a stored canonical chunk as a donor (call after it is stored or found).
+
+        Returns:
+            True if it was newly registered (always False when disabled).
+        """
+        return self.enabled and self.index.add(key, preamble_ids, doc_ids)
+
+    def donor_kv(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], own_key: StoreKey) -> DonorKV | None:
+        """KV for a document whose canonical entry missed, seeded from the best donor.
+
+        Args:
+            preamble_ids: the request's preamble (selects the donors).
+            doc_ids: the missing document's tokens.
+            own_key: its canonical key (a donor registered under it is not a donor of itself).
+
+        Returns:
+            The seeded KV, or None when no donor passes :data:`MIN_SIMILARITY` and
+            :data:`MIN_ALIGNED` (the caller computes the document).
+        """
         scored = []
-        for donor, sim in idx.candidates(prompt.preamble.token_ids, doc.token_ids, MIN_SIMILARITY,
-                                         top=MAX_CANDIDATES + 1):
-            if donor.key == own:  # registered but its KV is gone: not a donor of itself
+        for donor, sim in self.index.candidates(preamble_ids, doc_ids, MIN_SIMILARITY, top=MAX_CANDIDATES + 1):
+            if donor.key == own_key:  # registered but its KV is gone: not a donor of itself
                 continue
-            a = align(donor.token_ids, doc.token_ids)
+            a = align(donor.token_ids, doc_ids)
             if a.aligned_fraction >= MIN_ALIGNED:
                 scored.append((a.aligned_fraction, sim, donor, a))
         scored.sort(key=lambda s: (-s[0], -s[1]))  # stable: best aligned, then most similar
-        prov_json = engine.provenance_json
         for frac, sim, donor, a in scored[:MAX_CANDIDATES]:
-            found = engine.store.get(Namespace.CANONICAL, donor.key, prov_json)
+            found = self.store.get(Namespace.CANONICAL, donor.key, self.provenance_json)
             if found.status is not LookupStatus.HIT or found.entry.num_tokens != len(donor.token_ids):
-                idx.remove(donor.key)  # evicted or unusable: stop offering it
+                self.index.remove(donor.key)  # evicted or unusable: stop offering it
                 continue
             dk, dv = found.entry.k, found.entry.v  # (L, Hkv, Td, D)
-            shape = (dk.shape[0], dk.shape[1], len(doc), dk.shape[3])
+            shape = (dk.shape[0], dk.shape[1], len(doc_ids), dk.shape[3])
             k = torch.zeros(shape, dtype=dk.dtype)  # (L, Hkv, T, D) before RoPE
             v = torch.zeros(shape, dtype=dv.dtype)
             k[:, :, a.dst] = dk[:, :, a.src]
             v[:, :, a.dst] = dv[:, :, a.src]
-            rep.reuse_class = ReuseClass.SEMANTIC
-            rep.note = (f"donor {key_hex(donor.key)} similarity {sim:.3f} aligned {frac:.3f} "
-                        f"edits {a.edits} forced {a.forced.numel()}")
+            note = (f"donor {key_hex(donor.key)} similarity {sim:.3f} aligned {frac:.3f} "
+                    f"edits {a.edits} forced {a.forced.numel()}")
             # identical tokens after the same preamble: the donor rows *are* this document's
             # canonical KV, so nothing is forced and it is treated like its own entry
-            forced = None if a.edits == 0 and len(donor.token_ids) == len(doc) else a.forced
-            return ChunkKV(kv=SegmentKV(k, v), report=rep, forced=forced)
+            forced = None if a.edits == 0 and len(donor.token_ids) == len(doc_ids) else a.forced
+            return DonorKV(KVEntry(k, v), forced, note)
         return None
-    finally:
-        report.timings.lookup_s += time.perf_counter() - t0

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from blend.defaults import DEFAULT_MODEL
 
 
 def _corpus(folder: Path, copies: int) -> None:
@@ -34,7 +35,7 @@ def _corpus(folder: Path, copies: int) -> None:
 def _tokenizer(model: str):
     """The engine's tokenizer and fingerprint, else MiniLM's (engine not importable)."""
     try:
-        from blend.retrieval.pipeline import load_engine
+        from blend.options import load_engine
 
         eng = load_engine(model, "float32", "memory")
         return eng.tokenizer, eng.provenance.tokenizer_sha256, eng, model
@@ -53,7 +54,7 @@ def _tokenizer(model: str):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=200, help="approximate chunks in the replicated corpus")
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--kv-chunks", type=int, default=16, help="chunks whose KV is timed (0: skip)")
     ap.add_argument("--json", default=None, metavar="OUT", help="also write the numbers as JSON")
     args = ap.parse_args(argv)

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from blend.defaults import DEFAULT_RATIO
 
 HKV, HQ, HEAD_DIM, ROPE_THETA = 3, 9, 64, 1e5  # SmolLM2-135M
 SMALL_T = 256  # interpreter error check on CPU
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                     help="default: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--ratio", type=float, default=DEFAULT_RATIO)
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 5 CPU, 20 CUDA)")
     ap.add_argument("--no-full-prefill", action="store_true", help="skip the dense causal attention row")
     ap.add_argument("--json", metavar="OUT", default=None)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from blend.defaults import DEFAULT_MODEL
 from blend.engine import Engine
 from blend.policy import ReusePolicy
 from blend.store.memory import MemoryStore
@@ -99,15 +100,16 @@ def bench_exact_hit(model: str, repeats: int, prefix_tokens: int = 3500) -> HitR
     cold, warm = [], []
     eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # warm-up
     for _ in range(repeats):
-        eng.store = MemoryStore()
-        cold.append(eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).ttft_s)
-        warm.append(eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).ttft_s)
+        fresh = eng.with_store(MemoryStore())
+        cold.append(fresh.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).ttft_s)
+        warm.append(fresh.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).ttft_s)
+        fresh.close()
     return HitRow(len(prompt), len(prompt) - len(prompt.question), statistics.median(cold), statistics.median(warm))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", default="1024,4096")
     ap.add_argument("--dtypes", default="float32,bfloat16")

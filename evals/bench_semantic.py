@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.evals.data import Document, Item, load_items
 from blend.evals.metrics import answers_agree, best_over, kl_divergence, token_f1, top1_agree
 from blend.keys import Namespace, canonical_key
@@ -115,7 +116,6 @@ def _forced_of(note: str) -> tuple[int, float]:
 
 
 def run_quality(engine, items: list[Item], args, vocab: list[str], spare: list[str]) -> list[Row]:
-    from blend.semantic import register_donor
 
     ratio = args.ratio
     policies = {
@@ -131,7 +131,7 @@ def run_quality(engine, items: list[Item], args, vocab: list[str], spare: list[s
         orig = engine.build_prompt(item.question, texts)
         orig_keys = {canonical_key(engine.provenance, orig.preamble.token_ids, d.token_ids) for d in orig.documents}
         for d in orig.documents:  # the engine hook's job once it lands in precompute_chunks
-            register_donor(engine, orig.preamble.token_ids, d.token_ids)
+            engine.segments.register_donor(orig.preamble.token_ids, d.token_ids)
         if n_item == 0:  # warm-up: first-call overheads out of the timings
             for m in ("full", "stale"):
                 engine.generate(orig, policies[m], max_new_tokens=2)
@@ -287,11 +287,11 @@ def run_discovery(engine, all_items: list[Item], items: list[Item], args, vocab,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--data", default="/work/shared/data/musique_dev.json")
     ap.add_argument("--limit", type=int, default=8, help="questions")
     ap.add_argument("--passages", type=int, default=3, help="passages per question (all edited)")
-    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--ratio", type=float, default=DEFAULT_RATIO)
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool-items", type=int, default=30, help="discovery: items whose passages form the pool")

@@ -19,6 +19,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 
+from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.policy import ReusePolicy
@@ -36,10 +37,10 @@ class TierRow:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--data", default="../shared/data/musique_dev.json")
     ap.add_argument("--passages", type=int, default=5)
-    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--ratio", type=float, default=DEFAULT_RATIO)
     ap.add_argument("--redis", default=None, help="a Redis URL; the Redis tier is skipped without one")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
@@ -55,17 +56,18 @@ def main(argv=None) -> int:
     engine = Engine.load(args.model, store=stores["memory"], quality_gate=False)
     prompt = engine.build_prompt(item.question, docs)
     policy = ReusePolicy.blend(ratio=args.ratio)
-    for store in stores.values():  # precompute once per tier (untimed)
-        engine.store = store
-        engine.precompute(prompt, policy)
-        engine.generate(prompt, policy, max_new_tokens=1)  # warm-up
+    engines = {}  # (tier, overlap) -> an engine over the same weights
+    for name, store in stores.items():
+        for overlap in (True, False):
+            cfg = dataclasses.replace(engine.config, overlap_loading=overlap)
+            engines[name, overlap] = Engine(engine.runner, cfg, store)
+        engines[name, True].precompute(prompt, policy)  # once per tier (untimed)
+        engines[name, True].generate(prompt, policy, max_new_tokens=1)  # warm-up
     full, samples = [], {(n, o): ([], []) for n in stores for o in (True, False)}
     for _ in range(args.repeats):
         full.append(engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1).ttft_s)
         for (name, overlap), (ttfts, lookups) in samples.items():
-            engine.store = stores[name]
-            engine.config = dataclasses.replace(engine.config, overlap_loading=overlap)
-            ans = engine.generate(prompt, policy, max_new_tokens=1)
+            ans = engines[name, overlap].generate(prompt, policy, max_new_tokens=1)
             ttfts.append(ans.ttft_s)
             lookups.append(ans.report.timings.lookup_s)
     f = statistics.median(full)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from blend.defaults import DEFAULT_MODEL
 from blend.evals.data import DataError, load_items
 from blend.evals.harness import EvalConfig, ResumeError, run_harness
 from blend.evals.methods import DEFAULT_METHODS, MethodError, parse_methods
@@ -18,7 +19,6 @@ from blend.evals.plot import write_pareto
 from blend.progress import Progress
 from blend.evals.report import markdown, write_json, write_markdown
 
-DEFAULT_MODEL = "smollm2-135m"
 
 
 def _positive(text: str) -> int:

@@ -15,41 +15,14 @@ whose message names the item index (and JSONL line) and the field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from blend.evals.items import DataError, Document, Item
+from blend.evals.synthetic import generate
+
 SYNTHETIC_PREFIX = "synthetic:"
-
-
-class DataError(ValueError):
-    """A data file or record that does not follow the record format."""
-
-
-@dataclass(frozen=True)
-class Document:
-    """One retrieved passage."""
-
-    title: str
-    text: str
-
-    def prompt_text(self) -> str:
-        """The document as it goes into the prompt: "{title}\\n{text}", or the text alone."""
-        return f"{self.title}\n{self.text}" if self.title else self.text
-
-
-@dataclass(frozen=True)
-class Item:
-    """One question with its passages and gold answers."""
-
-    id: str
-    question: str
-    documents: tuple[Document, ...]
-    answers: tuple[str, ...]
-
-    def document_texts(self) -> list[str]:
-        """Prompt texts of the documents, in retrieval order."""
-        return [d.prompt_text() for d in self.documents]
+__all__ = ["DataError", "Document", "Item", "load_file", "load_items", "limit_items", "parse_record"]
 
 
 def _type_name(x: Any) -> str:
@@ -184,7 +157,5 @@ def load_items(data: str, limit: int | None, passages: int | None, seed: int = 0
         The items to evaluate.
     """
     if data.startswith(SYNTHETIC_PREFIX):
-        from blend.evals.synthetic import generate
-
         return generate(data[len(SYNTHETIC_PREFIX):], n=limit or 30, passages=passages or 5, seed=seed)
     return limit_items(load_file(data), limit, passages)

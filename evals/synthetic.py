@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from enum import Enum
 
-from blend.evals.data import DataError, Document, Item
+from blend.evals.items import DataError, Document, Item
 
 FIRST = (
     "Mara", "Tobin", "Elsa", "Oren", "Lysa", "Kadir", "Wren", "Ilse", "Petra", "Joran",

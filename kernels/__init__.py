@@ -14,7 +14,13 @@ from .dispatch import (
     rope_mix,
     sparse_query_attention,
 )
-from .reference import kv_deviation_ref, rope_mix_ref, sparse_query_attention_blocked, sparse_query_attention_ref
+from .reference import (
+    kv_deviation_ref,
+    query_attention_mass,
+    rope_mix_ref,
+    sparse_query_attention_blocked,
+    sparse_query_attention_ref,
+)
 from .tolerances import TOL, Tol
 
 __all__ = [
@@ -26,6 +32,7 @@ __all__ = [
     "kernel_backend",
     "kv_deviation",
     "kv_deviation_ref",
+    "query_attention_mass",
     "rope_mix",
     "rope_mix_ref",
     "sparse_query_attention",

@@ -94,6 +94,25 @@ def sparse_query_attention_ref(
     return out.to(q.dtype)
 
 
+def query_attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Mean attention probability from a set of queries to every key (a selection signal).
+
+    Args:
+        q: (Hq, S, D) queries after RoPE; q_pos: (S,) their absolute positions.
+        k: (Hkv, T, D) keys after RoPE; k_pos: (T,) their absolute positions.
+        scale: softmax scale.
+
+    Returns:
+        (T,) float32 attention mass, averaged over heads and queries (causal by position).
+    """
+    group = q.shape[0] // k.shape[0]
+    kr = k.float().repeat_interleave(group, dim=0)  # (Hq, T, D)
+    scores = torch.matmul(q.float(), kr.transpose(1, 2)) * scale  # (Hq, S, T)
+    scores = scores.masked_fill(~(k_pos[None, :] <= q_pos[:, None]), float("-inf"))
+    return torch.softmax(scores, dim=-1).mean(dim=(0, 1))  # (T,)
+
+
 def _sorted(x: torch.Tensor) -> bool:
     return x.numel() < 2 or bool((x[1:] >= x[:-1]).all())
 

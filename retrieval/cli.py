@@ -1,8 +1,9 @@
 """``kvblend ingest``, ``kvblend demo`` and ``kvblend ask --index``.
 
-The main CLI (``blend.cli``) calls :func:`add_retrieval_commands` to register
-``ingest`` and ``demo``, :func:`add_ask_index_arguments` to give ``ask`` its
-``--index/--top-k`` options, and :func:`ask_over_index` when ``--index`` is set.
+The main CLI (``blend.cli``) calls :func:`add_ingest_command` and
+:func:`add_demo_command` to register ``ingest`` and ``demo``, and
+:func:`ask_over_index` when ``ask --index`` is set; options and engine
+loading come from :mod:`blend.options`.
 Every ``run_*`` returns an exit status: 0 ok; 1 the run finished but some input
 or answer was bad (listed); 2 a user error, printed as one ``kvblend: error:`` line.
 """
@@ -17,35 +18,30 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import blend
+from blend.defaults import DEFAULT_DEMO_TOP_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_RATIO, kvblend_home
+from blend.errors import KVBlendError
+from blend.options import add_model_arguments, add_store_argument, engine_from_args, load_engine, policy_from_args
+from blend.policy import ReuseMode, ReusePolicy
 from blend.retrieval.chunker import ChunkerConfig
-from blend.retrieval.corpus import RetrievalError
+from blend.retrieval.corpus import RetrievalError, expand_paths
+from blend.retrieval.embedder import Embedder
 from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
+from blend.retrieval.ingest import ingest, print_issues
+from blend.retrieval.pipeline import RAG, engine_kv_deleter, engine_kv_writer
 
-DEMO_MODEL = "smollm2-135m"
+USER_ERRORS: tuple[type[BaseException], ...] = (RetrievalError, FileNotFoundError, ValueError, KVBlendError)
 
 
 def demo_dir() -> Path:
     """The demo corpus shipped in the package (``blend/data/demo``)."""
-    import blend
-
     return Path(blend.__file__).resolve().parent / "data" / "demo"
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    errs: list[type[BaseException]] = [RetrievalError, FileNotFoundError, ValueError]
-    try:
-        from blend.errors import KVBlendError
-
-        errs.append(KVBlendError)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(errs)
 
 
 def _guard(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     try:
         return fn(args)
-    except _user_errors() as e:
+    except USER_ERRORS as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"kvblend: error: {msg}", file=sys.stderr)
         return 2
@@ -54,34 +50,13 @@ def _guard(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
         return 130
 
 
-def _add_store(p: argparse.ArgumentParser) -> None:
-    try:
-        from blend.store.spec import add_store_argument
-
-        add_store_argument(p)
-    except ImportError:  # pragma: no cover - store not available
-        p.add_argument("--store", default=None, metavar="SPEC")
-
-
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEMO_MODEL, help="model name or path (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-
-
-def add_ask_index_arguments(p: argparse.ArgumentParser) -> None:
-    """Options ``ask`` needs to answer over an index (``--index``, ``--top-k``, ``--json``)."""
-    p.add_argument("--index", default=None, metavar="DIR", help="answer over this index (see `kvblend ingest`)")
-    p.add_argument("--top-k", type=int, default=5, help="chunks to retrieve (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the answer and report as JSON")
-
-
-def add_retrieval_commands(subparsers: Any) -> None:
-    """Register ``ingest`` and ``demo`` on the main CLI's subparsers."""
+def add_ingest_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``ingest`` on the main CLI's subparsers."""
     p = subparsers.add_parser("ingest", help="chunk, embed, index and precompute KV for a corpus")
     p.add_argument("paths", nargs="+", metavar="PATH", help=".txt, .md, .jsonl files or folders")
     p.add_argument("--index", required=True, metavar="DIR", help="index folder (created if absent)")
-    _add_store(p)
-    _add_model(p)
+    add_store_argument(p)
+    add_model_arguments(p)
     p.add_argument("--chunk-tokens", type=int, default=256, help="target tokens per chunk (default: %(default)s)")
     p.add_argument("--overlap", type=int, default=0, help="tokens of whole sentences repeated between chunks")
     p.add_argument("--index-kind", choices=[k.value for k in IndexKind], default="auto",
@@ -90,27 +65,22 @@ def add_retrieval_commands(subparsers: Any) -> None:
     p.add_argument("--no-kv", action="store_true", help="index only; do not precompute chunk KV")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_ingest)
+    return p
 
+
+def add_demo_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``demo`` on the main CLI's subparsers."""
     d = subparsers.add_parser("demo", help="ingest the bundled corpus and answer its questions with KV reuse")
-    _add_store(d)
-    d.add_argument("--model", default=DEMO_MODEL, help="model name or path (default: %(default)s)")
-    d.add_argument("--top-k", type=int, default=2)
-    d.add_argument("--reuse", choices=["exact", "blend"], default="blend")
-    d.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio (default: %(default)s)")
+    add_store_argument(d)
+    add_model_arguments(d)
+    d.add_argument("--top-k", type=int, default=DEFAULT_DEMO_TOP_K)
+    d.add_argument("--reuse", choices=[ReuseMode.EXACT.value, ReuseMode.BLEND.value], default=ReuseMode.BLEND.value)
+    d.add_argument("--ratio", type=float, default=DEFAULT_RATIO, help="blend recompute ratio (default: %(default)s)")
     d.add_argument("--force-blend", action="store_true", help="blend even if the model's quality gate failed")
-    d.add_argument("--max-new-tokens", type=int, default=32)
+    d.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     d.add_argument("--index", default=None, metavar="DIR", help="default: $KVBLEND_HOME/demo-index")
     d.set_defaults(func=run_demo)
-
-
-def _policy(reuse: str, ratio: float = 0.15, force: bool = False):
-    from blend.policy import ReusePolicy
-
-    if reuse == "blend":
-        return ReusePolicy.blend(ratio=ratio, force=force)
-    if reuse == "none":
-        return ReusePolicy.none()
-    return ReusePolicy.exact()
+    return d
 
 
 def run_ingest(args: argparse.Namespace) -> int:
@@ -119,16 +89,10 @@ def run_ingest(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from blend.retrieval.embedder import Embedder
-    from blend.retrieval.ingest import ingest, print_issues
-    from blend.retrieval.pipeline import engine_kv_deleter, engine_kv_writer, load_engine
-
-    from blend.retrieval.corpus import expand_paths
-
     if not expand_paths(args.paths)[0]:  # fail before loading any model
         ingest(args.paths, args.index, tokenizer=None, embedder=None)  # type: ignore[arg-type]  # raises
     config = ChunkerConfig(target_tokens=args.chunk_tokens, overlap_tokens=args.overlap)
-    engine = load_engine(getattr(args, "model", DEMO_MODEL), getattr(args, "dtype", "float32"), args.store)
+    engine = load_engine(args.model, args.dtype, args.store)
     summary = ingest(
         args.paths, args.index, tokenizer=engine.tokenizer, embedder=Embedder.load(),
         tokenizer_fp=engine.provenance.tokenizer_sha256, config=config,
@@ -147,24 +111,11 @@ def ask_over_index(args: argparse.Namespace) -> int:
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from blend.retrieval.pipeline import RAG
-
-    rag = RAG.open(args.index, system=getattr(args, "system", None))  # a missing index fails before any model loads
-    try:  # the main CLI's full policy/engine options (selector, kv dtype, ...) when it parsed them
-        from blend.cli import engine_from_args, policy_from_args
-
-        policy = policy_from_args(args)
-        engine = engine_from_args(args)
-    except (ImportError, AttributeError):
-        from blend.retrieval.pipeline import load_engine
-
-        policy = _policy(getattr(args, "reuse", "exact"), getattr(args, "ratio", 0.15) or 0.15)
-        engine = load_engine(getattr(args, "model", DEMO_MODEL), getattr(args, "dtype", "float32"),
-                             getattr(args, "store", None))
-    rag = RAG(rag.catalog, None, engine, system=rag.system)
-    ans = rag.ask(args.question, top_k=getattr(args, "top_k", 5), policy=policy,
-                  max_new_tokens=getattr(args, "max_new_tokens", 32))
-    if getattr(args, "json", False):
+    rag = RAG.open(args.index, system=args.system)  # a missing index fails before any model loads
+    policy = policy_from_args(args)
+    rag = RAG(rag.catalog, None, engine_from_args(args), system=rag.system)
+    ans = rag.ask(args.question, top_k=args.top_k, policy=policy, max_new_tokens=args.max_new_tokens)
+    if args.json:
         print(json.dumps({
             "answer": ans.answer, "ttft_s": ans.ttft_s, "policy": ans.policy,
             "retrieved": [r.__dict__ for r in ans.retrieved], "reuse": [c.__dict__ for c in ans.reuse],
@@ -190,17 +141,12 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from blend.retrieval.embedder import Embedder
-    from blend.retrieval.ingest import ingest, print_issues
-    from blend.retrieval.pipeline import RAG, engine_kv_deleter, engine_kv_writer, load_engine
-    from blend.store.spec import kvblend_home
-
     home = kvblend_home()
     index = Path(args.index) if args.index else home / "demo-index"
     spec = args.store if args.store else f"disk:{home / 'store'}"
     print(f"demo: model {args.model}, index {index}, store {spec}")
     t0 = time.perf_counter()
-    engine = load_engine(args.model, "float32", spec)
+    engine = load_engine(args.model, args.dtype, spec)
     embedder = Embedder.load()
     print(f"demo: loaded model and embedder in {time.perf_counter() - t0:.1f} s")
     summary = ingest([demo_dir()], index, tokenizer=engine.tokenizer, embedder=embedder,
@@ -210,8 +156,8 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"ingest: {summary.format()}")
     questions = json.loads((demo_dir() / "questions.json").read_text())["questions"]
     rag = RAG.open(index, engine=engine, embedder=embedder)
-    policy = _policy(args.reuse, args.ratio, args.force_blend)
-    full = _policy("none")
+    policy = policy_from_args(args)
+    full = ReusePolicy.none()
     for warm in (full, policy):  # untimed warm-up (a first blend request may also run the quality gate once)
         rag.ask(questions[0]["question"], top_k=args.top_k, policy=warm, max_new_tokens=2)
     correct, ratios, classes = 0, [], {}  # classes: reuse class -> chunks

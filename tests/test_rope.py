@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from blend.engine import Engine
-from blend.layers import project_qkv, rms_norm
+from blend.model import project_qkv, rms_norm
 from blend.rope import apply_rope
 from conftest import TINY_MODELS
 

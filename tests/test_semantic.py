@@ -7,13 +7,12 @@ import sys
 import pytest
 import torch
 
-from blend.blending import canonical_chunk_kv
 from blend.donors import DonorIndex, jaccard_estimate, minhash
 from blend.errors import InvalidPolicyError
 from blend.keys import Namespace, StoreKey, canonical_key, key_hex
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
-from blend.semantic import FORCE_WINDOW, MIN_ALIGNED, align, donor_index, register_donor, set_donor_index
+from blend.semantic import FORCE_WINDOW, MIN_ALIGNED, align
 from conftest import make_docs
 
 SEM0 = ReusePolicy.blend(ratio=0.0, semantic=True)
@@ -33,7 +32,7 @@ def store_originals(engine, docs):
     engine.precompute_chunks(docs)
     prompt = engine.build_prompt("Which?", docs)
     for d in prompt.documents:
-        register_donor(engine, prompt.preamble.token_ids, d.token_ids)
+        engine.segments.register_donor(prompt.preamble.token_ids, d.token_ids)
     return prompt
 
 
@@ -61,8 +60,8 @@ def test_semantic_policy_needs_the_engine_flag(tiny_engine):
     prompt = tiny_engine.build_prompt("Which?", make_docs(2))
     with pytest.raises(InvalidPolicyError, match="experimental"):
         tiny_engine.generate(prompt, ReusePolicy.blend(semantic=True), max_new_tokens=1)
-    assert register_donor(tiny_engine, prompt.preamble.token_ids, prompt.documents[0].token_ids) is False
-    assert len(donor_index(tiny_engine)) == 0
+    assert tiny_engine.segments.register_donor(prompt.preamble.token_ids, prompt.documents[0].token_ids) is False
+    assert len(tiny_engine.segments.donors.index) == 0
     with pytest.raises(InvalidPolicyError):
         ReusePolicy.exact().__class__(semantic=True)  # semantic outside blend mode
 
@@ -80,7 +79,7 @@ def test_without_the_opt_in_a_near_duplicate_never_reuses_donor_kv(sem_engine):
     key = canonical_key(sem_engine.provenance, prompt.preamble.token_ids, prompt.documents[1].token_ids)
     stored = sem_engine.store.get(Namespace.CANONICAL, key, sem_engine.provenance.canonical_json()).entry
     with torch.inference_mode():
-        ref = canonical_chunk_kv(sem_engine, prompt.preamble, prompt.documents[1].token_ids)
+        ref = sem_engine.segments.canonical_kv(prompt.preamble, prompt.documents[1].token_ids)
     assert torch.equal(stored.k, ref.k) and torch.equal(stored.v, ref.v)
 
 
@@ -105,7 +104,7 @@ def test_document_identical_to_its_donor_reproduces_the_blend_exactly(tiny_engin
     alias = StoreKey(bytes(32))
     eng.store.put(Namespace.CANONICAL, alias, entry)
     eng.store.delete(Namespace.CANONICAL, own)
-    assert register_donor(eng, prompt.preamble.token_ids, ids, key=alias)
+    assert eng.segments.register_donor(prompt.preamble.token_ids, ids, key=alias)
 
     sem = eng.generate(prompt, ReusePolicy.blend(ratio=0.15, semantic=True), max_new_tokens=4,
                        stop_at_newline=False)
@@ -184,7 +183,7 @@ def test_threshold_respected_dissimilar_documents_get_no_donor(sem_engine):
     assert align(stored[1].token_ids, prompt.documents[1].token_ids).aligned_fraction < MIN_ALIGNED
     own = canonical_key(sem_engine.provenance, pre, prompt.documents[2].token_ids)
     # the unrelated document is itself registered once computed; no *other* chunk qualifies
-    assert [c for c in donor_index(sem_engine).candidates(pre, prompt.documents[2].token_ids, 0.3)
+    assert [c for c in sem_engine.segments.donors.index.candidates(pre, prompt.documents[2].token_ids, 0.3)
             if bytes(c[0].key) != bytes(own)] == []
 
 
@@ -226,7 +225,7 @@ def test_store_is_byte_identical_after_semantic_requests_and_later_full_compute(
     key = canonical_key(sem_engine.provenance, prompt.preamble.token_ids, prompt.documents[2].token_ids)
     stored = sem_engine.store.get(Namespace.CANONICAL, key, sem_engine.provenance.canonical_json()).entry
     with torch.inference_mode():
-        ref = canonical_chunk_kv(sem_engine, prompt.preamble, prompt.documents[2].token_ids)
+        ref = sem_engine.segments.canonical_kv(prompt.preamble, prompt.documents[2].token_ids)
     assert torch.equal(stored.k, ref.k) and torch.equal(stored.v, ref.v)
     again = sem_engine.generate(prompt, SEM0, max_new_tokens=1)  # own entry now: no donor needed
     assert again.report.segments[3].reuse_class is ReuseClass.BLENDED
@@ -240,7 +239,7 @@ def test_evicted_donor_is_skipped_and_forgotten(sem_engine):
     edited = [docs[0], edit_middle(docs[1])[0]]
     ans = sem_engine.generate(sem_engine.build_prompt("Which?", edited), SEM0, max_new_tokens=1)
     assert ans.report.segments[2].reuse_class is ReuseClass.COMPUTED
-    assert key not in donor_index(sem_engine)
+    assert key not in sem_engine.segments.donors.index
 
 
 # ---- donor index -----------------------------------------------------------------------------
@@ -270,15 +269,14 @@ def test_donor_index_save_load_and_preamble_scoping(tmp_path, sem_engine):
     back = DonorIndex.load(tmp_path / "donors.json")
     assert len(back) == 3
     assert [(d.key, s) for d, s in back.candidates([1, 2], near, 0.3)] == [(d.key, s) for d, s in got]
-    set_donor_index(sem_engine, back)
-    assert donor_index(sem_engine) is back
+    sem_engine.segments.donors.use_index(back)
+    assert sem_engine.segments.donors.index is back
 
 
 # ---- persisted donors ------------------------------------------------------------------------
 
 
 def test_donors_persist_beside_a_disk_store_for_a_new_process(tmp_path, tiny_engine_factory):
-    from blend.semantic import donor_log_name
     from blend.store.disk import DiskStore
     from blend.store.memory import MemoryStore
     from blend.store.tiered import TieredStore
@@ -286,38 +284,36 @@ def test_donors_persist_beside_a_disk_store_for_a_new_process(tmp_path, tiny_eng
     docs = make_docs(3)
     first = tiny_engine_factory(experimental_semantic=True, store=TieredStore([MemoryStore(), DiskStore(tmp_path)]))
     first.precompute_chunks(docs)  # registers donors: appended to the disk tier's record log
-    assert len(donor_index(first)) == 3
-    log = DiskStore(tmp_path).read_records(donor_log_name(first))
+    assert len(first.segments.donors.index) == 3
+    log = DiskStore(tmp_path).read_records(first.segments.donors.log_name)
     assert len(log) == 3
     # a fresh engine over the same folder finds the donors without registering anything
     second = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
     edited = [docs[0], edit_middle(docs[1])[0], docs[2]]
     ans = second.generate(second.build_prompt("Which?", edited), SEM0, max_new_tokens=1)
     assert ans.report.segments[2].reuse_class is ReuseClass.SEMANTIC
-    assert len(donor_index(second)) == 3
+    assert len(second.segments.donors.index) == 3
     # another provenance (dtype) has its own log: it sees none of these donors
     other = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path), dtype="bfloat16")
-    assert donor_log_name(other) != donor_log_name(first) and len(donor_index(other)) == 0
+    assert other.segments.donors.log_name != first.segments.donors.log_name and len(other.segments.donors.index) == 0
 
 
 def test_torn_and_corrupt_donor_lines_are_skipped(tmp_path, tiny_engine_factory):
-    from blend.semantic import donor_log_name
     from blend.store.disk import DiskStore
 
     eng = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
     eng.precompute_chunks(make_docs(2))
-    path = tmp_path / "logs" / f"{donor_log_name(eng)}.jsonl"
+    path = tmp_path / "logs" / f"{eng.segments.donors.log_name}.jsonl"
     with open(path, "ab") as f:
         f.write(b'{"key": "zz", "preamble": "00", "tokens": [1]}\n')  # bad hex
         f.write(b'not json\n')
         f.write(b'{"key": "' + b"ab" * 32)  # torn: no newline
     again = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
-    assert len(donor_index(again)) == 2
+    assert len(again.segments.donors.index) == 2
     assert DiskStore(tmp_path).clear() >= 2 and not path.exists()  # clearing everything drops the logs
 
 
 def test_a_forgotten_donor_stays_forgotten_in_a_new_process_until_registered_again(tmp_path, tiny_engine_factory):
-    from blend.semantic import donor_log_name
     from blend.store.disk import DiskStore
 
     docs = make_docs(2)
@@ -328,16 +324,16 @@ def test_a_forgotten_donor_stays_forgotten_in_a_new_process_until_registered_aga
     first.store.delete(Namespace.CANONICAL, key)  # evicted: the next semantic lookup forgets it
     edited = [docs[0], edit_middle(docs[1])[0]]
     first.generate(first.build_prompt("Which?", edited), SEM0, max_new_tokens=1)
-    assert key not in donor_index(first)
-    rows = DiskStore(tmp_path).read_records(donor_log_name(first))
+    assert key not in first.segments.donors.index
+    rows = DiskStore(tmp_path).read_records(first.segments.donors.log_name)
     assert b'{"remove":"' + key_hex(key).encode() + b'"}' in rows
     second = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
-    assert len(donor_index(second)) == len(donor_index(first)) and key not in donor_index(second)
+    assert len(second.segments.donors.index) == len(first.segments.donors.index) and key not in second.segments.donors.index
     # its KV comes back and it is registered again: a third process sees it
     first.precompute_chunks(docs)  # stores its KV again and registers it (the engine's hook)
-    assert key in donor_index(first) and not register_donor(first, pre, doc1)
+    assert key in first.segments.donors.index and not first.segments.register_donor(pre, doc1)
     third = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
-    assert len(donor_index(third)) == len(donor_index(second)) + 1 and key in donor_index(third)
+    assert len(third.segments.donors.index) == len(second.segments.donors.index) + 1 and key in third.segments.donors.index
 
 
 def test_bad_removal_records_are_skipped():

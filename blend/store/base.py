@@ -16,29 +16,9 @@ from typing import Iterator, Protocol, runtime_checkable
 import torch
 
 from blend.keys import Namespace, StoreKey
+from blend.kvcache import KVEntry
 
-
-@dataclass(frozen=True)
-class KVEntry:
-    """KV rows of one segment, all layers.
-
-    Attributes:
-        k: keys before RoPE, (L, Hkv, T, D).
-        v: values, (L, Hkv, T, D).
-        provenance: canonical JSON of the producing :class:`~blend.keys.Provenance`.
-    """
-
-    k: torch.Tensor  # (L, Hkv, T, D)
-    v: torch.Tensor  # (L, Hkv, T, D)
-    provenance: str
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.k.shape[2])
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+__all__ = ["KVEntry"]  # the entry type lives with the cache; tiers import it from here
 
 
 class LookupStatus(Enum):

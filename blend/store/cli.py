@@ -1,8 +1,7 @@
 """``kvblend store stats|ls|verify|clear|prune``: inspect and repair a store.
 
-The main CLI (blend/cli.py) calls :func:`add_store_commands` on its
-subparsers and dispatches ``args.command == "store"`` to
-:func:`run_store_command`. Commands act on the persistent tiers the spec names
+The main CLI (blend/cli.py) calls :func:`add_store_command` on its
+subparsers, which dispatches to :func:`run_store_command`. Commands act on the persistent tiers the spec names
 (no in-process memory tier in front: a fresh process's memory tier is empty).
 """
 
@@ -19,7 +18,8 @@ from blend.keys import Namespace, key_hex
 from blend.store.base import InspectableStore
 from blend.store.codec import EntryError
 from blend.store.disk import DiskStore
-from blend.store.spec import StoreSpecError, add_store_argument, open_store, parse_size
+from blend.options import add_store_argument
+from blend.store.spec import StoreSpecError, open_store, parse_size
 from blend.store.tiered import TieredStore
 
 
@@ -67,6 +67,13 @@ def add_store_commands(subparsers: Any) -> argparse.ArgumentParser:
         if cmd is StoreCommand.PRUNE:
             c.add_argument("--max-bytes", required=True, type=_size, metavar="SIZE",
                            help="bytes to keep per disk tier, e.g. 500M or 20G")
+    return p
+
+
+def add_store_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``store`` (see :func:`add_store_commands`) with :func:`run_store_command` as its action."""
+    p = add_store_commands(subparsers)
+    p.set_defaults(func=run_store_command)
     return p
 
 

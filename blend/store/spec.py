@@ -14,13 +14,13 @@ reaches redis-py: ``redis://h:6379/0?prefix=team&ttl=86400``.
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from blend.defaults import kvblend_home
 from blend.store.base import InspectableStore
 from blend.store.disk import DiskStore
 from blend.store.memory import MemoryStore
@@ -69,11 +69,6 @@ def parse_size(text: str) -> int:
     if not value >= 1:
         raise StoreSpecError(f"size must be at least one byte, got {text!r}")
     return int(value)
-
-
-def kvblend_home() -> Path:
-    """``$KVBLEND_HOME`` or ``~/.cache/kvblend``."""
-    return Path(os.environ.get("KVBLEND_HOME") or Path.home() / ".cache" / "kvblend").expanduser()
 
 
 def default_spec() -> str:
@@ -154,12 +149,3 @@ def open_store(
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
 
 
-def add_store_argument(parser: argparse.ArgumentParser) -> None:
-    """Add ``--store SPEC`` to a command that computes (or inspects) KV."""
-    parser.add_argument(
-        "--store",
-        default=None,
-        metavar="SPEC",
-        help="memory | disk:PATH[?max_bytes=20G] | redis://HOST:PORT/DB[?prefix=P&ttl=S] | a comma chain "
-        f"(default: $KVBLEND_STORE or disk:$KVBLEND_HOME/store)",
-    )

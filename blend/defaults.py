@@ -1,0 +1,35 @@
+"""Every default of the engine, the CLI and the API, in one place.
+
+Nothing here imports the rest of kvblend: any module may read a default
+without pulling the engine in (the CLI's ``--help`` stays light).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_DTYPE = "float32"
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DEFAULT_DEVICE = "cpu"
+
+# blended reuse
+DEFAULT_RATIO = 0.15  # share of reused document tokens recomputed
+DEFAULT_SELECTOR = "combo"
+DEFAULT_CHECK_LAYERS: tuple[int, ...] = (1,)
+DEFAULT_MAX_RATIO = 0.5  # cap of threshold mode
+DEFAULT_MIN_PROMPT_TOKENS = 0
+
+# answering
+DEFAULT_MAX_NEW_TOKENS = 32
+DEFAULT_TOP_K = 5  # chunks retrieved by `ask --index`
+DEFAULT_DEMO_TOP_K = 2
+
+# the quality gate (`kvblend check`)
+DEFAULT_GATE_ITEMS = 4  # calibration prompts of the fidelity check
+
+
+def kvblend_home() -> Path:
+    """Cache root: ``$KVBLEND_HOME`` or ``~/.cache/kvblend``."""
+    return Path(os.environ.get("KVBLEND_HOME") or Path.home() / ".cache" / "kvblend").expanduser()

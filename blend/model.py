@@ -1,0 +1,369 @@
+"""The engine's own forward over a transformers model's weights.
+
+The engine never calls the transformers modules' forward: it reads their
+weights once (fusing q/k/v and gate/up into single GEMMs) and runs ONE
+per-layer function, :func:`layer_forward`, for every kind of pass:
+
+    layer_forward(w, dims, layer, h, rows)
+        x = norm(h); q, k, v = project(x)        every active row
+        q, h = rows.store_kv(layer, q, k, v, h)  where this layer's K/V go (a blend
+                                                 check may drop rows here)
+        attn = rows.attend(layer, q)             what the queries read
+        h = h + o(attn); h = h + mlp(norm(h))
+
+A :class:`LayerRows` says where K/V go and what is attended: :class:`AppendRows`
+(a segment appended at the end of the cache: prefill, chunked prefill, decode)
+here, and the blend path's re-positioned rows in :mod:`blend.blending`.
+
+Computing a segment and loading it from the store are interchangeable: both
+leave the same rows (K after RoPE at the segment's positions, V) in the
+cache, which is what makes the cold path and the hit path the same program.
+
+Shapes: hidden rows are (S, C) with no batch dim; heads are head-major
+(H, S, D) so attention and KV rows index along dim 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from blend.kernels.reference import causal_suffix_attention
+from blend.kvcache import KVCache, KVEntry
+from blend.models import LoadedModel
+from blend.rope import RopeTables, apply_rope
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """Weights of one decoder layer in the engine's dtype and device."""
+
+    input_norm: torch.Tensor  # (C,)
+    post_norm: torch.Tensor  # (C,)
+    w_qkv: torch.Tensor  # ((Hq + 2 Hkv) D, C)
+    b_qkv: torch.Tensor | None  # ((Hq + 2 Hkv) D,)  Qwen2 has q/k/v biases
+    w_o: torch.Tensor  # (C, Hq D)
+    w_gate_up: torch.Tensor  # (2 I, C)
+    w_down: torch.Tensor  # (C, I)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Static shape facts the steps need."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    eps: float
+    act: str
+    vocab: int
+    max_positions: int
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+def dims_of(config) -> ModelDims:
+    """Read the model config into :class:`ModelDims`."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelDims(
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        eps=config.rms_norm_eps,
+        act=config.hidden_act,
+        vocab=config.vocab_size,
+        max_positions=context_length(config),
+    )
+
+
+def context_length(config) -> int:
+    """Longest sequence the model serves: ``max_position_embeddings``, times the
+    factor for dynamic-NTK RoPE (which rescales past the trained length by design)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    n = int(config.max_position_embeddings)
+    if isinstance(rope, dict) and "dynamic" in str(rope.get("rope_type", rope.get("type", ""))):
+        return int(n * float(rope.get("factor", 1.0)))
+    return n
+
+
+def extract_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> LayerWeights:
+    """Copy one transformers decoder layer's weights into a :class:`LayerWeights`."""
+    att, mlp = layer.self_attn, layer.mlp
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(device=device, dtype=dtype).contiguous()
+
+    biases = [p.bias for p in (att.q_proj, att.k_proj, att.v_proj)]
+    b_qkv = None
+    if any(b is not None for b in biases):
+        b_qkv = cast(torch.cat([b if b is not None else torch.zeros(p.out_features)
+                                for b, p in zip(biases, (att.q_proj, att.k_proj, att.v_proj))]))
+    return LayerWeights(
+        input_norm=cast(layer.input_layernorm.weight),
+        post_norm=cast(layer.post_attention_layernorm.weight),
+        w_qkv=cast(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+        b_qkv=b_qkv,
+        w_o=cast(att.o_proj.weight),
+        w_gate_up=cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+        w_down=cast(mlp.down_proj.weight),
+    )
+
+
+# ---- the steps of one layer -------------------------------------------------------------
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, as transformers does. h: (S, C) -> (S, C)."""
+    dtype = h.dtype
+    x = h.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def project_qkv(w: LayerWeights, dims: ModelDims, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Normed hidden rows -> q, k (before RoPE), v.
+
+    Args:
+        x: (S, C) normed hidden rows.
+
+    Returns:
+        q (Hq, S, D), k (Hkv, S, D), v (Hkv, S, D).
+    """
+    s = x.shape[0]
+    qkv = F.linear(x, w.w_qkv, w.b_qkv)  # (S, (Hq + 2 Hkv) D)
+    hq, hkv, d = dims.num_heads, dims.num_kv_heads, dims.head_dim
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = q.view(s, hq, d).transpose(0, 1)  # (Hq, S, D)
+    k = k.view(s, hkv, d).transpose(0, 1)  # (Hkv, S, D)
+    v = v.view(s, hkv, d).transpose(0, 1)  # (Hkv, S, D)
+    return q, k, v
+
+
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Additive mask: 0 where key j is visible to query i (k_pos[j] <= q_pos[i]), -inf elsewhere.
+
+    Returns:
+        (S, T) mask in ``dtype``, or None when every key is visible to every query.
+    """
+    visible = k_pos[None, :] <= q_pos[:, None]  # (S, T)
+    if bool(visible.all()):
+        return None
+    return torch.zeros(visible.shape, dtype=dtype, device=q_pos.device).masked_fill(~visible, float("-inf"))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+    """Grouped-query attention with the torch SDPA kernel.
+
+    Args:
+        q: (Hq, S, D) after RoPE; k, v: (Hkv, T, D) (k after RoPE).
+        mask: (S, T) additive mask from :func:`causal_mask`, or None.
+        causal: plain causal attention with S == T (ignores ``mask``).
+
+    Returns:
+        (S, Hq D) attention output rows.
+    """
+    gqa = q.shape[0] != k.shape[0]
+    # 4-D inputs take SDPA's fused CPU kernel; 3-D ones fall back to the slow math path
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=None if causal else mask,
+                                         is_causal=causal, scale=scale, enable_gqa=gqa)[0]  # (Hq, S, D)
+    return out.transpose(0, 1).reshape(q.shape[1], -1)  # (S, Hq D)
+
+
+def attend_suffix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Chunked-prefill attention: q are the last S rows of k/v; earlier keys all visible.
+
+    Args:
+        q: (Hq, S, D) after RoPE; k, v: (Hkv, T, D), T >= S.
+
+    Returns:
+        (S, Hq D) attention output rows.
+    """
+    out = causal_suffix_attention(q, k, v, scale)  # (Hq, S, D)
+    return out.transpose(0, 1).reshape(q.shape[1], -1)  # (S, Hq D)
+
+
+def attn_out(w: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Residual add of the attention output projection. (S, C)."""
+    return h + F.linear(attn, w.w_o)
+
+
+def mlp_block(w: LayerWeights, dims: ModelDims, h: torch.Tensor) -> torch.Tensor:
+    """Residual SwiGLU MLP: h + down(act(gate(x)) * up(x)), x = norm(h). (S, C)."""
+    x = rms_norm(h, w.post_norm, dims.eps)  # (S, C)
+    gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)  # (S, I), (S, I)
+    return h + F.linear(ACT2FN[dims.act](gate) * up, w.w_down)
+
+
+class LayerRows(Protocol):
+    """Where a pass's fresh K/V go and what its queries attend to, layer by layer."""
+
+    def store_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put this layer's fresh K (before RoPE) and V; return the queries and hidden
+        rows that go on (a blend check layer keeps a subset). q: (Hq, A, D); h: (A, C)."""
+        ...
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention output rows (A, Hq D) of queries q (Hq, A, D), before RoPE."""
+        ...
+
+
+def layer_forward(w: LayerWeights, dims: ModelDims, layer: int, h: torch.Tensor, rows: LayerRows) -> torch.Tensor:
+    """One decoder layer over the active hidden rows h (A, C) -> (A', C)."""
+    q, k, v = project_qkv(w, dims, rms_norm(h, w.input_norm, dims.eps))  # (Hq,A,D) (Hkv,A,D) x2
+    q, h = rows.store_kv(layer, q, k, v, h)
+    h = attn_out(w, h, rows.attend(layer, q))
+    return mlp_block(w, dims, h)
+
+
+class AppendMode(Enum):
+    """How an appended segment's queries see the cache."""
+
+    CAUSAL = "causal"  # the segment starts the cache: plain causal attention
+    SUFFIX = "suffix"  # every earlier row sits at an earlier position: chunked prefill, no mask
+    MASK = "mask"  # re-positioned rows before it: a mask from positions
+
+
+class AppendRows:
+    """A segment appended at the end of the cache: its rows get positions
+    ``start..start+S`` and attend causally to everything before them.
+
+    Args:
+        cache: the request's cache; rows [0, cache.length) are visible context.
+        cos, sin: (S, R) rotary tables at the segment's positions.
+        scale: softmax scale.
+        mode: see :class:`AppendMode`.
+        mask: (S, T) additive mask in MASK mode (None: every key visible).
+        keep_kv: collect the segment's K (before RoPE) and V for the store.
+    """
+
+    def __init__(self, cache: KVCache, start: int, cos: torch.Tensor, sin: torch.Tensor, scale: float,
+                 mode: AppendMode, mask: torch.Tensor | None, keep_kv: bool) -> None:
+        self.cache, self.start, self.cos, self.sin, self.scale = cache, start, cos, sin, scale
+        self.end = start + cos.shape[0]
+        self.mode, self.mask = mode, mask
+        self.kept: tuple[list[torch.Tensor], list[torch.Tensor]] | None = ([], []) if keep_kv else None
+
+    def store_kv(self, layer, q, k, v, h):
+        if self.kept is not None:
+            self.kept[0].append(k)
+            self.kept[1].append(v)
+        self.cache.write(layer, self.start, apply_rope(k, self.cos, self.sin), v)
+        return q, h
+
+    def attend(self, layer, q):
+        k_all, v_all = self.cache.view(layer, self.end)  # (Hkv, T, D)
+        q_rot = apply_rope(q, self.cos, self.sin)  # (Hq, S, D)
+        if self.mode is AppendMode.SUFFIX:
+            return attend_suffix(q_rot, k_all, v_all, self.scale)  # (S, Hq D)
+        return attend(q_rot, k_all, v_all, self.scale, self.mask, self.mode is AppendMode.CAUSAL)  # (S, Hq D)
+
+    def entry(self) -> KVEntry | None:
+        """The segment's K (before RoPE) and V, (L, Hkv, S, D) each, if kept."""
+        return None if self.kept is None else KVEntry(torch.stack(self.kept[0]), torch.stack(self.kept[1]))
+
+
+class ModelRunner:
+    """Weights, RoPE tables and the layer loop of a loaded transformers model.
+
+    Args:
+        loaded: model, tokenizer and fingerprints.
+        dtype: compute dtype.
+        device: compute device.
+    """
+
+    def __init__(self, loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> None:
+        hf = loaded.model
+        self.loaded = loaded
+        self.dtype = dtype
+        self.device = device
+        self.dims: ModelDims = dims_of(hf.config)
+        base = hf.model
+        self.embed_w = base.embed_tokens.weight.detach().to(device=device, dtype=dtype)  # (V, C)
+        self.final_norm = base.norm.weight.detach().to(device=device, dtype=dtype)  # (C,)
+        self.lm_head = hf.lm_head.weight.detach().to(device=device, dtype=dtype)  # (V, C)
+        self.layers: list[LayerWeights] = [extract_layer(layer, dtype, device) for layer in base.layers]
+        self.rope = RopeTables(base.rotary_emb.to(device), device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """(S,) int64 -> (S, C) hidden rows."""
+        return F.embedding(ids, self.embed_w)
+
+    def logits(self, h_last: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head of hidden rows (S, C) -> (S, V) float32."""
+        return F.linear(rms_norm(h_last, self.final_norm, self.dims.eps), self.lm_head).float()
+
+    def new_cache(self, capacity: int) -> KVCache:
+        d = self.dims
+        return KVCache(d.num_layers, d.num_kv_heads, d.head_dim, capacity, self.dtype, self.device)
+
+    def ids(self, token_ids) -> torch.Tensor:
+        """Token ids as an (S,) int64 tensor on the compute device."""
+        return torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+
+    def run_layers(self, h: torch.Tensor, rows: LayerRows) -> torch.Tensor:
+        """Every layer over hidden rows h (A, C); returns the last layer's rows (A', C)."""
+        for i, w in enumerate(self.layers):
+            h = layer_forward(w, self.dims, i, h, rows)
+        return h
+
+    def prefill(self, cache: KVCache, ids: torch.Tensor, keep_kv: bool = True) -> tuple[torch.Tensor, KVEntry | None]:
+        """Compute a segment appended at the end of ``cache`` (positions continue).
+
+        Args:
+            cache: the request's cache; rows [0, cache.length) are visible context.
+            ids: (S,) token ids.
+            keep_kv: also return the segment's K (before RoPE) and V for the store.
+
+        Returns:
+            hidden rows after the last layer (S, C), and the segment's KV (or None).
+        """
+        start, s = cache.length, ids.shape[0]
+        pos = torch.arange(start, start + s, device=self.device)  # (S,)
+        cos, sin = self.rope(pos)  # (S, R)
+        cache.set_positions(start, pos)
+        # appended after context that sits before it (always, unless rows were re-positioned):
+        # chunked prefill without a materialised mask
+        if start == 0:
+            mode = AppendMode.CAUSAL
+        elif s > 1 and int(cache.pos[:start].max()) < start:
+            mode = AppendMode.SUFFIX
+        else:
+            mode = AppendMode.MASK
+        mask = causal_mask(pos, cache.pos[: start + s], self.dtype) if mode is AppendMode.MASK else None  # (S, T)
+        rows = AppendRows(cache, start, cos, sin, self.dims.scale, mode, mask, keep_kv)
+        h = self.run_layers(self.embed(ids), rows)  # (S, C)
+        cache.advance(s)
+        return h, rows.entry()
+
+    def load(self, cache: KVCache, seg: KVEntry) -> None:
+        """Append a stored segment (K before RoPE) to ``cache`` at the next positions."""
+        start = cache.length
+        s = seg.k.shape[2]
+        pos = torch.arange(start, start + s, device=self.device)  # (S,)
+        cos, sin = self.rope(pos)  # (S, R)
+        cache.set_positions(start, pos)
+        for i in range(self.dims.num_layers):
+            k = seg.k[i].to(device=self.device, dtype=self.dtype)  # (Hkv, S, D)
+            v = seg.v[i].to(device=self.device, dtype=self.dtype)  # (Hkv, S, D)
+            cache.write(i, start, apply_rope(k, cos, sin), v)
+        cache.advance(s)
+
+    def decode_step(self, cache: KVCache, token: int) -> torch.Tensor:
+        """Feed one token; return next-token logits (V,) float32."""
+        h, _ = self.prefill(cache, self.ids([token]), keep_kv=False)
+        return self.logits(h[-1:])[0]

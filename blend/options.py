@@ -1,0 +1,114 @@
+"""Command-line options -> engine, policy and store: shared by every CLI and the API.
+
+The argument *definitions* import nothing heavy (no torch, no faiss, no eval
+harness), so building any parser stays fast; the engine is imported when an
+engine is actually built.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from blend.defaults import (
+    DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_RATIO,
+    DEFAULT_SELECTOR, DTYPE_NAMES,
+)
+from blend.policy import SELECTOR_NAMES, ReuseMode, ReusePolicy
+
+if TYPE_CHECKING:
+    from blend.engine import Engine
+
+REUSE_CHOICES = tuple(m.value for m in ReuseMode)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
+
+
+def add_store_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--store SPEC`` to a command that computes (or inspects) KV."""
+    parser.add_argument(
+        "--store", default=None, metavar="SPEC",
+        help="memory | disk:PATH[?max_bytes=20G] | redis://HOST:PORT/DB[?prefix=P&ttl=S] | a comma chain "
+             "(default: $KVBLEND_STORE or disk:$KVBLEND_HOME/store)",
+    )
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model and --dtype."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or checkpoint directory (default: %(default)s)")
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --kv-dtype, --store: shared by every command that computes."""
+    add_model_arguments(p)
+    p.add_argument("--kv-dtype", default=None, choices=DTYPE_NAMES, help="dtype KV is stored at (default: --dtype)")
+    add_store_argument(p)
+
+
+def add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """--reuse and the blend knobs."""
+    p.add_argument("--reuse", default=ReuseMode.EXACT.value, choices=REUSE_CHOICES,
+                   help="exact prefix reuse (default), blended reuse (opt-in), or none")
+    p.add_argument("--ratio", type=float, default=DEFAULT_RATIO,
+                   help="blend: share of reused tokens recomputed (default: %(default)s)")
+    p.add_argument("--selector", default=DEFAULT_SELECTOR, choices=SELECTOR_NAMES,
+                   help="blend: which rows to recompute (default combo: attention-weighted V deviation)")
+    p.add_argument("--check-layers", type=_int_list, default=DEFAULT_CHECK_LAYERS, help="blend: e.g. 1 or 1,2")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="blend: recompute rows whose relative deviation exceeds this (capped by --max-ratio)")
+    p.add_argument("--max-ratio", type=float, default=DEFAULT_MAX_RATIO)
+    p.add_argument("--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS,
+                   help="blend: compute fully below this length")
+    p.add_argument("--force-blend", action="store_true", help="blend even if the model's quality gate failed")
+    p.add_argument("--semantic", action="store_true", help="blend: also reuse near-duplicate donor KV")
+    p.add_argument("--experimental-semantic", action="store_true",
+                   help="enable the experimental semantic-reuse path in the engine")
+
+
+def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
+    """The request's :class:`ReusePolicy` from parsed arguments (missing blend knobs take their defaults)."""
+    mode = ReuseMode(getattr(args, "reuse", ReuseMode.EXACT.value))
+    if mode is ReuseMode.NONE:
+        return ReusePolicy.none()
+    if mode is ReuseMode.EXACT:
+        return ReusePolicy.exact()
+    return ReusePolicy.blend(
+        ratio=getattr(args, "ratio", DEFAULT_RATIO), selector=getattr(args, "selector", DEFAULT_SELECTOR),
+        check_layers=getattr(args, "check_layers", DEFAULT_CHECK_LAYERS),
+        threshold=getattr(args, "threshold", None), max_ratio=getattr(args, "max_ratio", DEFAULT_MAX_RATIO),
+        min_prompt_tokens=getattr(args, "min_prompt_tokens", DEFAULT_MIN_PROMPT_TOKENS),
+        force=getattr(args, "force_blend", False), semantic=getattr(args, "semantic", False),
+    )
+
+
+def load_engine(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, store: Any = None, **config) -> "Engine":
+    """Load an engine with a store given as a ``--store`` spec string, a store object or None.
+
+    Args:
+        model: model name or path.
+        dtype: compute dtype.
+        store: spec string (``memory``, ``disk:PATH``, ...), a store, or None (the default spec).
+        **config: other :class:`~blend.engine.EngineConfig` fields.
+
+    Returns:
+        The engine.
+    """
+    from blend.engine import Engine  # loaded on use: parsers stay light (no cycle: the engine never imports this)
+    from blend.store.spec import open_store
+
+    if store is None or isinstance(store, str):
+        store = open_store(store)
+    return Engine.load(model, dtype=dtype, store=store, **config)
+
+
+def engine_from_args(args: argparse.Namespace) -> "Engine":
+    """Load the engine a command's arguments describe."""
+    return load_engine(getattr(args, "model", DEFAULT_MODEL), getattr(args, "dtype", DEFAULT_DTYPE),
+                       getattr(args, "store", None), kv_dtype=getattr(args, "kv_dtype", None),
+                       experimental_semantic=getattr(args, "experimental_semantic", False))

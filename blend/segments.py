@@ -1,0 +1,309 @@
+"""The segment cache: segment KV by provenance key, loaded or computed.
+
+The one owner of the store, the provenance, the storage dtype, the
+background loader and the donor index. It answers questions with values and
+never touches a request's report:
+
+    exact_keys / canonical_key      keys (blend.keys) under this engine's provenance
+    lookup                          a store lookup -> :class:`Found` (hit / miss / rejected)
+    append_exact                    load a prefix segment into a cache, or compute and store it
+    canonical_kv                    a chunk computed alone right after the preamble
+    fetch_chunks                    every document's canonical KV for a blended request
+                                    (hit, donor, or computed and stored), as :class:`ChunkKV`
+    precompute_chunks               store canonical KV ahead of requests
+
+A segment computed here leaves exactly the rows a later load will see: with a
+lower storage dtype, the cache continues from the rounded rows (cold == warm).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from blend.keys import Namespace, Provenance, StoreKey, canonical_key, exact_chain, key_hex
+from blend.kvcache import KVCache, KVEntry
+from blend.model import ModelRunner
+from blend.prompt import Prompt, Segment, document_text, tokenize_segment
+from blend.report import ReuseClass, SegmentReport
+from blend.semantic import Donors
+from blend.store.base import KVStore, Lookup, LookupStatus
+from blend.store.prefetch import Prefetcher
+
+
+@dataclass(frozen=True)
+class Found:
+    """A lookup's outcome.
+
+    Attributes:
+        entry: the usable entry on a hit, else None.
+        rejected: why a found entry is unusable ("" on a hit or a plain miss).
+        seconds: time spent waiting for the store.
+    """
+
+    entry: KVEntry | None
+    rejected: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Appended:
+    """What :meth:`SegmentCache.append_exact` did with one prefix segment."""
+
+    reuse_class: ReuseClass  # EXACT (loaded), COMPUTED (miss) or REJECTED (found unusable, computed)
+    note: str
+    lookup_s: float
+
+
+@dataclass(frozen=True)
+class ChunkKV:
+    """One document's KV for a blended request.
+
+    Attributes:
+        kv: K before RoPE and V, all layers.
+        reuse_class: how it was obtained (EXACT/BLENDED for its own entry, SEMANTIC,
+            COMPUTED on a miss, REJECTED when a found entry was unusable).
+        key: hex canonical key.
+        note: why (rejection reason, donor, ...).
+        forced: (F,) int64 offsets inside the document that must be recomputed
+            whatever the selector says (tokens the KV does not belong to:
+            semantic reuse's edits); None when the KV is the document's own.
+    """
+
+    kv: KVEntry
+    reuse_class: ReuseClass
+    key: str
+    note: str = ""
+    forced: torch.Tensor | None = None
+
+    @property
+    def own_kv(self) -> bool:
+        return self.forced is None
+
+
+@dataclass(frozen=True)
+class PendingChunk:
+    """A document's canonical key and, with overlapped loading, its lookup in flight."""
+
+    key: StoreKey
+    future: Future[Lookup] | None
+
+
+class SegmentCache:
+    """Segment KV of one engine: keys, store I/O, canonical chunks, donors.
+
+    Args:
+        model: the runner that computes missing segments.
+        store: the KV store (any tier or chain).
+        provenance: every field that changes the KV this engine produces.
+        kv_dtype: dtype KV is stored at.
+        overlap_loading: look chunks up in background threads while computing.
+        semantic: the engine's experimental semantic flag (enables the donor index).
+    """
+
+    def __init__(self, model: ModelRunner, store: KVStore, provenance: Provenance, kv_dtype: torch.dtype,
+                 overlap_loading: bool, semantic: bool) -> None:
+        self.model = model
+        self.store = store
+        self.provenance = provenance
+        self.provenance_json = provenance.canonical_json()  # what every stored entry must carry
+        self.kv_dtype = kv_dtype
+        self.overlap_loading = overlap_loading
+        self.donors = Donors(store, self.provenance_json, semantic)
+        device = model.device
+        self.prefetcher = Prefetcher(store, device=device if device.type == "cuda" else None)
+
+    def close(self) -> None:
+        """Stop the background loader's threads."""
+        self.prefetcher.close()
+
+    # ---- keys and lookups ---------------------------------------------------------------
+
+    def exact_keys(self, segments: Sequence[Segment]) -> list[StoreKey]:
+        """Prefix-chained keys of ``segments`` (see :func:`blend.keys.exact_chain`)."""
+        return exact_chain(self.provenance, [s.token_ids for s in segments])
+
+    def canonical_key(self, preamble_ids: Sequence[int], ids: Sequence[int]) -> StoreKey:
+        """Key of a chunk's canonical KV after ``preamble_ids``."""
+        return canonical_key(self.provenance, preamble_ids, ids)
+
+    def lookup(self, ns: Namespace, key: StoreKey, tokens: int, pending: Future[Lookup] | None = None) -> Found:
+        """Look a segment's KV up (or collect a background lookup).
+
+        Args:
+            ns: namespace of the key.
+            key: the segment's store key.
+            tokens: the segment's length (an entry of another length is unusable).
+            pending: a lookup already started by the prefetcher, if any.
+
+        Returns:
+            The entry on a usable hit, or why a found entry was rejected, with the wait.
+        """
+        t0 = time.perf_counter()
+        found = pending.result() if pending is not None else self.store.get(ns, key, self.provenance_json)
+        seconds = time.perf_counter() - t0
+        if found.status is LookupStatus.HIT and found.entry.num_tokens == tokens:
+            return Found(found.entry, "", seconds)
+        if found.status is LookupStatus.MISS:
+            return Found(None, "", seconds)
+        return Found(None, found.reason or "stored entry has the wrong length", seconds)
+
+    # ---- computing ----------------------------------------------------------------------
+
+    def _stored_form(self, kv: KVEntry) -> KVEntry:
+        """The entry as the store keeps it: storage dtype, on the CPU, stamped with the provenance."""
+        return KVEntry(kv.k.to(self.kv_dtype).cpu(), kv.v.to(self.kv_dtype).cpu(), self.provenance_json)
+
+    def _compute(self, cache: KVCache, ids: Sequence[int]) -> KVEntry:
+        """Compute a segment whose KV will be stored; leave exactly the stored rows in the cache."""
+        start = cache.length
+        _, kv = self.model.prefill(cache, self.model.ids(ids))
+        if self.kv_dtype != self.model.dtype:  # cold must equal warm: continue from the rounded rows
+            cache.length = start
+            dt = self.model.dtype
+            kv = KVEntry(kv.k.to(self.kv_dtype).to(dt), kv.v.to(self.kv_dtype).to(dt))
+            self.model.load(cache, kv)
+        return kv
+
+    def append_exact(self, cache: KVCache, seg: Segment, key: StoreKey) -> Appended:
+        """Append one prefix segment: load it on an exact hit, else compute and store it.
+
+        Args:
+            cache: the request's cache (the segment goes at its end).
+            seg: the segment.
+            key: its prefix-chained key.
+
+        Returns:
+            What happened, for the segment's report row.
+        """
+        found = self.lookup(Namespace.EXACT, key, len(seg))
+        if found.entry is not None:
+            self.model.load(cache, found.entry)
+            return Appended(ReuseClass.EXACT, "", found.seconds)
+        kv = self._compute(cache, seg.token_ids)
+        self.store.put(Namespace.EXACT, key, self._stored_form(kv))
+        if found.rejected:
+            return Appended(ReuseClass.REJECTED, found.rejected, found.seconds)
+        return Appended(ReuseClass.COMPUTED, "", found.seconds)
+
+    def canonical_kv(self, preamble: Segment, ids: Sequence[int]) -> KVEntry:
+        """A chunk's canonical KV: computed alone, right after the preamble.
+
+        Args:
+            preamble: the preamble segment (its exact KV is loaded or stored on the way).
+            ids: the chunk's token ids.
+
+        Returns:
+            The chunk's KV (K before RoPE), exactly as a later load will see it.
+        """
+        cache = self.model.new_cache(len(preamble) + len(ids))
+        self.append_exact(cache, preamble, self.exact_keys([preamble])[0])
+        return self._compute(cache, ids)
+
+    def compute_rest(self, cache: KVCache, segs: Sequence[Segment]) -> tuple[torch.Tensor, tuple[SegmentReport, ...]]:
+        """Compute the remaining segments in one causal pass, storing nothing.
+
+        Args:
+            cache: the request's cache (the segments go at its end).
+            segs: the segments, in prompt order (the question last).
+
+        Returns:
+            First-token logits (V,) float32 and a COMPUTED report row per segment.
+        """
+        start = cache.length
+        h, _ = self.model.prefill(cache, self.model.ids([t for seg in segs for t in seg.token_ids]), keep_kv=False)
+        rows = []
+        for seg in segs:
+            rows.append(SegmentReport(seg.kind, ReuseClass.COMPUTED, len(seg), start))
+            start += len(seg)
+        return self.model.logits(h[-1:])[0], tuple(rows)
+
+    def register_donor(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], key: StoreKey | None = None) -> bool:
+        """Offer a stored canonical chunk as a semantic donor (a no-op unless enabled).
+
+        Returns:
+            True if it was newly registered.
+        """
+        key = key if key is not None else self.canonical_key(preamble_ids, doc_ids)
+        return self.donors.register(key, preamble_ids, doc_ids)
+
+    # ---- blended requests ---------------------------------------------------------------
+
+    def start_fetch(self, prompt: Prompt) -> list[PendingChunk]:
+        """Key every document and start its lookup in the background (overlapped loading)."""
+        out = []
+        for doc in prompt.documents:
+            key = self.canonical_key(prompt.preamble.token_ids, doc.token_ids)
+            fut = (self.prefetcher.submit(Namespace.CANONICAL, key, self.provenance_json)
+                   if self.overlap_loading else None)
+            out.append(PendingChunk(key, fut))
+        return out
+
+    def fetch_chunks(self, prompt: Prompt, pending: Sequence[PendingChunk], semantic: bool
+                     ) -> tuple[list[ChunkKV], float]:
+        """Canonical KV of every document: a hit is loaded; a miss or rejection is computed and stored.
+
+        Args:
+            prompt: the request.
+            pending: :meth:`start_fetch`'s result for it.
+            semantic: a miss may be seeded from a donor (experimental opt-in).
+
+        Returns:
+            One :class:`ChunkKV` per document, and the seconds spent on the store
+            (lookups and the donor search).
+        """
+        out, waited = [], 0.0
+        pre_ids = prompt.preamble.token_ids
+        for i, (doc, p) in enumerate(zip(prompt.documents, pending)):
+            found = self.lookup(Namespace.CANONICAL, p.key, len(doc), p.future)
+            waited += found.seconds
+            if found.entry is not None:
+                self.donors.register(p.key, pre_ids, doc.token_ids)
+                cls = ReuseClass.EXACT if i == 0 else ReuseClass.BLENDED
+                out.append(ChunkKV(found.entry, cls, key_hex(p.key)))
+                continue
+            if not found.rejected and semantic:
+                t0 = time.perf_counter()
+                donated = self.donors.donor_kv(pre_ids, doc.token_ids, p.key)
+                waited += time.perf_counter() - t0
+                if donated is not None:
+                    out.append(ChunkKV(donated.kv, ReuseClass.SEMANTIC, key_hex(p.key), donated.note, donated.forced))
+                    continue
+            kv = self.canonical_kv(prompt.preamble, doc.token_ids)
+            self.store.put(Namespace.CANONICAL, p.key, self._stored_form(kv))
+            self.donors.register(p.key, pre_ids, doc.token_ids)
+            if found.rejected:
+                out.append(ChunkKV(kv, ReuseClass.REJECTED, key_hex(p.key), found.rejected + "; recomputed"))
+            else:
+                out.append(ChunkKV(kv, ReuseClass.COMPUTED, key_hex(p.key), "miss: computed canonically, then reused"))
+        return out, waited
+
+    def precompute_chunks(self, texts: Sequence[str], preamble: Segment) -> int:
+        """Compute and store canonical chunk KV (each chunk alone after the preamble).
+
+        Args:
+            texts: chunk texts (as given to ``build_prompt``, or already laid out).
+            preamble: the preamble segment.
+
+        Returns:
+            Bytes of KV written (0 when everything was already stored).
+        """
+        written = 0
+        for text in texts:
+            laid = text if text.endswith("\n\n") else document_text(text)
+            ids = tokenize_segment(self.model.loaded.tokenizer, laid)
+            key = self.canonical_key(preamble.token_ids, ids)
+            self.donors.register(key, preamble.token_ids, ids)
+            if self.store.contains(Namespace.CANONICAL, key):
+                continue
+            with torch.inference_mode():
+                kv = self.canonical_kv(preamble, ids)
+            entry = self._stored_form(kv)
+            self.store.put(Namespace.CANONICAL, key, entry)
+            written += entry.nbytes
+        return written
+
