@@ -22,12 +22,13 @@ import argparse
 import importlib
 import json
 import sys
-from pathlib import Path
 from typing import Callable, Sequence
 
 from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K
 from blend.errors import InvalidRequestError, KVBlendError
-from blend.options import add_engine_arguments, add_policy_arguments, engine_from_args, policy_from_args
+from blend.options import (
+    add_engine_arguments, add_policy_arguments, engine_from_args, policy_from_args, read_document,
+)
 
 EXIT_USER_ERROR = 2
 
@@ -38,21 +39,6 @@ AREA_COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("blend.retrieval.cli", "add_demo_command"),
     "store": ("blend.store.cli", "add_store_command"),
 }
-
-
-def read_document(path: str) -> str:
-    """Read a UTF-8 text document, with a clear error for missing or non-UTF-8 files."""
-    p = Path(path)
-    if not p.is_file():
-        raise InvalidRequestError(f"document {path}: no such file")
-    data = p.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidRequestError(f"document {path}: not UTF-8 text (byte {e.start})") from None
-    if not text.strip():
-        raise InvalidRequestError(f"document {path}: empty")
-    return text
 
 
 def answer_json(engine, ans) -> dict:
@@ -140,7 +126,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     ask = sub.add_parser("ask", help="answer a question over documents")
     ask.add_argument("question")
-    ask.add_argument("--doc", action="append", default=[], metavar="FILE", help="a document (repeatable)")
+    ask.add_argument("--doc", action="append", default=[], metavar="FILE",
+                     help="a document (repeatable); with --index, placed after the retrieved chunks")
     ask.add_argument("--index", default=None, metavar="DIR", help="retrieve documents from an index")
     ask.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
     ask.add_argument("--system", default=None, help="system prompt")

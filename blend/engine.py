@@ -187,16 +187,22 @@ class Engine:
 
     # ---- prefill --------------------------------------------------------------------------
 
+    def _length_dependent(self, prompt: Prompt) -> bool:
+        """Dynamic-NTK RoPE past its trained length: every row's KV depends on the prompt's
+        length, so the prompt is computed in one pass (and nothing is reused or stored)."""
+        past = self.runner.rope.length_dependent_after
+        return past is not None and len(prompt) > past
+
     def _refusal(self, prompt: Prompt, policy: ReusePolicy) -> tuple[str, frozenset[SegmentKind], float]:
         """Whether the policy's reuse is refused for this prompt, before anything is timed.
 
         Returns:
             (reason or "", the segment kinds reported as fallback, seconds the quality gate ran).
         """
-        past = self.runner.rope.length_dependent_after
-        if policy.mode is not ReuseMode.NONE and past is not None and len(prompt) > past:
-            return (f"dynamic-NTK RoPE rescales past {past} positions: KV depends on the request's "
-                    f"length ({len(prompt)}), so nothing is reused or stored"), _STORED_KINDS, 0.0
+        if policy.mode is not ReuseMode.NONE and self._length_dependent(prompt):
+            return (f"dynamic-NTK RoPE rescales past {self.runner.rope.length_dependent_after} positions: KV "
+                    f"depends on the request's length ({len(prompt)}), so nothing is reused or stored"), \
+                _STORED_KINDS, 0.0
         if policy.mode is not ReuseMode.BLEND:
             return "", _BLENDED_KINDS, 0.0
         n = self.dims.num_layers
@@ -223,16 +229,20 @@ class Engine:
                          for r in rows)
         return _Prefilled(logits, rows)
 
-    def _prefill_exact(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache) -> _Prefilled:
-        """Prefix reuse: each segment but the question is looked up, else computed and stored."""
+    def _prefill_segments(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache) -> _Prefilled:
+        """Segment by segment: each segment but the question is looked up, else computed and
+        stored (exact reuse); with no reuse, the same schedule with the store switched off."""
         cacheable = prompt.segments[:-1]
         if policy.prefix_limit is not None:
             cacheable = cacheable[: policy.prefix_limit]
+        use_store = policy.mode is ReuseMode.EXACT
+        keys = self.segments.exact_keys(cacheable) if use_store else [None] * len(cacheable)
         rows, lookup_s = [], 0.0
-        for seg, key in zip(cacheable, self.segments.exact_keys(cacheable)):
+        for seg, key in zip(cacheable, keys):
             start = cache.length
             done = self.segments.append_exact(cache, seg, key)
-            rows.append(SegmentReport(seg.kind, done.reuse_class, len(seg), start, key_hex(key), note=done.note))
+            rows.append(SegmentReport(seg.kind, done.reuse_class, len(seg), start, key_hex(key) if key else "",
+                                      note=done.note))
             lookup_s += done.lookup_s
         # Everything after the reusable prefix (the question included) is one block:
         # one causal pass is cheaper than segment-by-segment masked attention.
@@ -259,10 +269,10 @@ class Engine:
         cache = self.runner.new_cache(len(prompt) + extra_capacity)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            if refused or policy.mode is ReuseMode.NONE:
+            if refused or (policy.mode is ReuseMode.NONE and self._length_dependent(prompt)):
                 done = self._prefill_full(prompt, cache, refused, kinds)
-            elif policy.mode is ReuseMode.EXACT:
-                done = self._prefill_exact(prompt, policy, cache)
+            elif policy.mode is not ReuseMode.BLEND:
+                done = self._prefill_segments(prompt, policy, cache)
             else:
                 out = prefill_blend(self.runner, self.segments, prompt, policy, cache)
                 done = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation)

@@ -8,12 +8,14 @@ engine is actually built.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blend.defaults import (
     DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_RATIO,
     DEFAULT_SELECTOR, DTYPE_NAMES,
 )
+from blend.errors import InvalidRequestError
 from blend.policy import SELECTOR_NAMES, ReuseMode, ReusePolicy
 
 if TYPE_CHECKING:
@@ -27,6 +29,24 @@ def _int_list(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
+
+
+def read_document(path: str) -> str:
+    """Read a UTF-8 text document, with a clear error for missing or non-UTF-8 files."""
+    p = Path(path)
+    if p.is_dir():
+        raise InvalidRequestError(f"document {path}: is a directory (give a file; `kvblend ingest` takes folders)")
+    if not p.is_file():
+        raise InvalidRequestError(f"document {path}: no such file" if not p.exists() else
+                                  f"document {path}: not a regular file")
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"document {path}: not UTF-8 text (byte {e.start})") from None
+    if not text.strip():
+        raise InvalidRequestError(f"document {path}: empty")
+    return text
 
 
 def add_store_argument(parser: argparse.ArgumentParser) -> None:

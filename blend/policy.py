@@ -1,6 +1,7 @@
 """ReusePolicy: what a request may reuse. Exact reuse is the default.
 
-- ``ReusePolicy.none()``: full prefill, no store (the reference).
+- ``ReusePolicy.none()``: no store: the exact path's segment schedule with the
+  store switched off, so it is bit-identical to a cold (and a warm) exact run.
 - ``ReusePolicy.exact()``: prefix reuse only; bit-identical to a cold run.
 - ``ReusePolicy.blend(...)``: explicit opt-in to non-prefix reuse of canonical
   chunk KV with selective recompute.
@@ -85,6 +86,8 @@ class ReusePolicy:
                 raise InvalidPolicyError("layer_ratios must not increase (gradual filtering narrows)")
         if self.threshold is not None and (math.isnan(self.threshold) or self.threshold < 0):
             raise InvalidPolicyError(f"threshold must be >= 0, got {self.threshold}")
+        if not isinstance(self.min_prompt_tokens, int) or self.min_prompt_tokens < 0:
+            raise InvalidPolicyError(f"min_prompt_tokens must be an integer >= 0, got {self.min_prompt_tokens}")
         if self.prefix_limit is not None and self.prefix_limit < 0:
             raise InvalidPolicyError("prefix_limit must be >= 0")
         if self.semantic and self.mode is not ReuseMode.BLEND:
@@ -92,7 +95,7 @@ class ReusePolicy:
 
     @classmethod
     def none(cls) -> "ReusePolicy":
-        """Full prefill: no lookup, no store."""
+        """No reuse: no lookup, no store (the exact schedule with the store off)."""
         return cls(mode=ReuseMode.NONE)
 
     @classmethod

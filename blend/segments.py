@@ -169,17 +169,21 @@ class SegmentCache:
             self.model.load(cache, kv)
         return kv
 
-    def append_exact(self, cache: KVCache, seg: Segment, key: StoreKey) -> Appended:
+    def append_exact(self, cache: KVCache, seg: Segment, key: StoreKey | None) -> Appended:
         """Append one prefix segment: load it on an exact hit, else compute and store it.
 
         Args:
             cache: the request's cache (the segment goes at its end).
             seg: the segment.
-            key: its prefix-chained key.
+            key: its prefix-chained key; None computes it without the store (no reuse: the
+                same program as a cold exact run, so turning the cache off changes no bit).
 
         Returns:
             What happened, for the segment's report row.
         """
+        if key is None:
+            self._compute(cache, seg.token_ids)
+            return Appended(ReuseClass.COMPUTED, "", 0.0)
         found = self.lookup(Namespace.EXACT, key, len(seg))
         if found.entry is not None:
             self.model.load(cache, found.entry)

@@ -21,7 +21,9 @@ from typing import Any, Callable
 import blend
 from blend.defaults import DEFAULT_DEMO_TOP_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_RATIO, kvblend_home
 from blend.errors import KVBlendError
-from blend.options import add_model_arguments, add_store_argument, engine_from_args, load_engine, policy_from_args
+from blend.options import (
+    add_model_arguments, add_store_argument, engine_from_args, load_engine, policy_from_args, read_document,
+)
 from blend.policy import ReuseMode, ReusePolicy
 from blend.retrieval.chunker import ChunkerConfig
 from blend.retrieval.corpus import RetrievalError, expand_paths
@@ -113,8 +115,10 @@ def ask_over_index(args: argparse.Namespace) -> int:
 def _ask(args: argparse.Namespace) -> int:
     rag = RAG.open(args.index, system=args.system)  # a missing index fails before any model loads
     policy = policy_from_args(args)
+    extra = [read_document(p) for p in args.doc]  # --doc beside --index: after the retrieved chunks
     rag = RAG(rag.catalog, None, engine_from_args(args), system=rag.system)
-    ans = rag.ask(args.question, top_k=args.top_k, policy=policy, max_new_tokens=args.max_new_tokens)
+    ans = rag.ask(args.question, top_k=args.top_k, policy=policy, max_new_tokens=args.max_new_tokens,
+                  extra_documents=extra)
     if args.json:
         print(json.dumps({
             "answer": ans.answer, "ttft_s": ans.ttft_s, "policy": ans.policy,

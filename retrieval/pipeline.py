@@ -224,7 +224,7 @@ class RAG:
 
     def ask(self, question: str, top_k: int = DEFAULT_TOP_K, policy: "ReusePolicy | None" = None,
             documents: Sequence[str | Retrieved] | None = None,
-            max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> RagAnswer:
+            max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, extra_documents: Sequence[str] = ()) -> RagAnswer:
         """Retrieve (unless ``documents`` are given), assemble the prompt, answer.
 
         Args:
@@ -233,11 +233,16 @@ class RAG:
             policy: reuse policy (default: the engine's default, exact reuse).
             documents: the caller's own retrieved documents (texts or :class:`Retrieved`).
             max_new_tokens: decoding budget.
+            extra_documents: texts placed after the retrieved (or given) documents, in this
+                order (``kvblend ask --index DIR --doc FILE``).
 
         Returns:
             The answer with retrieved chunks, per-chunk reuse and the full report.
         """
         docs = self._caller_documents(documents) if documents is not None else self.retrieve(question, top_k)
+        if extra_documents:
+            fp = self.engine.provenance.tokenizer_sha256
+            docs = [*docs, *(Retrieved(chunk_id(fp, t), float("nan"), "caller", t) for t in extra_documents)]
         engine = self.engine
         prompt = engine.build_prompt(question, [d.text for d in docs], system=self.system)
         ans = engine.generate(prompt, policy, max_new_tokens=max_new_tokens)

@@ -90,15 +90,30 @@ def test_cold_equals_warm_across_processes_in_redis(docs, tmp_path, redis_url):
     (["ask", "q", "--doc", "{bad}", "--model", "tiny-llama"], "not UTF-8"),
     (["ask", "q", "--doc", "{long}", "--model", "tiny-llama"], "exceeds the model's context"),
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--ratio", "2"], "ratio"),
+    (["ask", "q", "--doc", "{dir}", "--model", "tiny-llama"], "is a directory"),
+    (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--min-prompt-tokens", "-5"],
+     "min_prompt_tokens must be an integer >= 0"),
 ])
 def test_user_errors_are_one_line_and_exit_2(tmp_path, docs, args, message):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe\x00abc")
     long = tmp_path / "long.txt"
     long.write_text("word " * 1000)
-    args = [a.format(doc=docs[0], bad=bad, long=long) for a in args]
+    args = [a.format(doc=docs[0], bad=bad, long=long, dir=tmp_path) for a in args]
     proc = kvblend(*args, "--store", "memory", home=tmp_path, check=False)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_no_reuse_and_exact_reuse_agree_bit_for_bit_cold_and_warm(docs, tmp_path):
+    """Turning the cache off never changes a bit: --reuse none runs the exact schedule without the store."""
+    store = f"disk:{tmp_path / 'store'}"
+    none = json.loads(kvblend(*ask_args(docs, "--reuse", "none", "--store", store), home=tmp_path).stdout)
+    cold = json.loads(kvblend(*ask_args(docs, "--reuse", "exact", "--store", store), home=tmp_path).stdout)
+    warm = json.loads(kvblend(*ask_args(docs, "--reuse", "exact", "--store", store), home=tmp_path).stdout)
+    assert none["logits_sha256"] == cold["logits_sha256"] == warm["logits_sha256"]
+    assert none["answer_token_ids"] == cold["answer_token_ids"] == warm["answer_token_ids"]
+    assert [s["class"] for s in warm["report"]["segments"]][:-1] == ["exact"] * 4
+    assert {s["class"] for s in none["report"]["segments"]} == {"computed"}

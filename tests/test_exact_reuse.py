@@ -1,5 +1,6 @@
 """Invariant 2 for the exact path: cold equals warm bit for bit; the report says which."""
 
+import pytest
 import torch
 
 from blend.engine import Engine
@@ -30,6 +31,30 @@ def test_cold_equals_warm_bitwise_and_report(tiny_engine_factory):
     assert classes(warm) == [ReuseClass.EXACT] * 4 + [ReuseClass.COMPUTED]
     assert classes(shared) == classes(warm)
     assert warm.report.reused_tokens == len(prompt) - len(prompt.question)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
+def test_no_reuse_is_the_exact_schedule_without_the_store(tiny_engine_factory, kv_dtype):
+    eng = tiny_engine_factory(kv_dtype=kv_dtype)
+    prompt = eng.build_prompt("Why?", make_docs(4))
+    none = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=6, stop_at_newline=False)
+    assert eng.store.stats().entries == 0  # nothing looked up or stored
+    cold = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=6, stop_at_newline=False)
+    warm = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=6, stop_at_newline=False)
+    for other in (cold, warm):
+        assert torch.equal(none.first_logits, other.first_logits) and none.token_ids == other.token_ids
+    n = len(prompt.segments)
+    assert classes(none) == [ReuseClass.COMPUTED] * n and classes(warm) == [ReuseClass.EXACT] * (n - 1) + [ReuseClass.COMPUTED]
+
+
+def test_one_pass_prefill_equals_the_segment_schedule_within_tolerance(tiny_engine):
+    prompt = tiny_engine.build_prompt("Why?", make_docs(4))
+    runner = tiny_engine.runner
+    with torch.inference_mode():
+        h, _ = runner.prefill(runner.new_cache(len(prompt)), runner.ids(prompt.token_ids), keep_kv=False)
+    one_pass = runner.logits(h[-1:])[0]
+    exact = tiny_engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+    assert (one_pass - exact.first_logits).abs().max() <= 1e-4
 
 
 def test_exact_equals_full_prefill_within_tolerance(tiny_engine):

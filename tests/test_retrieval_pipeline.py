@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import io
 import math
 from pathlib import Path
@@ -122,6 +123,27 @@ def test_cli_ingest_and_ask(tmp_path, capsys) -> None:
     rc = ask_over_index(_cli(["ask", "What is the ferry named?", "--index", str(tmp_path / "idx"), "--top-k", "2"]))
     out, _ = capsys.readouterr()
     assert rc == 0 and "ferry.txt" in out
+
+
+def test_cli_ask_over_an_index_with_doc_uses_both_retrieved_chunks_then_the_doc(tmp_path, capsys) -> None:
+    from blend.retrieval.cli import ask_over_index, run_ingest
+
+    d = tmp_path / "docs"
+    d.mkdir()
+    for k, v in DOCS.items():
+        (d / k).write_text(v)
+    assert run_ingest(_cli(["ingest", str(d), "--index", str(tmp_path / "idx"), "--model", "tiny-llama",
+                            "--store", "memory", "--quiet"])) == 0
+    extra = tmp_path / "extra.txt"
+    extra.write_text("The lighthouse keeper is named Ilse Marsh.")
+    capsys.readouterr()
+    rc = ask_over_index(_cli(["ask", "Who keeps the lighthouse?", "--index", str(tmp_path / "idx"), "--top-k", "2",
+                              "--doc", str(extra), "--json"]))
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert [r["source"] for r in out["retrieved"]][-1] == "caller"  # the --doc file, after the retrieved chunks
+    assert len(out["retrieved"]) == 3 and all(r["source"] != "caller" for r in out["retrieved"][:2])
+    assert out["retrieved"][-1]["text"] == extra.read_text()
 
 
 def test_cli_user_errors_are_one_line(tmp_path, capsys) -> None:
