@@ -39,13 +39,14 @@ from blend.kernels import kv_deviation, rope_mix, sparse_query_attention
 from blend.keys import Namespace, StoreKey, canonical_key, exact_chain, key_hex
 from blend.kvcache import KVCache
 from blend.layers import attn_out, mlp_block, project_qkv, rms_norm
-from blend.policy import ReusePolicy
+from blend.policy import BudgetMode, ReusePolicy
 from blend.prompt import Prompt, Segment, SegmentKind
 from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport
 from blend.rope import apply_rope
 from blend.runner import SegmentKV
 from blend.semantic import donor_chunk, register_donor
-from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_threshold
+from blend.probe_pass import ProbeRows, run_probe
+from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_auto, select_threshold
 from blend.store.base import Lookup
 
 if TYPE_CHECKING:
@@ -253,6 +254,7 @@ def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: 
     active = torch.arange(n) if checks else always  # (A,) sorted rows relative to e
     h = runner.embed(ids[active])  # (A, C)
     first_selected = active[active < nb]
+    probe_attn = None  # (nb,) issue 14: the query probe's attention, when the policy needs it
     for layer, w in enumerate(runner.layers):
         qh, kh, vh = project_qkv(w, d, rms_norm(h, w.input_norm, d.eps))  # (Hq,A,D) (Hkv,A,D) x2
         k_mix, v_mix = rope_mix(rows.k[layer], rows.v[layer], rows.cos, rows.sin, active, kh, vh,
@@ -262,7 +264,12 @@ def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: 
         if checks and layer == checks[0]:
             ci = len(policy.check_layers) - len(checks)
             checks.pop(0)
-            keep = _check(engine, policy, ci, layer, rows, active, qh, kh, vh, k_all, k_pos, report)
+            # --- issue 14: the query probe (question rows alone, check layer to the top) ---
+            if ci == 0 and policy.needs_probe:
+                pr = ProbeRows(rows.k, rows.v, rows.pos, rows.cos, rows.sin, nb)
+                probe_attn = run_probe(runner.layers, d, cache, e, layer, pr, h[nb:], qh[:, nb:]).mean(dim=0)  # (nb,)
+            # --- end issue 14 ---
+            keep = _check(engine, policy, ci, layer, rows, active, qh, kh, vh, k_all, k_pos, report, probe_attn)
             qh, h, active = qh[:, keep], h[keep], active[keep]
             if ci == 0:
                 first_selected = active[active < nb]
@@ -278,12 +285,14 @@ def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: 
 
 def _check(engine: "Engine", policy: ReusePolicy, ci: int, layer: int, rows: BlendRows, active: torch.Tensor,
            qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, k_all: torch.Tensor, k_pos: torch.Tensor,
-           report: ReuseReport) -> torch.Tensor:
+           report: ReuseReport, probe_attn: torch.Tensor | None = None) -> torch.Tensor:
     """One check layer: compare fresh and cached KV of the active document rows and select.
 
     Args:
         active: (A,) sorted active rows; document rows (< rows.nb) come first.
         qh, kh, vh: fresh q/k/v of the active rows at this layer.
+        probe_attn: (nb,) the query probe's attention to every document row (mean over
+            probed layers), when the policy needs it (issue 14).
 
     Returns:
         (A',) sorted positions into ``active`` to keep: selected and forced
@@ -303,9 +312,13 @@ def _check(engine: "Engine", policy: ReusePolicy, ci: int, layer: int, rows: Ble
         mass = _question_attention(q_rot, rows.pos[active[qi]], k_all, k_pos, engine.dims.scale)  # (T,)
         query_attn = mass[k_pos.shape[0] - rows.pos.shape[0] + cand[free]]
     inp = SelectionInputs(dev_k, dev_v, dev_v / v_norm, rows.doc[cand[free]], rows.offset[cand[free]],
-                          query_attn, policy.seed)
+                          query_attn, policy.seed,
+                          probe_attn=None if probe_attn is None else probe_attn[cand[free]], v_norm=v_norm)
     budget = int(round(policy.ratio_at(ci) * rows.budget_base))
-    if policy.threshold is not None:
+    if policy.budget is BudgetMode.AUTO and ci == 0:  # issue 14: adaptive budget, reported as the ratio chosen
+        picked = select_auto(inp, policy.auto_target, int(round(policy.max_ratio * rows.budget_base)))
+        report.ratio = picked.numel() / max(rows.budget_base, 1)
+    elif policy.threshold is not None:
         picked = select_threshold(inp, policy.threshold, int(round(policy.max_ratio * rows.budget_base)))
     else:
         picked = select(policy.selector, inp, budget)

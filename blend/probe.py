@@ -130,18 +130,19 @@ def doc_budgets(mass: torch.Tensor, counts: torch.Tensor, budget: int, floor: fl
     share = floor * cnt / cnt.sum() + (1 - floor) * share
     alloc = torch.zeros_like(counts)
     left = budget
-    active = counts > 0
-    while left > 0 and bool(active.any()):  # water-filling: capped documents give their surplus away
+    while left > 0:  # water-filling: documents at their size give their share to the others
+        room = counts - alloc  # (K,)
+        active = room > 0
         w = torch.where(active, share, torch.zeros_like(share))
+        if float(w.sum()) <= 0:  # only massless documents have room: fill them by size
+            w = room.double()
         want = w / w.sum() * left
-        add = torch.minimum(torch.floor(want).long(), counts - alloc)
-        if int(add.sum()) == 0:  # hand the remainder out by largest fractional part
-            frac = torch.where(active & (alloc < counts), want - torch.floor(want), torch.full_like(want, -1.0))
+        add = torch.minimum(torch.floor(want).long(), room)
+        if int(add.sum()) == 0:  # one row to the largest remaining claim
             add = torch.zeros_like(counts)
-            add[int(torch.argmax(frac))] = 1
+            add[int(torch.argmax(torch.where(active, want, torch.full_like(want, -1.0))))] = 1
         alloc += add
         left = budget - int(alloc.sum())
-        active = alloc < counts
     return alloc
 
 

@@ -262,7 +262,7 @@ def best_by_budget(methods: dict[str, dict[str, Any]]) -> list[BudgetBest]:
     groups: dict[tuple[float, tuple[int, ...]], dict[str, dict[str, Any]]] = {}
     for name, agg in methods.items():
         spec = agg.get("spec") or {}
-        if spec.get("kind") != "blend" or spec.get("ratio") is None:
+        if spec.get("kind") != "blend" or spec.get("ratio") is None or spec.get("auto"):
             continue
         groups.setdefault((float(spec["ratio"]), tuple(spec.get("check_layers") or ())), {})[name] = agg
     rows = []

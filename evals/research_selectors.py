@@ -90,6 +90,9 @@ def select_variant(spec: str, ctx: Ctx, ratio: float) -> torch.Tensor:
     st = ctx.st
     budget = int(round(ratio * ctx.budget_base))
     score = _score_fn(base)(ctx).float()
+    if "auto" in mods:  # adaptive: ratio is the cap; stop when the left-over estimate <= target
+        est = score.double() / st.v_norm.double().mean()
+        budget = P.stop_count(est, float(mods["auto"]), 0, budget)
     sinks = int(mods.get("sink", 0))
     if sinks:
         forced = torch.nonzero(st.offset < sinks).flatten()
@@ -147,7 +150,8 @@ def main() -> int:
     with a.out.open("a") as f:
         for i, item in enumerate(items, start=lo):
             old = done.get(i, {}).get("kl", {})
-            todo = [(v, r) for v in variants for r in ratios if f"{v}@{r:g}" not in old]
+            todo = [(v, r) for v in variants for r in ratios if "@" not in v and f"{v}@{r:g}" not in old]
+            todo += [(v.split("@")[0], float(v.split("@")[1])) for v in variants if "@" in v and v not in old]
             if not todo:
                 continue
             t0 = time.perf_counter()
