@@ -45,6 +45,7 @@ from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport
 from blend.rope import apply_rope
 from blend.runner import SegmentKV
 from blend.semantic import donor_chunk, register_donor
+from blend.probe import entropy
 from blend.probe_pass import ProbeRows, run_probe
 from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_auto, select_threshold
 from blend.store.base import Lookup
@@ -254,7 +255,7 @@ def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: 
     active = torch.arange(n) if checks else always  # (A,) sorted rows relative to e
     h = runner.embed(ids[active])  # (A, C)
     first_selected = active[active < nb]
-    probe_attn = None  # (nb,) issue 14: the query probe's attention, when the policy needs it
+    probe_attn, probe_entropy = None, 1.0  # issue 14: the query probe's attention (nb,) and output entropy
     for layer, w in enumerate(runner.layers):
         qh, kh, vh = project_qkv(w, d, rms_norm(h, w.input_norm, d.eps))  # (Hq,A,D) (Hkv,A,D) x2
         k_mix, v_mix = rope_mix(rows.k[layer], rows.v[layer], rows.cos, rows.sin, active, kh, vh,
@@ -267,9 +268,12 @@ def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: 
             # --- issue 14: the query probe (question rows alone, check layer to the top) ---
             if ci == 0 and policy.needs_probe:
                 pr = ProbeRows(rows.k, rows.v, rows.pos, rows.cos, rows.sin, nb)
-                probe_attn = run_probe(runner.layers, d, cache, e, layer, pr, h[nb:], qh[:, nb:]).mean(dim=0)  # (nb,)
+                attn_layers, h_probe = run_probe(runner.layers, d, cache, e, layer, pr, h[nb:], qh[:, nb:])
+                probe_attn = attn_layers.mean(dim=0)  # (nb,)
+                probe_entropy = entropy(runner.logits(h_probe[None])[0])  # the adaptive budget's sensitivity
             # --- end issue 14 ---
-            keep = _check(engine, policy, ci, layer, rows, active, qh, kh, vh, k_all, k_pos, report, probe_attn)
+            keep = _check(engine, policy, ci, layer, rows, active, qh, kh, vh, k_all, k_pos, report, probe_attn,
+                          probe_entropy)
             qh, h, active = qh[:, keep], h[keep], active[keep]
             if ci == 0:
                 first_selected = active[active < nb]
@@ -285,7 +289,7 @@ def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: 
 
 def _check(engine: "Engine", policy: ReusePolicy, ci: int, layer: int, rows: BlendRows, active: torch.Tensor,
            qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, k_all: torch.Tensor, k_pos: torch.Tensor,
-           report: ReuseReport, probe_attn: torch.Tensor | None = None) -> torch.Tensor:
+           report: ReuseReport, probe_attn: torch.Tensor | None = None, probe_entropy: float = 1.0) -> torch.Tensor:
     """One check layer: compare fresh and cached KV of the active document rows and select.
 
     Args:
@@ -293,6 +297,8 @@ def _check(engine: "Engine", policy: ReusePolicy, ci: int, layer: int, rows: Ble
         qh, kh, vh: fresh q/k/v of the active rows at this layer.
         probe_attn: (nb,) the query probe's attention to every document row (mean over
             probed layers), when the policy needs it (issue 14).
+        probe_entropy: entropy of the probe's first-token distribution (scales the
+            adaptive budget's error estimate).
 
     Returns:
         (A',) sorted positions into ``active`` to keep: selected and forced
@@ -316,7 +322,7 @@ def _check(engine: "Engine", policy: ReusePolicy, ci: int, layer: int, rows: Ble
                           probe_attn=None if probe_attn is None else probe_attn[cand[free]], v_norm=v_norm)
     budget = int(round(policy.ratio_at(ci) * rows.budget_base))
     if policy.budget is BudgetMode.AUTO and ci == 0:  # issue 14: adaptive budget, reported as the ratio chosen
-        picked = select_auto(inp, policy.auto_target, int(round(policy.max_ratio * rows.budget_base)))
+        picked = select_auto(inp, policy.auto_target, int(round(policy.max_ratio * rows.budget_base)), probe_entropy)
         report.ratio = picked.numel() / max(rows.budget_base, 1)
     elif policy.threshold is not None:
         picked = select_threshold(inp, policy.threshold, int(round(policy.max_ratio * rows.budget_base)))

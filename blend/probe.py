@@ -192,3 +192,10 @@ def stop_count(score: torch.Tensor, target: float, min_count: int, max_count: in
     ok = torch.nonzero(tail <= target).flatten()
     k = int(ok[0]) if ok.numel() else s.numel()
     return max(min_count, min(k, max_count))
+
+
+def entropy(logits: torch.Tensor) -> float:
+    """Entropy (nats) of the softmax of a (V,) logit vector (the adaptive budget's sensitivity factor:
+    a peaked first-token distribution barely moves under a small logit error)."""
+    lp = torch.log_softmax(logits.double(), dim=-1)  # (V,)
+    return float(-(lp.exp() * lp).sum())

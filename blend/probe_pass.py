@@ -59,7 +59,7 @@ def _attend_probs(q_rot: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor,
 
 
 def run_probe(layers: list[LayerWeights], dims: ModelDims, cache: KVCache, e: int, check: int,
-              rows: ProbeRows, h_q: torch.Tensor, q_q: torch.Tensor) -> torch.Tensor:
+              rows: ProbeRows, h_q: torch.Tensor, q_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The question's attention to every document row at layers check..L-1.
 
     Args:
@@ -74,7 +74,9 @@ def run_probe(layers: list[LayerWeights], dims: ModelDims, cache: KVCache, e: in
 
     Returns:
         (L - check, nb) float32: attention mass from the question to each document
-        row, mean over heads and question tokens, one row per layer.
+        row, mean over heads and question tokens, one row per layer; and (C,) the
+        last question row's hidden state after the last layer (the probe's own
+        first-token logits come from it: a ratio-0 blend with a fresh check layer).
     """
     n = rows.pos.shape[0]
     q_rows = torch.arange(rows.nb, n)  # (Nq,)
@@ -92,4 +94,4 @@ def run_probe(layers: list[LayerWeights], dims: ModelDims, cache: KVCache, e: in
         attn, probs = _attend_probs(apply_rope(q, cos, sin), pos, k_all, v_all, k_pos, dims.scale)
         out.append(probs.mean(dim=(0, 1))[e:e + rows.nb])  # (nb,)
         h = mlp_block(w, dims, attn_out(w, h, attn))
-    return torch.stack(out)  # (L - check, nb)
+    return torch.stack(out), h[-1]  # (L - check, nb), (C,)

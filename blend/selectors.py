@@ -139,10 +139,11 @@ def select_threshold(inp: SelectionInputs, threshold: float, cap: int) -> torch.
     return torch.sort(over).values
 
 
-def select_auto(inp: SelectionInputs, target: float, cap: int) -> torch.Tensor:
+def select_auto(inp: SelectionInputs, target: float, cap: int, sensitivity: float = 1.0) -> torch.Tensor:
     """Adaptive budget (issue 14): the fewest rows, ranked by the probe score, whose left-over
-    estimated error (sum of probe_attn x ||dV|| over the rows not taken, over the mean ||V_cached||)
-    is <= ``target``, at most ``cap``.
+    estimated error is <= ``target``, at most ``cap``. The estimate: ``sensitivity`` (the entropy of
+    the probe's first-token distribution: a peaked answer barely moves) x the sum of
+    probe_attn x ||dV|| over the rows not taken, over the mean ||V_cached||.
 
     Returns:
         (K,) int64 positions into the candidate list, sorted ascending.
@@ -150,5 +151,5 @@ def select_auto(inp: SelectionInputs, target: float, cap: int) -> torch.Tensor:
     score = _probe_score(inp)  # (N,)
     if inp.v_norm is None or score.numel() == 0:
         return torch.empty(0, dtype=torch.long)
-    est = score.double() / inp.v_norm.double().mean().clamp_min(1e-12)  # (N,) scale-free
+    est = sensitivity * score.double() / inp.v_norm.double().mean().clamp_min(1e-12)  # (N,) scale-free
     return torch.sort(_top(score, stop_count(est, target, 0, cap))).values

@@ -93,6 +93,9 @@ def select_variant(spec: str, ctx: Ctx, ratio: float) -> torch.Tensor:
     if "auto" in mods:  # adaptive: ratio is the cap; stop when the left-over estimate <= target
         est = score.double() / st.v_norm.double().mean()
         budget = P.stop_count(est, float(mods["auto"]), 0, budget)
+    if "autoH" in mods:  # adaptive, the estimate scaled by the probe's first-token entropy
+        est = P.entropy(ctx.lab.probe().logits) * score.double() / st.v_norm.double().mean()
+        budget = P.stop_count(est, float(mods["autoH"]), 0, budget)
     sinks = int(mods.get("sink", 0))
     if sinks:
         forced = torch.nonzero(st.offset < sinks).flatten()
@@ -178,6 +181,7 @@ def main() -> int:
                 "index": i, "id": item.id, "prompt_tokens": len(prompt), "nb": lab.nb,
                 "budget_base": ctx.budget_base, "kl": kl, "top1": top1, "share": share,
                 "probe_kl": M.kl_divergence(ref, pr.logits), "residual": resid,
+                "probe_entropy": P.entropy(pr.logits), "v_norm_mean": float(lab.state.v_norm.mean()),
                 "seconds": time.perf_counter() - t0,
             }
             f.write(json.dumps(row) + "\n")

@@ -134,3 +134,31 @@ def test_policy_rejects_bad_auto_settings(kw):
 
     with pytest.raises(InvalidPolicyError):
         ReusePolicy.blend(0.15, "probe", **kw)
+
+
+def test_entropy_and_sensitivity():
+    assert P.entropy(torch.zeros(4)) == pytest.approx(float(torch.log(torch.tensor(4.0))))
+    assert P.entropy(torch.tensor([100.0, 0.0, 0.0])) == pytest.approx(0.0, abs=1e-6)
+    inp = _inputs()
+    s = torch.sort(inp.probe_attn * inp.dev_v, descending=True).values.double()
+    t = float(s[3:].sum()) + 1e-6
+    assert select_auto(inp, t, 8).numel() == 3
+    assert select_auto(inp, 2 * t, 8, sensitivity=2.0).numel() == 3  # the estimate scales with the entropy
+    assert select_auto(inp, t, 8, sensitivity=2.0).numel() > 3
+
+
+def test_auto_budget_matches_the_lab(tiny_engine):
+    from blend.blending import canonical_chunk_kv
+    from blend.evals.research_lab import ItemLab
+    from blend.evals.research_selectors import Ctx, select_variant
+
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    chunks = [canonical_chunk_kv(tiny_engine, prompt.preamble, d.token_ids) for d in prompt.documents]
+    lab = ItemLab(tiny_engine, prompt, chunks)
+    ctx = Ctx(lab, lab.state.budget_base)
+    for target in (1e-4, 1e-3, 1e-2):
+        rows = select_variant(f"pm_dv+autoH={target}", ctx, 0.4)
+        pol = ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, max_ratio=0.4, auto_target=target)
+        ans = tiny_engine.generate(prompt, pol, max_new_tokens=1)
+        assert ans.report.recomputed_tokens == rows.numel()
+        assert torch.equal(ans.first_logits, lab.run(rows)[0])
