@@ -258,9 +258,17 @@ def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: 
     probe_attn, probe_entropy = None, 1.0  # issue 14: the query probe's attention (nb,) and output entropy
     for layer, w in enumerate(runner.layers):
         qh, kh, vh = project_qkv(w, d, rms_norm(h, w.input_norm, d.eps))  # (Hq,A,D) (Hkv,A,D) x2
-        k_mix, v_mix = rope_mix(rows.k[layer], rows.v[layer], rows.cos, rows.sin, active, kh, vh,
-                                trusted_indices=True)  # (Hkv, n, D) x2; active: sorted distinct rows
-        cache.write(layer, e, k_mix, v_mix)
+        if probe_attn is not None and layer > policy.check_layers[0]:
+            # issue 14: the probe left every cached row of this layer re-positioned in the cache; only the
+            # recomputed rows change (rotated by the same kernel as rope_mix's fresh rows)
+            none = torch.empty(0, dtype=torch.long, device=kh.device)
+            k_new, v_new = rope_mix(kh, vh, rows.cos[active], rows.sin[active], none, kh[:, :0], vh[:, :0],
+                                    trusted_indices=True)  # (Hkv, A, D) x2
+            cache.write_rows(layer, e + active, k_new, v_new)
+        else:
+            k_mix, v_mix = rope_mix(rows.k[layer], rows.v[layer], rows.cos, rows.sin, active, kh, vh,
+                                    trusted_indices=True)  # (Hkv, n, D) x2; active: sorted distinct rows
+            cache.write(layer, e, k_mix, v_mix)
         k_all, v_all = cache.view(layer, e + n)  # (Hkv, T, D)
         if checks and layer == checks[0]:
             ci = len(policy.check_layers) - len(checks)

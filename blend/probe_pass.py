@@ -48,13 +48,13 @@ def _attend_probs(q_rot: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor,
     Returns:
         output (S, Hq D) in q's dtype, and probabilities (Hq, S, T) float32.
     """
-    group = q_rot.shape[0] // k_all.shape[0]
-    k = k_all.float().repeat_interleave(group, dim=0)  # (Hq, T, D)
-    v = v_all.float().repeat_interleave(group, dim=0)  # (Hq, T, D)
-    scores = torch.matmul(q_rot.float(), k.transpose(1, 2)) * scale  # (Hq, S, T)
+    hq, s, dd = q_rot.shape
+    hkv = k_all.shape[0]
+    qg = q_rot.float().reshape(hkv, (hq // hkv) * s, dd)  # (Hkv, g S, D): query head h reads KV head h // g
+    scores = torch.matmul(qg, k_all.float().transpose(1, 2)).view(hq, s, -1) * scale  # (Hq, S, T)
     scores = scores.masked_fill(~(k_pos[None, :] <= q_pos[:, None]), float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # (Hq, S, T)
-    out = torch.matmul(probs, v)  # (Hq, S, D)
+    out = torch.matmul(probs.reshape(hkv, (hq // hkv) * s, -1), v_all.float()).view(hq, s, dd)  # (Hq, S, D)
     return out.transpose(0, 1).reshape(q_rot.shape[1], -1).to(q_rot.dtype), probs
 
 

@@ -16,13 +16,14 @@ from blend.evals.items import parse_item_range
 
 
 def load_rows(paths: list[Path], items: str | None = None) -> list[dict]:
-    """Rows of several files merged by item index (later files add variants)."""
+    """Rows of several files (research JSONL, or a harness results.json) merged by item index."""
     rows: dict[int, dict] = {}
     for p in paths:
-        for line in p.read_text().splitlines():
-            if not line.strip():
-                continue
-            r = json.loads(line)
+        if p.suffix == ".json":
+            new = rows_from_results(p)
+        else:
+            new = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        for r in new:
             old = rows.get(r["index"])
             if old is None:
                 rows[r["index"]] = r
@@ -33,6 +34,24 @@ def load_rows(paths: list[Path], items: str | None = None) -> list[dict]:
         lo, hi = parse_item_range(items)
         rows = {i: r for i, r in rows.items() if lo <= i <= hi}
     return [rows[i] for i in sorted(rows)]
+
+
+def rows_from_results(path: Path, selectors: tuple[str, ...] = ("combo", "v", "k")) -> list[dict]:
+    """Research-style rows from a harness results.json (``blend@R:S`` -> ``S@R``), e.g. the baselines
+    of docs/results/musique5 (the lab replays the engine bit for bit, so these compare directly)."""
+    res = json.loads(path.read_text())
+    out = []
+    for item in res["items"]:
+        kl, top1, share = {}, {}, {}
+        for name, m in item["methods"].items():
+            spec = res["methods"][name].get("spec") or {}
+            if spec.get("kind") == "blend" and spec.get("selector") in selectors and not spec.get("check_layers"):
+                key = f"{spec['selector']}@{spec['ratio']:g}"
+                kl[key], top1[key], share[key] = m["kl"], m["top1"], spec["ratio"]
+            elif spec.get("kind") == "reuse":
+                kl["reuse@0"], top1["reuse@0"], share["reuse@0"] = m["kl"], m["top1"], 0.0
+        out.append({"index": item["index"], "kl": kl, "top1": top1, "share": share})
+    return out
 
 
 def summarise(rows: list[dict], common_only: bool = True) -> list[dict]:
@@ -67,10 +86,19 @@ def main() -> int:
     p.add_argument("rows", nargs="+", type=Path)
     p.add_argument("--items", default=None)
     p.add_argument("--all", action="store_true", help="also variants not run on every item")
+    p.add_argument("--only", default=None, help="comma list of variants to show")
+    p.add_argument("--complete", action="store_true", help="only items that hold every --only variant")
     a = p.parse_args()
     rows = load_rows(a.rows, a.items)
+    stats = summarise(rows, common_only=not a.all)
+    if a.only:
+        keep = a.only.split(",")
+        if a.complete:
+            rows = [r for r in rows if all(k in r["kl"] for k in keep)]
+            stats = summarise(rows, common_only=True)
+        stats = sorted([s for s in stats if s["name"] in keep], key=lambda s: keep.index(s["name"]))
     print(f"{len(rows)} items")
-    print(table(summarise(rows, common_only=not a.all)))
+    print(table(stats))
     return 0
 
 
