@@ -20,7 +20,7 @@ SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "
 PROBE_SELECTORS = ("probe",)  # selectors that need the query probe (issue 14)
 # Adaptive budget's stopping target: left-over probe-weighted V deviation over mean ||V|| (issue 14;
 # calibrated on musique_dev items 0-29, SmolLM2, see docs/results/issue14/)
-DEFAULT_AUTO_TARGET = 0.02
+DEFAULT_AUTO_TARGET = 0.0045
 
 
 class BudgetMode(Enum):
