@@ -24,7 +24,6 @@ can call it from its check layer and a laboratory can replay it offline:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -35,24 +34,6 @@ class LayerReduce(Enum):
 
     MEAN = "mean"  # mean over the probed layers
     MAX = "max"  # max over the probed layers
-
-
-@dataclass(frozen=True)
-class ProbeSignals:
-    """Per-candidate signals of one request. Tensors over the N candidate rows.
-
-    Attributes:
-        attn: (L', N) float32 question attention to each row at each probed layer
-            (mean over heads and question tokens).
-        dev_v: (N,) ||V_fresh - V_cached|| at the check layer.
-        doc: (N,) int64 document index of each row.
-        offset: (N,) int64 offset of each row inside its document.
-    """
-
-    attn: torch.Tensor
-    dev_v: torch.Tensor
-    doc: torch.Tensor
-    offset: torch.Tensor
 
 
 def probe_weight(attn: torch.Tensor, first: int = 0, reduce: LayerReduce = LayerReduce.MEAN) -> torch.Tensor:
