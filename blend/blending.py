@@ -40,12 +40,13 @@ from blend.keys import key_hex
 from blend.kernels import kv_deviation, query_attention_mass, rope_mix, sparse_query_attention
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
-from blend.policy import ReusePolicy
+from blend.policy import BudgetMode, ReusePolicy
+from blend.probe_pass import ProbeResult, run_probe
 from blend.prompt import Prompt, SegmentKind
 from blend.report import DeviationStats, ReuseClass, SegmentReport
 from blend.rope import apply_rope
 from blend.segments import ChunkKV, SegmentCache
-from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_threshold
+from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_auto, select_threshold
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class BlendOutcome:
     segments: tuple[SegmentReport, ...]
     deviation: DeviationStats | None
     lookup_s: float  # store lookups and loads
+    ratio: float | None = None  # the share an adaptive budget chose (None: the policy's ratio)
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,7 @@ class Selection:
 
     keep: torch.Tensor  # (A',) sorted positions into the active rows: kept doc rows, then the question
     deviation: DeviationStats | None  # at the first check layer
+    ratio: float | None = None  # the share an adaptive budget chose
 
 
 class Checker:
@@ -156,7 +159,7 @@ class Checker:
         self.plan, self.policy, self.scale = plan, policy, scale
 
     def select(self, check: CheckSpec, active: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               k_all: torch.Tensor, k_pos: torch.Tensor) -> Selection:
+               k_all: torch.Tensor, k_pos: torch.Tensor, probe: ProbeResult | None = None) -> Selection:
         """Select at one check layer.
 
         Args:
@@ -164,6 +167,7 @@ class Checker:
             active: (A,) sorted active rows relative to e; document rows (< nb) come first.
             q, k, v: fresh q (Hq, A, D), k and v (Hkv, A, D) of the active rows at this layer.
             k_all: (Hkv, T, D) the layer's mixed keys after RoPE; k_pos: (T,) their positions.
+            probe: the query probe's result (first check layer, when the policy needs it).
         """
         plan, policy, layer = self.plan, self.policy, check.layer
         n_doc = int((active < plan.nb).sum())
@@ -181,9 +185,15 @@ class Checker:
             mass = query_attention_mass(q_rot, plan.pos[active[qi]], k_all, k_pos, self.scale)  # (T,)
             query_attn = mass[k_pos.shape[0] - plan.n + rows[free]]
         inp = SelectionInputs(dev_k, dev_v, dev_v / v_norm, plan.doc[rows[free]], plan.offset[rows[free]],
-                              query_attn, policy.seed)
-        if policy.threshold is not None:
-            picked = select_threshold(inp, policy.threshold, int(round(policy.max_ratio * plan.budget_base)))
+                              query_attn, policy.seed, probe_attn=None if probe is None else probe.weight[rows[free]],
+                              v_norm=v_norm)
+        cap = int(round(policy.max_ratio * plan.budget_base))
+        chosen = None
+        if policy.budget is BudgetMode.AUTO and probe is not None:  # per prompt, reported as the ratio chosen
+            picked = select_auto(inp, policy.auto_target, cap, probe.entropy)
+            chosen = picked.numel() / max(plan.budget_base, 1)
+        elif policy.threshold is not None:
+            picked = select_threshold(inp, policy.threshold, cap)
         else:
             picked = select(policy.selector, inp, int(round(check.ratio * plan.budget_base)))
         stats = None
@@ -194,7 +204,7 @@ class Checker:
                 selected_min=float(dev_v[picked].min()) if picked.numel() else float("nan"),
             )
         keep_doc = torch.sort(torch.cat([free[picked], torch.nonzero(is_forced).flatten()])).values
-        return Selection(torch.cat([keep_doc, torch.arange(n_doc, active.shape[0])]), stats)
+        return Selection(torch.cat([keep_doc, torch.arange(n_doc, active.shape[0])]), stats, chosen)
 
 
 class BlendRows:
@@ -203,11 +213,18 @@ class BlendRows:
     Each layer's K/V for rows [e, T) are the cached rows re-positioned, with the
     active rows' fresh K/V mixed in (``rope_mix``); the active queries attend
     over the whole mixed cache (``sparse_query_attention``). At a check layer
-    the :class:`Checker` narrows the active rows.
+    the :class:`Checker` narrows the active rows. A policy that needs the query
+    probe runs it at the first check layer; above it the probe left every cached
+    row re-positioned in the cache, so only the active rows are written there.
     """
 
-    def __init__(self, plan: BlendPlan, cache: KVCache, checker: Checker, scale: float) -> None:
-        self.plan, self.cache, self.checker, self.scale = plan, cache, checker, scale
+    def __init__(self, plan: BlendPlan, cache: KVCache, checker: Checker, model: ModelRunner,
+                 probe: bool) -> None:
+        self.plan, self.cache, self.checker, self.model = plan, cache, checker, model
+        self.scale = model.dims.scale
+        self.use_probe = probe and bool(plan.checks)
+        self.probed_at: int | None = None  # layers above this hold the probe's re-positioned rows
+        self.ratio: float | None = None
         self.checks = {c.layer: c for c in plan.checks}
         self.active = torch.arange(plan.n) if plan.checks else plan.always()  # (A,) sorted rows relative to e
         self.first_selected = self.active[self.active < plan.nb]  # doc rows kept at the first check
@@ -215,19 +232,29 @@ class BlendRows:
         self.k_pos = cache.pos[: plan.e + plan.n]  # (T,)
 
     def store_kv(self, layer, q, k, v, h):
-        plan = self.plan
-        k_mix, v_mix = rope_mix(plan.k[layer], plan.v[layer], plan.cos, plan.sin, self.active, k, v,
-                                trusted_indices=True)  # (Hkv, n, D) x2; active: sorted distinct rows
-        self.cache.write(layer, plan.e, k_mix, v_mix)
+        plan, active = self.plan, self.active
+        if self.probed_at is not None and layer > self.probed_at:  # only the recomputed rows change
+            none = torch.empty(0, dtype=torch.long, device=k.device)
+            k_new, v_new = rope_mix(k, v, plan.cos[active], plan.sin[active], none, k[:, :0], v[:, :0],
+                                    trusted_indices=True)  # (Hkv, A, D) x2: fresh rows rotated as rope_mix does
+            self.cache.write_rows(layer, plan.e + active, k_new, v_new)
+        else:
+            k_mix, v_mix = rope_mix(plan.k[layer], plan.v[layer], plan.cos, plan.sin, active, k, v,
+                                    trusted_indices=True)  # (Hkv, n, D) x2; active: sorted distinct rows
+            self.cache.write(layer, plan.e, k_mix, v_mix)
         check = self.checks.get(layer)
         if check is None:
             return q, h
+        probe = None
+        if check.index == 0 and self.use_probe:
+            probe = run_probe(self.model, plan, self.cache, layer, h[active >= plan.nb])
+            self.probed_at = layer
         k_all, _ = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
-        sel = self.checker.select(check, self.active, q, k, v, k_all, self.k_pos)
-        self.active = self.active[sel.keep]
+        sel = self.checker.select(check, active, q, k, v, k_all, self.k_pos, probe)
+        self.active = active[sel.keep]
         if check.index == 0:
             self.first_selected = self.active[self.active < plan.nb]
-            self.deviation = sel.deviation
+            self.deviation, self.ratio = sel.deviation, sel.ratio
         return q[:, sel.keep], h[sel.keep]
 
     def attend(self, layer, q):
@@ -274,12 +301,12 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
 
     plan = plan_blend(model, prompt, blended, n_exact, cache.length, policy)
     cache.set_positions(plan.e, plan.pos)
-    rows = BlendRows(plan, cache, Checker(plan, policy, model.dims.scale), model.dims.scale)
+    rows = BlendRows(plan, cache, Checker(plan, policy, model.dims.scale), model, policy.needs_probe)
     h = model.run_layers(model.embed(plan.ids[rows.active]), rows)  # (A, C)
     cache.advance(plan.n)
     reports += _doc_reports(prompt, chunks, rows.first_selected, n_exact)
     reports.append(SegmentReport(q.kind, ReuseClass.COMPUTED, len(q), plan.e + plan.nb))
-    return BlendOutcome(model.logits(h[-1:])[0], tuple(reports), rows.deviation, lookup_s)
+    return BlendOutcome(model.logits(h[-1:])[0], tuple(reports), rows.deviation, lookup_s, rows.ratio)
 
 
 def _doc_reports(prompt: Prompt, chunks: list[ChunkKV], selected: torch.Tensor, n_exact: int) -> list[SegmentReport]:

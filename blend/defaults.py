@@ -16,10 +16,13 @@ DEFAULT_DEVICE = "cpu"
 
 # blended reuse
 DEFAULT_RATIO = 0.15  # share of reused document tokens recomputed
-DEFAULT_SELECTOR = "combo"
+DEFAULT_SELECTOR = "probe"  # query probe x V deviation (issue 14; was "combo")
 DEFAULT_CHECK_LAYERS: tuple[int, ...] = (1,)
 DEFAULT_MAX_RATIO = 0.5  # cap of threshold mode
 DEFAULT_MIN_PROMPT_TOKENS = 0
+# adaptive budget's stopping target: left-over probe-weighted V deviation over mean ||V||, times the
+# probe's first-token entropy (calibrated on musique_dev items 0-29 only, SmolLM2; docs/results/issue14/)
+DEFAULT_AUTO_TARGET = 0.0045
 
 # answering
 DEFAULT_MAX_NEW_TOKENS = 32

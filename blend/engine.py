@@ -88,6 +88,7 @@ class _Prefilled:
     segments: tuple[SegmentReport, ...]
     lookup_s: float = 0.0
     deviation: DeviationStats | None = None
+    ratio: float | None = None  # the share an adaptive blend budget chose
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -275,12 +276,13 @@ class Engine:
                 done = self._prefill_segments(prompt, policy, cache)
             else:
                 out = prefill_blend(self.runner, self.segments, prompt, policy, cache)
-                done = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation)
+                done = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio)
         ttft = time.perf_counter() - t0
         blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS
         report = ReuseReport(
             policy=policy.describe(), segments=done.segments,
-            selector=policy.selector if blend_fields else "", ratio=policy.ratio if blend_fields else None,
+            selector=policy.selector if blend_fields else "",
+            ratio=(done.ratio if done.ratio is not None else policy.ratio) if blend_fields else None,
             deviation=done.deviation, gate=refused,
             timings=Timings(lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s),
         )

@@ -315,10 +315,12 @@ class ModelRunner:
         """Token ids as an (S,) int64 tensor on the compute device."""
         return torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
 
-    def run_layers(self, h: torch.Tensor, rows: LayerRows) -> torch.Tensor:
-        """Every layer over hidden rows h (A, C); returns the last layer's rows (A', C)."""
+    def run_layers(self, h: torch.Tensor, rows: LayerRows, start: int = 0) -> torch.Tensor:
+        """Layers ``start``.. over hidden rows h (A, C) (the input of layer ``start``);
+        returns the last layer's rows (A', C)."""
         for i, w in enumerate(self.layers):
-            h = layer_forward(w, self.dims, i, h, rows)
+            if i >= start:
+                h = layer_forward(w, self.dims, i, h, rows)
         return h
 
     def prefill(self, cache: KVCache, ids: torch.Tensor, keep_kv: bool = True) -> tuple[torch.Tensor, KVEntry | None]:

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blend.defaults import (
-    DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_RATIO,
+    DEFAULT_AUTO_TARGET, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_RATIO,
     DEFAULT_SELECTOR, DTYPE_NAMES,
 )
 from blend.errors import InvalidRequestError
-from blend.policy import SELECTOR_NAMES, ReuseMode, ReusePolicy
+from blend.policy import SELECTOR_NAMES, BudgetMode, ReuseMode, ReusePolicy
 
 if TYPE_CHECKING:
     from blend.engine import Engine
@@ -78,11 +78,16 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ratio", type=float, default=DEFAULT_RATIO,
                    help="blend: share of reused tokens recomputed (default: %(default)s)")
     p.add_argument("--selector", default=DEFAULT_SELECTOR, choices=SELECTOR_NAMES,
-                   help="blend: which rows to recompute (default combo: attention-weighted V deviation)")
+                   help="blend: which rows to recompute (default probe: the question's attention at depth x V deviation)")
     p.add_argument("--check-layers", type=_int_list, default=DEFAULT_CHECK_LAYERS, help="blend: e.g. 1 or 1,2")
     p.add_argument("--threshold", type=float, default=None,
                    help="blend: recompute rows whose relative deviation exceeds this (capped by --max-ratio)")
-    p.add_argument("--max-ratio", type=float, default=DEFAULT_MAX_RATIO)
+    p.add_argument("--budget", default=BudgetMode.FIXED.value, choices=[b.value for b in BudgetMode],
+                   help="blend: fixed --ratio, or auto: per prompt, the fewest rows whose estimated left-over "
+                        "error is under --auto-target, at most --max-ratio (the report gives the ratio chosen)")
+    p.add_argument("--auto-target", type=float, default=DEFAULT_AUTO_TARGET, help="blend: the auto budget's target")
+    p.add_argument("--max-ratio", type=float, default=DEFAULT_MAX_RATIO,
+                   help="blend: cap of --threshold and --budget auto (default: %(default)s)")
     p.add_argument("--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS,
                    help="blend: compute fully below this length")
     p.add_argument("--force-blend", action="store_true", help="blend even if the model's quality gate failed")
@@ -104,6 +109,8 @@ def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
         threshold=getattr(args, "threshold", None), max_ratio=getattr(args, "max_ratio", DEFAULT_MAX_RATIO),
         min_prompt_tokens=getattr(args, "min_prompt_tokens", DEFAULT_MIN_PROMPT_TOKENS),
         force=getattr(args, "force_blend", False), semantic=getattr(args, "semantic", False),
+        budget=BudgetMode(getattr(args, "budget", BudgetMode.FIXED.value)),
+        auto_target=getattr(args, "auto_target", DEFAULT_AUTO_TARGET),
     )
 
 

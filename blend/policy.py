@@ -16,11 +16,20 @@ from dataclasses import dataclass
 from enum import Enum
 
 from blend.defaults import (
-    DEFAULT_CHECK_LAYERS, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_RATIO, DEFAULT_SELECTOR,
+    DEFAULT_AUTO_TARGET, DEFAULT_CHECK_LAYERS, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_RATIO,
+    DEFAULT_SELECTOR,
 )
 from blend.errors import InvalidPolicyError
 
-SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo", "split")
+SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe")
+PROBE_SELECTORS = ("probe",)  # selectors that need the query probe (issue 14)
+
+
+class BudgetMode(Enum):
+    """How many rows a blend recomputes: a fixed ratio, or per prompt up to max_ratio (issue 14)."""
+
+    FIXED = "fixed"
+    AUTO = "auto"
 
 
 class ReuseMode(Enum):
@@ -50,6 +59,10 @@ class ReusePolicy:
         force: blend even if the model's quality gate failed or never ran.
         semantic: experimental donor reuse (needs the engine flag too).
         seed: RNG seed of the random selector.
+        budget: fixed ratio, or ``auto``: per prompt, the fewest rows (ranked by the
+            ``probe`` score) whose left-over estimated error is below ``auto_target``,
+            at most ``max_ratio`` (issue 14).
+        auto_target: the adaptive budget's stopping target.
     """
 
     mode: ReuseMode = ReuseMode.EXACT
@@ -64,6 +77,8 @@ class ReusePolicy:
     force: bool = False
     semantic: bool = False
     seed: int = 0
+    budget: BudgetMode = BudgetMode.FIXED
+    auto_target: float = DEFAULT_AUTO_TARGET
 
     def __post_init__(self) -> None:
         def bad_ratio(r: float) -> bool:
@@ -88,6 +103,10 @@ class ReusePolicy:
             raise InvalidPolicyError(f"threshold must be >= 0, got {self.threshold}")
         if not isinstance(self.min_prompt_tokens, int) or self.min_prompt_tokens < 0:
             raise InvalidPolicyError(f"min_prompt_tokens must be an integer >= 0, got {self.min_prompt_tokens}")
+        if not isinstance(self.budget, BudgetMode):
+            raise InvalidPolicyError(f"budget must be a BudgetMode, got {self.budget!r}")
+        if math.isnan(self.auto_target) or self.auto_target < 0:
+            raise InvalidPolicyError(f"auto_target must be >= 0, got {self.auto_target}")
         if self.prefix_limit is not None and self.prefix_limit < 0:
             raise InvalidPolicyError("prefix_limit must be >= 0")
         if self.semantic and self.mode is not ReuseMode.BLEND:
@@ -117,6 +136,11 @@ class ReusePolicy:
         layers = (check_layers,) if isinstance(check_layers, int) else tuple(check_layers)
         return cls(mode=ReuseMode.BLEND, ratio=ratio, selector=selector, check_layers=layers, **kw)
 
+    @property
+    def needs_probe(self) -> bool:
+        """Whether the check layer runs the query probe (the probe selector or the adaptive budget)."""
+        return self.mode is ReuseMode.BLEND and (self.selector in PROBE_SELECTORS or self.budget is BudgetMode.AUTO)
+
     def ratio_at(self, i: int) -> float:
         """Recompute ratio at the i-th check layer."""
         return self.ratio if self.layer_ratios is None else self.layer_ratios[i]
@@ -126,4 +150,6 @@ class ReusePolicy:
             return self.mode.value
         checks = ",".join(map(str, self.check_layers))
         what = f"threshold={self.threshold}<= {self.max_ratio}" if self.threshold is not None else f"{self.ratio:g}"
+        if self.budget is BudgetMode.AUTO:
+            what = f"auto({self.auto_target:g})<={self.max_ratio:g}"
         return f"blend@{what}:{self.selector}:check={checks}"

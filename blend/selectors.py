@@ -14,6 +14,11 @@ evaluation compares them at equal budgets.
   error a stale row j adds to the question's attention output is its attention
   weight times its value error, so rows that are both stale and looked at
   rank first.
+- ``probe`` (issue 14): the query probe's attention (the question's rows run
+  alone from the check layer to the top over the re-positioned cached KV;
+  mean over those layers, heads and question tokens) times the V deviation:
+  ``combo`` with the attention the question pays at depth instead of at the
+  check layer only.
 - ``split``: half the budget by ``combo``, the rest by ``v`` among the rows
   combo left: combo follows the question's attention, which misses stale rows
   whose change matters through another document (two-hop prompts), and V
@@ -28,6 +33,7 @@ from typing import Callable
 import torch
 
 from blend.policy import SELECTOR_NAMES
+from blend.probe import probe_score, stop_count
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,8 @@ class SelectionInputs:
     offset: torch.Tensor  # int64 token offset of the row inside its document
     query_attn: torch.Tensor | None  # float32 attention mass from the question's tokens
     seed: int = 0
+    probe_attn: torch.Tensor | None = None  # float32 query probe's attention, mean over probed layers
+    v_norm: torch.Tensor | None = None  # float32 ||V_cached|| (scale of the adaptive budget's estimate)
 
 
 def _top(score: torch.Tensor, budget: int) -> torch.Tensor:
@@ -75,6 +83,12 @@ def _combo_score(inp: SelectionInputs) -> torch.Tensor:
     return _need_query(inp) * inp.dev_v  # (N,) a_j * ||dV_j||
 
 
+def _probe_score(inp: SelectionInputs) -> torch.Tensor:
+    if inp.probe_attn is None:
+        raise ValueError("this selector needs the query probe's attention")
+    return probe_score(inp.probe_attn, inp.dev_v)  # (N,) a_probe_j * ||dV_j||
+
+
 def _split(inp: SelectionInputs, budget: int) -> torch.Tensor:
     n = inp.dev_v.numel()
     budget = min(budget, n)
@@ -94,8 +108,10 @@ SELECTORS: dict[str, Callable[[SelectionInputs, int], torch.Tensor]] = {
     "random": _random,
     "combo": lambda inp, b: _top(_combo_score(inp), b),
     "split": _split,
+    "probe": lambda inp, b: _top(_probe_score(inp), b),
 }
 NEEDS_QUERY_ATTENTION = frozenset({"query", "combo", "split"})
+NEEDS_PROBE = frozenset({"probe"})
 assert set(SELECTORS) == set(SELECTOR_NAMES)
 
 
@@ -121,3 +137,19 @@ def select_threshold(inp: SelectionInputs, threshold: float, cap: int) -> torch.
     if over.numel() > cap:
         over = over[_top(inp.rel_v[over], cap)]
     return torch.sort(over).values
+
+
+def select_auto(inp: SelectionInputs, target: float, cap: int, sensitivity: float = 1.0) -> torch.Tensor:
+    """Adaptive budget (issue 14): the fewest rows, ranked by the probe score, whose left-over
+    estimated error is <= ``target``, at most ``cap``. The estimate: ``sensitivity`` (the entropy of
+    the probe's first-token distribution: a peaked answer barely moves) x the sum of
+    probe_attn x ||dV|| over the rows not taken, over the mean ||V_cached||.
+
+    Returns:
+        (K,) int64 positions into the candidate list, sorted ascending.
+    """
+    score = _probe_score(inp)  # (N,)
+    if inp.v_norm is None or score.numel() == 0:
+        return torch.empty(0, dtype=torch.long)
+    est = sensitivity * score.double() / inp.v_norm.double().mean().clamp_min(1e-12)  # (N,) scale-free
+    return torch.sort(_top(score, stop_count(est, target, 0, cap))).values

@@ -34,6 +34,17 @@ def aggregate_method(
     ttft = [p.get("ttft_s") for p in per]
     ratios = [p.get("ttft_ratio") for p in per]
     f1 = [p.get("f1") for p in per]
+    kl = [p.get("kl") for p in per]
+    out.update(
+        # the tail of KL to full prefill: errors are heavy-tailed, so the mean alone hides the worst prompts
+        kl_median=M.median(kl),
+        kl_p90=M.percentile(kl, 90.0),
+        kl_max=max(M.finite(kl)) if M.finite(kl) else None,
+        kl_ci=_ci(kl, np.mean, n_boot, seed),
+        kl_median_ci=_ci(kl, np.median, n_boot, seed),
+        top1_ci=_ci([p.get("top1") for p in per], np.mean, n_boot, seed),
+        tf_agreement_ci=_ci([p.get("tf_agreement") for p in per], np.mean, n_boot, seed),
+    )
     out.update(
         ttft_median_s=M.median(ttft),
         ttft_p90_s=M.percentile(ttft, 90.0),

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 from blend.defaults import DEFAULT_MODEL
 from blend.evals.data import DataError, load_items
 from blend.evals.harness import EvalConfig, ResumeError, run_harness
+from blend.evals.splits import parse_item_range
 from blend.evals.methods import DEFAULT_METHODS, MethodError, parse_methods
 from blend.evals.plot import write_pareto
 from blend.progress import Progress
@@ -40,6 +41,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--data", required=True,
                    help="CacheBlend-style JSON/JSONL file, or synthetic:single / synthetic:two-hop")
     p.add_argument("--limit", type=_positive, default=30, help="number of items (default 30)")
+    p.add_argument("--items", default=None,
+                   help="item range A-B of the data, 0-based inclusive (overrides --limit), e.g. 30-99 "
+                        "(musique_dev: 0-29 is the tuning split, 30-99 the validation split)")
     p.add_argument("--passages", type=_positive, default=5, help="documents per item (default 5)")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma list: full, prefix, reuse, blend@R[:selector][:check=L,...] "
@@ -85,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         data=args.data, limit=args.limit, passages=args.passages, methods=tuple(m.name for m in methods),
         model=args.model, dtype=args.dtype, store=args.store, max_new_tokens=args.max_new_tokens,
         repeats=args.repeats, warmup=args.warmup, seed=args.seed, system=args.system, bootstrap=args.bootstrap,
+        items=getattr(args, "items", None),
     )
 
 
@@ -129,7 +134,14 @@ def run_eval(
         config = config_from_args(args)
         if config.warmup < 0:
             raise MethodError(f"--warmup must be >= 0, got {config.warmup}")
-        items = load_items(config.data, config.limit, config.passages, seed=config.seed)
+        first = 0
+        if config.items is not None:
+            first, last = parse_item_range(config.items)
+            items = load_items(config.data, last + 1, config.passages, seed=config.seed)[first:]
+            if len(items) < last + 1 - first:
+                raise DataError(f"--items {config.items}: the data holds only {first + len(items)} items")
+        else:
+            items = load_items(config.data, config.limit, config.passages, seed=config.seed)
     except (DataError, MethodError, ValueError) as e:
         print(f"kvblend eval: error: {e}", file=sys.stderr)
         return 2
@@ -138,7 +150,8 @@ def run_eval(
     try:
         engine = (engine_factory or _load_engine)(config)
         results = run_harness(
-            engine, items, methods, config, out, resume=args.resume, progress=progress, policy_of=policy_of
+            engine, items, methods, config, out, resume=args.resume, progress=progress, policy_of=policy_of,
+            first_index=first,
         )
     except (ResumeError, *_engine_errors()) as e:
         print(f"kvblend eval: error: {e}", file=sys.stderr)

@@ -74,6 +74,7 @@ class EvalConfig:
     seed: int = 0
     system: str | None = None
     bootstrap: int = 1000
+    items: str | None = None  # item range "A-B" of the data (overrides limit), e.g. the validation split
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -259,7 +260,8 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bool) -> dict[int, dict[str, Any]]:
+def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bool,
+                first_index: int = 0) -> dict[int, dict[str, Any]]:
     """Create the output folder; on --resume, load the rows already done.
 
     Args:
@@ -267,6 +269,7 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
         config: this run's config.
         items: this run's items.
         resume: continue from ``rows.jsonl`` instead of starting over.
+        first_index: data index of ``items[0]`` (an ``--items A-B`` range starts at A).
 
     Returns:
         ``{index: row}`` of items already done (empty unless resuming).
@@ -288,9 +291,10 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
             raise ResumeError(f"--resume: {out} was written with different settings ({', '.join(diff)})")
         for row in _read_rows(rows_path):
             i = int(row["index"])
-            if i >= len(items):
+            if not first_index <= i < first_index + len(items):
                 continue
-            if row.get("id") != items[i].id or row.get("question") != items[i].question:
+            it = items[i - first_index]
+            if row.get("id") != it.id or row.get("question") != it.question:
                 raise ResumeError(f"--resume: item {i} in {rows_path} does not match the data (id {row.get('id')!r})")
             done[i] = row  # a later line for the same item (methods added) supersedes an earlier one
         dropped = sorted({n for r in done.values() for n in r["methods"]} - set(config.methods))
@@ -314,6 +318,7 @@ def run_harness(
     resume: bool = False,
     progress: Progress | None = None,
     policy_of: Callable[[Method], Any] | None = None,
+    first_index: int = 0,
 ) -> dict[str, Any]:
     """Evaluate every method on every item and build the results object.
 
@@ -326,6 +331,8 @@ def run_harness(
         resume: continue from rows already in ``out``.
         progress: progress bar (None: silent).
         policy_of: method -> policy (default :meth:`Method.policy`); tests inject fakes.
+        first_index: data index of ``items[0]`` (rows record data indices, so the tuning
+            split 0-29 and the validation split 30-99 keep their item numbers).
 
     Returns:
         The results object (see :mod:`blend.evals.report`), not yet written.
@@ -334,13 +341,13 @@ def run_harness(
         raise ValueError("methods must include 'full' (the reference)")
     policy_of = policy_of or (lambda m: m.policy())
     policies = {m.name: policy_of(m) for m in methods}
-    done = prepare_out(out, config, items, resume)
+    done = prepare_out(out, config, items, resume, first_index)
     missing = {i: [m for m in methods if m.name not in row["methods"]] for i, row in done.items()}
     if progress is not None:
         progress.skip(sum(not todo for todo in missing.values()))  # items with nothing to add
     warm = False
     with (out / ROWS_FILE).open("a", encoding="utf-8") as f:
-        for i, item in enumerate(items):
+        for i, item in enumerate(items, start=first_index):
             todo = list(methods)
             if i in done:
                 if not missing[i]:

@@ -6,8 +6,9 @@ belong to the check list)::
     full                         full prefill, no reuse (always run: the reference)
     prefix                       exact prefix reuse: only the preamble is shared
     reuse                        full KV reuse (blend at ratio 0)
-    blend@R[:SELECTOR][:check=L1,L2,...]
-                                 selective recompute of a fraction R in [0, 1]
+    blend@R[:SELECTOR][:check=L1,L2,...][:auto]
+                                 selective recompute of a fraction R in [0, 1]; with ``auto``
+                                 the budget is chosen per prompt (adaptive), R is its cap
 
 e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.
 """
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-FALLBACK_SELECTORS = ("v", "k", "kv", "lead", "query", "random", "combo", "split")
+FALLBACK_SELECTORS = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe")
 # the shipped default selector at three budgets, against CacheBlend's V deviation at the middle one
-DEFAULT_METHODS = "full,prefix,reuse,blend@0.05:combo,blend@0.15:combo,blend@0.3:combo,blend@0.15:v"
+DEFAULT_METHODS = "full,prefix,reuse,blend@0.05:probe,blend@0.15:probe,blend@0.3:probe,blend@0.15:combo,blend@0.15:v"
 REFERENCE = "full"
 
 
@@ -59,6 +60,7 @@ class Method:
         ratio: recompute fraction (0.0 for reuse, 1.0 for full, None for prefix).
         selector: token selector name for blend (None: the engine's default).
         check_layers: check layers for blend (empty: the engine's default).
+        auto: adaptive budget per prompt, ``ratio`` is its cap (issue 14).
     """
 
     name: str
@@ -67,10 +69,11 @@ class Method:
     ratio: float | None = None
     selector: str | None = None
     check_layers: tuple[int, ...] = ()
+    auto: bool = False
 
     def policy(self) -> Any:
         """The engine's :class:`blend.policy.ReusePolicy` for this method."""
-        from blend.policy import ReusePolicy
+        from blend.policy import BudgetMode, ReusePolicy
 
         if self.kind is MethodKind.FULL:
             return ReusePolicy.none()
@@ -83,13 +86,15 @@ class Method:
             kwargs["selector"] = self.selector
         if self.check_layers:
             kwargs["check_layers"] = self.check_layers
+        if self.auto:
+            kwargs.update(budget=BudgetMode.AUTO, max_ratio=self.ratio)
         return ReusePolicy.blend(**kwargs)
 
     def series(self) -> str:
         """Plot series label: one line per selector (and check layers) over ratios."""
         if self.kind is not MethodKind.BLEND:
             return self.kind.value
-        label = self.selector or "default"
+        label = (self.selector or "default") + (" auto" if self.auto else "")
         return f"{label} check={','.join(map(str, self.check_layers))}" if self.check_layers else label
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,6 +104,7 @@ class Method:
             "ratio": self.ratio,
             "selector": self.selector,
             "check_layers": list(self.check_layers),
+            "auto": self.auto,
         }
 
 
@@ -138,8 +144,13 @@ def parse_method(spec: str) -> Method:
         raise MethodError(f"method '{spec}': ratio must be in [0, 1], got {m.group(1)}")
     selector: str | None = None
     checks: tuple[int, ...] = ()
+    auto = False
     for part in [p for p in m.group(2).split(":") if p]:
-        if part.startswith("check="):
+        if part == "auto":
+            if auto:
+                raise MethodError(f"method '{spec}': auto given twice")
+            auto = True
+        elif part.startswith("check="):
             if checks:
                 raise MethodError(f"method '{spec}': check= given twice")
             try:
@@ -160,8 +171,11 @@ def parse_method(spec: str) -> Method:
         canonical += f":{selector}"
     if checks:
         canonical += f":check={','.join(map(str, checks))}"
+    if auto:
+        canonical += ":auto"
     return Method(
-        name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks
+        name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks,
+        auto=auto,
     )
 
 

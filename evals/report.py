@@ -65,6 +65,10 @@ AGG_NUMBERS = (
     "f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_median_s", "ttft_p90_s",
     "ttft_ratio", "ttft_ratio_mean", "recomputed_frac", "computed_frac", "recomputed_tokens", "prompt_tokens",
 )
+# Written since issue 14 (absent from older results.json; checked when present).
+TAIL_NUMBERS = ("kl_median", "kl_p90", "kl_max")
+TAIL_CIS = ("kl_ci", "kl_median_ci", "top1_ci", "tf_agreement_ci")
+WORST_ITEMS = 5  # results.md lists this many worst items with their KL under each method
 ROW_NUMBERS = (
     "f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_s", "ttft_ratio",
     "recomputed_frac", "computed_frac",
@@ -129,6 +133,12 @@ def validate_results(obj: Any) -> None:
             raise SchemaError(f"{where}.kl: negative")
         for f in ("f1_ci", "ttft_ratio_ci"):
             if f not in agg or not _ci_ok(agg[f]):
+                raise SchemaError(f"{where}.{f}: must be [low, high] or null")
+        for f in TAIL_NUMBERS:
+            if f in agg and not _num(agg[f]):
+                raise SchemaError(f"{where}.{f}: not a finite number/null")
+        for f in TAIL_CIS:
+            if f in agg and not _ci_ok(agg[f]):
                 raise SchemaError(f"{where}.{f}: must be [low, high] or null")
         if not isinstance(agg.get("n"), int) or agg["n"] < 0:
             raise SchemaError(f"{where}.n: must be a non-negative integer")
@@ -252,7 +262,7 @@ def best_by_budget(methods: dict[str, dict[str, Any]]) -> list[BudgetBest]:
     groups: dict[tuple[float, tuple[int, ...]], dict[str, dict[str, Any]]] = {}
     for name, agg in methods.items():
         spec = agg.get("spec") or {}
-        if spec.get("kind") != "blend" or spec.get("ratio") is None:
+        if spec.get("kind") != "blend" or spec.get("ratio") is None or spec.get("auto"):
             continue
         groups.setdefault((float(spec["ratio"]), tuple(spec.get("check_layers") or ())), {})[name] = agg
     rows = []
@@ -331,7 +341,74 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {agg['n']} |")
     lines += _thread_lines(methods, order)
     lines += _budget_lines(methods)
+    lines += _tail_lines(methods, order)
+    lines += _worst_lines(results, order)
     return "\n".join(lines) + "\n"
+
+
+def _fmt_ci(agg: dict[str, Any], field: str, ci_field: str, fmt: str) -> str:
+    v = agg.get(field)
+    if v is None:
+        return "–"
+    ci = agg.get(ci_field)
+    return fmt.format(v) + (f" [{fmt.format(ci[0])}, {fmt.format(ci[1])}]" if ci else "")
+
+
+def _tail_lines(methods: dict[str, dict[str, Any]], order: list[str]) -> list[str]:
+    """The KL distribution per method: mean, median (95% bootstrap CIs), p90, max; top-1, TF agreement."""
+    shown = [n for n in order if n != REFERENCE and "kl_median" in methods[n]]
+    if not shown:
+        return []
+    lines = ["", "## Tail of KL(full ‖ method), first answer token", "",
+             "| method | mean KL | median KL | p90 KL | max KL | top-1 | TF agree | n |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in shown:
+        a = methods[name]
+        num = lambda f, fmt="{:.4f}": "–" if a.get(f) is None else fmt.format(a[f])  # noqa: E731
+        lines.append(f"| `{name}` | {_fmt_ci(a, 'kl', 'kl_ci', '{:.4f}')} | {_fmt_ci(a, 'kl_median', 'kl_median_ci', '{:.4f}')} "
+                     f"| {num('kl_p90')} | {num('kl_max')} | {_fmt_ci(a, 'top1', 'top1_ci', '{:.3f}')} "
+                     f"| {_fmt_ci(a, 'tf_agreement', 'tf_agreement_ci', '{:.3f}')} | {a['n']} |")
+    return lines
+
+
+def worst_items(results: dict[str, Any], k: int = WORST_ITEMS) -> list[dict[str, Any]]:
+    """The ``k`` items with the highest mean KL over the blend methods (over every non-reference method
+    when there is no blend method), worst first.
+
+    Args:
+        results: a results object.
+        k: how many.
+
+    Returns:
+        Their item rows.
+    """
+    methods = results["methods"]
+    blend = [n for n, a in methods.items() if (a.get("spec") or {}).get("kind") == "blend"]
+    judged = blend or [n for n in methods if n != REFERENCE]
+
+    def badness(row: dict[str, Any]) -> float:
+        vals = [row["methods"][n].get("kl") for n in judged if n in row["methods"]]
+        vals = [v for v in vals if v is not None and math.isfinite(v)]
+        return sum(vals) / len(vals) if vals else -1.0
+
+    return sorted(results["items"], key=lambda r: (-badness(r), r["index"]))[:k]
+
+
+def _worst_lines(results: dict[str, Any], order: list[str]) -> list[str]:
+    rows = worst_items(results)
+    shown = [n for n in order if n != REFERENCE]
+    if not rows or not shown:
+        return []
+    lines = ["", f"## The {len(rows)} worst items (highest mean KL over the blend methods): KL under each method", "",
+             "| item | id | " + " | ".join(f"`{n}`" for n in shown) + " |",
+             "|---|---|" + "---|" * len(shown)]
+    for r in rows:
+        cells = []
+        for n in shown:
+            v = r["methods"].get(n, {}).get("kl")
+            cells.append("–" if v is None else f"{v:.4f}")
+        lines.append(f"| {r['index']} | {r['id']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _thread_lines(methods: dict[str, dict[str, Any]], order: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ from .dispatch import (
     sparse_query_attention,
 )
 from .reference import (
+    attention_probs,
     kv_deviation_ref,
     query_attention_mass,
     rope_mix_ref,
@@ -26,6 +27,7 @@ from .tolerances import TOL, Tol
 __all__ = [
     "ENV_VAR",
     "TOL",
+    "attention_probs",
     "BackendPolicy",
     "KernelBackend",
     "Tol",

@@ -113,6 +113,28 @@ def query_attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
     return torch.softmax(scores, dim=-1).mean(dim=(0, 1))  # (T,)
 
 
+def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a few queries, with its probabilities (for the query probe).
+
+    Args:
+        q: (Hq, S, D) queries after RoPE; q_pos: (S,) their positions.
+        k, v: (Hkv, T, D), K after RoPE; k_pos: (T,) their positions.
+        scale: softmax scale.
+
+    Returns:
+        output (Hq, S, D) in q's dtype, and probabilities (Hq, S, T) float32 (causal by position).
+    """
+    hq, s, dd = q.shape
+    hkv = k.shape[0]
+    qg = q.float().reshape(hkv, (hq // hkv) * s, dd)  # (Hkv, g S, D): query head h reads KV head h // g
+    scores = torch.matmul(qg, k.float().transpose(1, 2)).view(hq, s, -1) * scale  # (Hq, S, T)
+    scores = scores.masked_fill(~(k_pos[None, :] <= q_pos[:, None]), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # (Hq, S, T)
+    out = torch.matmul(probs.reshape(hkv, (hq // hkv) * s, -1), v.float()).view(hq, s, dd)  # (Hq, S, D)
+    return out.to(q.dtype), probs
+
+
 def _sorted(x: torch.Tensor) -> bool:
     return x.numel() < 2 or bool((x[1:] >= x[:-1]).all())
 

@@ -1,0 +1,90 @@
+"""The query probe's pass: the question's rows alone, from the check layer to the top.
+
+At the first check layer c every row's fresh K/V is in the request's cache.
+The probe runs the question's rows through layers c..L-1 (the model's one
+``layer_forward``, through :class:`ProbeRows`): at c over that fresh layer, above
+c over the re-positioned cached KV of every document (what a ratio-0 blend
+reads), recording the question's attention to each document row at every
+layer. It costs the question's rows through L-c layers (a few percent of a
+full prefill). It leaves layers > c of the cache holding every document's
+re-positioned cached rows, so the blend's own pass only writes the rows it
+recomputes there.
+
+Rows are relative to e, the first re-positioned row::
+
+    rows   0 ........ nb-1 | nb ...... n-1
+           document rows    | question rows
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from blend.kernels import attention_probs, rope_mix
+from blend.kvcache import KVCache
+from blend.model import ModelRunner
+from blend.probe import entropy
+from blend.rope import apply_rope
+
+if TYPE_CHECKING:
+    from blend.blending import BlendPlan
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe saw."""
+
+    attn: torch.Tensor  # (L - c, nb) float32 question's attention to each document row, per layer
+    entropy: float  # entropy (nats) of the probe's own first-token distribution (a ratio-0 blend's)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """(nb,) mean attention over the probed layers (the ``probe`` selector's weight)."""
+        return self.attn.mean(dim=0)
+
+
+class ProbeRows:
+    """:class:`~blend.model.LayerRows` of the probe: question rows over re-positioned cached KV."""
+
+    def __init__(self, plan: "BlendPlan", cache: KVCache, check: int, scale: float) -> None:
+        self.plan, self.cache, self.check, self.scale = plan, cache, check, scale
+        self.q_rows = torch.arange(plan.nb, plan.n)  # (Nq,)
+        self.k_pos = cache.pos[: plan.e + plan.n]  # (T,)
+        self.mass: list[torch.Tensor] = []  # (nb,) per probed layer
+
+    def store_kv(self, layer, q, k, v, h):
+        if layer > self.check:  # layer c already holds every row's fresh K/V
+            plan = self.plan
+            k_mix, v_mix = rope_mix(plan.k[layer], plan.v[layer], plan.cos, plan.sin, self.q_rows, k, v,
+                                    trusted_indices=True)  # (Hkv, n, D) x2
+            self.cache.write(layer, plan.e, k_mix, v_mix)
+        return q, h
+
+    def attend(self, layer, q):
+        plan, rows = self.plan, self.q_rows
+        k_all, v_all = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
+        q_rot = apply_rope(q, plan.cos[rows], plan.sin[rows])  # (Hq, Nq, D)
+        out, probs = attention_probs(q_rot, plan.pos[rows], k_all, v_all, self.k_pos, self.scale)
+        self.mass.append(probs.mean(dim=(0, 1))[plan.e:plan.e + plan.nb])  # (nb,)
+        return out.transpose(0, 1).reshape(q.shape[1], -1)  # (Nq, Hq D)
+
+
+def run_probe(model: ModelRunner, plan: "BlendPlan", cache: KVCache, check: int, h_q: torch.Tensor) -> ProbeResult:
+    """The question's attention to every document row at layers check..L-1.
+
+    Args:
+        model: the model runner.
+        plan: the request's re-positioned rows.
+        cache: the request's cache; layer ``check`` holds fresh K/V of every row [e, e+n).
+        check: the first check layer.
+        h_q: (Nq, C) the question's hidden rows at the check layer's input.
+
+    Returns:
+        Per-layer attention and the entropy of the probe's first-token distribution.
+    """
+    rows = ProbeRows(plan, cache, check, model.dims.scale)
+    h = model.run_layers(h_q, rows, start=check)  # (Nq, C)
+    return ProbeResult(torch.stack(rows.mass), entropy(model.logits(h[-1:])[0]))

@@ -1,0 +1,122 @@
+"""--items A-B (the tuning / validation split) and the KL tail in results.json / results.md."""
+
+import argparse
+import json
+
+import pytest
+
+from blend.evals.aggregate import aggregate_method
+from blend.evals.cli import configure_parser, run_eval
+from blend.evals.data import load_items
+from blend.evals.splits import ItemRangeError, parse_item_range
+from blend.evals.methods import parse_method
+from blend.evals.report import markdown, validate_results, worst_items
+from test_evals_harness import FakeEngine, _strip_timings
+
+METHODS = "full,reuse,blend@0.5:v,blend@0.2:k"
+
+
+def _args(tmp_path, *extra, out="out", data="synthetic:single"):
+    argv = ["--data", data, "--passages", "3", "--methods", METHODS, "--out", str(tmp_path / out),
+            "--max-new-tokens", "4", "--no-progress", "--bootstrap", "100", "--repeats", "1", *extra]
+    return configure_parser(argparse.ArgumentParser()).parse_args(argv)
+
+
+def _factory(engines, n=8):
+    def make(config):
+        items = load_items(config.data, n, config.passages, config.seed)
+        e = FakeEngine({it.question: it.answers[0] for it in items})
+        engines.append(e)
+        return e
+    return make
+
+
+@pytest.mark.parametrize("text,expected", [("30-99", (30, 99)), ("7", (7, 7)), (" 0 - 29 ", (0, 29))])
+def test_parse_item_range(text, expected):
+    assert parse_item_range(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "a-b", "5-3", "-3", "1-2-3", "1.5"])
+def test_parse_item_range_rejects(text):
+    with pytest.raises(ItemRangeError):
+        parse_item_range(text)
+
+
+def test_items_range_runs_those_items_with_their_data_indices(tmp_path):
+    engines = []
+    assert run_eval(_args(tmp_path, "--items", "2-4", out="range"), _factory(engines), policy_of=lambda m: m) == 0
+    res = json.loads((tmp_path / "range" / "results.json").read_text())
+    validate_results(res)
+    data = load_items("synthetic:single", 5, 3)
+    assert [r["index"] for r in res["items"]] == [2, 3, 4]
+    assert [r["id"] for r in res["items"]] == [it.id for it in data[2:5]]
+    assert {c[1] for c in engines[0].calls} == {it.question for it in data[2:5]}
+    assert res["config"]["items"] == "2-4"
+    # the same items' rows as in a run over the first five (rotation follows the data index)
+    assert run_eval(_args(tmp_path, "--limit", "5", out="all"), _factory([]), policy_of=lambda m: m) == 0
+    whole = json.loads((tmp_path / "all" / "results.json").read_text())
+    assert _strip_timings(res["items"]) == _strip_timings(whole["items"][2:5])
+
+
+def test_items_range_resume_skips_items_done(tmp_path):
+    assert run_eval(_args(tmp_path, "--items", "1-2"), _factory([]), policy_of=lambda m: m) == 0
+    engines = []
+    assert run_eval(_args(tmp_path, "--items", "1-2", "--resume"), _factory(engines), policy_of=lambda m: m) == 0
+    assert not [c for c in engines[0].calls if c[0] == "generate"]  # nothing left to do
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["index"] for r in res["items"]] == [1, 2]
+
+
+def test_items_range_past_the_data_is_a_clear_error(tmp_path, capsys):
+    data = tmp_path / "d.json"
+    recs = [{"question": f"q{i}?", "answers": ["a"], "ctxs": [{"title": "t", "text": "x y z"}]} for i in range(3)]
+    data.write_text(json.dumps(recs))
+    assert run_eval(_args(tmp_path, "--items", "2-5", data=str(data)), _factory([]), policy_of=lambda m: m) == 2
+    assert "only 3 items" in capsys.readouterr().err
+
+
+def _rows(kls, top1s=None):
+    top1s = top1s or [1.0] * len(kls)
+    return [{"methods": {"m": {"kl": k, "top1": t, "tf_agreement": 0.5, "f1": 0.0}}} for k, t in zip(kls, top1s)]
+
+
+def test_aggregate_reports_the_kl_tail():
+    kls = [0.01 * i for i in range(1, 11)]  # 0.01 .. 0.10
+    agg = aggregate_method("m", _rows(kls, [1.0] * 9 + [0.0]), parse_method("blend@0.1:v"), n_boot=200, seed=0)
+    assert agg["kl"] == pytest.approx(0.055)
+    assert agg["kl_median"] == pytest.approx(0.055)
+    assert agg["kl_p90"] == pytest.approx(0.091)  # linear interpolation between 0.09 and 0.10
+    assert agg["kl_max"] == pytest.approx(0.10)
+    lo, hi = agg["kl_ci"]
+    assert 0.01 <= lo < 0.055 < hi <= 0.10
+    assert agg["top1"] == pytest.approx(0.9) and agg["top1_ci"][0] < 0.9 <= agg["top1_ci"][1]
+
+
+def test_results_md_shows_the_tail_and_the_worst_items(tmp_path):
+    assert run_eval(_args(tmp_path, "--items", "0-6"), _factory([]), policy_of=lambda m: m) == 0
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    worst = worst_items(res, 5)
+    assert len(worst) == 5
+
+    def mean_blend_kl(row):
+        return (row["methods"]["blend@0.5:v"]["kl"] + row["methods"]["blend@0.2:k"]["kl"]) / 2
+
+    ranked = sorted(res["items"], key=lambda r: -mean_blend_kl(r))
+    assert [r["index"] for r in worst] == [r["index"] for r in ranked[:5]]
+    md = markdown(res)
+    assert "## Tail of KL" in md and "## The 5 worst items" in md
+    tail = md.split("## Tail of KL")[1].split("## The 5")[0]
+    agg = res["methods"]["blend@0.2:k"]
+    line = next(ln for ln in tail.splitlines() if ln.startswith("| `blend@0.2:k`"))
+    assert f"{agg['kl_max']:.4f}" in line and f"{agg['kl_p90']:.4f}" in line
+    worst_block = md.split("## The 5 worst items")[1]
+    first = next(ln for ln in worst_block.splitlines() if ln.startswith(f"| {worst[0]['index']} |"))
+    assert f"{worst[0]['methods']['reuse']['kl']:.4f}" in first
+
+
+def test_validator_rejects_a_bad_tail_field(tmp_path):
+    assert run_eval(_args(tmp_path, "--items", "0-1"), _factory([]), policy_of=lambda m: m) == 0
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    res["methods"]["reuse"]["kl_ci"] = [0.3, 0.1]
+    with pytest.raises(Exception, match="kl_ci"):
+        validate_results(res)

@@ -1,0 +1,186 @@
+"""Query-probed selection (issue 14): the scoring math, the probe selector and the adaptive budget."""
+
+import math
+
+import pytest
+import torch
+
+from blend import probe as P
+from blend.policy import BudgetMode, ReusePolicy
+from blend.selectors import SelectionInputs, select, select_auto
+from conftest import make_docs
+
+
+def test_probe_weight_mean_max_and_skip():
+    attn = torch.tensor([[0.1, 0.5], [0.3, 0.1], [0.2, 0.0]])  # (L'=3, N=2)
+    assert torch.allclose(P.probe_weight(attn), torch.tensor([0.2, 0.2]))
+    assert torch.allclose(P.probe_weight(attn, reduce=P.LayerReduce.MAX), torch.tensor([0.3, 0.5]))
+    assert torch.allclose(P.probe_weight(attn, first=1), torch.tensor([0.25, 0.05]))
+    with pytest.raises(ValueError):
+        P.probe_weight(attn, first=3)
+
+
+def test_dilate_stays_inside_a_document():
+    score = torch.tensor([0.0, 0.0, 5.0, 0.0, 1.0, 0.0])
+    doc = torch.tensor([0, 0, 0, 1, 1, 1])
+    out = P.dilate(score, doc, 1)
+    # row 3 is next to row 2 but in another document: it keeps its own neighbourhood (row 4)
+    assert out[1] == pytest.approx(5.0) and out[3] == pytest.approx(1.0) and out[0] == pytest.approx(0.0)
+    assert out[2] > out[1]  # the centre keeps its own score as a tie-break
+    assert torch.equal(P.dilate(score, doc, 0), score)
+
+
+def test_doc_budgets_follow_mass_and_respect_sizes():
+    counts = torch.tensor([10, 10, 2])
+    b = P.doc_budgets(torch.tensor([0.6, 0.2, 0.2]), counts, 10)
+    assert int(b.sum()) == 10 and b[0] > b[1] and b[2] <= 2
+    capped = P.doc_budgets(torch.tensor([0.0, 0.0, 1.0]), counts, 6)  # doc 2 holds 2 rows: the rest spills over
+    assert int(capped.sum()) == 6 and capped[2] == 2
+    assert int(P.doc_budgets(torch.tensor([1.0, 1.0, 1.0]), counts, 99).sum()) == 22
+    even = P.doc_budgets(torch.tensor([1.0, 0.0, 0.0]), torch.tensor([4, 4, 4]), 6, floor=1.0)
+    assert even.tolist() == [2, 2, 2]
+
+
+def test_select_by_doc_and_sinks():
+    score = torch.tensor([0.1, 0.9, 0.5, 0.8, 0.7, 0.2])
+    doc = torch.tensor([0, 0, 0, 1, 1, 1])
+    assert P.select_by_doc(score, doc, torch.tensor([1, 2])).tolist() == [1, 3, 4]
+    offset = torch.tensor([0, 1, 2, 0, 1, 2])
+    assert P.with_sinks(torch.tensor([4]), offset, 1).tolist() == [0, 3, 4]
+
+
+def test_stop_count_and_residual():
+    score = torch.tensor([0.5, 0.1, 0.3, 0.1])  # sorted: 0.5 0.3 0.1 0.1; left-over 1.0 .5 .2 .1 0
+    assert float(P.residual(score, 2)) == pytest.approx(0.2)
+    assert P.stop_count(score, 0.25, 0, 4) == 2
+    assert P.stop_count(score, 0.0, 0, 4) == 4
+    assert P.stop_count(score, 0.0, 0, 3) == 3  # capped
+    assert P.stop_count(score, 5.0, 1, 4) == 1  # floor
+
+
+def _inputs(n=8):
+    g = torch.Generator().manual_seed(0)
+    dev = torch.rand(n, generator=g)
+    return SelectionInputs(dev, dev, dev, torch.zeros(n, dtype=torch.long), torch.arange(n), None,
+                           probe_attn=torch.rand(n, generator=g), v_norm=torch.ones(n))
+
+
+def test_probe_selector_ranks_probe_attention_times_v_deviation():
+    inp = _inputs()
+    picked = select("probe", inp, 3)
+    assert picked.tolist() == sorted(torch.argsort(inp.probe_attn * inp.dev_v, descending=True)[:3].tolist())
+    with pytest.raises(ValueError, match="probe"):
+        select("probe", SelectionInputs(inp.dev_k, inp.dev_v, inp.rel_v, inp.doc, inp.offset, None), 3)
+
+
+def test_select_auto_stops_at_the_target():
+    inp = _inputs()
+    assert select_auto(inp, 0.0, 5).numel() == 5  # never met: the cap
+    assert select_auto(inp, 1e9, 5).numel() == 0
+    s = torch.sort(inp.probe_attn * inp.dev_v, descending=True).values
+    k = select_auto(inp, float(s[3:].double().sum()) + 1e-6, 8).numel()
+    assert k == 3
+
+
+def test_probe_selector_limits_and_cold_equals_warm(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("Which?", make_docs(4))
+    full = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    one = eng.generate(prompt, ReusePolicy.blend(1.0, "probe"), max_new_tokens=1)
+    assert (one.first_logits - full.first_logits).abs().max() <= 1e-4
+    cold = eng.generate(prompt, ReusePolicy.blend(0.2, "probe"), max_new_tokens=1)
+    warm = eng.generate(prompt, ReusePolicy.blend(0.2, "probe"), max_new_tokens=1)
+    fresh = tiny_engine_factory().generate(prompt, ReusePolicy.blend(0.2, "probe"), max_new_tokens=1)
+    assert torch.equal(cold.first_logits, warm.first_logits) and torch.equal(cold.first_logits, fresh.first_logits)
+    base = sum(len(d) for d in prompt.documents)
+    assert cold.report.recomputed_tokens == round(0.2 * base)
+
+
+def test_the_probe_sees_every_layer_above_the_check_and_drives_the_selection(tiny_engine, monkeypatch):
+    """The probe's attention has one row per layer from the check layer up, is a share of the
+    question's attention, and the probe selector keeps exactly the top rows of weight x dV."""
+    import blend.blending as B
+    from blend.selectors import SelectionInputs as SI
+
+    seen = {}
+    real_probe, real_select = B.run_probe, B.select
+
+    def spy_probe(*a, **kw):
+        seen["probe"] = real_probe(*a, **kw)
+        return seen["probe"]
+
+    def spy_select(name, inp: SI, budget):
+        seen["inp"], seen["picked"] = inp, real_select(name, inp, budget)
+        return seen["picked"]
+
+    monkeypatch.setattr(B, "run_probe", spy_probe)
+    monkeypatch.setattr(B, "select", spy_select)
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    ans = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe"), max_new_tokens=1)
+    pr, inp = seen["probe"], seen["inp"]
+    nb = sum(len(d) for d in prompt.documents[1:])  # doc 1 is exact at its canonical place
+    assert pr.attn.shape == (tiny_engine.dims.num_layers - 1, nb)  # check layer 1 .. the top
+    assert bool((pr.attn >= 0).all()) and bool((pr.attn.sum(dim=1) <= 1 + 1e-5).all())
+    assert 0.0 <= pr.entropy <= math.log(tiny_engine.dims.vocab) + 1e-6
+    want = P.top(pr.weight * inp.dev_v, round(0.25 * sum(len(d) for d in prompt.documents)))
+    assert torch.equal(torch.sort(want).values, seen["picked"])
+    assert ans.report.recomputed_tokens == seen["picked"].numel()
+
+
+def test_the_probe_shortcut_above_the_check_layer_changes_no_bit(tiny_engine, monkeypatch):
+    """Above the check layer the blend writes only its recomputed rows (the probe left the cached
+    rows re-positioned); writing every row again, as without the probe, gives the same logits."""
+    import blend.blending as B
+
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    fast = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe"), max_new_tokens=1)
+    # a class property that ignores the assignment: probed_at stays None, so every row is written
+    monkeypatch.setattr(B.BlendRows, "probed_at", property(lambda _: None, lambda _s, _v: None), raising=False)
+    slow = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe"), max_new_tokens=1)
+    assert torch.equal(fast.first_logits, slow.first_logits)
+
+
+def test_auto_budget_reports_the_ratio_it_chose(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(4))
+    base = sum(len(d) for d in prompt.documents)
+    cap = ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, max_ratio=0.3, auto_target=0.0)
+    a = tiny_engine.generate(prompt, cap, max_new_tokens=1)
+    assert a.report.recomputed_tokens == round(0.3 * base) and a.report.ratio == pytest.approx(
+        round(0.3 * base) / base)
+    loose = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, auto_target=1e9),
+                                 max_new_tokens=1)
+    assert loose.report.recomputed_tokens == 0 and loose.report.ratio == 0.0
+    mid = ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, max_ratio=0.3, auto_target=1e-3)
+    got = tiny_engine.generate(prompt, mid, max_new_tokens=1).report.recomputed_tokens
+    assert 0 <= got <= round(0.3 * base)
+
+
+@pytest.mark.parametrize("kw", [dict(auto_target=-1.0), dict(auto_target=float("nan")), dict(budget="auto")])
+def test_policy_rejects_bad_auto_settings(kw):
+    from blend.errors import InvalidPolicyError
+
+    with pytest.raises(InvalidPolicyError):
+        ReusePolicy.blend(0.15, "probe", **kw)
+
+
+def test_entropy_and_sensitivity():
+    assert P.entropy(torch.zeros(4)) == pytest.approx(float(torch.log(torch.tensor(4.0))))
+    assert P.entropy(torch.tensor([100.0, 0.0, 0.0])) == pytest.approx(0.0, abs=1e-6)
+    inp = _inputs()
+    s = torch.sort(inp.probe_attn * inp.dev_v, descending=True).values.double()
+    t = float(s[3:].sum()) + 1e-6
+    assert select_auto(inp, t, 8).numel() == 3
+    assert select_auto(inp, 2 * t, 8, sensitivity=2.0).numel() == 3  # the estimate scales with the entropy
+    assert select_auto(inp, t, 8, sensitivity=2.0).numel() > 3
+
+
+def test_the_cli_exposes_the_adaptive_budget():
+    from blend.cli import build_parser
+    from blend.options import policy_from_args
+
+    args = build_parser("ask").parse_args(["ask", "q", "--doc", "d", "--reuse", "blend", "--budget", "auto",
+                                           "--max-ratio", "0.3", "--auto-target", "0.01"])
+    pol = policy_from_args(args)
+    assert pol.budget is BudgetMode.AUTO and pol.max_ratio == 0.3 and pol.auto_target == 0.01
+    assert pol.selector == "probe" and pol.needs_probe  # the default selector
+    assert "auto(0.01)<=0.3" in pol.describe()
