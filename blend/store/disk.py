@@ -11,6 +11,13 @@ renames it over the entry (``os.replace`` is atomic on POSIX): a reader sees
 the old file or the new one, a writer killed mid-write leaves only a ``.tmp``
 that is never read, and two writers of one key leave one complete file.
 
+Reads are bounded and open only regular files: an entry (or record log) is
+opened with ``O_NOFOLLOW | O_NONBLOCK`` and must be a regular file inside the
+store (a FIFO, device, directory or symbolic link at an entry's path is a
+rejected lookup, never waited on or followed); the header is read first and
+the file's size checked against the header's claim and ``max_entry_bytes``
+before the tensors are read (see ``codec.check_size``).
+
 With a byte budget the tier is an LRU on disk: a hit refreshes the entry's
 mtime, and a put that takes the tier over budget removes the least recently
 used entries (oldest mtime first, every namespace) until it is back under
@@ -21,9 +28,11 @@ concurrent prune sees a miss.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -42,13 +51,24 @@ from blend.store.base import (
     check_put,
     entry_problem,
 )
-from blend.store.codec import EntryError, decode, decode_header, encode_parts, header_length
+from blend.store.codec import (
+    MAX_ENTRY_BYTES,
+    MAX_HEADER_BYTES,
+    EntryError,
+    EntryErrorKind,
+    check_size,
+    decode,
+    decode_header,
+    encode_parts,
+    header_length,
+)
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 LOW_WATER = 0.9  # a prune frees down to this fraction of the budget
+MAX_LOG_BYTES = 256 << 20  # a record log larger than this is not read (a donor line is ~2 KB)
 
 
 @dataclass(frozen=True)
@@ -60,18 +80,101 @@ class PruneResult:
     kept_bytes: int
 
 
-def _read_all(path: Path) -> bytearray:
-    """The whole file in one writable buffer (raises FileNotFoundError)."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "of an unknown kind"
+
+
+def open_regular(path: Path, flags: int = os.O_RDONLY) -> int:
+    """Open ``path`` only if it is a regular file, without blocking and without following a final symlink.
+
+    Args:
+        path: the file.
+        flags: access flags (``O_NONBLOCK``, ``O_NOFOLLOW`` and ``O_CLOEXEC`` are added).
+
+    Returns:
+        An open descriptor of a regular file.
+
+    Raises:
+        FileNotFoundError: nothing at ``path`` (and ``O_CREAT`` not given).
+        EntryError: NOT_A_BLOB for a FIFO, device, directory, socket or symbolic link.
+        OSError: any other failure to open.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.name} is a symbolic link, not a regular file") from None
+        if e.errno in (errno.EISDIR, errno.ENXIO):  # a directory opened for writing; a FIFO without a reader
+            raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.name}: {e.strerror}; not a regular file") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.name} is {_file_kind(mode)}, not a regular file")
+    return fd
+
+
+def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+    """Up to ``n`` bytes at ``offset`` (fewer only at end of file)."""
+    parts, got = [], 0
+    while got < n:
+        chunk = os.pread(fd, n - got, offset + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _read_entry(path: Path, max_bytes: int) -> bytearray:
+    """The blob in one writable buffer, read only after its header's size claim was checked.
+
+    Raises:
+        FileNotFoundError: absent.
+        EntryError: not a regular file, bad header, size differs from the claim or over ``max_bytes``.
+        OSError: unreadable.
+    """
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        head = _pread_exact(fd, 8, 0)
+        head += _pread_exact(fd, header_length(head) - 8, 8)
+        hdr, _, start = decode_header(head)
+        want = check_size(hdr, start, size, max_bytes)
+        buf = bytearray(want)
         view, got = memoryview(buf), 0
-        while got < size:
-            n = f.readinto(view[got:])
+        while got < want:
+            n = os.preadv(fd, [view[got:]], got)
             if not n:
-                break
+                raise EntryError(EntryErrorKind.TRUNCATED, f"file shrank to {got} bytes while read")
             got += n
-    return buf if got == size else buf[:got]
+        return buf
+    finally:
+        os.close(fd)
+
+
+def _read_small(path: Path, max_bytes: int) -> bytes:
+    """A whole regular file of at most ``max_bytes`` (record logs).
+
+    Raises:
+        FileNotFoundError, EntryError (not a regular file, or TOO_LARGE), OSError.
+    """
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise EntryError(EntryErrorKind.TOO_LARGE, f"{path.name} holds {size} bytes, over the cap of {max_bytes}")
+        return _pread_exact(fd, max_bytes + 1, 0)[:max_bytes]
+    finally:
+        os.close(fd)
 
 
 class DiskStore:
@@ -82,17 +185,22 @@ class DiskStore:
         fsync: fsync each file before the rename (durable across power loss).
         budget_bytes: upper bound on the bytes of entry files (None: unbounded);
             least recently used entries are removed past it.
+        max_entry_bytes: the largest entry file read or written (a larger one is
+            rejected before any allocation).
     """
 
     name = "disk"
 
     def __init__(self, root: str | os.PathLike[str], fsync: bool = True,
-                 budget_bytes: int | None = None) -> None:
+                 budget_bytes: int | None = None, max_entry_bytes: int = MAX_ENTRY_BYTES) -> None:
         if budget_bytes is not None and budget_bytes <= 0:
             raise ValueError(f"disk store budget must be positive, got {budget_bytes}")
+        if max_entry_bytes <= 0:
+            raise ValueError(f"max_entry_bytes must be positive, got {max_entry_bytes}")
         self.root = Path(root).expanduser()
         self.fsync = fsync
         self.budget_bytes = budget_bytes
+        self.max_entry_bytes = max_entry_bytes
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self._approx_bytes: int | None = None  # bytes on disk as of the last scan plus our puts
@@ -106,13 +214,21 @@ class DiskStore:
         with self._lock:
             setattr(self._stats, field, getattr(self._stats, field) + n)
 
+    def _inside(self, path: Path) -> None:
+        """Raise EntryError if ``path``'s folder resolves outside the store (a symlinked folder)."""
+        root = os.path.realpath(self.root)
+        if os.path.commonpath([root, os.path.realpath(path.parent)]) != root:
+            raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.parent} leads outside the store")
+
     def _load(self, ns: Namespace, key: StoreKey) -> KVEntry | None:
         """Decoded entry, None if absent; raises EntryError if unusable."""
+        path = self.path(ns, key)
+        self._inside(path)
         try:
-            buf = _read_all(self.path(ns, key))
+            buf = _read_entry(path, self.max_entry_bytes)
         except FileNotFoundError:
             return None
-        return decode(buf, ns, key)
+        return decode(buf, ns, key, self.max_entry_bytes)
 
     def get(self, ns: Namespace, key: StoreKey, provenance: str) -> Lookup:
         try:
@@ -143,6 +259,10 @@ class DiskStore:
         if self.budget_bytes is not None and entry.nbytes > self.budget_bytes:
             log.warning("disk store: entry of %d bytes exceeds the budget of %d; not stored",
                         entry.nbytes, self.budget_bytes)
+            return
+        if entry.nbytes + 8 + MAX_HEADER_BYTES > self.max_entry_bytes:  # it might not be read back
+            log.warning("disk store: entry of %d bytes may exceed max_entry_bytes=%d; not stored",
+                        entry.nbytes, self.max_entry_bytes)
             return
         parts = encode_parts(ns, key, entry)
         dest = self.path(ns, key)
@@ -200,7 +320,7 @@ class DiskStore:
         for ns in Namespace:
             for p in self._files(ns):
                 try:
-                    st = p.stat()
+                    st = p.lstat()  # a link's own size: its target is not the store's
                 except FileNotFoundError:
                     continue
                 rows.append((st.st_mtime, st.st_size, p))
@@ -263,7 +383,7 @@ class DiskStore:
                 os.write(fd, line + b"\n")
             finally:
                 os.close(fd)  # releases the lock
-        except OSError as e:
+        except (OSError, EntryError) as e:
             log.warning("disk store: cannot append to %s: %s", path, e)
 
     def rewrite_records(self, log_name: str, expected: list[bytes], lines: list[bytes]) -> bool:
@@ -277,12 +397,15 @@ class DiskStore:
             fd = _open_current(path, os.O_RDWR, fcntl.LOCK_EX)
         except FileNotFoundError:
             return False
-        except OSError as e:
+        except (OSError, EntryError) as e:
             log.warning("disk store: cannot lock log %s: %s", path, e)
             return False
         try:
-            with os.fdopen(os.dup(fd), "rb") as f:
-                now = _complete_lines(f.read())
+            size = os.fstat(fd).st_size
+            if size > MAX_LOG_BYTES:
+                log.warning("disk store: log %s holds %d bytes, over %d; not rewritten", path, size, MAX_LOG_BYTES)
+                return False
+            now = _complete_lines(_pread_exact(fd, size, 0))
             if now != list(expected):
                 return False  # appended to (or rewritten) since it was read: try another time
             tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -296,12 +419,13 @@ class DiskStore:
             os.close(fd)
 
     def read_records(self, log_name: str) -> list[bytes]:
-        """Complete lines of a record log (a torn last line is dropped)."""
+        """Complete lines of a record log (a torn last line is dropped; an unreadable,
+        irregular or oversized log reads as empty, with a warning)."""
         try:
-            data = self._log_path(log_name).read_bytes()
+            data = _read_small(self._log_path(log_name), MAX_LOG_BYTES)
         except FileNotFoundError:
             return []
-        except OSError as e:
+        except (OSError, EntryError) as e:
             log.warning("disk store: cannot read log %s: %s", log_name, e)
             return []
         return _complete_lines(data)
@@ -310,10 +434,16 @@ class DiskStore:
         return self.path(ns, key).is_file()
 
     def delete(self, ns: Namespace, key: StoreKey) -> bool:
+        """Remove the entry (a FIFO or link at its path too, never a link's target); False if
+        nothing was there or it cannot be removed (a directory, no permission: logged)."""
+        path = self.path(ns, key)
         try:
-            os.unlink(self.path(ns, key))
+            os.unlink(path)
             return True
         except FileNotFoundError:
+            return False
+        except OSError as e:
+            log.warning("disk store: cannot delete %s: %s", path, e)
             return False
 
     def _files(self, ns: Namespace) -> Iterator[Path]:
@@ -371,14 +501,21 @@ class DiskStore:
 
     def info(self, ns: Namespace, key: StoreKey) -> EntryInfo | None:
         path = self.path(ns, key)
+        self._inside(path)
         try:
-            with open(path, "rb") as f:
-                head = f.read(8)
-                head += f.read(max(0, header_length(head) - 8))
-                size = os.fstat(f.fileno()).st_size
+            fd = open_regular(path)
         except FileNotFoundError:
             return None
-        hdr, _, _ = decode_header(head)
+        except OSError as e:
+            raise EntryError(EntryErrorKind.NOT_A_BLOB, f"unreadable: {e}") from None
+        try:
+            size = os.fstat(fd).st_size
+            head = _pread_exact(fd, 8, 0)
+            head += _pread_exact(fd, header_length(head) - 8, 8)
+        finally:
+            os.close(fd)
+        hdr, _, start = decode_header(head)
+        check_size(hdr, start, size, self.max_entry_bytes)
         return EntryInfo(ns, key, hdr.provenance, hdr.shape, hdr.dtype, size)
 
     def verify(self, ns: Namespace, key: StoreKey) -> str:
@@ -389,6 +526,16 @@ class DiskStore:
         except OSError as e:
             return f"unreadable: {e}"
         return "absent" if entry is None else entry_problem(entry)
+
+    def check_reachable(self) -> str:
+        """'' if the root is a readable folder (or absent: an empty store), else why not."""
+        try:
+            with os.scandir(self.root):
+                return ""
+        except FileNotFoundError:
+            return ""
+        except OSError as e:
+            return f"{self.root}: {e.strerror or e}"
 
     def clear(self, ns: Namespace | None = None) -> int:
         n = 0
@@ -421,9 +568,12 @@ def _open_current(path: Path, flags: int, lock: int) -> int:
 
     Returns:
         The locked descriptor (closing it releases the lock).
+
+    Raises:
+        FileNotFoundError, EntryError (not a regular file), OSError.
     """
     while True:
-        fd = os.open(path, flags, 0o644)
+        fd = open_regular(path, flags)  # a FIFO or link at a log's path is refused, never waited on
         try:
             fcntl.flock(fd, lock)
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
