@@ -10,6 +10,8 @@ import io
 import json
 import os
 import struct
+import subprocess
+import sys
 import threading
 import tracemalloc
 from pathlib import Path
@@ -23,6 +25,7 @@ from blend.store.codec import EntryError, decode, decode_header, encode
 from blend.store.disk import DiskStore
 from blend.store.redis_store import RedisStore
 from blend.store.spec import StoreSpecError, TierKind, parse_store_spec
+from conftest import make_docs
 from _store_util import NS, RedisServer, free_port, key_for, make_prov, rand_entry, redis_url_for_tests, unique_prefix
 
 PROV = make_prov()
@@ -373,3 +376,42 @@ def test_redis_url_with_a_bad_database_is_an_error(url: str) -> None:
 def test_redis_url_with_a_good_database_is_accepted(url: str) -> None:
     (tier,) = parse_store_spec(url)
     assert tier.kind is TierKind.REDIS and tier.location.endswith(url.rpartition("/")[2] if "?" not in url else "db=2")
+
+
+# ---- end to end: `kvblend ask` and `kvblend store verify` over planted faults ----------------
+
+
+def _kvblend(home: Path, *args: str) -> "subprocess.CompletedProcess[str]":
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "TRITON_INTERPRET") if k in os.environ}
+    env.update(KVBLEND_HOME=str(home), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "blend.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_cli_ask_and_verify_over_a_header_break_a_terabyte_file_and_a_fifo(tmp_path: Path) -> None:
+    docs = []
+    for i, text in enumerate(make_docs(3, words=25)):
+        docs += ["--doc", str(tmp_path / f"doc{i}.txt")]
+        (tmp_path / f"doc{i}.txt").write_text(text)
+    store = tmp_path / "store"
+    ask = ["ask", "Which word?", "--model", "tiny-llama", "--json", "--max-new-tokens", "4", *docs,
+           "--store", f"disk:{store}", "--reuse", "exact"]
+    cold = _kvblend(tmp_path, *ask)
+    assert cold.returncode == 0, cold.stderr
+    files = sorted(store.glob("exact/??/*.safetensors"))
+    assert len(files) >= 3
+    files[0].write_bytes(STRUCTURE_BREAKS["bit_flip_in_data_offsets_key"](files[0].read_bytes()))
+    os.truncate(files[1], 1 << 40)
+    files[2].unlink()
+    os.mkfifo(files[2])
+
+    verify = _within(60, lambda: _kvblend(tmp_path, "store", "verify", "--store", f"disk:{store}"), unblock=files[2])
+    assert verify.returncode == 1 and verify.stdout.count("CORRUPT") == 3 and "Traceback" not in verify.stderr
+
+    warm = _within(120, lambda: _kvblend(tmp_path, *ask), unblock=files[2])
+    assert warm.returncode == 0 and "Traceback" not in warm.stderr, warm.stderr
+    a, b = json.loads(cold.stdout), json.loads(warm.stdout)
+    assert b["logits_sha256"] == a["logits_sha256"]  # a rejected entry is recomputed, never used
+    assert [s["class"] for s in b["report"]["segments"]].count("rejected") == 3
+    healed = _kvblend(tmp_path, "store", "verify", "--store", f"disk:{store}")  # recomputed KV replaced them
+    assert healed.returncode == 0 and "found 0 corrupt" in healed.stdout
