@@ -95,7 +95,7 @@ _HEADER_FIELDS = frozenset(f.name for f in fields(EntryHeader))
 _STR_FIELDS = ("namespace", "key", "provenance", "dtype", "sha256", "tag")
 
 
-def _checksum(meta: EntryHeader, *data: memoryview) -> str:
+def checksum(meta: EntryHeader, *data: memoryview) -> str:
     """sha256 over the header's claims (all but the checksum) and then the tensor bytes.
 
     Covering the claims too means a header edited to another shape of the same
@@ -110,7 +110,7 @@ def _checksum(meta: EntryHeader, *data: memoryview) -> str:
 def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor in memory order, without a copy when contiguous."""
     t = t.detach().to("cpu").contiguous()
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # (numel * itemsize,)
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # (numel * itemsize,), also when empty
 
 
 def encode_parts(ns: Namespace, key: StoreKey, entry: KVEntry) -> list[memoryview | bytes]:
@@ -138,7 +138,7 @@ def encode_parts(ns: Namespace, key: StoreKey, entry: KVEntry) -> list[memoryvie
         dtype=dtype_name(entry.k.dtype),
         sha256="",
     )
-    meta = replace(meta, sha256=_checksum(meta, kb, vb))
+    meta = replace(meta, sha256=checksum(meta, kb, vb))
     st = _ST_DTYPES[entry.k.dtype]
     shape = list(meta.shape)
     header = {
@@ -304,7 +304,7 @@ def decode(
     if key is not None and hdr.key != key_hex(key):
         raise EntryError(EntryErrorKind.KEY_MISMATCH, f"blob names key {hdr.key[:16]!r}..")
     check_size(hdr, start, len(blob), max_bytes)
-    if _checksum(hdr, memoryview(blob)[start:]) != hdr.sha256:
+    if checksum(hdr, memoryview(blob)[start:]) != hdr.sha256:
         raise EntryError(EntryErrorKind.CHECKSUM, "sha256 over the header claims and tensor bytes differs")
     dtype = _DTYPES_BY_NAME[hdr.dtype]
     nbytes = hdr.tensor_bytes // 2

@@ -28,11 +28,9 @@ concurrent prune sees a miss.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
-import stat
 import tempfile
 import threading
 import time
@@ -40,7 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from blend import safeio
 from blend.keys import Namespace, StoreKey, key_hex
+from blend.safeio import UnsafeFileError, pread_exact
 from blend.store.base import (
     EntryInfo,
     KVEntry,
@@ -80,58 +80,16 @@ class PruneResult:
     kept_bytes: int
 
 
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
-        if test(mode):
-            return name
-    return "of an unknown kind"
-
-
 def open_regular(path: Path, flags: int = os.O_RDONLY) -> int:
-    """Open ``path`` only if it is a regular file, without blocking and without following a final symlink.
-
-    Args:
-        path: the file.
-        flags: access flags (``O_NONBLOCK``, ``O_NOFOLLOW`` and ``O_CLOEXEC`` are added).
-
-    Returns:
-        An open descriptor of a regular file.
+    """``safeio.open_regular`` with a non-regular file as a NOT_A_BLOB :class:`EntryError`.
 
     Raises:
-        FileNotFoundError: nothing at ``path`` (and ``O_CREAT`` not given).
-        EntryError: NOT_A_BLOB for a FIFO, device, directory, socket or symbolic link.
-        OSError: any other failure to open.
+        FileNotFoundError, EntryError, OSError.
     """
     try:
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.name} is a symbolic link, not a regular file") from None
-        if e.errno in (errno.EISDIR, errno.ENXIO):  # a directory opened for writing; a FIFO without a reader
-            raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.name}: {e.strerror}; not a regular file") from None
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-    except BaseException:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.name} is {_file_kind(mode)}, not a regular file")
-    return fd
-
-
-def _pread_exact(fd: int, n: int, offset: int) -> bytes:
-    """Up to ``n`` bytes at ``offset`` (fewer only at end of file)."""
-    parts, got = [], 0
-    while got < n:
-        chunk = os.pread(fd, n - got, offset + got)
-        if not chunk:
-            break
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
+        return safeio.open_regular(path, flags)
+    except UnsafeFileError as e:
+        raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.name}: {e}") from None
 
 
 def _read_entry(path: Path, max_bytes: int) -> bytearray:
@@ -145,8 +103,8 @@ def _read_entry(path: Path, max_bytes: int) -> bytearray:
     fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
-        head = _pread_exact(fd, 8, 0)
-        head += _pread_exact(fd, header_length(head) - 8, 8)
+        head = pread_exact(fd, 8, 0)
+        head += pread_exact(fd, header_length(head) - 8, 8)
         hdr, _, start = decode_header(head)
         want = check_size(hdr, start, size, max_bytes)
         buf = bytearray(want)
@@ -157,22 +115,6 @@ def _read_entry(path: Path, max_bytes: int) -> bytearray:
                 raise EntryError(EntryErrorKind.TRUNCATED, f"file shrank to {got} bytes while read")
             got += n
         return buf
-    finally:
-        os.close(fd)
-
-
-def _read_small(path: Path, max_bytes: int) -> bytes:
-    """A whole regular file of at most ``max_bytes`` (record logs).
-
-    Raises:
-        FileNotFoundError, EntryError (not a regular file, or TOO_LARGE), OSError.
-    """
-    fd = open_regular(path)
-    try:
-        size = os.fstat(fd).st_size
-        if size > max_bytes:
-            raise EntryError(EntryErrorKind.TOO_LARGE, f"{path.name} holds {size} bytes, over the cap of {max_bytes}")
-        return _pread_exact(fd, max_bytes + 1, 0)[:max_bytes]
     finally:
         os.close(fd)
 
@@ -405,7 +347,7 @@ class DiskStore:
             if size > MAX_LOG_BYTES:
                 log.warning("disk store: log %s holds %d bytes, over %d; not rewritten", path, size, MAX_LOG_BYTES)
                 return False
-            now = _complete_lines(_pread_exact(fd, size, 0))
+            now = _complete_lines(pread_exact(fd, size, 0))
             if now != list(expected):
                 return False  # appended to (or rewritten) since it was read: try another time
             tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -422,10 +364,10 @@ class DiskStore:
         """Complete lines of a record log (a torn last line is dropped; an unreadable,
         irregular or oversized log reads as empty, with a warning)."""
         try:
-            data = _read_small(self._log_path(log_name), MAX_LOG_BYTES)
+            data = safeio.read_regular(self._log_path(log_name), MAX_LOG_BYTES)
         except FileNotFoundError:
             return []
-        except (OSError, EntryError) as e:
+        except OSError as e:  # UnsafeFileError too: a FIFO, a link or an oversized log
             log.warning("disk store: cannot read log %s: %s", log_name, e)
             return []
         return _complete_lines(data)
@@ -510,8 +452,8 @@ class DiskStore:
             raise EntryError(EntryErrorKind.NOT_A_BLOB, f"unreadable: {e}") from None
         try:
             size = os.fstat(fd).st_size
-            head = _pread_exact(fd, 8, 0)
-            head += _pread_exact(fd, header_length(head) - 8, 8)
+            head = pread_exact(fd, 8, 0)
+            head += pread_exact(fd, header_length(head) - 8, 8)
         finally:
             os.close(fd)
         hdr, _, start = decode_header(head)
