@@ -214,6 +214,8 @@ def read_file(path: str | os.PathLike[str]) -> FileRead:
     except UnicodeDecodeError as e:
         msg = f"invalid UTF-8 byte 0x{data[e.start]:02x} at offset {e.start}"
         return FileRead(p, digest, (), (CorpusIssue(p, _line_of(data, e.start), IssueKind.NOT_UTF8, msg),))
+    if not text.strip():  # a BOM, or Unicode whitespace only
+        return FileRead(p, digest, (), (CorpusIssue(p, None, IssueKind.EMPTY, "file has no text"),))
     return FileRead(p, digest, (Document(p, None, text),), ())
 
 

@@ -71,51 +71,56 @@ json_values = st.recursive(json_scalars, lambda c: st.lists(c, max_size=5) | st.
                                                                                             max_size=5), max_leaves=20)
 
 
-def replace_at(value: Any, path: list[int], new: Any) -> Any:
-    """``value`` with the node reached by following ``path`` (indices mod the children) replaced by ``new``."""
-    if not path or not isinstance(value, (dict, list)) or not value:
-        return new
+def node_paths(value: Any, prefix: tuple = ()) -> list[tuple]:
+    """The path (dict keys and list indices) of every node of a JSON value, the root first."""
+    out = [prefix]
     if isinstance(value, dict):
-        keys = sorted(value, key=str)
-        k = keys[path[0] % len(keys)]
-        return {**value, k: replace_at(value[k], path[1:], new)}
-    i = path[0] % len(value)
-    return [*value[:i], replace_at(value[i], path[1:], new), *value[i + 1 :]]
+        for k, v in value.items():
+            out += node_paths(v, prefix + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += node_paths(v, prefix + (i,))
+    return out
 
 
-def drop_at(value: Any, path: list[int]) -> Any:
-    """``value`` with one member (a dict key or list item) along ``path`` removed."""
-    if not isinstance(value, (dict, list)) or not value:
-        return value
-    if isinstance(value, dict):
-        keys = sorted(value, key=str)
-        k = keys[path[0] % len(keys)] if path else keys[0]
-        if len(path) <= 1:
-            return {kk: v for kk, v in value.items() if kk != k}
-        return {**value, k: drop_at(value[k], path[1:])}
-    i = path[0] % len(value) if path else 0
-    if len(path) <= 1:
-        return value[:i] + value[i + 1 :]
-    return [*value[:i], drop_at(value[i], path[1:]), *value[i + 1 :]]
+def _edit(value: Any, path: tuple, fn: Any) -> Any:
+    """``value`` with ``fn(parent, last key)`` applied where ``path`` ends (a copy along the path)."""
+    if len(path) == 1:
+        return fn(value, path[0])
+    k = path[0]
+    child = _edit(value[k], path[1:], fn)
+    return {**value, k: child} if isinstance(value, dict) else [*value[:k], child, *value[k + 1 :]]
+
+
+def _flip_char(k: str, i: int, bit: int) -> str:
+    if not k:
+        return "x"
+    i %= len(k)
+    return k[:i] + chr(ord(k[i]) ^ (1 << bit)) + k[i + 1 :]
 
 
 def mutate_json(value: Any, data: st.DataObject) -> Any:
-    """One structural rewrite that keeps valid JSON: replace a node, drop a member, or rename a key."""
-    path = data.draw(st.lists(st.integers(0, 50), max_size=5), label="path")
-    how = data.draw(st.sampled_from(["replace", "drop", "rename"]), label="how")
+    """One structural rewrite that keeps valid JSON, at a node drawn uniformly from the whole tree:
+    replace it by any JSON value, drop it, or flip one bit of its key (the issue's bit flip
+    inside ``"data_offsets"``)."""
+    path = data.draw(st.sampled_from(node_paths(value)), label="node")
+    how = data.draw(st.sampled_from(["replace", "replace", "drop", "rename"]), label="how")
+    if not path:
+        return data.draw(json_values, label="new root") if how == "replace" else value
     if how == "replace":
-        return replace_at(value, path, data.draw(json_values, label="new value"))
+        new = data.draw(json_values, label="new value")
+        return _edit(value, path, lambda parent, k: {**parent, k: new} if isinstance(parent, dict)
+                     else [*parent[:k], new, *parent[k + 1 :]])
     if how == "drop":
-        return drop_at(value, path)
-    if isinstance(value, dict) and value:  # rename a top-level key (one of the issue's bit flips)
-        keys = sorted(value, key=str)
-        k = keys[(path[0] if path else 0) % len(keys)]
-        return {(k[:-1] + chr(ord(k[-1]) ^ 1) if k else "x") if kk == k else kk: v for kk, v in value.items()}
-    return value
+        return _edit(value, path, lambda parent, k: {kk: v for kk, v in parent.items() if kk != k}
+                     if isinstance(parent, dict) else parent[:k] + parent[k + 1 :])
+    i, bit = data.draw(st.integers(0, 40), label="char"), data.draw(st.integers(0, 6), label="bit")
+    return _edit(value, path, lambda parent, k: {(_flip_char(kk, i, bit) if kk == k else kk): v
+                                                 for kk, v in parent.items()} if isinstance(parent, dict) else parent)
 
 
 def mutate_bytes(blob: bytes, data: st.DataObject, header_end: int | None = None) -> bytes:
-    """Bit flips, a truncation and/or an extension (each drawn)."""
+    """Bit flips, a truncation and/or an extension (each drawn; at least one bit always changes)."""
     out = bytearray(blob)
     hi = len(out) if header_end is None or not data.draw(st.booleans(), label="header only") else header_end
     for pos in data.draw(st.lists(st.integers(0, max(hi - 1, 0)), max_size=4), label="flips"):
@@ -124,5 +129,7 @@ def mutate_bytes(blob: bytes, data: st.DataObject, header_end: int | None = None
     if data.draw(st.booleans(), label="truncate"):
         out = out[: data.draw(st.integers(0, len(out)), label="cut")]
     if data.draw(st.booleans(), label="extend"):
-        out += data.draw(st.binary(max_size=64), label="tail")
+        out += data.draw(st.binary(min_size=1, max_size=64), label="tail")
+    if bytes(out) == blob and blob:  # always some damage
+        out[data.draw(st.integers(0, hi - 1 if hi else len(out) - 1), label="flip") % len(out)] ^= 1
     return bytes(out)

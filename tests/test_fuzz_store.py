@@ -63,21 +63,26 @@ def _join(table: Any, meta: Any, data: bytes, resign: bool) -> bytes:
 
 @st.composite
 def hostile_blobs(draw: st.DrawFn) -> tuple[bytes, KVEntry, str]:
-    """Valid blobs after bit flips, truncations, extensions and JSON-keeping header rewrites."""
+    """A valid blob after one kind of damage: bit flips / a truncation / an extension of its bytes,
+    or a JSON-keeping rewrite of the safetensors table or of the kvblend metadata (re-signed or not)."""
     blob, entry, prov = draw(valid_blobs())
     data = draw(st.data())
-    how = draw(st.sampled_from(["bytes", "table", "meta", "both"]))
-    if how != "bytes":
-        table, meta, tensors = _split(blob)
-        if how in ("table", "both"):
-            table = mutate_json(table, data)
-        if how in ("meta", "both"):
-            meta = mutate_json(meta, data)
-        blob = _join(table, meta, tensors, resign=draw(st.booleans()))
-    if how == "bytes" or draw(st.booleans()):
+    how = draw(st.sampled_from(["bytes", "table", "meta", "meta-resigned"]))
+    if how == "bytes":
         (n,) = struct.unpack("<Q", blob[:8])
-        blob = mutate_bytes(blob, data, header_end=8 + n)
-    return blob, entry, prov
+        return mutate_bytes(blob, data, header_end=8 + n), entry, prov
+    table, meta, tensors = _split(blob)
+    tensors_table = {"k": table["k"], "v": table["v"]}  # the kvblend metadata is rewritten on its own
+    for _ in range(draw(st.integers(1, 3))):
+        if how == "table":
+            tensors_table = mutate_json(tensors_table, data)
+        else:
+            meta = mutate_json(meta, data)
+    if isinstance(tensors_table, dict):
+        table = {"__metadata__": table["__metadata__"], **tensors_table}
+    else:
+        table = tensors_table
+    return _join(table, meta, tensors, resign=how == "meta-resigned"), entry, prov
 
 
 def _check_decode(blob: bytes, entry: KVEntry, prov: str) -> None:
