@@ -4,7 +4,7 @@ Layout of an index folder::
 
     DIR/CURRENT            name of the live generation (replaced atomically)
     DIR/gen-000007/        meta.json, chunks.jsonl, files.json, gc.json,
-                           ids.npy, vectors.npy, faiss.index, faiss.kind
+                           ids.npy, vectors.npy, faiss.index, faiss.kind (kind and sha256 of faiss.index)
 
 A commit writes a complete new generation into a temporary folder, renames
 it, then swaps ``CURRENT`` (temp file + ``os.replace``): a reader or a
@@ -15,9 +15,9 @@ index only when no file references it any more. Its id then moves to the
 pending-GC list until :meth:`Catalog.collect_garbage` deletes its KV.
 
 Opening trusts none of these bytes: ``CURRENT`` must name a ``gen-NNNNNN``
-folder inside the index (no link out of it), every file must be a regular
-file under ``MAX_INDEX_FILE_BYTES`` (never a FIFO), and every field is checked
-for its type and for agreement with the other files. Anything else is one
+folder inside the index (no link out of it), every file is read by the strict
+readers of ``index_files.py`` (regular files under a cap, every field's type
+checked) and the files must agree with each other. Anything else is one
 :class:`RetrievalError` naming the file.
 """
 
@@ -25,65 +25,30 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from blend import safeio
 from blend.retrieval.corpus import RetrievalError
-from blend.retrieval.index import MAX_DIM, MAX_INDEX_FILE_BYTES, ApproxParams, IndexKind, VectorIndex
+from blend.retrieval.index import ApproxParams, IndexKind, VectorIndex
+from blend.retrieval.index_files import (  # the records are defined there, beside their readers
+    FORMAT_VERSION,
+    ChunkRecord,
+    ChunkRef,
+    FileEntry,
+    IndexMeta,
+    read_chunk_table,
+    read_gc_list,
+    read_generation,
+    read_manifest,
+    read_meta,
+)
 
-FORMAT_VERSION = 1
-GENERATION = re.compile(r"gen-[0-9]{6,9}")  # the only names CURRENT may hold
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    """Where a chunk occurs in a file: JSONL line (or None) and character span."""
-
-    chunk_id: str
-    line: int | None
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """One ingested file in the manifest.
-
-    Attributes:
-        path: absolute path.
-        sha256: hex digest of the file's bytes when ingested.
-        signature: fingerprint of everything that shapes its chunks (tokenizer, chunker).
-        chunks: occurrences of its chunks, in file order.
-    """
-
-    path: str
-    sha256: str
-    signature: str
-    chunks: tuple[ChunkRef, ...]
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    """A row of the chunk table.
-
-    Attributes:
-        chunk_id: sha256 hex of (tokenizer fingerprint, text).
-        slot: the int64 id of its vector in faiss.
-        text: the chunk text.
-        n_tokens: tokens of the text under the chunking tokenizer.
-    """
-
-    chunk_id: str
-    slot: int
-    text: str
-    n_tokens: int
+__all__ = ["FORMAT_VERSION", "Catalog", "ChunkRecord", "ChunkRef", "FileEntry", "IndexMeta", "SearchHit"]
 
 
 @dataclass(frozen=True)
@@ -97,18 +62,6 @@ class SearchHit:
     line: int | None
     start: int
     end: int
-
-
-@dataclass(frozen=True)
-class IndexMeta:
-    """What an index was built with; reopening with something else is an error."""
-
-    embedder: str
-    embedder_fingerprint: str
-    dim: int
-    kind: str
-    threshold: int
-    format_version: int = FORMAT_VERSION
 
 
 class Catalog:
@@ -151,8 +104,8 @@ class Catalog:
             if meta is None:
                 raise RetrievalError(f"{root}: no index here (run `kvblend ingest PATH... --index {root}` first)")
             return cls(root, meta)
-        gen = _generation(root)
-        stored = _index_meta(_json_file(gen / "meta.json"), gen / "meta.json")
+        gen = read_generation(root)
+        stored = read_meta(gen / "meta.json")
         if stored.format_version != FORMAT_VERSION:
             raise RetrievalError(f"{root}: index format {stored.format_version}, expected {FORMAT_VERSION}")
         if meta is not None and (meta.embedder_fingerprint, meta.dim) != (stored.embedder_fingerprint, stored.dim):
@@ -160,10 +113,10 @@ class Catalog:
         if meta is not None and meta.kind != stored.kind:
             stored = IndexMeta(**{**asdict(stored), "kind": meta.kind, "threshold": meta.threshold})
         self = cls(root, stored)
-        self.records = _chunk_table(gen / "chunks.jsonl")
+        self.records = read_chunk_table(gen / "chunks.jsonl")
         files_path = gen / "files.json"
-        self.files, self._next_slot = _manifest(_json_file(files_path), files_path)
-        self.pending_gc = _gc_list(_json_file(gen / "gc.json"), gen / "gc.json")
+        self.files, self._next_slot = read_manifest(files_path)
+        self.pending_gc = read_gc_list(gen / "gc.json")
         self.vectors = VectorIndex.load(gen, stored.dim, IndexKind(stored.kind), ApproxParams(threshold=stored.threshold))
         self._recount()
         slots = {r.slot for r in self.records.values()}
@@ -189,7 +142,7 @@ class Catalog:
         """Write the whole state as a new generation and make it current, atomically."""
         self.root.mkdir(parents=True, exist_ok=True)
         cur = self.root / "CURRENT"
-        old = _generation(self.root).name if self.exists(self.root) else ""
+        old = read_generation(self.root).name if self.exists(self.root) else ""
         n = int(old.split("-")[1]) + 1 if old else 1
         name = f"gen-{n:06d}"
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=self.root))
@@ -340,117 +293,3 @@ class Catalog:
                 hits.append(SearchHit(rec.chunk_id, s, rec.text, path, ref.line, ref.start, ref.end))
             out.append(hits)
         return out
-
-
-# ---- reading an index folder: every byte checked, every error names its file ----------------
-
-
-def _read(path: Path) -> bytes:
-    """A regular file of at most MAX_INDEX_FILE_BYTES, as bytes."""
-    try:
-        return safeio.read_regular(path, MAX_INDEX_FILE_BYTES)
-    except FileNotFoundError:
-        raise RetrievalError(f"{path}: missing from the index") from None
-    except OSError as e:  # safeio.UnsafeFileError too: a FIFO, a link, an oversized file
-        raise RetrievalError(f"{path}: unreadable ({e})") from None
-
-
-def _json_file(path: Path) -> Any:
-    try:
-        return json.loads(_read(path))
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise RetrievalError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
-
-
-def _generation(root: Path) -> Path:
-    """The folder ``CURRENT`` names: a ``gen-NNNNNN`` directory inside ``root``."""
-    cur = root / "CURRENT"
-    raw = _read(cur)
-    try:
-        name = raw.decode("ascii").strip()
-    except UnicodeDecodeError:
-        name = ""
-    if not GENERATION.fullmatch(name):
-        raise RetrievalError(f"{cur}: {raw[:40]!r} is not a generation name (gen-NNNNNN)")
-    gen = root / name
-    if os.path.realpath(gen) != os.path.join(os.path.realpath(root), name):
-        raise RetrievalError(f"{cur}: {name} leads outside the index (a symbolic link)")
-    if not gen.is_dir():
-        raise RetrievalError(f"{cur}: names {name}, which is not a folder of the index")
-    return gen
-
-
-def _bad(path: Path, what: str) -> RetrievalError:
-    return RetrievalError(f"{path}: {what}")
-
-
-def _is_count(x: Any) -> bool:
-    """A JSON whole number >= 0 (``True`` is not one)."""
-    return type(x) is int and x >= 0
-
-
-def _index_meta(d: Any, path: Path) -> IndexMeta:
-    names = {f.name for f in fields(IndexMeta)}
-    if not isinstance(d, dict) or set(d) != names:
-        raise _bad(path, f"index metadata must be an object with {sorted(names)}")
-    for k in ("embedder", "embedder_fingerprint", "kind"):
-        if not isinstance(d[k], str):
-            raise _bad(path, f"{k} must be a string")
-    if not _is_count(d["dim"]) or not 0 < d["dim"] <= MAX_DIM:
-        raise _bad(path, f"dim must be a whole number in 1..{MAX_DIM}, got {d['dim']!r:.40}")
-    if not _is_count(d["threshold"]) or type(d["format_version"]) is not int:
-        raise _bad(path, "threshold and format_version must be whole numbers")
-    if d["kind"] not in {k.value for k in IndexKind}:
-        raise _bad(path, f"unknown index kind {d['kind']!r:.40}")
-    return IndexMeta(**d)
-
-
-def _chunk_table(path: Path) -> dict[str, ChunkRecord]:
-    names = {f.name for f in fields(ChunkRecord)}
-    records: dict[str, ChunkRecord] = {}
-    for lineno, raw in enumerate(_read(path).split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            row = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise _bad(path, f"line {lineno}: corrupt chunk row ({type(e).__name__})") from None
-        if (not isinstance(row, dict) or set(row) != names or not isinstance(row["chunk_id"], str)
-                or not isinstance(row["text"], str) or not _is_count(row["slot"]) or not _is_count(row["n_tokens"])):
-            raise _bad(path, f"line {lineno}: corrupt chunk row (want {sorted(names)} of the right types)")
-        if row["chunk_id"] in records:
-            raise _bad(path, f"line {lineno}: chunk {row['chunk_id'][:16]!r} appears twice")
-        records[row["chunk_id"]] = ChunkRecord(**row)
-    return records
-
-
-def _chunk_ref(c: Any) -> ChunkRef:
-    if (not isinstance(c, list) or len(c) != 4 or not isinstance(c[0], str)
-            or not (c[1] is None or _is_count(c[1])) or not _is_count(c[2]) or not _is_count(c[3])):
-        raise ValueError(f"chunk ref {c!r:.60} is not [chunk id, line or null, start, end]")
-    return ChunkRef(c[0], c[1], c[2], c[3])
-
-
-def _manifest(d: Any, path: Path) -> tuple[dict[str, FileEntry], int]:
-    """(files, next slot) of ``files.json``."""
-    if not isinstance(d, dict) or set(d) != {"next_slot", "files"}:
-        raise _bad(path, "the manifest must be an object with next_slot and files")
-    if not _is_count(d["next_slot"]) or not isinstance(d["files"], dict):
-        raise _bad(path, "next_slot must be a whole number and files an object")
-    out: dict[str, FileEntry] = {}
-    for p, fe in d["files"].items():
-        if (not isinstance(fe, dict) or set(fe) != {"sha256", "signature", "chunks"} or not isinstance(fe["sha256"], str)
-                or not isinstance(fe["signature"], str) or not isinstance(fe["chunks"], list)):
-            raise _bad(path, f"entry of {p[:80]!r} must be an object with sha256, signature and a list of chunks")
-        try:
-            refs = tuple(_chunk_ref(c) for c in fe["chunks"])
-        except ValueError as e:
-            raise _bad(path, f"entry of {p[:80]!r}: {e}") from None
-        out[p] = FileEntry(p, fe["sha256"], fe["signature"], refs)
-    return out, d["next_slot"]
-
-
-def _gc_list(d: Any, path: Path) -> dict[str, str]:
-    if not isinstance(d, dict) or not all(isinstance(v, str) for v in d.values()):
-        raise _bad(path, "the pending-GC list must be an object of chunk id -> text")
-    return d

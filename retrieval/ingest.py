@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, TextIO
 
 from blend import safeio
-from blend.retrieval.catalog import Catalog, ChunkRecord, ChunkRef, FileEntry, IndexMeta
+from blend.retrieval.catalog import Catalog
+from blend.retrieval.index_files import ChunkRecord, ChunkRef, FileEntry, IndexMeta
 from blend.retrieval.chunker import ChunkerConfig, chunk_text, tokenizer_fingerprint
 from blend.retrieval.corpus import CorpusIssue, IssueKind, RetrievalError, expand_paths, read_file
 from blend.retrieval.embedder import Embedder

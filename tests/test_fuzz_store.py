@@ -23,7 +23,7 @@ from blend.store.base import KVEntry, LookupStatus, check_entry
 from blend.store.codec import EntryError, EntryHeader, checksum, decode, decode_header, encode
 from blend.store.disk import DiskStore
 from blend.store.redis_store import RedisStore
-from _fuzz_util import FUZZ, bounded, json_values, mutate_bytes, mutate_json
+from _fuzz_util import FUZZ, ExampleHung, bounded, json_values, mutate_bytes, mutate_json
 from _store_util import NS, RedisServer, key_for, make_prov, rand_entry, redis_url_for_tests, unique_prefix
 
 PROVS = {d: make_prov(d) for d in ("float32", "float16", "bfloat16")}
@@ -180,3 +180,16 @@ def test_decode_of_random_headers(meta: Any, table: Any) -> None:
         for b in (blob, blob2):
             with pytest.raises(EntryError):
                 decode(bytearray(b), Namespace.CANONICAL, KEY)
+
+
+def test_the_bounds_fail_a_hung_or_greedy_example(tmp_path: Path) -> None:
+    """The per-example bounds are real: a read blocked on a FIFO and a large allocation fail."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ExampleHung):
+        with bounded(seconds=0.5):
+            with open(fifo, "rb") as f:  # blocks until a writer appears: never
+                f.read()
+    with pytest.raises(AssertionError, match="over the cap"):
+        with bounded(max_bytes=1 << 20):
+            bytearray(4 << 20)

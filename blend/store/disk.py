@@ -4,7 +4,7 @@ Layout under ``root``::
 
     root/<namespace>/<key hex[:2]>/<key hex>.safetensors     entries (see codec.py)
     root/<namespace>/<key hex[:2]>/.<key hex>.<random>.tmp   a write in progress
-    root/logs/<name>.jsonl                                   record logs (e.g. semantic donors)
+    root/logs/<name>.jsonl                                   record logs (e.g. semantic donors; record_logs.py)
 
 A put writes a private temporary file in the entry's directory, fsyncs it and
 renames it over the entry (``os.replace`` is atomic on POSIX): a reader sees
@@ -28,7 +28,6 @@ concurrent prune sees a miss.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import tempfile
@@ -51,6 +50,7 @@ from blend.store.base import (
     check_put,
     entry_problem,
 )
+from blend.store.record_logs import DiskRecordLogs
 from blend.store.codec import (
     MAX_ENTRY_BYTES,
     MAX_HEADER_BYTES,
@@ -68,7 +68,6 @@ log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 LOW_WATER = 0.9  # a prune frees down to this fraction of the budget
-MAX_LOG_BYTES = 256 << 20  # a record log larger than this is not read (a donor line is ~2 KB)
 
 
 @dataclass(frozen=True)
@@ -146,6 +145,7 @@ class DiskStore:
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self._approx_bytes: int | None = None  # bytes on disk as of the last scan plus our puts
+        self._logs = DiskRecordLogs(self.root / "logs")
 
     def path(self, ns: Namespace, key: StoreKey) -> Path:
         """Where the entry for (ns, key) lives."""
@@ -304,73 +304,19 @@ class DiskStore:
             log.info("disk store: pruned %d entries (%d bytes) under %s", removed, freed, self.root)
         return PruneResult(removed, freed, total)
 
-    # ---- record logs (RecordLog) --------------------------------------------------------
-
-    def _log_path(self, log_name: str) -> Path:
-        if not log_name or "/" in log_name or log_name.startswith("."):
-            raise ValueError(f"bad log name {log_name!r}")
-        return self.root / "logs" / f"{log_name}.jsonl"
+    # ---- record logs (RecordLog; kept in record_logs.py) ----------------------------------
 
     def append_record(self, log_name: str, line: bytes) -> None:
-        """Append one line to a record log; one ``write`` on an O_APPEND file under a
-        shared lock, so concurrent appenders interleave whole lines and a compaction
-        (exclusive lock, then rename) never loses one. Failures are logged, not raised."""
-        if b"\n" in line:
-            raise ValueError("a record must not contain a newline")
-        path = self._log_path(log_name)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = _open_current(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, fcntl.LOCK_SH)
-            try:
-                os.write(fd, line + b"\n")
-            finally:
-                os.close(fd)  # releases the lock
-        except (OSError, EntryError) as e:
-            log.warning("disk store: cannot append to %s: %s", path, e)
+        """See :meth:`DiskRecordLogs.append` (failures are logged, not raised)."""
+        self._logs.append(log_name, line)
 
     def rewrite_records(self, log_name: str, expected: list[bytes], lines: list[bytes]) -> bool:
-        """Replace a record log with ``lines`` if it still holds exactly ``expected``
-        (compare-and-swap under an exclusive lock; temp file + rename, so a reader
-        sees the old log or the new one). Returns whether it was replaced."""
-        if any(b"\n" in ln for ln in lines):
-            raise ValueError("a record must not contain a newline")
-        path = self._log_path(log_name)
-        try:
-            fd = _open_current(path, os.O_RDWR, fcntl.LOCK_EX)
-        except FileNotFoundError:
-            return False
-        except (OSError, EntryError) as e:
-            log.warning("disk store: cannot lock log %s: %s", path, e)
-            return False
-        try:
-            size = os.fstat(fd).st_size
-            if size > MAX_LOG_BYTES:
-                log.warning("disk store: log %s holds %d bytes, over %d; not rewritten", path, size, MAX_LOG_BYTES)
-                return False
-            now = _complete_lines(pread_exact(fd, size, 0))
-            if now != list(expected):
-                return False  # appended to (or rewritten) since it was read: try another time
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_bytes(b"".join(ln + b"\n" for ln in lines))
-            os.replace(tmp, path)  # appenders waiting on the old file reopen the new one
-            return True
-        except OSError as e:
-            log.warning("disk store: cannot rewrite log %s: %s", path, e)
-            return False
-        finally:
-            os.close(fd)
+        """See :meth:`DiskRecordLogs.rewrite` (compare-and-swap)."""
+        return self._logs.rewrite(log_name, expected, lines)
 
     def read_records(self, log_name: str) -> list[bytes]:
-        """Complete lines of a record log (a torn last line is dropped; an unreadable,
-        irregular or oversized log reads as empty, with a warning)."""
-        try:
-            data = safeio.read_regular(self._log_path(log_name), MAX_LOG_BYTES)
-        except FileNotFoundError:
-            return []
-        except OSError as e:  # UnsafeFileError too: a FIFO, a link or an oversized log
-            log.warning("disk store: cannot read log %s: %s", log_name, e)
-            return []
-        return _complete_lines(data)
+        """See :meth:`DiskRecordLogs.read` (complete lines; bounded; never a FIFO)."""
+        return self._logs.read(log_name)
 
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
         return self.path(ns, key).is_file()
@@ -489,40 +435,7 @@ class DiskStore:
                 except FileNotFoundError:
                     pass
         self.sweep_temp(0.0)
-        if ns is None:  # everything: the record logs too (they only point at entries), and
-            for p in (self.root / "logs").glob("*"):  # a compaction's temp file left by a crash
-                try:
-                    p.unlink()
-                except FileNotFoundError:
-                    pass
+        if ns is None:  # everything: the record logs too (they only point at entries)
+            self._logs.clear()
         return n
 
-
-def _complete_lines(data: bytes) -> list[bytes]:
-    """A record log's non-blank lines; the part after the last newline is torn and dropped."""
-    return [ln for ln in data.split(b"\n")[:-1] if ln.strip()]
-
-
-def _open_current(path: Path, flags: int, lock: int) -> int:
-    """Open ``path`` and take ``lock`` (fcntl.flock) on the file that is at ``path``
-    once the lock is held: a compaction may have renamed a new file over the one
-    opened, so the open is retried until the locked file is the current one.
-
-    Returns:
-        The locked descriptor (closing it releases the lock).
-
-    Raises:
-        FileNotFoundError, EntryError (not a regular file), OSError.
-    """
-    while True:
-        fd = open_regular(path, flags)  # a FIFO or link at a log's path is refused, never waited on
-        try:
-            fcntl.flock(fd, lock)
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass  # replaced between the open and the stat: open again
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
