@@ -415,3 +415,15 @@ def test_cli_ask_and_verify_over_a_header_break_a_terabyte_file_and_a_fifo(tmp_p
     assert [s["class"] for s in b["report"]["segments"]].count("rejected") == 3
     healed = _kvblend(tmp_path, "store", "verify", "--store", f"disk:{store}")  # recomputed KV replaced them
     assert healed.returncode == 0 and "found 0 corrupt" in healed.stdout
+
+
+def test_cli_ask_with_an_unreachable_redis_tier_computes_and_warns(tmp_path: Path) -> None:
+    (tmp_path / "doc.txt").write_text(make_docs(1, words=25)[0])
+    ask = ["ask", "Which word?", "--model", "tiny-llama", "--json", "--max-new-tokens", "4",
+           "--doc", str(tmp_path / "doc.txt"), "--reuse", "exact", "--store"]
+    ref = _kvblend(tmp_path, *ask, "memory")
+    down = _kvblend(tmp_path, *ask, f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    assert ref.returncode == 0 and down.returncode == 0, down.stderr
+    assert json.loads(down.stdout)["logits_sha256"] == json.loads(ref.stdout)["logits_sha256"]
+    warnings = [ln for ln in down.stderr.splitlines() if "unreachable" in ln]
+    assert len(warnings) == 1 and "Traceback" not in down.stderr, down.stderr
