@@ -29,6 +29,11 @@ time like any miss.
 Lookups are a vectorised scan over the signatures of the chunks that share the
 request's preamble (a few microseconds per thousand chunks); banded LSH would
 replace the scan at millions of chunks.
+
+A log line is untrusted bytes: :func:`parse_record` returns a registration or a
+removal, or raises :class:`DonorRecordError`, and nothing else; token ids must be
+whole numbers in ``[0, 2**63)``, keys 32-byte hex. MinHash works over blocks of
+shingles, so a long line costs time in proportion, never a (H, S) matrix.
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from blend import safeio
 from blend.keys import StoreKey, token_digest
 
 log = logging.getLogger(__name__)
@@ -48,6 +54,9 @@ log = logging.getLogger(__name__)
 SHINGLE = 5  # token ids per shingle
 COMPACT_MIN_LINES = 64  # a log is compacted at attach when it has this many lines and over half are dead
 NUM_HASHES = 128  # MinHash signature length: std. error of the estimate ~ sqrt(J(1-J)/128) <= 0.045
+MINHASH_BLOCK = 4096  # shingles hashed at once: bounds minhash's working set to (H, 4096) uint64 = 4 MiB
+MAX_TOKEN_ID = (1 << 63) - 1
+MAX_SAVED_BYTES = 1 << 30  # the largest saved index DonorIndex.load reads
 _SEED_BASE = 0x6B76626C656E6421  # b"kvblend!": the fixed seed of the hash family
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -88,9 +97,11 @@ def minhash(token_ids: Sequence[int], shingle: int = SHINGLE) -> np.ndarray:
         (NUM_HASHES,) uint64; all-ones for an empty chunk (similar to nothing).
     """
     sh = shingle_hashes(token_ids, shingle)  # (S,)
-    if sh.size == 0:
-        return np.full(NUM_HASHES, _M64, dtype=np.uint64)
-    return _mix(sh[None, :] ^ _SEEDS[:, None]).min(axis=1)  # (H,)
+    sig = np.full(NUM_HASHES, _M64, dtype=np.uint64)  # (H,)
+    for b in range(0, sh.size, MINHASH_BLOCK):
+        block = sh[b : b + MINHASH_BLOCK]  # (<=B,)
+        np.minimum(sig, _mix(block[None, :] ^ _SEEDS[:, None]).min(axis=1), out=sig)  # (H,)
+    return sig
 
 
 def jaccard_estimate(a: np.ndarray, b: np.ndarray) -> float:
@@ -149,12 +160,48 @@ def _removal_row(key: StoreKey) -> dict:
     return {"remove": bytes(key).hex()}
 
 
-def _donor_from_row(r: dict) -> Donor:
-    tokens = tuple(int(t) for t in r["tokens"])
-    key, pre = bytes.fromhex(r["key"]), bytes.fromhex(r["preamble"])
-    if len(key) != 32 or len(pre) != 32:
-        raise ValueError("key and preamble digest must be 32 bytes")
-    return Donor(StoreKey(key), pre, tokens, minhash(tokens))
+class DonorRecordError(ValueError):
+    """A donor-log line (or saved index) that is not a registration or removal record."""
+
+
+def _digest32(x: Any, what: str) -> bytes:
+    if not isinstance(x, str) or len(x) != 64:
+        raise DonorRecordError(f"{what} must be 64 hex digits")
+    try:
+        return bytes.fromhex(x)
+    except ValueError:
+        raise DonorRecordError(f"{what} must be 64 hex digits") from None
+
+
+def _donor_from_row(r: Any) -> Donor:
+    if not isinstance(r, dict) or set(r) != {"key", "preamble", "tokens"}:
+        raise DonorRecordError("a registration is an object with key, preamble and tokens")
+    tokens = r["tokens"]
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):
+        raise DonorRecordError(f"tokens must be a list of whole numbers in [0, {MAX_TOKEN_ID}]")
+    key, pre = _digest32(r["key"], "key"), _digest32(r["preamble"], "preamble")
+    return Donor(StoreKey(key), pre, tuple(tokens), minhash(tokens))
+
+
+def parse_record(line: bytes) -> Donor | StoreKey:
+    """One donor-log line: a registration (the :class:`Donor`) or a removal (the key it removes).
+
+    Args:
+        line: the raw record, as read from a log.
+
+    Returns:
+        The donor registered, or the key of a removal record.
+
+    Raises:
+        DonorRecordError: for any line that is neither (and for nothing else).
+    """
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise DonorRecordError(f"not JSON ({type(e).__name__})") from None
+    if isinstance(row, dict) and set(row) == {"remove"}:
+        return StoreKey(_digest32(row["remove"], "removed key"))
+    return _donor_from_row(row)
 
 
 def _replay(lines: Sequence[bytes]) -> tuple[list[Donor], int]:
@@ -167,18 +214,15 @@ def _replay(lines: Sequence[bytes]) -> tuple[list[Donor], int]:
     bad = 0
     for line in lines:
         try:
-            row = json.loads(line)
-            if "remove" in row:
-                gone = bytes.fromhex(row["remove"])
-                if len(gone) != 32:
-                    raise ValueError("key must be 32 bytes")
-                state[gone] = None
-            else:
-                donor = _donor_from_row(row)
-                state[bytes(donor.key)] = donor
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            rec = parse_record(line)
+        except DonorRecordError as e:
             bad += 1
             log.debug("donor log: skipped a bad line: %s", e)
+            continue
+        if isinstance(rec, Donor):
+            state[bytes(rec.key)] = rec
+        else:
+            state[bytes(rec)] = None
     return [d for d in state.values() if d is not None], bad
 
 
@@ -301,9 +345,23 @@ class DonorIndex:
 
     @classmethod
     def load(cls, path: str | Path) -> "DonorIndex":
-        """Read an index written by :meth:`save` (signatures are recomputed, so always consistent)."""
-        data = json.loads(Path(path).read_text())
+        """Read an index written by :meth:`save` (signatures are recomputed, so always consistent).
+
+        Raises:
+            DonorRecordError: naming ``path``: unreadable, not a saved index, or a bad donor row.
+        """
+        try:
+            data = json.loads(safeio.read_regular(path, MAX_SAVED_BYTES, follow_symlinks=True))
+        except (OSError, ValueError, RecursionError) as e:  # safeio.UnsafeFileError is an OSError
+            raise DonorRecordError(f"{path}: unreadable donor index ({type(e).__name__}: {str(e)[:80]})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("donors"), list):
+            raise DonorRecordError(f"{path}: not a saved donor index (no list of donors)")
         idx = cls()
-        for r in data["donors"]:
-            idx._insert(_donor_from_row(r))
+        for i, r in enumerate(data["donors"]):
+            try:
+                donor = _donor_from_row(r)
+            except DonorRecordError as e:
+                raise DonorRecordError(f"{path}: donor {i}: {e}") from None
+            if bytes(donor.key) not in idx._keys:
+                idx._insert(donor)
         return idx

@@ -6,7 +6,8 @@ Record format (as in ``../shared/data/musique_dev.json``)::
 
 A file is either a JSON list of records or JSONL (one record per line). An
 optional string ``id`` is kept. A malformed file raises :class:`DataError`
-whose message names the item index (and JSONL line) and the field.
+whose message names the file, the item index (and JSONL line) and the field;
+nothing else escapes. Only a regular file of at most ``MAX_DATA_BYTES`` is read.
 
 ``synthetic:single`` / ``synthetic:two-hop`` are built in (see
 :mod:`blend.evals.synthetic`).
@@ -18,10 +19,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from blend import safeio
 from blend.evals.items import DataError, Document, Item
 from blend.evals.synthetic import generate
 
 SYNTHETIC_PREFIX = "synthetic:"
+MAX_DATA_BYTES = 1 << 30  # an eval data file is read whole
 __all__ = ["DataError", "Document", "Item", "load_file", "load_items", "limit_items", "parse_record"]
 
 
@@ -81,15 +84,28 @@ def parse_record(rec: Any, index: int, where: str = "") -> Item:
     return Item(id=str(rid), question=q, documents=tuple(docs), answers=tuple(answers))
 
 
+def _text(path: Path) -> str:
+    try:
+        data = safeio.read_regular(path, MAX_DATA_BYTES, follow_symlinks=True)
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such data file") from None
+    except OSError as e:  # safeio.UnsafeFileError too: a FIFO, an oversized file
+        raise DataError(f"{path}: unreadable data file ({e})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
 def _decode(path: Path) -> list[tuple[Any, str]]:
-    raw = path.read_text(encoding="utf-8")
+    raw = _text(path)
     if not raw.strip():
         raise DataError(f"{path}: empty file, expected a JSON list of records or JSONL")
     if raw.lstrip().startswith("["):
         try:
             data = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: invalid JSON: {e}") from e
+        except (ValueError, RecursionError) as e:  # JSONDecodeError; too long an integer; nesting too deep
+            raise DataError(f"{path}: invalid JSON: {type(e).__name__}: {str(e)[:200]}") from None
         return [(r, "") for r in data]
     out = []
     for lineno, line in enumerate(raw.splitlines(), start=1):
@@ -97,8 +113,9 @@ def _decode(path: Path) -> list[tuple[Any, str]]:
             continue
         try:
             out.append((json.loads(line), f" (line {lineno})"))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: item {len(out)} (line {lineno}): invalid JSON: {e}") from e
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{path}: item {len(out)} (line {lineno}): invalid JSON: {type(e).__name__}: "
+                            f"{str(e)[:200]}") from None
     return out
 
 
@@ -115,12 +132,13 @@ def load_file(path: str | Path) -> list[Item]:
         DataError: unreadable file, empty list, or a malformed record (named).
     """
     p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{p}: no such data file")
     records = _decode(p)
     if not records:
         raise DataError(f"{p}: the data file holds no records (empty list)")
-    return [parse_record(r, i, w) for i, (r, w) in enumerate(records)]
+    try:
+        return [parse_record(r, i, w) for i, (r, w) in enumerate(records)]
+    except DataError as e:
+        raise DataError(f"{p}: {e}") from None
 
 
 def limit_items(items: list[Item], limit: int | None, passages: int | None) -> list[Item]:

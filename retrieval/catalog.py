@@ -4,7 +4,7 @@ Layout of an index folder::
 
     DIR/CURRENT            name of the live generation (replaced atomically)
     DIR/gen-000007/        meta.json, chunks.jsonl, files.json, gc.json,
-                           ids.npy, vectors.npy, faiss.index, faiss.kind
+                           ids.npy, vectors.npy, faiss.index, faiss.kind (kind and sha256 of faiss.index)
 
 A commit writes a complete new generation into a temporary folder, renames
 it, then swaps ``CURRENT`` (temp file + ``os.replace``): a reader or a
@@ -13,6 +13,12 @@ resumed ingest sees the old state or the new one, never a mix.
 Chunks are shared between files (same text, same id); a chunk leaves the
 index only when no file references it any more. Its id then moves to the
 pending-GC list until :meth:`Catalog.collect_garbage` deletes its KV.
+
+Opening trusts none of these bytes: ``CURRENT`` must name a ``gen-NNNNNN``
+folder inside the index (no link out of it), every file is read by the strict
+readers of ``index_files.py`` (regular files under a cap, every field's type
+checked) and the files must agree with each other. Anything else is one
+:class:`RetrievalError` naming the file.
 """
 
 from __future__ import annotations
@@ -29,52 +35,20 @@ import numpy as np
 
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.index import ApproxParams, IndexKind, VectorIndex
+from blend.retrieval.index_files import (  # the records are defined there, beside their readers
+    FORMAT_VERSION,
+    ChunkRecord,
+    ChunkRef,
+    FileEntry,
+    IndexMeta,
+    read_chunk_table,
+    read_gc_list,
+    read_generation,
+    read_manifest,
+    read_meta,
+)
 
-FORMAT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    """Where a chunk occurs in a file: JSONL line (or None) and character span."""
-
-    chunk_id: str
-    line: int | None
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """One ingested file in the manifest.
-
-    Attributes:
-        path: absolute path.
-        sha256: hex digest of the file's bytes when ingested.
-        signature: fingerprint of everything that shapes its chunks (tokenizer, chunker).
-        chunks: occurrences of its chunks, in file order.
-    """
-
-    path: str
-    sha256: str
-    signature: str
-    chunks: tuple[ChunkRef, ...]
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    """A row of the chunk table.
-
-    Attributes:
-        chunk_id: sha256 hex of (tokenizer fingerprint, text).
-        slot: the int64 id of its vector in faiss.
-        text: the chunk text.
-        n_tokens: tokens of the text under the chunking tokenizer.
-    """
-
-    chunk_id: str
-    slot: int
-    text: str
-    n_tokens: int
+__all__ = ["FORMAT_VERSION", "Catalog", "ChunkRecord", "ChunkRef", "FileEntry", "IndexMeta", "SearchHit"]
 
 
 @dataclass(frozen=True)
@@ -88,18 +62,6 @@ class SearchHit:
     line: int | None
     start: int
     end: int
-
-
-@dataclass(frozen=True)
-class IndexMeta:
-    """What an index was built with; reopening with something else is an error."""
-
-    embedder: str
-    embedder_fingerprint: str
-    dim: int
-    kind: str
-    threshold: int
-    format_version: int = FORMAT_VERSION
 
 
 class Catalog:
@@ -120,8 +82,8 @@ class Catalog:
 
     @staticmethod
     def exists(root: str | os.PathLike[str]) -> bool:
-        """Whether ``root`` holds a committed index."""
-        return (Path(root) / "CURRENT").is_file()
+        """Whether ``root`` holds a committed index (anything at ``CURRENT``: :meth:`open` checks it)."""
+        return os.path.lexists(Path(root) / "CURRENT")
 
     @classmethod
     def open(cls, root: str | os.PathLike[str], meta: IndexMeta | None = None) -> "Catalog":
@@ -142,11 +104,8 @@ class Catalog:
             if meta is None:
                 raise RetrievalError(f"{root}: no index here (run `kvblend ingest PATH... --index {root}` first)")
             return cls(root, meta)
-        gen = root / (root / "CURRENT").read_text().strip()
-        try:
-            stored = IndexMeta(**json.loads((gen / "meta.json").read_text()))
-        except (OSError, TypeError, ValueError) as e:
-            raise RetrievalError(f"{gen / 'meta.json'}: unreadable index metadata ({e})") from e
+        gen = read_generation(root)
+        stored = read_meta(gen / "meta.json")
         if stored.format_version != FORMAT_VERSION:
             raise RetrievalError(f"{root}: index format {stored.format_version}, expected {FORMAT_VERSION}")
         if meta is not None and (meta.embedder_fingerprint, meta.dim) != (stored.embedder_fingerprint, stored.dim):
@@ -154,23 +113,23 @@ class Catalog:
         if meta is not None and meta.kind != stored.kind:
             stored = IndexMeta(**{**asdict(stored), "kind": meta.kind, "threshold": meta.threshold})
         self = cls(root, stored)
-        with open(gen / "chunks.jsonl", encoding="utf-8") as f:
-            for lineno, raw in enumerate(f, start=1):
-                try:
-                    rec = ChunkRecord(**json.loads(raw))
-                except (TypeError, ValueError) as e:
-                    raise RetrievalError(f"{gen / 'chunks.jsonl'}:{lineno}: corrupt chunk row ({e})") from e
-                self.records[rec.chunk_id] = rec
-        files = json.loads((gen / "files.json").read_text(encoding="utf-8"))
-        for path, fe in files["files"].items():
-            refs = tuple(ChunkRef(c[0], c[1], c[2], c[3]) for c in fe["chunks"])
-            self.files[path] = FileEntry(path, fe["sha256"], fe["signature"], refs)
-        self._next_slot = int(files["next_slot"])
-        self.pending_gc = json.loads((gen / "gc.json").read_text(encoding="utf-8"))
+        self.records = read_chunk_table(gen / "chunks.jsonl")
+        files_path = gen / "files.json"
+        self.files, self._next_slot = read_manifest(files_path)
+        self.pending_gc = read_gc_list(gen / "gc.json")
         self.vectors = VectorIndex.load(gen, stored.dim, IndexKind(stored.kind), ApproxParams(threshold=stored.threshold))
         self._recount()
-        if set(self.records) != set(self._refs) or self.vectors.ntotal != len(self.records):
-            raise RetrievalError(f"{root}: index files disagree ({len(self.records)} chunks, {self.vectors.ntotal} vectors)")
+        slots = {r.slot for r in self.records.values()}
+        if len(slots) != len(self.records):
+            raise RetrievalError(f"{gen / 'chunks.jsonl'}: two chunks share a slot")
+        if slots and self._next_slot <= max(slots):
+            raise RetrievalError(f"{files_path}: next_slot {self._next_slot} would reuse slot {max(slots)}")
+        if set(self.records) != set(self._refs):
+            raise RetrievalError(f"{files_path}: the manifest references {len(self._refs)} chunks, "
+                                 f"chunks.jsonl holds {len(self.records)} (they disagree)")
+        if set(self.vectors.ids.tolist()) != slots or self.vectors.ntotal != len(self.records):
+            raise RetrievalError(f"{gen / 'ids.npy'}: {self.vectors.ntotal} vector ids disagree with the "
+                                 f"{len(self.records)} chunk slots of chunks.jsonl")
         return self
 
     def _recount(self) -> None:
@@ -183,8 +142,8 @@ class Catalog:
         """Write the whole state as a new generation and make it current, atomically."""
         self.root.mkdir(parents=True, exist_ok=True)
         cur = self.root / "CURRENT"
-        old = cur.read_text().strip() if cur.is_file() else ""
-        n = int(old.split("-")[1]) + 1 if old.startswith("gen-") else 1
+        old = read_generation(self.root).name if self.exists(self.root) else ""
+        n = int(old.split("-")[1]) + 1 if old else 1
         name = f"gen-{n:06d}"
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=self.root))
         (tmp / "meta.json").write_text(json.dumps(asdict(self.meta), sort_keys=True, indent=1))

@@ -2,6 +2,8 @@
 
 Bad input never stops a corpus: every problem becomes a :class:`CorpusIssue`
 that names the file (and the line, where there is one) and the rest is read.
+Only regular files are read (a FIFO, device or socket is an issue, never
+waited on), and none larger than ``MAX_FILE_BYTES`` (checked before reading).
 Text is decoded as UTF-8 (a BOM is dropped) and line endings are normalized to
 ``\\n``; chunk offsets refer to that normalized text.
 """
@@ -11,10 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Iterable
+
+from blend import safeio
 
 try:  # the engine's user-error base, when present
     from blend.errors import KVBlendError as _UserError
@@ -22,6 +27,7 @@ except Exception:  # pragma: no cover - engine not written yet
     _UserError = Exception
 
 SUPPORTED_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".jsonl")
+MAX_FILE_BYTES = 1 << 30  # a corpus file is read whole: larger ones are refused (split them)
 _BINARY_SNIFF_BYTES = 8192
 
 
@@ -40,6 +46,8 @@ class IssueKind(Enum):
     BAD_JSON = "invalid JSON"
     NO_TEXT = "no text field"
     UNREADABLE = "unreadable"
+    NOT_REGULAR = "not a regular file"
+    TOO_LARGE = "too large"
 
 
 @dataclass(frozen=True)
@@ -112,13 +120,15 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], li
     """Turn path arguments into a sorted, de-duplicated list of files.
 
     Directories are walked recursively for supported suffixes (hidden entries
-    skipped); a file named explicitly with another suffix is an issue.
+    skipped); a file named explicitly with another suffix is an issue, and so is
+    anything that is not a regular file (a FIFO, device or socket: never opened)
+    and a directory holding no supported file.
 
     Args:
         paths: files and/or directories.
 
     Returns:
-        (absolute file paths, issues for missing or unsupported arguments).
+        (absolute file paths, issues for missing, unsupported or irregular arguments).
     """
     files: list[str] = []
     issues: list[CorpusIssue] = []
@@ -127,20 +137,39 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], li
         if not p.exists():
             issues.append(CorpusIssue(str(raw), None, IssueKind.MISSING, "no such file or directory"))
         elif p.is_dir():
+            before = len(files)
             for root, dirs, names in os.walk(p):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
                 for name in sorted(names):
                     if not name.startswith(".") and Path(name).suffix.lower() in SUPPORTED_SUFFIXES:
-                        files.append(str(Path(root, name).resolve()))
+                        _add_regular(Path(root, name), files, issues)
+            if len(files) == before and not any(i.path.startswith(str(p.resolve())) for i in issues):
+                issues.append(CorpusIssue(str(p.resolve()), None, IssueKind.EMPTY,
+                                          f"no {', '.join(SUPPORTED_SUFFIXES[:-1])} or {SUPPORTED_SUFFIXES[-1]} files "
+                                          "in this directory"))
         elif p.suffix.lower() not in SUPPORTED_SUFFIXES:
             issues.append(
                 CorpusIssue(str(p.resolve()), None, IssueKind.UNSUPPORTED, f"expected one of {', '.join(SUPPORTED_SUFFIXES)}")
             )
         else:
-            files.append(str(p.resolve()))
+            _add_regular(p, files, issues)
     seen: set[str] = set()
     unique = [f for f in files if not (f in seen or seen.add(f))]
     return unique, issues
+
+
+def _add_regular(p: Path, files: list[str], issues: list[CorpusIssue]) -> None:
+    """Append ``p`` to ``files`` if it is (or links to) a regular file, else record an issue."""
+    try:
+        mode = os.stat(p).st_mode
+    except OSError as e:
+        issues.append(CorpusIssue(str(p), None, IssueKind.UNREADABLE, e.strerror or str(e)))
+        return
+    if stat.S_ISREG(mode):
+        files.append(str(p.resolve()))
+    else:
+        issues.append(CorpusIssue(str(p.resolve()), None, IssueKind.NOT_REGULAR,
+                                  f"{safeio.file_kind(mode)}, not a regular file"))
 
 
 def _normalize(text: str) -> str:
@@ -162,9 +191,12 @@ def read_file(path: str | os.PathLike[str]) -> FileRead:
     """
     p = str(Path(path).expanduser().resolve())
     try:
-        data = Path(p).read_bytes()
+        data = safeio.read_regular(p, MAX_FILE_BYTES)
     except FileNotFoundError:
         return FileRead(p, "", (), (CorpusIssue(p, None, IssueKind.MISSING, "no such file"),))
+    except safeio.UnsafeFileError as e:
+        kind = IssueKind.TOO_LARGE if isinstance(e, safeio.FileTooLargeError) else IssueKind.NOT_REGULAR
+        return FileRead(p, "", (), (CorpusIssue(p, None, kind, str(e)),))
     except OSError as e:
         return FileRead(p, "", (), (CorpusIssue(p, None, IssueKind.UNREADABLE, e.strerror or str(e)),))
     digest = hashlib.sha256(data).hexdigest()
@@ -182,6 +214,8 @@ def read_file(path: str | os.PathLike[str]) -> FileRead:
     except UnicodeDecodeError as e:
         msg = f"invalid UTF-8 byte 0x{data[e.start]:02x} at offset {e.start}"
         return FileRead(p, digest, (), (CorpusIssue(p, _line_of(data, e.start), IssueKind.NOT_UTF8, msg),))
+    if not text.strip():  # a BOM, or Unicode whitespace only
+        return FileRead(p, digest, (), (CorpusIssue(p, None, IssueKind.EMPTY, "file has no text"),))
     return FileRead(p, digest, (Document(p, None, text),), ())
 
 
@@ -203,6 +237,9 @@ def _read_jsonl(path: str, data: bytes) -> tuple[list[Document], list[CorpusIssu
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             issues.append(CorpusIssue(path, lineno, IssueKind.BAD_JSON, e.msg))
+            continue
+        except (ValueError, RecursionError) as e:  # an integer too long to convert; nesting too deep
+            issues.append(CorpusIssue(path, lineno, IssueKind.BAD_JSON, f"{type(e).__name__}: {str(e)[:80]}"))
             continue
         text = obj.get("text") if isinstance(obj, dict) else None
         if not isinstance(text, str):

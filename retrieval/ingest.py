@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, TextIO
 
-from blend.retrieval.catalog import Catalog, ChunkRecord, ChunkRef, FileEntry, IndexMeta
+from blend import safeio
+from blend.retrieval.catalog import Catalog
+from blend.retrieval.index_files import ChunkRecord, ChunkRef, FileEntry, IndexMeta
 from blend.retrieval.chunker import ChunkerConfig, chunk_text, tokenizer_fingerprint
 from blend.retrieval.corpus import CorpusIssue, IssueKind, RetrievalError, expand_paths, read_file
 from blend.retrieval.embedder import Embedder
@@ -99,17 +101,20 @@ class _Lock:
     """An exclusive, non-blocking lock on an index folder (one ingest at a time)."""
 
     def __init__(self, root: Path) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self._f = open(root / ".lock", "w")
         try:
-            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            root.mkdir(parents=True, exist_ok=True)
+            self._fd = safeio.open_regular(root / ".lock", os.O_WRONLY | os.O_CREAT)
+        except OSError as e:  # the index path is a file; a FIFO at .lock; no permission
+            raise RetrievalError(f"{root / '.lock'}: cannot lock the index ({e})") from e
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as e:
-            self._f.close()
+            os.close(self._fd)
             raise RetrievalError(f"{root}: another ingest holds this index") from e
 
     def release(self) -> None:
-        fcntl.flock(self._f, fcntl.LOCK_UN)
-        self._f.close()
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
 
 
 def ingest(
@@ -152,12 +157,12 @@ def ingest(
     """
     t0 = time.perf_counter()
     root = Path(index_dir).expanduser().resolve()
-    fp = tokenizer_fp or tokenizer_fingerprint(tokenizer)
-    signature = chunking_signature(fp, config)
     files, issues = expand_paths(paths)
-    if not files:
+    if not files:  # before the tokenizer is touched: the CLI checks this without loading a model
         why = "; ".join(str(i) for i in issues) or "no paths given"
         raise RetrievalError(f"nothing to ingest (.txt, .md, .jsonl): {why}")
+    fp = tokenizer_fp or tokenizer_fingerprint(tokenizer)
+    signature = chunking_signature(fp, config)
     lock = _Lock(root)
     try:
         meta = IndexMeta(embedder.info.name, embedder.info.fingerprint, embedder.dim, kind.value, threshold)

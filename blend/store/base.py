@@ -97,11 +97,15 @@ class InspectableStore(KVStore, Protocol):
         """Delete every entry (of ``ns``, or of all namespaces); returns how many."""
         ...
 
+    def check_reachable(self) -> str:
+        """'' if the tier can be read now and no call to it failed since the last check, else why not."""
+        ...
+
 
 def _kv_dtype_of(provenance: str) -> str | None:
     try:
         fields = json.loads(provenance)
-    except ValueError:
+    except (ValueError, TypeError, RecursionError):  # any string a stored header may carry
         return None
     return fields.get("kv_dtype") if isinstance(fields, dict) else None
 

@@ -31,6 +31,9 @@ class StoreCommand(Enum):
     PRUNE = "prune"
 
 
+EXIT_UNREACHABLE = 3  # a tier could not be read: the check is incomplete
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     namespace: str
@@ -106,6 +109,16 @@ def _stats(store: InspectableStore, as_json: bool, out: TextIO) -> int:
     return 0
 
 
+def _model_of(provenance: str) -> str:
+    """The ``model_arch`` a stored provenance names ('?' if it names none)."""
+    try:
+        prov = json.loads(provenance)
+    except (ValueError, RecursionError):
+        return "?"
+    arch = prov.get("model_arch") if isinstance(prov, dict) else None
+    return arch if isinstance(arch, str) else "?"
+
+
 def _ls(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
     rows: list[dict[str, Any]] = []
     for tier in _tiers(store):
@@ -119,9 +132,8 @@ def _ls(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
                 else:
                     if info is None:
                         continue  # deleted or expired meanwhile
-                    prov = json.loads(info.provenance) if info.provenance.startswith("{") else {}
                     row.update(shape=list(info.shape), dtype=info.dtype, bytes=info.stored_bytes,
-                               model=prov.get("model_arch", "?"))
+                               model=_model_of(info.provenance))
                 rows.append(row)
     if args.json:
         json.dump(rows, out, indent=1)
@@ -139,29 +151,49 @@ def _ls(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _verify(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
+    """Decode every entry of every tier; a tier that cannot be reached (before or
+    during its scan) is reported and makes the exit status 3, never "clean"."""
     results: list[tuple[str, VerifyResult]] = []
+    unreachable: list[tuple[str, str]] = []  # (tier, why)
+    undeleted: list[str] = []  # keys --delete could not remove
     for tier in _tiers(store):
+        why_down = tier.check_reachable()
+        if why_down:
+            unreachable.append((tier.name, why_down))
+            continue
         for ns in _namespaces(args):
             for key in list(tier.keys(ns)):
                 why = tier.verify(ns, key)
                 if why == "absent":
                     continue
                 results.append((tier.name, VerifyResult(ns.value, key_hex(key), not why, why)))
-                if why and args.delete:
-                    tier.delete(ns, key)
+                if why and args.delete and not tier.delete(ns, key):
+                    undeleted.append(key_hex(key))
         if isinstance(tier, DiskStore) and args.delete:
             tier.sweep_temp()
+        why_down = tier.check_reachable()  # failed mid-scan: entries may have been skipped as absent
+        if why_down:
+            unreachable.append((tier.name, why_down))
     bad = [(t, r) for t, r in results if not r.ok]
     if args.json:
         json.dump({"checked": len(results), "corrupt": [{"tier": t, **asdict(r)} for t, r in bad],
-                   "deleted": bool(args.delete)}, out, indent=1)
+                   "deleted": bool(args.delete), "unreachable": [t for t, _ in unreachable],
+                   **({"undeleted": undeleted} if undeleted else {})}, out, indent=1)
         out.write("\n")
     else:
         for t, r in bad:
             out.write(f"CORRUPT {t:<6} {r.namespace:<9} {r.key[:16]}  {r.reason}\n")
+        for k in undeleted:
+            out.write(f"NOT DELETED {k[:16]} (see the warning above)\n")
+        for t, why in unreachable:
+            out.write(f"UNREACHABLE {t}: {why}\n")
         verb = "deleted" if args.delete else "found"
-        out.write(f"checked {len(results)} entries, {verb} {len(bad)} corrupt\n")
-    return 1 if bad and not args.delete else 0
+        n_deleted = len(bad) - len(undeleted) if args.delete else len(bad)
+        tail = f"; {len(unreachable)} tier(s) unreachable, not checked" if unreachable else ""
+        out.write(f"checked {len(results)} entries, {verb} {n_deleted} corrupt{tail}\n")
+    if unreachable:
+        return EXIT_UNREACHABLE
+    return 1 if bad and (not args.delete or undeleted) else 0
 
 
 def _clear(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
@@ -199,7 +231,8 @@ def run_store_command(args: argparse.Namespace, out: TextIO | None = None) -> in
         out: where to write (default stdout).
 
     Returns:
-        The process exit status: 0 ok, 1 corrupt entries found, 2 bad store spec (or no disk tier to prune).
+        The process exit status: 0 ok, 1 corrupt entries found (or left undeleted), 2 bad store
+        spec (or no disk tier to prune), 3 ``verify`` could not reach a tier (nothing is reported clean).
     """
     out = out or sys.stdout
     try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
 from typing import Sequence
 
@@ -31,13 +31,15 @@ from blend.store.base import KVEntry
 
 FORMAT_TAG = "kvblend-kv"
 MAX_HEADER_BYTES = 1 << 20  # a real header is ~1 KB; anything larger is corrupt
+MAX_ENTRY_BYTES = 2 << 30  # default cap on a whole blob a tier reads (30-layer 135M model: 45 KiB/token)
 
 _ST_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "F32",
     torch.float16: "F16",
     torch.bfloat16: "BF16",
 }
-_ST_DTYPES_INV = {v: k for k, v in _ST_DTYPES.items()}
+_DTYPES_BY_NAME = {str(d).removeprefix("torch."): d for d in _ST_DTYPES}
+_ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -53,6 +55,8 @@ class EntryErrorKind(Enum):
     DTYPE = "dtype"
     CHECKSUM = "checksum"
     KEY_MISMATCH = "key mismatch"  # the blob names another key or namespace
+    TOO_LARGE = "too large"  # claims more bytes than a reader may allocate
+    NOT_A_BLOB = "not a blob"  # a FIFO, device, directory or symlink (disk), a list (Redis) where an entry belongs
 
 
 class EntryError(Exception):
@@ -79,14 +83,19 @@ class EntryHeader:
 
     @property
     def tensor_bytes(self) -> int:
+        """Bytes of k and v together."""
         L, H, T, D = self.shape
-        return 2 * L * H * T * D * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return 2 * L * H * T * D * _ITEMSIZE[_DTYPES_BY_NAME[self.dtype]]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
 
-def _checksum(meta: EntryHeader, *data: memoryview) -> str:
+_HEADER_FIELDS = frozenset(f.name for f in fields(EntryHeader))
+_STR_FIELDS = ("namespace", "key", "provenance", "dtype", "sha256", "tag")
+
+
+def checksum(meta: EntryHeader, *data: memoryview) -> str:
     """sha256 over the header's claims (all but the checksum) and then the tensor bytes.
 
     Covering the claims too means a header edited to another shape of the same
@@ -101,7 +110,7 @@ def _checksum(meta: EntryHeader, *data: memoryview) -> str:
 def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor in memory order, without a copy when contiguous."""
     t = t.detach().to("cpu").contiguous()
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # (numel * itemsize,)
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # (numel * itemsize,), also when empty
 
 
 def encode_parts(ns: Namespace, key: StoreKey, entry: KVEntry) -> list[memoryview | bytes]:
@@ -129,7 +138,7 @@ def encode_parts(ns: Namespace, key: StoreKey, entry: KVEntry) -> list[memoryvie
         dtype=dtype_name(entry.k.dtype),
         sha256="",
     )
-    meta = replace(meta, sha256=_checksum(meta, kb, vb))
+    meta = replace(meta, sha256=checksum(meta, kb, vb))
     st = _ST_DTYPES[entry.k.dtype]
     shape = list(meta.shape)
     header = {
@@ -157,86 +166,148 @@ def header_length(prefix: bytes | bytearray | memoryview) -> int:
     return 8 + n
 
 
+def _json(text: str | bytes, what: str) -> object:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; nesting: RecursionError
+        raise EntryError(EntryErrorKind.BAD_HEADER, f"unparsable {what} ({type(e).__name__})") from None
+
+
+def _count(x: object, what: str, kind: EntryErrorKind = EntryErrorKind.SHAPE) -> int:
+    """A JSON whole number >= 0 (``True`` is not one)."""
+    if type(x) is not int or x < 0:
+        raise EntryError(kind, f"{what} must be a whole number >= 0, got {x!r:.40}")
+    return x
+
+
+def _ints(x: object, n: int, what: str) -> tuple[int, ...]:
+    if not isinstance(x, list) or len(x) != n:
+        raise EntryError(EntryErrorKind.SHAPE, f"{what} must be a list of {n} whole numbers, got {x!r:.60}")
+    return tuple(_count(v, what) for v in x)
+
+
+def _entry_header(meta: object) -> EntryHeader:
+    """The kvblend metadata, every field of its declared JSON type."""
+    if not isinstance(meta, dict) or meta.get("tag") != FORMAT_TAG:
+        raise EntryError(EntryErrorKind.BAD_HEADER, "not a kvblend entry")
+    version = meta.get("format_version")
+    if type(version) is not int or version != STORE_FORMAT_VERSION:
+        raise EntryError(EntryErrorKind.FORMAT_VERSION, f"format {version!r:.40}, this build reads {STORE_FORMAT_VERSION}")
+    if set(meta) != _HEADER_FIELDS:
+        raise EntryError(EntryErrorKind.BAD_HEADER, f"kvblend fields {sorted(meta)} are not {sorted(_HEADER_FIELDS)}")
+    for name in _STR_FIELDS:
+        if not isinstance(meta[name], str):
+            raise EntryError(EntryErrorKind.BAD_HEADER, f"kvblend field {name!r} is not a string")
+    if meta["dtype"] not in _DTYPES_BY_NAME:
+        raise EntryError(EntryErrorKind.DTYPE, f"unsupported dtype {meta['dtype']!r:.40}")
+    shape = _ints(meta["shape"], 4, "shape")
+    return EntryHeader(**{**meta, "shape": shape})  # type: ignore[arg-type]
+
+
 def decode_header(blob: bytes | bytearray | memoryview) -> tuple[EntryHeader, dict, int]:
     """Parse and check the headers (not the tensor data) of a blob.
+
+    Every field is checked for its JSON type before it is used, so any bytes
+    give a header or an :class:`EntryError`, never another exception.
 
     Args:
         blob: at least the first ``header_length`` bytes of a blob.
 
     Returns:
         (kvblend header, safetensors tensor table, offset of the data section).
+
+    Raises:
+        EntryError: for any blob that is not a well-formed kvblend header.
     """
     start = header_length(blob)
     if len(blob) < start:
         raise EntryError(EntryErrorKind.TRUNCATED, f"{len(blob)} bytes, header needs {start}")
-    try:
-        table = json.loads(bytes(blob[8:start]))
-        meta = json.loads(table["__metadata__"]["kvblend"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise EntryError(EntryErrorKind.BAD_HEADER, f"unparsable header ({e!r})") from None
-    if not isinstance(meta, dict) or meta.get("tag") != FORMAT_TAG:
-        raise EntryError(EntryErrorKind.BAD_HEADER, "not a kvblend entry")
-    if meta.get("format_version") != STORE_FORMAT_VERSION:
-        raise EntryError(
-            EntryErrorKind.FORMAT_VERSION,
-            f"format {meta.get('format_version')!r}, this build reads {STORE_FORMAT_VERSION}",
-        )
-    try:
-        hdr = EntryHeader(**{**meta, "shape": tuple(int(s) for s in meta["shape"])})
-    except (TypeError, KeyError, ValueError) as e:
-        raise EntryError(EntryErrorKind.BAD_HEADER, f"bad kvblend fields ({e!r})") from None
-    if len(hdr.shape) != 4 or any(s < 0 for s in hdr.shape):
-        raise EntryError(EntryErrorKind.SHAPE, f"shape {hdr.shape} is not (L, Hkv, T, D)")
-    tdt = getattr(torch, hdr.dtype, None) if isinstance(hdr.dtype, str) else None
-    if tdt not in _ST_DTYPES:
-        raise EntryError(EntryErrorKind.DTYPE, f"unsupported dtype {hdr.dtype!r}")
-    for name in ("k", "v"):
+    table = _json(bytes(blob[8:start]), "header")
+    if not isinstance(table, dict):
+        raise EntryError(EntryErrorKind.BAD_HEADER, "header is not a JSON object")
+    extra = sorted(set(table) - {"__metadata__", "k", "v"})
+    if extra:
+        raise EntryError(EntryErrorKind.BAD_HEADER, f"unexpected header entries {extra!r:.80}")
+    md = table.get("__metadata__")
+    if not isinstance(md, dict) or not isinstance(md.get("kvblend"), str):
+        raise EntryError(EntryErrorKind.BAD_HEADER, "not a kvblend entry (no kvblend metadata)")
+    hdr = _entry_header(_json(md["kvblend"], "kvblend metadata"))
+    st_dtype = _ST_DTYPES[_DTYPES_BY_NAME[hdr.dtype]]
+    nbytes = hdr.tensor_bytes // 2
+    for i, name in enumerate(("k", "v")):
         info = table.get(name)
-        if not isinstance(info, dict):
-            raise EntryError(EntryErrorKind.BAD_HEADER, f"no tensor {name!r}")
-        if info.get("dtype") != _ST_DTYPES[tdt]:
-            raise EntryError(EntryErrorKind.DTYPE, f"{name} is {info.get('dtype')}, header says {hdr.dtype}")
-        if tuple(info.get("shape", ())) != hdr.shape:
-            raise EntryError(EntryErrorKind.SHAPE, f"{name} is {info.get('shape')}, header says {list(hdr.shape)}")
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise EntryError(EntryErrorKind.BAD_HEADER, f"tensor {name!r} is not {{dtype, shape, data_offsets}}")
+        if info["dtype"] != st_dtype:
+            raise EntryError(EntryErrorKind.DTYPE, f"{name} is {info['dtype']!r:.20}, header says {hdr.dtype}")
+        if _ints(info["shape"], 4, f"{name} shape") != hdr.shape:
+            raise EntryError(EntryErrorKind.SHAPE, f"{name} is {info['shape']}, header says {list(hdr.shape)}")
+        offsets = _ints(info["data_offsets"], 2, f"{name} data_offsets")
+        if offsets != (i * nbytes, (i + 1) * nbytes):
+            raise EntryError(EntryErrorKind.SHAPE, f"{name} data offsets {list(offsets)} disagree with shape {list(hdr.shape)}")
     return hdr, table, start
+
+
+def blob_size(hdr: EntryHeader, start: int) -> int:
+    """Bytes of the whole blob a header claims (length field, header, k and v)."""
+    return start + hdr.tensor_bytes
+
+
+def check_size(hdr: EntryHeader, start: int, have: int, max_bytes: int = MAX_ENTRY_BYTES) -> int:
+    """Check a blob's stored size against its header's claim and a cap, before reading it.
+
+    Args:
+        hdr, start: from :func:`decode_header` on the blob's first bytes.
+        have: bytes the tier holds for the blob (file size, value length).
+        max_bytes: the largest blob a reader may allocate.
+
+    Returns:
+        The claimed size (== ``have``).
+
+    Raises:
+        EntryError: TOO_LARGE past the cap, TRUNCATED if shorter than claimed,
+            SHAPE if longer (trailing bytes).
+    """
+    want = blob_size(hdr, start)
+    if want > max_bytes:
+        raise EntryError(EntryErrorKind.TOO_LARGE, f"header claims {want} bytes, over the cap of {max_bytes}")
+    if have < want:
+        raise EntryError(EntryErrorKind.TRUNCATED, f"{have - start} data bytes, shape needs {want - start}")
+    if have > want:
+        raise EntryError(EntryErrorKind.SHAPE, f"{have - want} trailing bytes after the tensors")
+    return want
 
 
 def decode(
     blob: bytearray | bytes | memoryview,
     ns: Namespace | None = None,
     key: StoreKey | None = None,
+    max_bytes: int = MAX_ENTRY_BYTES,
 ) -> KVEntry:
     """Validate a blob completely and view it as a :class:`KVEntry`.
 
     Args:
         blob: the whole blob; a ``bytearray`` gives writable zero-copy tensors.
         ns, key: where the blob was found; checked against its header if given.
+        max_bytes: the cap on a blob's size (see :func:`check_size`).
 
     Returns:
         The entry (tensors share memory with ``blob``).
 
     Raises:
         EntryError: truncated, bad header, other format version, shape, dtype,
-            checksum or key mismatch.
+            checksum, key mismatch or over the cap; never another exception.
     """
-    hdr, table, start = decode_header(blob)
+    hdr, _, start = decode_header(blob)
     if ns is not None and hdr.namespace != ns.value:
-        raise EntryError(EntryErrorKind.KEY_MISMATCH, f"namespace {hdr.namespace!r}, found in {ns.value!r}")
+        raise EntryError(EntryErrorKind.KEY_MISMATCH, f"namespace {hdr.namespace!r:.40}, found in {ns.value!r}")
     if key is not None and hdr.key != key_hex(key):
-        raise EntryError(EntryErrorKind.KEY_MISMATCH, f"blob names key {hdr.key[:16]}..")
-    dtype = getattr(torch, hdr.dtype)
-    L, H, T, D = hdr.shape
-    nbytes = L * H * T * D * torch.empty((), dtype=dtype).element_size()
-    offsets = [tuple(table[n]["data_offsets"]) for n in ("k", "v")]
-    if offsets != [(0, nbytes), (nbytes, 2 * nbytes)]:
-        raise EntryError(EntryErrorKind.SHAPE, f"data offsets {offsets} disagree with shape {list(hdr.shape)}")
-    have = len(blob) - start
-    if have < 2 * nbytes:
-        raise EntryError(EntryErrorKind.TRUNCATED, f"{have} data bytes, shape needs {2 * nbytes}")
-    if have > 2 * nbytes:
-        raise EntryError(EntryErrorKind.SHAPE, f"{have - 2 * nbytes} trailing bytes after the tensors")
-    if _checksum(hdr, memoryview(blob)[start:]) != hdr.sha256:
+        raise EntryError(EntryErrorKind.KEY_MISMATCH, f"blob names key {hdr.key[:16]!r}..")
+    check_size(hdr, start, len(blob), max_bytes)
+    if checksum(hdr, memoryview(blob)[start:]) != hdr.sha256:
         raise EntryError(EntryErrorKind.CHECKSUM, "sha256 over the header claims and tensor bytes differs")
+    dtype = _DTYPES_BY_NAME[hdr.dtype]
+    nbytes = hdr.tensor_bytes // 2
     return KVEntry(
         k=_view(blob, start, nbytes, dtype, hdr.shape),  # (L, Hkv, T, D)
         v=_view(blob, start + nbytes, nbytes, dtype, hdr.shape),  # (L, Hkv, T, D)

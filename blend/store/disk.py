@@ -4,12 +4,19 @@ Layout under ``root``::
 
     root/<namespace>/<key hex[:2]>/<key hex>.safetensors     entries (see codec.py)
     root/<namespace>/<key hex[:2]>/.<key hex>.<random>.tmp   a write in progress
-    root/logs/<name>.jsonl                                   record logs (e.g. semantic donors)
+    root/logs/<name>.jsonl                                   record logs (e.g. semantic donors; record_logs.py)
 
 A put writes a private temporary file in the entry's directory, fsyncs it and
 renames it over the entry (``os.replace`` is atomic on POSIX): a reader sees
 the old file or the new one, a writer killed mid-write leaves only a ``.tmp``
 that is never read, and two writers of one key leave one complete file.
+
+Reads are bounded and open only regular files: an entry (or record log) is
+opened with ``O_NOFOLLOW | O_NONBLOCK`` and must be a regular file inside the
+store (a FIFO, device, directory or symbolic link at an entry's path is a
+rejected lookup, never waited on or followed); the header is read first and
+the file's size checked against the header's claim and ``max_entry_bytes``
+before the tensors are read (see ``codec.check_size``).
 
 With a byte budget the tier is an LRU on disk: a hit refreshes the entry's
 mtime, and a put that takes the tier over budget removes the least recently
@@ -21,7 +28,6 @@ concurrent prune sees a miss.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import tempfile
@@ -31,7 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from blend import safeio
 from blend.keys import Namespace, StoreKey, key_hex
+from blend.safeio import UnsafeFileError, pread_exact
 from blend.store.base import (
     EntryInfo,
     KVEntry,
@@ -42,7 +50,18 @@ from blend.store.base import (
     check_put,
     entry_problem,
 )
-from blend.store.codec import EntryError, decode, decode_header, encode_parts, header_length
+from blend.store.record_logs import DiskRecordLogs
+from blend.store.codec import (
+    MAX_ENTRY_BYTES,
+    MAX_HEADER_BYTES,
+    EntryError,
+    EntryErrorKind,
+    check_size,
+    decode,
+    decode_header,
+    encode_parts,
+    header_length,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +79,43 @@ class PruneResult:
     kept_bytes: int
 
 
-def _read_all(path: Path) -> bytearray:
-    """The whole file in one writable buffer (raises FileNotFoundError)."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
+def open_regular(path: Path, flags: int = os.O_RDONLY) -> int:
+    """``safeio.open_regular`` with a non-regular file as a NOT_A_BLOB :class:`EntryError`.
+
+    Raises:
+        FileNotFoundError, EntryError, OSError.
+    """
+    try:
+        return safeio.open_regular(path, flags)
+    except UnsafeFileError as e:
+        raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.name}: {e}") from None
+
+
+def _read_entry(path: Path, max_bytes: int) -> bytearray:
+    """The blob in one writable buffer, read only after its header's size claim was checked.
+
+    Raises:
+        FileNotFoundError: absent.
+        EntryError: not a regular file, bad header, size differs from the claim or over ``max_bytes``.
+        OSError: unreadable.
+    """
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        head = pread_exact(fd, 8, 0)
+        head += pread_exact(fd, header_length(head) - 8, 8)
+        hdr, _, start = decode_header(head)
+        want = check_size(hdr, start, size, max_bytes)
+        buf = bytearray(want)
         view, got = memoryview(buf), 0
-        while got < size:
-            n = f.readinto(view[got:])
+        while got < want:
+            n = os.preadv(fd, [view[got:]], got)
             if not n:
-                break
+                raise EntryError(EntryErrorKind.TRUNCATED, f"file shrank to {got} bytes while read")
             got += n
-    return buf if got == size else buf[:got]
+        return buf
+    finally:
+        os.close(fd)
 
 
 class DiskStore:
@@ -82,20 +126,26 @@ class DiskStore:
         fsync: fsync each file before the rename (durable across power loss).
         budget_bytes: upper bound on the bytes of entry files (None: unbounded);
             least recently used entries are removed past it.
+        max_entry_bytes: the largest entry file read or written (a larger one is
+            rejected before any allocation).
     """
 
     name = "disk"
 
     def __init__(self, root: str | os.PathLike[str], fsync: bool = True,
-                 budget_bytes: int | None = None) -> None:
+                 budget_bytes: int | None = None, max_entry_bytes: int = MAX_ENTRY_BYTES) -> None:
         if budget_bytes is not None and budget_bytes <= 0:
             raise ValueError(f"disk store budget must be positive, got {budget_bytes}")
+        if max_entry_bytes <= 0:
+            raise ValueError(f"max_entry_bytes must be positive, got {max_entry_bytes}")
         self.root = Path(root).expanduser()
         self.fsync = fsync
         self.budget_bytes = budget_bytes
+        self.max_entry_bytes = max_entry_bytes
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self._approx_bytes: int | None = None  # bytes on disk as of the last scan plus our puts
+        self._logs = DiskRecordLogs(self.root / "logs")
 
     def path(self, ns: Namespace, key: StoreKey) -> Path:
         """Where the entry for (ns, key) lives."""
@@ -106,13 +156,21 @@ class DiskStore:
         with self._lock:
             setattr(self._stats, field, getattr(self._stats, field) + n)
 
+    def _inside(self, path: Path) -> None:
+        """Raise EntryError if ``path``'s folder resolves outside the store (a symlinked folder)."""
+        root = os.path.realpath(self.root)
+        if os.path.commonpath([root, os.path.realpath(path.parent)]) != root:
+            raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.parent} leads outside the store")
+
     def _load(self, ns: Namespace, key: StoreKey) -> KVEntry | None:
         """Decoded entry, None if absent; raises EntryError if unusable."""
+        path = self.path(ns, key)
+        self._inside(path)
         try:
-            buf = _read_all(self.path(ns, key))
+            buf = _read_entry(path, self.max_entry_bytes)
         except FileNotFoundError:
             return None
-        return decode(buf, ns, key)
+        return decode(buf, ns, key, self.max_entry_bytes)
 
     def get(self, ns: Namespace, key: StoreKey, provenance: str) -> Lookup:
         try:
@@ -143,6 +201,10 @@ class DiskStore:
         if self.budget_bytes is not None and entry.nbytes > self.budget_bytes:
             log.warning("disk store: entry of %d bytes exceeds the budget of %d; not stored",
                         entry.nbytes, self.budget_bytes)
+            return
+        if entry.nbytes + 8 + MAX_HEADER_BYTES > self.max_entry_bytes:  # it might not be read back
+            log.warning("disk store: entry of %d bytes may exceed max_entry_bytes=%d; not stored",
+                        entry.nbytes, self.max_entry_bytes)
             return
         parts = encode_parts(ns, key, entry)
         dest = self.path(ns, key)
@@ -200,7 +262,7 @@ class DiskStore:
         for ns in Namespace:
             for p in self._files(ns):
                 try:
-                    st = p.stat()
+                    st = p.lstat()  # a link's own size: its target is not the store's
                 except FileNotFoundError:
                     continue
                 rows.append((st.st_mtime, st.st_size, p))
@@ -242,78 +304,34 @@ class DiskStore:
             log.info("disk store: pruned %d entries (%d bytes) under %s", removed, freed, self.root)
         return PruneResult(removed, freed, total)
 
-    # ---- record logs (RecordLog) --------------------------------------------------------
-
-    def _log_path(self, log_name: str) -> Path:
-        if not log_name or "/" in log_name or log_name.startswith("."):
-            raise ValueError(f"bad log name {log_name!r}")
-        return self.root / "logs" / f"{log_name}.jsonl"
+    # ---- record logs (RecordLog; kept in record_logs.py) ----------------------------------
 
     def append_record(self, log_name: str, line: bytes) -> None:
-        """Append one line to a record log; one ``write`` on an O_APPEND file under a
-        shared lock, so concurrent appenders interleave whole lines and a compaction
-        (exclusive lock, then rename) never loses one. Failures are logged, not raised."""
-        if b"\n" in line:
-            raise ValueError("a record must not contain a newline")
-        path = self._log_path(log_name)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = _open_current(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, fcntl.LOCK_SH)
-            try:
-                os.write(fd, line + b"\n")
-            finally:
-                os.close(fd)  # releases the lock
-        except OSError as e:
-            log.warning("disk store: cannot append to %s: %s", path, e)
+        """See :meth:`DiskRecordLogs.append` (failures are logged, not raised)."""
+        self._logs.append(log_name, line)
 
     def rewrite_records(self, log_name: str, expected: list[bytes], lines: list[bytes]) -> bool:
-        """Replace a record log with ``lines`` if it still holds exactly ``expected``
-        (compare-and-swap under an exclusive lock; temp file + rename, so a reader
-        sees the old log or the new one). Returns whether it was replaced."""
-        if any(b"\n" in ln for ln in lines):
-            raise ValueError("a record must not contain a newline")
-        path = self._log_path(log_name)
-        try:
-            fd = _open_current(path, os.O_RDWR, fcntl.LOCK_EX)
-        except FileNotFoundError:
-            return False
-        except OSError as e:
-            log.warning("disk store: cannot lock log %s: %s", path, e)
-            return False
-        try:
-            with os.fdopen(os.dup(fd), "rb") as f:
-                now = _complete_lines(f.read())
-            if now != list(expected):
-                return False  # appended to (or rewritten) since it was read: try another time
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_bytes(b"".join(ln + b"\n" for ln in lines))
-            os.replace(tmp, path)  # appenders waiting on the old file reopen the new one
-            return True
-        except OSError as e:
-            log.warning("disk store: cannot rewrite log %s: %s", path, e)
-            return False
-        finally:
-            os.close(fd)
+        """See :meth:`DiskRecordLogs.rewrite` (compare-and-swap)."""
+        return self._logs.rewrite(log_name, expected, lines)
 
     def read_records(self, log_name: str) -> list[bytes]:
-        """Complete lines of a record log (a torn last line is dropped)."""
-        try:
-            data = self._log_path(log_name).read_bytes()
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            log.warning("disk store: cannot read log %s: %s", log_name, e)
-            return []
-        return _complete_lines(data)
+        """See :meth:`DiskRecordLogs.read` (complete lines; bounded; never a FIFO)."""
+        return self._logs.read(log_name)
 
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
         return self.path(ns, key).is_file()
 
     def delete(self, ns: Namespace, key: StoreKey) -> bool:
+        """Remove the entry (a FIFO or link at its path too, never a link's target); False if
+        nothing was there or it cannot be removed (a directory, no permission: logged)."""
+        path = self.path(ns, key)
         try:
-            os.unlink(self.path(ns, key))
+            os.unlink(path)
             return True
         except FileNotFoundError:
+            return False
+        except OSError as e:
+            log.warning("disk store: cannot delete %s: %s", path, e)
             return False
 
     def _files(self, ns: Namespace) -> Iterator[Path]:
@@ -371,14 +389,21 @@ class DiskStore:
 
     def info(self, ns: Namespace, key: StoreKey) -> EntryInfo | None:
         path = self.path(ns, key)
+        self._inside(path)
         try:
-            with open(path, "rb") as f:
-                head = f.read(8)
-                head += f.read(max(0, header_length(head) - 8))
-                size = os.fstat(f.fileno()).st_size
+            fd = open_regular(path)
         except FileNotFoundError:
             return None
-        hdr, _, _ = decode_header(head)
+        except OSError as e:
+            raise EntryError(EntryErrorKind.NOT_A_BLOB, f"unreadable: {e}") from None
+        try:
+            size = os.fstat(fd).st_size
+            head = pread_exact(fd, 8, 0)
+            head += pread_exact(fd, header_length(head) - 8, 8)
+        finally:
+            os.close(fd)
+        hdr, _, start = decode_header(head)
+        check_size(hdr, start, size, self.max_entry_bytes)
         return EntryInfo(ns, key, hdr.provenance, hdr.shape, hdr.dtype, size)
 
     def verify(self, ns: Namespace, key: StoreKey) -> str:
@@ -390,6 +415,16 @@ class DiskStore:
             return f"unreadable: {e}"
         return "absent" if entry is None else entry_problem(entry)
 
+    def check_reachable(self) -> str:
+        """'' if the root is a readable folder (or absent: an empty store), else why not."""
+        try:
+            with os.scandir(self.root):
+                return ""
+        except FileNotFoundError:
+            return ""
+        except OSError as e:
+            return f"{self.root}: {e.strerror or e}"
+
     def clear(self, ns: Namespace | None = None) -> int:
         n = 0
         for space in [ns] if ns is not None else list(Namespace):
@@ -400,37 +435,7 @@ class DiskStore:
                 except FileNotFoundError:
                     pass
         self.sweep_temp(0.0)
-        if ns is None:  # everything: the record logs too (they only point at entries), and
-            for p in (self.root / "logs").glob("*"):  # a compaction's temp file left by a crash
-                try:
-                    p.unlink()
-                except FileNotFoundError:
-                    pass
+        if ns is None:  # everything: the record logs too (they only point at entries)
+            self._logs.clear()
         return n
 
-
-def _complete_lines(data: bytes) -> list[bytes]:
-    """A record log's non-blank lines; the part after the last newline is torn and dropped."""
-    return [ln for ln in data.split(b"\n")[:-1] if ln.strip()]
-
-
-def _open_current(path: Path, flags: int, lock: int) -> int:
-    """Open ``path`` and take ``lock`` (fcntl.flock) on the file that is at ``path``
-    once the lock is held: a compaction may have renamed a new file over the one
-    opened, so the open is retried until the locked file is the current one.
-
-    Returns:
-        The locked descriptor (closing it releases the lock).
-    """
-    while True:
-        fd = os.open(path, flags, 0o644)
-        try:
-            fcntl.flock(fd, lock)
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass  # replaced between the open and the stat: open again
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)

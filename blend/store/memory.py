@@ -106,6 +106,9 @@ class MemoryStore:
             entry = self._data.get((ns, bytes(key)))
         return "absent" if entry is None else entry_problem(entry)
 
+    def check_reachable(self) -> str:
+        return ""  # in-process: always
+
     def clear(self, ns: Namespace | None = None) -> int:
         with self._lock:
             doomed = [k for k in self._data if ns is None or k[0] == ns]

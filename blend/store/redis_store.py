@@ -4,6 +4,11 @@ Keys are ``<prefix>:<namespace>:<key hex>``, so namespaces never share a key
 and several deployments can share a server under different prefixes. A SET
 is atomic: concurrent writers of one key leave one complete blob.
 
+Reads are bounded: a lookup first fetches the value's length and its first
+``HEADER_PROBE`` bytes (one pipelined round trip), checks the length against
+the header's claim and ``max_entry_bytes``, and only then GETs the value (a
+second round trip), so a hostile value is rejected before it is allocated.
+
 The store is a cache, so an unreachable server is a miss, never an error::
 
     up ──(connection error / timeout)──► down: warn once, every call returns
@@ -33,11 +38,22 @@ from blend.store.base import (
     check_put,
     entry_problem,
 )
-from blend.store.codec import EntryError, decode, decode_header, encode_parts, header_length
+from blend.store.codec import (
+    MAX_ENTRY_BYTES,
+    MAX_HEADER_BYTES,
+    EntryError,
+    EntryErrorKind,
+    check_size,
+    decode,
+    decode_header,
+    encode_parts,
+    header_length,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+HEADER_PROBE = 4096  # bytes fetched with the length; a real header is ~1 KB
 
 
 def _glob_escape(s: str) -> str:
@@ -54,6 +70,8 @@ class RedisStore:
         connect_timeout_s: TCP connect timeout; a dead host costs at most this.
         socket_timeout_s: per-read/write timeout on an established connection.
         retry_after_s: after a failure, calls skip the server for this long.
+        max_entry_bytes: the largest value read or written (a larger one is
+            rejected before it is fetched).
     """
 
     name = "redis"
@@ -67,8 +85,10 @@ class RedisStore:
         connect_timeout_s: float = 0.2,
         socket_timeout_s: float = 2.0,
         retry_after_s: float = 5.0,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
         self.url = url
+        self.max_entry_bytes = max_entry_bytes
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s
@@ -86,6 +106,7 @@ class RedisStore:
         self._lock = threading.Lock()
         self._down_until = 0.0  # time.monotonic() before which the server is skipped
         self._outage = False
+        self._failed_calls = 0  # calls that failed or were skipped since the last check_reachable()
 
     # -- availability ---------------------------------------------------------
 
@@ -100,6 +121,7 @@ class RedisStore:
         if not self.available:
             with self._lock:
                 self._stats.extra["skipped_calls"] = self._stats.extra.get("skipped_calls", 0) + 1
+                self._failed_calls += 1
             return default
         try:
             result = fn()
@@ -109,6 +131,7 @@ class RedisStore:
         except Exception as e:  # noqa: BLE001 -- connection loss, timeouts, or a server redis-py cannot parse
             with self._lock:
                 self._down_until = time.monotonic() + self.retry_after_s
+                self._failed_calls += 1
                 first = not self._outage
                 self._outage = True
                 self._stats.extra["outages"] = self._stats.extra.get("outages", 0) + (1 if first else 0)
@@ -165,16 +188,55 @@ class RedisStore:
         with self._lock:
             setattr(self._stats, field, getattr(self._stats, field) + 1)
 
+    def _head(self, rk: bytes, what: str) -> tuple[int, bytes] | None:
+        """(length, first header bytes) of a value whose header parses; None if absent or down.
+
+        Raises:
+            EntryError: not a string value, or a header that does not parse.
+        """
+        def probe() -> list:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.exists(rk)
+            pipe.strlen(rk)
+            pipe.getrange(rk, 0, HEADER_PROBE - 1)
+            return pipe.execute(raise_on_error=False)
+
+        got = self._call(what, probe, None)
+        if got is None or not got[0]:
+            return None
+        if isinstance(got[1], Exception) or isinstance(got[2], Exception):  # e.g. WRONGTYPE: a list at the key
+            raise EntryError(EntryErrorKind.NOT_A_BLOB, f"the value is not a string ({got[1] if isinstance(got[1], Exception) else got[2]})")
+        size, head = int(got[1]), bytes(got[2])
+        start = header_length(head)
+        if start > len(head) and size >= start:  # a header longer than the probe (never written by put)
+            head += bytes(self._call(what, lambda: self._client.getrange(rk, len(head), start - 1), b"") or b"")
+        return size, head[:start]
+
     def _fetch(self, ns: Namespace, key: StoreKey) -> bytes | None:
-        return self._call("get", lambda: self._client.get(self.rkey(ns, key)), None)
+        """The value, fetched only after its size was checked against its header and the cap.
+
+        Returns:
+            The blob; None if absent or the server is down.
+
+        Raises:
+            EntryError: not a string, bad header, size differs from the claim or over the cap.
+        """
+        rk = self.rkey(ns, key)
+        head = self._head(rk, "get")
+        if head is None:
+            return None
+        size, header = head
+        hdr, _, start = decode_header(header)
+        check_size(hdr, start, size, self.max_entry_bytes)
+        return self._call("get", lambda: self._client.get(rk), None)
 
     def get(self, ns: Namespace, key: StoreKey, provenance: str) -> Lookup:
-        blob = self._fetch(ns, key)
-        if blob is None:
-            self._count("misses")
-            return Lookup(LookupStatus.MISS, tier=self.name)
         try:
-            entry = decode(bytearray(blob), ns, key)
+            blob = self._fetch(ns, key)
+            if blob is None:
+                self._count("misses")
+                return Lookup(LookupStatus.MISS, tier=self.name)
+            entry = decode(bytearray(blob), ns, key, self.max_entry_bytes)
             why = check_entry(entry, provenance)
         except EntryError as e:
             why = str(e)
@@ -188,6 +250,10 @@ class RedisStore:
     def put(self, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
         """SET the blob (with the TTL); a failure is logged, not raised."""
         check_put(entry)
+        if entry.nbytes + 8 + MAX_HEADER_BYTES > self.max_entry_bytes:  # it might not be read back
+            log.warning("redis store: entry of %d bytes may exceed max_entry_bytes=%d; not stored",
+                        entry.nbytes, self.max_entry_bytes)
+            return
         blob = b"".join(encode_parts(ns, key, entry))
         ok = self._call("put", lambda: self._client.set(self.rkey(ns, key), blob, ex=self.ttl_s), None)
         if ok:
@@ -240,24 +306,34 @@ class RedisStore:
     # -- inspection -----------------------------------------------------------
 
     def info(self, ns: Namespace, key: StoreKey) -> EntryInfo | None:
-        rk = self.rkey(ns, key)
-        head = self._call("info", lambda: self._client.getrange(rk, 0, 7), b"")
-        if not head:
+        head = self._head(self.rkey(ns, key), "info")
+        if head is None:
             return None
-        start = header_length(head)
-        blob = head + self._call("info", lambda: self._client.getrange(rk, 8, start - 1), b"")
-        size = self._call("info", lambda: self._client.strlen(rk), 0)
-        hdr, _, _ = decode_header(blob)
-        return EntryInfo(ns, key, hdr.provenance, hdr.shape, hdr.dtype, int(size))
+        size, header = head
+        hdr, _, start = decode_header(header)
+        check_size(hdr, start, size, self.max_entry_bytes)
+        return EntryInfo(ns, key, hdr.provenance, hdr.shape, hdr.dtype, size)
 
     def verify(self, ns: Namespace, key: StoreKey) -> str:
-        blob = self._fetch(ns, key)
-        if blob is None:
-            return "absent"
         try:
-            return entry_problem(decode(bytearray(blob), ns, key))
+            blob = self._fetch(ns, key)
+            if blob is None:
+                return "absent"
+            return entry_problem(decode(bytearray(blob), ns, key, self.max_entry_bytes))
         except EntryError as e:
             return str(e)
+
+    def check_reachable(self) -> str:
+        """'' if the server answers PING and no call failed since the last check, else why not."""
+        with self._lock:
+            failed, self._failed_calls = self._failed_calls, 0
+        try:
+            self._client.ping()
+        except Exception as e:  # noqa: BLE001 -- any failure to talk to the server
+            return f"{self.url} unreachable ({type(e).__name__}: {e})"
+        if failed:
+            return f"{self.url}: {failed} call(s) failed or were skipped during the run (the server was down)"
+        return ""
 
     def clear(self, ns: Namespace | None = None) -> int:
         n = 0

@@ -91,6 +91,7 @@ def _parse_one(part: str) -> TierSpec:
     if part.startswith(("redis://", "rediss://", "unix://")):
         u = urlsplit(part)
         query = parse_qsl(u.query)
+        _check_database(part, u.path if u.scheme != "unix" else "", [v for k, v in query if k == "db"])
         opts = {k: v for k, v in query if k in _REDIS_OPTIONS}
         rest = [(k, v) for k, v in query if k not in _REDIS_OPTIONS]
         try:
@@ -100,6 +101,17 @@ def _parse_one(part: str) -> TierSpec:
         url = urlunsplit(u._replace(query=urlencode(rest)))
         return TierSpec(TierKind.REDIS, url, prefix=opts.get("prefix", "kvblend"), ttl_s=ttl)
     raise StoreSpecError(f"unknown store {part!r}: use memory, disk:PATH or redis://HOST:PORT/DB")
+
+
+def _check_database(url: str, path: str, db_params: list[str]) -> None:
+    """A Redis database is a whole number >= 0, given as the URL's path (``/3``) or ``?db=3``.
+
+    redis-py ignores a database it cannot parse and silently uses database 0.
+    """
+    given = [path.strip("/")] if path.strip("/") else []
+    for db in given + db_params:
+        if not db.isdigit() or not db.isascii():
+            raise StoreSpecError(f"{url}: the Redis database must be a whole number >= 0 (e.g. /0), got {db!r}")
 
 
 def parse_store_spec(spec: str | None) -> list[TierSpec]:

@@ -122,5 +122,9 @@ class TieredStore:
             return "; ".join(problems)
         return "" if self.contains(ns, key) else "absent"
 
+    def check_reachable(self) -> str:
+        """Every unreachable tier with its reason ('' if all are reachable)."""
+        return "; ".join(f"{t.name}: {why}" for t in self.tiers if (why := t.check_reachable()))
+
     def clear(self, ns: Namespace | None = None) -> int:
         return max(t.clear(ns) for t in self.tiers)

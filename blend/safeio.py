@@ -1,0 +1,130 @@
+"""Opening files whose bytes are not trusted: regular files only, reads bounded.
+
+Every parser of stored or indexed bytes (store entries and record logs, index
+files, corpus files, eval data) opens through here, so none of them waits on a
+FIFO, reads a device, follows a final symbolic link it did not ask for, or
+allocates what a file's size (or a header's claim) says before checking it
+against a cap. Callers turn :class:`UnsafeFileError` into their own error type.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISLNK, "a symbolic link"),
+)
+
+
+class UnsafeFileError(OSError):
+    """A path that is not a regular file, or a file larger than its reader's cap.
+
+    ``str(e)`` says what it is without the path (callers name the file).
+    """
+
+    def __init__(self, message: str, path: str | os.PathLike[str]) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = str(path)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class NotRegularFileError(UnsafeFileError):
+    """A FIFO, device, directory, socket or (unfollowed) symbolic link."""
+
+
+class FileTooLargeError(UnsafeFileError):
+    """A regular file larger than its reader's cap."""
+
+
+def file_kind(mode: int) -> str:
+    """``"a FIFO"``, ``"a directory"``, ... for a non-regular ``st_mode``."""
+    for test, name in _KINDS:
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def is_regular(path: str | os.PathLike[str], follow_symlinks: bool = True) -> bool:
+    """Whether ``path`` is a regular file (False if absent or unreadable)."""
+    try:
+        return stat.S_ISREG(os.stat(path, follow_symlinks=follow_symlinks).st_mode)
+    except OSError:
+        return False
+
+
+def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, follow_symlinks: bool = False) -> int:
+    """Open ``path`` only if it is a regular file, never blocking on a FIFO.
+
+    Args:
+        path: the file.
+        flags: access flags; ``O_NONBLOCK`` and ``O_CLOEXEC`` are added, and
+            ``O_NOFOLLOW`` unless ``follow_symlinks``.
+        follow_symlinks: whether a symbolic link as the last component is followed.
+
+    Returns:
+        A descriptor of a regular file (the caller closes it).
+
+    Raises:
+        FileNotFoundError: nothing at ``path`` (and no ``O_CREAT``).
+        NotRegularFileError: a FIFO, device, directory, socket or (unfollowed) symbolic link.
+        OSError: any other failure to open.
+    """
+    extra = os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags | extra, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow_symlinks:
+            raise NotRegularFileError("a symbolic link, not a regular file", path) from None
+        if e.errno in (errno.EISDIR, errno.ENXIO):  # a directory opened for writing; a FIFO with no reader
+            raise NotRegularFileError(f"{e.strerror}; not a regular file", path) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegularFileError(f"{file_kind(mode)}, not a regular file", path)
+    return fd
+
+
+def pread_exact(fd: int, n: int, offset: int) -> bytes:
+    """Up to ``n`` bytes at ``offset`` (fewer only at the end of the file)."""
+    parts, got = [], 0
+    while got < n:
+        chunk = os.pread(fd, min(n - got, 1 << 24), offset + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def read_regular(path: str | os.PathLike[str], max_bytes: int, follow_symlinks: bool = False) -> bytes:
+    """The whole of a regular file of at most ``max_bytes``.
+
+    Raises:
+        FileNotFoundError: absent.
+        NotRegularFileError: not a regular file.
+        FileTooLargeError: larger than ``max_bytes`` (checked before reading).
+        OSError: unreadable.
+    """
+    fd = open_regular(path, follow_symlinks=follow_symlinks)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise FileTooLargeError(f"{size} bytes, over the cap of {max_bytes}", path)
+        return pread_exact(fd, max_bytes + 1, 0)[:max_bytes]
+    finally:
+        os.close(fd)

@@ -1,0 +1,143 @@
+"""Record logs beside a disk store: ``<folder>/<name>.jsonl``, one record per line.
+
+Appends are one ``write`` on an O_APPEND file under a shared ``flock``, so
+concurrent appenders (threads or processes) interleave whole lines; a rewrite
+(compaction) takes the exclusive lock, checks that the log still holds what
+the caller read (compare-and-swap), writes a temp file and renames it over the
+log, so a reader sees the old log or the new one and no append is lost.
+
+A log is untrusted bytes: only a regular file is opened (a FIFO or link at a
+log's path is refused, never waited on), none larger than ``MAX_LOG_BYTES`` is
+read, and a torn last line is dropped. Failures are logged, never raised: the
+logs only point at entries of a cache.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+from pathlib import Path
+
+from blend import safeio
+
+log = logging.getLogger(__name__)
+
+MAX_LOG_BYTES = 256 << 20  # a record log larger than this is not read (a donor line is ~2 KB)
+
+
+class DiskRecordLogs:
+    """The record logs in one folder.
+
+    Args:
+        folder: where the ``<name>.jsonl`` files live (created on the first append).
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def path(self, name: str) -> Path:
+        """The file of the log ``name`` (a plain name: no slash, no leading dot)."""
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"bad log name {name!r}")
+        return self.folder / f"{name}.jsonl"
+
+    def append(self, name: str, line: bytes) -> None:
+        """Append one record (no newline inside) under a shared lock."""
+        if b"\n" in line:
+            raise ValueError("a record must not contain a newline")
+        path = self.path(name)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = _open_current(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, fcntl.LOCK_SH)
+            try:
+                os.write(fd, line + b"\n")
+            finally:
+                os.close(fd)  # releases the lock
+        except OSError as e:  # safeio.UnsafeFileError too
+            log.warning("disk store: cannot append to %s: %s", path, e)
+
+    def rewrite(self, name: str, expected: list[bytes], lines: list[bytes]) -> bool:
+        """Replace the log with ``lines`` if it still holds exactly ``expected``.
+
+        Returns:
+            Whether it was replaced (False: changed meanwhile, absent, or unwritable).
+        """
+        if any(b"\n" in ln for ln in lines):
+            raise ValueError("a record must not contain a newline")
+        path = self.path(name)
+        try:
+            fd = _open_current(path, os.O_RDWR, fcntl.LOCK_EX)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            log.warning("disk store: cannot lock log %s: %s", path, e)
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            if size > MAX_LOG_BYTES:
+                log.warning("disk store: log %s holds %d bytes, over %d; not rewritten", path, size, MAX_LOG_BYTES)
+                return False
+            if complete_lines(safeio.pread_exact(fd, size, 0)) != list(expected):
+                return False  # appended to (or rewritten) since it was read: try another time
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_bytes(b"".join(ln + b"\n" for ln in lines))
+            os.replace(tmp, path)  # appenders waiting on the old file reopen the new one
+            return True
+        except OSError as e:
+            log.warning("disk store: cannot rewrite log %s: %s", path, e)
+            return False
+        finally:
+            os.close(fd)
+
+    def read(self, name: str) -> list[bytes]:
+        """Complete lines of the log (empty, with a warning, if unreadable, irregular or oversized)."""
+        try:
+            data = safeio.read_regular(self.path(name), MAX_LOG_BYTES)
+        except FileNotFoundError:
+            return []
+        except OSError as e:  # safeio.UnsafeFileError too: a FIFO, a link or an oversized log
+            log.warning("disk store: cannot read log %s: %s", name, e)
+            return []
+        return complete_lines(data)
+
+    def clear(self) -> None:
+        """Remove every log (and a compaction's temp file left by a crash)."""
+        for p in self.folder.glob("*"):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("disk store: cannot remove %s: %s", p, e)
+
+
+def complete_lines(data: bytes) -> list[bytes]:
+    """A record log's non-blank lines; the part after the last newline is torn and dropped."""
+    return [ln for ln in data.split(b"\n")[:-1] if ln.strip()]
+
+
+def _open_current(path: Path, flags: int, lock: int) -> int:
+    """Open ``path`` and take ``lock`` (fcntl.flock) on the file that is at ``path``
+    once the lock is held: a compaction may have renamed a new file over the one
+    opened, so the open is retried until the locked file is the current one.
+
+    Returns:
+        The locked descriptor (closing it releases the lock).
+
+    Raises:
+        FileNotFoundError, safeio.UnsafeFileError (not a regular file), OSError.
+    """
+    while True:
+        fd = safeio.open_regular(path, flags)  # a FIFO or link at a log's path is refused, never waited on
+        try:
+            fcntl.flock(fd, lock)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass  # replaced between the open and the stat: open again
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)

@@ -1,0 +1,223 @@
+"""The files of one index generation: their records and strict readers.
+
+    CURRENT        the live generation's name: gen-NNNNNN, a folder inside the index
+    meta.json      IndexMeta
+    chunks.jsonl   one ChunkRecord per line
+    files.json     {"next_slot": int, "files": {path: {sha256, signature, chunks: [[id, line|null, start, end]]}}}
+    gc.json        {chunk id: text}
+
+Each reader opens only a regular file of at most ``MAX_INDEX_FILE_BYTES`` (never
+a FIFO), checks every field's JSON type, and returns a value or raises
+:class:`RetrievalError` naming the file; nothing else escapes. Agreement between
+the files is checked by :meth:`Catalog.open`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from blend import safeio
+from blend.retrieval.corpus import RetrievalError
+from blend.retrieval.index import MAX_DIM, MAX_INDEX_FILE_BYTES, IndexKind
+
+FORMAT_VERSION = 1
+GENERATION = re.compile(r"gen-[0-9]{6,9}")  # the only names CURRENT may hold
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Where a chunk occurs in a file: JSONL line (or None) and character span."""
+
+    chunk_id: str
+    line: int | None
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One ingested file in the manifest.
+
+    Attributes:
+        path: absolute path.
+        sha256: hex digest of the file's bytes when ingested.
+        signature: fingerprint of everything that shapes its chunks (tokenizer, chunker).
+        chunks: occurrences of its chunks, in file order.
+    """
+
+    path: str
+    sha256: str
+    signature: str
+    chunks: tuple[ChunkRef, ...]
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """A row of the chunk table.
+
+    Attributes:
+        chunk_id: sha256 hex of (tokenizer fingerprint, text).
+        slot: the int64 id of its vector in faiss.
+        text: the chunk text.
+        n_tokens: tokens of the text under the chunking tokenizer.
+    """
+
+    chunk_id: str
+    slot: int
+    text: str
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class IndexMeta:
+    """What an index was built with; reopening with something else is an error."""
+
+    embedder: str
+    embedder_fingerprint: str
+    dim: int
+    kind: str
+    threshold: int
+    format_version: int = FORMAT_VERSION
+
+
+def _read(path: Path) -> bytes:
+    """A regular file of at most MAX_INDEX_FILE_BYTES, as bytes."""
+    try:
+        return safeio.read_regular(path, MAX_INDEX_FILE_BYTES)
+    except FileNotFoundError:
+        raise RetrievalError(f"{path}: missing from the index") from None
+    except OSError as e:  # safeio.UnsafeFileError too: a FIFO, a link, an oversized file
+        raise RetrievalError(f"{path}: unreadable ({e})") from None
+
+
+def _json_file(path: Path) -> Any:
+    try:
+        return json.loads(_read(path))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise RetrievalError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
+
+
+def read_generation(root: Path) -> Path:
+    """The folder ``CURRENT`` names: a ``gen-NNNNNN`` directory inside ``root``."""
+    cur = root / "CURRENT"
+    raw = _read(cur)
+    try:
+        name = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        name = ""
+    if not GENERATION.fullmatch(name):
+        raise RetrievalError(f"{cur}: {raw[:40]!r} is not a generation name (gen-NNNNNN)")
+    gen = root / name
+    if os.path.realpath(gen) != os.path.join(os.path.realpath(root), name):
+        raise RetrievalError(f"{cur}: {name} leads outside the index (a symbolic link)")
+    if not gen.is_dir():
+        raise RetrievalError(f"{cur}: names {name}, which is not a folder of the index")
+    return gen
+
+
+def _bad(path: Path, what: str) -> RetrievalError:
+    return RetrievalError(f"{path}: {what}")
+
+
+def _is_count(x: Any) -> bool:
+    """A JSON whole number >= 0 (``True`` is not one)."""
+    return type(x) is int and x >= 0
+
+
+def _index_meta(d: Any, path: Path) -> IndexMeta:
+    names = {f.name for f in fields(IndexMeta)}
+    if not isinstance(d, dict) or set(d) != names:
+        raise _bad(path, f"index metadata must be an object with {sorted(names)}")
+    for k in ("embedder", "embedder_fingerprint", "kind"):
+        if not isinstance(d[k], str):
+            raise _bad(path, f"{k} must be a string")
+    if not _is_count(d["dim"]) or not 0 < d["dim"] <= MAX_DIM:
+        raise _bad(path, f"dim must be a whole number in 1..{MAX_DIM}, got {d['dim']!r:.40}")
+    if not _is_count(d["threshold"]) or type(d["format_version"]) is not int:
+        raise _bad(path, "threshold and format_version must be whole numbers")
+    if d["kind"] not in {k.value for k in IndexKind}:
+        raise _bad(path, f"unknown index kind {d['kind']!r:.40}")
+    return IndexMeta(**d)
+
+
+def read_chunk_table(path: Path) -> dict[str, ChunkRecord]:
+    names = {f.name for f in fields(ChunkRecord)}
+    records: dict[str, ChunkRecord] = {}
+    for lineno, raw in enumerate(_read(path).split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise _bad(path, f"line {lineno}: corrupt chunk row ({type(e).__name__})") from None
+        if (not isinstance(row, dict) or set(row) != names or not isinstance(row["chunk_id"], str)
+                or not isinstance(row["text"], str) or not _is_count(row["slot"]) or not _is_count(row["n_tokens"])):
+            raise _bad(path, f"line {lineno}: corrupt chunk row (want {sorted(names)} of the right types)")
+        if row["chunk_id"] in records:
+            raise _bad(path, f"line {lineno}: chunk {row['chunk_id'][:16]!r} appears twice")
+        records[row["chunk_id"]] = ChunkRecord(**row)
+    return records
+
+
+def _chunk_ref(c: Any) -> ChunkRef:
+    if (not isinstance(c, list) or len(c) != 4 or not isinstance(c[0], str)
+            or not (c[1] is None or _is_count(c[1])) or not _is_count(c[2]) or not _is_count(c[3])):
+        raise ValueError(f"chunk ref {c!r:.60} is not [chunk id, line or null, start, end]")
+    return ChunkRef(c[0], c[1], c[2], c[3])
+
+
+def _manifest(d: Any, path: Path) -> tuple[dict[str, FileEntry], int]:
+    """(files, next slot) of ``files.json``."""
+    if not isinstance(d, dict) or set(d) != {"next_slot", "files"}:
+        raise _bad(path, "the manifest must be an object with next_slot and files")
+    if not _is_count(d["next_slot"]) or not isinstance(d["files"], dict):
+        raise _bad(path, "next_slot must be a whole number and files an object")
+    out: dict[str, FileEntry] = {}
+    for p, fe in d["files"].items():
+        if (not isinstance(fe, dict) or set(fe) != {"sha256", "signature", "chunks"} or not isinstance(fe["sha256"], str)
+                or not isinstance(fe["signature"], str) or not isinstance(fe["chunks"], list)):
+            raise _bad(path, f"entry of {p[:80]!r} must be an object with sha256, signature and a list of chunks")
+        try:
+            refs = tuple(_chunk_ref(c) for c in fe["chunks"])
+        except ValueError as e:
+            raise _bad(path, f"entry of {p[:80]!r}: {e}") from None
+        out[p] = FileEntry(p, fe["sha256"], fe["signature"], refs)
+    return out, d["next_slot"]
+
+
+def _gc_list(d: Any, path: Path) -> dict[str, str]:
+    if not isinstance(d, dict) or not all(isinstance(v, str) for v in d.values()):
+        raise _bad(path, "the pending-GC list must be an object of chunk id -> text")
+    return d
+
+
+def read_meta(path: Path) -> IndexMeta:
+    """``meta.json``: what the index was built with.
+
+    Raises:
+        RetrievalError: naming the file, for anything but a well-typed IndexMeta.
+    """
+    return _index_meta(_json_file(path), path)
+
+
+def read_manifest(path: Path) -> tuple[dict[str, FileEntry], int]:
+    """``files.json``: (path -> FileEntry, the next free vector slot).
+
+    Raises:
+        RetrievalError: naming the file, for anything but a well-typed manifest.
+    """
+    return _manifest(_json_file(path), path)
+
+
+def read_gc_list(path: Path) -> dict[str, str]:
+    """``gc.json``: chunk id -> text of chunks whose KV awaits deletion.
+
+    Raises:
+        RetrievalError: naming the file, for anything but an object of strings.
+    """
+    return _gc_list(_json_file(path), path)
