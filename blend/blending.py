@@ -224,6 +224,7 @@ class BlendRows:
         self.scale = model.dims.scale
         self.use_probe = probe and bool(plan.checks)
         self.probed_at: int | None = None  # layers above this hold the probe's re-positioned rows
+        self.probe: ProbeResult | None = None
         self.ratio: float | None = None
         self.checks = {c.layer: c for c in plan.checks}
         self.active = torch.arange(plan.n) if plan.checks else plan.always()  # (A,) sorted rows relative to e
@@ -245,12 +246,11 @@ class BlendRows:
         check = self.checks.get(layer)
         if check is None:
             return q, h
-        probe = None
-        if check.index == 0 and self.use_probe:
-            probe = run_probe(self.model, plan, self.cache, layer, h[active >= plan.nb])
+        if check.index == 0 and self.use_probe:  # later check layers rank by the same probe
+            self.probe = run_probe(self.model, plan, self.cache, layer, h[active >= plan.nb])
             self.probed_at = layer
         k_all, _ = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
-        sel = self.checker.select(check, active, q, k, v, k_all, self.k_pos, probe)
+        sel = self.checker.select(check, active, q, k, v, k_all, self.k_pos, self.probe)
         self.active = active[sel.keep]
         if check.index == 0:
             self.first_selected = self.active[self.active < plan.nb]

@@ -221,22 +221,29 @@ class Engine:
         verdict = self.gate.verdict(self)
         return verdict.refused, _BLENDED_KINDS, verdict.ran_s
 
-    def _prefill_full(self, prompt: Prompt, cache: KVCache, refused: str = "",
-                      kinds: frozenset[SegmentKind] = frozenset()) -> _Prefilled:
-        """The whole prompt in one pass; segments of ``kinds`` are reported as fallback."""
-        logits, rows = self.segments.compute_rest(cache, prompt.segments)
-        if refused:
-            rows = tuple(replace(r, reuse_class=ReuseClass.FALLBACK, note=refused) if r.kind in kinds else r
-                         for r in rows)
-        return _Prefilled(logits, rows)
+    def _prefill_unreused(self, prompt: Prompt, cache: KVCache, refused: str = "",
+                          kinds: frozenset[SegmentKind] = frozenset()) -> _Prefilled:
+        """No reuse (asked for, or refused): the exact schedule with the store off, so it is
+        bit-identical to an exact run; one pass where dynamic NTK makes KV length-dependent.
+        Segments of ``kinds`` are reported as fallback when reuse was ``refused``."""
+        if self._length_dependent(prompt):
+            logits, rows = self.segments.compute_rest(cache, prompt.segments)
+            done = _Prefilled(logits, rows)
+        else:
+            done = self._prefill_segments(prompt, None, False, cache)
+        if not refused:
+            return done
+        rows = tuple(replace(r, reuse_class=ReuseClass.FALLBACK, note=refused) if r.kind in kinds else r
+                     for r in done.segments)
+        return replace(done, segments=rows)
 
-    def _prefill_segments(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache) -> _Prefilled:
+    def _prefill_segments(self, prompt: Prompt, prefix_limit: int | None, use_store: bool,
+                          cache: KVCache) -> _Prefilled:
         """Segment by segment: each segment but the question is looked up, else computed and
-        stored (exact reuse); with no reuse, the same schedule with the store switched off."""
+        stored (exact reuse); without the store, the same schedule computes every segment."""
         cacheable = prompt.segments[:-1]
-        if policy.prefix_limit is not None:
-            cacheable = cacheable[: policy.prefix_limit]
-        use_store = policy.mode is ReuseMode.EXACT
+        if prefix_limit is not None:
+            cacheable = cacheable[:prefix_limit]
         keys = self.segments.exact_keys(cacheable) if use_store else [None] * len(cacheable)
         rows, lookup_s = [], 0.0
         for seg, key in zip(cacheable, keys):
@@ -270,10 +277,10 @@ class Engine:
         cache = self.runner.new_cache(len(prompt) + extra_capacity)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            if refused or (policy.mode is ReuseMode.NONE and self._length_dependent(prompt)):
-                done = self._prefill_full(prompt, cache, refused, kinds)
-            elif policy.mode is not ReuseMode.BLEND:
-                done = self._prefill_segments(prompt, policy, cache)
+            if refused or policy.mode is ReuseMode.NONE:
+                done = self._prefill_unreused(prompt, cache, refused, kinds)
+            elif policy.mode is ReuseMode.EXACT:
+                done = self._prefill_segments(prompt, policy.prefix_limit, True, cache)
             else:
                 out = prefill_blend(self.runner, self.segments, prompt, policy, cache)
                 done = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio)
