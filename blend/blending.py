@@ -218,6 +218,8 @@ class BlendRows:
     row re-positioned in the cache, so only the active rows are written there.
     """
 
+    gemm_tile = None
+
     def __init__(self, plan: BlendPlan, cache: KVCache, checker: Checker, model: ModelRunner,
                  probe: bool) -> None:
         self.plan, self.cache, self.checker, self.model = plan, cache, checker, model

@@ -209,7 +209,14 @@ def mlp_block(w: LayerWeights, dims: ModelDims, h: torch.Tensor) -> torch.Tensor
 
 
 class LayerRows(Protocol):
-    """Where a pass's fresh K/V go and what its queries attend to, layer by layer."""
+    """Where a pass's fresh K/V go and what its queries attend to, layer by layer.
+
+    ``gemm_tile``: None runs each GEMM over all rows at once; an int runs them on
+    fixed tiles of that many rows (the caller pads), so a row's numbers do not
+    depend on how many other rows share the pass (batch-invariant decoding).
+    """
+
+    gemm_tile: int | None
 
     def store_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,10 +231,18 @@ class LayerRows(Protocol):
 
 def layer_forward(w: LayerWeights, dims: ModelDims, layer: int, h: torch.Tensor, rows: LayerRows) -> torch.Tensor:
     """One decoder layer over the active hidden rows h (A, C) -> (A', C)."""
-    q, k, v = project_qkv(w, dims, rms_norm(h, w.input_norm, dims.eps))  # (Hq,A,D) (Hkv,A,D) x2
+    tile = rows.gemm_tile
+    if tile is None:
+        q, k, v = project_qkv(w, dims, rms_norm(h, w.input_norm, dims.eps))  # (Hq,A,D) (Hkv,A,D) x2
+        q, h = rows.store_kv(layer, q, k, v, h)
+        h = attn_out(w, h, rows.attend(layer, q))
+        return mlp_block(w, dims, h)
+    spans = [(lo, lo + tile) for lo in range(0, h.shape[0], tile)]
+    parts = [project_qkv(w, dims, rms_norm(h[lo:hi], w.input_norm, dims.eps)) for lo, hi in spans]
+    q, k, v = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))  # (Hq,A,D) (Hkv,A,D) x2
     q, h = rows.store_kv(layer, q, k, v, h)
-    h = attn_out(w, h, rows.attend(layer, q))
-    return mlp_block(w, dims, h)
+    attn = rows.attend(layer, q)  # (A, Hq D)
+    return torch.cat([mlp_block(w, dims, attn_out(w, h[lo:hi], attn[lo:hi])) for lo, hi in spans])
 
 
 class AppendMode(Enum):
@@ -250,6 +265,8 @@ class AppendRows:
         mask: (S, T) additive mask in MASK mode (None: every key visible).
         keep_kv: collect the segment's K (before RoPE) and V for the store.
     """
+
+    gemm_tile = None
 
     def __init__(self, cache: KVCache, start: int, cos: torch.Tensor, sin: torch.Tensor, scale: float,
                  mode: AppendMode, mask: torch.Tensor | None, keep_kv: bool) -> None:

@@ -49,6 +49,8 @@ class ProbeResult:
 class ProbeRows:
     """:class:`~blend.model.LayerRows` of the probe: question rows over re-positioned cached KV."""
 
+    gemm_tile = None
+
     def __init__(self, plan: "BlendPlan", cache: KVCache, check: int, scale: float) -> None:
         self.plan, self.cache, self.check, self.scale = plan, cache, check, scale
         self.q_rows = torch.arange(plan.nb, plan.n)  # (Nq,)
