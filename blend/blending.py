@@ -55,19 +55,20 @@ if TYPE_CHECKING:
 _BLENDED_KINDS = frozenset({SegmentKind.DOCUMENT})  # what a refused blend reports as fallback
 
 
-def canonical_chunk_kv(engine: "Engine", preamble: Segment, ids) -> SegmentKV:
+def canonical_chunk_kv(engine: "Engine", preamble: Segment, ids, salt: str = "") -> SegmentKV:
     """A chunk's canonical KV: computed alone, right after the preamble.
 
     Args:
         engine: supplies the runner and the store (for the preamble's exact KV).
         preamble: the preamble segment.
         ids: the chunk's token ids.
+        salt: the request's cache salt (keys the preamble's exact KV).
 
     Returns:
         The chunk's KV (K before RoPE), exactly as a later load will see it.
     """
     cache = engine.runner.new_cache(len(preamble) + len(ids))
-    key = exact_chain(engine.provenance, [preamble.token_ids])[0]
+    key = exact_chain(engine.provenance, [preamble.token_ids], salt)[0]
     engine._exact_segment(cache, preamble, key, ReuseReport(policy="canonical"))
     return engine._compute_stored(cache, Segment(SegmentKind.DOCUMENT, tuple(ids), ""))
 
@@ -93,7 +94,7 @@ class ChunkKV:
         return self.forced is None
 
 
-def _start_fetch(engine: "Engine", prompt: Prompt) -> list[tuple[StoreKey, Future[Lookup] | None]]:
+def _start_fetch(engine: "Engine", prompt: Prompt, salt: str = "") -> list[tuple[StoreKey, Future[Lookup] | None]]:
     """Key every document and start its lookup in the background (overlapped loading).
 
     Returns:
@@ -102,7 +103,7 @@ def _start_fetch(engine: "Engine", prompt: Prompt) -> list[tuple[StoreKey, Futur
     prov_json = engine.provenance_json
     out = []
     for doc in prompt.documents:
-        key = canonical_key(engine.provenance, prompt.preamble.token_ids, doc.token_ids)
+        key = canonical_key(engine.provenance, prompt.preamble.token_ids, doc.token_ids, salt)
         fut = engine.prefetcher.submit(Namespace.CANONICAL, key, prov_json) if engine.config.overlap_loading else None
         out.append((key, fut))
     return out
@@ -119,7 +120,8 @@ def _fetch_chunks(engine: "Engine", prompt: Prompt, policy: ReusePolicy, report:
         rep = SegmentReport(doc.kind, cls, len(doc), start, key_hex(key))
         start += len(doc)
         if entry is not None:
-            register_donor(engine, prompt.preamble.token_ids, doc.token_ids, key)
+            if not policy.cache_salt:  # a salted chunk is never a donor for other salts
+                register_donor(engine, prompt.preamble.token_ids, doc.token_ids, key)
             out.append(ChunkKV(SegmentKV(entry.k, entry.v), rep))
             continue
         if rejected is None:
@@ -131,9 +133,10 @@ def _fetch_chunks(engine: "Engine", prompt: Prompt, policy: ReusePolicy, report:
             rep.reuse_class, rep.note = ReuseClass.COMPUTED, "miss: computed canonically, then reused"
         else:
             rep.reuse_class, rep.note = ReuseClass.REJECTED, rejected + "; recomputed"
-        kv = canonical_chunk_kv(engine, prompt.preamble, doc.token_ids)
+        kv = canonical_chunk_kv(engine, prompt.preamble, doc.token_ids, policy.cache_salt)
         engine.store.put(Namespace.CANONICAL, key, engine._entry(kv))
-        register_donor(engine, prompt.preamble.token_ids, doc.token_ids, key)
+        if not policy.cache_salt:
+            register_donor(engine, prompt.preamble.token_ids, doc.token_ids, key)
         out.append(ChunkKV(kv, rep))
     return out
 
@@ -219,8 +222,8 @@ def prefill_blend(engine: "Engine", prompt: Prompt, policy: ReusePolicy, cache: 
     if verdict:
         return engine.prefill_refused(prompt, cache, report, verdict, _BLENDED_KINDS)
 
-    pending = _start_fetch(engine, prompt)  # chunk loads overlap the preamble and earlier chunks
-    pre_key = exact_chain(engine.provenance, [prompt.preamble.token_ids])[0]
+    pending = _start_fetch(engine, prompt, policy.cache_salt)  # chunk loads overlap the preamble and earlier chunks
+    pre_key = exact_chain(engine.provenance, [prompt.preamble.token_ids], policy.cache_salt)[0]
     report.segments.append(engine._exact_segment(cache, prompt.preamble, pre_key, report))
     chunks = _fetch_chunks(engine, prompt, policy, report, pending)
     report.segments.extend(c.report for c in chunks)
@@ -324,6 +327,8 @@ def _count_recomputed(selected: torch.Tensor, blended: list[ChunkKV]) -> None:
     lo = 0
     for c in blended:
         hi = lo + c.report.tokens
-        c.report.recomputed = int(((selected >= lo) & (selected < hi)).sum())
+        mine = selected[(selected >= lo) & (selected < hi)]
+        c.report.recomputed = int(mine.numel())
+        c.report.recomputed_offsets = tuple(int(x) for x in torch.sort(mine - lo).values)
         lo = hi
 

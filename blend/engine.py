@@ -262,7 +262,7 @@ class Engine:
         cacheable = prompt.segments[:-1]
         if policy.prefix_limit is not None:
             cacheable = cacheable[: policy.prefix_limit]
-        keys = exact_chain(self.provenance, [s.token_ids for s in cacheable])
+        keys = exact_chain(self.provenance, [s.token_ids for s in cacheable], policy.cache_salt)
         for i, seg in enumerate(cacheable):
             report.segments.append(self._exact_segment(cache, seg, keys[i], report))
         # Everything after the reusable prefix (the question included) is one block:
@@ -414,16 +414,18 @@ class Engine:
         if policy.mode is ReuseMode.EXACT:
             self.prefill(prompt, policy)
         elif policy.mode is ReuseMode.BLEND:  # canonical chunks (this also stores the preamble)
-            self.precompute_chunks([s.text for s in prompt.documents], preamble=prompt.preamble)
+            self.precompute_chunks([s.text for s in prompt.documents], preamble=prompt.preamble,
+                                   salt=policy.cache_salt)
 
     def precompute_chunks(self, texts: Sequence[str], system: str | None = None,
-                          preamble: Segment | None = None) -> int:
+                          preamble: Segment | None = None, salt: str = "") -> int:
         """Compute and store canonical chunk KV (each chunk alone after the preamble).
 
         Args:
             texts: chunk texts (as given to :meth:`build_prompt`, or already laid out).
             system: system prompt that defines the preamble.
             preamble: the preamble segment (overrides ``system``).
+            salt: the cache salt of the requests that will reuse them.
 
         Returns:
             Bytes of KV written (0 when everything was already stored).
@@ -435,12 +437,13 @@ class Engine:
         for text in texts:
             laid = text if text.endswith("\n\n") else document_text(text)
             ids = tokenize_segment(self.tokenizer, laid)
-            key = canonical_key(self.provenance, preamble.token_ids, ids)
-            register_donor(self, preamble.token_ids, ids, key)
+            key = canonical_key(self.provenance, preamble.token_ids, ids, salt)
+            if not salt:
+                register_donor(self, preamble.token_ids, ids, key)
             if self.store.contains(Namespace.CANONICAL, key):
                 continue
             with torch.inference_mode():
-                kv = canonical_chunk_kv(self, preamble, ids)
+                kv = canonical_chunk_kv(self, preamble, ids, salt)
             entry = self._entry(kv)
             self.store.put(Namespace.CANONICAL, key, entry)
             written += entry.nbytes

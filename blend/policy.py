@@ -46,6 +46,8 @@ class ReusePolicy:
         force: blend even if the model's quality gate failed or never ran.
         semantic: experimental donor reuse (needs the engine flag too).
         seed: RNG seed of the random selector.
+        cache_salt: mixed into every store key the request derives (exact, canonical):
+            requests with different salts share no KV; "" = no salt.
     """
 
     mode: ReuseMode = ReuseMode.EXACT
@@ -60,6 +62,7 @@ class ReusePolicy:
     force: bool = False
     semantic: bool = False
     seed: int = 0
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         def bad_ratio(r: float) -> bool:
@@ -86,6 +89,10 @@ class ReusePolicy:
             raise InvalidPolicyError("prefix_limit must be >= 0")
         if self.semantic and self.mode is not ReuseMode.BLEND:
             raise InvalidPolicyError("semantic reuse is a blend option: use ReusePolicy.blend(..., semantic=True)")
+        if not isinstance(self.cache_salt, str):
+            raise InvalidPolicyError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
+        if self.semantic and self.cache_salt:  # donors are shared across salts: that would leak KV
+            raise InvalidPolicyError("semantic reuse cannot be combined with a cache_salt")
 
     @classmethod
     def none(cls) -> "ReusePolicy":
@@ -93,9 +100,9 @@ class ReusePolicy:
         return cls(mode=ReuseMode.NONE)
 
     @classmethod
-    def exact(cls, prefix_limit: int | None = None) -> "ReusePolicy":
+    def exact(cls, prefix_limit: int | None = None, cache_salt: str = "") -> "ReusePolicy":
         """Exact prefix reuse (the default)."""
-        return cls(mode=ReuseMode.EXACT, prefix_limit=prefix_limit)
+        return cls(mode=ReuseMode.EXACT, prefix_limit=prefix_limit, cache_salt=cache_salt)
 
     @classmethod
     def blend(cls, ratio: float = 0.15, selector: str = "combo", check_layers=(1,), **kw) -> "ReusePolicy":
