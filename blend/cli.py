@@ -13,6 +13,7 @@ Errors a user can cause print one line and exit 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -173,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(check)
     check.set_defaults(func=run_check)
 
+    # --- kvblend serve (issue 16): parsed by blend.serve.cli, imported only when serve runs (FastAPI) ---
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (kvblend serve --help)",
+                           add_help=False, prefix_chars="+")  # "+": every -- option reaches serve's own parser
+    serve.add_argument("serve_args", nargs="*", help=argparse.SUPPRESS)
+    serve.set_defaults(func=lambda args: importlib.import_module("blend.serve.cli").main(args.serve_args))
+    # --- end kvblend serve ---
     _add_optional(sub, "blend.store.cli", "add_store_commands", "run_store_command")
     _add_optional(sub, "blend.evals.cli", "add_eval_command", "run_eval")
     _add_optional(sub, "blend.retrieval.cli", "add_retrieval_commands", None)

@@ -58,6 +58,7 @@ class ServeConfig:
     api_key: str | None = None  # None: no auth (or $KVBLEND_API_KEY, see resolve_api_key)
     experimental_semantic: bool = False
     served_model_name: str | None = None  # the id /v1/models reports; default the model argument
+    default_temperature: float = 1.0  # when a request names none (OpenAI's default)
     limits: Limits = field(default_factory=Limits)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
