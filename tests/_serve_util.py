@@ -8,6 +8,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+import pytest
+import torch
 import uvicorn
 
 from _store_util import free_port
@@ -57,3 +59,14 @@ def running_server(engine: Engine, config: ServeConfig | None = None) -> Iterato
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+@pytest.fixture(scope="module", autouse=False)
+def one_torch_thread():
+    """Run a module with one intra-op thread (restored after): the server's threads and the
+    reference run with the same count (prefill numbers depend on it), and a loaded machine
+    does not make OpenMP threads spin."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

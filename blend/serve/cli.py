@@ -19,7 +19,9 @@ import uvicorn
 from blend.batch_decode import DecodeBatching
 from blend.engine import Engine
 from blend.serve.app import create_app
-from blend.serve.config import API_KEY_ENV, Limits, SchedulerConfig, ServeConfig, resolve_api_key
+from blend.serve.config import (
+    API_KEY_ENV, Limits, SchedulerConfig, ServeConfig, default_torch_threads, resolve_api_key,
+)
 from blend.serve.flight import FlightStore
 from blend.store.spec import add_store_argument, open_store
 
@@ -43,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=sch.max_queue, help="requests waiting beyond that; more get 429")
     p.add_argument("--prefill-workers", type=int, default=sch.prefill_workers,
                    help="prefill threads beside the decode loop")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="intra-op threads per prefill worker and for the decode loop "
+                        "(default: the cores divided among them)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="decode in fixed 16-row GEMM tiles: concurrent answers bit-identical to one-at-a-time "
                         "(slower on CPU)")
@@ -73,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             max_concurrency=args.max_concurrency, max_queue=args.max_queue, prefill_workers=args.prefill_workers,
             batching=DecodeBatching.INVARIANT if args.batch_invariant else DecodeBatching.THROUGHPUT,
             single_flight=not args.no_single_flight,
+            torch_threads=args.torch_threads or default_torch_threads(args.prefill_workers),
         ),
     )
 

@@ -32,6 +32,10 @@ class SchedulerConfig:
         batching: decode GEMM mode (INVARIANT: bit-identical to one-at-a-time).
         single_flight: a chunk several in-flight requests miss is computed once.
         flight_timeout_s: longest a request waits for another one's computation.
+        torch_threads: intra-op threads of each prefill worker and of the decode loop
+            (None: leave torch's setting). They run at once, so together they should not
+            exceed the cores: OpenMP threads that outnumber cores spin-wait and can run
+            many times slower.
     """
 
     max_concurrency: int = 16
@@ -40,10 +44,18 @@ class SchedulerConfig:
     batching: DecodeBatching = DecodeBatching.THROUGHPUT
     single_flight: bool = True
     flight_timeout_s: float = 60.0
+    torch_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1 or self.max_queue < 0 or self.prefill_workers < 1:
             raise ValueError("max_concurrency and prefill_workers must be >= 1, max_queue >= 0")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError("torch_threads must be >= 1")
+
+
+def default_torch_threads(prefill_workers: int) -> int:
+    """Cores shared out between the prefill workers and the decode loop (at least one each)."""
+    return max(1, (os.cpu_count() or 1) // (prefill_workers + 1))
 
 
 @dataclass(frozen=True)

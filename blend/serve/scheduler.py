@@ -225,7 +225,12 @@ class Scheduler:
 
     # ---- prefill --------------------------------------------------------------------------
 
+    def _threads_setup(self) -> None:
+        if self.config.torch_threads is not None:  # per thread: each OpenMP caller keeps its own count
+            torch.set_num_threads(self.config.torch_threads)
+
     def _prefill_loop(self) -> None:
+        self._threads_setup()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: not self._running or (
@@ -275,6 +280,7 @@ class Scheduler:
     # ---- decode ---------------------------------------------------------------------------
 
     def _decode_loop(self) -> None:
+        self._threads_setup()
         batch: list[_Job] = []
         while True:
             with self._cond:
