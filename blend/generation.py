@@ -116,7 +116,7 @@ class TokenStream:
         self._steps += 1
         tok = self.sampler(logits)
         cfg = self.config
-        if tok in self.eos_ids:
+        if tok in self.eos_ids and not cfg.ignore_eos:
             return self._finish(FinishReason.STOP, self._decoded())
         if cfg.stop_at_newline and "\n" in self.tokenizer.decode([tok]):
             return self._finish(FinishReason.STOP, self._decoded())

@@ -36,6 +36,8 @@ class GenerationConfig:
         stop: strings that end the answer; the answer's text stops before the first one.
         stop_at_newline: end the answer before the first token containing a newline
             (the engine's historical single-line answers).
+        ignore_eos: keep going past end-of-sequence tokens (fixed-length answers for
+            benchmarks, as vLLM's ``ignore_eos``).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -45,6 +47,7 @@ class GenerationConfig:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_at_newline: bool = False
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -67,6 +67,8 @@ def test_newline_rule_is_an_option():
 def test_eos_and_max_tokens():
     s, _ = run("abc", eos=True)
     assert (s.text, s.finish_reason, len(s.tokens)) == ("abc", FinishReason.STOP, 3)
+    s, _ = run("abc", eos=True, ignore_eos=True)
+    assert s.tokens == [97, 98, 99, EOS] and not s.finished
     s, _ = run("abcdef", max_tokens=4)
     assert (s.text, s.finish_reason, len(s.tokens)) == ("abcd", FinishReason.LENGTH, 4)
     with pytest.raises(RuntimeError):

@@ -99,7 +99,7 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
             max_tokens=max_tokens,
             temperature=cfg.default_temperature if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
-            stop=stop_strings(body.stop), stop_at_newline=opts.stop_at_newline,
+            stop=stop_strings(body.stop), stop_at_newline=opts.stop_at_newline, ignore_eos=body.ignore_eos,
         )
     except InvalidRequestError as e:
         raise ApiError(400, str(e)) from None

@@ -5,7 +5,8 @@
      "cache_salt": "tenant-secret",                                 mixed into every cache key
      "kvblend": {"reuse": "exact"|"blend"|"none", "ratio": 0.15, "selector": "combo", "semantic": false,
                  "stop_at_newline": false, "return_tokens": false},
-     "temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stream", "stream_options", "n": 1}
+     "temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stream", "stream_options", "n": 1,
+     "ignore_eos": false}                                           (vLLM's; fixed-length answers)
 
 Unknown top-level fields (OpenAI's ``user``, ``presence_penalty`` ...) are
 ignored, as OpenAI-compatible servers do; unknown fields inside ``kvblend``
@@ -88,6 +89,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     logprobs: Union[StrictBool, int, None] = None  # not supported: refused when asked for
+    ignore_eos: StrictBool = False  # vLLM's extension: fixed-length answers (benchmarks)
 
     @field_validator("documents")
     @classmethod
