@@ -179,6 +179,7 @@ class Completion:
     first_logits: torch.Tensor  # (V,) float32: the logits that chose the first token
     steps_sha256: str  # sha256 over every sampled-from logits row
     ttft_s: float
+    e2e_s: float  # start (the scheduler: submission) to the last token
     report: ReuseReport
     usage: Usage
     seed: int
@@ -233,7 +234,8 @@ class Generation:
         self._completion = Completion(
             text=s.text, token_ids=list(s.tokens), prompt_token_ids=self.prompt.token_ids,
             finish_reason=s.finish_reason, first_logits=first, steps_sha256=s.steps_sha256, ttft_s=ttft,
-            report=report, usage=Usage(len(self.prompt), len(s.tokens), report.reused_tokens), seed=s.sampler.seed,
+            e2e_s=time.perf_counter() - t0, report=report,
+            usage=Usage(len(self.prompt), len(s.tokens), report.reused_tokens), seed=s.sampler.seed,
         )
 
     def _decode(self, cache: KVCache) -> torch.Tensor:

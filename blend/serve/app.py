@@ -226,7 +226,10 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
         return _json_error(500, f"internal error: {type(exc).__name__}", ErrorType.SERVER)
 
     async def answer(request: Request, body, endpoint: Endpoint) -> Response:
-        job: Job = await run_in_threadpool(prepare, engine, config, body, endpoint)
+        if body.text_chars() <= config.inline_prepare_chars:  # tokenizing a small request beats a thread hop
+            job: Job = prepare(engine, config, body, endpoint)
+        else:
+            job = await run_in_threadpool(prepare, engine, config, body, endpoint)
         head = ResponseHead.new(endpoint, config.model_id)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()

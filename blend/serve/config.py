@@ -71,6 +71,7 @@ class ServeConfig:
     experimental_semantic: bool = False
     served_model_name: str | None = None  # the id /v1/models reports; default the model argument
     default_temperature: float = 1.0  # when a request names none (OpenAI's default)
+    inline_prepare_chars: int = 16_384  # smaller requests are tokenized on the event loop (no thread hop)
     limits: Limits = field(default_factory=Limits)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -3,7 +3,8 @@
 kvblend's own data rides in an extension field, ``kvblend``: the reuse
 report (per segment: class, tokens, recomputed rows and their offsets), the
 first-token logits hash, the hash over every sampled-from logits row, the
-seed, TTFT and the answer's token ids. In a stream it is in the final chunk
+seed, TTFT and end-to-end time inside the server (from submission to the
+scheduler) and the answer's token ids. In a stream it is in the final chunk
 (the one with ``finish_reason``).
 """
 
@@ -57,6 +58,7 @@ def kvblend_extension(c: Completion, prompt: Prompt, tokenizer, return_tokens: b
         "logits_sha256": c.logits_sha256(),
         "steps_sha256": c.steps_sha256,
         "ttft_s": c.ttft_s,
+        "e2e_s": c.e2e_s,
         "seed": c.seed,
         "answer_token_ids": c.token_ids,
         "finish_reason": c.finish_reason.value,

@@ -333,13 +333,13 @@ class Scheduler:
 
     def _complete(self, job: _Job) -> None:
         s, report = job.stream, job.report
+        e2e = time.perf_counter() - job.submitted
         completion = Completion(
             text=s.text, token_ids=list(s.tokens), prompt_token_ids=job.prompt.token_ids,
             finish_reason=s.finish_reason, first_logits=job.first_logits, steps_sha256=s.steps_sha256,
-            ttft_s=job.ttft_s, report=report,
+            ttft_s=job.ttft_s, e2e_s=e2e, report=report,
             usage=Usage(len(job.prompt), len(s.tokens), report.reused_tokens), seed=s.sampler.seed,
         )
-        e2e = time.perf_counter() - job.submitted
         self._e2e_ewma_s = 0.9 * self._e2e_ewma_s + 0.1 * e2e
         if self.metrics is not None:
             self.metrics.on_finish(e2e)

@@ -100,6 +100,14 @@ class _Common(BaseModel):
                 raise ValueError(f"document {i + 1} is empty")
         return docs
 
+    def text_chars(self) -> int:
+        """Characters the prompt is built from (documents, messages or prompt)."""
+        n = sum(len(d if isinstance(d, str) else d.text) for d in self.documents or [])
+        for m in getattr(self, "messages", None) or []:
+            n += len(m.text())
+        prompt = getattr(self, "prompt", "")
+        return n + (len(prompt) if isinstance(prompt, str) else sum(map(len, prompt)))
+
     def document_texts(self) -> list[str]:
         """Document texts in order; a title becomes the document's first line."""
         out = []
