@@ -31,6 +31,13 @@ from conftest import make_docs
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def wait_until(cond, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
 class Collector:
     """Events of several requests, by request index."""
 
@@ -154,10 +161,9 @@ def test_a_long_prefill_does_not_stall_other_streams(make_scheduler):
     sched = make_scheduler(engine)
     col = Collector()
     streaming = engine.build_prompt("long answer?", make_docs(1))
-    ticket = sched.submit(streaming, ReusePolicy.exact(), GenerationConfig(max_tokens=4000, ignore_eos=True),
+    ticket = sched.submit(streaming, ReusePolicy.exact(), GenerationConfig(max_tokens=3000, ignore_eos=True),
                           col.sink(0))
-    while sched.steps < 5:
-        time.sleep(0.005)
+    wait_until(lambda: sched.steps >= 5)
     store.delay = 0.5  # the next request's store misses take 0.5 s each
     steps_before = sched.steps
     sched.submit(engine.build_prompt("other?", make_docs(2, seed=9)), ReusePolicy.exact(),
@@ -192,12 +198,9 @@ def test_cancel_leaves_the_batch_and_frees_the_slot(make_scheduler):
     col = Collector()
     ticket = sched.submit(engine.build_prompt("q?", make_docs(1)), ReusePolicy.exact(),
                           GenerationConfig(max_tokens=1000), col.sink(0))
-    while sched.steps < 3:
-        time.sleep(0.005)
+    wait_until(lambda: sched.steps >= 3)
     ticket.cancel()
-    deadline = time.monotonic() + 10
-    while sched.active and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: not sched.active)
     assert sched.active == 0 and sched.cancelled == 1
     assert all(ev.kind is not EventKind.DONE for _, ev in col.events[0])
     assert sched.steps < 900
