@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from blend.errors import InvalidRequestError, KVBlendError
+from blend.generation_cli import add_sampling_arguments, generate_answer, generation_config_from_args, stream_answer
 from blend.policy import SELECTOR_NAMES, ReusePolicy
 
 EXIT_USER_ERROR = 2
@@ -113,10 +114,11 @@ def answer_json(engine, ans) -> dict:
     }
 
 
-def print_report(ans, out=sys.stdout) -> None:
+def print_report(ans, out=sys.stdout, with_answer: bool = True) -> None:
     """Human-readable answer and reuse report."""
     r = ans.report
-    print(f"answer: {ans.text}", file=out)
+    if with_answer:
+        print(f"answer: {ans.text}", file=out)
     print(f"ttft: {ans.ttft_s * 1000:.1f} ms   policy: {r.policy}   prompt tokens: {r.prompt_tokens}   "
           f"reused: {r.reused_tokens}   recomputed: {r.recomputed_tokens}", file=out)
     for s in r.segments:
@@ -138,11 +140,11 @@ def run_ask(args: argparse.Namespace) -> int:
     policy = policy_from_args(args)
     engine = engine_from_args(args)
     prompt = engine.build_prompt(args.question, docs, args.system)
-    ans = engine.generate(prompt, policy, max_new_tokens=args.max_new_tokens)
+    config = generation_config_from_args(args)  # issue 16: sampling options; streamed output
     if args.json:
-        print(json.dumps(answer_json(engine, ans)))
+        print(json.dumps(answer_json(engine, generate_answer(engine, prompt, policy, config))))
     else:
-        print_report(ans)
+        print_report(stream_answer(engine, prompt, policy, config), with_answer=False)
     return 0
 
 
@@ -164,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--system", default=None, help="system prompt")
     ask.add_argument("--max-new-tokens", type=int, default=32)
     ask.add_argument("--json", action="store_true", help="print one JSON object")
+    add_sampling_arguments(ask)
     add_engine_arguments(ask)
     add_policy_arguments(ask)
     ask.set_defaults(func=run_ask)

@@ -16,7 +16,7 @@ intra-op thread count; reported as the median of the paired differences
 and the difference is not lost in noise).
 
     python -m blend.evals.bench_serve [--model smollm2-135m] [--clients 1,4,16] [--modes exact,blend@0.15]
-           [--requests-per-client 2] [--max-tokens 32] [--overhead-requests 20] [--out DIR]
+           [--requests-per-client 4] [--max-tokens 32] [--overhead-requests 20] [--out DIR]
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--clients", default="1,4,16")
     p.add_argument("--modes", default="exact,blend@0.15")
-    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--overhead-requests", type=int, default=20)
     p.add_argument("--overhead-tiny-model", default="tiny-llama")
@@ -270,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                     one_request(http, args.model, question, docs, mode, 2)
         for mode in modes:
             for c in clients:
-                row = run_clients(url, args.model, mode, c, args.requests_per_client if c > 1 else
-                                  max(args.requests_per_client, 4), args.max_tokens, reqs)
+                row = run_clients(url, args.model, mode, c, args.requests_per_client, args.max_tokens, reqs)
                 rows.append(row)
                 print(json.dumps(asdict(row)), flush=True)
     finally:
