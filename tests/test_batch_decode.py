@@ -76,3 +76,18 @@ def test_a_full_cache_is_refused(tiny_engine):
         decode_batch(tiny_engine.runner, caches, toks)
     with pytest.raises(ValueError, match="one token per cache"):
         decode_batch(tiny_engine.runner, caches, [])
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("batching", list(DecodeBatching))
+def test_decode_numbers_do_not_depend_on_the_thread_count(tiny_engine_factory, model, batching):
+    engine = tiny_engine_factory(model)  # the scheduler gives decode steps every core while no prefill runs
+    rows = {}
+    for threads in (1, 2):
+        caches, toks = prefilled(engine, 5)
+        torch.set_num_threads(threads)
+        try:
+            rows[threads] = decode_batch(engine.runner, caches, toks, batching)
+        finally:
+            torch.set_num_threads(1)
+    assert torch.equal(rows[1], rows[2])

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 
 from _serve_util import one_torch_thread, tiny_serve_engine  # noqa: F401 - module fixture
 from blend.batch_decode import DecodeBatching
@@ -95,9 +96,11 @@ def make_scheduler():
         made.append(s)
         return s
 
+    threads = torch.get_num_threads()
     yield make
     for s in made:
         s.close()
+    torch.set_num_threads(threads)  # a scheduler thread's setting also becomes torch's default for new threads
 
 
 def requests(engine, n: int):
@@ -111,11 +114,15 @@ def requests(engine, n: int):
     return out
 
 
-@pytest.mark.parametrize("batching", list(DecodeBatching))
-def test_concurrent_answers_equal_one_at_a_time(make_scheduler, batching):
+@pytest.mark.parametrize("batching, threads", [
+    (DecodeBatching.INVARIANT, {}),
+    (DecodeBatching.THROUGHPUT, {}),
+    (DecodeBatching.THROUGHPUT, {"torch_threads": 1, "idle_decode_threads": 2}),  # decode threads change
+])
+def test_concurrent_answers_equal_one_at_a_time(make_scheduler, batching, threads):
     engine = tiny_serve_engine()
     reqs = requests(engine, 7)
-    sched = make_scheduler(engine, batching=batching, prefill_workers=2)
+    sched = make_scheduler(engine, batching=batching, prefill_workers=2, **threads)
     col = Collector()
     for i, (p, pol, cfg) in enumerate(reqs):
         sched.submit(p, pol, cfg, col.sink(i))

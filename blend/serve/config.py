@@ -35,7 +35,11 @@ class SchedulerConfig:
         torch_threads: intra-op threads of each prefill worker and of the decode loop
             (None: leave torch's setting). They run at once, so together they should not
             exceed the cores: OpenMP threads that outnumber cores spin-wait and can run
-            many times slower.
+            many times slower. A prefill's numbers depend on its thread count, so it is
+            fixed for prefills.
+        idle_decode_threads: threads the decode loop takes while no prefill runs
+            (THROUGHPUT mode only; None: always ``torch_threads``). Decode steps give the
+            same numbers at any thread count (tested), so this changes speed only.
     """
 
     max_concurrency: int = 16
@@ -45,17 +49,23 @@ class SchedulerConfig:
     single_flight: bool = True
     flight_timeout_s: float = 60.0
     torch_threads: int | None = None
+    idle_decode_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1 or self.max_queue < 0 or self.prefill_workers < 1:
             raise ValueError("max_concurrency and prefill_workers must be >= 1, max_queue >= 0")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ValueError("torch_threads must be >= 1")
+        if any(n is not None and n < 1 for n in (self.torch_threads, self.idle_decode_threads)):
+            raise ValueError("torch_threads and idle_decode_threads must be >= 1")
 
 
 def default_torch_threads(prefill_workers: int) -> int:
     """Cores shared out between the prefill workers and the decode loop (at least one each)."""
     return max(1, (os.cpu_count() or 1) // (prefill_workers + 1))
+
+
+def default_idle_decode_threads() -> int:
+    """Every core, for decode steps while no prefill runs."""
+    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,12 @@ each run slower than alone, which the benchmark measures.
 Each sequence keeps its own KV cache (the one its prefill filled), so no copy
 or paging happens at admission; see :mod:`blend.batch_decode` for the step.
 
+Threads: each prefill worker and the decode loop run torch with their own
+intra-op thread count (``torch_threads``: the cores divided among them, so
+they never oversubscribe). While no prefill runs, the decode loop takes every
+core (``idle_decode_threads``): a decode step's numbers do not depend on the
+thread count, a prefill's do, so prefills keep theirs fixed.
+
 Capacity: at most ``max_concurrency`` requests prefill or decode at once; up
 to ``max_queue`` more wait; a request beyond that is refused
 (:class:`QueueFullError`, the server's 429 with Retry-After).
@@ -39,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from blend.batch_decode import decode_batch
+from blend.batch_decode import DecodeBatching, decode_batch
 from blend.errors import KVBlendError
 from blend.generation import Completion, TokenStream, Usage
 from blend.kvcache import KVCache
@@ -141,6 +147,8 @@ class Scheduler:
         # dynamic-NTK RoPE tables are rebuilt per call length (shared state): no overlap then
         self._exclusive = threading.Lock() if engine.runner.rope.dynamic else None
         self._gate_lock = threading.Lock()
+        self._prefilling = 0  # prefills running now (the decode loop takes every core when 0)
+        self._decode_threads: int | None = None
         self._e2e_ewma_s = 1.0
         self.completed = 0
         self.cancelled = 0
@@ -228,6 +236,18 @@ class Scheduler:
     def _threads_setup(self) -> None:
         if self.config.torch_threads is not None:  # per thread: each OpenMP caller keeps its own count
             torch.set_num_threads(self.config.torch_threads)
+            self._decode_threads = self.config.torch_threads
+
+    def _decode_threads_now(self) -> None:
+        """The decode loop's share: every core while no prefill runs (THROUGHPUT mode), else its own."""
+        cfg = self.config
+        if (cfg.torch_threads is None or cfg.idle_decode_threads is None
+                or cfg.batching is not DecodeBatching.THROUGHPUT):
+            return
+        want = cfg.idle_decode_threads if self._prefilling == 0 else cfg.torch_threads
+        if want != self._decode_threads:
+            torch.set_num_threads(want)
+            self._decode_threads = want
 
     def _prefill_loop(self) -> None:
         self._threads_setup()
@@ -257,8 +277,14 @@ class Scheduler:
             if job.policy.mode is ReuseMode.BLEND:
                 with self._gate_lock:  # the first blend request may run the quality gate: once
                     engine.gate_verdict(job.policy)
-            with self._exclusive or nullcontext():
-                first, cache, report = engine.prefill(job.prompt, job.policy, job.config.max_tokens)
+            with self._cond:
+                self._prefilling += 1
+            try:
+                with self._exclusive or nullcontext():
+                    first, cache, report = engine.prefill(job.prompt, job.policy, job.config.max_tokens)
+            finally:
+                with self._cond:
+                    self._prefilling -= 1
         finally:
             if self.flight is not None:
                 self.flight.release(job.id)
@@ -303,6 +329,7 @@ class Scheduler:
 
     def _step(self, batch: list[_Job]) -> list[_Job]:
         """One batched decode step; returns the jobs still decoding."""
+        self._decode_threads_now()
         try:
             with self._exclusive or nullcontext():
                 logits = decode_batch(self.engine.runner, [j.cache for j in batch],
