@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from blend.batch_decode import decode_batch
 from blend.engine import Engine
 from blend.generation import generate
 from blend.policy import ReusePolicy
@@ -218,8 +219,29 @@ def measure_overhead(model: str, mode: str, n: int, max_tokens: int, port: int,
         proc.wait(30)
 
 
-def markdown(rows: list[Row], overheads: list[dict], command: str) -> str:
+def decode_scaling(model: str, batches: list[int], steps: int = 4) -> list[dict]:
+    """Decode steps alone (no HTTP, no prefill beside them): tokens/s of one batched step at each batch size."""
+    engine = Engine.load(model, quality_gate=False)
+    reqs = demo_requests()
+    out = []
+    for b in batches:
+        caches = [engine.prefill(engine.build_prompt(*reqs[i % len(reqs)]), ReusePolicy.exact(), steps + 1)[1]
+                  for i in range(b)]
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            decode_batch(engine.runner, caches, [engine.tokenizer.eos_token_id or 0] * b)
+            times.append(time.perf_counter() - t0)
+        step = statistics.median(times)
+        out.append({"batch": b, "step_ms": step * 1000, "tok_per_s": b / step})
+    return out
+
+
+def markdown(rows: list[Row], overheads: list[dict], command: str, scaling: list[dict] | None = None,
+             load: tuple[float, float] = (0.0, 0.0)) -> str:
     lines = [f"Command: `{command}`", "",
+             f"Machine: {os.cpu_count()} cores; 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} "
+             "at the end (other jobs share the cores).", "",
              "| mode | clients | requests | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -234,6 +256,11 @@ def markdown(rows: list[Row], overheads: list[dict], command: str) -> str:
         if 1 in by and 4 in by:
             lines.append(f"- {mode}: TTFT p50 at 4 clients / 1 client = "
                          f"{by[4].ttft_p50_ms / by[1].ttft_p50_ms:.2f}x (target <= 2x for blend)")
+    if scaling:
+        base = scaling[0]["tok_per_s"]
+        lines.append("- decode steps alone (batched forward, one thread, no prefill beside): " + ", ".join(
+            f"batch {x['batch']}: {x['step_ms']:.0f} ms/step, {x['tok_per_s']:.1f} tok/s ({x['tok_per_s'] / base:.1f}x)"
+            for x in scaling))
     for o in overheads:
         lines.append(f"- server over Python API, one request ({o['model']}, {o['mode']}, {o['max_tokens']} tokens, "
                      f"{o['requests']} paired): e2e p50 {o['server_e2e_p50_ms']:.1f} ms vs {o['api_e2e_p50_ms']:.1f} ms, "
@@ -261,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
+    load_start = os.getloadavg()[0]
     proc = start_server(args.model, args.port, max(clients), [])
     try:
         url = f"http://127.0.0.1:{args.port}"
@@ -283,10 +311,13 @@ def main(argv: list[str] | None = None) -> int:
                                  args.port + 1, reqs)
             overheads.append(o)
             print(json.dumps(o), flush=True)
+    scaling = decode_scaling(args.model, clients)
+    print(json.dumps(scaling), flush=True)
     command = "python -m blend.evals.bench_serve " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = markdown(rows, overheads, command.strip())
+    md = markdown(rows, overheads, command.strip(), scaling, (load_start, os.getloadavg()[0]))
     (out / "bench_serve.json").write_text(json.dumps({"rows": [asdict(r) for r in rows], "overhead": overheads,
-                                                      "cpu_count": os.cpu_count()}, indent=2))
+                                                      "decode_scaling": scaling, "cpu_count": os.cpu_count(),
+                                                      "load_avg": os.getloadavg()}, indent=2))
     (out / "bench_serve.md").write_text(md)
     print(md)
     return 0

@@ -230,3 +230,20 @@ def test_a_full_queue_answers_429_with_retry_after(one_torch_thread):
         while s.scheduler.active and time.monotonic() < deadline:
             time.sleep(0.02)
         assert httpx.post(s.url + "/v1/chat/completions", json=chat(max_tokens=2), timeout=30).status_code == 200
+
+
+def test_semantic_reuse_needs_the_server_flag_and_then_works(one_torch_thread):
+    engine = tiny_serve_engine(experimental_semantic=True)
+    with running_server(engine, ServeConfig(model=TINY, experimental_semantic=True)) as s:
+        docs = make_docs(2, words=40, seed=8)
+        edited = [docs[0], docs[1].replace("(doc 1)", "(doc one)")]
+        first = httpx.post(s.url + "/v1/chat/completions", timeout=60, json=chat(
+            documents=docs, kvblend={"reuse": "blend", "ratio": 0.2, "semantic": True})).json()
+        assert first["kvblend"]["report"]["policy"].startswith("blend")
+        again = httpx.post(s.url + "/v1/chat/completions", timeout=60, json=chat(
+            documents=edited, kvblend={"reuse": "blend", "ratio": 0.2, "semantic": True})).json()
+        classes = [seg["class"] for seg in again["kvblend"]["report"]["segments"]]
+        assert classes[2] == "semantic"  # the edited document reused its near-duplicate's KV
+        salted = httpx.post(s.url + "/v1/chat/completions", timeout=60, json=chat(
+            documents=edited, cache_salt="t", kvblend={"reuse": "blend", "semantic": True}))
+        assert salted.status_code == 400 and "cache_salt" in salted.json()["error"]["message"]

@@ -20,8 +20,7 @@ from blend.batch_decode import DecodeBatching
 from blend.engine import Engine
 from blend.serve.app import create_app
 from blend.serve.config import (
-    API_KEY_ENV, Limits, SchedulerConfig, ServeConfig, default_idle_decode_threads, default_torch_threads,
-    resolve_api_key,
+    API_KEY_ENV, Limits, SchedulerConfig, ServeConfig, default_torch_threads, resolve_api_key,
 )
 from blend.serve.flight import FlightStore
 from blend.store.spec import add_store_argument, open_store
@@ -50,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="intra-op threads per prefill worker and for the decode loop "
                         "(default: the cores divided among them)")
     p.add_argument("--idle-decode-threads", type=int, default=None,
-                   help="intra-op threads of the decode loop while no prefill runs (default: every core)")
+                   help="intra-op threads of the decode loop while no prefill runs (default: --torch-threads; "
+                        "more helps only on cores nobody else uses: OpenMP teams on shared cores stall)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="decode in fixed 16-row GEMM tiles: concurrent answers bit-identical to one-at-a-time "
                         "(slower on CPU)")
@@ -82,7 +82,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             batching=DecodeBatching.INVARIANT if args.batch_invariant else DecodeBatching.THROUGHPUT,
             single_flight=not args.no_single_flight,
             torch_threads=args.torch_threads or default_torch_threads(args.prefill_workers),
-            idle_decode_threads=args.idle_decode_threads or default_idle_decode_threads(),
+            idle_decode_threads=args.idle_decode_threads,
         ),
     )
 

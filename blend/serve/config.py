@@ -39,7 +39,9 @@ class SchedulerConfig:
             fixed for prefills.
         idle_decode_threads: threads the decode loop takes while no prefill runs
             (THROUGHPUT mode only; None: always ``torch_threads``). Decode steps give the
-            same numbers at any thread count (tested), so this changes speed only.
+            same numbers at any thread count (tested), so this changes speed only; it
+            pays only on cores no other process uses (on shared cores an OpenMP team
+            waits for its descheduled members: a 16-row step took 15x longer on 2 threads).
     """
 
     max_concurrency: int = 16
@@ -62,10 +64,6 @@ def default_torch_threads(prefill_workers: int) -> int:
     """Cores shared out between the prefill workers and the decode loop (at least one each)."""
     return max(1, (os.cpu_count() or 1) // (prefill_workers + 1))
 
-
-def default_idle_decode_threads() -> int:
-    """Every core, for decode steps while no prefill runs."""
-    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
