@@ -281,10 +281,11 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     Returns:
         First-token logits and the rows of the report.
     """
-    pending = segments.start_fetch(prompt)  # chunk loads overlap the preamble and earlier chunks
-    pre_key = segments.exact_keys([prompt.preamble])[0]
+    salt = policy.cache_salt
+    pending = segments.start_fetch(prompt, salt)  # chunk loads overlap the preamble and earlier chunks
+    pre_key = segments.exact_keys([prompt.preamble], salt)[0]
     pre = segments.append_exact(cache, prompt.preamble, pre_key)
-    chunks, waited = segments.fetch_chunks(prompt, pending, policy.semantic)
+    chunks, waited = segments.fetch_chunks(prompt, pending, policy.semantic, salt)
     lookup_s = pre.lookup_s + waited
     # doc 1 sits at its canonical position: its own KV is exact there
     n_exact = 1 if chunks and chunks[0].own_kv else 0
@@ -316,11 +317,12 @@ def _doc_reports(prompt: Prompt, chunks: list[ChunkKV], selected: torch.Tensor, 
     to the blended documents (``selected`` indexes the blended rows, relative to e)."""
     out, start, lo = [], len(prompt.preamble), 0
     for i, (doc, c) in enumerate(zip(prompt.documents, chunks)):
-        recomputed = 0
+        offsets: tuple[int, ...] = ()
         if i >= n_exact:
             hi = lo + len(doc)
-            recomputed = int(((selected >= lo) & (selected < hi)).sum())
+            mine = selected[(selected >= lo) & (selected < hi)]  # sorted: active rows stay sorted
+            offsets = tuple(int(x) for x in mine - lo)
             lo = hi
-        out.append(SegmentReport(doc.kind, c.reuse_class, len(doc), start, c.key, recomputed, c.note))
+        out.append(SegmentReport(doc.kind, c.reuse_class, len(doc), start, c.key, len(offsets), c.note, offsets))
         start += len(doc)
     return out

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K
 from blend.errors import InvalidRequestError, KVBlendError
+from blend.generation_cli import add_sampling_arguments, generate_answer, generation_config_from_args, stream_answer
 from blend.options import (
     add_engine_arguments, add_policy_arguments, engine_from_args, policy_from_args, read_document,
 )
@@ -55,10 +56,11 @@ def answer_json(engine, ans) -> dict:
     }
 
 
-def print_report(ans, out=sys.stdout) -> None:
-    """Human-readable answer and reuse report."""
+def print_report(ans, out=sys.stdout, with_answer: bool = True) -> None:
+    """Human-readable answer (unless it was streamed already) and reuse report."""
     r = ans.report
-    print(f"answer: {ans.text}", file=out)
+    if with_answer:
+        print(f"answer: {ans.text}", file=out)
     print(f"ttft: {ans.ttft_s * 1000:.1f} ms   policy: {r.policy}   prompt tokens: {r.prompt_tokens}   "
           f"reused: {r.reused_tokens}   recomputed: {r.recomputed_tokens}", file=out)
     for s in r.segments:
@@ -82,11 +84,11 @@ def run_ask(args: argparse.Namespace) -> int:
     policy = policy_from_args(args)
     engine = engine_from_args(args)
     prompt = engine.build_prompt(args.question, docs, args.system)
-    ans = engine.generate(prompt, policy, max_new_tokens=args.max_new_tokens)
+    config = generation_config_from_args(args)  # sampling options; the text answer is streamed
     if args.json:
-        print(json.dumps(answer_json(engine, ans)))
+        print(json.dumps(answer_json(engine, generate_answer(engine, prompt, policy, config))))
     else:
-        print_report(ans)
+        print_report(stream_answer(engine, prompt, policy, config), with_answer=False)
     return 0
 
 
@@ -133,6 +135,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ask.add_argument("--system", default=None, help="system prompt")
     ask.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     ask.add_argument("--json", action="store_true", help="print one JSON object")
+    add_sampling_arguments(ask)
     add_engine_arguments(ask)
     add_policy_arguments(ask)
     ask.set_defaults(func=run_ask)
@@ -143,8 +146,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_engine_arguments(check)
     check.set_defaults(func=run_check)
 
+    # serve is parsed by blend.serve.cli, imported only when serve runs (FastAPI, uvicorn)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (kvblend serve --help)",
+                           add_help=False, prefix_chars="+")  # "+": every -- option reaches serve's own parser
+    serve.add_argument("serve_args", nargs="*", help=argparse.SUPPRESS)
+    serve.set_defaults(func=lambda args: importlib.import_module("blend.serve.cli").main(args.serve_args))
+
     for name, (module, adder) in AREA_COMMANDS.items():
-        if command is None or command == name or command not in {"ask", "check", *AREA_COMMANDS}:
+        if command is None or command == name or command not in {"ask", "check", "serve", *AREA_COMMANDS}:
             register: Callable = getattr(importlib.import_module(module), adder)
             register(sub)
     return parser

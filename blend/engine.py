@@ -238,13 +238,13 @@ class Engine:
         return replace(done, segments=rows)
 
     def _prefill_segments(self, prompt: Prompt, prefix_limit: int | None, use_store: bool,
-                          cache: KVCache) -> _Prefilled:
+                          cache: KVCache, salt: str = "") -> _Prefilled:
         """Segment by segment: each segment but the question is looked up, else computed and
         stored (exact reuse); without the store, the same schedule computes every segment."""
         cacheable = prompt.segments[:-1]
         if prefix_limit is not None:
             cacheable = cacheable[:prefix_limit]
-        keys = self.segments.exact_keys(cacheable) if use_store else [None] * len(cacheable)
+        keys = self.segments.exact_keys(cacheable, salt) if use_store else [None] * len(cacheable)
         rows, lookup_s = [], 0.0
         for seg, key in zip(cacheable, keys):
             start = cache.length
@@ -280,7 +280,7 @@ class Engine:
             if refused or policy.mode is ReuseMode.NONE:
                 done = self._prefill_unreused(prompt, cache, refused, kinds)
             elif policy.mode is ReuseMode.EXACT:
-                done = self._prefill_segments(prompt, policy.prefix_limit, True, cache)
+                done = self._prefill_segments(prompt, policy.prefix_limit, True, cache, policy.cache_salt)
             else:
                 out = prefill_blend(self.runner, self.segments, prompt, policy, cache)
                 done = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio)
@@ -377,18 +377,20 @@ class Engine:
         if policy.mode is ReuseMode.EXACT:
             self.prefill(prompt, policy)
         elif policy.mode is ReuseMode.BLEND:  # canonical chunks (this also stores the preamble)
-            self.precompute_chunks([s.text for s in prompt.documents], preamble=prompt.preamble)
+            self.precompute_chunks([s.text for s in prompt.documents], preamble=prompt.preamble,
+                                   salt=policy.cache_salt)
 
     def precompute_chunks(self, texts: Sequence[str], system: str | None = None,
-                          preamble: Segment | None = None) -> int:
+                          preamble: Segment | None = None, salt: str = "") -> int:
         """Compute and store canonical chunk KV (each chunk alone after the preamble).
 
         Args:
             texts: chunk texts (as given to :meth:`build_prompt`, or already laid out).
             system: system prompt that defines the preamble.
             preamble: the preamble segment (overrides ``system``).
+            salt: the cache salt of the requests that will reuse them.
 
         Returns:
             Bytes of KV written (0 when everything was already stored).
         """
-        return self.segments.precompute_chunks(texts, preamble or preamble_segment(self.tokenizer, system))
+        return self.segments.precompute_chunks(texts, preamble or preamble_segment(self.tokenizer, system), salt)

@@ -13,6 +13,11 @@ segment i-1, so a segment only hits behind the very same prefix::
 
 Canonical chunk keys (blend) hash the preamble's tokens and the chunk's own
 tokens only: the chunk is always computed alone right after the preamble.
+
+A request's ``cache_salt`` (a tenant's secret, as vLLM and SGLang name it) is
+mixed into every key it derives, so requests with different salts share no
+KV; the empty salt adds nothing, so unsalted keys are the same as before salts
+existed.
 """
 
 from __future__ import annotations
@@ -79,36 +84,46 @@ def token_digest(token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def exact_chain(prov: Provenance, segments: Sequence[Sequence[int]]) -> list[StoreKey]:
+def _salted(head: bytes, salt: str) -> bytes:
+    """``head`` unchanged for the empty salt, else with the salt's length-prefixed UTF-8 bytes."""
+    if not salt:
+        return head
+    raw = salt.encode("utf-8")
+    return head + b"salt" + len(raw).to_bytes(8, "little") + raw
+
+
+def exact_chain(prov: Provenance, segments: Sequence[Sequence[int]], salt: str = "") -> list[StoreKey]:
     """Prefix-chained keys, one per segment.
 
     Args:
         prov: the engine's provenance.
         segments: token ids of each segment, in prompt order.
+        salt: the request's cache salt ("" = none).
 
     Returns:
-        keys[i] commits to the provenance and to every token of segments 0..i.
+        keys[i] commits to the provenance, the salt and every token of segments 0..i.
     """
     keys: list[StoreKey] = []
-    prev = b"exact-root" + prov.digest()
+    prev = _salted(b"exact-root" + prov.digest(), salt)
     for seg in segments:
         prev = hashlib.sha256(b"exact" + prev + token_digest(seg)).digest()
         keys.append(StoreKey(prev))
     return keys
 
 
-def canonical_key(prov: Provenance, preamble: Sequence[int], chunk: Sequence[int]) -> StoreKey:
+def canonical_key(prov: Provenance, preamble: Sequence[int], chunk: Sequence[int], salt: str = "") -> StoreKey:
     """Key of a chunk's canonical KV (computed alone right after ``preamble``).
 
     Args:
         prov: the engine's provenance.
         preamble: token ids that preceded the chunk when it was computed.
         chunk: the chunk's token ids.
+        salt: the request's cache salt ("" = none).
 
     Returns:
         A key independent of any other chunk and of which request computed it.
     """
-    h = hashlib.sha256(b"canonical" + prov.digest() + token_digest(preamble) + token_digest(chunk))
+    h = hashlib.sha256(_salted(b"canonical" + prov.digest(), salt) + token_digest(preamble) + token_digest(chunk))
     return StoreKey(h.digest())
 
 

@@ -63,6 +63,8 @@ class ReusePolicy:
             ``probe`` score) whose left-over estimated error is below ``auto_target``,
             at most ``max_ratio`` (issue 14).
         auto_target: the adaptive budget's stopping target.
+        cache_salt: mixed into every store key the request derives (exact, canonical):
+            requests with different salts share no KV; "" = no salt.
     """
 
     mode: ReuseMode = ReuseMode.EXACT
@@ -79,6 +81,7 @@ class ReusePolicy:
     seed: int = 0
     budget: BudgetMode = BudgetMode.FIXED
     auto_target: float = DEFAULT_AUTO_TARGET
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         def bad_ratio(r: float) -> bool:
@@ -111,6 +114,10 @@ class ReusePolicy:
             raise InvalidPolicyError("prefix_limit must be >= 0")
         if self.semantic and self.mode is not ReuseMode.BLEND:
             raise InvalidPolicyError("semantic reuse is a blend option: use ReusePolicy.blend(..., semantic=True)")
+        if not isinstance(self.cache_salt, str):
+            raise InvalidPolicyError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
+        if self.semantic and self.cache_salt:  # donors are shared across salts: that would leak KV
+            raise InvalidPolicyError("semantic reuse cannot be combined with a cache_salt")
 
     @classmethod
     def none(cls) -> "ReusePolicy":
@@ -118,9 +125,9 @@ class ReusePolicy:
         return cls(mode=ReuseMode.NONE)
 
     @classmethod
-    def exact(cls, prefix_limit: int | None = None) -> "ReusePolicy":
+    def exact(cls, prefix_limit: int | None = None, cache_salt: str = "") -> "ReusePolicy":
         """Exact prefix reuse (the default)."""
-        return cls(mode=ReuseMode.EXACT, prefix_limit=prefix_limit)
+        return cls(mode=ReuseMode.EXACT, prefix_limit=prefix_limit, cache_salt=cache_salt)
 
     @classmethod
     def blend(cls, ratio: float = DEFAULT_RATIO, selector: str = DEFAULT_SELECTOR,

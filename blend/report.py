@@ -27,11 +27,13 @@ class SegmentReport:
     key: str = ""  # hex store key ("" when not keyed)
     recomputed: int = 0  # rows of this segment recomputed above the check layer
     note: str = ""  # why (rejection reason, donor key, ...)
+    recomputed_offsets: tuple[int, ...] = ()  # which rows: token offsets inside the segment, sorted
 
     def to_dict(self) -> dict:
         return {
             "kind": self.kind.value, "class": self.reuse_class.value, "tokens": self.tokens,
             "start": self.start, "key": self.key, "recomputed": self.recomputed, "note": self.note,
+            "recomputed_offsets": list(self.recomputed_offsets),
         }
 
 

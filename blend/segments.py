@@ -123,13 +123,13 @@ class SegmentCache:
 
     # ---- keys and lookups ---------------------------------------------------------------
 
-    def exact_keys(self, segments: Sequence[Segment]) -> list[StoreKey]:
-        """Prefix-chained keys of ``segments`` (see :func:`blend.keys.exact_chain`)."""
-        return exact_chain(self.provenance, [s.token_ids for s in segments])
+    def exact_keys(self, segments: Sequence[Segment], salt: str = "") -> list[StoreKey]:
+        """Prefix-chained keys of ``segments`` (see :func:`blend.keys.exact_chain`) under a cache salt."""
+        return exact_chain(self.provenance, [s.token_ids for s in segments], salt)
 
-    def canonical_key(self, preamble_ids: Sequence[int], ids: Sequence[int]) -> StoreKey:
-        """Key of a chunk's canonical KV after ``preamble_ids``."""
-        return canonical_key(self.provenance, preamble_ids, ids)
+    def canonical_key(self, preamble_ids: Sequence[int], ids: Sequence[int], salt: str = "") -> StoreKey:
+        """Key of a chunk's canonical KV after ``preamble_ids`` under a cache salt."""
+        return canonical_key(self.provenance, preamble_ids, ids, salt)
 
     def lookup(self, ns: Namespace, key: StoreKey, tokens: int, pending: Future[Lookup] | None = None) -> Found:
         """Look a segment's KV up (or collect a background lookup).
@@ -194,18 +194,19 @@ class SegmentCache:
             return Appended(ReuseClass.REJECTED, found.rejected, found.seconds)
         return Appended(ReuseClass.COMPUTED, "", found.seconds)
 
-    def canonical_kv(self, preamble: Segment, ids: Sequence[int]) -> KVEntry:
+    def canonical_kv(self, preamble: Segment, ids: Sequence[int], salt: str = "") -> KVEntry:
         """A chunk's canonical KV: computed alone, right after the preamble.
 
         Args:
             preamble: the preamble segment (its exact KV is loaded or stored on the way).
             ids: the chunk's token ids.
+            salt: the request's cache salt (keys the preamble's exact KV).
 
         Returns:
             The chunk's KV (K before RoPE), exactly as a later load will see it.
         """
         cache = self.model.new_cache(len(preamble) + len(ids))
-        self.append_exact(cache, preamble, self.exact_keys([preamble])[0])
+        self.append_exact(cache, preamble, self.exact_keys([preamble], salt)[0])
         return self._compute(cache, ids)
 
     def compute_rest(self, cache: KVCache, segs: Sequence[Segment]) -> tuple[torch.Tensor, tuple[SegmentReport, ...]]:
@@ -226,28 +227,32 @@ class SegmentCache:
             start += len(seg)
         return self.model.logits(h[-1:])[0], tuple(rows)
 
-    def register_donor(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], key: StoreKey | None = None) -> bool:
+    def register_donor(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], key: StoreKey | None = None,
+                       salt: str = "") -> bool:
         """Offer a stored canonical chunk as a semantic donor (a no-op unless enabled).
 
         Returns:
             True if it was newly registered.
         """
+        if salt:  # a salted chunk is never a donor: donors are shared across salts
+            return False
         key = key if key is not None else self.canonical_key(preamble_ids, doc_ids)
         return self.donors.register(key, preamble_ids, doc_ids)
 
     # ---- blended requests ---------------------------------------------------------------
 
-    def start_fetch(self, prompt: Prompt) -> list[PendingChunk]:
-        """Key every document and start its lookup in the background (overlapped loading)."""
+    def start_fetch(self, prompt: Prompt, salt: str = "") -> list[PendingChunk]:
+        """Key every document (under the request's cache salt) and start its lookup in the
+        background (overlapped loading)."""
         out = []
         for doc in prompt.documents:
-            key = self.canonical_key(prompt.preamble.token_ids, doc.token_ids)
+            key = self.canonical_key(prompt.preamble.token_ids, doc.token_ids, salt)
             fut = (self.prefetcher.submit(Namespace.CANONICAL, key, self.provenance_json)
                    if self.overlap_loading else None)
             out.append(PendingChunk(key, fut))
         return out
 
-    def fetch_chunks(self, prompt: Prompt, pending: Sequence[PendingChunk], semantic: bool
+    def fetch_chunks(self, prompt: Prompt, pending: Sequence[PendingChunk], semantic: bool, salt: str = ""
                      ) -> tuple[list[ChunkKV], float]:
         """Canonical KV of every document: a hit is loaded; a miss or rejection is computed and stored.
 
@@ -255,6 +260,7 @@ class SegmentCache:
             prompt: the request.
             pending: :meth:`start_fetch`'s result for it.
             semantic: a miss may be seeded from a donor (experimental opt-in).
+            salt: the request's cache salt (the keys in ``pending`` were derived under it).
 
         Returns:
             One :class:`ChunkKV` per document, and the seconds spent on the store
@@ -266,7 +272,7 @@ class SegmentCache:
             found = self.lookup(Namespace.CANONICAL, p.key, len(doc), p.future)
             waited += found.seconds
             if found.entry is not None:
-                self.donors.register(p.key, pre_ids, doc.token_ids)
+                self.register_donor(pre_ids, doc.token_ids, p.key, salt)
                 cls = ReuseClass.EXACT if i == 0 else ReuseClass.BLENDED
                 out.append(ChunkKV(found.entry, cls, key_hex(p.key)))
                 continue
@@ -277,21 +283,22 @@ class SegmentCache:
                 if donated is not None:
                     out.append(ChunkKV(donated.kv, ReuseClass.SEMANTIC, key_hex(p.key), donated.note, donated.forced))
                     continue
-            kv = self.canonical_kv(prompt.preamble, doc.token_ids)
+            kv = self.canonical_kv(prompt.preamble, doc.token_ids, salt)
             self.store.put(Namespace.CANONICAL, p.key, self._stored_form(kv))
-            self.donors.register(p.key, pre_ids, doc.token_ids)
+            self.register_donor(pre_ids, doc.token_ids, p.key, salt)
             if found.rejected:
                 out.append(ChunkKV(kv, ReuseClass.REJECTED, key_hex(p.key), found.rejected + "; recomputed"))
             else:
                 out.append(ChunkKV(kv, ReuseClass.COMPUTED, key_hex(p.key), "miss: computed canonically, then reused"))
         return out, waited
 
-    def precompute_chunks(self, texts: Sequence[str], preamble: Segment) -> int:
+    def precompute_chunks(self, texts: Sequence[str], preamble: Segment, salt: str = "") -> int:
         """Compute and store canonical chunk KV (each chunk alone after the preamble).
 
         Args:
             texts: chunk texts (as given to ``build_prompt``, or already laid out).
             preamble: the preamble segment.
+            salt: the cache salt of the requests that will reuse them.
 
         Returns:
             Bytes of KV written (0 when everything was already stored).
@@ -300,12 +307,12 @@ class SegmentCache:
         for text in texts:
             laid = text if text.endswith("\n\n") else document_text(text)
             ids = tokenize_segment(self.model.loaded.tokenizer, laid)
-            key = self.canonical_key(preamble.token_ids, ids)
-            self.donors.register(key, preamble.token_ids, ids)
+            key = self.canonical_key(preamble.token_ids, ids, salt)
+            self.register_donor(preamble.token_ids, ids, key, salt)
             if self.store.contains(Namespace.CANONICAL, key):
                 continue
             with torch.inference_mode():
-                kv = self.canonical_kv(preamble, ids)
+                kv = self.canonical_kv(preamble, ids, salt)
             entry = self._stored_form(kv)
             self.store.put(Namespace.CANONICAL, key, entry)
             written += entry.nbytes

@@ -293,7 +293,8 @@ def test_add_eval_command_defaults():
     assert args.func is run_eval
     assert (args.limit, args.passages, args.max_new_tokens, args.resume) == (30, 5, 32, False)
     assert [m.name for m in parse_methods(args.methods)] == [
-        "full", "prefix", "reuse", "blend@0.05:combo", "blend@0.15:combo", "blend@0.3:combo", "blend@0.15:v"]
+        "full", "prefix", "reuse", "blend@0.05:probe", "blend@0.15:probe", "blend@0.3:probe", "blend@0.15:combo",
+        "blend@0.15:v"]
     with pytest.raises(SystemExit):
         parser.parse_args(["eval", "--data", "x", "--out", "o", "--limit", "0"])
 

@@ -96,18 +96,11 @@ def test_nothing_to_ingest_is_a_clear_error_before_any_model(tmp_path: Path, wha
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:
-    from blend.retrieval.cli import add_ask_index_arguments, add_retrieval_commands
+    from blend.cli import build_parser
 
-    p = argparse.ArgumentParser(prog="kvblend")
-    sub = p.add_subparsers(dest="cmd")
-    add_retrieval_commands(sub)
-    a = sub.add_parser("ask")
-    a.add_argument("question")
-    add_ask_index_arguments(a)
-    a.add_argument("--model", default="tiny-llama")
-    a.add_argument("--store", default="memory")
-    a.add_argument("--reuse", default="exact")
-    return p.parse_args(argv)
+    if argv[0] == "ask":  # the tiny model and a memory store unless the test says otherwise
+        argv = [*argv, "--model", "tiny-llama", "--store", "memory"]
+    return build_parser(argv[0]).parse_args(argv)
 
 
 @pytest.mark.parametrize("what", ["missing", "empty_dir"])

@@ -1,0 +1,273 @@
+"""Token-by-token generation: sampling, stop rules, streamed text, usage.
+
+:class:`TokenStream` is one answer's decoding state, independent of how its
+logits are computed: the Python iterator below feeds it one sequence at a
+time, the server's scheduler feeds it rows of a batched decode step. Both use
+:func:`blend.batch_decode.decode_batch`, so an answer is the same program
+either way.
+
+Stop rules, checked on every sampled token:
+
+    EOS token                      -> stop   (the token is not part of the answer)
+    stop_at_newline and "\\n" in it -> stop   (idem; the engine's single-line answers)
+    a stop string in the text      -> stop   (text cut before it; its tokens are counted)
+    max_tokens reached             -> length
+
+Streamed text never shows what a later token could take back: a trailing
+incomplete UTF-8 sequence (decoded as U+FFFD) and a trailing partial match of
+a stop string are held back until resolved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterator, Sequence
+
+import torch
+
+from blend.batch_decode import DecodeBatching, decode_batch
+from blend.kvcache import KVCache
+from blend.prompt import Prompt
+from blend.policy import ReusePolicy
+from blend.report import ReuseReport
+from blend.sampling import GenerationConfig, Sampler
+
+_REPLACEMENT = "\ufffd"
+
+
+class FinishReason(Enum):
+    STOP = "stop"  # EOS, a stop string or the newline rule
+    LENGTH = "length"  # max_tokens
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts, as OpenAI reports them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt rows whose KV came from the store (ReuseReport.reused_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def logits_sha256(logits: torch.Tensor) -> str:
+    """sha256 of the float32 bytes of one logits row (as ``kvblend ask --json`` reports)."""
+    return hashlib.sha256(logits.float().contiguous().numpy().tobytes()).hexdigest()
+
+
+class TokenStream:
+    """The decoding state of one answer.
+
+    Args:
+        tokenizer: decodes the answer's tokens.
+        eos_ids: tokens that end the answer.
+        config: sampling and stop settings.
+    """
+
+    def __init__(self, tokenizer, eos_ids: set[int], config: GenerationConfig) -> None:
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.config = config
+        self.sampler = Sampler(config)
+        self.tokens: list[int] = []  # the answer's tokens (completion_tokens)
+        self.text = ""  # text emitted so far; the whole answer once finished
+        self.finish_reason: FinishReason | None = None
+        self._hash = hashlib.sha256()  # over every logits row a token was sampled from
+        self._steps = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def next_input(self) -> int:
+        """The token to feed to the next decode step (the last accepted one)."""
+        return self.tokens[-1]
+
+    @property
+    def steps_sha256(self) -> str:
+        """sha256 over the float32 bytes of every logits row sampled so far (first token included)."""
+        return self._hash.copy().hexdigest()
+
+    def step(self, logits: torch.Tensor) -> str:
+        """Sample from next-token logits (V,) and apply the stop rules.
+
+        Returns:
+            Text that became final with this token (often "", e.g. while a
+            multi-byte character or a possible stop string is incomplete).
+        """
+        if self.finished:
+            raise RuntimeError("step() on a finished TokenStream")
+        self._hash.update(logits.float().contiguous().numpy().tobytes())
+        self._steps += 1
+        tok = self.sampler(logits)
+        cfg = self.config
+        if tok in self.eos_ids and not cfg.ignore_eos:
+            return self._finish(FinishReason.STOP, self._decoded())
+        if cfg.stop_at_newline and "\n" in self.tokenizer.decode([tok]):
+            return self._finish(FinishReason.STOP, self._decoded())
+        self.tokens.append(tok)
+        full = self._decoded()
+        cut = self._stop_index(full)
+        if cut is not None:
+            return self._finish(FinishReason.STOP, full[:cut])
+        if len(self.tokens) >= cfg.max_tokens:
+            return self._finish(FinishReason.LENGTH, full)
+        return self._emit(full[: self._safe_end(full)])
+
+    def finish_length(self) -> str:
+        """End the answer for lack of room (the context is full); returns the flushed text."""
+        return self._finish(FinishReason.LENGTH, self._decoded())
+
+    # ---- text ------------------------------------------------------------------------
+
+    def _decoded(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def _stop_index(self, full: str) -> int | None:
+        hits = [i for s in self.config.stop if (i := full.find(s, max(0, len(self.text) - len(s)))) >= 0]
+        return min(hits) if hits else None
+
+    def _safe_end(self, full: str) -> int:
+        """End of the text that no later token can change or cut."""
+        end = len(full)
+        while end > len(self.text) and full[end - 1] == _REPLACEMENT:
+            end -= 1  # an incomplete multi-byte character
+        hold = 0
+        for s in self.config.stop:  # the longest suffix that may still grow into a stop string
+            for k in range(min(len(s) - 1, end), 0, -1):
+                if full[end - k:end] == s[:k]:
+                    hold = max(hold, k)
+                    break
+        return max(end - hold, len(self.text))
+
+    def _emit(self, upto: str) -> str:
+        if not upto.startswith(self.text):  # a tokenizer re-spelled earlier text: keep what was shown
+            return ""
+        delta, self.text = upto[len(self.text):], upto
+        return delta
+
+    def _finish(self, reason: FinishReason, final: str) -> str:
+        self.finish_reason = reason
+        if final.endswith(_REPLACEMENT):
+            final = final.rstrip(_REPLACEMENT)
+        return self._emit(final)
+
+
+@dataclass
+class Completion:
+    """A finished answer."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: FinishReason
+    first_logits: torch.Tensor  # (V,) float32: the logits that chose the first token
+    steps_sha256: str  # sha256 over every sampled-from logits row
+    ttft_s: float
+    e2e_s: float  # start (the scheduler: submission) to the last token
+    report: ReuseReport
+    usage: Usage
+    seed: int
+
+    def logits_sha256(self) -> str:
+        return logits_sha256(self.first_logits)
+
+
+class Generation:
+    """A streaming answer from the Python API: iterate for text as it is decided.
+
+    Nothing runs until the first ``next()``; :meth:`result` runs to the end.
+
+    Args:
+        engine: a :class:`blend.engine.Engine`.
+        prompt: from ``engine.build_prompt``.
+        policy: reuse policy (default exact).
+        config: sampling and stop settings (default greedy, 32 tokens).
+        batching: decode GEMM mode (the server's, to get its exact numbers).
+    """
+
+    def __init__(self, engine, prompt: Prompt, policy: ReusePolicy | None = None,
+                 config: GenerationConfig | None = None,
+                 batching: DecodeBatching = DecodeBatching.THROUGHPUT) -> None:
+        self.engine = engine
+        self.prompt = prompt
+        self.policy = policy or ReusePolicy.exact()
+        self.config = config or GenerationConfig()
+        self.batching = batching
+        self.stream = TokenStream(engine.tokenizer, engine.eos_ids, self.config)
+        self._completion: Completion | None = None
+        self._iter = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._iter)
+
+    def _run(self) -> Iterator[str]:
+        t0 = time.perf_counter()
+        first, cache, report = self.engine.prefill(self.prompt, self.policy, self.config.max_tokens)
+        delta = self.stream.step(first)
+        ttft = time.perf_counter() - t0
+        if delta:
+            yield delta
+        while not self.stream.finished:
+            delta = self.stream.step(self._decode(cache))
+            if delta:
+                yield delta
+        s = self.stream
+        self._completion = Completion(
+            text=s.text, token_ids=list(s.tokens), prompt_token_ids=self.prompt.token_ids,
+            finish_reason=s.finish_reason, first_logits=first, steps_sha256=s.steps_sha256, ttft_s=ttft,
+            e2e_s=time.perf_counter() - t0, report=report,
+            usage=Usage(len(self.prompt), len(s.tokens), report.reused_tokens), seed=s.sampler.seed,
+        )
+
+    def _decode(self, cache: KVCache) -> torch.Tensor:
+        return decode_batch(self.engine.runner, [cache], [self.stream.next_input], self.batching)[0]
+
+    def result(self) -> Completion:
+        """Run to the end (if not yet) and return the answer."""
+        for _ in self._iter:
+            pass
+        assert self._completion is not None
+        return self._completion
+
+
+def stream(engine, prompt: Prompt, policy: ReusePolicy | None = None, config: GenerationConfig | None = None,
+           batching: DecodeBatching = DecodeBatching.THROUGHPUT) -> Generation:
+    """Stream an answer: ``for text in stream(engine, prompt): print(text, end="")``.
+
+    See :class:`Generation`; ``.result()`` gives the :class:`Completion` afterwards.
+    """
+    return Generation(engine, prompt, policy, config, batching)
+
+
+def generate(engine, prompt: Prompt, policy: ReusePolicy | None = None, config: GenerationConfig | None = None,
+             batching: DecodeBatching = DecodeBatching.THROUGHPUT) -> Completion:
+    """Generate a whole answer (see :func:`stream`)."""
+    return Generation(engine, prompt, policy, config, batching).result()
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """Normalize OpenAI's ``stop`` (a string, a list, or null) to a tuple."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple(stop)

@@ -1,0 +1,69 @@
+"""Generation options of ``kvblend ask`` and its streamed output.
+
+    kvblend ask QUESTION --doc FILE ... [--temperature T] [--top-p P] [--seed S] [--stop STR ...] [--multiline]
+
+(``ask --top-k`` is the retrieval depth; top-k sampling is in the Python API and the server.)
+
+The answer is printed as it is decoded; the reuse report follows it.
+Defaults reproduce the engine's historical answers: greedy, single line.
+Like ``blend.cli``, this module imports torch only when a command runs (so
+``kvblend --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from blend.generation import Completion
+    from blend.policy import ReusePolicy
+    from blend.prompt import Prompt
+    from blend.sampling import GenerationConfig
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """--temperature, --top-p, --seed, --stop, --multiline."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same answer)")
+    p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    p.add_argument("--multiline", action="store_true", help="do not stop at the first newline")
+
+
+def generation_config_from_args(args: argparse.Namespace) -> "GenerationConfig":
+    """The :class:`GenerationConfig` of parsed ``ask`` arguments."""
+    from blend.sampling import GenerationConfig
+
+    return GenerationConfig(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, stop=tuple(args.stop),
+                            stop_at_newline=not args.multiline)
+
+
+def stream_answer(engine, prompt: "Prompt", policy: "ReusePolicy", config: "GenerationConfig",
+                  out: TextIO = sys.stdout) -> "Completion":
+    """Print ``answer: ...`` as the tokens come (leading whitespace dropped) and return the completion."""
+    from blend.generation import stream
+
+    g = stream(engine, prompt, policy, config)
+    out.write("answer: ")
+    started = False
+    for piece in g:
+        if not started:
+            piece = piece.lstrip()
+            started = bool(piece)
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    return g.result()
+
+
+def generate_answer(engine, prompt: "Prompt", policy: "ReusePolicy", config: "GenerationConfig") -> "Completion":
+    """The whole answer at once, its text stripped as ``kvblend ask --json`` reports it."""
+    import dataclasses
+
+    from blend.generation import generate
+
+    done = generate(engine, prompt, policy, config)
+    return dataclasses.replace(done, text=done.text.strip())

@@ -1,0 +1,314 @@
+"""The HTTP app (FastAPI): OpenAI's endpoints over the scheduler.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    GET /health                 GET /metrics           GET /   (playground page)
+
+A request is validated (pydantic), checked against the limits
+(:mod:`blend.serve.requests`), and submitted to the scheduler, whose threads
+hand events back to the event loop through an ``asyncio.Queue``. A response
+starts only after the request's first event, so a refusal found while
+prefilling (a policy the model cannot serve) still gets its 4xx status;
+then it streams (SSE, ``data: [DONE]`` at the end) or is sent whole. A
+client that goes away cancels its request: it leaves the queue, or the
+decode batch at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from blend.errors import KVBlendError
+from blend.serve.config import ServeConfig
+from blend.serve.metrics import ServeMetrics
+from blend.serve.protocol import (
+    DONE, Endpoint, ErrorType, ResponseHead, error_body, final_chunk, full_body, kvblend_extension, sse, text_chunk,
+    usage_chunk,
+)
+from blend.serve.requests import ApiError, Job, prepare
+from blend.serve.scheduler import Event, EventKind, QueueFullError, Scheduler, Ticket
+from blend.serve.schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+PLAYGROUND = Path(__file__).with_name("static") / "playground.html"
+KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/")
+STATUS_CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it
+
+
+def _json_error(status: int, message: str, kind: ErrorType, param: str | None = None, code: str | None = None,
+                headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
+
+
+class Guard:
+    """ASGI middleware in front of everything: request counting, API key, body size.
+
+    The key is checked before the body is read or parsed (a request without it
+    learns nothing else); the body is read up to the limit and replayed to the app.
+    """
+
+    def __init__(self, app: ASGIApp, config: ServeConfig, metrics: ServeMetrics) -> None:
+        self.app = app
+        self.key = config.api_key.encode() if config.api_key else None
+        self.max_body = config.limits.max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        label = path if path in KNOWN_PATHS else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.on_request(label, int(message["status"]))
+            await send(message)
+
+        if self.key is not None and path.startswith("/v1/") and not self._authorized(scope):
+            await _json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                              ErrorType.AUTHENTICATION, code="invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})(scope, receive, counting_send)
+            return
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            replay = await self._read_body(scope, receive)
+            if replay is None:
+                await _json_error(413, f"request body exceeds {self.max_body} bytes", ErrorType.TOO_LARGE)(
+                    scope, receive, counting_send)
+                return
+            receive = replay
+        await self.app(scope, receive, counting_send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        return False
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> Receive | None:
+        """The body, if within the limit, as a replaying ``receive``; None if over it."""
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
+                return None
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return None
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, sent = b"".join(chunks), False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return replay
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer."""
+
+
+class _Watch:
+    """A request's events, raced against its client's disconnect."""
+
+    def __init__(self, request: Request, queue: asyncio.Queue, ticket: Ticket) -> None:
+        self.queue = queue
+        self.ticket = ticket
+        self._gone = asyncio.ensure_future(self._disconnected(request.receive))
+
+    @staticmethod
+    async def _disconnected(receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def next(self) -> Event:
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        get = asyncio.ensure_future(self.queue.get())
+        done, _ = await asyncio.wait({get, self._gone}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()
+        self.ticket.cancel()
+        raise ClientGone
+
+    def close(self) -> None:
+        self._gone.cancel()
+
+
+def _error_for(error: BaseException) -> ApiError:
+    if isinstance(error, KVBlendError):  # the request asked for something the engine refuses
+        return ApiError(400, str(error))
+    log.error("request failed: %s: %s", type(error).__name__, error)
+    return ApiError(500, f"internal error: {type(error).__name__}", ErrorType.SERVER)
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    """One 400 naming every offending field (``param``: the first)."""
+    parts, params = [], []
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return ApiError(400, f"malformed JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        params.append(loc or None)
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    return ApiError(400, "invalid request: " + "; ".join(parts), param=params[0] if params else None)
+
+
+def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics | None = None) -> FastAPI:
+    """The server's ASGI app over ``engine`` (its scheduler starts and stops with the app).
+
+    Args:
+        engine: the engine (wrap its store in a FlightStore for single-flight).
+        config: server settings.
+        metrics: metrics to export (default: new ones over the engine's store).
+
+    Returns:
+        The FastAPI app; ``app.state.scheduler`` is its scheduler.
+    """
+    config = config or ServeConfig()
+    metrics = metrics or ServeMetrics(engine.store)
+    scheduler = Scheduler(engine, config.scheduler, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.close()
+
+    app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+    app.add_middleware(Guard, config=config, metrics=metrics)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return _json_error(exc.status, exc.message, exc.kind, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = _validation_error(exc)
+        return _json_error(err.status, err.message, err.kind, err.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = ErrorType.NOT_FOUND if exc.status_code == 404 else ErrorType.INVALID_REQUEST
+        return _json_error(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _json_error(500, f"internal error: {type(exc).__name__}", ErrorType.SERVER)
+
+    async def answer(request: Request, body, endpoint: Endpoint) -> Response:
+        if body.text_chars() <= config.inline_prepare_chars:  # tokenizing a small request beats a thread hop
+            job: Job = prepare(engine, config, body, endpoint)
+        else:
+            job = await run_in_threadpool(prepare, engine, config, body, endpoint)
+        head = ResponseHead.new(endpoint, config.model_id)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(ev: Event) -> None:  # scheduler threads -> this request's event loop
+            if job.stream or ev.kind is not EventKind.TEXT:
+                loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+        try:
+            ticket = scheduler.submit(job.prompt, job.policy, job.config, sink)
+        except QueueFullError as e:
+            raise ApiError(429, str(e), ErrorType.RATE_LIMIT, code="queue_full",
+                           headers={"Retry-After": str(e.retry_after_s)}) from None
+        watch = _Watch(request, queue, ticket)
+        try:
+            first = await watch.next()
+            if first.kind is EventKind.FAILED:
+                raise _error_for(first.error)
+            if job.stream:
+                return StreamingResponse(_events(first, queue, ticket, head, job), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            ev = first
+            while ev.kind not in (EventKind.DONE, EventKind.FAILED):
+                ev = await watch.next()
+            if ev.kind is EventKind.FAILED:
+                raise _error_for(ev.error)
+            c = ev.completion
+            ext = kvblend_extension(c, job.prompt, engine.tokenizer, job.return_tokens)
+            return JSONResponse(full_body(head, c, ext))
+        except ClientGone:
+            return Response(status_code=STATUS_CLIENT_GONE)
+        finally:
+            watch.close()
+
+    async def _events(first: Event, queue: asyncio.Queue, ticket: Ticket, head: ResponseHead, job: Job):
+        try:
+            yield text_chunk(head, first.text, first=True)
+            while True:
+                ev: Event = await queue.get()
+                if ev.kind is EventKind.TEXT:
+                    yield text_chunk(head, ev.text)
+                elif ev.kind is EventKind.DONE:
+                    c = ev.completion
+                    yield final_chunk(head, c, kvblend_extension(c, job.prompt, engine.tokenizer, job.return_tokens))
+                    if job.include_usage:
+                        yield usage_chunk(head, c)
+                    break
+                elif ev.kind is EventKind.FAILED:  # headers are sent: the error goes in the stream
+                    err = _error_for(ev.error)
+                    yield sse(error_body(err.message, err.kind, err.param, err.code))
+                    break
+            yield DONE
+        finally:
+            ticket.cancel()  # a no-op when finished; stops the request when the client left
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await answer(request, body, Endpoint.CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await answer(request, body, Endpoint.COMPLETIONS)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": config.model_id, "object": "model", "created": int(time.time()),
+                                            "owned_by": "kvblend"}]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": config.model_id, "active": scheduler.active,
+                "queued": scheduler.queue_depth}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground() -> HTMLResponse:
+        return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))
+
+    return app

@@ -1,0 +1,111 @@
+"""``kvblend serve``: argument parsing and start-up.
+
+    kvblend serve [--host 127.0.0.1] [--port 8000] [--model M] [--store SPEC]
+                  [--api-key KEY | $KVBLEND_API_KEY] [--max-concurrency N] [--max-queue N]
+                  [--prefill-workers N] [--batch-invariant] [--experimental-semantic] ...
+
+``blend.cli`` imports this module only when ``serve`` runs, so the other
+commands never load FastAPI or uvicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Sequence
+
+import uvicorn
+
+from blend.batch_decode import DecodeBatching
+from blend.engine import Engine
+from blend.serve.app import create_app
+from blend.serve.config import (
+    API_KEY_ENV, Limits, SchedulerConfig, ServeConfig, default_torch_threads, resolve_api_key,
+)
+from blend.serve.flight import FlightStore
+from blend.options import add_store_argument
+from blend.store.spec import open_store
+
+_DEFAULT = ServeConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvblend serve`` parser (defaults from :mod:`blend.serve.config`)."""
+    lim, sch = _DEFAULT.limits, _DEFAULT.scheduler
+    p = argparse.ArgumentParser(prog="kvblend serve",
+                                description="OpenAI-compatible HTTP server with KV reuse of explicit documents")
+    p.add_argument("--host", default=_DEFAULT.host, help="bind address (default loopback)")
+    p.add_argument("--port", type=int, default=_DEFAULT.port)
+    p.add_argument("--model", default=_DEFAULT.model, help="model name or checkpoint directory")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default --model)")
+    p.add_argument("--dtype", default=_DEFAULT.dtype, choices=["float32", "bfloat16", "float16"])
+    add_store_argument(p)
+    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default ${API_KEY_ENV})")
+    p.add_argument("--max-concurrency", type=int, default=sch.max_concurrency,
+                   help="requests prefilling or decoding at once (the decode batch's bound)")
+    p.add_argument("--max-queue", type=int, default=sch.max_queue, help="requests waiting beyond that; more get 429")
+    p.add_argument("--prefill-workers", type=int, default=sch.prefill_workers,
+                   help="prefill threads beside the decode loop")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="intra-op threads per prefill worker and for the decode loop "
+                        "(default: the cores divided among them)")
+    p.add_argument("--idle-decode-threads", type=int, default=None,
+                   help="intra-op threads of the decode loop while no prefill runs (default: --torch-threads; "
+                        "more helps only on cores nobody else uses: OpenMP teams on shared cores stall)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="decode in fixed 16-row GEMM tiles: concurrent answers bit-identical to one-at-a-time "
+                        "(slower on CPU)")
+    p.add_argument("--no-single-flight", action="store_true",
+                   help="let in-flight requests compute a shared missing chunk each")
+    p.add_argument("--experimental-semantic", action="store_true",
+                   help="allow kvblend.semantic (donor KV from near-duplicate documents)")
+    p.add_argument("--max-documents", type=int, default=lim.max_documents)
+    p.add_argument("--max-prompt-tokens", type=int, default=lim.max_prompt_tokens,
+                   help="default: the model's context")
+    p.add_argument("--max-tokens-limit", type=int, default=lim.max_tokens, help="largest max_tokens a request may ask")
+    p.add_argument("--default-max-tokens", type=int, default=lim.default_max_tokens)
+    p.add_argument("--max-body-bytes", type=int, default=lim.max_body_bytes)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The :class:`ServeConfig` the parsed arguments describe."""
+    return ServeConfig(
+        host=args.host, port=args.port, model=args.model, dtype=args.dtype, store=args.store,
+        api_key=resolve_api_key(args.api_key), experimental_semantic=args.experimental_semantic,
+        served_model_name=args.served_model_name,
+        limits=Limits(max_body_bytes=args.max_body_bytes, max_documents=args.max_documents,
+                      max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
+                      default_max_tokens=args.default_max_tokens),
+        scheduler=SchedulerConfig(
+            max_concurrency=args.max_concurrency, max_queue=args.max_queue, prefill_workers=args.prefill_workers,
+            batching=DecodeBatching.INVARIANT if args.batch_invariant else DecodeBatching.THROUGHPUT,
+            single_flight=not args.no_single_flight,
+            torch_threads=args.torch_threads or default_torch_threads(args.prefill_workers),
+            idle_decode_threads=args.idle_decode_threads,
+        ),
+    )
+
+
+def build_engine(config: ServeConfig) -> Engine:
+    """The engine a server runs: its store wrapped for single-flight claims."""
+    store = FlightStore(open_store(config.store))
+    return Engine.load(config.model, dtype=config.dtype, store=store,
+                       experimental_semantic=config.experimental_semantic)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the server until interrupted."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        build_parser().error(str(e))
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = build_engine(config)
+    app = create_app(engine, config)
+    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger(__name__).warning("serving on %s without an API key", config.host)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

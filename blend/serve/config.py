@@ -1,0 +1,95 @@
+"""Every setting of ``kvblend serve``, with its default, in one place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from blend.defaults import DEFAULT_MODEL
+from blend.batch_decode import DecodeBatching
+
+API_KEY_ENV = "KVBLEND_API_KEY"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (beyond them: 413 or 400 with the limit in the message)."""
+
+    max_body_bytes: int = 1 << 20  # 413
+    max_documents: int = 32  # 413
+    max_prompt_tokens: int | None = None  # 413; None = the model's context
+    max_tokens: int = 1024  # 400 when a request asks for more
+    default_max_tokens: int = 256  # when a request names none
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How requests share the engine.
+
+    Attributes:
+        max_concurrency: requests prefilling or decoding at once (the decode batch's bound).
+        max_queue: requests waiting for a slot; one more is answered 429.
+        prefill_workers: threads running prefills beside the decode loop.
+        batching: decode GEMM mode (INVARIANT: bit-identical to one-at-a-time).
+        single_flight: a chunk several in-flight requests miss is computed once.
+        flight_timeout_s: longest a request waits for another one's computation.
+        torch_threads: intra-op threads of each prefill worker and of the decode loop
+            (None: leave torch's setting). They run at once, so together they should not
+            exceed the cores: OpenMP threads that outnumber cores spin-wait and can run
+            many times slower. A prefill's numbers depend on its thread count, so it is
+            fixed for prefills.
+        idle_decode_threads: threads the decode loop takes while no prefill runs
+            (THROUGHPUT mode only; None: always ``torch_threads``). Decode steps give the
+            same numbers at any thread count (tested), so this changes speed only; it
+            pays only on cores no other process uses (on shared cores an OpenMP team
+            waits for its descheduled members: a 16-row step took 15x longer on 2 threads).
+    """
+
+    max_concurrency: int = 16
+    max_queue: int = 64
+    prefill_workers: int = 1
+    batching: DecodeBatching = DecodeBatching.THROUGHPUT
+    single_flight: bool = True
+    flight_timeout_s: float = 60.0
+    torch_threads: int | None = None
+    idle_decode_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1 or self.max_queue < 0 or self.prefill_workers < 1:
+            raise ValueError("max_concurrency and prefill_workers must be >= 1, max_queue >= 0")
+        if any(n is not None and n < 1 for n in (self.torch_threads, self.idle_decode_threads)):
+            raise ValueError("torch_threads and idle_decode_threads must be >= 1")
+
+
+def default_torch_threads(prefill_workers: int) -> int:
+    """Cores shared out between the prefill workers and the decode loop (at least one each)."""
+    return max(1, (os.cpu_count() or 1) // (prefill_workers + 1))
+
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The server as ``kvblend serve`` starts it."""
+
+    host: str = "127.0.0.1"  # loopback unless asked
+    port: int = 8000
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    store: str | None = None  # --store spec; None = the default store
+    api_key: str | None = None  # None: no auth (or $KVBLEND_API_KEY, see resolve_api_key)
+    experimental_semantic: bool = False
+    served_model_name: str | None = None  # the id /v1/models reports; default the model argument
+    default_temperature: float = 1.0  # when a request names none (OpenAI's default)
+    inline_prepare_chars: int = 16_384  # smaller requests are tokenized on the event loop (no thread hop)
+    limits: Limits = field(default_factory=Limits)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.model
+
+
+def resolve_api_key(explicit: str | None) -> str | None:
+    """``--api-key`` if given, else ``$KVBLEND_API_KEY``; empty means none."""
+    key = explicit if explicit is not None else os.environ.get(API_KEY_ENV)
+    return key or None

@@ -1,0 +1,118 @@
+"""Prometheus metrics of one server (its own registry, so several apps can live in one process).
+
+    kvblend_requests_total{endpoint,status}     HTTP requests answered
+    kvblend_ttft_seconds                         submit -> first token (queue wait included)
+    kvblend_e2e_seconds                          submit -> last token
+    kvblend_output_tokens_total                  generated tokens
+    kvblend_output_tokens_per_second             over the last RATE_WINDOW_S seconds
+    kvblend_prompt_tokens_total / _cached_tokens_total
+    kvblend_segments_total{class}                prompt segments by reuse class
+    kvblend_recomputed_fraction                  recomputed / reused document rows (blended requests)
+    kvblend_store_lookups_total{result}          store hits / misses / rejections
+    kvblend_queue_depth, kvblend_active_requests, kvblend_decode_batch_size
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from blend.defaults import DEFAULT_RATIO
+from blend.report import ReuseReport
+from blend.store.base import KVStore
+
+RATE_WINDOW_S = 10.0
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+FRACTION_BUCKETS = tuple(sorted({0.0, 0.05, 0.1, DEFAULT_RATIO, 0.2, 0.3, 0.5, 0.75, 1.0}))  # the default ratio is an edge
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class _StoreCollector(Collector):
+    """Store lookups, read from ``store.stats()`` at scrape time."""
+
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+
+    def collect(self):
+        stats = self.store.stats()
+        fam = CounterMetricFamily("kvblend_store_lookups", "KV store lookups by result", labels=["result"])
+        fam.add_metric(["hit"], stats.hits)
+        fam.add_metric(["miss"], stats.misses)
+        fam.add_metric(["rejected"], stats.rejected)
+        yield fam
+
+
+class ServeMetrics:
+    """The server's metrics.
+
+    Args:
+        store: the engine's store (its lookup counters are exported).
+    """
+
+    def __init__(self, store: KVStore | None = None) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvblend_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.ttft = Histogram("kvblend_ttft_seconds", "time to first token (queue wait included)",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvblend_e2e_seconds", "request submit to last token", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.output_tokens = Counter("kvblend_output_tokens", "generated tokens", registry=r)
+        self.prompt_tokens = Counter("kvblend_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.cached_tokens = Counter("kvblend_cached_tokens", "prompt tokens whose KV came from the store",
+                                     registry=r)
+        self.segments = Counter("kvblend_segments", "prompt segments by reuse class", ["class"], registry=r)
+        self.recomputed = Histogram("kvblend_recomputed_fraction", "recomputed / reused document rows per "
+                                    "blended request", buckets=FRACTION_BUCKETS, registry=r)
+        self.queue_depth = Gauge("kvblend_queue_depth", "requests waiting for a slot", registry=r)
+        self.active = Gauge("kvblend_active_requests", "requests prefilling or decoding", registry=r)
+        self.batch = Histogram("kvblend_decode_batch_size", "sequences per decode step", buckets=BATCH_BUCKETS,
+                               registry=r)
+        self.rate = Gauge("kvblend_output_tokens_per_second", f"generated tokens/s over the last {RATE_WINDOW_S:g} s",
+                          registry=r)
+        self.rate.set_function(self._tokens_per_s)
+        self._recent: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+        if store is not None:
+            r.register(_StoreCollector(store))
+
+    def _tokens_per_s(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / RATE_WINDOW_S
+
+    # ---- hooks (called from the scheduler's threads) ---------------------------------
+
+    def on_prefill(self, report: ReuseReport, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(report.prompt_tokens)
+        self.cached_tokens.inc(report.reused_tokens)
+        for seg in report.segments:
+            self.segments.labels(seg.reuse_class.value).inc()
+        if report.ratio is not None and report.reused_tokens:
+            self.recomputed.observe(report.recomputed_tokens / report.reused_tokens)
+
+    def on_tokens(self, n: int) -> None:
+        self.output_tokens.inc(n)
+        with self._lock:
+            self._recent.append((time.monotonic(), n))
+
+    def on_batch(self, size: int) -> None:
+        self.batch.observe(size)
+
+    def on_finish(self, e2e_s: float) -> None:
+        self.e2e.observe(e2e_s)
+
+    def on_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format."""
+        return generate_latest(self.registry)

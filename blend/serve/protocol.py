@@ -1,0 +1,127 @@
+"""Response bodies in OpenAI's formats (chat, completions, their stream chunks, errors).
+
+kvblend's own data rides in an extension field, ``kvblend``: the reuse
+report (per segment: class, tokens, recomputed rows and their offsets), the
+first-token logits hash, the hash over every sampled-from logits row, the
+seed, TTFT and end-to-end time inside the server (from submission to the
+scheduler) and the answer's token ids. In a stream it is in the final chunk
+(the one with ``finish_reason``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from enum import Enum
+
+from blend.generation import Completion
+from blend.prompt import Prompt
+
+
+class Endpoint(Enum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    """What every body and chunk of one response shares."""
+
+    endpoint: Endpoint
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, endpoint: Endpoint, model: str) -> "ResponseHead":
+        prefix = "chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-"
+        return cls(endpoint, model, prefix + uuid.uuid4().hex[:24], int(time.time()))
+
+    def base(self, chunk: bool) -> dict:
+        if self.endpoint is Endpoint.CHAT:
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def kvblend_extension(c: Completion, prompt: Prompt, tokenizer, return_tokens: bool) -> dict:
+    """The ``kvblend`` field of a response."""
+    ext = {
+        "report": c.report.to_dict(),
+        "logits_sha256": c.logits_sha256(),
+        "steps_sha256": c.steps_sha256,
+        "ttft_s": c.ttft_s,
+        "e2e_s": c.e2e_s,
+        "seed": c.seed,
+        "answer_token_ids": c.token_ids,
+        "finish_reason": c.finish_reason.value,
+    }
+    if return_tokens:  # each document's tokens as text, for highlighting recomputed rows
+        ext["documents"] = [{"tokens": [tokenizer.decode([t]) for t in d.token_ids]} for d in prompt.documents]
+    return ext
+
+
+def full_body(head: ResponseHead, c: Completion, ext: dict) -> dict:
+    """A non-streamed response."""
+    if head.endpoint is Endpoint.CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
+                  "finish_reason": c.finish_reason.value, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason.value, "logprobs": None}
+    return {**head.base(chunk=False), "choices": [choice], "usage": c.usage.to_dict(), "kvblend": ext}
+
+
+def _choice(head: ResponseHead, text: str | None, finish: str | None, first: bool = False) -> dict:
+    if head.endpoint is Endpoint.CHAT:
+        delta: dict = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+def text_chunk(head: ResponseHead, text: str, first: bool = False) -> str:
+    return sse({**head.base(chunk=True), "choices": [_choice(head, text, None, first)]})
+
+
+def final_chunk(head: ResponseHead, c: Completion, ext: dict) -> str:
+    """The chunk with ``finish_reason`` and the kvblend extension."""
+    return sse({**head.base(chunk=True), "choices": [_choice(head, None if head.endpoint is Endpoint.CHAT else "",
+                                                             c.finish_reason.value)], "kvblend": ext})
+
+
+def usage_chunk(head: ResponseHead, c: Completion) -> str:
+    """``stream_options.include_usage``: a last chunk with no choices and the usage."""
+    return sse({**head.base(chunk=True), "choices": [], "usage": c.usage.to_dict()})
+
+
+DONE = "data: [DONE]\n\n"
+
+
+class ErrorType(Enum):
+    INVALID_REQUEST = "invalid_request_error"
+    AUTHENTICATION = "authentication_error"
+    NOT_FOUND = "not_found_error"
+    TOO_LARGE = "request_too_large"
+    RATE_LIMIT = "rate_limit_exceeded"
+    SERVER = "server_error"
+
+
+def error_body(message: str, kind: ErrorType, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind.value, "param": param, "code": code}}

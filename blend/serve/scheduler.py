@@ -1,0 +1,404 @@
+"""The scheduler: many requests over one engine, decode steps batched.
+
+    submit ─► waiting (≤ max_queue) ─► prefill worker(s) ─► decode loop (one thread)
+                                        engine.prefill        every step: ONE batched forward over
+                                        (exact / blend)       all active sequences (decode_batch),
+                                        first token ─► sink   one token each ─► sinks; finished leave,
+                                                              prefilled requests join between steps
+
+Why prefill workers beside the decode loop (and not a prefill slice inside
+it): a blended prefill is one engine call whose layer loop spans the whole
+prompt (check-layer selection needs every row), so it cannot be cut into
+slices without reshaping the engine. On a separate thread it runs while the
+decode loop keeps stepping (torch releases the GIL in its kernels), so a long
+prefill slows the other streams' steps by the CPU it takes but never stops
+them for its whole duration. A request joins the decode batch at the next
+step boundary after its prefill. Cores are shared: two threads on two cores
+each run slower than alone, which the benchmark measures.
+
+Each sequence keeps its own KV cache (the one its prefill filled), so no copy
+or paging happens at admission; see :mod:`blend.batch_decode` for the step.
+
+Threads: each prefill worker and the decode loop run torch with their own
+intra-op thread count (``torch_threads``: the cores divided among them, so
+they never oversubscribe). Optionally the decode loop takes more while no
+prefill runs (``idle_decode_threads``): a decode step's numbers do not depend
+on the thread count, a prefill's do, so prefills keep theirs fixed.
+
+Capacity: at most ``max_concurrency`` requests prefill or decode at once; up
+to ``max_queue`` more wait; a request beyond that is refused
+(:class:`QueueFullError`, the server's 429 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+import torch
+
+from blend.batch_decode import DecodeBatching, decode_batch
+from blend.errors import KVBlendError
+from blend.generation import Completion, TokenStream, Usage
+from blend.kvcache import KVCache
+from blend.policy import ReuseMode, ReusePolicy
+from blend.prompt import Prompt
+from blend.report import ReuseReport
+from blend.sampling import GenerationConfig
+from blend.serve.config import SchedulerConfig
+from blend.serve.flight import FlightStore, request_keys
+from blend.serve.metrics import ServeMetrics
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(KVBlendError):
+    """Every slot and queue place is taken; retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EventKind(Enum):
+    STARTED = "started"  # prefill done: report, TTFT and the first text
+    TEXT = "text"  # more text
+    DONE = "done"  # finished: the completion
+    FAILED = "failed"  # the request failed (error)
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: EventKind
+    text: str = ""
+    report: ReuseReport | None = None
+    ttft_s: float = 0.0
+    completion: Completion | None = None
+    error: BaseException | None = None
+
+
+Sink = Callable[[Event], None]  # must not block: called from the scheduler's threads
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    prompt: Prompt
+    policy: ReusePolicy
+    config: GenerationConfig
+    sink: Sink
+    submitted: float
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    stream: TokenStream | None = None
+    cache: KVCache | None = None
+    first_logits: torch.Tensor | None = None
+    report: ReuseReport | None = None
+    ttft_s: float = 0.0
+    retired: bool = False
+
+
+class Ticket:
+    """A submitted request's handle."""
+
+    def __init__(self, job: _Job, scheduler: "Scheduler") -> None:
+        self._job = job
+        self._scheduler = scheduler
+
+    @property
+    def id(self) -> int:
+        return self._job.id
+
+    def cancel(self) -> None:
+        """Stop the request (its client went away): it leaves the queue or the batch at the next step."""
+        self._job.cancelled.set()
+        self._scheduler.wake()
+
+
+class Scheduler:
+    """Runs requests over one engine.
+
+    Args:
+        engine: the engine (its store wrapped in a :class:`FlightStore` enables single-flight).
+        config: concurrency settings.
+        metrics: where to report (optional).
+    """
+
+    def __init__(self, engine, config: SchedulerConfig | None = None, metrics: ServeMetrics | None = None) -> None:
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        self.metrics = metrics
+        store = engine.store
+        self.flight = store if isinstance(store, FlightStore) and self.config.single_flight else None
+        self._cond = threading.Condition()
+        self._waiting: deque[_Job] = deque()
+        self._incoming: list[_Job] = []
+        self._active = 0
+        self._running = False
+        self._threads: list[threading.Thread] = []
+        self._ids = itertools.count(1)
+        # dynamic-NTK RoPE tables are rebuilt per call length (shared state): no overlap then
+        self._exclusive = threading.Lock() if engine.runner.rope.dynamic else None
+        self._gate_lock = threading.Lock()
+        self._prefilling = 0  # prefills running now (the decode loop takes every core when 0)
+        self._decode_threads: int | None = None
+        self._e2e_ewma_s = 1.0
+        self.completed = 0
+        self.cancelled = 0
+        self.failed = 0
+        self.steps = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the prefill workers and the decode loop."""
+        if self._running:
+            return
+        runner = self.engine.runner
+        if not runner.rope.dynamic:  # grow the RoPE tables once, before threads share them
+            runner.rope(torch.tensor([runner.dims.max_positions - 1]))
+        self._running = True
+        for i in range(self.config.prefill_workers):
+            self._threads.append(threading.Thread(target=self._prefill_loop, name=f"kvblend-prefill-{i}", daemon=True))
+        self._threads.append(threading.Thread(target=self._decode_loop, name="kvblend-decode", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the threads; requests still queued or running fail."""
+        with self._cond:
+            self._running = False
+            left = list(self._waiting) + list(self._incoming)
+            self._waiting.clear()
+            self._incoming.clear()
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(timeout)
+        self._threads.clear()
+        for job in left:
+            self._emit(job, Event(EventKind.FAILED, error=RuntimeError("server shutting down")))
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---- state ----------------------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self._waiting))
+            self.metrics.active.set(self._active)
+
+    def retry_after_s(self) -> int:
+        """Seconds until a slot is likely free (at least 1)."""
+        waiting = len(self._waiting) + 1
+        return max(1, math.ceil(self._e2e_ewma_s * waiting / self.config.max_concurrency))
+
+    # ---- submit ---------------------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, policy: ReusePolicy, config: GenerationConfig, sink: Sink) -> Ticket:
+        """Queue a request; its events go to ``sink``.
+
+        Raises:
+            QueueFullError: no slot and no queue place.
+        """
+        cfg = self.config
+        with self._cond:
+            if not self._running:
+                raise RuntimeError("scheduler is not running")
+            if self._active + len(self._waiting) >= cfg.max_concurrency + cfg.max_queue:
+                raise QueueFullError(
+                    f"server busy: {self._active} requests running and {len(self._waiting)} queued "
+                    f"(max_concurrency={cfg.max_concurrency}, max_queue={cfg.max_queue})", self.retry_after_s())
+            job = _Job(next(self._ids), prompt, policy, config, sink, time.perf_counter())
+            self._waiting.append(job)
+            self._gauges()
+            self._cond.notify_all()
+        return Ticket(job, self)
+
+    # ---- prefill --------------------------------------------------------------------------
+
+    def _threads_setup(self) -> None:
+        if self.config.torch_threads is not None:  # per thread: each OpenMP caller keeps its own count
+            torch.set_num_threads(self.config.torch_threads)
+            self._decode_threads = self.config.torch_threads
+
+    def _decode_threads_now(self) -> None:
+        """The decode loop's share: every core while no prefill runs (THROUGHPUT mode), else its own."""
+        cfg = self.config
+        if (cfg.torch_threads is None or cfg.idle_decode_threads is None
+                or cfg.batching is not DecodeBatching.THROUGHPUT):
+            return
+        want = cfg.idle_decode_threads if self._prefilling == 0 else cfg.torch_threads
+        if want != self._decode_threads:
+            torch.set_num_threads(want)
+            self._decode_threads = want
+
+    def _prefill_loop(self) -> None:
+        self._threads_setup()
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._running or (
+                    self._waiting and self._active < self.config.max_concurrency))
+                if not self._running:
+                    return
+                job = self._waiting.popleft()
+                self._active += 1
+                self._gauges()
+            try:
+                self._prefill(job)
+            except BaseException as e:  # noqa: BLE001 - a failed request must not kill the worker
+                self._fail(job, e)
+
+    def _prefill(self, job: _Job) -> None:
+        if job.cancelled.is_set():
+            self._retire(job, cancelled=True)
+            return
+        engine = self.engine
+        try:
+            if self.flight is not None:
+                busy = self.flight.claim(job.id, request_keys(engine, job.prompt, job.policy))
+                self.flight.wait(busy, self.config.flight_timeout_s)
+            if job.policy.mode is ReuseMode.BLEND and engine.gate is not None and not job.policy.force:
+                with self._gate_lock:  # the first blend request may run the quality gate: once
+                    engine.gate.verdict(engine)
+            with self._cond:
+                self._prefilling += 1
+            try:
+                with self._exclusive or nullcontext():
+                    first, cache, report = engine.prefill(job.prompt, job.policy, job.config.max_tokens)
+            finally:
+                with self._cond:
+                    self._prefilling -= 1
+        finally:
+            if self.flight is not None:
+                self.flight.release(job.id)
+        job.ttft_s = time.perf_counter() - job.submitted
+        job.first_logits, job.cache, job.report = first, cache, report
+        job.stream = TokenStream(engine.tokenizer, engine.eos_ids, job.config)
+        text = job.stream.step(first)
+        self._emit(job, Event(EventKind.STARTED, text=text, report=report, ttft_s=job.ttft_s))
+        if self.metrics is not None:
+            self.metrics.on_prefill(report, job.ttft_s)
+            self.metrics.on_tokens(len(job.stream.tokens))
+        if job.stream.finished:
+            self._complete(job)
+            return
+        with self._cond:
+            self._incoming.append(job)
+            self._cond.notify_all()
+
+    # ---- decode ---------------------------------------------------------------------------
+
+    def _decode_loop(self) -> None:
+        self._threads_setup()
+        batch: list[_Job] = []
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._running or self._incoming or batch)
+                if not self._running:
+                    for job in batch:
+                        self._emit(job, Event(EventKind.FAILED, error=RuntimeError("server shutting down")))
+                    return
+                batch.extend(self._incoming)
+                self._incoming.clear()
+            live = []
+            for job in batch:
+                if job.cancelled.is_set():
+                    self._retire(job, cancelled=True)
+                else:
+                    live.append(job)
+            batch = live
+            if batch:
+                batch = self._step(batch)
+
+    def _step(self, batch: list[_Job]) -> list[_Job]:
+        """One batched decode step; returns the jobs still decoding."""
+        self._decode_threads_now()
+        try:
+            with self._exclusive or nullcontext():
+                logits = decode_batch(self.engine.runner, [j.cache for j in batch],
+                                      [j.stream.next_input for j in batch], self.config.batching)  # (B, V)
+        except BaseException as e:  # noqa: BLE001 - fail this batch's requests, keep serving
+            log.exception("decode step failed")
+            for job in batch:
+                self._fail(job, e)
+            return []
+        self.steps += 1
+        if self.metrics is not None:
+            self.metrics.on_batch(len(batch))
+        still = []
+        for i, job in enumerate(batch):
+            before = len(job.stream.tokens)
+            text = job.stream.step(logits[i])
+            if self.metrics is not None:
+                self.metrics.on_tokens(len(job.stream.tokens) - before)
+            if text:
+                self._emit(job, Event(EventKind.TEXT, text=text))
+            if job.stream.finished:
+                self._complete(job)
+            else:
+                still.append(job)
+        return still
+
+    # ---- endings --------------------------------------------------------------------------
+
+    def _complete(self, job: _Job) -> None:
+        s, report = job.stream, job.report
+        e2e = time.perf_counter() - job.submitted
+        completion = Completion(
+            text=s.text, token_ids=list(s.tokens), prompt_token_ids=job.prompt.token_ids,
+            finish_reason=s.finish_reason, first_logits=job.first_logits, steps_sha256=s.steps_sha256,
+            ttft_s=job.ttft_s, e2e_s=e2e, report=report,
+            usage=Usage(len(job.prompt), len(s.tokens), report.reused_tokens), seed=s.sampler.seed,
+        )
+        self._e2e_ewma_s = 0.9 * self._e2e_ewma_s + 0.1 * e2e
+        if self.metrics is not None:
+            self.metrics.on_finish(e2e)
+        self.completed += 1
+        self._retire(job)
+        self._emit(job, Event(EventKind.DONE, completion=completion))
+
+    @staticmethod
+    def _emit(job: _Job, event: Event) -> None:
+        try:
+            job.sink(event)
+        except Exception:  # noqa: BLE001 - a consumer's bug must not stop the scheduler
+            log.exception("request %d: event sink failed", job.id)
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        if job.retired:  # it already ended; nothing more to tell its client
+            log.error("request %d: error after it ended: %s", job.id, error)
+            return
+        if not isinstance(error, KVBlendError):
+            log.error("request %d failed: %s: %s", job.id, type(error).__name__, error)
+        self.failed += 1
+        self._retire(job)
+        self._emit(job, Event(EventKind.FAILED, error=error))
+
+    def _retire(self, job: _Job, cancelled: bool = False) -> None:
+        job.cache = None  # frees the request's KV now, whoever still holds the job
+        with self._cond:
+            if job.retired:
+                return
+            job.retired = True
+            if cancelled:
+                self.cancelled += 1
+            self._active -= 1
+            self._gauges()
+            self._cond.notify_all()

@@ -1,0 +1,160 @@
+"""Request schemas (pydantic): OpenAI's chat and completions requests plus kvblend's fields.
+
+    {"model": ..., "messages": [...] | "prompt": ...,
+     "documents": [{"text": ..., "title"?: ...} | "text", ...],   each document is one prompt segment
+     "cache_salt": "tenant-secret",                                 mixed into every cache key
+     "kvblend": {"reuse": "exact"|"blend"|"none", "ratio": 0.15, "selector": "probe", "semantic": false,
+                 "stop_at_newline": false, "return_tokens": false},
+     "temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stream", "stream_options", "n": 1,
+     "ignore_eos": false}                                           (vLLM's; fixed-length answers)
+
+Unknown top-level fields (OpenAI's ``user``, ``presence_penalty`` ...) are
+ignored, as OpenAI-compatible servers do; unknown fields inside ``kvblend``
+or a document are errors, since a misspelt reuse option must not silently
+fall back to a default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR
+from blend.policy import SELECTOR_NAMES
+
+Selector = Literal[SELECTOR_NAMES]  # type: ignore[valid-type]
+
+
+class Document(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(min_length=1)
+    title: str | None = None
+
+
+class KvblendOptions(BaseModel):
+    """The ``kvblend`` extension object: reuse options and extras."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reuse: Literal["exact", "blend", "none"] = "exact"
+    ratio: float = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
+    selector: Selector = DEFAULT_SELECTOR
+    semantic: StrictBool = False
+    stop_at_newline: StrictBool = False
+    return_tokens: StrictBool = False  # each document's token texts in the report (the playground's highlights)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class _Common(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    documents: list[Union[Document, str]] | None = None
+    cache_salt: str | None = Field(None, max_length=256)
+    kvblend: KvblendOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM's convention)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: Union[str, list[str], None] = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+    logprobs: Union[StrictBool, int, None] = None  # not supported: refused when asked for
+    ignore_eos: StrictBool = False  # vLLM's extension: fixed-length answers (benchmarks)
+
+    @field_validator("documents")
+    @classmethod
+    def _documents(cls, docs):
+        for i, d in enumerate(docs or []):
+            text = d if isinstance(d, str) else d.text
+            if not text.strip():
+                raise ValueError(f"document {i + 1} is empty")
+        return docs
+
+    def text_chars(self) -> int:
+        """Characters the prompt is built from (documents, messages or prompt)."""
+        n = sum(len(d if isinstance(d, str) else d.text) for d in self.documents or [])
+        for m in getattr(self, "messages", None) or []:
+            n += len(m.text())
+        prompt = getattr(self, "prompt", "")
+        return n + (len(prompt) if isinstance(prompt, str) else sum(map(len, prompt)))
+
+    def document_texts(self) -> list[str]:
+        """Document texts in order; a title becomes the document's first line."""
+        out = []
+        for d in self.documents or []:
+            if isinstance(d, str):
+                out.append(d)
+            else:
+                out.append(f"{d.title}\n{d.text}" if d.title else d.text)
+        return out
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def system_and_question(self) -> tuple[str | None, str]:
+        """The system prompt (system/developer messages joined) and the question (the one user message).
+
+        Raises:
+            ValueError: not exactly one user message, or an assistant turn (kvblend answers one question
+                per request: its prompt is [system | documents | question]).
+        """
+        users = [m for m in self.messages if m.role == "user"]
+        if any(m.role == "assistant" for m in self.messages) or len(users) != 1:
+            raise ValueError("kvblend answers one question per request: send exactly one user message "
+                             "(plus optional system messages); earlier turns are not supported")
+        system = "\n\n".join(m.text() for m in self.messages if m.role in ("system", "developer")) or None
+        return system, users[0].text()
+
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is the question (laid into the model's chat template)."""
+
+    prompt: Union[str, list[str]]
+
+    def question(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise ValueError("prompt: exactly one prompt per request (n=1, no batches)")
+            return self.prompt[0]
+        return self.prompt
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens

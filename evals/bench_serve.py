@@ -1,0 +1,328 @@
+"""Serving benchmark: ``kvblend serve`` under 1, 4 and 16 concurrent clients, exact and blend@0.15.
+
+Workload (the demo corpus, blend/data/demo): request j asks question j mod 6
+over its source document and two others, in an order that rotates with j, so
+the same documents come back in different orders (RAG-like: exact prefix
+reuse hits the preamble only, blended reuse every document). Every chunk is
+warmed once before timing. Answers have a fixed length (``ignore_eos``).
+Each client is closed-loop: it sends its next request when the previous one
+finished (streamed; TTFT = first SSE chunk, which carries the first token).
+
+Overhead of the server over the Python API for one request: the same
+requests one at a time through the server (HTTP, streamed) and through
+``blend.generation.generate`` in this process, interleaved, with the same
+intra-op thread count; reported as the median of the paired differences
+(e2e), on the benchmark's model and on a tiny model (where compute is small
+and the difference is not lost in noise).
+
+    python -m blend.evals.bench_serve [--model smollm2-135m] [--clients 1,4,16] [--modes exact,blend@0.15]
+           [--requests-per-client 4] [--max-tokens 32] [--overhead-requests 20] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
+from blend.batch_decode import decode_batch
+from blend.engine import Engine
+from blend.generation import generate
+from blend.policy import ReusePolicy
+from blend.sampling import GenerationConfig
+from blend.serve.config import default_torch_threads
+
+DEMO = Path(__file__).resolve().parents[1] / "blend" / "data" / "demo"
+
+
+@dataclass(frozen=True)
+class Sample:
+    ttft_s: float
+    e2e_s: float
+    tokens: int
+    server_e2e_s: float  # inside the server: submission to the scheduler -> last token
+
+
+@dataclass(frozen=True)
+class Row:
+    mode: str
+    clients: int
+    requests: int
+    req_per_s: float
+    out_tok_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+
+
+def demo_requests() -> list[tuple[str, list[str]]]:
+    """(question, documents) pairs over the demo corpus; document order rotates."""
+    names = sorted(p.name for p in DEMO.iterdir() if p.suffix in (".txt", ".md"))
+    text = {n: (DEMO / n).read_text(encoding="utf-8") for n in names}
+    qs = json.loads((DEMO / "questions.json").read_text(encoding="utf-8"))["questions"]
+    out = []
+    for j in range(len(qs) * 3):
+        q = qs[j % len(qs)]
+        others = [n for n in names if n != q["source"]]
+        picked = [q["source"], others[j % len(others)], others[(j + 3) % len(others)]]
+        k = j // len(qs)
+        out.append((q["question"], [text[n] for n in picked[k:] + picked[:k]]))
+    return out
+
+
+def policy_body(mode: str) -> dict:
+    if mode == "exact":
+        return {"reuse": "exact"}
+    ratio = float(mode.split("@", 1)[1]) if "@" in mode else DEFAULT_RATIO
+    return {"reuse": "blend", "ratio": ratio}
+
+
+def policy_of(mode: str) -> ReusePolicy:
+    body = policy_body(mode)
+    return ReusePolicy.exact() if body["reuse"] == "exact" else ReusePolicy.blend(ratio=body["ratio"])
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def one_request(http: httpx.Client, model: str, question: str, docs: list[str], mode: str, max_tokens: int) -> Sample:
+    """One streamed chat request; TTFT at the first chunk."""
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "documents": docs,
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "kvblend": policy_body(mode)}
+    t0 = time.perf_counter()
+    ttft, tokens, inside = None, 0, 0.0
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            if line != "data: [DONE]":
+                msg = json.loads(line[6:])
+                if msg.get("usage"):
+                    tokens = msg["usage"]["completion_tokens"]
+                if msg.get("kvblend"):
+                    inside = msg["kvblend"]["e2e_s"]
+    return Sample(ttft, time.perf_counter() - t0, tokens, inside)
+
+
+def run_clients(url: str, model: str, mode: str, clients: int, per_client: int, max_tokens: int,
+                reqs: list[tuple[str, list[str]]]) -> Row:
+    """``clients`` closed-loop clients, ``per_client`` requests each."""
+    samples: list[Sample] = []
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def client(c: int) -> None:
+        with httpx.Client(base_url=url, timeout=600) as http:
+            for k in range(per_client):
+                question, docs = reqs[(c * per_client + k) % len(reqs)]
+                try:
+                    s = one_request(http, model, question, docs, mode, max_tokens)
+                except Exception as e:  # noqa: BLE001 - reported, and the run fails below
+                    errors.append(str(e))
+                    return
+                with lock:
+                    samples.append(s)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    ttft = [s.ttft_s * 1000 for s in samples]
+    e2e = [s.e2e_s * 1000 for s in samples]
+    return Row(mode, clients, len(samples), len(samples) / wall, sum(s.tokens for s in samples) / wall,
+               percentile(ttft, 50), percentile(ttft, 99), percentile(e2e, 50), percentile(e2e, 99))
+
+
+def start_server(model: str, port: int, max_concurrency: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "blend.cli", "serve", "--model", model, "--store", "memory", "--port", str(port),
+           "--max-concurrency", str(max_concurrency), "--max-queue", "256", "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not come up")
+
+
+def overhead(url: str, model: str, engine: Engine, mode: str, n: int, max_tokens: int,
+             reqs: list[tuple[str, list[str]]]) -> dict:
+    """One request at a time, server and Python API interleaved.
+
+    Returns the paired e2e difference (server over HTTP minus Python API; compute
+    noise of a busy machine lands in it) and the server's own layers: client e2e
+    minus the time inside the scheduler minus prompt building (which the Python
+    API does too) = HTTP, validation, event delivery and thread hand-offs.
+    """
+    cfg = GenerationConfig(max_tokens=max_tokens, ignore_eos=True)
+    policy = policy_of(mode)
+    diffs, layers, server, api = [], [], [], []
+    with httpx.Client(base_url=url, timeout=600) as http:
+        for i in range(n):
+            question, docs = reqs[i % len(reqs)]
+            s = one_request(http, model, question, docs, mode, max_tokens)
+            t0 = time.perf_counter()
+            prompt = engine.build_prompt(question, docs)
+            t_prompt = time.perf_counter() - t0
+            generate(engine, prompt, policy, cfg)
+            a = time.perf_counter() - t0
+            server.append(s.e2e_s * 1000)
+            api.append(a * 1000)
+            diffs.append((s.e2e_s - a) * 1000)
+            layers.append((s.e2e_s - s.server_e2e_s - t_prompt) * 1000)
+    return {"model": model, "mode": mode, "requests": n, "max_tokens": max_tokens,
+            "server_e2e_p50_ms": statistics.median(server), "api_e2e_p50_ms": statistics.median(api),
+            "paired_diff_p50_ms": statistics.median(diffs), "server_layers_p50_ms": statistics.median(layers)}
+
+
+def measure_overhead(model: str, mode: str, n: int, max_tokens: int, port: int,
+                     reqs: list[tuple[str, list[str]]]) -> dict:
+    proc = start_server(model, port, 16, [])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        engine = Engine.load(model)
+        with httpx.Client(base_url=url, timeout=600) as http:  # warm both sides alike
+            for question, docs in reqs:
+                one_request(http, model, question, docs, mode, 2)
+                generate(engine, engine.build_prompt(question, docs), policy_of(mode), GenerationConfig(max_tokens=2))
+        return overhead(url, model, engine, mode, n, max_tokens, reqs)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def decode_scaling(model: str, batches: list[int], steps: int = 4) -> list[dict]:
+    """Decode steps alone (no HTTP, no prefill beside them): tokens/s of one batched step at each batch size."""
+    engine = Engine.load(model, quality_gate=False)
+    reqs = demo_requests()
+    out = []
+    for b in batches:
+        caches = [engine.prefill(engine.build_prompt(*reqs[i % len(reqs)]), ReusePolicy.exact(), steps + 1)[1]
+                  for i in range(b)]
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            decode_batch(engine.runner, caches, [engine.tokenizer.eos_token_id or 0] * b)
+            times.append(time.perf_counter() - t0)
+        step = statistics.median(times)
+        out.append({"batch": b, "step_ms": step * 1000, "tok_per_s": b / step})
+    return out
+
+
+def markdown(rows: list[Row], overheads: list[dict], command: str, scaling: list[dict] | None = None,
+             load: tuple[float, float] = (0.0, 0.0)) -> str:
+    lines = [f"Command: `{command}`", "",
+             f"Machine: {os.cpu_count()} cores; 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} "
+             "at the end (other jobs share the cores).", "",
+             "| mode | clients | requests | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.mode} | {r.clients} | {r.requests} | {r.req_per_s:.2f} | {r.out_tok_per_s:.1f} | "
+                     f"{r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.e2e_p50_ms:.0f} | {r.e2e_p99_ms:.0f} |")
+    lines += ["", "Targets:"]
+    for mode in sorted({r.mode for r in rows}):
+        by = {r.clients: r for r in rows if r.mode == mode}
+        if 1 in by and 16 in by:
+            lines.append(f"- {mode}: out tok/s at 16 clients / 1 client = "
+                         f"{by[16].out_tok_per_s / by[1].out_tok_per_s:.2f}x (target >= 4x)")
+        if 1 in by and 4 in by:
+            lines.append(f"- {mode}: TTFT p50 at 4 clients / 1 client = "
+                         f"{by[4].ttft_p50_ms / by[1].ttft_p50_ms:.2f}x (target <= 2x for blend)")
+    if scaling:
+        base = scaling[0]["tok_per_s"]
+        lines.append("- decode steps alone (batched forward, one thread, no prefill beside): " + ", ".join(
+            f"batch {x['batch']}: {x['step_ms']:.0f} ms/step, {x['tok_per_s']:.1f} tok/s ({x['tok_per_s'] / base:.1f}x)"
+            for x in scaling))
+    for o in overheads:
+        lines.append(f"- server over Python API, one request ({o['model']}, {o['mode']}, {o['max_tokens']} tokens, "
+                     f"{o['requests']} paired): e2e p50 {o['server_e2e_p50_ms']:.1f} ms vs {o['api_e2e_p50_ms']:.1f} ms, "
+                     f"paired difference p50 {o['paired_diff_p50_ms']:.1f} ms; the server's own layers (HTTP, "
+                     f"events, hand-offs) p50 {o['server_layers_p50_ms']:.1f} ms (target <= 5 ms)")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--modes", default="exact,blend@0.15")
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--overhead-requests", type=int, default=20)
+    p.add_argument("--overhead-tiny-model", default="tiny-llama")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--out", default="bench_serve_out")
+    args = p.parse_args(argv)
+    clients = [int(c) for c in args.clients.split(",")]
+    modes = args.modes.split(",")
+    reqs = demo_requests()
+    torch.set_num_threads(default_torch_threads(1))  # the server's per-thread count, for the Python API side
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    load_start = os.getloadavg()[0]
+    proc = start_server(args.model, args.port, max(clients), [])
+    try:
+        url = f"http://127.0.0.1:{args.port}"
+        with httpx.Client(base_url=url, timeout=600) as http:
+            for mode in modes:  # warm every chunk (and the blend quality gate) before timing
+                for question, docs in reqs:
+                    one_request(http, args.model, question, docs, mode, 2)
+        for mode in modes:
+            for c in clients:
+                row = run_clients(url, args.model, mode, c, args.requests_per_client, args.max_tokens, reqs)
+                rows.append(row)
+                print(json.dumps(asdict(row)), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    overheads = []
+    for model in [args.overhead_tiny_model, args.model]:
+        if model and args.overhead_requests:
+            o = measure_overhead(model, "exact", args.overhead_requests, 8 if model != args.model else 4,
+                                 args.port + 1, reqs)
+            overheads.append(o)
+            print(json.dumps(o), flush=True)
+    scaling = decode_scaling(args.model, clients)
+    print(json.dumps(scaling), flush=True)
+    command = "python -m blend.evals.bench_serve " + " ".join(argv if argv is not None else sys.argv[1:])
+    md = markdown(rows, overheads, command.strip(), scaling, (load_start, os.getloadavg()[0]))
+    (out / "bench_serve.json").write_text(json.dumps({"rows": [asdict(r) for r in rows], "overhead": overheads,
+                                                      "decode_scaling": scaling, "cpu_count": os.cpu_count(),
+                                                      "load_avg": os.getloadavg()}, indent=2))
+    (out / "bench_serve.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Generation: stop rules, streamed text, usage, and agreement with Engine.generate."""
+
+import pytest
+import torch
+
+from blend.generation import FinishReason, TokenStream, generate, stream
+from blend.policy import ReusePolicy
+from blend.sampling import GenerationConfig
+from blend.tiny import byte_tokenizer
+from _serve_util import one_torch_thread  # noqa: F401 - module fixture
+from conftest import make_docs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TOK = byte_tokenizer()
+EOS = 258
+
+
+def forced(token: int) -> torch.Tensor:
+    x = torch.full((259,), -10.0)  # (V,)
+    x[token] = 10.0
+    return x
+
+
+def run(text: str | bytes, eos: bool = False, **cfg) -> tuple[TokenStream, list[str]]:
+    """Feed the bytes of ``text`` (then EOS) to a greedy TokenStream; returns it and its deltas."""
+    s = TokenStream(TOK, {EOS}, GenerationConfig(**{"max_tokens": 100, **cfg}))
+    data = text.encode() if isinstance(text, str) else text
+    deltas = []
+    for b in list(data) + ([EOS] if eos else []):
+        if s.finished:
+            break
+        deltas.append(s.step(forced(b)))
+    return s, deltas
+
+
+def test_stop_string_cuts_the_text_and_counts_its_tokens():
+    s, deltas = run("hello STOP world", stop=("STOP",))
+    assert s.finish_reason is FinishReason.STOP
+    assert s.text == "hello " == "".join(deltas)
+    assert len(s.tokens) == len("hello STOP")
+
+
+def test_a_partial_stop_string_is_held_back_until_resolved():
+    s, deltas = run("ab STx done", stop=("STOP",), max_tokens=len("ab STx done"))
+    assert s.finish_reason is FinishReason.LENGTH
+    shown = ""
+    for d in deltas:  # while "ST" could still become "STOP", it is not shown
+        shown += d
+        assert not shown.endswith(("S", "ST"))
+    assert shown == "ab STx done"
+
+
+def test_the_earliest_of_several_stop_strings_wins():
+    s, _ = run("one. two! three", stop=("!", "."))
+    assert s.text == "one"
+
+
+def test_newline_rule_is_an_option():
+    s, _ = run("first line\nsecond", stop_at_newline=True)
+    assert s.text == "first line" and s.finish_reason is FinishReason.STOP
+    assert len(s.tokens) == len("first line")  # the newline token is not part of the answer
+    s, _ = run("first line\nsecond", eos=True)
+    assert s.text == "first line\nsecond" and s.finish_reason is FinishReason.STOP
+
+
+def test_eos_and_max_tokens():
+    s, _ = run("abc", eos=True)
+    assert (s.text, s.finish_reason, len(s.tokens)) == ("abc", FinishReason.STOP, 3)
+    s, _ = run("abc", eos=True, ignore_eos=True)
+    assert s.tokens == [97, 98, 99, EOS] and not s.finished
+    s, _ = run("abcdef", max_tokens=4)
+    assert (s.text, s.finish_reason, len(s.tokens)) == ("abcd", FinishReason.LENGTH, 4)
+    with pytest.raises(RuntimeError):
+        s.step(forced(1))
+
+
+def test_multibyte_characters_are_streamed_whole():
+    s, deltas = run("é€x".encode(), max_tokens=6)
+    assert [d for d in deltas if d] == ["é", "€", "x"]
+    assert s.text == "é€x"
+
+
+def test_generate_matches_engine_generate_greedy(tiny_engine):
+    prompt = tiny_engine.build_prompt("which river?", make_docs(3))
+    for policy in (ReusePolicy.exact(), ReusePolicy.blend(ratio=0.3)):
+        old = tiny_engine.generate(prompt, policy, max_new_tokens=12)
+        new = generate(tiny_engine, prompt, policy, GenerationConfig(max_tokens=12, stop_at_newline=True))
+        assert new.token_ids == old.token_ids
+        assert new.logits_sha256() == old.logits_sha256()
+        assert new.usage.prompt_tokens == len(prompt) and new.usage.completion_tokens == len(new.token_ids)
+        assert new.usage.cached_tokens == new.report.reused_tokens
+
+
+def test_stream_yields_the_answer_piece_by_piece_and_a_seed_fixes_it(tiny_engine):
+    prompt = tiny_engine.build_prompt("which stone?", make_docs(2))
+    cfg = GenerationConfig(max_tokens=20, temperature=0.9, top_p=0.9, seed=11)
+    g = stream(tiny_engine, prompt, config=cfg)
+    pieces = list(g)
+    done = g.result()
+    assert "".join(pieces) == done.text and len(pieces) > 1
+    again = generate(tiny_engine, prompt, config=cfg)
+    assert again.token_ids == done.token_ids and again.steps_sha256 == done.steps_sha256
+    other = generate(tiny_engine, prompt, config=GenerationConfig(max_tokens=20, temperature=0.9, top_p=0.9, seed=12))
+    assert other.token_ids != done.token_ids
+    assert other.logits_sha256() == done.logits_sha256()  # the prompt's logits do not depend on the seed

@@ -1,0 +1,71 @@
+"""Sampling: greedy is argmax, a seed fixes the draw, top-k / top-p restrict the support."""
+
+import pytest
+import torch
+
+from blend.errors import InvalidRequestError
+from blend.sampling import GenerationConfig, Sampler, sample
+
+V = 50
+
+
+def logits(seed: int = 0) -> torch.Tensor:
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 3  # (V,)
+
+
+def draws(cfg: GenerationConfig, n: int, x: torch.Tensor) -> list[int]:
+    s = Sampler(cfg)
+    return [s(x) for _ in range(n)]
+
+
+def test_greedy_is_argmax_and_ignores_the_seed():
+    x = logits()
+    assert draws(GenerationConfig(temperature=0.0, seed=1), 5, x) == [int(x.argmax())] * 5
+    assert draws(GenerationConfig(temperature=0.0), 1, x) == [int(x.argmax())]
+
+
+def test_a_seed_fixes_the_sequence_and_another_seed_changes_it():
+    x = logits()
+    a = draws(GenerationConfig(temperature=1.0, seed=7), 40, x)
+    assert a == draws(GenerationConfig(temperature=1.0, seed=7), 40, x)
+    assert a != draws(GenerationConfig(temperature=1.0, seed=8), 40, x)
+    assert len(set(a)) > 1  # it does sample
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    x = logits(3)
+    top3 = set(torch.topk(x, 3).indices.tolist())
+    assert set(draws(GenerationConfig(temperature=1.5, top_k=3, seed=0), 300, x)) <= top3
+    assert draws(GenerationConfig(temperature=1.5, top_k=1, seed=0), 20, x) == [int(x.argmax())] * 20
+    assert draws(GenerationConfig(temperature=1.0, top_p=1e-6, seed=0), 20, x) == [int(x.argmax())] * 20
+    probs = torch.softmax(x, -1)
+    p_sorted, order = torch.sort(probs, descending=True)
+    nucleus = set(order[: int((torch.cumsum(p_sorted, 0) < 0.8).sum()) + 1].tolist())
+    got = set(draws(GenerationConfig(temperature=1.0, top_p=0.8, seed=1), 400, x))
+    assert got <= nucleus and len(got) > 1
+
+
+def test_temperature_sharpens():
+    x = logits(5)
+    cold = draws(GenerationConfig(temperature=0.05, seed=2), 200, x)
+    warm = draws(GenerationConfig(temperature=2.0, seed=2), 200, x)
+    assert cold.count(int(x.argmax())) > warm.count(int(x.argmax()))
+
+
+def test_sample_uses_only_the_given_generator():
+    x = logits()
+    cfg = GenerationConfig(temperature=1.0)
+    a = [sample(x, cfg, g) for g in [torch.Generator().manual_seed(4)] for _ in range(10)]
+    torch.manual_seed(123)  # the global RNG plays no part
+    b = [sample(x, cfg, g) for g in [torch.Generator().manual_seed(4)] for _ in range(10)]
+    assert a == b
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"), ({"seed": -1}, "seed"), ({"stop": ("",)}, "stop"),
+    ({"stop": ("a",) * 5}, "stop"), ({"stop": "abc"}, "stop"), ({"max_tokens": True}, "max_tokens"),
+])
+def test_bad_settings_are_clear_errors(kw, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        GenerationConfig(**kw)

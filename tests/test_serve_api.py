@@ -1,0 +1,250 @@
+"""The HTTP API: the official openai client, answers equal to the Python API's, and every bad
+input a clear 4xx (a server on a free loopback port, tiny model)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from _serve_util import TINY, one_torch_thread, running_server, tiny_serve_engine  # noqa: F401
+from blend.defaults import DEFAULT_SELECTOR
+from blend.generation import generate
+from blend.policy import ReusePolicy
+from blend.sampling import GenerationConfig
+from blend.serve.config import Limits, SchedulerConfig, ServeConfig
+from conftest import make_docs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+KEY = "sk-test-key"
+DOCS = make_docs(3, words=30, seed=4)
+LIMITS = Limits(max_body_bytes=64_000, max_documents=4, max_prompt_tokens=3000, max_tokens=2000,
+                default_max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def srv(one_torch_thread):
+    engine = tiny_serve_engine()
+    config = ServeConfig(model=TINY, api_key=KEY, limits=LIMITS, scheduler=SchedulerConfig(max_concurrency=4))
+    with running_server(engine, config) as running:
+        running.engine = engine
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def post(srv, body, key: str | None = KEY, path: str = "/v1/chat/completions", raw: bytes | None = None):
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(srv.url + path, content=content, headers=headers, timeout=30)
+
+
+def chat(question: str = "which river?", **kw) -> dict:
+    return {"model": TINY, "messages": [{"role": "user", "content": question}], "documents": DOCS,
+            "max_tokens": 8, "temperature": 0, **kw}
+
+
+def test_openai_client_chat_completions_and_streaming(client):
+    r = client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "which river?"}],
+                                       max_tokens=8, temperature=0, extra_body={"documents": DOCS})
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    ext = r.model_extra["kvblend"]
+    assert r.usage.completion_tokens == len(ext["answer_token_ids"]) >= 1
+    assert r.usage.prompt_tokens == ext["report"]["prompt_tokens"]
+    assert [s["kind"] for s in ext["report"]["segments"]] == ["preamble", "document", "document", "document",
+                                                               "question"]
+
+    again = client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "which river?"}],
+                                           max_tokens=8, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"documents": DOCS})
+    chunks = list(again)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert final.model_extra["kvblend"]["logits_sha256"] == ext["logits_sha256"]
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens == r.usage.completion_tokens
+    # the second time, preamble and documents are exact prefix hits
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - ext["report"]["segments"][-1]["tokens"]
+
+
+def test_openai_client_completions_and_models(client):
+    r = client.completions.create(model=TINY, prompt="which stone?", max_tokens=6, temperature=0,
+                                  extra_body={"documents": DOCS[:1]})
+    assert r.object == "text_completion" and r.usage.completion_tokens >= 1
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=TINY, prompt="which stone?", max_tokens=6, temperature=0, stream=True,
+        extra_body={"documents": DOCS[:1]})]
+    assert "".join(pieces) == r.choices[0].text
+    assert [m.id for m in client.models.list()] == [TINY]
+
+
+@pytest.mark.parametrize("kvblend, sampling", [
+    ({"reuse": "exact"}, {"temperature": 0}),
+    ({"reuse": "blend", "ratio": 0.3, "selector": "v"}, {"temperature": 0}),
+    ({"reuse": "exact"}, {"temperature": 0.9, "top_p": 0.9, "top_k": 40, "seed": 1234}),
+    ({"reuse": "blend", "ratio": 0.15}, {"temperature": 0.7, "seed": 99, "stop": ["q"]}),
+])
+def test_server_answers_equal_the_python_api(srv, kvblend, sampling):
+    body = chat("which harbor?", max_tokens=12, kvblend=kvblend, **sampling)
+    got = post(srv, body).json()
+    ext = got["kvblend"]
+    engine = srv.engine
+    policy = (ReusePolicy.exact() if kvblend["reuse"] == "exact"
+              else ReusePolicy.blend(ratio=kvblend["ratio"], selector=kvblend.get("selector", DEFAULT_SELECTOR)))
+    cfg = GenerationConfig(max_tokens=12, temperature=sampling["temperature"], top_p=sampling.get("top_p", 1.0),
+                           top_k=sampling.get("top_k", 0), seed=sampling.get("seed"),
+                           stop=tuple(sampling.get("stop", ())))
+    ref = generate(engine, engine.build_prompt("which harbor?", DOCS), policy, cfg)
+    assert ext["logits_sha256"] == ref.logits_sha256()
+    assert ext["answer_token_ids"] == ref.token_ids
+    assert ext["steps_sha256"] == ref.steps_sha256  # alone in the batch: the very same numbers
+    assert got["choices"][0]["message"]["content"] == ref.text
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b"{not json", 400, "malformed JSON"),
+    ({"model": TINY, "messages": "hello"}, 400, "messages"),
+    (chat(temperature="hot"), 400, "temperature"),
+    (chat(kvblend={"reuse": "fast"}), 400, "kvblend.reuse"),
+    (chat(kvblend={"reuse": "blend", "ratoi": 0.2}), 400, "kvblend.ratoi"),
+    (chat(kvblend={"reuse": "blend", "ratio": 1.5}), 400, "kvblend.ratio"),
+    (chat(kvblend={"reuse": "blend", "selector": "best"}), 400, "kvblend.selector"),
+    (chat(kvblend={"reuse": "blend", "semantic": True}), 400, "--experimental-semantic"),
+    (chat(documents=["a"] * 5), 413, "at most 4"),
+    (chat(documents=["word " * 700]), 413, "exceeds the limit of 3000"),
+    (chat(documents=["word " * 500], max_tokens=2000), 400, "context of 4096"),
+    (chat(max_tokens=5000), 400, "limit of 2000"),
+    (chat(max_tokens=0), 400, "max_tokens"),
+    (chat(documents=[" "]), 400, "document 1 is empty"),
+    (chat(documents=[{"text": "x", "page": 3}]), 400, "documents.0"),
+    (chat(n=2), 400, "n:"),
+    (chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    (chat(logprobs=True), 400, "logprobs"),
+    (chat(cache_salt=7), 400, "cache_salt"),
+    ({**chat(), "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                             {"role": "user", "content": "c"}]}, 400, "one user message"),
+    ({**chat(), "messages": [{"role": "user", "content": "   "}]}, 400, "question is empty"),
+    (chat(model="gpt-4o"), 404, "not served here"),
+    ({"model": TINY, "prompt": ["a", "b"]}, 400, "exactly one prompt"),
+])
+def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(srv, body, status, needle):
+    path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+    r = post(srv, None if isinstance(body, bytes) else body, raw=body if isinstance(body, bytes) else None, path=path)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    assert post(srv, chat(max_tokens=2)).status_code == 200
+
+
+def test_api_key_is_checked_before_anything_else(srv):
+    for key in (None, "wrong"):
+        r = post(srv, chat(), key=key)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert post(srv, None, key=key, raw=b"{not json").status_code == 401
+    assert httpx.get(srv.url + "/v1/models").status_code == 401
+    assert httpx.get(srv.url + "/health").json()["status"] == "ok"  # health and metrics stay open
+    assert httpx.get(srv.url + "/metrics").status_code == 200
+
+
+def test_an_oversized_body_is_refused_without_reading_it(srv):
+    r = post(srv, None, raw=b"x" * (LIMITS.max_body_bytes + 1))
+    assert r.status_code == 413 and "exceeds 64000 bytes" in r.json()["error"]["message"]
+
+
+def test_unknown_path_and_method_are_json_errors(srv):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.get(srv.url + "/v1/nothing", headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    assert httpx.get(srv.url + "/nothing").status_code == 404
+    assert httpx.get(srv.url + "/v1/chat/completions", headers=auth).status_code == 405
+
+
+def test_cache_salt_isolates_tenants(srv):
+    docs = make_docs(2, seed=31)
+    def cached(salt: str) -> int:
+        r = post(srv, chat(documents=docs, cache_salt=salt, max_tokens=2)).json()
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # another salt finds nothing, not even the preamble
+    assert cached("tenant-a") > 0
+
+
+def test_client_disconnect_cancels_the_request(srv):
+    sched = srv.scheduler
+    before = sched.cancelled
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=chat(max_tokens=1900, stream=True, ignore_eos=True),
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        next(lines)
+        lines.close()  # the client goes away mid-stream
+    with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
+        httpx.post(srv.url + "/v1/chat/completions", json=chat(max_tokens=1900, ignore_eos=True),
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+    deadline = time.monotonic() + 20
+    while (sched.cancelled < before + 2 or sched.active) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sched.cancelled == before + 2 and sched.active == 0
+
+
+def test_metrics_expose_requests_latency_reuse_and_store(srv):
+    post(srv, chat(max_tokens=2))
+    post(srv, chat(max_tokens=2))
+    post(srv, chat(max_tokens=2, kvblend={"reuse": "blend", "ratio": 0.2}))
+    text = httpx.get(srv.url + "/metrics").text
+    for needle in ('kvblend_requests_total{endpoint="/v1/chat/completions",status="200"}',
+                   'kvblend_requests_total{endpoint="/v1/chat/completions",status="400"}',
+                   "kvblend_ttft_seconds_count", "kvblend_e2e_seconds_count", "kvblend_output_tokens_total",
+                   "kvblend_output_tokens_per_second", 'kvblend_segments_total{class="exact"}',
+                   'kvblend_store_lookups_total{result="hit"}', 'kvblend_store_lookups_total{result="miss"}',
+                   "kvblend_recomputed_fraction_count", "kvblend_queue_depth", "kvblend_active_requests",
+                   "kvblend_decode_batch_size_count", "kvblend_cached_tokens_total"):
+        assert needle in text, needle
+    hits = [line for line in text.splitlines() if line.startswith('kvblend_store_lookups_total{result="hit"}')]
+    assert float(hits[0].split()[-1]) > 0
+
+
+def test_a_full_queue_answers_429_with_retry_after(one_torch_thread):
+    engine = tiny_serve_engine()
+    config = ServeConfig(model=TINY, limits=LIMITS, scheduler=SchedulerConfig(max_concurrency=1, max_queue=0))
+    with running_server(engine, config) as s:
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=chat(max_tokens=1900, stream=True, ignore_eos=True),
+                          timeout=30) as busy:
+            lines = busy.iter_lines()  # keep the iterator: dropping it closes the connection
+            next(lines)  # the one slot is taken
+            r = httpx.post(s.url + "/v1/chat/completions", json=chat(max_tokens=2), timeout=30)
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert "max_queue=0" in r.json()["error"]["message"]
+        deadline = time.monotonic() + 20
+        while s.scheduler.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert httpx.post(s.url + "/v1/chat/completions", json=chat(max_tokens=2), timeout=30).status_code == 200
+
+
+def test_semantic_reuse_needs_the_server_flag_and_then_works(one_torch_thread):
+    engine = tiny_serve_engine(experimental_semantic=True)
+    with running_server(engine, ServeConfig(model=TINY, experimental_semantic=True)) as s:
+        docs = make_docs(2, words=40, seed=8)
+        edited = [docs[0], docs[1].replace("(doc 1)", "(doc one)")]
+        first = httpx.post(s.url + "/v1/chat/completions", timeout=60, json=chat(
+            documents=docs, kvblend={"reuse": "blend", "ratio": 0.2, "semantic": True})).json()
+        assert first["kvblend"]["report"]["policy"].startswith("blend")
+        again = httpx.post(s.url + "/v1/chat/completions", timeout=60, json=chat(
+            documents=edited, kvblend={"reuse": "blend", "ratio": 0.2, "semantic": True})).json()
+        classes = [seg["class"] for seg in again["kvblend"]["report"]["segments"]]
+        assert classes[2] == "semantic"  # the edited document reused its near-duplicate's KV
+        salted = httpx.post(s.url + "/v1/chat/completions", timeout=60, json=chat(
+            documents=edited, cache_salt="t", kvblend={"reuse": "blend", "semantic": True}))
+        assert salted.status_code == 400 and "cache_salt" in salted.json()["error"]["message"]

@@ -1,0 +1,73 @@
+"""The playground page (GET /) in a real headless Chromium: ask, watch the answer stream in,
+see each document with its recomputed tokens highlighted."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import httpx
+import pytest
+
+from _serve_util import TINY, one_torch_thread, running_server, tiny_serve_engine  # noqa: F401
+from blend.serve.config import ServeConfig
+from conftest import make_docs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+DOCS = make_docs(3, words=30, seed=5)
+QUESTION = "which lantern?"
+
+
+def chromium_path() -> str | None:
+    """Debian's chromium ($KVBLEND_CHROMIUM overrides)."""
+    for candidate in (os.environ.get("KVBLEND_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        if candidate and (path := shutil.which(candidate)):
+            return path
+    return None
+
+
+def test_playground_streams_an_answer_and_highlights_recomputed_tokens(one_torch_thread):
+    exe = chromium_path()
+    if exe is None:
+        pytest.skip("no chromium executable (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    engine = tiny_serve_engine()
+    with running_server(engine, ServeConfig(model=TINY)) as srv, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(srv.url + "/")
+            assert page.title() == "kvblend playground"
+            page.fill("#question", QUESTION)
+            page.click("#add-doc")
+            texts = page.locator(".doc-text")
+            assert texts.count() == 3
+            for i, doc in enumerate(DOCS):
+                texts.nth(i).fill(doc)
+            page.select_option("#reuse", "blend")
+            page.fill("#ratio", "0.3")
+            page.fill("#max-tokens", "8")
+            page.fill("#temperature", "0")
+            page.click("#ask")
+            page.wait_for_selector("body[data-done='1']", timeout=60_000)
+            assert page.inner_text("#error") == ""
+            answer = page.text_content("#answer")
+            stats = page.inner_text("#stats")
+            boxes = page.locator(".docview")
+            shown = [[i for i, cls in enumerate(boxes.nth(d).locator(".tok").evaluate_all(
+                "els => els.map(e => e.className)")) if "recomputed" in cls] for d in range(boxes.count())]
+            texts_shown = [boxes.nth(d).locator(".tok").evaluate_all("els => els.map(e => e.textContent).join('')")
+                           for d in range(boxes.count())]
+        finally:
+            browser.close()
+        api = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": TINY, "messages": [{"role": "user", "content": QUESTION}], "documents": DOCS,
+            "max_tokens": 8, "temperature": 0, "kvblend": {"reuse": "blend", "ratio": 0.3}}).json()
+    assert answer == api["choices"][0]["message"]["content"]  # the page shows the API's answer
+    assert "TTFT" in stats and "recomputed" in stats
+    docs = [s for s in api["kvblend"]["report"]["segments"] if s["kind"] == "document"]
+    assert shown == [s["recomputed_offsets"] for s in docs]  # exactly the selected rows are highlighted
+    assert sum(map(len, shown)) > 0
+    assert texts_shown == [d.strip() + "\n\n" for d in DOCS]  # every token of every document is shown

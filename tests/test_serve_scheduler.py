@@ -1,0 +1,226 @@
+"""The scheduler: concurrent answers equal one-at-a-time ones, single-flight, prefill beside decode,
+admission limits and cancellation (no HTTP here).
+
+Tolerance: with DecodeBatching.INVARIANT every answer is bit-identical to the
+same request run alone (tokens and the hash over every sampled-from logits
+row); with THROUGHPUT the first-token logits are bit-identical (prefills are
+not batched) and the tokens equal, decode logits agree within float rounding
+(see test_batch_decode).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from _serve_util import one_torch_thread, tiny_serve_engine  # noqa: F401 - module fixture
+from blend.batch_decode import DecodeBatching
+from blend.errors import InvalidPolicyError
+from blend.generation import generate
+from blend.keys import Namespace
+from blend.policy import ReusePolicy
+from blend.sampling import GenerationConfig
+from blend.serve.config import SchedulerConfig
+from blend.serve.scheduler import EventKind, QueueFullError, Scheduler
+from blend.store.memory import MemoryStore
+from conftest import make_docs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def wait_until(cond, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+class Collector:
+    """Events of several requests, by request index."""
+
+    def __init__(self) -> None:
+        self.events: dict[int, list] = {}
+        self.lock = threading.Lock()
+        self.done = threading.Condition(self.lock)
+
+    def sink(self, i: int):
+        def put(ev) -> None:
+            with self.lock:
+                self.events.setdefault(i, []).append((time.monotonic(), ev))
+                self.done.notify_all()
+        return put
+
+    def wait(self, n: int, timeout: float = 60) -> None:
+        with self.lock:
+            assert self.done.wait_for(lambda: sum(
+                1 for evs in self.events.values() if evs[-1][1].kind in (EventKind.DONE, EventKind.FAILED)) >= n,
+                timeout)
+
+    def last(self, i: int):
+        return self.events[i][-1][1]
+
+
+class SlowStore(MemoryStore):
+    """A memory store whose misses take ``delay`` seconds (a slow tier); counts puts per key."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__()
+        self.delay = delay
+        self.puts: Counter = Counter()
+        self.slow_window: list[tuple[float, float]] = []
+
+    def get(self, ns, key, provenance):
+        found = super().get(ns, key, provenance)
+        if found.entry is None and self.delay:
+            t0 = time.monotonic()
+            time.sleep(self.delay)
+            self.slow_window.append((t0, time.monotonic()))
+        return found
+
+    def put(self, ns, key, entry):
+        self.puts[(ns, bytes(key))] += 1
+        super().put(ns, key, entry)
+
+
+@pytest.fixture
+def make_scheduler():
+    made = []
+
+    def make(engine, **cfg) -> Scheduler:
+        s = Scheduler(engine, SchedulerConfig(**cfg))
+        s.start()
+        made.append(s)
+        return s
+
+    threads = torch.get_num_threads()
+    yield make
+    for s in made:
+        s.close()
+    torch.set_num_threads(threads)  # a scheduler thread's setting also becomes torch's default for new threads
+
+
+def requests(engine, n: int):
+    """Mixed requests: exact and blend, greedy and seeded sampling, different lengths and budgets."""
+    out = []
+    for i in range(n):
+        prompt = engine.build_prompt(f"question {i}?", make_docs(2 + i % 2, words=12 + 5 * i, seed=i % 3))
+        policy = ReusePolicy.blend(ratio=0.3) if i % 3 == 1 else ReusePolicy.exact()
+        cfg = GenerationConfig(max_tokens=6 + 3 * i, temperature=0.0 if i % 2 == 0 else 0.8, seed=100 + i)
+        out.append((prompt, policy, cfg))
+    return out
+
+
+@pytest.mark.parametrize("batching, threads", [
+    (DecodeBatching.INVARIANT, {}),
+    (DecodeBatching.THROUGHPUT, {}),
+    (DecodeBatching.THROUGHPUT, {"torch_threads": 1, "idle_decode_threads": 2}),  # decode threads change
+])
+def test_concurrent_answers_equal_one_at_a_time(make_scheduler, batching, threads):
+    engine = tiny_serve_engine()
+    reqs = requests(engine, 7)
+    sched = make_scheduler(engine, batching=batching, prefill_workers=2, **threads)
+    col = Collector()
+    for i, (p, pol, cfg) in enumerate(reqs):
+        sched.submit(p, pol, cfg, col.sink(i))
+    col.wait(len(reqs))
+    for i, (p, pol, cfg) in enumerate(reqs):
+        got = col.last(i).completion
+        ref = generate(engine, p, pol, cfg, batching)
+        assert got.logits_sha256() == ref.logits_sha256(), i
+        assert got.token_ids == ref.token_ids, i
+        assert got.text == "".join(ev.text for _, ev in col.events[i]), i  # the streamed pieces add up
+        if batching is DecodeBatching.INVARIANT:
+            assert got.steps_sha256 == ref.steps_sha256, i
+    assert sched.steps < sum(cfg.max_tokens for _, _, cfg in reqs)  # decode steps were shared
+
+
+@pytest.mark.parametrize("single_flight", [True, False])
+def test_single_flight_computes_a_shared_missing_chunk_once(make_scheduler, single_flight):
+    store = SlowStore(delay=0.3)  # every miss is slow, so both requests are in flight together
+    engine = tiny_serve_engine(store=store)
+    docs = make_docs(2, seed=7)
+    reqs = [(engine.build_prompt(q, docs), ReusePolicy.blend(ratio=0.2), GenerationConfig(max_tokens=3))
+            for q in ("first question?", "second question?")]
+    sched = make_scheduler(engine, prefill_workers=2, single_flight=single_flight)
+    col = Collector()
+    for i, (p, pol, cfg) in enumerate(reqs):
+        sched.submit(p, pol, cfg, col.sink(i))
+    col.wait(2)
+    canonical = [n for (ns, _), n in store.puts.items() if ns is Namespace.CANONICAL]
+    assert len(canonical) == 2  # two documents
+    if single_flight:
+        assert canonical == [1, 1]  # each computed once: the other request waited for it
+        assert engine.store.waited >= 1
+        assert engine.store.claimed() == 0
+    else:
+        assert canonical == [2, 2]  # the race the claims prevent
+    for i, (p, pol, cfg) in enumerate(reqs):  # and nobody's answer changed
+        assert col.last(i).completion.logits_sha256() == generate(engine, p, pol, cfg).logits_sha256()
+
+
+def test_a_long_prefill_does_not_stall_other_streams(make_scheduler):
+    store = SlowStore()
+    engine = tiny_serve_engine(store=store)
+    sched = make_scheduler(engine)
+    col = Collector()
+    streaming = engine.build_prompt("long answer?", make_docs(1))
+    ticket = sched.submit(streaming, ReusePolicy.exact(), GenerationConfig(max_tokens=3000, ignore_eos=True),
+                          col.sink(0))
+    wait_until(lambda: sched.steps >= 5)
+    store.delay = 0.5  # the next request's store misses take 0.5 s each
+    steps_before = sched.steps
+    sched.submit(engine.build_prompt("other?", make_docs(2, seed=9)), ReusePolicy.exact(),
+                 GenerationConfig(max_tokens=2), col.sink(1))
+    col.wait(1)
+    assert 1 in col.events and col.last(1).kind is EventKind.DONE
+    (t0, _), (_, t1) = store.slow_window[0], store.slow_window[-1]
+    during = [t for t, ev in col.events[0] if t0 <= t <= t1]
+    assert t1 - t0 >= 0.5 and sched.steps - steps_before >= 20
+    assert len(during) >= 10  # request 0 kept streaming while request 1 prefilled
+    ticket.cancel()
+
+
+def test_queue_full_is_refused_with_a_retry_hint(make_scheduler):
+    store = SlowStore(delay=0.5)
+    engine = tiny_serve_engine(store=store)
+    sched = make_scheduler(engine, max_concurrency=1, max_queue=1)
+    col = Collector()
+    prompt = engine.build_prompt("q?", make_docs(1))
+    sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=2), col.sink(0))
+    sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=2), col.sink(1))
+    with pytest.raises(QueueFullError, match="max_queue=1") as exc:
+        sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=2), col.sink(2))
+    assert exc.value.retry_after_s >= 1
+    col.wait(2)
+    assert sched.active == 0 and sched.queue_depth == 0
+
+
+def test_cancel_leaves_the_batch_and_frees_the_slot(make_scheduler):
+    engine = tiny_serve_engine()
+    sched = make_scheduler(engine)
+    col = Collector()
+    ticket = sched.submit(engine.build_prompt("q?", make_docs(1)), ReusePolicy.exact(),
+                          GenerationConfig(max_tokens=1000), col.sink(0))
+    wait_until(lambda: sched.steps >= 3)
+    ticket.cancel()
+    wait_until(lambda: not sched.active)
+    assert sched.active == 0 and sched.cancelled == 1
+    assert all(ev.kind is not EventKind.DONE for _, ev in col.events[0])
+    assert sched.steps < 900
+
+
+def test_a_failing_request_does_not_stop_the_scheduler(make_scheduler):
+    engine = tiny_serve_engine()
+    sched = make_scheduler(engine)
+    col = Collector()
+    prompt = engine.build_prompt("q?", make_docs(2))
+    sched.submit(prompt, ReusePolicy.blend(check_layers=(99,)), GenerationConfig(max_tokens=2), col.sink(0))
+    col.wait(1)
+    assert col.last(0).kind is EventKind.FAILED and isinstance(col.last(0).error, InvalidPolicyError)
+    sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=2), col.sink(1))
+    col.wait(2)
+    assert col.last(1).kind is EventKind.DONE and sched.active == 0
