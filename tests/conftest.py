@@ -24,6 +24,17 @@ def make_docs(n: int, words: int = 40, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) + f" (doc {i})" for i in range(n)]
 
 
+@pytest.fixture(scope="module")
+def redis_url():
+    """A Redis for the tests: $KVBLEND_TEST_REDIS, else a private server (skips if neither)."""
+    from _store_util import RedisServer, redis_url_for_tests
+
+    url, server = redis_url_for_tests()
+    yield url
+    if isinstance(server, RedisServer):
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_engine_factory():
     """Build fresh tiny engines (each with its own empty memory store)."""

@@ -33,16 +33,6 @@ def docs(tmp_path):
     return paths
 
 
-@pytest.fixture(scope="module")
-def redis_url():
-    from _store_util import RedisServer, redis_url_for_tests
-
-    url, server = redis_url_for_tests()
-    yield url
-    if isinstance(server, RedisServer):
-        server.stop()
-
-
 def ask_args(docs, *extra):
     args = ["ask", "Which word?", "--model", "tiny-llama", "--json", "--max-new-tokens", "4"]
     for d in docs:

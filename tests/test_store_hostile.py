@@ -282,14 +282,6 @@ def test_disk_store_root_that_is_a_file_is_unreachable(tmp_path: Path) -> None:
 # ---- Redis tier -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    url, server = redis_url_for_tests()
-    yield url
-    if isinstance(server, RedisServer):
-        server.stop()
-
-
 @pytest.fixture
 def rstore(redis_url: str) -> Iterator[RedisStore]:
     s = RedisStore(redis_url, prefix=unique_prefix())

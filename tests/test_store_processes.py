@@ -116,14 +116,6 @@ def test_two_disk_writers_of_one_key_leave_one_valid_entry(tmp_path: Path) -> No
     assert list(store.keys(NS)) == [key_for(PROV, 0)] and store.temp_files() == []
 
 
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    url, server = redis_url_for_tests()
-    yield url
-    if isinstance(server, RedisServer):
-        server.stop()
-
-
 def test_redis_sigkill_and_concurrent_writers(redis_url: str) -> None:
     prefix = unique_prefix()
     store = RedisStore(redis_url, prefix=prefix)

@@ -26,14 +26,6 @@ PROV = make_prov()
 J = PROV.canonical_json()
 
 
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    url, server = redis_url_for_tests()
-    yield url
-    if isinstance(server, RedisServer):
-        server.stop()
-
-
 @pytest.fixture
 def store(redis_url: str) -> Iterator[RedisStore]:
     s = RedisStore(redis_url, prefix=unique_prefix())
