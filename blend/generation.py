@@ -112,7 +112,7 @@ class TokenStream:
         """
         if self.finished:
             raise RuntimeError("step() on a finished TokenStream")
-        self._hash.update(logits.float().contiguous().numpy().tobytes())
+        self._hash.update(memoryview(logits.float().contiguous().numpy()))  # no copy of the row
         self._steps += 1
         tok = self.sampler(logits)
         cfg = self.config

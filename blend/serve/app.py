@@ -4,7 +4,7 @@
     GET /health                 GET /metrics           GET /   (playground page)
 
 A request is validated (pydantic), checked against the limits
-(:mod:`blend.serve.requests`), and submitted to the scheduler, whose threads
+(:mod:`blend.serve.intake`), and submitted to the scheduler, whose threads
 hand events back to the event loop through an ``asyncio.Queue``. A response
 starts only after the request's first event, so a refusal found while
 prefilling (a policy the model cannot serve) still gets its 4xx status;
@@ -37,7 +37,7 @@ from blend.serve.protocol import (
     DONE, Endpoint, ErrorType, ResponseHead, error_body, final_chunk, full_body, kvblend_extension, sse, text_chunk,
     usage_chunk,
 )
-from blend.serve.requests import ApiError, Job, prepare
+from blend.serve.intake import ApiError, Job, prepare
 from blend.serve.scheduler import Event, EventKind, QueueFullError, Scheduler, Ticket
 from blend.serve.schemas import ChatCompletionRequest, CompletionRequest
 
