@@ -335,6 +335,22 @@ def test_verify_against_unreachable_redis_is_not_clean() -> None:
     assert code == 3 and "unreachable" in out.getvalue() and "redis" in out.getvalue()
 
 
+@pytest.mark.parametrize("command", ["ls", "stats", "clear"])
+def test_ls_stats_clear_name_an_unreachable_tier_and_exit_3(
+        command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    parser = argparse.ArgumentParser()
+    add_store_commands(parser.add_subparsers(dest="command"))
+    out = io.StringIO()
+    spec = f"disk:{tmp_path / 'kv'},{url}"  # the disk tier answers, Redis does not
+    code = run_store_command(parser.parse_args(["store", command, "--store", spec]), out)
+    err = capsys.readouterr().err
+    assert code == 3
+    assert "tier redis unreachable" in err and "disk" not in err.split("unreachable")[0]
+    ok = run_store_command(parser.parse_args(["store", command, "--store", f"disk:{tmp_path / 'kv'}"]), io.StringIO())
+    assert ok == 0
+
+
 def test_verify_when_redis_dies_mid_scan_is_not_clean(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     server = RedisServer(free_port())
     server.start()

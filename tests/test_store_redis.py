@@ -17,6 +17,7 @@ from blend.keys import Namespace
 from blend.store.base import LookupStatus
 from blend.store.codec import encode
 from blend.store.memory import MemoryStore
+import blend.store.redis_store as redis_store
 from blend.store.redis_store import RedisStore
 from blend.store.tiered import TieredStore
 from _store_util import NS, RedisServer, key_for, make_prov, other_prov, own_redis_server, rand_entry
@@ -220,3 +221,23 @@ def test_record_log_rewrite_is_compare_and_swap(store: RedisStore) -> None:
     assert store.read_records("donors-x") == [b"a", b"b"]
     assert store.rewrite_records("donors-x", [b"a", b"b"], []) is True
     assert store.read_records("donors-x") == []
+
+
+def test_record_log_reads_in_pages_and_refuses_an_oversized_list(
+        store: RedisStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(redis_store, "LOG_PAGE", 3)
+    lines = [f"record {i}".encode() for i in range(10)]
+    for ln in lines:
+        store.append_record("donors", ln)
+    assert store.read_records("donors") == lines  # four pages, in order
+    monkeypatch.setattr(redis_store, "MAX_LOG_BYTES", 40)  # the ten records hold 80 bytes
+    monkeypatch.setattr(redis_store, "LOG_OVERHEAD_BYTES", 1 << 30)  # let the paged count decide
+    with caplog.at_level(logging.WARNING, logger="blend.store.redis_store"):
+        assert store.read_records("donors") == []
+    assert "over 40; not read" in caplog.text
+    monkeypatch.setattr(redis_store, "LOG_OVERHEAD_BYTES", 0)  # now the server's size figure refuses it
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="blend.store.redis_store"):
+        assert store.read_records("donors") == []
+    assert "not read" in caplog.text
+    assert store.available  # a refused log is not an outage

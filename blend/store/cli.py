@@ -96,17 +96,30 @@ def _namespaces(args: argparse.Namespace) -> list[Namespace]:
     return [Namespace(ns)] if ns else list(Namespace)
 
 
+def _unreachable(store: InspectableStore, what: str) -> int:
+    """Say on stderr which tiers could not be reached (so ``what`` left them out).
+
+    Returns:
+        ``EXIT_UNREACHABLE`` if any tier is down, else 0.
+    """
+    down = [(t.name, why) for t in _tiers(store) if (why := t.check_reachable())]
+    for name, why in down:
+        print(f"kvblend store: tier {name} unreachable ({why}); {what}", file=sys.stderr)
+    return EXIT_UNREACHABLE if down else 0
+
+
 def _stats(store: InspectableStore, as_json: bool, out: TextIO) -> int:
+    status = _unreachable(store, "its figures are not real")
     rows = [(t.name, t.stats()) for t in _tiers(store)]
     if as_json:
         json.dump({name: asdict(s) for name, s in rows}, out, indent=1)
         out.write("\n")
-        return 0
+        return status
     out.write(f"{'tier':<8} {'entries':>8} {'MiB':>10} {'hits':>6} {'misses':>6} {'rejected':>8}  extra\n")
     for name, s in rows:
         extra = " ".join(f"{k}={v:g}" for k, v in sorted(s.extra.items()))
         out.write(f"{name:<8} {s.entries:>8} {s.bytes / 2**20:>10.1f} {s.hits:>6} {s.misses:>6} {s.rejected:>8}  {extra}\n")
-    return 0
+    return status
 
 
 def _model_of(provenance: str) -> str:
@@ -120,6 +133,7 @@ def _model_of(provenance: str) -> str:
 
 
 def _ls(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
+    status = _unreachable(store, "its entries are not listed")
     rows: list[dict[str, Any]] = []
     for tier in _tiers(store):
         for ns in _namespaces(args):
@@ -138,7 +152,7 @@ def _ls(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         json.dump(rows, out, indent=1)
         out.write("\n")
-        return 0
+        return status
     for r in rows:
         if "error" in r:
             out.write(f"{r['tier']:<6} {r['namespace']:<9} {r['key'][:16]}  UNREADABLE: {r['error']}\n")
@@ -147,7 +161,7 @@ def _ls(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
             out.write(f"{r['tier']:<6} {r['namespace']:<9} {r['key'][:16]}  L={L} Hkv={H} T={T} D={D} "
                       f"{r['dtype']:<8} {r['bytes'] / 2**20:8.2f} MiB  {r['model']}\n")
     out.write(f"{len(rows)} entries\n")
-    return 0
+    return status
 
 
 def _verify(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
@@ -197,6 +211,7 @@ def _verify(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> i
 
 
 def _clear(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
+    status = _unreachable(store, "its entries are not deleted")
     ns = getattr(args, "namespace", None)
     n = store.clear(Namespace(ns) if ns else None)
     if args.json:
@@ -204,7 +219,7 @@ def _clear(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> in
         out.write("\n")
     else:
         out.write(f"deleted {n} entries\n")
-    return 0
+    return status
 
 
 def _prune(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
@@ -232,7 +247,8 @@ def run_store_command(args: argparse.Namespace, out: TextIO | None = None) -> in
 
     Returns:
         The process exit status: 0 ok, 1 corrupt entries found (or left undeleted), 2 bad store
-        spec (or no disk tier to prune), 3 ``verify`` could not reach a tier (nothing is reported clean).
+        spec (or no disk tier to prune), 3 a tier could not be reached (``verify`` reports nothing
+        clean; ``ls``, ``stats`` and ``clear`` name the tier on stderr and cover only the others).
     """
     out = out or sys.stdout
     try:

@@ -49,8 +49,21 @@ from blend.store.codec import (
     encode_parts,
     header_length,
 )
+from blend.store.record_logs import MAX_LOG_BYTES
 
 log = logging.getLogger(__name__)
+
+LOG_PAGE = 1024  # records per LRANGE page of a record-log read
+LOG_OVERHEAD_BYTES = 1 << 20  # the server's per-list bookkeeping on top of the records' bytes
+
+
+class OversizedLogError(Exception):
+    """A record log larger than ``MAX_LOG_BYTES`` (it is not read)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"record log of {size} bytes")
+        self.size = size
+
 
 T = TypeVar("T")
 HEADER_PROBE = 4096  # bytes fetched with the length; a real header is ~1 KB
@@ -125,6 +138,8 @@ class RedisStore:
             return default
         try:
             result = fn()
+        except OversizedLogError:  # the server answered; the data is refused, not the server
+            raise
         except redis.ResponseError as e:  # the server answered with an error: not an outage
             log.warning("redis store %s: %s failed: %s", self.url, what, e)
             return default
@@ -176,9 +191,36 @@ class RedisStore:
         return bool(self._call("rewrite_records", swap, False))
 
     def read_records(self, log_name: str) -> list[bytes]:
-        """Every record of the list (empty when absent or the server is down)."""
-        got = self._call("read_records", lambda: self._client.lrange(f"{self.prefix}:log:{log_name}".encode(), 0, -1), [])
-        return [bytes(x) for x in got or []]
+        """Every record of the list (empty when absent or the server is down; empty,
+        with a warning, when the list holds more than ``MAX_LOG_BYTES``: it is read
+        in pages, and the server's own size figure is checked before the first)."""
+        name = f"{self.prefix}:log:{log_name}".encode()
+
+        def bounded() -> list[bytes]:
+            try:
+                size = self._client.memory_usage(name, samples=0) or 0  # bytes the key holds (0 when absent)
+            except redis.ResponseError:  # a Redis-compatible server without MEMORY: the pages still bound it
+                size = 0
+            if size > MAX_LOG_BYTES + LOG_OVERHEAD_BYTES:
+                raise OversizedLogError(size)
+            lines: list[bytes] = []
+            total, start = 0, 0
+            while True:
+                page = [bytes(x) for x in self._client.lrange(name, start, start + LOG_PAGE - 1)]
+                total += sum(len(x) for x in page)
+                if total > MAX_LOG_BYTES:  # grew after the size check
+                    raise OversizedLogError(total)
+                lines += page
+                if len(page) < LOG_PAGE:
+                    return lines
+                start += LOG_PAGE
+
+        try:
+            return self._call("read_records", bounded, [])
+        except OversizedLogError as e:
+            log.warning("redis store %s: log %s holds %d bytes, over %d; not read", self.url, log_name,
+                        e.size, MAX_LOG_BYTES)
+            return []
 
     def rkey(self, ns: Namespace, key: StoreKey) -> bytes:
         """The Redis key of (ns, key)."""
