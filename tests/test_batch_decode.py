@@ -80,8 +80,12 @@ def test_a_full_cache_is_refused(tiny_engine):
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
 @pytest.mark.parametrize("batching", list(DecodeBatching))
-def test_decode_numbers_do_not_depend_on_the_thread_count(tiny_engine_factory, model, batching):
-    engine = tiny_engine_factory(model)  # the scheduler gives decode steps every core while no prefill runs
+def test_decode_numbers_change_with_the_thread_count_by_rounding_only(tiny_engine_factory, model, batching):
+    # The scheduler may give THROUGHPUT decode steps every core while no prefill runs. Whether a GEMM's
+    # sums depend on the thread count is the BLAS library's and the CPU's business (on AMD EPYC a 5-row
+    # fp32 GEMM differs by ~1e-6 between 1 and 2 threads; elsewhere it is bitwise equal), so the bound
+    # promised is float rounding; INVARIANT mode never changes its thread count (next test).
+    engine = tiny_engine_factory(model)
     rows = {}
     for threads in (1, 2):
         caches, toks = prefilled(engine, 5)
@@ -90,4 +94,5 @@ def test_decode_numbers_do_not_depend_on_the_thread_count(tiny_engine_factory, m
             rows[threads] = decode_batch(engine.runner, caches, toks, batching)
         finally:
             torch.set_num_threads(1)
-    assert torch.equal(rows[1], rows[2])
+    assert torch.allclose(rows[1], rows[2], atol=THROUGHPUT_ATOL, rtol=0)
+    assert torch.equal(rows[1].argmax(-1), rows[2].argmax(-1))

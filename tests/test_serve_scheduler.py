@@ -224,3 +224,10 @@ def test_a_failing_request_does_not_stop_the_scheduler(make_scheduler):
     sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=2), col.sink(1))
     col.wait(2)
     assert col.last(1).kind is EventKind.DONE and sched.active == 0
+
+
+def test_batch_invariant_decoding_refuses_a_changing_thread_count():
+    # INVARIANT promises bit-identical answers; a different thread count may change GEMM rounding.
+    with pytest.raises(ValueError, match="batch-invariant"):
+        SchedulerConfig(batching=DecodeBatching.INVARIANT, torch_threads=1, idle_decode_threads=2)
+    assert SchedulerConfig(batching=DecodeBatching.THROUGHPUT, torch_threads=1, idle_decode_threads=2)

@@ -39,9 +39,11 @@ class SchedulerConfig:
             many times slower. A prefill's numbers depend on its thread count, so it is
             fixed for prefills.
         idle_decode_threads: threads the decode loop takes while no prefill runs
-            (THROUGHPUT mode only; None: always ``torch_threads``). Decode steps give the
-            same numbers at any thread count (tested), so this changes speed only; it
-            pays only on cores no other process uses (on shared cores an OpenMP team
+            (THROUGHPUT mode only; None: always ``torch_threads``). A decode step's
+            numbers change with the thread count by float rounding at most (tested; on
+            some CPUs not at all, on AMD EPYC a 5-row GEMM differs by ~1e-6), which
+            THROUGHPUT mode already allows; INVARIANT mode refuses it. It pays only on
+            cores no other process uses (on shared cores an OpenMP team
             waits for its descheduled members: a 16-row step took 15x longer on 2 threads).
     """
 
@@ -59,6 +61,9 @@ class SchedulerConfig:
             raise ValueError("max_concurrency and prefill_workers must be >= 1, max_queue >= 0")
         if any(n is not None and n < 1 for n in (self.torch_threads, self.idle_decode_threads)):
             raise ValueError("torch_threads and idle_decode_threads must be >= 1")
+        if self.idle_decode_threads is not None and self.batching is DecodeBatching.INVARIANT:
+            raise ValueError("idle_decode_threads changes the decode thread count, which changes float "
+                             "rounding: it cannot be combined with batch-invariant decoding")
 
 
 def default_torch_threads(prefill_workers: int) -> int:

@@ -22,8 +22,10 @@ or paging happens at admission; see :mod:`blend.batch_decode` for the step.
 Threads: each prefill worker and the decode loop run torch with their own
 intra-op thread count (``torch_threads``: the cores divided among them, so
 they never oversubscribe). Optionally the decode loop takes more while no
-prefill runs (``idle_decode_threads``): a decode step's numbers do not depend
-on the thread count, a prefill's do, so prefills keep theirs fixed.
+prefill runs (``idle_decode_threads``, THROUGHPUT mode only): that changes a
+decode step's numbers by float rounding at most, which THROUGHPUT mode allows
+anyway; prefills keep their thread count fixed (their logits are the ones
+reported bit for bit).
 
 Capacity: at most ``max_concurrency`` requests prefill or decode at once; up
 to ``max_queue`` more wait; a request beyond that is refused
