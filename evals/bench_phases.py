@@ -1,0 +1,206 @@
+"""TTFT by phase (issue 18): full prefill, full reuse and blend at three prompt sizes.
+
+For each size (~600 tokens: 5 passages cut short; ~3k: 5 passages; ~6k: 10
+passages of musique_dev) and item, every method runs interleaved in one
+process: an untimed warm-up, then per repeat one plain run (its TTFT is the
+figure; the ratio divides it by full prefill's plain TTFT of the same item
+and repeat) and one run under the :class:`~blend.evals.phases.PhaseClock`
+(its phase seconds; the remainder is "Python and the rest"). Chunk KV is
+precomputed, so reuse and blend read every document from the memory store.
+
+It also measures the *fixed overhead* of a blended request: full reuse's
+TTFT minus the question's own compute (its rows through every layer over a
+cache that already holds the documents), i.e. everything a blend adds that
+is not arithmetic on the question.
+
+    python -m blend.evals.bench_phases [--items 0-2] [--repeats 3] [--sizes 600,3k,6k] \
+        [--methods full,reuse,blend@0.15] [--dtype float32] --out DIR
+
+Writes DIR/phases.json, DIR/phases.md and DIR/phases.png (stacked bars in
+units of full prefill's TTFT at each size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from blend.defaults import DEFAULT_MODEL
+from blend.engine import Engine
+from blend.evals.data import load_items
+from blend.evals.environment import describe_environment
+from blend.evals.methods import MethodKind, parse_methods
+from blend.evals.phases import Phase, PhaseClock
+from blend.evals.splits import parse_item_range
+from blend.policy import ReusePolicy
+from blend.store.memory import MemoryStore
+
+DEFAULT_DATA = "../shared/data/musique_dev.json"
+FULL_REUSE = ReusePolicy.blend(ratio=0.0)
+SHORT_PASSAGE_CHARS = 480  # ~110 tokens: five of them make a ~630-token prompt
+
+
+@dataclass(frozen=True)
+class Size:
+    """A prompt size: passages per prompt and how much of each passage."""
+
+    name: str
+    passages: int
+    chars: int | None  # None: the whole passage
+
+
+SIZES = {"600": Size("600", 5, SHORT_PASSAGE_CHARS), "3k": Size("3k", 5, None), "6k": Size("6k", 10, None)}
+
+
+@dataclass(frozen=True)
+class PhaseRow:
+    """One method at one size: medians over items x repeats."""
+
+    size: str
+    method: str
+    prompt_tokens: int
+    ttft_s: float
+    ratio: float  # ttft / full prefill's ttft, per item and repeat, then the median
+    phases: dict[str, float]  # phase value -> seconds (phase-clocked run; sums to its ttft)
+
+
+def _prompts(engine: Engine, data: str, items: range, size: Size) -> list:
+    chosen = [it for i, it in enumerate(load_items(data, None, size.passages)) if i in items]
+    out = []
+    for it in chosen:
+        texts = [t[: size.chars] if size.chars else t for t in it.document_texts()]
+        out.append(engine.build_prompt(it.question, texts))
+    return out
+
+
+def _question_compute_s(engine: Engine, prompt) -> float:
+    """Seconds of the question's rows through every layer over a cache holding the rest of the prompt."""
+    ans = engine.generate(prompt, FULL_REUSE, max_new_tokens=1, keep_cache=True)
+    cache, nq = ans.cache, len(prompt.question)
+    cache.length = len(prompt) - nq
+    ids = engine.runner.ids(prompt.question.token_ids)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        h, _ = engine.runner.prefill(cache, ids, keep_kv=False)
+        engine.runner.logits(h[-1:])
+    return time.perf_counter() - t0
+
+
+def bench_size(engine: Engine, prompts: list, methods: list, repeats: int) -> tuple[list[PhaseRow], float]:
+    """Every method on every prompt, interleaved. Returns the rows and the median fixed overhead."""
+    policies = {m.name: m.policy() for m in methods}
+    check = {m.name: (policies[m.name].check_layers[0] if m.kind is MethodKind.BLEND and m.ratio else None)
+             for m in methods}
+    ttft: dict[str, list[float]] = {m.name: [] for m in methods}
+    ratio: dict[str, list[float]] = {m.name: [] for m in methods}
+    phases: dict[str, list[dict[Phase, float]]] = {m.name: [] for m in methods}
+    overhead = []
+    for p in prompts:
+        for m in methods:
+            engine.precompute(p, policies[m.name])
+            engine.generate(p, policies[m.name], max_new_tokens=1)  # warm-up
+        for r in range(repeats):
+            plain = {}
+            for m in methods[r % len(methods):] + methods[: r % len(methods)]:
+                plain[m.name] = engine.generate(p, policies[m.name], max_new_tokens=1).ttft_s
+                with PhaseClock(check[m.name]) as clock:
+                    clocked = engine.generate(p, policies[m.name], max_new_tokens=1).ttft_s
+                phases[m.name].append(clock.times.with_remainder(clocked))
+            for m in methods:
+                ttft[m.name].append(plain[m.name])
+                ratio[m.name].append(plain[m.name] / plain["full"])
+        reuse_ttft = engine.generate(p, FULL_REUSE, max_new_tokens=1).ttft_s
+        overhead.append(reuse_ttft - _question_compute_s(engine, p))
+    tokens = int(statistics.median(len(p) for p in prompts))
+    rows = [PhaseRow("", m.name, tokens, statistics.median(ttft[m.name]), statistics.median(ratio[m.name]),
+                     {ph.value: statistics.median(d[ph] for d in phases[m.name]) for ph in Phase})
+            for m in methods]
+    return rows, statistics.median(overhead)
+
+
+def write_markdown(rows: list[PhaseRow], overhead: dict[str, float], meta: dict, path: Path) -> None:
+    lines = [f"TTFT by phase, medians over {meta['items']} x {meta['repeats']} repeats; "
+             f"{meta['threads']} torch threads, {meta['dtype']}.", "",
+             "| size | method | tokens | TTFT ms | ratio | " + " | ".join(p.value for p in Phase) + " |",
+             "|---|---|---:|---:|---:|" + "---:|" * len(Phase)]
+    for r in rows:
+        lines.append(f"| {r.size} | {r.method} | {r.prompt_tokens} | {r.ttft_s * 1e3:.0f} | {r.ratio:.3f} | "
+                     + " | ".join(f"{r.phases[p.value] * 1e3:.0f}" for p in Phase) + " |")
+    lines += ["", "Fixed overhead (full reuse minus the question's own compute): "
+              + ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in overhead.items())]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plot(rows: list[PhaseRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    full = {r.size: r.ttft_s for r in rows if r.method == "full"}
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4.5))
+    labels = [f"{r.size}\n{r.method}" for r in rows]
+    bottom = [0.0] * len(rows)
+    colors = plt.get_cmap("tab10")
+    for i, ph in enumerate(Phase):
+        # each bar in units of full prefill's TTFT at its size; phases scaled to the plain TTFT
+        vals = [r.phases[ph.value] / max(sum(r.phases.values()), 1e-12) * r.ratio for r in rows]
+        ax.bar(labels, vals, bottom=bottom, label=ph.value, color=colors(i))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("TTFT / full prefill's TTFT")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title("Where a prefill's time goes (phases scaled to each bar's TTFT ratio)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m blend.evals.bench_phases", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument("--items", default="0-2", help="item range A-B of the data (timing only)")
+    ap.add_argument("--sizes", default="600,3k,6k")
+    ap.add_argument("--methods", default="full,reuse,blend@0.15")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    methods = parse_methods(args.methods)
+    if not methods or methods[0].name != "full":
+        methods = [m for m in parse_methods("full")] + [m for m in methods if m.name != "full"]
+    lo, hi = parse_item_range(args.items)
+    items = range(lo, hi + 1)
+    sizes = [SIZES[s] for s in args.sizes.split(",")]
+    engine = Engine.load(args.model, dtype=args.dtype, store=MemoryStore(), quality_gate=False)
+    rows, overhead = [], {}
+    for size in sizes:
+        print(f"size {size.name} ...", file=sys.stderr, flush=True)
+        got, fixed = bench_size(engine, _prompts(engine, args.data, items, size), methods, args.repeats)
+        rows += [PhaseRow(size.name, r.method, r.prompt_tokens, r.ttft_s, r.ratio, r.phases) for r in got]
+        overhead[size.name] = fixed
+        for r in got:
+            print(f"  {r.method:>12} {r.prompt_tokens:>5} tok  {r.ttft_s * 1e3:7.0f} ms  {r.ratio:.3f}x",
+                  file=sys.stderr, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"items": len(items), "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": args.dtype,
+            "model": args.model, "environment": describe_environment(engine.device)}
+    (out / "phases.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],
+                                                 "fixed_overhead_s": overhead}, indent=1))
+    write_markdown(rows, overhead, meta, out / "phases.md")
+    write_plot(rows, out / "phases.png")
+    print((out / "phases.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""The phase clock: every phase of a prefill timed, nothing left patched, the numbers unchanged."""
+
+from __future__ import annotations
+
+import torch
+
+import blend.blending as blending
+import blend.model as model
+from blend.evals.phases import Phase, PhaseClock
+from blend.policy import ReusePolicy
+from conftest import make_docs
+
+
+def test_the_clock_times_a_blend_by_phase_and_restores_what_it_wrapped(tiny_engine):
+    prompt = tiny_engine.build_prompt("what is the third word?", make_docs(3, words=30))
+    policy = ReusePolicy.blend(ratio=0.3)
+    tiny_engine.precompute(prompt, policy)
+    plain = tiny_engine.generate(prompt, policy, max_new_tokens=1)
+    originals = (model.layer_forward, model.mlp_block, blending.rope_mix, blending.run_probe)
+    with PhaseClock(policy.check_layers[0]) as clock:
+        clocked = tiny_engine.generate(prompt, policy, max_new_tokens=1)
+    assert (model.layer_forward, model.mlp_block, blending.rope_mix, blending.run_probe) == originals
+    assert torch.equal(plain.first_logits, clocked.first_logits)  # timing changes no number
+    phases = clock.times.with_remainder(clocked.ttft_s)
+    for p in (Phase.LOOKUP, Phase.EARLY_LAYERS, Phase.CHECK, Phase.ROPE, Phase.ATTENTION, Phase.MLP, Phase.LOGITS):
+        assert phases[p] > 0, p
+    assert abs(sum(phases.values()) - clocked.ttft_s) < 1e-9
+    assert sum(v for p, v in phases.items() if p is not Phase.OTHER) <= clocked.ttft_s
+
+
+def test_full_prefill_has_no_check_phase(tiny_engine):
+    prompt = tiny_engine.build_prompt("q?", make_docs(2, words=20))
+    with PhaseClock(None) as clock:
+        ans = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    t = clock.times.with_remainder(ans.ttft_s)
+    assert t[Phase.CHECK] == 0 and t[Phase.EARLY_LAYERS] == 0
+    assert t[Phase.ATTENTION] > 0 and t[Phase.MLP] > 0 and t[Phase.PROJECTIONS] > 0
