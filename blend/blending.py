@@ -236,11 +236,15 @@ class BlendRows:
 
     def store_kv(self, layer, q, k, v, h):
         plan, active = self.plan, self.active
+        none = torch.empty(0, dtype=torch.long, device=k.device)
         if self.probed_at is not None and layer > self.probed_at:  # only the recomputed rows change
-            none = torch.empty(0, dtype=torch.long, device=k.device)
             k_new, v_new = rope_mix(k, v, plan.cos[active], plan.sin[active], none, k[:, :0], v[:, :0],
                                     trusted_indices=True)  # (Hkv, A, D) x2: fresh rows rotated as rope_mix does
             self.cache.write_rows(layer, plan.e + active, k_new, v_new)
+        elif active.shape[0] == plan.n:  # every row fresh (layers up to the first check): no cached row is read
+            k_new, v_new = rope_mix(k, v, plan.cos, plan.sin, none, k[:, :0], v[:, :0],
+                                    trusted_indices=True)  # (Hkv, n, D) x2, the same numbers as mixing them in
+            self.cache.write(layer, plan.e, k_new, v_new)
         else:
             k_mix, v_mix = rope_mix(plan.k[layer], plan.v[layer], plan.cos, plan.sin, active, k, v,
                                     trusted_indices=True)  # (Hkv, n, D) x2; active: sorted distinct rows

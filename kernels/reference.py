@@ -140,6 +140,10 @@ def _sorted(x: torch.Tensor) -> bool:
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Below this many grouped query rows (g x S) the prefix attention reads K/V in place (GQA as
+# more query rows per KV head) instead of repeating it per query head; the CPU flash op
+# switches to larger query tiles at 768 rows, where the repeat is the cheaper layout again.
+GROUPED_PREFIX_MAX_ROWS = 768
 
 
 def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -148,7 +152,8 @@ def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     This is chunked prefill (a segment appended after cached context). An
     explicit (S, T) mask makes SDPA compute the whole rectangle; instead the
     visible prefix and the causal square run as two fused CPU flash calls whose
-    outputs merge by their log-sum-exp::
+    outputs merge by their log-sum-exp (for few queries under GQA, the prefix call
+    reads K/V in place: the query heads of a KV head become its query rows)::
 
         keys       [ prefix P, no mask ][ own S rows, causal ]
         out  =  (o_p * exp(lse_p - m) + o_s * exp(lse_s - m)) / (exp(lse_p - m) + exp(lse_s - m))
@@ -173,11 +178,22 @@ def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         visible = pos[None, :] <= pos[p:, None]  # (S, T)
         return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=float(scale),
                                               enable_gqa=gqa)[0]
-    if gqa:  # the CPU flash op wants equal head counts
-        k = k.repeat_interleave(hq // hkv, dim=0)  # (Hq, T, D)
-        v = v.repeat_interleave(hq // hkv, dim=0)  # (Hq, T, D)
-    o_p, lse_p = _FLASH_CPU(q[None], k[None, :, :p], v[None, :, :p], scale=float(scale))  # (1,Hq,S,D) (1,Hq,S)
-    o_s, lse_s = _FLASH_CPU(q[None], k[None, :, p:], v[None, :, p:], is_causal=True, scale=float(scale))
+    g = hq // hkv
+    if gqa and g * s < GROUPED_PREFIX_MAX_ROWS:
+        # the prefix needs no mask, so the g query heads of a KV head are g x S query rows of it:
+        # no copy of the (long) prefix K/V; the causal square repeats its own S rows only
+        qg = q.reshape(hkv, g * s, q.shape[2])  # (Hkv, g S, D): query head h reads KV head h // g
+        o_p, lse_p = _FLASH_CPU(qg[None], k[None, :, :p], v[None, :, :p], scale=float(scale))  # (1,Hkv,gS,D)
+        o_p, lse_p = o_p.reshape(1, hq, s, -1), lse_p.reshape(1, hq, s)  # (1, Hq, S, D), (1, Hq, S)
+        ks = k[:, p:].repeat_interleave(g, dim=0)  # (Hq, S, D)
+        vs = v[:, p:].repeat_interleave(g, dim=0)  # (Hq, S, D)
+        o_s, lse_s = _FLASH_CPU(q[None], ks[None], vs[None], is_causal=True, scale=float(scale))
+    else:
+        if gqa:  # the CPU flash op wants equal head counts
+            k = k.repeat_interleave(g, dim=0)  # (Hq, T, D)
+            v = v.repeat_interleave(g, dim=0)  # (Hq, T, D)
+        o_p, lse_p = _FLASH_CPU(q[None], k[None, :, :p], v[None, :, :p], scale=float(scale))  # (1,Hq,S,D) (1,Hq,S)
+        o_s, lse_s = _FLASH_CPU(q[None], k[None, :, p:], v[None, :, p:], is_causal=True, scale=float(scale))
     m = torch.maximum(lse_p, lse_s)  # (1, Hq, S)
     w_p, w_s = torch.exp(lse_p - m), torch.exp(lse_s - m)  # (1, Hq, S) each
     out = (o_p.float() * w_p[..., None] + o_s.float() * w_s[..., None]) / (w_p + w_s)[..., None]

@@ -138,10 +138,11 @@ def test_cpu_dispatch_uses_the_blocked_path(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("prefix", [0, 1, 37])
 @pytest.mark.parametrize("group", [1, 3])
-def test_causal_suffix_attention_matches_masked_reference(dtype, prefix, group):
-    from blend.kernels.reference import causal_suffix_attention
+@pytest.mark.parametrize("s", [45, 300])  # 3 x 300 rows: past GROUPED_PREFIX_MAX_ROWS, K/V repeated per head
+def test_causal_suffix_attention_matches_masked_reference(dtype, prefix, group, s):
+    from blend.kernels.reference import GROUPED_PREFIX_MAX_ROWS, causal_suffix_attention
 
-    s = 45
+    assert 3 * 45 < GROUPED_PREFIX_MAX_ROWS <= 3 * 300
     t = prefix + s
     inp = make_attention_inputs(2, group, t, 64, torch.arange(prefix, t), dtype)
     expected = sparse_query_attention_ref(*inp.args())
