@@ -31,6 +31,7 @@ has already decided that blending is allowed (gate, length, validity).
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ import torch
 
 from blend.keys import key_hex
 from blend.kernels import kv_deviation, query_attention_mass, rope_mix, sparse_query_attention
-from blend.kvcache import KVCache
+from blend.kvcache import KVCache, KVEntry
 from blend.model import ModelRunner
 from blend.policy import BudgetMode, ReusePolicy
 from blend.probe_pass import ProbeResult, run_probe
@@ -74,8 +75,8 @@ class BlendPlan:
     """Per-request tensors of the re-positioned rows [e, T), built once (n = nb doc rows + question rows)."""
 
     e: int  # first re-positioned row (everything before it is an exact prefix in the cache)
-    k: torch.Tensor  # (L, Hkv, n, D) cached K before RoPE (zeros for question rows)
-    v: torch.Tensor  # (L, Hkv, n, D) cached V
+    chunks: tuple[KVEntry, ...]  # each blended document's cached K (before RoPE) and V, (L, Hkv, n_j, D)
+    starts: tuple[int, ...]  # each document's first row relative to e (its rows: starts[j] + [0, n_j))
     pos: torch.Tensor  # (n,) int64 new absolute positions
     cos: torch.Tensor  # (n, R) rotary tables at ``pos``
     sin: torch.Tensor  # (n, R)
@@ -95,6 +96,31 @@ class BlendPlan:
         """(F + Nq,) rows recomputed whatever the selector says: forced rows and the question."""
         return torch.cat([torch.nonzero(self.forced).flatten(), torch.arange(self.nb, self.n)])
 
+    def cached(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's cached K (before RoPE) and V of every document row: (Hkv, nb, D) each, in ``dtype``."""
+        k = torch.cat([c.k[layer].to(dtype) for c in self.chunks], dim=1)  # (Hkv, nb, D)
+        v = torch.cat([c.v[layer].to(dtype) for c in self.chunks], dim=1)  # (Hkv, nb, D)
+        return k, v
+
+    def reposition(self, layer: int, cache: KVCache) -> None:
+        """Rotate one layer's cached K of every document at its new positions straight into the
+        cache (rows e .. e+nb), V beside it: one pass over the rows, no temporary."""
+        none = torch.empty(0, dtype=torch.long, device=cache.pos.device)
+        dtype = cache.k[layer].dtype
+        for c, lo in zip(self.chunks, self.starts):
+            hi = lo + c.num_tokens
+            k, v = c.k[layer].to(dtype), c.v[layer].to(dtype)  # (Hkv, n_j, D) in the compute dtype
+            rope_mix(k, v, self.cos[lo:hi], self.sin[lo:hi], none, k[:, :0], v[:, :0], trusted_indices=True,
+                     out=cache.rows(layer, self.e + lo, self.e + hi))
+
+    def write_fresh(self, layer: int, cache: KVCache, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rotate fresh K of ``rows`` (A,) (relative to e) at their positions and write them with V
+        into the cache. k, v: (Hkv, A, D) before RoPE (the same numbers rope_mix mixes in)."""
+        none = torch.empty(0, dtype=torch.long, device=k.device)
+        k_rot, v_new = rope_mix(k, v, self.cos[rows], self.sin[rows], none, k[:, :0], v[:, :0],
+                                trusted_indices=True)  # (Hkv, A, D) x2
+        cache.write_rows(layer, self.e + rows, k_rot, v_new)
+
 
 def plan_blend(model: ModelRunner, prompt: Prompt, blended: list[ChunkKV], n_exact: int, e: int,
                policy: ReusePolicy) -> BlendPlan:
@@ -108,14 +134,12 @@ def plan_blend(model: ModelRunner, prompt: Prompt, blended: list[ChunkKV], n_exa
         e: rows already in the cache.
         policy: the blend policy (its check layers and ratios).
     """
-    d, dt, dev = model.dims, model.dtype, model.device
+    dev = model.device
     q = prompt.question
     nq = len(q)
-    pad = torch.zeros(d.num_layers, d.num_kv_heads, nq, d.head_dim, dtype=dt, device=dev)
-    k = torch.cat([c.kv.k.to(device=dev, dtype=dt) for c in blended] + [pad], dim=2)  # (L, Hkv, n, D)
-    v = torch.cat([c.kv.v.to(device=dev, dtype=dt) for c in blended] + [pad], dim=2)  # (L, Hkv, n, D)
-    lens = [c.kv.k.shape[2] for c in blended]
+    lens = [c.kv.num_tokens for c in blended]
     nb = sum(lens)
+    starts = tuple(itertools.accumulate(lens[:-1], initial=0))  # each document's first row relative to e
     pos = torch.arange(e, e + nb + nq, device=dev)  # (n,)
     cos, sin = model.rope(pos)  # (n, R)
     forced = torch.zeros(nb, dtype=torch.bool)
@@ -130,7 +154,8 @@ def plan_blend(model: ModelRunner, prompt: Prompt, blended: list[ChunkKV], n_exa
     checks = () if full_reuse else tuple(
         CheckSpec(layer, i, policy.ratio_at(i)) for i, layer in enumerate(policy.check_layers))
     return BlendPlan(
-        e=e, k=k, v=v, pos=pos, cos=cos, sin=sin, ids=ids,
+        e=e, chunks=tuple(KVEntry(c.kv.k.to(dev), c.kv.v.to(dev)) for c in blended), starts=starts,
+        pos=pos, cos=cos, sin=sin, ids=ids,
         doc=torch.cat([torch.full((n_c,), j, dtype=torch.long) for j, n_c in enumerate(lens)]),
         offset=torch.cat([torch.arange(n_c) for n_c in lens]),
         forced=forced, nb=nb, budget_base=sum(len(doc) for doc in prompt.documents), checks=checks,
@@ -174,8 +199,9 @@ class Checker:
         rows = active[:n_doc]  # (N,) candidate rows relative to e
         is_forced = plan.forced[rows]  # (N,)
         free = torch.nonzero(~is_forced).flatten()  # (M,) positions into rows the selector may choose
-        cached_v = plan.v[layer][:, rows[free]]  # (Hkv, M, D)
-        dev_k = kv_deviation(k[:, free], plan.k[layer][:, rows[free]])  # (M,)
+        layer_k, layer_v = plan.cached(layer, k.dtype)  # (Hkv, nb, D) x2
+        cached_v = layer_v[:, rows[free]]  # (Hkv, M, D)
+        dev_k = kv_deviation(k[:, free], layer_k[:, rows[free]])  # (M,)
         dev_v = kv_deviation(v[:, free], cached_v)  # (M,)
         v_norm = cached_v.float().pow(2).sum(dim=(0, 2)).sqrt().clamp_min(1e-12)  # (M,)
         query_attn = None
@@ -236,19 +262,11 @@ class BlendRows:
 
     def store_kv(self, layer, q, k, v, h):
         plan, active = self.plan, self.active
-        none = torch.empty(0, dtype=torch.long, device=k.device)
-        if self.probed_at is not None and layer > self.probed_at:  # only the recomputed rows change
-            k_new, v_new = rope_mix(k, v, plan.cos[active], plan.sin[active], none, k[:, :0], v[:, :0],
-                                    trusted_indices=True)  # (Hkv, A, D) x2: fresh rows rotated as rope_mix does
-            self.cache.write_rows(layer, plan.e + active, k_new, v_new)
-        elif active.shape[0] == plan.n:  # every row fresh (layers up to the first check): no cached row is read
-            k_new, v_new = rope_mix(k, v, plan.cos, plan.sin, none, k[:, :0], v[:, :0],
-                                    trusted_indices=True)  # (Hkv, n, D) x2, the same numbers as mixing them in
-            self.cache.write(layer, plan.e, k_new, v_new)
-        else:
-            k_mix, v_mix = rope_mix(plan.k[layer], plan.v[layer], plan.cos, plan.sin, active, k, v,
-                                    trusted_indices=True)  # (Hkv, n, D) x2; active: sorted distinct rows
-            self.cache.write(layer, plan.e, k_mix, v_mix)
+        # above the probe the cache already holds every re-positioned cached row; while every
+        # row is fresh (layers up to the first check) no cached row is read at all
+        if not (self.probed_at is not None and layer > self.probed_at) and active.shape[0] < plan.n:
+            plan.reposition(layer, self.cache)
+        plan.write_fresh(layer, self.cache, active, k, v)  # the active rows over them
         check = self.checks.get(layer)
         if check is None:
             return q, h

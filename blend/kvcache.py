@@ -68,6 +68,13 @@ class KVCache:
         self.k[layer][:, start:end] = k_rot
         self.v[layer][:, start:end] = v
 
+    def rows(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writable views of rows [start, end) of one layer, (Hkv, end - start, D) each (for kernels
+        that write in place; the rows become visible with :meth:`advance` like any write)."""
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} rows > capacity {self.capacity}")
+        return self.k[layer][:, start:end], self.v[layer][:, start:end]
+
     def write_rows(self, layer: int, rows: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter rows at arbitrary indices. rows: (S,) int64; k_rot, v: (Hkv, S, D)."""
         self.k[layer][:, rows] = k_rot

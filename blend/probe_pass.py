@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from blend.kernels import attention_probs, rope_mix
+from blend.kernels import attention_probs
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.probe import entropy
@@ -59,10 +59,8 @@ class ProbeRows:
 
     def store_kv(self, layer, q, k, v, h):
         if layer > self.check:  # layer c already holds every row's fresh K/V
-            plan = self.plan
-            k_mix, v_mix = rope_mix(plan.k[layer], plan.v[layer], plan.cos, plan.sin, self.q_rows, k, v,
-                                    trusted_indices=True)  # (Hkv, n, D) x2
-            self.cache.write(layer, plan.e, k_mix, v_mix)
+            self.plan.reposition(layer, self.cache)  # every document's cached rows, re-positioned
+            self.plan.write_fresh(layer, self.cache, self.q_rows, k, v)  # the question's fresh rows
         return q, h
 
     def attend(self, layer, q):

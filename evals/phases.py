@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 import blend.blending as blending
 import blend.model as model
-import blend.probe_pass as probe_pass
 import blend.segments as segments
 
 
@@ -116,7 +115,6 @@ class PhaseClock(AbstractContextManager):
             (blending, "rope_mix", Phase.ROPE),
             (blending, "apply_rope", Phase.ROPE),
             (model, "apply_rope", Phase.ROPE),
-            (probe_pass, "rope_mix", Phase.ROPE),
             (model, "project_qkv", Phase.PROJECTIONS),
             (model, "attn_out", Phase.PROJECTIONS),
             (model, "attend", Phase.ATTENTION),

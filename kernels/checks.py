@@ -128,3 +128,22 @@ def check_attention(
              f"scale must be a Python float, got {type(scale).__name__}")
     _same_device(q=q, q_pos=q_pos, k=k, v=v, k_pos=k_pos)
     return AttentionShape(q_heads=hq, kv_heads=hkv, queries=s, keys=t, head_dim=d)
+
+
+def check_rope_mix_out(out: tuple[torch.Tensor, torch.Tensor] | None, cached_k: torch.Tensor,
+                       cached_v: torch.Tensor) -> None:
+    """Validate ``rope_mix``'s ``out`` (two (Hkv, T, D) tensors, e.g. views of a KV cache). Raises ValueError."""
+    if out is None:
+        return
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError("rope_mix out must be a (k_out, v_out) pair")
+    k_out, v_out = out
+    for name, o, ref in (("k_out", k_out, cached_k), ("v_out", v_out, cached_v)):
+        if tuple(o.shape) != tuple(ref.shape):
+            raise ValueError(f"rope_mix {name} shape {tuple(o.shape)} != {tuple(ref.shape)}")
+        if o.dtype != ref.dtype or o.device != ref.device:
+            raise ValueError(f"rope_mix {name} must be {ref.dtype} on {ref.device}, got {o.dtype} on {o.device}")
+        if o.numel() and o.stride(-1) != 1:
+            raise ValueError(f"rope_mix {name} must be contiguous along head_dim")
+    if k_out.stride() != v_out.stride():
+        raise ValueError("rope_mix k_out and v_out must share strides")

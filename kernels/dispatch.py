@@ -99,6 +99,7 @@ def rope_mix(
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
     trusted_indices: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Build one layer's K/V for the blended sequence in one pass.
 
@@ -119,10 +120,13 @@ def rope_mix(
         fresh_v: (Hkv, S, D) recomputed values.
         trusted_indices: the caller guarantees ``fresh_idx`` is in range and
             duplicate-free; skips that check and its device-to-host sync.
+        out: ``(k_out, v_out)``, (Hkv, T, D) each in the inputs' dtypes, contiguous
+            along D, sharing strides (e.g. rows of a KV cache): written instead of
+            allocating; must not overlap the inputs.
 
     Returns:
         ``(k_rot, v)``: (Hkv, T, D) keys after RoPE and (Hkv, T, D) values, new
-        contiguous tensors in the input dtype; the inputs are not modified.
+        contiguous tensors in the input dtype (or ``out``); the inputs are not modified.
 
     Raises:
         ValueError: shape, dtype or device mismatch, indices out of range or duplicated.
@@ -130,8 +134,8 @@ def rope_mix(
     if kernel_backend(cached_k) is KernelBackend.TRITON:
         from .rope_mix_kernel import rope_mix_triton
 
-        return rope_mix_triton(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices)
-    return rope_mix_ref(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices)
+        return rope_mix_triton(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices, out)
+    return rope_mix_ref(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices, out)
 
 
 def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_attention, check_deviation, check_rope_mix
+from .checks import check_attention, check_deviation, check_rope_mix, check_rope_mix_out
 
 
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -38,6 +38,7 @@ def rope_mix_ref(
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
     trusted_indices: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of ``blend.kernels.rope_mix`` (same contract).
 
@@ -46,14 +47,24 @@ def rope_mix_ref(
     instead of copy-then-rotate.
     """
     shp = check_rope_mix(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices)
+    check_rope_mix_out(out, cached_k, cached_v)
     cos = cos.float()  # (T, R)
     sin = sin.float()  # (T, R)
-    k_out = torch.empty(cached_k.shape, dtype=cached_k.dtype, device=cached_k.device)  # (Hkv, T, D)
+    if out is None:
+        k_out = torch.empty(cached_k.shape, dtype=cached_k.dtype, device=cached_k.device)  # (Hkv, T, D)
+    else:
+        k_out = out[0]
     _rotate_into(k_out, cached_k, cos, sin)
     if shp.fresh > 0:
         k_fresh = torch.empty(fresh_k.shape, dtype=fresh_k.dtype, device=fresh_k.device)  # (Hkv, S, D)
         _rotate_into(k_fresh, fresh_k, cos[fresh_idx], sin[fresh_idx])
         k_out.index_copy_(1, fresh_idx, k_fresh)
+    if out is not None:  # straight into the caller's rows (e.g. a KV cache), no temporary
+        v_out = out[1]
+        v_out.copy_(cached_v)
+        if shp.fresh > 0:
+            v_out.index_copy_(1, fresh_idx, fresh_v)
+        return k_out, v_out
     v_out = cached_v.index_copy(1, fresh_idx, fresh_v)  # (Hkv, T, D)
     if not v_out.is_contiguous():
         v_out = v_out.contiguous()

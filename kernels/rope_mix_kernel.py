@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_rope_mix
+from .checks import check_rope_mix, check_rope_mix_out
 from .launch import interpreting, next_pow2
 
 
@@ -102,6 +102,7 @@ def rope_mix_triton(
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
     trusted_indices: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher of the Triton ``rope_mix`` (contract: ``blend.kernels.rope_mix``).
 
@@ -111,8 +112,12 @@ def rope_mix_triton(
     shp = check_rope_mix(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices)
     _check_device(cached_k)
     hkv, t, d, r = shp.heads, shp.rows, shp.head_dim, shp.rot_dim
-    out_k = torch.empty((hkv, t, d), dtype=cached_k.dtype, device=cached_k.device)  # (Hkv, T, D)
-    out_v = torch.empty((hkv, t, d), dtype=cached_v.dtype, device=cached_v.device)  # (Hkv, T, D)
+    check_rope_mix_out(out, cached_k, cached_v)
+    if out is None:
+        out_k = torch.empty((hkv, t, d), dtype=cached_k.dtype, device=cached_k.device)  # (Hkv, T, D)
+        out_v = torch.empty((hkv, t, d), dtype=cached_v.dtype, device=cached_v.device)  # (Hkv, T, D)
+    else:  # the kernel writes through out's strides (e.g. rows of a KV cache)
+        out_k, out_v = out
     if out_k.numel() == 0:
         return out_k, out_v
     src = torch.full((t,), -1, dtype=torch.int64, device=cached_k.device)  # (T,)

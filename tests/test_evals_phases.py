@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 import blend.blending as blending
@@ -35,3 +37,31 @@ def test_full_prefill_has_no_check_phase(tiny_engine):
     t = clock.times.with_remainder(ans.ttft_s)
     assert t[Phase.CHECK] == 0 and t[Phase.EARLY_LAYERS] == 0
     assert t[Phase.ATTENTION] > 0 and t[Phase.MLP] > 0 and t[Phase.PROJECTIONS] > 0
+
+
+def test_bench_phases_writes_a_table_a_plot_and_the_fixed_overhead(tmp_path):
+    from blend.evals import bench_phases
+
+    out = tmp_path / "ph"
+    assert bench_phases.main(["--model", "tiny-llama", "--data", "synthetic:single", "--items", "0-1",
+                              "--sizes", "600", "--repeats", "1", "--methods", "full,reuse,blend@0.3",
+                              "--out", str(out)]) == 0
+    res = json.loads((out / "phases.json").read_text())
+    assert [r["method"] for r in res["rows"]] == ["full", "reuse", "blend@0.3"]
+    full, reuse, blend = res["rows"]
+    assert full["ratio"] == 1.0 and 0 < reuse["ratio"] and 0 < blend["ratio"]
+    assert blend["phases"][Phase.CHECK.value] > 0 and full["phases"][Phase.CHECK.value] == 0
+    assert set(res["fixed_overhead_s"]) == {"600"}
+    assert (out / "phases.png").stat().st_size > 1000
+    assert "| 600 | blend@0.3 |" in (out / "phases.md").read_text()
+
+
+def test_bench_bf16_scores_against_fp32_full_prefill():
+    from blend.evals import bench_bf16
+
+    res = bench_bf16.run("tiny-llama", "synthetic:single", [0, 1], 2, [0.3])
+    for row in res["rows"]:
+        m = row["methods"]
+        assert m["fp32 full"]["kl"] == 0.0 and m["fp32 full"]["ratio"] == 1.0
+        assert 0.0 < m["bf16 full"]["kl"] < 0.05  # bf16 rounding, not a different model
+    assert "| bf16 blend@0.3 |" in bench_bf16.summarise(res)

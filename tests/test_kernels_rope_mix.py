@@ -117,3 +117,31 @@ def test_trusted_indices_skip_the_check_and_agree(monkeypatch, backend):
     # unchecked by design: a duplicate passes the check (the caller vouched for the indices)
     C.check_rope_mix(*make_rope_mix_inputs(hkv=1, t=T, d=64, rot_dim=64, fresh_idx=torch.tensor([3, 1, 3]),
                                            dtype=torch.float32).args(), trusted_indices=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fresh", ["empty", "unsorted"])
+def test_rope_mix_writes_into_given_rows_of_a_cache(monkeypatch, backend, dtype, fresh):
+    """``out``: the same numbers written straight into (strided) rows of a bigger cache, nothing else touched."""
+    monkeypatch.setenv(ENV_VAR, backend)
+    inp = make_rope_mix_inputs(hkv=2, t=T, d=72, rot_dim=32, fresh_idx=_fresh(fresh, T), dtype=dtype)
+    k_ref, v_ref = rope_mix(*inp.args())
+    cache_k = torch.full((2, T + 20, 72), 7.0, dtype=dtype)  # (Hkv, N, D) like a KVCache layer
+    cache_v = torch.full((2, T + 20, 72), 7.0, dtype=dtype)
+    out = (cache_k[:, 10:10 + T], cache_v[:, 10:10 + T])
+    got = rope_mix(*inp.args(), out=out)
+    assert got[0].data_ptr() == out[0].data_ptr()
+    assert torch.equal(cache_k[:, 10:10 + T], k_ref) and torch.equal(cache_v[:, 10:10 + T], v_ref)
+    assert bool((cache_k[:, :10] == 7).all() and (cache_k[:, 10 + T:] == 7).all() and (cache_v[:, :10] == 7).all())
+
+
+def test_rope_mix_out_is_checked():
+    inp = make_rope_mix_inputs(hkv=2, t=T, d=64, rot_dim=64, fresh_idx=_fresh("empty", T), dtype=torch.float32)
+    k, v = torch.empty(2, T, 64), torch.empty(2, T, 64)
+    with pytest.raises(ValueError, match="shape"):
+        rope_mix(*inp.args(), out=(k[:, :-1], v))
+    with pytest.raises(ValueError, match="dtype|float"):
+        rope_mix(*inp.args(), out=(k.bfloat16(), v))
+    with pytest.raises(ValueError, match="strides"):
+        rope_mix(*inp.args(), out=(k, torch.empty(2, T + 1, 64)[:, :T]))
