@@ -139,28 +139,38 @@ def write_markdown(rows: list[PhaseRow], overhead: dict[str, float], meta: dict,
 
 
 def write_plot(rows: list[PhaseRow], path: Path) -> None:
+    """One bar per (size, method): each phase's share of that method's TTFT, its TTFT ratio on top."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    full = {r.size: r.ttft_s for r in rows if r.method == "full"}
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7, 1.0 * len(rows) + 3), 4.8))
     labels = [f"{r.size}\n{r.method}" for r in rows]
     bottom = [0.0] * len(rows)
     colors = plt.get_cmap("tab10")
     for i, ph in enumerate(Phase):
-        # each bar in units of full prefill's TTFT at its size; phases scaled to the plain TTFT
-        vals = [r.phases[ph.value] / max(sum(r.phases.values()), 1e-12) * r.ratio for r in rows]
+        vals = [100 * r.phases[ph.value] / max(sum(r.phases.values()), 1e-12) for r in rows]
         ax.bar(labels, vals, bottom=bottom, label=ph.value, color=colors(i))
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_ylabel("TTFT / full prefill's TTFT")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7, loc="upper right")
-    ax.set_title("Where a prefill's time goes (phases scaled to each bar's TTFT ratio)")
+    for x, r in enumerate(rows):
+        ax.text(x, 101, f"{r.ratio:.3f}x" if r.method != "full" else f"{r.ttft_s:.1f} s", ha="center",
+                va="bottom", fontsize=8)
+    ax.set_ylim(0, 110)
+    ax.set_ylabel("share of the method's TTFT (%)")
+    ax.set_title("Where a prefill's time goes (label: TTFT / full prefill's; full: seconds)", fontsize=10)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def replot(out: Path) -> None:
+    """Rewrite phases.md and phases.png from an earlier run's phases.json."""
+    res = json.loads((out / "phases.json").read_text())
+    rows = [PhaseRow(**r) for r in res["rows"]]
+    write_markdown(rows, res["fixed_overhead_s"], res["meta"], out / "phases.md")
+    write_plot(rows, out / "phases.png")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="full,reuse,blend@0.15")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--replot", action="store_true", help="only redraw --out's table and plot from its phases.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        replot(Path(args.out))
+        return 0
     methods = parse_methods(args.methods)
     if not methods or methods[0].name != "full":
         methods = [m for m in parse_methods("full")] + [m for m in methods if m.name != "full"]
