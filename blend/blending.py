@@ -105,21 +105,28 @@ class BlendPlan:
     def reposition(self, layer: int, cache: KVCache) -> None:
         """Rotate one layer's cached K of every document at its new positions straight into the
         cache (rows e .. e+nb), V beside it: one pass over the rows, no temporary."""
-        none = torch.empty(0, dtype=torch.long, device=cache.pos.device)
         dtype = cache.k[layer].dtype
         for c, lo in zip(self.chunks, self.starts):
             hi = lo + c.num_tokens
             k, v = c.k[layer].to(dtype), c.v[layer].to(dtype)  # (Hkv, n_j, D) in the compute dtype
-            rope_mix(k, v, self.cos[lo:hi], self.sin[lo:hi], none, k[:, :0], v[:, :0], trusted_indices=True,
-                     out=cache.rows(layer, self.e + lo, self.e + hi))
+            _rotate(k, v, self.cos[lo:hi], self.sin[lo:hi], out=cache.rows(layer, self.e + lo, self.e + hi))
 
     def write_fresh(self, layer: int, cache: KVCache, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Rotate fresh K of ``rows`` (A,) (relative to e) at their positions and write them with V
-        into the cache. k, v: (Hkv, A, D) before RoPE (the same numbers rope_mix mixes in)."""
-        none = torch.empty(0, dtype=torch.long, device=k.device)
-        k_rot, v_new = rope_mix(k, v, self.cos[rows], self.sin[rows], none, k[:, :0], v[:, :0],
-                                trusted_indices=True)  # (Hkv, A, D) x2
+        """Rotate fresh K of ``rows`` (A,) (sorted, distinct, relative to e) at their positions and
+        write them with V into the cache. k, v: (Hkv, A, D) before RoPE (the numbers rope_mix mixes in)."""
+        if rows.shape[0] == self.n:  # every row (layers up to the first check): one contiguous write
+            _rotate(k, v, self.cos, self.sin, out=cache.rows(layer, self.e, self.e + self.n))
+            return
+        k_rot, v_new = _rotate(k, v, self.cos[rows], self.sin[rows])  # (Hkv, A, D) x2
         cache.write_rows(layer, self.e + rows, k_rot, v_new)
+
+
+def _rotate(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K rotated at the tables' positions, V beside it: ``rope_mix`` with no fresh rows (so the same
+    numbers whichever rows are fresh). k, v: (Hkv, S, D); cos, sin: (S, R)."""
+    none = torch.empty(0, dtype=torch.long, device=k.device)
+    return rope_mix(k, v, cos, sin, none, k[:, :0], v[:, :0], trusted_indices=True, out=out)
 
 
 def plan_blend(model: ModelRunner, prompt: Prompt, blended: list[ChunkKV], n_exact: int, e: int,

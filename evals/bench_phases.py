@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     methods = parse_methods(args.methods)
     if not methods or methods[0].name != "full":
-        methods = [m for m in parse_methods("full")] + [m for m in methods if m.name != "full"]
+        methods = parse_methods("full") + [m for m in methods if m.name != "full"]
     lo, hi = parse_item_range(args.items)
     items = range(lo, hi + 1)
     sizes = [SIZES[s] for s in args.sizes.split(",")]

@@ -50,10 +50,8 @@ def rope_mix_ref(
     check_rope_mix_out(out, cached_k, cached_v)
     cos = cos.float()  # (T, R)
     sin = sin.float()  # (T, R)
-    if out is None:
-        k_out = torch.empty(cached_k.shape, dtype=cached_k.dtype, device=cached_k.device)  # (Hkv, T, D)
-    else:
-        k_out = out[0]
+    k_out = out[0] if out is not None else torch.empty(cached_k.shape, dtype=cached_k.dtype,
+                                                       device=cached_k.device)  # (Hkv, T, D)
     _rotate_into(k_out, cached_k, cos, sin)
     if shp.fresh > 0:
         k_fresh = torch.empty(fresh_k.shape, dtype=fresh_k.dtype, device=fresh_k.device)  # (Hkv, S, D)
