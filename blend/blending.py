@@ -42,7 +42,7 @@ from blend.kernels import kv_deviation, query_attention_mass, rope_mix, sparse_q
 from blend.kvcache import KVCache, KVEntry
 from blend.model import ModelRunner
 from blend.policy import BudgetMode, ReusePolicy
-from blend.probe_pass import ProbeResult, run_probe
+from blend.probe_pass import ProbeResult, probe_gemm_dtype, run_probe
 from blend.prompt import Prompt, SegmentKind
 from blend.report import DeviationStats, ReuseClass, SegmentReport
 from blend.rope import apply_rope
@@ -278,7 +278,10 @@ class BlendRows:
         if check is None:
             return q, h
         if check.index == 0 and self.use_probe:  # later check layers rank by the same probe
-            self.probe = run_probe(self.model, plan, self.cache, layer, h[active >= plan.nb])
+            pol = self.checker.policy
+            self.probe = run_probe(self.model, plan, self.cache, layer, h[active >= plan.nb],
+                                   gemm_dtype=probe_gemm_dtype(pol.probe_precision, self.model.dtype),
+                                   want_entropy=pol.budget is BudgetMode.AUTO)
             self.probed_at = layer
         k_all, _ = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
         sel = self.checker.select(check, active, q, k, v, k_all, self.k_pos, self.probe)

@@ -23,6 +23,8 @@ DEFAULT_MIN_PROMPT_TOKENS = 0
 # adaptive budget's stopping target: left-over probe-weighted V deviation over mean ||V||, times the
 # probe's first-token entropy (calibrated on musique_dev items 0-29 only, SmolLM2; docs/results/issue14/)
 DEFAULT_AUTO_TARGET = 0.0045
+# the query probe's GEMMs: "compute" (the engine's dtype) or "bf16" (its numbers only rank rows)
+DEFAULT_PROBE_PRECISION = "compute"
 
 # answering
 DEFAULT_MAX_NEW_TOKENS = 32

@@ -25,7 +25,7 @@ Shapes: hidden rows are (S, C) with no batch dim; heads are head-major
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Protocol
 
@@ -143,7 +143,7 @@ def project_qkv(w: LayerWeights, dims: ModelDims, x: torch.Tensor) -> tuple[torc
         q (Hq, S, D), k (Hkv, S, D), v (Hkv, S, D).
     """
     s = x.shape[0]
-    qkv = F.linear(x, w.w_qkv, w.b_qkv)  # (S, (Hq + 2 Hkv) D)
+    qkv = F.linear(x.to(w.w_qkv.dtype), w.w_qkv, w.b_qkv).to(x.dtype)  # (S, (Hq + 2 Hkv) D)
     hq, hkv, d = dims.num_heads, dims.num_kv_heads, dims.head_dim
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q = q.view(s, hq, d).transpose(0, 1)  # (Hq, S, D)
@@ -198,14 +198,14 @@ def attend_suffix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 def attn_out(w: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Residual add of the attention output projection. (S, C)."""
-    return h + F.linear(attn, w.w_o)
+    return h + F.linear(attn.to(w.w_o.dtype), w.w_o).to(h.dtype)
 
 
 def mlp_block(w: LayerWeights, dims: ModelDims, h: torch.Tensor) -> torch.Tensor:
     """Residual SwiGLU MLP: h + down(act(gate(x)) * up(x)), x = norm(h). (S, C)."""
-    x = rms_norm(h, w.post_norm, dims.eps)  # (S, C)
+    x = rms_norm(h, w.post_norm, dims.eps).to(w.w_gate_up.dtype)  # (S, C) in the weights' dtype
     gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)  # (S, I), (S, I)
-    return h + F.linear(ACT2FN[dims.act](gate) * up, w.w_down)
+    return h + F.linear(ACT2FN[dims.act](gate) * up, w.w_down).to(h.dtype)
 
 
 class LayerRows(Protocol):
@@ -315,6 +315,20 @@ class ModelRunner:
         self.lm_head = hf.lm_head.weight.detach().to(device=device, dtype=dtype)  # (V, C)
         self.layers: list[LayerWeights] = [extract_layer(layer, dtype, device) for layer in base.layers]
         self.rope = RopeTables(base.rotary_emb.to(device), device)
+        self._gemm_copies: dict[torch.dtype, list[LayerWeights]] = {}  # dtype -> layers (lazy)
+
+    def layers_in(self, dtype: torch.dtype) -> list[LayerWeights]:
+        """The layers with their GEMM matrices in ``dtype`` (norms and biases stay in the compute
+        dtype; activations are cast at each GEMM): a lower-precision copy for passes whose numbers
+        only rank rows (the blend's query probe), made once. The compute dtype returns the layers."""
+        if dtype == self.dtype:
+            return self.layers
+        if dtype not in self._gemm_copies:
+            self._gemm_copies[dtype] = [
+                replace(w, w_qkv=w.w_qkv.to(dtype), w_o=w.w_o.to(dtype), w_gate_up=w.w_gate_up.to(dtype),
+                        w_down=w.w_down.to(dtype))
+                for w in self.layers]
+        return self._gemm_copies[dtype]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """(S,) int64 -> (S, C) hidden rows."""
@@ -332,10 +346,11 @@ class ModelRunner:
         """Token ids as an (S,) int64 tensor on the compute device."""
         return torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
 
-    def run_layers(self, h: torch.Tensor, rows: LayerRows, start: int = 0) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, rows: LayerRows, start: int = 0,
+                   layers: list[LayerWeights] | None = None) -> torch.Tensor:
         """Layers ``start``.. over hidden rows h (A, C) (the input of layer ``start``);
-        returns the last layer's rows (A', C)."""
-        for i, w in enumerate(self.layers):
+        returns the last layer's rows (A', C). ``layers``: other weights (:meth:`layers_in`)."""
+        for i, w in enumerate(self.layers if layers is None else layers):
             if i >= start:
                 h = layer_forward(w, self.dims, i, h, rows)
         return h

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from blend.defaults import (
-    DEFAULT_AUTO_TARGET, DEFAULT_CHECK_LAYERS, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_RATIO,
-    DEFAULT_SELECTOR,
+    DEFAULT_AUTO_TARGET, DEFAULT_CHECK_LAYERS, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS,
+    DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_SELECTOR,
 )
 from blend.errors import InvalidPolicyError
 
@@ -30,6 +30,14 @@ class BudgetMode(Enum):
 
     FIXED = "fixed"
     AUTO = "auto"
+
+
+class ProbePrecision(Enum):
+    """The dtype of the query probe's GEMMs. The probe's numbers only rank rows: the blend's
+    own pass (the KV and logits the answer uses) always runs in the engine's dtype."""
+
+    COMPUTE = "compute"  # the engine's compute dtype
+    BF16 = "bf16"  # bfloat16 weights and activations at the GEMMs; attention and norms in the compute dtype
 
 
 class ReuseMode(Enum):
@@ -65,6 +73,7 @@ class ReusePolicy:
         auto_target: the adaptive budget's stopping target.
         cache_salt: mixed into every store key the request derives (exact, canonical):
             requests with different salts share no KV; "" = no salt.
+        probe_precision: dtype of the query probe's GEMMs (:class:`ProbePrecision`).
     """
 
     mode: ReuseMode = ReuseMode.EXACT
@@ -82,6 +91,7 @@ class ReusePolicy:
     budget: BudgetMode = BudgetMode.FIXED
     auto_target: float = DEFAULT_AUTO_TARGET
     cache_salt: str = ""
+    probe_precision: ProbePrecision = ProbePrecision(DEFAULT_PROBE_PRECISION)
 
     def __post_init__(self) -> None:
         def bad_ratio(r: float) -> bool:
@@ -114,6 +124,8 @@ class ReusePolicy:
             raise InvalidPolicyError("prefix_limit must be >= 0")
         if self.semantic and self.mode is not ReuseMode.BLEND:
             raise InvalidPolicyError("semantic reuse is a blend option: use ReusePolicy.blend(..., semantic=True)")
+        if not isinstance(self.probe_precision, ProbePrecision):
+            raise InvalidPolicyError(f"probe_precision must be a ProbePrecision, got {self.probe_precision!r}")
         if not isinstance(self.cache_salt, str):
             raise InvalidPolicyError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
         if self.semantic and self.cache_salt:  # donors are shared across salts: that would leak KV
@@ -159,4 +171,5 @@ class ReusePolicy:
         what = f"threshold={self.threshold}<= {self.max_ratio}" if self.threshold is not None else f"{self.ratio:g}"
         if self.budget is BudgetMode.AUTO:
             what = f"auto({self.auto_target:g})<={self.max_ratio:g}"
-        return f"blend@{what}:{self.selector}:check={checks}"
+        probe = f":probe={self.probe_precision.value}" if self.needs_probe else ""
+        return f"blend@{what}:{self.selector}:check={checks}{probe}"

@@ -26,6 +26,7 @@ import torch
 from blend.kernels import attention_probs
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
+from blend.policy import ProbePrecision
 from blend.probe import entropy
 from blend.rope import apply_rope
 
@@ -33,12 +34,18 @@ if TYPE_CHECKING:
     from blend.blending import BlendPlan
 
 
+def probe_gemm_dtype(precision: ProbePrecision, compute: torch.dtype) -> torch.dtype:
+    """The dtype the probe's GEMMs run in under ``precision`` for an engine computing in ``compute``."""
+    return torch.bfloat16 if precision is ProbePrecision.BF16 else compute
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """What the probe saw."""
 
     attn: torch.Tensor  # (L - c, nb) float32 question's attention to each document row, per layer
-    entropy: float  # entropy (nats) of the probe's own first-token distribution (a ratio-0 blend's)
+    entropy: float | None  # entropy (nats) of the probe's own first-token distribution (a ratio-0
+    # blend's); None when not asked for (only the adaptive budget reads it: the LM head costs a GEMV)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -72,8 +79,13 @@ class ProbeRows:
         return out.transpose(0, 1).reshape(q.shape[1], -1)  # (Nq, Hq D)
 
 
-def run_probe(model: ModelRunner, plan: "BlendPlan", cache: KVCache, check: int, h_q: torch.Tensor) -> ProbeResult:
+def run_probe(model: ModelRunner, plan: "BlendPlan", cache: KVCache, check: int, h_q: torch.Tensor,
+              gemm_dtype: torch.dtype | None = None, want_entropy: bool = True) -> ProbeResult:
     """The question's attention to every document row at layers check..L-1.
+
+    The question's fresh K/V the probe writes above the check layer are overwritten by the
+    blend's own pass (the question's rows are recomputed at every layer), so a lower-precision
+    probe changes which rows are selected, never the numbers of the rows the answer reads.
 
     Args:
         model: the model runner.
@@ -81,10 +93,13 @@ def run_probe(model: ModelRunner, plan: "BlendPlan", cache: KVCache, check: int,
         cache: the request's cache; layer ``check`` holds fresh K/V of every row [e, e+n).
         check: the first check layer.
         h_q: (Nq, C) the question's hidden rows at the check layer's input.
+        gemm_dtype: dtype of the probe's GEMMs (None: the engine's).
+        want_entropy: also run the LM head for the entropy of the probe's first-token distribution.
 
     Returns:
-        Per-layer attention and the entropy of the probe's first-token distribution.
+        Per-layer attention and (if asked) the entropy of the probe's first-token distribution.
     """
     rows = ProbeRows(plan, cache, check, model.dims.scale)
-    h = model.run_layers(h_q, rows, start=check)  # (Nq, C)
-    return ProbeResult(torch.stack(rows.mass), entropy(model.logits(h[-1:])[0]))
+    layers = model.layers_in(gemm_dtype or model.dtype)
+    h = model.run_layers(h_q, rows, start=check, layers=layers)  # (Nq, C)
+    return ProbeResult(torch.stack(rows.mass), entropy(model.logits(h[-1:])[0]) if want_entropy else None)

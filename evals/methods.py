@@ -6,9 +6,10 @@ belong to the check list)::
     full                         full prefill, no reuse (always run: the reference)
     prefix                       exact prefix reuse: only the preamble is shared
     reuse                        full KV reuse (blend at ratio 0)
-    blend@R[:SELECTOR][:check=L1,L2,...][:auto]
+    blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute]
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
-                                 the budget is chosen per prompt (adaptive), R is its cap
+                                 the budget is chosen per prompt (adaptive), R is its cap;
+                                 ``probe=`` the dtype of the query probe's GEMMs
 
 e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.
 """
@@ -61,6 +62,7 @@ class Method:
         selector: token selector name for blend (None: the engine's default).
         check_layers: check layers for blend (empty: the engine's default).
         auto: adaptive budget per prompt, ``ratio`` is its cap (issue 14).
+        probe_precision: ``ProbePrecision`` value of the query probe's GEMMs (None: the default).
     """
 
     name: str
@@ -70,10 +72,11 @@ class Method:
     selector: str | None = None
     check_layers: tuple[int, ...] = ()
     auto: bool = False
+    probe_precision: str | None = None
 
     def policy(self) -> Any:
         """The engine's :class:`blend.policy.ReusePolicy` for this method."""
-        from blend.policy import BudgetMode, ReusePolicy
+        from blend.policy import BudgetMode, ProbePrecision, ReusePolicy
 
         if self.kind is MethodKind.FULL:
             return ReusePolicy.none()
@@ -88,6 +91,8 @@ class Method:
             kwargs["check_layers"] = self.check_layers
         if self.auto:
             kwargs.update(budget=BudgetMode.AUTO, max_ratio=self.ratio)
+        if self.probe_precision is not None:
+            kwargs["probe_precision"] = ProbePrecision(self.probe_precision)
         return ReusePolicy.blend(**kwargs)
 
     def series(self) -> str:
@@ -95,6 +100,7 @@ class Method:
         if self.kind is not MethodKind.BLEND:
             return self.kind.value
         label = (self.selector or "default") + (" auto" if self.auto else "")
+        label += f" probe={self.probe_precision}" if self.probe_precision else ""
         return f"{label} check={','.join(map(str, self.check_layers))}" if self.check_layers else label
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,10 +111,12 @@ class Method:
             "selector": self.selector,
             "check_layers": list(self.check_layers),
             "auto": self.auto,
+            "probe_precision": self.probe_precision,
         }
 
 
 _BLEND = re.compile(r"^blend@([^:]+)((?::[^:]+)*)$")
+PROBE_PRECISIONS = ("compute", "bf16")  # blend.policy.ProbePrecision values
 
 
 def _fmt_ratio(r: float) -> str:
@@ -145,8 +153,15 @@ def parse_method(spec: str) -> Method:
     selector: str | None = None
     checks: tuple[int, ...] = ()
     auto = False
+    probe: str | None = None
     for part in [p for p in m.group(2).split(":") if p]:
-        if part == "auto":
+        if part.startswith("probe="):
+            if probe is not None:
+                raise MethodError(f"method '{spec}': probe= given twice")
+            probe = part[len("probe="):]
+            if probe not in PROBE_PRECISIONS:
+                raise MethodError(f"method '{spec}': probe= must be one of {', '.join(PROBE_PRECISIONS)}")
+        elif part == "auto":
             if auto:
                 raise MethodError(f"method '{spec}': auto given twice")
             auto = True
@@ -173,9 +188,11 @@ def parse_method(spec: str) -> Method:
         canonical += f":check={','.join(map(str, checks))}"
     if auto:
         canonical += ":auto"
+    if probe is not None:
+        canonical += f":probe={probe}"
     return Method(
         name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks,
-        auto=auto,
+        auto=auto, probe_precision=probe,
     )
 
 

@@ -58,3 +58,14 @@ def test_parse_methods_full_first_and_duplicates():
         parse_methods("blend@0.10:v,blend@0.1:v")
     with pytest.raises(MethodError, match="empty"):
         parse_methods(" , ")
+
+
+def test_probe_precision_in_a_method_spec():
+    from blend.policy import ProbePrecision
+
+    m = parse_method("blend@0.15:probe:probe=bf16")
+    assert m.canonical == "blend@0.15:probe:probe=bf16" and m.policy().probe_precision is ProbePrecision.BF16
+    assert parse_method("blend@0.15:probe").policy().probe_precision is ProbePrecision.COMPUTE
+    for bad in ("blend@0.15:probe=fp8", "blend@0.15:probe=bf16:probe=bf16"):
+        with pytest.raises(MethodError):
+            parse_method(bad)

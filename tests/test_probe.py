@@ -121,7 +121,7 @@ def test_the_probe_sees_every_layer_above_the_check_and_drives_the_selection(tin
     nb = sum(len(d) for d in prompt.documents[1:])  # doc 1 is exact at its canonical place
     assert pr.attn.shape == (tiny_engine.dims.num_layers - 1, nb)  # check layer 1 .. the top
     assert bool((pr.attn >= 0).all()) and bool((pr.attn.sum(dim=1) <= 1 + 1e-5).all())
-    assert 0.0 <= pr.entropy <= math.log(tiny_engine.dims.vocab) + 1e-6
+    assert pr.entropy is None  # a fixed budget never reads it: the probe skips the LM head
     want = P.top(pr.weight * inp.dev_v, round(0.25 * sum(len(d) for d in prompt.documents)))
     assert torch.equal(torch.sort(want).values, seen["picked"])
     assert ans.report.recomputed_tokens == seen["picked"].numel()
@@ -184,3 +184,55 @@ def test_the_cli_exposes_the_adaptive_budget():
     assert pol.budget is BudgetMode.AUTO and pol.max_ratio == 0.3 and pol.auto_target == 0.01
     assert pol.selector == "probe" and pol.needs_probe  # the default selector
     assert "auto(0.01)<=0.3" in pol.describe()
+
+
+def test_the_adaptive_budget_gets_the_probe_entropy(tiny_engine, monkeypatch):
+    import blend.blending as B
+    from blend.policy import BudgetMode
+
+    seen = {}
+    real_probe = B.run_probe
+
+    def spy_probe(*a, **kw):
+        seen["probe"] = real_probe(*a, **kw)
+        return seen["probe"]
+
+    monkeypatch.setattr(B, "run_probe", spy_probe)
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    tiny_engine.generate(prompt, ReusePolicy.blend(0.3, "probe", budget=BudgetMode.AUTO, max_ratio=0.3),
+                         max_new_tokens=1)
+    assert 0.0 <= seen["probe"].entropy <= math.log(tiny_engine.dims.vocab) + 1e-6
+
+
+def test_a_bf16_probe_only_ranks_rows(tiny_engine, monkeypatch):
+    """probe=bf16 runs the probe's GEMMs on a bf16 copy of the weights; the blend's own pass stays
+    in the compute dtype: at ratio 1.0 (every row recomputed whatever the ranking) the logits are
+    bit-identical to the compute-dtype probe's, and only the probe ever sees bf16 weights."""
+    import blend.model as M
+    from blend.policy import ProbePrecision
+
+    runner = tiny_engine.runner
+    assert runner.layers_in(runner.dtype) is runner.layers
+    bf = runner.layers_in(torch.bfloat16)
+    assert bf is runner.layers_in(torch.bfloat16)  # made once
+    assert bf[0].w_qkv.dtype == torch.bfloat16 and bf[0].input_norm.dtype == runner.dtype
+    calls = []
+    real = M.layer_forward
+
+    def spy(w, *a, **kw):
+        calls.append(w.w_qkv.dtype)
+        return real(w, *a, **kw)
+
+    monkeypatch.setattr(M, "layer_forward", spy)
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    full = tiny_engine.generate(prompt, ReusePolicy.blend(1.0, "probe"), max_new_tokens=1)
+    calls.clear()
+    half = tiny_engine.generate(prompt, ReusePolicy.blend(1.0, "probe", probe_precision=ProbePrecision.BF16),
+                                max_new_tokens=1)
+    assert torch.equal(full.first_logits, half.first_logits)
+    layers = tiny_engine.dims.num_layers
+    assert calls.count(torch.bfloat16) == layers - 1  # the probe: check layer 1 .. the top
+    assert calls.count(runner.dtype) == layers  # the blend's own pass
+    low = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe", probe_precision=ProbePrecision.BF16),
+                               max_new_tokens=1)
+    assert bool(torch.isfinite(low.first_logits).all()) and ":probe=bf16" in low.report.policy

@@ -1,0 +1,175 @@
+"""First-token quality sweep over a cached full-prefill reference (research tool, issue 14).
+
+``kvblend eval`` times every method against a full prefill run in the same
+process and decodes answers; that is the figure of record, and it costs a full
+prefill per item per run. Comparing selector variants only needs the
+reference's first-token logits, which do not change between variants, so this
+tool computes them once per (model, dtype, prompt tokens) and keeps them under
+``--ref-cache``. Each variant then costs one blended prefill per item.
+
+    python -m blend.evals.sweep --data ../shared/data/musique_dev.json --items 0-29 \
+        --methods blend@0.15:probe,blend@0.15:probe:probe=bf16 --ref-cache out/ref --out DIR
+
+Writes DIR/rows.jsonl (one row per item and method) and DIR/summary.md: per
+split (tuning 0-29 / validation 30-99) mean, median, p90, max KL, top-1, the
+blend's median milliseconds, and per method the items where it beats the first
+method. Milliseconds are one sample per item and method, interleaved, at the
+process's torch thread count; TTFT ratios of record come from ``kvblend eval``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from blend.defaults import DEFAULT_MODEL
+from blend.engine import Engine
+from blend.evals.data import load_items
+from blend.evals.methods import MethodKind, parse_method, split_specs
+from blend.evals.metrics import kl_divergence, mean, median, percentile, top1_agree
+from blend.evals.splits import TUNING, VALIDATION, parse_item_range
+from blend.policy import ReusePolicy
+from blend.store.memory import MemoryStore
+
+DEFAULT_DATA = "../shared/data/musique_dev.json"
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One method on one item."""
+
+    item: int
+    method: str
+    kl: float
+    top1: float
+    ms: float
+    share: float | None  # recomputed share of reused document rows (the report's ratio)
+    prompt_tokens: int
+
+
+def ref_key(engine: Engine, token_ids: list[int]) -> str:
+    """Cache key of a full-prefill reference: the engine's provenance and the prompt's tokens."""
+    h = hashlib.sha256(engine.provenance_json.encode())
+    h.update(json.dumps(token_ids).encode())
+    return h.hexdigest()[:32]
+
+
+def reference_logits(engine: Engine, prompt, cache_dir: Path) -> torch.Tensor:
+    """Full prefill's first-token logits (V,), from ``cache_dir`` or computed and saved atomically."""
+    path = cache_dir / f"{ref_key(engine, list(prompt.token_ids))}.pt"
+    if path.exists():
+        try:
+            t = torch.load(path, weights_only=True)
+            if isinstance(t, torch.Tensor) and t.dim() == 1:
+                return t
+        except Exception:  # noqa: BLE001 - an unreadable cache file is recomputed
+            pass
+    logits, _, _ = engine.prefill(prompt, ReusePolicy.none())
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(logits.clone(), tmp)
+    os.replace(tmp, path)
+    return logits
+
+
+def split_of(item: int) -> str:
+    """``tuning``, ``validation`` or ``other`` for a musique_dev item index."""
+    if TUNING[0] <= item <= TUNING[1]:
+        return "tuning"
+    return "validation" if VALIDATION[0] <= item <= VALIDATION[1] else "other"
+
+
+def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> str:
+    """Markdown tables per split: KL mean / median / p90 / max, top-1, ms, wins against the first method.
+
+    Args:
+        rows: the sweep's rows.
+        methods: method names, the first is the one others are compared with.
+        splits: musique_dev's tuning / validation split (False: one table, e.g. synthetic sets).
+    """
+    out = []
+    for split in ("tuning", "validation", "other"):
+        mine = [r for r in rows if (split_of(r.item) if splits else "other") == split]
+        if not mine:
+            continue
+        items = sorted({r.item for r in mine})
+        out += [f"### {split}: {len(items)} items ({items[0]}-{items[-1]})", "",
+                "| method | mean KL | median | p90 | max | top-1 | share | median ms | beats first |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        by = {(r.item, r.method): r for r in mine}
+        for m in methods:
+            rs = [r for r in mine if r.method == m]
+            if not rs:
+                continue
+            kls = [r.kl for r in rs]
+            wins = sum(1 for r in rs if (r.item, methods[0]) in by and r.kl < by[(r.item, methods[0])].kl)
+            share = mean([r.share for r in rs])
+            out.append(f"| {m} | {mean(kls):.4f} | {median(kls):.4f} | {percentile(kls, 90):.4f} | {max(kls):.4f} "
+                       f"| {mean([r.top1 for r in rs]):.3f} | {'' if share is None else f'{share:.3f}'} "
+                       f"| {median([r.ms for r in rs]):.0f} | {wins}/{len(rs)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m blend.evals.sweep", description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument("--items", default="0-29", help="item range A-B (0-based, inclusive)")
+    ap.add_argument("--passages", type=int, default=5)
+    ap.add_argument("--methods", required=True, help="comma list of blend / reuse methods (see kvblend eval)")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--ref-cache", default="out/ref-logits", help="folder of cached full-prefill logits")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    methods = [parse_method(s) for s in split_specs(args.methods)]
+    if any(m.kind in (MethodKind.FULL, MethodKind.PREFIX) for m in methods):
+        print("sweep: full and prefix are the reference and exact path; list blend or reuse methods", file=sys.stderr)
+        return 2
+    lo, hi = parse_item_range(args.items)
+    items = load_items(args.data, None, args.passages)[lo:hi + 1]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    engine = Engine.load(args.model, dtype=args.dtype, store=MemoryStore())
+    rows: list[SweepRow] = []
+    names = [m.name for m in methods]
+    t_start = time.perf_counter()
+    with open(out / "rows.jsonl", "w") as f:
+        for n, it in enumerate(items):
+            idx = lo + n
+            prompt = engine.build_prompt(it.question, it.document_texts())
+            ref = reference_logits(engine, prompt, Path(args.ref_cache))
+            engine.precompute(prompt, methods[0].policy())
+            for m in methods:
+                t0 = time.perf_counter()
+                logits, _, report = engine.prefill(prompt, m.policy())
+                ms = (time.perf_counter() - t0) * 1e3
+                row = SweepRow(idx, m.name, kl_divergence(ref, logits), top1_agree(ref, logits), ms, report.ratio,
+                               len(prompt))
+                rows.append(row)
+                f.write(json.dumps(asdict(row)) + "\n")
+                f.flush()
+            done = n + 1
+            eta = (time.perf_counter() - t_start) / done * (len(items) - done)
+            print(f"item {idx}: " + " ".join(f"{r.method}={r.kl:.4f}" for r in rows[-len(methods):])
+                  + f"  [{done}/{len(items)}, eta {eta / 60:.1f} min]", file=sys.stderr, flush=True)
+    header = (f"First-token sweep, {args.data} items {args.items}, {args.passages} passages, {args.model} "
+              f"{args.dtype}, {torch.get_num_threads()} torch threads; reference: full prefill (cached).\n\n")
+    text = header + summarise(rows, names, splits=not args.data.startswith("synthetic:"))
+    (out / "summary.md").write_text(text)
+    print(text)
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
