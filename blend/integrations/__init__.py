@@ -1,0 +1,1 @@
+"""Integrations of kvblend into other serving engines (vLLM: :mod:`blend.integrations.vllm`)."""

@@ -1,0 +1,343 @@
+"""``KVBlendConnector``: kvblend's store and blend inside vLLM, through vLLM's v1 KV-connector seam.
+
+Load it with::
+
+    kv_transfer_config={"kv_connector": "KVBlendConnector",
+                        "kv_connector_module_path": "blend.integrations.vllm",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"store": "redis://host:6379/0"}}
+
+Scheduler side (:meth:`get_num_new_matched_tokens` ... :meth:`request_finished`):
+decides what a request claims (:mod:`blend.integrations.vllm.plan`) and tells
+the worker which blocks to fill and which to save. Worker side
+(:meth:`start_load_kv`, :meth:`wait_for_save`): writes stored or blended KV into
+the request's blocks before the forward, and saves vLLM's freshly computed
+whole prompt blocks after it. A block that cannot be loaded (missing,
+corrupt, wrong provenance, a blend that failed) is reported through
+:meth:`get_block_ids_with_load_errors`, and vLLM recomputes it: nothing
+unverified is ever injected. Blended KV is approximate: it is never saved.
+
+What each blended request got comes back in its output's ``kv_transfer_params``
+(``{"kvblend": {...report...}}``), carried worker -> scheduler by
+:class:`KVBlendWorkerMeta`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from blend.errors import KVBlendError
+from blend.integrations.vllm.engines import ConnectorConfig, SharedEngine, shared_engine
+from blend.integrations.vllm.layout import BlockLayout, calibrate
+from blend.integrations.vllm.plan import (
+    PARAMS_KEY, BlendParams, ClaimKind, blend_claim, block_keys, exact_claim, parse_blend_params,
+)
+from blend.keys import Namespace, StoreKey
+from blend.kvcache import KVEntry
+from blend.store.base import LookupStatus
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvblend.vllm")
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Fill blocks of one request before the forward."""
+
+    req_id: str
+    kind: ClaimKind
+    token_ids: tuple[int, ...]  # the prompt
+    block_ids: tuple[int, ...]  # the request's blocks, in order
+    start: int  # first claimed token (block-aligned: vLLM's local prefix ends here)
+    end: int  # one past the last claimed token (block-aligned)
+    keys: tuple[StoreKey, ...] = ()  # exact: key of every block up to ``end``
+    blend: BlendParams | None = None
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Blocks vLLM computed that are whole and not yet in the store."""
+
+    req_id: str
+    blocks: tuple[tuple[int, StoreKey], ...]  # (block id, key)
+
+
+@dataclass
+class KVBlendMeta(KVConnectorMetadata):
+    """Scheduler -> worker, one step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVBlendWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, one step: what each loading request got."""
+
+    reports: dict[str, dict] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        if isinstance(other, KVBlendWorkerMeta):
+            self.reports.update(other.reports)
+        return self
+
+
+@dataclass
+class _ReqState:
+    """Scheduler-side bookkeeping of one request (owned by the scheduler connector)."""
+
+    token_ids: tuple[int, ...]
+    salt: str
+    keys: list[StoreKey]
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # prompt blocks [0, saved) are stored or claimed from the store
+    blended: bool = False  # approximate KV in its blocks: never saved
+    claim: tuple[ClaimKind, int, int] | None = None  # kind, start, end of a claim awaiting its load
+    blend: BlendParams | None = None
+    report: dict = field(default_factory=dict)
+
+
+class KVBlendConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector over kvblend's store and blended prefill. See the module docstring."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.cfg = ConnectorConfig.from_vllm(vllm_config, extra)
+        self.shared: SharedEngine = shared_engine(self.cfg, self.block_size)
+        self._reqs: dict[str, _ReqState] = {}  # scheduler side
+        self._kv: list[torch.Tensor] = []  # worker side: each layer's paged cache, in layer order
+        self._layout: BlockLayout | None = None
+        self._load_errors: set[int] = set()
+        self._reports: dict[str, dict] = {}
+
+    # ---- scheduler side --------------------------------------------------------------------
+
+    def _state(self, request: "Request") -> _ReqState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            toks = tuple(request.prompt_token_ids or ())
+            salt = request.cache_salt or ""
+            st = _ReqState(toks, salt, block_keys(self.shared.vllm_prov, toks, self.block_size, salt))
+            self._reqs[request.request_id] = st
+        return st
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        n = len(st.token_ids)
+        st.claim = None
+        try:
+            st.blend = parse_blend_params(request.kv_transfer_params, n)
+        except KVBlendError as e:  # a malformed blend request runs as a plain vLLM request
+            st.blend, st.report = None, {"error": str(e)}
+            log.warning("request %s: %s", request.request_id, e)
+        if st.blend is not None:
+            got = blend_claim(st.blend, num_computed_tokens, self.block_size)
+            kind = ClaimKind.BLEND
+        else:
+            present = []
+            for k in st.keys[num_computed_tokens // self.block_size:]:
+                if not self.shared.store.contains(Namespace.EXACT, k):
+                    break
+                present.append(True)
+            got = exact_claim([True] * (num_computed_tokens // self.block_size) + present, n, num_computed_tokens,
+                              self.block_size)
+            kind = ClaimKind.EXACT
+        if got > 0:
+            st.claim = (kind, num_computed_tokens, num_computed_tokens + got)
+            st.report.update(claim=kind.value, claimed_tokens=got)
+        return got, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        st = self._state(request)
+        if num_external_tokens <= 0:
+            st.claim = None
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KVBlendMeta()
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            self._plan_step(new.req_id, st, new.num_computed_tokens,
+                            scheduler_output.num_scheduled_tokens.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after preemption: the whole block list again
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._plan_step(req_id, st, cached.num_computed_tokens[i],
+                            scheduler_output.num_scheduled_tokens.get(req_id, 0), meta)
+        return meta
+
+    def _plan_step(self, req_id: str, st: _ReqState, num_computed: int, num_scheduled: int, meta: KVBlendMeta) -> None:
+        """This step's load (a fresh claim) and saves (prompt blocks whole after this step) of a request."""
+        b = self.block_size
+        if st.claim is not None:
+            kind, start, end = st.claim
+            st.claim = None
+            meta.loads.append(LoadSpec(req_id, kind, st.token_ids, tuple(st.block_ids), start, end,
+                                       tuple(st.keys[: end // b]), st.blend))
+            if kind is ClaimKind.BLEND:
+                st.blended = True
+            else:
+                st.saved = max(st.saved, end // b)
+        if st.blended:
+            return
+        whole = min(num_computed + num_scheduled, len(st.token_ids)) // b  # prompt blocks whole after this step
+        todo = [(st.block_ids[i], st.keys[i]) for i in range(st.saved, min(whole, len(st.block_ids), len(st.keys)))]
+        if todo:
+            meta.saves.append(SaveSpec(req_id, tuple(todo)))
+            st.saved = whole
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        wm = connector_output.kv_connector_worker_meta
+        if isinstance(wm, KVBlendWorkerMeta):
+            for req_id, rep in wm.reports.items():
+                if req_id in self._reqs:
+                    self._reqs[req_id].report.update(rep)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        report = {**st.report, **self.shared.take_report(request.request_id)}
+        return False, ({PARAMS_KEY: report} if report else None)
+
+    # ---- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        def index(name: str) -> int:
+            m = _LAYER_INDEX.search(name)
+            if m is None:
+                raise KVBlendError(f"cannot tell the layer index of KV cache {name!r}")
+            return int(m.group(1))
+
+        names = sorted(kv_caches, key=index)
+        self._kv = [kv_caches[n] for n in names]
+        self._names = names
+        if len(self._kv) != self.shared.engine.dims.num_layers:
+            raise KVBlendError(f"vLLM has {len(self._kv)} KV caches, kvblend's model {self.shared.engine.dims.num_layers}"
+                               " layers: not the same model")
+
+    def _calibrate(self, forward_context: "ForwardContext") -> None:
+        from vllm import _custom_ops as ops
+
+        layer = forward_context.no_compile_layers[self._names[0]]
+        _, h, b, two_d = self._kv[0].shape
+
+        def writer(key: torch.Tensor, value: torch.Tensor, block: torch.Tensor) -> None:
+            kc, vc = block.view(1, h, 2 * b, two_d // 2).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key, value, kc, vc, torch.arange(b), layer.isa)
+
+        self._layout = calibrate(writer, h, b, two_d // 2)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVBlendMeta) or not (meta.loads or meta.saves):
+            return
+        if self._layout is None:  # once, before the first load or save
+            self._calibrate(forward_context)
+        for spec in meta.loads:
+            t0 = time.perf_counter()
+            try:
+                rep = self._load_exact(spec) if spec.kind is ClaimKind.EXACT else self._load_blend(spec)
+            except Exception as e:  # noqa: BLE001 - a failed load is recomputed by vLLM, never used
+                log.warning("request %s: load failed (%s); vLLM recomputes its blocks", spec.req_id, e)
+                self._fail(spec, spec.start)
+                rep = {"error": f"load failed: {e}"}
+            rep["load_s"] = round(time.perf_counter() - t0, 6)
+            rep = {"claim": spec.kind.value, "claimed_tokens": spec.end - spec.start, **rep}
+            # a scheduler in this process reads it before this step's output is built (a request may
+            # finish in the step that loaded it); one in another process gets it in the worker meta
+            self.shared.post_report(spec.req_id, rep)
+            self._reports[spec.req_id] = rep
+
+    def _fail(self, spec: LoadSpec, from_token: int) -> None:
+        b = self.block_size
+        self._load_errors.update(spec.block_ids[from_token // b: spec.end // b])
+
+    def _load_exact(self, spec: LoadSpec) -> dict:
+        b, layout = self.block_size, self._layout
+        assert layout is not None
+        prov = self.shared.vllm_prov_json
+        loaded = 0
+        for i in range(spec.start // b, spec.end // b):
+            got = self.shared.store.get(Namespace.EXACT, spec.keys[i], prov)
+            entry = got.entry
+            ok = got.status is LookupStatus.HIT and entry is not None and tuple(entry.k.shape) == (
+                len(self._kv), self._kv[0].shape[1], b, self._kv[0].shape[3] // 2)
+            if not ok:
+                self._fail(spec, i * b)
+                return {"loaded_blocks": loaded, "error": f"block {i}: {got.status.value} {got.reason}".strip()}
+            for layer, cache in enumerate(self._kv):
+                layout.write(cache, spec.block_ids[i], entry.k[layer], entry.v[layer])
+            loaded += 1
+        return {"loaded_blocks": loaded}
+
+    def _load_blend(self, spec: LoadSpec) -> dict:
+        assert spec.blend is not None and self._layout is not None
+        cache, report = self.shared.blend(spec.token_ids, spec.blend)  # rows [0, question start) of every layer
+        b = self.block_size
+        for i in range(spec.start // b, spec.end // b):
+            lo, hi = i * b, (i + 1) * b
+            for layer, kv in enumerate(self._kv):
+                k, v = cache.view(layer, hi)  # (Hkv, hi, D) K after RoPE
+                self._layout.write(kv, spec.block_ids[i], k[:, lo:hi], v[:, lo:hi])
+        return report
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks are read back after the forward, in wait_for_save
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if not isinstance(meta, KVBlendMeta) or not meta.saves or self._layout is None:
+            return
+        store, prov = self.shared.store, self.shared.vllm_prov_json
+        for spec in meta.saves:
+            for block, key in spec.blocks:
+                if store.contains(Namespace.EXACT, key):
+                    continue
+                ks, vs = zip(*(self._layout.read(kv, block) for kv in self._kv))
+                store.put(Namespace.EXACT, key, KVEntry(torch.stack(ks).clone(), torch.stack(vs).clone(), prov))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._reports:
+            return None
+        out, self._reports = KVBlendWorkerMeta(self._reports), {}
+        return out

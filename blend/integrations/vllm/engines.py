@@ -1,0 +1,130 @@
+"""The kvblend side of the connector: one engine and one store per process, shared by its two roles.
+
+vLLM builds a connector for the scheduler and one for each worker; in one
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or the scheduler beside a single
+CPU worker) they share one :class:`SharedEngine` here, so the weights are read
+once and an in-memory store is seen by both. Across processes the store must
+be one they share (``disk:PATH`` or ``redis://...``).
+
+No vLLM import: the config is read from plain values.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from blend.errors import InvalidRequestError
+from blend.integrations.vllm.plan import BlendParams, vllm_provenance
+from blend.keys import Provenance
+from blend.kvcache import KVCache
+from blend.policy import ReusePolicy
+from blend.prompt import Prompt, Segment, SegmentKind
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What the connector needs to know (from vLLM's config and ``kv_connector_extra_config``).
+
+    Attributes:
+        model: the checkpoint directory vLLM serves (kvblend loads the same weights).
+        dtype: vLLM's model dtype name.
+        backend: vLLM's version and attention backend, for the provenance of the KV it computes.
+        store: kvblend store spec (``memory``, ``disk:PATH``, ``redis://...``, or a chain).
+        force: blend even if kvblend's quality gate has not passed for this model.
+    """
+
+    model: str
+    dtype: str
+    backend: str
+    store: str = "memory"
+    force: bool = False
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any, extra: dict) -> "ConnectorConfig":
+        """Read vLLM's config object and the connector's extra config."""
+        import vllm
+
+        mc = vllm_config.model_config
+        dtype = DTYPE_NAMES.get(mc.dtype, str(mc.dtype).replace("torch.", ""))
+        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+        if cache_dtype not in ("auto", dtype):
+            raise InvalidRequestError(f"kvblend's connector needs the KV cache in the model dtype, got {cache_dtype}")
+        backend = f"vllm-{vllm.__version__}/{vllm_config.device_config.device_type}"
+        return cls(model=str(mc.model), dtype=dtype, backend=backend, store=str(extra.get("store", "memory")),
+                   force=bool(extra.get("force", False)))
+
+
+class SharedEngine:
+    """A kvblend engine over vLLM's weights, its store, and the provenance of vLLM's own KV.
+
+    Args:
+        cfg: the connector's config.
+        block_size: vLLM's block size (in the provenance of the KV vLLM computes).
+    """
+
+    def __init__(self, cfg: ConnectorConfig, block_size: int) -> None:
+        from blend.engine import Engine
+        from blend.store.spec import open_store
+
+        self.cfg = cfg
+        self.store = open_store(cfg.store)
+        self.engine = Engine.load(cfg.model, dtype=cfg.dtype, store=self.store, quality_gate=not cfg.force)
+        self.vllm_prov: Provenance = vllm_provenance(self.engine.provenance, cfg.backend, block_size, cfg.dtype)
+        self.vllm_prov_json = self.vllm_prov.canonical_json()
+        self._lock = threading.Lock()  # one blend at a time per process (the engine's caches)
+        self._reports: dict[str, dict] = {}  # request id -> what its load got (worker -> scheduler, in process)
+        self._reports_lock = threading.Lock()
+
+    def post_report(self, req_id: str, report: dict) -> None:
+        """The worker's record of a request's load, for a scheduler in this process."""
+        with self._reports_lock:
+            self._reports[req_id] = report
+
+    def take_report(self, req_id: str) -> dict:
+        """The posted record of a request's load ({} if none reached this process)."""
+        with self._reports_lock:
+            return self._reports.pop(req_id, {})
+
+    def prompt_of(self, token_ids: Sequence[int], params: BlendParams) -> Prompt:
+        """kvblend's segmented prompt of a vLLM request: preamble, the named documents, the question."""
+        spans = params.spans
+        segs = [Segment(SegmentKind.PREAMBLE, tuple(token_ids[: spans[0][0]]), "")]
+        segs += [Segment(SegmentKind.DOCUMENT, tuple(token_ids[s:e]), "") for s, e in spans]
+        segs.append(Segment(SegmentKind.QUESTION, tuple(token_ids[spans[-1][1]:]), ""))
+        return Prompt(tuple(segs))
+
+    def blend(self, token_ids: Sequence[int], params: BlendParams) -> tuple[KVCache, dict]:
+        """kvblend's blended prefill of the request; its cache holds every prompt row (K after RoPE).
+
+        Returns:
+            The filled cache and the reuse report (as a JSON-able dict).
+        """
+        policy = ReusePolicy.blend(ratio=params.ratio, selector=params.selector, force=self.cfg.force)
+        with self._lock, torch.inference_mode():
+            _, cache, report = self.engine.prefill(self.prompt_of(token_ids, params), policy)
+        rep = report.to_dict()
+        slim = {k: rep[k] for k in ("policy", "selector", "ratio", "gate") if k in rep}
+        slim.update(reused_tokens=report.reused_tokens, recomputed_tokens=report.recomputed_tokens,
+                    classes=[s.reuse_class.value for s in report.segments],
+                    blend_s=round(report.timings.ttft_s, 6))
+        return cache, json.loads(json.dumps(slim))
+
+
+_ENGINES: dict[tuple[ConnectorConfig, int], SharedEngine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def shared_engine(cfg: ConnectorConfig, block_size: int) -> SharedEngine:
+    """This process's engine for ``cfg`` (made on first use)."""
+    with _ENGINES_LOCK:
+        key = (cfg, block_size)
+        if key not in _ENGINES:
+            _ENGINES[key] = SharedEngine(cfg, block_size)
+        return _ENGINES[key]

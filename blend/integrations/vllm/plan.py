@@ -1,0 +1,185 @@
+"""The connector's decisions, as pure functions over token ids (no vLLM import).
+
+Two kinds of claim on a vLLM request's prompt (vLLM computes the rest):
+
+- **exact**: vLLM's own KV of whole blocks, saved in kvblend's store under
+  prefix-chained block keys of a *vLLM provenance* (backend, block size and
+  "K after RoPE" in the record: kvblend's own entries, K before RoPE, never
+  alias them). A request claims the longest run of stored blocks after what
+  vLLM already holds locally, leaving at least one prompt token to compute.
+- **blend**: a request that names its document spans in ``kv_transfer_params``
+  gets kvblend's blended KV of preamble + documents (canonical chunk KV,
+  re-positioned, selected rows recomputed on the same weights); the claim ends
+  at the last whole block before the question. Opt-in per request.
+
+``kv_transfer_params`` of a blended request::
+
+    {"kvblend": {"mode": "blend", "ratio": 0.15, "selector": "probe",
+                 "documents": [[s1, e1], [s2, e2], ...]}}   # token spans, contiguous,
+                                                            # preamble before s1, question after the last e
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Sequence
+
+from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR
+from blend.errors import InvalidRequestError
+from blend.keys import Provenance, StoreKey, exact_chain
+from blend.policy import SELECTOR_NAMES
+
+PARAMS_KEY = "kvblend"  # our entry in a request's kv_transfer_params
+VLLM_KV_LAYOUT = "k-after-rope"  # what a vLLM-provenance entry's K holds
+
+
+class ClaimKind(Enum):
+    """What a request's claimed tokens come from."""
+
+    NONE = "none"
+    EXACT = "exact"  # blocks vLLM computed before, from kvblend's store
+    BLEND = "blend"  # kvblend's blended KV of preamble + documents
+
+
+@dataclass(frozen=True)
+class BlendParams:
+    """A blended request's parameters (from ``kv_transfer_params``)."""
+
+    ratio: float
+    selector: str
+    spans: tuple[tuple[int, int], ...]  # document token spans [start, end), contiguous
+
+    @property
+    def question_start(self) -> int:
+        return self.spans[-1][1]
+
+
+def vllm_provenance(engine_prov: Provenance, backend: str, block_size: int, kv_dtype: str) -> Provenance:
+    """The provenance of KV that vLLM computed: kvblend's fields with vLLM's backend, block size and layout.
+
+    Args:
+        engine_prov: the kvblend engine's provenance for the same weights.
+        backend: e.g. ``vllm-0.32.0/CPU_ATTN``.
+        block_size: vLLM's block size (entries are one block each).
+        kv_dtype: dtype of vLLM's KV cache.
+
+    Returns:
+        A provenance whose digest differs from the engine's (no key can alias).
+    """
+    return dataclasses.replace(engine_prov, backend=f"{backend}/block{block_size}/{VLLM_KV_LAYOUT}",
+                               kv_dtype=kv_dtype)
+
+
+def block_keys(prov: Provenance, token_ids: Sequence[int], block_size: int, salt: str = "") -> list[StoreKey]:
+    """Prefix-chained keys of every whole block of ``token_ids`` (key i commits to blocks 0..i)."""
+    n = len(token_ids) // block_size
+    return exact_chain(prov, [token_ids[i * block_size:(i + 1) * block_size] for i in range(n)], salt)
+
+
+def exact_claim(present: Sequence[bool], num_prompt: int, num_computed: int, block_size: int) -> int:
+    """Tokens an exact claim adds after vLLM's local prefix.
+
+    Args:
+        present: whether block i is in the store, for every whole prompt block, in order.
+        num_prompt: prompt length.
+        num_computed: tokens vLLM already holds (block-aligned).
+        block_size: tokens per block.
+
+    Returns:
+        A block-aligned count >= 0 of tokens to load; the last prompt token is never claimed.
+    """
+    usable = min(len(present), (num_prompt - 1) // block_size)  # keep >= 1 token for vLLM to compute
+    run = 0
+    while run < usable and present[run]:
+        run += 1
+    return max(0, run * block_size - num_computed)
+
+
+def blend_claim(params: BlendParams, num_computed: int, block_size: int) -> int:
+    """Tokens a blend claim adds: up to the last whole block before the question."""
+    end = (params.question_start // block_size) * block_size
+    return max(0, end - num_computed)
+
+
+def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams | None:
+    """A request's blend parameters, or None when it asks for no blend.
+
+    Args:
+        kv_transfer_params: the request's ``kv_transfer_params`` (any JSON value; untrusted).
+        num_prompt: prompt length.
+
+    Returns:
+        The parameters, or None (no ``kvblend`` entry, or ``mode`` other than ``blend``).
+
+    Raises:
+        InvalidRequestError: a ``kvblend`` blend entry that is malformed.
+    """
+    if not isinstance(kv_transfer_params, dict) or PARAMS_KEY not in kv_transfer_params:
+        return None
+    p = kv_transfer_params[PARAMS_KEY]
+    if not isinstance(p, dict):
+        raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object")
+    if p.get("mode", "blend") != "blend":
+        return None
+    ratio = p.get("ratio", DEFAULT_RATIO)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) \
+            or not 0.0 <= ratio <= 1.0:
+        raise InvalidRequestError(f"kvblend ratio must be a number in [0, 1], got {ratio!r}")
+    selector = p.get("selector", DEFAULT_SELECTOR)
+    if selector not in SELECTOR_NAMES:
+        raise InvalidRequestError(f"unknown kvblend selector {selector!r}")
+    docs = p.get("documents")
+    if not isinstance(docs, list) or not docs:
+        raise InvalidRequestError("kvblend blend needs 'documents': a non-empty list of [start, end] token spans")
+    spans = []
+    for d in docs:
+        if not (isinstance(d, (list, tuple)) and len(d) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                    for x in d)):
+            raise InvalidRequestError(f"a document span must be [start, end] integers, got {d!r}")
+        spans.append((int(d[0]), int(d[1])))
+    if spans[0][0] < 1:
+        raise InvalidRequestError("the first document must start after a non-empty preamble")
+    for (s, e), nxt in zip(spans, spans[1:] + [None]):
+        if e <= s:
+            raise InvalidRequestError(f"document span [{s}, {e}) is empty")
+        if nxt is not None and nxt[0] != e:
+            raise InvalidRequestError("document spans must be contiguous and in order")
+    if spans[-1][1] >= num_prompt:
+        raise InvalidRequestError("the question after the last document is empty")
+    return BlendParams(float(ratio), str(selector), tuple(spans))
+
+
+def blend_request(prompt_token_ids: Sequence[int], doc_spans: Sequence[tuple[int, int]], ratio: float = DEFAULT_RATIO,
+                  selector: str = DEFAULT_SELECTOR) -> dict[str, Any]:
+    """The ``kv_transfer_params`` that ask the connector to blend a prompt's documents.
+
+    Args:
+        prompt_token_ids: the prompt (preamble, documents, question), e.g. kvblend's ``Prompt.token_ids``.
+        doc_spans: [start, end) token span of each document.
+        ratio: recompute share.
+        selector: kvblend selector.
+
+    Returns:
+        A dict to pass as ``kv_transfer_params`` (validated here).
+    """
+    params = {PARAMS_KEY: {"mode": "blend", "ratio": ratio, "selector": selector,
+                           "documents": [[int(s), int(e)] for s, e in doc_spans]}}
+    parse_blend_params(params, len(prompt_token_ids))
+    return params
+
+
+def prompt_spans(segment_lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Document spans of a kvblend prompt from its segment lengths (preamble, documents..., question).
+
+    E.g. ``prompt_spans([len(s) for s in prompt.segments])`` for ``Engine.build_prompt``'s prompt.
+    """
+    if len(segment_lengths) < 3:
+        raise InvalidRequestError("a blended prompt needs a preamble, at least one document and a question")
+    spans, pos = [], int(segment_lengths[0])
+    for n in segment_lengths[1:-1]:
+        spans.append((pos, pos + int(n)))
+        pos += int(n)
+    return spans
