@@ -42,7 +42,7 @@ from blend.errors import KVBlendError
 from blend.integrations.vllm.engines import ConnectorConfig, SharedEngine, shared_engine
 from blend.integrations.vllm.layout import BlockLayout, calibrate
 from blend.integrations.vllm.plan import (
-    PARAMS_KEY, BlendParams, ClaimKind, blend_claim, block_keys, exact_claim, parse_blend_params,
+    PARAMS_KEY, BlendParams, ClaimKind, blend_claim, block_keys, exact_claim, parse_blend_params, salt_allows_blend,
 )
 from blend.keys import Namespace, StoreKey
 from blend.kvcache import KVEntry
@@ -127,6 +127,10 @@ class KVBlendConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self.cfg = ConnectorConfig.from_vllm(vllm_config, extra)
         self.shared: SharedEngine = shared_engine(self.cfg, self.block_size)
+        if self.cfg.recompute_on_load_error and self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            # a store entry that fails its checks is a miss: vLLM recomputes its blocks instead of
+            # failing the request (vLLM's default policy); the scheduler reads this after building us
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._reqs: dict[str, _ReqState] = {}  # scheduler side
         self._kv: list[torch.Tensor] = []  # worker side: each layer's paged cache, in layer order
         self._layout: BlockLayout | None = None
@@ -153,6 +157,10 @@ class KVBlendConnector(KVConnectorBase_V1):
         except KVBlendError as e:  # a malformed blend request runs as a plain vLLM request
             st.blend, st.report = None, {"error": str(e)}
             log.warning("request %s: %s", request.request_id, e)
+        if st.blend is not None and self.cfg.prefix_caching and not salt_allows_blend(request.cache_salt, st.blend):
+            st.report = {"error": "blend refused: with vLLM's prefix cache on, a blended request needs the "
+                                  "cache_salt of blend_salt() (approximate blocks must not enter the prefix cache)"}
+            st.blend = None
         if st.blend is not None:
             got = blend_claim(st.blend, num_computed_tokens, self.block_size)
             kind = ClaimKind.BLEND
@@ -212,6 +220,8 @@ class KVBlendConnector(KVConnectorBase_V1):
                 st.saved = max(st.saved, end // b)
         if st.blended:
             return
+        if num_computed < st.saved * b:  # vLLM recomputes from here (a failed load): save those blocks again
+            st.saved = num_computed // b
         whole = min(num_computed + num_scheduled, len(st.token_ids)) // b  # prompt blocks whole after this step
         todo = [(st.block_ids[i], st.keys[i]) for i in range(st.saved, min(whole, len(st.block_ids), len(st.keys)))]
         if todo:
@@ -283,7 +293,7 @@ class KVBlendConnector(KVConnectorBase_V1):
 
     def _fail(self, spec: LoadSpec, from_token: int) -> None:
         b = self.block_size
-        self._load_errors.update(spec.block_ids[from_token // b: spec.end // b])
+        self._load_errors.update(spec.block_ids[from_token // b: -(-spec.end // b)])
 
     def _load_exact(self, spec: LoadSpec) -> dict:
         b, layout = self.block_size, self._layout
@@ -293,11 +303,16 @@ class KVBlendConnector(KVConnectorBase_V1):
         for i in range(spec.start // b, spec.end // b):
             got = self.shared.store.get(Namespace.EXACT, spec.keys[i], prov)
             entry = got.entry
-            ok = got.status is LookupStatus.HIT and entry is not None and tuple(entry.k.shape) == (
-                len(self._kv), self._kv[0].shape[1], b, self._kv[0].shape[3] // 2)
-            if not ok:
+            want = (len(self._kv), self._kv[0].shape[1], b, self._kv[0].shape[3] // 2)  # (L, Hkv, B, D)
+            why = f"{got.status.value} {got.reason}".strip() if got.status is not LookupStatus.HIT or entry is None \
+                else f"shape {tuple(entry.k.shape)}, want {want}" if tuple(entry.k.shape) != want \
+                else "non-finite values" if not bool(torch.isfinite(entry.k).all() and torch.isfinite(entry.v).all()) \
+                else ""
+            if why:  # never injected: this block and the rest of the claim are recomputed by vLLM
+                if got.status is not LookupStatus.MISS:  # drop the bad entry: the recomputed block replaces it
+                    self.shared.store.delete(Namespace.EXACT, spec.keys[i])
                 self._fail(spec, i * b)
-                return {"loaded_blocks": loaded, "error": f"block {i}: {got.status.value} {got.reason}".strip()}
+                return {"loaded_blocks": loaded, "error": f"block {i}: {why}"}
             for layer, cache in enumerate(self._kv):
                 layout.write(cache, spec.block_ids[i], entry.k[layer], entry.v[layer])
             loaded += 1
@@ -307,8 +322,8 @@ class KVBlendConnector(KVConnectorBase_V1):
         assert spec.blend is not None and self._layout is not None
         cache, report = self.shared.blend(spec.token_ids, spec.blend)  # rows [0, question start) of every layer
         b = self.block_size
-        for i in range(spec.start // b, spec.end // b):
-            lo, hi = i * b, (i + 1) * b
+        for i in range(spec.start // b, -(-spec.end // b)):  # the last block may be partial
+            lo, hi = i * b, min((i + 1) * b, spec.end)
             for layer, kv in enumerate(self._kv):
                 k, v = cache.view(layer, hi)  # (Hkv, hi, D) K after RoPE
                 self._layout.write(kv, spec.block_ids[i], k[:, lo:hi], v[:, lo:hi])

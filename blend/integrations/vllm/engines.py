@@ -38,6 +38,8 @@ class ConnectorConfig:
         backend: vLLM's version and attention backend, for the provenance of the KV it computes.
         store: kvblend store spec (``memory``, ``disk:PATH``, ``redis://...``, or a chain).
         force: blend even if kvblend's quality gate has not passed for this model.
+        recompute_on_load_error: set vLLM's ``kv_load_failure_policy`` to ``recompute`` (a block that
+            fails to load is recomputed, the request goes on); False leaves vLLM's policy as configured.
     """
 
     model: str
@@ -45,6 +47,8 @@ class ConnectorConfig:
     backend: str
     store: str = "memory"
     force: bool = False
+    recompute_on_load_error: bool = True
+    prefix_caching: bool = True  # vLLM's own prefix cache is on (blends then need their salt)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, extra: dict) -> "ConnectorConfig":
@@ -58,7 +62,9 @@ class ConnectorConfig:
             raise InvalidRequestError(f"kvblend's connector needs the KV cache in the model dtype, got {cache_dtype}")
         backend = f"vllm-{vllm.__version__}/{vllm_config.device_config.device_type}"
         return cls(model=str(mc.model), dtype=dtype, backend=backend, store=str(extra.get("store", "memory")),
-                   force=bool(extra.get("force", False)))
+                   force=bool(extra.get("force", False)),
+                   recompute_on_load_error=extra.get("on_load_error", "recompute") == "recompute",
+                   prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True)))
 
 
 class SharedEngine:
@@ -128,3 +134,9 @@ def shared_engine(cfg: ConnectorConfig, block_size: int) -> SharedEngine:
         if key not in _ENGINES:
             _ENGINES[key] = SharedEngine(cfg, block_size)
         return _ENGINES[key]
+
+
+def loaded_engines() -> list[SharedEngine]:
+    """The engines made in this process so far (tests and tools reach the connector's engine here)."""
+    with _ENGINES_LOCK:
+        return list(_ENGINES.values())

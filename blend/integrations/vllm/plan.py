@@ -10,7 +10,9 @@ Two kinds of claim on a vLLM request's prompt (vLLM computes the rest):
 - **blend**: a request that names its document spans in ``kv_transfer_params``
   gets kvblend's blended KV of preamble + documents (canonical chunk KV,
   re-positioned, selected rows recomputed on the same weights); the claim ends
-  at the last whole block before the question. Opt-in per request.
+  where the question starts. Opt-in per request, and (with vLLM's prefix
+  cache on) only under a cache salt that carries :data:`BLEND_SALT_MARK`, so
+  approximate blocks never enter vLLM's prefix cache under exact token hashes.
 
 ``kv_transfer_params`` of a blended request::
 
@@ -33,6 +35,7 @@ from blend.keys import Provenance, StoreKey, exact_chain
 from blend.policy import SELECTOR_NAMES
 
 PARAMS_KEY = "kvblend"  # our entry in a request's kv_transfer_params
+BLEND_SALT_MARK = "kvblend-blend"  # a blended request's cache_salt carries this (see blend_salt)
 VLLM_KV_LAYOUT = "k-after-rope"  # what a vLLM-provenance entry's K holds
 
 
@@ -99,9 +102,9 @@ def exact_claim(present: Sequence[bool], num_prompt: int, num_computed: int, blo
 
 
 def blend_claim(params: BlendParams, num_computed: int, block_size: int) -> int:
-    """Tokens a blend claim adds: up to the last whole block before the question."""
-    end = (params.question_start // block_size) * block_size
-    return max(0, end - num_computed)
+    """Tokens a blend claim adds: every row before the question (its last block may be partial:
+    vLLM writes the question's first rows into the rest of it)."""
+    return max(0, params.question_start - num_computed)
 
 
 def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams | None:
@@ -183,3 +186,19 @@ def prompt_spans(segment_lengths: Sequence[int]) -> list[tuple[int, int]]:
         spans.append((pos, pos + int(n)))
         pos += int(n)
     return spans
+
+
+def blend_salt(params: dict[str, Any], tenant: str = "") -> str:
+    """The ``cache_salt`` a blended request must carry when vLLM's prefix cache is on.
+
+    vLLM hashes a request's blocks into its local prefix cache; blended blocks are approximate, so
+    they must live under a salt no plain request uses, one per blend policy (ratio and selector
+    change the KV). ``tenant``: the caller's own salt, kept in front.
+    """
+    p = params[PARAMS_KEY]
+    return f"{tenant}|{BLEND_SALT_MARK}:{p.get('ratio', DEFAULT_RATIO)}:{p.get('selector', DEFAULT_SELECTOR)}"
+
+
+def salt_allows_blend(salt: str | None, params: BlendParams) -> bool:
+    """Whether ``salt`` separates this blend's blocks from exact ones (see :func:`blend_salt`)."""
+    return bool(salt) and f"{BLEND_SALT_MARK}:{params.ratio}:{params.selector}" in salt

