@@ -134,3 +134,16 @@ def test_a_writer_that_is_not_a_permutation_is_refused():
 
     with pytest.raises(LayoutError):
         calibrate(lossy, 2, 4, 2)
+
+
+def test_offsets_scatter_a_request_over_its_blocks_like_block_writes():
+    h, b, d = 2, 4, 3
+    layout = calibrate(_fake_writer(True), h, b, d)
+    blocks = torch.tensor([3, 0, 5])
+    k, v = torch.randn(h, 11, d), torch.randn(h, 11, d)  # rows 1..11 of a request: partial first and last block
+    one = torch.zeros(6, h, b, 2 * d)
+    layout.scatter(one, layout.offsets(blocks, 1, 12, one[0].numel()), k, v)
+    other = torch.zeros(6, h, b, 2 * d)
+    for t in range(1, 12):
+        layout.write(other, int(blocks[t // b]), k[:, t - 1:t], v[:, t - 1:t], row0=t % b)
+    assert torch.equal(one, other)

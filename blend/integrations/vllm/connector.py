@@ -321,12 +321,12 @@ class KVBlendConnector(KVConnectorBase_V1):
     def _load_blend(self, spec: LoadSpec) -> dict:
         assert spec.blend is not None and self._layout is not None
         cache, report = self.shared.blend(spec.token_ids, spec.blend)  # rows [0, question start) of every layer
-        b = self.block_size
-        for i in range(spec.start // b, -(-spec.end // b)):  # the last block may be partial
-            lo, hi = i * b, min((i + 1) * b, spec.end)
-            for layer, kv in enumerate(self._kv):
-                k, v = cache.view(layer, hi)  # (Hkv, hi, D) K after RoPE
-                self._layout.write(kv, spec.block_ids[i], k[:, lo:hi], v[:, lo:hi])
+        # rows [start, end) into the request's blocks (the last may be partial), one scatter per layer
+        stride = self._kv[0][0].numel()
+        offs = self._layout.offsets(torch.tensor(spec.block_ids, dtype=torch.long), spec.start, spec.end, stride)
+        for layer, kv in enumerate(self._kv):
+            k, v = cache.view(layer, spec.end)  # (Hkv, end, D) K after RoPE
+            self._layout.scatter(kv, offs, k[:, spec.start:], v[:, spec.start:])
         return report
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -24,6 +24,7 @@ from blend.keys import Provenance
 from blend.kvcache import KVCache
 from blend.policy import ReusePolicy
 from blend.prompt import Prompt, Segment, SegmentKind
+from blend.store.spec import DEFAULT_MEMORY_BUDGET
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -49,6 +50,8 @@ class ConnectorConfig:
     force: bool = False
     recompute_on_load_error: bool = True
     prefix_caching: bool = True  # vLLM's own prefix cache is on (blends then need their salt)
+    device: str = "cpu"  # where kvblend's engine runs: vLLM's device
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET  # the in-process tier of the store
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, extra: dict) -> "ConnectorConfig":
@@ -64,7 +67,9 @@ class ConnectorConfig:
         return cls(model=str(mc.model), dtype=dtype, backend=backend, store=str(extra.get("store", "memory")),
                    force=bool(extra.get("force", False)),
                    recompute_on_load_error=extra.get("on_load_error", "recompute") == "recompute",
-                   prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True)))
+                   prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True)),
+                   device=str(vllm_config.device_config.device_type),
+                   memory_budget_bytes=int(extra.get("memory_budget_bytes", DEFAULT_MEMORY_BUDGET)))
 
 
 class SharedEngine:
@@ -80,8 +85,9 @@ class SharedEngine:
         from blend.store.spec import open_store
 
         self.cfg = cfg
-        self.store = open_store(cfg.store)
-        self.engine = Engine.load(cfg.model, dtype=cfg.dtype, store=self.store, quality_gate=not cfg.force)
+        self.store = open_store(cfg.store, memory_budget_bytes=cfg.memory_budget_bytes)
+        self.engine = Engine.load(cfg.model, dtype=cfg.dtype, store=self.store, quality_gate=not cfg.force,
+                                  device=cfg.device)
         self.vllm_prov: Provenance = vllm_provenance(self.engine.provenance, cfg.backend, block_size, cfg.dtype)
         self.vllm_prov_json = self.vllm_prov.canonical_json()
         self._lock = threading.Lock()  # one blend at a time per process (the engine's caches)

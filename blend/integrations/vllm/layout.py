@@ -73,6 +73,30 @@ class BlockLayout:
         flat[self.v_index[:, row0:row0 + r].reshape(-1)] = v.reshape(-1).to(cache.dtype)
 
 
+    def offsets(self, block_ids: torch.Tensor, start: int, end: int, block_stride: int) -> tuple[torch.Tensor, ...]:
+        """Flat offsets, in a whole layer's cache, of token rows ``start .. end`` of a request.
+
+        Args:
+            block_ids: (nblocks,) int64 the request's blocks in order (token t is in block t // B).
+            start, end: the token rows.
+            block_stride: elements per block (Hkv * B * 2D).
+
+        Returns:
+            k_off, v_off: (Hkv, T, D) int64 offsets (the same for every layer of one cache shape).
+        """
+        t = torch.arange(start, end)  # (T,)
+        b = self.block_size
+        base = (block_ids[t // b] * block_stride)[None, :, None]  # (1, T, 1)
+        return base + self.k_index[:, t % b], base + self.v_index[:, t % b]  # (Hkv, T, D) x2
+
+    def scatter(self, cache: torch.Tensor, offs: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor,
+                v: torch.Tensor) -> None:
+        """Write rows (Hkv, T, D) of K and V at :meth:`offsets` of one layer's (contiguous) cache."""
+        flat = cache.view(-1)
+        flat[offs[0].reshape(-1)] = k.reshape(-1).to(cache.dtype)
+        flat[offs[1].reshape(-1)] = v.reshape(-1).to(cache.dtype)
+
+
 def calibrate(writer: BlockWriter, kv_heads: int, block_size: int, head_dim: int) -> BlockLayout:
     """Learn the block layout from the backend's own writer.
 

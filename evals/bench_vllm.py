@@ -1,0 +1,196 @@
+"""vLLM with and without kvblend's connector on reordered documents (issue 17).
+
+Every request carries an item's five musique passages in a new order, which is
+the case prefix caching cannot serve: only the blocks of an identical prefix
+(the chat preamble) can be reused. Two processes, each with its own full
+prefill as the reference (ratios and KL are taken inside one process):
+
+- ``--engine vllm``: vLLM alone, its prefix cache on. ``full`` has a fresh
+  ``cache_salt`` (nothing to reuse); ``prefix-cache`` is the reordered prompt
+  after the item was served once in its original order.
+- ``--engine kvblend``: vLLM with ``KVBlendConnector`` (memory store, vLLM's
+  prefix cache off, so every reuse comes through the connector). ``full`` as
+  above; ``kvblend-exact``: the reordered prompt after the original order was
+  served and saved; ``kvblend-blend@R``: the reordered prompt blended by the
+  connector (chunks precomputed by the warm-up request).
+
+Per mode: TTFT median (one request of one output token, no log-probs: its end-to-end time),
+ratio to ``full`` per item and repeat (median), first-token KL to ``full``
+(full-vocabulary log-probs, from a second, untimed request) and top-1 agreement. ``--concurrent 4`` also sends
+4 reordered items at once per mode and reports the batch's wall time (the
+slowest request's TTFT) against 4 concurrent full prefills.
+
+    .venv-vllm/bin/python -m blend.evals.bench_vllm --engine vllm --items 0-4 --out DIR
+    .venv-vllm/bin/python -m blend.evals.bench_vllm --engine kvblend --items 0-4 --out DIR
+
+Writes DIR/<engine>.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_DATA = "../shared/data/musique_dev.json"
+
+
+def _orders(n_docs: int, k: int, seed: int) -> list[list[int]]:
+    """``k`` document orders, none of them the original one."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < k:
+        o = list(range(n_docs))
+        rng.shuffle(o)
+        if o != list(range(n_docs)):
+            out.append(o)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m blend.evals.bench_vllm", description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", choices=("vllm", "kvblend"), required=True)
+    ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument("--items", default="0-4")
+    ap.add_argument("--repeats", type=int, default=2, help="reordered requests per item and mode")
+    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--concurrent", type=int, default=4, help="0: skip the concurrent round")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from blend.engine import Engine
+    from blend.evals.data import load_items
+    from blend.evals.metrics import kl_divergence, top1_agree
+    from blend.evals.splits import parse_item_range
+    from blend.integrations.vllm import blend_request, prompt_spans
+    from blend.integrations.vllm.engines import loaded_engines
+    from blend.models import SMOLLM2, convert_gguf
+
+    model = str(convert_gguf(SMOLLM2))
+    kw = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=8192, max_logprobs=-1)
+    if args.engine == "kvblend":
+        llm = LLM(**kw, enable_prefix_caching=False, kv_transfer_config={
+            "kv_connector": "KVBlendConnector", "kv_connector_module_path": "blend.integrations.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"store": "memory", "memory_budget_bytes": 12 << 30}})
+        (shared,) = loaded_engines()
+        kvb = shared.engine
+    else:
+        llm = LLM(**kw, enable_prefix_caching=True)
+        kvb = Engine.load(SMOLLM2)  # only to build the same prompts as kvblend
+    lo, hi = parse_item_range(args.items)
+    items = load_items(args.data, None, 5)[lo:hi + 1]
+    vocab = kvb.dims.vocab
+
+    def ask(batch: list[tuple[list[int], dict | None, str | None]], dist: bool = True
+            ) -> tuple[list[torch.Tensor], float, list]:
+        """Send a batch; ``dist``: full-vocabulary log-probs (costly to build: timed runs go without)."""
+        prompts, params = [], []
+        for ids, kv, salt in batch:
+            p = TokensPrompt(prompt_token_ids=ids)
+            if salt:
+                p["cache_salt"] = salt
+            prompts.append(p)
+            params.append(SamplingParams(max_tokens=1, temperature=0, logprobs=-1 if dist else None,
+                                         extra_args={"kv_transfer_params": kv} if kv else None))
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        dists = []
+        for o in outs if dist else ():
+            d = torch.full((vocab,), -float("inf"), dtype=torch.float64)
+            for tok, v in o.outputs[0].logprobs[0].items():
+                d[tok] = v.logprob
+            dists.append(d)
+        return dists, wall, [o.kv_transfer_params for o in outs]
+
+    modes = ["prefix-cache"] if args.engine == "vllm" else ["kvblend-exact", f"kvblend-blend@{args.ratio:g}"]
+    rows: list[dict] = []
+    salt_n = 0
+
+    def fresh_salt() -> str:
+        nonlocal salt_n
+        salt_n += 1
+        return f"bench-full-{salt_n}"
+
+    def request(mode: str, prompt) -> tuple[list[int], dict | None, str | None]:
+        ids = prompt.token_ids
+        if mode == "full":
+            return ids, None, fresh_salt()
+        if mode.startswith("kvblend-blend"):
+            return ids, blend_request(ids, prompt_spans([len(s) for s in prompt.segments]), ratio=args.ratio), None
+        return ids, None, None
+
+    for n, it in enumerate(items):
+        texts = it.document_texts()
+        original = kvb.build_prompt(it.question, texts)
+        ask([request("kvblend-exact" if args.engine == "kvblend" else "prefix-cache", original)])  # warm-up: served once
+        if args.engine == "kvblend":
+            ask([request(modes[1], original)])  # stores the canonical chunks
+        for r, order in enumerate(_orders(len(texts), args.repeats, seed=lo + n)):
+            prompt = kvb.build_prompt(it.question, [texts[i] for i in order])
+            _, t_full, _ = ask([request("full", prompt)], dist=False)  # timed
+            ref, _, _ = ask([request("full", prompt)])  # the reference distribution (another cold run)
+            rows.append(dict(item=lo + n, repeat=r, mode="full", tokens=len(prompt), ttft_s=t_full, ratio=1.0,
+                             kl=0.0, top1=1.0))
+            for mode in modes:
+                _, t, _ = ask([request(mode, prompt)], dist=False)
+                got, _, rep = ask([request(mode, prompt)])
+                rows.append(dict(item=lo + n, repeat=r, mode=mode, tokens=len(prompt), ttft_s=t, ratio=t / t_full,
+                                 kl=kl_divergence(ref[0], got[0]), top1=top1_agree(ref[0], got[0]),
+                                 report=(rep[0] or {}).get("kvblend")))
+        print(f"item {lo + n}: " + " ".join(f"{x['mode']}={x['ttft_s']:.2f}s" for x in rows[-(1 + len(modes)):]),
+              file=sys.stderr, flush=True)
+
+    conc = []
+    if args.concurrent > 1:
+        batch_items = [items[i % len(items)] for i in range(args.concurrent)]
+        prompts = []
+        for j, it in enumerate(batch_items):
+            texts = it.document_texts()
+            order = _orders(len(texts), 1, seed=1000 + j)[0]
+            prompts.append(kvb.build_prompt(it.question, [texts[i] for i in order]))
+        _, t_full, _ = ask([request("full", p) for p in prompts], dist=False)
+        conc.append(dict(mode="full", clients=args.concurrent, wall_s=t_full, ratio=1.0))
+        for mode in modes:
+            _, t, reps = ask([request(mode, p) for p in prompts], dist=False)
+            conc.append(dict(mode=mode, clients=args.concurrent, wall_s=t, ratio=t / t_full,
+                             reports=[(x or {}).get("kvblend") for x in reps]))
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(torch_threads=torch.get_num_threads(), engine=args.engine, items=args.items, repeats=args.repeats,
+               omp_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
+    (out / f"{args.engine}.json").write_text(json.dumps(dict(env=env, rows=rows, concurrent=conc), indent=1))
+    lines = [f"{args.engine}: items {args.items}, {args.repeats} reordered requests per item and mode, "
+             f"{env['torch_threads']} torch threads", "",
+             "| mode | tokens (median) | TTFT median s | ratio to full (median) | KL mean | KL max | top-1 |",
+             "|---|---|---|---|---|---|---|"]
+    for mode in ["full", *modes]:
+        rs = [x for x in rows if x["mode"] == mode]
+        lines.append(f"| {mode} | {statistics.median(x['tokens'] for x in rs):.0f} "
+                     f"| {statistics.median(x['ttft_s'] for x in rs):.2f} | {statistics.median(x['ratio'] for x in rs):.3f} "
+                     f"| {statistics.mean(x['kl'] for x in rs):.4f} | {max(x['kl'] for x in rs):.4f} "
+                     f"| {statistics.mean(x['top1'] for x in rs):.2f} |")
+    if conc:
+        lines += ["", f"{args.concurrent} concurrent requests (wall time of the batch = the slowest TTFT):", "",
+                  "| mode | wall s | ratio to full |", "|---|---|---|"]
+        lines += [f"| {c['mode']} | {c['wall_s']:.2f} | {c['ratio']:.3f} |" for c in conc]
+    text = "\n".join(lines)
+    (out / f"{args.engine}.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
