@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from blend.defaults import DEFAULT_RATIO
+
 DEFAULT_DATA = "../shared/data/musique_dev.json"
 
 
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=DEFAULT_DATA)
     ap.add_argument("--items", default="0-4")
     ap.add_argument("--repeats", type=int, default=2, help="reordered requests per item and mode")
-    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--ratio", type=float, default=DEFAULT_RATIO)
     ap.add_argument("--concurrent", type=int, default=4, help="0: skip the concurrent round")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
