@@ -192,3 +192,98 @@ def test_a_second_vllm_process_over_the_same_redis_gets_hits(shared):
     assert (first["kv"] or {}).get(PARAMS_KEY, {}).get("claim") != "exact"
     assert second["kv"][PARAMS_KEY]["claim"] == "exact" and second["kv"][PARAMS_KEY]["loaded_blocks"] >= 1
     assert second["logprobs"] == first["logprobs"]
+
+
+def test_counters_reach_prometheus_through_vllms_stats_path(llm, shared):
+    """The worker's counters go out as connector stats, aggregate, and land in vllm:kvblend_* counters."""
+    import prometheus_client
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from blend.integrations.vllm.connector import KVBlendConnector
+    from blend.integrations.vllm.metrics import COUNTERS, KVBlendStats
+
+    a = KVBlendConnector.build_kv_connector_stats({"exact_tokens": 256, "saved_blocks": 2})
+    a.aggregate(KVBlendStats({"exact_tokens": 128, "blend_requests": 1}))
+    assert a.reduce()["exact_tokens"] == 384 and a.reduce()["blend_requests"] == 1 and set(a.reduce()) == set(COUNTERS)
+    reg = prometheus_client.CollectorRegistry()
+
+    def bound(cls):
+        return lambda *args, **kw: cls(*args, registry=reg, **kw)
+
+    prom = KVBlendConnector.build_prom_metrics(llm.llm_engine.vllm_config,
+                                               {Counter: bound(Counter), Gauge: bound(Gauge),
+                                                Histogram: bound(Histogram)}, ["engine"], {0: ["0"]})
+    prom.observe(a.reduce(), 0)
+    assert reg.get_sample_value("vllm:kvblend_exact_tokens_total", {"engine": "0"}) == 384
+    assert reg.get_sample_value("vllm:kvblend_saved_blocks_total", {"engine": "0"}) == 2
+
+
+def _scheduler_side(shared, block_size: int = 4):
+    """A scheduler-role connector's bookkeeping over fake scheduler outputs (no forward runs)."""
+    from blend.integrations.vllm.connector import KVBlendConnector
+
+    c = object.__new__(KVBlendConnector)  # the bookkeeping only: no vLLM config needed
+    c.block_size, c.shared, c._reqs = block_size, shared, {}
+
+    class Cfg:
+        prefix_caching = False
+
+    c.cfg = Cfg()
+    return c
+
+
+def _request(req_id, ids, params=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(ids), cache_salt=None, kv_transfer_params=params)
+
+
+def _step(new=(), cached=(), scheduled=None):
+    from types import SimpleNamespace
+
+    cached = list(cached)
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=n) for r, b, n in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, *_ in cached], new_block_ids=[(b,) if b is not None else None for _, b, _, _ in cached],
+            num_computed_tokens=[n for _, _, n, _ in cached],
+            resumed_req_ids={r for r, _, _, resumed in cached if resumed}),
+        num_scheduled_tokens=scheduled or {})
+
+
+def test_bookkeeping_saves_whole_blocks_once_claims_stored_ones_and_survives_preemption(shared):
+    """Saves: each whole prompt block once, as chunked prefill completes it. A claim loads into the
+    request's blocks. A preempted request resumed with new blocks re-claims and loads into those."""
+    from blend.integrations.vllm.plan import ClaimKind
+
+    c = _scheduler_side(shared)
+    ids = list(range(100, 118))  # 18 tokens: 4 whole blocks of 4, the last token never claimed
+    req = _request("a", ids)
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)  # nothing stored yet
+    m = c.build_connector_meta(_step(new=[("a", [7, 8, 9, 10, 11], 0)], scheduled={"a": 10}))
+    assert not m.loads and [b for b, _ in m.saves[0].blocks] == [7, 8]  # 10 tokens done: two whole blocks
+    m = c.build_connector_meta(_step(cached=[("a", None, 10, False)], scheduled={"a": 8}))
+    assert [b for b, _ in m.saves[0].blocks] == [9, 10]  # the rest, never block 7 or 8 again
+    for spec in (m.saves[0],):  # pretend the worker stored them
+        for _, key in spec.blocks:
+            shared.store.put(Namespace.EXACT, key, KVEntry(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1),
+                                                           shared.vllm_prov_json))
+    c.request_finished(req, [])
+    b = _request("b", ids)
+    assert c.get_num_new_matched_tokens(b, 0) == (0, False)  # block 0 of b's prefix was not stored above
+    from blend.integrations.vllm.plan import block_keys
+
+    for key in block_keys(shared.vllm_prov, ids, 4)[:2]:
+        shared.store.put(Namespace.EXACT, key, KVEntry(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1),
+                                                       shared.vllm_prov_json))
+    assert c.get_num_new_matched_tokens(b, 0) == (16, False)  # four stored blocks; 18 tokens: 16 claimed
+    m = c.build_connector_meta(_step(new=[("b", [1, 2, 3, 4, 5], 16)], scheduled={"b": 2}))
+    (load,) = m.loads
+    assert load.kind is ClaimKind.EXACT and (load.start, load.end) == (0, 16) and load.block_ids == (1, 2, 3, 4, 5)
+    # preempted, then resumed with other blocks: vLLM asks again, the claim loads into the new blocks
+    assert c.get_num_new_matched_tokens(b, 0) == (16, False)
+    m = c.build_connector_meta(_step(cached=[("b", [20, 21, 22, 23, 24], 16, True)], scheduled={"b": 2}))
+    (load,) = m.loads
+    assert load.block_ids == (20, 21, 22, 23, 24) and not m.saves
+    assert c.request_finished(b, [])[1]["kvblend"]["claim"] == "exact"
+    assert "b" not in c._reqs

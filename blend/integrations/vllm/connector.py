@@ -41,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from blend.errors import KVBlendError
 from blend.integrations.vllm.engines import ConnectorConfig, SharedEngine, shared_engine
 from blend.integrations.vllm.layout import BlockLayout, calibrate
+from blend.integrations.vllm.metrics import KVBlendPromMetrics, KVBlendStats
 from blend.integrations.vllm.plan import (
     PARAMS_KEY, BlendParams, ClaimKind, blend_claim, block_keys, exact_claim, parse_blend_params, salt_allows_blend,
 )
@@ -136,6 +137,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._layout: BlockLayout | None = None
         self._load_errors: set[int] = set()
         self._reports: dict[str, dict] = {}
+        self._stats = KVBlendStats()  # worker side: counters since vLLM last collected them
 
     # ---- scheduler side --------------------------------------------------------------------
 
@@ -285,11 +287,23 @@ class KVBlendConnector(KVConnectorBase_V1):
                 self._fail(spec, spec.start)
                 rep = {"error": f"load failed: {e}"}
             rep["load_s"] = round(time.perf_counter() - t0, 6)
+            self._count(spec, rep)
             rep = {"claim": spec.kind.value, "claimed_tokens": spec.end - spec.start, **rep}
             # a scheduler in this process reads it before this step's output is built (a request may
             # finish in the step that loaded it); one in another process gets it in the worker meta
             self.shared.post_report(spec.req_id, rep)
             self._reports[spec.req_id] = rep
+
+    def _count(self, spec: LoadSpec, rep: dict) -> None:
+        if "error" in rep:
+            self._stats.add("load_errors")
+        if spec.kind is ClaimKind.EXACT:
+            self._stats.add("exact_requests")
+            self._stats.add("exact_tokens", rep.get("loaded_blocks", 0) * self.block_size)
+        elif "error" not in rep:
+            self._stats.add("blend_requests")
+            self._stats.add("blend_reused_tokens", rep.get("reused_tokens", 0))
+            self._stats.add("blend_recomputed_tokens", rep.get("recomputed_tokens", 0))
 
     def _fail(self, spec: LoadSpec, from_token: int) -> None:
         b = self.block_size
@@ -346,10 +360,25 @@ class KVBlendConnector(KVConnectorBase_V1):
                     continue
                 ks, vs = zip(*(self._layout.read(kv, block) for kv in self._kv))
                 store.put(Namespace.EXACT, key, KVEntry(torch.stack(ks).clone(), torch.stack(vs).clone(), prov))
+                self._stats.add("saved_blocks")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
+
+    def get_kv_connector_stats(self) -> KVBlendStats | None:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, KVBlendStats()
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBlendStats:
+        return KVBlendStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVBlendPromMetrics:
+        return KVBlendPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._reports:
