@@ -219,6 +219,11 @@ def median(values: Sequence[float | None]) -> float | None:
     return percentile(values, 50.0)
 
 
+def kl_cells(values: Sequence[float]) -> str:
+    """Markdown cells ``mean | median | p90 | max`` of per-item KLs (the tail beside the mean)."""
+    return f"{mean(values):.4f} | {median(values):.4f} | {percentile(values, 90):.4f} | {max(values):.4f}"
+
+
 def bootstrap_ci(
     values: Sequence[float | None],
     stat: Callable[[np.ndarray], float] = np.mean,

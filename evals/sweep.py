@@ -34,7 +34,7 @@ from blend.defaults import DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.methods import MethodKind, parse_method, split_specs
-from blend.evals.metrics import kl_divergence, mean, median, percentile, top1_agree
+from blend.evals.metrics import kl_cells, kl_divergence, mean, median, top1_agree
 from blend.evals.splits import TUNING, VALIDATION, parse_item_range
 from blend.policy import ReusePolicy
 from blend.store.memory import MemoryStore
@@ -112,8 +112,7 @@ def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> 
             kls = [r.kl for r in rs]
             wins = sum(1 for r in rs if (r.item, methods[0]) in by and r.kl < by[(r.item, methods[0])].kl)
             share = mean([r.share for r in rs])
-            out.append(f"| {m} | {mean(kls):.4f} | {median(kls):.4f} | {percentile(kls, 90):.4f} | {max(kls):.4f} "
-                       f"| {mean([r.top1 for r in rs]):.3f} | {'' if share is None else f'{share:.3f}'} "
+            out.append(f"| {m} | {kl_cells(kls)} | {mean([r.top1 for r in rs]):.3f} | {'' if share is None else f'{share:.3f}'} "
                        f"| {median([r.ms for r in rs]):.0f} | {wins}/{len(rs)} |")
         out.append("")
     return "\n".join(out)
