@@ -23,7 +23,8 @@ slowest request's TTFT) against 4 concurrent full prefills.
     .venv-vllm/bin/python -m blend.evals.bench_vllm --engine vllm --items 0-4 --out DIR
     .venv-vllm/bin/python -m blend.evals.bench_vllm --engine kvblend --items 0-4 --out DIR
 
-Writes DIR/<engine>.json and prints a markdown table.
+Writes DIR/<engine>.json, DIR/<engine>.md and DIR/vllm.png (the ratios of both runs, as far as
+they exist; ``--replot`` redraws it without running anything).
 """
 
 from __future__ import annotations
@@ -54,16 +55,57 @@ def _orders(n_docs: int, k: int, seed: int) -> list[list[int]]:
     return out
 
 
+def plot(out: Path) -> Path | None:
+    """Bar chart of the TTFT ratio to full prefill per mode, one and N concurrent requests, from
+    every ``<engine>.json`` in ``out`` (either run may be missing). Returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars: list[tuple[str, float, float | None]] = []  # label, ratio at 1, ratio at N
+    for engine, label in (("vllm", "vLLM"), ("kvblend", "vLLM + kvblend")):
+        f = out / f"{engine}.json"
+        if not f.exists():
+            continue
+        d = json.loads(f.read_text())
+        conc = {c["mode"]: c["ratio"] for c in d.get("concurrent", [])}
+        for mode in dict.fromkeys(r["mode"] for r in d["rows"] if r["mode"] != "full"):
+            one = statistics.median(r["ratio"] for r in d["rows"] if r["mode"] == mode)
+            bars.append((f"{label}\n{mode}", one, conc.get(mode)))
+    if not bars:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    x = range(len(bars))
+    ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="1 request")
+    ax.bar([i + 0.2 for i in x], [b[2] or 0 for b in bars], 0.4, label="4 concurrent")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(0.35, color="red", lw=0.8, ls="--", label="target 0.35x")
+    ax.set_xticks(list(x), [b[0] for b in bars], fontsize=8)
+    ax.set_ylabel("TTFT / vLLM full prefill")
+    ax.set_title("Reordered documents (musique, 5 passages, ~3k tokens)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "vllm.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m blend.evals.bench_vllm", description=__doc__.split("\n")[0])
-    ap.add_argument("--engine", choices=("vllm", "kvblend"), required=True)
+    ap.add_argument("--engine", choices=("vllm", "kvblend"), default="kvblend")
     ap.add_argument("--data", default=DEFAULT_DATA)
     ap.add_argument("--items", default="0-4")
     ap.add_argument("--repeats", type=int, default=2, help="reordered requests per item and mode")
     ap.add_argument("--ratio", type=float, default=DEFAULT_RATIO)
     ap.add_argument("--concurrent", type=int, default=4, help="0: skip the concurrent round")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--replot", action="store_true", help="only redraw DIR/vllm.png")
     args = ap.parse_args(argv)
+    if args.replot:
+        print(plot(Path(args.out)))
+        return 0
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
@@ -191,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     (out / f"{args.engine}.md").write_text(text + "\n")
     print(text)
+    plot(out)
     return 0
 
 
