@@ -36,13 +36,19 @@ def test_blend_claims_every_row_before_the_question():
 
 
 def test_a_blend_needs_its_own_salt_beside_vllms_prefix_cache():
-    params = blend_request(list(range(40)), [(5, 12), (12, 30)], ratio=0.15, selector="probe")
+    """The salt commits to the policy and the whole prompt: blended blocks (question-dependent) are
+    reused by vLLM's prefix cache only for the same prompt under the same policy."""
+    ids = list(range(40))
+    params = blend_request(ids, [(5, 12), (12, 30)], ratio=0.15, selector="probe")
     p = parse_blend_params(params, 40)
-    assert salt_allows_blend(blend_salt(params), p) and salt_allows_blend(blend_salt(params, "tenant-a"), p)
-    assert blend_salt(params, "a") != blend_salt(params, "b")
-    assert not salt_allows_blend(None, p) and not salt_allows_blend("tenant-a", p)
-    other = parse_blend_params(blend_request(list(range(40)), [(5, 12), (12, 30)], ratio=0.3), 40)
-    assert not salt_allows_blend(blend_salt(params), other)  # another ratio: other KV, other salt
+    assert salt_allows_blend(blend_salt(params, ids), p, ids)
+    assert salt_allows_blend(blend_salt(params, ids, "tenant-a"), p, ids)
+    assert blend_salt(params, ids, "a") != blend_salt(params, ids, "b")
+    assert not salt_allows_blend(None, p, ids) and not salt_allows_blend("tenant-a", p, ids)
+    other = parse_blend_params(blend_request(ids, [(5, 12), (12, 30)], ratio=0.3), 40)
+    assert not salt_allows_blend(blend_salt(params, ids), other, ids)  # another ratio: other KV, other salt
+    question = ids[:30] + [7] * 10  # same documents, another question
+    assert not salt_allows_blend(blend_salt(params, ids), p, question)
 
 
 def test_vllm_kv_never_aliases_kvblend_kv():

@@ -287,3 +287,41 @@ def test_bookkeeping_saves_whole_blocks_once_claims_stored_ones_and_survives_pre
     assert load.block_ids == (20, 21, 22, 23, 24) and not m.saves
     assert c.request_finished(b, [])[1]["kvblend"]["claim"] == "exact"
     assert "b" not in c._reqs
+
+
+CHILD_PREFIX = textwrap.dedent("""
+    import json, os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from blend.integrations.vllm.plan import blend_salt
+    model, ids, params = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    cfg = {"kv_connector": "KVBlendConnector", "kv_connector_module_path": "blend.integrations.vllm",
+           "kv_role": "kv_both", "kv_connector_extra_config": {"store": "memory", "force": True}}
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=4096, enable_prefix_caching=True,
+              kv_transfer_config=cfg)
+    sp = SamplingParams(max_tokens=1, temperature=0, extra_args={"kv_transfer_params": params})
+    res = {}
+    for name, salt in (("unsalted", None), ("salted", blend_salt(params, ids))):
+        p = TokensPrompt(prompt_token_ids=ids)
+        if salt:
+            p["cache_salt"] = salt
+        res[name] = llm.generate([p], sp, use_tqdm=False)[0].kv_transfer_params
+    print("RESULT " + json.dumps(res))
+""")
+
+
+def test_with_vllms_prefix_cache_a_blend_needs_its_salt(shared):
+    """Prefix caching on: a blend request without blend_salt() runs plain (its blocks would enter the
+    prefix cache under exact token hashes); with the salt it is blended."""
+    prompt = _prompt(shared, 6, order=(2, 0, 1, 4, 3))
+    ids = prompt.token_ids
+    params = blend_request(ids, prompt_spans([len(s) for s in prompt.segments]), ratio=0.15)
+    run = subprocess.run([sys.executable, "-c", CHILD_PREFIX, str(convert_gguf(SMOLLM2)), json.dumps(ids),
+                          json.dumps(params)], capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert "blend refused" in res["unsalted"][PARAMS_KEY]["error"] and "claim" not in res["unsalted"][PARAMS_KEY]
+    assert res["salted"][PARAMS_KEY]["claim"] == "blend" and "error" not in res["salted"][PARAMS_KEY]

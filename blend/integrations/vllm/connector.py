@@ -159,7 +159,8 @@ class KVBlendConnector(KVConnectorBase_V1):
         except KVBlendError as e:  # a malformed blend request runs as a plain vLLM request
             st.blend, st.report = None, {"error": str(e)}
             log.warning("request %s: %s", request.request_id, e)
-        if st.blend is not None and self.cfg.prefix_caching and not salt_allows_blend(request.cache_salt, st.blend):
+        if st.blend is not None and self.cfg.prefix_caching and not salt_allows_blend(request.cache_salt, st.blend,
+                                                                                          st.token_ids):
             st.report = {"error": "blend refused: with vLLM's prefix cache on, a blended request needs the "
                                   "cache_salt of blend_salt() (approximate blocks must not enter the prefix cache)"}
             st.blend = None

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR
 from blend.errors import InvalidRequestError
-from blend.keys import Provenance, StoreKey, exact_chain
+from blend.keys import Provenance, StoreKey, exact_chain, token_digest
 from blend.policy import SELECTOR_NAMES
 
 PARAMS_KEY = "kvblend"  # our entry in a request's kv_transfer_params
@@ -188,17 +188,20 @@ def prompt_spans(segment_lengths: Sequence[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def blend_salt(params: dict[str, Any], tenant: str = "") -> str:
+def blend_salt(params: dict[str, Any], prompt_token_ids: Sequence[int], tenant: str = "") -> str:
     """The ``cache_salt`` a blended request must carry when vLLM's prefix cache is on.
 
-    vLLM hashes a request's blocks into its local prefix cache; blended blocks are approximate, so
-    they must live under a salt no plain request uses, one per blend policy (ratio and selector
-    change the KV). ``tenant``: the caller's own salt, kept in front.
+    vLLM hashes a request's blocks into its local prefix cache by their tokens; blended blocks are
+    approximate and depend on the blend policy *and on the whole prompt* (the probe ranks rows by
+    the question's attention), so they must live under a salt that commits to both: only the same
+    prompt under the same policy may reuse them. ``tenant``: the caller's own salt, kept in front.
     """
     p = params[PARAMS_KEY]
-    return f"{tenant}|{BLEND_SALT_MARK}:{p.get('ratio', DEFAULT_RATIO)}:{p.get('selector', DEFAULT_SELECTOR)}"
+    digest = token_digest(prompt_token_ids).hex()[:24]
+    return f"{tenant}|{BLEND_SALT_MARK}:{p.get('ratio', DEFAULT_RATIO)}:{p.get('selector', DEFAULT_SELECTOR)}:{digest}"
 
 
-def salt_allows_blend(salt: str | None, params: BlendParams) -> bool:
-    """Whether ``salt`` separates this blend's blocks from exact ones (see :func:`blend_salt`)."""
-    return bool(salt) and f"{BLEND_SALT_MARK}:{params.ratio}:{params.selector}" in salt
+def salt_allows_blend(salt: str | None, params: BlendParams, prompt_token_ids: Sequence[int]) -> bool:
+    """Whether ``salt`` keeps this blend's blocks apart from every other prompt's (see :func:`blend_salt`)."""
+    digest = token_digest(prompt_token_ids).hex()[:24]
+    return bool(salt) and salt.endswith(f"{BLEND_SALT_MARK}:{params.ratio}:{params.selector}:{digest}")
