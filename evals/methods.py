@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from blend.policy import BudgetMode, ProbePrecision, ReusePolicy
+
 FALLBACK_SELECTORS = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe")
 # the shipped default selector at three budgets, against CacheBlend's V deviation at the middle one
 DEFAULT_METHODS = "full,prefix,reuse,blend@0.05:probe,blend@0.15:probe,blend@0.3:probe,blend@0.15:combo,blend@0.15:v"
@@ -76,8 +78,6 @@ class Method:
 
     def policy(self) -> Any:
         """The engine's :class:`blend.policy.ReusePolicy` for this method."""
-        from blend.policy import BudgetMode, ProbePrecision, ReusePolicy
-
         if self.kind is MethodKind.FULL:
             return ReusePolicy.none()
         if self.kind is MethodKind.PREFIX:
@@ -116,7 +116,7 @@ class Method:
 
 
 _BLEND = re.compile(r"^blend@([^:]+)((?::[^:]+)*)$")
-PROBE_PRECISIONS = ("compute", "bf16")  # blend.policy.ProbePrecision values
+PROBE_PRECISIONS = tuple(p.value for p in ProbePrecision)
 
 
 def _fmt_ratio(r: float) -> str:

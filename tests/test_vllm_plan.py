@@ -120,7 +120,7 @@ def test_the_layout_is_learnt_from_the_writer_and_round_trips(k_transposed):
         assert torch.equal(layout.k_index, std.k_index) and torch.equal(layout.v_index, std.v_index)
     cache = torch.zeros(5, h, b, 2 * d)
     k, v = torch.randn(h, b, d), torch.randn(h, b, d)
-    layout.write(cache, 3, k, v)
+    layout.scatter(cache, layout.offsets(torch.tensor([3]), 0, b, cache[0].numel()), k, v)  # one whole block
     rk, rv = layout.read(cache, 3)
     assert torch.equal(rk, k) and torch.equal(rv, v)
     assert float(cache[[0, 1, 2, 4]].abs().sum()) == 0  # other blocks untouched
@@ -129,7 +129,7 @@ def test_the_layout_is_learnt_from_the_writer_and_round_trips(k_transposed):
     _fake_writer(k_transposed)(k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), ref)
     assert torch.equal(ref[0], cache[3])
     part = torch.zeros(1, h, b, 2 * d)
-    layout.write(part, 0, k[:, 2:5], v[:, 2:5], row0=2)  # a row range
+    layout.scatter(part, layout.offsets(torch.tensor([0]), 2, 5, part[0].numel()), k[:, 2:5], v[:, 2:5])  # rows 2-4
     assert torch.equal(layout.read(part, 0, slice(2, 5))[0], k[:, 2:5])
 
 
@@ -142,14 +142,19 @@ def test_a_writer_that_is_not_a_permutation_is_refused():
         calibrate(lossy, 2, 4, 2)
 
 
-def test_offsets_scatter_a_request_over_its_blocks_like_block_writes():
+def test_offsets_scatter_a_request_over_its_blocks_as_the_backend_writer_would():
     h, b, d = 2, 4, 3
-    layout = calibrate(_fake_writer(True), h, b, d)
+    writer = _fake_writer(True)
+    layout = calibrate(writer, h, b, d)
     blocks = torch.tensor([3, 0, 5])
     k, v = torch.randn(h, 11, d), torch.randn(h, 11, d)  # rows 1..11 of a request: partial first and last block
     one = torch.zeros(6, h, b, 2 * d)
     layout.scatter(one, layout.offsets(blocks, 1, 12, one[0].numel()), k, v)
-    other = torch.zeros(6, h, b, 2 * d)
-    for t in range(1, 12):
-        layout.write(other, int(blocks[t // b]), k[:, t - 1:t], v[:, t - 1:t], row0=t % b)
-    assert torch.equal(one, other)
+    want = torch.zeros(6, h, b, 2 * d)
+    full_k, full_v = torch.zeros(h, 12, d), torch.zeros(h, 12, d)  # token rows 0..11, row 0 unwritten (zeros)
+    full_k[:, 1:], full_v[:, 1:] = k, v
+    for j, blk in enumerate(blocks.tolist()):  # the backend's writer, one whole block at a time
+        rows = slice(j * b, (j + 1) * b)
+        writer(full_k[:, rows].transpose(0, 1).contiguous(), full_v[:, rows].transpose(0, 1).contiguous(),
+               want[blk:blk + 1])
+    assert torch.equal(one, want)

@@ -109,14 +109,26 @@ class _ReqState:
     """Scheduler-side bookkeeping of one request (owned by the scheduler connector)."""
 
     token_ids: tuple[int, ...]
-    salt: str
-    keys: list[StoreKey]
+    keys: list[StoreKey]  # every whole prompt block's key (under the request's cache salt)
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # prompt blocks [0, saved) are stored or claimed from the store
     blended: bool = False  # approximate KV in its blocks: never saved
     claim: tuple[ClaimKind, int, int] | None = None  # kind, start, end of a claim awaiting its load
     blend: BlendParams | None = None
     report: dict = field(default_factory=dict)
+
+
+def _unusable(got, want: tuple[int, ...]) -> str:
+    """Why a stored block cannot be injected ('' if it can): not a hit, the wrong (L, Hkv, B, D) shape,
+    or non-finite values (the store's own checks cover provenance and dtype)."""
+    entry = got.entry
+    if got.status is not LookupStatus.HIT or entry is None:
+        return f"{got.status.value} {got.reason}".strip()
+    if tuple(entry.k.shape) != want:
+        return f"shape {tuple(entry.k.shape)}, want {want}"
+    if not bool(torch.isfinite(entry.k).all() and torch.isfinite(entry.v).all()):
+        return "non-finite values"
+    return ""
 
 
 class KVBlendConnector(KVConnectorBase_V1):
@@ -134,6 +146,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._reqs: dict[str, _ReqState] = {}  # scheduler side
         self._kv: list[torch.Tensor] = []  # worker side: each layer's paged cache, in layer order
+        self._names: list[str] = []  # their layer names, same order
         self._layout: BlockLayout | None = None
         self._load_errors: set[int] = set()
         self._reports: dict[str, dict] = {}
@@ -146,7 +159,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         if st is None:
             toks = tuple(request.prompt_token_ids or ())
             salt = request.cache_salt or ""
-            st = _ReqState(toks, salt, block_keys(self.shared.vllm_prov, toks, self.block_size, salt))
+            st = _ReqState(toks, block_keys(self.shared.vllm_prov, toks, self.block_size, salt))
             self._reqs[request.request_id] = st
         return st
 
@@ -254,9 +267,8 @@ class KVBlendConnector(KVConnectorBase_V1):
                 raise KVBlendError(f"cannot tell the layer index of KV cache {name!r}")
             return int(m.group(1))
 
-        names = sorted(kv_caches, key=index)
-        self._kv = [kv_caches[n] for n in names]
-        self._names = names
+        self._names = sorted(kv_caches, key=index)
+        self._kv = [kv_caches[n] for n in self._names]
         if len(self._kv) != self.shared.engine.dims.num_layers:
             raise KVBlendError(f"vLLM has {len(self._kv)} KV caches, kvblend's model {self.shared.engine.dims.num_layers}"
                                " layers: not the same model")
@@ -311,38 +323,46 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._load_errors.update(spec.block_ids[from_token // b: -(-spec.end // b)])
 
     def _load_exact(self, spec: LoadSpec) -> dict:
-        b, layout = self.block_size, self._layout
-        assert layout is not None
+        b = self.block_size
         prov = self.shared.vllm_prov_json
-        loaded = 0
+        want = (len(self._kv), self._kv[0].shape[1], b, self._kv[0].shape[3] // 2)  # (L, Hkv, B, D)
+        entries: list[KVEntry] = []
+        rep: dict = {}
         for i in range(spec.start // b, spec.end // b):
             got = self.shared.store.get(Namespace.EXACT, spec.keys[i], prov)
-            entry = got.entry
-            want = (len(self._kv), self._kv[0].shape[1], b, self._kv[0].shape[3] // 2)  # (L, Hkv, B, D)
-            why = f"{got.status.value} {got.reason}".strip() if got.status is not LookupStatus.HIT or entry is None \
-                else f"shape {tuple(entry.k.shape)}, want {want}" if tuple(entry.k.shape) != want \
-                else "non-finite values" if not bool(torch.isfinite(entry.k).all() and torch.isfinite(entry.v).all()) \
-                else ""
+            why = _unusable(got, want)
             if why:  # never injected: this block and the rest of the claim are recomputed by vLLM
                 if got.status is not LookupStatus.MISS:  # drop the bad entry: the recomputed block replaces it
                     self.shared.store.delete(Namespace.EXACT, spec.keys[i])
                 self._fail(spec, i * b)
-                return {"loaded_blocks": loaded, "error": f"block {i}: {why}"}
-            for layer, cache in enumerate(self._kv):
-                layout.write(cache, spec.block_ids[i], entry.k[layer], entry.v[layer])
-            loaded += 1
-        return {"loaded_blocks": loaded}
+                rep["error"] = f"block {i}: {why}"
+                break
+            entries.append(got.entry)
+        if entries:  # the good run before any bad block
+            end = spec.start + len(entries) * b
+            self._write(spec.block_ids, spec.start, end,
+                        lambda layer: (torch.cat([e.k[layer] for e in entries], dim=1),  # (Hkv, T, D)
+                                       torch.cat([e.v[layer] for e in entries], dim=1)))
+        return {"loaded_blocks": len(entries), **rep}
 
     def _load_blend(self, spec: LoadSpec) -> dict:
-        assert spec.blend is not None and self._layout is not None
+        assert spec.blend is not None
         cache, report = self.shared.blend(spec.token_ids, spec.blend)  # rows [0, question start) of every layer
-        # rows [start, end) into the request's blocks (the last may be partial), one scatter per layer
-        stride = self._kv[0][0].numel()
-        offs = self._layout.offsets(torch.tensor(spec.block_ids, dtype=torch.long), spec.start, spec.end, stride)
-        for layer, kv in enumerate(self._kv):
+
+        def rows(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             k, v = cache.view(layer, spec.end)  # (Hkv, end, D) K after RoPE
-            self._layout.scatter(kv, offs, k[:, spec.start:], v[:, spec.start:])
+            return k[:, spec.start:], v[:, spec.start:]
+
+        self._write(spec.block_ids, spec.start, spec.end, rows)  # the last block may be partial
         return report
+
+    def _write(self, block_ids: tuple[int, ...], start: int, end: int, rows) -> None:
+        """Token rows [start, end) of a request into its blocks, one scatter per layer.
+        ``rows(layer)``: that layer's K (after RoPE) and V of those rows, (Hkv, end - start, D) each."""
+        assert self._layout is not None
+        offs = self._layout.offsets(torch.tensor(block_ids, dtype=torch.long), start, end, self._kv[0][0].numel())
+        for layer, kv in enumerate(self._kv):
+            self._layout.scatter(kv, offs, *rows(layer))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

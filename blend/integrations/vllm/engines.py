@@ -24,10 +24,8 @@ from blend.keys import Provenance
 from blend.kvcache import KVCache
 from blend.policy import ReusePolicy
 from blend.prompt import Prompt, Segment, SegmentKind
+from blend.store.codec import dtype_name
 from blend.store.spec import DEFAULT_MEMORY_BUDGET
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -59,7 +57,7 @@ class ConnectorConfig:
         import vllm
 
         mc = vllm_config.model_config
-        dtype = DTYPE_NAMES.get(mc.dtype, str(mc.dtype).replace("torch.", ""))
+        dtype = dtype_name(mc.dtype)
         cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
         if cache_dtype not in ("auto", dtype):
             raise InvalidRequestError(f"kvblend's connector needs the KV cache in the model dtype, got {cache_dtype}")

@@ -58,21 +58,6 @@ class BlockLayout:
         flat = cache[block].reshape(-1)  # (Hkv B 2D,)
         return flat[self.k_index[:, rows]], flat[self.v_index[:, rows]]
 
-    def write(self, cache: torch.Tensor, block: int, k: torch.Tensor, v: torch.Tensor, row0: int = 0) -> None:
-        """Write K and V rows ``row0 .. row0+R`` of one block in place.
-
-        Args:
-            cache: (num_blocks, Hkv, B, 2D) one layer's paged cache (contiguous).
-            block: the block id.
-            k, v: (Hkv, R, D) K after RoPE and V.
-            row0: first row of the block to write.
-        """
-        r = k.shape[1]
-        flat = cache[block].view(-1)  # (Hkv B 2D,) a view: writes land in the cache
-        flat[self.k_index[:, row0:row0 + r].reshape(-1)] = k.reshape(-1).to(cache.dtype)
-        flat[self.v_index[:, row0:row0 + r].reshape(-1)] = v.reshape(-1).to(cache.dtype)
-
-
     def offsets(self, block_ids: torch.Tensor, start: int, end: int, block_stride: int) -> tuple[torch.Tensor, ...]:
         """Flat offsets, in a whole layer's cache, of token rows ``start .. end`` of a request.
 
