@@ -23,6 +23,10 @@ DEFAULT_MIN_PROMPT_TOKENS = 0
 # adaptive budget's stopping target: left-over probe-weighted V deviation over mean ||V||, times the
 # probe's first-token entropy (calibrated on musique_dev items 0-29 only, SmolLM2; docs/results/issue14/)
 DEFAULT_AUTO_TARGET = 0.0045
+# near-tie guard (issue 14): when the probe's first-token top-2 log-prob gap is under this many nats,
+# the first check layer recomputes DEFAULT_GUARD_RATIO instead of the ratio (None: off)
+DEFAULT_GUARD_MARGIN: float | None = None
+DEFAULT_GUARD_RATIO = 0.3
 # the query probe's GEMMs: "compute" (the engine's dtype) or "bf16" (its numbers only rank rows)
 DEFAULT_PROBE_PRECISION = "compute"
 

@@ -88,7 +88,8 @@ class _Prefilled:
     segments: tuple[SegmentReport, ...]
     lookup_s: float = 0.0
     deviation: DeviationStats | None = None
-    ratio: float | None = None  # the share an adaptive blend budget chose
+    ratio: float | None = None  # the share an adaptive blend budget or the near-tie guard chose
+    probe_margin: float | None = None  # the query probe's first-token top-2 gap (nats)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -283,14 +284,14 @@ class Engine:
                 done = self._prefill_segments(prompt, policy.prefix_limit, True, cache, policy.cache_salt)
             else:
                 out = prefill_blend(self.runner, self.segments, prompt, policy, cache)
-                done = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio)
+                done = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio, out.probe_margin)
         ttft = time.perf_counter() - t0
         blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS
         report = ReuseReport(
             policy=policy.describe(), segments=done.segments,
             selector=policy.selector if blend_fields else "",
             ratio=(done.ratio if done.ratio is not None else policy.ratio) if blend_fields else None,
-            deviation=done.deviation, gate=refused,
+            deviation=done.deviation, gate=refused, probe_margin=done.probe_margin if blend_fields else None,
             timings=Timings(lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s),
         )
         return done.logits, cache, report

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blend.defaults import (
-    DEFAULT_AUTO_TARGET, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_RATIO,
-    DEFAULT_SELECTOR, DTYPE_NAMES,
+    DEFAULT_AUTO_TARGET, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO,
+    DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_RATIO, DEFAULT_SELECTOR, DTYPE_NAMES,
 )
 from blend.errors import InvalidRequestError
 from blend.policy import SELECTOR_NAMES, BudgetMode, ReuseMode, ReusePolicy
@@ -71,6 +71,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     add_store_argument(p)
 
 
+def _margin(text: str) -> float | None:
+    """--guard-margin: a number of nats, or ``off``."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of nats or 'off', got {text!r}") from None
+
+
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     """--reuse and the blend knobs."""
     p.add_argument("--reuse", default=ReuseMode.EXACT.value, choices=REUSE_CHOICES,
@@ -88,6 +98,11 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-target", type=float, default=DEFAULT_AUTO_TARGET, help="blend: the auto budget's target")
     p.add_argument("--max-ratio", type=float, default=DEFAULT_MAX_RATIO,
                    help="blend: cap of --threshold and --budget auto (default: %(default)s)")
+    p.add_argument("--guard-margin", type=_margin, default=DEFAULT_GUARD_MARGIN,
+                   help="blend: near-tie guard: when the query probe's first-token top-2 gap is under this many "
+                        "nats, recompute --guard-ratio instead of --ratio ('off' disables; default: %(default)s)")
+    p.add_argument("--guard-ratio", type=float, default=DEFAULT_GUARD_RATIO,
+                   help="blend: the near-tie guard's ratio (default: %(default)s)")
     p.add_argument("--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS,
                    help="blend: compute fully below this length")
     p.add_argument("--force-blend", action="store_true", help="blend even if the model's quality gate failed")
@@ -111,6 +126,8 @@ def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
         force=getattr(args, "force_blend", False), semantic=getattr(args, "semantic", False),
         budget=BudgetMode(getattr(args, "budget", BudgetMode.FIXED.value)),
         auto_target=getattr(args, "auto_target", DEFAULT_AUTO_TARGET),
+        guard_margin=getattr(args, "guard_margin", DEFAULT_GUARD_MARGIN),
+        guard_ratio=getattr(args, "guard_ratio", DEFAULT_GUARD_RATIO),
     )
 
 

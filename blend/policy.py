@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from blend.defaults import (
-    DEFAULT_AUTO_TARGET, DEFAULT_CHECK_LAYERS, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS,
+    DEFAULT_AUTO_TARGET, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS,
     DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_SELECTOR,
 )
 from blend.errors import InvalidPolicyError
@@ -74,6 +74,10 @@ class ReusePolicy:
         cache_salt: mixed into every store key the request derives (exact, canonical):
             requests with different salts share no KV; "" = no salt.
         probe_precision: dtype of the query probe's GEMMs (:class:`ProbePrecision`).
+        guard_margin: near-tie guard of a fixed budget: when the query probe's own first-token
+            distribution has its top two tokens within this many nats, the first check layer
+            recomputes ``guard_ratio`` instead of ``ratio`` (None: off; only where the probe runs).
+        guard_ratio: the guarded prompts' ratio.
     """
 
     mode: ReuseMode = ReuseMode.EXACT
@@ -92,6 +96,8 @@ class ReusePolicy:
     auto_target: float = DEFAULT_AUTO_TARGET
     cache_salt: str = ""
     probe_precision: ProbePrecision = ProbePrecision(DEFAULT_PROBE_PRECISION)
+    guard_margin: float | None = DEFAULT_GUARD_MARGIN
+    guard_ratio: float = DEFAULT_GUARD_RATIO
 
     def __post_init__(self) -> None:
         def bad_ratio(r: float) -> bool:
@@ -112,6 +118,11 @@ class ReusePolicy:
                 raise InvalidPolicyError("layer_ratios needs one ratio in [0, 1] per check layer")
             if list(self.layer_ratios) != sorted(self.layer_ratios, reverse=True):
                 raise InvalidPolicyError("layer_ratios must not increase (gradual filtering narrows)")
+        if self.guard_margin is not None and (not isinstance(self.guard_margin, (int, float))
+                                              or math.isnan(self.guard_margin) or self.guard_margin < 0):
+            raise InvalidPolicyError(f"guard_margin must be >= 0 or None, got {self.guard_margin}")
+        if bad_ratio(self.guard_ratio):
+            raise InvalidPolicyError(f"guard_ratio must be in [0, 1], got {self.guard_ratio}")
         if self.threshold is not None and (math.isnan(self.threshold) or self.threshold < 0):
             raise InvalidPolicyError(f"threshold must be >= 0, got {self.threshold}")
         if not isinstance(self.min_prompt_tokens, int) or self.min_prompt_tokens < 0:
@@ -160,6 +171,12 @@ class ReusePolicy:
         """Whether the check layer runs the query probe (the probe selector or the adaptive budget)."""
         return self.mode is ReuseMode.BLEND and (self.selector in PROBE_SELECTORS or self.budget is BudgetMode.AUTO)
 
+    @property
+    def guarded(self) -> bool:
+        """Whether the near-tie guard can raise this request's ratio (a fixed budget with the probe)."""
+        return (self.needs_probe and self.guard_margin is not None and self.budget is BudgetMode.FIXED
+                and self.threshold is None and self.guard_ratio > self.ratio)
+
     def ratio_at(self, i: int) -> float:
         """Recompute ratio at the i-th check layer."""
         return self.ratio if self.layer_ratios is None else self.layer_ratios[i]
@@ -172,4 +189,5 @@ class ReusePolicy:
         if self.budget is BudgetMode.AUTO:
             what = f"auto({self.auto_target:g})<={self.max_ratio:g}"
         probe = f":probe={self.probe_precision.value}" if self.needs_probe else ""
-        return f"blend@{what}:{self.selector}:check={checks}{probe}"
+        guard = f":guard={self.guard_margin:g}@{self.guard_ratio:g}" if self.guarded else ""
+        return f"blend@{what}:{self.selector}:check={checks}{probe}{guard}"

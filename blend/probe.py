@@ -180,3 +180,10 @@ def entropy(logits: torch.Tensor) -> float:
     a peaked first-token distribution barely moves under a small logit error)."""
     lp = torch.log_softmax(logits.double(), dim=-1)  # (V,)
     return float(-(lp.exp() * lp).sum())
+
+
+def top2_margin(logits: torch.Tensor) -> float:
+    """Log-probability gap (nats) between the two most likely tokens of a (V,) logit vector (the
+    near-tie guard's signal: a small gap is where a small logit error flips the first token)."""
+    top = torch.topk(logits.double(), 2).values  # (2,)
+    return float(top[0] - top[1])  # log-softmax differences equal logit differences

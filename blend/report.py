@@ -74,6 +74,8 @@ class ReuseReport:
     deviation: DeviationStats | None = None
     gate: str = ""  # why reuse was refused, if it was (quality gate, length, dynamic NTK)
     timings: Timings = field(default_factory=Timings)
+    probe_margin: float | None = None  # the query probe's first-token top-2 log-prob gap (nats), when
+    # it ran the LM head (adaptive budget, near-tie guard): under the guard's margin the ratio was raised
 
     @property
     def gate_ran(self) -> bool:
@@ -114,4 +116,5 @@ class ReuseReport:
             "gate": self.gate,
             "gate_ran": self.gate_ran,
             "timings": self.timings.to_dict(),
+            "probe_margin": self.probe_margin,
         }

@@ -6,10 +6,12 @@ belong to the check list)::
     full                         full prefill, no reuse (always run: the reference)
     prefix                       exact prefix reuse: only the preamble is shared
     reuse                        full KV reuse (blend at ratio 0)
-    blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute]
+    blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute][:guard=M@G|guard=off]
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
                                  the budget is chosen per prompt (adaptive), R is its cap;
-                                 ``probe=`` the dtype of the query probe's GEMMs
+                                 ``probe=`` the dtype of the query probe's GEMMs; ``guard=``
+                                 the near-tie guard (probe's top-2 gap < M nats: ratio G),
+                                 ``guard=off`` switches the default guard off
 
 e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.
 """
@@ -65,6 +67,7 @@ class Method:
         check_layers: check layers for blend (empty: the engine's default).
         auto: adaptive budget per prompt, ``ratio`` is its cap (issue 14).
         probe_precision: ``ProbePrecision`` value of the query probe's GEMMs (None: the default).
+        guard: the near-tie guard as (margin, ratio); (None, None) switches it off; None: the default.
     """
 
     name: str
@@ -75,6 +78,7 @@ class Method:
     check_layers: tuple[int, ...] = ()
     auto: bool = False
     probe_precision: str | None = None
+    guard: tuple[float | None, float | None] | None = None
 
     def policy(self) -> Any:
         """The engine's :class:`blend.policy.ReusePolicy` for this method."""
@@ -93,6 +97,10 @@ class Method:
             kwargs.update(budget=BudgetMode.AUTO, max_ratio=self.ratio)
         if self.probe_precision is not None:
             kwargs["probe_precision"] = ProbePrecision(self.probe_precision)
+        if self.guard is not None:
+            kwargs["guard_margin"] = self.guard[0]
+            if self.guard[1] is not None:
+                kwargs["guard_ratio"] = self.guard[1]
         return ReusePolicy.blend(**kwargs)
 
     def series(self) -> str:
@@ -101,6 +109,7 @@ class Method:
             return self.kind.value
         label = (self.selector or "default") + (" auto" if self.auto else "")
         label += f" probe={self.probe_precision}" if self.probe_precision else ""
+        label += f" guard={_fmt_guard(self.guard)}" if self.guard is not None else ""
         return f"{label} check={','.join(map(str, self.check_layers))}" if self.check_layers else label
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,6 +121,7 @@ class Method:
             "check_layers": list(self.check_layers),
             "auto": self.auto,
             "probe_precision": self.probe_precision,
+            "guard": None if self.guard is None else list(self.guard),
         }
 
 
@@ -121,6 +131,27 @@ PROBE_PRECISIONS = tuple(p.value for p in ProbePrecision)
 
 def _fmt_ratio(r: float) -> str:
     return f"{r:g}"
+
+
+def _fmt_guard(guard: tuple[float | None, float | None]) -> str:
+    if guard[0] is None:
+        return "off"
+    return f"{guard[0]:g}" + ("" if guard[1] is None else f"@{guard[1]:g}")
+
+
+def _parse_guard(spec: str, text: str) -> tuple[float | None, float | None]:
+    """``M``, ``M@G`` or ``off`` -> (margin, ratio)."""
+    if text == "off":
+        return None, None
+    margin, _, ratio = text.partition("@")
+    try:
+        m = float(margin)
+        g = float(ratio) if ratio else None
+    except ValueError:
+        raise MethodError(f"method '{spec}': guard= takes M, M@G or off, got '{text}'") from None
+    if not math.isfinite(m) or m < 0 or (g is not None and (not math.isfinite(g) or not 0.0 <= g <= 1.0)):
+        raise MethodError(f"method '{spec}': guard margin must be >= 0 and its ratio in [0, 1], got '{text}'")
+    return m, g
 
 
 def parse_method(spec: str) -> Method:
@@ -154,8 +185,13 @@ def parse_method(spec: str) -> Method:
     checks: tuple[int, ...] = ()
     auto = False
     probe: str | None = None
+    guard: tuple[float | None, float | None] | None = None
     for part in [p for p in m.group(2).split(":") if p]:
-        if part.startswith("probe="):
+        if part.startswith("guard="):
+            if guard is not None:
+                raise MethodError(f"method '{spec}': guard= given twice")
+            guard = _parse_guard(spec, part[len("guard="):])
+        elif part.startswith("probe="):
             if probe is not None:
                 raise MethodError(f"method '{spec}': probe= given twice")
             probe = part[len("probe="):]
@@ -190,9 +226,11 @@ def parse_method(spec: str) -> Method:
         canonical += ":auto"
     if probe is not None:
         canonical += f":probe={probe}"
+    if guard is not None:
+        canonical += f":guard={_fmt_guard(guard)}"
     return Method(
         name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks,
-        auto=auto, probe_precision=probe,
+        auto=auto, probe_precision=probe, guard=guard,
     )
 
 

@@ -37,6 +37,7 @@ from blend.evals.methods import MethodKind, parse_method, split_specs
 from blend.evals.metrics import kl_cells, kl_divergence, mean, median, top1_agree
 from blend.evals.splits import TUNING, VALIDATION, parse_item_range
 from blend.policy import ReusePolicy
+from blend.probe import top2_margin
 from blend.store.memory import MemoryStore
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
@@ -53,6 +54,8 @@ class SweepRow:
     ms: float
     share: float | None  # recomputed share of reused document rows (the report's ratio)
     prompt_tokens: int
+    probe_margin: float | None = None  # the probe's first-token top-2 gap, where it ran the LM head
+    ref_margin: float | None = None  # the reference's first-token top-2 gap
 
 
 def ref_key(engine: Engine, token_ids: list[int]) -> str:
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 logits, _, report = engine.prefill(prompt, m.policy())
                 ms = (time.perf_counter() - t0) * 1e3
                 row = SweepRow(idx, m.name, kl_divergence(ref, logits), top1_agree(ref, logits), ms, report.ratio,
-                               len(prompt))
+                               len(prompt), report.probe_margin, top2_margin(ref))
                 rows.append(row)
                 f.write(json.dumps(asdict(row)) + "\n")
                 f.flush()

@@ -69,3 +69,17 @@ def test_probe_precision_in_a_method_spec():
     for bad in ("blend@0.15:probe=fp8", "blend@0.15:probe=bf16:probe=bf16"):
         with pytest.raises(MethodError):
             parse_method(bad)
+
+
+def test_guard_in_a_method_spec():
+    m = parse_method("blend@0.15:probe:guard=0.5@0.3")
+    assert m.guard == (0.5, 0.3) and m.canonical == "blend@0.15:probe:guard=0.5@0.3"
+    pol = m.policy()
+    assert pol.guard_margin == 0.5 and pol.guard_ratio == 0.3 and pol.guarded
+    assert parse_method("blend@0.15:guard=1").policy().guard_margin == 1.0
+    off = parse_method("blend@0.15:probe:guard=off")
+    assert off.guard == (None, None) and off.policy().guard_margin is None and not off.policy().guarded
+    assert "guard=off" in off.series()
+    for bad in ("blend@0.15:guard=x", "blend@0.15:guard=-1", "blend@0.15:guard=1@2", "blend@0.1:guard=1:guard=2"):
+        with pytest.raises(MethodError):
+            parse_method(bad)

@@ -236,3 +236,60 @@ def test_a_bf16_probe_only_ranks_rows(tiny_engine, monkeypatch):
     low = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe", probe_precision=ProbePrecision.BF16),
                                max_new_tokens=1)
     assert bool(torch.isfinite(low.first_logits).all()) and ":probe=bf16" in low.report.policy
+
+
+def test_top2_margin():
+    assert P.top2_margin(torch.tensor([3.0, 1.0, 2.5])) == pytest.approx(0.5)
+    assert P.top2_margin(torch.tensor([0.0, 0.0])) == 0.0
+
+
+def test_the_near_tie_guard_raises_the_ratio_only_under_its_margin(tiny_engine):
+    """The guard reads the probe's own first-token gap: under the margin the first check layer
+    recomputes guard_ratio (reported as the ratio, with the gap); over it the fixed ratio stands,
+    with logits bit-identical to the unguarded policy's."""
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    base = sum(len(d) for d in prompt.documents)
+    plain = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe"), max_new_tokens=1)
+    assert plain.report.probe_margin is None  # off: the probe skips the LM head
+    hit = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=1e9, guard_ratio=0.4),
+                               max_new_tokens=1)
+    assert hit.report.ratio == 0.4 and hit.report.recomputed_tokens == round(0.4 * base)
+    gap = hit.report.probe_margin
+    assert gap is not None and gap >= 0
+    assert hit.report.to_dict()["probe_margin"] == gap
+    assert ":guard=1e+09@0.4" in hit.report.policy
+    miss = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap / 2, guard_ratio=0.4),
+                                max_new_tokens=1)
+    assert miss.report.ratio == 0.15 and miss.report.probe_margin == pytest.approx(gap)
+    assert torch.equal(miss.first_logits, plain.first_logits)
+    at_ratio = tiny_engine.generate(prompt, ReusePolicy.blend(0.4, "probe"), max_new_tokens=1)
+    assert torch.equal(hit.first_logits, at_ratio.first_logits)  # guarded == that ratio outright
+
+
+def test_the_guard_is_inert_without_the_probe_or_under_an_adaptive_budget(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    v = ReusePolicy.blend(0.15, "v", guard_margin=1e9)
+    assert not v.guarded and ":guard" not in v.describe()
+    assert tiny_engine.generate(prompt, v, max_new_tokens=1).report.ratio == 0.15
+    assert not ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, guard_margin=1e9).guarded
+    assert not ReusePolicy.blend(0.3, "probe", guard_margin=1e9, guard_ratio=0.3).guarded  # nothing to raise
+
+
+@pytest.mark.parametrize("kw", [dict(guard_margin=-1.0), dict(guard_margin=float("nan")), dict(guard_ratio=1.5),
+                                dict(guard_margin="1")])
+def test_policy_rejects_bad_guard_settings(kw):
+    from blend.errors import InvalidPolicyError
+
+    with pytest.raises(InvalidPolicyError):
+        ReusePolicy.blend(0.15, "probe", **kw)
+
+
+def test_the_cli_exposes_the_guard():
+    from blend.cli import build_parser
+    from blend.options import policy_from_args
+
+    base = ["ask", "q", "--doc", "d", "--reuse", "blend"]
+    pol = policy_from_args(build_parser("ask").parse_args(base + ["--guard-margin", "0.7", "--guard-ratio", "0.25"]))
+    assert pol.guard_margin == 0.7 and pol.guard_ratio == 0.25 and pol.guarded
+    off = policy_from_args(build_parser("ask").parse_args(base + ["--guard-margin", "off"]))
+    assert off.guard_margin is None and not off.guarded
