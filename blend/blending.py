@@ -54,7 +54,7 @@ from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, sele
 class BlendOutcome:
     """What a blended prefill produced (the engine turns it into the report)."""
 
-    logits: torch.Tensor  # (V,) float32 first-token logits
+    logits: torch.Tensor | None  # (V,) float32 first-token logits (None: the question was left to the caller)
     segments: tuple[SegmentReport, ...]
     deviation: DeviationStats | None
     lookup_s: float  # store lookups and loads
@@ -259,8 +259,9 @@ class BlendRows:
     gemm_tile = None
 
     def __init__(self, plan: BlendPlan, cache: KVCache, checker: Checker, model: ModelRunner,
-                 probe: bool) -> None:
+                 probe: bool, question: bool = True) -> None:
         self.plan, self.cache, self.checker, self.model = plan, cache, checker, model
+        self.question = question  # False: the question's rows stop at the first check layer
         self.scale = model.dims.scale
         self.use_probe = probe and bool(plan.checks)
         self.probed_at: int | None = None  # layers above this hold the probe's re-positioned rows
@@ -290,14 +291,19 @@ class BlendRows:
             self.probed_at = layer
         k_all, _ = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
         sel = self.checker.select(check, active, q, k, v, k_all, self.k_pos, self.probe)
-        self.active = active[sel.keep]
+        keep = sel.keep
+        if not self.question:  # document rows never attend to the question (causal): drop its rows
+            keep = keep[active[keep] < plan.nb]
+        self.active = active[keep]
         if check.index == 0:
             self.first_selected = self.active[self.active < plan.nb]
             self.deviation, self.ratio = sel.deviation, sel.ratio
-        return q[:, sel.keep], h[sel.keep]
+        return q[:, keep], h[keep]
 
     def attend(self, layer, q):
         plan, active = self.plan, self.active
+        if active.numel() == 0:  # a context-only blend that recomputes no row: layers only re-position
+            return q.new_zeros(0, q.shape[0] * q.shape[2])  # (0, Hq D)
         k_all, v_all = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
         q_rot = apply_rope(q, plan.cos[active], plan.sin[active])  # (Hq, A, D)
         attn = sparse_query_attention(q_rot, plan.pos[active], k_all, v_all, self.k_pos, self.scale)  # (Hq, A, D)
@@ -305,7 +311,7 @@ class BlendRows:
 
 
 def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, policy: ReusePolicy,
-                  cache: KVCache) -> BlendOutcome:
+                  cache: KVCache, question: bool = True) -> BlendOutcome:
     """Blended prefill of ``prompt`` into ``cache`` (blending already allowed by the engine).
 
     Args:
@@ -314,9 +320,13 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
         prompt: the request.
         policy: a blend policy.
         cache: an empty cache with room for the prompt.
+        question: False: the caller computes the question itself (a serving engine that takes the
+            context's KV): once a check layer has selected, the question's rows are not computed
+            further, the cache ends before the question and the logits are None. The context's
+            rows are the same numbers either way (no document row attends to the question).
 
     Returns:
-        First-token logits and the rows of the report.
+        First-token logits (None without the question) and the rows of the report.
     """
     salt = policy.cache_salt
     pending = segments.start_fetch(prompt, salt)  # chunk loads overlap the preamble and earlier chunks
@@ -341,13 +351,16 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
 
     plan = plan_blend(model, prompt, blended, n_exact, cache.length, policy)
     cache.set_positions(plan.e, plan.pos)
-    rows = BlendRows(plan, cache, Checker(plan, policy, model.dims.scale), model, policy.needs_probe)
+    skip_q = not question and bool(plan.checks)  # with no check layer the question runs whole
+    rows = BlendRows(plan, cache, Checker(plan, policy, model.dims.scale), model, policy.needs_probe,
+                     question=not skip_q)
     h = model.run_layers(model.embed(plan.ids[rows.active]), rows)  # (A, C)
-    cache.advance(plan.n)
+    cache.advance(plan.nb if skip_q else plan.n)
     reports += _doc_reports(prompt, chunks, rows.first_selected, n_exact)
     reports.append(SegmentReport(q.kind, ReuseClass.COMPUTED, len(q), plan.e + plan.nb))
     margin = None if rows.probe is None else rows.probe.margin
-    return BlendOutcome(model.logits(h[-1:])[0], tuple(reports), rows.deviation, lookup_s, rows.ratio, margin)
+    logits = None if skip_q else model.logits(h[-1:])[0]  # (V,)
+    return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio, margin)
 
 
 def _doc_reports(prompt: Prompt, chunks: list[ChunkKV], selected: torch.Tensor, n_exact: int) -> list[SegmentReport]:

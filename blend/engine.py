@@ -258,17 +258,21 @@ class Engine:
         logits, tail = self.segments.compute_rest(cache, prompt.segments[len(cacheable):])
         return _Prefilled(logits, (*rows, *tail), lookup_s)
 
-    def prefill(self, prompt: Prompt, policy: ReusePolicy, extra_capacity: int = 0
-                ) -> tuple[torch.Tensor, KVCache, ReuseReport]:
+    def prefill(self, prompt: Prompt, policy: ReusePolicy, extra_capacity: int = 0, question: bool = True
+                ) -> tuple[torch.Tensor | None, KVCache, ReuseReport]:
         """Run the prompt under ``policy``.
 
         Args:
             prompt: the segmented prompt.
             policy: what may be reused.
             extra_capacity: rows to reserve for decoding.
+            question: False for a caller that computes the question itself and only takes the
+                context's KV (the vLLM connector): a blend then stops the question's rows after
+                its check layer, its cache ends before the question and its logits are None
+                (other modes compute the whole prompt as usual).
 
         Returns:
-            first-token logits (V,) float32, the filled cache, the report.
+            first-token logits (V,) float32 (None as above), the filled cache, the report.
         """
         limit = self.dims.max_positions
         if len(prompt) + extra_capacity > limit:
@@ -283,7 +287,7 @@ class Engine:
             elif policy.mode is ReuseMode.EXACT:
                 done = self._prefill_segments(prompt, policy.prefix_limit, True, cache, policy.cache_salt)
             else:
-                out = prefill_blend(self.runner, self.segments, prompt, policy, cache)
+                out = prefill_blend(self.runner, self.segments, prompt, policy, cache, question=question)
                 done = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio, out.probe_margin)
         ttft = time.perf_counter() - t0
         blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS

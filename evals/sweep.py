@@ -56,6 +56,7 @@ class SweepRow:
     prompt_tokens: int
     probe_margin: float | None = None  # the probe's first-token top-2 gap, where it ran the LM head
     ref_margin: float | None = None  # the reference's first-token top-2 gap
+    margin: float | None = None  # this method's first-token top-2 gap
 
 
 def ref_key(engine: Engine, token_ids: list[int]) -> str:
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 logits, _, report = engine.prefill(prompt, m.policy())
                 ms = (time.perf_counter() - t0) * 1e3
                 row = SweepRow(idx, m.name, kl_divergence(ref, logits), top1_agree(ref, logits), ms, report.ratio,
-                               len(prompt), report.probe_margin, top2_margin(ref))
+                               len(prompt), report.probe_margin, top2_margin(ref), top2_margin(logits))
                 rows.append(row)
                 f.write(json.dumps(asdict(row)) + "\n")
                 f.flush()

@@ -196,3 +196,31 @@ def test_store_shared_across_engines_serves_blend(tiny_engine_factory):
     b = tiny_engine_factory(store=store)
     ans = b.generate(b.build_prompt("Q?", docs), ReusePolicy.blend(), max_new_tokens=1)
     assert classes(ans)[1:-1] == [ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.BLENDED]
+
+
+@pytest.mark.parametrize("policy", [ReusePolicy.blend(0.25, "probe"), ReusePolicy.blend(0.25, "v"),
+                                    ReusePolicy.blend(0.3, "probe", check_layers=(1, 2), layer_ratios=(0.3, 0.2)),
+                                    ReusePolicy.blend(0.0), ReusePolicy.blend(1e-9, "probe")])
+def test_context_only_blend_leaves_the_context_rows_bit_identical(tiny_engine, policy):
+    """question=False (a serving engine computes the question itself) stops the question's rows
+    after the check: every row before the question is the same as in a whole blend (no document
+    row attends to the question) up to float rounding (the GEMMs and the blocked attention see
+    fewer rows, so a BLAS may pick other kernels: bit-identical up to the check layer, <= 1e-5
+    above), the cache ends before the question, logits are None; the selection is the same."""
+    prompt = tiny_engine.build_prompt("Which one is it?", make_docs(4))
+    whole, c_whole, r_whole = tiny_engine.prefill(prompt, policy)
+    logits, c_ctx, r_ctx = tiny_engine.prefill(prompt, policy, question=False)
+    n_ctx = len(prompt) - len(prompt.question)
+    if policy.ratio == 0.0:  # no check layer: the question runs whole
+        assert logits is not None and c_ctx.length == len(prompt)
+    else:
+        assert logits is None and c_ctx.length == n_ctx
+    assert whole is not None and c_whole.length == len(prompt)
+    for layer in range(tiny_engine.dims.num_layers):
+        kw, vw = c_whole.view(layer, n_ctx)
+        kc, vc = c_ctx.view(layer, n_ctx)
+        if layer <= max(policy.check_layers) - 1 or policy.ratio == 0.0:
+            assert torch.equal(kw, kc) and torch.equal(vw, vc), layer
+        torch.testing.assert_close(kc, kw, rtol=0, atol=1e-5)
+        torch.testing.assert_close(vc, vw, rtol=0, atol=1e-5)
+    assert [s.recomputed_offsets for s in r_whole.segments] == [s.recomputed_offsets for s in r_ctx.segments]

@@ -111,14 +111,16 @@ class SharedEngine:
         return Prompt(tuple(segs))
 
     def blend(self, token_ids: Sequence[int], params: BlendParams) -> tuple[KVCache, dict]:
-        """kvblend's blended prefill of the request; its cache holds every prompt row (K after RoPE).
+        """kvblend's blended prefill of the request's context; its cache holds at least every row
+        before the question (K after RoPE).
 
         Returns:
             The filled cache and the reuse report (as a JSON-able dict).
         """
         policy = ReusePolicy.blend(ratio=params.ratio, selector=params.selector, force=self.cfg.force)
         with self._lock, torch.inference_mode():
-            _, cache, report = self.engine.prefill(self.prompt_of(token_ids, params), policy)
+            # vLLM computes the question itself: kvblend stops its rows after the check layer
+            _, cache, report = self.engine.prefill(self.prompt_of(token_ids, params), policy, question=False)
         rep = report.to_dict()
         slim = {k: rep[k] for k in ("policy", "selector", "ratio", "gate") if k in rep}
         slim.update(reused_tokens=report.reused_tokens, recomputed_tokens=report.recomputed_tokens,
