@@ -58,8 +58,7 @@ class BlendOutcome:
     segments: tuple[SegmentReport, ...]
     deviation: DeviationStats | None
     lookup_s: float  # store lookups and loads
-    ratio: float | None = None  # the share an adaptive budget or the guard chose (None: the policy's ratio)
-    probe_margin: float | None = None  # the probe's first-token top-2 gap (nats), where it ran the LM head
+    ratio: float | None = None  # the share an adaptive budget chose (None: the policy's ratio)
 
 
 @dataclass(frozen=True)
@@ -229,11 +228,7 @@ class Checker:
         elif policy.threshold is not None:
             picked = select_threshold(inp, policy.threshold, cap)
         else:
-            ratio = check.ratio
-            if check.index == 0 and policy.guarded and probe is not None and probe.margin is not None \
-                    and probe.margin < policy.guard_margin:  # a near-tie first token: spend more here
-                ratio = chosen = policy.guard_ratio
-            picked = select(policy.selector, inp, int(round(ratio * plan.budget_base)))
+            picked = select(policy.selector, inp, int(round(check.ratio * plan.budget_base)))
         stats = None
         if check.index == 0 and free.numel():
             qs = torch.quantile(dev_v, torch.tensor([0.5, 0.9]))
@@ -287,7 +282,7 @@ class BlendRows:
             pol = self.checker.policy
             self.probe = run_probe(self.model, plan, self.cache, layer, h[active >= plan.nb],
                                    gemm_dtype=probe_gemm_dtype(pol.probe_precision, self.model.dtype),
-                                   want_entropy=pol.budget is BudgetMode.AUTO or pol.guarded)
+                                   want_entropy=pol.budget is BudgetMode.AUTO)
             self.probed_at = layer
         k_all, _ = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
         sel = self.checker.select(check, active, q, k, v, k_all, self.k_pos, self.probe)
@@ -358,9 +353,8 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     cache.advance(plan.nb if skip_q else plan.n)
     reports += _doc_reports(prompt, chunks, rows.first_selected, n_exact)
     reports.append(SegmentReport(q.kind, ReuseClass.COMPUTED, len(q), plan.e + plan.nb))
-    margin = None if rows.probe is None else rows.probe.margin
     logits = None if skip_q else model.logits(h[-1:])[0]  # (V,)
-    return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio, margin)
+    return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio)
 
 
 def _doc_reports(prompt: Prompt, chunks: list[ChunkKV], selected: torch.Tensor, n_exact: int) -> list[SegmentReport]:

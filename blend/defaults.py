@@ -23,10 +23,10 @@ DEFAULT_MIN_PROMPT_TOKENS = 0
 # adaptive budget's stopping target: left-over probe-weighted V deviation over mean ||V||, times the
 # probe's first-token entropy (calibrated on musique_dev items 0-29 only, SmolLM2; docs/results/issue14/)
 DEFAULT_AUTO_TARGET = 0.0045
-# near-tie guard (issue 14): when the probe's first-token top-2 log-prob gap is under this many nats,
-# the first check layer recomputes DEFAULT_GUARD_RATIO instead of the ratio (None: off)
+# near-tie guard (issue 14), opt-in: when a blend's first-token top-2 log-prob gap is under the
+# margin, the request is recomputed at DEFAULT_GUARD_RATIO (1.0: the exact path, as without reuse)
 DEFAULT_GUARD_MARGIN: float | None = None
-DEFAULT_GUARD_RATIO = 0.3
+DEFAULT_GUARD_RATIO = 1.0
 # the query probe's GEMMs: "compute" (the engine's dtype) or "bf16" (its numbers only rank rows)
 DEFAULT_PROBE_PRECISION = "compute"
 

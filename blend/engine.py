@@ -28,6 +28,7 @@ from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.models import LoadedModel, load_model
 from blend.policy import ReuseMode, ReusePolicy
+from blend.probe import top2_margin
 from blend.prompt import Prompt, Segment, SegmentKind, build_prompt, preamble_segment
 from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport, Timings
 from blend.rope import rope_config_json
@@ -89,7 +90,8 @@ class _Prefilled:
     lookup_s: float = 0.0
     deviation: DeviationStats | None = None
     ratio: float | None = None  # the share an adaptive blend budget or the near-tie guard chose
-    probe_margin: float | None = None  # the query probe's first-token top-2 gap (nats)
+    margin: float | None = None  # the blend's first-token top-2 gap (nats), before any guard
+    guard: str = ""  # why the near-tie guard recomputed the request ("" if it did not)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -288,17 +290,44 @@ class Engine:
                 done = self._prefill_segments(prompt, policy.prefix_limit, True, cache, policy.cache_salt)
             else:
                 out = prefill_blend(self.runner, self.segments, prompt, policy, cache, question=question)
-                done = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio, out.probe_margin)
+                done = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio)
+                done, cache = self._guard(prompt, policy, done, cache, extra_capacity)
         ttft = time.perf_counter() - t0
         blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS
         report = ReuseReport(
             policy=policy.describe(), segments=done.segments,
             selector=policy.selector if blend_fields else "",
             ratio=(done.ratio if done.ratio is not None else policy.ratio) if blend_fields else None,
-            deviation=done.deviation, gate=refused, probe_margin=done.probe_margin if blend_fields else None,
+            deviation=done.deviation, gate=refused,
             timings=Timings(lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s),
+            first_token_margin=done.margin if blend_fields else None, guard=done.guard,
         )
         return done.logits, cache, report
+
+    def _guard(self, prompt: Prompt, policy: ReusePolicy, done: "_Prefilled", cache: KVCache,
+               extra_capacity: int) -> tuple["_Prefilled", KVCache]:
+        """The near-tie guard: a blend whose first token is a near tie is recomputed.
+
+        Returns:
+            The result to answer from (``done`` with its first-token gap, or the recompute's) and its cache.
+        """
+        if done.logits is None:  # the caller computes the question (and so its first token) itself
+            return done, cache
+        margin = top2_margin(done.logits)
+        approximate = any(s.reuse_class in (ReuseClass.BLENDED, ReuseClass.SEMANTIC) for s in done.segments)
+        if not policy.guarded or not approximate or margin >= policy.guard_margin:
+            return replace(done, margin=margin), cache
+        why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {policy.guard_ratio:g}"
+        again = self.runner.new_cache(cache.capacity)
+        if policy.guard_ratio >= 1.0:  # the exact path: preamble reused, the rest computed, nothing else stored
+            redo = self._prefill_segments(prompt, 1, True, again, policy.cache_salt)
+            ratio = 1.0
+        else:
+            out = prefill_blend(self.runner, self.segments, prompt, replace(policy, ratio=policy.guard_ratio,
+                                                                            guard_margin=None), again)
+            redo = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio)
+            ratio = redo.ratio if redo.ratio is not None else policy.guard_ratio
+        return replace(redo, lookup_s=done.lookup_s + redo.lookup_s, ratio=ratio, margin=margin, guard=why), again
 
     # ---- answers --------------------------------------------------------------------------
 

@@ -99,10 +99,10 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-ratio", type=float, default=DEFAULT_MAX_RATIO,
                    help="blend: cap of --threshold and --budget auto (default: %(default)s)")
     p.add_argument("--guard-margin", type=_margin, default=DEFAULT_GUARD_MARGIN,
-                   help="blend: near-tie guard: when the query probe's first-token top-2 gap is under this many "
-                        "nats, recompute --guard-ratio instead of --ratio ('off' disables; default: %(default)s)")
+                   help="blend: near-tie guard (opt-in): when the blend's first-token top-2 gap is under this "
+                        "many nats, recompute the request at --guard-ratio ('off': no guard; default: %(default)s)")
     p.add_argument("--guard-ratio", type=float, default=DEFAULT_GUARD_RATIO,
-                   help="blend: the near-tie guard's ratio (default: %(default)s)")
+                   help="blend: the near-tie guard's ratio; 1.0 runs the exact path (default: %(default)s)")
     p.add_argument("--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS,
                    help="blend: compute fully below this length")
     p.add_argument("--force-blend", action="store_true", help="blend even if the model's quality gate failed")

@@ -74,10 +74,11 @@ class ReusePolicy:
         cache_salt: mixed into every store key the request derives (exact, canonical):
             requests with different salts share no KV; "" = no salt.
         probe_precision: dtype of the query probe's GEMMs (:class:`ProbePrecision`).
-        guard_margin: near-tie guard of a fixed budget: when the query probe's own first-token
-            distribution has its top two tokens within this many nats, the first check layer
-            recomputes ``guard_ratio`` instead of ``ratio`` (None: off; only where the probe runs).
-        guard_ratio: the guarded prompts' ratio.
+        guard_margin: near-tie guard (opt-in): when the blend's first-token distribution has its
+            top two tokens within this many nats, the request is recomputed at ``guard_ratio``
+            (the report says so; TTFT counts both passes). None: off.
+        guard_ratio: the guarded requests' ratio; 1.0 runs the exact path (preamble reused, the
+            rest computed: the same numbers as no reuse).
     """
 
     mode: ReuseMode = ReuseMode.EXACT
@@ -173,9 +174,8 @@ class ReusePolicy:
 
     @property
     def guarded(self) -> bool:
-        """Whether the near-tie guard can raise this request's ratio (a fixed budget with the probe)."""
-        return (self.needs_probe and self.guard_margin is not None and self.budget is BudgetMode.FIXED
-                and self.threshold is None and self.guard_ratio > self.ratio)
+        """Whether a near-tie first token sends this blend back for recompute."""
+        return self.mode is ReuseMode.BLEND and self.guard_margin is not None
 
     def ratio_at(self, i: int) -> float:
         """Recompute ratio at the i-th check layer."""

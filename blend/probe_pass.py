@@ -27,7 +27,7 @@ from blend.kernels import attention_probs
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.policy import ProbePrecision
-from blend.probe import entropy, top2_margin
+from blend.probe import entropy
 from blend.rope import apply_rope
 
 if TYPE_CHECKING:
@@ -45,9 +45,7 @@ class ProbeResult:
 
     attn: torch.Tensor  # (L - c, nb) float32 question's attention to each document row, per layer
     entropy: float | None  # entropy (nats) of the probe's own first-token distribution (a ratio-0
-    # blend's); None when not asked for (only the adaptive budget and the near-tie guard read the
-    # LM head's output: it costs a GEMV)
-    margin: float | None = None  # top-1 minus top-2 log-probability (nats) of that distribution
+    # blend's); None when not asked for (only the adaptive budget reads it: the LM head costs a GEMV)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -96,16 +94,12 @@ def run_probe(model: ModelRunner, plan: "BlendPlan", cache: KVCache, check: int,
         check: the first check layer.
         h_q: (Nq, C) the question's hidden rows at the check layer's input.
         gemm_dtype: dtype of the probe's GEMMs (None: the engine's).
-        want_entropy: also run the LM head: the entropy and top-2 margin of the probe's first-token
-            distribution.
+        want_entropy: also run the LM head for the entropy of the probe's first-token distribution.
 
     Returns:
-        Per-layer attention and (if asked) the entropy and margin of the probe's first-token distribution.
+        Per-layer attention and (if asked) the entropy of the probe's first-token distribution.
     """
     rows = ProbeRows(plan, cache, check, model.dims.scale)
     layers = model.layers_in(gemm_dtype or model.dtype)
     h = model.run_layers(h_q, rows, start=check, layers=layers)  # (Nq, C)
-    if not want_entropy:
-        return ProbeResult(torch.stack(rows.mass), None)
-    logits = model.logits(h[-1:])[0]  # (V,)
-    return ProbeResult(torch.stack(rows.mass), entropy(logits), top2_margin(logits))
+    return ProbeResult(torch.stack(rows.mass), entropy(model.logits(h[-1:])[0]) if want_entropy else None)

@@ -74,8 +74,9 @@ class ReuseReport:
     deviation: DeviationStats | None = None
     gate: str = ""  # why reuse was refused, if it was (quality gate, length, dynamic NTK)
     timings: Timings = field(default_factory=Timings)
-    probe_margin: float | None = None  # the query probe's first-token top-2 log-prob gap (nats), when
-    # it ran the LM head (adaptive budget, near-tie guard): under the guard's margin the ratio was raised
+    first_token_margin: float | None = None  # a blend's first-token top-2 log-prob gap (nats): a small
+    # gap is a near tie, where a small KV error can change the first token (the guard's signal)
+    guard: str = ""  # why the near-tie guard recomputed this request ("" if it did not)
 
     @property
     def gate_ran(self) -> bool:
@@ -116,5 +117,6 @@ class ReuseReport:
             "gate": self.gate,
             "gate_ran": self.gate_ran,
             "timings": self.timings.to_dict(),
-            "probe_margin": self.probe_margin,
+            "first_token_margin": self.first_token_margin,
+            "guard": self.guard,
         }

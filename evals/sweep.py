@@ -54,9 +54,9 @@ class SweepRow:
     ms: float
     share: float | None  # recomputed share of reused document rows (the report's ratio)
     prompt_tokens: int
-    probe_margin: float | None = None  # the probe's first-token top-2 gap, where it ran the LM head
     ref_margin: float | None = None  # the reference's first-token top-2 gap
-    margin: float | None = None  # this method's first-token top-2 gap
+    margin: float | None = None  # the blend's first-token top-2 gap (before a near-tie guard)
+    guarded: bool = False  # the near-tie guard recomputed it
 
 
 def ref_key(engine: Engine, token_ids: list[int]) -> str:
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 logits, _, report = engine.prefill(prompt, m.policy())
                 ms = (time.perf_counter() - t0) * 1e3
                 row = SweepRow(idx, m.name, kl_divergence(ref, logits), top1_agree(ref, logits), ms, report.ratio,
-                               len(prompt), report.probe_margin, top2_margin(ref), top2_margin(logits))
+                               len(prompt), top2_margin(ref), report.first_token_margin, bool(report.guard))
                 rows.append(row)
                 f.write(json.dumps(asdict(row)) + "\n")
                 f.flush()

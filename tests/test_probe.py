@@ -243,36 +243,47 @@ def test_top2_margin():
     assert P.top2_margin(torch.tensor([0.0, 0.0])) == 0.0
 
 
-def test_the_near_tie_guard_raises_the_ratio_only_under_its_margin(tiny_engine):
-    """The guard reads the probe's own first-token gap: under the margin the first check layer
-    recomputes guard_ratio (reported as the ratio, with the gap); over it the fixed ratio stands,
-    with logits bit-identical to the unguarded policy's."""
+def test_the_near_tie_guard_recomputes_only_under_its_margin(tiny_engine):
+    """Every blend reports its first-token gap; under guard_margin the request is recomputed: at
+    guard_ratio 1.0 by the exact path (preamble shared: bit-identical to exact reuse with
+    prefix_limit=1, which is bit-identical to its own cold run), else by a blend at that
+    ratio (bit-identical to asking for it outright). TTFT covers both passes."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    base = sum(len(d) for d in prompt.documents)
     plain = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe"), max_new_tokens=1)
-    assert plain.report.probe_margin is None  # off: the probe skips the LM head
-    hit = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=1e9, guard_ratio=0.4),
+    gap = plain.report.first_token_margin
+    assert gap is not None and gap >= 0 and plain.report.guard == ""
+    assert gap == pytest.approx(P.top2_margin(plain.first_logits), abs=1e-12)
+    full = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=1), max_new_tokens=1)
+    hit = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap + 1.0), max_new_tokens=1)
+    assert torch.equal(hit.first_logits, full.first_logits)
+    assert hit.report.ratio == 1.0 and "recomputed at ratio 1" in hit.report.guard
+    assert hit.report.first_token_margin == pytest.approx(gap) and hit.report.to_dict()["guard"] == hit.report.guard
+    assert ":guard=" in hit.report.policy and hit.report.timings.ttft_s > 0
+    mid = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap + 1.0, guard_ratio=0.4),
                                max_new_tokens=1)
-    assert hit.report.ratio == 0.4 and hit.report.recomputed_tokens == round(0.4 * base)
-    gap = hit.report.probe_margin
-    assert gap is not None and gap >= 0
-    assert hit.report.to_dict()["probe_margin"] == gap
-    assert ":guard=1e+09@0.4" in hit.report.policy
-    miss = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap / 2, guard_ratio=0.4),
-                                max_new_tokens=1)
-    assert miss.report.ratio == 0.15 and miss.report.probe_margin == pytest.approx(gap)
-    assert torch.equal(miss.first_logits, plain.first_logits)
     at_ratio = tiny_engine.generate(prompt, ReusePolicy.blend(0.4, "probe"), max_new_tokens=1)
-    assert torch.equal(hit.first_logits, at_ratio.first_logits)  # guarded == that ratio outright
+    assert torch.equal(mid.first_logits, at_ratio.first_logits) and mid.report.ratio == 0.4
+    miss = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap / 2), max_new_tokens=1)
+    assert miss.report.guard == "" and miss.report.ratio == 0.15
+    assert torch.equal(miss.first_logits, plain.first_logits)
 
 
-def test_the_guard_is_inert_without_the_probe_or_under_an_adaptive_budget(tiny_engine):
+def test_the_guard_answers_from_the_recomputed_cache(tiny_engine):
+    """A guarded request decodes from the recompute's cache: its whole answer equals exact reuse's."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    v = ReusePolicy.blend(0.15, "v", guard_margin=1e9)
-    assert not v.guarded and ":guard" not in v.describe()
-    assert tiny_engine.generate(prompt, v, max_new_tokens=1).report.ratio == 0.15
-    assert not ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, guard_margin=1e9).guarded
-    assert not ReusePolicy.blend(0.3, "probe", guard_margin=1e9, guard_ratio=0.3).guarded  # nothing to raise
+    cold = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=1e9), max_new_tokens=1)
+    assert cold.report.guard == ""  # cold chunks are computed in place: nothing approximate to guard
+    full = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=1), max_new_tokens=6, stop_at_newline=False)
+    hit = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=1e9), max_new_tokens=6,
+                               stop_at_newline=False)
+    assert hit.token_ids == full.token_ids and hit.report.guard
+
+
+def test_the_guard_is_off_by_default_and_never_fires_on_exact_results(tiny_engine):
+    assert not ReusePolicy.blend(0.15).guarded and not ReusePolicy.exact(cache_salt="").guarded
+    one = tiny_engine.build_prompt("Which one?", make_docs(1))  # doc 1 at its canonical place: exact
+    ans = tiny_engine.generate(one, ReusePolicy.blend(0.15, "probe", guard_margin=1e9), max_new_tokens=1)
+    assert ans.report.guard == ""
 
 
 @pytest.mark.parametrize("kw", [dict(guard_margin=-1.0), dict(guard_margin=float("nan")), dict(guard_ratio=1.5),
