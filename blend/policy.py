@@ -21,8 +21,8 @@ from blend.defaults import (
 )
 from blend.errors import InvalidPolicyError
 
-SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe")
-PROBE_SELECTORS = ("probe",)  # selectors that need the query probe (issue 14)
+SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe", "probe_attn")
+PROBE_SELECTORS = ("probe", "probe_attn")  # selectors that need the query probe (issue 14)
 
 
 class BudgetMode(Enum):

@@ -19,6 +19,10 @@ evaluation compares them at equal budgets.
   mean over those layers, heads and question tokens) times the V deviation:
   ``combo`` with the attention the question pays at depth instead of at the
   check layer only.
+- ``probe_attn``: the query probe's attention alone (no V deviation), so it
+  also works at check layer 0, where fresh and cached V are the same numbers
+  (layer 0's K/V depend on the token only) and no row needs layer 0 computed
+  in full before selecting.
 - ``split``: half the budget by ``combo``, the rest by ``v`` among the rows
   combo left: combo follows the question's attention, which misses stale rows
   whose change matters through another document (two-hop prompts), and V
@@ -89,6 +93,12 @@ def _probe_score(inp: SelectionInputs) -> torch.Tensor:
     return probe_score(inp.probe_attn, inp.dev_v)  # (N,) a_probe_j * ||dV_j||
 
 
+def _need_probe(inp: SelectionInputs) -> torch.Tensor:
+    if inp.probe_attn is None:
+        raise ValueError("this selector needs the query probe's attention")
+    return inp.probe_attn  # (N,)
+
+
 def _split(inp: SelectionInputs, budget: int) -> torch.Tensor:
     n = inp.dev_v.numel()
     budget = min(budget, n)
@@ -109,9 +119,10 @@ SELECTORS: dict[str, Callable[[SelectionInputs, int], torch.Tensor]] = {
     "combo": lambda inp, b: _top(_combo_score(inp), b),
     "split": _split,
     "probe": lambda inp, b: _top(_probe_score(inp), b),
+    "probe_attn": lambda inp, b: _top(_need_probe(inp), b),
 }
 NEEDS_QUERY_ATTENTION = frozenset({"query", "combo", "split"})
-NEEDS_PROBE = frozenset({"probe"})
+NEEDS_PROBE = frozenset({"probe", "probe_attn"})
 assert set(SELECTORS) == set(SELECTOR_NAMES)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from blend.policy import BudgetMode, ProbePrecision, ReusePolicy
 
-FALLBACK_SELECTORS = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe")
+FALLBACK_SELECTORS = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe", "probe_attn")
 # the shipped default selector at three budgets, against CacheBlend's V deviation at the middle one
 DEFAULT_METHODS = "full,prefix,reuse,blend@0.05:probe,blend@0.15:probe,blend@0.3:probe,blend@0.15:combo,blend@0.15:v"
 REFERENCE = "full"

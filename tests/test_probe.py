@@ -304,3 +304,34 @@ def test_the_cli_exposes_the_guard():
     assert pol.guard_margin == 0.7 and pol.guard_ratio == 0.25 and pol.guarded
     off = policy_from_args(build_parser("ask").parse_args(base + ["--guard-margin", "off"]))
     assert off.guard_margin is None and not off.guarded
+
+
+def test_probe_attn_ranks_by_the_probe_alone_and_works_at_check_layer_zero(tiny_engine, monkeypatch):
+    """probe_attn keeps the rows the question reads most at depth (no V deviation): at check layer 0
+    fresh and cached V are the same numbers, so no row is computed in full before selecting; ratio
+    1.0 there is full prefill."""
+    import blend.blending as B
+
+    seen = {}
+    real_probe = B.run_probe
+
+    def spy_probe(*a, **kw):
+        seen["probe"] = real_probe(*a, **kw)
+        return seen["probe"]
+
+    monkeypatch.setattr(B, "run_probe", spy_probe)
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe"), max_new_tokens=1)  # warm the chunks
+    ans = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe_attn", check_layers=0), max_new_tokens=1)
+    pr = seen["probe"]
+    assert pr.attn.shape[0] == tiny_engine.dims.num_layers  # probed from layer 0
+    budget = round(0.25 * sum(len(d) for d in prompt.documents))
+    want = torch.sort(P.top(pr.weight, budget)).values
+    picked, lo = [], 0
+    for seg in ans.report.segments[2:-1]:  # the blended documents (doc 1 is exact), in order
+        picked += [lo + o for o in seg.recomputed_offsets]
+        lo += seg.tokens
+    assert picked == want.tolist()
+    full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    one = tiny_engine.generate(prompt, ReusePolicy.blend(1.0, "probe_attn", check_layers=0), max_new_tokens=1)
+    torch.testing.assert_close(one.first_logits, full.first_logits, rtol=0, atol=1e-4)
