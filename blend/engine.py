@@ -318,7 +318,8 @@ class Engine:
         if not policy.guarded or not approximate or margin >= policy.guard_margin:
             return replace(done, margin=margin), cache
         why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {policy.guard_ratio:g}"
-        again = self.runner.new_cache(cache.capacity)
+        with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later
+            again = self.runner.new_cache(cache.capacity)
         if policy.guard_ratio >= 1.0:  # the exact path: preamble reused, the rest computed, nothing else stored
             redo = self._prefill_segments(prompt, 1, True, again, policy.cache_salt)
             ratio = 1.0

@@ -94,6 +94,7 @@ def test_openai_client_completions_and_models(client):
     ({"reuse": "blend", "ratio": 0.3, "selector": "v"}, {"temperature": 0}),
     ({"reuse": "exact"}, {"temperature": 0.9, "top_p": 0.9, "top_k": 40, "seed": 1234}),
     ({"reuse": "blend", "ratio": 0.15}, {"temperature": 0.7, "seed": 99, "stop": ["q"]}),
+    ({"reuse": "blend", "ratio": 0.15, "guard_margin": 1e9}, {"temperature": 0}),  # the guard always fires
 ])
 def test_server_answers_equal_the_python_api(srv, kvblend, sampling):
     body = chat("which harbor?", max_tokens=12, kvblend=kvblend, **sampling)
@@ -101,7 +102,8 @@ def test_server_answers_equal_the_python_api(srv, kvblend, sampling):
     ext = got["kvblend"]
     engine = srv.engine
     policy = (ReusePolicy.exact() if kvblend["reuse"] == "exact"
-              else ReusePolicy.blend(ratio=kvblend["ratio"], selector=kvblend.get("selector", DEFAULT_SELECTOR)))
+              else ReusePolicy.blend(ratio=kvblend["ratio"], selector=kvblend.get("selector", DEFAULT_SELECTOR),
+                                     guard_margin=kvblend.get("guard_margin")))
     cfg = GenerationConfig(max_tokens=12, temperature=sampling["temperature"], top_p=sampling.get("top_p", 1.0),
                            top_k=sampling.get("top_k", 0), seed=sampling.get("seed"),
                            stop=tuple(sampling.get("stop", ())))
@@ -120,6 +122,7 @@ def test_server_answers_equal_the_python_api(srv, kvblend, sampling):
     (chat(kvblend={"reuse": "blend", "ratoi": 0.2}), 400, "kvblend.ratoi"),
     (chat(kvblend={"reuse": "blend", "ratio": 1.5}), 400, "kvblend.ratio"),
     (chat(kvblend={"reuse": "blend", "selector": "best"}), 400, "kvblend.selector"),
+    (chat(kvblend={"reuse": "blend", "guard_margin": -1}), 400, "kvblend.guard_margin"),
     (chat(kvblend={"reuse": "blend", "semantic": True}), 400, "--experimental-semantic"),
     (chat(documents=["a"] * 5), 413, "at most 4"),
     (chat(documents=["word " * 700]), 413, "exceeds the limit of 3000"),
