@@ -57,6 +57,7 @@ class SweepRow:
     ref_margin: float | None = None  # the reference's first-token top-2 gap
     margin: float | None = None  # the blend's first-token top-2 gap (before a near-tie guard)
     guarded: bool = False  # the near-tie guard recomputed it
+    full_ms: float | None = None  # with --time-full: this item's full prefill, timed in the same process
 
 
 def ref_key(engine: Engine, token_ids: list[int]) -> str:
@@ -105,9 +106,11 @@ def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> 
         if not mine:
             continue
         items = sorted({r.item for r in mine})
+        timed = all(r.full_ms for r in mine)
         out += [f"### {split}: {len(items)} items ({items[0]}-{items[-1]})", "",
-                "| method | mean KL | median | p90 | max | top-1 | share | median ms | beats first |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| method | mean KL | median | p90 | max | top-1 | share | median ms | beats first |"
+                + (" TTFT ratio median | mean | p90 |" if timed else ""),
+                "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if timed else "")]
         by = {(r.item, r.method): r for r in mine}
         for m in methods:
             rs = [r for r in mine if r.method == m]
@@ -116,8 +119,13 @@ def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> 
             kls = [r.kl for r in rs]
             wins = sum(1 for r in rs if (r.item, methods[0]) in by and r.kl < by[(r.item, methods[0])].kl)
             share = mean([r.share for r in rs])
-            out.append(f"| {m} | {kl_cells(kls)} | {mean([r.top1 for r in rs]):.3f} | {'' if share is None else f'{share:.3f}'} "
-                       f"| {median([r.ms for r in rs]):.0f} | {wins}/{len(rs)} |")
+            line = (f"| {m} | {kl_cells(kls)} | {mean([r.top1 for r in rs]):.3f} | {'' if share is None else f'{share:.3f}'} "
+                    f"| {median([r.ms for r in rs]):.0f} | {wins}/{len(rs)} |")
+            if timed:
+                ratios = sorted(r.ms / r.full_ms for r in rs)
+                p90 = ratios[min(len(ratios) - 1, round(0.9 * (len(ratios) - 1)))]
+                line += f" {median(ratios):.3f} | {mean(ratios):.3f} | {p90:.3f} |"
+            out.append(line)
         out.append("")
     return "\n".join(out)
 
@@ -132,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--ref-cache", default="out/ref-logits", help="folder of cached full-prefill logits")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--time-full", action="store_true",
+                    help="also time one full prefill per item (before its methods) for TTFT ratios")
     args = ap.parse_args(argv)
 
     methods = [parse_method(s) for s in split_specs(args.methods)]
@@ -152,12 +162,17 @@ def main(argv: list[str] | None = None) -> int:
             prompt = engine.build_prompt(it.question, it.document_texts())
             ref = reference_logits(engine, prompt, Path(args.ref_cache))
             engine.precompute(prompt, methods[0].policy())
+            full_ms = None
+            if args.time_full:
+                t0 = time.perf_counter()
+                engine.prefill(prompt, ReusePolicy.none())
+                full_ms = (time.perf_counter() - t0) * 1e3
             for m in methods:
                 t0 = time.perf_counter()
                 logits, _, report = engine.prefill(prompt, m.policy())
                 ms = (time.perf_counter() - t0) * 1e3
                 row = SweepRow(idx, m.name, kl_divergence(ref, logits), top1_agree(ref, logits), ms, report.ratio,
-                               len(prompt), top2_margin(ref), report.first_token_margin, bool(report.guard))
+                               len(prompt), top2_margin(ref), report.first_token_margin, bool(report.guard), full_ms)
                 rows.append(row)
                 f.write(json.dumps(asdict(row)) + "\n")
                 f.flush()

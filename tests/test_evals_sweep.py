@@ -32,3 +32,11 @@ def test_the_summary_splits_items_and_counts_wins():
     assert "### tuning: 2 items (0-1)" in text and "### validation: 1 items (30-30)" in text
     tuning = text.split("### validation")[0]
     assert "| b | 0.2000 |" in tuning and "| 1/2 |" in tuning
+
+
+def test_the_summary_gives_ttft_ratios_when_full_prefill_was_timed():
+    rows = [SweepRow(i, "a", 0.1, 1.0, ms, 0.15, 100, full_ms=1000.0) for i, ms in ((0, 200.0), (1, 300.0), (2, 1300.0))]
+    text = summarise(rows, ["a"])
+    assert "TTFT ratio median | mean | p90 |" in text
+    assert "| 0.300 | 0.600 | 1.300 |" in text  # median, mean, p90 of 0.2, 0.3, 1.3
+    assert "TTFT ratio" not in summarise([SweepRow(0, "a", 0.1, 1.0, 5.0, 0.15, 100)], ["a"])
