@@ -289,9 +289,7 @@ class Engine:
             elif policy.mode is ReuseMode.EXACT:
                 done = self._prefill_segments(prompt, policy.prefix_limit, True, cache, policy.cache_salt)
             else:
-                out = prefill_blend(self.runner, self.segments, prompt, policy, cache, question=question)
-                done = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio)
-                done, cache = self._guard(prompt, policy, done, cache, extra_capacity)
+                done, cache = self._guard(prompt, policy, self._blend(prompt, policy, cache, question), cache)
         ttft = time.perf_counter() - t0
         blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS
         report = ReuseReport(
@@ -304,8 +302,13 @@ class Engine:
         )
         return done.logits, cache, report
 
-    def _guard(self, prompt: Prompt, policy: ReusePolicy, done: "_Prefilled", cache: KVCache,
-               extra_capacity: int) -> tuple["_Prefilled", KVCache]:
+    def _blend(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool = True) -> "_Prefilled":
+        """A blended prefill into ``cache`` (see :func:`~blend.blending.prefill_blend`)."""
+        out = prefill_blend(self.runner, self.segments, prompt, policy, cache, question=question)
+        return _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio)
+
+    def _guard(self, prompt: Prompt, policy: ReusePolicy, done: "_Prefilled", cache: KVCache
+               ) -> tuple["_Prefilled", KVCache]:
         """The near-tie guard: a blend whose first token is a near tie is recomputed.
 
         Returns:
@@ -324,9 +327,7 @@ class Engine:
             redo = self._prefill_segments(prompt, 1, True, again, policy.cache_salt)
             ratio = 1.0
         else:
-            out = prefill_blend(self.runner, self.segments, prompt, replace(policy, ratio=policy.guard_ratio,
-                                                                            guard_margin=None), again)
-            redo = _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio)
+            redo = self._blend(prompt, replace(policy, ratio=policy.guard_ratio, guard_margin=None), again)
             ratio = redo.ratio if redo.ratio is not None else policy.guard_ratio
         return replace(redo, lookup_s=done.lookup_s + redo.lookup_s, ratio=ratio, margin=margin, guard=why), again
 

@@ -87,16 +87,14 @@ def _combo_score(inp: SelectionInputs) -> torch.Tensor:
     return _need_query(inp) * inp.dev_v  # (N,) a_j * ||dV_j||
 
 
-def _probe_score(inp: SelectionInputs) -> torch.Tensor:
-    if inp.probe_attn is None:
-        raise ValueError("this selector needs the query probe's attention")
-    return probe_score(inp.probe_attn, inp.dev_v)  # (N,) a_probe_j * ||dV_j||
-
-
 def _need_probe(inp: SelectionInputs) -> torch.Tensor:
     if inp.probe_attn is None:
         raise ValueError("this selector needs the query probe's attention")
     return inp.probe_attn  # (N,)
+
+
+def _probe_score(inp: SelectionInputs) -> torch.Tensor:
+    return probe_score(_need_probe(inp), inp.dev_v)  # (N,) a_probe_j * ||dV_j||
 
 
 def _split(inp: SelectionInputs, budget: int) -> torch.Tensor:

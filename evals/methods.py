@@ -10,8 +10,8 @@ belong to the check list)::
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
                                  the budget is chosen per prompt (adaptive), R is its cap;
                                  ``probe=`` the dtype of the query probe's GEMMs; ``guard=``
-                                 the near-tie guard (probe's top-2 gap < M nats: ratio G),
-                                 ``guard=off`` switches the default guard off
+                                 the near-tie guard (the blend's first-token top-2 gap < M
+                                 nats: recomputed at ratio G, default 1.0), ``guard=off`` none
 
 e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.
 """

@@ -11,6 +11,22 @@ from blend.selectors import SelectionInputs, select, select_auto
 from conftest import make_docs
 
 
+@pytest.fixture
+def probe_seen(monkeypatch):
+    """The blend's query probe, spied: the returned dict holds the last ProbeResult under "probe"."""
+    import blend.blending as B
+
+    seen: dict = {}
+    real_probe = B.run_probe
+
+    def spy_probe(*a, **kw):
+        seen["probe"] = real_probe(*a, **kw)
+        return seen["probe"]
+
+    monkeypatch.setattr(B, "run_probe", spy_probe)
+    return seen
+
+
 def test_probe_weight_mean_max_and_skip():
     attn = torch.tensor([[0.1, 0.5], [0.3, 0.1], [0.2, 0.0]])  # (L'=3, N=2)
     assert torch.allclose(P.probe_weight(attn), torch.tensor([0.2, 0.2]))
@@ -96,24 +112,20 @@ def test_probe_selector_limits_and_cold_equals_warm(tiny_engine_factory):
     assert cold.report.recomputed_tokens == round(0.2 * base)
 
 
-def test_the_probe_sees_every_layer_above_the_check_and_drives_the_selection(tiny_engine, monkeypatch):
+def test_the_probe_sees_every_layer_above_the_check_and_drives_the_selection(tiny_engine, monkeypatch,
+                                                                              probe_seen):
     """The probe's attention has one row per layer from the check layer up, is a share of the
     question's attention, and the probe selector keeps exactly the top rows of weight x dV."""
     import blend.blending as B
     from blend.selectors import SelectionInputs as SI
 
-    seen = {}
-    real_probe, real_select = B.run_probe, B.select
-
-    def spy_probe(*a, **kw):
-        seen["probe"] = real_probe(*a, **kw)
-        return seen["probe"]
+    seen = probe_seen
+    real_select = B.select
 
     def spy_select(name, inp: SI, budget):
         seen["inp"], seen["picked"] = inp, real_select(name, inp, budget)
         return seen["picked"]
 
-    monkeypatch.setattr(B, "run_probe", spy_probe)
     monkeypatch.setattr(B, "select", spy_select)
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     ans = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe"), max_new_tokens=1)
@@ -186,18 +198,10 @@ def test_the_cli_exposes_the_adaptive_budget():
     assert "auto(0.01)<=0.3" in pol.describe()
 
 
-def test_the_adaptive_budget_gets_the_probe_entropy(tiny_engine, monkeypatch):
-    import blend.blending as B
+def test_the_adaptive_budget_gets_the_probe_entropy(tiny_engine, probe_seen):
     from blend.policy import BudgetMode
 
-    seen = {}
-    real_probe = B.run_probe
-
-    def spy_probe(*a, **kw):
-        seen["probe"] = real_probe(*a, **kw)
-        return seen["probe"]
-
-    monkeypatch.setattr(B, "run_probe", spy_probe)
+    seen = probe_seen
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     tiny_engine.generate(prompt, ReusePolicy.blend(0.3, "probe", budget=BudgetMode.AUTO, max_ratio=0.3),
                          max_new_tokens=1)
@@ -306,20 +310,11 @@ def test_the_cli_exposes_the_guard():
     assert off.guard_margin is None and not off.guarded
 
 
-def test_probe_attn_ranks_by_the_probe_alone_and_works_at_check_layer_zero(tiny_engine, monkeypatch):
+def test_probe_attn_ranks_by_the_probe_alone_and_works_at_check_layer_zero(tiny_engine, probe_seen):
     """probe_attn keeps the rows the question reads most at depth (no V deviation): at check layer 0
     fresh and cached V are the same numbers, so no row is computed in full before selecting; ratio
     1.0 there is full prefill."""
-    import blend.blending as B
-
-    seen = {}
-    real_probe = B.run_probe
-
-    def spy_probe(*a, **kw):
-        seen["probe"] = real_probe(*a, **kw)
-        return seen["probe"]
-
-    monkeypatch.setattr(B, "run_probe", spy_probe)
+    seen = probe_seen
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe"), max_new_tokens=1)  # warm the chunks
     ans = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe_attn", check_layers=0), max_new_tokens=1)
