@@ -36,7 +36,7 @@ from transformers.activations import ACT2FN
 from blend.kernels.reference import causal_suffix_attention
 from blend.kvcache import KVCache, KVEntry
 from blend.models import LoadedModel
-from blend.rope import RopeTables, apply_rope
+from blend.rope import RopeTables, apply_rope, apply_rope_into
 
 
 @dataclass(frozen=True)
@@ -394,7 +394,9 @@ class ModelRunner:
         for i in range(self.dims.num_layers):
             k = seg.k[i].to(device=self.device, dtype=self.dtype)  # (Hkv, S, D)
             v = seg.v[i].to(device=self.device, dtype=self.dtype)  # (Hkv, S, D)
-            cache.write(i, start, apply_rope(k, cos, sin), v)
+            k_rows, v_rows = cache.rows(i, start, start + s)  # (Hkv, S, D) views of the cache
+            apply_rope_into(k_rows, k, cos, sin)  # rotated straight into the cache
+            v_rows.copy_(v)
         cache.advance(s)
 
     def decode_step(self, cache: KVCache, token: int) -> torch.Tensor:

@@ -93,6 +93,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((rot * cos + rotate_half(rot) * sin, keep), dim=-1)
 
 
+def apply_rope_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """:func:`apply_rope` written into ``out`` (e.g. a KV cache's rows), bit for bit the same numbers.
+
+    Args:
+        out: (..., T, D) destination in x's dtype, not overlapping x.
+        x: (..., T, D) keys before RoPE (any leading dims: heads, or layers and heads).
+        cos, sin: (T, R) fp32 tables.
+    """
+    cos = cos.to(x.dtype)  # (T, R)
+    sin = sin.to(x.dtype)  # (T, R)
+    if cos.shape[-1] != x.shape[-1]:  # partial rotary: the general form
+        out.copy_(apply_rope(x, cos, sin))
+        return
+    torch.mul(x, cos, out=out)  # the same two products and one sum as apply_rope, minus its temporaries
+    out.add_(rotate_half(x) * sin)
+
+
 def rope_config_json(config) -> str:
     """Canonical JSON of everything in a model config that shapes its RoPE."""
     fields = {}

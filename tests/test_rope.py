@@ -5,7 +5,7 @@ import torch
 
 from blend.engine import Engine
 from blend.model import project_qkv, rms_norm
-from blend.rope import apply_rope
+from blend.rope import apply_rope, apply_rope_into
 from conftest import TINY_MODELS
 
 
@@ -49,3 +49,16 @@ def test_same_document_repositioned_keys_equal_rope_at_new_positions():
                                 k_pre[:, :0], v[:, :0])
         assert torch.allclose(k_mix, apply_rope(k_pre, cos, sin), atol=1e-6)
         assert torch.equal(v_mix, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary", [64, 32])
+def test_rope_into_is_bit_identical_to_apply_rope(dtype, rotary):
+    """A stored segment's load rotates straight into the cache; cold == warm needs the same bits."""
+    x = torch.randn(3, 40, 64).to(dtype)  # (H, T, D)
+    ang = torch.randn(40, rotary // 2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)  # (T, R) fp32
+    buf = torch.full((3, 50, 64), float("nan"), dtype=dtype)  # (H, N, D): a cache's rows
+    apply_rope_into(buf[:, 5:45], x, cos, sin)
+    assert torch.equal(buf[:, 5:45], apply_rope(x, cos, sin))
+    assert buf[:, :5].isnan().all() and buf[:, 45:].isnan().all()  # nothing outside the rows
