@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import torch
 
-from blend.evals.sweep import SweepRow, reference_logits, split_of, summarise
+from blend.evals.sweep import SweepRow, first_of_budget, main, read_rows, reference_logits, split_of, summarise
 from blend.policy import ReusePolicy
 from tests.conftest import make_docs
 
@@ -25,13 +28,34 @@ def test_the_reference_is_computed_once_and_a_corrupt_file_is_recomputed(tiny_en
 
 
 def test_the_summary_splits_items_and_counts_wins():
+    a, b = "blend@0.15:a", "blend@0.15:b"
     rows = [SweepRow(i, m, kl, 1.0, 10.0, 0.15, 100) for i in (0, 1, 30)
-            for m, kl in (("a", 0.2), ("b", 0.1 if i else 0.3))]
-    text = summarise(rows, ["a", "b"])
+            for m, kl in ((a, 0.2), (b, 0.1 if i else 0.3))]
+    text = summarise(rows, [a, b])
     assert split_of(0) == "tuning" and split_of(30) == "validation" and split_of(120) == "other"
     assert "### tuning: 2 items (0-1)" in text and "### validation: 1 items (30-30)" in text
     tuning = text.split("### validation")[0]
-    assert "| b | 0.2000 |" in tuning and "| 1/2 |" in tuning
+    assert f"| {b} | 0.2000 |" in tuning and "| 1/2 |" in tuning
+
+
+def test_each_method_is_compared_with_the_first_of_its_own_budget(tmp_path):
+    kls = {"blend@0.05:probe": 0.5, "blend@0.05:v": 0.4, "blend@0.3:probe": 0.1, "blend@0.3:v": 0.2}
+    rows = [SweepRow(i, m, kl, 1.0, 10.0, 0.1, 100) for i in (30, 31) for m, kl in kls.items()]
+    methods = list(kls)
+    assert first_of_budget("blend@0.3:v", methods) == "blend@0.3:probe"
+    text = summarise(rows, methods)
+    assert "| blend@0.05:v | 0.4000 |" in text and "| blend@0.05:v |" in text
+    line = {ln.split(" | ")[0][2:]: ln for ln in text.splitlines() if ln.startswith("| blend@")}
+    assert line["blend@0.05:v"].endswith("| 2/2 |")  # beats p at 0.05
+    assert line["blend@0.3:v"].endswith("| 0/2 |")  # not p at 0.3 (never 0.05's p)
+    # rows written by two runs (e.g. one item range per core) summarise as one
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(asdict(r)) for r in rows[:4]) + "\n")
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(asdict(r)) for r in rows[4:]) + "\n")
+    merged = read_rows([tmp_path / "a.jsonl", tmp_path / "b.jsonl"])
+    assert merged == rows
+    assert main(["--methods", ",".join(methods), "--from-rows", f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}",
+                 "--out", str(tmp_path / "s")]) == 0
+    assert "### validation: 2 items (30-31)" in (tmp_path / "s" / "summary.md").read_text()
 
 
 def test_the_summary_gives_ttft_ratios_when_full_prefill_was_timed():
