@@ -23,7 +23,7 @@ from blend.blending import prefill_blend
 from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL
 from blend.errors import InvalidPolicyError, InvalidRequestError, PromptTooLongError
 from blend.gate import GateVerdict, QualityGate
-from blend.keys import Provenance, key_hex
+from blend.keys import Namespace, Provenance, key_hex
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.models import LoadedModel, load_model
@@ -92,6 +92,11 @@ class _Prefilled:
     ratio: float | None = None  # the share an adaptive blend budget or the near-tie guard chose
     margin: float | None = None  # the blend's first-token top-2 gap (nats), before any guard
     guard: str = ""  # why the near-tie guard recomputed the request ("" if it did not)
+
+
+# The guard's exact recompute reuses the preamble and the first document: both sit where their
+# stored KV was computed (the first document's canonical chunk is its exact KV there).
+GUARD_PREFIX_SEGMENTS = 2
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -247,11 +252,11 @@ class Engine:
         cacheable = prompt.segments[:-1]
         if prefix_limit is not None:
             cacheable = cacheable[:prefix_limit]
-        keys = self.segments.exact_keys(cacheable, salt) if use_store else [None] * len(cacheable)
+        keys = self.segments.prefix_keys(cacheable, salt) if use_store else [(Namespace.EXACT, None)] * len(cacheable)
         rows, lookup_s = [], 0.0
-        for seg, key in zip(cacheable, keys):
+        for seg, (ns, key) in zip(cacheable, keys):
             start = cache.length
-            done = self.segments.append_exact(cache, seg, key)
+            done = self.segments.append_exact(cache, seg, key, ns)
             rows.append(SegmentReport(seg.kind, done.reuse_class, len(seg), start, key_hex(key) if key else "",
                                       note=done.note))
             lookup_s += done.lookup_s
@@ -323,8 +328,9 @@ class Engine:
         why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {policy.guard_ratio:g}"
         with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later
             again = self.runner.new_cache(cache.capacity)
-        if policy.guard_ratio >= 1.0:  # the exact path: preamble reused, the rest computed, nothing else stored
-            redo = self._prefill_segments(prompt, 1, True, again, policy.cache_salt)
+        if policy.guard_ratio >= 1.0:  # the exact path: preamble and first document reused (both exact
+            # there, the blend just fetched them), the rest computed, nothing else stored
+            redo = self._prefill_segments(prompt, GUARD_PREFIX_SEGMENTS, True, again, policy.cache_salt)
             ratio = 1.0
         else:
             redo = self._blend(prompt, replace(policy, ratio=policy.guard_ratio, guard_margin=None), again)

@@ -28,7 +28,7 @@ import torch
 from blend.keys import Namespace, Provenance, StoreKey, canonical_key, exact_chain, key_hex
 from blend.kvcache import KVCache, KVEntry
 from blend.model import ModelRunner
-from blend.prompt import Prompt, Segment, document_text, tokenize_segment
+from blend.prompt import Prompt, Segment, SegmentKind, document_text, tokenize_segment
 from blend.report import ReuseClass, SegmentReport
 from blend.semantic import Donors
 from blend.store.base import KVStore, Lookup, LookupStatus
@@ -127,6 +127,26 @@ class SegmentCache:
         """Prefix-chained keys of ``segments`` (see :func:`blend.keys.exact_chain`) under a cache salt."""
         return exact_chain(self.provenance, [s.token_ids for s in segments], salt)
 
+    def prefix_keys(self, segments: Sequence[Segment], salt: str = "") -> list[tuple[Namespace, StoreKey]]:
+        """Where each segment of a prompt's prefix is stored for exact reuse.
+
+        The first document right after the preamble sits at its canonical position, so its
+        exact KV *is* its canonical chunk KV (computed alone right after the same preamble, by
+        the same program): it is kept once, under its canonical key, and found there by exact
+        requests and blends alike. Every other segment has its prefix-chained exact key.
+
+        Args:
+            segments: the prefix's segments, in prompt order.
+            salt: the request's cache salt.
+
+        Returns:
+            (namespace, key) per segment.
+        """
+        keys = [(Namespace.EXACT, k) for k in self.exact_keys(segments, salt)]
+        if len(segments) > 1 and segments[0].kind is SegmentKind.PREAMBLE and segments[1].kind is SegmentKind.DOCUMENT:
+            keys[1] = (Namespace.CANONICAL, self.canonical_key(segments[0].token_ids, segments[1].token_ids, salt))
+        return keys
+
     def canonical_key(self, preamble_ids: Sequence[int], ids: Sequence[int], salt: str = "") -> StoreKey:
         """Key of a chunk's canonical KV after ``preamble_ids`` under a cache salt."""
         return canonical_key(self.provenance, preamble_ids, ids, salt)
@@ -169,14 +189,16 @@ class SegmentCache:
             self.model.load(cache, kv)
         return kv
 
-    def append_exact(self, cache: KVCache, seg: Segment, key: StoreKey | None) -> Appended:
+    def append_exact(self, cache: KVCache, seg: Segment, key: StoreKey | None,
+                     namespace: Namespace = Namespace.EXACT) -> Appended:
         """Append one prefix segment: load it on an exact hit, else compute and store it.
 
         Args:
             cache: the request's cache (the segment goes at its end).
             seg: the segment.
-            key: its prefix-chained key; None computes it without the store (no reuse: the
-                same program as a cold exact run, so turning the cache off changes no bit).
+            key: its key (:meth:`prefix_keys`); None computes it without the store (no reuse:
+                the same program as a cold exact run, so turning the cache off changes no bit).
+            namespace: the key's namespace (CANONICAL for the first document, see :meth:`prefix_keys`).
 
         Returns:
             What happened, for the segment's report row.
@@ -184,12 +206,12 @@ class SegmentCache:
         if key is None:
             self._compute(cache, seg.token_ids)
             return Appended(ReuseClass.COMPUTED, "", 0.0)
-        found = self.lookup(Namespace.EXACT, key, len(seg))
+        found = self.lookup(namespace, key, len(seg))
         if found.entry is not None:
             self.model.load(cache, found.entry)
             return Appended(ReuseClass.EXACT, "", found.seconds)
         kv = self._compute(cache, seg.token_ids)
-        self.store.put(Namespace.EXACT, key, self._stored_form(kv))
+        self.store.put(namespace, key, self._stored_form(kv))
         if found.rejected:
             return Appended(ReuseClass.REJECTED, found.rejected, found.seconds)
         return Appended(ReuseClass.COMPUTED, "", found.seconds)

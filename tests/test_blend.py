@@ -55,10 +55,14 @@ def test_single_document_after_preamble_is_the_exact_path_bitwise(tiny_engine_fa
     blend = eng.generate(prompt, ReusePolicy.blend(ratio=0.0), max_new_tokens=4)
     assert torch.equal(exact.first_logits, blend.first_logits)
     assert exact.token_ids == blend.token_ids
-    assert classes(blend)[:2] == [ReuseClass.EXACT, ReuseClass.COMPUTED]  # canonical miss, cold
-    warm = eng.generate(prompt, ReusePolicy.blend(ratio=0.0), max_new_tokens=4)
-    assert classes(warm)[:2] == [ReuseClass.EXACT, ReuseClass.EXACT]
-    assert torch.equal(exact.first_logits, warm.first_logits)
+    # the exact run kept the document under its canonical key (its exact KV at that position),
+    # so the blend finds it: one entry, shared by both modes
+    assert classes(exact)[:2] == [ReuseClass.COMPUTED, ReuseClass.COMPUTED]
+    assert classes(blend)[:2] == [ReuseClass.EXACT, ReuseClass.EXACT]
+    fresh = tiny_engine_factory()
+    cold_blend = fresh.generate(prompt, ReusePolicy.blend(ratio=0.0), max_new_tokens=4)
+    assert classes(cold_blend)[:2] == [ReuseClass.COMPUTED, ReuseClass.COMPUTED]  # a fresh store: all cold
+    assert torch.equal(exact.first_logits, cold_blend.first_logits)
 
 
 @pytest.mark.parametrize("selector", ["v", "query", "combo"])

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from blend.engine import Engine
-from blend.keys import Namespace
+from blend.keys import Namespace, key_hex
+from blend.kvcache import KVEntry
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
@@ -110,3 +111,53 @@ def test_stops_at_eos_and_max_tokens(tiny_engine):
     ans = tiny_engine.generate(prompt, max_new_tokens=3, stop_at_newline=False)
     assert len(ans.token_ids) <= 3
     assert not set(ans.token_ids) & tiny_engine.eos_ids
+
+
+def test_first_document_is_an_exact_hit_on_its_canonical_chunk(tiny_engine_factory):
+    """The first document sits at its canonical position, so its canonical chunk KV (e.g. from
+    ingest's precompute) is its exact KV: exact mode loads it, bit-identical to computing it."""
+    docs = make_docs(3)
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("What is listed?", docs)
+    cold = tiny_engine_factory().generate(prompt, max_new_tokens=6, stop_at_newline=False)
+    eng.precompute_chunks(docs)
+    assert not list(eng.store.keys(Namespace.EXACT))[1:]  # only the preamble has an exact-chain entry
+    ans = eng.generate(prompt, max_new_tokens=6, stop_at_newline=False)
+    assert classes(ans) == [ReuseClass.EXACT, ReuseClass.EXACT, ReuseClass.COMPUTED, ReuseClass.COMPUTED,
+                            ReuseClass.COMPUTED]
+    assert torch.equal(ans.first_logits, cold.first_logits) and ans.token_ids == cold.token_ids
+    canonical = eng.segments.canonical_key(prompt.preamble.token_ids, prompt.documents[0].token_ids)
+    assert ans.report.segments[1].key == key_hex(canonical)
+    # any precomputed chunk is exact when it comes first; the ones after it are not
+    other = eng.generate(eng.build_prompt("What is listed?", docs[::-1]), max_new_tokens=1)
+    assert classes(other)[1:4] == [ReuseClass.EXACT, ReuseClass.COMPUTED, ReuseClass.COMPUTED]
+    # another system prompt or salt is another preamble / key: a miss
+    sys_prompt = eng.generate(eng.build_prompt("What is listed?", docs, system="Be brief."), max_new_tokens=1)
+    assert classes(sys_prompt)[1] is ReuseClass.COMPUTED
+    salted = eng.generate(prompt, ReusePolicy.exact(cache_salt="tenant-b"), max_new_tokens=1)
+    assert classes(salted)[1] is ReuseClass.COMPUTED
+
+
+def test_exact_mode_stores_the_first_document_once_for_blends_too(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("Why?", make_docs(3))
+    eng.generate(prompt, max_new_tokens=1)
+    canonical = list(eng.store.keys(Namespace.CANONICAL))
+    assert len(canonical) == 1 and len(list(eng.store.keys(Namespace.EXACT))) == 3  # preamble, docs 2-3
+    blend = eng.generate(prompt, ReusePolicy.blend(ratio=0.2), max_new_tokens=1)
+    assert classes(blend)[1] is ReuseClass.EXACT  # the blend's first document: the same entry
+
+
+def test_a_corrupt_canonical_entry_is_never_loaded_by_exact_mode(tiny_engine_factory):
+    store = MemoryStore()
+    eng = tiny_engine_factory(store=store)
+    docs = make_docs(2)
+    prompt = eng.build_prompt("Why?", docs)
+    cold = tiny_engine_factory().generate(prompt, max_new_tokens=1)
+    eng.precompute_chunks(docs)
+    key = eng.segments.canonical_key(prompt.preamble.token_ids, prompt.documents[0].token_ids)
+    good = store.get(Namespace.CANONICAL, key, eng.provenance_json).entry
+    store.put(Namespace.CANONICAL, key, KVEntry(good.k, good.v, '{"model": "another"}'))  # mismatched provenance
+    ans = eng.generate(prompt, max_new_tokens=1)
+    assert classes(ans)[1] is ReuseClass.REJECTED
+    assert torch.equal(ans.first_logits, cold.first_logits)

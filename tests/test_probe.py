@@ -7,6 +7,7 @@ import torch
 
 from blend import probe as P
 from blend.policy import BudgetMode, ReusePolicy
+from blend.report import ReuseClass
 from blend.selectors import SelectionInputs, select, select_auto
 from conftest import make_docs
 
@@ -249,18 +250,20 @@ def test_top2_margin():
 
 def test_the_near_tie_guard_recomputes_only_under_its_margin(tiny_engine):
     """Every blend reports its first-token gap; under guard_margin the request is recomputed: at
-    guard_ratio 1.0 by the exact path (preamble shared: bit-identical to exact reuse with
-    prefix_limit=1, which is bit-identical to its own cold run), else by a blend at that
+    guard_ratio 1.0 by the exact path (preamble and first document shared: bit-identical to
+    exact reuse with prefix_limit=2, which is bit-identical to its own cold run), else by a blend at that
     ratio (bit-identical to asking for it outright). TTFT covers both passes."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     plain = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe"), max_new_tokens=1)
     gap = plain.report.first_token_margin
     assert gap is not None and gap >= 0 and plain.report.guard == ""
     assert gap == pytest.approx(P.top2_margin(plain.first_logits), abs=1e-12)
-    full = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=1), max_new_tokens=1)
+    full = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=2), max_new_tokens=1)
     hit = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap + 1.0), max_new_tokens=1)
     assert torch.equal(hit.first_logits, full.first_logits)
     assert hit.report.ratio == 1.0 and "recomputed at ratio 1" in hit.report.guard
+    assert [s.reuse_class for s in hit.report.segments][:3] == [ReuseClass.EXACT, ReuseClass.EXACT,
+                                                                 ReuseClass.COMPUTED]  # doc 1 reused
     assert hit.report.first_token_margin == pytest.approx(gap) and hit.report.to_dict()["guard"] == hit.report.guard
     assert ":guard=" in hit.report.policy and hit.report.timings.ttft_s > 0
     mid = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap + 1.0, guard_ratio=0.4),
@@ -277,7 +280,7 @@ def test_the_guard_answers_from_the_recomputed_cache(tiny_engine):
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     cold = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=1e9), max_new_tokens=1)
     assert cold.report.guard == ""  # cold chunks are computed in place: nothing approximate to guard
-    full = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=1), max_new_tokens=6, stop_at_newline=False)
+    full = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=2), max_new_tokens=6, stop_at_newline=False)
     hit = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=1e9), max_new_tokens=6,
                                stop_at_newline=False)
     assert hit.token_ids == full.token_ids and hit.report.guard
