@@ -5,6 +5,7 @@ background loader and the donor index. It answers questions with values and
 never touches a request's report:
 
     exact_keys / canonical_key      keys (blend.keys) under this engine's provenance
+    prefix_keys                     where each prefix segment lives (doc 1: its canonical key)
     lookup                          a store lookup -> :class:`Found` (hit / miss / rejected)
     append_exact                    load a prefix segment into a cache, or compute and store it
     canonical_kv                    a chunk computed alone right after the preamble
