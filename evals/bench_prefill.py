@@ -4,11 +4,17 @@
    the same tokens, at 1k and 4k tokens, fp32 and bf16 (target ratio <= 1.10).
 2. TTFT of an exact hit (a ~3.5k-token cached prefix plus a ~100-token
    question) against the same request cold (target ratio <= 0.08).
+3. Exact reuse on reordered documents after ingest (musique prompts, chunks
+   precomputed, each request in a new document order): only the preamble is an
+   identical prefix (what a prefix cache gets, ``exact(prefix_limit=1)``), but
+   the first document sits at its canonical position, so the default exact
+   mode loads it too. TTFT of both against full prefill, interleaved.
 
 Repeats are interleaved (engine, transformers, engine, ...) so machine drift
 hits both alike; the median is reported.
 
-    python -m blend.evals.bench_prefill [--model smollm2-135m] [--repeats 3] [--json OUT]
+    python -m blend.evals.bench_prefill [--model smollm2-135m] [--repeats 3] [--cases prefill,hit,first-doc]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -107,6 +113,44 @@ def bench_exact_hit(model: str, repeats: int, prefix_tokens: int = 3500) -> HitR
     return HitRow(len(prompt), len(prompt) - len(prompt.question), statistics.median(cold), statistics.median(warm))
 
 
+@dataclass(frozen=True)
+class FirstDocRow:
+    """Medians over items and orders: seconds, and ratios to full prefill of the same prompt."""
+
+    items: int
+    prompt_tokens: int
+    full_s: float
+    preamble_only_ratio: float  # exact(prefix_limit=1): the preamble loaded, the rest computed
+    exact_ratio: float  # exact (default): preamble and first document loaded
+    first_doc_tokens: int
+
+
+def bench_first_document(model: str, data: str, items: range, repeats: int, passages: int = 5) -> FirstDocRow:
+    """Exact reuse of reordered documents whose chunks were precomputed (see the module docstring)."""
+    from blend.evals.data import load_items  # the data loader only for this case
+
+    eng = Engine.load(model, quality_gate=False).with_store(MemoryStore())
+    chosen = [it for i, it in enumerate(load_items(data, None, passages)) if i in items]
+    full, pre, exact, tokens, first = [], [], [], [], []
+    policies = {"none": ReusePolicy.none(), "pre": ReusePolicy.exact(prefix_limit=1), "exact": ReusePolicy.exact()}
+    for it in chosen:
+        texts = it.document_texts()
+        eng.precompute_chunks(texts)  # ingest
+        for r in range(repeats):
+            order = texts[r + 1:] + texts[: r + 1]  # a new first document each repeat
+            prompt = eng.build_prompt(it.question, order)
+            t = {}
+            for name in (["none", "pre", "exact"][r % 3:] + ["none", "pre", "exact"][: r % 3]):  # rotate
+                ans = eng.generate(prompt, policies[name], max_new_tokens=1)
+                t[name] = ans.ttft_s
+                if name == "exact" and ans.report.segments[1].reuse_class.value != "exact":
+                    raise RuntimeError("the first document was not reused")
+            full.append(t["none"]), pre.append(t["pre"] / t["none"]), exact.append(t["exact"] / t["none"])
+            tokens.append(len(prompt)), first.append(len(prompt.documents[0]))
+    return FirstDocRow(len(chosen), int(statistics.median(tokens)), statistics.median(full),
+                       statistics.median(pre), statistics.median(exact), int(statistics.median(first)))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -114,23 +158,38 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1024,4096")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prefix-tokens", type=int, default=3500, help="cached prefix of the exact-hit case")
+    ap.add_argument("--cases", default="prefill,hit,first-doc", help="which of prefill, hit, first-doc")
+    ap.add_argument("--data", default="../shared/data/musique_dev.json", help="first-doc: the questions")
+    ap.add_argument("--items", default="30-39", help="first-doc: item range A-B")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
-    rows = []
-    print("| dtype | tokens | engine s | transformers s | ratio |\n|---|---|---|---|---|", flush=True)
-    for dtype in args.dtypes.split(","):
-        for n in map(int, args.tokens.split(",")):
-            r = bench_prefill(args.model, dtype, n, args.repeats)
-            rows.append(r)
-            print(f"| {r.dtype} | {r.tokens} | {r.engine_s:.3f} | {r.transformers_s:.3f} | {r.ratio:.2f} |",
-                  flush=True)
-    hit = bench_exact_hit(args.model, args.repeats, args.prefix_tokens)
-    print(f"\nexact hit: prompt {hit.prompt_tokens} tokens, {hit.cached_tokens} cached; "
-          f"cold TTFT {hit.cold_s:.3f} s, warm TTFT {hit.warm_s:.3f} s, ratio {hit.ratio:.3f}")
+    cases = set(args.cases.split(","))
+    out: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    if "first-doc" in cases:
+        from blend.evals.splits import parse_item_range
+
+        lo, hi = parse_item_range(args.items)
+        fd = bench_first_document(args.model, args.data, range(lo, hi + 1), args.repeats)
+        out["first_doc"] = asdict(fd)
+        print(f"reordered documents after ingest, {fd.items} items x {args.repeats} orders, {fd.prompt_tokens} "
+              f"tokens (first document {fd.first_doc_tokens}): full prefill {fd.full_s:.3f} s; preamble only "
+              f"{fd.preamble_only_ratio:.3f}x; exact (preamble + first document) {fd.exact_ratio:.3f}x", flush=True)
+    if "prefill" in cases:
+        rows = []
+        print("| dtype | tokens | engine s | transformers s | ratio |\n|---|---|---|---|---|", flush=True)
+        for dtype in args.dtypes.split(","):
+            for n in map(int, args.tokens.split(",")):
+                r = bench_prefill(args.model, dtype, n, args.repeats)
+                rows.append(r)
+                print(f"| {r.dtype} | {r.tokens} | {r.engine_s:.3f} | {r.transformers_s:.3f} | {r.ratio:.2f} |",
+                      flush=True)
+        out["prefill"] = [{**asdict(r), "ratio": r.ratio} for r in rows]
+    if "hit" in cases:
+        hit = bench_exact_hit(args.model, args.repeats, args.prefix_tokens)
+        print(f"\nexact hit: prompt {hit.prompt_tokens} tokens, {hit.cached_tokens} cached; "
+              f"cold TTFT {hit.cold_s:.3f} s, warm TTFT {hit.warm_s:.3f} s, ratio {hit.ratio:.3f}")
+        out["exact_hit"] = {**asdict(hit), "ratio": hit.ratio}
     if args.json:
-        out = {"prefill": [{**asdict(r), "ratio": r.ratio} for r in rows],
-               "exact_hit": {**asdict(hit), "ratio": hit.ratio}, "threads": torch.get_num_threads(),
-               "torch": torch.__version__}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
