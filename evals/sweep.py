@@ -143,6 +143,57 @@ def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> 
     return "\n".join(out)
 
 
+def budget_of(method: str) -> tuple[float, str]:
+    """(budget, selector label) of a ``blend@R[:...]`` method name (``default`` for no selector)."""
+    head, _, rest = method.partition(":")
+    return float(head.split("@")[1]), rest or "default"
+
+
+def write_budget_plot(rows: list[SweepRow], methods: list[str], path: Path, title: str) -> None:
+    """budget.png: per selector, first-token KL (mean solid, p90 dashed) and top-1 against the
+    recompute budget (matplotlib, Agg backend).
+
+    Args:
+        rows: sweep rows (the items to plot).
+        methods: ``blend@R:...`` names; one line per selector over its budgets.
+        path: where to write the PNG.
+        title: the figure's title (data, split, items).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[tuple[float, list[SweepRow]]]] = {}
+    for m in methods:
+        rs = [r for r in rows if r.method == m]
+        if rs:
+            budget, label = budget_of(m)
+            lines.setdefault(label, []).append((budget, rs))
+    fig, (ax_kl, ax_top) = plt.subplots(1, 2, figsize=(10.5, 4.2))
+    for i, (label, pts) in enumerate(sorted(lines.items())):
+        pts.sort(key=lambda p: p[0])
+        xs = [b for b, _ in pts]
+        kls = [sorted(r.kl for r in rs) for _, rs in pts]
+        color = f"C{i}"
+        ax_kl.plot(xs, [mean(k) for k in kls], "-o", color=color, label=f"{label} mean")
+        ax_kl.plot(xs, [k[min(len(k) - 1, round(0.9 * (len(k) - 1)))] for k in kls], "--", color=color,
+                   alpha=0.7, label=f"{label} p90")
+        ax_top.plot(xs, [mean([r.top1 for r in rs]) for _, rs in pts], "-o", color=color, label=label)
+    ax_kl.set(xlabel="recompute budget (share of reused rows)", ylabel="KL(full || blend), first token",
+              yscale="log", title="first-token KL: mean (solid), p90 (dashed)")
+    ax_top.set(xlabel="recompute budget (share of reused rows)", ylabel="top-1 agreement with full prefill",
+               title="first-token top-1")
+    for ax in (ax_kl, ax_top):
+        ax.grid(alpha=0.3)
+    ax_kl.legend(fontsize=7, ncol=2)
+    ax_top.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m blend.evals.sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=DEFAULT_DATA)
@@ -157,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time one full prefill per item (before its methods) for TTFT ratios")
     ap.add_argument("--from-rows", default=None,
                     help="comma list of rows.jsonl files from earlier runs: summarise them (with --methods' order)")
+    ap.add_argument("--plot", action="store_true", help="with --from-rows: also draw budget.png (KL and top-1 "
+                    "against the budget, one line per selector)")
     args = ap.parse_args(argv)
 
     methods = [parse_method(s) for s in split_specs(args.methods)]
@@ -170,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                 + summarise(rows, [m.name for m in methods], splits=not args.data.startswith("synthetic:")))
         (out / "summary.md").write_text(text)
         print(text)
+        if args.plot:
+            write_budget_plot(rows, [m.name for m in methods if m.kind is MethodKind.BLEND], out / "budget.png",
+                              f"{args.model} {args.dtype}, {args.data}, items {items[0]}-{items[-1]} ({len(items)})")
         return 0
     if any(m.kind in (MethodKind.FULL, MethodKind.PREFIX) for m in methods):
         print("sweep: full and prefix are the reference and exact path; list blend or reuse methods", file=sys.stderr)

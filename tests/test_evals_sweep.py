@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import torch
 
-from blend.evals.sweep import SweepRow, first_of_budget, main, read_rows, reference_logits, split_of, summarise
+from blend.evals.sweep import SweepRow, budget_of, first_of_budget, main, read_rows, reference_logits, split_of, summarise
 from blend.policy import ReusePolicy
 from tests.conftest import make_docs
 
@@ -54,8 +54,10 @@ def test_each_method_is_compared_with_the_first_of_its_own_budget(tmp_path):
     merged = read_rows([tmp_path / "a.jsonl", tmp_path / "b.jsonl"])
     assert merged == rows
     assert main(["--methods", ",".join(methods), "--from-rows", f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}",
-                 "--out", str(tmp_path / "s")]) == 0
+                 "--out", str(tmp_path / "s"), "--plot"]) == 0
     assert "### validation: 2 items (30-31)" in (tmp_path / "s" / "summary.md").read_text()
+    assert (tmp_path / "s" / "budget.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert budget_of("blend@0.3:v") == (0.3, "v") and budget_of("blend@0.1") == (0.1, "default")
 
 
 def test_the_summary_gives_ttft_ratios_when_full_prefill_was_timed():
