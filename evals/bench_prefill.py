@@ -29,7 +29,10 @@ import torch
 
 from blend.defaults import DEFAULT_MODEL
 from blend.engine import Engine
+from blend.evals.data import load_items
+from blend.evals.splits import parse_item_range
 from blend.policy import ReusePolicy
+from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
 
 
@@ -127,12 +130,11 @@ class FirstDocRow:
 
 def bench_first_document(model: str, data: str, items: range, repeats: int, passages: int = 5) -> FirstDocRow:
     """Exact reuse of reordered documents whose chunks were precomputed (see the module docstring)."""
-    from blend.evals.data import load_items  # the data loader only for this case
-
     eng = Engine.load(model, quality_gate=False).with_store(MemoryStore())
     chosen = [it for i, it in enumerate(load_items(data, None, passages)) if i in items]
     full, pre, exact, tokens, first = [], [], [], [], []
     policies = {"none": ReusePolicy.none(), "pre": ReusePolicy.exact(prefix_limit=1), "exact": ReusePolicy.exact()}
+    names = list(policies)
     for it in chosen:
         texts = it.document_texts()
         eng.precompute_chunks(texts)  # ingest
@@ -140,13 +142,16 @@ def bench_first_document(model: str, data: str, items: range, repeats: int, pass
             order = texts[r + 1:] + texts[: r + 1]  # a new first document each repeat
             prompt = eng.build_prompt(it.question, order)
             t = {}
-            for name in (["none", "pre", "exact"][r % 3:] + ["none", "pre", "exact"][: r % 3]):  # rotate
+            for name in names[r % len(names):] + names[: r % len(names)]:  # rotated per repeat
                 ans = eng.generate(prompt, policies[name], max_new_tokens=1)
                 t[name] = ans.ttft_s
-                if name == "exact" and ans.report.segments[1].reuse_class.value != "exact":
+                if name == "exact" and ans.report.segments[1].reuse_class is not ReuseClass.EXACT:
                     raise RuntimeError("the first document was not reused")
-            full.append(t["none"]), pre.append(t["pre"] / t["none"]), exact.append(t["exact"] / t["none"])
-            tokens.append(len(prompt)), first.append(len(prompt.documents[0]))
+            full.append(t["none"])
+            pre.append(t["pre"] / t["none"])
+            exact.append(t["exact"] / t["none"])
+            tokens.append(len(prompt))
+            first.append(len(prompt.documents[0]))
     return FirstDocRow(len(chosen), int(statistics.median(tokens)), statistics.median(full),
                        statistics.median(pre), statistics.median(exact), int(statistics.median(first)))
 
@@ -166,8 +171,6 @@ def main(argv=None) -> int:
     cases = set(args.cases.split(","))
     out: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__}
     if "first-doc" in cases:
-        from blend.evals.splits import parse_item_range
-
         lo, hi = parse_item_range(args.items)
         fd = bench_first_document(args.model, args.data, range(lo, hi + 1), args.repeats)
         out["first_doc"] = asdict(fd)

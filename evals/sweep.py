@@ -14,8 +14,10 @@ Writes DIR/rows.jsonl (one row per item and method) and DIR/summary.md: per
 split (tuning 0-29 / validation 30-99) mean, median, p90, max KL, top-1, the
 blend's median milliseconds, and per method the items where it beats the first
 method of its budget (``blend@R``). ``--from-rows A,B`` summarises rows that
-earlier runs wrote (e.g. one item range per core) instead of running. Milliseconds are one sample per item and method, interleaved, at the
-process's torch thread count; TTFT ratios of record come from ``kvblend eval``.
+earlier runs wrote (e.g. one item range per core) instead of running, and
+``--plot`` then draws budget.png. Milliseconds are one sample per item and
+method, interleaved, at the process's torch thread count; TTFT ratios of record
+come from ``kvblend eval``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from blend.defaults import DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_items
-from blend.evals.methods import MethodKind, parse_method, split_specs
+from blend.evals.methods import MethodKind, Method, parse_method, split_specs
 from blend.evals.metrics import kl_cells, kl_divergence, mean, median, top1_agree
 from blend.evals.splits import TUNING, VALIDATION, parse_item_range
 from blend.policy import ReusePolicy
@@ -94,9 +96,10 @@ def split_of(item: int) -> str:
 
 
 def first_of_budget(method: str, methods: list[str]) -> str:
-    """The first listed method with ``method``'s budget (``blend@0.15`` of ``blend@0.15:v``): what it is compared with."""
-    budget = method.split(":")[0]
-    return next(m for m in methods if m.split(":")[0] == budget)
+    """The first listed method with ``method``'s kind and budget (``blend@0.15:probe`` for
+    ``blend@0.15:v``): what it is compared with."""
+    spec = parse_method(method)
+    return next(m for m in methods if (parse_method(m).kind, parse_method(m).ratio) == (spec.kind, spec.ratio))
 
 
 def read_rows(paths: list[Path]) -> list[SweepRow]:
@@ -143,19 +146,13 @@ def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> 
     return "\n".join(out)
 
 
-def budget_of(method: str) -> tuple[float, str]:
-    """(budget, selector label) of a ``blend@R[:...]`` method name (``default`` for no selector)."""
-    head, _, rest = method.partition(":")
-    return float(head.split("@")[1]), rest or "default"
-
-
-def write_budget_plot(rows: list[SweepRow], methods: list[str], path: Path, title: str) -> None:
+def write_budget_plot(rows: list[SweepRow], methods: list[Method], path: Path, title: str) -> None:
     """budget.png: per selector, first-token KL (mean solid, p90 dashed) and top-1 against the
     recompute budget (matplotlib, Agg backend).
 
     Args:
         rows: sweep rows (the items to plot).
-        methods: ``blend@R:...`` names; one line per selector over its budgets.
+        methods: blend methods; one line per plot series (:meth:`Method.series`) over their budgets.
         path: where to write the PNG.
         title: the figure's title (data, split, items).
     """
@@ -166,10 +163,9 @@ def write_budget_plot(rows: list[SweepRow], methods: list[str], path: Path, titl
 
     lines: dict[str, list[tuple[float, list[SweepRow]]]] = {}
     for m in methods:
-        rs = [r for r in rows if r.method == m]
+        rs = [r for r in rows if r.method == m.name]
         if rs:
-            budget, label = budget_of(m)
-            lines.setdefault(label, []).append((budget, rs))
+            lines.setdefault(m.series(), []).append((m.ratio, rs))
     fig, (ax_kl, ax_top) = plt.subplots(1, 2, figsize=(10.5, 4.2))
     for i, (label, pts) in enumerate(sorted(lines.items())):
         pts.sort(key=lambda p: p[0])
@@ -224,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "summary.md").write_text(text)
         print(text)
         if args.plot:
-            write_budget_plot(rows, [m.name for m in methods if m.kind is MethodKind.BLEND], out / "budget.png",
+            write_budget_plot(rows, [m for m in methods if m.kind is MethodKind.BLEND], out / "budget.png",
                               f"{args.model} {args.dtype}, {args.data}, items {items[0]}-{items[-1]} ({len(items)})")
         return 0
     if any(m.kind in (MethodKind.FULL, MethodKind.PREFIX) for m in methods):

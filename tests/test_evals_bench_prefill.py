@@ -5,7 +5,7 @@ from __future__ import annotations
 from blend.evals.bench_prefill import bench_first_document
 
 
-def test_first_document_case_times_the_three_paths_and_checks_the_reuse(tmp_path):
+def test_first_document_case_times_the_three_paths_and_checks_the_reuse():
     row = bench_first_document("tiny-llama", "synthetic:single", range(0, 2), repeats=2, passages=2)
     assert row.items == 2 and row.full_s > 0 and row.first_doc_tokens > 0
     assert row.prompt_tokens > row.first_doc_tokens

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import torch
 
-from blend.evals.sweep import SweepRow, budget_of, first_of_budget, main, read_rows, reference_logits, split_of, summarise
+from blend.evals.sweep import SweepRow, first_of_budget, main, read_rows, reference_logits, split_of, summarise
 from blend.policy import ReusePolicy
 from tests.conftest import make_docs
 
@@ -28,7 +28,7 @@ def test_the_reference_is_computed_once_and_a_corrupt_file_is_recomputed(tiny_en
 
 
 def test_the_summary_splits_items_and_counts_wins():
-    a, b = "blend@0.15:a", "blend@0.15:b"
+    a, b = "blend@0.15:probe", "blend@0.15:v"
     rows = [SweepRow(i, m, kl, 1.0, 10.0, 0.15, 100) for i in (0, 1, 30)
             for m, kl in ((a, 0.2), (b, 0.1 if i else 0.3))]
     text = summarise(rows, [a, b])
@@ -57,12 +57,12 @@ def test_each_method_is_compared_with_the_first_of_its_own_budget(tmp_path):
                  "--out", str(tmp_path / "s"), "--plot"]) == 0
     assert "### validation: 2 items (30-31)" in (tmp_path / "s" / "summary.md").read_text()
     assert (tmp_path / "s" / "budget.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert budget_of("blend@0.3:v") == (0.3, "v") and budget_of("blend@0.1") == (0.1, "default")
+    assert first_of_budget("reuse", ["blend@0.3:probe", "reuse"]) == "reuse"  # another kind, its own group
 
 
 def test_the_summary_gives_ttft_ratios_when_full_prefill_was_timed():
-    rows = [SweepRow(i, "a", 0.1, 1.0, ms, 0.15, 100, full_ms=1000.0) for i, ms in ((0, 200.0), (1, 300.0), (2, 1300.0))]
-    text = summarise(rows, ["a"])
+    rows = [SweepRow(i, "blend@0.15:probe", 0.1, 1.0, ms, 0.15, 100, full_ms=1000.0) for i, ms in ((0, 200.0), (1, 300.0), (2, 1300.0))]
+    text = summarise(rows, ["blend@0.15:probe"])
     assert "TTFT ratio median | mean | p90 |" in text
     assert "| 0.300 | 0.600 | 1.300 |" in text  # median, mean, p90 of 0.2, 0.3, 1.3
-    assert "TTFT ratio" not in summarise([SweepRow(0, "a", 0.1, 1.0, 5.0, 0.15, 100)], ["a"])
+    assert "TTFT ratio" not in summarise([SweepRow(0, "blend@0.15:probe", 0.1, 1.0, 5.0, 0.15, 100)], ["blend@0.15:probe"])
