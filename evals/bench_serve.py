@@ -17,6 +17,7 @@ and the difference is not lost in noise).
 
     python -m blend.evals.bench_serve [--model smollm2-135m] [--clients 1,4,16] [--modes exact,blend@0.15]
            [--requests-per-client 4] [--max-tokens 32] [--overhead-requests 20] [--out DIR]
+           [--server-args '--share-decode-min-batch 0']
 """
 
 from __future__ import annotations
@@ -220,21 +221,42 @@ def measure_overhead(model: str, mode: str, n: int, max_tokens: int, port: int,
         proc.wait(30)
 
 
+def _split_step(runner, caches: list, tokens: list[int], helper: "ThreadPoolExecutor") -> None:
+    """One decode step as the server runs it with an idle prefill worker: the second half of the
+    sequences on a helper thread (its own single intra-op thread), the first half here."""
+    m = len(caches) - len(caches) // 2
+    tail = helper.submit(decode_batch, runner, caches[m:], tokens[m:])
+    decode_batch(runner, caches[:m], tokens[:m])
+    tail.result()
+
+
 def decode_scaling(model: str, batches: list[int], steps: int = 4) -> list[dict]:
-    """Decode steps alone (no HTTP, no prefill beside them): tokens/s of one batched step at each batch size."""
+    """Decode steps alone (no HTTP, no prefill beside them): tokens/s of one batched step at each batch
+    size, on the decode loop's one thread and split over two (interleaved, the same caches)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     engine = Engine.load(model, quality_gate=False)
     reqs = demo_requests()
     out = []
-    for b in batches:
-        caches = [engine.prefill(engine.build_prompt(*reqs[i % len(reqs)]), ReusePolicy.exact(), steps + 1)[1]
-                  for i in range(b)]
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            decode_batch(engine.runner, caches, [engine.tokenizer.eos_token_id or 0] * b)
-            times.append(time.perf_counter() - t0)
-        step = statistics.median(times)
-        out.append({"batch": b, "step_ms": step * 1000, "tok_per_s": b / step})
+    threads = torch.get_num_threads()
+    with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(threads,)) as helper:
+        for b in batches:
+            caches = [engine.prefill(engine.build_prompt(*reqs[i % len(reqs)]), ReusePolicy.exact(), 2 * steps + 1)[1]
+                      for i in range(b)]
+            toks = [engine.tokenizer.eos_token_id or 0] * b
+            one, two = [], []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                decode_batch(engine.runner, caches, toks)
+                one.append(time.perf_counter() - t0)
+                if b >= 2:
+                    t0 = time.perf_counter()
+                    _split_step(engine.runner, caches, toks, helper)
+                    two.append(time.perf_counter() - t0)
+            step = statistics.median(one)
+            split = statistics.median(two) if two else step
+            out.append({"batch": b, "step_ms": step * 1000, "tok_per_s": b / step,
+                        "split_step_ms": split * 1000, "split_tok_per_s": b / split})
     return out
 
 
@@ -262,6 +284,10 @@ def markdown(rows: list[Row], overheads: list[dict], command: str, scaling: list
         lines.append("- decode steps alone (batched forward, one thread, no prefill beside): " + ", ".join(
             f"batch {x['batch']}: {x['step_ms']:.0f} ms/step, {x['tok_per_s']:.1f} tok/s ({x['tok_per_s'] / base:.1f}x)"
             for x in scaling))
+        lines.append("- the same steps split in halves over two threads (a decode share on an idle prefill "
+                     "worker): " + ", ".join(
+                         f"batch {x['batch']}: {x['split_step_ms']:.0f} ms/step, {x['split_tok_per_s']:.1f} tok/s "
+                         f"({x['split_tok_per_s'] / base:.1f}x)" for x in scaling if x["batch"] >= 2))
     for o in overheads:
         lines.append(f"- server over Python API, one request ({o['model']}, {o['mode']}, {o['max_tokens']} tokens, "
                      f"{o['requests']} paired): e2e p50 {o['server_e2e_p50_ms']:.1f} ms vs {o['api_e2e_p50_ms']:.1f} ms, "
@@ -281,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overhead-tiny-model", default="tiny-llama")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--out", default="bench_serve_out")
+    p.add_argument("--server-args", default="", help="extra `kvblend serve` arguments, e.g. "
+                   "'--share-decode-min-batch 0' to measure without decode shares")
     args = p.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",")]
     modes = args.modes.split(",")
@@ -290,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
     load_start = os.getloadavg()[0]
-    proc = start_server(args.model, args.port, max(clients), [])
+    proc = start_server(args.model, args.port, max(clients), args.server_args.split())
     try:
         url = f"http://127.0.0.1:{args.port}"
         with httpx.Client(base_url=url, timeout=600) as http:

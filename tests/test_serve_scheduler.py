@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _serve_util import one_torch_thread, tiny_serve_engine  # noqa: F401 - module fixture
-from blend.batch_decode import DecodeBatching
+from blend.batch_decode import DecodeBatching, decode_batch
 from blend.errors import InvalidPolicyError
 from blend.generation import generate
 from blend.keys import Namespace
@@ -118,15 +118,22 @@ def requests(engine, n: int):
     (DecodeBatching.INVARIANT, {}),
     (DecodeBatching.THROUGHPUT, {}),
     (DecodeBatching.THROUGHPUT, {"torch_threads": 1, "idle_decode_threads": 2}),  # decode threads change
+    (DecodeBatching.THROUGHPUT, {"share_decode_min_batch": 2, "prefill_workers": 1}),  # halves on a worker
 ])
 def test_concurrent_answers_equal_one_at_a_time(make_scheduler, batching, threads):
     engine = tiny_serve_engine()
+    sharing = "share_decode_min_batch" in threads
     reqs = requests(engine, 7)
-    sched = make_scheduler(engine, batching=batching, prefill_workers=2, **threads)
+    if sharing:  # long enough that the batch is still full once every prefill is done
+        reqs = [(p, pol, GenerationConfig(max_tokens=40, temperature=c.temperature, seed=c.seed, ignore_eos=True))
+                for p, pol, c in reqs]
+    threads = {"prefill_workers": 2, **threads}
+    sched = make_scheduler(engine, batching=batching, **threads)
     col = Collector()
     for i, (p, pol, cfg) in enumerate(reqs):
         sched.submit(p, pol, cfg, col.sink(i))
     col.wait(len(reqs))
+    assert (sched.shared_steps > 0) == sharing  # an idle prefill worker ran part of some steps
     for i, (p, pol, cfg) in enumerate(reqs):
         got = col.last(i).completion
         ref = generate(engine, p, pol, cfg, batching)
@@ -136,6 +143,72 @@ def test_concurrent_answers_equal_one_at_a_time(make_scheduler, batching, thread
         if batching is DecodeBatching.INVARIANT:
             assert got.steps_sha256 == ref.steps_sha256, i
     assert sched.steps < sum(cfg.max_tokens for _, _, cfg in reqs)  # decode steps were shared
+
+
+def _prefilled(engine, n: int):
+    caches, toks = [], []
+    for i in range(n):
+        logits, cache, _ = engine.prefill(engine.build_prompt(f"q{i}?", make_docs(1 + i % 2, seed=i)),
+                                          ReusePolicy.exact(), 4)
+        caches.append(cache)
+        toks.append(int(logits.argmax()))
+    return caches, toks
+
+
+def test_share_sizes_keep_each_modes_promise():
+    engine = tiny_serve_engine()
+    through = Scheduler(engine, SchedulerConfig(share_decode_min_batch=4))
+    assert [through._share_rows(b) for b in (1, 3, 4, 5, 16)] == [0, 0, 2, 2, 8]  # halves
+    inv = Scheduler(engine, SchedulerConfig(share_decode_min_batch=4, batching=DecodeBatching.INVARIANT))
+    # whole 16-row tiles only (rows padded to tiles keep their numbers wherever they run)
+    assert [inv._share_rows(b) for b in (4, 16, 31, 32, 40, 64)] == [0, 0, 0, 16, 16, 32]
+    assert Scheduler(engine, SchedulerConfig(share_decode_min_batch=None))._share_rows(16) == 0
+    assert Scheduler(engine, SchedulerConfig(torch_threads=1, idle_decode_threads=2))._share_rows(16) == 0
+    with pytest.raises(ValueError, match="share_decode_min_batch"):
+        SchedulerConfig(share_decode_min_batch=1)
+
+
+def test_a_share_no_worker_takes_runs_on_the_decode_loop():
+    engine = tiny_serve_engine()
+    sched = Scheduler(engine, SchedulerConfig(share_decode_min_batch=2))  # not started: no worker will come
+    caches, toks = _prefilled(engine, 5)
+    ref_caches, _ = _prefilled(engine, 5)
+    assert sched._offer_share(caches, toks) is None  # no idle worker: nothing is posted
+    sched._idle_workers = 1
+    share = sched._offer_share(caches, toks)
+    assert share is not None and len(share.caches) == 2 and share.caches == caches[3:]
+    got = sched._collect_share(share)  # nobody took it: the decode loop runs it itself
+    assert torch.equal(got, decode_batch(engine.runner, ref_caches[3:], toks[3:]))
+    assert sched.shared_steps == 0 and sched._share is None
+    assert sched._offer_share(caches[:1], toks[:1]) is None  # below the minimum batch
+
+
+def test_a_failing_share_fails_its_batch_and_serving_goes_on(make_scheduler, monkeypatch):
+    import blend.serve.scheduler as sched_mod
+
+    real = sched_mod.decode_batch
+
+    def on_worker_fails(runner, caches, tokens, batching):
+        if threading.current_thread().name.startswith("kvblend-prefill"):
+            raise RuntimeError("share failed")
+        return real(runner, caches, tokens, batching)
+
+    monkeypatch.setattr(sched_mod, "decode_batch", on_worker_fails)
+    engine = tiny_serve_engine()
+    sched = make_scheduler(engine, share_decode_min_batch=2)
+    col = Collector()
+    for i in range(3):
+        sched.submit(engine.build_prompt(f"q{i}?", make_docs(1, seed=i)), ReusePolicy.exact(),
+                     GenerationConfig(max_tokens=200, ignore_eos=True), col.sink(i))
+    col.wait(3)
+    failed = [i for i in range(3) if col.last(i).kind is EventKind.FAILED]
+    assert failed and all("share failed" in str(col.last(i).error) for i in failed)
+    monkeypatch.setattr(sched_mod, "decode_batch", real)
+    sched.submit(engine.build_prompt("q?", make_docs(1)), ReusePolicy.exact(), GenerationConfig(max_tokens=3),
+                 col.sink(9))
+    col.wait(4)
+    assert col.last(9).kind is EventKind.DONE
+    wait_until(lambda: sched.active == 0)
 
 
 @pytest.mark.parametrize("single_flight", [True, False])

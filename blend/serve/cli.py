@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-decode-threads", type=int, default=None,
                    help="intra-op threads of the decode loop while no prefill runs (default: --torch-threads; "
                         "more helps only on cores nobody else uses: OpenMP teams on shared cores stall)")
+    p.add_argument("--share-decode-min-batch", type=int, default=sch.share_decode_min_batch,
+                   help="a decode step over at least this many sequences runs part of them on an idle "
+                        "prefill worker's core (0: never)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="decode in fixed 16-row GEMM tiles: concurrent answers bit-identical to one-at-a-time "
                         "(slower on CPU)")
@@ -84,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             single_flight=not args.no_single_flight,
             torch_threads=args.torch_threads or default_torch_threads(args.prefill_workers),
             idle_decode_threads=args.idle_decode_threads,
+            share_decode_min_batch=args.share_decode_min_batch or None,
         ),
     )
 

@@ -10,6 +10,7 @@
     kvblend_recomputed_fraction                  recomputed / reused document rows (blended requests)
     kvblend_store_lookups_total{result}          store hits / misses / rejections
     kvblend_queue_depth, kvblend_active_requests, kvblend_decode_batch_size
+    kvblend_decode_shared_steps_total            decode steps that ran part of their rows on an idle prefill worker
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class ServeMetrics:
         self.active = Gauge("kvblend_active_requests", "requests prefilling or decoding", registry=r)
         self.batch = Histogram("kvblend_decode_batch_size", "sequences per decode step", buckets=BATCH_BUCKETS,
                                registry=r)
+        self.shared_steps = Counter("kvblend_decode_shared_steps", "decode steps that ran part of their "
+                                    "sequences on an idle prefill worker", registry=r)
         self.rate = Gauge("kvblend_output_tokens_per_second", f"generated tokens/s over the last {RATE_WINDOW_S:g} s",
                           registry=r)
         self.rate.set_function(self._tokens_per_s)

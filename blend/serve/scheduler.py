@@ -19,6 +19,20 @@ each run slower than alone, which the benchmark measures.
 Each sequence keeps its own KV cache (the one its prefill filled), so no copy
 or paging happens at admission; see :mod:`blend.batch_decode` for the step.
 
+Decode shares. A prefill worker with nothing to prefill would leave its core
+idle while the decode loop's GEMMs run on one. So a large enough step hands
+part of its sequences to an idle worker (a :class:`_DecodeShare`), runs the
+rest itself, and joins the two row blocks::
+
+    decode loop:  post share (rows m..B) ─► decode rows 0..m ─► share taken? wait : run it here ─► cat
+    idle worker:  ─────────────── take share ─► decode rows m..B ─► done
+
+A worker takes a share before a new prefill (a share is one step, ~0.1 s; the
+decode loop waits on it), and the decode loop posts none while requests wait
+for a prefill. If no worker picked the share up by the time the decode loop is
+done with its own rows, the decode loop takes it back and runs it itself, so
+a step never waits on a busy worker.
+
 Threads: each prefill worker and the decode loop run torch with their own
 intra-op thread count (``torch_threads``: the cores divided among them, so
 they never oversubscribe). Optionally the decode loop takes more while no
@@ -47,7 +61,7 @@ from typing import Callable
 
 import torch
 
-from blend.batch_decode import DecodeBatching, decode_batch
+from blend.batch_decode import INVARIANT_TILE, DecodeBatching, decode_batch
 from blend.errors import KVBlendError
 from blend.generation import Completion, TokenStream, Usage
 from blend.kvcache import KVCache
@@ -107,6 +121,25 @@ class _Job:
     retired: bool = False
 
 
+class ShareState(Enum):
+    PENDING = "pending"  # posted, nobody runs it yet
+    TAKEN = "taken"  # a prefill worker (or the decode loop itself) runs it
+    DONE = "done"  # logits or error set
+
+
+@dataclass(eq=False)
+class _DecodeShare:
+    """Rows of one decode step that an idle prefill worker runs on its own core."""
+
+    caches: list[KVCache]
+    tokens: list[int]
+    state: ShareState = ShareState.PENDING
+    by_worker: bool = False
+    logits: torch.Tensor | None = None  # (b, V) once DONE, unless error
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class Ticket:
     """A submitted request's handle."""
 
@@ -150,12 +183,15 @@ class Scheduler:
         self._exclusive = threading.Lock() if engine.runner.rope.dynamic else None
         self._gate_lock = threading.Lock()
         self._prefilling = 0  # prefills running now (the decode loop takes every core when 0)
+        self._idle_workers = 0  # prefill workers waiting for work (they may take a decode share)
+        self._share: _DecodeShare | None = None  # the decode step's posted share, if any
         self._decode_threads: int | None = None
         self._e2e_ewma_s = 1.0
         self.completed = 0
         self.cancelled = 0
         self.failed = 0
         self.steps = 0
+        self.shared_steps = 0  # decode steps whose share a prefill worker ran
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -254,14 +290,24 @@ class Scheduler:
     def _prefill_loop(self) -> None:
         self._threads_setup()
         while True:
+            share = None
             with self._cond:
-                self._cond.wait_for(lambda: not self._running or (
+                self._idle_workers += 1
+                self._cond.wait_for(lambda: not self._running or self._share_pending() or (
                     self._waiting and self._active < self.config.max_concurrency))
+                self._idle_workers -= 1
                 if not self._running:
                     return
-                job = self._waiting.popleft()
-                self._active += 1
-                self._gauges()
+                if self._share_pending():  # before a new prefill: the decode loop waits on it
+                    share = self._share
+                    share.state, share.by_worker = ShareState.TAKEN, True
+                else:
+                    job = self._waiting.popleft()
+                    self._active += 1
+                    self._gauges()
+            if share is not None:
+                self._run_share(share)
+                continue
             try:
                 self._prefill(job)
             except BaseException as e:  # noqa: BLE001 - a failed request must not kill the worker
@@ -332,10 +378,14 @@ class Scheduler:
     def _step(self, batch: list[_Job]) -> list[_Job]:
         """One batched decode step; returns the jobs still decoding."""
         self._decode_threads_now()
+        caches, tokens = [j.cache for j in batch], [j.stream.next_input for j in batch]
         try:
+            share = self._offer_share(caches, tokens)
+            own = len(caches) - (len(share.caches) if share is not None else 0)
             with self._exclusive or nullcontext():
-                logits = decode_batch(self.engine.runner, [j.cache for j in batch],
-                                      [j.stream.next_input for j in batch], self.config.batching)  # (B, V)
+                logits = decode_batch(self.engine.runner, caches[:own], tokens[:own], self.config.batching)  # (m, V)
+            if share is not None:
+                logits = torch.cat([logits, self._collect_share(share)])  # (B, V)
         except BaseException as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             log.exception("decode step failed")
             for job in batch:
@@ -357,6 +407,61 @@ class Scheduler:
             else:
                 still.append(job)
         return still
+
+    # ---- decode shares ---------------------------------------------------------------------
+
+    def _share_pending(self) -> bool:
+        return self._share is not None and self._share.state is ShareState.PENDING
+
+    def _share_rows(self, b: int) -> int:
+        """How many of a b-row step's sequences to hand to a worker (0: none)."""
+        cfg = self.config
+        if (cfg.share_decode_min_batch is None or b < cfg.share_decode_min_batch
+                or cfg.idle_decode_threads is not None or self._exclusive is not None):
+            return 0
+        if cfg.batching is DecodeBatching.INVARIANT:  # whole tiles only: every row keeps its numbers
+            return (b // INVARIANT_TILE // 2) * INVARIANT_TILE
+        return b // 2
+
+    def _offer_share(self, caches: list[KVCache], tokens: list[int]) -> _DecodeShare | None:
+        """Post the tail of this step's sequences for an idle prefill worker, if there is one."""
+        n = self._share_rows(len(caches))
+        if n == 0:
+            return None
+        with self._cond:
+            if self._idle_workers == 0 or self._waiting:  # no free core, or it is about to prefill
+                return None
+            share = self._share = _DecodeShare(caches[-n:], tokens[-n:])
+            self._cond.notify_all()
+        return share
+
+    def _run_share(self, share: _DecodeShare) -> None:
+        """Decode a share's rows (on whichever thread took it); never raises."""
+        try:
+            share.logits = decode_batch(self.engine.runner, share.caches, share.tokens, self.config.batching)
+        except BaseException as e:  # noqa: BLE001 - handed back to the decode loop, which fails the batch
+            share.error = e
+        finally:
+            share.state = ShareState.DONE
+            share.done.set()
+
+    def _collect_share(self, share: _DecodeShare) -> torch.Tensor:
+        """The share's logits (b, V): run it here if no worker took it, else wait for the worker."""
+        with self._cond:
+            mine = share.state is ShareState.PENDING
+            if mine:
+                share.state = ShareState.TAKEN
+            self._share = None
+        if mine:
+            self._run_share(share)
+        share.done.wait()
+        if share.error is not None:
+            raise share.error
+        if share.by_worker:
+            self.shared_steps += 1
+            if self.metrics is not None:
+                self.metrics.shared_steps.inc()
+        return share.logits
 
     # ---- endings --------------------------------------------------------------------------
 
