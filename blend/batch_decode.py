@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 from blend.kvcache import KVCache
-from blend.model import ModelRunner, attend, causal_mask
+from blend.model import ModelRunner, attend, causal_mask, layer_forward
 from blend.rope import apply_rope
 
 INVARIANT_TILE = 16  # rows per GEMM in INVARIANT mode (a size every tested BLAS treats alike at any row)
@@ -88,6 +88,69 @@ class BatchDecodeRows:
         return rows
 
 
+class DecodeStep:
+    """One batched decode step that runs a layer at a time, so a thread can stop between
+    layers and hand the rest to another (the server's decode shares). Running it to the end
+    is :func:`decode_batch`: the same operations in the same order, so the same bits.
+
+    Args:
+        runner: the engine's model runner.
+        caches: one cache per sequence (any lengths); each gains one row when the step finishes.
+        tokens: the token fed to each sequence.
+        batching: GEMM batching mode (see the module docstring).
+    """
+
+    def __init__(self, runner: ModelRunner, caches: Sequence[KVCache], tokens: Sequence[int],
+                 batching: DecodeBatching = DecodeBatching.THROUGHPUT) -> None:
+        b = len(caches)
+        if b == 0 or len(tokens) != b:
+            raise ValueError(f"decode_batch needs one token per cache, got {len(tokens)} for {b}")
+        for c in caches:
+            if c.length >= c.capacity:
+                raise ValueError(f"KV cache full: {c.length} rows of capacity {c.capacity}")
+        dev = runner.device
+        self.runner, self.caches, self.b = runner, caches, b
+        self.n = _padded(b, batching)
+        self.tile = INVARIANT_TILE if batching is DecodeBatching.INVARIANT else None
+        ids = torch.zeros(self.n, dtype=torch.long, device=dev)  # (N,) padded rows decode token 0, unused
+        ids[:b] = torch.tensor(list(tokens), dtype=torch.long, device=dev)
+        starts = [c.length for c in caches]
+        pos = torch.tensor(starts, dtype=torch.long, device=dev)  # (B,)
+        cos, sin = _rope_rows(runner, pos)  # (B, R)
+        for c, p in zip(caches, pos):
+            c.set_positions(c.length, p[None])
+        masks = [causal_mask(pos[i:i + 1], caches[i].pos[: starts[i] + 1], runner.dtype) for i in range(b)]  # (1, T)
+        self.rows = BatchDecodeRows(caches, starts, cos, sin, masks, runner.dims.scale, self.tile)
+        self.layer = 0
+        with torch.inference_mode():
+            self.h = runner.embed(ids)  # (N, C)
+
+    @property
+    def done(self) -> bool:
+        """Every layer has run."""
+        return self.layer >= len(self.runner.layers)
+
+    def advance(self) -> bool:
+        """Run the next layer; True while layers remain."""
+        if not self.done:
+            with torch.inference_mode():
+                self.h = layer_forward(self.runner.layers[self.layer], self.runner.dims, self.layer, self.h,
+                                       self.rows)  # (N, C)
+            self.layer += 1
+        return not self.done
+
+    def finish(self) -> torch.Tensor:
+        """Run the remaining layers and the LM head; return (B, V) float32 logits, row b for ``caches[b]``."""
+        while self.advance():
+            pass
+        with torch.inference_mode():
+            spans = [(0, self.n)] if self.tile is None else [(lo, lo + self.tile) for lo in range(0, self.n, self.tile)]
+            logits = torch.cat([self.runner.logits(self.h[lo:hi]) for lo, hi in spans])[: self.b]  # (B, V)
+        for c in self.caches:
+            c.advance(1)
+        return logits
+
+
 def decode_batch(runner: ModelRunner, caches: Sequence[KVCache], tokens: Sequence[int],
                  batching: DecodeBatching = DecodeBatching.THROUGHPUT) -> torch.Tensor:
     """Feed one token to each sequence; return every sequence's next-token logits.
@@ -101,28 +164,4 @@ def decode_batch(runner: ModelRunner, caches: Sequence[KVCache], tokens: Sequenc
     Returns:
         (B, V) float32 logits, row b for ``caches[b]``.
     """
-    b = len(caches)
-    if b == 0 or len(tokens) != b:
-        raise ValueError(f"decode_batch needs one token per cache, got {len(tokens)} for {b}")
-    for c in caches:
-        if c.length >= c.capacity:
-            raise ValueError(f"KV cache full: {c.length} rows of capacity {c.capacity}")
-    dev = runner.device
-    n = _padded(b, batching)
-    tile = INVARIANT_TILE if batching is DecodeBatching.INVARIANT else None
-    ids = torch.zeros(n, dtype=torch.long, device=dev)  # (N,) padded rows decode token 0, unused
-    ids[:b] = torch.tensor(list(tokens), dtype=torch.long, device=dev)
-    starts = [c.length for c in caches]
-    pos = torch.tensor(starts, dtype=torch.long, device=dev)  # (B,)
-    cos, sin = _rope_rows(runner, pos)  # (B, R)
-    for c, p in zip(caches, pos):
-        c.set_positions(c.length, p[None])
-    masks = [causal_mask(pos[i:i + 1], caches[i].pos[: starts[i] + 1], runner.dtype) for i in range(b)]  # (1, T)
-    rows = BatchDecodeRows(caches, starts, cos, sin, masks, runner.dims.scale, tile)
-    with torch.inference_mode():
-        h = runner.run_layers(runner.embed(ids), rows)  # (N, C)
-        spans = [(0, n)] if tile is None else [(lo, lo + tile) for lo in range(0, n, tile)]
-        logits = torch.cat([runner.logits(h[lo:hi]) for lo, hi in spans])[:b]  # (B, V)
-    for c in caches:
-        c.advance(1)
-    return logits
+    return DecodeStep(runner, caches, tokens, batching).finish()

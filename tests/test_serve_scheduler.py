@@ -25,7 +25,7 @@ from blend.keys import Namespace
 from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
 from blend.serve.config import SchedulerConfig
-from blend.serve.scheduler import EventKind, QueueFullError, Scheduler
+from blend.serve.scheduler import EventKind, QueueFullError, Scheduler, ShareState
 from blend.store.memory import MemoryStore
 from conftest import make_docs
 
@@ -176,24 +176,49 @@ def test_a_share_no_worker_takes_runs_on_the_decode_loop():
     assert sched._offer_share(caches, toks) is None  # no idle worker: nothing is posted
     sched._idle_workers = 1
     share = sched._offer_share(caches, toks)
-    assert share is not None and len(share.caches) == 2 and share.caches == caches[3:]
+    assert share is not None and share.step.b == 2 and share.step.caches == caches[3:]
     got = sched._collect_share(share)  # nobody took it: the decode loop runs it itself
     assert torch.equal(got, decode_batch(engine.runner, ref_caches[3:], toks[3:]))
     assert sched.shared_steps == 0 and sched._share is None
     assert sched._offer_share(caches[:1], toks[:1]) is None  # below the minimum batch
 
 
+def test_a_worker_hands_a_share_back_between_layers_when_a_prefill_arrives():
+    engine = tiny_serve_engine()
+    sched = Scheduler(engine, SchedulerConfig(share_decode_min_batch=2))
+    caches, toks = _prefilled(engine, 4)
+    ref_caches, _ = _prefilled(engine, 4)
+    sched._idle_workers = 1
+    share = sched._offer_share(caches, toks)
+    share.state, share.by_worker = ShareState.TAKEN, True  # as a worker takes it
+    advance = share.step.advance
+
+    def then_a_request_arrives():
+        more = advance()
+        sched._waiting.append(object())  # a request now waits for its prefill
+        return more
+
+    share.step.advance = then_a_request_arrives
+    sched._run_share(share, yield_to_prefill=True)  # the worker's side
+    assert share.state is ShareState.RETURNED and share.step.layer == 1  # stopped after one layer
+    sched._waiting.clear()
+    got = sched._collect_share(share)  # the decode loop finishes the other layers
+    assert torch.equal(got, decode_batch(engine.runner, ref_caches[2:], toks[2:]))  # the same bits
+    assert sched.returned_shares == 1 and sched.shared_steps == 1
+    assert [c.length for c in caches[2:]] == [c.length for c in ref_caches[2:]]
+
+
 def test_a_failing_share_fails_its_batch_and_serving_goes_on(make_scheduler, monkeypatch):
-    import blend.serve.scheduler as sched_mod
+    from blend.batch_decode import DecodeStep
 
-    real = sched_mod.decode_batch
+    real = DecodeStep.advance
 
-    def on_worker_fails(runner, caches, tokens, batching):
+    def on_worker_fails(self):
         if threading.current_thread().name.startswith("kvblend-prefill"):
             raise RuntimeError("share failed")
-        return real(runner, caches, tokens, batching)
+        return real(self)
 
-    monkeypatch.setattr(sched_mod, "decode_batch", on_worker_fails)
+    monkeypatch.setattr(DecodeStep, "advance", on_worker_fails)
     engine = tiny_serve_engine()
     sched = make_scheduler(engine, share_decode_min_batch=2)
     col = Collector()
@@ -203,7 +228,7 @@ def test_a_failing_share_fails_its_batch_and_serving_goes_on(make_scheduler, mon
     col.wait(3)
     failed = [i for i in range(3) if col.last(i).kind is EventKind.FAILED]
     assert failed and all("share failed" in str(col.last(i).error) for i in failed)
-    monkeypatch.setattr(sched_mod, "decode_batch", real)
+    monkeypatch.setattr(DecodeStep, "advance", real)
     sched.submit(engine.build_prompt("q?", make_docs(1)), ReusePolicy.exact(), GenerationConfig(max_tokens=3),
                  col.sink(9))
     col.wait(4)

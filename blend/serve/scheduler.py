@@ -27,11 +27,14 @@ rest itself, and joins the two row blocks::
     decode loop:  post share (rows m..B) ─► decode rows 0..m ─► share taken? wait : run it here ─► cat
     idle worker:  ─────────────── take share ─► decode rows m..B ─► done
 
-A worker takes a share before a new prefill (a share is one step, ~0.1 s; the
-decode loop waits on it), and the decode loop posts none while requests wait
-for a prefill. If no worker picked the share up by the time the decode loop is
-done with its own rows, the decode loop takes it back and runs it itself, so
-a step never waits on a busy worker.
+Prefills come first: the decode loop posts no share while requests wait for
+a prefill, a worker takes a waiting request before a share, and a worker that
+is running a share when a request arrives stops at the next layer boundary
+and hands the rest of the share back (a :class:`~blend.batch_decode.DecodeStep`
+runs a layer at a time), so a share delays a prefill by one layer of one
+decode step (~10 ms), not by a whole step. If no worker picked the share up by
+the time the decode loop is done with its own rows, the decode loop takes it
+back and runs it itself; a share handed back mid-way it finishes itself.
 
 Threads: each prefill worker and the decode loop run torch with their own
 intra-op thread count (``torch_threads``: the cores divided among them, so
@@ -61,7 +64,7 @@ from typing import Callable
 
 import torch
 
-from blend.batch_decode import INVARIANT_TILE, DecodeBatching, decode_batch
+from blend.batch_decode import INVARIANT_TILE, DecodeBatching, DecodeStep, decode_batch
 from blend.errors import KVBlendError
 from blend.generation import Completion, TokenStream, Usage
 from blend.kvcache import KVCache
@@ -124,6 +127,7 @@ class _Job:
 class ShareState(Enum):
     PENDING = "pending"  # posted, nobody runs it yet
     TAKEN = "taken"  # a prefill worker (or the decode loop itself) runs it
+    RETURNED = "returned"  # a worker stopped between layers for a prefill: the decode loop finishes it
     DONE = "done"  # logits or error set
 
 
@@ -131,8 +135,7 @@ class ShareState(Enum):
 class _DecodeShare:
     """Rows of one decode step that an idle prefill worker runs on its own core."""
 
-    caches: list[KVCache]
-    tokens: list[int]
+    step: DecodeStep  # the share's sequences, run layer by layer
     state: ShareState = ShareState.PENDING
     by_worker: bool = False
     logits: torch.Tensor | None = None  # (b, V) once DONE, unless error
@@ -191,7 +194,8 @@ class Scheduler:
         self.cancelled = 0
         self.failed = 0
         self.steps = 0
-        self.shared_steps = 0  # decode steps whose share a prefill worker ran
+        self.shared_steps = 0  # decode steps whose share a prefill worker ran (in whole or in part)
+        self.returned_shares = 0  # shares a worker handed back between layers for a prefill
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -298,15 +302,15 @@ class Scheduler:
                 self._idle_workers -= 1
                 if not self._running:
                     return
-                if self._share_pending():  # before a new prefill: the decode loop waits on it
-                    share = self._share
-                    share.state, share.by_worker = ShareState.TAKEN, True
-                else:
+                if self._waiting and self._active < self.config.max_concurrency:  # prefills first
                     job = self._waiting.popleft()
                     self._active += 1
                     self._gauges()
+                else:
+                    share = self._share
+                    share.state, share.by_worker = ShareState.TAKEN, True
             if share is not None:
-                self._run_share(share)
+                self._run_share(share, yield_to_prefill=True)
                 continue
             try:
                 self._prefill(job)
@@ -381,7 +385,7 @@ class Scheduler:
         caches, tokens = [j.cache for j in batch], [j.stream.next_input for j in batch]
         try:
             share = self._offer_share(caches, tokens)
-            own = len(caches) - (len(share.caches) if share is not None else 0)
+            own = len(caches) - (share.step.b if share is not None else 0)
             with self._exclusive or nullcontext():
                 logits = decode_batch(self.engine.runner, caches[:own], tokens[:own], self.config.batching)  # (m, V)
             if share is not None:
@@ -431,29 +435,39 @@ class Scheduler:
         with self._cond:
             if self._idle_workers == 0 or self._waiting:  # no free core, or it is about to prefill
                 return None
-            share = self._share = _DecodeShare(caches[-n:], tokens[-n:])
+            share = self._share = _DecodeShare(DecodeStep(self.engine.runner, caches[-n:], tokens[-n:],
+                                                          self.config.batching))
             self._cond.notify_all()
         return share
 
-    def _run_share(self, share: _DecodeShare) -> None:
-        """Decode a share's rows (on whichever thread took it); never raises."""
+    def _run_share(self, share: _DecodeShare, yield_to_prefill: bool) -> None:
+        """Run a share's layers on this thread; never raises. A worker (``yield_to_prefill``)
+        stops between layers when a request waits for a prefill and hands the rest back."""
         try:
-            share.logits = decode_batch(self.engine.runner, share.caches, share.tokens, self.config.batching)
-        except BaseException as e:  # noqa: BLE001 - handed back to the decode loop, which fails the batch
-            share.error = e
-        finally:
+            step = share.step
+            while not step.done:
+                if yield_to_prefill and self._waiting:
+                    share.state = ShareState.RETURNED
+                    return
+                step.advance()
+            share.logits = step.finish()  # (b, V)
             share.state = ShareState.DONE
+        except BaseException as e:  # noqa: BLE001 - handed to the decode loop, which fails the batch
+            share.error = e
+            share.state = ShareState.DONE
+        finally:
             share.done.set()
 
     def _collect_share(self, share: _DecodeShare) -> torch.Tensor:
-        """The share's logits (b, V): run it here if no worker took it, else wait for the worker."""
+        """The share's logits (b, V): run it here if no worker took it, else wait for the worker
+        (and finish what it handed back)."""
         with self._cond:
             mine = share.state is ShareState.PENDING
             if mine:
                 share.state = ShareState.TAKEN
             self._share = None
         if mine:
-            self._run_share(share)
+            self._run_share(share, yield_to_prefill=False)
         share.done.wait()
         if share.error is not None:
             raise share.error
@@ -461,6 +475,9 @@ class Scheduler:
             self.shared_steps += 1
             if self.metrics is not None:
                 self.metrics.shared_steps.inc()
+        if share.state is ShareState.RETURNED:
+            self.returned_shares += 1
+            return share.step.finish()
         return share.logits
 
     # ---- endings --------------------------------------------------------------------------
