@@ -183,6 +183,19 @@ def test_a_share_no_worker_takes_runs_on_the_decode_loop():
     assert sched._offer_share(caches[:1], toks[:1]) is None  # below the minimum batch
 
 
+def test_a_failed_step_drops_its_posted_share():
+    engine = tiny_serve_engine()
+    sched = Scheduler(engine, SchedulerConfig(share_decode_min_batch=2))
+    caches, toks = _prefilled(engine, 4)
+    sched._idle_workers = 1
+    share = sched._offer_share(caches, toks)
+    lengths = [c.length for c in caches]
+    sched._abandon_share(share)  # the decode loop's own rows failed before anyone took the share
+    assert share.done.is_set() and share.state is ShareState.DONE and share.logits is None
+    assert sched._share is None and not sched._share_pending()
+    assert [c.length for c in caches] == lengths  # nothing ran on the failed batch's caches
+
+
 def test_a_worker_hands_a_share_back_between_layers_when_a_prefill_arrives():
     engine = tiny_serve_engine()
     sched = Scheduler(engine, SchedulerConfig(share_decode_min_batch=2))

@@ -297,12 +297,11 @@ class Scheduler:
             share = None
             with self._cond:
                 self._idle_workers += 1
-                self._cond.wait_for(lambda: not self._running or self._share_pending() or (
-                    self._waiting and self._active < self.config.max_concurrency))
+                self._cond.wait_for(lambda: not self._running or self._share_pending() or self._prefill_due())
                 self._idle_workers -= 1
                 if not self._running:
                     return
-                if self._waiting and self._active < self.config.max_concurrency:  # prefills first
+                if self._prefill_due():  # prefills first
                     job = self._waiting.popleft()
                     self._active += 1
                     self._gauges()
@@ -383,6 +382,7 @@ class Scheduler:
         """One batched decode step; returns the jobs still decoding."""
         self._decode_threads_now()
         caches, tokens = [j.cache for j in batch], [j.stream.next_input for j in batch]
+        share = None
         try:
             share = self._offer_share(caches, tokens)
             own = len(caches) - (share.step.b if share is not None else 0)
@@ -391,6 +391,8 @@ class Scheduler:
             if share is not None:
                 logits = torch.cat([logits, self._collect_share(share)])  # (B, V)
         except BaseException as e:  # noqa: BLE001 - fail this batch's requests, keep serving
+            if share is not None:
+                self._abandon_share(share)
             log.exception("decode step failed")
             for job in batch:
                 self._fail(job, e)
@@ -417,6 +419,10 @@ class Scheduler:
     def _share_pending(self) -> bool:
         return self._share is not None and self._share.state is ShareState.PENDING
 
+    def _prefill_due(self) -> bool:
+        """A request waits for a prefill and a slot is free for it."""
+        return bool(self._waiting) and self._active < self.config.max_concurrency
+
     def _share_rows(self, b: int) -> int:
         """How many of a b-row step's sequences to hand to a worker (0: none)."""
         cfg = self.config
@@ -433,7 +439,7 @@ class Scheduler:
         if n == 0:
             return None
         with self._cond:
-            if self._idle_workers == 0 or self._waiting:  # no free core, or it is about to prefill
+            if self._idle_workers == 0 or self._prefill_due():  # no free core, or it is about to prefill
                 return None
             share = self._share = _DecodeShare(DecodeStep(self.engine.runner, caches[-n:], tokens[-n:],
                                                           self.config.batching))
@@ -446,7 +452,7 @@ class Scheduler:
         try:
             step = share.step
             while not step.done:
-                if yield_to_prefill and self._waiting:
+                if yield_to_prefill and self._prefill_due():
                     share.state = ShareState.RETURNED
                     return
                 step.advance()
@@ -479,6 +485,16 @@ class Scheduler:
             self.returned_shares += 1
             return share.step.finish()
         return share.logits
+
+    def _abandon_share(self, share: _DecodeShare) -> None:
+        """The step failed: drop its share, and wait for a worker still running it (no thread may
+        touch the batch's caches once its requests have failed)."""
+        with self._cond:
+            if share.state is ShareState.PENDING:
+                share.state = ShareState.DONE
+                share.done.set()
+            self._share = None
+        share.done.wait()
 
     # ---- endings --------------------------------------------------------------------------
 
