@@ -17,3 +17,15 @@ def test_decode_scaling_times_the_step_alone_and_split_in_halves():
         assert r["step_ms"] > 0 and r["split_step_ms"] > 0
         assert abs(r["tok_per_s"] - r["batch"] / (r["step_ms"] / 1000)) < 1e-6 * r["tok_per_s"]
     assert rows[0]["split_step_ms"] == rows[0]["step_ms"]  # one sequence is never split
+
+
+def test_bench_burst_times_a_burst_with_and_without_decode_loop_prefills(capsys):
+    from blend.evals.bench_burst import main
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["exact", "--model", "tiny-llama", "--requests", "3", "--repeats", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "decode loop prefills too: TTFT p50" in out and "worker only: TTFT p50" in out

@@ -295,6 +295,36 @@ def test_a_long_prefill_does_not_stall_other_streams(make_scheduler):
     ticket.cancel()
 
 
+class ThreadsStore(SlowStore):
+    """A slow store that records which scheduler threads looked things up."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(delay)
+        self.threads: set[str] = set()
+
+    def get(self, ns, key, provenance):
+        self.threads.add(threading.current_thread().name)
+        return super().get(ns, key, provenance)
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_an_idle_decode_loop_prefills_a_burst_beside_the_worker(make_scheduler, allowed):
+    store = ThreadsStore(delay=0.2)  # misses are slow: the burst's prefills overlap if two threads run them
+    engine = tiny_serve_engine(store=store)
+    sched = make_scheduler(engine, prefill_workers=1, decode_loop_prefills=allowed)
+    col = Collector()
+    reqs = [(engine.build_prompt(f"burst {i}?", make_docs(2, seed=40 + i)), ReusePolicy.exact(),
+             GenerationConfig(max_tokens=3)) for i in range(4)]
+    for i, (p, pol, cfg) in enumerate(reqs):
+        sched.submit(p, pol, cfg, col.sink(i))
+    col.wait(len(reqs))
+    assert all(col.last(i).kind is EventKind.DONE for i in range(len(reqs)))
+    assert ("kvblend-decode" in store.threads) == allowed
+    assert (sched.decode_loop_prefills > 0) == allowed
+    for i, (p, pol, cfg) in enumerate(reqs):  # the same answers wherever the prefill ran
+        assert col.last(i).completion.logits_sha256() == generate(engine, p, pol, cfg).logits_sha256()
+
+
 def test_queue_full_is_refused_with_a_retry_hint(make_scheduler):
     store = SlowStore(delay=0.5)
     engine = tiny_serve_engine(store=store)

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--share-decode-min-batch", type=int, default=sch.share_decode_min_batch,
                    help="a decode step over at least this many sequences runs part of them on an idle "
                         "prefill worker's core (0: never)")
+    p.add_argument("--no-decode-loop-prefills", action="store_true",
+                   help="never let an idle decode loop run a waiting prefill (default: it does while every "
+                        "prefill worker is busy)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="decode in fixed 16-row GEMM tiles: concurrent answers bit-identical to one-at-a-time "
                         "(slower on CPU)")
@@ -88,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             torch_threads=args.torch_threads or default_torch_threads(args.prefill_workers),
             idle_decode_threads=args.idle_decode_threads,
             share_decode_min_batch=args.share_decode_min_batch or None,
+            decode_loop_prefills=not args.no_decode_loop_prefills,
         ),
     )
 

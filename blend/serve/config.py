@@ -51,6 +51,9 @@ class SchedulerConfig:
             OpenMP team spans the cores. THROUGHPUT mode splits the batch in halves (a row's
             numbers move by float rounding at most, as batching does); INVARIANT mode only
             at whole 16-row tiles, which keeps every row bit-identical.
+        decode_loop_prefills: the decode loop, when it has no sequence to decode and every
+            prefill worker is busy, runs the next waiting prefill itself (same thread count,
+            so the same numbers as on a worker).
     """
 
     max_concurrency: int = 16
@@ -61,6 +64,7 @@ class SchedulerConfig:
     flight_timeout_s: float = 60.0
     torch_threads: int | None = None
     idle_decode_threads: int | None = None
+    decode_loop_prefills: bool = True
     share_decode_min_batch: int | None = 8  # smaller steps gain nothing split (4 rows: 0.97-1.2x the one-thread time)
 
     def __post_init__(self) -> None:

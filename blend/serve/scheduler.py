@@ -36,6 +36,12 @@ decode step (~10 ms), not by a whole step. If no worker picked the share up by
 the time the decode loop is done with its own rows, the decode loop takes it
 back and runs it itself; a share handed back mid-way it finishes itself.
 
+The other way round, a decode loop with nothing to decode (no active
+sequence) takes a waiting prefill while every worker is busy, so a burst of
+requests into an idle server prefills on both cores. A request whose prefill
+finishes meanwhile waits for the decode loop's prefill to end before its
+second token (its first one was sent already).
+
 Threads: each prefill worker and the decode loop run torch with their own
 intra-op thread count (``torch_threads``: the cores divided among them, so
 they never oversubscribe). Optionally the decode loop takes more while no
@@ -196,6 +202,7 @@ class Scheduler:
         self.steps = 0
         self.shared_steps = 0  # decode steps whose share a prefill worker ran (in whole or in part)
         self.returned_shares = 0  # shares a worker handed back between layers for a prefill
+        self.decode_loop_prefills = 0  # prefills the decode loop ran while it had nothing to decode
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -302,19 +309,28 @@ class Scheduler:
                 if not self._running:
                     return
                 if self._prefill_due():  # prefills first
-                    job = self._waiting.popleft()
-                    self._active += 1
-                    self._gauges()
+                    job = self._take_job()
                 else:
                     share = self._share
                     share.state, share.by_worker = ShareState.TAKEN, True
             if share is not None:
                 self._run_share(share, yield_to_prefill=True)
-                continue
-            try:
-                self._prefill(job)
-            except BaseException as e:  # noqa: BLE001 - a failed request must not kill the worker
-                self._fail(job, e)
+            else:
+                self._run_prefill(job)
+
+    def _take_job(self) -> _Job:
+        """The next waiting request, now active (the caller holds ``_cond`` and saw a prefill due)."""
+        job = self._waiting.popleft()
+        self._active += 1
+        self._gauges()
+        self._cond.notify_all()  # a busy worker now: the decode loop may take the next one
+        return job
+
+    def _run_prefill(self, job: _Job) -> None:
+        try:
+            self._prefill(job)
+        except BaseException as e:  # noqa: BLE001 - a failed request must not kill the thread
+            self._fail(job, e)
 
     def _prefill(self, job: _Job) -> None:
         if job.cancelled.is_set():
@@ -360,14 +376,22 @@ class Scheduler:
         self._threads_setup()
         batch: list[_Job] = []
         while True:
+            job = None
             with self._cond:
-                self._cond.wait_for(lambda: not self._running or self._incoming or batch)
+                self._cond.wait_for(lambda: not self._running or self._incoming or batch
+                                    or self._decode_loop_prefill_due())
                 if not self._running:
                     for job in batch:
                         self._emit(job, Event(EventKind.FAILED, error=RuntimeError("server shutting down")))
                     return
                 batch.extend(self._incoming)
                 self._incoming.clear()
+                if not batch and self._decode_loop_prefill_due():
+                    job = self._take_job()
+            if job is not None:  # nothing to decode and every worker busy: prefill here
+                self.decode_loop_prefills += 1
+                self._run_prefill(job)
+                continue
             live = []
             for job in batch:
                 if job.cancelled.is_set():
@@ -422,6 +446,11 @@ class Scheduler:
     def _prefill_due(self) -> bool:
         """A request waits for a prefill and a slot is free for it."""
         return bool(self._waiting) and self._active < self.config.max_concurrency
+
+    def _decode_loop_prefill_due(self) -> bool:
+        """The decode loop may take a prefill: allowed, one is due and no worker is free for it
+        (the caller checks that there is nothing to decode)."""
+        return self.config.decode_loop_prefills and self._idle_workers == 0 and self._prefill_due()
 
     def _share_rows(self, b: int) -> int:
         """How many of a b-row step's sequences to hand to a worker (0: none)."""
