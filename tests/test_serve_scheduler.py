@@ -307,11 +307,14 @@ class ThreadsStore(SlowStore):
         return super().get(ns, key, provenance)
 
 
-@pytest.mark.parametrize("allowed", [True, False])
-def test_an_idle_decode_loop_prefills_a_burst_beside_the_worker(make_scheduler, allowed):
+@pytest.mark.parametrize("allowed, threads", [
+    (True, {}), (False, {}),
+    (True, {"torch_threads": 1, "idle_decode_threads": 2}),  # its prefills run at the workers' count
+])
+def test_an_idle_decode_loop_prefills_a_burst_beside_the_worker(make_scheduler, allowed, threads):
     store = ThreadsStore(delay=0.2)  # misses are slow: the burst's prefills overlap if two threads run them
     engine = tiny_serve_engine(store=store)
-    sched = make_scheduler(engine, prefill_workers=1, decode_loop_prefills=allowed)
+    sched = make_scheduler(engine, prefill_workers=1, decode_loop_prefills=allowed, **threads)
     col = Collector()
     reqs = [(engine.build_prompt(f"burst {i}?", make_docs(2, seed=40 + i)), ReusePolicy.exact(),
              GenerationConfig(max_tokens=3)) for i in range(4)]

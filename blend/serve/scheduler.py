@@ -287,6 +287,14 @@ class Scheduler:
             torch.set_num_threads(self.config.torch_threads)
             self._decode_threads = self.config.torch_threads
 
+    def _prefill_threads(self) -> None:
+        """The decode loop before it runs a prefill: a prefill's numbers depend on its thread
+        count, so it gets the workers' count (not ``idle_decode_threads``)."""
+        want = self.config.torch_threads
+        if want is not None and self._decode_threads != want:
+            torch.set_num_threads(want)
+            self._decode_threads = want
+
     def _decode_threads_now(self) -> None:
         """The decode loop's share: every core while no prefill runs (THROUGHPUT mode), else its own."""
         cfg = self.config
@@ -390,6 +398,7 @@ class Scheduler:
                     job = self._take_job()
             if job is not None:  # nothing to decode and every worker busy: prefill here
                 self.decode_loop_prefills += 1
+                self._prefill_threads()
                 self._run_prefill(job)
                 continue
             live = []
