@@ -287,13 +287,17 @@ class Scheduler:
             torch.set_num_threads(self.config.torch_threads)
             self._decode_threads = self.config.torch_threads
 
+    def _decode_loop_threads(self, want: int) -> None:
+        """Set the decode loop's intra-op thread count (a no-op when it already has it)."""
+        if want != self._decode_threads:
+            torch.set_num_threads(want)
+            self._decode_threads = want
+
     def _prefill_threads(self) -> None:
         """The decode loop before it runs a prefill: a prefill's numbers depend on its thread
         count, so it gets the workers' count (not ``idle_decode_threads``)."""
-        want = self.config.torch_threads
-        if want is not None and self._decode_threads != want:
-            torch.set_num_threads(want)
-            self._decode_threads = want
+        if self.config.torch_threads is not None:
+            self._decode_loop_threads(self.config.torch_threads)
 
     def _decode_threads_now(self) -> None:
         """The decode loop's share: every core while no prefill runs (THROUGHPUT mode), else its own."""
@@ -301,10 +305,7 @@ class Scheduler:
         if (cfg.torch_threads is None or cfg.idle_decode_threads is None
                 or cfg.batching is not DecodeBatching.THROUGHPUT):
             return
-        want = cfg.idle_decode_threads if self._prefilling == 0 else cfg.torch_threads
-        if want != self._decode_threads:
-            torch.set_num_threads(want)
-            self._decode_threads = want
+        self._decode_loop_threads(cfg.idle_decode_threads if self._prefilling == 0 else cfg.torch_threads)
 
     def _prefill_loop(self) -> None:
         self._threads_setup()
