@@ -58,6 +58,52 @@ def shared(llm):
     return eng
 
 
+PREFIX_CACHE_CHILD = textwrap.dedent("""
+    import json, os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    model, prompts = sys.argv[1], json.loads(sys.argv[2])
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=4096, enable_prefix_caching=True,
+              max_logprobs=-1)
+    sp = SamplingParams(max_tokens=1, temperature=0, logprobs=-1)
+
+    def ask(ids):
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+        lp = out.outputs[0].logprobs[0]
+        return [lp[t].logprob for t in range(len(lp))], out.num_cached_tokens
+
+    res = []
+    for ids in prompts:
+        (cold, c0), (warm, c1) = ask(ids), ask(ids)
+        res.append({"cold": cold, "warm": warm, "cached": [c0, c1]})
+    print("RESULT " + json.dumps(res))
+""")
+# |warm - cold| in first-token log-probs that vLLM's own prefix cache shows on this model and prompt
+# (float rounding of the remainder's GEMMs; measured ~4e-5 on an AVX2 EPYC)
+WARM_COLD_TOL = 1e-3
+
+
+def _child(script: str, *args: str) -> object:
+    """Run a vLLM child process; its last ``RESULT <json>`` line, decoded."""
+    run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def prefix_cache_hits(shared):
+    """vLLM alone with its prefix cache on (another process): cold and warm first-token log-probs of the
+    prompts that the exact-reuse tests use (items 0 and 5), the reference for what a warm hit computes."""
+    prompts = [list(_prompt(shared, 0).token_ids), list(_prompt(shared, 5).token_ids)]
+    res = _child(PREFIX_CACHE_CHILD, str(convert_gguf(SMOLLM2)), json.dumps(prompts))
+    for r, ids in zip(res, prompts):
+        assert r["cached"] == [0, (len(ids) - 1) // 128 * 128]  # its warm request is a prefix-cache hit
+    return res
+
+
 def _prompt(shared, item: int, order: tuple[int, ...] = (0, 1, 2, 3, 4)):
     it = load_items(DATA, None, 5)[item]
     docs = [t[:PASSAGE_CHARS] for t in it.document_texts()]
@@ -82,14 +128,24 @@ def _ask(llm, ids, params=None, salt=None):
     return dist, out.kv_transfer_params
 
 
-def test_exact_reuse_a_warm_request_equals_a_cold_one(llm, shared):
+def test_exact_reuse_a_warm_request_equals_a_cold_one(llm, shared, prefix_cache_hits):
     ids = _prompt(shared, 0).token_ids
     cold, rep_cold = _ask(llm, ids, salt="exact-test")
     warm, rep = _ask(llm, ids, salt="exact-test")
+    again, _ = _ask(llm, ids, salt="exact-test")
     assert rep_cold is None or rep_cold.get(PARAMS_KEY, {}).get("claim") != "exact"  # nothing stored before
     assert rep[PARAMS_KEY]["claim"] == "exact" and rep[PARAMS_KEY]["loaded_blocks"] == (len(ids) - 1) // 128
     assert "error" not in rep[PARAMS_KEY]
-    assert torch.equal(cold, warm)  # the loaded blocks are vLLM's own KV, bit for bit
+    # the loaded blocks are vLLM's own KV, bit for bit: the warm request equals vLLM's own
+    # prefix-cache hit on the same prompt (same blocks, same remainder computed) ...
+    own = torch.tensor(prefix_cache_hits[0]["warm"], dtype=torch.float64)
+    assert torch.equal(warm, own) and torch.equal(warm, again)
+    # ... and a cold request up to the rounding that vLLM's own prefix cache has too: the remainder's
+    # GEMMs run with fewer rows (MKL picks another kernel below ~16-26 rows on AVX2 machines)
+    own_cold = torch.tensor(prefix_cache_hits[0]["cold"], dtype=torch.float64)
+    assert torch.equal(cold, own_cold)
+    assert float((warm - cold).abs().max()) <= WARM_COLD_TOL
+    assert int(warm.argmax()) == int(cold.argmax())
 
 
 def test_blend_at_ratio_one_equals_vllm_full_prefill(llm, shared):
@@ -171,7 +227,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_a_second_vllm_process_over_the_same_redis_gets_hits(shared):
+def test_a_second_vllm_process_over_the_same_redis_gets_hits(shared, prefix_cache_hits):
     url = os.environ.get("KVBLEND_TEST_REDIS")
     if not url:
         pytest.skip("KVBLEND_TEST_REDIS is not set (CI starts a redis-server)")
@@ -180,18 +236,15 @@ def test_a_second_vllm_process_over_the_same_redis_gets_hits(shared):
     redis.Redis.from_url(url).flushdb()
     ids = _prompt(shared, 5).token_ids
     model = str(convert_gguf(SMOLLM2))
-
-    def child() -> dict:
-        run = subprocess.run([sys.executable, "-c", CHILD, model, url, json.dumps(ids)], capture_output=True,
-                             text=True, timeout=300)
-        lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert run.returncode == 0 and lines, run.stderr[-3000:]
-        return json.loads(lines[-1][len("RESULT "):])
-
-    first, second = child(), child()
+    first, second = (_child(CHILD, model, url, json.dumps(ids)) for _ in range(2))
     assert (first["kv"] or {}).get(PARAMS_KEY, {}).get("claim") != "exact"
     assert second["kv"][PARAMS_KEY]["claim"] == "exact" and second["kv"][PARAMS_KEY]["loaded_blocks"] >= 1
-    assert second["logprobs"] == first["logprobs"]
+    # the second process computed what vLLM's own prefix-cache hit computes, bit for bit
+    own = prefix_cache_hits[1]
+    assert second["logprobs"] == {k: own["warm"][int(k)] for k in second["logprobs"]}
+    assert first["logprobs"] == {k: own["cold"][int(k)] for k in first["logprobs"]}
+    assert second["logprobs"].keys() == first["logprobs"].keys()
+    assert max(abs(second["logprobs"][k] - first["logprobs"][k]) for k in first["logprobs"]) <= WARM_COLD_TOL
 
 
 def test_counters_reach_prometheus_through_vllms_stats_path(llm, shared):
