@@ -20,6 +20,7 @@ from typing import Protocol, Sequence
 import torch
 
 from blend.blending import prefill_blend
+from blend.cpu_features import warn_if_emulated
 from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL
 from blend.errors import InvalidPolicyError, InvalidRequestError, PromptTooLongError
 from blend.gate import GateVerdict, QualityGate
@@ -167,6 +168,7 @@ class Engine:
             **config: other :class:`EngineConfig` fields.
         """
         cfg = EngineConfig(model=model, dtype=dtype, **config)
+        warn_if_emulated(_dtype(dtype), torch.device(cfg.device))
         runner = ModelRunner(load_model(model), _dtype(dtype), torch.device(cfg.device))
         return cls(runner, cfg, store, QualityGate() if cfg.quality_gate else None)
 
