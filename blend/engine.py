@@ -168,8 +168,9 @@ class Engine:
             **config: other :class:`EngineConfig` fields.
         """
         cfg = EngineConfig(model=model, dtype=dtype, **config)
-        warn_if_emulated(_dtype(dtype), torch.device(cfg.device))
-        runner = ModelRunner(load_model(model), _dtype(dtype), torch.device(cfg.device))
+        compute, device = _dtype(dtype), torch.device(cfg.device)
+        warn_if_emulated(compute, device)
+        runner = ModelRunner(load_model(model), compute, device)
         return cls(runner, cfg, store, QualityGate() if cfg.quality_gate else None)
 
     def with_store(self, store: KVStore, gate: BlendGate | None = None) -> "Engine":
