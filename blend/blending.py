@@ -32,6 +32,7 @@ has already decided that blending is allowed (gate, length, validity).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
@@ -42,7 +43,8 @@ from blend.kernels import kv_deviation, query_attention_mass, rope_mix, sparse_q
 from blend.kvcache import KVCache, KVEntry
 from blend.model import ModelRunner
 from blend.policy import BudgetMode, ReusePolicy
-from blend.probe_pass import ProbeResult, probe_gemm_dtype, run_probe
+from blend.probe import top
+from blend.probe_pass import ProbeResult, probe_gemm_dtype, run_probe, run_probe_first
 from blend.prompt import Prompt, SegmentKind
 from blend.report import DeviationStats, ReuseClass, SegmentReport
 from blend.rope import apply_rope
@@ -264,9 +266,27 @@ class BlendRows:
         self.ratio: float | None = None
         self.checks = {c.layer: c for c in plan.checks}
         self.active = torch.arange(plan.n) if plan.checks else plan.always()  # (A,) sorted rows relative to e
+        if self.use_probe and checker.policy.candidates is not None:
+            self._probe_first(checker.policy)
         self.first_selected = self.active[self.active < plan.nb]  # doc rows kept at the first check
         self.deviation: DeviationStats | None = None
         self.k_pos = cache.pos[: plan.e + plan.n]  # (T,)
+
+    def _probe_first(self, policy: ReusePolicy) -> None:
+        """Candidate pre-selection: the probe runs before the layer loop, then only the rows the
+        question attends to most (``candidates`` x the largest budget a check layer may keep),
+        the forced rows and the question are computed up to the first check layer."""
+        plan = self.plan
+        self.probe = run_probe_first(self.model, plan, self.cache, plan.checks[0].layer,
+                                     gemm_dtype=probe_gemm_dtype(policy.probe_precision, self.model.dtype),
+                                     want_entropy=policy.budget is BudgetMode.AUTO)
+        self.probed_at = -1  # every layer holds the re-positioned cached rows
+        share = policy.max_ratio if policy.budget is BudgetMode.AUTO or policy.threshold is not None \
+            else plan.checks[0].ratio
+        n_cand = int(math.ceil(policy.candidates * round(share * plan.budget_base)))
+        free = torch.nonzero(~plan.forced).flatten()  # (M,) document rows a selector may choose
+        picked = free[top(self.probe.weight[free], n_cand)]  # (<= n_cand,)
+        self.active = torch.unique(torch.cat([picked, plan.always()]))  # (A,) sorted
 
     def store_kv(self, layer, q, k, v, h):
         plan, active = self.plan, self.active
@@ -278,7 +298,7 @@ class BlendRows:
         check = self.checks.get(layer)
         if check is None:
             return q, h
-        if check.index == 0 and self.use_probe:  # later check layers rank by the same probe
+        if check.index == 0 and self.use_probe and self.probe is None:  # later checks rank by the same probe
             pol = self.checker.policy
             self.probe = run_probe(self.model, plan, self.cache, layer, h[active >= plan.nb],
                                    gemm_dtype=probe_gemm_dtype(pol.probe_precision, self.model.dtype),

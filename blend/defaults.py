@@ -29,6 +29,9 @@ DEFAULT_GUARD_MARGIN: float | None = None
 DEFAULT_GUARD_RATIO = 1.0
 # the query probe's GEMMs: "compute" (the engine's dtype) or "bf16" (its numbers only rank rows)
 DEFAULT_PROBE_PRECISION = "compute"
+# probe selectors: None = the layers up to the check for every document row; F = the probe runs first
+# and only the F x budget rows the question attends to most are computed up to the check (candidates)
+DEFAULT_CANDIDATES: float | None = None
 
 # answering
 DEFAULT_MAX_NEW_TOKENS = 32

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blend.defaults import (
-    DEFAULT_AUTO_TARGET, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO,
+    DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO,
     DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_RATIO, DEFAULT_SELECTOR, DTYPE_NAMES,
 )
 from blend.errors import InvalidRequestError
@@ -81,6 +81,19 @@ def _margin(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected a number of nats or 'off', got {text!r}") from None
 
 
+def _factor(text: str) -> float | None:
+    """--candidates: a factor >= 1, or ``off``."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        f = float(text)
+    except ValueError:
+        f = float("nan")
+    if not f >= 1:
+        raise argparse.ArgumentTypeError(f"expected a factor >= 1 or 'off', got {text!r}")
+    return f
+
+
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     """--reuse and the blend knobs."""
     p.add_argument("--reuse", default=ReuseMode.EXACT.value, choices=REUSE_CHOICES,
@@ -103,6 +116,10 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
                         "many nats, recompute the request at --guard-ratio ('off': no guard; default: %(default)s)")
     p.add_argument("--guard-ratio", type=float, default=DEFAULT_GUARD_RATIO,
                    help="blend: the near-tie guard's ratio; 1.0 runs the exact path (default: %(default)s)")
+    p.add_argument("--candidates", type=_factor, default=DEFAULT_CANDIDATES,
+                   help="blend, probe selectors: run the probe first and compute the layers up to the check only "
+                        "for this many times the budget of rows the question reads most ('off': every row; "
+                        "default: %(default)s)")
     p.add_argument("--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS,
                    help="blend: compute fully below this length")
     p.add_argument("--force-blend", action="store_true", help="blend even if the model's quality gate failed")
@@ -128,6 +145,7 @@ def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
         auto_target=getattr(args, "auto_target", DEFAULT_AUTO_TARGET),
         guard_margin=getattr(args, "guard_margin", DEFAULT_GUARD_MARGIN),
         guard_ratio=getattr(args, "guard_ratio", DEFAULT_GUARD_RATIO),
+        candidates=getattr(args, "candidates", DEFAULT_CANDIDATES),
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from blend.defaults import (
-    DEFAULT_AUTO_TARGET, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO,
+    DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO,
     DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_SELECTOR,
 )
 from blend.errors import InvalidPolicyError
@@ -79,6 +79,12 @@ class ReusePolicy:
             (the report says so; TTFT counts both passes). None: off.
         guard_ratio: the guarded requests' ratio; 1.0 runs the exact path (preamble reused, the
             rest computed: the same numbers as no reuse).
+        candidates: probe selectors only (others ignore it): None computes the layers up to the first check for every
+            document row (each row's V deviation is measured); a factor F >= 1 runs the query probe
+            first, over the re-positioned cached KV of every layer, and computes those layers only
+            for the F x budget rows the question attends to most (the candidates the selector then
+            ranks by probe x V deviation): layer 0's cached KV is exact, so a candidate's rows are
+            the same numbers either way, and the rest never needed computing.
     """
 
     mode: ReuseMode = ReuseMode.EXACT
@@ -99,6 +105,7 @@ class ReusePolicy:
     probe_precision: ProbePrecision = ProbePrecision(DEFAULT_PROBE_PRECISION)
     guard_margin: float | None = DEFAULT_GUARD_MARGIN
     guard_ratio: float = DEFAULT_GUARD_RATIO
+    candidates: float | None = DEFAULT_CANDIDATES
 
     def __post_init__(self) -> None:
         def bad_ratio(r: float) -> bool:
@@ -122,6 +129,10 @@ class ReusePolicy:
         if self.guard_margin is not None and (not isinstance(self.guard_margin, (int, float))
                                               or math.isnan(self.guard_margin) or self.guard_margin < 0):
             raise InvalidPolicyError(f"guard_margin must be >= 0 or None, got {self.guard_margin}")
+        if self.candidates is not None:
+            if (not isinstance(self.candidates, (int, float)) or math.isnan(self.candidates)
+                    or self.candidates < 1):
+                raise InvalidPolicyError(f"candidates must be a factor >= 1 or None, got {self.candidates}")
         if bad_ratio(self.guard_ratio):
             raise InvalidPolicyError(f"guard_ratio must be in [0, 1], got {self.guard_ratio}")
         if self.threshold is not None and (math.isnan(self.threshold) or self.threshold < 0):
@@ -190,4 +201,5 @@ class ReusePolicy:
             what = f"auto({self.auto_target:g})<={self.max_ratio:g}"
         probe = f":probe={self.probe_precision.value}" if self.needs_probe else ""
         guard = f":guard={self.guard_margin:g}@{self.guard_ratio:g}" if self.guarded else ""
-        return f"blend@{what}:{self.selector}:check={checks}{probe}{guard}"
+        cand = f":cand={self.candidates:g}" if self.needs_probe and self.candidates is not None else ""
+        return f"blend@{what}:{self.selector}:check={checks}{probe}{cand}{guard}"

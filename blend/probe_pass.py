@@ -10,6 +10,11 @@ full prefill). It leaves layers > c of the cache holding every document's
 re-positioned cached rows, so the blend's own pass only writes the rows it
 recomputes there.
 
+With candidate pre-selection (``ReusePolicy.candidates``) the probe runs first
+instead (:func:`run_probe_first`): the question's rows from layer 0, over the
+re-positioned cached KV at every layer (a ratio-0 blend), before any document row
+is computed; the layers it records from the first check layer up are the weights.
+
 Rows are relative to e, the first re-positioned row::
 
     rows   0 ........ nb-1 | nb ...... n-1
@@ -65,7 +70,7 @@ class ProbeRows:
         self.mass: list[torch.Tensor] = []  # (nb,) per probed layer
 
     def store_kv(self, layer, q, k, v, h):
-        if layer > self.check:  # layer c already holds every row's fresh K/V
+        if layer > self.check:  # layer c already holds every row's fresh K/V (check -1: none does)
             self.plan.reposition(layer, self.cache)  # every document's cached rows, re-positioned
             self.plan.write_fresh(layer, self.cache, self.q_rows, k, v)  # the question's fresh rows
         return q, h
@@ -103,3 +108,26 @@ def run_probe(model: ModelRunner, plan: "BlendPlan", cache: KVCache, check: int,
     layers = model.layers_in(gemm_dtype or model.dtype)
     h = model.run_layers(h_q, rows, start=check, layers=layers)  # (Nq, C)
     return ProbeResult(torch.stack(rows.mass), entropy(model.logits(h[-1:])[0]) if want_entropy else None)
+
+
+def run_probe_first(model: ModelRunner, plan: "BlendPlan", cache: KVCache, check: int,
+                    gemm_dtype: torch.dtype | None = None, want_entropy: bool = True) -> ProbeResult:
+    """The probe before any document row is computed: the question's rows from layer 0 over the
+    re-positioned cached KV of every layer (what a ratio-0 blend reads). Leaves every layer of the
+    cache holding each document's re-positioned rows, so the blend's pass only writes its own rows.
+
+    Args:
+        model: the model runner.
+        plan: the request's re-positioned rows.
+        cache: the request's cache, rows [e, e+n) not yet written.
+        check: the first check layer: the weights average the layers check..L-1 (as :func:`run_probe`).
+        gemm_dtype: dtype of the probe's GEMMs (None: the engine's).
+        want_entropy: also run the LM head for the entropy of the probe's first-token distribution.
+
+    Returns:
+        The question's attention at layers check..L-1 and (if asked) the entropy.
+    """
+    rows = ProbeRows(plan, cache, -1, model.dims.scale)
+    layers = model.layers_in(gemm_dtype or model.dtype)
+    h = model.run_layers(model.embed(plan.ids[plan.nb:]), rows, layers=layers)  # (Nq, C)
+    return ProbeResult(torch.stack(rows.mass[check:]), entropy(model.logits(h[-1:])[0]) if want_entropy else None)

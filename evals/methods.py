@@ -6,12 +6,14 @@ belong to the check list)::
     full                         full prefill, no reuse (always run: the reference)
     prefix                       exact prefix reuse: only the preamble is shared
     reuse                        full KV reuse (blend at ratio 0)
-    blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute][:guard=M@G|guard=off]
+    blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute][:cand=F][:guard=M@G|guard=off]
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
                                  the budget is chosen per prompt (adaptive), R is its cap;
                                  ``probe=`` the dtype of the query probe's GEMMs; ``guard=``
                                  the near-tie guard (the blend's first-token top-2 gap < M
-                                 nats: recomputed at ratio G, default 1.0), ``guard=off`` none
+                                 nats: recomputed at ratio G, default 1.0), ``guard=off`` none;
+                                 ``cand=F`` (probe selectors) the probe runs first and only F x
+                                 budget candidate rows are computed up to the check layer
 
 e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.
 """
@@ -79,6 +81,7 @@ class Method:
     auto: bool = False
     probe_precision: str | None = None
     guard: tuple[float | None, float | None] | None = None
+    candidates: float | None = None
 
     def policy(self) -> Any:
         """The engine's :class:`blend.policy.ReusePolicy` for this method."""
@@ -97,6 +100,8 @@ class Method:
             kwargs.update(budget=BudgetMode.AUTO, max_ratio=self.ratio)
         if self.probe_precision is not None:
             kwargs["probe_precision"] = ProbePrecision(self.probe_precision)
+        if self.candidates is not None:
+            kwargs["candidates"] = self.candidates
         if self.guard is not None:
             kwargs["guard_margin"] = self.guard[0]
             if self.guard[1] is not None:
@@ -109,6 +114,7 @@ class Method:
             return self.kind.value
         label = (self.selector or "default") + (" auto" if self.auto else "")
         label += f" probe={self.probe_precision}" if self.probe_precision else ""
+        label += f" cand={self.candidates:g}" if self.candidates is not None else ""
         label += f" guard={_fmt_guard(self.guard)}" if self.guard is not None else ""
         return f"{label} check={','.join(map(str, self.check_layers))}" if self.check_layers else label
 
@@ -122,6 +128,7 @@ class Method:
             "auto": self.auto,
             "probe_precision": self.probe_precision,
             "guard": None if self.guard is None else list(self.guard),
+            "candidates": self.candidates,
         }
 
 
@@ -186,8 +193,18 @@ def parse_method(spec: str) -> Method:
     auto = False
     probe: str | None = None
     guard: tuple[float | None, float | None] | None = None
+    cand: float | None = None
     for part in [p for p in m.group(2).split(":") if p]:
-        if part.startswith("guard="):
+        if part.startswith("cand="):
+            if cand is not None:
+                raise MethodError(f"method '{spec}': cand= given twice")
+            try:
+                cand = float(part[len("cand="):])
+            except ValueError:
+                raise MethodError(f"method '{spec}': cand= takes a factor >= 1, got '{part}'") from None
+            if not math.isfinite(cand) or cand < 1:
+                raise MethodError(f"method '{spec}': cand= takes a factor >= 1, got '{part}'")
+        elif part.startswith("guard="):
             if guard is not None:
                 raise MethodError(f"method '{spec}': guard= given twice")
             guard = _parse_guard(spec, part[len("guard="):])
@@ -226,11 +243,13 @@ def parse_method(spec: str) -> Method:
         canonical += ":auto"
     if probe is not None:
         canonical += f":probe={probe}"
+    if cand is not None:
+        canonical += f":cand={cand:g}"
     if guard is not None:
         canonical += f":guard={_fmt_guard(guard)}"
     return Method(
         name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks,
-        auto=auto, probe_precision=probe, guard=guard,
+        auto=auto, probe_precision=probe, guard=guard, candidates=cand,
     )
 
 

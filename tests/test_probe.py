@@ -18,13 +18,15 @@ def probe_seen(monkeypatch):
     import blend.blending as B
 
     seen: dict = {}
-    real_probe = B.run_probe
+    for name in ("run_probe", "run_probe_first"):  # at the check layer, or first (candidates)
+        real = getattr(B, name)
 
-    def spy_probe(*a, **kw):
-        seen["probe"] = real_probe(*a, **kw)
-        return seen["probe"]
+        def spy_probe(*a, _real=real, _name=name, **kw):
+            seen["probe"] = _real(*a, **kw)
+            seen["calls"] = seen.get("calls", []) + [_name]
+            return seen["probe"]
 
-    monkeypatch.setattr(B, "run_probe", spy_probe)
+        monkeypatch.setattr(B, name, spy_probe)
     return seen
 
 
@@ -333,3 +335,105 @@ def test_probe_attn_ranks_by_the_probe_alone_and_works_at_check_layer_zero(tiny_
     full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
     one = tiny_engine.generate(prompt, ReusePolicy.blend(1.0, "probe_attn", check_layers=0), max_new_tokens=1)
     torch.testing.assert_close(one.first_logits, full.first_logits, rtol=0, atol=1e-4)
+
+
+def _select_spy(monkeypatch) -> dict:
+    """The blend's selector, spied: the dict holds the last call's inputs and picks."""
+    import blend.blending as B
+
+    seen: dict = {}
+    real_select = B.select
+
+    def spy(name, inp, budget):
+        seen["inp"], seen["budget"], seen["picked"] = inp, budget, real_select(name, inp, budget)
+        return seen["picked"]
+
+    monkeypatch.setattr(B, "select", spy)
+    return seen
+
+
+def test_candidates_compute_only_the_rows_the_question_reads_most(tiny_engine, monkeypatch, probe_seen):
+    """With candidates F the probe runs first (once, from layer 0); only the F x budget document rows
+    with the largest probe weight reach the check layer, and the selector picks its budget among them."""
+    sel = _select_spy(monkeypatch)
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    base = sum(len(d) for d in prompt.documents)
+    budget = round(0.15 * base)
+    ans = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", candidates=2.0), max_new_tokens=1)
+    assert probe_seen["calls"] == ["run_probe_first"]
+    pr, inp = probe_seen["probe"], sel["inp"]
+    nb = sum(len(d) for d in prompt.documents[1:])  # doc 1 is exact at its canonical place
+    assert pr.attn.shape == (tiny_engine.dims.num_layers - 1, nb)  # the same layers as the probe at the check
+    assert inp.dev_v.numel() == math.ceil(2.0 * budget) < nb  # the candidates, not every row
+    cand = torch.sort(P.top(pr.weight, math.ceil(2.0 * budget))).values  # rows relative to e
+    assert torch.equal(inp.probe_attn, pr.weight[cand])
+    assert torch.equal(sel["picked"], torch.sort(P.top(pr.weight[cand] * inp.dev_v, budget)).values)
+    assert ans.report.recomputed_tokens == budget
+    assert ":cand=2" in ans.report.policy
+
+
+def test_a_candidates_deviation_is_the_one_measured_over_every_row(tiny_engine, monkeypatch, probe_seen):
+    """Layer 0's cached KV is exact (it depends on the token and its position only), so a
+    candidate's V deviation at check layer 1 is the same number, to float rounding, as when every
+    row was computed through layer 0."""
+    sel = _select_spy(monkeypatch)
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    tiny_engine.generate(prompt, ReusePolicy.blend(0.2, "probe"), max_new_tokens=1)
+    every = sel["inp"].dev_v  # (nb,) every blended row was computed through layer 0
+    tiny_engine.generate(prompt, ReusePolicy.blend(0.2, "probe", candidates=1.5), max_new_tokens=1)
+    budget = round(0.2 * sum(len(d) for d in prompt.documents))
+    cand = torch.sort(P.top(probe_seen["probe"].weight, math.ceil(1.5 * budget))).values  # (C,) relative to e
+    assert sel["inp"].dev_v.numel() == cand.numel() < every.numel()
+    torch.testing.assert_close(sel["inp"].dev_v, every[cand], rtol=1e-5, atol=1e-5)
+
+
+def test_candidates_keep_the_invariants(tiny_engine_factory):
+    """Ratio 1.0 is full prefill; cold equals warm and a fresh engine bit for bit; the guard and the
+    adaptive budget run on top of it (the budget's cap sets the candidate count)."""
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("Which?", make_docs(4))
+    full = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    one = eng.generate(prompt, ReusePolicy.blend(1.0, "probe", candidates=2.0), max_new_tokens=1)
+    torch.testing.assert_close(one.first_logits, full.first_logits, rtol=0, atol=1e-4)
+    pol = ReusePolicy.blend(0.2, "probe", candidates=2.0)
+    cold = eng.generate(prompt, pol, max_new_tokens=1)
+    warm = eng.generate(prompt, pol, max_new_tokens=1)
+    fresh = tiny_engine_factory().generate(prompt, pol, max_new_tokens=1)
+    assert torch.equal(cold.first_logits, warm.first_logits) and torch.equal(cold.first_logits, fresh.first_logits)
+    auto = eng.generate(prompt, ReusePolicy.blend(0.3, "probe", budget=BudgetMode.AUTO, max_ratio=0.3,
+                                                  auto_target=0.0, candidates=2.0), max_new_tokens=1)
+    base = sum(len(d) for d in prompt.documents)
+    assert auto.report.recomputed_tokens == min(round(0.3 * base), sum(len(d) for d in prompt.documents[1:]))
+    # a selector without the probe ignores the factor: the same bits as without it
+    v = eng.generate(prompt, ReusePolicy.blend(0.2, "v"), max_new_tokens=1)
+    v2 = eng.generate(prompt, ReusePolicy.blend(0.2, "v", candidates=2.0), max_new_tokens=1)
+    assert torch.equal(v.first_logits, v2.first_logits) and ":cand" not in v2.report.policy
+
+
+@pytest.mark.parametrize("bad", [0.5, 0.0, -1.0, float("nan")])
+def test_policy_rejects_a_candidate_factor_under_one(bad):
+    from blend.errors import InvalidPolicyError
+
+    with pytest.raises(InvalidPolicyError):
+        ReusePolicy.blend(0.15, "probe", candidates=bad)
+
+
+def test_the_cli_the_api_and_the_harness_expose_candidates():
+    from blend.cli import build_parser
+    from blend.evals.methods import MethodError, parse_method
+    from blend.options import policy_from_args
+    from blend.serve.intake import policy_for
+    from blend.serve.schemas import KvblendOptions
+
+    base = ["ask", "q", "--doc", "d", "--reuse", "blend"]
+    assert policy_from_args(build_parser("ask").parse_args(base + ["--candidates", "3"])).candidates == 3.0
+    assert policy_from_args(build_parser("ask").parse_args(base + ["--candidates", "off"])).candidates is None
+    with pytest.raises(SystemExit):
+        build_parser("ask").parse_args(base + ["--candidates", "0.5"])
+    m = parse_method("blend@0.15:probe:cand=2")
+    assert m.policy().candidates == 2.0 and m.canonical == "blend@0.15:probe:cand=2"
+    with pytest.raises(MethodError):
+        parse_method("blend@0.15:probe:cand=0.9")
+    assert policy_for(KvblendOptions(reuse="blend", candidates=2.5), "").candidates == 2.5
+    with pytest.raises(ValueError):
+        KvblendOptions(reuse="blend", candidates=0.5)

@@ -55,7 +55,8 @@ def policy_for(opts: KvblendOptions, salt: str) -> ReusePolicy:
             raise InvalidPolicyError("semantic reuse is a blend option: use kvblend.reuse = \"blend\"")
         return ReusePolicy.exact(cache_salt=salt)
     return ReusePolicy.blend(ratio=opts.ratio, selector=opts.selector, semantic=opts.semantic, cache_salt=salt,
-                             guard_margin=opts.guard_margin, guard_ratio=opts.guard_ratio)
+                             guard_margin=opts.guard_margin, guard_ratio=opts.guard_ratio,
+                             candidates=opts.candidates)
 
 
 def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRequest, endpoint: Endpoint) -> Job:

@@ -20,7 +20,9 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from blend.defaults import DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_RATIO, DEFAULT_SELECTOR
+from blend.defaults import (
+    DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_RATIO, DEFAULT_SELECTOR,
+)
 from blend.policy import SELECTOR_NAMES
 
 Selector = Literal[SELECTOR_NAMES]  # type: ignore[valid-type]
@@ -44,6 +46,7 @@ class KvblendOptions(BaseModel):
     semantic: StrictBool = False
     guard_margin: float | None = Field(DEFAULT_GUARD_MARGIN, ge=0.0)  # near-tie guard (nats), opt-in
     guard_ratio: float = Field(DEFAULT_GUARD_RATIO, ge=0.0, le=1.0)
+    candidates: float | None = Field(DEFAULT_CANDIDATES, ge=1.0)  # probe selectors: candidate factor
     stop_at_newline: StrictBool = False
     return_tokens: StrictBool = False  # each document's token texts in the report (the playground's highlights)
 
