@@ -15,7 +15,11 @@ Position layout of one blended request (T rows)::
 Layer loop over the non-exact rows [e, T) ("active" rows get Q/K/V, attention
 and MLP; the others read their cached, re-positioned rows):
 
-    layers < c1          all rows active (fresh K/V everywhere)
+    layers < c1          all rows active (fresh K/V everywhere); with candidate
+                         pre-selection (probe selectors, ``candidates`` F) the
+                         probe runs first and only the F x budget rows the
+                         question reads most are active here (layer 0's cached
+                         KV is exact, so nothing else needs computing)
     layer c1 (check)     fresh vs cached deviation -> selector keeps
                          budget = round(ratio * reused doc tokens) rows of docs 2..k,
                          plus every question row

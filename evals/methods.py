@@ -6,7 +6,7 @@ belong to the check list)::
     full                         full prefill, no reuse (always run: the reference)
     prefix                       exact prefix reuse: only the preamble is shared
     reuse                        full KV reuse (blend at ratio 0)
-    blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute][:cand=F][:guard=M@G|guard=off]
+    blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute][:cand=F|cand=off][:guard=M@G|guard=off]
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
                                  the budget is chosen per prompt (adaptive), R is its cap;
                                  ``probe=`` the dtype of the query probe's GEMMs; ``guard=``
@@ -14,6 +14,7 @@ belong to the check list)::
                                  nats: recomputed at ratio G, default 1.0), ``guard=off`` none;
                                  ``cand=F`` (probe selectors) the probe runs first and only F x
                                  budget candidate rows are computed up to the check layer
+                                 (``cand=off``: every row, the behaviour before candidates)
 
 e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.
 """
@@ -81,7 +82,8 @@ class Method:
     auto: bool = False
     probe_precision: str | None = None
     guard: tuple[float | None, float | None] | None = None
-    candidates: float | None = None
+    candidates: float | None = None  # the candidate factor (None: the default)
+    candidates_off: bool = False  # cand=off: every row up to the check layer
 
     def policy(self) -> Any:
         """The engine's :class:`blend.policy.ReusePolicy` for this method."""
@@ -100,7 +102,7 @@ class Method:
             kwargs.update(budget=BudgetMode.AUTO, max_ratio=self.ratio)
         if self.probe_precision is not None:
             kwargs["probe_precision"] = ProbePrecision(self.probe_precision)
-        if self.candidates is not None:
+        if self.candidates is not None or self.candidates_off:
             kwargs["candidates"] = self.candidates
         if self.guard is not None:
             kwargs["guard_margin"] = self.guard[0]
@@ -115,6 +117,7 @@ class Method:
         label = (self.selector or "default") + (" auto" if self.auto else "")
         label += f" probe={self.probe_precision}" if self.probe_precision else ""
         label += f" cand={self.candidates:g}" if self.candidates is not None else ""
+        label += " cand=off" if self.candidates_off else ""
         label += f" guard={_fmt_guard(self.guard)}" if self.guard is not None else ""
         return f"{label} check={','.join(map(str, self.check_layers))}" if self.check_layers else label
 
@@ -128,7 +131,7 @@ class Method:
             "auto": self.auto,
             "probe_precision": self.probe_precision,
             "guard": None if self.guard is None else list(self.guard),
-            "candidates": self.candidates,
+            "candidates": "off" if self.candidates_off else self.candidates,
         }
 
 
@@ -194,10 +197,14 @@ def parse_method(spec: str) -> Method:
     probe: str | None = None
     guard: tuple[float | None, float | None] | None = None
     cand: float | None = None
+    cand_off = False
     for part in [p for p in m.group(2).split(":") if p]:
         if part.startswith("cand="):
-            if cand is not None:
+            if cand is not None or cand_off:
                 raise MethodError(f"method '{spec}': cand= given twice")
+            if part == "cand=off":
+                cand_off = True
+                continue
             try:
                 cand = float(part[len("cand="):])
             except ValueError:
@@ -245,11 +252,13 @@ def parse_method(spec: str) -> Method:
         canonical += f":probe={probe}"
     if cand is not None:
         canonical += f":cand={cand:g}"
+    if cand_off:
+        canonical += ":cand=off"
     if guard is not None:
         canonical += f":guard={_fmt_guard(guard)}"
     return Method(
         name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks,
-        auto=auto, probe_precision=probe, guard=guard, candidates=cand,
+        auto=auto, probe_precision=probe, guard=guard, candidates=cand, candidates_off=cand_off,
     )
 
 

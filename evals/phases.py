@@ -112,6 +112,7 @@ class PhaseClock(AbstractContextManager):
             (model.ModelRunner, "load", Phase.LOOKUP),
             (blending.Checker, "select", Phase.CHECK),
             (blending, "run_probe", Phase.CHECK),
+            (blending, "run_probe_first", Phase.CHECK),
             (blending, "rope_mix", Phase.ROPE),
             (blending, "apply_rope", Phase.ROPE),
             (model, "apply_rope", Phase.ROPE),

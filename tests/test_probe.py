@@ -131,7 +131,7 @@ def test_the_probe_sees_every_layer_above_the_check_and_drives_the_selection(tin
 
     monkeypatch.setattr(B, "select", spy_select)
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    ans = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe"), max_new_tokens=1)
+    ans = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe", candidates=None), max_new_tokens=1)
     pr, inp = seen["probe"], seen["inp"]
     nb = sum(len(d) for d in prompt.documents[1:])  # doc 1 is exact at its canonical place
     assert pr.attn.shape == (tiny_engine.dims.num_layers - 1, nb)  # check layer 1 .. the top
@@ -238,7 +238,7 @@ def test_a_bf16_probe_only_ranks_rows(tiny_engine, monkeypatch):
                                 max_new_tokens=1)
     assert torch.equal(full.first_logits, half.first_logits)
     layers = tiny_engine.dims.num_layers
-    assert calls.count(torch.bfloat16) == layers - 1  # the probe: check layer 1 .. the top
+    assert calls.count(torch.bfloat16) == layers  # the probe, first (candidates): layer 0 .. the top
     assert calls.count(runner.dtype) == layers  # the blend's own pass
     low = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe", probe_precision=ProbePrecision.BF16),
                                max_new_tokens=1)
@@ -378,10 +378,10 @@ def test_a_candidates_deviation_is_the_one_measured_over_every_row(tiny_engine, 
     row was computed through layer 0."""
     sel = _select_spy(monkeypatch)
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    tiny_engine.generate(prompt, ReusePolicy.blend(0.2, "probe"), max_new_tokens=1)
+    tiny_engine.generate(prompt, ReusePolicy.blend(0.1, "probe", candidates=None), max_new_tokens=1)
     every = sel["inp"].dev_v  # (nb,) every blended row was computed through layer 0
-    tiny_engine.generate(prompt, ReusePolicy.blend(0.2, "probe", candidates=1.5), max_new_tokens=1)
-    budget = round(0.2 * sum(len(d) for d in prompt.documents))
+    tiny_engine.generate(prompt, ReusePolicy.blend(0.1, "probe", candidates=1.5), max_new_tokens=1)
+    budget = round(0.1 * sum(len(d) for d in prompt.documents))
     cand = torch.sort(P.top(probe_seen["probe"].weight, math.ceil(1.5 * budget))).values  # (C,) relative to e
     assert sel["inp"].dev_v.numel() == cand.numel() < every.numel()
     torch.testing.assert_close(sel["inp"].dev_v, every[cand], rtol=1e-5, atol=1e-5)
@@ -420,6 +420,7 @@ def test_policy_rejects_a_candidate_factor_under_one(bad):
 
 def test_the_cli_the_api_and_the_harness_expose_candidates():
     from blend.cli import build_parser
+    from blend.defaults import DEFAULT_CANDIDATES
     from blend.evals.methods import MethodError, parse_method
     from blend.options import policy_from_args
     from blend.serve.intake import policy_for
@@ -432,8 +433,12 @@ def test_the_cli_the_api_and_the_harness_expose_candidates():
         build_parser("ask").parse_args(base + ["--candidates", "0.5"])
     m = parse_method("blend@0.15:probe:cand=2")
     assert m.policy().candidates == 2.0 and m.canonical == "blend@0.15:probe:cand=2"
-    with pytest.raises(MethodError):
-        parse_method("blend@0.15:probe:cand=0.9")
+    off = parse_method("blend@0.15:probe:cand=off")
+    assert off.policy().candidates is None and off.canonical == "blend@0.15:probe:cand=off"
+    assert parse_method("blend@0.15:probe").policy().candidates == DEFAULT_CANDIDATES
+    for bad in ("blend@0.15:probe:cand=0.9", "blend@0.15:probe:cand=2:cand=off", "blend@0.15:probe:cand=x"):
+        with pytest.raises(MethodError):
+            parse_method(bad)
     assert policy_for(KvblendOptions(reuse="blend", candidates=2.5), "").candidates == 2.5
     with pytest.raises(ValueError):
         KvblendOptions(reuse="blend", candidates=0.5)
