@@ -31,9 +31,10 @@ DEFAULT_GUARD_RATIO = 1.0
 DEFAULT_PROBE_PRECISION = "compute"
 # probe selectors: None = the layers up to the check for every document row; F = the probe runs first
 # and only the F x budget rows the question attends to most are computed up to the check (candidates).
-# 1.5 was chosen on musique items 0-29 (of 1.5, 2, 3); on validation items 30-99 it measured the same
-# KL as None (mean 0.0366 vs 0.0370) at 0.225x vs 0.238x TTFT (issue 14, BENCHMARKS.md)
-DEFAULT_CANDIDATES: float | None = 1.5
+# 2: the smallest of 1.5 / 2 / 3 that keeps synthetic two-hop no worse than V deviation at 0.15 and
+# 0.30 (1.5 did not: p90 0.118 vs 0.115); on musique tuning items 0-29 below None in every KL column
+# at 0.218x vs 0.237x TTFT; validation 30-99 in BENCHMARKS.md (issue 14, "Candidate pre-selection")
+DEFAULT_CANDIDATES: float | None = 2.0
 
 # answering
 DEFAULT_MAX_NEW_TOKENS = 32
