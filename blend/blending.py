@@ -267,6 +267,9 @@ class BlendRows:
         self.use_probe = probe and bool(plan.checks)
         self.probed_at: int | None = None  # layers above this hold the probe's re-positioned rows
         self.probe: ProbeResult | None = None
+        pol = checker.policy  # the probe's settings, the same wherever it runs
+        self.probe_dtype = probe_gemm_dtype(pol.probe_precision, model.dtype)
+        self.probe_entropy = pol.budget is BudgetMode.AUTO  # only the adaptive budget reads it
         self.ratio: float | None = None
         self.checks = {c.layer: c for c in plan.checks}
         self.active = torch.arange(plan.n) if plan.checks else plan.always()  # (A,) sorted rows relative to e
@@ -282,8 +285,7 @@ class BlendRows:
         the forced rows and the question are computed up to the first check layer."""
         plan = self.plan
         self.probe = run_probe_first(self.model, plan, self.cache, plan.checks[0].layer,
-                                     gemm_dtype=probe_gemm_dtype(policy.probe_precision, self.model.dtype),
-                                     want_entropy=policy.budget is BudgetMode.AUTO)
+                                     gemm_dtype=self.probe_dtype, want_entropy=self.probe_entropy)
         self.probed_at = -1  # every layer holds the re-positioned cached rows
         share = policy.max_ratio if policy.budget is BudgetMode.AUTO or policy.threshold is not None \
             else plan.checks[0].ratio
@@ -303,10 +305,8 @@ class BlendRows:
         if check is None:
             return q, h
         if check.index == 0 and self.use_probe and self.probe is None:  # later checks rank by the same probe
-            pol = self.checker.policy
             self.probe = run_probe(self.model, plan, self.cache, layer, h[active >= plan.nb],
-                                   gemm_dtype=probe_gemm_dtype(pol.probe_precision, self.model.dtype),
-                                   want_entropy=pol.budget is BudgetMode.AUTO)
+                                   gemm_dtype=self.probe_dtype, want_entropy=self.probe_entropy)
             self.probed_at = layer
         k_all, _ = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
         sel = self.checker.select(check, active, q, k, v, k_all, self.k_pos, self.probe)

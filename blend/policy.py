@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from blend.defaults import (
-    DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO,
-    DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_SELECTOR,
+    DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO,
+    DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_SELECTOR,
 )
 from blend.errors import InvalidPolicyError
 
@@ -79,8 +79,9 @@ class ReusePolicy:
             (the report says so; TTFT counts both passes). None: off.
         guard_ratio: the guarded requests' ratio; 1.0 runs the exact path (preamble reused, the
             rest computed: the same numbers as no reuse).
-        candidates: probe selectors only (others ignore it): None computes the layers up to the first check for every
-            document row (each row's V deviation is measured); a factor F >= 1 runs the query probe
+        candidates: probe selectors only (others ignore it): None computes the layers up to the
+            first check for every document row (each row's V deviation is measured); a factor
+            F >= 1 runs the query probe
             first, over the re-positioned cached KV of every layer, and computes those layers only
             for the F x budget rows the question attends to most (the candidates the selector then
             ranks by probe x V deviation): layer 0's cached KV is exact, so a candidate's rows are

@@ -104,10 +104,7 @@ def run_probe(model: ModelRunner, plan: "BlendPlan", cache: KVCache, check: int,
     Returns:
         Per-layer attention and (if asked) the entropy of the probe's first-token distribution.
     """
-    rows = ProbeRows(plan, cache, check, model.dims.scale)
-    layers = model.layers_in(gemm_dtype or model.dtype)
-    h = model.run_layers(h_q, rows, start=check, layers=layers)  # (Nq, C)
-    return ProbeResult(torch.stack(rows.mass), entropy(model.logits(h[-1:])[0]) if want_entropy else None)
+    return _probe(model, ProbeRows(plan, cache, check, model.dims.scale), h_q, check, 0, gemm_dtype, want_entropy)
 
 
 def run_probe_first(model: ModelRunner, plan: "BlendPlan", cache: KVCache, check: int,
@@ -127,7 +124,14 @@ def run_probe_first(model: ModelRunner, plan: "BlendPlan", cache: KVCache, check
     Returns:
         The question's attention at layers check..L-1 and (if asked) the entropy.
     """
-    rows = ProbeRows(plan, cache, -1, model.dims.scale)
+    h_q = model.embed(plan.ids[plan.nb:])  # (Nq, C) the question's rows at layer 0's input
+    return _probe(model, ProbeRows(plan, cache, -1, model.dims.scale), h_q, 0, check, gemm_dtype, want_entropy)
+
+
+def _probe(model: ModelRunner, rows: ProbeRows, h_q: torch.Tensor, start: int, skip: int,
+           gemm_dtype: torch.dtype | None, want_entropy: bool) -> ProbeResult:
+    """Run the question's rows ``h_q`` (Nq, C) from layer ``start`` through ``rows``; the result keeps
+    the attention of the probed layers after the first ``skip``."""
     layers = model.layers_in(gemm_dtype or model.dtype)
-    h = model.run_layers(model.embed(plan.ids[plan.nb:]), rows, layers=layers)  # (Nq, C)
-    return ProbeResult(torch.stack(rows.mass[check:]), entropy(model.logits(h[-1:])[0]) if want_entropy else None)
+    h = model.run_layers(h_q, rows, start=start, layers=layers)  # (Nq, C)
+    return ProbeResult(torch.stack(rows.mass[skip:]), entropy(model.logits(h[-1:])[0]) if want_entropy else None)
