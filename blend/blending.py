@@ -268,7 +268,7 @@ class BlendRows:
         self.probed_at: int | None = None  # layers above this hold the probe's re-positioned rows
         self.probe: ProbeResult | None = None
         pol = checker.policy  # the probe's settings, the same wherever it runs
-        self.probe_dtype = probe_gemm_dtype(pol.probe_precision, model.dtype)
+        self.probe_dtype = probe_gemm_dtype(pol.probe_precision, model.dtype, model.device)
         self.probe_entropy = pol.budget is BudgetMode.AUTO  # only the adaptive budget reads it
         self.ratio: float | None = None
         self.checks = {c.layer: c for c in plan.checks}

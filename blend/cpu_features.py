@@ -8,6 +8,7 @@ when asked for such a dtype on such a CPU; it still runs it.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 
@@ -44,6 +45,12 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
         if sep and name.strip() == "flags":
             return frozenset(value.split())
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def this_cpu_flags() -> frozenset[str] | None:
+    """This machine's CPU flags, read once per process (per-request decisions read them)."""
+    return cpu_flags()
 
 
 def native_on_cpu(dtype: torch.dtype, flags: frozenset[str] | None) -> bool | None:

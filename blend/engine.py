@@ -30,6 +30,7 @@ from blend.model import ModelRunner
 from blend.models import LoadedModel, load_model
 from blend.policy import ReuseMode, ReusePolicy
 from blend.probe import top2_margin
+from blend.probe_pass import resolve_probe_precision
 from blend.prompt import Prompt, Segment, SegmentKind, build_prompt, preamble_segment
 from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport, Timings
 from blend.rope import rope_config_json
@@ -288,6 +289,9 @@ class Engine:
         if len(prompt) + extra_capacity > limit:
             raise PromptTooLongError(f"prompt of {len(prompt)} tokens plus {extra_capacity} new tokens exceeds "
                                      f"the model's context of {limit}")
+        if policy.mode is ReuseMode.BLEND:  # the report says what ran: AUTO becomes bf16 or compute
+            policy = replace(policy, probe_precision=resolve_probe_precision(
+                policy.probe_precision, self.runner.dtype, self.runner.device))
         refused, kinds, gate_s = self._refusal(prompt, policy)
         cache = self.runner.new_cache(len(prompt) + extra_capacity)
         t0 = time.perf_counter()

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from blend.defaults import (
     DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_GUARD_MARGIN,
-    DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_RATIO, DEFAULT_SELECTOR,
-    DTYPE_NAMES,
+    DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_PROBE_PRECISION,
+    DEFAULT_RATIO, DEFAULT_SELECTOR, DTYPE_NAMES,
 )
 from blend.errors import InvalidRequestError
-from blend.policy import SELECTOR_NAMES, BudgetMode, ReuseMode, ReusePolicy
+from blend.policy import SELECTOR_NAMES, BudgetMode, ProbePrecision, ReuseMode, ReusePolicy
 
 if TYPE_CHECKING:
     from blend.engine import Engine
@@ -121,6 +121,9 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
                    help="blend, probe selectors: run the probe first and compute the layers up to the check only "
                         "for this many times the budget of rows the question reads most ('off': every row; "
                         "default: %(default)s)")
+    p.add_argument("--probe-precision", default=DEFAULT_PROBE_PRECISION, choices=[x.value for x in ProbePrecision],
+                   help="blend, probe selectors: dtype of the query probe's GEMMs (its numbers only rank rows): "
+                        "compute, bf16, or auto (bf16 on a CPU with native bf16, else compute; default: %(default)s)")
     p.add_argument("--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS,
                    help="blend: compute fully below this length")
     p.add_argument("--force-blend", action="store_true", help="blend even if the model's quality gate failed")
@@ -147,6 +150,7 @@ def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
         guard_margin=getattr(args, "guard_margin", DEFAULT_GUARD_MARGIN),
         guard_ratio=getattr(args, "guard_ratio", DEFAULT_GUARD_RATIO),
         candidates=getattr(args, "candidates", DEFAULT_CANDIDATES),
+        probe_precision=ProbePrecision(getattr(args, "probe_precision", DEFAULT_PROBE_PRECISION)),
     )
 
 

@@ -38,6 +38,7 @@ class ProbePrecision(Enum):
 
     COMPUTE = "compute"  # the engine's compute dtype
     BF16 = "bf16"  # bfloat16 weights and activations at the GEMMs; attention and norms in the compute dtype
+    AUTO = "auto"  # BF16 for a float32 engine on a CPU with native bf16 (AVX-512 BF16 or AMX), else COMPUTE
 
 
 class ReuseMode(Enum):

@@ -6,7 +6,7 @@ belong to the check list)::
     full                         full prefill, no reuse (always run: the reference)
     prefix                       exact prefix reuse: only the preamble is shared
     reuse                        full KV reuse (blend at ratio 0)
-    blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute][:cand=F|cand=off][:guard=M@G|guard=off]
+    blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute|auto][:cand=F|cand=off][:guard=M@G|guard=off]
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
                                  the budget is chosen per prompt (adaptive), R is its cap;
                                  ``probe=`` the dtype of the query probe's GEMMs; ``guard=``

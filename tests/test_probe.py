@@ -442,3 +442,50 @@ def test_the_cli_the_api_and_the_harness_expose_candidates():
     assert policy_for(KvblendOptions(reuse="blend", candidates=2.5), "").candidates == 2.5
     with pytest.raises(ValueError):
         KvblendOptions(reuse="blend", candidates=0.5)
+
+
+def test_auto_probe_precision_is_bf16_only_where_the_cpu_has_it(tiny_engine):
+    """probe=auto: bf16 for a float32 engine on a CPU with avx512_bf16 or amx_bf16, the compute dtype
+    elsewhere (emulated bf16 is slower than fp32) and for engines already in bf16 or on a GPU; the
+    report names what ran, never "auto"."""
+    from blend.cpu_features import this_cpu_flags
+    from blend.policy import ProbePrecision as PP
+    from blend.probe_pass import probe_gemm_dtype, resolve_probe_precision
+
+    cpu, f32 = torch.device("cpu"), torch.float32
+    amx, avx512, avx2 = frozenset({"amx_bf16"}), frozenset({"avx512_bf16", "avx2"}), frozenset({"avx2", "fma"})
+    assert resolve_probe_precision(PP.AUTO, f32, cpu, amx) is PP.BF16
+    assert resolve_probe_precision(PP.AUTO, f32, cpu, avx512) is PP.BF16
+    assert resolve_probe_precision(PP.AUTO, f32, cpu, avx2) is PP.COMPUTE
+    assert resolve_probe_precision(PP.AUTO, f32, torch.device("cuda"), amx) is PP.COMPUTE
+    assert resolve_probe_precision(PP.AUTO, torch.bfloat16, cpu, amx) is PP.COMPUTE
+    assert resolve_probe_precision(PP.COMPUTE, f32, cpu, amx) is PP.COMPUTE
+    assert resolve_probe_precision(PP.BF16, f32, cpu, avx2) is PP.BF16  # asked for outright: obeyed
+    assert probe_gemm_dtype(PP.AUTO, f32, cpu, amx) == torch.bfloat16
+    assert probe_gemm_dtype(PP.AUTO, f32, cpu, avx2) == f32
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    here = resolve_probe_precision(PP.AUTO, tiny_engine.runner.dtype, tiny_engine.runner.device, this_cpu_flags())
+    auto = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe", probe_precision=PP.AUTO), max_new_tokens=1)
+    same = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe", probe_precision=here), max_new_tokens=1)
+    assert f":probe={here.value}" in auto.report.policy and "auto" not in auto.report.policy
+    assert torch.equal(auto.first_logits, same.first_logits)
+
+
+def test_the_cli_the_api_and_the_harness_expose_the_probe_precision():
+    from blend.cli import build_parser
+    from blend.evals.methods import parse_method
+    from blend.options import policy_from_args
+    from blend.policy import ProbePrecision as PP
+    from blend.serve.intake import policy_for
+    from blend.serve.schemas import KvblendOptions
+
+    base = ["ask", "q", "--doc", "d", "--reuse", "blend"]
+    for value in ("compute", "bf16", "auto"):
+        args = build_parser("ask").parse_args(base + ["--probe-precision", value])
+        assert policy_from_args(args).probe_precision is PP(value)
+        assert policy_for(KvblendOptions(reuse="blend", probe_precision=value), "").probe_precision is PP(value)
+    with pytest.raises(SystemExit):
+        build_parser("ask").parse_args(base + ["--probe-precision", "fp8"])
+    with pytest.raises(ValueError):
+        KvblendOptions(reuse="blend", probe_precision="fp8")
+    assert parse_method("blend@0.15:probe:probe=auto").policy().probe_precision is PP.AUTO

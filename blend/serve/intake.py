@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.generation import stop_strings
-from blend.policy import ReusePolicy
+from blend.policy import ProbePrecision, ReusePolicy
 from blend.prompt import Prompt
 from blend.sampling import GenerationConfig
 from blend.serve.config import ServeConfig
@@ -56,7 +56,7 @@ def policy_for(opts: KvblendOptions, salt: str) -> ReusePolicy:
         return ReusePolicy.exact(cache_salt=salt)
     return ReusePolicy.blend(ratio=opts.ratio, selector=opts.selector, semantic=opts.semantic, cache_salt=salt,
                              guard_margin=opts.guard_margin, guard_ratio=opts.guard_ratio,
-                             candidates=opts.candidates)
+                             candidates=opts.candidates, probe_precision=ProbePrecision(opts.probe_precision))
 
 
 def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRequest, endpoint: Endpoint) -> Job:

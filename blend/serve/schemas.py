@@ -21,7 +21,8 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from blend.defaults import (
-    DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_RATIO, DEFAULT_SELECTOR,
+    DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO,
+    DEFAULT_SELECTOR,
 )
 from blend.policy import SELECTOR_NAMES
 
@@ -47,6 +48,7 @@ class KvblendOptions(BaseModel):
     guard_margin: float | None = Field(DEFAULT_GUARD_MARGIN, ge=0.0)  # near-tie guard (nats), opt-in
     guard_ratio: float = Field(DEFAULT_GUARD_RATIO, ge=0.0, le=1.0)
     candidates: float | None = Field(DEFAULT_CANDIDATES, ge=1.0)  # probe selectors: candidate factor
+    probe_precision: Literal["compute", "bf16", "auto"] = DEFAULT_PROBE_PRECISION  # the probe's GEMM dtype
     stop_at_newline: StrictBool = False
     return_tokens: StrictBool = False  # each document's token texts in the report (the playground's highlights)
 
