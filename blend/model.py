@@ -229,6 +229,14 @@ class LayerRows(Protocol):
         ...
 
 
+def layer_attention_only(w: LayerWeights, dims: ModelDims, layer: int, h: torch.Tensor, rows: LayerRows) -> None:
+    """A layer's K/V and attention over the hidden rows h (A, C), without the output projection and
+    MLP: for a pass that only reads what its rows attend to at its last layer (the query probe)."""
+    q, k, v = project_qkv(w, dims, rms_norm(h, w.input_norm, dims.eps))  # (Hq,A,D) (Hkv,A,D) x2
+    q, _ = rows.store_kv(layer, q, k, v, h)
+    rows.attend(layer, q)
+
+
 def layer_forward(w: LayerWeights, dims: ModelDims, layer: int, h: torch.Tensor, rows: LayerRows) -> torch.Tensor:
     """One decoder layer over the active hidden rows h (A, C) -> (A', C)."""
     tile = rows.gemm_tile

@@ -31,7 +31,7 @@ import torch
 from blend.cpu_features import native_on_cpu, this_cpu_flags
 from blend.kernels import attention_probs
 from blend.kvcache import KVCache
-from blend.model import ModelRunner
+from blend.model import ModelRunner, layer_attention_only
 from blend.policy import ProbePrecision
 from blend.probe import entropy
 from blend.rope import apply_rope
@@ -160,5 +160,11 @@ def _probe(model: ModelRunner, rows: ProbeRows, h_q: torch.Tensor, start: int, s
     """Run the question's rows ``h_q`` (Nq, C) from layer ``start`` through ``rows``; the result keeps
     the attention of the probed layers after the first ``skip``."""
     layers = model.layers_in(gemm_dtype or model.dtype)
-    h = model.run_layers(h_q, rows, start=start, layers=layers)  # (Nq, C)
-    return ProbeResult(torch.stack(rows.mass[skip:]), entropy(model.logits(h[-1:])[0]) if want_entropy else None)
+    if want_entropy:  # the LM head reads the top layer's output
+        h = model.run_layers(h_q, rows, start=start, layers=layers)  # (Nq, C)
+        return ProbeResult(torch.stack(rows.mass[skip:]), entropy(model.logits(h[-1:])[0]))
+    # only the attention is read: the top layer stops after it (no output projection, no MLP)
+    top = len(layers) - 1
+    h = model.run_layers(h_q, rows, start=start, layers=layers[:top])  # (Nq, C) the top layer's input
+    layer_attention_only(layers[top], model.dims, top, h, rows)
+    return ProbeResult(torch.stack(rows.mass[skip:]), None)

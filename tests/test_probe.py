@@ -216,6 +216,7 @@ def test_a_bf16_probe_only_ranks_rows(tiny_engine, monkeypatch):
     in the compute dtype: at ratio 1.0 (every row recomputed whatever the ranking) the logits are
     bit-identical to the compute-dtype probe's, and only the probe ever sees bf16 weights."""
     import blend.model as M
+    import blend.probe_pass as probe_pass
     from blend.policy import ProbePrecision
 
     runner = tiny_engine.runner
@@ -230,7 +231,14 @@ def test_a_bf16_probe_only_ranks_rows(tiny_engine, monkeypatch):
         calls.append(w.w_qkv.dtype)
         return real(w, *a, **kw)
 
+    real_top = M.layer_attention_only
+
+    def spy_top(w, *a, **kw):
+        calls.append(w.w_qkv.dtype)
+        return real_top(w, *a, **kw)
+
     monkeypatch.setattr(M, "layer_forward", spy)
+    monkeypatch.setattr(probe_pass, "layer_attention_only", spy_top)  # the probe's top layer: attention only
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     full = tiny_engine.generate(prompt, ReusePolicy.blend(1.0, "probe"), max_new_tokens=1)
     calls.clear()
