@@ -326,15 +326,16 @@ class ModelRunner:
         self._gemm_copies: dict[torch.dtype, list[LayerWeights]] = {}  # dtype -> layers (lazy)
 
     def layers_in(self, dtype: torch.dtype) -> list[LayerWeights]:
-        """The layers with their GEMM matrices in ``dtype`` (norms and biases stay in the compute
-        dtype; activations are cast at each GEMM): a lower-precision copy for passes whose numbers
-        only rank rows (the blend's query probe), made once. The compute dtype returns the layers."""
+        """The layers with their GEMM matrices (and the Q/K/V bias the GEMM adds) in ``dtype`` (norms
+        stay in the compute dtype; activations are cast at each GEMM): a lower-precision copy for
+        passes whose numbers only rank rows (the blend's query probe), made once. The compute dtype
+        returns the layers."""
         if dtype == self.dtype:
             return self.layers
         if dtype not in self._gemm_copies:
             self._gemm_copies[dtype] = [
                 replace(w, w_qkv=w.w_qkv.to(dtype), w_o=w.w_o.to(dtype), w_gate_up=w.w_gate_up.to(dtype),
-                        w_down=w.w_down.to(dtype))
+                        w_down=w.w_down.to(dtype), b_qkv=None if w.b_qkv is None else w.b_qkv.to(dtype))
                 for w in self.layers]
         return self._gemm_copies[dtype]
 

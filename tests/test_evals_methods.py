@@ -65,7 +65,7 @@ def test_probe_precision_in_a_method_spec():
 
     m = parse_method("blend@0.15:probe:probe=bf16")
     assert m.canonical == "blend@0.15:probe:probe=bf16" and m.policy().probe_precision is ProbePrecision.BF16
-    assert parse_method("blend@0.15:probe").policy().probe_precision is ProbePrecision.COMPUTE
+    assert parse_method("blend@0.15:probe").policy().probe_precision is ProbePrecision.AUTO
     for bad in ("blend@0.15:probe=fp8", "blend@0.15:probe=bf16:probe=bf16"):
         with pytest.raises(MethodError):
             parse_method(bad)

@@ -497,3 +497,21 @@ def test_the_cli_the_api_and_the_harness_expose_the_probe_precision():
     with pytest.raises(ValueError):
         KvblendOptions(reuse="blend", probe_precision="fp8")
     assert parse_method("blend@0.15:probe:probe=auto").policy().probe_precision is PP.AUTO
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_a_bf16_probe_runs_on_models_with_qkv_biases(model):
+    """Qwen2 adds a Q/K/V bias inside the GEMM: the probe's bf16 layer copy carries it in bf16 too
+    (an fp32 bias beside bf16 weights failed in F.linear); ratio 1.0 stays bit-identical."""
+    from blend.engine import Engine
+    from blend.policy import ProbePrecision
+
+    eng = Engine.load(model)
+    prompt = eng.build_prompt("Which one?", make_docs(3))
+    for ratio in (0.25, 1.0):
+        fp = eng.generate(prompt, ReusePolicy.blend(ratio, "probe", force=True), max_new_tokens=1)
+        bf = eng.generate(prompt, ReusePolicy.blend(ratio, "probe", force=True, probe_precision=ProbePrecision.BF16),
+                          max_new_tokens=1)
+        assert bool(torch.isfinite(bf.first_logits).all())
+        if ratio == 1.0:
+            assert torch.equal(fp.first_logits, bf.first_logits)
