@@ -29,8 +29,9 @@ DEFAULT_GUARD_MARGIN: float | None = None
 DEFAULT_GUARD_RATIO = 1.0
 # the query probe's GEMMs: "compute" (the engine's dtype), "bf16" (its numbers only rank rows), or "auto":
 # bf16 for a float32 engine on a CPU with native bf16 (avx512_bf16 / amx_bf16), else compute. "auto" since
-# 2026-12-03: on musique tuning 0-29, validation 30-99 and two-hop 0-29 the bf16 probe's KL was within
-# 0.0007 of the fp32 probe's in every column (BENCHMARKS.md, "bf16 probe"), the probe ~35% cheaper
+# 2026-12-03: on musique tuning 0-29, validation 30-99 and two-hop 0-29 the bf16 probe's mean, median, p90
+# and max KL were within 0.0008 of the fp32 probe's (two-hop p90 at 0.30: 0.0019 lower), top-1 equal; the
+# probe phase 17-36% cheaper (BENCHMARKS.md, "The query probe in bf16 by default ...")
 DEFAULT_PROBE_PRECISION = "auto"
 # probe selectors: None = the layers up to the check for every document row; F = the probe runs first
 # and only the F x budget rows the question attends to most are computed up to the check (candidates).

@@ -229,22 +229,30 @@ class LayerRows(Protocol):
         ...
 
 
+def _attention_rows(w: LayerWeights, dims: ModelDims, layer: int, h: torch.Tensor, rows: LayerRows
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K/V and attention over the hidden rows h (A, C), all rows in one GEMM.
+
+    Returns:
+        The hidden rows that go on (A', C) and their attention output (A', Hq D).
+    """
+    q, k, v = project_qkv(w, dims, rms_norm(h, w.input_norm, dims.eps))  # (Hq,A,D) (Hkv,A,D) x2
+    q, h = rows.store_kv(layer, q, k, v, h)
+    return h, rows.attend(layer, q)
+
+
 def layer_attention_only(w: LayerWeights, dims: ModelDims, layer: int, h: torch.Tensor, rows: LayerRows) -> None:
     """A layer's K/V and attention over the hidden rows h (A, C), without the output projection and
     MLP: for a pass that only reads what its rows attend to at its last layer (the query probe)."""
-    q, k, v = project_qkv(w, dims, rms_norm(h, w.input_norm, dims.eps))  # (Hq,A,D) (Hkv,A,D) x2
-    q, _ = rows.store_kv(layer, q, k, v, h)
-    rows.attend(layer, q)
+    _attention_rows(w, dims, layer, h, rows)
 
 
 def layer_forward(w: LayerWeights, dims: ModelDims, layer: int, h: torch.Tensor, rows: LayerRows) -> torch.Tensor:
     """One decoder layer over the active hidden rows h (A, C) -> (A', C)."""
     tile = rows.gemm_tile
     if tile is None:
-        q, k, v = project_qkv(w, dims, rms_norm(h, w.input_norm, dims.eps))  # (Hq,A,D) (Hkv,A,D) x2
-        q, h = rows.store_kv(layer, q, k, v, h)
-        h = attn_out(w, h, rows.attend(layer, q))
-        return mlp_block(w, dims, h)
+        h, attn = _attention_rows(w, dims, layer, h, rows)  # (A', C), (A', Hq D)
+        return mlp_block(w, dims, attn_out(w, h, attn))
     spans = [(lo, lo + tile) for lo in range(0, h.shape[0], tile)]
     parts = [project_qkv(w, dims, rms_norm(h[lo:hi], w.input_norm, dims.eps)) for lo, hi in spans]
     q, k, v = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))  # (Hq,A,D) (Hkv,A,D) x2

@@ -17,7 +17,7 @@ from blend.defaults import (
     DEFAULT_RATIO, DEFAULT_SELECTOR, DTYPE_NAMES,
 )
 from blend.errors import InvalidRequestError
-from blend.policy import SELECTOR_NAMES, BudgetMode, ProbePrecision, ReuseMode, ReusePolicy
+from blend.policy import PROBE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode, ProbePrecision, ReuseMode, ReusePolicy
 
 if TYPE_CHECKING:
     from blend.engine import Engine
@@ -121,7 +121,7 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
                    help="blend, probe selectors: run the probe first and compute the layers up to the check only "
                         "for this many times the budget of rows the question reads most ('off': every row; "
                         "default: %(default)s)")
-    p.add_argument("--probe-precision", default=DEFAULT_PROBE_PRECISION, choices=[x.value for x in ProbePrecision],
+    p.add_argument("--probe-precision", default=DEFAULT_PROBE_PRECISION, choices=PROBE_PRECISION_NAMES,
                    help="blend, probe selectors: dtype of the query probe's GEMMs (its numbers only rank rows): "
                         "compute, bf16, or auto (bf16 on a CPU with native bf16, else compute; default: %(default)s)")
     p.add_argument("--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS,

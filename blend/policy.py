@@ -41,6 +41,9 @@ class ProbePrecision(Enum):
     AUTO = "auto"  # BF16 for a float32 engine on a CPU with native bf16 (AVX-512 BF16 or AMX), else COMPUTE
 
 
+PROBE_PRECISION_NAMES = tuple(p.value for p in ProbePrecision)
+
+
 class ReuseMode(Enum):
     NONE = "none"
     EXACT = "exact"

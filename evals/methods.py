@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from blend.policy import BudgetMode, ProbePrecision, ReusePolicy
+from blend.policy import PROBE_PRECISION_NAMES, BudgetMode, ProbePrecision, ReusePolicy
 
 FALLBACK_SELECTORS = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe", "probe_attn")
 # the shipped default selector at three budgets, against CacheBlend's V deviation at the middle one
@@ -136,7 +136,7 @@ class Method:
 
 
 _BLEND = re.compile(r"^blend@([^:]+)((?::[^:]+)*)$")
-PROBE_PRECISIONS = tuple(p.value for p in ProbePrecision)
+PROBE_PRECISIONS = PROBE_PRECISION_NAMES
 
 
 def _fmt_ratio(r: float) -> str:

@@ -240,7 +240,8 @@ def test_a_bf16_probe_only_ranks_rows(tiny_engine, monkeypatch):
     monkeypatch.setattr(M, "layer_forward", spy)
     monkeypatch.setattr(probe_pass, "layer_attention_only", spy_top)  # the probe's top layer: attention only
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    full = tiny_engine.generate(prompt, ReusePolicy.blend(1.0, "probe"), max_new_tokens=1)
+    full = tiny_engine.generate(prompt, ReusePolicy.blend(1.0, "probe", probe_precision=ProbePrecision.COMPUTE),
+                                max_new_tokens=1)  # the default (auto) is bf16 on some CPUs
     calls.clear()
     half = tiny_engine.generate(prompt, ReusePolicy.blend(1.0, "probe", probe_precision=ProbePrecision.BF16),
                                 max_new_tokens=1)
@@ -509,7 +510,8 @@ def test_a_bf16_probe_runs_on_models_with_qkv_biases(model):
     eng = Engine.load(model)
     prompt = eng.build_prompt("Which one?", make_docs(3))
     for ratio in (0.25, 1.0):
-        fp = eng.generate(prompt, ReusePolicy.blend(ratio, "probe", force=True), max_new_tokens=1)
+        fp = eng.generate(prompt, ReusePolicy.blend(ratio, "probe", force=True, probe_precision=ProbePrecision.COMPUTE),
+                          max_new_tokens=1)
         bf = eng.generate(prompt, ReusePolicy.blend(ratio, "probe", force=True, probe_precision=ProbePrecision.BF16),
                           max_new_tokens=1)
         assert bool(torch.isfinite(bf.first_logits).all())

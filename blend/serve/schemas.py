@@ -24,9 +24,10 @@ from blend.defaults import (
     DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO,
     DEFAULT_SELECTOR,
 )
-from blend.policy import SELECTOR_NAMES
+from blend.policy import PROBE_PRECISION_NAMES, SELECTOR_NAMES
 
 Selector = Literal[SELECTOR_NAMES]  # type: ignore[valid-type]
+ProbePrecisionName = Literal[PROBE_PRECISION_NAMES]  # type: ignore[valid-type]
 
 
 class Document(BaseModel):
@@ -48,7 +49,7 @@ class KvblendOptions(BaseModel):
     guard_margin: float | None = Field(DEFAULT_GUARD_MARGIN, ge=0.0)  # near-tie guard (nats), opt-in
     guard_ratio: float = Field(DEFAULT_GUARD_RATIO, ge=0.0, le=1.0)
     candidates: float | None = Field(DEFAULT_CANDIDATES, ge=1.0)  # probe selectors: candidate factor
-    probe_precision: Literal["compute", "bf16", "auto"] = DEFAULT_PROBE_PRECISION  # the probe's GEMM dtype
+    probe_precision: ProbePrecisionName = DEFAULT_PROBE_PRECISION  # the probe's GEMM dtype
     stop_at_newline: StrictBool = False
     return_tokens: StrictBool = False  # each document's token texts in the report (the playground's highlights)
 
