@@ -117,6 +117,13 @@ class BlendPlan:
             k, v = c.k[layer].to(dtype), c.v[layer].to(dtype)  # (Hkv, n_j, D) in the compute dtype
             _rotate(k, v, self.cos[lo:hi], self.sin[lo:hi], out=cache.rows(layer, self.e + lo, self.e + hi))
 
+    def temper(self, layer: int, cache: KVCache, temperature: float) -> None:
+        """Divide one layer's re-positioned document K in the cache (rows e .. e+nb) by ``temperature``,
+        in place: every query's attention logit to those rows becomes logit / T (APE's attention
+        temperature on reused KV). Rows recomputed at this layer are written over them afterwards."""
+        k_rows, _ = cache.rows(layer, self.e, self.e + self.nb)  # (Hkv, nb, D) view of the cache
+        k_rows.mul_(1.0 / temperature)
+
     def write_fresh(self, layer: int, cache: KVCache, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rotate fresh K of ``rows`` (A,) (sorted, distinct, relative to e) at their positions and
         write them with V into the cache. k, v: (Hkv, A, D) before RoPE (the numbers rope_mix mixes in)."""
@@ -272,6 +279,10 @@ class BlendRows:
         self.probe_entropy = pol.budget is BudgetMode.AUTO  # only the adaptive budget reads it
         self.ratio: float | None = None
         self.checks = {c.layer: c for c in plan.checks}
+        # reused rows' attention temperature: above the first check layer (below it a row is either
+        # fresh or about to be judged; with no check layer, full reuse, nothing is tempered)
+        self.temperature = pol.reused_temperature
+        self.temper_above = plan.checks[0].layer if plan.checks and self.temperature != 1.0 else None
         self.active = torch.arange(plan.n) if plan.checks else plan.always()  # (A,) sorted rows relative to e
         if self.use_probe and checker.policy.candidates is not None:
             self._probe_first(checker.policy)
@@ -300,6 +311,8 @@ class BlendRows:
         # row is fresh (layers up to the first check) no cached row is read at all
         if not (self.probed_at is not None and layer > self.probed_at) and active.shape[0] < plan.n:
             plan.reposition(layer, self.cache)
+        if self.temper_above is not None and layer > self.temper_above:
+            plan.temper(layer, self.cache, self.temperature)  # every reused row; the fresh ones overwrite theirs
         plan.write_fresh(layer, self.cache, active, k, v)  # the active rows over them
         check = self.checks.get(layer)
         if check is None:

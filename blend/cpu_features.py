@@ -81,7 +81,7 @@ def warn_if_emulated(dtype: torch.dtype, device: torch.device, flags: frozenset[
     """
     if device.type != "cpu" or dtype not in NATIVE_FLAGS:
         return False
-    if native_on_cpu(dtype, cpu_flags() if flags is None else flags) is not False:
+    if native_on_cpu(dtype, this_cpu_flags() if flags is None else flags) is not False:
         return False
     names = " or ".join(sorted(NATIVE_FLAGS[dtype]))
     warnings.warn(f"{str(dtype).removeprefix('torch.')} on this CPU is emulated (no {names}): expect it slower "

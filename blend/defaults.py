@@ -39,6 +39,9 @@ DEFAULT_PROBE_PRECISION = "auto"
 # 0.30 (1.5 did not: p90 0.118 vs 0.115); on musique tuning items 0-29 below None in every KL column
 # at 0.218x vs 0.237x TTFT; validation 30-99 in BENCHMARKS.md (issue 14, "Candidate pre-selection")
 DEFAULT_CANDIDATES: float | None = 2.0
+# APE-style attention temperature on reused (not recomputed) document rows above the first check layer:
+# their attention logits are divided by T for every query (1.0: off)
+DEFAULT_REUSED_TEMPERATURE = 1.0
 
 # answering
 DEFAULT_MAX_NEW_TOKENS = 32

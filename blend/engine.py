@@ -21,16 +21,16 @@ import torch
 
 from blend.blending import prefill_blend
 from blend.cpu_features import warn_if_emulated
-from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL
+from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_PROBE_PRECISION
 from blend.errors import InvalidPolicyError, InvalidRequestError, PromptTooLongError
 from blend.gate import GateVerdict, QualityGate
 from blend.keys import Namespace, Provenance, key_hex
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.models import LoadedModel, load_model
-from blend.policy import ReuseMode, ReusePolicy
+from blend.policy import ProbePrecision, ReuseMode, ReusePolicy
 from blend.probe import top2_margin
-from blend.probe_pass import resolve_probe_precision
+from blend.probe_pass import probe_gemm_dtype, resolve_probe_precision
 from blend.prompt import Prompt, Segment, SegmentKind, build_prompt, preamble_segment
 from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport, Timings
 from blend.rope import rope_config_json
@@ -177,6 +177,21 @@ class Engine:
     def with_store(self, store: KVStore, gate: BlendGate | None = None) -> "Engine":
         """Another engine over the same weights with its own store (and no gate unless given)."""
         return Engine(self.runner, self.config, store, gate)
+
+    def prepare_blend(self, precision: ProbePrecision = ProbePrecision(DEFAULT_PROBE_PRECISION)) -> torch.dtype:
+        """Make what a blend request's query probe needs before the first one arrives: the probe's
+        lower-precision copy of the layers' GEMM matrices (built once, on first use otherwise, which
+        the first blend request would pay). A server calls this at start-up.
+
+        Args:
+            precision: the probe precision requests will use (default: the engine's default).
+
+        Returns:
+            The dtype the probe's GEMMs run in on this engine.
+        """
+        dtype = probe_gemm_dtype(precision, self.runner.dtype, self.runner.device)
+        self.runner.layers_in(dtype)
+        return dtype
 
     def close(self) -> None:
         """Stop background loader threads (the engine stays usable: lookups then run inline)."""

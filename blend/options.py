@@ -8,13 +8,14 @@ engine is actually built.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blend.defaults import (
     DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_GUARD_MARGIN,
     DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_PROBE_PRECISION,
-    DEFAULT_RATIO, DEFAULT_SELECTOR, DTYPE_NAMES,
+    DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, DTYPE_NAMES,
 )
 from blend.errors import InvalidRequestError
 from blend.policy import PROBE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode, ProbePrecision, ReuseMode, ReusePolicy
@@ -95,6 +96,17 @@ def _factor(text: str) -> float | None:
     return f
 
 
+def _temperature(text: str) -> float:
+    """--reused-temperature: a finite number > 0."""
+    try:
+        t = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(t) or t <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return t
+
+
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     """--reuse and the blend knobs."""
     p.add_argument("--reuse", default=ReuseMode.EXACT.value, choices=REUSE_CHOICES,
@@ -121,6 +133,9 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
                    help="blend, probe selectors: run the probe first and compute the layers up to the check only "
                         "for this many times the budget of rows the question reads most ('off': every row; "
                         "default: %(default)s)")
+    p.add_argument("--reused-temperature", type=_temperature, default=DEFAULT_REUSED_TEMPERATURE,
+                   help="blend: attention temperature of the reused (not recomputed) document rows above the "
+                        "first check layer: their attention logits are divided by it (1: off; default: %(default)s)")
     p.add_argument("--probe-precision", default=DEFAULT_PROBE_PRECISION, choices=PROBE_PRECISION_NAMES,
                    help="blend, probe selectors: dtype of the query probe's GEMMs (its numbers only rank rows): "
                         "compute, bf16, or auto (bf16 on a CPU with native bf16, else compute; default: %(default)s)")
@@ -150,6 +165,7 @@ def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
         guard_margin=getattr(args, "guard_margin", DEFAULT_GUARD_MARGIN),
         guard_ratio=getattr(args, "guard_ratio", DEFAULT_GUARD_RATIO),
         candidates=getattr(args, "candidates", DEFAULT_CANDIDATES),
+        reused_temperature=getattr(args, "reused_temperature", DEFAULT_REUSED_TEMPERATURE),
         probe_precision=ProbePrecision(getattr(args, "probe_precision", DEFAULT_PROBE_PRECISION)),
     )
 

@@ -17,7 +17,8 @@ from enum import Enum
 
 from blend.defaults import (
     DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO,
-    DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_SELECTOR,
+    DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE,
+    DEFAULT_SELECTOR,
 )
 from blend.errors import InvalidPolicyError
 
@@ -90,6 +91,10 @@ class ReusePolicy:
             for the F x budget rows the question attends to most (the candidates the selector then
             ranks by probe x V deviation): layer 0's cached KV is exact, so a candidate's rows are
             the same numbers either way, and the rest never needed computing.
+        reused_temperature: blend: attention temperature T of the reused (not recomputed) document
+            rows at the layers above the first check layer, for every query of the prefill and of
+            decoding: their attention logits are divided by T (their K is stored divided by T in the
+            request's cache). 1.0: off. APE's temperature for independently encoded context.
     """
 
     mode: ReuseMode = ReuseMode.EXACT
@@ -111,6 +116,7 @@ class ReusePolicy:
     guard_margin: float | None = DEFAULT_GUARD_MARGIN
     guard_ratio: float = DEFAULT_GUARD_RATIO
     candidates: float | None = DEFAULT_CANDIDATES
+    reused_temperature: float = DEFAULT_REUSED_TEMPERATURE
 
     def __post_init__(self) -> None:
         def bad_ratio(r: float) -> bool:
@@ -138,6 +144,9 @@ class ReusePolicy:
             if (not isinstance(self.candidates, (int, float)) or math.isnan(self.candidates)
                     or self.candidates < 1):
                 raise InvalidPolicyError(f"candidates must be a factor >= 1 or None, got {self.candidates}")
+        t = self.reused_temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
+            raise InvalidPolicyError(f"reused_temperature must be a finite number > 0, got {t!r}")
         if bad_ratio(self.guard_ratio):
             raise InvalidPolicyError(f"guard_ratio must be in [0, 1], got {self.guard_ratio}")
         if self.threshold is not None and (math.isnan(self.threshold) or self.threshold < 0):
@@ -207,4 +216,5 @@ class ReusePolicy:
         probe = f":probe={self.probe_precision.value}" if self.needs_probe else ""
         guard = f":guard={self.guard_margin:g}@{self.guard_ratio:g}" if self.guarded else ""
         cand = f":cand={self.candidates:g}" if self.needs_probe and self.candidates is not None else ""
-        return f"blend@{what}:{self.selector}:check={checks}{probe}{cand}{guard}"
+        temp = f":temp={self.reused_temperature:g}" if self.reused_temperature != 1.0 else ""
+        return f"blend@{what}:{self.selector}:check={checks}{probe}{cand}{temp}{guard}"

@@ -6,7 +6,8 @@ belong to the check list)::
     full                         full prefill, no reuse (always run: the reference)
     prefix                       exact prefix reuse: only the preamble is shared
     reuse                        full KV reuse (blend at ratio 0)
-    blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute|auto][:cand=F|cand=off][:guard=M@G|guard=off]
+    blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute|auto][:cand=F|cand=off][:temp=T]
+          [:guard=M@G|guard=off]
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
                                  the budget is chosen per prompt (adaptive), R is its cap;
                                  ``probe=`` the dtype of the query probe's GEMMs; ``guard=``
@@ -14,7 +15,8 @@ belong to the check list)::
                                  nats: recomputed at ratio G, default 1.0), ``guard=off`` none;
                                  ``cand=F`` (probe selectors) the probe runs first and only F x
                                  budget candidate rows are computed up to the check layer
-                                 (``cand=off``: every row, the behaviour before candidates)
+                                 (``cand=off``: every row, the behaviour before candidates);
+                                 ``temp=T`` the reused rows' attention temperature (1: off)
 
 e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.
 """
@@ -84,6 +86,7 @@ class Method:
     guard: tuple[float | None, float | None] | None = None
     candidates: float | None = None  # the candidate factor (None: the default)
     candidates_off: bool = False  # cand=off: every row up to the check layer
+    temperature: float | None = None  # temp=T: the reused rows' attention temperature (None: the default)
 
     def policy(self) -> Any:
         """The engine's :class:`blend.policy.ReusePolicy` for this method."""
@@ -104,6 +107,8 @@ class Method:
             kwargs["probe_precision"] = ProbePrecision(self.probe_precision)
         if self.candidates is not None or self.candidates_off:
             kwargs["candidates"] = self.candidates
+        if self.temperature is not None:
+            kwargs["reused_temperature"] = self.temperature
         if self.guard is not None:
             kwargs["guard_margin"] = self.guard[0]
             if self.guard[1] is not None:
@@ -118,6 +123,7 @@ class Method:
         label += f" probe={self.probe_precision}" if self.probe_precision else ""
         label += f" cand={self.candidates:g}" if self.candidates is not None else ""
         label += " cand=off" if self.candidates_off else ""
+        label += f" temp={self.temperature:g}" if self.temperature is not None else ""
         label += f" guard={_fmt_guard(self.guard)}" if self.guard is not None else ""
         return f"{label} check={','.join(map(str, self.check_layers))}" if self.check_layers else label
 
@@ -132,6 +138,7 @@ class Method:
             "probe_precision": self.probe_precision,
             "guard": None if self.guard is None else list(self.guard),
             "candidates": "off" if self.candidates_off else self.candidates,
+            "temperature": self.temperature,
         }
 
 
@@ -198,8 +205,18 @@ def parse_method(spec: str) -> Method:
     guard: tuple[float | None, float | None] | None = None
     cand: float | None = None
     cand_off = False
+    temp: float | None = None
     for part in [p for p in m.group(2).split(":") if p]:
-        if part.startswith("cand="):
+        if part.startswith("temp="):
+            if temp is not None:
+                raise MethodError(f"method '{spec}': temp= given twice")
+            try:
+                temp = float(part[len("temp="):])
+            except ValueError:
+                raise MethodError(f"method '{spec}': temp= takes a number > 0, got '{part}'") from None
+            if not math.isfinite(temp) or temp <= 0:
+                raise MethodError(f"method '{spec}': temp= takes a number > 0, got '{part}'")
+        elif part.startswith("cand="):
             if cand is not None or cand_off:
                 raise MethodError(f"method '{spec}': cand= given twice")
             if part == "cand=off":
@@ -254,11 +271,14 @@ def parse_method(spec: str) -> Method:
         canonical += f":cand={cand:g}"
     if cand_off:
         canonical += ":cand=off"
+    if temp is not None:
+        canonical += f":temp={temp:g}"
     if guard is not None:
         canonical += f":guard={_fmt_guard(guard)}"
     return Method(
         name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks,
         auto=auto, probe_precision=probe, guard=guard, candidates=cand, candidates_off=cand_off,
+        temperature=temp,
     )
 
 

@@ -40,11 +40,11 @@ def test_warns_only_for_an_emulated_dtype_on_a_cpu():
 
 
 def test_an_engine_in_bf16_on_an_emulating_cpu_warns_and_still_runs(monkeypatch):
-    monkeypatch.setattr(cpu_features, "cpu_flags", lambda cpuinfo=None: cpu_flags(AVX2))
+    monkeypatch.setattr(cpu_features, "this_cpu_flags", lambda: cpu_flags(AVX2))
     with pytest.warns(EmulatedDtypeWarning):
         eng = Engine.load("tiny-llama", dtype="bfloat16")
     assert eng.runner.dtype == torch.bfloat16
-    monkeypatch.setattr(cpu_features, "cpu_flags", lambda cpuinfo=None: cpu_flags(SAPPHIRE))
+    monkeypatch.setattr(cpu_features, "this_cpu_flags", lambda: cpu_flags(SAPPHIRE))
     with warnings.catch_warnings():
         warnings.simplefilter("error", EmulatedDtypeWarning)
         Engine.load("tiny-llama", dtype="bfloat16")

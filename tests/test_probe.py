@@ -517,3 +517,19 @@ def test_a_bf16_probe_runs_on_models_with_qkv_biases(model):
         assert bool(torch.isfinite(bf.first_logits).all())
         if ratio == 1.0:
             assert torch.equal(fp.first_logits, bf.first_logits)
+
+
+def test_prepare_blend_builds_the_probe_copy_before_the_first_request(tiny_engine_factory):
+    """A server calls ``prepare_blend`` at start-up so the first blend request does not pay for the
+    probe's weight copy; the copy it builds is the one a request then uses."""
+    from blend.policy import ProbePrecision as PP
+
+    eng = tiny_engine_factory()
+    runner = eng.runner
+    assert eng.prepare_blend(PP.BF16) == torch.bfloat16
+    assert torch.bfloat16 in runner._gemm_copies  # built now
+    made = runner._gemm_copies[torch.bfloat16]
+    eng.generate(eng.build_prompt("Which one?", make_docs(4)),
+                 ReusePolicy.blend(0.25, "probe", probe_precision=PP.BF16), max_new_tokens=1)
+    assert runner._gemm_copies[torch.bfloat16] is made  # reused, not rebuilt
+    assert eng.prepare_blend(PP.COMPUTE) == runner.dtype  # nothing to copy

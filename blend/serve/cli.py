@@ -99,8 +99,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 def build_engine(config: ServeConfig) -> Engine:
     """The engine a server runs: its store wrapped for single-flight claims."""
     store = FlightStore(open_store(config.store))
-    return Engine.load(config.model, dtype=config.dtype, store=store,
-                       experimental_semantic=config.experimental_semantic)
+    engine = Engine.load(config.model, dtype=config.dtype, store=store,
+                         experimental_semantic=config.experimental_semantic)
+    engine.prepare_blend()  # the probe's bf16 weight copy now, not on the first blend request
+    return engine
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,7 +56,8 @@ def policy_for(opts: KvblendOptions, salt: str) -> ReusePolicy:
         return ReusePolicy.exact(cache_salt=salt)
     return ReusePolicy.blend(ratio=opts.ratio, selector=opts.selector, semantic=opts.semantic, cache_salt=salt,
                              guard_margin=opts.guard_margin, guard_ratio=opts.guard_ratio,
-                             candidates=opts.candidates, probe_precision=ProbePrecision(opts.probe_precision))
+                             candidates=opts.candidates, probe_precision=ProbePrecision(opts.probe_precision),
+                             reused_temperature=opts.reused_temperature)
 
 
 def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRequest, endpoint: Endpoint) -> Job:
