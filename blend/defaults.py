@@ -40,8 +40,11 @@ DEFAULT_PROBE_PRECISION = "auto"
 # at 0.218x vs 0.237x TTFT; validation 30-99 in BENCHMARKS.md (issue 14, "Candidate pre-selection")
 DEFAULT_CANDIDATES: float | None = 2.0
 # APE-style attention temperature on reused (not recomputed) document rows above the first check layer:
-# their attention logits are divided by T for every query (1.0: off)
-DEFAULT_REUSED_TEMPERATURE = 1.0
+# their attention logits are divided by T for every query (1.0: off). 1.05 since 2026-12-03: of 1.05 / 1.1 /
+# 1.15 on musique tuning items 0-29 at 0.15 the only one below T = 1 in every KL column (mean 0.0343 ->
+# 0.0297, lower on 23 of 30), and lower at 0.05 and 0.30 too; then validation 30-99, two-hop and 10 passages
+# (BENCHMARKS.md, "Reused rows' attention temperature")
+DEFAULT_REUSED_TEMPERATURE = 1.05
 
 # answering
 DEFAULT_MAX_NEW_TOKENS = 32

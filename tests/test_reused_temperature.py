@@ -21,12 +21,14 @@ def test_temperature_one_ratio_one_and_full_reuse_change_no_bit(tiny_engine):
     layer (full reuse) nothing is tempered, so T changes no bit there."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     tiny_engine.precompute(prompt, ReusePolicy.blend())
+    from blend.defaults import DEFAULT_REUSED_TEMPERATURE
+
     assert torch.equal(_prefill(tiny_engine, prompt, ratio=0.25)[0],
-                       _prefill(tiny_engine, prompt, ratio=0.25, reused_temperature=1.0)[0])
+                       _prefill(tiny_engine, prompt, ratio=0.25, reused_temperature=DEFAULT_REUSED_TEMPERATURE)[0])
     for ratio in (1.0, 0.0):
-        assert torch.equal(_prefill(tiny_engine, prompt, ratio=ratio)[0],
+        assert torch.equal(_prefill(tiny_engine, prompt, ratio=ratio, reused_temperature=1.0)[0],
                            _prefill(tiny_engine, prompt, ratio=ratio, reused_temperature=1.7)[0])
-    assert not torch.equal(_prefill(tiny_engine, prompt, ratio=0.25)[0],
+    assert not torch.equal(_prefill(tiny_engine, prompt, ratio=0.25, reused_temperature=1.0)[0],
                            _prefill(tiny_engine, prompt, ratio=0.25, reused_temperature=1.7)[0])
 
 
@@ -36,7 +38,7 @@ def test_temperature_divides_only_the_reused_rows_keys_above_the_check_layer(tin
     exact prefix, V and the selection itself are untouched."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     tiny_engine.precompute(prompt, ReusePolicy.blend())
-    _, c1, r1 = _prefill(tiny_engine, prompt, ratio=0.25, check_layers=1)
+    _, c1, r1 = _prefill(tiny_engine, prompt, ratio=0.25, check_layers=1, reused_temperature=1.0)
     _, c2, r2 = _prefill(tiny_engine, prompt, ratio=0.25, check_layers=1, reused_temperature=2.0)
     assert "temp=2" in r2.policy and "temp" not in r1.policy
     blended = [s for s in r1.segments if s.reuse_class is ReuseClass.BLENDED]
