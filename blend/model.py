@@ -347,6 +347,10 @@ class ModelRunner:
                 for w in self.layers]
         return self._gemm_copies[dtype]
 
+    def has_layers_in(self, dtype: torch.dtype) -> bool:
+        """Whether :meth:`layers_in` would return without building anything for ``dtype``."""
+        return dtype == self.dtype or dtype in self._gemm_copies
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """(S,) int64 -> (S, C) hidden rows."""
         return F.embedding(ids, self.embed_w)

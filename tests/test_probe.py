@@ -526,10 +526,11 @@ def test_prepare_blend_builds_the_probe_copy_before_the_first_request(tiny_engin
 
     eng = tiny_engine_factory()
     runner = eng.runner
+    assert not runner.has_layers_in(torch.bfloat16)
     assert eng.prepare_blend(PP.BF16) == torch.bfloat16
-    assert torch.bfloat16 in runner._gemm_copies  # built now
-    made = runner._gemm_copies[torch.bfloat16]
+    assert runner.has_layers_in(torch.bfloat16)  # built now
+    made = runner.layers_in(torch.bfloat16)
     eng.generate(eng.build_prompt("Which one?", make_docs(4)),
                  ReusePolicy.blend(0.25, "probe", probe_precision=PP.BF16), max_new_tokens=1)
-    assert runner._gemm_copies[torch.bfloat16] is made  # reused, not rebuilt
+    assert runner.layers_in(torch.bfloat16) is made  # reused, not rebuilt
     assert eng.prepare_blend(PP.COMPUTE) == runner.dtype  # nothing to copy
