@@ -150,7 +150,7 @@ def plan_blend(model: ModelRunner, prompt: Prompt, blended: list[ChunkKV], n_exa
         model: supplies dims, dtype, device and the RoPE tables.
         prompt: the request.
         blended: the documents to re-position (all but the exact first one).
-        n_exact: documents already in the cache as an exact prefix (0 or 1).
+        n_exact: documents already in the cache as an exact prefix (the first and the exact run after it).
         e: rows already in the cache.
         policy: the blend policy (its check layers and ratios).
     """
@@ -364,10 +364,19 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     pending = segments.start_fetch(prompt, salt)  # chunk loads overlap the preamble and earlier chunks
     pre_key = segments.exact_keys([prompt.preamble], salt)[0]
     pre = segments.append_exact(cache, prompt.preamble, pre_key)
-    chunks, waited = segments.fetch_chunks(prompt, pending, policy.semantic, salt)
+    chunks, waited = segments.fetch_chunks(prompt, pending[:1], policy.semantic, salt)
     lookup_s = pre.lookup_s + waited
-    # doc 1 sits at its canonical position: its own KV is exact there
+    # doc 1 sits at its canonical position: its own KV is exact there; so are the documents after
+    # it that this order's exact path stored before (their keys commit to everything before them)
     n_exact = 1 if chunks and chunks[0].own_kv else 0
+    if n_exact:
+        run, waited = segments.exact_run(prompt, salt)
+        chunks += run
+        n_exact += len(run)
+        lookup_s += waited
+    rest, waited = segments.fetch_chunks(prompt, pending[len(chunks):], policy.semantic, salt, start=len(chunks))
+    chunks += rest
+    lookup_s += waited
     t_load = time.perf_counter()
     for c in chunks[:n_exact]:
         model.load(cache, c.kv)

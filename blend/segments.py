@@ -9,8 +9,10 @@ never touches a request's report:
     lookup                          a store lookup -> :class:`Found` (hit / miss / rejected)
     append_exact                    load a prefix segment into a cache, or compute and store it
     canonical_kv                    a chunk computed alone right after the preamble
-    fetch_chunks                    every document's canonical KV for a blended request
+    fetch_chunks                    documents' canonical KV for a blended request
                                     (hit, donor, or computed and stored), as :class:`ChunkKV`
+    exact_run                       the documents after the first whose exact-prefix KV a blend
+                                    finds stored (this order computed before by the exact path)
     precompute_chunks               store canonical KV ahead of requests
 
 A segment computed here leaves exactly the rows a later load will see: with a
@@ -275,23 +277,24 @@ class SegmentCache:
             out.append(PendingChunk(key, fut))
         return out
 
-    def fetch_chunks(self, prompt: Prompt, pending: Sequence[PendingChunk], semantic: bool, salt: str = ""
-                     ) -> tuple[list[ChunkKV], float]:
-        """Canonical KV of every document: a hit is loaded; a miss or rejection is computed and stored.
+    def fetch_chunks(self, prompt: Prompt, pending: Sequence[PendingChunk], semantic: bool, salt: str = "",
+                     start: int = 0) -> tuple[list[ChunkKV], float]:
+        """Canonical KV of documents: a hit is loaded; a miss or rejection is computed and stored.
 
         Args:
             prompt: the request.
-            pending: :meth:`start_fetch`'s result for it.
+            pending: :meth:`start_fetch`'s result for documents ``start``, ``start + 1``, ...
             semantic: a miss may be seeded from a donor (experimental opt-in).
             salt: the request's cache salt (the keys in ``pending`` were derived under it).
+            start: index of the first document fetched (document 0 is EXACT at its canonical position).
 
         Returns:
-            One :class:`ChunkKV` per document, and the seconds spent on the store
+            One :class:`ChunkKV` per document fetched, and the seconds spent on the store
             (lookups and the donor search).
         """
         out, waited = [], 0.0
         pre_ids = prompt.preamble.token_ids
-        for i, (doc, p) in enumerate(zip(prompt.documents, pending)):
+        for i, (doc, p) in enumerate(zip(prompt.documents[start:], pending), start=start):
             found = self.lookup(Namespace.CANONICAL, p.key, len(doc), p.future)
             waited += found.seconds
             if found.entry is not None:
@@ -313,6 +316,32 @@ class SegmentCache:
                 out.append(ChunkKV(kv, ReuseClass.REJECTED, key_hex(p.key), found.rejected + "; recomputed"))
             else:
                 out.append(ChunkKV(kv, ReuseClass.COMPUTED, key_hex(p.key), "miss: computed canonically, then reused"))
+        return out, waited
+
+    def exact_run(self, prompt: Prompt, salt: str = "") -> tuple[list[ChunkKV], float]:
+        """The documents after the first whose exact KV is stored, in prompt order, up to the first miss.
+
+        An exact-prefix entry's key commits to every token before it (preamble and earlier
+        documents) and to the provenance, so a blend that finds one holds that document's
+        exact KV at exactly this position: nothing to re-position or recompute. Such entries
+        exist where this prompt's document order was computed before by the exact path (an
+        exact request, a near-tie guard's recompute, ``precompute`` under an exact policy).
+
+        Args:
+            prompt: the request (its first document must already be exact in the cache).
+            salt: the request's cache salt.
+
+        Returns:
+            One EXACT :class:`ChunkKV` per document 2, 3, ... that hit, and the seconds spent on the store.
+        """
+        keys = self.prefix_keys([prompt.preamble, *prompt.documents], salt)
+        out, waited = [], 0.0
+        for doc, (ns, key) in zip(prompt.documents[1:], keys[2:]):
+            found = self.lookup(ns, key, len(doc))
+            waited += found.seconds
+            if found.entry is None:  # a miss or an unusable entry ends the run: the rest is blended
+                break
+            out.append(ChunkKV(found.entry, ReuseClass.EXACT, key_hex(key), "exact prefix hit"))
         return out, waited
 
     def precompute_chunks(self, texts: Sequence[str], preamble: Segment, salt: str = "") -> int:

@@ -8,10 +8,16 @@ and repeat) and one run under the :class:`~blend.evals.phases.PhaseClock`
 (its phase seconds; the remainder is "Python and the rest"). Chunk KV is
 precomputed, so reuse and blend read every document from the memory store.
 
-It also measures the *fixed overhead* of a blended request: full reuse's
-TTFT minus the question's own compute (its rows through every layer over a
-cache that already holds the documents), i.e. everything a blend adds that
-is not arithmetic on the question.
+It also measures the *fixed overhead* of a blended request two ways, each
+minus the question's own compute (its rows through every layer over a cache
+that already holds the documents), interleaved, medians of three:
+
+- full reuse (every document re-positioned): what a blend adds that is not
+  arithmetic on the question, re-positioning included;
+- the issue's definition: blend@0.15 of a prompt whose documents are all exact
+  hits at their positions (this order stored by the exact path first, under a
+  cache salt of its own, so the other methods never see it): lookup, loads and
+  Python, with nothing to re-position or recompute.
 
     python -m blend.evals.bench_phases [--items 0-2] [--repeats 3] [--sizes 600,3k,6k] \
         [--methods full,reuse,blend@0.15] [--dtype float32] --out DIR
@@ -44,6 +50,10 @@ from blend.store.memory import MemoryStore
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
 FULL_REUSE = ReusePolicy.blend(ratio=0.0)
+EXACT_DOCS_SALT = "bench-phases-exact-documents"  # keeps the exact-hit case's entries from the other methods
+EXACT_DOCS_STORE = ReusePolicy.exact(cache_salt=EXACT_DOCS_SALT)
+EXACT_DOCS_BLEND = ReusePolicy.blend(ratio=0.15, cache_salt=EXACT_DOCS_SALT)
+OVERHEAD_REPEATS = 3
 SHORT_PASSAGE_CHARS = 480  # ~110 tokens: five of them make a ~630-token prompt
 
 
@@ -93,15 +103,37 @@ def _question_compute_s(engine: Engine, prompt) -> float:
     return time.perf_counter() - t0
 
 
-def bench_size(engine: Engine, prompts: list, methods: list, repeats: int) -> tuple[list[PhaseRow], float]:
-    """Every method on every prompt, interleaved. Returns the rows and the median fixed overhead."""
+@dataclass(frozen=True)
+class Overhead:
+    """Fixed overhead at one size, seconds (medians over prompts x repeats)."""
+
+    reuse_s: float  # full reuse minus the question's compute (re-positioning included)
+    exact_docs_s: float  # blend of all-exact-hit documents minus the question's compute
+
+
+def fixed_overheads(engine: Engine, prompt) -> tuple[list[float], list[float]]:
+    """Both fixed overheads of one prompt, :data:`OVERHEAD_REPEATS` interleaved samples each."""
+    engine.generate(prompt, EXACT_DOCS_STORE, max_new_tokens=1)  # stores this order's exact prefix
+    ans = engine.generate(prompt, EXACT_DOCS_BLEND, max_new_tokens=1)
+    if any(s.reuse_class.value != "exact" for s in ans.report.segments[:-1]):
+        raise RuntimeError("the exact-documents case did not find every document exact")
+    reuse, exact = [], []
+    for _ in range(OVERHEAD_REPEATS):
+        q = _question_compute_s(engine, prompt)
+        reuse.append(engine.generate(prompt, FULL_REUSE, max_new_tokens=1).ttft_s - q)
+        exact.append(engine.generate(prompt, EXACT_DOCS_BLEND, max_new_tokens=1).ttft_s - q)
+    return reuse, exact
+
+
+def bench_size(engine: Engine, prompts: list, methods: list, repeats: int) -> tuple[list[PhaseRow], Overhead]:
+    """Every method on every prompt, interleaved. Returns the rows and the fixed overheads."""
     policies = {m.name: m.policy() for m in methods}
     check = {m.name: (policies[m.name].check_layers[0] if m.kind is MethodKind.BLEND and m.ratio else None)
              for m in methods}
     ttft: dict[str, list[float]] = {m.name: [] for m in methods}
     ratio: dict[str, list[float]] = {m.name: [] for m in methods}
     phases: dict[str, list[dict[Phase, float]]] = {m.name: [] for m in methods}
-    overhead = []
+    reuse_over, exact_over = [], []
     for p in prompts:
         for m in methods:
             engine.precompute(p, policies[m.name])
@@ -116,16 +148,18 @@ def bench_size(engine: Engine, prompts: list, methods: list, repeats: int) -> tu
             for m in methods:
                 ttft[m.name].append(plain[m.name])
                 ratio[m.name].append(plain[m.name] / plain["full"])
-        reuse_ttft = engine.generate(p, FULL_REUSE, max_new_tokens=1).ttft_s
-        overhead.append(reuse_ttft - _question_compute_s(engine, p))
+        r_s, e_s = fixed_overheads(engine, p)
+        reuse_over += r_s
+        exact_over += e_s
     tokens = int(statistics.median(len(p) for p in prompts))
     rows = [PhaseRow("", m.name, tokens, statistics.median(ttft[m.name]), statistics.median(ratio[m.name]),
                      {ph.value: statistics.median(d[ph] for d in phases[m.name]) for ph in Phase})
             for m in methods]
-    return rows, statistics.median(overhead)
+    return rows, Overhead(statistics.median(reuse_over), statistics.median(exact_over))
 
 
-def write_markdown(rows: list[PhaseRow], overhead: dict[str, float], meta: dict, path: Path) -> None:
+def write_markdown(rows: list[PhaseRow], overhead: dict[str, float], meta: dict, path: Path,
+                   exact_docs: dict[str, float] | None = None) -> None:
     lines = [f"TTFT by phase, medians over {meta['items']} x {meta['repeats']} repeats; "
              f"{meta['threads']} torch threads, {meta['dtype']}.", "",
              "| size | method | tokens | TTFT ms | ratio | " + " | ".join(p.value for p in Phase) + " |",
@@ -135,6 +169,9 @@ def write_markdown(rows: list[PhaseRow], overhead: dict[str, float], meta: dict,
                      + " | ".join(f"{r.phases[p.value] * 1e3:.0f}" for p in Phase) + " |")
     lines += ["", "Fixed overhead (full reuse minus the question's own compute): "
               + ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in overhead.items())]
+    if exact_docs:
+        lines += ["", "Fixed overhead (blend@0.15 of documents that are all exact hits, minus the question's "
+                  "own compute): " + ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in exact_docs.items())]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -169,7 +206,7 @@ def replot(out: Path) -> None:
     """Rewrite phases.md and phases.png from an earlier run's phases.json."""
     res = json.loads((out / "phases.json").read_text())
     rows = [PhaseRow(**r) for r in res["rows"]]
-    write_markdown(rows, res["fixed_overhead_s"], res["meta"], out / "phases.md")
+    write_markdown(rows, res["fixed_overhead_s"], res["meta"], out / "phases.md", res.get("exact_docs_overhead_s"))
     write_plot(rows, out / "phases.png")
 
 
@@ -195,12 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     items = range(lo, hi + 1)
     sizes = [SIZES[s] for s in args.sizes.split(",")]
     engine = Engine.load(args.model, dtype=args.dtype, store=MemoryStore(), quality_gate=False)
-    rows, overhead = [], {}
+    rows, overhead, exact_docs = [], {}, {}
     for size in sizes:
         print(f"size {size.name} ...", file=sys.stderr, flush=True)
         got, fixed = bench_size(engine, _prompts(engine, args.data, items, size), methods, args.repeats)
         rows += [PhaseRow(size.name, r.method, r.prompt_tokens, r.ttft_s, r.ratio, r.phases) for r in got]
-        overhead[size.name] = fixed
+        overhead[size.name], exact_docs[size.name] = fixed.reuse_s, fixed.exact_docs_s
         for r in got:
             print(f"  {r.method:>12} {r.prompt_tokens:>5} tok  {r.ttft_s * 1e3:7.0f} ms  {r.ratio:.3f}x",
                   file=sys.stderr, flush=True)
@@ -209,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"items": len(items), "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": args.dtype,
             "model": args.model, "environment": describe_environment(engine.device)}
     (out / "phases.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],
-                                                 "fixed_overhead_s": overhead}, indent=1))
-    write_markdown(rows, overhead, meta, out / "phases.md")
+                                                 "fixed_overhead_s": overhead,
+                                                 "exact_docs_overhead_s": exact_docs}, indent=1))
+    write_markdown(rows, overhead, meta, out / "phases.md", exact_docs)
     write_plot(rows, out / "phases.png")
     print((out / "phases.md").read_text())
     return 0

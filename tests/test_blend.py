@@ -5,6 +5,7 @@ import torch
 
 from blend.errors import InvalidPolicyError
 from blend.keys import Namespace
+from blend.kvcache import KVEntry
 from blend.selectors import SelectionInputs, select
 from blend.policy import SELECTOR_NAMES, ReusePolicy
 from blend.report import ReuseClass
@@ -228,3 +229,52 @@ def test_context_only_blend_leaves_the_context_rows_bit_identical(tiny_engine, p
         torch.testing.assert_close(kc, kw, rtol=0, atol=1e-5)
         torch.testing.assert_close(vc, vw, rtol=0, atol=1e-5)
     assert [s.recomputed_offsets for s in r_whole.segments] == [s.recomputed_offsets for s in r_ctx.segments]
+
+
+def test_blend_takes_the_exact_prefix_an_exact_run_stored(tiny_engine_factory):
+    """Documents this order's exact path stored are exact in a blend too: a repeat of an exact
+    prompt under a blend policy is the exact path bit for bit, whatever the ratio."""
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("Which?", make_docs(4))
+    exact = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=3)
+    for ratio, sel in [(0.15, "probe"), (0.0, "probe"), (0.3, "v")]:
+        b = eng.generate(prompt, ReusePolicy.blend(ratio=ratio, selector=sel), max_new_tokens=3)
+        assert classes(b)[:-1] == [ReuseClass.EXACT] * 5
+        assert b.report.recomputed_tokens == 0 and b.report.reused_tokens == len(prompt) - len(prompt.question)
+        assert torch.equal(b.first_logits, exact.first_logits) and b.token_ids == exact.token_ids
+
+
+def test_blend_exact_run_stops_at_the_first_document_not_stored_in_this_order(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    docs = make_docs(4)
+    eng.generate(eng.build_prompt("Which?", docs[:2]), ReusePolicy.exact(), max_new_tokens=1)  # docs 0, 1 exact
+    prompt = eng.build_prompt("Which?", [docs[0], docs[1], docs[3], docs[2]])
+    b = eng.generate(prompt, ReusePolicy.blend(ratio=1.0), max_new_tokens=1)
+    assert classes(b)[1:-1] == [ReuseClass.EXACT, ReuseClass.EXACT, ReuseClass.COMPUTED, ReuseClass.COMPUTED]
+    full = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    assert (b.first_logits - full.first_logits).abs().max() <= 1e-4  # ratio 1.0 == full prefill still
+    assert b.report.recomputed_tokens == len(prompt.documents[2]) + len(prompt.documents[3])  # not the exact ones
+    # the same documents reordered after the first: only document 1 is exact (its canonical position)
+    other = eng.build_prompt("Which?", [docs[0], docs[3], docs[1], docs[2]])
+    b2 = eng.generate(other, ReusePolicy.blend(ratio=0.15), max_new_tokens=1)
+    # (docs[1] was exact before, so its canonical KV is computed now; docs[3] and docs[2] were blended)
+    assert classes(b2)[1:-1] == [ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.COMPUTED, ReuseClass.BLENDED]
+
+
+def test_blend_exact_run_respects_the_cache_salt_and_rejects_corrupt_entries(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    docs = make_docs(3)
+    prompt = eng.build_prompt("Which?", docs)
+    eng.generate(prompt, ReusePolicy.exact(cache_salt="tenant-a"), max_new_tokens=1)
+    b = eng.generate(prompt, ReusePolicy.blend(ratio=0.15, cache_salt="tenant-b"), max_new_tokens=1)
+    assert classes(b)[2:-1] == [ReuseClass.COMPUTED, ReuseClass.COMPUTED]  # another tenant's KV: never seen
+    ref = eng.generate(prompt, ReusePolicy.blend(ratio=0.15), max_new_tokens=1)  # no exact run: salt ""
+    # an exact entry of the wrong length (crafted) ends the run: the document is blended instead
+    keys = eng.segments.prefix_keys([prompt.preamble, *prompt.documents])
+    ns, key = keys[2]
+    eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+    good = eng.segments.lookup(ns, key, len(prompt.documents[1])).entry
+    eng.store.put(ns, key, KVEntry(good.k[:, :, :-1], good.v[:, :, :-1], good.provenance))
+    b3 = eng.generate(prompt, ReusePolicy.blend(ratio=0.15), max_new_tokens=1)
+    assert classes(b3)[1:-1] == [ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.BLENDED]
+    assert torch.equal(b3.first_logits, ref.first_logits)

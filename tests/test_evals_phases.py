@@ -51,7 +51,8 @@ def test_bench_phases_writes_a_table_a_plot_and_the_fixed_overhead(tmp_path):
     full, reuse, blend = res["rows"]
     assert full["ratio"] == 1.0 and 0 < reuse["ratio"] and 0 < blend["ratio"]
     assert blend["phases"][Phase.CHECK.value] > 0 and full["phases"][Phase.CHECK.value] == 0
-    assert set(res["fixed_overhead_s"]) == {"600"}
+    assert set(res["fixed_overhead_s"]) == {"600"} and set(res["exact_docs_overhead_s"]) == {"600"}
+    assert "documents that are all exact hits" in (out / "phases.md").read_text()
     assert (out / "phases.png").stat().st_size > 1000
     assert "| 600 | blend@0.3 |" in (out / "phases.md").read_text()
 
