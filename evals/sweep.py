@@ -28,7 +28,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--time-full", action="store_true",
                     help="also time one full prefill per item (before its methods) for TTFT ratios")
+    ap.add_argument("--force", action="store_true",
+                    help="blend even where the model's quality gate refuses it (without it a refusal stops the "
+                         "sweep: it would score full prefill as the blend)")
     ap.add_argument("--from-rows", default=None,
                     help="comma list of rows.jsonl files from earlier runs: summarise them (with --methods' order)")
     ap.add_argument("--plot", action="store_true", help="with --from-rows: also draw budget.png (KL and top-1 "
@@ -251,9 +254,15 @@ def main(argv: list[str] | None = None) -> int:
                 engine.prefill(prompt, ReusePolicy.none())
                 full_ms = (time.perf_counter() - t0) * 1e3
             for m in methods:
+                policy = replace(m.policy(), force=True) if args.force else m.policy()
                 t0 = time.perf_counter()
-                logits, _, report = engine.prefill(prompt, m.policy())
+                logits, _, report = engine.prefill(prompt, policy)
                 ms = (time.perf_counter() - t0) * 1e3
+                if report.gate:
+                    print(f"sweep: {m.name} on item {idx} did not blend ({report.gate}); its KL would be full "
+                          "prefill's. Pass --force to measure the blend anyway.", file=sys.stderr)
+                    engine.close()
+                    return 2
                 row = SweepRow(idx, m.name, kl_divergence(ref, logits), top1_agree(ref, logits), ms, report.ratio,
                                len(prompt), top2_margin(ref), report.first_token_margin, bool(report.guard), full_ms)
                 rows.append(row)

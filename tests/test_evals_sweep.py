@@ -66,3 +66,37 @@ def test_the_summary_gives_ttft_ratios_when_full_prefill_was_timed():
     assert "TTFT ratio median | mean | p90 |" in text
     assert "| 0.300 | 0.600 | 1.300 |" in text  # median, mean, p90 of 0.2, 0.3, 1.3
     assert "TTFT ratio" not in summarise([SweepRow(0, "blend@0.15:probe", 0.1, 1.0, 5.0, 0.15, 100)], ["blend@0.15:probe"])
+
+
+def test_a_blend_the_gate_refuses_stops_the_sweep_unless_forced(tiny_engine_factory, tmp_path, monkeypatch, capsys):
+    """A refused blend is computed in full: scoring it would report full prefill's KL (0) as the blend's."""
+    import dataclasses
+
+    from blend.evals import sweep
+
+    forced = []
+    base = tiny_engine_factory()
+
+    def load(*a, **kw):
+        eng = base.with_store(kw["store"])
+        real = eng.prefill
+
+        def prefill(prompt, policy, *args, **kwargs):
+            logits, cache, report = real(prompt, policy, *args, **kwargs)
+            forced.append(policy.force)
+            if policy.mode.value == "blend" and not policy.force:  # as a failed gate reports it
+                report = dataclasses.replace(report, gate="quality gate failed (fidelity-kl 0.29 > 0.25)")
+            return logits, cache, report
+
+        eng.prefill = prefill
+        return eng
+
+    monkeypatch.setattr(sweep.Engine, "load", staticmethod(load))
+    args = ["--data", "synthetic:single", "--items", "0-0", "--passages", "2", "--methods", "blend@0.3:v",
+            "--ref-cache", str(tmp_path / "ref"), "--model", "tiny-llama"]
+    assert main(args + ["--out", str(tmp_path / "a")]) == 2
+    assert "did not blend" in capsys.readouterr().err
+    assert main(args + ["--out", str(tmp_path / "b"), "--force"]) == 0
+    assert forced[-1] is True
+    row = json.loads((tmp_path / "b" / "rows.jsonl").read_text().splitlines()[0])
+    assert row["method"] == "blend@0.3:v" and row["kl"] > 0
