@@ -98,7 +98,7 @@ def run_check(args: argparse.Namespace) -> int:
 
     engine = engine_from_args(args)
     result = run_gate(engine, items=args.items, progress=not args.json)
-    record(engine, result)
+    record(engine, result, args.items)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

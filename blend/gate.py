@@ -17,6 +17,7 @@ model that failed gets class ``fallback`` unless the policy forces blending.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -159,9 +160,21 @@ def _run_checks(engine: "Engine", eng: "Engine", items: int, progress: bool) -> 
     return GateResult(engine.model_name, engine.provenance.digest().hex(), tuple(checks))
 
 
-def gate_path(engine: "Engine") -> Path:
-    """Where the gate result of the engine's provenance is recorded."""
-    return kvblend_home() / "gate" / f"{engine.provenance.digest().hex()}.json"
+def gate_fingerprint(items: int = DEFAULT_GATE_ITEMS) -> str:
+    """What a recorded result was measured under: the blend policy its fidelity check runs (the
+    defaults of the day: selector, temperature, ...), the calibration prompts and the bounds.
+
+    A record is only valid for the same fingerprint, so a release that changes a default blend
+    setting runs the gate again once instead of trusting a verdict on another policy.
+    """
+    cfg = {"policy": ReusePolicy.blend(ratio=GATE_RATIO, force=True).describe(), "items": items,
+           "kl_bound": KL_BOUND, "top1_bound": TOP1_BOUND}
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def gate_path(engine: "Engine", items: int = DEFAULT_GATE_ITEMS) -> Path:
+    """Where the gate result of the engine's provenance (under :func:`gate_fingerprint`) is recorded."""
+    return kvblend_home() / "gate" / f"{engine.provenance.digest().hex()}-{gate_fingerprint(items)}.json"
 
 
 def load_record(engine: "Engine") -> GateResult | None:
@@ -173,9 +186,9 @@ def load_record(engine: "Engine") -> GateResult | None:
         return None
 
 
-def record(engine: "Engine", result: GateResult) -> None:
-    """Write the result atomically."""
-    path = gate_path(engine)
+def record(engine: "Engine", result: GateResult, items: int = DEFAULT_GATE_ITEMS) -> None:
+    """Write the result (of a run over ``items`` calibration prompts) atomically."""
+    path = gate_path(engine, items)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:

@@ -91,3 +91,18 @@ def test_the_engine_consults_the_gate_object_it_was_given(home):
     assert [s.reuse_class for s in ans.report.segments if s.kind.value == "document"] == [ReuseClass.FALLBACK] * 3
     assert not eng.generate(prompt, ReusePolicy.blend(force=True), max_new_tokens=1).report.gate  # force skips it
     assert Refuse.calls == 1
+
+
+def test_a_record_holds_only_for_the_policy_and_prompts_it_was_measured_under(home, monkeypatch):
+    """A verdict measured on another blend policy (yesterday's defaults) or fewer prompts is not
+    today's: the record's name carries the gate's fingerprint, so a change runs the gate again once."""
+    eng = Engine.load("tiny-llama")
+    before = gate.gate_fingerprint()
+    assert gate.gate_fingerprint(3) != before
+    gate.record(eng, gate.run_gate(eng, progress=False))
+    assert gate.load_record(eng) is not None
+    monkeypatch.setattr(gate, "GATE_RATIO", 0.3)  # the fidelity check would blend with another policy
+    assert gate.gate_fingerprint() != before
+    assert gate.load_record(eng) is None
+    # the policy's description is what the fingerprint reads: a changed default temperature shows in it
+    assert ReusePolicy.blend(reused_temperature=1.2).describe() != ReusePolicy.blend().describe()
