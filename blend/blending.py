@@ -364,19 +364,8 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     pending = segments.start_fetch(prompt, salt)  # chunk loads overlap the preamble and earlier chunks
     pre_key = segments.exact_keys([prompt.preamble], salt)[0]
     pre = segments.append_exact(cache, prompt.preamble, pre_key)
-    chunks, waited = segments.fetch_chunks(prompt, pending[:1], policy.semantic, salt)
+    chunks, n_exact, waited = _fetch_documents(segments, prompt, pending, policy)
     lookup_s = pre.lookup_s + waited
-    # doc 1 sits at its canonical position: its own KV is exact there; so are the documents after
-    # it that this order's exact path stored before (their keys commit to everything before them)
-    n_exact = 1 if chunks and chunks[0].own_kv else 0
-    if n_exact:
-        run, waited = segments.exact_run(prompt, salt)
-        chunks += run
-        n_exact += len(run)
-        lookup_s += waited
-    rest, waited = segments.fetch_chunks(prompt, pending[len(chunks):], policy.semantic, salt, start=len(chunks))
-    chunks += rest
-    lookup_s += waited
     t_load = time.perf_counter()
     for c in chunks[:n_exact]:
         model.load(cache, c.kv)
@@ -401,6 +390,27 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     reports.append(SegmentReport(q.kind, ReuseClass.COMPUTED, len(q), plan.e + plan.nb))
     logits = None if skip_q else model.logits(h[-1:])[0]  # (V,)
     return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio)
+
+
+def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list, policy: ReusePolicy
+                     ) -> tuple[list[ChunkKV], int, float]:
+    """Every document's KV, the exact ones first.
+
+    Doc 1 sits at its canonical position: its own KV is exact there; so are the documents after it
+    whose exact-prefix entries this order's exact path stored before (their keys commit to every
+    token before them). The rest are canonical chunks, to re-position.
+
+    Returns:
+        One :class:`ChunkKV` per document, how many lead the prompt exactly, and the store seconds.
+    """
+    chunks, waited = segments.fetch_chunks(prompt, pending[:1], policy.semantic, policy.cache_salt)
+    n_exact = 1 if chunks and chunks[0].own_kv else 0
+    if n_exact:
+        run, w = segments.exact_run(prompt, policy.cache_salt)
+        chunks, n_exact, waited = chunks + run, n_exact + len(run), waited + w
+    rest, w = segments.fetch_chunks(prompt, pending[len(chunks):], policy.semantic, policy.cache_salt,
+                                    start=len(chunks))
+    return chunks + rest, n_exact, waited + w
 
 
 def _doc_reports(prompt: Prompt, chunks: list[ChunkKV], selected: torch.Tensor, n_exact: int) -> list[SegmentReport]:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from blend.defaults import DEFAULT_MODEL
+from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.environment import describe_environment
@@ -52,7 +52,7 @@ DEFAULT_DATA = "../shared/data/musique_dev.json"
 FULL_REUSE = ReusePolicy.blend(ratio=0.0)
 EXACT_DOCS_SALT = "bench-phases-exact-documents"  # keeps the exact-hit case's entries from the other methods
 EXACT_DOCS_STORE = ReusePolicy.exact(cache_salt=EXACT_DOCS_SALT)
-EXACT_DOCS_BLEND = ReusePolicy.blend(ratio=0.15, cache_salt=EXACT_DOCS_SALT)
+EXACT_DOCS_BLEND = ReusePolicy.blend(ratio=DEFAULT_RATIO, cache_salt=EXACT_DOCS_SALT)
 OVERHEAD_REPEATS = 3
 SHORT_PASSAGE_CHARS = 480  # ~110 tokens: five of them make a ~630-token prompt
 
