@@ -5,39 +5,62 @@ tensors or to its torch reference otherwise. Importing this package never
 imports Triton.
 """
 
-from .dispatch import (
-    ENV_VAR,
-    BackendPolicy,
-    KernelBackend,
-    kernel_backend,
-    kv_deviation,
-    rope_mix,
-    sparse_query_attention,
-)
-from .reference import (
-    attention_probs,
-    kv_deviation_ref,
-    query_attention_mass,
-    rope_mix_ref,
-    sparse_query_attention_blocked,
-    sparse_query_attention_ref,
-)
-from .tolerances import TOL, Tol
+if __name__ == "kernels":
+    # This folder is ``blend.kernels`` (a package-dir mapping). Python imports it under the bare
+    # name ``kernels`` only when the repository root is on sys.path (``python -m`` or pytest run
+    # from the root), where it would shadow the PyPI package of that name, which transformers
+    # (>= 5.25) imports. Hand the name over to that package; where it is not installed, to an empty
+    # module without a file or version, which transformers' availability probe reads as "absent".
+    import importlib as _importlib
+    import os as _os
+    import sys as _sys
+    import types as _types
 
-__all__ = [
-    "ENV_VAR",
-    "TOL",
-    "attention_probs",
-    "BackendPolicy",
-    "KernelBackend",
-    "Tol",
-    "kernel_backend",
-    "kv_deviation",
-    "kv_deviation_ref",
-    "query_attention_mass",
-    "rope_mix",
-    "rope_mix_ref",
-    "sparse_query_attention",
-    "sparse_query_attention_blocked",
-    "sparse_query_attention_ref",
-]
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _saved = list(_sys.path)
+    del _sys.modules[__name__]
+    _sys.path[:] = [p for p in _saved if _os.path.abspath(p or _os.curdir) != _root]
+    try:
+        _real = _importlib.import_module(__name__)
+    except ImportError:
+        _real = _types.ModuleType(__name__, "placeholder: no package named 'kernels' is installed")
+    finally:
+        _sys.path[:] = _saved
+    _sys.modules[__name__] = _real  # what ``import kernels`` binds
+else:
+    from .dispatch import (
+        ENV_VAR,
+        BackendPolicy,
+        KernelBackend,
+        kernel_backend,
+        kv_deviation,
+        rope_mix,
+        sparse_query_attention,
+    )
+    from .reference import (
+        attention_probs,
+        kv_deviation_ref,
+        query_attention_mass,
+        rope_mix_ref,
+        sparse_query_attention_blocked,
+        sparse_query_attention_ref,
+    )
+    from .tolerances import TOL, Tol
+
+    __all__ = [
+        "ENV_VAR",
+        "TOL",
+        "attention_probs",
+        "BackendPolicy",
+        "KernelBackend",
+        "Tol",
+        "kernel_backend",
+        "kv_deviation",
+        "kv_deviation_ref",
+        "query_attention_mass",
+        "rope_mix",
+        "rope_mix_ref",
+        "sparse_query_attention",
+        "sparse_query_attention_blocked",
+        "sparse_query_attention_ref",
+    ]

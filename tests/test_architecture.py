@@ -212,3 +212,26 @@ def test_the_defaults_are_written_once():
             if isinstance(node, ast.Constant) and not isinstance(node.value, bool) and node.value in defaults:
                 found.append(f"{mod}:{node.lineno} writes {node.value!r} (use blend.defaults.{defaults[node.value]})")
     assert not found, "\n".join(found)
+
+
+def test_the_kernels_folder_never_shadows_a_top_level_kernels_package(tmp_path):
+    """From the repository root the folder kernels/ is importable as a bare ``kernels``; transformers
+    (>= 5.25) imports a PyPI package of that name. The folder hands the name over: to the installed
+    package when there is one, else to an empty module (no file, no version: "absent" to transformers'
+    probe), and ``blend.kernels`` stays itself either way."""
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("MARK = 'installed'\n")
+    code = ("import sys; sys.path[:0] = [{root!r}, {site!r}]\n"
+            "import kernels, blend.kernels\n"
+            "f = getattr(kernels, '__file__', None)\n"
+            "print(getattr(kernels, 'MARK', None), f is None or not f.startswith({root!r}), "
+            "blend.kernels.rope_mix.__module__)\n")
+    for site, mark in [(str(tmp_path / "site"), "installed"), (str(tmp_path / "nothing"), None)]:
+        out = subprocess.run([sys.executable, "-c", code.format(root=str(ROOT), site=site)], cwd=str(ROOT),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        got_mark, not_ours, module = out.stdout.split()
+        assert not_ours == "True" and module == "blend.kernels.dispatch"
+        if mark:
+            assert got_mark == mark  # the installed package, found behind the repository root
