@@ -52,7 +52,7 @@ from blend.probe_pass import ProbeResult, probe_gemm_dtype, run_probe, run_probe
 from blend.prompt import Prompt, SegmentKind
 from blend.report import DeviationStats, ReuseClass, SegmentReport
 from blend.rope import apply_rope
-from blend.segments import ChunkKV, SegmentCache
+from blend.segments import ChunkKV, PendingChunk, SegmentCache
 from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_auto, select_threshold
 
 
@@ -392,7 +392,7 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio)
 
 
-def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list, policy: ReusePolicy
+def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list[PendingChunk], policy: ReusePolicy
                      ) -> tuple[list[ChunkKV], int, float]:
     """Every document's KV, the exact ones first.
 

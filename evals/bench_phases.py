@@ -46,6 +46,7 @@ from blend.evals.methods import MethodKind, parse_methods
 from blend.evals.phases import Phase, PhaseClock
 from blend.evals.splits import parse_item_range
 from blend.policy import ReusePolicy
+from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
@@ -115,7 +116,7 @@ def fixed_overheads(engine: Engine, prompt) -> tuple[list[float], list[float]]:
     """Both fixed overheads of one prompt, :data:`OVERHEAD_REPEATS` interleaved samples each."""
     engine.generate(prompt, EXACT_DOCS_STORE, max_new_tokens=1)  # stores this order's exact prefix
     ans = engine.generate(prompt, EXACT_DOCS_BLEND, max_new_tokens=1)
-    if any(s.reuse_class.value != "exact" for s in ans.report.segments[:-1]):
+    if any(s.reuse_class is not ReuseClass.EXACT for s in ans.report.segments[:-1]):
         raise RuntimeError("the exact-documents case did not find every document exact")
     reuse, exact = [], []
     for _ in range(OVERHEAD_REPEATS):

@@ -22,7 +22,9 @@ if __name__ == "kernels":
     _sys.path[:] = [p for p in _saved if _os.path.abspath(p or _os.curdir) != _root]
     try:
         _real = _importlib.import_module(__name__)
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != __name__:  # the installed package is there but broken: say so, do not hide it
+            raise
         _real = _types.ModuleType(__name__, "placeholder: no package named 'kernels' is installed")
     finally:
         _sys.path[:] = _saved

@@ -236,3 +236,10 @@ def test_the_kernels_folder_never_shadows_a_top_level_kernels_package(tmp_path):
         assert not_ours == "True" and module == "blend.kernels.dispatch"
         if mark:
             assert got_mark == mark  # the installed package, found behind the repository root
+    broken = tmp_path / "broken" / "kernels"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("import kvblend_missing_dependency_xyz\n")
+    out = subprocess.run([sys.executable, "-c", code.format(root=str(ROOT), site=str(tmp_path / "broken"),
+                                                            ours=str(ROOT / "kernels" / "__init__.py"))],
+                         cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "kvblend_missing_dependency_xyz" in out.stderr  # a broken install is not hidden

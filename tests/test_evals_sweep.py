@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict
 
 import torch
 
+from blend.evals import sweep
 from blend.evals.sweep import SweepRow, first_of_budget, main, read_rows, reference_logits, split_of, summarise
 from blend.policy import ReusePolicy
 from tests.conftest import make_docs
@@ -70,10 +72,6 @@ def test_the_summary_gives_ttft_ratios_when_full_prefill_was_timed():
 
 def test_a_blend_the_gate_refuses_stops_the_sweep_unless_forced(tiny_engine_factory, tmp_path, monkeypatch, capsys):
     """A refused blend is computed in full: scoring it would report full prefill's KL (0) as the blend's."""
-    import dataclasses
-
-    from blend.evals import sweep
-
     forced = []
     base = tiny_engine_factory()
 

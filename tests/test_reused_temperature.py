@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from blend.defaults import DEFAULT_REUSED_TEMPERATURE
 from blend.errors import InvalidPolicyError
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
@@ -17,12 +18,10 @@ def _prefill(engine, prompt, **kw):
 
 
 def test_temperature_one_ratio_one_and_full_reuse_change_no_bit(tiny_engine):
-    """T = 1 is the default blend; at ratio 1 every document row is recomputed and with no check
-    layer (full reuse) nothing is tempered, so T changes no bit there."""
+    """A blend without a temperature uses the default one; at ratio 1 every document row is recomputed
+    and with no check layer (full reuse) nothing is tempered, so T changes no bit there."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     tiny_engine.precompute(prompt, ReusePolicy.blend())
-    from blend.defaults import DEFAULT_REUSED_TEMPERATURE
-
     assert torch.equal(_prefill(tiny_engine, prompt, ratio=0.25)[0],
                        _prefill(tiny_engine, prompt, ratio=0.25, reused_temperature=DEFAULT_REUSED_TEMPERATURE)[0])
     for ratio in (1.0, 0.0):
