@@ -49,6 +49,8 @@ def test_a_blend_needs_its_own_salt_beside_vllms_prefix_cache():
     assert not salt_allows_blend(blend_salt(params, ids), other, ids)  # another ratio: other KV, other salt
     question = ids[:30] + [7] * 10  # same documents, another question
     assert not salt_allows_blend(blend_salt(params, ids), p, question)
+    whole = blend_request(ids, [(5, 12), (12, 30)], ratio=1)  # an int ratio salts as the connector reads it
+    assert salt_allows_blend(blend_salt(whole, ids), parse_blend_params(whole, 40), ids)
 
 
 def test_vllm_kv_never_aliases_kvblend_kv():

@@ -196,9 +196,11 @@ def blend_salt(params: dict[str, Any], prompt_token_ids: Sequence[int], tenant: 
     the question's attention), so they must live under a salt that commits to both: only the same
     prompt under the same policy may reuse them. ``tenant``: the caller's own salt, kept in front.
     """
-    p = params[PARAMS_KEY]
+    p = parse_blend_params(params, len(prompt_token_ids))
+    if p is None:
+        raise InvalidRequestError("blend_salt needs the kv_transfer_params of a blend request")
     digest = token_digest(prompt_token_ids).hex()[:24]
-    return f"{tenant}|{BLEND_SALT_MARK}:{p.get('ratio', DEFAULT_RATIO)}:{p.get('selector', DEFAULT_SELECTOR)}:{digest}"
+    return f"{tenant}|{BLEND_SALT_MARK}:{p.ratio}:{p.selector}:{digest}"  # as salt_allows_blend reads it
 
 
 def salt_allows_blend(salt: str | None, params: BlendParams, prompt_token_ids: Sequence[int]) -> bool:

@@ -1,0 +1,201 @@
+"""The chat API's ``documents`` for kvblend inside vLLM, as pure functions over JSON bodies (no vLLM import).
+
+vLLM hands a chat request's ``documents`` to the chat template (SmolLM2's and
+many others ignore them) and tokenizes the rendered text as a whole, so the
+connector never learns where a document starts. A chat request that carries
+``documents`` *and* a ``kvblend`` entry in ``kv_transfer_params`` is therefore
+laid out by kvblend instead, exactly as ``kvblend serve`` and the Python API
+lay it out (:func:`blend.prompt.build_prompt`: [preamble with the system
+prompt | one segment per document | question]), and sent on to vLLM's
+completions endpoint as token ids with the documents' token spans filled in
+(and, for a blend, the ``cache_salt`` that :func:`~blend.integrations.vllm.plan.blend_salt`
+gives). Spans come from kvblend's own segmentation, never from a separator
+found in text; the document tokens are the ones kvblend keys its chunk KV by,
+so vLLM, ``kvblend serve`` and the Python API share those chunks. The
+completion is turned back into a chat completion (or chunk, when streaming).
+
+    {"messages": [{"role": "system", ...}?, {"role": "user", "content": QUESTION}],
+     "documents": [{"text": ..., "title"?: ...} | "text", ...],
+     "kv_transfer_params": {"kvblend": {"mode": "blend", "ratio": 0.15, "selector": "probe"}},
+     "cache_salt"?: TENANT, ...sampling fields as in any chat request}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR
+from blend.errors import InvalidRequestError
+from blend.integrations.vllm.plan import PARAMS_KEY, blend_request, blend_salt, prompt_spans
+from blend.prompt import Prompt, build_prompt
+from blend.serve.schemas import ChatMessage, Document
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+# chat fields the rewrite consumes (they do not go on to the completions request)
+CONSUMED = ("messages", "documents", "max_completion_tokens", "kv_transfer_params", "cache_salt",
+            "max_tokens", "add_generation_prompt", "continue_final_message", "echo", "parallel_tool_calls",
+            "include_reasoning", "logprobs", "top_logprobs", "tools", "tool_choice")
+# chat-only options with no completions equivalent: refused unless left at their defaults
+REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
+    "reasoning_effort": (None,),
+}
+ENTRY_KEYS = frozenset({"mode", "ratio", "selector"})  # a chat request's kvblend entry
+_MESSAGES = TypeAdapter(list[ChatMessage])
+_DOCUMENTS = TypeAdapter(list[Document | str])
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """A chat request laid out by kvblend: the completions body to send and the prompt it holds."""
+
+    body: dict[str, Any]  # the /v1/completions request (prompt as token ids)
+    prompt: Prompt  # kvblend's segmented prompt
+
+
+def is_kvblend_chat(body: Any) -> bool:
+    """Whether a chat body asks kvblend to lay out its documents (``documents`` plus a ``kvblend`` entry)."""
+    if not isinstance(body, dict) or not body.get("documents"):
+        return False
+    params = body.get("kv_transfer_params")
+    return isinstance(params, dict) and PARAMS_KEY in params
+
+
+def _system_and_question(messages: list[ChatMessage]) -> tuple[str | None, str]:
+    users = [m for m in messages if m.role == "user"]
+    if any(m.role == "assistant" for m in messages) or len(users) != 1:
+        raise InvalidRequestError("with kvblend documents, send exactly one user message (the question) plus "
+                                  "optional system messages; earlier turns are not supported")
+    system = "\n\n".join(m.text() for m in messages if m.role in ("system", "developer")) or None
+    return system, users[0].text()
+
+
+def _document_texts(raw: Any) -> list[str]:
+    try:
+        docs = _DOCUMENTS.validate_python(raw)
+    except ValidationError as e:
+        raise InvalidRequestError(f"documents: a list of strings or {{'text', 'title'?}} objects ({e.errors()[0]['msg']})"
+                                  ) from None
+    out = []
+    for i, d in enumerate(docs):
+        text = d if isinstance(d, str) else (f"{d.title}\n{d.text}" if d.title else d.text)
+        if not text.strip():
+            raise InvalidRequestError(f"document {i + 1} is empty")
+        out.append(text)
+    return out
+
+
+def chat_to_completion(body: dict[str, Any], tokenizer) -> Rewrite:
+    """Lay out a kvblend chat request (see :func:`is_kvblend_chat`) as a completions request.
+
+    Args:
+        body: the chat request's JSON body (untrusted).
+        tokenizer: the served model's tokenizer (the one kvblend's engine loads from the same directory).
+
+    Returns:
+        The completions body (``prompt`` as token ids, the ``kvblend`` entry with the documents' spans,
+        the blend's ``cache_salt``) and kvblend's prompt.
+
+    Raises:
+        InvalidRequestError: malformed messages or documents, a chat-only option that completions cannot
+            honour, spans given by the client, or a malformed ``kvblend`` entry.
+    """
+    try:
+        messages = _MESSAGES.validate_python(body.get("messages"))
+    except ValidationError:
+        raise InvalidRequestError("messages: a list of {role, content} with text content") from None
+    for key, defaults in REFUSED_UNLESS_DEFAULT.items():
+        if key in body and body[key] not in defaults:
+            raise InvalidRequestError(f"{key!r} is not supported on a chat request with kvblend documents")
+    entry = body["kv_transfer_params"][PARAMS_KEY]
+    if not isinstance(entry, dict):
+        raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object")
+    if "documents" in entry:
+        raise InvalidRequestError("a chat request names its documents in 'documents'; kvblend finds their "
+                                  "token spans itself (spans in kv_transfer_params are for token-id prompts)")
+    system, question = _system_and_question(messages)
+    prompt = build_prompt(tokenizer, question, _document_texts(body["documents"]), system)
+    ids = prompt.token_ids
+    params = dict(body["kv_transfer_params"])
+    tenant = body.get("cache_salt")
+    if tenant is not None and not isinstance(tenant, str):
+        raise InvalidRequestError("cache_salt must be a string")
+    salt = tenant
+    unknown = set(entry) - ENTRY_KEYS
+    if unknown:
+        raise InvalidRequestError(f"unknown kvblend option(s) {sorted(unknown)}; known: {sorted(ENTRY_KEYS)}")
+    mode = entry.get("mode", "blend")
+    if mode not in ("blend", "exact"):
+        raise InvalidRequestError(f"kvblend mode must be 'blend' or 'exact', got {mode!r}")
+    if mode == "blend":
+        params[PARAMS_KEY] = blend_request(ids, prompt_spans([len(s) for s in prompt.segments]),
+                                           ratio=entry.get("ratio", DEFAULT_RATIO),
+                                           selector=entry.get("selector", DEFAULT_SELECTOR))[PARAMS_KEY]
+        salt = blend_salt(params, ids, tenant or "")
+    out = {k: v for k, v in body.items() if k not in CONSUMED}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    out.update(prompt=ids, max_tokens=max_tokens, kv_transfer_params=params)
+    if salt is not None:
+        out["cache_salt"] = salt
+    return Rewrite(out, prompt)
+
+
+def _chat_id(completion_id: Any) -> str:
+    s = str(completion_id or "")
+    return "chatcmpl-" + (s[len("cmpl-"):] if s.startswith("cmpl-") else s)
+
+
+def completion_to_chat(resp: dict[str, Any]) -> dict[str, Any]:
+    """A completions response as the chat completion it answers.
+
+    Args:
+        resp: vLLM's ``text_completion`` response body.
+
+    Returns:
+        An OpenAI ``chat.completion`` body (vLLM's ``kv_transfer_params``, with kvblend's report, kept).
+    """
+    choices = []
+    for c in resp.get("choices") or []:
+        choice = {"index": c.get("index", 0), "message": {"role": "assistant", "content": c.get("text", "")},
+                  "logprobs": None, "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason")}
+        if c.get("token_ids") is not None:
+            choice["token_ids"] = c["token_ids"]
+        choices.append(choice)
+    out = {"id": _chat_id(resp.get("id")), "object": "chat.completion", "created": resp.get("created"),
+           "model": resp.get("model"), "choices": choices, "usage": resp.get("usage")}
+    for key in ("system_fingerprint", "service_tier", "kv_transfer_params", "metrics"):
+        if resp.get(key) is not None:
+            out[key] = resp[key]
+    return out
+
+
+class ChunkConverter:
+    """Streamed completion chunks as chat completion chunks (the first delta of each choice names the role)."""
+
+    def __init__(self) -> None:
+        self._started: set[int] = set()
+
+    def __call__(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """One ``text_completion`` chunk as a ``chat.completion.chunk``."""
+        choices = []
+        for c in chunk.get("choices") or []:
+            idx = c.get("index", 0)
+            delta: dict[str, Any] = {"content": c.get("text", "")}
+            if idx not in self._started:
+                self._started.add(idx)
+                delta = {"role": "assistant", **delta}
+            choices.append({"index": idx, "delta": delta, "logprobs": None,
+                            "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason")})
+        out = {"id": _chat_id(chunk.get("id")), "object": "chat.completion.chunk", "created": chunk.get("created"),
+               "model": chunk.get("model"), "choices": choices}
+        for key in ("usage", "system_fingerprint", "metrics"):
+            if chunk.get(key) is not None:
+                out[key] = chunk[key]
+        return out

@@ -1,0 +1,208 @@
+"""An ASGI middleware for vLLM's OpenAI server: chat requests with ``documents`` laid out by kvblend.
+
+    python -m vllm.entrypoints.openai.api_server --model DIR \\
+        --kv-transfer-config '{"kv_connector": "KVBlendConnector", ...}' \\
+        --middleware blend.integrations.vllm.middleware.DocumentsMiddleware
+
+A ``POST /v1/chat/completions`` whose body carries ``documents`` and a
+``kvblend`` entry in ``kv_transfer_params`` is rewritten (see
+:mod:`blend.integrations.vllm.chat`) into a ``/v1/completions`` request over
+kvblend's segmented prompt, and vLLM's answer is turned back into a chat
+completion, streamed or not. Every other request passes through untouched.
+A malformed kvblend chat request gets a 400 in OpenAI's error shape. No vLLM
+import: the served model comes from ``scope["app"].state.vllm_config``, which
+vLLM's server sets (tests pass a tokenizer instead).
+
+vLLM adds ``--middleware`` classes after its own (authentication included), so
+this one runs first: a request without a valid key is still laid out (a
+tokenizer call) before vLLM answers it 401.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any, Awaitable, Callable
+
+from blend.errors import InvalidRequestError
+from blend.integrations.vllm.chat import CHAT_PATH, COMPLETIONS_PATH, ChunkConverter, chat_to_completion, \
+    completion_to_chat, is_kvblend_chat
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+MAX_BODY_BYTES = 64 << 20  # a chat body larger than this passes through unread by kvblend's rewrite
+
+_TOKENIZERS: dict[str, Any] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def served_tokenizer(path: str):
+    """The served model's tokenizer, loaded once per process (as kvblend's engine loads it)."""
+    with _TOKENIZERS_LOCK:
+        if path not in _TOKENIZERS:
+            from transformers import AutoTokenizer
+
+            _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
+        return _TOKENIZERS[path]
+
+
+def _error_body(status: int, message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None,
+                                 "code": status}}).encode()
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for k, v in headers:
+        if k.lower() == name:
+            return v
+    return None
+
+
+class DocumentsMiddleware:
+    """Rewrites kvblend chat requests with documents into completions over kvblend's prompt.
+
+    Args:
+        app: the ASGI app (vLLM's FastAPI app).
+        tokenizer: the served model's tokenizer; None: loaded from the served model's directory.
+    """
+
+    def __init__(self, app: Callable, tokenizer: Any = None) -> None:
+        self.app = app
+        self._tokenizer = tokenizer
+
+    def _tokenizer_for(self, scope: Scope):
+        if self._tokenizer is not None:
+            return self._tokenizer
+        state = getattr(scope.get("app"), "state", None)
+        cfg = getattr(state, "vllm_config", None)
+        if cfg is None:
+            raise InvalidRequestError("kvblend documents: the server's model config is not available")
+        mc = cfg.model_config
+        return served_tokenizer(str(getattr(mc, "tokenizer", None) or mc.model))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "POST" or not scope.get("path", "").endswith(CHAT_PATH):
+            await self.app(scope, receive, send)
+            return
+        raw, more = await _read_body(receive)
+        replay = _replay(raw, receive)
+        if more or not raw.strip().startswith(b"{"):
+            await self.app(scope, replay, send)  # too large or not an object: vLLM answers it
+            return
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            await self.app(scope, replay, send)  # vLLM's own 400 for malformed JSON
+            return
+        if not is_kvblend_chat(body):
+            await self.app(scope, replay, send)
+            return
+        try:
+            tokenizer = await asyncio.to_thread(self._tokenizer_for, scope)
+            rewrite = await asyncio.to_thread(chat_to_completion, body, tokenizer)
+        except InvalidRequestError as e:
+            await _respond(send, 400, _error_body(400, str(e)))
+            return
+        new_raw = json.dumps(rewrite.body).encode()
+        path = scope["path"][: -len(CHAT_PATH)] + COMPLETIONS_PATH
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(new_raw)).encode()))
+        inner = {**scope, "path": path, "raw_path": path.encode(), "headers": headers}
+        await self.app(inner, _replay(new_raw, receive), _ChatSend(send))
+
+
+async def _read_body(receive: Receive) -> tuple[bytes, bool]:
+    """The request body (up to :data:`MAX_BODY_BYTES`) and whether more was left unread."""
+    parts, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return b"".join(parts), False
+        chunk = msg.get("body", b"")
+        parts.append(chunk)
+        size += len(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(parts), False
+        if size > MAX_BODY_BYTES:
+            return b"".join(parts), True
+
+
+def _replay(raw: bytes, receive: Receive) -> Receive:
+    """A receive that yields ``raw`` as the whole body once, then the client's own messages (disconnects)."""
+    sent = False
+
+    async def inner() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return inner
+
+
+async def _respond(send: Send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _ChatSend:
+    """Wraps ``send``: a completions answer goes out as a chat answer (JSON buffered; SSE event by event)."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.start: dict[str, Any] | None = None
+        self.mode = "pass"  # "json" | "sse" | "pass" (errors and anything else, as vLLM sent them)
+        self.buf = b""
+        self.chunks = ChunkConverter()
+
+    async def __call__(self, msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.start":
+            ctype = (_header(msg.get("headers", []), b"content-type") or b"").lower()
+            if msg.get("status") == 200 and ctype.startswith(b"application/json"):
+                self.mode, self.start = "json", msg  # sent once the body is known (its length changes)
+                return
+            if msg.get("status") == 200 and ctype.startswith(b"text/event-stream"):
+                self.mode = "sse"
+                msg = {**msg, "headers": [(k, v) for k, v in msg.get("headers", []) if k.lower() != b"content-length"]}
+            await self.send(msg)
+            return
+        if msg["type"] != "http.response.body" or self.mode == "pass":
+            await self.send(msg)
+            return
+        self.buf += msg.get("body", b"")
+        more = msg.get("more_body", False)
+        if self.mode == "json":
+            if more:
+                return
+            try:
+                out = json.dumps(completion_to_chat(json.loads(self.buf))).encode()
+            except (ValueError, TypeError, AttributeError):
+                out = self.buf  # not a completion body: as vLLM sent it
+            headers = [(k, v) for k, v in self.start.get("headers", []) if k.lower() != b"content-length"]
+            await self.send({**self.start, "headers": headers + [(b"content-length", str(len(out)).encode())]})
+            await self.send({"type": "http.response.body", "body": out})
+            return
+        events, _, self.buf = self.buf.rpartition(b"\n\n")
+        out = b"".join(self._event(e) for e in events.split(b"\n\n") if e.strip()) if events else b""
+        if not more and self.buf.strip():
+            out, self.buf = out + self._event(self.buf), b""
+        if out or not more:
+            await self.send({"type": "http.response.body", "body": out, "more_body": more})
+
+    def _event(self, event: bytes) -> bytes:
+        """One SSE event, its completion chunk turned into a chat chunk (``[DONE]`` and others as they are)."""
+        lines = []
+        for line in event.split(b"\n"):
+            if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+                try:
+                    chunk = json.loads(line[6:])
+                    if isinstance(chunk, dict) and "error" not in chunk:  # a mid-stream error goes as it is
+                        line = b"data: " + json.dumps(self.chunks(chunk)).encode()
+                except (ValueError, TypeError, AttributeError):
+                    pass
+            lines.append(line)
+        return b"\n".join(lines) + b"\n\n"

@@ -1,0 +1,177 @@
+"""The chat API's documents inside vLLM (issue 17): kvblend lays out the prompt, the middleware
+rewrites the request into a completions request and the answer back into a chat completion.
+
+No vLLM here: the rewrite is pure, and the middleware runs over a fake completions app.
+The real server with the connector is tested in ``tests/vllm_connector``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from blend.errors import InvalidRequestError
+from blend.integrations.vllm.chat import chat_to_completion, completion_to_chat, is_kvblend_chat
+from blend.integrations.vllm.middleware import DocumentsMiddleware
+from blend.integrations.vllm.plan import PARAMS_KEY, parse_blend_params, prompt_spans, salt_allows_blend
+from blend.prompt import build_prompt
+from blend.tiny import byte_tokenizer
+
+TOK = byte_tokenizer()
+DOCS = ["Paris is the capital of France.", {"title": "Rome", "text": "Rome is in Italy."}]
+TEXTS = ["Paris is the capital of France.", "Rome\nRome is in Italy."]
+
+
+def chat_body(**kw) -> dict:
+    body = {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "Where is Rome?"}],
+            "documents": DOCS, "kv_transfer_params": {PARAMS_KEY: {"mode": "blend", "ratio": 0.15}},
+            "temperature": 0, "max_completion_tokens": 8, "seed": 3, "stop": ["\n"]}
+    body.update(kw)
+    return body
+
+
+def test_a_blend_chat_becomes_a_completion_over_kvblends_own_prompt():
+    rw = chat_to_completion(chat_body(cache_salt="tenant-a"), TOK)
+    want = build_prompt(TOK, "Where is Rome?", TEXTS, "Be brief.")
+    assert rw.body["prompt"] == want.token_ids  # the prompt kvblend serve and the Python API build
+    spans = prompt_spans([len(s) for s in want.segments])
+    params = parse_blend_params(rw.body["kv_transfer_params"], len(want))
+    assert params.spans == tuple(spans) and params.ratio == 0.15
+    assert salt_allows_blend(rw.body["cache_salt"], params, want.token_ids)  # the connector takes the blend
+    assert rw.body["cache_salt"].startswith("tenant-a|")  # the tenant's salt stays in front
+    assert rw.body["max_tokens"] == 8 and rw.body["seed"] == 3 and rw.body["stop"] == ["\n"]
+    assert rw.body["temperature"] == 0 and rw.body["model"] == "m"
+    assert not {"messages", "documents", "max_completion_tokens"} & set(rw.body)
+
+
+def test_an_exact_chat_keeps_its_salt_and_names_no_spans():
+    rw = chat_to_completion(chat_body(cache_salt="t", kv_transfer_params={PARAMS_KEY: {"mode": "exact"}}), TOK)
+    assert rw.body["cache_salt"] == "t" and rw.body["kv_transfer_params"] == {PARAMS_KEY: {"mode": "exact"}}
+    assert rw.body["prompt"] == build_prompt(TOK, "Where is Rome?", TEXTS, "Be brief.").token_ids
+
+
+def test_only_chats_with_documents_and_a_kvblend_entry_are_rewritten():
+    assert is_kvblend_chat(chat_body())
+    assert not is_kvblend_chat(chat_body(documents=None))
+    assert not is_kvblend_chat(chat_body(documents=[]))
+    assert not is_kvblend_chat(chat_body(kv_transfer_params=None))
+    assert not is_kvblend_chat(chat_body(kv_transfer_params={"other": 1}))
+    assert not is_kvblend_chat([1, 2])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"kv_transfer_params": {PARAMS_KEY: {"documents": [[1, 4]]}}}, "finds their token spans"),
+    ({"kv_transfer_params": {PARAMS_KEY: {"ratio": 2.0}}}, "ratio"),
+    ({"kv_transfer_params": {PARAMS_KEY: {"ration": 0.2}}}, "unknown kvblend option"),
+    ({"kv_transfer_params": {PARAMS_KEY: {"mode": "none"}}}, "mode"),
+    ({"kv_transfer_params": {PARAMS_KEY: {"selector": "nope"}}}, "selector"),
+    ({"kv_transfer_params": {PARAMS_KEY: 3}}, "must be an object"),
+    ({"tools": [{"type": "function"}]}, "'tools' is not supported"),
+    ({"logprobs": True}, "'logprobs' is not supported"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                   {"role": "user", "content": "c"}]}, "exactly one user message"),
+    ({"messages": "hi"}, "messages"),
+    ({"documents": ["ok", "   "]}, "document 2 is empty"),
+    ({"documents": [{"txt": "x"}]}, "documents"),
+    ({"cache_salt": 5}, "cache_salt"),
+])
+def test_a_malformed_kvblend_chat_is_refused_clearly(change, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        chat_to_completion(chat_body(**change), TOK)
+
+
+COMPLETION = {"id": "cmpl-abc", "object": "text_completion", "created": 7, "model": "m",
+              "choices": [{"index": 0, "text": "Italy", "finish_reason": "stop", "stop_reason": None}],
+              "usage": {"prompt_tokens": 90, "completion_tokens": 2, "total_tokens": 92},
+              "kv_transfer_params": {PARAMS_KEY: {"claim": "blend"}}}
+
+
+def test_a_completion_answer_goes_back_as_a_chat_completion():
+    chat = completion_to_chat(COMPLETION)
+    assert chat["id"] == "chatcmpl-abc" and chat["object"] == "chat.completion"
+    assert chat["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Italy"}, "logprobs": None,
+                                "finish_reason": "stop", "stop_reason": None}]
+    assert chat["usage"] == COMPLETION["usage"] and chat["kv_transfer_params"] == COMPLETION["kv_transfer_params"]
+
+
+def _stream(texts: list[str]) -> bytes:
+    events = [{"id": "cmpl-s", "object": "text_completion", "created": 1, "model": "m",
+               "choices": [{"index": 0, "text": t, "finish_reason": "stop" if i == len(texts) - 1 else None}]}
+              for i, t in enumerate(texts)]
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+class FakeVllm:
+    """A completions endpoint: records what reached it; streams in pieces of ``piece`` bytes."""
+
+    def __init__(self, piece: int = 0) -> None:
+        self.seen: list[tuple[str, dict]] = []
+        self.piece = piece
+
+    async def __call__(self, scope, receive, send):
+        raw = b""
+        while True:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        try:
+            body = json.loads(raw)
+        except ValueError:  # vLLM's own answer to malformed JSON
+            self.seen.append((scope["path"], raw))
+            await send({"type": "http.response.start", "status": 400, "headers": []})
+            await send({"type": "http.response.body", "body": b"bad json"})
+            return
+        self.seen.append((scope["path"], body))
+        if scope["path"] == "/v1/chat/completions":  # a chat that is not kvblend's: vLLM's own answer
+            out, ctype = json.dumps({"object": "chat.completion", "untouched": True}).encode(), b"application/json"
+        elif body.get("stream"):
+            out, ctype = _stream(["It", "aly", ""]), b"text/event-stream"
+        else:
+            out, ctype = json.dumps(COMPLETION).encode(), b"application/json"
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", ctype), (b"content-length", str(len(out)).encode())]})
+        step = self.piece or len(out)
+        for i in range(0, len(out), step):
+            await send({"type": "http.response.body", "body": out[i:i + step], "more_body": i + step < len(out)})
+
+
+def test_the_middleware_rewrites_a_kvblend_chat_and_answers_in_chat_form():
+    fake = FakeVllm()
+    client = TestClient(DocumentsMiddleware(fake, tokenizer=TOK))
+    r = client.post("/v1/chat/completions", json=chat_body())
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+    assert r.json()["choices"][0]["message"]["content"] == "Italy"
+    assert r.json()["kv_transfer_params"] == {PARAMS_KEY: {"claim": "blend"}}
+    path, sent = fake.seen[-1]
+    assert path == "/v1/completions" and sent == chat_to_completion(chat_body(), TOK).body
+    plain = {k: v for k, v in chat_body().items() if k != "kv_transfer_params"}
+    assert client.post("/v1/chat/completions", json=plain).json() == {"object": "chat.completion", "untouched": True}
+    assert fake.seen[-1] == ("/v1/chat/completions", plain)  # passed through byte for byte
+
+
+@pytest.mark.parametrize("piece", [0, 1, 7, 50])
+def test_a_streamed_answer_goes_back_as_chat_chunks_however_it_is_split(piece):
+    client = TestClient(DocumentsMiddleware(FakeVllm(piece), tokenizer=TOK))
+    r = client.post("/v1/chat/completions", json=chat_body(stream=True))
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert [c["object"] for c in chunks] == ["chat.completion.chunk"] * 3
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "It"}
+    assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["It", "aly", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_malformed_kvblend_chat_gets_a_400_and_never_reaches_vllm():
+    fake = FakeVllm()
+    client = TestClient(DocumentsMiddleware(fake, tokenizer=TOK))
+    r = client.post("/v1/chat/completions", json=chat_body(tools=[{"type": "function"}]))
+    assert r.status_code == 400 and "'tools' is not supported" in r.json()["error"]["message"]
+    assert not fake.seen
+    r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.text == "bad json"  # malformed JSON is vLLM's to answer, as sent
+    assert fake.seen == [("/v1/chat/completions", b"{not json")]
