@@ -175,3 +175,27 @@ def test_a_malformed_kvblend_chat_gets_a_400_and_never_reaches_vllm():
     r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.text == "bad json"  # malformed JSON is vLLM's to answer, as sent
     assert fake.seen == [("/v1/chat/completions", b"{not json")]
+
+
+def test_a_body_too_large_to_rewrite_reaches_vllm_whole(monkeypatch):
+    """Past the middleware's read limit the body is not rewritten, and vLLM gets every byte of it."""
+    import asyncio
+
+    import blend.integrations.vllm.middleware as mw
+
+    monkeypatch.setattr(mw, "MAX_BODY_BYTES", 64)
+    raw = json.dumps(chat_body()).encode()
+    msgs = [{"type": "http.request", "body": raw[i:i + 40], "more_body": i + 40 < len(raw)}
+            for i in range(0, len(raw), 40)]
+    sent: list[dict] = []
+
+    async def receive():
+        return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+    async def send(msg):
+        sent.append(msg)
+
+    fake = FakeVllm()
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    asyncio.run(DocumentsMiddleware(fake, tokenizer=TOK)(scope, receive, send))
+    assert fake.seen == [("/v1/chat/completions", chat_body())] and sent[0]["status"] == 200

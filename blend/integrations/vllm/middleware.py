@@ -87,7 +87,7 @@ class DocumentsMiddleware:
             await self.app(scope, receive, send)
             return
         raw, more = await _read_body(receive)
-        replay = _replay(raw, receive)
+        replay = _replay(raw, receive, more)
         if more or not raw.strip().startswith(b"{"):
             await self.app(scope, replay, send)  # too large or not an object: vLLM answers it
             return
@@ -129,15 +129,16 @@ async def _read_body(receive: Receive) -> tuple[bytes, bool]:
             return b"".join(parts), True
 
 
-def _replay(raw: bytes, receive: Receive) -> Receive:
-    """A receive that yields ``raw`` as the whole body once, then the client's own messages (disconnects)."""
+def _replay(raw: bytes, receive: Receive, more: bool = False) -> Receive:
+    """A receive that yields ``raw`` first, then the client's own messages (the rest of a body left
+    unread when ``more``; disconnects)."""
     sent = False
 
     async def inner() -> dict[str, Any]:
         nonlocal sent
         if not sent:
             sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
+            return {"type": "http.request", "body": raw, "more_body": more}
         return await receive()
 
     return inner
