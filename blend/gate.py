@@ -214,7 +214,7 @@ class QualityGate:
 
     def __init__(self, progress: bool = True) -> None:
         self.progress = progress
-        self._results: dict[str, GateResult] = {}  # provenance digest -> result
+        self._results: dict[str, GateResult] = {}  # record name (provenance + gate fingerprint) -> result
 
     def verdict(self, engine: "Engine") -> GateVerdict:
         """Consult (or run once and record) the gate for ``engine``'s model.
@@ -222,7 +222,7 @@ class QualityGate:
         Returns:
             The verdict; ``ran_s`` > 0 when the gate ran now (its time is not the request's).
         """
-        digest = engine.provenance.digest().hex()
+        digest = gate_path(engine).name  # the same key as the record: provenance and what the gate measures
         result, ran_s = self._results.get(digest) or load_record(engine), 0.0
         if result is None:
             if self.progress:
