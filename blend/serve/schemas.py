@@ -80,6 +80,28 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+def document_text_of(doc: Union[Document, str]) -> str:
+    """A document's text as it goes into the prompt; a title becomes its first line."""
+    if isinstance(doc, str):
+        return doc
+    return f"{doc.title}\n{doc.text}" if doc.title else doc.text
+
+
+def system_and_question(messages: list[ChatMessage]) -> tuple[str | None, str]:
+    """The system prompt (system/developer messages joined) and the question (the one user message).
+
+    Raises:
+        ValueError: not exactly one user message, or an assistant turn (kvblend answers one question
+            per request: its prompt is [system | documents | question]).
+    """
+    users = [m for m in messages if m.role == "user"]
+    if any(m.role == "assistant" for m in messages) or len(users) != 1:
+        raise ValueError("kvblend answers one question per request: send exactly one user message "
+                         "(plus optional system messages); earlier turns are not supported")
+    system = "\n\n".join(m.text() for m in messages if m.role in ("system", "developer")) or None
+    return system, users[0].text()
+
+
 class _Common(BaseModel):
     """Fields shared by both endpoints."""
 
@@ -120,13 +142,7 @@ class _Common(BaseModel):
 
     def document_texts(self) -> list[str]:
         """Document texts in order; a title becomes the document's first line."""
-        out = []
-        for d in self.documents or []:
-            if isinstance(d, str):
-                out.append(d)
-            else:
-                out.append(f"{d.title}\n{d.text}" if d.title else d.text)
-        return out
+        return [document_text_of(d) for d in self.documents or []]
 
 
 class ChatCompletionRequest(_Common):
@@ -142,12 +158,7 @@ class ChatCompletionRequest(_Common):
             ValueError: not exactly one user message, or an assistant turn (kvblend answers one question
                 per request: its prompt is [system | documents | question]).
         """
-        users = [m for m in self.messages if m.role == "user"]
-        if any(m.role == "assistant" for m in self.messages) or len(users) != 1:
-            raise ValueError("kvblend answers one question per request: send exactly one user message "
-                             "(plus optional system messages); earlier turns are not supported")
-        system = "\n\n".join(m.text() for m in self.messages if m.role in ("system", "developer")) or None
-        return system, users[0].text()
+        return system_and_question(self.messages)
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -31,7 +31,7 @@ from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR
 from blend.errors import InvalidRequestError
 from blend.integrations.vllm.plan import PARAMS_KEY, blend_request, blend_salt, prompt_spans
 from blend.prompt import Prompt, build_prompt
-from blend.serve.schemas import ChatMessage, Document
+from blend.serve.schemas import ChatMessage, Document, document_text_of, system_and_question
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -68,15 +68,6 @@ def is_kvblend_chat(body: Any) -> bool:
     return isinstance(params, dict) and PARAMS_KEY in params
 
 
-def _system_and_question(messages: list[ChatMessage]) -> tuple[str | None, str]:
-    users = [m for m in messages if m.role == "user"]
-    if any(m.role == "assistant" for m in messages) or len(users) != 1:
-        raise InvalidRequestError("with kvblend documents, send exactly one user message (the question) plus "
-                                  "optional system messages; earlier turns are not supported")
-    system = "\n\n".join(m.text() for m in messages if m.role in ("system", "developer")) or None
-    return system, users[0].text()
-
-
 def _document_texts(raw: Any) -> list[str]:
     try:
         docs = _DOCUMENTS.validate_python(raw)
@@ -85,7 +76,7 @@ def _document_texts(raw: Any) -> list[str]:
                                   ) from None
     out = []
     for i, d in enumerate(docs):
-        text = d if isinstance(d, str) else (f"{d.title}\n{d.text}" if d.title else d.text)
+        text = document_text_of(d)
         if not text.strip():
             raise InvalidRequestError(f"document {i + 1} is empty")
         out.append(text)
@@ -120,7 +111,10 @@ def chat_to_completion(body: dict[str, Any], tokenizer) -> Rewrite:
     if "documents" in entry:
         raise InvalidRequestError("a chat request names its documents in 'documents'; kvblend finds their "
                                   "token spans itself (spans in kv_transfer_params are for token-id prompts)")
-    system, question = _system_and_question(messages)
+    try:
+        system, question = system_and_question(messages)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
     prompt = build_prompt(tokenizer, question, _document_texts(body["documents"]), system)
     ids = prompt.token_ids
     params = dict(body["kv_transfer_params"])
