@@ -36,21 +36,21 @@ def chat_body(**kw) -> dict:
 def test_a_blend_chat_becomes_a_completion_over_kvblends_own_prompt():
     rw = chat_to_completion(chat_body(cache_salt="tenant-a"), TOK)
     want = build_prompt(TOK, "Where is Rome?", TEXTS, "Be brief.")
-    assert rw.body["prompt"] == want.token_ids  # the prompt kvblend serve and the Python API build
+    assert rw["prompt"] == want.token_ids  # the prompt kvblend serve and the Python API build
     spans = prompt_spans([len(s) for s in want.segments])
-    params = parse_blend_params(rw.body["kv_transfer_params"], len(want))
+    params = parse_blend_params(rw["kv_transfer_params"], len(want))
     assert params.spans == tuple(spans) and params.ratio == 0.15
-    assert salt_allows_blend(rw.body["cache_salt"], params, want.token_ids)  # the connector takes the blend
-    assert rw.body["cache_salt"].startswith("tenant-a|")  # the tenant's salt stays in front
-    assert rw.body["max_tokens"] == 8 and rw.body["seed"] == 3 and rw.body["stop"] == ["\n"]
-    assert rw.body["temperature"] == 0 and rw.body["model"] == "m"
-    assert not {"messages", "documents", "max_completion_tokens"} & set(rw.body)
+    assert salt_allows_blend(rw["cache_salt"], params, want.token_ids)  # the connector takes the blend
+    assert rw["cache_salt"].startswith("tenant-a|")  # the tenant's salt stays in front
+    assert rw["max_tokens"] == 8 and rw["seed"] == 3 and rw["stop"] == ["\n"]
+    assert rw["temperature"] == 0 and rw["model"] == "m"
+    assert not {"messages", "documents", "max_completion_tokens"} & set(rw)
 
 
 def test_an_exact_chat_keeps_its_salt_and_names_no_spans():
     rw = chat_to_completion(chat_body(cache_salt="t", kv_transfer_params={PARAMS_KEY: {"mode": "exact"}}), TOK)
-    assert rw.body["cache_salt"] == "t" and rw.body["kv_transfer_params"] == {PARAMS_KEY: {"mode": "exact"}}
-    assert rw.body["prompt"] == build_prompt(TOK, "Where is Rome?", TEXTS, "Be brief.").token_ids
+    assert rw["cache_salt"] == "t" and rw["kv_transfer_params"] == {PARAMS_KEY: {"mode": "exact"}}
+    assert rw["prompt"] == build_prompt(TOK, "Where is Rome?", TEXTS, "Be brief.").token_ids
 
 
 def test_only_chats_with_documents_and_a_kvblend_entry_are_rewritten():
@@ -147,7 +147,7 @@ def test_the_middleware_rewrites_a_kvblend_chat_and_answers_in_chat_form():
     assert r.json()["choices"][0]["message"]["content"] == "Italy"
     assert r.json()["kv_transfer_params"] == {PARAMS_KEY: {"claim": "blend"}}
     path, sent = fake.seen[-1]
-    assert path == "/v1/completions" and sent == chat_to_completion(chat_body(), TOK).body
+    assert path == "/v1/completions" and sent == chat_to_completion(chat_body(), TOK)
     plain = {k: v for k, v in chat_body().items() if k != "kv_transfer_params"}
     assert client.post("/v1/chat/completions", json=plain).json() == {"object": "chat.completion", "untouched": True}
     assert fake.seen[-1] == ("/v1/chat/completions", plain)  # passed through byte for byte

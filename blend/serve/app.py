@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blend.errors import KVBlendError
+from blend.serve.asgi import replay_body
 from blend.serve.config import ServeConfig
 from blend.serve.metrics import ServeMetrics
 from blend.serve.protocol import (
@@ -115,16 +116,7 @@ class Guard:
                 return None
             chunks.append(chunk)
             more = message.get("more_body", False)
-        body, sent = b"".join(chunks), False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return replay
+        return replay_body(b"".join(chunks), receive)
 
 
 class ClientGone(Exception):

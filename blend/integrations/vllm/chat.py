@@ -22,7 +22,6 @@ completion is turned back into a chat completion (or chunk, when streaming).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -30,15 +29,11 @@ from pydantic import TypeAdapter, ValidationError
 from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR
 from blend.errors import InvalidRequestError
 from blend.integrations.vllm.plan import PARAMS_KEY, blend_request, blend_salt, prompt_spans
-from blend.prompt import Prompt, build_prompt
+from blend.prompt import build_prompt
 from blend.serve.schemas import ChatMessage, Document, document_text_of, system_and_question
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-# chat fields the rewrite consumes (they do not go on to the completions request)
-CONSUMED = ("messages", "documents", "max_completion_tokens", "kv_transfer_params", "cache_salt",
-            "max_tokens", "add_generation_prompt", "continue_final_message", "echo", "parallel_tool_calls",
-            "include_reasoning", "logprobs", "top_logprobs", "tools", "tool_choice")
 # chat-only options with no completions equivalent: refused unless left at their defaults
 REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
@@ -47,17 +42,12 @@ REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
     "reasoning_effort": (None,),
 }
+# chat fields the rewrite consumes (they do not go on to the completions request)
+CONSUMED = frozenset({"messages", "documents", "max_completion_tokens", "kv_transfer_params", "cache_salt",
+                      "max_tokens", "parallel_tool_calls", "include_reasoning", *REFUSED_UNLESS_DEFAULT})
 ENTRY_KEYS = frozenset({"mode", "ratio", "selector"})  # a chat request's kvblend entry
 _MESSAGES = TypeAdapter(list[ChatMessage])
 _DOCUMENTS = TypeAdapter(list[Document | str])
-
-
-@dataclass(frozen=True)
-class Rewrite:
-    """A chat request laid out by kvblend: the completions body to send and the prompt it holds."""
-
-    body: dict[str, Any]  # the /v1/completions request (prompt as token ids)
-    prompt: Prompt  # kvblend's segmented prompt
 
 
 def is_kvblend_chat(body: Any) -> bool:
@@ -83,7 +73,7 @@ def _document_texts(raw: Any) -> list[str]:
     return out
 
 
-def chat_to_completion(body: dict[str, Any], tokenizer) -> Rewrite:
+def chat_to_completion(body: dict[str, Any], tokenizer) -> dict[str, Any]:
     """Lay out a kvblend chat request (see :func:`is_kvblend_chat`) as a completions request.
 
     Args:
@@ -91,8 +81,8 @@ def chat_to_completion(body: dict[str, Any], tokenizer) -> Rewrite:
         tokenizer: the served model's tokenizer (the one kvblend's engine loads from the same directory).
 
     Returns:
-        The completions body (``prompt`` as token ids, the ``kvblend`` entry with the documents' spans,
-        the blend's ``cache_salt``) and kvblend's prompt.
+        The completions body: ``prompt`` as kvblend's token ids, the ``kvblend`` entry with the
+        documents' spans, the blend's ``cache_salt``, the chat's sampling fields.
 
     Raises:
         InvalidRequestError: malformed messages or documents, a chat-only option that completions cannot
@@ -111,34 +101,33 @@ def chat_to_completion(body: dict[str, Any], tokenizer) -> Rewrite:
     if "documents" in entry:
         raise InvalidRequestError("a chat request names its documents in 'documents'; kvblend finds their "
                                   "token spans itself (spans in kv_transfer_params are for token-id prompts)")
-    try:
-        system, question = system_and_question(messages)
-    except ValueError as e:
-        raise InvalidRequestError(str(e)) from None
-    prompt = build_prompt(tokenizer, question, _document_texts(body["documents"]), system)
-    ids = prompt.token_ids
-    params = dict(body["kv_transfer_params"])
-    tenant = body.get("cache_salt")
-    if tenant is not None and not isinstance(tenant, str):
-        raise InvalidRequestError("cache_salt must be a string")
-    salt = tenant
     unknown = set(entry) - ENTRY_KEYS
     if unknown:
         raise InvalidRequestError(f"unknown kvblend option(s) {sorted(unknown)}; known: {sorted(ENTRY_KEYS)}")
     mode = entry.get("mode", "blend")
     if mode not in ("blend", "exact"):
         raise InvalidRequestError(f"kvblend mode must be 'blend' or 'exact', got {mode!r}")
+    tenant = body.get("cache_salt")
+    if tenant is not None and not isinstance(tenant, str):
+        raise InvalidRequestError("cache_salt must be a string")
+    try:
+        system, question = system_and_question(messages)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    prompt = build_prompt(tokenizer, question, _document_texts(body["documents"]), system)
+    ids = prompt.token_ids
+    params, salt = dict(body["kv_transfer_params"]), tenant
     if mode == "blend":
         params[PARAMS_KEY] = blend_request(ids, prompt_spans([len(s) for s in prompt.segments]),
                                            ratio=entry.get("ratio", DEFAULT_RATIO),
                                            selector=entry.get("selector", DEFAULT_SELECTOR))[PARAMS_KEY]
         salt = blend_salt(params, ids, tenant or "")
     out = {k: v for k, v in body.items() if k not in CONSUMED}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    out.update(prompt=ids, max_tokens=max_tokens, kv_transfer_params=params)
+    out.update(prompt=ids, max_tokens=body.get("max_completion_tokens", body.get("max_tokens")),
+               kv_transfer_params=params)
     if salt is not None:
         out["cache_salt"] = salt
-    return Rewrite(out, prompt)
+    return out
 
 
 def _chat_id(completion_id: Any) -> str:

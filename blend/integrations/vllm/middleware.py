@@ -28,9 +28,9 @@ from typing import Any, Awaitable, Callable
 from blend.errors import InvalidRequestError
 from blend.integrations.vllm.chat import CHAT_PATH, COMPLETIONS_PATH, ChunkConverter, chat_to_completion, \
     completion_to_chat, is_kvblend_chat
+from blend.serve.asgi import Receive, replay_body
 
 Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 MAX_BODY_BYTES = 64 << 20  # a chat body larger than this passes through unread by kvblend's rewrite
 
@@ -87,7 +87,7 @@ class DocumentsMiddleware:
             await self.app(scope, receive, send)
             return
         raw, more = await _read_body(receive)
-        replay = _replay(raw, receive, more)
+        replay = replay_body(raw, receive, more)
         if more or not raw.strip().startswith(b"{"):
             await self.app(scope, replay, send)  # too large or not an object: vLLM answers it
             return
@@ -100,17 +100,16 @@ class DocumentsMiddleware:
             await self.app(scope, replay, send)
             return
         try:
-            tokenizer = await asyncio.to_thread(self._tokenizer_for, scope)
-            rewrite = await asyncio.to_thread(chat_to_completion, body, tokenizer)
+            completion = await asyncio.to_thread(lambda: chat_to_completion(body, self._tokenizer_for(scope)))
         except InvalidRequestError as e:
             await _respond(send, 400, _error_body(400, str(e)))
             return
-        new_raw = json.dumps(rewrite.body).encode()
+        new_raw = json.dumps(completion).encode()
         path = scope["path"][: -len(CHAT_PATH)] + COMPLETIONS_PATH
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new_raw)).encode()))
         inner = {**scope, "path": path, "raw_path": path.encode(), "headers": headers}
-        await self.app(inner, _replay(new_raw, receive), _ChatSend(send))
+        await self.app(inner, replay_body(new_raw, receive), _ChatSend(send))
 
 
 async def _read_body(receive: Receive) -> tuple[bytes, bool]:
@@ -127,21 +126,6 @@ async def _read_body(receive: Receive) -> tuple[bytes, bool]:
             return b"".join(parts), False
         if size > MAX_BODY_BYTES:
             return b"".join(parts), True
-
-
-def _replay(raw: bytes, receive: Receive, more: bool = False) -> Receive:
-    """A receive that yields ``raw`` first, then the client's own messages (the rest of a body left
-    unread when ``more``; disconnects)."""
-    sent = False
-
-    async def inner() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": more}
-        return await receive()
-
-    return inner
 
 
 async def _respond(send: Send, status: int, body: bytes) -> None:
