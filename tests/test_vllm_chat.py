@@ -199,3 +199,52 @@ def test_a_body_too_large_to_rewrite_reaches_vllm_whole(monkeypatch):
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
     asyncio.run(DocumentsMiddleware(fake, tokenizer=TOK)(scope, receive, send))
     assert fake.seen == [("/v1/chat/completions", chat_body())] and sent[0]["status"] == 200
+
+
+class _WithArgs:
+    """What vLLM's FastAPI app puts in every request's scope: ``scope["app"].state.args``."""
+
+    def __init__(self, inner, api_key) -> None:
+        self.inner = inner
+        self.state = type("State", (), {"args": type("Args", (), {"api_key": api_key})()})()
+
+    async def __call__(self, scope, receive, send):
+        await self.inner({**scope, "app": self}, receive, send)
+
+
+class _CountingTokenizer:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __getattr__(self, name):
+        self.calls += 1
+        return getattr(TOK, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return TOK(*args, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["args", "env"])
+def test_a_request_without_vllms_api_key_is_never_laid_out(where, monkeypatch):
+    """vLLM authenticates after this middleware: a request without a valid key passes through unread
+    (vLLM's own check answers it 401) and costs no tokenizer work; the right key is rewritten."""
+    fake, tok = FakeVllm(), _CountingTokenizer()
+    if where == "env":
+        monkeypatch.setenv("VLLM_API_KEY", "sesame")
+    app = _WithArgs(DocumentsMiddleware(fake, tokenizer=tok), ["other", "sesame"] if where == "args" else None)
+    client = TestClient(app)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic sesame"}):
+        client.post("/v1/chat/completions", json=chat_body(tools=[{"type": "function"}]), headers=headers)
+        assert fake.seen[-1][0] == "/v1/chat/completions"  # unread: even a malformed one is vLLM's to answer
+    assert tok.calls == 0 and len(fake.seen) == 3
+    r = client.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer sesame"})
+    assert r.status_code == 200 and fake.seen[-1][0] == "/v1/completions" and tok.calls > 0
+
+
+def test_without_a_configured_key_every_request_is_laid_out(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    fake = FakeVllm()
+    client = TestClient(_WithArgs(DocumentsMiddleware(fake, tokenizer=TOK), None))
+    assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
+    assert fake.seen[-1][0] == "/v1/completions"

@@ -28,6 +28,7 @@ DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data
 CONNECTOR = ('{"kv_connector": "KVBlendConnector", "kv_connector_module_path": "blend.integrations.vllm", '
              '"kv_role": "kv_both", "kv_connector_extra_config": {"store": "memory", "force": true}}')
 START_S = 300
+API_KEY = "kvblend-test-key"  # the server authenticates: the middleware must leave a wrong key to vLLM's 401
 
 
 def _free_port() -> int:
@@ -43,10 +44,10 @@ def server(tmp_path_factory):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
            "--enforce-eager", "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(port),
-           "--kv-transfer-config", CONNECTOR, "--middleware", "blend.integrations.vllm.middleware.DocumentsMiddleware"]
+           "--kv-transfer-config", CONNECTOR, "--api-key", API_KEY, "--middleware", "blend.integrations.vllm.middleware.DocumentsMiddleware"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
     deadline = time.monotonic() + START_S
     try:
         while True:
@@ -127,3 +128,11 @@ def test_a_malformed_kvblend_chat_is_a_400_and_a_plain_chat_is_vllms_own(server)
                                            max_tokens=4, temperature=0)
     assert plain.object == "chat.completion" and not (plain.model_extra.get("kv_transfer_params") or {}).get(
         PARAMS_KEY, {}).get("claim") == "blend"
+
+
+def test_a_kvblend_chat_with_a_wrong_key_gets_vllms_401(server):
+    client, model = server
+    question, docs = _item(0)
+    wrong = client.with_options(api_key="not-the-key")
+    with pytest.raises(openai.AuthenticationError):
+        _chat(wrong, model, question, docs)

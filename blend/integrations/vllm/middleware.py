@@ -14,14 +14,20 @@ import: the served model comes from ``scope["app"].state.vllm_config``, which
 vLLM's server sets (tests pass a tokenizer instead).
 
 vLLM adds ``--middleware`` classes after its own (authentication included), so
-this one runs first: a request without a valid key is still laid out (a
-tokenizer call) before vLLM answers it 401.
+this one runs first. It therefore checks the bearer token itself, against the
+keys vLLM was started with (``--api-key``, else ``VLLM_API_KEY``, read from
+the same places vLLM reads them): a request without a valid key passes
+through unread, and vLLM's own authentication answers it 401 before any
+tokenizer work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import os
+import secrets
 import threading
 from typing import Any, Awaitable, Callable
 
@@ -51,6 +57,30 @@ def served_tokenizer(path: str):
 def _error_body(status: int, message: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None,
                                  "code": status}}).encode()
+
+
+def _api_key_hashes(scope: Scope) -> list[bytes]:
+    """SHA-256 of each key vLLM's server was started with, as vLLM's AuthenticationMiddleware derives
+    them (``args.api_key``, else the ``VLLM_API_KEY`` environment variable); empty: no authentication."""
+    args = getattr(getattr(scope.get("app"), "state", None), "args", None)
+    keys = getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]
+    return [hashlib.sha256(k.encode("utf-8")).digest() for k in keys if k]
+
+
+def authorized(scope: Scope) -> bool:
+    """Whether the request carries a bearer token vLLM will accept (True when vLLM checks none)."""
+    hashes = _api_key_hashes(scope)
+    if not hashes:
+        return True
+    value = (_header(scope.get("headers", []), b"authorization") or b"").decode("latin-1")
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(token.encode("utf-8")).digest()
+    ok = False
+    for h in hashes:  # compare with every key, as vLLM does: no early exit on a match
+        ok |= secrets.compare_digest(digest, h)
+    return ok
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
@@ -83,8 +113,9 @@ class DocumentsMiddleware:
         return served_tokenizer(str(getattr(mc, "tokenizer", None) or mc.model))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http" or scope.get("method") != "POST" or not scope.get("path", "").endswith(CHAT_PATH):
-            await self.app(scope, receive, send)
+        if (scope.get("type") != "http" or scope.get("method") != "POST"
+                or not scope.get("path", "").endswith(CHAT_PATH) or not authorized(scope)):
+            await self.app(scope, receive, send)  # not ours, or vLLM's 401 to give: passed on unread
             return
         raw, more = await _read_body(receive)
         replay = replay_body(raw, receive, more)
