@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from blend.errors import InvalidRequestError
 from blend.integrations.vllm.chat import chat_to_completion, completion_to_chat, is_kvblend_chat
-from blend.integrations.vllm.middleware import DocumentsMiddleware
+from blend.integrations.vllm.middleware import STREAM_KEY, DocumentsMiddleware
 from blend.integrations.vllm.plan import PARAMS_KEY, parse_blend_params, prompt_spans, salt_allows_blend
 from blend.prompt import build_prompt
 from blend.tiny import byte_tokenizer
@@ -204,9 +204,10 @@ def test_a_body_too_large_to_rewrite_reaches_vllm_whole(monkeypatch):
 class _WithArgs:
     """What vLLM's FastAPI app puts in every request's scope: ``scope["app"].state.args``."""
 
-    def __init__(self, inner, api_key) -> None:
+    def __init__(self, inner, api_key, engine_client=None) -> None:
         self.inner = inner
-        self.state = type("State", (), {"args": type("Args", (), {"api_key": api_key})()})()
+        self.state = type("State", (), {"args": type("Args", (), {"api_key": api_key})(),
+                                        "engine_client": engine_client})()
 
     async def __call__(self, scope, receive, send):
         await self.inner({**scope, "app": self}, receive, send)
@@ -248,3 +249,75 @@ def test_without_a_configured_key_every_request_is_laid_out(monkeypatch):
     client = TestClient(_WithArgs(DocumentsMiddleware(fake, tokenizer=TOK), None))
     assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
     assert fake.seen[-1][0] == "/v1/completions"
+
+
+class _Output:
+    def __init__(self, text: str, finished: bool, params: dict | None) -> None:
+        self.text, self.finished, self.kv_transfer_params = text, finished, params
+
+
+class _SamplingParams:
+    def __init__(self, extra_args: dict) -> None:
+        self.extra_args = extra_args
+
+
+class FakeEngineClient:
+    """vLLM's engine client as the completions server uses it: ``generate`` yields outputs, the last one
+    finished and carrying the connector's report in ``kv_transfer_params``."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    async def generate(self, prompt, sampling_params, request_id):
+        try:
+            yield _Output("It", False, None)
+            yield _Output("aly", True, {PARAMS_KEY: {"claim": "blend", "recomputed_tokens": 7}})
+        finally:
+            self.closed += 1
+
+
+async def _engine_backed_vllm(scope, receive, send):
+    """A completions endpoint that streams what the engine client yields, as vLLM's does: the
+    stream itself carries no kv_transfer_params."""
+    raw = b""
+    while True:
+        msg = await receive()
+        raw += msg.get("body", b"")
+        if not msg.get("more_body"):
+            break
+    body = json.loads(raw)
+    sp = _SamplingParams({"kv_transfer_params": body.get("kv_transfer_params")})
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    async for out in scope["app"].state.engine_client.generate(body["prompt"], sp, "cmpl-x-0"):
+        chunk = {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "m",
+                 "choices": [{"index": 0, "text": out.text, "finish_reason": "stop" if out.finished else None}]}
+        await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                    "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def test_a_streamed_kvblend_chat_gets_the_reuse_report_in_its_finishing_chunk(monkeypatch):
+    """vLLM's streams carry no kv_transfer_params: the middleware catches the report from the engine
+    client's final output and puts it in the chat chunk with the finish reason; nothing is left pending."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    engine = FakeEngineClient()
+    mw = DocumentsMiddleware(_engine_backed_vllm, tokenizer=TOK)
+    client = TestClient(_WithArgs(mw, None, engine))
+    for _ in range(2):  # the engine client is wrapped once
+        r = client.post("/v1/chat/completions", json=chat_body(stream=True))
+        events = [json.loads(e[len("data: "):]) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+        assert [c["choices"][0]["delta"].get("content") for c in events] == ["It", "aly"]
+        assert "kv_transfer_params" not in events[0]
+        assert events[-1]["kv_transfer_params"] == {PARAMS_KEY: {"claim": "blend", "recomputed_tokens": 7}}
+    assert engine.closed == 2 and not mw.stream_reports._pending
+
+    # a plain (non-kvblend) stream through the same wrapped client is not marked and gets no report
+    plain_sp = _SamplingParams({"kv_transfer_params": {STREAM_KEY: "not-ours"}})
+
+    async def drain():
+        return [o.kv_transfer_params async for o in engine.generate([1], plain_sp, "r")]
+
+    import asyncio
+
+    assert asyncio.run(drain())[-1] == {PARAMS_KEY: {"claim": "blend", "recomputed_tokens": 7}}
+    assert not mw.stream_reports._pending

@@ -108,11 +108,22 @@ def test_a_chat_with_documents_is_blended_over_kvblends_prompt(server):
 def test_a_streamed_chat_with_documents_equals_the_whole_answer(server):
     client, model = server
     question, docs = _item(8)
-    whole = _chat(client, model, question, list(reversed(docs))).choices[0].message.content
-    parts = [ch for ch in _chat(client, model, question, list(reversed(docs)), stream=True)]
+    r = _chat(client, model, question, list(reversed(docs)))
+    whole, rep = r.choices[0].message.content, r.model_extra["kv_transfer_params"][PARAMS_KEY]
+    # another tenant's salt: vLLM's prefix cache does not answer it, so the stream is blended afresh
+    parts = [ch for ch in _chat(client, model, question, list(reversed(docs)), stream=True, cache_salt="t2")]
     assert all(p.object == "chat.completion.chunk" for p in parts)
     assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == whole
     assert parts[0].choices[0].delta.role == "assistant"
+    # vLLM's stream carries no kv_transfer_params; the middleware puts the report in the finishing chunk
+    reported = [(bool(p.choices and p.choices[0].finish_reason), p.model_extra["kv_transfer_params"][PARAMS_KEY])
+                for p in parts if (p.model_extra or {}).get("kv_transfer_params")]
+    assert len(reported) == 1 and reported[0][0]  # once, in the chunk with the finish reason
+    reported = [r for _, r in reported]
+    assert reported[0]["claim"] == "blend" and reported[0]["claimed_tokens"] == rep["claimed_tokens"]
+    # the whole request stored the documents' chunks, so the stream finds every one of them
+    docs_classes = reported[0]["classes"][1:-1]  # [preamble | documents | question (vLLM computes it)]
+    assert len(reported[0]["classes"]) == len(rep["classes"]) and "computed" not in docs_classes
 
 
 def test_a_malformed_kvblend_chat_is_a_400_and_a_plain_chat_is_vllms_own(server):

@@ -9,6 +9,13 @@ A ``POST /v1/chat/completions`` whose body carries ``documents`` and a
 :mod:`blend.integrations.vllm.chat`) into a ``/v1/completions`` request over
 kvblend's segmented prompt, and vLLM's answer is turned back into a chat
 completion, streamed or not. Every other request passes through untouched.
+
+vLLM's streamed completions carry no ``kv_transfer_params``, so a streamed
+kvblend chat would lose the connector's reuse report. :class:`StreamReports`
+catches it where vLLM has it: the final ``RequestOutput`` of the engine
+client's ``generate`` (wrapped once per engine client; the request is marked by
+a nonce under :data:`STREAM_KEY` in its ``kv_transfer_params``), and the
+middleware puts it in the chat chunk that carries the finish reason.
 A malformed kvblend chat request gets a 400 in OpenAI's error shape. No vLLM
 import: the served model comes from ``scope["app"].state.vllm_config``, which
 vLLM's server sets (tests pass a tokenizer instead).
@@ -29,16 +36,19 @@ import json
 import os
 import secrets
 import threading
-from typing import Any, Awaitable, Callable
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from blend.errors import InvalidRequestError
 from blend.integrations.vllm.chat import CHAT_PATH, COMPLETIONS_PATH, ChunkConverter, chat_to_completion, \
     completion_to_chat, is_kvblend_chat
+from blend.integrations.vllm.plan import PARAMS_KEY
 from blend.serve.asgi import Receive, replay_body
 
 Scope = dict[str, Any]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 MAX_BODY_BYTES = 64 << 20  # a chat body larger than this passes through unread by kvblend's rewrite
+STREAM_KEY = "kvblend_stream"  # kv_transfer_params key: the nonce of a streamed request whose report is caught
 
 _TOKENIZERS: dict[str, Any] = {}
 _TOKENIZERS_LOCK = threading.Lock()
@@ -90,6 +100,62 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     return None
 
 
+class StreamReports:
+    """The reuse reports of streamed kvblend chats, caught from vLLM's engine client.
+
+    One owner for the pending nonces; a nonce is registered by :meth:`open` before the request goes
+    to vLLM and removed by :meth:`close` when its response ends, so nothing accumulates.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, dict[str, Any] | None] = {}  # nonce -> report (None until caught)
+        self._watched: set[int] = set()  # id() of engine clients whose generate is wrapped
+
+    def watch(self, engine_client: Any) -> bool:
+        """Wrap ``engine_client.generate`` once (idempotent); False when there is none to wrap."""
+        gen = getattr(engine_client, "generate", None)
+        if gen is None or not callable(gen):
+            return False
+        if id(engine_client) in self._watched:
+            return True
+        reports = self
+
+        def generate(*args: Any, **kwargs: Any):
+            out = gen(*args, **kwargs)
+            sp = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
+            params = (getattr(sp, "extra_args", None) or {}).get("kv_transfer_params")
+            nonce = params.get(STREAM_KEY) if isinstance(params, dict) else None
+            return reports._catch(out, nonce) if nonce in reports._pending else out
+
+        engine_client.generate = generate
+        self._watched.add(id(engine_client))
+        return True
+
+    async def _catch(self, outputs: AsyncIterator[Any], nonce: str) -> AsyncIterator[Any]:
+        try:
+            async for out in outputs:
+                params = getattr(out, "kv_transfer_params", None)
+                if getattr(out, "finished", False) and isinstance(params, dict) and PARAMS_KEY in params \
+                        and nonce in self._pending:
+                    self._pending[nonce] = params
+                yield out
+        finally:
+            await outputs.aclose()  # a closed stream closes vLLM's own generator (which aborts the request)
+
+    def open(self) -> str:
+        """A new nonce to put under :data:`STREAM_KEY`."""
+        nonce = uuid.uuid4().hex
+        self._pending[nonce] = None
+        return nonce
+
+    def report(self, nonce: str) -> dict[str, Any] | None:
+        """The request's ``kv_transfer_params`` (kvblend's report), once vLLM has finished it."""
+        return self._pending.get(nonce)
+
+    def close(self, nonce: str) -> None:
+        self._pending.pop(nonce, None)
+
+
 class DocumentsMiddleware:
     """Rewrites kvblend chat requests with documents into completions over kvblend's prompt.
 
@@ -101,6 +167,7 @@ class DocumentsMiddleware:
     def __init__(self, app: Callable, tokenizer: Any = None) -> None:
         self.app = app
         self._tokenizer = tokenizer
+        self.stream_reports = StreamReports()
 
     def _tokenizer_for(self, scope: Scope):
         if self._tokenizer is not None:
@@ -135,12 +202,22 @@ class DocumentsMiddleware:
         except InvalidRequestError as e:
             await _respond(send, 400, _error_body(400, str(e)))
             return
+        nonce = None
+        state = getattr(scope.get("app"), "state", None)
+        if completion.get("stream") and self.stream_reports.watch(getattr(state, "engine_client", None)):
+            nonce = self.stream_reports.open()
+            completion["kv_transfer_params"] = {**completion["kv_transfer_params"], STREAM_KEY: nonce}
         new_raw = json.dumps(completion).encode()
         path = scope["path"][: -len(CHAT_PATH)] + COMPLETIONS_PATH
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new_raw)).encode()))
         inner = {**scope, "path": path, "raw_path": path.encode(), "headers": headers}
-        await self.app(inner, replay_body(new_raw, receive), _ChatSend(send))
+        report = None if nonce is None else (lambda: self.stream_reports.report(nonce))
+        try:
+            await self.app(inner, replay_body(new_raw, receive), _ChatSend(send, report))
+        finally:
+            if nonce is not None:
+                self.stream_reports.close(nonce)
 
 
 async def _read_body(receive: Receive) -> tuple[bytes, bool]:
@@ -168,8 +245,10 @@ async def _respond(send: Send, status: int, body: bytes) -> None:
 class _ChatSend:
     """Wraps ``send``: a completions answer goes out as a chat answer (JSON buffered; SSE event by event)."""
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, report: Callable[[], dict[str, Any] | None] | None = None) -> None:
         self.send = send
+        self.report = report  # a streamed request's caught kv_transfer_params (None: not caught)
+        self.reported = False
         self.start: dict[str, Any] | None = None
         self.mode = "pass"  # "json" | "sse" | "pass" (errors and anything else, as vLLM sent them)
         self.buf = b""
@@ -217,7 +296,13 @@ class _ChatSend:
                 try:
                     chunk = json.loads(line[6:])
                     if isinstance(chunk, dict) and "error" not in chunk:  # a mid-stream error goes as it is
-                        line = b"data: " + json.dumps(self.chunks(chunk)).encode()
+                        out = self.chunks(chunk)
+                        if self.report is not None and not self.reported and \
+                                any(c.get("finish_reason") for c in out["choices"]):
+                            params = self.report()  # caught before vLLM yielded its final chunk
+                            if params is not None:
+                                out["kv_transfer_params"], self.reported = params, True
+                        line = b"data: " + json.dumps(out).encode()
                 except (ValueError, TypeError, AttributeError):
                     pass
             lines.append(line)
