@@ -408,6 +408,9 @@ def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list[Pendi
     if n_exact:
         run, w = segments.exact_run(prompt, policy.cache_salt)
         chunks, n_exact, waited = chunks + run, n_exact + len(run), waited + w
+        for p in pending[1:len(chunks)]:  # canonical lookups of documents the run took: not needed
+            if p.future is not None:
+                p.future.cancel()  # a lookup still queued never runs (one already running just finishes)
     rest, w = segments.fetch_chunks(prompt, pending[len(chunks):], policy.semantic, policy.cache_salt,
                                     start=len(chunks))
     return chunks + rest, n_exact, waited + w

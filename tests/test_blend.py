@@ -261,6 +261,39 @@ def test_blend_exact_run_stops_at_the_first_document_not_stored_in_this_order(ti
     assert classes(b2)[1:-1] == [ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.COMPUTED, ReuseClass.BLENDED]
 
 
+class _SlowCanonicalStore(MemoryStore):
+    """A memory store whose canonical lookups take as long as a slow tier's (counted)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s, self.canonical_gets = delay_s, 0
+
+    def get(self, ns, key, provenance):
+        if ns is Namespace.CANONICAL:
+            self.canonical_gets += 1
+            import time
+
+            time.sleep(self.delay_s)
+        return super().get(ns, key, provenance)
+
+
+def test_blend_cancels_canonical_lookups_of_documents_the_exact_run_took(tiny_engine_factory):
+    """Overlapped loading starts every document's canonical lookup; the ones still queued when the
+    exact run has taken their documents never run (wasted reads on a disk or Redis tier)."""
+    store = _SlowCanonicalStore(0.0)
+    eng = tiny_engine_factory(store=store)
+    prompt = eng.build_prompt("Which?", make_docs(8))
+    exact = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+    store.delay_s, store.canonical_gets = 0.25, 0
+    b = eng.generate(prompt, ReusePolicy.blend(ratio=0.15), max_new_tokens=1)
+    assert classes(b)[:-1] == [ReuseClass.EXACT] * 9 and torch.equal(b.first_logits, exact.first_logits)
+    pool = eng.segments.prefetcher._pool  # FIFO, two workers: once two later tasks ran, every queued lookup began
+    for f in [pool.submit(lambda: None) for _ in range(2)]:
+        f.result()
+    # document 1's lookup and the few that began before the run was known ran; not all 8
+    assert 1 <= store.canonical_gets < 8
+
+
 def test_blend_exact_run_respects_the_cache_salt_and_rejects_corrupt_entries(tiny_engine_factory):
     eng = tiny_engine_factory()
     docs = make_docs(3)
