@@ -1,7 +1,8 @@
 """vLLM's OpenAI server with the connector and kvblend's documents middleware (issue 17): the chat
 API's ``documents`` reach the connector as document spans of kvblend's own prompt.
 
-One ``vllm.entrypoints.openai.api_server`` process on a free loopback port (start-up ~30-60 s),
+One ``vllm.entrypoints.openai.api_server`` process (its engine core in a second one, vLLM's default)
+on a free loopback port (start-up ~30-60 s),
 prefix caching on (so the blend's salt is exercised), driven by the official ``openai`` client.
 """
 
@@ -41,7 +42,8 @@ def _free_port() -> int:
 def server(tmp_path_factory):
     model, port = str(convert_gguf(SMOLLM2)), _free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # the engine core in its own process, as vLLM serves by default (the in-process LLM tests run without)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
            "--enforce-eager", "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(port),
            "--kv-transfer-config", CONNECTOR, "--api-key", API_KEY, "--middleware", "blend.integrations.vllm.middleware.DocumentsMiddleware"]
