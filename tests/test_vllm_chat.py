@@ -321,3 +321,29 @@ def test_a_streamed_kvblend_chat_gets_the_reuse_report_in_its_finishing_chunk(mo
 
     assert asyncio.run(drain())[-1] == {PARAMS_KEY: {"claim": "blend", "recomputed_tokens": 7}}
     assert not mw.stream_reports._pending
+
+
+def test_a_streamed_kvblend_chat_that_fails_midway_leaves_nothing_pending(monkeypatch):
+    """An error inside vLLM's stream (or a client gone) ends the response: its nonce is dropped and
+    vLLM's own generator is closed (which is how vLLM aborts a request)."""
+    import asyncio
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    engine = FakeEngineClient()
+    mw = DocumentsMiddleware(_engine_backed_vllm, tokenizer=TOK)
+    app = _WithArgs(mw, None, engine)
+    raw = json.dumps(chat_body(stream=True)).encode()
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+        if len(sent) == 2:  # the first chunk went out: the client goes away
+            raise OSError("client disconnected")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    with pytest.raises(OSError):
+        asyncio.run(app(scope, receive, send))
+    assert not mw.stream_reports._pending and engine.closed == 1
