@@ -191,8 +191,8 @@ class DocumentsMiddleware:
             return
         try:
             body = json.loads(raw)
-        except ValueError:
-            await self.app(scope, replay, send)  # vLLM's own 400 for malformed JSON
+        except (ValueError, RecursionError):  # malformed, or nested past the decoder's limit
+            await self.app(scope, replay, send)  # vLLM's own answer, as without this middleware
             return
         if not is_kvblend_chat(body):
             await self.app(scope, replay, send)
