@@ -78,7 +78,14 @@ def _api_key_hashes(scope: Scope) -> list[bytes]:
 
 
 def authorized(scope: Scope) -> bool:
-    """Whether the request carries a bearer token vLLM will accept (True when vLLM checks none)."""
+    """Whether the request carries a bearer token vLLM will accept.
+
+    Args:
+        scope: the ASGI scope (vLLM's app, with its server arguments, in ``scope["app"]``).
+
+    Returns:
+        True when the token matches one of vLLM's keys, or when vLLM checks none.
+    """
     hashes = _api_key_hashes(scope)
     if not hashes:
         return True
@@ -112,7 +119,14 @@ class StreamReports:
         self._watched: set[int] = set()  # id() of engine clients whose generate is wrapped
 
     def watch(self, engine_client: Any) -> bool:
-        """Wrap ``engine_client.generate`` once (idempotent); False when there is none to wrap."""
+        """Wrap ``engine_client.generate`` once (idempotent) so that marked requests' reports are caught.
+
+        Args:
+            engine_client: vLLM's engine client (``app.state.engine_client``), or None.
+
+        Returns:
+            False when there is no ``generate`` to wrap (the stream then goes without a report).
+        """
         gen = getattr(engine_client, "generate", None)
         if gen is None or not callable(gen):
             return False
@@ -124,8 +138,8 @@ class StreamReports:
             out = gen(*args, **kwargs)
             sp = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
             params = (getattr(sp, "extra_args", None) or {}).get("kv_transfer_params")
-            nonce = params.get(STREAM_KEY) if isinstance(params, dict) else None
-            return reports._catch(out, nonce) if nonce in reports._pending else out
+            nonce = params.get(STREAM_KEY) if isinstance(params, dict) else None  # any client may send one
+            return reports._catch(out, nonce) if isinstance(nonce, str) and nonce in reports._pending else out
 
         engine_client.generate = generate
         self._watched.add(id(engine_client))
