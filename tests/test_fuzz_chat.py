@@ -22,7 +22,7 @@ from blend.integrations.vllm.chat import chat_to_completion, is_kvblend_chat
 from blend.integrations.vllm.middleware import DocumentsMiddleware
 from blend.integrations.vllm.plan import PARAMS_KEY
 from blend.tiny import byte_tokenizer
-from _fuzz_util import FUZZ, bounded, mutate_bytes, mutate_json
+from _fuzz_util import FUZZ, bounded, json_values, mutate_bytes, mutate_json
 
 TOK = byte_tokenizer()
 BODY: dict[str, Any] = {
@@ -96,3 +96,33 @@ def test_bodies_nested_just_under_the_decoders_limit_are_rewritten_or_refused():
             if is_kvblend_chat(body):
                 _rewrite_or_refuse(body)
             assert _post(json.dumps(body).encode()) in (200, 400)
+
+
+class _SP:
+    def __init__(self, extra_args: Any) -> None:
+        self.extra_args = extra_args
+
+
+class _Engine:
+    async def generate(self, prompt, sampling_params, request_id):
+        yield type("Out", (), {"finished": True, "kv_transfer_params": None})()
+
+
+@FUZZ
+@given(params=json_values)
+def test_the_stream_report_wrapper_passes_any_clients_kv_transfer_params(params):
+    """vLLM's engine client, once wrapped, serves every request (not only kvblend's): whatever a client
+    put in kv_transfer_params, generate yields vLLM's outputs and raises nothing of its own."""
+    from blend.integrations.vllm.middleware import STREAM_KEY, StreamReports
+
+    engine, reports = _Engine(), StreamReports()
+    assert reports.watch(engine)
+    live = reports.open()
+
+    async def run(extra):
+        return [o async for o in engine.generate([1], _SP(extra), "r")]
+
+    for extra in ({"kv_transfer_params": params}, {"kv_transfer_params": {STREAM_KEY: params}},
+                  {"kv_transfer_params": {STREAM_KEY: live, "x": params}}, params):
+        with bounded():
+            assert len(asyncio.run(run(extra))) == 1

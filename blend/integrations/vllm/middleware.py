@@ -137,7 +137,8 @@ class StreamReports:
         def generate(*args: Any, **kwargs: Any):
             out = gen(*args, **kwargs)
             sp = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
-            params = (getattr(sp, "extra_args", None) or {}).get("kv_transfer_params")
+            extra = getattr(sp, "extra_args", None)
+            params = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
             nonce = params.get(STREAM_KEY) if isinstance(params, dict) else None  # any client may send one
             return reports._catch(out, nonce) if isinstance(nonce, str) and nonce in reports._pending else out
 
