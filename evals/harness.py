@@ -41,6 +41,7 @@ from blend.evals.aggregate import aggregate
 from blend.evals.data import Item
 from blend.evals.environment import describe_environment, provenance_dict
 from blend.evals.methods import REFERENCE, Method, MethodKind
+from blend.probe import top2_margin
 from blend.progress import Progress
 
 ROWS_FILE = "rows.jsonl"
@@ -210,6 +211,7 @@ def evaluate_item(
             "answers": list(item.answers),
             "prompt_tokens": len(prompt.token_ids),
             "full_answer": full.text,
+            "ref_margin": top2_margin(full.first_logits),  # full's own first-token top-2 gap (nats)
             "methods": rows,
         }
     )

@@ -36,7 +36,8 @@ results.json, schema_version 1::
       },
       "items": [                             # one per item, by index
         {"index": int, "id": str, "question": str, "answers": [str], "prompt_tokens": int,
-         "full_answer": str,
+         "full_answer": str, "ref_margin": float,   # full's own first-token top-2 gap, nats
+                                                    # (absent in items written before it existed)
          "methods": {"<name>": {prediction, answer_tokens, f1, em, rouge_l, contains, agreement, kl, top1,
                                 tf_agreement, tf_kl, ttft_s, ttft_samples: [float], ttft_ratio,
                                 recomputed_tokens, reused_tokens, prompt_tokens, recomputed_frac,
@@ -69,6 +70,7 @@ AGG_NUMBERS = (
 TAIL_NUMBERS = ("kl_median", "kl_p90", "kl_max")
 TAIL_CIS = ("kl_ci", "kl_median_ci", "top1_ci", "tf_agreement_ci")
 WORST_ITEMS = 5  # results.md lists this many worst items with their KL under each method
+NEAR_TIE_NATS = 0.1  # a first-token flip where full's own top-2 gap is under this is called a near tie
 ROW_NUMBERS = (
     "f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_s", "ttft_ratio",
     "recomputed_frac", "computed_frac",
@@ -149,6 +151,8 @@ def validate_results(obj: Any) -> None:
         for f, typ in (("index", int), ("id", str), ("question", str), ("answers", list), ("methods", dict)):
             if not isinstance(row.get(f), typ):
                 raise SchemaError(f"{where}.{f}: missing or not {typ.__name__}")
+        if "ref_margin" in row and not _num(row["ref_margin"]):
+            raise SchemaError(f"{where}.ref_margin: not a finite number/null")
         if set(row["methods"]) != set(names):
             raise SchemaError(f"{where}.methods: has {sorted(row['methods'])}, expected {sorted(names)}")
         for name, r in row["methods"].items():
@@ -343,6 +347,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _budget_lines(methods)
     lines += _tail_lines(methods, order)
     lines += _worst_lines(results, order)
+    lines += _flip_lines(results, order)
     return "\n".join(lines) + "\n"
 
 
@@ -409,6 +414,25 @@ def _worst_lines(results: dict[str, Any], order: list[str]) -> list[str]:
             cells.append("–" if v is None else f"{v:.4f}")
         lines.append(f"| {r['index']} | {r['id']} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _flip_lines(results: dict[str, Any], order: list[str]) -> list[str]:
+    """Each method's first-token flips, with full prefill's own top-2 gap on those items: a flip where
+    that gap is tiny (a near tie) says less about the method than one where full was sure."""
+    rows = []
+    for name in (n for n in order if n != REFERENCE):
+        flips = [r for r in results["items"] if (r["methods"].get(name) or {}).get("top1") == 0.0]
+        if not flips:
+            continue
+        gaps = [r.get("ref_margin") for r in flips]
+        ties = sum(1 for g in gaps if g is not None and g < NEAR_TIE_NATS)
+        items = ", ".join(f"{r['index']} ({'?' if g is None else f'{g:.2f}'})" for r, g in zip(flips, gaps))
+        rows.append(f"| `{name}` | {len(flips)} | {ties} | {items} |")
+    if not rows:
+        return []
+    return ["", "## First-token flips: item (full prefill's own top-2 gap, nats)", "",
+            f"A near tie: full's gap under {NEAR_TIE_NATS} nats.", "",
+            "| method | flips | near ties | items |", "|---|---|---|---|", *rows]
 
 
 def _thread_lines(methods: dict[str, dict[str, Any]], order: list[str]) -> list[str]:

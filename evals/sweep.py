@@ -38,6 +38,7 @@ from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.methods import MethodKind, Method, parse_method, split_specs
 from blend.evals.metrics import kl_cells, kl_divergence, mean, median, top1_agree
+from blend.evals.report import NEAR_TIE_NATS
 from blend.evals.splits import TUNING, VALIDATION, parse_item_range
 from blend.policy import ReusePolicy
 from blend.probe import top2_margin
@@ -145,6 +146,14 @@ def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> 
                 p90 = ratios[min(len(ratios) - 1, round(0.9 * (len(ratios) - 1)))]
                 line += f" {median(ratios):.3f} | {mean(ratios):.3f} | {p90:.3f} |"
             out.append(line)
+        out.append("")
+        for m in methods:
+            flips = sorted((r for r in mine if r.method == m and r.top1 == 0.0), key=lambda r: r.item)
+            if flips:
+                ties = sum(1 for r in flips if r.ref_margin is not None and r.ref_margin < NEAR_TIE_NATS)
+                gaps = ", ".join(f"{r.item} ({'?' if r.ref_margin is None else f'{r.ref_margin:.2f}'})" for r in flips)
+                out.append(f"- `{m}` first-token flips: {len(flips)}, {ties} near ties "
+                           f"(full's top-2 gap < {NEAR_TIE_NATS} nats); item (gap): {gaps}")
         out.append("")
     return "\n".join(out)
 

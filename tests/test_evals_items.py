@@ -120,3 +120,27 @@ def test_validator_rejects_a_bad_tail_field(tmp_path):
     res["methods"]["reuse"]["kl_ci"] = [0.3, 0.1]
     with pytest.raises(Exception, match="kl_ci"):
         validate_results(res)
+
+
+def test_results_md_lists_first_token_flips_with_the_references_own_gap(tmp_path):
+    assert run_eval(_args(tmp_path, "--items", "0-6"), _factory([]), policy_of=lambda m: m) == 0
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert all(isinstance(r["ref_margin"], float) and r["ref_margin"] >= 0 for r in res["items"])
+    validate_results(res)
+    # make two flips of one method, one of them a near tie
+    res["items"][1]["methods"]["blend@0.5:v"]["top1"] = 0.0
+    res["items"][4]["methods"]["blend@0.5:v"]["top1"] = 0.0
+    res["items"][1]["ref_margin"], res["items"][4]["ref_margin"] = 0.04, 1.5
+    for r in res["items"]:
+        for name in ("reuse", "blend@0.2:k"):
+            r["methods"][name]["top1"] = 1.0
+    for i in (0, 2, 3, 5, 6):
+        res["items"][i]["methods"]["blend@0.5:v"]["top1"] = 1.0
+    md = markdown(res)
+    block = md.split("## First-token flips")[1]
+    line = next(ln for ln in block.splitlines() if ln.startswith("| `blend@0.5:v`"))
+    assert line == f"| `blend@0.5:v` | 2 | 1 | {res['items'][1]['index']} (0.04), {res['items'][4]['index']} (1.50) |"
+    assert "`reuse`" not in block  # no flips, no row
+    res["items"][0]["ref_margin"] = "wide"
+    with pytest.raises(Exception, match="ref_margin"):
+        validate_results(res)
