@@ -226,14 +226,15 @@ class _CountingTokenizer:
         return TOK(*args, **kwargs)
 
 
-@pytest.mark.parametrize("where", ["args", "env"])
+@pytest.mark.parametrize("where", ["args", "env", "one string"])
 def test_a_request_without_vllms_api_key_is_never_laid_out(where, monkeypatch):
     """vLLM authenticates after this middleware: a request without a valid key passes through unread
     (vLLM's own check answers it 401) and costs no tokenizer work; the right key is rewritten."""
     fake, tok = FakeVllm(), _CountingTokenizer()
     if where == "env":
         monkeypatch.setenv("VLLM_API_KEY", "sesame")
-    app = _WithArgs(DocumentsMiddleware(fake, tokenizer=tok), ["other", "sesame"] if where == "args" else None)
+    keys = {"args": ["other", "sesame"], "env": None, "one string": "sesame"}[where]
+    app = _WithArgs(DocumentsMiddleware(fake, tokenizer=tok), keys)
     client = TestClient(app)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic sesame"}):
         client.post("/v1/chat/completions", json=chat_body(tools=[{"type": "function"}]), headers=headers)

@@ -74,7 +74,9 @@ def _api_key_hashes(scope: Scope) -> list[bytes]:
     them (``args.api_key``, else the ``VLLM_API_KEY`` environment variable); empty: no authentication."""
     args = getattr(getattr(scope.get("app"), "state", None), "args", None)
     keys = getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]
-    return [hashlib.sha256(k.encode("utf-8")).digest() for k in keys if k]
+    if isinstance(keys, str):  # a single key (older vLLM releases kept one string)
+        keys = [keys]
+    return [hashlib.sha256(k.encode("utf-8")).digest() for k in keys if isinstance(k, str) and k]
 
 
 def authorized(scope: Scope) -> bool:
