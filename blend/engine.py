@@ -21,9 +21,11 @@ import torch
 
 from blend.blending import prefill_blend
 from blend.cpu_features import warn_if_emulated
-from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_PROBE_PRECISION
+from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_GEMM, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, \
+    DEFAULT_PROBE_PRECISION
 from blend.errors import InvalidPolicyError, InvalidRequestError, PromptTooLongError
 from blend.gate import GateVerdict, QualityGate
+from blend.gemm import GemmBackend, gemm_tag, pick_gemm_backend
 from blend.keys import Namespace, Provenance, key_hex
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
@@ -51,6 +53,7 @@ class EngineConfig:
     dtype: str = DEFAULT_DTYPE
     kv_dtype: str | None = None  # storage dtype of KV; None = dtype
     device: str = DEFAULT_DEVICE
+    gemm: str = DEFAULT_GEMM  # linear layers' backend: auto | torch | onednn (blend/gemm.py)
     experimental_semantic: bool = False
     quality_gate: bool = True  # run/consult `kvblend check` before the first blend
     overlap_loading: bool = True  # fetch chunk KV in background threads while computing
@@ -107,8 +110,9 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.device) -> Provenance:
-    """Every field that changes the KV this engine produces."""
+def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.device,
+                     gemm: GemmBackend = GemmBackend.TORCH) -> Provenance:
+    """Every field that changes the KV this engine produces (the linear layers' backend included)."""
     config = loaded.model.config
     arch = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
     if device.type == "cuda":
@@ -123,7 +127,7 @@ def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.devic
         dtype=cfg.dtype,
         kv_dtype=cfg.kv_dtype or cfg.dtype,
         device_class=device_class,
-        backend=f"kvblend-layers/torch-{torch.__version__}/sdpa",
+        backend=f"kvblend-layers/torch-{torch.__version__}/sdpa/{gemm_tag(gemm)}",
         rope=rope_config_json(config),
     )
 
@@ -147,7 +151,7 @@ class Engine:
         self.kv_dtype = _dtype(config.kv_dtype or config.dtype)
         self.tokenizer = runner.loaded.tokenizer
         self.model_name = runner.loaded.name
-        self.provenance = build_provenance(runner.loaded, config, self.device)
+        self.provenance = build_provenance(runner.loaded, config, self.device, runner.gemm)
         self.segments = SegmentCache(runner, store if store is not None else MemoryStore(), self.provenance,
                                      self.kv_dtype, config.overlap_loading, config.experimental_semantic)
         self.gate = gate
@@ -171,7 +175,11 @@ class Engine:
         cfg = EngineConfig(model=model, dtype=dtype, **config)
         compute, device = _dtype(dtype), torch.device(cfg.device)
         warn_if_emulated(compute, device)
-        runner = ModelRunner(load_model(model), compute, device)
+        try:
+            gemm = pick_gemm_backend(cfg.gemm, device, compute)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        runner = ModelRunner(load_model(model), compute, device, gemm)
         return cls(runner, cfg, store, QualityGate() if cfg.quality_gate else None)
 
     def with_store(self, store: KVStore, gate: BlendGate | None = None) -> "Engine":

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from blend.gemm import GemmBackend, dense, linear, pack
 from blend.kernels.reference import causal_suffix_attention
 from blend.kvcache import KVCache, KVEntry
 from blend.models import LoadedModel
@@ -143,7 +144,7 @@ def project_qkv(w: LayerWeights, dims: ModelDims, x: torch.Tensor) -> tuple[torc
         q (Hq, S, D), k (Hkv, S, D), v (Hkv, S, D).
     """
     s = x.shape[0]
-    qkv = F.linear(x.to(w.w_qkv.dtype), w.w_qkv, w.b_qkv).to(x.dtype)  # (S, (Hq + 2 Hkv) D)
+    qkv = linear(x.to(w.w_qkv.dtype), w.w_qkv, w.b_qkv).to(x.dtype)  # (S, (Hq + 2 Hkv) D)
     hq, hkv, d = dims.num_heads, dims.num_kv_heads, dims.head_dim
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q = q.view(s, hq, d).transpose(0, 1)  # (Hq, S, D)
@@ -198,14 +199,14 @@ def attend_suffix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 def attn_out(w: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Residual add of the attention output projection. (S, C)."""
-    return h + F.linear(attn.to(w.w_o.dtype), w.w_o).to(h.dtype)
+    return h + linear(attn.to(w.w_o.dtype), w.w_o).to(h.dtype)
 
 
 def mlp_block(w: LayerWeights, dims: ModelDims, h: torch.Tensor) -> torch.Tensor:
     """Residual SwiGLU MLP: h + down(act(gate(x)) * up(x)), x = norm(h). (S, C)."""
     x = rms_norm(h, w.post_norm, dims.eps).to(w.w_gate_up.dtype)  # (S, C) in the weights' dtype
-    gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)  # (S, I), (S, I)
-    return h + F.linear(ACT2FN[dims.act](gate) * up, w.w_down).to(h.dtype)
+    gate, up = linear(x, w.w_gate_up).chunk(2, dim=-1)  # (S, I), (S, I)
+    return h + linear(ACT2FN[dims.act](gate) * up, w.w_down).to(h.dtype)
 
 
 class LayerRows(Protocol):
@@ -259,6 +260,14 @@ def layer_forward(w: LayerWeights, dims: ModelDims, layer: int, h: torch.Tensor,
     q, h = rows.store_kv(layer, q, k, v, h)
     attn = rows.attend(layer, q)  # (A, Hq D)
     return torch.cat([mlp_block(w, dims, attn_out(w, h[lo:hi], attn[lo:hi])) for lo, hi in spans])
+
+
+def _packed(w: LayerWeights, gemm: GemmBackend) -> LayerWeights:
+    """A layer's GEMM matrices in the backend's layout (norms and bias as they are)."""
+    if gemm is GemmBackend.TORCH:
+        return w
+    return replace(w, w_qkv=pack(w.w_qkv, gemm), w_o=pack(w.w_o, gemm), w_gate_up=pack(w.w_gate_up, gemm),
+                   w_down=pack(w.w_down, gemm))
 
 
 class AppendMode(Enum):
@@ -319,17 +328,19 @@ class ModelRunner:
         device: compute device.
     """
 
-    def __init__(self, loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, loaded: LoadedModel, dtype: torch.dtype, device: torch.device,
+                 gemm: GemmBackend = GemmBackend.TORCH) -> None:
         hf = loaded.model
         self.loaded = loaded
         self.dtype = dtype
         self.device = device
+        self.gemm = gemm  # every linear layer of every pass runs on it (so cold == warm stays bit for bit)
         self.dims: ModelDims = dims_of(hf.config)
         base = hf.model
         self.embed_w = base.embed_tokens.weight.detach().to(device=device, dtype=dtype)  # (V, C)
         self.final_norm = base.norm.weight.detach().to(device=device, dtype=dtype)  # (C,)
-        self.lm_head = hf.lm_head.weight.detach().to(device=device, dtype=dtype)  # (V, C)
-        self.layers: list[LayerWeights] = [extract_layer(layer, dtype, device) for layer in base.layers]
+        self.lm_head = pack(hf.lm_head.weight.detach().to(device=device, dtype=dtype), gemm)  # (V, C)
+        self.layers: list[LayerWeights] = [_packed(extract_layer(layer, dtype, device), gemm) for layer in base.layers]
         self.rope = RopeTables(base.rotary_emb.to(device), device)
         self._gemm_copies: dict[torch.dtype, list[LayerWeights]] = {}  # dtype -> layers (lazy)
 
@@ -342,8 +353,9 @@ class ModelRunner:
             return self.layers
         if dtype not in self._gemm_copies:
             self._gemm_copies[dtype] = [
-                replace(w, w_qkv=w.w_qkv.to(dtype), w_o=w.w_o.to(dtype), w_gate_up=w.w_gate_up.to(dtype),
-                        w_down=w.w_down.to(dtype), b_qkv=None if w.b_qkv is None else w.b_qkv.to(dtype))
+                replace(w, w_qkv=dense(w.w_qkv).to(dtype), w_o=dense(w.w_o).to(dtype),
+                        w_gate_up=dense(w.w_gate_up).to(dtype), w_down=dense(w.w_down).to(dtype),
+                        b_qkv=None if w.b_qkv is None else w.b_qkv.to(dtype))
                 for w in self.layers]
         return self._gemm_copies[dtype]
 
@@ -357,7 +369,7 @@ class ModelRunner:
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head of hidden rows (S, C) -> (S, V) float32."""
-        return F.linear(rms_norm(h_last, self.final_norm, self.dims.eps), self.lm_head).float()
+        return linear(rms_norm(h_last, self.final_norm, self.dims.eps), self.lm_head).float()
 
     def new_cache(self, capacity: int) -> KVCache:
         d = self.dims

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blend.defaults import (
-    DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_GUARD_MARGIN,
+    DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_GEMM, DEFAULT_GUARD_MARGIN,
     DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_PROBE_PRECISION,
-    DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, DTYPE_NAMES,
+    DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, DTYPE_NAMES, GEMM_CHOICES,
 )
 from blend.errors import InvalidRequestError
 from blend.policy import PROBE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode, ProbePrecision, ReuseMode, ReusePolicy
@@ -70,6 +70,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """--model, --dtype, --kv-dtype, --store: shared by every command that computes."""
     add_model_arguments(p)
     p.add_argument("--kv-dtype", default=None, choices=DTYPE_NAMES, help="dtype KV is stored at (default: --dtype)")
+    p.add_argument("--gemm", default=DEFAULT_GEMM, choices=GEMM_CHOICES,
+                   help="linear layers: oneDNN over packed weights (auto: a float32 engine on a CPU) or "
+                        "torch's F.linear; part of the KV's provenance (default: %(default)s)")
     add_store_argument(p)
 
 
@@ -194,4 +197,5 @@ def engine_from_args(args: argparse.Namespace) -> "Engine":
     """Load the engine a command's arguments describe."""
     return load_engine(getattr(args, "model", DEFAULT_MODEL), getattr(args, "dtype", DEFAULT_DTYPE),
                        getattr(args, "store", None), kv_dtype=getattr(args, "kv_dtype", None),
+                       gemm=getattr(args, "gemm", DEFAULT_GEMM),
                        experimental_semantic=getattr(args, "experimental_semantic", False))

@@ -1,0 +1,72 @@
+"""The linear layers' backend (blend/gemm.py): oneDNN over packed weights by default on a float32 CPU
+engine, torch's F.linear elsewhere; the same GEMM to float rounding, and part of the KV's provenance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blend.errors import InvalidRequestError
+from blend.gemm import GemmBackend, dense, linear, onednn_available, pack, pick_gemm_backend
+from blend.policy import ReusePolicy
+from blend.report import ReuseClass
+from blend.store.memory import MemoryStore
+from conftest import make_docs
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
+
+
+def test_auto_picks_onednn_only_for_a_float32_cpu_engine():
+    want = GemmBackend.ONEDNN if onednn_available() else GemmBackend.TORCH
+    assert pick_gemm_backend("auto", CPU, torch.float32) is want
+    assert pick_gemm_backend("auto", CPU, torch.bfloat16) is GemmBackend.TORCH
+    assert pick_gemm_backend("auto", torch.device("cuda"), torch.float32) is GemmBackend.TORCH
+    assert pick_gemm_backend("torch", CPU, torch.float32) is GemmBackend.TORCH
+    with pytest.raises(ValueError, match="onednn"):
+        pick_gemm_backend("onednn", CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown"):
+        pick_gemm_backend("mkl", CPU, torch.float32)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 470])
+def test_a_packed_weight_gives_the_same_gemm_to_float_rounding(rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(rows, 64, generator=g)
+    p = pack(w, GemmBackend.ONEDNN)
+    assert p.is_mkldnn and torch.equal(dense(p), w) and dense(w) is w
+    ref = F.linear(x.double(), w.double(), b.double())
+    for out in (linear(x, p, b), linear(x, w, b), linear(x.t().contiguous().t(), p, b)):  # plain, packed, strided
+        assert out.shape == (rows, 96) and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-4)
+    # each row's numbers do not depend on the rows beside it at a fixed row count (batch-invariant tiles)
+    x2 = x.clone()
+    x2[1:] = torch.randn(rows - 1, 64, generator=g) if rows > 1 else x2[1:]
+    assert torch.equal(linear(x, p, b)[0], linear(x2, p, b)[0])
+
+
+@needs_onednn
+def test_the_backend_is_part_of_the_provenance_so_entries_never_cross(tiny_engine_factory):
+    store = MemoryStore()
+    a = tiny_engine_factory(store=store, gemm="torch")
+    b = a.with_store(store)
+    c = tiny_engine_factory(store=store, gemm="onednn")
+    assert a.runner.gemm is GemmBackend.TORCH and c.runner.gemm is GemmBackend.ONEDNN
+    assert a.provenance.backend != c.provenance.backend and a.provenance.backend.endswith("torch-linear")
+    prompt = a.build_prompt("Which?", make_docs(3))
+    cold = a.generate(prompt, ReusePolicy.exact(), max_new_tokens=2)
+    warm = b.generate(prompt, ReusePolicy.exact(), max_new_tokens=2)
+    assert torch.equal(cold.first_logits, warm.first_logits)
+    other = c.generate(prompt, ReusePolicy.exact(), max_new_tokens=2)  # the torch engine's entries: misses
+    assert all(s.reuse_class is ReuseClass.COMPUTED for s in other.report.segments)
+    again = c.generate(prompt, ReusePolicy.exact(), max_new_tokens=2)  # its own: cold == warm bit for bit
+    assert torch.equal(again.first_logits, other.first_logits)
+    assert (other.first_logits - cold.first_logits).abs().max() < 1e-3  # the same model to float rounding
+
+
+def test_an_impossible_backend_is_a_clear_error(tiny_engine_factory):
+    with pytest.raises(InvalidRequestError, match="onednn"):
+        tiny_engine_factory(dtype="bfloat16", gemm="onednn")
