@@ -64,6 +64,15 @@ def pick_gemm_backend(choice: str, device: torch.device, dtype: torch.dtype) -> 
     return GemmBackend.ONEDNN
 
 
+def packs_natively(dtype: torch.dtype) -> bool:
+    """Whether a weight copy in ``dtype`` (besides float32) is packed too: bf16 on a CPU with native bf16
+    arithmetic, where ``F.linear`` already runs oneDNN's bf16 kernel (packing gives the same bits,
+    tested, and skips a weight reorder per call); elsewhere such copies stay plain."""
+    from blend.cpu_features import native_on_cpu, this_cpu_flags
+
+    return dtype == torch.bfloat16 and onednn_available() and native_on_cpu(dtype, this_cpu_flags()) is True
+
+
 def pack(w: torch.Tensor, backend: GemmBackend) -> torch.Tensor:
     """A (N, K) weight in the backend's layout (the tensor itself for torch)."""
     if backend is GemmBackend.TORCH:

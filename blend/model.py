@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from blend.gemm import GemmBackend, dense, linear, pack
+from blend.gemm import GemmBackend, dense, linear, pack, packs_natively
 from blend.kernels.reference import causal_suffix_attention
 from blend.kvcache import KVCache, KVEntry
 from blend.models import LoadedModel
@@ -352,11 +352,14 @@ class ModelRunner:
         if dtype == self.dtype:
             return self.layers
         if dtype not in self._gemm_copies:
-            self._gemm_copies[dtype] = [
-                replace(w, w_qkv=dense(w.w_qkv).to(dtype), w_o=dense(w.w_o).to(dtype),
-                        w_gate_up=dense(w.w_gate_up).to(dtype), w_down=dense(w.w_down).to(dtype),
-                        b_qkv=None if w.b_qkv is None else w.b_qkv.to(dtype))
-                for w in self.layers]
+            copies = [replace(w, w_qkv=dense(w.w_qkv).to(dtype), w_o=dense(w.w_o).to(dtype),
+                              w_gate_up=dense(w.w_gate_up).to(dtype), w_down=dense(w.w_down).to(dtype),
+                              b_qkv=None if w.b_qkv is None else w.b_qkv.to(dtype))
+                      for w in self.layers]
+            if self.gemm is GemmBackend.ONEDNN and packs_natively(dtype):
+                # bf16 F.linear runs on oneDNN already: packing gives the same bits, without a reorder per call
+                copies = [_packed(w, self.gemm) for w in copies]
+            self._gemm_copies[dtype] = copies
         return self._gemm_copies[dtype]
 
     def has_layers_in(self, dtype: torch.dtype) -> bool:

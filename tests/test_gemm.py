@@ -70,3 +70,17 @@ def test_the_backend_is_part_of_the_provenance_so_entries_never_cross(tiny_engin
 def test_an_impossible_backend_is_a_clear_error(tiny_engine_factory):
     with pytest.raises(InvalidRequestError, match="onednn"):
         tiny_engine_factory(dtype="bfloat16", gemm="onednn")
+
+
+@needs_onednn
+def test_the_probes_bf16_copy_is_packed_only_where_bf16_is_native_and_gives_the_same_bits():
+    from blend.gemm import packs_natively
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    if not packs_natively(torch.bfloat16):
+        pytest.skip("no native bf16 on this CPU: the probe's bf16 copy stays plain")
+    p = pack(w, GemmBackend.ONEDNN)
+    for rows in (1, 25, 200):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        assert torch.equal(linear(x, p), F.linear(x, w))
