@@ -25,7 +25,7 @@ from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_GEMM, DEFAULT_
     DEFAULT_PROBE_PRECISION
 from blend.errors import InvalidPolicyError, InvalidRequestError, PromptTooLongError
 from blend.gate import GateVerdict, QualityGate
-from blend.gemm import GemmBackend, gemm_tag, pick_gemm_backend
+from blend.gemm import GemmBackend, pick_gemm_backend
 from blend.keys import Namespace, Provenance, key_hex
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
@@ -127,7 +127,7 @@ def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.devic
         dtype=cfg.dtype,
         kv_dtype=cfg.kv_dtype or cfg.dtype,
         device_class=device_class,
-        backend=f"kvblend-layers/torch-{torch.__version__}/sdpa/{gemm_tag(gemm)}",
+        backend=f"kvblend-layers/torch-{torch.__version__}/sdpa/{gemm.value}",
         rope=rope_config_json(config),
     )
 

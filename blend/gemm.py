@@ -7,7 +7,7 @@ freezing do) measured, SmolLM2 shapes, two threads, AVX-512 EPYC: 3.4x faster at
 M = 1 row (a decode step), 2.1x at 16, 1.7x at 79 (a question), 1.3x at 470 (a
 blend's selected rows), 1.13x at 3,000 (a full prefill). Both are float32 GEMMs;
 they differ in reduction order (last bits), so the backend is part of the KV's
-provenance (:func:`gemm_tag`) and every path of one engine uses the same one
+provenance (its ``value``) and every path of one engine uses the same one
 (cold == warm stays bit for bit).
 
     GemmBackend.TORCH    F.linear over the plain weight (CUDA, or on request)
@@ -100,7 +100,3 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")  # (S, N)
     return F.linear(x, w, b)  # (S, N)
 
-
-def gemm_tag(backend: GemmBackend) -> str:
-    """The backend's part of the KV provenance (its numbers differ from the other's in the last bits)."""
-    return backend.value

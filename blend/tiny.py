@@ -6,6 +6,7 @@ chat specials), so nothing is ever read from disk or a hub.
 
 from __future__ import annotations
 
+import random
 from enum import Enum
 
 import torch
@@ -21,6 +22,14 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PSEUDO_WORDS = ("alpha beta gamma delta river stone harbor lantern copper meadow violet anchor "
+                "quartz ember willow summit canyon falcon orchid maple").split()
+
+
+def make_docs(n: int, words: int = 40, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-documents for the byte-level tiny models (tests, the device check)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(PSEUDO_WORDS) for _ in range(words)) + f" (doc {i})" for i in range(n)]
 
 
 class TinyModel(Enum):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -32,11 +31,11 @@ from blend.defaults import DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.metrics import kl_divergence
 from blend.policy import ReusePolicy
+from blend.tiny import make_docs
 
 EXACT_SALT = "device-check-exact"
 RATIO_ONE_ATOL = 1e-3  # fp32 logits, as the quality gate's ratio-1.0 check
-WORDS = ("river stone lamp orchard copper violet harbor meadow signal quartz ember lantern "
-         "granite willow beacon cobalt thistle summit").split()
+
 
 
 @dataclass(frozen=True)
@@ -45,11 +44,6 @@ class DeviceCheck:
     ok: bool
     value: float
     detail: str
-
-
-def _docs(n: int, words: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) + f" (doc {i})" for i in range(n)]
 
 
 def _kernel_backend(device: str) -> str:
@@ -73,7 +67,7 @@ def run_checks(device: str, model: str = "tiny-llama", prompts: int = 3) -> list
     cpu = Engine.load(model, device="cpu", quality_gate=False)
     out: list[DeviceCheck] = []
     for i in range(prompts):
-        docs, question = _docs(5, 60, seed=i), f"Which word comes first in document {i % 5}?"
+        docs, question = make_docs(5, 60, seed=i), f"Which word comes first in document {i % 5}?"
         p_dev, p_cpu = dev.build_prompt(question, docs), cpu.build_prompt(question, docs)
         exact = ReusePolicy.exact(cache_salt=EXACT_SALT)  # its entries must not turn the blends below exact
         cold = dev.generate(p_dev, exact, max_new_tokens=4)

@@ -9,19 +9,11 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("KVBLEND_HOME", os.path.join(os.path.dirname(__file__), "..", ".kvblend"))
 
-import random  # noqa: E402
-
 import pytest  # noqa: E402
 
+from blend.tiny import make_docs  # noqa: E402,F401  (test modules import it from here)
+
 TINY_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-llama-rope-llama3", "tiny-llama-rope-linear", "tiny-llama-rope-dynamic"]
-WORDS = ("alpha beta gamma delta river stone harbor lantern copper meadow violet anchor "
-         "quartz ember willow summit canyon falcon orchid maple").split()
-
-
-def make_docs(n: int, words: int = 40, seed: int = 0) -> list[str]:
-    """Deterministic pseudo-documents for the byte-level tiny models."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) + f" (doc {i})" for i in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from blend.integrations.vllm.middleware import DocumentsMiddleware
 from blend.integrations.vllm.plan import PARAMS_KEY
 from blend.tiny import byte_tokenizer
 from _fuzz_util import FUZZ, bounded, json_values, mutate_bytes, mutate_json
+from test_vllm_chat import FakeSamplingParams, request_body
 
 TOK = byte_tokenizer()
 BODY: dict[str, Any] = {
@@ -55,8 +56,7 @@ def test_the_chat_rewrite_returns_a_body_or_its_own_error(data):
 
 async def _vllm(scope, receive, send) -> None:
     """Stands for vLLM: reads the whole body, answers 200 without parsing it."""
-    while (await receive()).get("more_body"):
-        pass
+    await request_body(receive)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
     await send({"type": "http.response.body", "body": b"vllm"})
 
@@ -98,11 +98,6 @@ def test_bodies_nested_just_under_the_decoders_limit_are_rewritten_or_refused():
             assert _post(json.dumps(body).encode()) in (200, 400)
 
 
-class _SP:
-    def __init__(self, extra_args: Any) -> None:
-        self.extra_args = extra_args
-
-
 class _Engine:
     async def generate(self, prompt, sampling_params, request_id):
         yield type("Out", (), {"finished": True, "kv_transfer_params": None})()
@@ -120,7 +115,7 @@ def test_the_stream_report_wrapper_passes_any_clients_kv_transfer_params(params)
     live = reports.open()
 
     async def run(extra):
-        return [o async for o in engine.generate([1], _SP(extra), "r")]
+        return [o async for o in engine.generate([1], FakeSamplingParams(extra), "r")]
 
     for extra in ({"kv_transfer_params": params}, {"kv_transfer_params": {STREAM_KEY: params}},
                   {"kv_transfer_params": {STREAM_KEY: live, "x": params}}, params):

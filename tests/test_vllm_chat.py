@@ -104,6 +104,16 @@ def _stream(texts: list[str]) -> bytes:
     return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
+async def request_body(receive) -> bytes:
+    """The whole request body a fake app's ``receive`` delivers, however it is split."""
+    raw = b""
+    while True:
+        msg = await receive()
+        raw += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return raw
+
+
 class FakeVllm:
     """A completions endpoint: records what reached it; streams in pieces of ``piece`` bytes."""
 
@@ -112,12 +122,7 @@ class FakeVllm:
         self.piece = piece
 
     async def __call__(self, scope, receive, send):
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        raw = await request_body(receive)
         try:
             body = json.loads(raw)
         except ValueError:  # vLLM's own answer to malformed JSON
@@ -257,7 +262,7 @@ class _Output:
         self.text, self.finished, self.kv_transfer_params = text, finished, params
 
 
-class _SamplingParams:
+class FakeSamplingParams:
     def __init__(self, extra_args: dict) -> None:
         self.extra_args = extra_args
 
@@ -280,14 +285,8 @@ class FakeEngineClient:
 async def _engine_backed_vllm(scope, receive, send):
     """A completions endpoint that streams what the engine client yields, as vLLM's does: the
     stream itself carries no kv_transfer_params."""
-    raw = b""
-    while True:
-        msg = await receive()
-        raw += msg.get("body", b"")
-        if not msg.get("more_body"):
-            break
-    body = json.loads(raw)
-    sp = _SamplingParams({"kv_transfer_params": body.get("kv_transfer_params")})
+    body = json.loads(await request_body(receive))
+    sp = FakeSamplingParams({"kv_transfer_params": body.get("kv_transfer_params")})
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
     async for out in scope["app"].state.engine_client.generate(body["prompt"], sp, "cmpl-x-0"):
         chunk = {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "m",
@@ -313,7 +312,7 @@ def test_a_streamed_kvblend_chat_gets_the_reuse_report_in_its_finishing_chunk(mo
     assert engine.closed == 2 and not mw.stream_reports._pending
 
     # a plain (non-kvblend) stream through the same wrapped client is not marked and gets no report
-    plain_sp = _SamplingParams({"kv_transfer_params": {STREAM_KEY: "not-ours"}})
+    plain_sp = FakeSamplingParams({"kv_transfer_params": {STREAM_KEY: "not-ours"}})
 
     async def drain():
         return [o.kv_transfer_params async for o in engine.generate([1], plain_sp, "r")]
@@ -322,7 +321,7 @@ def test_a_streamed_kvblend_chat_gets_the_reuse_report_in_its_finishing_chunk(mo
 
     assert asyncio.run(drain())[-1] == {PARAMS_KEY: {"claim": "blend", "recomputed_tokens": 7}}
     for odd in ([1], {"a": 1}, None, 3):  # any client can put anything under the key: never an error
-        plain_sp = _SamplingParams({"kv_transfer_params": {STREAM_KEY: odd}})
+        plain_sp = FakeSamplingParams({"kv_transfer_params": {STREAM_KEY: odd}})
         assert asyncio.run(drain())[-1] is not None
     assert not mw.stream_reports._pending
 

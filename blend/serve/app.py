@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blend.errors import KVBlendError
-from blend.serve.asgi import replay_body
+from blend.serve.asgi import read_body, replay_body
 from blend.serve.config import ServeConfig
 from blend.serve.metrics import ServeMetrics
 from blend.serve.protocol import (
@@ -105,18 +105,10 @@ class Guard:
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
                 return None
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left while sending
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                return None
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        return replay_body(b"".join(chunks), receive)
+        body, more = await read_body(receive, self.max_body)
+        if more or len(body) > self.max_body:
+            return None
+        return replay_body(body, receive)
 
 
 class ClientGone(Exception):

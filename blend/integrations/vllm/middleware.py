@@ -43,7 +43,7 @@ from blend.errors import InvalidRequestError
 from blend.integrations.vllm.chat import CHAT_PATH, COMPLETIONS_PATH, ChunkConverter, chat_to_completion, \
     completion_to_chat, is_kvblend_chat
 from blend.integrations.vllm.plan import PARAMS_KEY
-from blend.serve.asgi import Receive, replay_body
+from blend.serve.asgi import Receive, read_body, replay_body
 
 Scope = dict[str, Any]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -201,7 +201,7 @@ class DocumentsMiddleware:
                 or not scope.get("path", "").endswith(CHAT_PATH) or not authorized(scope)):
             await self.app(scope, receive, send)  # not ours, or vLLM's 401 to give: passed on unread
             return
-        raw, more = await _read_body(receive)
+        raw, more = await read_body(receive, MAX_BODY_BYTES)
         replay = replay_body(raw, receive, more)
         if more or not raw.strip().startswith(b"{"):
             await self.app(scope, replay, send)  # too large or not an object: vLLM answers it
@@ -235,22 +235,6 @@ class DocumentsMiddleware:
         finally:
             if nonce is not None:
                 self.stream_reports.close(nonce)
-
-
-async def _read_body(receive: Receive) -> tuple[bytes, bool]:
-    """The request body (up to :data:`MAX_BODY_BYTES`) and whether more was left unread."""
-    parts, size = [], 0
-    while True:
-        msg = await receive()
-        if msg["type"] != "http.request":
-            return b"".join(parts), False
-        chunk = msg.get("body", b"")
-        parts.append(chunk)
-        size += len(chunk)
-        if not msg.get("more_body", False):
-            return b"".join(parts), False
-        if size > MAX_BODY_BYTES:
-            return b"".join(parts), True
 
 
 async def _respond(send: Send, status: int, body: bytes) -> None:
