@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -172,6 +172,14 @@ class Catalog:
                 shutil.rmtree(p, ignore_errors=True)
 
     # ---- mutation ------------------------------------------------------
+
+    def record_kv_signature(self, signature: str) -> None:
+        """Record what the indexed chunks' KV is now keyed under (written by the next commit).
+
+        Args:
+            signature: the engine's ``engine_kv_signature`` ("" = unknown).
+        """
+        self.meta = replace(self.meta, kv_signature=signature)
 
     def is_current(self, path: str, sha256: str, signature: str) -> bool:
         """Whether ``path`` is in the manifest with this content and chunking."""

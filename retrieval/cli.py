@@ -30,7 +30,7 @@ from blend.retrieval.corpus import RetrievalError, expand_paths
 from blend.retrieval.embedder import Embedder
 from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
 from blend.retrieval.ingest import ingest, print_issues
-from blend.retrieval.pipeline import RAG, engine_kv_deleter, engine_kv_writer
+from blend.retrieval.pipeline import RAG, engine_kv_deleter, engine_kv_signature, engine_kv_writer
 
 USER_ERRORS: tuple[type[BaseException], ...] = (RetrievalError, FileNotFoundError, ValueError, KVBlendError)
 
@@ -65,6 +65,9 @@ def add_ingest_command(subparsers: Any) -> argparse.ArgumentParser:
                    help="auto: exact below --approx-threshold vectors, HNSW above")
     p.add_argument("--approx-threshold", type=int, default=DEFAULT_APPROX_THRESHOLD)
     p.add_argument("--no-kv", action="store_true", help="index only; do not precompute chunk KV")
+    p.add_argument("--refresh-kv", action="store_true",
+                   help="make sure every indexed chunk's KV is in the store (e.g. after emptying it); "
+                        "done anyway when the engine's KV keys changed since the last ingest")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_ingest)
     return p
@@ -99,7 +102,8 @@ def _ingest(args: argparse.Namespace) -> int:
         args.paths, args.index, tokenizer=engine.tokenizer, embedder=Embedder.load(),
         tokenizer_fp=engine.provenance.tokenizer_sha256, config=config,
         kv_writer=None if args.no_kv else engine_kv_writer(engine),
-        kv_deleter=engine_kv_deleter(engine), kind=IndexKind(args.index_kind),
+        kv_deleter=engine_kv_deleter(engine), kv_signature=engine_kv_signature(engine),
+        refresh_kv=args.refresh_kv, kind=IndexKind(args.index_kind),
         threshold=args.approx_threshold, progress=not args.quiet,
     )
     print_issues(summary.issues)
@@ -117,6 +121,10 @@ def _ask(args: argparse.Namespace) -> int:
     policy = policy_from_args(args)
     extra = [read_document(p) for p in args.doc]  # --doc beside --index: after the retrieved chunks
     rag = RAG(rag.catalog, None, engine_from_args(args), system=rag.system)
+    if rag.kv_stale():
+        print(f"kvblend: note: {args.index}'s chunk KV was precomputed by another engine or system prompt; "
+              f"its chunks are computed per request until `kvblend ingest` runs again with this one",
+              file=sys.stderr)
     ans = rag.ask(args.question, top_k=args.top_k, policy=policy, max_new_tokens=args.max_new_tokens,
                   extra_documents=extra)
     if args.json:
@@ -155,7 +163,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"demo: loaded model and embedder in {time.perf_counter() - t0:.1f} s")
     summary = ingest([demo_dir()], index, tokenizer=engine.tokenizer, embedder=embedder,
                      tokenizer_fp=engine.provenance.tokenizer_sha256, kv_writer=engine_kv_writer(engine),
-                     kv_deleter=engine_kv_deleter(engine))
+                     kv_deleter=engine_kv_deleter(engine), kv_signature=engine_kv_signature(engine))
     print_issues(summary.issues)
     print(f"ingest: {summary.format()}")
     questions = json.loads((demo_dir() / "questions.json").read_text())["questions"]

@@ -75,7 +75,20 @@ class ChunkRecord:
 
 @dataclass(frozen=True)
 class IndexMeta:
-    """What an index was built with; reopening with something else is an error."""
+    """What an index was built with; reopening with another embedder is an error.
+
+    Attributes:
+        embedder: the sentence embedder's name.
+        embedder_fingerprint: its weights' fingerprint.
+        dim: vector width.
+        kind: the faiss index kind (``IndexKind`` value).
+        threshold: size at which an AUTO index becomes approximate.
+        format_version: the index format.
+        kv_signature: what the chunk KV that the last ingest made sure of was keyed under (the
+            engine's provenance and preamble, see ``engine_kv_signature``); "" = not recorded (an
+            index built with ``--no-kv`` or before this field existed). When the engine's differs,
+            the next ingest precomputes the chunk KV of every indexed chunk again.
+    """
 
     embedder: str
     embedder_fingerprint: str
@@ -83,6 +96,7 @@ class IndexMeta:
     kind: str
     threshold: int
     format_version: int = FORMAT_VERSION
+    kv_signature: str = ""
 
 
 def _read(path: Path) -> bytes:
@@ -131,9 +145,11 @@ def _is_count(x: Any) -> bool:
 
 def _index_meta(d: Any, path: Path) -> IndexMeta:
     names = {f.name for f in fields(IndexMeta)}
+    if isinstance(d, dict) and set(d) == names - {"kv_signature"}:  # an index written before the field
+        d = {**d, "kv_signature": ""}
     if not isinstance(d, dict) or set(d) != names:
         raise _bad(path, f"index metadata must be an object with {sorted(names)}")
-    for k in ("embedder", "embedder_fingerprint", "kind"):
+    for k in ("embedder", "embedder_fingerprint", "kind", "kv_signature"):
         if not isinstance(d[k], str):
             raise _bad(path, f"{k} must be a string")
     if not _is_count(d["dim"]) or not 0 < d["dim"] <= MAX_DIM:

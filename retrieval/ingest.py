@@ -53,6 +53,8 @@ class IngestSummary:
         gc_collected: unreachable chunks whose KV was deleted.
         gc_pending: unreachable chunks whose KV still awaits deletion.
         seconds: wall time.
+        kv_checked: chunks already in the index whose KV this run made sure of again, because the
+            engine's KV signature differs from the one the index recorded (or ``refresh_kv``).
         issues: problems found, each naming its file and line.
         removed_ids: ids of the removed chunks.
     """
@@ -72,10 +74,13 @@ class IngestSummary:
     seconds: float
     issues: tuple[CorpusIssue, ...] = field(default_factory=tuple)
     removed_ids: tuple[str, ...] = field(default_factory=tuple)
+    kv_checked: int = 0
 
     def format(self) -> str:
         """A short human summary (issues are listed by the caller)."""
         gc = f"; KV of {self.gc_pending} removed chunks awaits collection" if self.gc_pending else ""
+        if self.kv_checked:
+            gc += f"; KV of {self.kv_checked} indexed chunks checked for the current engine"
         return (
             f"{self.files_seen} files: {self.files_ingested} ingested, {self.files_unchanged} unchanged, "
             f"{self.files_failed} failed; {self.chunks_added} chunks added, {self.chunks_removed} removed, "
@@ -127,6 +132,8 @@ def ingest(
     config: ChunkerConfig = ChunkerConfig(),
     kv_writer: KVWriter | None = None,
     kv_deleter: KVDeleter | None = None,
+    kv_signature: str | None = None,
+    refresh_kv: bool = False,
     kind: IndexKind = IndexKind.AUTO,
     threshold: int = DEFAULT_APPROX_THRESHOLD,
     commit_every: int = 512,
@@ -145,6 +152,13 @@ def ingest(
         config: chunk sizes and overlap.
         kv_writer: batch of new chunk texts -> bytes of KV written (None: no KV).
         kv_deleter: (chunk id, text) -> True once that chunk's KV is deleted.
+        kv_signature: what ``kv_writer`` keys chunk KV under (``engine_kv_signature``). When it
+            differs from the one the index recorded (a new model revision, dtype, GEMM backend,
+            torch, system prompt...), every indexed chunk goes through ``kv_writer`` again (it
+            skips chunks whose KV is stored), so unchanged files do not leave their chunks without
+            KV under the new keys. None: not checked.
+        refresh_kv: pass every indexed chunk through ``kv_writer`` whatever the signature says
+            (e.g. after the store was emptied).
         kind: index kind (AUTO: exact below ``threshold`` vectors, HNSW above).
         threshold: size at which AUTO becomes approximate.
         commit_every: commit after this many new chunks.
@@ -169,6 +183,7 @@ def ingest(
         cat = Catalog.open(root, meta)
         stats = dict(ingested=0, unchanged=0, failed=0, docs=0, added=0, tokens=0, kv=0)
         removed_all: list[str] = []
+        added_ids: set[str] = set()  # chunks whose KV this run wrote
         dirty, since_commit = not Catalog.exists(root), 0
         bar = Progress(len(files), desc="ingest", unit="files", stream=stream if stream is not None else sys.stderr,
                        enabled=progress)
@@ -205,6 +220,7 @@ def ingest(
                 removed_all += cat.replace_file(entry, [(r, vecs[i]) for i, r in enumerate(new)])
                 stats["ingested"] += 1
                 stats["added"] += len(new)
+                added_ids.update(r.chunk_id for r in new)
                 stats["tokens"] += sum(r.n_tokens for r in new)
                 dirty = True
                 since_commit += len(new)
@@ -216,6 +232,14 @@ def ingest(
             if dirty:  # everything finished so far is consistent: keep it, even on an interrupt
                 cat.commit()
             bar.close()
+        checked = 0
+        if kv_writer is not None and (refresh_kv or (kv_signature is not None and kv_signature != cat.meta.kv_signature)):
+            checked, written = _refresh_kv(cat, kv_writer, skip=added_ids, batch=kv_batch, progress=progress,
+                                           stream=stream)
+            stats["kv"] += written
+            if kv_signature is not None:
+                cat.record_kv_signature(kv_signature)
+            cat.commit()
         collected = 0
         if kv_deleter is not None and cat.pending_gc:
             collected = cat.collect_garbage(kv_deleter)
@@ -236,9 +260,26 @@ def ingest(
             seconds=time.perf_counter() - t0,
             issues=tuple(issues),
             removed_ids=tuple(removed_all),
+            kv_checked=checked,
         )
     finally:
         lock.release()
+
+
+def _refresh_kv(cat: Catalog, kv_writer: KVWriter, skip: set[str], batch: int, progress: bool,
+                stream: TextIO | None) -> tuple[int, int]:
+    """Pass every indexed chunk not in ``skip`` through ``kv_writer``; (chunks passed, bytes written)."""
+    texts = [r.text for cid, r in sorted(cat.records.items()) if cid not in skip]
+    bar = Progress(len(texts), desc="chunk KV", unit="chunks", stream=stream if stream is not None else sys.stderr,
+                   enabled=progress)
+    written = 0
+    try:
+        for b in range(0, len(texts), batch):
+            written += int(kv_writer(texts[b : b + batch]))
+            bar.update(len(texts[b : b + batch]))
+    finally:
+        bar.close()
+    return len(texts), written
 
 
 def print_issues(issues: Iterable[CorpusIssue], stream: TextIO | None = None) -> None:

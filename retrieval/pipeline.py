@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from blend.defaults import DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_TOP_K
-from blend.keys import Namespace
+from blend.keys import Namespace, key_hex
 from blend.options import load_engine
 from blend.prompt import document_text, preamble_segment, tokenize_segment
 from blend.retrieval.catalog import Catalog
@@ -113,6 +113,23 @@ def engine_kv_writer(engine: "Engine", system: str | None = None) -> Callable[[l
     return lambda texts: int(engine.precompute_chunks(list(texts), system=system))
 
 
+def engine_kv_signature(engine: "Engine", system: str | None = None) -> str:
+    """What an engine keys canonical chunk KV under, as a short string an index can record.
+
+    The key of the empty chunk after the preamble: it hashes the engine's whole provenance (model,
+    tokenizer, dtype, GEMM and attention backends, versions, store format) and the preamble, so it
+    changes exactly when the keys :meth:`Engine.precompute_chunks` derives change.
+
+    Args:
+        engine: the engine.
+        system: the system prompt the chunks will be asked under.
+
+    Returns:
+        A hex digest.
+    """
+    return key_hex(engine.segments.canonical_key(preamble_segment(engine.tokenizer, system).token_ids, []))
+
+
 def engine_kv_deleter(engine: "Engine", system: str | None = None) -> Callable[[str, str], bool]:
     """A ``kv_deleter`` that removes a chunk's canonical KV from the engine's store.
 
@@ -177,6 +194,17 @@ class RAG:
         if catalog is not None and embedder is not None and embedder.info.fingerprint != catalog.meta.embedder_fingerprint:
             raise RetrievalError(f"{index_dir}: index was built with another embedder ({catalog.meta.embedder})")
         return cls(catalog, embedder, engine, dict(model=model, dtype=dtype, store=store), system)
+
+    def kv_stale(self) -> bool:
+        """Whether the index's chunk KV was precomputed under other keys than this engine's and this
+        system prompt's (another model revision, dtype, GEMM backend, torch...): its chunks are then
+        computed per request until ``kvblend ingest`` runs again with this engine.
+
+        Returns:
+            False when the index recorded nothing (or there is no index).
+        """
+        recorded = self.catalog.meta.kv_signature if self.catalog is not None else ""
+        return bool(recorded) and recorded != engine_kv_signature(self.engine, self.system)
 
     @property
     def engine(self) -> "Engine":

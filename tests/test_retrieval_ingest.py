@@ -183,3 +183,71 @@ def test_progress_bar_reports_rate_and_eta(corpus, tmp_path, tok) -> None:
     bar = Progress(10, desc="x", unit="chunks", stream=io.StringIO(), min_interval_s=0)
     bar.update(5)
     assert "5/10 chunks" in bar.line() and "[" + "#" * 12 in bar.line()
+
+
+def test_changed_kv_signature_rewrites_every_indexed_chunk(corpus, tmp_path, tok) -> None:
+    """A new engine provenance (model revision, dtype, GEMM backend...) keys chunk KV anew: unchanged
+    files must not leave their chunks without KV under the new keys."""
+    kv = FakeKV()
+    s1 = _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    assert s1.kv_checked == 0  # everything was written as it was indexed
+    assert Catalog.open(tmp_path / "idx").meta.kv_signature == "engine-a"
+    texts = {r.text for r in Catalog.open(tmp_path / "idx").records.values()}
+    calls = len(kv.calls)
+    s2 = _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    assert len(kv.calls) == calls and s2.kv_checked == 0  # same keys: nothing to check
+
+    kv_b = FakeKV()  # the new engine's keys: nothing of its own stored yet
+    s3 = _run([corpus], tmp_path / "idx", tok, kv_b, kv_signature="engine-b")
+    assert s3.files_unchanged == 4 and s3.chunks_added == 0
+    assert set(kv_b.entries) == texts and s3.kv_checked == len(texts) and s3.kv_bytes == sum(kv_b.entries.values())
+    assert "checked for the current engine" in s3.format()
+    assert Catalog.open(tmp_path / "idx").meta.kv_signature == "engine-b"
+    calls = len(kv_b.calls)
+    _run([corpus], tmp_path / "idx", tok, kv_b, kv_signature="engine-b")
+    assert len(kv_b.calls) == calls
+
+
+def test_refresh_kv_refills_an_emptied_store_and_new_chunks_are_written_once(corpus, tmp_path, tok) -> None:
+    kv = FakeKV()
+    _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    texts = {r.text for r in Catalog.open(tmp_path / "idx").records.values()}
+    kv.entries.clear()  # the store was emptied; the signature still matches
+    before = len(kv.calls)
+    (corpus / "e.txt").write_text("The bell rings at dusk. Nobody knows who rings it.")
+    s = _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a", refresh_kv=True)
+    records = Catalog.open(tmp_path / "idx").records
+    assert s.chunks_added >= 1 and len(records) == len(texts) + s.chunks_added
+    assert s.kv_checked == len(texts)  # the new file's chunks, written as indexed, are not passed twice
+    assert set(kv.entries) == {r.text for r in records.values()}
+    passed = [t for call in kv.calls[before:] for t in call]
+    assert sorted(passed) == sorted(r.text for r in records.values())  # each chunk through the writer once
+
+
+def test_no_kv_writer_records_no_signature_and_a_failed_refresh_is_retried(corpus, tmp_path, tok) -> None:
+    _run([corpus], tmp_path / "idx", tok, None, kv_signature="engine-a")
+    assert Catalog.open(tmp_path / "idx").meta.kv_signature == ""  # nothing was made sure of
+    kv = FakeKV(fail_on_call=1)
+    with pytest.raises(RuntimeError):
+        _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    assert Catalog.open(tmp_path / "idx").meta.kv_signature == ""  # not recorded: the next run tries again
+    kv.fail_on_call = None
+    s = _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    assert s.kv_checked == len(Catalog.open(tmp_path / "idx").records)
+    assert set(kv.entries) == {r.text for r in Catalog.open(tmp_path / "idx").records.values()}
+
+
+def test_index_written_before_the_kv_signature_opens_and_is_refreshed(corpus, tmp_path, tok) -> None:
+    kv = FakeKV()
+    _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    gen = tmp_path / "idx" / (tmp_path / "idx" / "CURRENT").read_text()
+    meta = json.loads((gen / "meta.json").read_text())
+    del meta["kv_signature"]  # meta.json as older releases wrote it
+    (gen / "meta.json").write_text(json.dumps(meta))
+    assert Catalog.open(tmp_path / "idx").meta.kv_signature == ""
+    s = _run([corpus], tmp_path / "idx", tok, FakeKV(), kv_signature="engine-a")
+    assert s.kv_checked == s.chunks_total > 0
+    meta["kv_signature"] = 7  # a wrong type is still a clear error
+    (gen.parent / (tmp_path / "idx" / "CURRENT").read_text() / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(RetrievalError, match="kv_signature must be a string"):
+        Catalog.open(tmp_path / "idx")

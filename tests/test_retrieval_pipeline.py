@@ -16,7 +16,9 @@ from blend.keys import Namespace  # noqa: E402
 from blend.retrieval.catalog import Catalog  # noqa: E402
 from blend.retrieval.chunker import ChunkerConfig  # noqa: E402
 from blend.retrieval.ingest import ingest  # noqa: E402
-from blend.retrieval.pipeline import RAG, Retrieved, engine_kv_deleter, engine_kv_writer, order_documents  # noqa: E402
+from blend.retrieval.pipeline import (  # noqa: E402
+    RAG, Retrieved, engine_kv_deleter, engine_kv_signature, engine_kv_writer, order_documents,
+)
 from blend.retrieval.testing import HashEmbedder  # noqa: E402
 
 DOCS = {
@@ -97,6 +99,36 @@ def test_changed_file_deletes_old_chunk_kv_from_engine_store(index, engine) -> N
     assert engine.store.contains(Namespace.CANONICAL, key(DOCS["ferry.txt"]))
 
 
+def test_engine_with_other_provenance_gets_every_chunk_kv_on_reingest(index, engine) -> None:
+    """The demo's upgrade bug: an engine whose KV keys differ (here the GEMM backend) re-ingests an
+    unchanged corpus; every indexed chunk must then be a canonical hit under its keys."""
+    from blend.keys import canonical_key
+    from blend.prompt import document_text, preamble_segment, tokenize_segment
+
+    d, idx = index
+    other = engine_mod.Engine.load("tiny-llama", store=engine.store, gemm="torch")
+    assert engine_kv_signature(other) != engine_kv_signature(engine)
+    assert engine_kv_signature(engine, "You are terse.") != engine_kv_signature(engine)
+    pre = preamble_segment(other.tokenizer, None).token_ids
+
+    texts = [r.text for r in Catalog.open(idx).records.values()]
+
+    def held(e) -> bool:
+        return all(e.store.contains(Namespace.CANONICAL, canonical_key(
+            e.provenance, pre, tokenize_segment(e.tokenizer, document_text(t)))) for t in texts)
+
+    ingest([d], idx, tokenizer=engine.tokenizer, tokenizer_fp=engine.provenance.tokenizer_sha256,
+           embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=64), kv_writer=engine_kv_writer(engine),
+           kv_deleter=engine_kv_deleter(engine), kv_signature=engine_kv_signature(engine), stream=io.StringIO())
+    assert held(engine) and not held(other)
+    s = ingest([d], idx, tokenizer=other.tokenizer, tokenizer_fp=other.provenance.tokenizer_sha256,
+               embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=64), kv_writer=engine_kv_writer(other),
+               kv_deleter=engine_kv_deleter(other), kv_signature=engine_kv_signature(other), stream=io.StringIO())
+    assert s.files_unchanged == 3 and s.kv_checked == len(texts) and s.kv_bytes > 0
+    assert held(other)
+    assert Catalog.open(idx).meta.kv_signature == engine_kv_signature(other)
+
+
 def _cli(argv: list[str]) -> argparse.Namespace:
     from blend.cli import build_parser
 
@@ -123,6 +155,22 @@ def test_cli_ingest_and_ask(tmp_path, capsys) -> None:
     rc = ask_over_index(_cli(["ask", "What is the ferry named?", "--index", str(tmp_path / "idx"), "--top-k", "2"]))
     out, _ = capsys.readouterr()
     assert rc == 0 and "ferry.txt" in out
+
+
+def test_cli_ask_notes_chunk_kv_precomputed_by_another_engine(tmp_path, capsys) -> None:
+    from blend.retrieval.cli import ask_over_index, run_ingest
+
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "ferry.txt").write_text(DOCS["ferry.txt"])
+    assert run_ingest(_cli(["ingest", str(d), "--index", str(tmp_path / "idx"), "--model", "tiny-llama",
+                            "--store", "memory", "--quiet"])) == 0
+    capsys.readouterr()
+    assert ask_over_index(_cli(["ask", "What is the ferry named?", "--index", str(tmp_path / "idx")])) == 0
+    assert "precomputed by another engine" not in capsys.readouterr().err
+    assert ask_over_index(_cli(["ask", "What is the ferry named?", "--index", str(tmp_path / "idx"),
+                                "--gemm", "torch"])) == 0
+    assert "precomputed by another engine" in capsys.readouterr().err
 
 
 def test_cli_ask_over_an_index_with_doc_uses_both_retrieved_chunks_then_the_doc(tmp_path, capsys) -> None:
