@@ -78,14 +78,14 @@ class IngestSummary:
 
     def format(self) -> str:
         """A short human summary (issues are listed by the caller)."""
-        gc = f"; KV of {self.gc_pending} removed chunks awaits collection" if self.gc_pending else ""
+        tail = f"; KV of {self.gc_pending} removed chunks awaits collection" if self.gc_pending else ""
         if self.kv_checked:
-            gc += f"; KV of {self.kv_checked} indexed chunks checked for the current engine"
+            tail += f"; KV of {self.kv_checked} indexed chunks checked for the current engine"
         return (
             f"{self.files_seen} files: {self.files_ingested} ingested, {self.files_unchanged} unchanged, "
             f"{self.files_failed} failed; {self.chunks_added} chunks added, {self.chunks_removed} removed, "
             f"{self.chunks_total} in index; {self.tokens_added} tokens; KV {_fmt_bytes(self.kv_bytes)}; "
-            f"{self.seconds:.1f} s{gc}"
+            f"{self.seconds:.1f} s{tail}"
         )
 
 
