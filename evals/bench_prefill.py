@@ -14,7 +14,7 @@ Repeats are interleaved (engine, transformers, engine, ...) so machine drift
 hits both alike; the median is reported.
 
     python -m blend.evals.bench_prefill [--model smollm2-135m] [--repeats 3] [--cases prefill,hit,first-doc]
-        [--json OUT]
+        [--json OUT] [--profile ROWS]
 """
 
 from __future__ import annotations
@@ -95,8 +95,19 @@ def _filler(i: int) -> str:
             "ferry timetable would change in spring, and that the library roof still leaked. ") * 3
 
 
-def bench_exact_hit(model: str, repeats: int, prefix_tokens: int = 3500) -> HitRow:
-    """TTFT of a request whose documents are an exact cached prefix, against the same request cold."""
+def bench_exact_hit(model: str, repeats: int, prefix_tokens: int = 3500, profile_rows: int = 0) -> HitRow:
+    """TTFT of a request whose documents are an exact cached prefix, against the same request cold.
+
+    Args:
+        model: model name or path.
+        repeats: cold/warm pairs, interleaved.
+        prefix_tokens: length of the cached prefix.
+        profile_rows: > 0 prints the torch profiler's top operators (by self CPU time) of three
+            more warm requests, after the timed ones.
+
+    Returns:
+        Medians of the cold and warm TTFTs.
+    """
     eng = Engine.load(model, quality_gate=False)
     docs: list[str] = []
     while len(eng.build_prompt("q", docs)) < prefix_tokens:
@@ -112,6 +123,12 @@ def bench_exact_hit(model: str, repeats: int, prefix_tokens: int = 3500) -> HitR
         fresh = eng.with_store(MemoryStore())
         cold.append(fresh.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).ttft_s)
         warm.append(fresh.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).ttft_s)
+        if profile_rows and len(warm) == repeats:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    fresh.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+            print("warm exact hits (3 requests), by self CPU time:\n"
+                  + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=profile_rows), flush=True)
         fresh.close()
     return HitRow(len(prompt), len(prompt) - len(prompt.question), statistics.median(cold), statistics.median(warm))
 
@@ -167,6 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default="../shared/data/musique_dev.json", help="first-doc: the questions")
     ap.add_argument("--items", default="30-39", help="first-doc: item range A-B")
     ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="hit: print the torch profiler's top ROWS operators of three warm requests")
     args = ap.parse_args(argv)
     cases = set(args.cases.split(","))
     out: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__}
@@ -188,7 +207,7 @@ def main(argv=None) -> int:
                       flush=True)
         out["prefill"] = [{**asdict(r), "ratio": r.ratio} for r in rows]
     if "hit" in cases:
-        hit = bench_exact_hit(args.model, args.repeats, args.prefix_tokens)
+        hit = bench_exact_hit(args.model, args.repeats, args.prefix_tokens, args.profile)
         print(f"\nexact hit: prompt {hit.prompt_tokens} tokens, {hit.cached_tokens} cached; "
               f"cold TTFT {hit.cold_s:.3f} s, warm TTFT {hit.warm_s:.3f} s, ratio {hit.ratio:.3f}")
         out["exact_hit"] = {**asdict(hit), "ratio": hit.ratio}

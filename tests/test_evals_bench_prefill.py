@@ -10,3 +10,12 @@ def test_first_document_case_times_the_three_paths_and_checks_the_reuse():
     assert row.items == 2 and row.full_s > 0 and row.first_doc_tokens > 0
     assert row.prompt_tokens > row.first_doc_tokens
     assert 0 < row.preamble_only_ratio and 0 < row.exact_ratio
+
+
+def test_exact_hit_case_profiles_warm_requests_when_asked(capsys):
+    from blend.evals.bench_prefill import bench_exact_hit
+
+    row = bench_exact_hit("tiny-llama", repeats=1, prefix_tokens=200, profile_rows=5)
+    assert row.cached_tokens >= 200 and row.prompt_tokens > row.cached_tokens and row.warm_s > 0
+    out = capsys.readouterr().out
+    assert "warm exact hits (3 requests)" in out and "Self CPU" in out
