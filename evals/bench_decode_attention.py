@@ -7,7 +7,9 @@ serving engine could switch to, on the same caches, interleaved, in one process:
 - ``sdpa_mask``: what ``BatchDecodeRows.attend`` does (9 query heads, GQA, an additive mask row);
 - ``sdpa``: the same without the mask (every cached row is visible to a decode row);
 - ``sdpa_packed``: GQA packing (the 3 query heads of a KV head as 3 query rows; no repeat, no mask);
-- ``bmm``: scores by ``bmm``, softmax, ``bmm`` (the GEMM library instead of the flash kernel).
+- ``bmm``: scores by ``bmm``, softmax, ``bmm`` (the GEMM library instead of the flash kernel);
+- ``pooled_sdpa`` / ``pooled_bmm``: ONE call per layer for all sequences, as if every cache were a
+  slot of one pooled tensor (B, Hkv, T, D) (equal lengths here, so no padding or mask).
 
 If every variant takes the same time, the step is bound by reading the caches (bytes / time is
 then the memory bandwidth one thread gets), and only fewer bytes (a lower-precision cache) or more
@@ -98,12 +100,47 @@ def run(shape: Shape, repeats: int = 5, seed: int = 0) -> dict[str, dict[str, fl
                 for i in range(shape.batch):
                     fn(qs[i], *caches[i][layer])
             times[name].append(time.perf_counter() - t0)
+    pooled = _pooled(shape, caches)
+    for _ in range(repeats):
+        for name, (fn, _) in pooled.items():
+            t0 = time.perf_counter()
+            for layer in range(shape.layers):
+                fn(qs, layer)
+            times.setdefault(name, []).append(time.perf_counter() - t0)
     out = {}
     for name, fn in fns.items():
         step = statistics.median(times[name])
         out[name] = {"step_ms": step * 1e3, "gb_per_s": shape.cache_bytes / step / 1e9,
                      "max_abs_diff": float((fn(qs[0], *caches[0][0]) - ref).abs().max())}
+    for name, (fn, first) in pooled.items():
+        step = statistics.median(times[name])
+        out[name] = {"step_ms": step * 1e3, "gb_per_s": shape.cache_bytes / step / 1e9,
+                     "max_abs_diff": float((first(fn(qs, 0)) - ref).abs().max())}
     return out
+
+
+def _pooled(shape: Shape, caches: list) -> dict[str, tuple[Callable, Callable]]:
+    """name -> (f(q (B, Hq, 1, D), layer) -> all sequences' rows, g(rows) -> sequence 0's (Hq, 1, D))."""
+    b, hkv, g, d = shape.batch, shape.kv_heads, shape.q_heads // shape.kv_heads, shape.head_dim
+    scale = d ** -0.5
+    ks = [torch.stack([caches[i][layer][0] for i in range(b)]) for layer in range(shape.layers)]  # (B, Hkv, T, D)
+    vs = [torch.stack([caches[i][layer][1] for i in range(b)]) for layer in range(shape.layers)]  # (B, Hkv, T, D)
+
+    def pooled_sdpa(qs, layer):
+        return F.scaled_dot_product_attention(qs.reshape(b, hkv, g, d), ks[layer], vs[layer], scale=scale)
+
+    def pooled_bmm(qs, layer):
+        k = ks[layer].reshape(b * hkv, shape.tokens, d)  # (B Hkv, T, D)
+        p = torch.softmax(torch.bmm(qs.reshape(b * hkv, g, d), k.transpose(1, 2)) * scale, dim=-1)  # (B Hkv, G, T)
+        return torch.bmm(p, vs[layer].reshape(b * hkv, shape.tokens, d))  # (B Hkv, G, D)
+
+    def first_sdpa(rows):
+        return rows[0].reshape(shape.q_heads, 1, d)
+
+    def first_bmm(rows):
+        return rows[:hkv].reshape(shape.q_heads, 1, d)
+
+    return {"pooled_sdpa": (pooled_sdpa, first_sdpa), "pooled_bmm": (pooled_bmm, first_bmm)}
 
 
 def main(argv: list[str] | None = None) -> int:

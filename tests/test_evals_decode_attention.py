@@ -10,7 +10,7 @@ from blend.evals.bench_decode_attention import Shape, run, variants
 def test_every_variant_computes_the_decode_rows_attention() -> None:
     shape = Shape(batch=2, tokens=37, layers=2)
     res = run(shape, repeats=1)
-    assert set(res) == {"sdpa_mask", "sdpa", "sdpa_packed", "bmm"}
+    assert set(res) == {"sdpa_mask", "sdpa", "sdpa_packed", "bmm", "pooled_sdpa", "pooled_bmm"}
     for r in res.values():
         assert r["max_abs_diff"] < 1e-5 and r["step_ms"] > 0 and r["gb_per_s"] > 0
 
