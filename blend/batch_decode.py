@@ -34,6 +34,9 @@ from typing import Sequence
 
 import torch
 
+from dataclasses import dataclass
+
+from blend.decode_pool import DecodePool, PoolSlotCache
 from blend.kvcache import KVCache
 from blend.model import ModelRunner, attend, causal_mask, layer_forward
 from blend.rope import apply_rope
@@ -62,18 +65,74 @@ def _rope_rows(runner: ModelRunner, pos: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.cat([c for c, _ in pairs]), torch.cat([s for _, s in pairs])
 
 
+@dataclass(frozen=True)
+class PooledStep:
+    """A step whose caches are all slots of one :class:`~blend.decode_pool.DecodePool`: its K/V
+    writes and its attention run once per layer over the slots ``[lo, hi)``, ``rows`` keys each.
+
+    Attributes:
+        pool: the pool.
+        lo, hi: the slot range the step reads (slots in it that are not in the step are read and
+            their rows discarded).
+        rows: keys per slot (the longest sequence's, with this step's row).
+        slot_of: (B,) int64, each sequence's slot minus ``lo``.
+        start: (B,) int64, each sequence's new row.
+        mask: (hi - lo, 1, rows) additive: 0 where a key is one of the slot's rows at or before
+            its sequence's position, -inf elsewhere (a slot not in the step sees its first key).
+    """
+
+    pool: DecodePool
+    lo: int
+    hi: int
+    rows: int
+    slot_of: torch.Tensor
+    start: torch.Tensor
+    mask: torch.Tensor
+
+    @staticmethod
+    def of(caches: Sequence[KVCache], starts: list[int], pos: torch.Tensor) -> "PooledStep | None":
+        """The pooled form of a step over ``caches`` (positions already set), or None when they are
+        not all slots of one pool, or fewer than two."""
+        if len(caches) < 2 or not all(isinstance(c, PoolSlotCache) for c in caches):
+            return None
+        pool = caches[0].pool  # type: ignore[attr-defined]
+        if any(c.pool is not pool for c in caches):  # type: ignore[attr-defined]
+            return None
+        slots = [c.slot for c in caches]  # type: ignore[attr-defined]
+        lo, hi, rows = min(slots), max(slots) + 1, max(starts) + 1
+        pool.ensure_readable(slots, rows)  # before the step writes its rows: padding keys must be finite
+        dev = pos.device
+        slot_of = torch.tensor(slots, dtype=torch.long, device=dev) - lo  # (B,)
+        start = torch.tensor(starts, dtype=torch.long, device=dev)  # (B,)
+        keys = torch.arange(rows, device=dev)  # (R,)
+        visible = torch.zeros(hi - lo, rows, dtype=torch.bool, device=dev)  # (S', R)
+        visible[:, 0] = True  # a slot outside the step: any finite row, discarded
+        visible[slot_of] = (keys[None, :] <= start[:, None]) & (pool.pos[slot_of + lo, :rows] <= pos[:, None])
+        mask = torch.zeros(visible.shape, dtype=pool.k[0].dtype, device=dev).masked_fill(~visible, float("-inf"))
+        return PooledStep(pool, lo, hi, rows, slot_of, start, mask[:, None, :])  # (S', 1, R)
+
+
 class BatchDecodeRows:
     """:class:`~blend.model.LayerRows` of one decode step over B sequences (plus padding rows):
-    row i's K/V go into ``caches[i]`` at its next position, and row i attends over that cache."""
+    row i's K/V go into ``caches[i]`` at its next position, and row i attends over that cache
+    (per sequence, or, for slots of one pool, once per layer over the pool: ``pooled``)."""
 
     def __init__(self, caches: Sequence[KVCache], starts: list[int], cos: torch.Tensor, sin: torch.Tensor,
-                 masks: list[torch.Tensor | None], scale: float, tile: int | None) -> None:
+                 masks: list[torch.Tensor | None], scale: float, tile: int | None,
+                 pooled: PooledStep | None = None) -> None:
         self.caches, self.starts, self.cos, self.sin, self.masks, self.scale = caches, starts, cos, sin, masks, scale
         self.gemm_tile = tile
+        self.pooled = pooled
 
     def store_kv(self, layer, q, k, v, h):
         b = len(self.caches)
         k_rot = apply_rope(k[:, :b], self.cos, self.sin)  # (Hkv, B, D)
+        p = self.pooled
+        if p is not None:  # one scatter per layer into the pool: slot, every head, the new row
+            slots = p.slot_of + p.lo  # (B,)
+            p.pool.k[layer][slots, :, p.start] = k_rot.transpose(0, 1)  # (B, Hkv, D)
+            p.pool.v[layer][slots, :, p.start] = v[:, :b].transpose(0, 1)  # (B, Hkv, D)
+            return q, h
         for i, c in enumerate(self.caches):
             c.write(layer, self.starts[i], k_rot[:, i:i + 1], v[:, i:i + 1])
         return q, h
@@ -82,10 +141,36 @@ class BatchDecodeRows:
         b = len(self.caches)
         q_rot = apply_rope(q[:, :b], self.cos, self.sin)  # (Hq, B, D)
         rows = torch.zeros(q.shape[1], q.shape[0] * q.shape[2], dtype=q.dtype, device=q.device)  # (N, Hq D)
+        if self.pooled is not None:
+            rows[:b] = self._attend_pooled(layer, q_rot)
+            return rows
         for i, c in enumerate(self.caches):
             k_all, v_all = c.view(layer, self.starts[i] + 1)  # (Hkv, T, D)
             rows[i] = attend(q_rot[:, i:i + 1].contiguous(), k_all, v_all, self.scale, self.masks[i])[0]
         return rows
+
+    def _attend_pooled(self, layer: int, q_rot: torch.Tensor) -> torch.Tensor:
+        """Every sequence's row over its slot, one ``bmm`` pair for the whole slot range.
+
+        Args:
+            layer: the layer.
+            q_rot: (Hq, B, D) the step's queries after RoPE.
+
+        Returns:
+            (B, Hq D) attention output rows, in the step's order.
+        """
+        p = self.pooled
+        hq, b, d = q_rot.shape
+        k = p.pool.k[layer][p.lo:p.hi, :, :p.rows]  # (S', Hkv, R, D) a view
+        v = p.pool.v[layer][p.lo:p.hi, :, :p.rows]  # (S', Hkv, R, D) a view
+        s, hkv = k.shape[0], k.shape[1]
+        qs = torch.zeros(s, hq, d, dtype=q_rot.dtype, device=q_rot.device)  # (S', Hq, D)
+        qs[p.slot_of] = q_rot.transpose(0, 1)  # query head h reads KV head h // (Hq / Hkv)
+        scores = torch.bmm(qs.view(s * hkv, hq // hkv, d), k.reshape(s * hkv, p.rows, d).transpose(1, 2))  # (S' Hkv, G, R)
+        scores = scores.view(s, hq, p.rows) * self.scale + p.mask  # (S', Hq, R)
+        probs = torch.softmax(scores, dim=-1).view(s * hkv, hq // hkv, p.rows)  # (S' Hkv, G, R)
+        out = torch.bmm(probs, v.reshape(s * hkv, p.rows, d))  # (S' Hkv, G, D)
+        return out.view(s, hq * d)[p.slot_of]  # (B, Hq D)
 
 
 class DecodeStep:
@@ -119,8 +204,10 @@ class DecodeStep:
         cos, sin = _rope_rows(runner, pos)  # (B, R)
         for c, p in zip(caches, pos):
             c.set_positions(c.length, p[None])
-        masks = [causal_mask(pos[i:i + 1], caches[i].pos[: starts[i] + 1], runner.dtype) for i in range(b)]  # (1, T)
-        self.rows = BatchDecodeRows(caches, starts, cos, sin, masks, runner.dims.scale, self.tile)
+        pooled = PooledStep.of(caches, starts, pos) if batching is DecodeBatching.THROUGHPUT else None
+        masks = [] if pooled is not None else [
+            causal_mask(pos[i:i + 1], caches[i].pos[: starts[i] + 1], runner.dtype) for i in range(b)]  # (1, T)
+        self.rows = BatchDecodeRows(caches, starts, cos, sin, masks, runner.dims.scale, self.tile, pooled)
         self.layer = 0
         with torch.inference_mode():
             self.h = runner.embed(ids)  # (N, C)

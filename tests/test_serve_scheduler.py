@@ -119,6 +119,7 @@ def requests(engine, n: int):
     (DecodeBatching.THROUGHPUT, {}),
     (DecodeBatching.THROUGHPUT, {"torch_threads": 1, "idle_decode_threads": 2}),  # decode threads change
     (DecodeBatching.THROUGHPUT, {"share_decode_min_batch": 2, "prefill_workers": 1}),  # halves on a worker
+    (DecodeBatching.THROUGHPUT, {"decode_pool_tokens": None}),  # every cache its own: attention per sequence
 ])
 def test_concurrent_answers_equal_one_at_a_time(make_scheduler, batching, threads):
     engine = tiny_serve_engine()
@@ -143,6 +144,10 @@ def test_concurrent_answers_equal_one_at_a_time(make_scheduler, batching, thread
         if batching is DecodeBatching.INVARIANT:
             assert got.steps_sha256 == ref.steps_sha256, i
     assert sched.steps < sum(cfg.max_tokens for _, _, cfg in reqs)  # decode steps were shared
+    pooled = batching is DecodeBatching.THROUGHPUT and threads.get("decode_pool_tokens", 1) is not None
+    assert (sched.pool is not None) == pooled
+    if pooled:  # the sequences decoded from pool slots, and every slot came back
+        assert sched.pool.adopted >= len(reqs) - 1 and sched.pool.free_slots == sched.pool.slots
 
 
 def _prefilled(engine, n: int):

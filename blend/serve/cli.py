@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--share-decode-min-batch", type=int, default=sch.share_decode_min_batch,
                    help="a decode step over at least this many sequences runs part of them on an idle "
                         "prefill worker's core (0: never)")
+    p.add_argument("--decode-pool-tokens", type=int, default=sch.decode_pool_tokens,
+                   help="rows per slot of the decode pool: a decoding sequence whose cache fits moves into a "
+                        "slot, and a step attends once per layer over all slots (0: no pool, attention per "
+                        "sequence; memory is touched only where sequences write)")
     p.add_argument("--no-decode-loop-prefills", action="store_true",
                    help="never let an idle decode loop run a waiting prefill (default: it does while every "
                         "prefill worker is busy)")
@@ -92,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             idle_decode_threads=args.idle_decode_threads,
             share_decode_min_batch=args.share_decode_min_batch or None,
             decode_loop_prefills=not args.no_decode_loop_prefills,
+            decode_pool_tokens=args.decode_pool_tokens or None,
         ),
     )
 

@@ -54,6 +54,12 @@ class SchedulerConfig:
         decode_loop_prefills: the decode loop, when it has no sequence to decode and every
             prefill worker is busy, runs the next waiting prefill itself (same thread count,
             so the same numbers as on a worker).
+        decode_pool_tokens: rows per slot of the decode pool (:mod:`blend.decode_pool`): a
+            sequence whose cache fits moves into one of ``max_concurrency`` slots when it starts
+            decoding, so a step over several of them attends once per layer over the pool
+            instead of once per sequence (THROUGHPUT mode only: float rounding, as batching;
+            a step of one sequence keeps its bits). None: no pool. The pool's memory is only
+            touched where sequences write.
     """
 
     max_concurrency: int = 16
@@ -66,12 +72,15 @@ class SchedulerConfig:
     idle_decode_threads: int | None = None
     decode_loop_prefills: bool = True
     share_decode_min_batch: int | None = 8  # smaller steps gain nothing split (4 rows: 0.97-1.2x the one-thread time)
+    decode_pool_tokens: int | None = 4096
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1 or self.max_queue < 0 or self.prefill_workers < 1:
             raise ValueError("max_concurrency and prefill_workers must be >= 1, max_queue >= 0")
         if any(n is not None and n < 1 for n in (self.torch_threads, self.idle_decode_threads)):
             raise ValueError("torch_threads and idle_decode_threads must be >= 1")
+        if self.decode_pool_tokens is not None and self.decode_pool_tokens < 1:
+            raise ValueError("decode_pool_tokens must be >= 1 (or None: no pool)")
         if self.share_decode_min_batch is not None and self.share_decode_min_batch < 2:
             raise ValueError("share_decode_min_batch must be >= 2 (or None: never share)")
         if self.idle_decode_threads is not None and self.batching is DecodeBatching.INVARIANT:

@@ -71,6 +71,7 @@ from typing import Callable
 import torch
 
 from blend.batch_decode import INVARIANT_TILE, DecodeBatching, DecodeStep, decode_batch
+from blend.decode_pool import DecodePool, PoolSlotCache
 from blend.errors import KVBlendError
 from blend.generation import Completion, TokenStream, Usage
 from blend.kvcache import KVCache
@@ -203,6 +204,15 @@ class Scheduler:
         self.shared_steps = 0  # decode steps whose share a prefill worker ran (in whole or in part)
         self.returned_shares = 0  # shares a worker handed back between layers for a prefill
         self.decode_loop_prefills = 0  # prefills the decode loop ran while it had nothing to decode
+        self.pool = self._make_pool()  # decoding sequences' caches (None: each keeps its own)
+
+    def _make_pool(self) -> DecodePool | None:
+        cfg, runner = self.config, self.engine.runner
+        if cfg.decode_pool_tokens is None or cfg.batching is not DecodeBatching.THROUGHPUT:
+            return None
+        d = runner.dims
+        return DecodePool(d.num_layers, d.num_kv_heads, d.head_dim, cfg.max_concurrency, cfg.decode_pool_tokens,
+                          runner.dtype, runner.device)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -393,7 +403,8 @@ class Scheduler:
                     for job in batch:
                         self._emit(job, Event(EventKind.FAILED, error=RuntimeError("server shutting down")))
                     return
-                batch.extend(self._incoming)
+                joining = list(self._incoming)
+                batch.extend(joining)
                 self._incoming.clear()
                 if not batch and self._decode_loop_prefill_due():
                     job = self._take_job()
@@ -402,6 +413,8 @@ class Scheduler:
                 self._prefill_threads()
                 self._run_prefill(job)
                 continue
+            if joining:
+                self._pool_joined(batch, joining)
             live = []
             for job in batch:
                 if job.cancelled.is_set():
@@ -411,6 +424,17 @@ class Scheduler:
             batch = live
             if batch:
                 batch = self._step(batch)
+
+    def _pool_joined(self, batch: list[_Job], joining: list[_Job]) -> None:
+        """Move the caches of requests that just joined the batch into free pool slots, and keep
+        the batch in slot order, so a step's halves (decode shares) read disjoint slot ranges."""
+        pool = self.pool
+        if pool is None:
+            return
+        for job in joining:
+            if job.cache is not None and not job.retired:
+                job.cache = pool.adopt(job.cache)
+        batch.sort(key=lambda j: j.cache.slot if isinstance(j.cache, PoolSlotCache) else pool.slots)
 
     def _step(self, batch: list[_Job]) -> list[_Job]:
         """One batched decode step; returns the jobs still decoding."""
@@ -571,6 +595,8 @@ class Scheduler:
         self._emit(job, Event(EventKind.FAILED, error=error))
 
     def _retire(self, job: _Job, cancelled: bool = False) -> None:
+        if self.pool is not None and job.cache is not None:
+            self.pool.release(job.cache)
         job.cache = None  # frees the request's KV now, whoever still holds the job
         with self._cond:
             if job.retired:
