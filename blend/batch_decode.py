@@ -172,9 +172,10 @@ class BatchDecodeRows:
         s, hkv = k.shape[0], k.shape[1]
         qs = torch.zeros(s, hq, d, dtype=q_rot.dtype, device=q_rot.device)  # (S', Hq, D)
         qs[p.slot_of] = q_rot.transpose(0, 1)  # query head h reads KV head h // (Hq / Hkv)
-        scores = torch.bmm(qs.view(s * hkv, hq // hkv, d), k.reshape(s * hkv, p.rows, d).transpose(1, 2))  # (S' Hkv, G, R)
+        keys = k.reshape(s * hkv, p.rows, d).transpose(1, 2)  # (S' Hkv, D, R) still a view
+        scores = torch.bmm(qs.view(s * hkv, hq // hkv, d), keys)  # (S' Hkv, G, R)
         scores = scores.view(s, hq, p.rows) * self.scale + p.mask  # (S', Hq, R)
-        probs = torch.softmax(scores, dim=-1).view(s * hkv, hq // hkv, p.rows)  # (S' Hkv, G, R)
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(s * hkv, hq // hkv, p.rows)  # (S' Hkv, G, R)
         out = torch.bmm(probs, v.reshape(s * hkv, p.rows, d))  # (S' Hkv, G, D)
         return out.view(s, hq * d)[p.slot_of]  # (B, Hq D)
 

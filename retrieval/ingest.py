@@ -233,7 +233,8 @@ def ingest(
                 cat.commit()
             bar.close()
         checked = 0
-        if kv_writer is not None and (refresh_kv or (kv_signature is not None and kv_signature != cat.meta.kv_signature)):
+        stale = kv_signature is not None and kv_signature != cat.meta.kv_signature
+        if kv_writer is not None and (refresh_kv or stale):
             checked, written = _refresh_kv(cat, kv_writer, skip=added_ids, batch=kv_batch, progress=progress,
                                            stream=stream)
             stats["kv"] += written

@@ -57,9 +57,9 @@ class SchedulerConfig:
         decode_pool_tokens: rows per slot of the decode pool (:mod:`blend.decode_pool`): a
             sequence whose cache fits moves into one of ``max_concurrency`` slots when it starts
             decoding, so a step over several of them attends once per layer over the pool
-            instead of once per sequence (THROUGHPUT mode only: float rounding, as batching;
-            a step of one sequence keeps its bits). None: no pool. The pool's memory is only
-            touched where sequences write.
+            instead of once per sequence (THROUGHPUT mode only: float rounding, as batching, in
+            bf16 a few bf16 steps since the bmm pair rounds there; a step of one sequence keeps
+            its bits). None: no pool. The pool's memory is only touched where sequences write.
     """
 
     max_concurrency: int = 16
