@@ -38,6 +38,7 @@ import torch
 
 from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.batch_decode import decode_batch
+from blend.decode_pool import DecodePool
 from blend.engine import Engine
 from blend.generation import generate
 from blend.policy import ReusePolicy
@@ -234,32 +235,56 @@ def _split_step(runner, caches: list, tokens: list[int], helper: "ThreadPoolExec
 
 
 def decode_scaling(model: str, batches: list[int], steps: int = 4) -> list[dict]:
-    """Decode steps alone (no HTTP, no prefill beside them): tokens/s of one batched step at each batch
-    size, on the decode loop's one thread and split over two (interleaved, the same caches)."""
+    """Decode steps alone (no HTTP, no prefill beside them), as the server's decode loop runs them on its
+    one intra-op thread: tokens/s of one batched step at each batch size over each sequence's own cache,
+    over slots of a decode pool (the server's default), and split over two threads (a decode share),
+    interleaved.
+
+    Args:
+        model: model name or path.
+        batches: batch sizes.
+        steps: timed steps per layout and batch size (the median is kept).
+
+    Returns:
+        One dict per batch size: step_ms / tok_per_s (own caches), pool_step_ms / pool_tok_per_s,
+        split_step_ms / split_tok_per_s.
+    """
     from concurrent.futures import ThreadPoolExecutor
 
     engine = Engine.load(model, quality_gate=False)
     reqs = demo_requests()
+    d, runner = engine.runner.dims, engine.runner
     out = []
-    threads = torch.get_num_threads()
-    with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(threads,)) as helper:
-        for b in batches:
-            caches = [engine.prefill(engine.build_prompt(*reqs[i % len(reqs)]), ReusePolicy.exact(), 2 * steps + 1)[1]
-                      for i in range(b)]
-            toks = [engine.tokenizer.eos_token_id or 0] * b
-            one, two = [], []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                decode_batch(engine.runner, caches, toks)
-                one.append(time.perf_counter() - t0)
-                if b >= 2:
-                    t0 = time.perf_counter()
-                    _split_step(engine.runner, caches, toks, helper)
-                    two.append(time.perf_counter() - t0)
-            step = statistics.median(one)
-            split = statistics.median(two) if two else step
-            out.append({"batch": b, "step_ms": step * 1000, "tok_per_s": b / step,
-                        "split_step_ms": split * 1000, "split_tok_per_s": b / split})
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(1,)) as helper:
+            for b in batches:
+                def prefilled() -> list:
+                    return [engine.prefill(engine.build_prompt(*reqs[i % len(reqs)]), ReusePolicy.exact(),
+                                           3 * steps + 1)[1] for i in range(b)]
+                caches = prefilled()
+                pool = DecodePool(d.num_layers, d.num_kv_heads, d.head_dim, b, max(c.capacity for c in caches),
+                                  runner.dtype, runner.device)
+                slots = [pool.adopt(c) for c in prefilled()]
+                toks = [engine.tokenizer.eos_token_id or 0] * b
+                one, pooled, two = [], [], []
+                for _ in range(steps):
+                    for layout, times in ((caches, one), (slots, pooled)):
+                        t0 = time.perf_counter()
+                        decode_batch(runner, layout, toks)
+                        times.append(time.perf_counter() - t0)
+                    if b >= 2:
+                        t0 = time.perf_counter()
+                        _split_step(runner, caches, toks, helper)
+                        two.append(time.perf_counter() - t0)
+                step, pool_step = statistics.median(one), statistics.median(pooled)
+                split = statistics.median(two) if two else step
+                out.append({"batch": b, "step_ms": step * 1000, "tok_per_s": b / step,
+                            "pool_step_ms": pool_step * 1000, "pool_tok_per_s": b / pool_step,
+                            "split_step_ms": split * 1000, "split_tok_per_s": b / split})
+    finally:
+        torch.set_num_threads(before)
     return out
 
 
@@ -287,6 +312,9 @@ def markdown(rows: list[Row], overheads: list[dict], command: str, scaling: list
         lines.append("- decode steps alone (batched forward, one thread, no prefill beside): " + ", ".join(
             f"batch {x['batch']}: {x['step_ms']:.0f} ms/step, {x['tok_per_s']:.1f} tok/s ({x['tok_per_s'] / base:.1f}x)"
             for x in scaling))
+        lines.append("- the same steps over slots of a decode pool (the server's default): " + ", ".join(
+            f"batch {x['batch']}: {x['pool_step_ms']:.0f} ms/step, {x['pool_tok_per_s']:.1f} tok/s "
+            f"({x['pool_tok_per_s'] / base:.1f}x)" for x in scaling))
         lines.append("- the same steps split in halves over two threads (a decode share on an idle prefill "
                      "worker): " + ", ".join(
                          f"batch {x['batch']}: {x['split_step_ms']:.0f} ms/step, {x['split_tok_per_s']:.1f} tok/s "

@@ -1,20 +1,18 @@
-"""bench_serve's decode-step measurement: one thread and the split a decode share makes."""
+"""bench_serve's decode-step measurement: one thread, pooled caches, and the split a decode share makes."""
 
 import torch
 
 from blend.evals.bench_serve import decode_scaling
 
 
-def test_decode_scaling_times_the_step_alone_and_split_in_halves():
+def test_decode_scaling_times_the_step_alone_pooled_and_split_in_halves():
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        rows = decode_scaling("tiny-llama", [1, 3], steps=2)
-    finally:
-        torch.set_num_threads(threads)
+    rows = decode_scaling("tiny-llama", [1, 3], steps=2)
+    assert torch.get_num_threads() == threads  # it runs at the decode loop's one thread, then restores
     assert [r["batch"] for r in rows] == [1, 3]
     for r in rows:
-        assert r["step_ms"] > 0 and r["split_step_ms"] > 0
+        assert r["step_ms"] > 0 and r["split_step_ms"] > 0 and r["pool_step_ms"] > 0
+        assert abs(r["pool_tok_per_s"] - r["batch"] / (r["pool_step_ms"] / 1000)) < 1e-6 * r["pool_tok_per_s"]
         assert abs(r["tok_per_s"] - r["batch"] / (r["step_ms"] / 1000)) < 1e-6 * r["tok_per_s"]
     assert rows[0]["split_step_ms"] == rows[0]["step_ms"]  # one sequence is never split
 
