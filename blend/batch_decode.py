@@ -35,12 +35,11 @@ between M=1 and M=5. Two modes:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
 import torch
-
-from dataclasses import dataclass
 
 from blend.decode_pool import DecodePool, PoolSlotCache
 from blend.kvcache import KVCache
