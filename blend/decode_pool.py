@@ -98,14 +98,13 @@ class DecodePool:
         out = PoolSlotCache(self, slot, cache.capacity)
         n = cache.length
         for layer in range(len(self.k)):
-            out.k[layer][:, :n] = cache.k[layer][:, :n]
-            out.v[layer][:, :n] = cache.v[layer][:, :n]
-        out.pos[:n] = cache.pos[:n]
-        out.length = n
+            out.write(layer, 0, *cache.view(layer, n))
+        out.set_positions(0, cache.pos[:n])
+        out.advance(n)
         self.reads_upto[slot] = max(self.reads_upto[slot], n)
         return out
 
-    def release(self, cache: KVCache) -> None:
+    def release(self, cache: KVCache | None) -> None:
         """Give a slot back (anything else: nothing to do). Its rows stay finite for the next owner."""
         if not isinstance(cache, PoolSlotCache) or cache.pool is not self:
             return

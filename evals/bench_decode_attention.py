@@ -91,36 +91,30 @@ def run(shape: Shape, repeats: int = 5, seed: int = 0) -> dict[str, dict[str, fl
               for _ in range(shape.batch)]  # [seq][layer] -> (K, V), each (Hkv, T, D)
     qs = torch.randn(shape.batch, shape.q_heads, 1, shape.head_dim, generator=g)  # (B, Hq, 1, D)
     fns = variants(shape)
-    ref = fns["sdpa_mask"](qs[0], *caches[0][0])
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    ref = fns["sdpa_mask"](qs[0], *caches[0][0])  # (Hq, 1, D) sequence 0, layer 0
+
+    def per_sequence(fn: Variant) -> tuple[Callable, Callable]:
+        return (lambda q, layer: [fn(q[i], *caches[i][layer]) for i in range(shape.batch)], lambda rows: rows[0])
+
+    steps = {**{name: per_sequence(fn) for name, fn in fns.items()}, **_pooled(shape, caches)}
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        for name, fn in fns.items():
+        for name, (layer_step, _) in steps.items():
             t0 = time.perf_counter()
             for layer in range(shape.layers):
-                for i in range(shape.batch):
-                    fn(qs[i], *caches[i][layer])
+                layer_step(qs, layer)
             times[name].append(time.perf_counter() - t0)
-    pooled = _pooled(shape, caches)
-    for _ in range(repeats):
-        for name, (fn, _) in pooled.items():
-            t0 = time.perf_counter()
-            for layer in range(shape.layers):
-                fn(qs, layer)
-            times.setdefault(name, []).append(time.perf_counter() - t0)
     out = {}
-    for name, fn in fns.items():
+    for name, (layer_step, first) in steps.items():
         step = statistics.median(times[name])
         out[name] = {"step_ms": step * 1e3, "gb_per_s": shape.cache_bytes / step / 1e9,
-                     "max_abs_diff": float((fn(qs[0], *caches[0][0]) - ref).abs().max())}
-    for name, (fn, first) in pooled.items():
-        step = statistics.median(times[name])
-        out[name] = {"step_ms": step * 1e3, "gb_per_s": shape.cache_bytes / step / 1e9,
-                     "max_abs_diff": float((first(fn(qs, 0)) - ref).abs().max())}
+                     "max_abs_diff": float((first(layer_step(qs, 0)) - ref).abs().max())}
     return out
 
 
 def _pooled(shape: Shape, caches: list) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (f(q (B, Hq, 1, D), layer) -> all sequences' rows, g(rows) -> sequence 0's (Hq, 1, D))."""
+    """name -> (f(q (B, Hq, 1, D), layer) -> all sequences' rows, g(rows) -> sequence 0's (Hq, 1, D)),
+    with every cache a slot of one stacked (B, Hkv, T, D) tensor per layer."""
     b, hkv, g, d = shape.batch, shape.kv_heads, shape.q_heads // shape.kv_heads, shape.head_dim
     scale = d ** -0.5
     ks = [torch.stack([caches[i][layer][0] for i in range(b)]) for layer in range(shape.layers)]  # (B, Hkv, T, D)

@@ -214,8 +214,7 @@ def ingest(
                 new = list(fresh.values())
                 vecs = embedder.embed([r.text for r in new]) if new else None  # (M, D)
                 if kv_writer is not None:
-                    for b in range(0, len(new), kv_batch):
-                        stats["kv"] += int(kv_writer([r.text for r in new[b : b + kv_batch]]))
+                    stats["kv"] += _write_kv(kv_writer, [r.text for r in new], kv_batch)
                 entry = FileEntry(path, fr.sha256, signature, tuple(refs))
                 removed_all += cat.replace_file(entry, [(r, vecs[i]) for i, r in enumerate(new)])
                 stats["ingested"] += 1
@@ -273,14 +272,22 @@ def _refresh_kv(cat: Catalog, kv_writer: KVWriter, skip: set[str], batch: int, p
     texts = [r.text for cid, r in sorted(cat.records.items()) if cid not in skip]
     bar = Progress(len(texts), desc="chunk KV", unit="chunks", stream=stream if stream is not None else sys.stderr,
                    enabled=progress)
-    written = 0
     try:
-        for b in range(0, len(texts), batch):
-            written += int(kv_writer(texts[b : b + batch]))
-            bar.update(len(texts[b : b + batch]))
+        return len(texts), _write_kv(kv_writer, texts, batch, bar.update)
     finally:
         bar.close()
-    return len(texts), written
+
+
+def _write_kv(kv_writer: KVWriter, texts: list[str], batch: int,
+              on_batch: Callable[[int], object] | None = None) -> int:
+    """Pass ``texts`` through ``kv_writer`` ``batch`` at a time; bytes written (``on_batch`` gets each count)."""
+    written = 0
+    for b in range(0, len(texts), batch):
+        chunk = texts[b : b + batch]
+        written += int(kv_writer(chunk))
+        if on_batch is not None:
+            on_batch(len(chunk))
+    return written
 
 
 def print_issues(issues: Iterable[CorpusIssue], stream: TextIO | None = None) -> None:

@@ -595,8 +595,8 @@ class Scheduler:
         self._emit(job, Event(EventKind.FAILED, error=error))
 
     def _retire(self, job: _Job, cancelled: bool = False) -> None:
-        if self.pool is not None and job.cache is not None:
-            self.pool.release(job.cache)
+        if self.pool is not None:
+            self.pool.release(job.cache)  # a no-op for a cache that is not one of its slots
         job.cache = None  # frees the request's KV now, whoever still holds the job
         with self._cond:
             if job.retired:
