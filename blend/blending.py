@@ -65,6 +65,9 @@ class BlendOutcome:
     deviation: DeviationStats | None
     lookup_s: float  # store lookups and loads
     ratio: float | None = None  # the share an adaptive budget chose (None: the policy's ratio)
+    # whether any document row kept KV computed elsewhere (re-positioned chunk KV not recomputed): the same
+    # on a cold request, whose chunks were computed canonically just before, as on a warm one
+    approximate: bool = False
 
 
 @dataclass(frozen=True)
@@ -389,7 +392,8 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     reports += _doc_reports(prompt, chunks, rows.first_selected, n_exact)
     reports.append(SegmentReport(q.kind, ReuseClass.COMPUTED, len(q), plan.e + plan.nb))
     logits = None if skip_q else model.logits(h[-1:])[0]  # (V,)
-    return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio)
+    kept = plan.nb - int(rows.first_selected.numel())  # document rows whose re-positioned KV stayed
+    return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio, approximate=kept > 0)
 
 
 def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list[PendingChunk], policy: ReusePolicy

@@ -28,10 +28,15 @@ DEFAULT_MIN_PROMPT_TOKENS = 0
 # adaptive budget's stopping target: left-over probe-weighted V deviation over mean ||V||, times the
 # probe's first-token entropy (calibrated on musique_dev items 0-29 only, SmolLM2; docs/results/issue14/)
 DEFAULT_AUTO_TARGET = 0.0045
-# near-tie guard (issue 14), opt-in: when a blend's first-token top-2 log-prob gap is under the
-# margin, the request is recomputed at DEFAULT_GUARD_RATIO (1.0: the exact path, as without reuse)
-DEFAULT_GUARD_MARGIN: float | None = None
-DEFAULT_GUARD_RATIO = 1.0
+# near-tie guard (issue 14): when a blend's first-token top-2 log-prob gap is under the margin, the
+# request is blended again at DEFAULT_GUARD_RATIO (1.0: the exact path, as without reuse; a guard
+# ratio at or below the request's own takes the exact path too). The margin, 0.7 nats, is the p90 of
+# the blend@0.15's gap error |gap(blend) - gap(full)| on musique tuning items 0-29. On by default
+# since 2026-12-04 (was opt-in): on validation 30-99 the unguarded default changed the first token on
+# 5 of 70 (top-1 0.929, four near ties); re-blending those under the margin at 0.3 fixed three (0.971)
+# for a mean share of 0.171 (BENCHMARKS.md, "The near-tie guard by default"). None: off.
+DEFAULT_GUARD_MARGIN: float | None = 0.7
+DEFAULT_GUARD_RATIO = 0.3
 # the query probe's GEMMs: "compute" (the engine's dtype), "bf16" (its numbers only rank rows), or "auto":
 # bf16 for a float32 engine on a CPU with native bf16 (avx512_bf16 / amx_bf16), else compute. "auto" since
 # 2026-12-03: on musique tuning 0-29, validation 30-99 and two-hop 0-29 the bf16 probe's mean, median, p90

@@ -30,7 +30,7 @@ from blend.keys import Namespace, Provenance, key_hex
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.models import LoadedModel, load_model
-from blend.policy import ProbePrecision, ReuseMode, ReusePolicy
+from blend.policy import BudgetMode, ProbePrecision, ReuseMode, ReusePolicy
 from blend.probe import top2_margin
 from blend.probe_pass import probe_gemm_dtype, resolve_probe_precision
 from blend.prompt import Prompt, Segment, SegmentKind, build_prompt, preamble_segment
@@ -97,6 +97,24 @@ class _Prefilled:
     ratio: float | None = None  # the share an adaptive blend budget or the near-tie guard chose
     margin: float | None = None  # the blend's first-token top-2 gap (nats), before any guard
     guard: str = ""  # why the near-tie guard recomputed the request ("" if it did not)
+    approximate: bool = False  # a blend kept re-positioned KV of some document rows (the guard's condition)
+
+
+def _keep_first_pass_misses(first: Sequence[SegmentReport], redo: Sequence[SegmentReport]
+                            ) -> tuple[SegmentReport, ...]:
+    """A guarded request's report rows: the recompute's, except that a segment the first pass missed
+    (computed or rejected) says so, though the recompute then found the entry that pass stored.
+
+    Args:
+        first: the first (blended) pass's rows; redo: the guard's recompute's, in the same order.
+
+    Returns:
+        One row per segment.
+    """
+    missed = (ReuseClass.COMPUTED, ReuseClass.REJECTED)
+    return tuple(replace(r, reuse_class=f.reuse_class, note=f.note)
+                 if f.kind is r.kind and f.reuse_class in missed and r.reuse_class not in missed else r
+                 for f, r in zip(first, redo, strict=True))
 
 
 # The guard's exact recompute reuses the preamble and the first document: both sit where their
@@ -340,7 +358,8 @@ class Engine:
     def _blend(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool = True) -> "_Prefilled":
         """A blended prefill into ``cache`` (see :func:`~blend.blending.prefill_blend`)."""
         out = prefill_blend(self.runner, self.segments, prompt, policy, cache, question=question)
-        return _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio)
+        return _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio,
+                          approximate=out.approximate)
 
     def _guard(self, prompt: Prompt, policy: ReusePolicy, done: "_Prefilled", cache: KVCache
                ) -> tuple["_Prefilled", KVCache]:
@@ -352,20 +371,25 @@ class Engine:
         if done.logits is None:  # the caller computes the question (and so its first token) itself
             return done, cache
         margin = top2_margin(done.logits)
-        approximate = any(s.reuse_class in (ReuseClass.BLENDED, ReuseClass.SEMANTIC) for s in done.segments)
-        if not policy.guarded or not approximate or margin >= policy.guard_margin:
+        # decided by what the blend computed, not by where its KV came from: a cold request (chunks computed
+        # canonically, then blended) guards exactly where the warm one does, so cold == warm holds
+        if not policy.guarded or not done.approximate or margin >= policy.guard_margin:
             return replace(done, margin=margin), cache
-        why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {policy.guard_ratio:g}"
+        target = policy.guard_ratio_for(done.ratio if done.ratio is not None else policy.ratio)
+        why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {target:g}"
         with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later
             again = self.runner.new_cache(cache.capacity)
-        if policy.guard_ratio >= 1.0:  # the exact path: preamble and first document reused (both exact
+        if target >= 1.0:  # the exact path: preamble and first document reused (both exact
             # there, the blend just fetched them), the rest computed, nothing else stored
             redo = self._prefill_segments(prompt, GUARD_PREFIX_SEGMENTS, True, again, policy.cache_salt)
             ratio = 1.0
         else:
-            redo = self._blend(prompt, replace(policy, ratio=policy.guard_ratio, guard_margin=None), again)
-            ratio = redo.ratio if redo.ratio is not None else policy.guard_ratio
-        return replace(redo, lookup_s=done.lookup_s + redo.lookup_s, ratio=ratio, margin=margin, guard=why), again
+            redo = self._blend(prompt, replace(policy, ratio=target, budget=BudgetMode.FIXED, threshold=None,
+                                               guard_margin=None), again)
+            ratio = redo.ratio if redo.ratio is not None else target
+        segments = _keep_first_pass_misses(done.segments, redo.segments)
+        return replace(redo, segments=segments, lookup_s=done.lookup_s + redo.lookup_s, ratio=ratio, margin=margin,
+                       guard=why), again
 
     # ---- answers --------------------------------------------------------------------------
 

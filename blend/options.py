@@ -128,10 +128,11 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-ratio", type=float, default=DEFAULT_MAX_RATIO,
                    help="blend: cap of --threshold and --budget auto (default: %(default)s)")
     p.add_argument("--guard-margin", type=_margin, default=DEFAULT_GUARD_MARGIN,
-                   help="blend: near-tie guard (opt-in): when the blend's first-token top-2 gap is under this "
-                        "many nats, recompute the request at --guard-ratio ('off': no guard; default: %(default)s)")
+                   help="blend: near-tie guard: when the blend's first-token top-2 gap is under this many nats, "
+                        "blend the request again at --guard-ratio ('off': no guard; default: %(default)s)")
     p.add_argument("--guard-ratio", type=float, default=DEFAULT_GUARD_RATIO,
-                   help="blend: the near-tie guard's ratio; 1.0 runs the exact path (default: %(default)s)")
+                   help="blend: the near-tie guard's ratio; 1.0, or one at or below the blend's own, runs the exact "
+                        "path (default: %(default)s)")
     p.add_argument("--candidates", type=_factor, default=DEFAULT_CANDIDATES,
                    help="blend, probe selectors: run the probe first and compute the layers up to the check only "
                         "for this many times the budget of rows the question reads most ('off': every row; "

@@ -79,11 +79,12 @@ class ReusePolicy:
         cache_salt: mixed into every store key the request derives (exact, canonical):
             requests with different salts share no KV; "" = no salt.
         probe_precision: dtype of the query probe's GEMMs (:class:`ProbePrecision`).
-        guard_margin: near-tie guard (opt-in): when the blend's first-token distribution has its
-            top two tokens within this many nats, the request is recomputed at ``guard_ratio``
-            (the report says so; TTFT counts both passes). None: off.
-        guard_ratio: the guarded requests' ratio; 1.0 runs the exact path (preamble reused, the
-            rest computed: the same numbers as no reuse).
+        guard_margin: near-tie guard (on by default): when the blend's first-token distribution has
+            its top two tokens within this many nats, the request is blended again at
+            ``guard_ratio`` (the report says so; TTFT counts both passes). None: off.
+        guard_ratio: the guarded requests' ratio; 1.0 runs the exact path (preamble and first
+            document reused, the rest computed: the same numbers as exact reuse). A guard ratio at
+            or below the ratio the blend ran at takes the exact path (see :meth:`guard_ratio_for`).
         candidates: probe selectors only (others ignore it): None computes the layers up to the
             first check for every document row (each row's V deviation is measured); a factor
             F >= 1 runs the query probe
@@ -201,6 +202,18 @@ class ReusePolicy:
     def guarded(self) -> bool:
         """Whether a near-tie first token sends this blend back for recompute."""
         return self.mode is ReuseMode.BLEND and self.guard_margin is not None
+
+    def guard_ratio_for(self, ratio: float) -> float:
+        """The ratio a guarded request is recomputed at, after a blend that ran at ``ratio``.
+
+        Args:
+            ratio: the share the first blend recomputed (an adaptive budget's choice included).
+
+        Returns:
+            ``guard_ratio`` when it recomputes more than the blend did, else 1.0 (the exact path):
+            a guard never answers a near tie with the same or a smaller budget.
+        """
+        return self.guard_ratio if self.guard_ratio > ratio else 1.0
 
     def ratio_at(self, i: int) -> float:
         """Recompute ratio at the i-th check layer."""

@@ -5,7 +5,7 @@ belong to the check list)::
 
     full                         full prefill, no reuse (always run: the reference)
     prefix                       exact prefix reuse: only the preamble is shared
-    reuse                        full KV reuse (blend at ratio 0)
+    reuse                        full KV reuse (blend at ratio 0, no near-tie guard)
     blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute|auto][:cand=F|cand=off][:temp=T]
           [:guard=M@G|guard=off]
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
@@ -95,7 +95,7 @@ class Method:
         if self.kind is MethodKind.PREFIX:
             return ReusePolicy.exact(prefix_limit=1)
         if self.kind is MethodKind.REUSE:
-            return ReusePolicy.blend(ratio=0.0)
+            return ReusePolicy.blend(ratio=0.0, guard_margin=None)  # the no-recompute floor: never guarded
         kwargs: dict[str, Any] = {"ratio": self.ratio}
         if self.selector is not None:
             kwargs["selector"] = self.selector

@@ -10,7 +10,7 @@ from blend.selectors import SelectionInputs, select
 from blend.policy import SELECTOR_NAMES, ReusePolicy
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
-from conftest import make_docs
+from conftest import make_docs, unguarded_blend
 
 
 def plain_full_reuse_logits(engine, prompt) -> torch.Tensor:
@@ -33,14 +33,14 @@ def test_ratio_one_reproduces_full_prefill(tiny_engine):
     prompt = tiny_engine.build_prompt("Which?", make_docs(4))
     full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
     for warm in (False, True):
-        b = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=1.0), max_new_tokens=1)
+        b = tiny_engine.generate(prompt, unguarded_blend(ratio=1.0), max_new_tokens=1)
         assert (b.first_logits - full.first_logits).abs().max() <= 1e-4, warm
     assert b.report.recomputed_tokens == sum(len(d) for d in prompt.documents[1:])
 
 
 def test_ratio_zero_reproduces_plain_full_reuse(tiny_engine):
     prompt = tiny_engine.build_prompt("Which?", make_docs(4))
-    b = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=0.0), max_new_tokens=1)
+    b = tiny_engine.generate(prompt, unguarded_blend(ratio=0.0), max_new_tokens=1)
     with torch.inference_mode():
         ref = plain_full_reuse_logits(tiny_engine, prompt)
     assert (b.first_logits - ref).abs().max() <= 1e-5
@@ -53,7 +53,7 @@ def test_single_document_after_preamble_is_the_exact_path_bitwise(tiny_engine_fa
     eng = tiny_engine_factory()
     prompt = eng.build_prompt("Which?", make_docs(1))
     exact = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=4)
-    blend = eng.generate(prompt, ReusePolicy.blend(ratio=0.0), max_new_tokens=4)
+    blend = eng.generate(prompt, unguarded_blend(ratio=0.0), max_new_tokens=4)
     assert torch.equal(exact.first_logits, blend.first_logits)
     assert exact.token_ids == blend.token_ids
     # the exact run kept the document under its canonical key (its exact KV at that position),
@@ -61,7 +61,7 @@ def test_single_document_after_preamble_is_the_exact_path_bitwise(tiny_engine_fa
     assert classes(exact)[:2] == [ReuseClass.COMPUTED, ReuseClass.COMPUTED]
     assert classes(blend)[:2] == [ReuseClass.EXACT, ReuseClass.EXACT]
     fresh = tiny_engine_factory()
-    cold_blend = fresh.generate(prompt, ReusePolicy.blend(ratio=0.0), max_new_tokens=4)
+    cold_blend = fresh.generate(prompt, unguarded_blend(ratio=0.0), max_new_tokens=4)
     assert classes(cold_blend)[:2] == [ReuseClass.COMPUTED, ReuseClass.COMPUTED]  # a fresh store: all cold
     assert torch.equal(exact.first_logits, cold_blend.first_logits)
 
@@ -69,8 +69,8 @@ def test_single_document_after_preamble_is_the_exact_path_bitwise(tiny_engine_fa
 @pytest.mark.parametrize("selector", ["v", "query", "combo"])
 def test_cold_equals_warm_for_blend(tiny_engine_factory, selector):
     docs = make_docs(4)
-    policy = ReusePolicy.blend(ratio=0.15, selector=selector)
-    cold_eng = tiny_engine_factory()
+    policy = ReusePolicy.blend(ratio=0.15, selector=selector)  # the default guard fires on these near ties:
+    cold_eng = tiny_engine_factory()  # cold == warm must hold through its second pass too
     prompt = cold_eng.build_prompt("Which?", docs)
     cold = cold_eng.generate(prompt, policy, max_new_tokens=6, stop_at_newline=False)
     warm = cold_eng.generate(prompt, policy, max_new_tokens=6, stop_at_newline=False)
@@ -87,14 +87,14 @@ def test_cold_equals_warm_for_blend(tiny_engine_factory, selector):
 
 def test_reordered_duplicates_and_one_token_documents(tiny_engine):
     docs = make_docs(3)
-    policy = ReusePolicy.blend(ratio=0.15)
+    policy = unguarded_blend(ratio=0.15)
     tiny_engine.precompute_chunks(docs + ["x"])
     for order in ([2, 0, 1], [1, 1, 0], [0, 0, 0]):
         prompt = tiny_engine.build_prompt("Which?", [docs[i] for i in order] + ["x"])
         ans = tiny_engine.generate(prompt, policy, max_new_tokens=2)
         assert classes(ans)[1:-1] == [ReuseClass.EXACT] + [ReuseClass.BLENDED] * 3  # a 100% hit
         full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
-        ratio1 = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=1.0), max_new_tokens=1)
+        ratio1 = tiny_engine.generate(prompt, unguarded_blend(ratio=1.0), max_new_tokens=1)
         assert (ratio1.first_logits - full.first_logits).abs().max() <= 1e-4
 
 
@@ -102,7 +102,7 @@ def test_budget_counts_reused_document_tokens_and_never_the_first_document(tiny_
     prompt = tiny_engine.build_prompt("Which?", make_docs(4))
     reused = sum(len(d) for d in prompt.documents)
     for sel in SELECTOR_NAMES:
-        ans = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=0.1, selector=sel), max_new_tokens=1)
+        ans = tiny_engine.generate(prompt, unguarded_blend(ratio=0.1, selector=sel), max_new_tokens=1)
         assert ans.report.recomputed_tokens == round(0.1 * reused), sel
         assert ans.report.segments[1].recomputed == 0
         assert ans.report.selector == sel
@@ -126,7 +126,7 @@ def test_split_selector_takes_half_by_combo_and_the_rest_by_v():
 
 def test_lead_selector_takes_document_starts(tiny_engine):
     prompt = tiny_engine.build_prompt("Which?", make_docs(3))
-    ans = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=0.02, selector="lead"), max_new_tokens=1)
+    ans = tiny_engine.generate(prompt, unguarded_blend(ratio=0.02, selector="lead"), max_new_tokens=1)
     per_doc = [s.recomputed for s in ans.report.segments[2:4]]
     assert abs(per_doc[0] - per_doc[1]) <= 1 and sum(per_doc) == ans.report.recomputed_tokens
 
@@ -134,20 +134,20 @@ def test_lead_selector_takes_document_starts(tiny_engine):
 def test_gradual_filtering_and_threshold_mode(tiny_engine):
     prompt = tiny_engine.build_prompt("Which?", make_docs(4))
     full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1).first_logits
-    grad = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=0.3, check_layers=(1, 2), layer_ratios=(0.3, 0.1)),
+    grad = tiny_engine.generate(prompt, unguarded_blend(ratio=0.3, check_layers=(1, 2), layer_ratios=(0.3, 0.1)),
                                 max_new_tokens=1)
     assert grad.report.recomputed_tokens == round(0.3 * sum(len(d) for d in prompt.documents))
-    everything = tiny_engine.generate(prompt, ReusePolicy.blend(threshold=0.0, max_ratio=1.0), max_new_tokens=1)
+    everything = tiny_engine.generate(prompt, unguarded_blend(threshold=0.0, max_ratio=1.0), max_new_tokens=1)
     assert (everything.first_logits - full).abs().max() <= 1e-4
-    capped = tiny_engine.generate(prompt, ReusePolicy.blend(threshold=0.0, max_ratio=0.05), max_new_tokens=1)
+    capped = tiny_engine.generate(prompt, unguarded_blend(threshold=0.0, max_ratio=0.05), max_new_tokens=1)
     assert capped.report.recomputed_tokens == round(0.05 * sum(len(d) for d in prompt.documents))
-    none = tiny_engine.generate(prompt, ReusePolicy.blend(threshold=1e9), max_new_tokens=1)
+    none = tiny_engine.generate(prompt, unguarded_blend(threshold=1e9), max_new_tokens=1)
     assert none.report.recomputed_tokens == 0
 
 
 def test_min_prompt_tokens_falls_back_to_full_compute(tiny_engine):
     prompt = tiny_engine.build_prompt("Which?", make_docs(2))
-    ans = tiny_engine.generate(prompt, ReusePolicy.blend(min_prompt_tokens=10_000), max_new_tokens=1)
+    ans = tiny_engine.generate(prompt, unguarded_blend(min_prompt_tokens=10_000), max_new_tokens=1)
     assert [s.reuse_class for s in ans.report.segments if s.kind.value == "document"] == [ReuseClass.FALLBACK] * 2
     full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
     assert torch.equal(ans.first_logits, full.first_logits)
@@ -156,7 +156,7 @@ def test_min_prompt_tokens_falls_back_to_full_compute(tiny_engine):
 
 def test_blend_never_writes_the_exact_namespace_beyond_the_preamble(tiny_engine):
     prompt = tiny_engine.build_prompt("Which?", make_docs(3))
-    tiny_engine.generate(prompt, ReusePolicy.blend(ratio=0.15), max_new_tokens=2)
+    tiny_engine.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=2)
     assert len(list(tiny_engine.store.keys(Namespace.EXACT))) == 1  # the preamble only
     assert len(list(tiny_engine.store.keys(Namespace.CANONICAL))) == 3
     assert not list(tiny_engine.store.keys(Namespace.APPROX))
@@ -169,13 +169,13 @@ def test_blend_never_writes_the_exact_namespace_beyond_the_preamble(tiny_engine)
 ])
 def test_policy_validation(kw, match):
     with pytest.raises(InvalidPolicyError, match=match):
-        ReusePolicy.blend(**kw)
+        unguarded_blend(**kw)
 
 
 def test_check_layer_outside_model_is_rejected(tiny_engine):
     prompt = tiny_engine.build_prompt("Which?", make_docs(3))
     with pytest.raises(InvalidPolicyError, match="outside the model"):
-        tiny_engine.generate(prompt, ReusePolicy.blend(check_layers=(4,)))
+        tiny_engine.generate(prompt, unguarded_blend(check_layers=(4,)))
 
 
 def test_default_policy_is_exact(tiny_engine):
@@ -189,7 +189,7 @@ def test_blend_generation_continues_from_the_mixed_cache(tiny_engine):
     """Decoding after a ratio-1.0 blend equals decoding after full prefill."""
     prompt = tiny_engine.build_prompt("Which?", make_docs(3))
     full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=10, stop_at_newline=False)
-    b = tiny_engine.generate(prompt, ReusePolicy.blend(ratio=1.0), max_new_tokens=10, stop_at_newline=False)
+    b = tiny_engine.generate(prompt, unguarded_blend(ratio=1.0), max_new_tokens=10, stop_at_newline=False)
     assert b.token_ids == full.token_ids
 
 
@@ -199,13 +199,13 @@ def test_store_shared_across_engines_serves_blend(tiny_engine_factory):
     docs = make_docs(3)
     a.precompute_chunks(docs)
     b = tiny_engine_factory(store=store)
-    ans = b.generate(b.build_prompt("Q?", docs), ReusePolicy.blend(), max_new_tokens=1)
+    ans = b.generate(b.build_prompt("Q?", docs), unguarded_blend(), max_new_tokens=1)
     assert classes(ans)[1:-1] == [ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.BLENDED]
 
 
-@pytest.mark.parametrize("policy", [ReusePolicy.blend(0.25, "probe"), ReusePolicy.blend(0.25, "v"),
-                                    ReusePolicy.blend(0.3, "probe", check_layers=(1, 2), layer_ratios=(0.3, 0.2)),
-                                    ReusePolicy.blend(0.0), ReusePolicy.blend(1e-9, "probe")])
+@pytest.mark.parametrize("policy", [unguarded_blend(0.25, "probe"), unguarded_blend(0.25, "v"),
+                                    unguarded_blend(0.3, "probe", check_layers=(1, 2), layer_ratios=(0.3, 0.2)),
+                                    unguarded_blend(0.0), unguarded_blend(1e-9, "probe")])
 def test_context_only_blend_leaves_the_context_rows_bit_identical(tiny_engine, policy):
     """question=False (a serving engine computes the question itself) stops the question's rows
     after the check: every row before the question is the same as in a whole blend (no document
@@ -238,7 +238,7 @@ def test_blend_takes_the_exact_prefix_an_exact_run_stored(tiny_engine_factory):
     prompt = eng.build_prompt("Which?", make_docs(4))
     exact = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=3)
     for ratio, sel in [(0.15, "probe"), (0.0, "probe"), (0.3, "v")]:
-        b = eng.generate(prompt, ReusePolicy.blend(ratio=ratio, selector=sel), max_new_tokens=3)
+        b = eng.generate(prompt, unguarded_blend(ratio=ratio, selector=sel), max_new_tokens=3)
         assert classes(b)[:-1] == [ReuseClass.EXACT] * 5
         assert b.report.recomputed_tokens == 0 and b.report.reused_tokens == len(prompt) - len(prompt.question)
         assert torch.equal(b.first_logits, exact.first_logits) and b.token_ids == exact.token_ids
@@ -249,14 +249,14 @@ def test_blend_exact_run_stops_at_the_first_document_not_stored_in_this_order(ti
     docs = make_docs(4)
     eng.generate(eng.build_prompt("Which?", docs[:2]), ReusePolicy.exact(), max_new_tokens=1)  # docs 0, 1 exact
     prompt = eng.build_prompt("Which?", [docs[0], docs[1], docs[3], docs[2]])
-    b = eng.generate(prompt, ReusePolicy.blend(ratio=1.0), max_new_tokens=1)
+    b = eng.generate(prompt, unguarded_blend(ratio=1.0), max_new_tokens=1)
     assert classes(b)[1:-1] == [ReuseClass.EXACT, ReuseClass.EXACT, ReuseClass.COMPUTED, ReuseClass.COMPUTED]
     full = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
     assert (b.first_logits - full.first_logits).abs().max() <= 1e-4  # ratio 1.0 == full prefill still
     assert b.report.recomputed_tokens == len(prompt.documents[2]) + len(prompt.documents[3])  # not the exact ones
     # the same documents reordered after the first: only document 1 is exact (its canonical position)
     other = eng.build_prompt("Which?", [docs[0], docs[3], docs[1], docs[2]])
-    b2 = eng.generate(other, ReusePolicy.blend(ratio=0.15), max_new_tokens=1)
+    b2 = eng.generate(other, unguarded_blend(ratio=0.15), max_new_tokens=1)
     # (docs[1] was exact before, so its canonical KV is computed now; docs[3] and docs[2] were blended)
     assert classes(b2)[1:-1] == [ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.COMPUTED, ReuseClass.BLENDED]
 
@@ -285,7 +285,7 @@ def test_blend_cancels_canonical_lookups_of_documents_the_exact_run_took(tiny_en
     prompt = eng.build_prompt("Which?", make_docs(8))
     exact = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
     store.delay_s, store.canonical_gets = 0.25, 0
-    b = eng.generate(prompt, ReusePolicy.blend(ratio=0.15), max_new_tokens=1)
+    b = eng.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=1)
     assert classes(b)[:-1] == [ReuseClass.EXACT] * 9 and torch.equal(b.first_logits, exact.first_logits)
     pool = eng.segments.prefetcher._pool  # FIFO, two workers: once two later tasks ran, every queued lookup began
     for f in [pool.submit(lambda: None) for _ in range(2)]:
@@ -299,15 +299,15 @@ def test_blend_exact_run_respects_the_cache_salt_and_rejects_corrupt_entries(tin
     docs = make_docs(3)
     prompt = eng.build_prompt("Which?", docs)
     eng.generate(prompt, ReusePolicy.exact(cache_salt="tenant-a"), max_new_tokens=1)
-    b = eng.generate(prompt, ReusePolicy.blend(ratio=0.15, cache_salt="tenant-b"), max_new_tokens=1)
+    b = eng.generate(prompt, unguarded_blend(ratio=0.15, cache_salt="tenant-b"), max_new_tokens=1)
     assert classes(b)[2:-1] == [ReuseClass.COMPUTED, ReuseClass.COMPUTED]  # another tenant's KV: never seen
-    ref = eng.generate(prompt, ReusePolicy.blend(ratio=0.15), max_new_tokens=1)  # no exact run: salt ""
+    ref = eng.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=1)  # no exact run: salt ""
     # an exact entry of the wrong length (crafted) ends the run: the document is blended instead
     keys = eng.segments.prefix_keys([prompt.preamble, *prompt.documents])
     ns, key = keys[2]
     eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
     good = eng.segments.lookup(ns, key, len(prompt.documents[1])).entry
     eng.store.put(ns, key, KVEntry(good.k[:, :, :-1], good.v[:, :, :-1], good.provenance))
-    b3 = eng.generate(prompt, ReusePolicy.blend(ratio=0.15), max_new_tokens=1)
+    b3 = eng.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=1)
     assert classes(b3)[1:-1] == [ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.BLENDED]
     assert torch.equal(b3.first_logits, ref.first_logits)

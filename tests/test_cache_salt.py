@@ -8,7 +8,7 @@ from blend.errors import InvalidPolicyError
 from blend.keys import Provenance, canonical_key, exact_chain, token_digest
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
-from conftest import make_docs
+from conftest import make_docs, unguarded_blend
 
 PROV = Provenance(model_arch="llama:x", weights_sha256="w", tokenizer_sha256="t", dtype="float32",
                   kv_dtype="float32", device_class="cpu", backend="torch", rope="{}")
@@ -40,7 +40,7 @@ def test_two_salts_share_no_key():
 
 @pytest.mark.parametrize("make_policy", [
     lambda salt: ReusePolicy.exact(cache_salt=salt),
-    lambda salt: ReusePolicy.blend(ratio=0.2, cache_salt=salt),
+    lambda salt: unguarded_blend(ratio=0.2, cache_salt=salt),
 ])
 def test_engine_requests_with_different_salts_share_nothing(tiny_engine, make_policy):
     prompt = tiny_engine.build_prompt("which stone?", make_docs(3))
@@ -58,6 +58,6 @@ def test_engine_requests_with_different_salts_share_nothing(tiny_engine, make_po
 
 def test_semantic_reuse_refuses_a_salt():
     with pytest.raises(InvalidPolicyError, match="cache_salt"):
-        ReusePolicy.blend(semantic=True, cache_salt="t")
+        unguarded_blend(semantic=True, cache_salt="t")
     with pytest.raises(InvalidPolicyError, match="string"):
         ReusePolicy.exact(cache_salt=3)

@@ -9,7 +9,7 @@ from blend import probe as P
 from blend.policy import BudgetMode, ReusePolicy
 from blend.report import ReuseClass
 from blend.selectors import SelectionInputs, select, select_auto
-from conftest import make_docs
+from conftest import make_docs, unguarded_blend
 
 
 @pytest.fixture
@@ -105,11 +105,11 @@ def test_probe_selector_limits_and_cold_equals_warm(tiny_engine_factory):
     eng = tiny_engine_factory()
     prompt = eng.build_prompt("Which?", make_docs(4))
     full = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
-    one = eng.generate(prompt, ReusePolicy.blend(1.0, "probe"), max_new_tokens=1)
+    one = eng.generate(prompt, unguarded_blend(1.0, "probe"), max_new_tokens=1)
     assert (one.first_logits - full.first_logits).abs().max() <= 1e-4
-    cold = eng.generate(prompt, ReusePolicy.blend(0.2, "probe"), max_new_tokens=1)
-    warm = eng.generate(prompt, ReusePolicy.blend(0.2, "probe"), max_new_tokens=1)
-    fresh = tiny_engine_factory().generate(prompt, ReusePolicy.blend(0.2, "probe"), max_new_tokens=1)
+    cold = eng.generate(prompt, unguarded_blend(0.2, "probe"), max_new_tokens=1)
+    warm = eng.generate(prompt, unguarded_blend(0.2, "probe"), max_new_tokens=1)
+    fresh = tiny_engine_factory().generate(prompt, unguarded_blend(0.2, "probe"), max_new_tokens=1)
     assert torch.equal(cold.first_logits, warm.first_logits) and torch.equal(cold.first_logits, fresh.first_logits)
     base = sum(len(d) for d in prompt.documents)
     assert cold.report.recomputed_tokens == round(0.2 * base)
@@ -131,7 +131,7 @@ def test_the_probe_sees_every_layer_above_the_check_and_drives_the_selection(tin
 
     monkeypatch.setattr(B, "select", spy_select)
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    ans = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe", candidates=None), max_new_tokens=1)
+    ans = tiny_engine.generate(prompt, unguarded_blend(0.25, "probe", candidates=None), max_new_tokens=1)
     pr, inp = seen["probe"], seen["inp"]
     nb = sum(len(d) for d in prompt.documents[1:])  # doc 1 is exact at its canonical place
     assert pr.attn.shape == (tiny_engine.dims.num_layers - 1, nb)  # check layer 1 .. the top
@@ -148,24 +148,24 @@ def test_the_probe_shortcut_above_the_check_layer_changes_no_bit(tiny_engine, mo
     import blend.blending as B
 
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    fast = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe"), max_new_tokens=1)
+    fast = tiny_engine.generate(prompt, unguarded_blend(0.25, "probe"), max_new_tokens=1)
     # a class property that ignores the assignment: probed_at stays None, so every row is written
     monkeypatch.setattr(B.BlendRows, "probed_at", property(lambda _: None, lambda _s, _v: None), raising=False)
-    slow = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe"), max_new_tokens=1)
+    slow = tiny_engine.generate(prompt, unguarded_blend(0.25, "probe"), max_new_tokens=1)
     assert torch.equal(fast.first_logits, slow.first_logits)
 
 
 def test_auto_budget_reports_the_ratio_it_chose(tiny_engine):
     prompt = tiny_engine.build_prompt("Which?", make_docs(4))
     base = sum(len(d) for d in prompt.documents)
-    cap = ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, max_ratio=0.3, auto_target=0.0)
+    cap = unguarded_blend(0.15, "probe", budget=BudgetMode.AUTO, max_ratio=0.3, auto_target=0.0)
     a = tiny_engine.generate(prompt, cap, max_new_tokens=1)
     assert a.report.recomputed_tokens == round(0.3 * base) and a.report.ratio == pytest.approx(
         round(0.3 * base) / base)
-    loose = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, auto_target=1e9),
+    loose = tiny_engine.generate(prompt, unguarded_blend(0.15, "probe", budget=BudgetMode.AUTO, auto_target=1e9),
                                  max_new_tokens=1)
     assert loose.report.recomputed_tokens == 0 and loose.report.ratio == 0.0
-    mid = ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, max_ratio=0.3, auto_target=1e-3)
+    mid = unguarded_blend(0.15, "probe", budget=BudgetMode.AUTO, max_ratio=0.3, auto_target=1e-3)
     got = tiny_engine.generate(prompt, mid, max_new_tokens=1).report.recomputed_tokens
     assert 0 <= got <= round(0.3 * base)
 
@@ -206,7 +206,7 @@ def test_the_adaptive_budget_gets_the_probe_entropy(tiny_engine, probe_seen):
 
     seen = probe_seen
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    tiny_engine.generate(prompt, ReusePolicy.blend(0.3, "probe", budget=BudgetMode.AUTO, max_ratio=0.3),
+    tiny_engine.generate(prompt, unguarded_blend(0.3, "probe", budget=BudgetMode.AUTO, max_ratio=0.3),
                          max_new_tokens=1)
     assert 0.0 <= seen["probe"].entropy <= math.log(tiny_engine.dims.vocab) + 1e-6
 
@@ -240,16 +240,16 @@ def test_a_bf16_probe_only_ranks_rows(tiny_engine, monkeypatch):
     monkeypatch.setattr(M, "layer_forward", spy)
     monkeypatch.setattr(probe_pass, "layer_attention_only", spy_top)  # the probe's top layer: attention only
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    full = tiny_engine.generate(prompt, ReusePolicy.blend(1.0, "probe", probe_precision=ProbePrecision.COMPUTE),
+    full = tiny_engine.generate(prompt, unguarded_blend(1.0, "probe", probe_precision=ProbePrecision.COMPUTE),
                                 max_new_tokens=1)  # the default (auto) is bf16 on some CPUs
     calls.clear()
-    half = tiny_engine.generate(prompt, ReusePolicy.blend(1.0, "probe", probe_precision=ProbePrecision.BF16),
+    half = tiny_engine.generate(prompt, unguarded_blend(1.0, "probe", probe_precision=ProbePrecision.BF16),
                                 max_new_tokens=1)
     assert torch.equal(full.first_logits, half.first_logits)
     layers = tiny_engine.dims.num_layers
     assert calls.count(torch.bfloat16) == layers  # the probe, first (candidates): layer 0 .. the top
     assert calls.count(runner.dtype) == layers  # the blend's own pass
-    low = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe", probe_precision=ProbePrecision.BF16),
+    low = tiny_engine.generate(prompt, unguarded_blend(0.25, "probe", probe_precision=ProbePrecision.BF16),
                                max_new_tokens=1)
     assert bool(torch.isfinite(low.first_logits).all()) and ":probe=bf16" in low.report.policy
 
@@ -265,12 +265,13 @@ def test_the_near_tie_guard_recomputes_only_under_its_margin(tiny_engine):
     exact reuse with prefix_limit=2, which is bit-identical to its own cold run), else by a blend at that
     ratio (bit-identical to asking for it outright). TTFT covers both passes."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    plain = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe"), max_new_tokens=1)
+    plain = tiny_engine.generate(prompt, unguarded_blend(0.15, "probe"), max_new_tokens=1)
     gap = plain.report.first_token_margin
     assert gap is not None and gap >= 0 and plain.report.guard == ""
     assert gap == pytest.approx(P.top2_margin(plain.first_logits), abs=1e-12)
     full = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=2), max_new_tokens=1)
-    hit = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap + 1.0), max_new_tokens=1)
+    hit = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap + 1.0, guard_ratio=1.0),
+                               max_new_tokens=1)
     assert torch.equal(hit.first_logits, full.first_logits)
     assert hit.report.ratio == 1.0 and "recomputed at ratio 1" in hit.report.guard
     assert [s.reuse_class for s in hit.report.segments][:3] == [ReuseClass.EXACT, ReuseClass.EXACT,
@@ -279,7 +280,7 @@ def test_the_near_tie_guard_recomputes_only_under_its_margin(tiny_engine):
     assert ":guard=" in hit.report.policy and hit.report.timings.ttft_s > 0
     mid = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap + 1.0, guard_ratio=0.4),
                                max_new_tokens=1)
-    at_ratio = tiny_engine.generate(prompt, ReusePolicy.blend(0.4, "probe"), max_new_tokens=1)
+    at_ratio = tiny_engine.generate(prompt, unguarded_blend(0.4, "probe"), max_new_tokens=1)
     assert torch.equal(mid.first_logits, at_ratio.first_logits) and mid.report.ratio == 0.4
     miss = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap / 2), max_new_tokens=1)
     assert miss.report.guard == "" and miss.report.ratio == 0.15
@@ -289,16 +290,44 @@ def test_the_near_tie_guard_recomputes_only_under_its_margin(tiny_engine):
 def test_the_guard_answers_from_the_recomputed_cache(tiny_engine):
     """A guarded request decodes from the recompute's cache: its whole answer equals exact reuse's."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    cold = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=1e9), max_new_tokens=1)
-    assert cold.report.guard == ""  # cold chunks are computed in place: nothing approximate to guard
+    guarded = ReusePolicy.blend(0.15, "probe", guard_margin=1e9, guard_ratio=1.0)
+    cold = tiny_engine.generate(prompt, guarded, max_new_tokens=6, stop_at_newline=False)
     full = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=2), max_new_tokens=6, stop_at_newline=False)
-    hit = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=1e9), max_new_tokens=6,
-                               stop_at_newline=False)
+    hit = tiny_engine.generate(prompt, guarded, max_new_tokens=6, stop_at_newline=False)
     assert hit.token_ids == full.token_ids and hit.report.guard
+    # the cold request blended chunks it computed canonically just before: it guards as the warm one does
+    assert cold.report.guard == hit.report.guard and cold.token_ids == hit.token_ids
+    assert torch.equal(cold.first_logits, hit.first_logits)
+    # its report still says which chunks this request computed, though the recompute found them stored
+    assert ReuseClass.COMPUTED in [s.reuse_class for s in cold.report.segments[2:-1]]
+    assert ReuseClass.COMPUTED not in [s.reuse_class for s in hit.report.segments[:2]]
 
 
-def test_the_guard_is_off_by_default_and_never_fires_on_exact_results(tiny_engine):
-    assert not ReusePolicy.blend(0.15).guarded and not ReusePolicy.exact(cache_salt="").guarded
+def test_a_guard_ratio_at_or_below_the_blends_takes_the_exact_path(tiny_engine):
+    """The guard never answers a near tie with the budget it already had (or less): a guard ratio at or
+    below the blend's own runs the exact path; an adaptive budget's redo runs at the fixed guard ratio."""
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    full = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=2), max_new_tokens=1)
+    for ratio in (0.3, 0.4):
+        ans = tiny_engine.generate(prompt, ReusePolicy.blend(ratio, "probe", guard_margin=1e9, guard_ratio=0.3),
+                                   max_new_tokens=1)
+        assert ans.report.ratio == 1.0 and torch.equal(ans.first_logits, full.first_logits)
+    assert ReusePolicy.blend(0.15).guard_ratio_for(0.15) == 0.3
+    assert ReusePolicy.blend(0.15).guard_ratio_for(0.3) == 1.0
+    auto = ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, max_ratio=0.2, auto_target=1e9,
+                             guard_margin=1e9, guard_ratio=0.4)
+    redo = tiny_engine.generate(prompt, auto, max_new_tokens=1)
+    at = tiny_engine.generate(prompt, unguarded_blend(0.4, "probe"), max_new_tokens=1)
+    assert redo.report.ratio == 0.4 and torch.equal(redo.first_logits, at.first_logits)
+
+
+def test_the_guard_is_on_by_default_and_never_fires_on_exact_results(tiny_engine):
+    from blend.defaults import DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO
+
+    default = ReusePolicy.blend(0.15)
+    assert default.guarded and (default.guard_margin, default.guard_ratio) == (DEFAULT_GUARD_MARGIN,
+                                                                               DEFAULT_GUARD_RATIO) == (0.7, 0.3)
+    assert not unguarded_blend(0.15).guarded and not ReusePolicy.exact(cache_salt="").guarded
     one = tiny_engine.build_prompt("Which one?", make_docs(1))  # doc 1 at its canonical place: exact
     ans = tiny_engine.generate(one, ReusePolicy.blend(0.15, "probe", guard_margin=1e9), max_new_tokens=1)
     assert ans.report.guard == ""
@@ -330,8 +359,8 @@ def test_probe_attn_ranks_by_the_probe_alone_and_works_at_check_layer_zero(tiny_
     1.0 there is full prefill."""
     seen = probe_seen
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe"), max_new_tokens=1)  # warm the chunks
-    ans = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe_attn", check_layers=0), max_new_tokens=1)
+    tiny_engine.generate(prompt, unguarded_blend(0.15, "probe"), max_new_tokens=1)  # warm the chunks
+    ans = tiny_engine.generate(prompt, unguarded_blend(0.25, "probe_attn", check_layers=0), max_new_tokens=1)
     pr = seen["probe"]
     assert pr.attn.shape[0] == tiny_engine.dims.num_layers  # probed from layer 0
     budget = round(0.25 * sum(len(d) for d in prompt.documents))
@@ -342,7 +371,7 @@ def test_probe_attn_ranks_by_the_probe_alone_and_works_at_check_layer_zero(tiny_
         lo += seg.tokens
     assert picked == want.tolist()
     full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
-    one = tiny_engine.generate(prompt, ReusePolicy.blend(1.0, "probe_attn", check_layers=0), max_new_tokens=1)
+    one = tiny_engine.generate(prompt, unguarded_blend(1.0, "probe_attn", check_layers=0), max_new_tokens=1)
     torch.testing.assert_close(one.first_logits, full.first_logits, rtol=0, atol=1e-4)
 
 
@@ -368,7 +397,7 @@ def test_candidates_compute_only_the_rows_the_question_reads_most(tiny_engine, m
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     base = sum(len(d) for d in prompt.documents)
     budget = round(0.15 * base)
-    ans = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", candidates=2.0), max_new_tokens=1)
+    ans = tiny_engine.generate(prompt, unguarded_blend(0.15, "probe", candidates=2.0), max_new_tokens=1)
     assert probe_seen["calls"] == ["run_probe_first"]
     pr, inp = probe_seen["probe"], sel["inp"]
     nb = sum(len(d) for d in prompt.documents[1:])  # doc 1 is exact at its canonical place
@@ -387,9 +416,9 @@ def test_a_candidates_deviation_is_the_one_measured_over_every_row(tiny_engine, 
     row was computed through layer 0."""
     sel = _select_spy(monkeypatch)
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    tiny_engine.generate(prompt, ReusePolicy.blend(0.1, "probe", candidates=None), max_new_tokens=1)
+    tiny_engine.generate(prompt, unguarded_blend(0.1, "probe", candidates=None), max_new_tokens=1)
     every = sel["inp"].dev_v  # (nb,) every blended row was computed through layer 0
-    tiny_engine.generate(prompt, ReusePolicy.blend(0.1, "probe", candidates=1.5), max_new_tokens=1)
+    tiny_engine.generate(prompt, unguarded_blend(0.1, "probe", candidates=1.5), max_new_tokens=1)
     budget = round(0.1 * sum(len(d) for d in prompt.documents))
     cand = torch.sort(P.top(probe_seen["probe"].weight, math.ceil(1.5 * budget))).values  # (C,) relative to e
     assert sel["inp"].dev_v.numel() == cand.numel() < every.numel()
@@ -402,20 +431,20 @@ def test_candidates_keep_the_invariants(tiny_engine_factory):
     eng = tiny_engine_factory()
     prompt = eng.build_prompt("Which?", make_docs(4))
     full = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
-    one = eng.generate(prompt, ReusePolicy.blend(1.0, "probe", candidates=2.0), max_new_tokens=1)
+    one = eng.generate(prompt, unguarded_blend(1.0, "probe", candidates=2.0), max_new_tokens=1)
     torch.testing.assert_close(one.first_logits, full.first_logits, rtol=0, atol=1e-4)
-    pol = ReusePolicy.blend(0.2, "probe", candidates=2.0)
+    pol = unguarded_blend(0.2, "probe", candidates=2.0)
     cold = eng.generate(prompt, pol, max_new_tokens=1)
     warm = eng.generate(prompt, pol, max_new_tokens=1)
     fresh = tiny_engine_factory().generate(prompt, pol, max_new_tokens=1)
     assert torch.equal(cold.first_logits, warm.first_logits) and torch.equal(cold.first_logits, fresh.first_logits)
-    auto = eng.generate(prompt, ReusePolicy.blend(0.3, "probe", budget=BudgetMode.AUTO, max_ratio=0.3,
+    auto = eng.generate(prompt, unguarded_blend(0.3, "probe", budget=BudgetMode.AUTO, max_ratio=0.3,
                                                   auto_target=0.0, candidates=2.0), max_new_tokens=1)
     base = sum(len(d) for d in prompt.documents)
     assert auto.report.recomputed_tokens == min(round(0.3 * base), sum(len(d) for d in prompt.documents[1:]))
     # a selector without the probe ignores the factor: the same bits as without it
-    v = eng.generate(prompt, ReusePolicy.blend(0.2, "v"), max_new_tokens=1)
-    v2 = eng.generate(prompt, ReusePolicy.blend(0.2, "v", candidates=2.0), max_new_tokens=1)
+    v = eng.generate(prompt, unguarded_blend(0.2, "v"), max_new_tokens=1)
+    v2 = eng.generate(prompt, unguarded_blend(0.2, "v", candidates=2.0), max_new_tokens=1)
     assert torch.equal(v.first_logits, v2.first_logits) and ":cand" not in v2.report.policy
 
 
@@ -424,7 +453,7 @@ def test_policy_rejects_a_candidate_factor_under_one(bad):
     from blend.errors import InvalidPolicyError
 
     with pytest.raises(InvalidPolicyError):
-        ReusePolicy.blend(0.15, "probe", candidates=bad)
+        unguarded_blend(0.15, "probe", candidates=bad)
 
 
 def test_the_cli_the_api_and_the_harness_expose_candidates():
@@ -474,8 +503,8 @@ def test_auto_probe_precision_is_bf16_only_where_the_cpu_has_it(tiny_engine):
     assert probe_gemm_dtype(PP.AUTO, f32, cpu, avx2) == f32
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     here = resolve_probe_precision(PP.AUTO, tiny_engine.runner.dtype, tiny_engine.runner.device, this_cpu_flags())
-    auto = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe", probe_precision=PP.AUTO), max_new_tokens=1)
-    same = tiny_engine.generate(prompt, ReusePolicy.blend(0.25, "probe", probe_precision=here), max_new_tokens=1)
+    auto = tiny_engine.generate(prompt, unguarded_blend(0.25, "probe", probe_precision=PP.AUTO), max_new_tokens=1)
+    same = tiny_engine.generate(prompt, unguarded_blend(0.25, "probe", probe_precision=here), max_new_tokens=1)
     assert f":probe={here.value}" in auto.report.policy and "auto" not in auto.report.policy
     assert torch.equal(auto.first_logits, same.first_logits)
 
@@ -510,9 +539,9 @@ def test_a_bf16_probe_runs_on_models_with_qkv_biases(model):
     eng = Engine.load(model)
     prompt = eng.build_prompt("Which one?", make_docs(3))
     for ratio in (0.25, 1.0):
-        fp = eng.generate(prompt, ReusePolicy.blend(ratio, "probe", force=True, probe_precision=ProbePrecision.COMPUTE),
+        fp = eng.generate(prompt, unguarded_blend(ratio, "probe", force=True, probe_precision=ProbePrecision.COMPUTE),
                           max_new_tokens=1)
-        bf = eng.generate(prompt, ReusePolicy.blend(ratio, "probe", force=True, probe_precision=ProbePrecision.BF16),
+        bf = eng.generate(prompt, unguarded_blend(ratio, "probe", force=True, probe_precision=ProbePrecision.BF16),
                           max_new_tokens=1)
         assert bool(torch.isfinite(bf.first_logits).all())
         if ratio == 1.0:
@@ -531,6 +560,6 @@ def test_prepare_blend_builds_the_probe_copy_before_the_first_request(tiny_engin
     assert runner.has_layers_in(torch.bfloat16)  # built now
     made = runner.layers_in(torch.bfloat16)
     eng.generate(eng.build_prompt("Which one?", make_docs(4)),
-                 ReusePolicy.blend(0.25, "probe", probe_precision=PP.BF16), max_new_tokens=1)
+                 unguarded_blend(0.25, "probe", probe_precision=PP.BF16), max_new_tokens=1)
     assert runner.layers_in(torch.bfloat16) is made  # reused, not rebuilt
     assert eng.prepare_blend(PP.COMPUTE) == runner.dtype  # nothing to copy

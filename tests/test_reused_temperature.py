@@ -9,11 +9,11 @@ from blend.defaults import DEFAULT_REUSED_TEMPERATURE
 from blend.errors import InvalidPolicyError
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
-from conftest import make_docs
+from conftest import make_docs, unguarded_blend
 
 
 def _prefill(engine, prompt, **kw):
-    logits, cache, report = engine.prefill(prompt, ReusePolicy.blend(**kw))
+    logits, cache, report = engine.prefill(prompt, unguarded_blend(**kw))
     return logits, cache, report
 
 
@@ -21,7 +21,7 @@ def test_temperature_one_ratio_one_and_full_reuse_change_no_bit(tiny_engine):
     """A blend without a temperature uses the default one; at ratio 1 every document row is recomputed
     and with no check layer (full reuse) nothing is tempered, so T changes no bit there."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    tiny_engine.precompute(prompt, ReusePolicy.blend())
+    tiny_engine.precompute(prompt, unguarded_blend())
     assert torch.equal(_prefill(tiny_engine, prompt, ratio=0.25)[0],
                        _prefill(tiny_engine, prompt, ratio=0.25, reused_temperature=DEFAULT_REUSED_TEMPERATURE)[0])
     for ratio in (1.0, 0.0):
@@ -36,7 +36,7 @@ def test_temperature_divides_only_the_reused_rows_keys_above_the_check_layer(tin
     every layer above the first check layer (T = 2: an exact division); layers up to the check, the
     exact prefix, V and the selection itself are untouched."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    tiny_engine.precompute(prompt, ReusePolicy.blend())
+    tiny_engine.precompute(prompt, unguarded_blend())
     _, c1, r1 = _prefill(tiny_engine, prompt, ratio=0.25, check_layers=1, reused_temperature=1.0)
     _, c2, r2 = _prefill(tiny_engine, prompt, ratio=0.25, check_layers=1, reused_temperature=2.0)
     assert "temp=2" in r2.policy and "temp" not in r1.policy
@@ -59,7 +59,7 @@ def test_temperature_divides_only_the_reused_rows_keys_above_the_check_layer(tin
 @pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, True])
 def test_policy_rejects_a_bad_temperature(bad):
     with pytest.raises(InvalidPolicyError):
-        ReusePolicy.blend(reused_temperature=bad)
+        unguarded_blend(reused_temperature=bad)
 
 
 def test_the_cli_the_api_and_the_harness_expose_the_temperature():

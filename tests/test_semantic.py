@@ -13,9 +13,9 @@ from blend.keys import Namespace, StoreKey, canonical_key, key_hex
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
 from blend.semantic import FORCE_WINDOW, MIN_ALIGNED, align
-from conftest import make_docs
+from conftest import make_docs, unguarded_blend
 
-SEM0 = ReusePolicy.blend(ratio=0.0, semantic=True)
+SEM0 = unguarded_blend(ratio=0.0, semantic=True)
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def snapshot(store) -> dict:
 def test_semantic_policy_needs_the_engine_flag(tiny_engine):
     prompt = tiny_engine.build_prompt("Which?", make_docs(2))
     with pytest.raises(InvalidPolicyError, match="experimental"):
-        tiny_engine.generate(prompt, ReusePolicy.blend(semantic=True), max_new_tokens=1)
+        tiny_engine.generate(prompt, unguarded_blend(semantic=True), max_new_tokens=1)
     assert tiny_engine.segments.register_donor(prompt.preamble.token_ids, prompt.documents[0].token_ids) is False
     assert len(tiny_engine.segments.donors.index) == 0
     with pytest.raises(InvalidPolicyError):
@@ -72,7 +72,7 @@ def test_without_the_opt_in_a_near_duplicate_never_reuses_donor_kv(sem_engine):
     edited = list(docs)
     edited[1], _ = edit_middle(docs[1])
     prompt = sem_engine.build_prompt("Which?", edited)
-    ans = sem_engine.generate(prompt, ReusePolicy.blend(ratio=0.15), max_new_tokens=1)
+    ans = sem_engine.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=1)
     assert classes(ans)[1:-1] == [ReuseClass.EXACT, ReuseClass.COMPUTED, ReuseClass.BLENDED]
     assert "donor" not in ans.report.segments[2].note
     # what was stored for the edited document is its own full canonical computation
@@ -89,7 +89,7 @@ def test_without_the_opt_in_a_near_duplicate_never_reuses_donor_kv(sem_engine):
 @pytest.mark.parametrize("where", [0, 1])
 def test_document_identical_to_its_donor_reproduces_the_blend_exactly(tiny_engine_factory, where):
     docs = make_docs(3)
-    policy = ReusePolicy.blend(ratio=0.15)
+    policy = unguarded_blend(ratio=0.15)
     ref_eng = tiny_engine_factory()
     prompt = ref_eng.build_prompt("Which?", docs)
     ref_eng.precompute_chunks(docs)
@@ -106,7 +106,7 @@ def test_document_identical_to_its_donor_reproduces_the_blend_exactly(tiny_engin
     eng.store.delete(Namespace.CANONICAL, own)
     assert eng.segments.register_donor(prompt.preamble.token_ids, ids, key=alias)
 
-    sem = eng.generate(prompt, ReusePolicy.blend(ratio=0.15, semantic=True), max_new_tokens=4,
+    sem = eng.generate(prompt, unguarded_blend(ratio=0.15, semantic=True), max_new_tokens=4,
                        stop_at_newline=False)
     rep = sem.report.segments[1 + where]
     assert rep.reuse_class is ReuseClass.SEMANTIC
@@ -124,7 +124,7 @@ def test_ratio_one_semantic_equals_full_prefill(sem_engine):
     edited[2] = docs[2][:60] + " lantern inserted here " + docs[2][60:]
     prompt = sem_engine.build_prompt("Which?", edited)
     full = sem_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
-    sem = sem_engine.generate(prompt, ReusePolicy.blend(ratio=1.0, semantic=True), max_new_tokens=1)
+    sem = sem_engine.generate(prompt, unguarded_blend(ratio=1.0, semantic=True), max_new_tokens=1)
     assert classes(sem)[1:-1] == [ReuseClass.SEMANTIC, ReuseClass.BLENDED, ReuseClass.SEMANTIC]
     assert (sem.first_logits - full.first_logits).abs().max() <= 1e-4
     assert sem.report.recomputed_tokens == sum(len(d) for d in prompt.documents)  # every row, doc 1 included
@@ -214,13 +214,13 @@ def test_store_is_byte_identical_after_semantic_requests_and_later_full_compute(
     edited[2], _ = edit_middle(docs[2])
     prompt = sem_engine.build_prompt("Which?", edited)
     before = snapshot(sem_engine.store)
-    for policy in (SEM0, ReusePolicy.blend(ratio=0.15, semantic=True), ReusePolicy.blend(ratio=1.0, semantic=True)):
+    for policy in (SEM0, unguarded_blend(ratio=0.15, semantic=True), unguarded_blend(ratio=1.0, semantic=True)):
         ans = sem_engine.generate(prompt, policy, max_new_tokens=3)
         assert ans.report.segments[3].reuse_class is ReuseClass.SEMANTIC
     assert snapshot(sem_engine.store) == before
     assert list(sem_engine.store.keys(Namespace.APPROX)) == []
     # the edited document is stored canonically only when a request computes it in full
-    plain = sem_engine.generate(prompt, ReusePolicy.blend(ratio=0.15), max_new_tokens=1)
+    plain = sem_engine.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=1)
     assert plain.report.segments[3].reuse_class is ReuseClass.COMPUTED
     key = canonical_key(sem_engine.provenance, prompt.preamble.token_ids, prompt.documents[2].token_ids)
     stored = sem_engine.store.get(Namespace.CANONICAL, key, sem_engine.provenance.canonical_json()).entry

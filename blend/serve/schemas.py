@@ -46,7 +46,7 @@ class KvblendOptions(BaseModel):
     ratio: float = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
     selector: Selector = DEFAULT_SELECTOR
     semantic: StrictBool = False
-    guard_margin: float | None = Field(DEFAULT_GUARD_MARGIN, ge=0.0)  # near-tie guard (nats), opt-in
+    guard_margin: float | None = Field(DEFAULT_GUARD_MARGIN, ge=0.0)  # near-tie guard (nats); None: off
     guard_ratio: float = Field(DEFAULT_GUARD_RATIO, ge=0.0, le=1.0)
     candidates: float | None = Field(DEFAULT_CANDIDATES, ge=1.0)  # probe selectors: candidate factor
     probe_precision: ProbePrecisionName = DEFAULT_PROBE_PRECISION  # the probe's GEMM dtype
