@@ -54,6 +54,7 @@ class Sample:
     e2e_s: float
     tokens: int
     server_e2e_s: float  # inside the server: submission to the scheduler -> last token
+    guarded: bool = False  # the near-tie guard blended this request again (its report says so)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Row:
     ttft_p99_ms: float
     e2e_p50_ms: float
     e2e_p99_ms: float
+    guarded: int = 0  # requests the near-tie guard blended again
 
 
 def demo_requests() -> list[tuple[str, list[str]]]:
@@ -110,7 +112,7 @@ def one_request(http: httpx.Client, model: str, question: str, docs: list[str], 
             # prompts (it would take them: an exact hit, not the blend being measured)
             "cache_salt": f"bench:{mode}"}
     t0 = time.perf_counter()
-    ttft, tokens, inside = None, 0, 0.0
+    ttft, tokens, inside, guarded = None, 0, 0.0, False
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:300]}")
@@ -125,7 +127,8 @@ def one_request(http: httpx.Client, model: str, question: str, docs: list[str], 
                     tokens = msg["usage"]["completion_tokens"]
                 if msg.get("kvblend"):
                     inside = msg["kvblend"]["e2e_s"]
-    return Sample(ttft, time.perf_counter() - t0, tokens, inside)
+                    guarded = bool(msg["kvblend"].get("report", {}).get("guard"))
+    return Sample(ttft, time.perf_counter() - t0, tokens, inside, guarded)
 
 
 def run_clients(url: str, model: str, mode: str, clients: int, per_client: int, max_tokens: int,
@@ -159,7 +162,8 @@ def run_clients(url: str, model: str, mode: str, clients: int, per_client: int, 
     ttft = [s.ttft_s * 1000 for s in samples]
     e2e = [s.e2e_s * 1000 for s in samples]
     return Row(mode, clients, len(samples), len(samples) / wall, sum(s.tokens for s in samples) / wall,
-               percentile(ttft, 50), percentile(ttft, 99), percentile(e2e, 50), percentile(e2e, 99))
+               percentile(ttft, 50), percentile(ttft, 99), percentile(e2e, 50), percentile(e2e, 99),
+               sum(s.guarded for s in samples))
 
 
 def start_server(model: str, port: int, max_concurrency: int, extra: list[str]) -> subprocess.Popen:
@@ -293,11 +297,13 @@ def markdown(rows: list[Row], overheads: list[dict], command: str, scaling: list
     lines = [f"Command: `{command}`", "",
              f"Machine: {os.cpu_count()} cores; 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} "
              "at the end (other jobs share the cores).", "",
-             "| mode | clients | requests | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| mode | clients | requests | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms "
+             "| guarded |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.mode} | {r.clients} | {r.requests} | {r.req_per_s:.2f} | {r.out_tok_per_s:.1f} | "
-                     f"{r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.e2e_p50_ms:.0f} | {r.e2e_p99_ms:.0f} |")
+                     f"{r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.e2e_p50_ms:.0f} | {r.e2e_p99_ms:.0f} | "
+                     f"{r.guarded} |")
     lines += ["", "Targets:"]
     for mode in sorted({r.mode for r in rows}):
         by = {r.clients: r for r in rows if r.mode == mode}

@@ -27,3 +27,18 @@ def test_bench_burst_times_a_burst_with_and_without_decode_loop_prefills(capsys)
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "decode loop prefills too: TTFT p50" in out and "worker only: TTFT p50" in out
+
+
+def test_bench_clients_count_the_requests_the_near_tie_guard_blended_again():
+    """run_clients reports how many answers the guard re-blended (a tiny model's first tokens are near
+    ties, so every default blend is guarded there); exact answers never are; the table has the column."""
+    from _serve_util import TINY, running_server, tiny_serve_engine
+    from blend.evals.bench_serve import demo_requests, markdown, run_clients
+
+    reqs = demo_requests()[:2]
+    with running_server(tiny_serve_engine()) as srv:
+        blend = run_clients(srv.url, TINY, "blend@0.15", 2, 1, 2, reqs)
+        exact = run_clients(srv.url, TINY, "exact", 2, 1, 2, reqs)
+    assert (blend.requests, blend.guarded) == (2, 2) and (exact.requests, exact.guarded) == (2, 0)
+    table = markdown([blend, exact], [], "cmd")
+    assert "| guarded |" in table and table.count(" | 2 |\n") >= 1
