@@ -375,7 +375,10 @@ class Engine:
         # canonically, then blended) guards exactly where the warm one does, so cold == warm holds
         if not policy.guarded or not done.approximate or margin >= policy.guard_margin:
             return replace(done, margin=margin), cache
-        target = policy.guard_ratio_for(done.ratio if done.ratio is not None else policy.ratio)
+        # what the blend may have spent: an adaptive budget's choice, a threshold's cap, or the fixed ratio
+        spent = done.ratio if done.ratio is not None else policy.max_ratio if policy.threshold is not None \
+            else policy.ratio
+        target = policy.guard_ratio_for(spent)
         why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {target:g}"
         with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later
             again = self.runner.new_cache(cache.capacity)
