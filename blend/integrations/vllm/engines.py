@@ -117,7 +117,9 @@ class SharedEngine:
         Returns:
             The filled cache and the reuse report (as a JSON-able dict).
         """
-        policy = ReusePolicy.blend(ratio=params.ratio, selector=params.selector, force=self.cfg.force)
+        # no near-tie guard: vLLM computes the question, so the first token is never seen here
+        policy = ReusePolicy.blend(ratio=params.ratio, selector=params.selector, force=self.cfg.force,
+                                   guard_margin=None)
         with self._lock, torch.inference_mode():
             # vLLM computes the question itself: kvblend stops its rows after the check layer
             _, cache, report = self.engine.prefill(self.prompt_of(token_ids, params), policy, question=False)
