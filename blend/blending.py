@@ -64,7 +64,7 @@ class BlendOutcome:
     segments: tuple[SegmentReport, ...]
     deviation: DeviationStats | None
     lookup_s: float  # store lookups and loads
-    ratio: float | None = None  # the share an adaptive budget chose (None: the policy's ratio)
+    ratio: float | None = None  # the share an adaptive budget or a threshold selected (None: the policy's ratio)
     # whether any document row kept KV computed elsewhere (re-positioned chunk KV not recomputed): the same
     # on a cold request, whose chunks were computed canonically just before, as on a warm one
     approximate: bool = False
@@ -191,7 +191,7 @@ class Selection:
 
     keep: torch.Tensor  # (A',) sorted positions into the active rows: kept doc rows, then the question
     deviation: DeviationStats | None  # at the first check layer
-    ratio: float | None = None  # the share an adaptive budget chose
+    ratio: float | None = None  # the share an adaptive budget or a threshold selected (None: a fixed ratio)
 
 
 class Checker:
@@ -241,8 +241,9 @@ class Checker:
         if policy.budget is BudgetMode.AUTO and probe is not None:  # per prompt, reported as the ratio chosen
             picked = select_auto(inp, policy.auto_target, cap, probe.entropy)
             chosen = picked.numel() / max(plan.budget_base, 1)
-        elif policy.threshold is not None:
+        elif policy.threshold is not None:  # reported as the share it selected, as an adaptive budget's
             picked = select_threshold(inp, policy.threshold, cap)
+            chosen = picked.numel() / max(plan.budget_base, 1)
         else:
             picked = select(policy.selector, inp, int(round(check.ratio * plan.budget_base)))
         stats = None

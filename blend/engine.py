@@ -94,7 +94,7 @@ class _Prefilled:
     segments: tuple[SegmentReport, ...]
     lookup_s: float = 0.0
     deviation: DeviationStats | None = None
-    ratio: float | None = None  # the share an adaptive blend budget or the near-tie guard chose
+    ratio: float | None = None  # the share an adaptive budget or a threshold selected, or the guard's
     margin: float | None = None  # the blend's first-token top-2 gap (nats), before any guard
     guard: str = ""  # why the near-tie guard recomputed the request ("" if it did not)
     approximate: bool = False  # a blend kept re-positioned KV of some document rows (the guard's condition)
@@ -375,9 +375,8 @@ class Engine:
         # canonically, then blended) guards exactly where the warm one does, so cold == warm holds
         if not policy.guarded or not done.approximate or margin >= policy.guard_margin:
             return replace(done, margin=margin), cache
-        # what the blend may have spent: an adaptive budget's choice, a threshold's cap, or the fixed ratio
-        spent = done.ratio if done.ratio is not None else policy.max_ratio if policy.threshold is not None \
-            else policy.ratio
+        # what the blend spent: the share an adaptive budget or a threshold selected, or the fixed ratio
+        spent = done.ratio if done.ratio is not None else policy.ratio
         target = policy.guard_ratio_for(spent)
         why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {target:g}"
         with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later

@@ -140,9 +140,13 @@ def test_gradual_filtering_and_threshold_mode(tiny_engine):
     everything = tiny_engine.generate(prompt, unguarded_blend(threshold=0.0, max_ratio=1.0), max_new_tokens=1)
     assert (everything.first_logits - full).abs().max() <= 1e-4
     capped = tiny_engine.generate(prompt, unguarded_blend(threshold=0.0, max_ratio=0.05), max_new_tokens=1)
-    assert capped.report.recomputed_tokens == round(0.05 * sum(len(d) for d in prompt.documents))
+    n_doc = sum(len(d) for d in prompt.documents)
+    assert capped.report.recomputed_tokens == round(0.05 * n_doc)
     none = tiny_engine.generate(prompt, unguarded_blend(threshold=1e9), max_new_tokens=1)
     assert none.report.recomputed_tokens == 0
+    # the report says the share a threshold selected, not the policy's unused fixed ratio
+    assert capped.report.ratio == capped.report.recomputed_tokens / n_doc and none.report.ratio == 0.0
+    assert everything.report.ratio == everything.report.recomputed_tokens / n_doc  # the first document: exact
 
 
 def test_min_prompt_tokens_falls_back_to_full_compute(tiny_engine):

@@ -313,9 +313,14 @@ def test_a_guard_ratio_at_or_below_the_blends_takes_the_exact_path(tiny_engine):
                                    max_new_tokens=1)
         assert ans.report.ratio == 1.0 and torch.equal(ans.first_logits, full.first_logits)
     assert ReusePolicy.blend(0.15).guard_ratio_for(0.15) == 0.3
-    # threshold mode may spend up to its cap: a guard ratio under the cap takes the exact path
+    # a threshold blend is judged by the share it selected: all it may (0.5) -> the exact path ...
     capped = ReusePolicy.blend(0.15, "probe", threshold=0.0, max_ratio=0.5, guard_margin=1e9, guard_ratio=0.3)
     assert tiny_engine.generate(prompt, capped, max_new_tokens=1).report.ratio == 1.0
+    # ... none -> blended again at the guard ratio
+    idle = ReusePolicy.blend(0.15, "probe", threshold=1e9, max_ratio=0.5, guard_margin=1e9, guard_ratio=0.3)
+    again = tiny_engine.generate(prompt, idle, max_new_tokens=1)
+    at_guard = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe"), max_new_tokens=1)
+    assert again.report.ratio == 0.3 and torch.equal(again.first_logits, at_guard.first_logits)
     assert ReusePolicy.blend(0.15).guard_ratio_for(0.3) == 1.0
     auto = ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, max_ratio=0.2, auto_target=1e9,
                              guard_margin=1e9, guard_ratio=0.4)
