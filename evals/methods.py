@@ -6,7 +6,7 @@ belong to the check list)::
     full                         full prefill, no reuse (always run: the reference)
     prefix                       exact prefix reuse: only the preamble is shared
     reuse                        full KV reuse (blend at ratio 0, no near-tie guard)
-    blend@R[:SELECTOR][:check=L1,L2,...][:auto][:probe=bf16|compute|auto][:cand=F|cand=off][:temp=T]
+    blend@R[:SELECTOR][:check=L1,L2,...][:auto[=T]][:probe=bf16|compute|auto][:cand=F|cand=off][:temp=T]
           [:guard=M@G|guard=off]
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
                                  the budget is chosen per prompt (adaptive), R is its cap;
@@ -71,6 +71,7 @@ class Method:
         selector: token selector name for blend (None: the engine's default).
         check_layers: check layers for blend (empty: the engine's default).
         auto: adaptive budget per prompt, ``ratio`` is its cap (issue 14).
+        auto_target: ``auto=T``: the adaptive budget's stopping target (None: the default).
         probe_precision: ``ProbePrecision`` value of the query probe's GEMMs (None: the default).
         guard: the near-tie guard as (margin, ratio); (None, None) switches it off; None: the default.
     """
@@ -82,6 +83,7 @@ class Method:
     selector: str | None = None
     check_layers: tuple[int, ...] = ()
     auto: bool = False
+    auto_target: float | None = None
     probe_precision: str | None = None
     guard: tuple[float | None, float | None] | None = None
     candidates: float | None = None  # the candidate factor (None: the default)
@@ -103,6 +105,8 @@ class Method:
             kwargs["check_layers"] = self.check_layers
         if self.auto:
             kwargs.update(budget=BudgetMode.AUTO, max_ratio=self.ratio)
+            if self.auto_target is not None:
+                kwargs["auto_target"] = self.auto_target
         if self.probe_precision is not None:
             kwargs["probe_precision"] = ProbePrecision(self.probe_precision)
         if self.candidates is not None or self.candidates_off:
@@ -120,6 +124,7 @@ class Method:
         if self.kind is not MethodKind.BLEND:
             return self.kind.value
         label = (self.selector or "default") + (" auto" if self.auto else "")
+        label += f"={self.auto_target:g}" if self.auto_target is not None else ""
         label += f" probe={self.probe_precision}" if self.probe_precision else ""
         label += f" cand={self.candidates:g}" if self.candidates is not None else ""
         label += " cand=off" if self.candidates_off else ""
@@ -135,6 +140,7 @@ class Method:
             "selector": self.selector,
             "check_layers": list(self.check_layers),
             "auto": self.auto,
+            "auto_target": self.auto_target,
             "probe_precision": self.probe_precision,
             "guard": None if self.guard is None else list(self.guard),
             "candidates": "off" if self.candidates_off else self.candidates,
@@ -201,6 +207,7 @@ def parse_method(spec: str) -> Method:
     selector: str | None = None
     checks: tuple[int, ...] = ()
     auto = False
+    auto_target: float | None = None
     probe: str | None = None
     guard: tuple[float | None, float | None] | None = None
     cand: float | None = None
@@ -238,10 +245,17 @@ def parse_method(spec: str) -> Method:
             probe = part[len("probe="):]
             if probe not in PROBE_PRECISIONS:
                 raise MethodError(f"method '{spec}': probe= must be one of {', '.join(PROBE_PRECISIONS)}")
-        elif part == "auto":
+        elif part == "auto" or part.startswith("auto="):
             if auto:
                 raise MethodError(f"method '{spec}': auto given twice")
             auto = True
+            if part != "auto":
+                try:
+                    auto_target = float(part[len("auto="):])
+                except ValueError:
+                    raise MethodError(f"method '{spec}': auto= takes a target > 0, got '{part}'") from None
+                if not math.isfinite(auto_target) or auto_target <= 0:
+                    raise MethodError(f"method '{spec}': auto= takes a target > 0, got '{part}'")
         elif part.startswith("check="):
             if checks:
                 raise MethodError(f"method '{spec}': check= given twice")
@@ -264,7 +278,7 @@ def parse_method(spec: str) -> Method:
     if checks:
         canonical += f":check={','.join(map(str, checks))}"
     if auto:
-        canonical += ":auto"
+        canonical += ":auto" if auto_target is None else f":auto={auto_target:g}"
     if probe is not None:
         canonical += f":probe={probe}"
     if cand is not None:
@@ -277,7 +291,7 @@ def parse_method(spec: str) -> Method:
         canonical += f":guard={_fmt_guard(guard)}"
     return Method(
         name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks,
-        auto=auto, probe_precision=probe, guard=guard, candidates=cand, candidates_off=cand_off,
+        auto=auto, auto_target=auto_target, probe_precision=probe, guard=guard, candidates=cand, candidates_off=cand_off,
         temperature=temp,
     )
 

@@ -83,3 +83,20 @@ def test_guard_in_a_method_spec():
     for bad in ("blend@0.15:guard=x", "blend@0.15:guard=-1", "blend@0.15:guard=1@2", "blend@0.1:guard=1:guard=2"):
         with pytest.raises(MethodError):
             parse_method(bad)
+
+
+def test_auto_target_in_a_method_spec():
+    from blend.defaults import DEFAULT_AUTO_TARGET
+    from blend.policy import BudgetMode
+
+    m = parse_method("blend@0.3:probe:auto=0.006")
+    pol = m.policy()
+    assert m.auto and m.auto_target == 0.006 and m.canonical == "blend@0.3:probe:auto=0.006"
+    assert pol.budget is BudgetMode.AUTO and pol.auto_target == 0.006 and pol.max_ratio == 0.3
+    assert "auto=0.006" in m.series() and m.to_dict()["auto_target"] == 0.006
+    plain = parse_method("blend@0.3:probe:auto")
+    assert plain.auto_target is None and plain.policy().auto_target == DEFAULT_AUTO_TARGET
+    for bad in ("blend@0.3:auto=x", "blend@0.3:auto=0", "blend@0.3:auto=-1", "blend@0.3:auto=nan",
+                "blend@0.3:auto:auto=0.1"):
+        with pytest.raises(MethodError):
+            parse_method(bad)
