@@ -95,6 +95,7 @@ class _Prefilled:
     lookup_s: float = 0.0
     deviation: DeviationStats | None = None
     ratio: float | None = None  # the share an adaptive budget or a threshold selected, or the guard's
+    spent: float | None = None  # a guarded request: its first blend's share plus the recompute's
     margin: float | None = None  # the blend's first-token top-2 gap (nats), before any guard
     guard: str = ""  # why the near-tie guard recomputed the request ("" if it did not)
     approximate: bool = False  # a blend kept re-positioned KV of some document rows (the guard's condition)
@@ -345,10 +346,11 @@ class Engine:
                 done, cache = self._guard(prompt, policy, self._blend(prompt, policy, cache, question), cache)
         ttft = time.perf_counter() - t0
         blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS
+        ratio = (done.ratio if done.ratio is not None else policy.ratio) if blend_fields else None
         report = ReuseReport(
             policy=policy.describe(), segments=done.segments,
             selector=policy.selector if blend_fields else "",
-            ratio=(done.ratio if done.ratio is not None else policy.ratio) if blend_fields else None,
+            ratio=ratio, spent=done.spent if done.spent is not None else ratio,
             deviation=done.deviation, gate=refused,
             timings=Timings(lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s),
             first_token_margin=done.margin if blend_fields else None, guard=done.guard,
@@ -390,8 +392,8 @@ class Engine:
                                                guard_margin=None), again)
             ratio = redo.ratio if redo.ratio is not None else target
         segments = _keep_first_pass_misses(done.segments, redo.segments)
-        return replace(redo, segments=segments, lookup_s=done.lookup_s + redo.lookup_s, ratio=ratio, margin=margin,
-                       guard=why), again
+        return replace(redo, segments=segments, lookup_s=done.lookup_s + redo.lookup_s, ratio=ratio,
+                       spent=spent + ratio, margin=margin, guard=why), again
 
     # ---- answers --------------------------------------------------------------------------
 

@@ -77,6 +77,8 @@ class ReuseReport:
     first_token_margin: float | None = None  # a blend's first-token top-2 log-prob gap (nats): a small
     # gap is a near tie, where a small KV error can change the first token (the guard's signal)
     guard: str = ""  # why the near-tie guard recomputed this request ("" if it did not)
+    spent: float | None = None  # share of the document rows recomputed over every pass: ``ratio``, plus the
+    # first blend's share when the near-tie guard recomputed the request (its exact path counts 1.0)
 
     @property
     def gate_ran(self) -> bool:
@@ -119,4 +121,5 @@ class ReuseReport:
             "timings": self.timings.to_dict(),
             "first_token_margin": self.first_token_margin,
             "guard": self.guard,
+            "spent": self.spent,
         }

@@ -62,6 +62,7 @@ class SweepRow:
     margin: float | None = None  # the blend's first-token top-2 gap (before a near-tie guard)
     guarded: bool = False  # the near-tie guard recomputed it
     full_ms: float | None = None  # with --time-full: this item's full prefill, timed in the same process
+    spent: float | None = None  # share recomputed over every pass (a guarded item: both); None in older rows
 
 
 SWEEP_STORE_BYTES = 2 << 30  # chunk KV kept across items (LRU)
@@ -127,9 +128,9 @@ def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> 
         items = sorted({r.item for r in mine})
         timed = all(r.full_ms for r in mine)
         out += [f"### {split}: {len(items)} items ({items[0]}-{items[-1]})", "",
-                "| method | mean KL | median | p90 | max | top-1 | share | median ms | beats first of budget |"
+                "| method | mean KL | median | p90 | max | top-1 | share | spent | median ms | beats first of budget |"
                 + (" TTFT ratio median | mean | p90 |" if timed else ""),
-                "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if timed else "")]
+                "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if timed else "")]
         by = {(r.item, r.method): r for r in mine}
         for m in methods:
             rs = [r for r in mine if r.method == m]
@@ -139,7 +140,8 @@ def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> 
             first = first_of_budget(m, methods)
             wins = sum(1 for r in rs if (r.item, first) in by and r.kl < by[(r.item, first)].kl)
             share = mean([r.share for r in rs])
-            line = (f"| {m} | {kl_cells(kls)} | {mean([r.top1 for r in rs]):.3f} | {'' if share is None else f'{share:.3f}'} "
+            spent = mean([r.share if r.spent is None else r.spent for r in rs])
+            line = (f"| {m} | {kl_cells(kls)} | {mean([r.top1 for r in rs]):.3f} | {_cell(share)} | {_cell(spent)} "
                     f"| {median([r.ms for r in rs]):.0f} | {wins}/{len(rs)} |")
             if timed:
                 ratios = sorted(r.ms / r.full_ms for r in rs)
@@ -156,6 +158,10 @@ def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> 
                            f"(full's top-2 gap < {NEAR_TIE_NATS} nats); item (gap): {gaps}")
         out.append("")
     return "\n".join(out)
+
+
+def _cell(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}"
 
 
 def write_budget_plot(rows: list[SweepRow], methods: list[Method], path: Path, title: str) -> None:
@@ -273,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                     engine.close()
                     return 2
                 row = SweepRow(idx, m.name, kl_divergence(ref, logits), top1_agree(ref, logits), ms, report.ratio,
-                               len(prompt), top2_margin(ref), report.first_token_margin, bool(report.guard), full_ms)
+                               len(prompt), top2_margin(ref), report.first_token_margin, bool(report.guard), full_ms,
+                               report.spent)
                 rows.append(row)
                 f.write(json.dumps(asdict(row)) + "\n")
                 f.flush()

@@ -98,3 +98,11 @@ def test_a_blend_the_gate_refuses_stops_the_sweep_unless_forced(tiny_engine_fact
     assert forced[-1] is True
     row = json.loads((tmp_path / "b" / "rows.jsonl").read_text().splitlines()[0])
     assert row["method"] == "blend@0.3:v" and row["kl"] > 0
+
+
+def test_the_summary_counts_what_a_guarded_item_spent_over_both_passes():
+    rows = [SweepRow(30, "blend@0.15:probe", 0.1, 1.0, 5.0, 0.3, 100, guarded=True, spent=0.45),
+            SweepRow(31, "blend@0.15:probe", 0.1, 1.0, 5.0, 0.15, 100, spent=0.15),
+            SweepRow(32, "blend@0.15:probe", 0.1, 1.0, 5.0, 0.15, 100)]  # an older row: spent = share
+    line = next(ln for ln in summarise(rows, ["blend@0.15:probe"]).splitlines() if ln.startswith("| blend@"))
+    assert "| 0.200 | 0.250 |" in line  # share (0.3 + 0.15 + 0.15) / 3, spent (0.45 + 0.15 + 0.15) / 3

@@ -1,6 +1,7 @@
 """Query-probed selection (issue 14): the scoring math, the probe selector and the adaptive budget."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -327,6 +328,11 @@ def test_a_guard_ratio_at_or_below_the_blends_takes_the_exact_path(tiny_engine):
     redo = tiny_engine.generate(prompt, auto, max_new_tokens=1)
     at = tiny_engine.generate(prompt, unguarded_blend(0.4, "probe"), max_new_tokens=1)
     assert redo.report.ratio == 0.4 and torch.equal(redo.first_logits, at.first_logits)
+    # what it spent counts both passes: the budget's own choice, then the guard's 0.4
+    first = tiny_engine.generate(prompt, replace(auto, guard_margin=None), max_new_tokens=1).report.ratio
+    assert redo.report.spent == pytest.approx(first + 0.4) and redo.report.to_dict()["spent"] == redo.report.spent
+    assert at.report.spent == at.report.ratio == 0.4  # unguarded: the one pass
+    assert tiny_engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).report.spent is None
 
 
 def test_the_guard_is_on_by_default_and_never_fires_on_exact_results(tiny_engine):

@@ -202,11 +202,22 @@ def test_client_disconnect_cancels_the_request(srv):
     assert sched.cancelled == before + 2 and sched.active == 0
 
 
+def _metric(text: str, name: str) -> float:
+    return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[-1])
+
+
 def test_metrics_expose_requests_latency_reuse_and_store(srv):
     post(srv, chat(max_tokens=2))
     post(srv, chat(max_tokens=2))
+    guarded_before = _metric(httpx.get(srv.url + "/metrics").text, "kvblend_guarded_requests_total")
     post(srv, chat(max_tokens=2, kvblend={"reuse": "blend", "ratio": 0.2}))
+    # documents in a new order (so blended, not exact) and a margin no first token clears: the guard
+    # recomputes the request, and the counter says so
+    guarded = post(srv, {**chat(max_tokens=2, kvblend={"reuse": "blend", "ratio": 0.2, "guard_margin": 1e9}),
+                         "documents": DOCS[::-1]}).json()
     text = httpx.get(srv.url + "/metrics").text
+    assert guarded["kvblend"]["report"]["guard"]
+    assert _metric(text, "kvblend_guarded_requests_total") == guarded_before + 1
     for needle in ('kvblend_requests_total{endpoint="/v1/chat/completions",status="200"}',
                    'kvblend_requests_total{endpoint="/v1/chat/completions",status="400"}',
                    "kvblend_ttft_seconds_count", "kvblend_e2e_seconds_count", "kvblend_output_tokens_total",

@@ -8,6 +8,7 @@
     kvblend_prompt_tokens_total / _cached_tokens_total
     kvblend_segments_total{class}                prompt segments by reuse class
     kvblend_recomputed_fraction                  recomputed / reused document rows (blended requests)
+    kvblend_guarded_requests_total               blended requests the near-tie guard recomputed
     kvblend_store_lookups_total{result}          store hits / misses / rejections
     kvblend_queue_depth, kvblend_active_requests, kvblend_decode_batch_size
     kvblend_decode_shared_steps_total            decode steps that ran part of their rows on an idle prefill worker
@@ -70,6 +71,8 @@ class ServeMetrics:
         self.segments = Counter("kvblend_segments", "prompt segments by reuse class", ["class"], registry=r)
         self.recomputed = Histogram("kvblend_recomputed_fraction", "recomputed / reused document rows per "
                                     "blended request", buckets=FRACTION_BUCKETS, registry=r)
+        self.guarded = Counter("kvblend_guarded_requests", "blended requests the near-tie guard recomputed "
+                               "(their first token was a near tie)", registry=r)
         self.queue_depth = Gauge("kvblend_queue_depth", "requests waiting for a slot", registry=r)
         self.active = Gauge("kvblend_active_requests", "requests prefilling or decoding", registry=r)
         self.batch = Histogram("kvblend_decode_batch_size", "sequences per decode step", buckets=BATCH_BUCKETS,
@@ -101,6 +104,8 @@ class ServeMetrics:
             self.segments.labels(seg.reuse_class.value).inc()
         if report.ratio is not None and report.reused_tokens:
             self.recomputed.observe(report.recomputed_tokens / report.reused_tokens)
+        if report.guard:
+            self.guarded.inc()
 
     def on_tokens(self, n: int) -> None:
         self.output_tokens.inc(n)
