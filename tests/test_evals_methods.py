@@ -2,7 +2,9 @@
 
 import pytest
 
+from blend.defaults import DEFAULT_AUTO_TARGET
 from blend.evals.methods import MethodError, MethodKind, parse_method, parse_methods, split_specs
+from blend.policy import BudgetMode
 
 
 def test_parse_simple_methods():
@@ -86,9 +88,6 @@ def test_guard_in_a_method_spec():
 
 
 def test_auto_target_in_a_method_spec():
-    from blend.defaults import DEFAULT_AUTO_TARGET
-    from blend.policy import BudgetMode
-
     m = parse_method("blend@0.3:probe:auto=0.006")
     pol = m.policy()
     assert m.auto and m.auto_target == 0.006 and m.canonical == "blend@0.3:probe:auto=0.006"
