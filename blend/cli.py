@@ -67,6 +67,12 @@ def print_report(ans, out=sys.stdout, with_answer: bool = True) -> None:
         extra = f" recomputed={s.recomputed}" if s.recomputed else ""
         note = f" ({s.note})" if s.note else ""
         print(f"  {s.kind.value:9s} {s.reuse_class.value:9s} {s.tokens:5d} tok @{s.start:<5d}{extra}{note}", file=out)
+    if r.ratio is not None:
+        spent = f" (spent {r.spent:.3g} over both passes)" if r.guard and r.spent is not None else ""
+        gap = "" if r.first_token_margin is None else f"   first-token gap: {r.first_token_margin:.3g} nats"
+        print(f"blend: recompute ratio {r.ratio:.3g}{spent}{gap}", file=out)
+    if r.guard:
+        print(f"near-tie guard: {r.guard}", file=out)
     if r.gate:
         print(f"gate: {r.gate}", file=out)
     if r.gate_ran:

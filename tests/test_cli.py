@@ -2,12 +2,15 @@
 
 import json
 import os
+import io
 import subprocess
 import sys
 
 import pytest
 
-from conftest import make_docs
+from blend.cli import print_report
+from blend.policy import ReusePolicy
+from conftest import make_docs, unguarded_blend
 
 ENV_KEYS = ("KVBLEND_HOME", "PATH", "HOME", "KVBLEND_TEST_REDIS", "TRITON_INTERPRET")
 
@@ -107,3 +110,19 @@ def test_no_reuse_and_exact_reuse_agree_bit_for_bit_cold_and_warm(docs, tmp_path
     assert none["answer_token_ids"] == cold["answer_token_ids"] == warm["answer_token_ids"]
     assert [s["class"] for s in warm["report"]["segments"]][:-1] == ["exact"] * 4
     assert {s["class"] for s in none["report"]["segments"]} == {"computed"}
+
+
+def test_the_printed_report_says_the_blend_ratio_its_gap_and_the_guard(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which word?", make_docs(3))
+    plain, guarded, exact = io.StringIO(), io.StringIO(), io.StringIO()
+    print_report(tiny_engine.generate(prompt, unguarded_blend(0.15), max_new_tokens=1), plain)
+    reordered = tiny_engine.build_prompt("Which word?", make_docs(3)[::-1])  # blended, not an exact order
+    ans = tiny_engine.generate(reordered, ReusePolicy.blend(0.15, guard_margin=1e9), max_new_tokens=1)
+    print_report(ans, guarded)
+    print_report(tiny_engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1), exact)
+    assert "blend: recompute ratio 0.15   first-token gap: " in plain.getvalue()
+    assert "near-tie guard" not in plain.getvalue() and "spent" not in plain.getvalue()
+    text = guarded.getvalue()
+    assert f"blend: recompute ratio 0.3 (spent {ans.report.spent:.3g} over both passes)" in text
+    assert f"near-tie guard: {ans.report.guard}" in text and ans.report.guard
+    assert "blend:" not in exact.getvalue() and "near-tie guard" not in exact.getvalue()
