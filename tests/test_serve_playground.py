@@ -69,6 +69,7 @@ def test_playground_streams_an_answer_and_highlights_recomputed_tokens(one_torch
     assert "TTFT" in stats and "recomputed" in stats
     guard = api["kvblend"]["report"]["guard"]
     assert guard and f"near-tie guard: {guard}" in stats  # the page says when the guard blended again
+    assert f"(spent {api['kvblend']['report']['spent']:.2f} over both passes)" in stats  # and what it spent
     docs = [s for s in api["kvblend"]["report"]["segments"] if s["kind"] == "document"]
     assert shown == [s["recomputed_offsets"] for s in docs]  # exactly the selected rows are highlighted
     assert sum(map(len, shown)) > 0
