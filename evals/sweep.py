@@ -208,6 +208,39 @@ def write_budget_plot(rows: list[SweepRow], methods: list[Method], path: Path, t
     plt.close(fig)
 
 
+def write_items_plot(rows: list[SweepRow], methods: list[str], path: Path, title: str) -> None:
+    """items.png: every item of a timed sweep as a point, TTFT ratio against first-token KL, one colour
+    per method; items the near-tie guard blended again are crosses (what it cost, what it bought).
+
+    Args:
+        rows: timed sweep rows (``full_ms`` set).
+        methods: method names, in legend order.
+        path: where to write the PNG.
+        title: the figure's title (data, split, items).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for i, m in enumerate(methods):
+        rs = [r for r in rows if r.method == m and r.full_ms]
+        for guarded, marker in ((False, "o"), (True, "x")):
+            pts = [r for r in rs if r.guarded is guarded]
+            if pts:
+                ax.scatter([r.ms / r.full_ms for r in pts], [max(r.kl, 1e-6) for r in pts], marker=marker, s=22,
+                           color=f"C{i}", alpha=0.75, label=f"{m}" + (" (guarded)" if guarded else ""))
+    ax.set(xlabel="TTFT / full prefill (same process)", ylabel="KL(full || blend), first token", yscale="log",
+           title="per item")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m blend.evals.sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=DEFAULT_DATA)
@@ -226,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-rows", default=None,
                     help="comma list of rows.jsonl files from earlier runs: summarise them (with --methods' order)")
     ap.add_argument("--plot", action="store_true", help="with --from-rows: also draw budget.png (KL and top-1 "
-                    "against the budget, one line per selector)")
+                    "against the budget, one line per selector) and, for timed rows, items.png (TTFT ratio "
+                    "against KL per item, guarded items marked)")
     args = ap.parse_args(argv)
 
     methods = [parse_method(s) for s in split_specs(args.methods)]
@@ -241,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         (out / "summary.md").write_text(text)
         print(text)
         if args.plot:
-            write_budget_plot(rows, [m for m in methods if m.kind is MethodKind.BLEND], out / "budget.png",
-                              f"{args.model} {args.dtype}, {args.data}, items {items[0]}-{items[-1]} ({len(items)})")
+            title = f"{args.model} {args.dtype}, {args.data}, items {items[0]}-{items[-1]} ({len(items)})"
+            write_budget_plot(rows, [m for m in methods if m.kind is MethodKind.BLEND], out / "budget.png", title)
+            if all(r.full_ms for r in rows):
+                write_items_plot(rows, [m.name for m in methods], out / "items.png", title)
         return 0
     if any(m.kind in (MethodKind.FULL, MethodKind.PREFIX) for m in methods):
         print("sweep: full and prefix are the reference and exact path; list blend or reuse methods", file=sys.stderr)

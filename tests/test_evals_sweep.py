@@ -106,3 +106,18 @@ def test_the_summary_counts_what_a_guarded_item_spent_over_both_passes():
             SweepRow(32, "blend@0.15:probe", 0.1, 1.0, 5.0, 0.15, 100)]  # an older row: spent = share
     line = next(ln for ln in summarise(rows, ["blend@0.15:probe"]).splitlines() if ln.startswith("| blend@"))
     assert "| 0.200 | 0.250 |" in line  # share (0.3 + 0.15 + 0.15) / 3, spent (0.45 + 0.15 + 0.15) / 3
+
+
+def test_a_timed_sweep_plots_every_item_with_its_guard(tmp_path):
+    rows = [SweepRow(30, "blend@0.15:probe", 0.01, 1.0, 300.0, 0.3, 100, guarded=True, full_ms=1000.0, spent=0.45),
+            SweepRow(31, "blend@0.15:probe", 0.02, 1.0, 250.0, 0.15, 100, full_ms=1000.0, spent=0.15),
+            SweepRow(30, "blend@0.15:probe:guard=off", 0.03, 0.0, 240.0, 0.15, 100, full_ms=1000.0, spent=0.15)]
+    (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(asdict(r)) for r in rows) + "\n")
+    args = ["--methods", "blend@0.15:probe,blend@0.15:probe:guard=off", "--from-rows", str(tmp_path / "r.jsonl"),
+            "--plot"]
+    assert main([*args, "--out", str(tmp_path / "s")]) == 0
+    assert (tmp_path / "s" / "items.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    untimed = [dataclasses.replace(r, full_ms=None) for r in rows]
+    (tmp_path / "u.jsonl").write_text("\n".join(json.dumps(asdict(r)) for r in untimed) + "\n")
+    assert main([args[0], args[1], "--from-rows", str(tmp_path / "u.jsonl"), "--plot", "--out", str(tmp_path / "t")]) == 0
+    assert (tmp_path / "t" / "budget.png").exists() and not (tmp_path / "t" / "items.png").exists()
