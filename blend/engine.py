@@ -386,14 +386,12 @@ class Engine:
         if target >= 1.0:  # the exact path: preamble and first document reused (both exact
             # there, the blend just fetched them), the rest computed, nothing else stored
             redo = self._prefill_segments(prompt, GUARD_PREFIX_SEGMENTS, True, again, policy.cache_salt)
-            ratio = 1.0
-        else:
+        else:  # a fixed ratio: the recompute reports no chosen share of its own
             redo = self._blend(prompt, replace(policy, ratio=target, budget=BudgetMode.FIXED, threshold=None,
                                                guard_margin=None), again)
-            ratio = redo.ratio if redo.ratio is not None else target
         segments = _keep_first_pass_misses(done.segments, redo.segments)
-        return replace(redo, segments=segments, lookup_s=done.lookup_s + redo.lookup_s, ratio=ratio,
-                       spent=spent + ratio, margin=margin, guard=why), again
+        return replace(redo, segments=segments, lookup_s=done.lookup_s + redo.lookup_s, ratio=target,
+                       spent=spent + target, margin=margin, guard=why), again
 
     # ---- answers --------------------------------------------------------------------------
 

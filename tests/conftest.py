@@ -11,16 +11,14 @@ os.environ.setdefault("KVBLEND_HOME", os.path.join(os.path.dirname(__file__), ".
 
 import pytest  # noqa: E402
 
+from blend.policy import ReusePolicy  # noqa: E402
 from blend.tiny import make_docs  # noqa: E402,F401  (test modules import it from here)
-
 
 
 def unguarded_blend(*args, **kw):
     """``ReusePolicy.blend`` with the near-tie guard off, for tests of the blend's own numbers (budget,
     selection, bits): a tiny random model's first token is nearly always a near tie, so under the default
     guard those requests would be blended again at the guard's ratio. The guard has its own tests."""
-    from blend.policy import ReusePolicy
-
     return ReusePolicy.blend(*args, guard_margin=None, **kw)
 
 
