@@ -27,7 +27,7 @@ import math
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 from blend.policy import PROBE_PRECISION_NAMES, BudgetMode, ProbePrecision, ReusePolicy
 
@@ -162,6 +162,22 @@ def _fmt_guard(guard: tuple[float | None, float | None]) -> str:
     return f"{guard[0]:g}" + ("" if guard[1] is None else f"@{guard[1]:g}")
 
 
+def _parse_number(spec: str, part: str, wants: str, valid: Callable[[float], bool]) -> float:
+    """The finite number of a ``key=X`` part of a method spec, checked by ``valid``.
+
+    Raises:
+        MethodError: X is not a finite number that ``valid`` accepts (the message says ``wants``).
+    """
+    key, _, text = part.partition("=")
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not math.isfinite(x) or not valid(x):
+        raise MethodError(f"method '{spec}': {key}= takes {wants}, got '{part}'")
+    return x
+
+
 def _parse_guard(spec: str, text: str) -> tuple[float | None, float | None]:
     """``M``, ``M@G`` or ``off`` -> (margin, ratio)."""
     if text == "off":
@@ -217,24 +233,14 @@ def parse_method(spec: str) -> Method:
         if part.startswith("temp="):
             if temp is not None:
                 raise MethodError(f"method '{spec}': temp= given twice")
-            try:
-                temp = float(part[len("temp="):])
-            except ValueError:
-                raise MethodError(f"method '{spec}': temp= takes a number > 0, got '{part}'") from None
-            if not math.isfinite(temp) or temp <= 0:
-                raise MethodError(f"method '{spec}': temp= takes a number > 0, got '{part}'")
+            temp = _parse_number(spec, part, "a number > 0", lambda x: x > 0)
         elif part.startswith("cand="):
             if cand is not None or cand_off:
                 raise MethodError(f"method '{spec}': cand= given twice")
             if part == "cand=off":
                 cand_off = True
                 continue
-            try:
-                cand = float(part[len("cand="):])
-            except ValueError:
-                raise MethodError(f"method '{spec}': cand= takes a factor >= 1, got '{part}'") from None
-            if not math.isfinite(cand) or cand < 1:
-                raise MethodError(f"method '{spec}': cand= takes a factor >= 1, got '{part}'")
+            cand = _parse_number(spec, part, "a factor >= 1", lambda x: x >= 1)
         elif part.startswith("guard="):
             if guard is not None:
                 raise MethodError(f"method '{spec}': guard= given twice")
@@ -250,12 +256,7 @@ def parse_method(spec: str) -> Method:
                 raise MethodError(f"method '{spec}': auto given twice")
             auto = True
             if part != "auto":
-                try:
-                    auto_target = float(part[len("auto="):])
-                except ValueError:
-                    raise MethodError(f"method '{spec}': auto= takes a target > 0, got '{part}'") from None
-                if not math.isfinite(auto_target) or auto_target <= 0:
-                    raise MethodError(f"method '{spec}': auto= takes a target > 0, got '{part}'")
+                auto_target = _parse_number(spec, part, "a target > 0", lambda x: x > 0)
         elif part.startswith("check="):
             if checks:
                 raise MethodError(f"method '{spec}': check= given twice")
