@@ -33,7 +33,7 @@ from blend.models import LoadedModel, load_model
 from blend.policy import BudgetMode, ProbePrecision, ReuseMode, ReusePolicy
 from blend.probe import top2_margin
 from blend.probe_pass import probe_gemm_dtype, resolve_probe_precision
-from blend.prompt import Prompt, Segment, SegmentKind, build_prompt, preamble_segment
+from blend.prompt import Prompt, Segment, SegmentKind, Turn, build_prompt, preamble_segment
 from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport, Timings
 from blend.rope import rope_config_json
 from blend.segments import SegmentCache
@@ -236,9 +236,21 @@ class Engine:
     def dims(self):
         return self.runner.dims
 
-    def build_prompt(self, question: str, documents: Sequence[str], system: str | None = None) -> Prompt:
-        """Segment a question and documents into a prompt (see :mod:`blend.prompt`)."""
-        return build_prompt(self.tokenizer, question, documents, system)
+    def build_prompt(self, question: str, documents: Sequence[str], system: str | None = None,
+                     history: Sequence[Turn] = ()) -> Prompt:
+        """Segment a question and documents into a prompt (see :func:`blend.prompt.build_prompt`).
+
+        Args:
+            question: the user's question.
+            documents: document texts in prompt order.
+            system: system prompt (default :data:`blend.prompt.DEFAULT_SYSTEM`).
+            history: earlier turns of a conversation (``Turn(Role.USER | Role.ASSISTANT, text)``),
+                oldest first.
+
+        Returns:
+            The segmented prompt.
+        """
+        return build_prompt(self.tokenizer, question, documents, system, history)
 
     # ---- prefill --------------------------------------------------------------------------
 

@@ -4,6 +4,16 @@
       chat head   "text\\n\\n" each          "Question: ...<|im_end|>\\n<|im_start|>assistant\\n"
       + system
 
+A conversation (earlier user and assistant turns before the question) keeps
+that layout: the documents open the first user turn, as context for the whole
+conversation (where RAG chat engines put retrieved context), and the question
+segment carries the rest of the conversation, rendered by the chat template::
+
+    [ preamble | doc 1 | ... | doc k | u1 <end> assistant: a1 <end> user: Question: q <end> assistant: ]
+
+so the preamble is the same for every conversation with the same system
+prompt, and the documents' KV is keyed and reused as in a single question.
+
 Each segment is tokenized on its own (no special tokens added), so a
 document's token ids never depend on its neighbours and its KV can be keyed
 by its own tokens.
@@ -28,6 +38,21 @@ class SegmentKind(Enum):
     PREAMBLE = "preamble"
     DOCUMENT = "document"
     QUESTION = "question"
+
+
+class Role(Enum):
+    """Who spoke an earlier turn of a conversation."""
+
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One earlier turn of a conversation (before the question)."""
+
+    role: Role
+    text: str
 
 
 @dataclass(frozen=True)
@@ -84,6 +109,36 @@ def _template_parts(tokenizer, system: str) -> tuple[str, str]:
     raise InvalidRequestError("the tokenizer's chat template cannot be split around a user message")
 
 
+def _conversation_parts(tokenizer, system: str, history: Sequence[Turn], question: str) -> tuple[str, str]:
+    """Split a rendered conversation where the documents go: (head incl. system, the rest).
+
+    The documents open the first user turn (the history's, or the question's when the
+    history holds only assistant turns); the question is the last user turn.
+    """
+    turns = [{"role": t.role.value, "content": t.text} for t in history]
+    turns.append({"role": Role.USER.value, "content": f"Question: {question}"})
+    first = next(i for i, t in enumerate(turns) if t["role"] == Role.USER.value)
+    if not getattr(tokenizer, "chat_template", None):
+        lines = [f"{'Question' if t['role'] == Role.USER.value else 'Answer'}: {t['content']}\n"
+                 for t in turns[:-1]]
+        return f"{system}\n\n", "".join(lines) + f"Question: {question}\nAnswer:"
+    marked = [dict(t) for t in turns]
+    marked[first]["content"] = _SENTINEL + marked[first]["content"]
+    with_system = [{"role": "system", "content": system}, *marked]
+    inline = [dict(t) for t in marked]  # templates without a system role: it opens the first user turn
+    inline[first]["content"] = f"{system}\n\n{inline[first]['content']}"
+    for messages in (with_system, inline):
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template may reject the system role or the turn order
+            continue
+        if text.count(_SENTINEL) == 1:
+            head, rest = text.split(_SENTINEL, 1)
+            return head, rest
+    raise InvalidRequestError("the tokenizer's chat template cannot render this conversation "
+                              "(check the order of its user and assistant turns)")
+
+
 def tokenize_segment(tokenizer, text: str) -> tuple[int, ...]:
     """Token ids of one segment, with no special tokens added."""
     return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -100,7 +155,8 @@ def preamble_segment(tokenizer, system: str | None) -> Segment:
     return Segment(SegmentKind.PREAMBLE, tokenize_segment(tokenizer, head), head)
 
 
-def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str | None = None) -> Prompt:
+def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str | None = None,
+                 history: Sequence[Turn] = ()) -> Prompt:
     """Assemble a prompt from a question and documents.
 
     Args:
@@ -108,20 +164,48 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
         question: the user's question (non-empty).
         documents: document texts in prompt order (may be empty).
         system: system prompt; default :data:`DEFAULT_SYSTEM`.
+        history: earlier turns of the conversation, oldest first (may be empty); the
+            documents open its first user turn and the question segment carries the rest.
 
     Returns:
         The segmented prompt.
+
+    Raises:
+        InvalidRequestError: an empty question, document or turn, or a conversation the
+            chat template cannot render.
     """
     if not question or not question.strip():
         raise InvalidRequestError("the question is empty")
+    for i, turn in enumerate(history):
+        if not isinstance(turn, Turn) or not isinstance(turn.role, Role):
+            raise InvalidRequestError(f"history turn {i + 1} is not a Turn(Role, text)")
+        if not turn.text.strip():
+            raise InvalidRequestError(f"history turn {i + 1} ({turn.role.value}) is empty")
     system = system or DEFAULT_SYSTEM
+    if history:
+        head, rest = _conversation_parts(tokenizer, system, history, question.strip())
+        pre = preamble_segment(tokenizer, system)
+        if head != pre.text:  # a conversation opening with assistant turns: its own preamble
+            pre = Segment(SegmentKind.PREAMBLE, tokenize_segment(tokenizer, head), head)
+        return Prompt((pre, *_document_segments(tokenizer, documents),
+                       Segment(SegmentKind.QUESTION, tokenize_segment(tokenizer, rest), rest)))
     _, tail = _template_parts(tokenizer, system)
-    segs = [preamble_segment(tokenizer, system)]
+    segs = [preamble_segment(tokenizer, system), *_document_segments(tokenizer, documents)]
+    qtext = f"Question: {question.strip()}{tail}"
+    segs.append(Segment(SegmentKind.QUESTION, tokenize_segment(tokenizer, qtext), qtext))
+    return Prompt(tuple(segs))
+
+
+def _document_segments(tokenizer, documents: Sequence[str]) -> list[Segment]:
+    """One segment per document, in order.
+
+    Raises:
+        InvalidRequestError: an empty document.
+    """
+    segs = []
     for i, doc in enumerate(documents):
         if not doc or not doc.strip():
             raise InvalidRequestError(f"document {i + 1} is empty")
         text = document_text(doc)
         segs.append(Segment(SegmentKind.DOCUMENT, tokenize_segment(tokenizer, text), text))
-    qtext = f"Question: {question.strip()}{tail}"
-    segs.append(Segment(SegmentKind.QUESTION, tokenize_segment(tokenizer, qtext), qtext))
-    return Prompt(tuple(segs))
+    return segs

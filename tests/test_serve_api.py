@@ -14,6 +14,7 @@ from _serve_util import TINY, one_torch_thread, running_server, tiny_serve_engin
 from blend.defaults import DEFAULT_SELECTOR
 from blend.generation import generate
 from blend.policy import ReusePolicy
+from blend.prompt import Role, Turn
 from blend.sampling import GenerationConfig
 from blend.serve.config import Limits, SchedulerConfig, ServeConfig
 from conftest import make_docs
@@ -114,6 +115,24 @@ def test_server_answers_equal_the_python_api(srv, kvblend, sampling):
     assert got["choices"][0]["message"]["content"] == ref.text
 
 
+def test_a_conversation_is_answered_as_the_python_api_answers_it(srv):
+    turns = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "which harbor?"},
+             {"role": "assistant", "content": "The north one."}, {"role": "user", "content": "and which river?"}]
+    body = {**chat(max_tokens=6, kvblend={"reuse": "blend", "ratio": 0.15, "guard_margin": None}), "messages": turns}
+    got = post(srv, body)
+    assert got.status_code == 200, got.text
+    engine = srv.engine
+    history = (Turn(Role.USER, "which harbor?"), Turn(Role.ASSISTANT, "The north one."))
+    prompt = engine.build_prompt("and which river?", DOCS, "Answer briefly.", history)
+    ref = generate(engine, prompt, ReusePolicy.blend(ratio=0.15, guard_margin=None),
+                   GenerationConfig(max_tokens=6, temperature=0))
+    ext = got.json()["kvblend"]
+    assert ext["logits_sha256"] == ref.logits_sha256() and ext["answer_token_ids"] == ref.token_ids
+    assert got.json()["usage"]["prompt_tokens"] == len(prompt)
+    kinds = [s["kind"] for s in ext["report"]["segments"]]
+    assert kinds == ["preamble"] + ["document"] * len(DOCS) + ["question"]
+
+
 @pytest.mark.parametrize("body, status, needle", [
     (b"{not json", 400, "malformed JSON"),
     ({"model": TINY, "messages": "hello"}, 400, "messages"),
@@ -135,8 +154,12 @@ def test_server_answers_equal_the_python_api(srv, kvblend, sampling):
     (chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     (chat(logprobs=True), 400, "logprobs"),
     (chat(cache_salt=7), 400, "cache_salt"),
-    ({**chat(), "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                             {"role": "user", "content": "c"}]}, 400, "one user message"),
+    ({**chat(), "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, 400,
+     "last message must be the user's question"),
+    ({**chat(), "messages": [{"role": "system", "content": "s"}]}, 400, "last message must be the user's question"),
+    ({**chat(), "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "},
+                             {"role": "user", "content": "c"}]}, 400, "history turn 2 (assistant) is empty"),
+    ({**chat(), "messages": [{"role": "tool", "content": "a"}, {"role": "user", "content": "c"}]}, 400, "messages"),
     ({**chat(), "messages": [{"role": "user", "content": "   "}]}, 400, "question is empty"),
     (chat(model="gpt-4o"), 404, "not served here"),
     ({"model": TINY, "prompt": ["a", "b"]}, 400, "exactly one prompt"),

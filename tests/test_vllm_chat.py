@@ -16,7 +16,7 @@ from blend.errors import InvalidRequestError
 from blend.integrations.vllm.chat import chat_to_completion, completion_to_chat, is_kvblend_chat
 from blend.integrations.vllm.middleware import STREAM_KEY, DocumentsMiddleware
 from blend.integrations.vllm.plan import PARAMS_KEY, parse_blend_params, prompt_spans, salt_allows_blend
-from blend.prompt import build_prompt
+from blend.prompt import Role, Turn, build_prompt
 from blend.tiny import byte_tokenizer
 
 TOK = byte_tokenizer()
@@ -47,6 +47,19 @@ def test_a_blend_chat_becomes_a_completion_over_kvblends_own_prompt():
     assert not {"messages", "documents", "max_completion_tokens"} & set(rw)
 
 
+def test_a_conversation_keeps_its_turns_and_the_documents_spans():
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"},
+             {"role": "assistant", "content": "France."}, {"role": "user", "content": "Where is Rome?"}]
+    rw = chat_to_completion(chat_body(messages=turns), TOK)
+    want = build_prompt(TOK, "Where is Rome?", TEXTS, "Be brief.",
+                        (Turn(Role.USER, "Where is Paris?"), Turn(Role.ASSISTANT, "France.")))
+    assert rw["prompt"] == want.token_ids
+    params = parse_blend_params(rw["kv_transfer_params"], len(want))
+    assert params.spans == tuple(prompt_spans([len(s) for s in want.segments]))
+    single = build_prompt(TOK, "Where is Rome?", TEXTS, "Be brief.")
+    assert params.spans == tuple(prompt_spans([len(s) for s in single.segments]))  # the same chunks, same places
+
+
 def test_an_exact_chat_keeps_its_salt_and_names_no_spans():
     rw = chat_to_completion(chat_body(cache_salt="t", kv_transfer_params={PARAMS_KEY: {"mode": "exact"}}), TOK)
     assert rw["cache_salt"] == "t" and rw["kv_transfer_params"] == {PARAMS_KEY: {"mode": "exact"}}
@@ -71,8 +84,8 @@ def test_only_chats_with_documents_and_a_kvblend_entry_are_rewritten():
     ({"kv_transfer_params": {PARAMS_KEY: 3}}, "must be an object"),
     ({"tools": [{"type": "function"}]}, "'tools' is not supported"),
     ({"logprobs": True}, "'logprobs' is not supported"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                   {"role": "user", "content": "c"}]}, "exactly one user message"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+     "last message must be the user's question"),
     ({"messages": "hi"}, "messages"),
     ({"documents": ["ok", "   "]}, "document 2 is empty"),
     ({"documents": [{"txt": "x"}]}, "documents"),

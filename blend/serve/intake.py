@@ -87,9 +87,9 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
         raise ApiError(400, str(e), param="kvblend") from None
     try:
         if endpoint is Endpoint.CHAT:
-            system, question = body.system_and_question()
+            system, history, question = body.conversation()
         else:
-            system, question = None, body.question()
+            system, history, question = None, (), body.question()
     except ValueError as e:
         raise ApiError(400, str(e), param="messages" if endpoint is Endpoint.CHAT else "prompt") from None
     max_tokens = body.token_budget() or limits.default_max_tokens
@@ -107,7 +107,7 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
     except InvalidRequestError as e:
         raise ApiError(400, str(e)) from None
     try:
-        prompt = engine.build_prompt(question, docs, system)
+        prompt = engine.build_prompt(question, docs, system, history)
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param="messages" if endpoint is Endpoint.CHAT else "prompt") from None
     context = engine.dims.max_positions

@@ -25,6 +25,7 @@ from blend.defaults import (
     DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR,
 )
 from blend.policy import PROBE_PRECISION_NAMES, SELECTOR_NAMES
+from blend.prompt import Role, Turn
 
 Selector = Literal[SELECTOR_NAMES]  # type: ignore[valid-type]
 ProbePrecisionName = Literal[PROBE_PRECISION_NAMES]  # type: ignore[valid-type]
@@ -87,19 +88,26 @@ def document_text_of(doc: Union[Document, str]) -> str:
     return f"{doc.title}\n{doc.text}" if doc.title else doc.text
 
 
-def system_and_question(messages: list[ChatMessage]) -> tuple[str | None, str]:
-    """The system prompt (system/developer messages joined) and the question (the one user message).
+def conversation(messages: list[ChatMessage]) -> tuple[str | None, tuple[Turn, ...], str]:
+    """A chat's system prompt, earlier turns and question.
+
+    System and developer messages are joined into the system prompt; the last message must be
+    the user's (the question); the user and assistant messages before it are the conversation's
+    history, in order.
+
+    Returns:
+        (system or None, history turns oldest first, question).
 
     Raises:
-        ValueError: not exactly one user message, or an assistant turn (kvblend answers one question
-            per request: its prompt is [system | documents | question]).
+        ValueError: no user message, or the last message is not the user's.
     """
-    users = [m for m in messages if m.role == "user"]
-    if any(m.role == "assistant" for m in messages) or len(users) != 1:
-        raise ValueError("kvblend answers one question per request: send exactly one user message "
-                         "(plus optional system messages); earlier turns are not supported")
+    turns = [m for m in messages if m.role in ("user", "assistant")]
+    if not turns or turns[-1].role != "user" or messages[-1].role != "user":
+        raise ValueError("the last message must be the user's question (earlier user and assistant "
+                         "turns are its history; system messages set the system prompt)")
     system = "\n\n".join(m.text() for m in messages if m.role in ("system", "developer")) or None
-    return system, users[0].text()
+    history = tuple(Turn(Role(m.role), m.text()) for m in turns[:-1])
+    return system, history, turns[-1].text()
 
 
 class _Common(BaseModel):
@@ -151,14 +159,13 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
-    def system_and_question(self) -> tuple[str | None, str]:
-        """The system prompt (system/developer messages joined) and the question (the one user message).
+    def conversation(self) -> tuple[str | None, tuple[Turn, ...], str]:
+        """The system prompt, the earlier turns and the question (see :func:`conversation`).
 
         Raises:
-            ValueError: not exactly one user message, or an assistant turn (kvblend answers one question
-                per request: its prompt is [system | documents | question]).
+            ValueError: no user message, or the last message is not the user's.
         """
-        return system_and_question(self.messages)
+        return conversation(self.messages)
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

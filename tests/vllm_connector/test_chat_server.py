@@ -131,11 +131,10 @@ def test_a_streamed_chat_with_documents_equals_the_whole_answer(server):
 def test_a_malformed_kvblend_chat_is_a_400_and_a_plain_chat_is_vllms_own(server):
     client, model = server
     question, docs = _item(9)
-    with pytest.raises(openai.BadRequestError, match="exactly one user message"):
+    with pytest.raises(openai.BadRequestError, match="last message must be the user's question"):
         client.chat.completions.create(
-            model=model, max_tokens=4, messages=[{"role": "user", "content": "a"},
-                                                 {"role": "assistant", "content": "b"},
-                                                 {"role": "user", "content": question}],
+            model=model, max_tokens=4, messages=[{"role": "user", "content": question},
+                                                 {"role": "assistant", "content": "b"}],
             extra_body={"documents": docs, "kv_transfer_params": {PARAMS_KEY: {"mode": "blend"}}})
     plain = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
                                            max_tokens=4, temperature=0)

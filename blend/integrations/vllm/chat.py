@@ -14,7 +14,7 @@ found in text; the document tokens are the ones kvblend keys its chunk KV by,
 so vLLM, ``kvblend serve`` and the Python API share those chunks. The
 completion is turned back into a chat completion (or chunk, when streaming).
 
-    {"messages": [{"role": "system", ...}?, {"role": "user", "content": QUESTION}],
+    {"messages": [{"role": "system", ...}?, earlier user/assistant turns?, {"role": "user", "content": QUESTION}],
      "documents": [{"text": ..., "title"?: ...} | "text", ...],
      "kv_transfer_params": {"kvblend": {"mode": "blend", "ratio": 0.15, "selector": "probe"}},
      "cache_salt"?: TENANT, ...sampling fields as in any chat request}
@@ -30,7 +30,7 @@ from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR
 from blend.errors import InvalidRequestError
 from blend.integrations.vllm.plan import PARAMS_KEY, blend_request, blend_salt, prompt_spans
 from blend.prompt import build_prompt
-from blend.serve.schemas import ChatMessage, Document, document_text_of, system_and_question
+from blend.serve.schemas import ChatMessage, Document, conversation, document_text_of
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -111,10 +111,10 @@ def chat_to_completion(body: dict[str, Any], tokenizer) -> dict[str, Any]:
     if tenant is not None and not isinstance(tenant, str):
         raise InvalidRequestError("cache_salt must be a string")
     try:
-        system, question = system_and_question(messages)
+        system, history, question = conversation(messages)
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
-    prompt = build_prompt(tokenizer, question, _document_texts(body["documents"]), system)
+    prompt = build_prompt(tokenizer, question, _document_texts(body["documents"]), system, history)
     ids = prompt.token_ids
     params, salt = dict(body["kv_transfer_params"]), tenant
     if mode == "blend":

@@ -1,0 +1,112 @@
+"""Conversations: earlier user and assistant turns before the question.
+
+The documents open the first user turn and the question segment carries the rest of the
+conversation, so (1) the prompt is exactly what the chat template renders for that
+conversation, (2) its preamble and the documents' keys are those of a single question, and
+(3) a follow-up turn over the same documents is an exact hit on their KV.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from blend.errors import InvalidRequestError
+from blend.policy import ReusePolicy
+from blend.prompt import DEFAULT_SYSTEM, Role, SegmentKind, Turn, build_prompt, document_text
+from blend.report import ReuseClass
+from conftest import make_docs, unguarded_blend
+
+DOCS = make_docs(3, words=25, seed=11)
+HISTORY = (Turn(Role.USER, "Where is the harbor?"), Turn(Role.ASSISTANT, "North of the river."))
+
+
+def rendered(tok, system: str, turns: list[dict]) -> str:
+    return tok.apply_chat_template([{"role": "system", "content": system}, *turns], tokenize=False,
+                                   add_generation_prompt=True)
+
+
+def test_a_conversation_is_the_chat_templates_rendering_with_the_documents_in_its_first_user_turn(tiny_engine):
+    tok = tiny_engine.tokenizer
+    prompt = build_prompt(tok, "And the bridge?", DOCS, None, HISTORY)
+    docs = "".join(document_text(d) for d in DOCS)
+    want = rendered(tok, DEFAULT_SYSTEM, [{"role": "user", "content": docs + "Where is the harbor?"},
+                                          {"role": "assistant", "content": "North of the river."},
+                                          {"role": "user", "content": "Question: And the bridge?"}])
+    assert "".join(s.text for s in prompt.segments) == want
+    assert [s.kind for s in prompt.segments] == [SegmentKind.PREAMBLE] + [SegmentKind.DOCUMENT] * 3 + [
+        SegmentKind.QUESTION]
+    assert prompt.token_ids == [t for s in prompt.segments for t in s.token_ids]
+    assert prompt.question.text.startswith("Where is the harbor?") and "North of the river." in prompt.question.text
+
+
+def test_its_preamble_and_documents_are_a_single_questions(tiny_engine):
+    single = tiny_engine.build_prompt("And the bridge?", DOCS)
+    talk = tiny_engine.build_prompt("And the bridge?", DOCS, history=HISTORY)
+    assert talk.preamble == single.preamble and talk.documents == single.documents
+    keys = [tiny_engine.segments.canonical_key(p.preamble.token_ids, d.token_ids)
+            for p in (single, talk) for d in p.documents]
+    assert keys[:3] == keys[3:]
+    assert talk.question != single.question
+
+
+def test_no_history_is_the_single_question_layout(tiny_engine):
+    tok = tiny_engine.tokenizer
+    prompt = build_prompt(tok, "Why?", DOCS, "Be brief.", ())
+    docs = "".join(document_text(d) for d in DOCS)
+    assert "".join(s.text for s in prompt.segments) == rendered(tok, "Be brief.", [
+        {"role": "user", "content": docs + "Question: Why?"}])
+
+
+def test_a_conversation_opening_with_the_assistant_gets_its_own_preamble(tiny_engine):
+    tok = tiny_engine.tokenizer
+    prompt = build_prompt(tok, "Why?", DOCS, None, (Turn(Role.ASSISTANT, "Hello, ask me anything."),))
+    docs = "".join(document_text(d) for d in DOCS)
+    assert "".join(s.text for s in prompt.segments) == rendered(tok, DEFAULT_SYSTEM, [
+        {"role": "assistant", "content": "Hello, ask me anything."}, {"role": "user", "content": docs + "Question: Why?"}])
+    assert prompt.preamble != tiny_engine.build_prompt("Why?", DOCS).preamble
+    assert "Hello, ask me anything." in prompt.preamble.text
+
+
+def test_without_a_chat_template_turns_are_question_and_answer_lines(tiny_engine):
+    tok = copy.copy(tiny_engine.tokenizer)
+    tok.chat_template = None
+    prompt = build_prompt(tok, "And the bridge?", ["Doc one."], "Sys.", HISTORY)
+    assert "".join(s.text for s in prompt.segments) == (
+        "Sys.\n\nDoc one.\n\nQuestion: Where is the harbor?\nAnswer: North of the river.\n"
+        "Question: And the bridge?\nAnswer:")
+
+
+@pytest.mark.parametrize("history, needle", [
+    ((Turn(Role.USER, "  "),), "history turn 1 (user) is empty"),
+    ((Turn(Role.USER, "a"), Turn(Role.ASSISTANT, "")), "history turn 2 (assistant) is empty"),
+    ((("user", "a"),), "not a Turn"),
+])
+def test_a_bad_turn_is_refused(tiny_engine, history, needle):
+    with pytest.raises(InvalidRequestError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        tiny_engine.build_prompt("Why?", DOCS, history=history)
+
+
+def test_a_follow_up_over_the_same_documents_is_an_exact_hit_on_their_kv(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    first = eng.generate(eng.build_prompt("Where is the harbor?", DOCS), ReusePolicy.exact(), max_new_tokens=4)
+    follow = eng.build_prompt("And the bridge?", DOCS, history=HISTORY)
+    warm = eng.generate(follow, ReusePolicy.exact(), max_new_tokens=4)
+    assert [s.reuse_class for s in first.report.segments][:4] == [ReuseClass.COMPUTED] * 4
+    assert [s.reuse_class for s in warm.report.segments] == [ReuseClass.EXACT] * 4 + [ReuseClass.COMPUTED]
+    cold = tiny_engine_factory().generate(follow, ReusePolicy.none(), max_new_tokens=4)
+    assert torch.equal(warm.first_logits, cold.first_logits) and warm.token_ids == cold.token_ids
+
+
+def test_a_follow_up_over_reordered_documents_blends_them(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    eng.generate(eng.build_prompt("Where is the harbor?", DOCS), ReusePolicy.exact(), max_new_tokens=1)
+    follow = eng.build_prompt("And the bridge?", DOCS[::-1], history=HISTORY)
+    full = eng.generate(follow, ReusePolicy.none(), max_new_tokens=1)
+    whole = eng.generate(follow, unguarded_blend(ratio=1.0), max_new_tokens=1)
+    assert (whole.first_logits - full.first_logits).abs().max() <= 1e-4  # ratio 1.0 == full prefill
+    part = eng.generate(follow, unguarded_blend(ratio=0.15), max_new_tokens=1)
+    assert {s.reuse_class for s in part.report.segments[1:4]} <= {ReuseClass.BLENDED, ReuseClass.EXACT}
+    assert part.report.reused_tokens > 0
