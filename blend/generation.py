@@ -30,6 +30,7 @@ import torch
 
 from blend.batch_decode import DecodeBatching, decode_batch
 from blend.kvcache import KVCache
+from blend.logprobs import TokenLogprob, token_logprob
 from blend.prompt import Prompt
 from blend.policy import ReusePolicy
 from blend.report import ReuseReport
@@ -88,6 +89,8 @@ class TokenStream:
         self.finish_reason: FinishReason | None = None
         self._hash = hashlib.sha256()  # over every logits row a token was sampled from
         self._steps = 0
+        self.logprobs: list[TokenLogprob] = []  # one per answer token, when config.logprobs is set
+        self._logprobs_taken = 0
 
     @property
     def finished(self) -> bool:
@@ -121,6 +124,8 @@ class TokenStream:
         if cfg.stop_at_newline and "\n" in self.tokenizer.decode([tok]):
             return self._finish(FinishReason.STOP, self._decoded())
         self.tokens.append(tok)
+        if cfg.logprobs is not None:
+            self.logprobs.append(token_logprob(logits, tok, cfg.logprobs))
         full = self._decoded()
         cut = self._stop_index(full)
         if cut is not None:
@@ -128,6 +133,12 @@ class TokenStream:
         if len(self.tokens) >= cfg.max_tokens:
             return self._finish(FinishReason.LENGTH, full)
         return self._emit(full[: self._safe_end(full)])
+
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The answer tokens' log-probabilities recorded since the last call (for a stream's chunks)."""
+        new = tuple(self.logprobs[self._logprobs_taken:])
+        self._logprobs_taken = len(self.logprobs)
+        return new
 
     def finish_length(self) -> str:
         """End the answer for lack of room (the context is full); returns the flushed text."""
@@ -183,6 +194,7 @@ class Completion:
     report: ReuseReport
     usage: Usage
     seed: int
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per answer token, when the config asked for them
 
     def logits_sha256(self) -> str:
         return logits_sha256(self.first_logits)
@@ -236,6 +248,7 @@ class Generation:
             finish_reason=s.finish_reason, first_logits=first, steps_sha256=s.steps_sha256, ttft_s=ttft,
             e2e_s=time.perf_counter() - t0, report=report,
             usage=Usage(len(self.prompt), len(s.tokens), report.reused_tokens), seed=s.sampler.seed,
+            logprobs=tuple(s.logprobs) if self.config.logprobs is not None else None,
         )
 
     def _decode(self, cache: KVCache) -> torch.Tensor:

@@ -21,6 +21,7 @@ from blend.errors import InvalidRequestError
 DEFAULT_MAX_TOKENS = 32  # the Python API's and the CLI's budget (the server has its own, see blend.serve.config)
 MAX_STOP_STRINGS = 4  # as OpenAI allows
 MAX_STOP_CHARS = 64
+MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit, vLLM's default)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class GenerationConfig:
             (the engine's historical single-line answers).
         ignore_eos: keep going past end-of-sequence tokens (fixed-length answers for
             benchmarks, as vLLM's ``ignore_eos``).
+        logprobs: None = off; N = record each answer token's log-probability and the N
+            most likely alternatives of its step (0..MAX_TOP_LOGPROBS; see :mod:`blend.logprobs`).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -48,6 +51,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     stop_at_newline: bool = False
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -68,6 +72,10 @@ class GenerationConfig:
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
                 raise InvalidRequestError(f"each stop string must be 1..{MAX_STOP_CHARS} characters, got {s!r}")
+        n = self.logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per "
+                                      f"token) or None, got {n!r}")
 
     @property
     def greedy(self) -> bool:

@@ -69,3 +69,20 @@ def test_sample_uses_only_the_given_generator():
 def test_bad_settings_are_clear_errors(kw, message):
     with pytest.raises(InvalidRequestError, match=message):
         GenerationConfig(**kw)
+
+
+def test_logprobs_are_the_rows_log_softmax_with_its_best_alternatives():
+    from blend.logprobs import token_logprob
+
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    e = token_logprob(logits, 2, 2)
+    ref = torch.log_softmax(logits, -1)
+    assert e.token_id == 2 and e.logprob == pytest.approx(float(ref[2]))
+    assert [t for t, _ in e.top] == [1, 2] and e.top[0][1] == pytest.approx(float(ref[1]))
+    assert token_logprob(logits, 0, 0).top == ()
+
+
+@pytest.mark.parametrize("bad", [-1, 21, True, 1.5])
+def test_logprobs_setting_is_checked(bad):
+    with pytest.raises(InvalidRequestError, match="logprobs"):
+        GenerationConfig(logprobs=bad)

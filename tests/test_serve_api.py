@@ -133,6 +133,39 @@ def test_a_conversation_is_answered_as_the_python_api_answers_it(srv):
     assert kinds == ["preamble"] + ["document"] * len(DOCS) + ["question"]
 
 
+def test_logprobs_are_the_python_apis_in_openais_shapes_streamed_or_not(srv, client):
+    engine = srv.engine
+    cfg = GenerationConfig(max_tokens=8, temperature=0, logprobs=3)
+    ref = generate(engine, engine.build_prompt("which river?", DOCS), ReusePolicy.exact(), cfg)
+    assert len(ref.logprobs) == len(ref.token_ids) > 0
+    r = client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "which river?"}],
+                                       max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+                                       extra_body={"documents": DOCS})
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == [e.logprob for e in ref.logprobs]
+    assert [c.token for c in content] == [engine.tokenizer.decode([t]) for t in ref.token_ids]
+    for c, e in zip(content, ref.logprobs):
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob  # greedy: the argmax
+        assert [t.logprob for t in c.top_logprobs] == [lp for _, lp in e.top]
+        assert c.bytes == list(c.token.encode("utf-8"))
+    parts = list(client.chat.completions.create(
+        model=TINY, messages=[{"role": "user", "content": "which river?"}], max_tokens=8, temperature=0,
+        logprobs=True, top_logprobs=3, stream=True, extra_body={"documents": DOCS}))
+    streamed = [c for p in parts for ch in p.choices if ch.logprobs for c in ch.logprobs.content]
+    assert [c.logprob for c in streamed] == [c.logprob for c in content]
+    plain = client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "which river?"}],
+                                           max_tokens=8, temperature=0, extra_body={"documents": DOCS})
+    assert plain.choices[0].logprobs is None
+    done = client.completions.create(model=TINY, prompt="which river?", max_tokens=8, temperature=0, logprobs=2,
+                                     extra_body={"documents": DOCS})
+    lp = done.choices[0].logprobs
+    assert lp.token_logprobs == [e.logprob for e in ref.logprobs]
+    assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == len(ref.token_ids)
+    assert lp.text_offset[0] == 0 and all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:],
+                                                                               lp.tokens))
+    assert all(len(alts) <= 2 for alts in lp.top_logprobs)
+
+
 @pytest.mark.parametrize("body, status, needle", [
     (b"{not json", 400, "malformed JSON"),
     ({"model": TINY, "messages": "hello"}, 400, "messages"),
@@ -152,7 +185,10 @@ def test_a_conversation_is_answered_as_the_python_api_answers_it(srv):
     (chat(documents=[{"text": "x", "page": 3}]), 400, "documents.0"),
     (chat(n=2), 400, "n:"),
     (chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
-    (chat(logprobs=True), 400, "logprobs"),
+    (chat(top_logprobs=2), 400, "top_logprobs needs logprobs: true"),
+    (chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    (chat(logprobs=2), 400, "logprobs"),
+    ({"model": TINY, "prompt": "a", "logprobs": True}, 400, "logprobs"),
     (chat(cache_salt=7), 400, "cache_salt"),
     ({**chat(), "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, 400,
      "last message must be the user's question"),

@@ -35,8 +35,8 @@ from blend.serve.asgi import read_body, replay_body
 from blend.serve.config import ServeConfig
 from blend.serve.metrics import ServeMetrics
 from blend.serve.protocol import (
-    DONE, Endpoint, ErrorType, ResponseHead, error_body, final_chunk, full_body, kvblend_extension, sse, text_chunk,
-    usage_chunk,
+    DONE, Endpoint, ErrorType, LogprobFormat, ResponseHead, error_body, final_chunk, full_body, kvblend_extension, sse,
+    text_chunk, usage_chunk,
 )
 from blend.serve.intake import ApiError, Job, prepare
 from blend.serve.scheduler import Event, EventKind, QueueFullError, Scheduler, Ticket
@@ -242,22 +242,24 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
                 raise _error_for(ev.error)
             c = ev.completion
             ext = kvblend_extension(c, job.prompt, engine.tokenizer, job.return_tokens)
-            return JSONResponse(full_body(head, c, ext))
+            return JSONResponse(full_body(head, c, ext, LogprobFormat(endpoint, engine.tokenizer, job.logprobs)))
         except ClientGone:
             return Response(status_code=STATUS_CLIENT_GONE)
         finally:
             watch.close()
 
     async def _events(first: Event, queue: asyncio.Queue, ticket: Ticket, head: ResponseHead, job: Job):
+        lp = LogprobFormat(head.endpoint, engine.tokenizer, job.logprobs)
         try:
-            yield text_chunk(head, first.text, first=True)
+            yield text_chunk(head, first.text, first=True, logprobs=lp.format(first.logprobs))
             while True:
                 ev: Event = await queue.get()
                 if ev.kind is EventKind.TEXT:
-                    yield text_chunk(head, ev.text)
+                    yield text_chunk(head, ev.text, logprobs=lp.format(ev.logprobs))
                 elif ev.kind is EventKind.DONE:
                     c = ev.completion
-                    yield final_chunk(head, c, kvblend_extension(c, job.prompt, engine.tokenizer, job.return_tokens))
+                    yield final_chunk(head, c, kvblend_extension(c, job.prompt, engine.tokenizer, job.return_tokens),
+                                      lp.format(ev.logprobs))
                     if job.include_usage:
                         yield usage_chunk(head, c)
                     break

@@ -43,6 +43,11 @@ class Job:
     include_usage: bool
     return_tokens: bool
 
+    @property
+    def logprobs(self) -> bool:
+        """The request asked for its tokens' log-probabilities."""
+        return self.config.logprobs is not None
+
 
 def policy_for(opts: KvblendOptions, salt: str) -> ReusePolicy:
     """The request's reuse policy (same gates as the CLI: blend and semantic are opt-ins)."""
@@ -71,8 +76,10 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
     if body.model is not None and body.model not in (cfg.model_id, engine.model_name):
         raise ApiError(404, f"model {body.model!r} is not served here; this server serves {cfg.model_id!r}",
                        ErrorType.NOT_FOUND, "model", "model_not_found")
-    if body.logprobs:
-        raise ApiError(400, "logprobs are not supported by kvblend", param="logprobs")
+    try:
+        logprobs = body.logprob_alternatives()
+    except ValueError as e:
+        raise ApiError(400, str(e), param="top_logprobs") from None
     docs = body.document_texts()
     if len(docs) > limits.max_documents:
         raise ApiError(413, f"{len(docs)} documents; this server takes at most {limits.max_documents} per request",
@@ -103,6 +110,7 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
             temperature=cfg.default_temperature if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
             stop=stop_strings(body.stop), stop_at_newline=opts.stop_at_newline, ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
         )
     except InvalidRequestError as e:
         raise ApiError(400, str(e)) from None

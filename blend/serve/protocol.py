@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from blend.generation import Completion
+from blend.logprobs import TokenLogprob
 from blend.prompt import Prompt
 
 
@@ -68,25 +69,73 @@ def kvblend_extension(c: Completion, prompt: Prompt, tokenizer, return_tokens: b
     return ext
 
 
-def full_body(head: ResponseHead, c: Completion, ext: dict) -> dict:
+class LogprobFormat:
+    """OpenAI's ``logprobs`` object of one response, chunk by chunk (its text offsets run on).
+
+    Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
+    "refusal": null}``; completions: ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+    "text_offset"}``. A token's text is its own decoding (a piece of a multi-byte character decodes
+    to U+FFFD), ``bytes`` that text's UTF-8.
+
+    Args:
+        endpoint: which shape.
+        tokenizer: decodes token ids.
+        enabled: False when the request did not ask for logprobs (every chunk then says null).
+    """
+
+    def __init__(self, endpoint: Endpoint, tokenizer, enabled: bool) -> None:
+        self.endpoint = endpoint
+        self.tokenizer = tokenizer
+        self.enabled = enabled
+        self._offset = 0  # characters of the answer's tokens formatted so far (completions' text_offset)
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        text = self._text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def format(self, entries: tuple[TokenLogprob, ...] | None) -> dict | None:
+        """The ``logprobs`` object for these answer tokens (None when logprobs are off)."""
+        if not self.enabled or entries is None:
+            return None
+        if self.endpoint is Endpoint.CHAT:
+            return {"content": [{**self._chat_entry(e.token_id, e.logprob),
+                                 "top_logprobs": [self._chat_entry(t, lp) for t, lp in e.top]} for e in entries],
+                    "refusal": None}
+        tokens, offsets = [], []
+        for e in entries:
+            text = self._text(e.token_id)
+            tokens.append(text)
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+
+def full_body(head: ResponseHead, c: Completion, ext: dict, logprobs: LogprobFormat) -> dict:
     """A non-streamed response."""
+    lp = logprobs.format(c.logprobs)
     if head.endpoint is Endpoint.CHAT:
         choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "finish_reason": c.finish_reason.value, "logprobs": None}
+                  "finish_reason": c.finish_reason.value, "logprobs": lp}
     else:
-        choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason.value, "logprobs": None}
+        choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason.value, "logprobs": lp}
     return {**head.base(chunk=False), "choices": [choice], "usage": c.usage.to_dict(), "kvblend": ext}
 
 
-def _choice(head: ResponseHead, text: str | None, finish: str | None, first: bool = False) -> dict:
+def _choice(head: ResponseHead, text: str | None, finish: str | None, first: bool = False,
+            logprobs: dict | None = None) -> dict:
     if head.endpoint is Endpoint.CHAT:
         delta: dict = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-    return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
 
 
 def sse(data: dict | str) -> str:
@@ -95,14 +144,16 @@ def sse(data: dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
-def text_chunk(head: ResponseHead, text: str, first: bool = False) -> str:
-    return sse({**head.base(chunk=True), "choices": [_choice(head, text, None, first)]})
+def text_chunk(head: ResponseHead, text: str, first: bool = False, logprobs: dict | None = None) -> str:
+    """A chunk of answer text (with its tokens' ``logprobs`` object when asked for)."""
+    return sse({**head.base(chunk=True), "choices": [_choice(head, text, None, first, logprobs)]})
 
 
-def final_chunk(head: ResponseHead, c: Completion, ext: dict) -> str:
-    """The chunk with ``finish_reason`` and the kvblend extension."""
+def final_chunk(head: ResponseHead, c: Completion, ext: dict, logprobs: dict | None = None) -> str:
+    """The chunk with ``finish_reason`` and the kvblend extension (and the last tokens' logprobs)."""
     return sse({**head.base(chunk=True), "choices": [_choice(head, None if head.endpoint is Endpoint.CHAT else "",
-                                                             c.finish_reason.value)], "kvblend": ext})
+                                                             c.finish_reason.value, logprobs=logprobs)],
+                "kvblend": ext})
 
 
 def usage_chunk(head: ResponseHead, c: Completion) -> str:

@@ -75,6 +75,7 @@ from blend.decode_pool import DecodePool, PoolSlotCache
 from blend.errors import KVBlendError
 from blend.generation import Completion, TokenStream, Usage
 from blend.kvcache import KVCache
+from blend.logprobs import TokenLogprob
 from blend.policy import ReuseMode, ReusePolicy
 from blend.prompt import Prompt
 from blend.report import ReuseReport
@@ -109,6 +110,7 @@ class Event:
     ttft_s: float = 0.0
     completion: Completion | None = None
     error: BaseException | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # answer tokens decided since the last event (streams' chunks)
 
 
 Sink = Callable[[Event], None]  # must not block: called from the scheduler's threads
@@ -378,7 +380,8 @@ class Scheduler:
         job.first_logits, job.cache, job.report = first, cache, report
         job.stream = TokenStream(engine.tokenizer, engine.eos_ids, job.config)
         text = job.stream.step(first)
-        self._emit(job, Event(EventKind.STARTED, text=text, report=report, ttft_s=job.ttft_s))
+        self._emit(job, Event(EventKind.STARTED, text=text, report=report, ttft_s=job.ttft_s,
+                              logprobs=job.stream.take_logprobs()))
         if self.metrics is not None:
             self.metrics.on_prefill(report, job.ttft_s)
             self.metrics.on_tokens(len(job.stream.tokens))
@@ -465,7 +468,7 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.on_tokens(len(job.stream.tokens) - before)
             if text:
-                self._emit(job, Event(EventKind.TEXT, text=text))
+                self._emit(job, Event(EventKind.TEXT, text=text, logprobs=job.stream.take_logprobs()))
             if job.stream.finished:
                 self._complete(job)
             else:
@@ -569,13 +572,14 @@ class Scheduler:
             finish_reason=s.finish_reason, first_logits=job.first_logits, steps_sha256=s.steps_sha256,
             ttft_s=job.ttft_s, e2e_s=e2e, report=report,
             usage=Usage(len(job.prompt), len(s.tokens), report.reused_tokens), seed=s.sampler.seed,
+            logprobs=tuple(s.logprobs) if job.config.logprobs is not None else None,
         )
         self._e2e_ewma_s = 0.9 * self._e2e_ewma_s + 0.1 * e2e
         if self.metrics is not None:
             self.metrics.on_finish(e2e)
         self.completed += 1
         self._retire(job)
-        self._emit(job, Event(EventKind.DONE, completion=completion))
+        self._emit(job, Event(EventKind.DONE, completion=completion, logprobs=s.take_logprobs()))
 
     @staticmethod
     def _emit(job: _Job, event: Event) -> None:

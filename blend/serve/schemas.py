@@ -6,6 +6,7 @@
      "kvblend": {"reuse": "exact"|"blend"|"none", "ratio": 0.15, "selector": "probe", "semantic": false,
                  "stop_at_newline": false, "return_tokens": false},
      "temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stream", "stream_options", "n": 1,
+     "logprobs": true, "top_logprobs": N   (chat)  |  "logprobs": N   (completions),
      "ignore_eos": false}                                           (vLLM's; fixed-length answers)
 
 Unknown top-level fields (OpenAI's ``user``, ``presence_penalty`` ...) are
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from blend.defaults import (
     DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO,
@@ -26,6 +27,7 @@ from blend.defaults import (
 )
 from blend.policy import PROBE_PRECISION_NAMES, SELECTOR_NAMES
 from blend.prompt import Role, Turn
+from blend.sampling import MAX_TOP_LOGPROBS
 
 Selector = Literal[SELECTOR_NAMES]  # type: ignore[valid-type]
 ProbePrecisionName = Literal[PROBE_PRECISION_NAMES]  # type: ignore[valid-type]
@@ -128,7 +130,6 @@ class _Common(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
-    logprobs: Union[StrictBool, int, None] = None  # not supported: refused when asked for
     ignore_eos: StrictBool = False  # vLLM's extension: fixed-length answers (benchmarks)
 
     @field_validator("documents")
@@ -158,6 +159,20 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprob_alternatives(self) -> int | None:
+        """Alternatives per answer token to report (None: no logprobs).
+
+        Raises:
+            ValueError: ``top_logprobs`` without ``logprobs: true`` (as OpenAI refuses it).
+        """
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise ValueError("top_logprobs needs logprobs: true")
+            return None
+        return self.top_logprobs or 0
 
     def conversation(self) -> tuple[str | None, tuple[Turn, ...], str]:
         """The system prompt, the earlier turns and the question (see :func:`conversation`).
@@ -175,6 +190,11 @@ class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is the question (laid into the model's chat template)."""
 
     prompt: Union[str, list[str]]
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
+
+    def logprob_alternatives(self) -> int | None:
+        """Alternatives per answer token to report (None: no logprobs)."""
+        return self.logprobs
 
     def question(self) -> str:
         if isinstance(self.prompt, list):
