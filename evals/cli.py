@@ -39,7 +39,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         The same parser.
     """
     p.add_argument("--data", required=True,
-                   help="CacheBlend-style JSON/JSONL file, or synthetic:single / synthetic:two-hop")
+                   help="JSON/JSONL file of CacheBlend records ({ctxs, question, answers}) or of your own questions "
+                        "({question, documents}; answers optional), or synthetic:single / synthetic:two-hop")
     p.add_argument("--limit", type=_positive, default=30, help="number of items (default 30)")
     p.add_argument("--items", default=None,
                    help="item range A-B of the data, 0-based inclusive (overrides --limit), e.g. 30-99 "

@@ -4,6 +4,16 @@ Record format (as in ``../shared/data/musique_dev.json``)::
 
     {"ctxs": [{"title": "...", "text": "..."}, ...], "question": "...", "answers": ["...", ...]}
 
+or, for a user's own questions (what a RAG pipeline logs), the server's shape::
+
+    {"question": "...", "documents": ["...", {"title": "...", "text": "..."}, ...]}
+
+``answers`` is optional: without gold answers the answer-vs-gold scores (F1,
+EM, Rouge-L, contains) are null for that item, and every measure against
+full prefill (first-token KL and top-1, teacher-forced agreement, TTFT
+ratio) is computed as usual, which is what decides whether blending is safe
+on those questions.
+
 A file is either a JSON list of records or JSONL (one record per line). An
 optional string ``id`` is kept. A malformed file raises :class:`DataError`
 whose message names the file, the item index (and JSONL line) and the field;
@@ -48,35 +58,41 @@ def parse_record(rec: Any, index: int, where: str = "") -> Item:
     """
     loc = f"item {index}{where}"
     if not isinstance(rec, dict):
-        raise DataError(f"{loc}: must be an object with ctxs, question, answers; got {_type_name(rec)}")
-    for field in ("ctxs", "question", "answers"):
-        if field not in rec:
-            raise DataError(f"{loc}: missing field '{field}'")
+        raise DataError(f"{loc}: must be an object with question and ctxs (or documents); got {_type_name(rec)}")
+    if "question" not in rec:
+        raise DataError(f"{loc}: missing field 'question'")
     q = rec["question"]
     if not isinstance(q, str) or not q.strip():
         raise DataError(f"{loc}: field 'question' must be a non-empty string, got {_type_name(q)}")
-    answers = rec["answers"]
-    if isinstance(answers, str) or not isinstance(answers, list) or not answers:
-        raise DataError(f"{loc}: field 'answers' must be a non-empty list of strings, got {_type_name(answers)}")
+    answers = rec.get("answers", [])
+    if answers is None:
+        answers = []
+    if isinstance(answers, str) or not isinstance(answers, list):
+        raise DataError(f"{loc}: field 'answers' must be a list of strings, got {_type_name(answers)}")
     for j, a in enumerate(answers):
         if not isinstance(a, str):
             raise DataError(f"{loc}: field 'answers[{j}]' must be a string, got {_type_name(a)}")
-    ctxs = rec["ctxs"]
+    if ("ctxs" in rec) == ("documents" in rec):
+        raise DataError(f"{loc}: needs exactly one of 'ctxs' and 'documents'")
+    field = "ctxs" if "ctxs" in rec else "documents"
+    ctxs = rec[field]
     if not isinstance(ctxs, list) or not ctxs:
-        raise DataError(f"{loc}: field 'ctxs' must be a non-empty list of passages, got {_type_name(ctxs)}")
+        raise DataError(f"{loc}: field '{field}' must be a non-empty list of passages, got {_type_name(ctxs)}")
     docs = []
     for j, c in enumerate(ctxs):
+        if isinstance(c, str) and field == "documents":
+            c = {"text": c}
         if not isinstance(c, dict):
-            raise DataError(f"{loc}: field 'ctxs[{j}]' must be an object with title/text, got {_type_name(c)}")
+            raise DataError(f"{loc}: field '{field}[{j}]' must be an object with title/text, got {_type_name(c)}")
         if "text" not in c:
-            raise DataError(f"{loc}: missing field 'ctxs[{j}].text'")
+            raise DataError(f"{loc}: missing field '{field}[{j}].text'")
         text, title = c["text"], c.get("title", "")
         if not isinstance(text, str) or not text.strip():
-            raise DataError(f"{loc}: field 'ctxs[{j}].text' must be a non-empty string, got {_type_name(text)}")
+            raise DataError(f"{loc}: field '{field}[{j}].text' must be a non-empty string, got {_type_name(text)}")
         if title is None:
             title = ""
         if not isinstance(title, str):
-            raise DataError(f"{loc}: field 'ctxs[{j}].title' must be a string, got {_type_name(title)}")
+            raise DataError(f"{loc}: field '{field}[{j}].title' must be a string, got {_type_name(title)}")
         docs.append(Document(title=title.strip(), text=text))
     rid = rec.get("id", str(index))
     if not isinstance(rid, (str, int)):

@@ -181,10 +181,7 @@ def evaluate_item(
         rows[m.name] = {
             "prediction": ans.text,
             "answer_tokens": len(ans.token_ids),
-            "f1": M.best_over(M.token_f1, ans.text, item.answers),
-            "em": M.best_over(M.exact_match, ans.text, item.answers),
-            "rouge_l": M.best_over(M.rouge_l, ans.text, item.answers),
-            "contains": M.best_over(M.contains_answer, ans.text, item.answers),
+            **_gold_scores(ans.text, item.answers),
             "agreement": M.answers_agree(ans.text, full.text),
             "kl": kl,
             "top1": top1,
@@ -239,6 +236,15 @@ def _merge(old: dict[str, Any], new: dict[str, Any], index: int) -> dict[str, An
         if name not in old["methods"]:
             merged["methods"][name] = row
     return merged
+
+
+def _gold_scores(prediction: str, answers: tuple[str, ...]) -> dict[str, float | None]:
+    """F1, EM, Rouge-L and contains against the gold answers (null each when the item has none)."""
+    if not answers:
+        return {"f1": None, "em": None, "rouge_l": None, "contains": None}
+    return {"f1": M.best_over(M.token_f1, prediction, answers), "em": M.best_over(M.exact_match, prediction, answers),
+            "rouge_l": M.best_over(M.rouge_l, prediction, answers),
+            "contains": M.best_over(M.contains_answer, prediction, answers)}
 
 
 def _release(answer: Any) -> None:

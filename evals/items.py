@@ -24,7 +24,7 @@ class Document:
 
 @dataclass(frozen=True)
 class Item:
-    """One question with its passages and gold answers."""
+    """One question with its passages and gold answers (none for a user's own questions)."""
 
     id: str
     question: str

@@ -34,7 +34,12 @@ def test_json_and_jsonl_load_the_same(tmp_path):
 @pytest.mark.parametrize(
     "bad, needle",
     [
-        ({"ctxs": GOOD["ctxs"], "question": "q"}, "item 1: missing field 'answers'"),
+        ({"ctxs": GOOD["ctxs"], "answers": ["a"]}, "item 1: missing field 'question'"),
+        ({"question": "q"}, "item 1: needs exactly one of 'ctxs' and 'documents'"),
+        (dict(GOOD, documents=["x"]), "item 1: needs exactly one of 'ctxs' and 'documents'"),
+        ({"question": "q", "documents": [" "]}, "item 1: field 'documents[0].text'"),
+        ({"question": "q", "documents": [3]}, "item 1: field 'documents[0]'"),
+        ({"question": "q", "documents": "a b"}, "item 1: field 'documents'"),
         (dict(GOOD, answers="a"), "item 1: field 'answers'"),
         (dict(GOOD, answers=[3]), "item 1: field 'answers[0]'"),
         (dict(GOOD, question=7), "item 1: field 'question'"),
@@ -56,11 +61,19 @@ def test_empty_list_and_bad_jsonl_line(tmp_path):
     p = _write(tmp_path, json.dumps(GOOD) + "\n{oops\n", "x.jsonl")
     with pytest.raises(DataError, match=r"item 1 \(line 2\): invalid JSON"):
         load_file(p)
-    p = _write(tmp_path, json.dumps(GOOD) + "\n" + json.dumps(dict(GOOD, answers=[])) + "\n", "y.jsonl")
+    p = _write(tmp_path, json.dumps(GOOD) + "\n" + json.dumps(dict(GOOD, answers={"a": 1})) + "\n", "y.jsonl")
     with pytest.raises(DataError, match=r"item 1 \(line 2\): field 'answers'"):
         load_file(p)
     with pytest.raises(DataError, match="no such data file"):
         load_file(tmp_path / "missing.json")
+
+
+def test_a_users_own_questions_need_no_gold_answers(tmp_path):
+    recs = [{"question": "q?", "documents": ["plain text", {"title": "T", "text": "body"}]},
+            dict(GOOD, answers=[]), dict(GOOD, answers=None)]
+    items = load_file(_write(tmp_path, recs, "mine.jsonl"))
+    assert items[0].answers == () and items[0].document_texts() == ["plain text", "T\nbody"]
+    assert items[1].answers == () == items[2].answers
 
 
 def test_limit_and_passages(tmp_path):

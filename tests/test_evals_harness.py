@@ -219,9 +219,9 @@ def test_resume_with_other_settings_is_refused(tmp_path, capsys):
 def test_bad_inputs_fail_with_named_item(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"ctxs": [{"title": "", "text": "t"}], "question": "q", "answers": ["a"]},
-                               {"ctxs": [{"title": "", "text": "t"}], "question": "q"}]))
+                               {"documents": ["t"], "question": "q", "answers": "a"}]))
     assert run_eval(_args(tmp_path, data=str(bad)), _fake_factory([]), policy_of=lambda m: m) == 2
-    assert "item 1: missing field 'answers'" in capsys.readouterr().err
+    assert "item 1: field 'answers' must be a list of strings" in capsys.readouterr().err
     assert run_eval(_args(tmp_path, methods="full,blend@2"), _fake_factory([]), policy_of=lambda m: m) == 2
     assert "ratio must be in [0, 1]" in capsys.readouterr().err
     assert not (tmp_path / "out" / "results.json").exists()
@@ -276,6 +276,22 @@ def test_tiny_engine_end_to_end(tiny_runs):
     assert (b1["agreement"], b1["top1"], b1["tf_agreement"]) == (1.0, 1.0, 1.0)
     assert b1["kl"] < 1e-4
     assert res["methods"]["reuse"]["recomputed_frac"] == 0.0
+
+
+def test_a_users_own_questions_without_gold_answers_are_measured_against_full_prefill(tmp_path):
+    data = tmp_path / "mine.jsonl"
+    data.write_text("\n".join(json.dumps({"question": r["question"], "documents": [c["text"] for c in r["ctxs"]]})
+                              for r in TINY_DATA) + "\n")
+    argv = ["--data", str(data), "--limit", "3", "--passages", "3", "--model", "tiny-llama", "--methods",
+            "full,blend@0.3:v", "--out", str(tmp_path / "o"), "--max-new-tokens", "3", "--repeats", "1",
+            "--no-progress", "--bootstrap", "50"]
+    assert run_eval(configure_parser(argparse.ArgumentParser()).parse_args(argv)) == 0
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    validate_results(res)
+    blend = res["methods"]["blend@0.3:v"]
+    assert blend["f1"] is None and blend["em"] is None and blend["contains"] is None  # no gold answers
+    assert blend["kl"] is not None and blend["kl"] >= 0 and blend["top1"] is not None and blend["n"] == 3
+    assert "blend@0.3:v" in (tmp_path / "o" / "results.md").read_text()
 
 
 def test_tiny_engine_reproducible_except_timings(tiny_runs):

@@ -38,7 +38,8 @@ def _item_or_declared(rec: Any) -> Item | None:
         item = parse_record(rec, 0)
     except DataError:
         return None
-    assert item.question.strip() and item.answers and item.documents
+    assert item.question.strip() and item.documents  # answers may be absent (a user's own questions)
+    assert all(isinstance(a, str) for a in item.answers)
     assert all(isinstance(d.text, str) and d.text.strip() for d in item.documents)
     return item
 
