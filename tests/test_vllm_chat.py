@@ -13,7 +13,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from blend.errors import InvalidRequestError
-from blend.integrations.vllm.chat import chat_to_completion, completion_to_chat, is_kvblend_chat
+from blend.integrations.vllm.chat import ChunkConverter, chat_to_completion, completion_to_chat, is_kvblend_chat
 from blend.integrations.vllm.middleware import STREAM_KEY, DocumentsMiddleware
 from blend.integrations.vllm.plan import PARAMS_KEY, parse_blend_params, prompt_spans, salt_allows_blend
 from blend.prompt import Role, Turn, build_prompt
@@ -83,7 +83,9 @@ def test_only_chats_with_documents_and_a_kvblend_entry_are_rewritten():
     ({"kv_transfer_params": {PARAMS_KEY: {"selector": "nope"}}}, "selector"),
     ({"kv_transfer_params": {PARAMS_KEY: 3}}, "must be an object"),
     ({"tools": [{"type": "function"}]}, "'tools' is not supported"),
-    ({"logprobs": True}, "'logprobs' is not supported"),
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer"),
+    ({"logprobs": "yes"}, "logprobs must be true or false"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
      "last message must be the user's question"),
     ({"messages": "hi"}, "messages"),
@@ -108,6 +110,27 @@ def test_a_completion_answer_goes_back_as_a_chat_completion():
     assert chat["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Italy"}, "logprobs": None,
                                 "finish_reason": "stop", "stop_reason": None}]
     assert chat["usage"] == COMPLETION["usage"] and chat["kv_transfer_params"] == COMPLETION["kv_transfer_params"]
+
+
+LOGPROBS = {"tokens": ["It", "aly"], "token_logprobs": [-0.1, -0.5], "text_offset": [0, 2],
+            "top_logprobs": [{"It": -0.1, "The": -2.5, "A": -3.0}, {"aly": -0.5, "al": -1.0}]}
+
+
+def test_logprobs_become_completions_logprobs_and_come_back_in_the_chat_form():
+    assert chat_to_completion(chat_body(logprobs=True, top_logprobs=2), TOK)["logprobs"] == 2
+    assert chat_to_completion(chat_body(logprobs=True), TOK)["logprobs"] == 0
+    assert "logprobs" not in chat_to_completion(chat_body(logprobs=False), TOK)
+    resp = {**COMPLETION, "choices": [{**COMPLETION["choices"][0], "logprobs": LOGPROBS}]}
+    lp = completion_to_chat(resp, top_logprobs=2)["choices"][0]["logprobs"]
+    assert [c["token"] for c in lp["content"]] == ["It", "aly"] and lp["refusal"] is None
+    assert [c["logprob"] for c in lp["content"]] == [-0.1, -0.5]
+    assert [[t["token"] for t in c["top_logprobs"]] for c in lp["content"]] == [["It", "The"], ["aly", "al"]]
+    assert lp["content"][0]["bytes"] == list(b"It")
+    assert completion_to_chat(resp)["choices"][0]["logprobs"] is None  # not asked for
+    chunk = ChunkConverter(1)({"id": "cmpl-1", "choices": [{"index": 0, "text": "It", "logprobs": {
+        "tokens": ["It"], "token_logprobs": [-0.1], "top_logprobs": [{"It": -0.1, "The": -2.5}]}}]})
+    assert chunk["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == [
+        {"token": "It", "logprob": -0.1, "bytes": list(b"It")}]
 
 
 def _stream(texts: list[str]) -> bytes:

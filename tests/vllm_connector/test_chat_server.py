@@ -105,6 +105,11 @@ def test_a_chat_with_documents_is_blended_over_kvblends_prompt(server):
                                   extra_body={"kv_transfer_params": params,
                                               "cache_salt": blend_salt(params, prompt.token_ids)})
     assert c.choices[0].text == r.choices[0].message.content and r.choices[0].message.content
+    # logprobs: vLLM's completions logprobs, in the chat form
+    lp = _chat(client, model, question, docs, logprobs=True, top_logprobs=2).choices[0].logprobs
+    assert lp is not None and len(lp.content) > 0
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+               and t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-4) for t in lp.content)  # greedy
 
 
 def test_a_streamed_chat_with_documents_equals_the_whole_answer(server):

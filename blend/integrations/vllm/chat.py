@@ -30,6 +30,7 @@ from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR
 from blend.errors import InvalidRequestError
 from blend.integrations.vllm.plan import PARAMS_KEY, blend_request, blend_salt, prompt_spans
 from blend.prompt import build_prompt
+from blend.sampling import MAX_TOP_LOGPROBS
 from blend.serve.schemas import ChatMessage, Document, conversation, document_text_of
 
 CHAT_PATH = "/v1/chat/completions"
@@ -37,14 +38,15 @@ COMPLETIONS_PATH = "/v1/completions"
 # chat-only options with no completions equivalent: refused unless left at their defaults
 REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "echo": (None, False),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
     "reasoning_effort": (None,),
 }
 # chat fields the rewrite consumes (they do not go on to the completions request)
 CONSUMED = frozenset({"messages", "documents", "max_completion_tokens", "kv_transfer_params", "cache_salt",
-                      "max_tokens", "parallel_tool_calls", "include_reasoning", *REFUSED_UNLESS_DEFAULT})
+                      "max_tokens", "parallel_tool_calls", "include_reasoning", "logprobs", "top_logprobs",
+                      *REFUSED_UNLESS_DEFAULT})
 ENTRY_KEYS = frozenset({"mode", "ratio", "selector"})  # a chat request's kvblend entry
 _MESSAGES = TypeAdapter(list[ChatMessage])
 _DOCUMENTS = TypeAdapter(list[Document | str])
@@ -110,6 +112,7 @@ def chat_to_completion(body: dict[str, Any], tokenizer) -> dict[str, Any]:
     tenant = body.get("cache_salt")
     if tenant is not None and not isinstance(tenant, str):
         raise InvalidRequestError("cache_salt must be a string")
+    top_n = _top_logprobs(body)
     try:
         system, history, question = conversation(messages)
     except ValueError as e:
@@ -125,9 +128,52 @@ def chat_to_completion(body: dict[str, Any], tokenizer) -> dict[str, Any]:
     out = {k: v for k, v in body.items() if k not in CONSUMED}
     out.update(prompt=ids, max_tokens=body.get("max_completion_tokens", body.get("max_tokens")),
                kv_transfer_params=params)
+    if top_n is not None:
+        out["logprobs"] = top_n  # completions' form: alternatives per token
     if salt is not None:
         out["cache_salt"] = salt
     return out
+
+
+def _top_logprobs(body: dict[str, Any]) -> int | None:
+    """A chat request's ``logprobs``/``top_logprobs`` as completions' ``logprobs`` (None: not asked for).
+
+    Raises:
+        InvalidRequestError: not a boolean / not an integer in [0, MAX_TOP_LOGPROBS], or
+            ``top_logprobs`` without ``logprobs: true``.
+    """
+    want, top = body.get("logprobs"), body.get("top_logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise InvalidRequestError("logprobs must be true or false")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if not want:
+        if top is not None:
+            raise InvalidRequestError("top_logprobs needs logprobs: true")
+        return None
+    return top or 0
+
+
+def chat_logprobs(lp: Any, top_n: int | None) -> dict[str, Any] | None:
+    """A completions choice's ``logprobs`` in the chat form (``{"content": [...], "refusal": null}``).
+
+    Args:
+        lp: the completions choice's ``{"tokens", "token_logprobs", "top_logprobs", ...}`` (or None).
+        top_n: the alternatives the chat request asked for (None: it asked for no logprobs).
+
+    Returns:
+        The chat ``logprobs`` object, or None (not asked for, or nothing came back).
+    """
+    if top_n is None or not isinstance(lp, dict) or not isinstance(lp.get("tokens"), list):
+        return None
+    tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
+    content = []
+    for tok, logprob, top in zip(lp["tokens"], lp.get("token_logprobs") or [], tops):
+        alts = sorted((top or {}).items(), key=lambda kv: -(kv[1] if kv[1] is not None else float("inf")))[:top_n]
+        content.append({"token": tok, "logprob": logprob, "bytes": list(str(tok).encode("utf-8")),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(str(t).encode("utf-8"))}
+                                         for t, v in alts]})
+    return {"content": content, "refusal": None}
 
 
 def _chat_id(completion_id: Any) -> str:
@@ -135,11 +181,12 @@ def _chat_id(completion_id: Any) -> str:
     return "chatcmpl-" + (s[len("cmpl-"):] if s.startswith("cmpl-") else s)
 
 
-def completion_to_chat(resp: dict[str, Any]) -> dict[str, Any]:
+def completion_to_chat(resp: dict[str, Any], top_logprobs: int | None = None) -> dict[str, Any]:
     """A completions response as the chat completion it answers.
 
     Args:
         resp: vLLM's ``text_completion`` response body.
+        top_logprobs: alternatives per token the chat request asked for (None: no logprobs).
 
     Returns:
         An OpenAI ``chat.completion`` body (vLLM's ``kv_transfer_params``, with kvblend's report, kept).
@@ -147,7 +194,8 @@ def completion_to_chat(resp: dict[str, Any]) -> dict[str, Any]:
     choices = []
     for c in resp.get("choices") or []:
         choice = {"index": c.get("index", 0), "message": {"role": "assistant", "content": c.get("text", "")},
-                  "logprobs": None, "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason")}
+                  "logprobs": chat_logprobs(c.get("logprobs"), top_logprobs),
+                  "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason")}
         if c.get("token_ids") is not None:
             choice["token_ids"] = c["token_ids"]
         choices.append(choice)
@@ -160,10 +208,15 @@ def completion_to_chat(resp: dict[str, Any]) -> dict[str, Any]:
 
 
 class ChunkConverter:
-    """Streamed completion chunks as chat completion chunks (the first delta of each choice names the role)."""
+    """Streamed completion chunks as chat completion chunks (the first delta of each choice names the role).
 
-    def __init__(self) -> None:
+    Args:
+        top_logprobs: alternatives per token the chat request asked for (None: no logprobs).
+    """
+
+    def __init__(self, top_logprobs: int | None = None) -> None:
         self._started: set[int] = set()
+        self.top_logprobs = top_logprobs
 
     def __call__(self, chunk: dict[str, Any]) -> dict[str, Any]:
         """One ``text_completion`` chunk as a ``chat.completion.chunk``."""
@@ -174,7 +227,8 @@ class ChunkConverter:
             if idx not in self._started:
                 self._started.add(idx)
                 delta = {"role": "assistant", **delta}
-            choices.append({"index": idx, "delta": delta, "logprobs": None,
+            choices.append({"index": idx, "delta": delta,
+                            "logprobs": chat_logprobs(c.get("logprobs"), self.top_logprobs),
                             "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason")})
         out = {"id": _chat_id(chunk.get("id")), "object": "chat.completion.chunk", "created": chunk.get("created"),
                "model": chunk.get("model"), "choices": choices}

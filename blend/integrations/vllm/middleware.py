@@ -231,7 +231,7 @@ class DocumentsMiddleware:
         inner = {**scope, "path": path, "raw_path": path.encode(), "headers": headers}
         report = None if nonce is None else (lambda: self.stream_reports.report(nonce))
         try:
-            await self.app(inner, replay_body(new_raw, receive), _ChatSend(send, report))
+            await self.app(inner, replay_body(new_raw, receive), _ChatSend(send, report, completion.get("logprobs")))
         finally:
             if nonce is not None:
                 self.stream_reports.close(nonce)
@@ -246,14 +246,16 @@ async def _respond(send: Send, status: int, body: bytes) -> None:
 class _ChatSend:
     """Wraps ``send``: a completions answer goes out as a chat answer (JSON buffered; SSE event by event)."""
 
-    def __init__(self, send: Send, report: Callable[[], dict[str, Any] | None] | None = None) -> None:
+    def __init__(self, send: Send, report: Callable[[], dict[str, Any] | None] | None = None,
+                 top_logprobs: int | None = None) -> None:
         self.send = send
+        self.top_logprobs = top_logprobs  # the chat request's alternatives per token (None: no logprobs)
         self.report = report  # a streamed request's caught kv_transfer_params (None: not caught)
         self.reported = False
         self.start: dict[str, Any] | None = None
         self.mode = "pass"  # "json" | "sse" | "pass" (errors and anything else, as vLLM sent them)
         self.buf = b""
-        self.chunks = ChunkConverter()
+        self.chunks = ChunkConverter(top_logprobs)
 
     async def __call__(self, msg: dict[str, Any]) -> None:
         if msg["type"] == "http.response.start":
@@ -275,7 +277,7 @@ class _ChatSend:
             if more:
                 return
             try:
-                out = json.dumps(completion_to_chat(json.loads(self.buf))).encode()
+                out = json.dumps(completion_to_chat(json.loads(self.buf), self.top_logprobs)).encode()
             except (ValueError, TypeError, AttributeError):
                 out = self.buf  # not a completion body: as vLLM sent it
             headers = [(k, v) for k, v in self.start.get("headers", []) if k.lower() != b"content-length"]
