@@ -89,6 +89,7 @@ class TokenStream:
         self.finish_reason: FinishReason | None = None
         self._hash = hashlib.sha256()  # over every logits row a token was sampled from
         self._steps = 0
+        self.counts: dict[int, int] = {}  # occurrences of each answer token (the penalties')
         self.logprobs: list[TokenLogprob] = []  # one per answer token, when config.logprobs is set
         self._logprobs_taken = 0
 
@@ -117,13 +118,14 @@ class TokenStream:
             raise RuntimeError("step() on a finished TokenStream")
         self._hash.update(memoryview(logits.float().contiguous().numpy()))  # no copy of the row
         self._steps += 1
-        tok = self.sampler(logits)
+        tok = self.sampler(logits, self.counts)
         cfg = self.config
         if tok in self.eos_ids and not cfg.ignore_eos:
             return self._finish(FinishReason.STOP, self._decoded())
         if cfg.stop_at_newline and "\n" in self.tokenizer.decode([tok]):
             return self._finish(FinishReason.STOP, self._decoded())
         self.tokens.append(tok)
+        self.counts[tok] = self.counts.get(tok, 0) + 1
         if cfg.logprobs is not None:
             self.logprobs.append(token_logprob(logits, tok, cfg.logprobs))
         full = self._decoded()

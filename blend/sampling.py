@@ -1,7 +1,11 @@
 """Sampling settings and the per-request sampler.
 
-    logits (V,) ──/ temperature──► top-k ──► top-p (nucleus) ──► multinomial(generator)
-    temperature 0: argmax (greedy), no randomness used
+    logits (V,) ── - penalties + logit_bias ──/ temperature──► top-k ──► top-p (nucleus) ──► multinomial(generator)
+    temperature 0: argmax (greedy) of the adjusted logits, no randomness used
+
+Penalties as OpenAI defines them, over the answer's tokens so far:
+``logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)``;
+``logit_bias`` adds its value to its tokens' logits at every step.
 
 Each request owns a ``torch.Generator`` seeded from its ``seed``, so a sampled
 answer depends only on the request's own logits and seed, never on which other
@@ -22,6 +26,9 @@ DEFAULT_MAX_TOKENS = 32  # the Python API's and the CLI's budget (the server has
 MAX_STOP_STRINGS = 4  # as OpenAI allows
 MAX_STOP_CHARS = 64
 MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit, vLLM's default)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
+MAX_LOGIT_BIAS_TOKENS = 300  # tokens one logit_bias may name (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,9 @@ class GenerationConfig:
             benchmarks, as vLLM's ``ignore_eos``).
         logprobs: None = off; N = record each answer token's log-probability and the N
             most likely alternatives of its step (0..MAX_TOP_LOGPROBS; see :mod:`blend.logprobs`).
+        presence_penalty: subtracted from the logit of every token the answer already holds.
+        frequency_penalty: subtracted once per occurrence in the answer so far.
+        logit_bias: (token id, bias) pairs added to those tokens' logits at every step.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -52,6 +62,9 @@ class GenerationConfig:
     stop_at_newline: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -76,10 +89,28 @@ class GenerationConfig:
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per "
                                       f"token) or None, got {n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequestError(f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS_TOKENS} (token, bias) "
+                                      "pairs")
+        for pair in self.logit_bias:
+            if (not isinstance(pair, tuple) or len(pair) != 2 or isinstance(pair[0], bool)
+                    or not isinstance(pair[0], int) or pair[0] < 0 or not _finite(pair[1])
+                    or not -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS):
+                raise InvalidRequestError(f"logit_bias: each entry is a token id >= 0 and a bias in "
+                                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {pair!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias change the logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 def _finite(x: object) -> bool:
@@ -98,23 +129,49 @@ class Sampler:
         self.seed = config.seed if config.seed is not None else secrets.randbits(63)
         self._gen = torch.Generator().manual_seed(self.seed)
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """Next token from next-token logits (V,) float32."""
-        return sample(logits, self.config, self._gen)
+    def __call__(self, logits: torch.Tensor, counts: dict[int, int] | None = None) -> int:
+        """Next token from next-token logits (V,) float32, given the answer's token counts so far."""
+        return sample(logits, self.config, self._gen, counts)
 
 
-def sample(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> int:
+def adjust_logits(logits: torch.Tensor, config: GenerationConfig, counts: dict[int, int] | None) -> torch.Tensor:
+    """Logits after the penalties and the logit bias (a new tensor when anything changes).
+
+    Args:
+        logits: next-token logits (V,) float32.
+        config: the penalties and bias.
+        counts: how often each token occurs in the answer so far.
+
+    Returns:
+        (V,) float32.
+    """
+    if not config.adjusts_logits:
+        return logits
+    out = logits.clone()  # (V,)
+    if counts and (config.presence_penalty or config.frequency_penalty):
+        ids = torch.tensor(list(counts), dtype=torch.long)  # (n,)
+        n = torch.tensor(list(counts.values()), dtype=torch.float32)  # (n,)
+        out[ids] -= config.frequency_penalty * n + config.presence_penalty * (n > 0).float()
+    for tok, bias in config.logit_bias:
+        if tok < out.shape[0]:
+            out[tok] += bias
+    return out
+
+
+def sample(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator,
+           counts: dict[int, int] | None = None) -> int:
     """One token from logits (V,) under ``config``, drawing from ``generator``.
 
     Args:
         logits: next-token logits (V,), any float dtype (computed in float32).
-        config: temperature / top_k / top_p.
+        config: penalties, logit bias, temperature / top_k / top_p.
         generator: the request's CPU generator (advanced by one draw unless greedy).
+        counts: the answer's token counts so far (for the penalties).
 
     Returns:
         The token id.
     """
-    logits = logits.detach().float().cpu()  # (V,)
+    logits = adjust_logits(logits.detach().float().cpu(), config, counts)  # (V,)
     if config.greedy:
         return int(torch.argmax(logits))
     scaled = logits / config.temperature  # (V,)

@@ -86,3 +86,31 @@ def test_logprobs_are_the_rows_log_softmax_with_its_best_alternatives():
 def test_logprobs_setting_is_checked(bad):
     with pytest.raises(InvalidRequestError, match="logprobs"):
         GenerationConfig(logprobs=bad)
+
+
+def test_penalties_follow_openais_definition_and_steer_greedy():
+    from blend.sampling import adjust_logits
+
+    logits = torch.tensor([0.0, 3.0, 2.5, 1.0])
+    cfg = GenerationConfig(presence_penalty=0.4, frequency_penalty=0.2)
+    out = adjust_logits(logits, cfg, {1: 2, 3: 1})
+    assert torch.allclose(out, torch.tensor([0.0, 3.0 - 0.4 - 0.4, 2.5, 1.0 - 0.2 - 0.4]))
+    assert adjust_logits(logits, GenerationConfig(), {1: 5}) is logits  # nothing to adjust: no copy
+    g = torch.Generator()
+    assert sample(logits, GenerationConfig(), g, {1: 3}) == 1
+    assert sample(logits, GenerationConfig(frequency_penalty=0.2), g, {1: 3}) == 2  # 3.0 - 0.6 < 2.5
+
+
+def test_logit_bias_forces_and_bans_tokens():
+    logits = torch.tensor([0.0, 3.0, 2.5, 1.0])
+    g = torch.Generator()
+    assert sample(logits, GenerationConfig(logit_bias=((1, -100.0),)), g) == 2
+    assert sample(logits, GenerationConfig(logit_bias=((0, 100.0),), temperature=1.0, seed=1), g) == 0
+
+
+@pytest.mark.parametrize("kw", [{"presence_penalty": 2.5}, {"frequency_penalty": float("nan")},
+                                {"logit_bias": ((1, 101.0),)}, {"logit_bias": ((-1, 1.0),)},
+                                {"logit_bias": [(1, 1.0)]}, {"logit_bias": ((True, 1.0),)}])
+def test_penalty_and_bias_settings_are_checked(kw):
+    with pytest.raises(InvalidRequestError):
+        GenerationConfig(**kw)

@@ -133,6 +133,22 @@ def test_a_conversation_is_answered_as_the_python_api_answers_it(srv):
     assert kinds == ["preamble"] + ["document"] * len(DOCS) + ["question"]
 
 
+def test_penalties_and_logit_bias_are_the_python_apis(srv, client):
+    engine = srv.engine
+    plain = generate(engine, engine.build_prompt("which river?", DOCS), ReusePolicy.exact(),
+                     GenerationConfig(max_tokens=8, temperature=0))
+    banned = plain.token_ids[0]
+    cfg = GenerationConfig(max_tokens=8, temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
+                           logit_bias=((banned, -100.0),))
+    ref = generate(engine, engine.build_prompt("which river?", DOCS), ReusePolicy.exact(), cfg)
+    r = client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "which river?"}],
+                                       max_tokens=8, temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
+                                       logit_bias={str(banned): -100}, extra_body={"documents": DOCS})
+    got = r.model_extra["kvblend"]["answer_token_ids"]
+    assert got == ref.token_ids and banned not in got
+    assert r.model_extra["kvblend"]["logits_sha256"] == plain.logits_sha256()  # the model's logits: unchanged
+
+
 def test_logprobs_are_the_python_apis_in_openais_shapes_streamed_or_not(srv, client):
     engine = srv.engine
     cfg = GenerationConfig(max_tokens=8, temperature=0, logprobs=3)
@@ -186,6 +202,13 @@ def test_logprobs_are_the_python_apis_in_openais_shapes_streamed_or_not(srv, cli
     (chat(n=2), 400, "n:"),
     (chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     (chat(top_logprobs=2), 400, "top_logprobs needs logprobs: true"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools is not supported"),
+    (chat(tool_choice="required"), 400, "tool_choice is not supported"),
+    (chat(response_format={"type": "json_object"}), 400, "response_format is not supported"),
+    (chat(presence_penalty=2.5), 400, "presence_penalty"),
+    (chat(logit_bias={"abc": 1}), 400, "'abc' is not a token id"),
+    (chat(logit_bias={"99999999": 1}), 400, "not a token id of this model"),
+    (chat(logit_bias={"5": 101}), 400, "must be in [-100, 100]"),
     (chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     (chat(logprobs=2), 400, "logprobs"),
     ({"model": TINY, "prompt": "a", "logprobs": True}, 400, "logprobs"),

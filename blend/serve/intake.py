@@ -76,10 +76,18 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
     if body.model is not None and body.model not in (cfg.model_id, engine.model_name):
         raise ApiError(404, f"model {body.model!r} is not served here; this server serves {cfg.model_id!r}",
                        ErrorType.NOT_FOUND, "model", "model_not_found")
+    refused = body.refused_field()
+    if refused is not None:
+        raise ApiError(400, f"{refused} is not supported by kvblend serve (no tool calls or constrained decoding)",
+                       param=refused)
     try:
         logprobs = body.logprob_alternatives()
     except ValueError as e:
         raise ApiError(400, str(e), param="top_logprobs") from None
+    try:
+        logit_bias = body.logit_bias_pairs(engine.dims.vocab)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="logit_bias") from None
     docs = body.document_texts()
     if len(docs) > limits.max_documents:
         raise ApiError(413, f"{len(docs)} documents; this server takes at most {limits.max_documents} per request",
@@ -110,7 +118,8 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
             temperature=cfg.default_temperature if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
             stop=stop_strings(body.stop), stop_at_newline=opts.stop_at_newline, ignore_eos=body.ignore_eos,
-            logprobs=logprobs,
+            logprobs=logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            logit_bias=logit_bias,
         )
     except InvalidRequestError as e:
         raise ApiError(400, str(e)) from None

@@ -7,12 +7,15 @@
                  "stop_at_newline": false, "return_tokens": false},
      "temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stream", "stream_options", "n": 1,
      "logprobs": true, "top_logprobs": N   (chat)  |  "logprobs": N   (completions),
+     "presence_penalty", "frequency_penalty", "logit_bias": {"token id": bias},
      "ignore_eos": false}                                           (vLLM's; fixed-length answers)
 
-Unknown top-level fields (OpenAI's ``user``, ``presence_penalty`` ...) are
-ignored, as OpenAI-compatible servers do; unknown fields inside ``kvblend``
-or a document are errors, since a misspelt reuse option must not silently
-fall back to a default.
+Unknown top-level fields (OpenAI's ``user``, ``metadata`` ...) are ignored,
+as OpenAI-compatible servers do; fields that would change the answer and that
+kvblend cannot honour (``tools``, ``functions``, a JSON ``response_format``)
+are refused rather than ignored; unknown fields inside ``kvblend`` or a
+document are errors, since a misspelt reuse option must not silently fall
+back to a default.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from blend.defaults import (
 )
 from blend.policy import PROBE_PRECISION_NAMES, SELECTOR_NAMES
 from blend.prompt import Role, Turn
-from blend.sampling import MAX_TOP_LOGPROBS
+from blend.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS
 
 Selector = Literal[SELECTOR_NAMES]  # type: ignore[valid-type]
 ProbePrecisionName = Literal[PROBE_PRECISION_NAMES]  # type: ignore[valid-type]
@@ -130,6 +133,13 @@ class _Common(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    tools: list | None = None  # refused when non-empty: no tool calling
+    functions: list | None = None  # refused when non-empty (OpenAI's older tools)
+    tool_choice: Union[str, dict, None] = None  # refused unless "none" or unset
+    response_format: dict | None = None  # refused unless {"type": "text"}: no constrained decoding
     ignore_eos: StrictBool = False  # vLLM's extension: fixed-length answers (benchmarks)
 
     @field_validator("documents")
@@ -140,6 +150,35 @@ class _Common(BaseModel):
             if not text.strip():
                 raise ValueError(f"document {i + 1} is empty")
         return docs
+
+    def refused_field(self) -> str | None:
+        """A field set to something kvblend cannot honour (it would change the answer), or None."""
+        if self.tools:
+            return "tools"
+        if self.functions:
+            return "functions"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice"
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return None
+
+    def logit_bias_pairs(self, vocab: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs.
+
+        Raises:
+            ValueError: a key that is not a token id of this model's vocabulary (0..vocab-1), or a
+                bias outside [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS].
+        """
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit() or int(key) >= vocab:
+                raise ValueError(f"logit_bias: {key!r} is not a token id of this model (0..{vocab - 1})")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: the bias of token {key} must be in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
 
     def text_chars(self) -> int:
         """Characters the prompt is built from (documents, messages or prompt)."""
