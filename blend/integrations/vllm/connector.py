@@ -379,8 +379,8 @@ class KVBlendConnector(KVConnectorBase_V1):
             for block, key in spec.blocks:
                 if store.contains(Namespace.EXACT, key):
                     continue
-                ks, vs = zip(*(self._layout.read(kv, block) for kv in self._kv))
-                store.put(Namespace.EXACT, key, KVEntry(torch.stack(ks).clone(), torch.stack(vs).clone(), prov))
+                ks, vs = zip(*(self._layout.read(kv, block) for kv in self._kv))  # gathered: fresh tensors
+                store.put(Namespace.EXACT, key, KVEntry(torch.stack(ks), torch.stack(vs), prov))  # (L, Hkv, B, D)
                 self._stats.add("saved_blocks")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
