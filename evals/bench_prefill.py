@@ -9,11 +9,17 @@
    identical prefix (what a prefix cache gets, ``exact(prefix_limit=1)``), but
    the first document sits at its canonical position, so the default exact
    mode loads it too. TTFT of both against full prefill, interleaved.
+4. A conversation's follow-up (musique prompts): turn 1 asks the item's
+   question over its documents and is answered; turn 2 asks a follow-up with
+   turn 1 as history. Over the same documents its preamble and documents are
+   an exact hit (``exact``); over the documents in another order they are
+   blended (``blend@0.15``, KL to that prompt's full prefill). TTFT of both
+   against the follow-up's full prefill, interleaved.
 
 Repeats are interleaved (engine, transformers, engine, ...) so machine drift
 hits both alike; the median is reported.
 
-    python -m blend.evals.bench_prefill [--model smollm2-135m] [--repeats 3] [--cases prefill,hit,first-doc]
+    python -m blend.evals.bench_prefill [--model smollm2-135m] [--repeats 3] [--cases prefill,hit,first-doc,follow-up]
         [--json OUT] [--profile ROWS]
 """
 
@@ -31,7 +37,9 @@ from blend.defaults import DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.splits import parse_item_range
+from blend.evals.metrics import kl_divergence
 from blend.policy import ReusePolicy
+from blend.prompt import Role, Turn
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
 
@@ -173,6 +181,56 @@ def bench_first_document(model: str, data: str, items: range, repeats: int, pass
                        statistics.median(pre), statistics.median(exact), int(statistics.median(first)))
 
 
+FOLLOW_UP = "Which of the documents above says so? Answer with its title or its first words."
+
+
+@dataclass(frozen=True)
+class FollowUpRow:
+    """Medians over items and repeats: seconds, and ratios to the follow-up's full prefill."""
+
+    items: int
+    prompt_tokens: int
+    history_tokens: int  # the question segment: turn 1, its answer and the follow-up
+    full_s: float
+    exact_ratio: float  # same documents: preamble and documents an exact hit
+    blend_ratio: float  # documents reordered: blended at 0.15
+    blend_kl_mean: float  # first-token KL of the blend to the reordered prompt's full prefill
+    blend_kl_max: float
+
+
+def bench_follow_up(model: str, data: str, items: range, repeats: int, passages: int = 5) -> FollowUpRow:
+    """A conversation's second turn over the first turn's documents (see the module docstring)."""
+    eng = Engine.load(model, quality_gate=False).with_store(MemoryStore())
+    chosen = [it for i, it in enumerate(load_items(data, None, passages)) if i in items]
+    full, exact, blend, kls, tokens, hist = [], [], [], [], [], []
+    for it in chosen:
+        texts = it.document_texts()
+        first = eng.generate(eng.build_prompt(it.question, texts), ReusePolicy.exact(), max_new_tokens=16)
+        history = (Turn(Role.USER, it.question), Turn(Role.ASSISTANT, first.text.strip() or "I do not know."))
+        same = eng.build_prompt(FOLLOW_UP, texts, history=history)
+        moved = eng.build_prompt(FOLLOW_UP, texts[1:] + texts[:1], history=history)
+        runs = {"none": (same, ReusePolicy.none()), "exact": (same, ReusePolicy.exact()),
+                "moved_none": (moved, ReusePolicy.none()), "blend": (moved, ReusePolicy.blend(ratio=0.15))}
+        names = list(runs)
+        for r in range(repeats):
+            t, logits = {}, {}
+            for name in names[r % len(names):] + names[: r % len(names)]:  # rotated per repeat
+                prompt, policy = runs[name]
+                ans = eng.generate(prompt, policy, max_new_tokens=1)
+                t[name], logits[name] = ans.ttft_s, ans.first_logits
+                if name == "exact" and any(s.reuse_class is not ReuseClass.EXACT for s in ans.report.segments[:-1]):
+                    raise RuntimeError("the follow-up's documents were not an exact hit")
+            full.append(t["none"])
+            exact.append(t["exact"] / t["none"])
+            blend.append(t["blend"] / t["moved_none"])
+            kls.append(kl_divergence(logits["moved_none"], logits["blend"]))
+            tokens.append(len(same))
+            hist.append(len(same.question))
+    return FollowUpRow(len(chosen), int(statistics.median(tokens)), int(statistics.median(hist)),
+                       statistics.median(full), statistics.median(exact), statistics.median(blend),
+                       statistics.fmean(kls), max(kls))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -180,9 +238,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1024,4096")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prefix-tokens", type=int, default=3500, help="cached prefix of the exact-hit case")
-    ap.add_argument("--cases", default="prefill,hit,first-doc", help="which of prefill, hit, first-doc")
-    ap.add_argument("--data", default="../shared/data/musique_dev.json", help="first-doc: the questions")
-    ap.add_argument("--items", default="30-39", help="first-doc: item range A-B")
+    ap.add_argument("--cases", default="prefill,hit,first-doc",
+                    help="which of prefill, hit, first-doc, follow-up")
+    ap.add_argument("--data", default="../shared/data/musique_dev.json", help="first-doc, follow-up: the questions")
+    ap.add_argument("--items", default="30-39", help="first-doc, follow-up: item range A-B")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
                     help="hit: print the torch profiler's top ROWS operators of three warm requests")
@@ -196,6 +255,14 @@ def main(argv=None) -> int:
         print(f"reordered documents after ingest, {fd.items} items x {args.repeats} orders, {fd.prompt_tokens} "
               f"tokens (first document {fd.first_doc_tokens}): full prefill {fd.full_s:.3f} s; preamble only "
               f"{fd.preamble_only_ratio:.3f}x; exact (preamble + first document) {fd.exact_ratio:.3f}x", flush=True)
+    if "follow-up" in cases:
+        lo, hi = parse_item_range(args.items)
+        fu = bench_follow_up(args.model, args.data, range(lo, hi + 1), args.repeats)
+        out["follow_up"] = asdict(fu)
+        print(f"follow-ups, {fu.items} items x {args.repeats}, {fu.prompt_tokens} tokens ({fu.history_tokens} of "
+              f"history and question): full prefill {fu.full_s:.3f} s; same documents (exact) {fu.exact_ratio:.3f}x; "
+              f"reordered documents (blend@0.15) {fu.blend_ratio:.3f}x, KL mean {fu.blend_kl_mean:.4f}, "
+              f"max {fu.blend_kl_max:.4f}", flush=True)
     if "prefill" in cases:
         rows = []
         print("| dtype | tokens | engine s | transformers s | ratio |\n|---|---|---|---|---|", flush=True)

@@ -19,3 +19,12 @@ def test_exact_hit_case_profiles_warm_requests_when_asked(capsys):
     assert row.cached_tokens >= 200 and row.prompt_tokens > row.cached_tokens and row.warm_s > 0
     out = capsys.readouterr().out
     assert "warm exact hits (3 requests)" in out and "Self CPU" in out
+
+
+def test_follow_up_case_reuses_the_documents_exactly_and_blends_them_reordered():
+    from blend.evals.bench_prefill import bench_follow_up
+
+    row = bench_follow_up("tiny-llama", "synthetic:single", range(0, 2), repeats=2, passages=2)
+    assert row.items == 2 and row.full_s > 0 and row.prompt_tokens > row.history_tokens > 0
+    assert 0 < row.exact_ratio and 0 < row.blend_ratio  # the case raises if the exact hit did not happen
+    assert 0 <= row.blend_kl_mean <= row.blend_kl_max
