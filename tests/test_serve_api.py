@@ -212,6 +212,8 @@ def test_logprobs_are_the_python_apis_in_openais_shapes_streamed_or_not(srv, cli
     (chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     (chat(logprobs=2), 400, "logprobs"),
     ({"model": TINY, "prompt": "a", "logprobs": True}, 400, "logprobs"),
+    ({"model": TINY, "prompt": "a", "echo": True}, 400, "echo is not supported"),
+    ({"model": TINY, "prompt": "a", "best_of": 3}, 400, "best_of is not supported"),
     (chat(cache_salt=7), 400, "cache_salt"),
     ({**chat(), "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, 400,
      "last message must be the user's question"),

@@ -78,7 +78,8 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
                        ErrorType.NOT_FOUND, "model", "model_not_found")
     refused = body.refused_field()
     if refused is not None:
-        raise ApiError(400, f"{refused} is not supported by kvblend serve (no tool calls or constrained decoding)",
+        raise ApiError(400, f"{refused} is not supported by kvblend serve (no tool calls, constrained decoding, "
+                       "echo or several candidates)",
                        param=refused)
     try:
         logprobs = body.logprob_alternatives()

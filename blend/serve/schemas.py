@@ -230,6 +230,19 @@ class CompletionRequest(_Common):
 
     prompt: Union[str, list[str]]
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
+    echo: StrictBool = False  # refused when true: the prompt is kvblend's layout, not the client's text
+    best_of: int | None = None  # refused above 1 (n = 1)
+    suffix: str | None = None  # refused when set: no insertion
+
+    def refused_field(self) -> str | None:
+        """A field set to something kvblend cannot honour (it would change the answer), or None."""
+        if self.echo:
+            return "echo"
+        if self.best_of not in (None, 1):
+            return "best_of"
+        if self.suffix:
+            return "suffix"
+        return super().refused_field()
 
     def logprob_alternatives(self) -> int | None:
         """Alternatives per answer token to report (None: no logprobs)."""
