@@ -207,6 +207,8 @@ def test_logprobs_are_the_python_apis_in_openais_shapes_streamed_or_not(srv, cli
     (chat(response_format={"type": "json_object"}), 400, "response_format is not supported"),
     (chat(presence_penalty=2.5), 400, "presence_penalty"),
     (chat(logit_bias={"abc": 1}), 400, "'abc' is not a token id"),
+    (chat(logit_bias={"\u00b2": 1}), 400, "is not a token id"),
+    (chat(logit_bias={"9" * 5000: 1}), 400, "is not a token id"),
     (chat(logit_bias={"99999999": 1}), 400, "not a token id of this model"),
     (chat(logit_bias={"5": 101}), 400, "must be in [-100, 100]"),
     (chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),

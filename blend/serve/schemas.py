@@ -172,7 +172,7 @@ class _Common(BaseModel):
         """
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
-            if not key.strip().isdigit() or int(key) >= vocab:
+            if not (key.isascii() and key.isdigit() and len(key) <= 12) or int(key) >= vocab:
                 raise ValueError(f"logit_bias: {key!r} is not a token id of this model (0..{vocab - 1})")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias: the bias of token {key} must be in "
