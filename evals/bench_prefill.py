@@ -9,8 +9,8 @@
    identical prefix (what a prefix cache gets, ``exact(prefix_limit=1)``), but
    the first document sits at its canonical position, so the default exact
    mode loads it too. TTFT of both against full prefill, interleaved.
-4. A conversation's follow-up (musique prompts): turn 1 asks the item's
-   question over its documents and is answered; turn 2 asks a follow-up with
+4. A conversation's follow-up (musique prompts, documents ingested): turn 1
+   asks the item's question over its documents and is answered; turn 2 asks a follow-up with
    turn 1 as history. Over the same documents its preamble and documents are
    an exact hit (``exact``); over the documents in another order they are
    blended (``blend@0.15``, KL to that prompt's full prefill). TTFT of both
@@ -205,6 +205,7 @@ def bench_follow_up(model: str, data: str, items: range, repeats: int, passages:
     full, exact, blend, kls, tokens, hist = [], [], [], [], [], []
     for it in chosen:
         texts = it.document_texts()
+        eng.precompute_chunks(texts)  # ingest: the documents' canonical chunk KV, as a RAG index holds it
         first = eng.generate(eng.build_prompt(it.question, texts), ReusePolicy.exact(), max_new_tokens=16)
         history = (Turn(Role.USER, it.question), Turn(Role.ASSISTANT, first.text.strip() or "I do not know."))
         same = eng.build_prompt(FOLLOW_UP, texts, history=history)
