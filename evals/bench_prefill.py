@@ -13,7 +13,7 @@
    asks the item's question over its documents and is answered; turn 2 asks a follow-up with
    turn 1 as history. Over the same documents its preamble and documents are
    an exact hit (``exact``); over the documents in another order they are
-   blended (``blend@0.15``, KL to that prompt's full prefill). TTFT of both
+   blended (the default ratio, KL to that prompt's full prefill). TTFT of both
    against the follow-up's full prefill, interleaved.
 
 Repeats are interleaved (engine, transformers, engine, ...) so machine drift
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from blend.defaults import DEFAULT_MODEL
+from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.splits import parse_item_range
@@ -211,7 +211,7 @@ def bench_follow_up(model: str, data: str, items: range, repeats: int, passages:
         same = eng.build_prompt(FOLLOW_UP, texts, history=history)
         moved = eng.build_prompt(FOLLOW_UP, texts[1:] + texts[:1], history=history)
         runs = {"none": (same, ReusePolicy.none()), "exact": (same, ReusePolicy.exact()),
-                "moved_none": (moved, ReusePolicy.none()), "blend": (moved, ReusePolicy.blend(ratio=0.15))}
+                "moved_none": (moved, ReusePolicy.none()), "blend": (moved, ReusePolicy.blend(ratio=DEFAULT_RATIO))}
         names = list(runs)
         for r in range(repeats):
             t, logits = {}, {}
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
         out["follow_up"] = asdict(fu)
         print(f"follow-ups, {fu.items} items x {args.repeats}, {fu.prompt_tokens} tokens ({fu.history_tokens} of "
               f"history and question): full prefill {fu.full_s:.3f} s; same documents (exact) {fu.exact_ratio:.3f}x; "
-              f"reordered documents (blend@0.15) {fu.blend_ratio:.3f}x, KL mean {fu.blend_kl_mean:.4f}, "
+              f"reordered documents (blend@{DEFAULT_RATIO:g}) {fu.blend_ratio:.3f}x, KL mean {fu.blend_kl_mean:.4f}, "
               f"max {fu.blend_kl_max:.4f}", flush=True)
     if "prefill" in cases:
         rows = []
