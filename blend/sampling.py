@@ -1,6 +1,7 @@
 """Sampling settings and the per-request sampler.
 
-    logits (V,) ── - penalties + logit_bias ──/ temperature──► top-k ──► top-p (nucleus) ──► multinomial(generator)
+    logits (V,) ── - penalties + logit_bias ──/ temperature──► top-k ──► top-p (nucleus)
+                ──► multinomial(generator)
     temperature 0: argmax (greedy) of the adjusted logits, no randomness used
 
 Penalties as OpenAI defines them, over the answer's tokens so far:
