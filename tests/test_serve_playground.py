@@ -1,5 +1,5 @@
 """The playground page (GET /) in a real headless Chromium: ask, watch the answer stream in,
-see each document with its recomputed tokens highlighted."""
+see each document with its recomputed tokens highlighted, then ask a follow-up in the same conversation."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 DOCS = make_docs(3, words=30, seed=5)
 QUESTION = "which lantern?"
+FOLLOW_UP = "and who lit it?"
 
 
 def chromium_path() -> str | None:
@@ -60,12 +61,31 @@ def test_playground_streams_an_answer_and_highlights_recomputed_tokens(one_torch
                 "els => els.map(e => e.className)")) if "recomputed" in cls] for d in range(boxes.count())]
             texts_shown = [boxes.nth(d).locator(".tok").evaluate_all("els => els.map(e => e.textContent).join('')")
                            for d in range(boxes.count())]
+            # a follow-up: the first question and its answer go along as history
+            assert page.is_hidden("#conversation") is False
+            history_shown = page.inner_text("#history")
+            page.fill("#question", FOLLOW_UP)
+            page.click("#ask")
+            page.wait_for_selector("body[data-done='1']", timeout=60_000)
+            assert page.inner_text("#error") == ""
+            follow_answer = page.text_content("#answer")
+            follow_stats = page.inner_text("#stats")
+            page.click("#new-conversation")
+            assert page.is_hidden("#conversation")
         finally:
             browser.close()
         api = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
             "model": TINY, "messages": [{"role": "user", "content": QUESTION}], "documents": DOCS,
             "max_tokens": 8, "temperature": 0, "kvblend": {"reuse": "blend", "ratio": 0.2}}).json()
+        follow = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": TINY, "documents": DOCS, "max_tokens": 8, "temperature": 0,
+            "kvblend": {"reuse": "blend", "ratio": 0.2},
+            "messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": answer.strip() or "-"},
+                         {"role": "user", "content": FOLLOW_UP}]}).json()
     assert answer == api["choices"][0]["message"]["content"]  # the page shows the API's answer
+    assert QUESTION in history_shown and answer.strip() in history_shown
+    assert follow_answer == follow["choices"][0]["message"]["content"]  # the follow-up carried the history
+    assert f"prompt {follow['usage']['prompt_tokens']} tokens" in follow_stats
     assert "TTFT" in stats and "recomputed" in stats
     guard = api["kvblend"]["report"]["guard"]
     assert guard and f"near-tie guard: {guard}" in stats  # the page says when the guard blended again
