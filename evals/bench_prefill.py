@@ -249,16 +249,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cases = set(args.cases.split(","))
     out: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    lo, hi = parse_item_range(args.items)
+    items = range(lo, hi + 1)
     if "first-doc" in cases:
-        lo, hi = parse_item_range(args.items)
-        fd = bench_first_document(args.model, args.data, range(lo, hi + 1), args.repeats)
+        fd = bench_first_document(args.model, args.data, items, args.repeats)
         out["first_doc"] = asdict(fd)
         print(f"reordered documents after ingest, {fd.items} items x {args.repeats} orders, {fd.prompt_tokens} "
               f"tokens (first document {fd.first_doc_tokens}): full prefill {fd.full_s:.3f} s; preamble only "
               f"{fd.preamble_only_ratio:.3f}x; exact (preamble + first document) {fd.exact_ratio:.3f}x", flush=True)
     if "follow-up" in cases:
-        lo, hi = parse_item_range(args.items)
-        fu = bench_follow_up(args.model, args.data, range(lo, hi + 1), args.repeats)
+        fu = bench_follow_up(args.model, args.data, items, args.repeats)
         out["follow_up"] = asdict(fu)
         print(f"follow-ups, {fu.items} items x {args.repeats}, {fu.prompt_tokens} tokens ({fu.history_tokens} of "
               f"history and question): full prefill {fu.full_s:.3f} s; same documents (exact) {fu.exact_ratio:.3f}x; "
