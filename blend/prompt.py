@@ -9,10 +9,13 @@ that layout: the documents open the first user turn, as context for the whole
 conversation (where RAG chat engines put retrieved context), and the question
 segment carries the rest of the conversation, rendered by the chat template::
 
-    [ preamble | doc 1 | ... | doc k | u1 <end> assistant: a1 <end> user: Question: q <end> assistant: ]
+    [ preamble | doc 1 | ... | doc k | Question: u1 <end> assistant: a1 <end> user: q <end> assistant: ]
 
 so the preamble is the same for every conversation with the same system
-prompt, and the documents' KV is keyed and reused as in a single question.
+prompt, the documents' KV is keyed and reused as in a single question, and
+the first turn reads exactly as it did when it was asked alone: each turn's
+prompt is the previous turn's prompt, its answer and the new question
+(append-only, what a token-level prefix cache such as vLLM's reuses).
 
 Each segment is tokenized on its own (no special tokens added), so a
 document's token ids never depend on its neighbours and its KV can be keyed
@@ -113,15 +116,17 @@ def _conversation_parts(tokenizer, system: str, history: Sequence[Turn], questio
     """Split a rendered conversation where the documents go: (head incl. system, the rest).
 
     The documents open the first user turn (the history's, or the question's when the
-    history holds only assistant turns); the question is the last user turn.
+    history holds only assistant turns), which reads "Question: ..." as a single question
+    does; the question is the last user turn.
     """
     turns = [{"role": t.role.value, "content": t.text} for t in history]
-    turns.append({"role": Role.USER.value, "content": f"Question: {question}"})
+    turns.append({"role": Role.USER.value, "content": question})
     first = next(i for i, t in enumerate(turns) if t["role"] == Role.USER.value)
-    if not getattr(tokenizer, "chat_template", None):
-        lines = [f"{'Question' if t['role'] == Role.USER.value else 'Answer'}: {t['content']}\n"
-                 for t in turns[:-1]]
-        return f"{system}\n\n", "".join(lines) + f"Question: {question}\nAnswer:"
+    turns[first]["content"] = f"Question: {turns[first]['content']}"  # as the turn read when asked alone
+    if not getattr(tokenizer, "chat_template", None):  # a plain transcript: every user turn a "Question: "
+        lines = [(t["content"] if i == first else f"Question: {t['content']}") if t["role"] == Role.USER.value
+                 else f"Answer: {t['content']}" for i, t in enumerate(turns)]
+        return f"{system}\n\n", "".join(f"{line}\n" for line in lines) + "Answer:"
     marked = [dict(t) for t in turns]
     marked[first]["content"] = _SENTINEL + marked[first]["content"]
     with_system = [{"role": "system", "content": system}, *marked]
@@ -165,7 +170,8 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
         documents: document texts in prompt order (may be empty).
         system: system prompt; default :data:`DEFAULT_SYSTEM`.
         history: earlier turns of the conversation, oldest first (may be empty); the
-            documents open its first user turn and the question segment carries the rest.
+            documents open its first user turn (which reads "Question: ..." as a single
+            question does) and the question segment carries the rest.
 
     Returns:
         The segmented prompt.

@@ -32,14 +32,26 @@ def test_a_conversation_is_the_chat_templates_rendering_with_the_documents_in_it
     tok = tiny_engine.tokenizer
     prompt = build_prompt(tok, "And the bridge?", DOCS, None, HISTORY)
     docs = "".join(document_text(d) for d in DOCS)
-    want = rendered(tok, DEFAULT_SYSTEM, [{"role": "user", "content": docs + "Where is the harbor?"},
+    want = rendered(tok, DEFAULT_SYSTEM, [{"role": "user", "content": docs + "Question: Where is the harbor?"},
                                           {"role": "assistant", "content": "North of the river."},
-                                          {"role": "user", "content": "Question: And the bridge?"}])
+                                          {"role": "user", "content": "And the bridge?"}])
     assert "".join(s.text for s in prompt.segments) == want
     assert [s.kind for s in prompt.segments] == [SegmentKind.PREAMBLE] + [SegmentKind.DOCUMENT] * 3 + [
         SegmentKind.QUESTION]
     assert prompt.token_ids == [t for s in prompt.segments for t in s.token_ids]
-    assert prompt.question.text.startswith("Where is the harbor?") and "North of the river." in prompt.question.text
+    assert prompt.question.text.startswith("Question: Where is the harbor?")
+    assert "North of the river." in prompt.question.text
+
+
+def test_each_turn_extends_the_previous_turns_prompt(tiny_engine):
+    """Append-only: the first turn reads as it did when asked alone, so a token-level prefix
+    cache (vLLM's) reuses the whole conversation so far."""
+    first = tiny_engine.build_prompt("Where is the harbor?", DOCS)
+    talk = tiny_engine.build_prompt("And the bridge?", DOCS, history=HISTORY)
+    assert talk.token_ids[:len(first)] == first.token_ids
+    third = tiny_engine.build_prompt("And the tower?", DOCS, history=(
+        *HISTORY, Turn(Role.USER, "And the bridge?"), Turn(Role.ASSISTANT, "South.")))
+    assert third.token_ids[:len(talk)] == talk.token_ids
 
 
 def test_its_preamble_and_documents_are_a_single_questions(tiny_engine):
