@@ -146,6 +146,11 @@ def test_penalties_and_logit_bias_are_the_python_apis(srv, client):
                                        logit_bias={str(banned): -100}, extra_body={"documents": DOCS})
     got = r.model_extra["kvblend"]["answer_token_ids"]
     assert got == ref.token_ids and banned not in got
+    nulls = post(srv, chat(max_tokens=8, presence_penalty=None, frequency_penalty=None, logit_bias=None,
+                           logprobs=None, top_logprobs=None, tools=None, response_format=None, n=None,
+                           stream=None, seed=None, stop=None, user=None))
+    assert nulls.status_code == 200, nulls.text  # OpenAI's optional fields sent as null: their defaults
+    assert nulls.json()["kvblend"]["answer_token_ids"] == plain.token_ids
     assert r.model_extra["kvblend"]["logits_sha256"] == plain.logits_sha256()  # the model's logits: unchanged
 
 

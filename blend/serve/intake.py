@@ -119,7 +119,8 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
             temperature=cfg.default_temperature if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
             stop=stop_strings(body.stop), stop_at_newline=opts.stop_at_newline, ignore_eos=body.ignore_eos,
-            logprobs=logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            logprobs=logprobs, presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=logit_bias,
         )
     except InvalidRequestError as e:
@@ -137,4 +138,4 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
         raise ApiError(400, f"prompt of {len(prompt)} tokens plus max_tokens={max_tokens} exceeds the model's "
                        f"context of {context} tokens", param="max_tokens", code="context_length_exceeded")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Job(prompt, policy, gen, body.stream, include_usage, opts.return_tokens)
+    return Job(prompt, policy, gen, bool(body.stream), include_usage, opts.return_tokens)

@@ -130,11 +130,11 @@ class _Common(BaseModel):
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM's convention)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: Union[str, list[str], None] = None
-    stream: StrictBool = False
+    stream: StrictBool | None = None  # null or absent: one JSON body
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
-    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    n: int | None = Field(None, ge=1, le=1)  # one answer per request
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)  # null: 0
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)  # null: 0
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
     tools: list | None = None  # refused when non-empty: no tool calling
     functions: list | None = None  # refused when non-empty (OpenAI's older tools)
