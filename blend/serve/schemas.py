@@ -107,12 +107,25 @@ def conversation(messages: list[ChatMessage]) -> tuple[str | None, tuple[Turn, .
         ValueError: no user message, or the last message is not the user's.
     """
     turns = [m for m in messages if m.role in ("user", "assistant")]
-    if not turns or turns[-1].role != "user" or messages[-1].role != "user":
+    if not messages or messages[-1].role != "user":
         raise ValueError("the last message must be the user's question (earlier user and assistant "
                          "turns are its history; system messages set the system prompt)")
     system = "\n\n".join(m.text() for m in messages if m.role in ("system", "developer")) or None
     history = tuple(Turn(Role(m.role), m.text()) for m in turns[:-1])
     return system, history, turns[-1].text()
+
+
+def logprob_alternatives(logprobs: bool | None, top_logprobs: int | None) -> int | None:
+    """A chat request's alternatives per answer token (None: no logprobs), as OpenAI reads the pair.
+
+    Raises:
+        ValueError: ``top_logprobs`` without ``logprobs: true`` (OpenAI refuses it).
+    """
+    if not logprobs:
+        if top_logprobs is not None:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return None
+    return top_logprobs or 0
 
 
 class _Common(BaseModel):
@@ -205,13 +218,9 @@ class ChatCompletionRequest(_Common):
         """Alternatives per answer token to report (None: no logprobs).
 
         Raises:
-            ValueError: ``top_logprobs`` without ``logprobs: true`` (as OpenAI refuses it).
+            ValueError: ``top_logprobs`` without ``logprobs: true`` (see :func:`logprob_alternatives`).
         """
-        if not self.logprobs:
-            if self.top_logprobs is not None:
-                raise ValueError("top_logprobs needs logprobs: true")
-            return None
-        return self.top_logprobs or 0
+        return logprob_alternatives(self.logprobs, self.top_logprobs)
 
     def conversation(self) -> tuple[str | None, tuple[Turn, ...], str]:
         """The system prompt, the earlier turns and the question (see :func:`conversation`).

@@ -31,7 +31,7 @@ from blend.errors import InvalidRequestError
 from blend.integrations.vllm.plan import PARAMS_KEY, blend_request, blend_salt, prompt_spans
 from blend.prompt import build_prompt
 from blend.sampling import MAX_TOP_LOGPROBS
-from blend.serve.schemas import ChatMessage, Document, conversation, document_text_of
+from blend.serve.schemas import ChatMessage, Document, conversation, document_text_of, logprob_alternatives
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -147,11 +147,10 @@ def _top_logprobs(body: dict[str, Any]) -> int | None:
         raise InvalidRequestError("logprobs must be true or false")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
         raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-    if not want:
-        if top is not None:
-            raise InvalidRequestError("top_logprobs needs logprobs: true")
-        return None
-    return top or 0
+    try:
+        return logprob_alternatives(want, top)  # the rule kvblend serve applies to the same pair
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
 
 
 def chat_logprobs(lp: Any, top_n: int | None) -> dict[str, Any] | None:
