@@ -136,6 +136,11 @@ class TokenStream:
             return self._finish(FinishReason.LENGTH, full)
         return self._emit(full[: self._safe_end(full)])
 
+    @property
+    def answer_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """Every answer token's log-probability, or None when the config did not ask for them."""
+        return tuple(self.logprobs) if self.config.logprobs is not None else None
+
     def take_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The answer tokens' log-probabilities recorded since the last call (for a stream's chunks)."""
         new = tuple(self.logprobs[self._logprobs_taken:])
@@ -250,7 +255,7 @@ class Generation:
             finish_reason=s.finish_reason, first_logits=first, steps_sha256=s.steps_sha256, ttft_s=ttft,
             e2e_s=time.perf_counter() - t0, report=report,
             usage=Usage(len(self.prompt), len(s.tokens), report.reused_tokens), seed=s.sampler.seed,
-            logprobs=tuple(s.logprobs) if self.config.logprobs is not None else None,
+            logprobs=s.answer_logprobs,
         )
 
     def _decode(self, cache: KVCache) -> torch.Tensor:

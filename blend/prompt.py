@@ -127,10 +127,9 @@ def _conversation_parts(tokenizer, system: str, history: Sequence[Turn], questio
         lines = [(t["content"] if i == first else f"Question: {t['content']}") if t["role"] == Role.USER.value
                  else f"Answer: {t['content']}" for i, t in enumerate(turns)]
         return f"{system}\n\n", "".join(f"{line}\n" for line in lines) + "Answer:"
-    marked = [dict(t) for t in turns]
-    marked[first]["content"] = _SENTINEL + marked[first]["content"]
-    with_system = [{"role": "system", "content": system}, *marked]
-    inline = [dict(t) for t in marked]  # templates without a system role: it opens the first user turn
+    turns[first]["content"] = _SENTINEL + turns[first]["content"]
+    with_system = [{"role": "system", "content": system}, *turns]
+    inline = [dict(t) for t in turns]  # templates without a system role: it opens the first user turn
     inline[first]["content"] = f"{system}\n\n{inline[first]['content']}"
     for messages in (with_system, inline):
         try:
@@ -189,10 +188,9 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
             raise InvalidRequestError(f"history turn {i + 1} ({turn.role.value}) is empty")
     system = system or DEFAULT_SYSTEM
     if history:
+        # head: the single-question preamble, or a conversation opening with assistant turns' own
         head, rest = _conversation_parts(tokenizer, system, history, question.strip())
-        pre = preamble_segment(tokenizer, system)
-        if head != pre.text:  # a conversation opening with assistant turns: its own preamble
-            pre = Segment(SegmentKind.PREAMBLE, tokenize_segment(tokenizer, head), head)
+        pre = Segment(SegmentKind.PREAMBLE, tokenize_segment(tokenizer, head), head)
         return Prompt((pre, *_document_segments(tokenizer, documents),
                        Segment(SegmentKind.QUESTION, tokenize_segment(tokenizer, rest), rest)))
     _, tail = _template_parts(tokenizer, system)

@@ -151,8 +151,8 @@ def adjust_logits(logits: torch.Tensor, config: GenerationConfig, counts: dict[i
     out = logits.clone()  # (V,)
     if counts and (config.presence_penalty or config.frequency_penalty):
         ids = torch.tensor(list(counts), dtype=torch.long)  # (n,)
-        n = torch.tensor(list(counts.values()), dtype=torch.float32)  # (n,)
-        out[ids] -= config.frequency_penalty * n + config.presence_penalty * (n > 0).float()
+        n = torch.tensor(list(counts.values()), dtype=torch.float32)  # (n,) each >= 1: every token is present
+        out[ids] -= config.frequency_penalty * n + config.presence_penalty
     for tok, bias in config.logit_bias:
         if tok < out.shape[0]:
             out[tok] += bias

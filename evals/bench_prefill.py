@@ -193,7 +193,7 @@ class FollowUpRow:
     history_tokens: int  # the question segment: turn 1, its answer and the follow-up
     full_s: float
     exact_ratio: float  # same documents: preamble and documents an exact hit
-    blend_ratio: float  # documents reordered: blended at 0.15
+    blend_ratio: float  # documents reordered: blended at the default ratio
     blend_kl_mean: float  # first-token KL of the blend to the reordered prompt's full prefill
     blend_kl_max: float
 

@@ -572,7 +572,7 @@ class Scheduler:
             finish_reason=s.finish_reason, first_logits=job.first_logits, steps_sha256=s.steps_sha256,
             ttft_s=job.ttft_s, e2e_s=e2e, report=report,
             usage=Usage(len(job.prompt), len(s.tokens), report.reused_tokens), seed=s.sampler.seed,
-            logprobs=tuple(s.logprobs) if job.config.logprobs is not None else None,
+            logprobs=s.answer_logprobs,
         )
         self._e2e_ewma_s = 0.9 * self._e2e_ewma_s + 0.1 * e2e
         if self.metrics is not None:
