@@ -378,10 +378,10 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
                              note=pre.note)]
     blended = chunks[n_exact:]
     q = prompt.question
-    if not blended:  # nothing to re-position: this is the exact path
-        logits, tail = segments.compute_rest(cache, [q])
+    if not blended:  # nothing to re-position: this is the exact path (a conversation's turns included)
+        logits, tail, waited = segments.compute_question(cache, prompt.segments[:-1], q, True, salt)
         reports += _doc_reports(prompt, chunks, torch.empty(0, dtype=torch.long), 0)
-        return BlendOutcome(logits, (*reports, *tail), None, lookup_s)
+        return BlendOutcome(logits, (*reports, *tail), None, lookup_s + waited)
 
     plan = plan_blend(model, prompt, blended, n_exact, cache.length, policy)
     cache.set_positions(plan.e, plan.pos)

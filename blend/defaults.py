@@ -42,6 +42,12 @@ DEFAULT_AUTO_TARGET = 0.007
 # for a mean share of 0.171 (BENCHMARKS.md, "The near-tie guard by default"). None: off.
 DEFAULT_GUARD_MARGIN: float | None = 0.7
 DEFAULT_GUARD_RATIO = 0.3
+# inside vLLM (the KV connector) the guard is opt-in (a request's "guard_margin"): kvblend's blend there
+# costs ~0.45x of vLLM's faster prefill, so a guarded prompt's second pass takes it past vLLM's own full
+# prefill. Validation items 30-49, reordered documents: with 0.7 it fired on 4 of 20, TTFT mean 0.709x
+# against 0.429x without, top-1 0.95 both, mean KL 0.0255 against 0.0270 (BENCHMARKS.md, "The near-tie
+# guard inside vLLM").
+DEFAULT_VLLM_GUARD_MARGIN: float | None = None
 # the query probe's GEMMs: "compute" (the engine's dtype), "bf16" (its numbers only rank rows), or "auto":
 # bf16 for a float32 engine on a CPU with native bf16 (avx512_bf16 / amx_bf16), else compute. "auto" since
 # 2026-12-03: on musique tuning 0-29, validation 30-99 and two-hop 0-29 the bf16 probe's mean, median, p90

@@ -318,6 +318,9 @@ class Engine:
             rows.append(SegmentReport(seg.kind, done.reuse_class, len(seg), start, key_hex(key) if key else "",
                                       note=done.note))
             lookup_s += done.lookup_s
+        if len(cacheable) == len(prompt.segments) - 1:  # the whole prefix: a conversation's turns are reused too
+            logits, tail, waited = self.segments.compute_question(cache, cacheable, prompt.question, use_store, salt)
+            return _Prefilled(logits, (*rows, *tail), lookup_s + waited)
         # Everything after the reusable prefix (the question included) is one block:
         # one causal pass is cheaper than segment-by-segment masked attention.
         logits, tail = self.segments.compute_rest(cache, prompt.segments[len(cacheable):])

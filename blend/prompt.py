@@ -15,7 +15,14 @@ so the preamble is the same for every conversation with the same system
 prompt, the documents' KV is keyed and reused as in a single question, and
 the first turn reads exactly as it did when it was asked alone: each turn's
 prompt is the previous turn's prompt, its answer and the new question
-(append-only, what a token-level prefix cache such as vLLM's reuses).
+(append-only, what a token-level prefix cache such as vLLM's reuses). The
+question segment records where each earlier turn's prompt ended
+(``turn_ends``); the exact path computes and stores those parts as their own
+segments, so a follow-up reuses every earlier turn's KV and computes only
+the last answer and the new question::
+
+    question segment  [ Question: u1 <end> assistant: | a1 <end> user: q2 <end> assistant: | a2 ... ]
+                        turn 1's prompt ended here ---^   turn 2's ---------------------------^
 
 Each segment is tokenized on its own (no special tokens added), so a
 document's token ids never depend on its neighbours and its KV can be keyed
@@ -41,6 +48,7 @@ class SegmentKind(Enum):
     PREAMBLE = "preamble"
     DOCUMENT = "document"
     QUESTION = "question"
+    TURN = "turn"  # an earlier turn's part of a conversation's question segment (see Segment.parts)
 
 
 class Role(Enum):
@@ -63,9 +71,21 @@ class Segment:
     kind: SegmentKind
     token_ids: tuple[int, ...]
     text: str
+    # a conversation's question segment: token offsets where earlier turns' prompts ended
+    # (increasing, each inside the segment); () for any other segment
+    turn_ends: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def parts(self) -> tuple["Segment", ...]:
+        """The segment cut at its ``turn_ends``: one TURN segment per earlier turn, then the rest
+        (this segment's kind); just this segment when it has no turn ends."""
+        if not self.turn_ends:
+            return (self,)
+        bounds = (0, *self.turn_ends, len(self.token_ids))
+        out = [Segment(SegmentKind.TURN, self.token_ids[a:b], "") for a, b in zip(bounds[:-2], bounds[1:-1])]
+        return (*out, Segment(self.kind, self.token_ids[bounds[-2]:], ""))
 
 
 @dataclass(frozen=True)
@@ -191,13 +211,41 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
         # head: the single-question preamble, or a conversation opening with assistant turns' own
         head, rest = _conversation_parts(tokenizer, system, history, question.strip())
         pre = Segment(SegmentKind.PREAMBLE, tokenize_segment(tokenizer, head), head)
+        ids = tokenize_segment(tokenizer, rest)
+        ends = _turn_ends(tokenizer, system, history, head, ids)
         return Prompt((pre, *_document_segments(tokenizer, documents),
-                       Segment(SegmentKind.QUESTION, tokenize_segment(tokenizer, rest), rest)))
+                       Segment(SegmentKind.QUESTION, ids, rest, ends)))
     _, tail = _template_parts(tokenizer, system)
     segs = [preamble_segment(tokenizer, system), *_document_segments(tokenizer, documents)]
     qtext = f"Question: {question.strip()}{tail}"
     segs.append(Segment(SegmentKind.QUESTION, tokenize_segment(tokenizer, qtext), qtext))
     return Prompt(tuple(segs))
+
+
+def _turn_ends(tokenizer, system: str, history: Sequence[Turn], head: str, ids: tuple[int, ...]
+               ) -> tuple[int, ...]:
+    """Where the earlier turns' prompts end inside a conversation's question segment.
+
+    The prompt that produced each assistant turn (the history before it, its user turn as the
+    question) is rendered again; where it has this conversation's head and its rest tokenizes
+    to a proper prefix of ``ids``, its length is a turn end. A turn whose prompt is not such a
+    prefix (a template or tokenizer that is not append-only there) adds no end.
+
+    Returns:
+        Increasing token offsets inside ``ids``.
+    """
+    ends: list[int] = []
+    for i, turn in enumerate(history):
+        if turn.role is not Role.ASSISTANT or i == 0 or history[i - 1].role is not Role.USER:
+            continue
+        try:
+            prev_head, prev_rest = _conversation_parts(tokenizer, system, history[:i - 1], history[i - 1].text.strip())
+        except InvalidRequestError:
+            continue
+        prev = tokenize_segment(tokenizer, prev_rest)
+        if prev_head == head and (ends[-1] if ends else 0) < len(prev) < len(ids) and ids[:len(prev)] == prev:
+            ends.append(len(prev))
+    return tuple(ends)
 
 
 def _document_segments(tokenizer, documents: Sequence[str]) -> list[Segment]:

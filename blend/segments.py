@@ -13,6 +13,8 @@ never touches a request's report:
                                     (hit, donor, or computed and stored), as :class:`ChunkKV`
     exact_run                       the documents after the first whose exact-prefix KV a blend
                                     finds stored (this order computed before by the exact path)
+    compute_question                the question after an exact prefix: a conversation's earlier
+                                    turns loaded (or computed and stored), the rest computed
     precompute_chunks               store canonical KV ahead of requests
 
 A segment computed here leaves exactly the rows a later load will see: with a
@@ -251,6 +253,47 @@ class SegmentCache:
             rows.append(SegmentReport(seg.kind, ReuseClass.COMPUTED, len(seg), start))
             start += len(seg)
         return self.model.logits(h[-1:])[0], tuple(rows)
+
+    def compute_question(self, cache: KVCache, prefix: Sequence[Segment], question: Segment, use_store: bool,
+                         salt: str = "") -> tuple[torch.Tensor, tuple[SegmentReport, ...], float]:
+        """The question segment after a prefix whose KV in ``cache`` is exact (or computed).
+
+        A conversation's question segment is cut at its earlier turns' ends (:meth:`Segment.parts`):
+        each earlier turn's part is a prefix segment of its own, looked up under its prefix-chained
+        key and loaded, or computed and stored (as the previous turn's request left it); the last
+        part is computed, and stored too so that the next turn finds it. A single question is
+        computed in one pass and stores nothing. Without the store, the same schedule computes
+        every part (no reuse stays bit-identical to exact reuse).
+
+        Args:
+            cache: the request's cache, holding exactly ``prefix``.
+            prefix: the segments before the question, in prompt order (their chain starts the turns').
+            question: the question segment.
+            use_store: look up and store (exact reuse); False computes the same schedule.
+            salt: the request's cache salt.
+
+        Returns:
+            First-token logits (V,) float32, one report row per part, the seconds spent on the store.
+        """
+        parts = question.parts()
+        if len(parts) == 1:
+            logits, rows = self.compute_rest(cache, [question])
+            return logits, rows, 0.0
+        keys = self.exact_keys([*prefix, *parts], salt)[len(prefix):] if use_store else [None] * len(parts)
+        rows, waited = [], 0.0
+        for part, key in zip(parts[:-1], keys[:-1]):
+            start = cache.length
+            done = self.append_exact(cache, part, key)
+            rows.append(SegmentReport(part.kind, done.reuse_class, len(part), start, key_hex(key) if key else "",
+                                      note=done.note))
+            waited += done.lookup_s
+        last, key = parts[-1], keys[-1]
+        start = cache.length
+        h, kv = self.model.prefill(cache, self.model.ids(last.token_ids), keep_kv=key is not None)  # (S, C)
+        if key is not None:  # the next turn's earlier part: what it computes from scratch, rounded as stored
+            self.store.put(Namespace.EXACT, key, self._stored_form(kv))
+        rows.append(SegmentReport(last.kind, ReuseClass.COMPUTED, len(last), start, key_hex(key) if key else ""))
+        return self.model.logits(h[-1:])[0], tuple(rows), waited
 
     def register_donor(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], key: StoreKey | None = None,
                        salt: str = "") -> bool:

@@ -9,12 +9,15 @@
    identical prefix (what a prefix cache gets, ``exact(prefix_limit=1)``), but
    the first document sits at its canonical position, so the default exact
    mode loads it too. TTFT of both against full prefill, interleaved.
-4. A conversation's follow-up (musique prompts, documents ingested): turn 1
-   asks the item's question over its documents and is answered; turn 2 asks a follow-up with
-   turn 1 as history. Over the same documents its preamble and documents are
-   an exact hit (``exact``); over the documents in another order they are
-   blended (the default ratio, KL to that prompt's full prefill). TTFT of both
-   against the follow-up's full prefill, interleaved.
+4. A conversation's third turn (musique prompts, documents ingested): turn 1
+   asks the item's question over its documents, turn 2 a follow-up, each
+   answered under exact reuse (which stores their turns); turn 3 asks another
+   follow-up. Over the same documents its preamble, documents and both earlier
+   turns are an exact hit (``exact``; bit-identical to its full prefill, checked),
+   against the same with the question segment computed whole (documents only,
+   as before turns were stored); over the documents in another order they are
+   blended (the default ratio, KL to that prompt's full prefill). TTFT of each
+   against the third turn's full prefill, interleaved.
 
 Repeats are interleaved (engine, transformers, engine, ...) so machine drift
 hits both alike; the median is reported.
@@ -29,7 +32,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -39,7 +42,7 @@ from blend.evals.data import load_items
 from blend.evals.splits import parse_item_range
 from blend.evals.metrics import kl_divergence
 from blend.policy import ReusePolicy
-from blend.prompt import Role, Turn
+from blend.prompt import Prompt, Role, Turn
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
 
@@ -182,35 +185,44 @@ def bench_first_document(model: str, data: str, items: range, repeats: int, pass
 
 
 FOLLOW_UP = "Which of the documents above says so? Answer with its title or its first words."
+FOLLOW_UP_2 = "Quote the sentence of that document that supports the answer."
 
 
 @dataclass(frozen=True)
 class FollowUpRow:
-    """Medians over items and repeats: seconds, and ratios to the follow-up's full prefill."""
+    """Medians over items and repeats: seconds, and ratios to the third turn's full prefill."""
 
     items: int
     prompt_tokens: int
-    history_tokens: int  # the question segment: turn 1, its answer and the follow-up
+    history_tokens: int  # the question segment: both earlier turns, their answers and the new question
+    computed_tokens: int  # of which the exact path computes (the last answer and the new question)
     full_s: float
-    exact_ratio: float  # same documents: preamble and documents an exact hit
+    exact_ratio: float  # same documents: preamble, documents and both earlier turns an exact hit
+    exact_documents_only_ratio: float  # the same, the question segment computed whole (before turns were stored)
     blend_ratio: float  # documents reordered: blended at the default ratio
     blend_kl_mean: float  # first-token KL of the blend to the reordered prompt's full prefill
     blend_kl_max: float
 
 
-def bench_follow_up(model: str, data: str, items: range, repeats: int, passages: int = 5) -> FollowUpRow:
-    """A conversation's second turn over the first turn's documents (see the module docstring)."""
+def bench_follow_up(model: str, data: str, items: range, repeats: int, passages: int = 5,
+                    answer_tokens: int = 32) -> FollowUpRow:
+    """A conversation's third turn over the first turn's documents (see the module docstring)."""
     eng = Engine.load(model, quality_gate=False).with_store(MemoryStore())
     chosen = [it for i, it in enumerate(load_items(data, None, passages)) if i in items]
-    full, exact, blend, kls, tokens, hist = [], [], [], [], [], []
+    full, exact, docs_only, blend, kls, tokens, hist, computed = [], [], [], [], [], [], [], []
     for it in chosen:
         texts = it.document_texts()
         eng.precompute_chunks(texts)  # ingest: the documents' canonical chunk KV, as a RAG index holds it
-        first = eng.generate(eng.build_prompt(it.question, texts), ReusePolicy.exact(), max_new_tokens=16)
-        history = (Turn(Role.USER, it.question), Turn(Role.ASSISTANT, first.text.strip() or "I do not know."))
-        same = eng.build_prompt(FOLLOW_UP, texts, history=history)
-        moved = eng.build_prompt(FOLLOW_UP, texts[1:] + texts[:1], history=history)
+        history: tuple[Turn, ...] = ()
+        for question in (it.question, FOLLOW_UP):  # turns 1 and 2, answered under exact reuse (they store their turns)
+            ans = eng.generate(eng.build_prompt(question, texts, history=history), ReusePolicy.exact(),
+                               max_new_tokens=answer_tokens)
+            history += (Turn(Role.USER, question), Turn(Role.ASSISTANT, ans.text.strip() or "I do not know."))
+        same = eng.build_prompt(FOLLOW_UP_2, texts, history=history)
+        whole = Prompt((*same.segments[:-1], replace(same.question, turn_ends=())))  # no turn parts
+        moved = eng.build_prompt(FOLLOW_UP_2, texts[1:] + texts[:1], history=history)
         runs = {"none": (same, ReusePolicy.none()), "exact": (same, ReusePolicy.exact()),
+                "exact_docs": (whole, ReusePolicy.exact()),
                 "moved_none": (moved, ReusePolicy.none()), "blend": (moved, ReusePolicy.blend(ratio=DEFAULT_RATIO))}
         names = list(runs)
         for r in range(repeats):
@@ -219,17 +231,22 @@ def bench_follow_up(model: str, data: str, items: range, repeats: int, passages:
                 prompt, policy = runs[name]
                 ans = eng.generate(prompt, policy, max_new_tokens=1)
                 t[name], logits[name] = ans.ttft_s, ans.first_logits
-                if name == "exact" and any(s.reuse_class is not ReuseClass.EXACT for s in ans.report.segments[:-1]):
-                    raise RuntimeError("the follow-up's documents were not an exact hit")
+                if name.startswith("exact") and any(s.reuse_class is not ReuseClass.EXACT
+                                                    for s in ans.report.segments[:-1]):
+                    raise RuntimeError(f"{name}: the third turn's documents and earlier turns were not an exact hit")
+            if not torch.equal(logits["exact"], logits["none"]):
+                raise RuntimeError("the third turn's exact reuse is not bit-identical to its full prefill")
             full.append(t["none"])
             exact.append(t["exact"] / t["none"])
+            docs_only.append(t["exact_docs"] / t["none"])
             blend.append(t["blend"] / t["moved_none"])
             kls.append(kl_divergence(logits["moved_none"], logits["blend"]))
             tokens.append(len(same))
             hist.append(len(same.question))
+            computed.append(len(same.question.parts()[-1]))
     return FollowUpRow(len(chosen), int(statistics.median(tokens)), int(statistics.median(hist)),
-                       statistics.median(full), statistics.median(exact), statistics.median(blend),
-                       statistics.fmean(kls), max(kls))
+                       int(statistics.median(computed)), statistics.median(full), statistics.median(exact),
+                       statistics.median(docs_only), statistics.median(blend), statistics.fmean(kls), max(kls))
 
 
 def main(argv=None) -> int:
@@ -260,8 +277,10 @@ def main(argv=None) -> int:
     if "follow-up" in cases:
         fu = bench_follow_up(args.model, args.data, items, args.repeats)
         out["follow_up"] = asdict(fu)
-        print(f"follow-ups, {fu.items} items x {args.repeats}, {fu.prompt_tokens} tokens ({fu.history_tokens} of "
-              f"history and question): full prefill {fu.full_s:.3f} s; same documents (exact) {fu.exact_ratio:.3f}x; "
+        print(f"third turns, {fu.items} items x {args.repeats}, {fu.prompt_tokens} tokens ({fu.history_tokens} of "
+              f"history and question, {fu.computed_tokens} computed under exact reuse): full prefill {fu.full_s:.3f} s; "
+              f"same documents (exact, earlier turns reused) {fu.exact_ratio:.3f}x, (documents only) "
+              f"{fu.exact_documents_only_ratio:.3f}x; "
               f"reordered documents (blend@{DEFAULT_RATIO:g}) {fu.blend_ratio:.3f}x, KL mean {fu.blend_kl_mean:.4f}, "
               f"max {fu.blend_kl_max:.4f}", flush=True)
     if "prefill" in cases:

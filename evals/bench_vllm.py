@@ -12,7 +12,9 @@ prefill as the reference (ratios and KL are taken inside one process):
   prefix cache off, so every reuse comes through the connector). ``full`` as
   above; ``kvblend-exact``: the reordered prompt after the original order was
   served and saved; ``kvblend-blend@R``: the reordered prompt blended by the
-  connector (chunks precomputed by the warm-up request).
+  connector (chunks precomputed by the warm-up request) under the connector's
+  default policy (no near-tie guard: opt-in inside vLLM); ``kvblend-blend@R:guard=M``:
+  the same with kvblend's own guard margin (``--guard on|off`` runs only one of the two).
 
 Per mode: TTFT median (one request of one output token, no log-probs: its end-to-end time),
 ratio to ``full`` per item and repeat (median), first-token KL to ``full``
@@ -38,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from blend.defaults import DEFAULT_RATIO
+from blend.defaults import DEFAULT_GUARD_MARGIN, DEFAULT_RATIO
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
 
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--items", default="0-4")
     ap.add_argument("--repeats", type=int, default=2, help="reordered requests per item and mode")
     ap.add_argument("--ratio", type=float, default=DEFAULT_RATIO)
+    ap.add_argument("--guard", choices=("both", "on", "off"), default="both",
+                    help="blend with kvblend's near-tie guard margin, without the guard (the connector's "
+                         "default), or both (interleaved)")
     ap.add_argument("--concurrent", type=int, default=4, help="0: skip the concurrent round")
     ap.add_argument("--out", required=True)
     ap.add_argument("--replot", action="store_true", help="only redraw DIR/vllm.png")
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from blend.engine import Engine
     from blend.evals.data import load_items
-    from blend.evals.metrics import kl_divergence, top1_agree
+    from blend.evals.metrics import kl_divergence, percentile, top1_agree
     from blend.evals.splits import parse_item_range
     from blend.integrations.vllm import blend_request, prompt_spans
     from blend.integrations.vllm.engines import loaded_engines
@@ -158,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             dists.append(d)
         return dists, wall, [o.kv_transfer_params for o in outs]
 
-    modes = ["prefix-cache"] if args.engine == "vllm" else ["kvblend-exact", f"kvblend-blend@{args.ratio:g}"]
+    blend_mode = f"kvblend-blend@{args.ratio:g}"
+    guarded = f"{blend_mode}:guard={DEFAULT_GUARD_MARGIN:g}"
+    blends = {"both": [blend_mode, guarded], "on": [guarded], "off": [blend_mode]}[args.guard]
+    modes = ["prefix-cache"] if args.engine == "vllm" else ["kvblend-exact", *blends]
     rows: list[dict] = []
     salt_n = 0
 
@@ -172,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "full":
             return ids, None, fresh_salt()
         if mode.startswith("kvblend-blend"):
-            return ids, blend_request(ids, prompt_spans([len(s) for s in prompt.segments]), ratio=args.ratio), None
+            guard = {"guard_margin": DEFAULT_GUARD_MARGIN} if mode == guarded else {}  # else the connector's default
+            spans = prompt_spans([len(s) for s in prompt.segments])
+            return ids, blend_request(ids, spans, ratio=args.ratio, **guard), None
         return ids, None, None
 
     for n, it in enumerate(items):
@@ -180,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         original = kvb.build_prompt(it.question, texts)
         ask([request("kvblend-exact" if args.engine == "kvblend" else "prefix-cache", original)])  # warm-up: served once
         if args.engine == "kvblend":
-            ask([request(modes[1], original)])  # stores the canonical chunks
+            ask([request(blends[0], original)])  # stores the canonical chunks
         for r, order in enumerate(_orders(len(texts), args.repeats, seed=lo + n)):
             prompt = kvb.build_prompt(it.question, [texts[i] for i in order])
             _, t_full, _ = ask([request("full", prompt)], dist=False)  # timed
@@ -218,14 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{args.engine}.json").write_text(json.dumps(dict(env=env, rows=rows, concurrent=conc), indent=1))
     lines = [f"{args.engine}: items {args.items}, {args.repeats} reordered requests per item and mode, "
              f"{env['torch_threads']} torch threads", "",
-             "| mode | tokens (median) | TTFT median s | ratio to full (median) | KL mean | KL max | top-1 |",
-             "|---|---|---|---|---|---|---|"]
+             "| mode | tokens (median) | TTFT median s | ratio to full (median) | ratio mean | KL mean | KL p90 "
+             "| KL max | top-1 | guarded |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for mode in ["full", *modes]:
         rs = [x for x in rows if x["mode"] == mode]
+        kls = [x["kl"] for x in rs]
+        guarded = sum(1 for x in rs if (x.get("report") or {}).get("guard"))
         lines.append(f"| {mode} | {statistics.median(x['tokens'] for x in rs):.0f} "
                      f"| {statistics.median(x['ttft_s'] for x in rs):.2f} | {statistics.median(x['ratio'] for x in rs):.3f} "
-                     f"| {statistics.mean(x['kl'] for x in rs):.4f} | {max(x['kl'] for x in rs):.4f} "
-                     f"| {statistics.mean(x['top1'] for x in rs):.2f} |")
+                     f"| {statistics.mean(x['ratio'] for x in rs):.3f} "
+                     f"| {statistics.mean(kls):.4f} | {percentile(kls, 90):.4f} "
+                     f"| {max(kls):.4f} | {statistics.mean(x['top1'] for x in rs):.3f} | {guarded} of {len(rs)} |")
     if conc:
         lines += ["", f"{args.concurrent} concurrent requests (wall time of the batch = the slowest TTFT):", "",
                   "| mode | wall s | ratio to full |", "|---|---|---|"]

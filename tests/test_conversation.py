@@ -107,9 +107,66 @@ def test_a_follow_up_over_the_same_documents_is_an_exact_hit_on_their_kv(tiny_en
     follow = eng.build_prompt("And the bridge?", DOCS, history=HISTORY)
     warm = eng.generate(follow, ReusePolicy.exact(), max_new_tokens=4)
     assert [s.reuse_class for s in first.report.segments][:4] == [ReuseClass.COMPUTED] * 4
-    assert [s.reuse_class for s in warm.report.segments] == [ReuseClass.EXACT] * 4 + [ReuseClass.COMPUTED]
+    # the first turn stored no turn of its own (a single question stores nothing): its part is computed
+    assert [(s.kind, s.reuse_class) for s in warm.report.segments[4:]] == [
+        (SegmentKind.TURN, ReuseClass.COMPUTED), (SegmentKind.QUESTION, ReuseClass.COMPUTED)]
+    assert [s.reuse_class for s in warm.report.segments[:4]] == [ReuseClass.EXACT] * 4
     cold = tiny_engine_factory().generate(follow, ReusePolicy.none(), max_new_tokens=4)
     assert torch.equal(warm.first_logits, cold.first_logits) and warm.token_ids == cold.token_ids
+
+
+THIRD = (*HISTORY, Turn(Role.USER, "And the bridge?"), Turn(Role.ASSISTANT, "South of the old mill."))
+
+
+def test_the_question_segment_knows_where_each_earlier_turns_prompt_ended(tiny_engine):
+    first = tiny_engine.build_prompt("Where is the harbor?", DOCS)
+    second = tiny_engine.build_prompt("And the bridge?", DOCS, history=HISTORY)
+    third = tiny_engine.build_prompt("And the tower?", DOCS, history=THIRD)
+    assert first.question.turn_ends == () and len(first.question.parts()) == 1
+    assert second.question.turn_ends == (len(first.question),)
+    assert third.question.turn_ends == (len(first.question), len(second.question))
+    parts = third.question.parts()
+    assert [p.kind for p in parts] == [SegmentKind.TURN, SegmentKind.TURN, SegmentKind.QUESTION]
+    assert [t for p in parts for t in p.token_ids] == list(third.question.token_ids)
+    assert parts[0].token_ids == first.question.token_ids  # each turn's part ends where its prompt ended
+    assert parts[0].token_ids + parts[1].token_ids == second.question.token_ids
+
+
+def test_a_follow_up_reuses_every_earlier_turn_bit_for_bit(tiny_engine_factory):
+    """Turn 2 stores its question part; turn 3 loads both earlier turns and computes only the last
+    answer and its question, bit-identical to computing the conversation from scratch."""
+    eng = tiny_engine_factory()
+    eng.generate(eng.build_prompt("Where is the harbor?", DOCS), ReusePolicy.exact(), max_new_tokens=1)
+    eng.generate(eng.build_prompt("And the bridge?", DOCS, history=HISTORY), ReusePolicy.exact(), max_new_tokens=1)
+    third = eng.build_prompt("And the tower?", DOCS, history=THIRD)
+    warm = eng.generate(third, ReusePolicy.exact(), max_new_tokens=4)
+    rows = warm.report.segments
+    assert [(s.kind, s.reuse_class) for s in rows[4:]] == [
+        (SegmentKind.TURN, ReuseClass.EXACT), (SegmentKind.TURN, ReuseClass.EXACT),
+        (SegmentKind.QUESTION, ReuseClass.COMPUTED)]
+    assert warm.report.reused_tokens == len(third) - len(third.question.parts()[-1])
+    assert [s.start for s in rows] == [sum(r.tokens for r in rows[:i]) for i in range(len(rows))]
+    cold = tiny_engine_factory().generate(third, ReusePolicy.exact(), max_new_tokens=4)  # computes every turn
+    none = tiny_engine_factory().generate(third, ReusePolicy.none(), max_new_tokens=4)
+    assert torch.equal(warm.first_logits, cold.first_logits) and torch.equal(warm.first_logits, none.first_logits)
+    assert warm.token_ids == cold.token_ids == none.token_ids
+    # a blend over the same documents in the same order takes the exact path, turns included
+    blend = eng.generate(third, unguarded_blend(ratio=0.15), max_new_tokens=4)
+    assert [s.reuse_class for s in blend.report.segments[4:6]] == [ReuseClass.EXACT] * 2
+    assert torch.equal(blend.first_logits, none.first_logits)
+
+
+def test_another_salt_or_another_answer_never_reuses_a_turn(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    eng.generate(eng.build_prompt("And the bridge?", DOCS, history=HISTORY), ReusePolicy.exact(), max_new_tokens=1)
+    salted = eng.generate(eng.build_prompt("And the tower?", DOCS, history=THIRD),
+                          ReusePolicy.exact(cache_salt="tenant-b"), max_new_tokens=1)
+    assert {s.reuse_class for s in salted.report.segments} == {ReuseClass.COMPUTED}
+    other = (HISTORY[0], Turn(Role.ASSISTANT, "Somewhere else."), *THIRD[2:])  # another first answer
+    got = eng.generate(eng.build_prompt("And the tower?", DOCS, history=other), ReusePolicy.exact(),
+                       max_new_tokens=1)
+    assert [s.reuse_class for s in got.report.segments[4:]] == [ReuseClass.EXACT, ReuseClass.COMPUTED,
+                                                                 ReuseClass.COMPUTED]
 
 
 def test_a_follow_up_over_reordered_documents_blends_them(tiny_engine_factory):

@@ -25,6 +25,7 @@ def test_follow_up_case_reuses_the_documents_exactly_and_blends_them_reordered()
     from blend.evals.bench_prefill import bench_follow_up
 
     row = bench_follow_up("tiny-llama", "synthetic:single", range(0, 2), repeats=2, passages=2)
-    assert row.items == 2 and row.full_s > 0 and row.prompt_tokens > row.history_tokens > 0
-    assert 0 < row.exact_ratio and 0 < row.blend_ratio  # the case raises if the exact hit did not happen
+    assert row.items == 2 and row.full_s > 0 and row.prompt_tokens > row.history_tokens > row.computed_tokens > 0
+    # the case raises if the exact hit did not happen or was not bit-identical to the full prefill
+    assert 0 < row.exact_ratio and 0 < row.exact_documents_only_ratio and 0 < row.blend_ratio
     assert 0 <= row.blend_kl_mean <= row.blend_kl_max

@@ -47,6 +47,15 @@ def test_a_blend_chat_becomes_a_completion_over_kvblends_own_prompt():
     assert not {"messages", "documents", "max_completion_tokens"} & set(rw)
 
 
+def test_a_chat_may_ask_for_the_near_tie_guard():
+    rw = chat_to_completion(chat_body(), TOK)
+    assert parse_blend_params(rw["kv_transfer_params"], len(rw["prompt"])).guard_margin is None  # opt-in in vLLM
+    on = chat_to_completion(chat_body(kv_transfer_params={PARAMS_KEY: {"mode": "blend", "guard_margin": 0.7}}), TOK)
+    p = parse_blend_params(on["kv_transfer_params"], len(on["prompt"]))
+    assert p.guard_margin == 0.7 and salt_allows_blend(on["cache_salt"], p, on["prompt"])
+    assert on["cache_salt"] != rw["cache_salt"]  # guarded and unguarded blocks never share vLLM's prefix cache
+
+
 def test_a_conversation_keeps_its_turns_and_the_documents_spans():
     turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"},
              {"role": "assistant", "content": "France."}, {"role": "user", "content": "Where is Rome?"}]

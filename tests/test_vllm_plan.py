@@ -51,6 +51,17 @@ def test_a_blend_needs_its_own_salt_beside_vllms_prefix_cache():
     assert not salt_allows_blend(blend_salt(params, ids), p, question)
     whole = blend_request(ids, [(5, 12), (12, 30)], ratio=1)  # an int ratio salts as the connector reads it
     assert salt_allows_blend(blend_salt(whole, ids), parse_blend_params(whole, 40), ids)
+    for guard in (0.7, 0.5):  # the near-tie guard changes which KV a near tie gets: another salt
+        unguarded = parse_blend_params(blend_request(ids, [(5, 12), (12, 30)], ratio=0.15, guard_margin=guard), 40)
+        assert not salt_allows_blend(blend_salt(params, ids), unguarded, ids)
+
+
+def test_the_near_tie_guard_is_opt_in_inside_vllm():
+    spans = [[5, 12], [12, 30]]
+    assert parse_blend_params({PARAMS_KEY: {"documents": spans}}, 40).guard_margin is None
+    assert parse_blend_params({PARAMS_KEY: {"documents": spans, "guard_margin": None}}, 40).guard_margin is None
+    assert parse_blend_params({PARAMS_KEY: {"documents": spans, "guard_margin": 2}}, 40).guard_margin == 2.0
+    assert parse_blend_params(blend_request(list(range(40)), spans, guard_margin=0.7), 40).guard_margin == 0.7
 
 
 def test_vllm_kv_never_aliases_kvblend_kv():
@@ -83,6 +94,10 @@ def test_vllm_kv_never_aliases_kvblend_kv():
     {PARAMS_KEY: {"documents": [[1, 10]]}},  # no question
     {PARAMS_KEY: {"documents": [["1", 3]]}},
     {PARAMS_KEY: {"documents": [[1, 3, 5]]}},
+    {PARAMS_KEY: {"guard_margin": -0.1, "documents": [[1, 3]]}},
+    {PARAMS_KEY: {"guard_margin": "0.7", "documents": [[1, 3]]}},
+    {PARAMS_KEY: {"guard_margin": True, "documents": [[1, 3]]}},
+    {PARAMS_KEY: {"guard_margin": float("nan"), "documents": [[1, 3]]}},
 ])
 def test_malformed_blend_params_are_rejected(bad):
     with pytest.raises(InvalidRequestError):

@@ -161,8 +161,8 @@ def test_blend_at_ratio_one_equals_vllm_full_prefill(llm, shared):
 def test_blend_kl_through_vllm_equals_kvblends_own(llm, shared):
     """blend@0.15 through vLLM: first-token KL to vLLM's full prefill equals kvblend's own blend KL
     to kvblend's full prefill on the same prompt, within 1e-3 (same KV: only the question's rows and
-    the tail of the last document's block are computed by vLLM). kvblend's own blend runs without the
-    near-tie guard, which cannot run inside vLLM (vLLM computes the first token)."""
+    the tail of the last document's block are computed by vLLM), both without the near-tie guard
+    (kvblend then stops the question's rows after the check layer: the path without the question)."""
     prompt = _prompt(shared, 2, order=(3, 1, 4, 0, 2))
     ids, spans = prompt.token_ids, prompt_spans([len(s) for s in prompt.segments])
     full, _ = _ask(llm, ids, salt="kl-ref")
@@ -175,6 +175,29 @@ def test_blend_kl_through_vllm_equals_kvblends_own(llm, shared):
     r = rep[PARAMS_KEY]
     assert r["ratio"] == pytest.approx(0.15) and r["recomputed_tokens"] == own_rep.recomputed_tokens
     assert len(r["classes"]) == len(prompt.segments)  # one class per segment (a cold chunk: "computed")
+
+
+def test_the_near_tie_guard_runs_inside_vllm_as_in_kvblend(llm, shared):
+    """With the guard on (opt-in inside vLLM), the connector computes the question in kvblend to see
+    the first token's gap; a near tie is blended again at the guard's ratio before vLLM gets the KV.
+    A margin no gap reaches forces it: vLLM's first-token KL then equals kvblend's own guarded
+    blend's within 1e-3, and the report says the guard ran and what both passes spent."""
+    prompt = _prompt(shared, 3, order=(2, 4, 0, 1, 3))
+    ids, spans = prompt.token_ids, prompt_spans([len(s) for s in prompt.segments])
+    full, _ = _ask(llm, ids, salt="guard-ref")
+    got, rep = _ask(llm, ids, params=blend_request(ids, spans, ratio=0.15, guard_margin=50.0))
+    own, _, own_rep = shared.engine.prefill(prompt, ReusePolicy.blend(0.15, force=True, guard_margin=50.0))
+    ref, _, _ = shared.engine.prefill(prompt, ReusePolicy.none())
+    assert own_rep.guard and own_rep.spent == pytest.approx(0.15 + own_rep.ratio)
+    kl_vllm, kl_own = kl_divergence(full, got), kl_divergence(ref, own)
+    assert abs(kl_vllm - kl_own) <= 1e-3, (kl_vllm, kl_own)
+    r = rep[PARAMS_KEY]
+    assert r["guard"] == own_rep.guard and r["spent"] == pytest.approx(own_rep.spent)
+    assert r["recomputed_tokens"] == own_rep.recomputed_tokens and r["first_token_margin"] < 50.0
+    _, rep_on = _ask(llm, ids, params=blend_request(ids, spans, ratio=0.15, guard_margin=0.7))
+    assert "first_token_margin" in rep_on[PARAMS_KEY]  # the gap is measured on every guarded request
+    _, rep_off = _ask(llm, ids, params=blend_request(ids, spans, ratio=0.15))  # opt-in: off by default
+    assert "first_token_margin" not in rep_off[PARAMS_KEY] and "guard" not in rep_off[PARAMS_KEY]
 
 
 def test_a_corrupt_or_mismatched_entry_is_never_injected(llm, shared):

@@ -16,7 +16,8 @@ completion is turned back into a chat completion (or chunk, when streaming).
 
     {"messages": [{"role": "system", ...}?, earlier user/assistant turns?, {"role": "user", "content": QUESTION}],
      "documents": [{"text": ..., "title"?: ...} | "text", ...],
-     "kv_transfer_params": {"kvblend": {"mode": "blend", "ratio": 0.15, "selector": "probe"}},
+     "kv_transfer_params": {"kvblend": {"mode": "blend", "ratio": 0.15, "selector": "probe",
+                                        "guard_margin"?: 0.7 | null}},
      "cache_salt"?: TENANT, ...sampling fields as in any chat request}
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR
+from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR, DEFAULT_VLLM_GUARD_MARGIN
 from blend.errors import InvalidRequestError
 from blend.integrations.vllm.plan import PARAMS_KEY, blend_request, blend_salt, prompt_spans
 from blend.prompt import build_prompt
@@ -47,7 +48,7 @@ REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, ...]] = {
 CONSUMED = frozenset({"messages", "documents", "max_completion_tokens", "kv_transfer_params", "cache_salt",
                       "max_tokens", "parallel_tool_calls", "include_reasoning", "logprobs", "top_logprobs",
                       *REFUSED_UNLESS_DEFAULT})
-ENTRY_KEYS = frozenset({"mode", "ratio", "selector"})  # a chat request's kvblend entry
+ENTRY_KEYS = frozenset({"mode", "ratio", "selector", "guard_margin"})  # a chat request's kvblend entry
 _MESSAGES = TypeAdapter(list[ChatMessage])
 _DOCUMENTS = TypeAdapter(list[Document | str])
 
@@ -123,7 +124,9 @@ def chat_to_completion(body: dict[str, Any], tokenizer) -> dict[str, Any]:
     if mode == "blend":
         params[PARAMS_KEY] = blend_request(ids, prompt_spans([len(s) for s in prompt.segments]),
                                            ratio=entry.get("ratio", DEFAULT_RATIO),
-                                           selector=entry.get("selector", DEFAULT_SELECTOR))[PARAMS_KEY]
+                                           selector=entry.get("selector", DEFAULT_SELECTOR),
+                                           guard_margin=entry.get("guard_margin",
+                                                                  DEFAULT_VLLM_GUARD_MARGIN))[PARAMS_KEY]
         salt = blend_salt(params, ids, tenant or "")
     out = {k: v for k, v in body.items() if k not in CONSUMED}
     out.update(prompt=ids, max_tokens=body.get("max_completion_tokens", body.get("max_tokens")),

@@ -117,14 +117,16 @@ class SharedEngine:
         Returns:
             The filled cache and the reuse report (as a JSON-able dict).
         """
-        # no near-tie guard: vLLM computes the question, so the first token is never seen here
         policy = ReusePolicy.blend(ratio=params.ratio, selector=params.selector, force=self.cfg.force,
-                                   guard_margin=None)
+                                   guard_margin=params.guard_margin)
         with self._lock, torch.inference_mode():
-            # vLLM computes the question itself: kvblend stops its rows after the check layer
-            _, cache, report = self.engine.prefill(self.prompt_of(token_ids, params), policy, question=False)
+            # vLLM computes the question itself; without the guard kvblend stops the question's rows
+            # after the check layer, with it kvblend computes them too, to see the first token's gap
+            _, cache, report = self.engine.prefill(self.prompt_of(token_ids, params), policy,
+                                                   question=policy.guarded)
         rep = report.to_dict()
-        slim = {k: rep[k] for k in ("policy", "selector", "ratio", "gate") if k in rep}
+        slim = {k: rep[k] for k in ("policy", "selector", "ratio", "spent", "gate", "guard", "first_token_margin")
+                if rep.get(k) not in (None, "")}
         slim.update(reused_tokens=report.reused_tokens, recomputed_tokens=report.recomputed_tokens,
                     classes=[s.reuse_class.value for s in report.segments],
                     blend_s=round(report.timings.ttft_s, 6))

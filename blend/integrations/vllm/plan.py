@@ -17,8 +17,15 @@ Two kinds of claim on a vLLM request's prompt (vLLM computes the rest):
 ``kv_transfer_params`` of a blended request::
 
     {"kvblend": {"mode": "blend", "ratio": 0.15, "selector": "probe",
+                 "guard_margin": 0.7,                       # optional near-tie guard; default null (off)
                  "documents": [[s1, e1], [s2, e2], ...]}}   # token spans, contiguous,
                                                             # preamble before s1, question after the last e
+
+With ``guard_margin`` (opt-in here, unlike kvblend's own default: see
+:data:`~blend.defaults.DEFAULT_VLLM_GUARD_MARGIN`) the near-tie guard runs as in
+kvblend's engine: kvblend computes the question's rows too (vLLM computes them
+again), and a blend whose first-token top-2 gap is under the margin is blended
+again at the guard's ratio before its KV is written into vLLM's blocks.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Sequence
 
-from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR
+from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR, DEFAULT_VLLM_GUARD_MARGIN
 from blend.errors import InvalidRequestError
 from blend.keys import Provenance, StoreKey, exact_chain, token_digest
 from blend.policy import SELECTOR_NAMES
@@ -54,6 +61,12 @@ class BlendParams:
     ratio: float
     selector: str
     spans: tuple[tuple[int, int], ...]  # document token spans [start, end), contiguous
+    guard_margin: float | None = DEFAULT_VLLM_GUARD_MARGIN  # near-tie guard (nats); None: off
+
+    @property
+    def guard_tag(self) -> str:
+        """The guard as a salt reads it ("off" or the margin)."""
+        return "off" if self.guard_margin is None else f"{self.guard_margin:g}"
 
     @property
     def question_start(self) -> int:
@@ -134,6 +147,10 @@ def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams 
     selector = p.get("selector", DEFAULT_SELECTOR)
     if selector not in SELECTOR_NAMES:
         raise InvalidRequestError(f"unknown kvblend selector {selector!r}")
+    guard = p.get("guard_margin", DEFAULT_VLLM_GUARD_MARGIN)
+    if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float))
+                              or not math.isfinite(guard) or guard < 0):
+        raise InvalidRequestError(f"kvblend guard_margin must be a number >= 0 or null, got {guard!r}")
     docs = p.get("documents")
     if not isinstance(docs, list) or not docs:
         raise InvalidRequestError("kvblend blend needs 'documents': a non-empty list of [start, end] token spans")
@@ -152,11 +169,12 @@ def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams 
             raise InvalidRequestError("document spans must be contiguous and in order")
     if spans[-1][1] >= num_prompt:
         raise InvalidRequestError("the question after the last document is empty")
-    return BlendParams(float(ratio), str(selector), tuple(spans))
+    return BlendParams(float(ratio), str(selector), tuple(spans), None if guard is None else float(guard))
 
 
 def blend_request(prompt_token_ids: Sequence[int], doc_spans: Sequence[tuple[int, int]], ratio: float = DEFAULT_RATIO,
-                  selector: str = DEFAULT_SELECTOR) -> dict[str, Any]:
+                  selector: str = DEFAULT_SELECTOR, guard_margin: float | None = DEFAULT_VLLM_GUARD_MARGIN
+                  ) -> dict[str, Any]:
     """The ``kv_transfer_params`` that ask the connector to blend a prompt's documents.
 
     Args:
@@ -164,11 +182,13 @@ def blend_request(prompt_token_ids: Sequence[int], doc_spans: Sequence[tuple[int
         doc_spans: [start, end) token span of each document.
         ratio: recompute share.
         selector: kvblend selector.
+        guard_margin: the near-tie guard's margin in nats (None, the default here: off), as in kvblend's
+            own policy.
 
     Returns:
         A dict to pass as ``kv_transfer_params`` (validated here).
     """
-    params = {PARAMS_KEY: {"mode": "blend", "ratio": ratio, "selector": selector,
+    params = {PARAMS_KEY: {"mode": "blend", "ratio": ratio, "selector": selector, "guard_margin": guard_margin,
                            "documents": [[int(s), int(e)] for s, e in doc_spans]}}
     parse_blend_params(params, len(prompt_token_ids))
     return params
@@ -200,10 +220,11 @@ def blend_salt(params: dict[str, Any], prompt_token_ids: Sequence[int], tenant: 
     if p is None:
         raise InvalidRequestError("blend_salt needs the kv_transfer_params of a blend request")
     digest = token_digest(prompt_token_ids).hex()[:24]
-    return f"{tenant}|{BLEND_SALT_MARK}:{p.ratio}:{p.selector}:{digest}"  # as salt_allows_blend reads it
+    return f"{tenant}|{BLEND_SALT_MARK}:{p.ratio}:{p.selector}:{p.guard_tag}:{digest}"  # as salt_allows_blend reads it
 
 
 def salt_allows_blend(salt: str | None, params: BlendParams, prompt_token_ids: Sequence[int]) -> bool:
     """Whether ``salt`` keeps this blend's blocks apart from every other prompt's (see :func:`blend_salt`)."""
     digest = token_digest(prompt_token_ids).hex()[:24]
-    return bool(salt) and salt.endswith(f"{BLEND_SALT_MARK}:{params.ratio}:{params.selector}:{digest}")
+    return bool(salt) and salt.endswith(f"{BLEND_SALT_MARK}:{params.ratio}:{params.selector}:{params.guard_tag}:"
+                                        f"{digest}")
