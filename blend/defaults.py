@@ -44,8 +44,8 @@ DEFAULT_GUARD_MARGIN: float | None = 0.7
 DEFAULT_GUARD_RATIO = 0.3
 # inside vLLM (the KV connector) the guard is opt-in (a request's "guard_margin"): kvblend's blend there
 # costs ~0.45x of vLLM's faster prefill, so a guarded prompt's second pass takes it past vLLM's own full
-# prefill. Validation items 30-49, reordered documents: with 0.7 it fired on 4 of 20, TTFT mean 0.709x
-# against 0.429x without, top-1 0.95 both, mean KL 0.0255 against 0.0270 (BENCHMARKS.md, "The near-tie
+# prefill (1.24-1.47x of it). Validation items 30-49, reordered documents: with 0.7 it fired on 4 of 20, TTFT
+# mean 0.709x against 0.429x without, top-1 0.95 both, mean KL 0.0255 against 0.0270 (BENCHMARKS.md, "The near-tie
 # guard inside vLLM").
 DEFAULT_VLLM_GUARD_MARGIN: float | None = None
 # the query probe's GEMMs: "compute" (the engine's dtype), "bf16" (its numbers only rank rows), or "auto":

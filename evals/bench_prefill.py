@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -244,6 +245,8 @@ def bench_follow_up(model: str, data: str, items: range, repeats: int, passages:
             tokens.append(len(same))
             hist.append(len(same.question))
             computed.append(len(same.question.parts()[-1]))
+        print(f"third turn of item {it.id}: full {full[-1]:.2f} s, exact {exact[-1]:.3f}x "
+              f"(documents only {docs_only[-1]:.3f}x), blend {blend[-1]:.3f}x", file=sys.stderr, flush=True)
     return FollowUpRow(len(chosen), int(statistics.median(tokens)), int(statistics.median(hist)),
                        int(statistics.median(computed)), statistics.median(full), statistics.median(exact),
                        statistics.median(docs_only), statistics.median(blend), statistics.fmean(kls), max(kls))

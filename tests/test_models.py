@@ -81,3 +81,9 @@ def test_qwen_coder_reference_when_installed():
         ref = eng.runner.loaded.model(torch.tensor([prompt.token_ids])).logits[0, -1].float()
     ans = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
     assert (ans.first_logits - ref).abs().max() <= 1e-3
+    from blend.prompt import Role, Turn  # Qwen2's chat template is append-only across turns too
+
+    history = (Turn(Role.USER, "What does f return?"), Turn(Role.ASSISTANT, "Twice its argument."),
+               Turn(Role.USER, "And for 3?"), Turn(Role.ASSISTANT, "6."))
+    talk = eng.build_prompt("And for -1?", ["def f(x):\n    return x * 2\n"], history=history)
+    assert len(talk.question.turn_ends) == 2

@@ -47,3 +47,24 @@ def test_real_ratio_one_equals_full_prefill(real_engine, prompt):
     full = real_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
     one = real_engine.generate(prompt, ReusePolicy.blend(ratio=1.0, force=True), max_new_tokens=1)
     assert (one.first_logits - full.first_logits).abs().max() <= 1e-3
+
+
+def test_real_conversation_turns_are_found_and_reused_bit_for_bit(real_engine):
+    """SmolLM2's chat template and tokenizer are append-only across turns, so every earlier turn's
+    prompt ends inside the question segment and a third turn reuses both, bit-identical to no reuse."""
+    from blend.prompt import Role, SegmentKind, Turn
+
+    item = calibration_items(1)[0]
+    history = (Turn(Role.USER, item.question), Turn(Role.ASSISTANT, "Marisol Ortega."),
+               Turn(Role.USER, "Which document says so?"), Turn(Role.ASSISTANT, "The second one, about the lighthouse."))
+    third = real_engine.build_prompt("Quote it.", item.documents, history=history)
+    assert len(third.question.turn_ends) == 2
+    second = real_engine.build_prompt("Which document says so?", item.documents, history=history[:2])
+    assert third.token_ids[:len(second)] == second.token_ids
+    real_engine.generate(second, ReusePolicy.exact(), max_new_tokens=1)  # stores turn 1's and turn 2's parts
+    warm = real_engine.generate(third, ReusePolicy.exact(), max_new_tokens=4)
+    assert [(s.kind, s.reuse_class) for s in warm.report.segments[-3:]] == [
+        (SegmentKind.TURN, ReuseClass.EXACT), (SegmentKind.TURN, ReuseClass.EXACT),
+        (SegmentKind.QUESTION, ReuseClass.COMPUTED)]
+    none = real_engine.generate(third, ReusePolicy.none(), max_new_tokens=4)
+    assert torch.equal(warm.first_logits, none.first_logits) and warm.token_ids == none.token_ids

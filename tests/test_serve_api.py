@@ -133,6 +133,26 @@ def test_a_conversation_is_answered_as_the_python_api_answers_it(srv):
     assert kinds == ["preamble"] + ["document"] * len(DOCS) + ["question"]
 
 
+def test_a_chat_reuses_its_earlier_turns_through_the_server(client):
+    """Exact reuse (the default) over three turns with the openai client: each turn's answer joins
+    the messages; from the third turn on everything but the last answer and the new question is
+    cached, and ``cached_tokens`` says so."""
+    messages = [{"role": "system", "content": "Answer in a few words."}]
+    seen = []
+    for question in ("which quay?", "and the lamp?", "who lit it?"):
+        messages.append({"role": "user", "content": question})
+        r = client.chat.completions.create(model=TINY, messages=messages, max_tokens=5, temperature=0,
+                                           extra_body={"documents": DOCS, "cache_salt": "turns-test"})
+        rows = r.model_extra["kvblend"]["report"]["segments"]
+        seen.append(rows)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content or "x"})
+        assert r.usage.prompt_tokens_details.cached_tokens == sum(x["tokens"] for x in rows
+                                                                  if x["class"] == "exact")
+    assert [x["kind"] for x in seen[0]][-1] == "question"
+    assert [(x["kind"], x["class"]) for x in seen[2][-3:]] == [("turn", "exact"), ("turn", "exact"),
+                                                               ("question", "computed")]
+
+
 def test_penalties_and_logit_bias_are_the_python_apis(srv, client):
     engine = srv.engine
     plain = generate(engine, engine.build_prompt("which river?", DOCS), ReusePolicy.exact(),
