@@ -55,6 +55,7 @@ class Sample:
     tokens: int
     server_e2e_s: float  # inside the server: submission to the scheduler -> last token
     guarded: bool = False  # the near-tie guard blended this request again (its report says so)
+    gaps_s: tuple[float, ...] = ()  # between consecutive text chunks of the stream (inter-token latency)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class Row:
     e2e_p50_ms: float
     e2e_p99_ms: float
     guarded: int = 0  # requests the near-tie guard blended again
+    itl_p50_ms: float = 0.0  # inter-token gaps over every stream of the run
+    itl_p99_ms: float = 0.0
+    itl_max_ms: float = 0.0
 
 
 def demo_requests() -> list[tuple[str, list[str]]]:
@@ -113,14 +117,16 @@ def one_request(http: httpx.Client, model: str, question: str, docs: list[str], 
             "cache_salt": f"bench:{mode}"}
     t0 = time.perf_counter()
     ttft, tokens, inside, guarded = None, 0, 0.0, False
+    text_at: list[float] = []
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:300]}")
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
+            now = time.perf_counter()
             if ttft is None:
-                ttft = time.perf_counter() - t0
+                ttft = now - t0
             if line != "data: [DONE]":
                 msg = json.loads(line[6:])
                 if msg.get("usage"):
@@ -128,7 +134,10 @@ def one_request(http: httpx.Client, model: str, question: str, docs: list[str], 
                 if msg.get("kvblend"):
                     inside = msg["kvblend"]["e2e_s"]
                     guarded = bool(msg["kvblend"].get("report", {}).get("guard"))
-    return Sample(ttft, time.perf_counter() - t0, tokens, inside, guarded)
+                if any(c.get("delta", {}).get("content") for c in msg.get("choices", ())):
+                    text_at.append(now)
+    gaps = tuple(b - a for a, b in zip(text_at, text_at[1:]))
+    return Sample(ttft, time.perf_counter() - t0, tokens, inside, guarded, gaps)
 
 
 def run_clients(url: str, model: str, mode: str, clients: int, per_client: int, max_tokens: int,
@@ -161,9 +170,10 @@ def run_clients(url: str, model: str, mode: str, clients: int, per_client: int, 
         raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
     ttft = [s.ttft_s * 1000 for s in samples]
     e2e = [s.e2e_s * 1000 for s in samples]
+    gaps = [g * 1000 for s in samples for g in s.gaps_s] or [0.0]
     return Row(mode, clients, len(samples), len(samples) / wall, sum(s.tokens for s in samples) / wall,
                percentile(ttft, 50), percentile(ttft, 99), percentile(e2e, 50), percentile(e2e, 99),
-               sum(s.guarded for s in samples))
+               sum(s.guarded for s in samples), percentile(gaps, 50), percentile(gaps, 99), max(gaps))
 
 
 def start_server(model: str, port: int, max_concurrency: int, extra: list[str]) -> subprocess.Popen:
@@ -298,12 +308,12 @@ def markdown(rows: list[Row], overheads: list[dict], command: str, scaling: list
              f"Machine: {os.cpu_count()} cores; 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} "
              "at the end (other jobs share the cores).", "",
              "| mode | clients | requests | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms "
-             "| guarded |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| inter-token p50 / p99 / max ms | guarded |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.mode} | {r.clients} | {r.requests} | {r.req_per_s:.2f} | {r.out_tok_per_s:.1f} | "
                      f"{r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.e2e_p50_ms:.0f} | {r.e2e_p99_ms:.0f} | "
-                     f"{r.guarded} |")
+                     f"{r.itl_p50_ms:.0f} / {r.itl_p99_ms:.0f} / {r.itl_max_ms:.0f} | {r.guarded} |")
     lines += ["", "Targets:"]
     for mode in sorted({r.mode for r in rows}):
         by = {r.clients: r for r in rows if r.mode == mode}

@@ -37,8 +37,10 @@ def test_bench_clients_count_the_requests_the_near_tie_guard_blended_again():
 
     reqs = demo_requests()[:2]
     with running_server(tiny_serve_engine()) as srv:
-        blend = run_clients(srv.url, TINY, "blend@0.15", 2, 1, 2, reqs)
-        exact = run_clients(srv.url, TINY, "exact", 2, 1, 2, reqs)
+        blend = run_clients(srv.url, TINY, "blend@0.15", 2, 1, 6, reqs)
+        exact = run_clients(srv.url, TINY, "exact", 2, 1, 6, reqs)
     assert (blend.requests, blend.guarded) == (2, 2) and (exact.requests, exact.guarded) == (2, 0)
+    for row in (blend, exact):  # six-token answers: gaps between a stream's text chunks
+        assert 0 < row.itl_p50_ms <= row.itl_p99_ms <= row.itl_max_ms
     table = markdown([blend, exact], [], "cmd")
-    assert "| guarded |" in table and table.count(" | 2 |\n") >= 1
+    assert "| guarded |" in table and table.count(" | 2 |\n") >= 1 and "inter-token" in table

@@ -333,6 +333,51 @@ def test_an_idle_decode_loop_prefills_a_burst_beside_the_worker(make_scheduler, 
         assert col.last(i).completion.logits_sha256() == generate(engine, p, pol, cfg).logits_sha256()
 
 
+@pytest.mark.parametrize("share", [None, 0.5])
+def test_with_a_prefill_share_the_decode_loop_prefills_beside_a_decoding_batch(make_scheduler, share):
+    """A long answer decodes while a queue of slow prefills waits: only with a share does the decode
+    loop take some of them (every worker busy), and the answers are the same wherever they ran."""
+    store = ThreadsStore(delay=0.0)
+    engine = tiny_serve_engine(store=store)
+    sched = make_scheduler(engine, prefill_workers=1, decode_loop_prefill_share=share)
+    col = Collector()
+    ticket = sched.submit(engine.build_prompt("long answer?", make_docs(1)), ReusePolicy.exact(),
+                          GenerationConfig(max_tokens=3000, ignore_eos=True), col.sink(99))
+    wait_until(lambda: sched.steps >= 5)
+    store.delay = 0.15  # the queue's store misses are slow, so the worker stays busy
+    reqs = [(engine.build_prompt(f"queued {i}?", make_docs(2, seed=60 + i)), ReusePolicy.exact(),
+             GenerationConfig(max_tokens=2)) for i in range(4)]
+    for i, (p, pol, cfg) in enumerate(reqs):
+        sched.submit(p, pol, cfg, col.sink(i))
+    col.wait(len(reqs))
+    assert (sched.decode_loop_prefills > 0) == (share is not None)
+    assert ("kvblend-decode" in store.threads) == (share is not None)
+    assert col.last(99).kind is EventKind.TEXT  # still streaming
+    ticket.cancel()
+    for i, (p, pol, cfg) in enumerate(reqs):
+        assert col.last(i).completion.logits_sha256() == generate(engine, p, pol, cfg).logits_sha256()
+
+
+def test_the_loop_time_window_measures_the_prefill_share():
+    from blend.serve.scheduler import LoopTime
+
+    for bad in ({"decode_loop_prefill_share": 0.0}, {"decode_loop_prefill_share": 1.5},
+                {"decode_loop_prefill_share": 0.5, "decode_loop_prefills": False}):
+        with pytest.raises(ValueError, match="decode_loop_prefill_share"):
+            SchedulerConfig(**bad)
+
+    lt = LoopTime(window_s=60.0)
+    assert lt.prefill_share() == 0.0
+    lt.add(0.3, prefill=True)
+    lt.add(0.1, prefill=False)
+    assert lt.prefill_share() == pytest.approx(0.75)
+    old = LoopTime(window_s=0.0)  # events older than the window drop out
+    old.add(1.0, prefill=True)
+    time.sleep(0.01)
+    old.add(0.1, prefill=False)
+    assert old.prefill_share() == 0.0
+
+
 def test_queue_full_is_refused_with_a_retry_hint(make_scheduler):
     store = SlowStore(delay=0.5)
     engine = tiny_serve_engine(store=store)

@@ -9,6 +9,7 @@ from blend.defaults import DEFAULT_MODEL
 from blend.batch_decode import DecodeBatching
 
 API_KEY_ENV = "KVBLEND_API_KEY"
+LOOP_SHARE_WINDOW_S = 10.0  # the decode loop's prefill share is measured over its last this many seconds
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,12 @@ class SchedulerConfig:
         decode_loop_prefills: the decode loop, when it has no sequence to decode and every
             prefill worker is busy, runs the next waiting prefill itself (same thread count,
             so the same numbers as on a worker).
+        decode_loop_prefill_share: with sequences to decode too, the decode loop also runs a
+            waiting prefill (every worker busy) while prefills took less than this share of its
+            time over the last :data:`LOOP_SHARE_WINDOW_S` seconds (None: only when it has nothing
+            to decode). Both cores then prefill under a queue, at the cost of a pause in the
+            streams of the batch while the loop prefills: more tokens/s and shorter queues, a
+            longer inter-token gap now and then. Needs ``decode_loop_prefills``.
         decode_pool_tokens: rows per slot of the decode pool (:mod:`blend.decode_pool`): a
             sequence whose cache fits moves into one of ``max_concurrency`` slots when it starts
             decoding, so a step over several of them attends once per layer over the pool
@@ -71,6 +78,7 @@ class SchedulerConfig:
     torch_threads: int | None = None
     idle_decode_threads: int | None = None
     decode_loop_prefills: bool = True
+    decode_loop_prefill_share: float | None = None
     share_decode_min_batch: int | None = 8  # smaller steps gain nothing split (4 rows: 0.97-1.2x the one-thread time)
     decode_pool_tokens: int | None = 4096
 
@@ -79,6 +87,9 @@ class SchedulerConfig:
             raise ValueError("max_concurrency and prefill_workers must be >= 1, max_queue >= 0")
         if any(n is not None and n < 1 for n in (self.torch_threads, self.idle_decode_threads)):
             raise ValueError("torch_threads and idle_decode_threads must be >= 1")
+        share = self.decode_loop_prefill_share
+        if share is not None and not (0.0 < share <= 1.0 and self.decode_loop_prefills):
+            raise ValueError("decode_loop_prefill_share must be in (0, 1] (or None) and needs decode_loop_prefills")
         if self.decode_pool_tokens is not None and self.decode_pool_tokens < 1:
             raise ValueError("decode_pool_tokens must be >= 1 (or None: no pool)")
         if self.share_decode_min_batch is not None and self.share_decode_min_batch < 2:

@@ -40,7 +40,11 @@ The other way round, a decode loop with nothing to decode (no active
 sequence) takes a waiting prefill while every worker is busy, so a burst of
 requests into an idle server prefills on both cores. A request whose prefill
 finishes meanwhile waits for the decode loop's prefill to end before its
-second token (its first one was sent already).
+second token (its first one was sent already). With
+``decode_loop_prefill_share`` the decode loop does so with sequences to decode
+as well, while prefills took less than that share of its recent time
+(:class:`LoopTime`): under a queue both cores prefill, and the batch's streams
+pause while the loop prefills.
 
 Threads: each prefill worker and the decode loop run torch with their own
 intra-op thread count (``torch_threads``: the cores divided among them, so
@@ -80,7 +84,7 @@ from blend.policy import ReuseMode, ReusePolicy
 from blend.prompt import Prompt
 from blend.report import ReuseReport
 from blend.sampling import GenerationConfig
-from blend.serve.config import SchedulerConfig
+from blend.serve.config import LOOP_SHARE_WINDOW_S, SchedulerConfig
 from blend.serve.flight import FlightStore, request_keys
 from blend.serve.metrics import ServeMetrics
 
@@ -169,6 +173,30 @@ class Ticket:
         self._scheduler.wake()
 
 
+class LoopTime:
+    """The decode loop's recent seconds, decode steps and prefills apart (a sliding window).
+
+    Args:
+        window_s: how far back events count.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, float, bool]] = deque()  # (end, seconds, prefill)
+
+    def add(self, seconds: float, prefill: bool) -> None:
+        """Record one decode step or prefill that just ended."""
+        now = time.monotonic()
+        self._events.append((now, seconds, prefill))
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+    def prefill_share(self) -> float:
+        """Prefill seconds over all seconds in the window (0.0 when empty)."""
+        total = sum(s for _, s, _ in self._events)
+        return sum(s for _, s, p in self._events if p) / total if total > 0 else 0.0
+
+
 class Scheduler:
     """Runs requests over one engine.
 
@@ -205,7 +233,8 @@ class Scheduler:
         self.steps = 0
         self.shared_steps = 0  # decode steps whose share a prefill worker ran (in whole or in part)
         self.returned_shares = 0  # shares a worker handed back between layers for a prefill
-        self.decode_loop_prefills = 0  # prefills the decode loop ran while it had nothing to decode
+        self.decode_loop_prefills = 0  # prefills the decode loop ran (idle, or within its prefill share)
+        self._loop_time = LoopTime(LOOP_SHARE_WINDOW_S)  # the decode loop's recent decode / prefill seconds
         self.pool = self._make_pool()  # decoding sequences' caches (None: each keeps its own)
 
     def _make_pool(self) -> DecodePool | None:
@@ -409,12 +438,14 @@ class Scheduler:
                 joining = list(self._incoming)
                 batch.extend(joining)
                 self._incoming.clear()
-                if not batch and self._decode_loop_prefill_due():
+                if self._decode_loop_prefill_due() and (not batch or self._loop_share_allows()):
                     job = self._take_job()
-            if job is not None:  # nothing to decode and every worker busy: prefill here
+            if job is not None:  # nothing to decode (or within its share) and every worker busy: prefill here
                 self.decode_loop_prefills += 1
                 self._prefill_threads()
+                t0 = time.perf_counter()
                 self._run_prefill(job)
+                self._loop_time.add(time.perf_counter() - t0, prefill=True)
                 continue
             if joining:
                 self._pool_joined(batch, joining)
@@ -426,7 +457,9 @@ class Scheduler:
                     live.append(job)
             batch = live
             if batch:
+                t0 = time.perf_counter()
                 batch = self._step(batch)
+                self._loop_time.add(time.perf_counter() - t0, prefill=False)
 
     def _pool_joined(self, batch: list[_Job], joining: list[_Job]) -> None:
         """Move the caches of requests that just joined the batch into free pool slots, and keep
@@ -488,6 +521,12 @@ class Scheduler:
         """The decode loop may take a prefill: allowed, one is due and no worker is free for it
         (the caller checks that there is nothing to decode)."""
         return self.config.decode_loop_prefills and self._idle_workers == 0 and self._prefill_due()
+
+    def _loop_share_allows(self) -> bool:
+        """With sequences to decode, whether the decode loop may take a prefill: a share is set and
+        prefills took less than it of the loop's recent time."""
+        share = self.config.decode_loop_prefill_share
+        return share is not None and self._loop_time.prefill_share() < share
 
     def _share_rows(self, b: int) -> int:
         """How many of a b-row step's sequences to hand to a worker (0: none)."""
