@@ -2,6 +2,7 @@
 
     kvblend ask QUESTION --doc FILE [--doc FILE ...] [--reuse exact|blend|none] [--json]
     kvblend ask QUESTION --index DIR [--top-k K] ...
+    kvblend chat --doc FILE ...   (blend.chat_cli: a conversation, questions from stdin)
     kvblend check [--model M] [--json]
     kvblend eval ...      (blend.evals.cli)
     kvblend ingest ...    (blend.retrieval.cli)
@@ -35,6 +36,7 @@ EXIT_USER_ERROR = 2
 
 # command -> (module, function registering it on the subparsers); the module is imported on demand
 AREA_COMMANDS: dict[str, tuple[str, str]] = {
+    "chat": ("blend.chat_cli", "add_chat_command"),
     "eval": ("blend.evals.cli", "add_eval_command"),
     "ingest": ("blend.retrieval.cli", "add_ingest_command"),
     "demo": ("blend.retrieval.cli", "add_demo_command"),
