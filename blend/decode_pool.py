@@ -40,8 +40,9 @@ class PoolSlotCache(KVCache):
 
     def __init__(self, pool: "DecodePool", slot: int, capacity: int) -> None:  # noqa: D107 - no super(): views
         self.pool, self.slot = pool, slot
-        self.k = [k[slot] for k in pool.k]  # (Hkv, Tp, D) views
-        self.v = [v[slot] for v in pool.v]  # (Hkv, Tp, D) views
+        self._k = [k[slot] for k in pool.k]  # (Hkv, Tp, D) views
+        self._v = [v[slot] for v in pool.v]  # (Hkv, Tp, D) views
+        self._prefix = None
         self.pos = pool.pos[slot]  # (Tp,) view
         self.length = 0
         self.capacity = capacity
@@ -86,9 +87,10 @@ class DecodePool:
             A :class:`PoolSlotCache` with the same rows, length and capacity, or ``cache`` itself
             when no slot is free, it does not fit, or it is of another shape, dtype or device.
         """
-        if (isinstance(cache, PoolSlotCache) or cache.capacity > self.capacity or len(cache.k) != len(self.k)
-                or cache.k[0].shape[0] != self.k[0].shape[1] or cache.k[0].shape[2] != self.k[0].shape[3]
-                or cache.k[0].dtype != self.k[0].dtype or cache.k[0].device != self.k[0].device):
+        layers, heads, dim, dtype, device = cache.shape
+        if (isinstance(cache, PoolSlotCache) or cache.capacity > self.capacity or layers != len(self.k)
+                or heads != self.k[0].shape[1] or dim != self.k[0].shape[3]
+                or dtype != self.k[0].dtype or device != self.k[0].device):
             return cache
         with self._lock:
             if not self._free:
@@ -96,9 +98,14 @@ class DecodePool:
             slot = heapq.heappop(self._free)
             self.adopted += 1
         out = PoolSlotCache(self, slot, cache.capacity)
-        n = cache.length
+        n, p = cache.length, cache.prefix_length
         for layer in range(len(self.k)):
-            out.write(layer, 0, *cache.view(layer, n))
+            parts = cache.prefix_parts(layer)
+            if parts is None:
+                out.write(layer, 0, *cache.view(layer, n))
+            else:  # an attached prefix is copied from where it is held, once
+                out.write(layer, 0, *parts)
+                out.write(layer, p, *cache.own_rows(layer, p, n))
         out.set_positions(0, cache.pos[:n])
         out.advance(n)
         self.reads_upto[slot] = max(self.reads_upto[slot], n)

@@ -310,6 +310,13 @@ class Engine:
         cacheable = prompt.segments[:-1]
         if prefix_limit is not None:
             cacheable = cacheable[:prefix_limit]
+        whole = len(cacheable) == len(prompt.segments) - 1  # the whole prefix: a conversation's turns too
+        if use_store and whole:
+            hot = self.segments.attach_hot(cache, cacheable, prompt.question, salt)
+            if hot is not None:  # a prefix found stored again: attached, not loaded (the same rows)
+                logits, tail, _ = self.segments.compute_question(cache, cacheable, prompt.question, True, salt,
+                                                                 attached=True)
+                return _Prefilled(logits, (*hot, *tail), 0.0)
         keys = self.segments.prefix_keys(cacheable, salt) if use_store else [(Namespace.EXACT, None)] * len(cacheable)
         rows, lookup_s = [], 0.0
         for seg, (ns, key) in zip(cacheable, keys):
@@ -318,8 +325,10 @@ class Engine:
             rows.append(SegmentReport(seg.kind, done.reuse_class, len(seg), start, key_hex(key) if key else "",
                                       note=done.note))
             lookup_s += done.lookup_s
-        if len(cacheable) == len(prompt.segments) - 1:  # the whole prefix: a conversation's turns are reused too
+        if whole:
             logits, tail, waited = self.segments.compute_question(cache, cacheable, prompt.question, use_store, salt)
+            if use_store and all(r.reuse_class is ReuseClass.EXACT for r in (*rows, *tail[:-1])):
+                self.segments.remember_hot(cache, cacheable, prompt.question, salt)  # found stored: a second use
             return _Prefilled(logits, (*rows, *tail), lookup_s + waited)
         # Everything after the reusable prefix (the question included) is one block:
         # one causal pass is cheaper than segment-by-segment masked attention.
@@ -353,12 +362,7 @@ class Engine:
         cache = self.runner.new_cache(len(prompt) + extra_capacity)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            if refused or policy.mode is ReuseMode.NONE:
-                done = self._prefill_unreused(prompt, cache, refused, kinds)
-            elif policy.mode is ReuseMode.EXACT:
-                done = self._prefill_segments(prompt, policy.prefix_limit, True, cache, policy.cache_salt)
-            else:
-                done, cache = self._guard(prompt, policy, self._blend(prompt, policy, cache, question), cache)
+            done, cache = self._run(prompt, policy, cache, question, refused, kinds)
         ttft = time.perf_counter() - t0
         blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS
         ratio = (done.ratio if done.ratio is not None else policy.ratio) if blend_fields else None
@@ -371,6 +375,19 @@ class Engine:
             first_token_margin=done.margin if blend_fields else None, guard=done.guard,
         )
         return done.logits, cache, report
+
+    def _run(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool, refused: str,
+             kinds: frozenset[SegmentKind]) -> tuple["_Prefilled", KVCache]:
+        """The prefill ``policy`` asks for (or the one a refusal leaves); returns it and its cache."""
+        if refused or policy.mode is ReuseMode.NONE:
+            return self._prefill_unreused(prompt, cache, refused, kinds), cache
+        if policy.mode is ReuseMode.EXACT:
+            return self._prefill_segments(prompt, policy.prefix_limit, True, cache, policy.cache_salt), cache
+        if self.segments.is_hot(prompt.segments[:-1], prompt.question, policy.cache_salt):
+            # every document exact at its place, found stored again: the exact path (what a blend of an
+            # all-exact prompt computes), the hot prefix attached
+            return self._prefill_segments(prompt, None, True, cache, policy.cache_salt), cache
+        return self._guard(prompt, policy, self._blend(prompt, policy, cache, question), cache)
 
     def _blend(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool = True) -> "_Prefilled":
         """A blended prefill into ``cache`` (see :func:`~blend.blending.prefill_blend`)."""

@@ -42,8 +42,34 @@ class KVEntry:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
+@dataclass(frozen=True)
+class RotatedPrefix:
+    """The K (after RoPE) and V of a prompt prefix at positions [0, length), all layers: a read-only
+    snapshot that caches attach instead of loading the prefix's segments (see :class:`PrefixCache`).
+
+    Attributes:
+        k, v: per layer, (Hkv, length, D) each.
+    """
+
+    k: tuple[torch.Tensor, ...]  # L x (Hkv, P, D)
+    v: tuple[torch.Tensor, ...]  # L x (Hkv, P, D)
+
+    @property
+    def length(self) -> int:
+        return int(self.k[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
 class KVCache:
     """Preallocated K/V for one sequence.
+
+    A cache may start from an attached :class:`RotatedPrefix` (rows [0, P) held by the prefix, not
+    copied): chunked-prefill attention right after it reads the prefix in place
+    (:meth:`prefix_parts`), and anything that needs the rows contiguous (``view``, ``rows``
+    below P, ``k`` / ``v``) copies the prefix in first (:meth:`materialize`), once.
 
     Args:
         num_layers, num_kv_heads, head_dim: model shape.
@@ -54,31 +80,94 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_kv_heads, capacity, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # (Hkv, N, D)
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # (Hkv, N, D)
+        self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # (Hkv, N, D)
+        self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # (Hkv, N, D)
         self.pos = torch.zeros(capacity, dtype=torch.long, device=device)  # (N,)
         self.length = 0
         self.capacity = capacity
+        self._prefix: RotatedPrefix | None = None  # rows [0, P) until materialized
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        """Per layer (Hkv, N, D), the prefix copied in."""
+        self.materialize()
+        return self._k
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        """Per layer (Hkv, N, D), the prefix copied in."""
+        self.materialize()
+        return self._v
+
+    @property
+    def shape(self) -> tuple[int, int, int, torch.dtype, torch.device]:
+        """(layers, KV heads, head dim, dtype, device), without copying an attached prefix in."""
+        k = self._k[0]
+        return len(self._k), int(k.shape[0]), int(k.shape[2]), k.dtype, k.device
+
+    @property
+    def prefix_length(self) -> int:
+        """Rows held by an attached, not yet copied prefix (0: none)."""
+        return 0 if self._prefix is None else self._prefix.length
+
+    def attach_prefix(self, prefix: RotatedPrefix) -> None:
+        """Start an empty cache from ``prefix`` (positions 0..P-1), without copying it."""
+        if self.length:
+            raise ValueError("a prefix can only be attached to an empty cache")
+        if prefix.length > self.capacity:
+            raise ValueError(f"KV cache overflow: {prefix.length} rows > capacity {self.capacity}")
+        self._prefix = prefix
+        self.pos[:prefix.length] = torch.arange(prefix.length, device=self.pos.device)
+        self.length = prefix.length
+
+    def prefix_parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The attached prefix's K and V of one layer, (Hkv, P, D) each, or None when there is none."""
+        return None if self._prefix is None else (self._prefix.k[layer], self._prefix.v[layer])
+
+    def own_rows(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [start, end) of one layer at or after an attached prefix, without copying it in."""
+        if start < self.prefix_length:
+            raise ValueError("own_rows starts inside the attached prefix")
+        return self._k[layer][:, start:end], self._v[layer][:, start:end]
+
+    def materialize(self) -> None:
+        """Copy an attached prefix into the cache's own rows (no-op without one)."""
+        pre, self._prefix = self._prefix, None
+        if pre is None:
+            return
+        n = pre.length
+        for layer in range(len(self._k)):
+            self._k[layer][:, :n].copy_(pre.k[layer])
+            self._v[layer][:, :n].copy_(pre.v[layer])
+
+    def snapshot(self, end: int) -> RotatedPrefix:
+        """A copy of rows [0, end) of every layer, for a :class:`PrefixCache`."""
+        return RotatedPrefix(tuple(k[:, :end].clone() for k in self.k), tuple(v[:, :end].clone() for v in self.v))
 
     def write(self, layer: int, start: int, k_rot: torch.Tensor, v: torch.Tensor) -> None:
         """Write rows [start, start + S) of one layer. k_rot, v: (Hkv, S, D)."""
         end = start + k_rot.shape[1]
         if end > self.capacity:
             raise ValueError(f"KV cache overflow: {end} rows > capacity {self.capacity}")
-        self.k[layer][:, start:end] = k_rot
-        self.v[layer][:, start:end] = v
+        if start < self.prefix_length:
+            self.materialize()
+        self._k[layer][:, start:end] = k_rot
+        self._v[layer][:, start:end] = v
 
     def rows(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writable views of rows [start, end) of one layer, (Hkv, end - start, D) each (for kernels
         that write in place; the rows become visible with :meth:`advance` like any write)."""
         if end > self.capacity:
             raise ValueError(f"KV cache overflow: {end} rows > capacity {self.capacity}")
-        return self.k[layer][:, start:end], self.v[layer][:, start:end]
+        if start < self.prefix_length:
+            self.materialize()
+        return self._k[layer][:, start:end], self._v[layer][:, start:end]
 
     def write_rows(self, layer: int, rows: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter rows at arbitrary indices. rows: (S,) int64; k_rot, v: (Hkv, S, D)."""
-        self.k[layer][:, rows] = k_rot
-        self.v[layer][:, rows] = v
+        self.materialize()
+        self._k[layer][:, rows] = k_rot
+        self._v[layer][:, rows] = v
 
     def set_positions(self, start: int, positions: torch.Tensor) -> None:
         """Absolute positions of rows [start, start + S)."""
@@ -91,4 +180,5 @@ class KVCache:
     def view(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """First ``end`` rows (default: all visible) of one layer: (Hkv, T, D) each."""
         end = self.length if end is None else end
-        return self.k[layer][:, :end], self.v[layer][:, :end]
+        self.materialize()
+        return self._k[layer][:, :end], self._v[layer][:, :end]

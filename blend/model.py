@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from blend.gemm import GemmBackend, dense, linear, pack, packs_natively
-from blend.kernels.reference import causal_suffix_attention
+from blend.kernels.reference import causal_suffix_attention, causal_suffix_attention_parts
 from blend.kvcache import KVCache, KVEntry
 from blend.models import LoadedModel
 from blend.rope import RopeTables, apply_rope, apply_rope_into
@@ -308,8 +308,14 @@ class AppendRows:
         return q, h
 
     def attend(self, layer, q):
-        k_all, v_all = self.cache.view(layer, self.end)  # (Hkv, T, D)
         q_rot = apply_rope(q, self.cos, self.sin)  # (Hq, S, D)
+        parts = self.cache.prefix_parts(layer)
+        if self.mode is AppendMode.SUFFIX and parts is not None and self.start == self.cache.prefix_length:
+            # right after an attached prefix: read it in place (the same program as over copied rows)
+            k_own, v_own = self.cache.own_rows(layer, self.start, self.end)  # (Hkv, S, D)
+            out = causal_suffix_attention_parts(q_rot, *parts, k_own, v_own, self.scale)  # (Hq, S, D)
+            return out.transpose(0, 1).reshape(q.shape[1], -1)  # (S, Hq D)
+        k_all, v_all = self.cache.view(layer, self.end)  # (Hkv, T, D)
         if self.mode is AppendMode.SUFFIX:
             return attend_suffix(q_rot, k_all, v_all, self.scale)  # (S, Hq D)
         return attend(q_rot, k_all, v_all, self.scale, self.mask, self.mode is AppendMode.CAUSAL)  # (S, Hq D)

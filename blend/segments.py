@@ -15,6 +15,7 @@ never touches a request's report:
                                     finds stored (this order computed before by the exact path)
     compute_question                the question after an exact prefix: a conversation's earlier
                                     turns loaded (or computed and stored), the rest computed
+    attach_hot / remember_hot       a hot prefix (blend.prefix_cache) attached instead of loaded
     precompute_chunks               store canonical KV ahead of requests
 
 A segment computed here leaves exactly the rows a later load will see: with a
@@ -30,8 +31,10 @@ from typing import Sequence
 
 import torch
 
+from blend.defaults import DEFAULT_PREFIX_CACHE_BYTES
 from blend.keys import Namespace, Provenance, StoreKey, canonical_key, exact_chain, key_hex
 from blend.kvcache import KVCache, KVEntry
+from blend.prefix_cache import PrefixCache
 from blend.model import ModelRunner
 from blend.prompt import Prompt, Segment, SegmentKind, document_text, tokenize_segment
 from blend.report import ReuseClass, SegmentReport
@@ -121,6 +124,7 @@ class SegmentCache:
         self.donors = Donors(store, self.provenance_json, semantic)
         device = model.device
         self.prefetcher = Prefetcher(store, device=device if device.type == "cuda" else None)
+        self.hot = PrefixCache(DEFAULT_PREFIX_CACHE_BYTES)  # rotated prefixes found stored again
 
     def close(self) -> None:
         """Stop the background loader's threads."""
@@ -255,7 +259,7 @@ class SegmentCache:
         return self.model.logits(h[-1:])[0], tuple(rows)
 
     def compute_question(self, cache: KVCache, prefix: Sequence[Segment], question: Segment, use_store: bool,
-                         salt: str = "") -> tuple[torch.Tensor, tuple[SegmentReport, ...], float]:
+                         salt: str = "", attached: bool = False) -> tuple[torch.Tensor, tuple[SegmentReport, ...], float]:
         """The question segment after a prefix whose KV in ``cache`` is exact (or computed).
 
         A conversation's question segment is cut at its earlier turns' ends (:meth:`Segment.parts`):
@@ -266,14 +270,17 @@ class SegmentCache:
         every part (no reuse stays bit-identical to exact reuse).
 
         Args:
-            cache: the request's cache, holding exactly ``prefix``.
+            cache: the request's cache, holding exactly ``prefix`` (and, ``attached``, the earlier turns).
             prefix: the segments before the question, in prompt order (their chain starts the turns').
             question: the question segment.
             use_store: look up and store (exact reuse); False computes the same schedule.
             salt: the request's cache salt.
+            attached: the cache already holds the earlier turns (a hot prefix, :meth:`attach_hot`,
+                which reports them): only the last part is computed.
 
         Returns:
-            First-token logits (V,) float32, one report row per part, the seconds spent on the store.
+            First-token logits (V,) float32, one report row per part computed or loaded here, the
+            seconds spent on the store.
         """
         parts = question.parts()
         if len(parts) == 1:
@@ -282,6 +289,8 @@ class SegmentCache:
         keys = self.exact_keys([*prefix, *parts], salt)[len(prefix):] if use_store else [None] * len(parts)
         rows, waited = [], 0.0
         for part, key in zip(parts[:-1], keys[:-1]):
+            if attached:
+                break
             start = cache.length
             done = self.append_exact(cache, part, key)
             rows.append(SegmentReport(part.kind, done.reuse_class, len(part), start, key_hex(key) if key else "",
@@ -294,6 +303,49 @@ class SegmentCache:
             self.store.put(Namespace.EXACT, key, self._stored_form(kv))
         rows.append(SegmentReport(last.kind, ReuseClass.COMPUTED, len(last), start, key_hex(key) if key else ""))
         return self.model.logits(h[-1:])[0], tuple(rows), waited
+
+    def _hot_key(self, prefix: Sequence[Segment], question: Segment, salt: str
+                 ) -> tuple[list[Segment], StoreKey, int]:
+        """The segments a hot prefix covers (``prefix`` and the question's earlier turns), its key and rows."""
+        segs = [*prefix, *question.parts()[:-1]]
+        return segs, self.exact_keys(segs, salt)[-1], sum(len(s) for s in segs)
+
+    def attach_hot(self, cache: KVCache, prefix: Sequence[Segment], question: Segment, salt: str = ""
+                   ) -> tuple[SegmentReport, ...] | None:
+        """Attach the hot prefix of ``prefix`` and the question's earlier turns to an empty cache.
+
+        Returns:
+            EXACT report rows for the segments it covers (keys as the store holds them), or None
+            when this prefix is not hot (nothing attached).
+        """
+        if not prefix or not self.hot.budget_bytes:
+            return None
+        segs, key, n = self._hot_key(prefix, question, salt)
+        hot = self.hot.get(key, n)
+        if hot is None:
+            return None
+        cache.attach_prefix(hot)
+        keys = [k for _, k in self.prefix_keys(list(prefix), salt)] + self.exact_keys(segs, salt)[len(prefix):]
+        rows, start = [], 0
+        for seg, k in zip(segs, keys):
+            rows.append(SegmentReport(seg.kind, ReuseClass.EXACT, len(seg), start, key_hex(k)))
+            start += len(seg)
+        return tuple(rows)
+
+    def is_hot(self, prefix: Sequence[Segment], question: Segment, salt: str = "") -> bool:
+        """Whether :meth:`attach_hot` would attach a prefix (nothing attached here)."""
+        if not prefix or not self.hot.budget_bytes:
+            return False
+        _, key, n = self._hot_key(prefix, question, salt)
+        return self.hot.get(key, n) is not None
+
+    def remember_hot(self, cache: KVCache, prefix: Sequence[Segment], question: Segment, salt: str = "") -> None:
+        """Keep the rows of ``prefix`` and the question's earlier turns (all found stored) as a hot prefix."""
+        if not prefix or not self.hot.budget_bytes:
+            return
+        _, key, n = self._hot_key(prefix, question, salt)
+        if key not in self.hot:
+            self.hot.put(key, cache.snapshot(n))
 
     def register_donor(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], key: StoreKey | None = None,
                        salt: str = "") -> bool:

@@ -175,14 +175,34 @@ def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     Returns:
         (Hq, S, D) in q's dtype.
     """
-    hq, s, _ = q.shape
-    hkv, t, _ = k.shape
-    gqa = hq != hkv
-    p = t - s
+    p = k.shape[1] - q.shape[1]
     if p == 0:  # no cached prefix: plain causal attention
         return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=float(scale),
-                                              enable_gqa=gqa)[0]
+                                              enable_gqa=q.shape[0] != k.shape[0])[0]
+    return causal_suffix_attention_parts(q, k[:, :p], v[:, :p], k[:, p:], v[:, p:], scale)
+
+
+def causal_suffix_attention_parts(q: torch.Tensor, k_pre: torch.Tensor, v_pre: torch.Tensor, k_own: torch.Tensor,
+                                  v_own: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`causal_suffix_attention` with the visible prefix and the queries' own rows in two tensors
+    (the same program: the contiguous form calls this with its two slices), so a prefix held
+    elsewhere (a cache's shared, read-only prefix) is attended in place, without a copy.
+
+    Args:
+        q: (Hq, S, D) queries after RoPE, at the positions of ``k_own``'s rows.
+        k_pre, v_pre: (Hkv, P, D), P >= 1, every row visible to every query.
+        k_own, v_own: (Hkv, S, D), causal among the queries.
+        scale: softmax scale.
+
+    Returns:
+        (Hq, S, D) in q's dtype.
+    """
+    hq, s, _ = q.shape
+    hkv = k_pre.shape[0]
+    gqa = hq != hkv
     if _FLASH_CPU is None or q.device.type != "cpu":
+        k, v = torch.cat([k_pre, k_own], dim=1), torch.cat([v_pre, v_own], dim=1)  # (Hkv, T, D)
+        p, t = k_pre.shape[1], k.shape[1]
         pos = torch.arange(t, device=q.device)
         visible = pos[None, :] <= pos[p:, None]  # (S, T)
         return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=float(scale),
@@ -192,17 +212,17 @@ def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         # the prefix needs no mask, so the g query heads of a KV head are g x S query rows of it:
         # no copy of the (long) prefix K/V; the causal square repeats its own S rows only
         qg = q.reshape(hkv, g * s, q.shape[2])  # (Hkv, g S, D): query head h reads KV head h // g
-        o_p, lse_p = _FLASH_CPU(qg[None], k[None, :, :p], v[None, :, :p], scale=float(scale))  # (1,Hkv,gS,D)
+        o_p, lse_p = _FLASH_CPU(qg[None], k_pre[None], v_pre[None], scale=float(scale))  # (1,Hkv,gS,D)
         o_p, lse_p = o_p.reshape(1, hq, s, -1), lse_p.reshape(1, hq, s)  # (1, Hq, S, D), (1, Hq, S)
-        ks = k[:, p:].repeat_interleave(g, dim=0)  # (Hq, S, D)
-        vs = v[:, p:].repeat_interleave(g, dim=0)  # (Hq, S, D)
+        ks = k_own.repeat_interleave(g, dim=0)  # (Hq, S, D)
+        vs = v_own.repeat_interleave(g, dim=0)  # (Hq, S, D)
         o_s, lse_s = _FLASH_CPU(q[None], ks[None], vs[None], is_causal=True, scale=float(scale))
     else:
         if gqa:  # the CPU flash op wants equal head counts
-            k = k.repeat_interleave(g, dim=0)  # (Hq, T, D)
-            v = v.repeat_interleave(g, dim=0)  # (Hq, T, D)
-        o_p, lse_p = _FLASH_CPU(q[None], k[None, :, :p], v[None, :, :p], scale=float(scale))  # (1,Hq,S,D) (1,Hq,S)
-        o_s, lse_s = _FLASH_CPU(q[None], k[None, :, p:], v[None, :, p:], is_causal=True, scale=float(scale))
+            k_pre, v_pre = k_pre.repeat_interleave(g, dim=0), v_pre.repeat_interleave(g, dim=0)  # (Hq, P, D)
+            k_own, v_own = k_own.repeat_interleave(g, dim=0), v_own.repeat_interleave(g, dim=0)  # (Hq, S, D)
+        o_p, lse_p = _FLASH_CPU(q[None], k_pre[None], v_pre[None], scale=float(scale))  # (1,Hq,S,D) (1,Hq,S)
+        o_s, lse_s = _FLASH_CPU(q[None], k_own[None], v_own[None], is_causal=True, scale=float(scale))
     m = torch.maximum(lse_p, lse_s)  # (1, Hq, S)
     w_p, w_s = torch.exp(lse_p - m), torch.exp(lse_s - m)  # (1, Hq, S) each
     out = (o_p.float() * w_p[..., None] + o_s.float() * w_s[..., None]) / (w_p + w_s)[..., None]

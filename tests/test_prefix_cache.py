@@ -1,0 +1,80 @@
+"""Hot prefixes: a prefix found stored again is attached to the next request's cache (K after RoPE,
+read in place by the first chunk) instead of loaded, and the answer stays bit-identical."""
+
+from __future__ import annotations
+
+import torch
+
+from blend.kvcache import RotatedPrefix
+from blend.policy import ReusePolicy
+from blend.prefix_cache import PrefixCache
+from blend.prompt import Role, SegmentKind, Turn
+from blend.report import ReuseClass
+from conftest import make_docs, unguarded_blend
+
+DOCS = make_docs(3, words=30, seed=21)
+
+
+def test_the_third_exact_request_attaches_the_prefix_and_answers_bit_for_bit(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("Where is the harbor?", DOCS)
+    none = tiny_engine_factory().generate(prompt, ReusePolicy.none(), max_new_tokens=6)
+    cold = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=6)  # computes and stores: not hot
+    assert eng.segments.hot.kept == 0
+    warm = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=6)  # loads every segment: remembered
+    assert eng.segments.hot.kept == 1 and eng.segments.hot.hits == 0
+    hot = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=6)  # attached
+    assert eng.segments.hot.hits >= 1
+    for ans in (cold, warm, hot):
+        assert torch.equal(ans.first_logits, none.first_logits) and ans.token_ids == none.token_ids
+    assert [(s.kind, s.reuse_class, s.tokens, s.start, s.key) for s in hot.report.segments] == \
+        [(s.kind, s.reuse_class, s.tokens, s.start, s.key) for s in warm.report.segments]
+    hits = eng.segments.hot.hits  # another document order or another salt: not this prefix
+    eng.generate(eng.build_prompt("Where is the harbor?", DOCS[::-1]), ReusePolicy.exact(), max_new_tokens=1)
+    salted = eng.generate(prompt, ReusePolicy.exact(cache_salt="b"), max_new_tokens=1)
+    assert eng.segments.hot.hits == hits
+    assert {s.reuse_class for s in salted.report.segments} == {ReuseClass.COMPUTED}
+
+
+def test_a_question_after_an_attached_prefix_reads_it_in_place(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("Which bridge?", DOCS)
+    for _ in range(2):
+        eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+    logits, cache, report = eng.prefill(prompt, ReusePolicy.exact())
+    assert cache.prefix_length == len(prompt) - len(prompt.question)  # nothing copied yet
+    ref, ref_cache, _ = tiny_engine_factory().prefill(prompt, ReusePolicy.none())
+    assert torch.equal(logits, ref)
+    k, v = cache.view(0)  # anything that needs the rows contiguous copies the prefix in, once
+    assert cache.prefix_length == 0 and torch.equal(k, ref_cache.view(0)[0]) and torch.equal(v, ref_cache.view(0)[1])
+
+
+def test_a_conversation_and_a_blend_over_exact_documents_use_the_hot_prefix(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    history = (Turn(Role.USER, "Where is the harbor?"), Turn(Role.ASSISTANT, "North."),
+               Turn(Role.USER, "And the bridge?"), Turn(Role.ASSISTANT, "South."))
+    third = eng.build_prompt("And the tower?", DOCS, history=history)
+    none = tiny_engine_factory().generate(third, ReusePolicy.none(), max_new_tokens=4)
+    for _ in range(3):  # computes, loads (remembered: documents and both turns), attaches
+        got = eng.generate(third, ReusePolicy.exact(), max_new_tokens=4)
+        assert torch.equal(got.first_logits, none.first_logits) and got.token_ids == none.token_ids
+    assert eng.segments.hot.hits >= 1
+    assert [s.kind for s in got.report.segments[-3:]] == [SegmentKind.TURN, SegmentKind.TURN, SegmentKind.QUESTION]
+    blend = eng.generate(third, unguarded_blend(ratio=0.15), max_new_tokens=4)  # every document exact: exact path
+    assert torch.equal(blend.first_logits, none.first_logits)
+    assert all(s.reuse_class is ReuseClass.EXACT for s in blend.report.segments[:-1])
+
+
+def test_the_lru_keeps_its_budget():
+    def prefix(n: int) -> RotatedPrefix:
+        t = torch.zeros(1, n, 4)
+        return RotatedPrefix((t,), (t,))
+
+    cache = PrefixCache(budget_bytes=prefix(10).nbytes * 2)
+    cache.put(b"a" * 32, prefix(10))
+    cache.put(b"b" * 32, prefix(10))
+    assert cache.get(b"a" * 32, 10) is not None  # a is now the most recent
+    cache.put(b"c" * 32, prefix(10))
+    assert b"b" * 32 not in cache and b"a" * 32 in cache and b"c" * 32 in cache
+    assert cache.get(b"a" * 32, 11) is None  # another length: not this prefix
+    PrefixCache(0).put(b"d" * 32, prefix(1))  # budget 0 keeps nothing
