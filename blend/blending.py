@@ -346,6 +346,19 @@ class BlendRows:
         return attn.transpose(0, 1).reshape(q.shape[1], -1)  # (A, Hq D)
 
 
+NO_ROWS = torch.empty(0, dtype=torch.long)
+
+
+def _exact_outcome(segments: SegmentCache, prompt: Prompt, cache: KVCache, reports: list[SegmentReport],
+                   lookup_s: float, salt: str) -> BlendOutcome:
+    """A blend whose every document was exact at its place: the question computed as the exact path
+    computes it; a prefix found stored in full is remembered as hot (its second use)."""
+    logits, tail, waited = segments.compute_question(cache, prompt.segments[:-1], prompt.question, True, salt)
+    if all(r.reuse_class is ReuseClass.EXACT for r in (*reports, *tail[:-1])):
+        segments.remember_hot(cache, prompt.segments[:-1], prompt.question, salt)
+    return BlendOutcome(logits, (*reports, *tail), None, lookup_s + waited)
+
+
 def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, policy: ReusePolicy,
                   cache: KVCache, question: bool = True) -> BlendOutcome:
     """Blended prefill of ``prompt`` into ``cache`` (blending already allowed by the engine).
@@ -379,9 +392,8 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     blended = chunks[n_exact:]
     q = prompt.question
     if not blended:  # nothing to re-position: this is the exact path (a conversation's turns included)
-        logits, tail, waited = segments.compute_question(cache, prompt.segments[:-1], q, True, salt)
-        reports += _doc_reports(prompt, chunks, torch.empty(0, dtype=torch.long), 0)
-        return BlendOutcome(logits, (*reports, *tail), None, lookup_s + waited)
+        return _exact_outcome(segments, prompt, cache, [*reports, *_doc_reports(prompt, chunks, NO_ROWS, 0)],
+                              lookup_s, salt)
 
     plan = plan_blend(model, prompt, blended, n_exact, cache.length, policy)
     cache.set_positions(plan.e, plan.pos)

@@ -43,6 +43,7 @@ class PoolSlotCache(KVCache):
         self._k = [k[slot] for k in pool.k]  # (Hkv, Tp, D) views
         self._v = [v[slot] for v in pool.v]  # (Hkv, Tp, D) views
         self._prefix = None
+        self._shared_upto = 0
         self.pos = pool.pos[slot]  # (Tp,) view
         self.length = 0
         self.capacity = capacity

@@ -60,7 +60,9 @@ class RotatedPrefix:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        """Bytes held: the storage behind the tensors (a prefix shared from a request's cache keeps
+        that cache's whole buffers alive)."""
+        return sum(t.untyped_storage().nbytes() for t in (*self.k, *self.v))
 
 
 class KVCache:
@@ -86,6 +88,7 @@ class KVCache:
         self.length = 0
         self.capacity = capacity
         self._prefix: RotatedPrefix | None = None  # rows [0, P) until materialized
+        self._shared_upto = 0  # rows [0, n) are views held by a PrefixCache: read-only
 
     @property
     def k(self) -> list[torch.Tensor]:
@@ -140,15 +143,24 @@ class KVCache:
             self._k[layer][:, :n].copy_(pre.k[layer])
             self._v[layer][:, :n].copy_(pre.v[layer])
 
-    def snapshot(self, end: int) -> RotatedPrefix:
-        """A copy of rows [0, end) of every layer, for a :class:`PrefixCache`."""
-        return RotatedPrefix(tuple(k[:, :end].clone() for k in self.k), tuple(v[:, :end].clone() for v in self.v))
+    def share(self, end: int) -> RotatedPrefix:
+        """Rows [0, end) of every layer as a read-only prefix for a :class:`PrefixCache`, without a copy:
+        from now on no write may touch them (decoding appends after them), so other caches may
+        attach the views while this one lives on."""
+        self.materialize()
+        self._shared_upto = max(self._shared_upto, end)
+        return RotatedPrefix(tuple(k[:, :end] for k in self._k), tuple(v[:, :end] for v in self._v))
+
+    def _check_writable(self, start: int) -> None:
+        if start < self._shared_upto:
+            raise RuntimeError(f"rows below {self._shared_upto} are shared as a prefix: no write may touch them")
 
     def write(self, layer: int, start: int, k_rot: torch.Tensor, v: torch.Tensor) -> None:
         """Write rows [start, start + S) of one layer. k_rot, v: (Hkv, S, D)."""
         end = start + k_rot.shape[1]
         if end > self.capacity:
             raise ValueError(f"KV cache overflow: {end} rows > capacity {self.capacity}")
+        self._check_writable(start)
         if start < self.prefix_length:
             self.materialize()
         self._k[layer][:, start:end] = k_rot
@@ -159,12 +171,15 @@ class KVCache:
         that write in place; the rows become visible with :meth:`advance` like any write)."""
         if end > self.capacity:
             raise ValueError(f"KV cache overflow: {end} rows > capacity {self.capacity}")
+        self._check_writable(start)
         if start < self.prefix_length:
             self.materialize()
         return self._k[layer][:, start:end], self._v[layer][:, start:end]
 
     def write_rows(self, layer: int, rows: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter rows at arbitrary indices. rows: (S,) int64; k_rot, v: (Hkv, S, D)."""
+        if self._shared_upto:
+            self._check_writable(int(rows.min()))
         self.materialize()
         self._k[layer][:, rows] = k_rot
         self._v[layer][:, rows] = v

@@ -7,8 +7,10 @@ snapshot of the rows it loaded, K after RoPE, keyed by the prefix-chained key of
 the prefix's last segment (which commits to every token before it, the salt and
 the provenance): the next request attaches the snapshot to its cache instead of
 loading anything (:meth:`blend.kvcache.KVCache.attach_prefix`), and its first
-chunk attends to it in place. The snapshot holds exactly the rows the load
-produced, so the answer is bit-identical.
+chunk attends to it in place. The snapshot is a read-only view of the rows the
+load produced in that request's cache (:meth:`~blend.kvcache.KVCache.share`: no
+copy; the budget counts the whole buffers it keeps alive), so the answer is
+bit-identical.
 
 An LRU with a byte budget, in process only (the store stays the shared,
 persistent copy). A prefix is remembered when a request found every segment of

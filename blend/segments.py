@@ -340,12 +340,13 @@ class SegmentCache:
         return self.hot.get(key, n) is not None
 
     def remember_hot(self, cache: KVCache, prefix: Sequence[Segment], question: Segment, salt: str = "") -> None:
-        """Keep the rows of ``prefix`` and the question's earlier turns (all found stored) as a hot prefix."""
+        """Keep the rows of ``prefix`` and the question's earlier turns (all found stored) as a hot prefix
+        (views of ``cache``'s rows, which become read-only)."""
         if not prefix or not self.hot.budget_bytes:
             return
         _, key, n = self._hot_key(prefix, question, salt)
         if key not in self.hot:
-            self.hot.put(key, cache.snapshot(n))
+            self.hot.put(key, cache.share(n))  # views of this request's rows: no copy
 
     def register_donor(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], key: StoreKey | None = None,
                        salt: str = "") -> bool:

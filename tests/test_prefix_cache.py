@@ -78,3 +78,32 @@ def test_the_lru_keeps_its_budget():
     assert b"b" * 32 not in cache and b"a" * 32 in cache and b"c" * 32 in cache
     assert cache.get(b"a" * 32, 11) is None  # another length: not this prefix
     PrefixCache(0).put(b"d" * 32, prefix(1))  # budget 0 keeps nothing
+
+
+def test_blends_over_exact_documents_make_the_prefix_hot_on_their_own(tiny_engine_factory):
+    """An exact request stores this order; the first blend finds every document exact (and remembers
+    the prefix), the next attaches it: bit-identical to no reuse all the way."""
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("Which tower?", DOCS)
+    none = tiny_engine_factory().generate(prompt, ReusePolicy.none(), max_new_tokens=3)
+    eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+    first = eng.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=3)
+    assert eng.segments.hot.kept == 1
+    again = eng.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=3)
+    assert eng.segments.hot.hits >= 1
+    for ans in (first, again):
+        assert torch.equal(ans.first_logits, none.first_logits) and ans.token_ids == none.token_ids
+        assert all(s.reuse_class is ReuseClass.EXACT for s in ans.report.segments[:-1])
+
+
+def test_shared_rows_are_read_only(tiny_engine_factory):
+    import pytest
+
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("Which tower?", DOCS)
+    _, cache, _ = eng.prefill(prompt, ReusePolicy.none())
+    shared = cache.share(10)
+    assert shared.length == 10
+    with pytest.raises(RuntimeError, match="shared"):
+        cache.write(0, 5, *cache.view(0, 1))
+    cache.write(0, 10, *cache.view(0, 1))  # after them: fine
