@@ -15,6 +15,16 @@ from blend.policy import ReusePolicy  # noqa: E402
 from blend.tiny import make_docs  # noqa: E402,F401  (test modules import it from here)
 
 
+def write_docs(folder, n: int, words: int, seed: int, stem: str = "d") -> list[str]:
+    """``make_docs`` written as text files under ``folder``; their paths."""
+    paths = []
+    for i, text in enumerate(make_docs(n, words=words, seed=seed)):
+        p = folder / f"{stem}{i}.txt"
+        p.write_text(text)
+        paths.append(str(p))
+    return paths
+
+
 def unguarded_blend(*args, **kw):
     """``ReusePolicy.blend`` with the near-tie guard off, for tests of the blend's own numbers (budget,
     selection, bits): a tiny random model's first token is nearly always a near tie, so under the default

@@ -8,17 +8,12 @@ import pytest
 
 from blend.cli import build_parser
 from blend.chat_cli import run_chat
-from conftest import make_docs
+from conftest import write_docs
 
 
 @pytest.fixture
 def doc_args(tmp_path):
-    args = []
-    for i, text in enumerate(make_docs(2, words=25, seed=3)):
-        p = tmp_path / f"doc{i}.txt"
-        p.write_text(text)
-        args += ["--doc", str(p)]
-    return args
+    return [a for path in write_docs(tmp_path, 2, words=25, seed=3) for a in ("--doc", path)]
 
 
 def chat(doc_args, stdin: str, *extra: str) -> str:

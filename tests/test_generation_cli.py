@@ -10,7 +10,7 @@ from blend.cli import main
 from blend.generation_cli import stream_answer
 from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
-from conftest import make_docs
+from conftest import make_docs, write_docs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,12 +29,7 @@ class Recorder(io.StringIO):
 
 @pytest.fixture
 def doc_files(tmp_path):
-    paths = []
-    for i, text in enumerate(make_docs(2, words=20, seed=3)):
-        p = tmp_path / f"d{i}.txt"
-        p.write_text(text)
-        paths.append(str(p))
-    return paths
+    return write_docs(tmp_path, 2, words=20, seed=3)
 
 
 def ask_json(capsys, doc_files, *extra) -> dict:
