@@ -354,8 +354,7 @@ def _exact_outcome(segments: SegmentCache, prompt: Prompt, cache: KVCache, repor
     """A blend whose every document was exact at its place: the question computed as the exact path
     computes it; a prefix found stored in full is remembered as hot (its second use)."""
     logits, tail, waited = segments.compute_question(cache, prompt.segments[:-1], prompt.question, True, salt)
-    if all(r.reuse_class is ReuseClass.EXACT for r in (*reports, *tail[:-1])):
-        segments.remember_hot(cache, prompt.segments[:-1], prompt.question, salt)
+    segments.remember_hot(cache, prompt.segments[:-1], prompt.question, (*reports, *tail), salt)
     return BlendOutcome(logits, (*reports, *tail), None, lookup_s + waited)
 
 

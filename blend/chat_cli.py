@@ -21,6 +21,8 @@ from blend.defaults import DEFAULT_MAX_NEW_TOKENS
 from blend.errors import InvalidRequestError, KVBlendError
 from blend.generation_cli import add_sampling_arguments, generation_config_from_args, stream_answer
 from blend.options import add_engine_arguments, add_policy_arguments, engine_from_args, policy_from_args, read_document
+from blend.prompt import Role, SegmentKind, Turn
+from blend.report import ReuseClass
 
 RESET, EXIT = "/reset", "/exit"
 
@@ -39,9 +41,6 @@ def add_chat_command(sub: argparse._SubParsersAction) -> None:
 
 def turn_summary(report) -> str:
     """One line: TTFT, reused and computed tokens, and how many earlier turns were loaded."""
-    from blend.prompt import SegmentKind
-    from blend.report import ReuseClass
-
     turns = [s for s in report.segments if s.kind is SegmentKind.TURN]
     loaded = sum(1 for s in turns if s.reuse_class is ReuseClass.EXACT)
     return (f"[ttft {report.timings.ttft_s * 1000:.0f} ms | reused {report.reused_tokens} of {report.prompt_tokens} "
@@ -59,8 +58,6 @@ def run_chat(args: argparse.Namespace, lines: TextIO | None = None, out: TextIO 
     Returns:
         0 (a question the engine refuses prints its error and the conversation goes on).
     """
-    from blend.prompt import Role, Turn
-
     lines = sys.stdin if lines is None else lines
     out = sys.stdout if out is None else out
     if not args.doc:

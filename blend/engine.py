@@ -327,8 +327,8 @@ class Engine:
             lookup_s += done.lookup_s
         if whole:
             logits, tail, waited = self.segments.compute_question(cache, cacheable, prompt.question, use_store, salt)
-            if use_store and all(r.reuse_class is ReuseClass.EXACT for r in (*rows, *tail[:-1])):
-                self.segments.remember_hot(cache, cacheable, prompt.question, salt)  # found stored: a second use
+            if use_store:
+                self.segments.remember_hot(cache, cacheable, prompt.question, (*rows, *tail), salt)
             return _Prefilled(logits, (*rows, *tail), lookup_s + waited)
         # Everything after the reusable prefix (the question included) is one block:
         # one causal pass is cheaper than segment-by-segment masked attention.

@@ -66,15 +66,12 @@ class PrefixCache:
                 _, dropped = self._data.popitem(last=False)
                 self._bytes -= dropped.nbytes
 
+    def holds(self, key: StoreKey, length: int) -> bool:
+        """Whether :meth:`get` would return a prefix (neither counted as a hit nor made recent)."""
+        with self._lock:
+            got = self._data.get(bytes(key))
+            return got is not None and got.length == length
+
     def __contains__(self, key: StoreKey) -> bool:
         with self._lock:
             return bytes(key) in self._data
-
-    def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
-            self._bytes = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes

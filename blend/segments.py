@@ -288,9 +288,7 @@ class SegmentCache:
             return logits, rows, 0.0
         keys = self.exact_keys([*prefix, *parts], salt)[len(prefix):] if use_store else [None] * len(parts)
         rows, waited = [], 0.0
-        for part, key in zip(parts[:-1], keys[:-1]):
-            if attached:
-                break
+        for part, key in zip(parts[:-1], keys[:-1]) if not attached else ():
             start = cache.length
             done = self.append_exact(cache, part, key)
             rows.append(SegmentReport(part.kind, done.reuse_class, len(part), start, key_hex(key) if key else "",
@@ -304,11 +302,12 @@ class SegmentCache:
         rows.append(SegmentReport(last.kind, ReuseClass.COMPUTED, len(last), start, key_hex(key) if key else ""))
         return self.model.logits(h[-1:])[0], tuple(rows), waited
 
-    def _hot_key(self, prefix: Sequence[Segment], question: Segment, salt: str
-                 ) -> tuple[list[Segment], StoreKey, int]:
-        """The segments a hot prefix covers (``prefix`` and the question's earlier turns), its key and rows."""
+    def _hot_keys(self, prefix: Sequence[Segment], question: Segment, salt: str
+                  ) -> tuple[list[Segment], list[StoreKey], int]:
+        """The segments a hot prefix covers (``prefix`` and the question's earlier turns), their keys
+        as the store holds them (the last one keys the hot prefix) and its rows."""
         segs = [*prefix, *question.parts()[:-1]]
-        return segs, self.exact_keys(segs, salt)[-1], sum(len(s) for s in segs)
+        return segs, [k for _, k in self.prefix_keys(segs, salt)], sum(len(s) for s in segs)
 
     def attach_hot(self, cache: KVCache, prefix: Sequence[Segment], question: Segment, salt: str = ""
                    ) -> tuple[SegmentReport, ...] | None:
@@ -320,12 +319,11 @@ class SegmentCache:
         """
         if not prefix or not self.hot.budget_bytes:
             return None
-        segs, key, n = self._hot_key(prefix, question, salt)
-        hot = self.hot.get(key, n)
+        segs, keys, n = self._hot_keys(prefix, question, salt)
+        hot = self.hot.get(keys[-1], n)
         if hot is None:
             return None
         cache.attach_prefix(hot)
-        keys = [k for _, k in self.prefix_keys(list(prefix), salt)] + self.exact_keys(segs, salt)[len(prefix):]
         rows, start = [], 0
         for seg, k in zip(segs, keys):
             rows.append(SegmentReport(seg.kind, ReuseClass.EXACT, len(seg), start, key_hex(k)))
@@ -333,20 +331,22 @@ class SegmentCache:
         return tuple(rows)
 
     def is_hot(self, prefix: Sequence[Segment], question: Segment, salt: str = "") -> bool:
-        """Whether :meth:`attach_hot` would attach a prefix (nothing attached here)."""
+        """Whether :meth:`attach_hot` would attach a prefix (nothing attached or counted here)."""
         if not prefix or not self.hot.budget_bytes:
             return False
-        _, key, n = self._hot_key(prefix, question, salt)
-        return self.hot.get(key, n) is not None
+        _, keys, n = self._hot_keys(prefix, question, salt)
+        return self.hot.holds(keys[-1], n)
 
-    def remember_hot(self, cache: KVCache, prefix: Sequence[Segment], question: Segment, salt: str = "") -> None:
-        """Keep the rows of ``prefix`` and the question's earlier turns (all found stored) as a hot prefix
-        (views of ``cache``'s rows, which become read-only)."""
-        if not prefix or not self.hot.budget_bytes:
+    def remember_hot(self, cache: KVCache, prefix: Sequence[Segment], question: Segment,
+                     rows: Sequence[SegmentReport], salt: str = "") -> None:
+        """Keep the rows of ``prefix`` and the question's earlier turns as a hot prefix (views of
+        ``cache``'s rows, which become read-only) when the request found every one of them stored
+        (``rows``: its report rows, the question's last part last): their second use."""
+        if not prefix or not self.hot.budget_bytes or any(r.reuse_class is not ReuseClass.EXACT for r in rows[:-1]):
             return
-        _, key, n = self._hot_key(prefix, question, salt)
-        if key not in self.hot:
-            self.hot.put(key, cache.share(n))  # views of this request's rows: no copy
+        _, keys, n = self._hot_keys(prefix, question, salt)
+        if keys[-1] not in self.hot:
+            self.hot.put(keys[-1], cache.share(n))  # views of this request's rows: no copy
 
     def register_donor(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], key: StoreKey | None = None,
                        salt: str = "") -> bool:

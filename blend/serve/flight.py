@@ -40,11 +40,9 @@ def request_keys(engine, prompt: Prompt, policy: ReusePolicy) -> list[FlightKey]
         cacheable = prompt.segments[:-1]
         if policy.prefix_limit is not None:
             cacheable = cacheable[: policy.prefix_limit]
-        keys = [(ns, bytes(k)) for ns, k in segments.prefix_keys(cacheable, salt)]
         if len(cacheable) == len(prompt.segments) - 1:  # a conversation's earlier turns are looked up too
-            turns = prompt.question.parts()[:-1]
-            keys += [(Namespace.EXACT, bytes(k)) for k in segments.exact_keys([*cacheable, *turns], salt)[len(cacheable):]]
-        return keys
+            cacheable = [*cacheable, *prompt.question.parts()[:-1]]
+        return [(ns, bytes(k)) for ns, k in segments.prefix_keys(cacheable, salt)]
     pre = prompt.preamble.token_ids
     keys = [(Namespace.EXACT, bytes(segments.exact_keys([prompt.preamble], salt)[0]))]
     keys += [(Namespace.CANONICAL, bytes(segments.canonical_key(pre, d.token_ids, salt))) for d in prompt.documents]

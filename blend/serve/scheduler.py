@@ -519,7 +519,7 @@ class Scheduler:
 
     def _decode_loop_prefill_due(self) -> bool:
         """The decode loop may take a prefill: allowed, one is due and no worker is free for it
-        (the caller checks that there is nothing to decode)."""
+        (the caller checks that there is nothing to decode, or that its prefill share allows one)."""
         return self.config.decode_loop_prefills and self._idle_workers == 0 and self._prefill_due()
 
     def _loop_share_allows(self) -> bool:
