@@ -1,6 +1,6 @@
 """Benchmark of the blend kernels at SmolLM2 shapes (3 KV heads, 9 query heads, head dim 64).
 
-    python -m blend.evals.bench_kernels [--device cpu|cuda] [--json OUT] [--tokens 4096 16384]
+    python -m blend.evals.bench_kernels [--device cpu|cuda] [--json OUT] [--tokens 4096 16384] [--vllm]
 
 For each kernel: max error against the torch reference, and time of the
 dispatched path against plain-torch formulations, at T tokens with 15% of the
@@ -15,6 +15,11 @@ formulations (the reference against SDPA with an explicit mask is the ratio the
 kernels issue asks for) and the error column comes from the Triton kernels run
 by the interpreter at a reduced shape (T=256). On CUDA, Triton is timed
 against torch with CUDA events and errors are taken at the full shapes.
+
+``--vllm`` (CPU, where vLLM is installed) loads vLLM's compiled ops and adds
+vLLM's CPU attention kernel as kvblend's connector runs it
+(``kernels/vllm_cpu.py``): to the sparse-query rows, and, as one causal request,
+beside dense causal SDPA.
 """
 
 from __future__ import annotations
@@ -193,7 +198,7 @@ def error_rows(t: int, ratio: float, dtype: torch.dtype, device: torch.device) -
 
 
 def timing_rows(t: int, ratio: float, dtype: torch.dtype, device: torch.device, repeats: int,
-                full_prefill: bool) -> list[Timing]:
+                full_prefill: bool, vllm: bool = False) -> list[Timing]:
     from blend.kernels import kv_deviation, rope_mix, sparse_query_attention
     from blend.kernels.reference import kv_deviation_ref, rope_mix_ref, sparse_query_attention_ref
 
@@ -204,7 +209,7 @@ def timing_rows(t: int, ratio: float, dtype: torch.dtype, device: torch.device, 
     k_rot, v_mix = rope_mix_ref(*p.mix_args)
     q_pos = p.pos[p.fresh_idx]
     fresh_all = p.cached_k + 0.1 * torch.randn_like(p.cached_k)
-    dispatched = "triton" if device.type == "cuda" else "dispatch(torch)"
+    dispatched = "triton" if device.type == "cuda" else ("dispatch(vLLM CPU)" if vllm else "dispatch(torch)")
     att = (p.q, q_pos, k_rot, v_mix, p.pos, scale)
 
     groups: dict[str, list[tuple[str, Callable[[], object]]]] = {
@@ -240,11 +245,22 @@ def timing_rows(t: int, ratio: float, dtype: torch.dtype, device: torch.device, 
     ]
     if t <= 8192:  # explicit (Hq, S, T) scores: 1.5 GB at 16k
         groups["sparse_query_attention"].append(("matmul + masked softmax", lambda: matmul_softmax(*att)))
+    if vllm:
+        from blend.kernels.reference import sparse_query_attention_blocked
+        from blend.kernels.vllm_cpu import sparse_query_attention_vllm
+
+        groups["sparse_query_attention"] += [
+            ("torch blocked (the CPU path without vLLM)", lambda: sparse_query_attention_blocked(*att)),
+            ("vLLM CPU kernel, one request per run", lambda: sparse_query_attention_vllm(*att))]
     if full_prefill:
         q_all = torch.randn(HQ, t, HEAD_DIM, dtype=dtype, device=device)
         groups["mix+attention (blend layer step)"].append(
             ("dense causal SDPA over all T (full prefill)", lambda: F.scaled_dot_product_attention(
                 q_all[None], k_rot[None], v_mix[None], is_causal=True, scale=scale, enable_gqa=True)))
+        if vllm:
+            groups["mix+attention (blend layer step)"].append(
+                ("vLLM CPU causal over all T (one request)", lambda: sparse_query_attention_vllm(
+                    q_all, p.pos, k_rot, v_mix, p.pos, scale)))
     rows = []
     for kernel, impls in groups.items():
         base = None
@@ -275,19 +291,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 5 CPU, 20 CUDA)")
     ap.add_argument("--no-full-prefill", action="store_true", help="skip the dense causal attention row")
     ap.add_argument("--json", metavar="OUT", default=None)
+    ap.add_argument("--vllm", action="store_true", help="add vLLM's CPU attention kernel (needs vLLM installed)")
     args = ap.parse_args(argv)
+    if args.vllm:
+        import vllm._custom_ops  # noqa: F401  registers vLLM's compiled ops with torch
     device = torch.device(args.device)
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     repeats = args.repeats or (5 if device.type == "cpu" else 20)
 
-    errors = error_rows(SMALL_T, args.ratio, dtype, device) if device.type == "cpu" else []
+    # (the Triton interpreter's error rows need this repository's Triton; vLLM's environment pins another)
+    errors = error_rows(SMALL_T, args.ratio, dtype, device) if device.type == "cpu" and not args.vllm else []
     timings: list[Timing] = []
     for t in args.tokens:
         if device.type == "cuda":
             errors += error_rows(t, args.ratio, dtype, device)
-        timings += timing_rows(t, args.ratio, dtype, device, repeats, not args.no_full_prefill)
+        timings += timing_rows(t, args.ratio, dtype, device, repeats, not args.no_full_prefill, args.vllm)
     print(f"device={device} dtype={dtype} threads={torch.get_num_threads()} "
           f"Hkv={HKV} Hq={HQ} D={HEAD_DIM} ratio={args.ratio} best of {repeats}, ms\n")
     print_tables(errors, timings)

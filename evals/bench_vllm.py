@@ -14,7 +14,10 @@ prefill as the reference (ratios and KL are taken inside one process):
   served and saved; ``kvblend-blend@R``: the reordered prompt blended by the
   connector (chunks precomputed by the warm-up request) under the connector's
   default policy (no near-tie guard: opt-in inside vLLM); ``kvblend-blend@R:guard=M``:
-  the same with kvblend's own guard margin (``--guard on|off`` runs only one of the two).
+  the same with kvblend's own guard margin (``--guard on|off`` runs only one of the two);
+  ``--attention both`` adds ``kvblend-blend@R:torch-attention``, the blend with its sparse-query
+  attention on torch's kernels (``KVBLEND_KERNELS=torch``, set per request: vLLM's worker runs in
+  this process) instead of vLLM's CPU attention kernel, which the connector uses by default.
 
 Per mode: TTFT median (one request of one output token, no log-probs: its end-to-end time),
 ratio to ``full`` per item and repeat (median), first-token KL to ``full``
@@ -41,6 +44,7 @@ import time
 from pathlib import Path
 
 from blend.defaults import DEFAULT_GUARD_MARGIN, DEFAULT_RATIO
+from blend.kernels import ENV_VAR as KERNELS_ENV
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
 
@@ -104,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--guard", choices=("both", "on", "off"), default="both",
                     help="blend with kvblend's near-tie guard margin, without the guard (the connector's "
                          "default), or both (interleaved)")
+    ap.add_argument("--attention", choices=("auto", "both"), default="auto",
+                    help="both: also blend with torch's attention kernels (interleaved) instead of vLLM's")
     ap.add_argument("--concurrent", type=int, default=4, help="0: skip the concurrent round")
     ap.add_argument("--out", required=True)
     ap.add_argument("--replot", action="store_true", help="only redraw DIR/vllm.png")
@@ -166,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     blend_mode = f"kvblend-blend@{args.ratio:g}"
     guarded = f"{blend_mode}:guard={DEFAULT_GUARD_MARGIN:g}"
     blends = {"both": [blend_mode, guarded], "on": [guarded], "off": [blend_mode]}[args.guard]
+    torch_attention = f"{blend_mode}:torch-attention"
+    if args.attention == "both":
+        blends.append(torch_attention)
     modes = ["prefix-cache"] if args.engine == "vllm" else ["kvblend-exact", *blends]
     rows: list[dict] = []
     salt_n = 0
@@ -177,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def request(mode: str, prompt) -> tuple[list[int], dict | None, str | None]:
         ids = prompt.token_ids
+        os.environ[KERNELS_ENV] = "torch" if mode == torch_attention else "auto"  # read per kernel call
         if mode == "full":
             return ids, None, fresh_salt()
         if mode.startswith("kvblend-blend"):
@@ -217,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         _, t_full, _ = ask([request("full", p) for p in prompts], dist=False)
         conc.append(dict(mode="full", clients=args.concurrent, wall_s=t_full, ratio=1.0))
         for mode in modes:
+            if mode.startswith("kvblend-blend"):  # untimed: stores the chunks again where the exact mode's
+                ask([request(mode, p) for p in prompts], dist=False)  # saves evicted them (memory budget)
             _, t, reps = ask([request(mode, p) for p in prompts], dist=False)
             conc.append(dict(mode=mode, clients=args.concurrent, wall_s=t, ratio=t / t_full,
                              reports=[(x or {}).get("kvblend") for x in reps]))

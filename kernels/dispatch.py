@@ -7,6 +7,13 @@ so tests and benchmarks may change it at run time):
   torch   always the torch reference path
   triton  always the Triton kernels; on CPU tensors this needs the interpreter
           (``TRITON_INTERPRET=1``), which is for tests only
+  vllm    sparse-query attention on CPU tensors always on vLLM's CPU attention kernel
+          (an error where vLLM's ops are not loaded); the other kernels as under auto
+
+Under auto, CPU sparse-query attention runs on vLLM's kernel wherever vLLM has
+registered its compiled ops in this process (kvblend's connector inside vLLM's
+worker) and they passed a one-time self-check (``vllm_cpu``); elsewhere, and for
+every exact-path computation, nothing changes.
 
 Triton is imported only when a Triton kernel is about to run; importing this
 module (or ``blend.kernels``) never imports Triton and never queries a GPU.
@@ -21,6 +28,7 @@ from functools import lru_cache
 
 import torch
 
+from . import vllm_cpu
 from .reference import kv_deviation_ref, rope_mix_ref, sparse_query_attention_blocked, sparse_query_attention_ref
 
 ENV_VAR = "KVBLEND_KERNELS"
@@ -31,6 +39,7 @@ class KernelBackend(enum.Enum):
 
     TORCH = "torch"
     TRITON = "triton"
+    VLLM_CPU = "vllm-cpu"  # vLLM's compiled CPU attention (sparse-query attention only)
 
 
 class BackendPolicy(enum.Enum):
@@ -39,6 +48,7 @@ class BackendPolicy(enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
     TRITON = "triton"
+    VLLM = "vllm"
 
 
 @lru_cache(maxsize=1)
@@ -88,6 +98,33 @@ def kernel_backend(tensor: torch.Tensor) -> KernelBackend:
     if tensor.is_cuda and triton_available():
         return KernelBackend.TRITON
     return KernelBackend.TORCH
+
+
+def attention_backend(q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> KernelBackend:
+    """Pick the implementation of one sparse-query attention call.
+
+    Args:
+        q: (Hq, S, D) queries; q_pos, k_pos: (S,), (T,) positions (vLLM's kernel takes sorted ones).
+
+    Returns:
+        ``KernelBackend.VLLM_CPU`` for CPU calls the vLLM kernel covers when policy ``vllm`` asks
+        for it, or under ``auto`` when vLLM's ops are registered and passed their self-check;
+        otherwise what :func:`kernel_backend` picks.
+
+    Raises:
+        ValueError: bad ``KVBLEND_KERNELS`` value.
+        RuntimeError: policy ``vllm`` without vLLM's ops, or ``triton`` without Triton.
+    """
+    policy = backend_policy()
+    if policy is BackendPolicy.VLLM:
+        if not vllm_cpu.ops_registered():
+            raise RuntimeError(f"{ENV_VAR}=vllm but vLLM's CPU attention ops are not loaded in this process")
+        if vllm_cpu.covers(q, q_pos, k_pos):
+            return KernelBackend.VLLM_CPU
+    elif (policy is BackendPolicy.AUTO and q.device.type == "cpu" and vllm_cpu.ops_registered()
+          and vllm_cpu.covers(q, q_pos, k_pos) and vllm_cpu.usable(q.dtype)):
+        return KernelBackend.VLLM_CPU
+    return kernel_backend(q)
 
 
 def rope_mix(
@@ -185,8 +222,11 @@ def sparse_query_attention(
     Raises:
         ValueError: shape, dtype or device mismatch.
     """
-    if kernel_backend(q) is KernelBackend.TRITON:
+    backend = attention_backend(q, q_pos, k_pos)
+    if backend is KernelBackend.TRITON:
         from .attention_kernel import sparse_query_attention_triton
 
         return sparse_query_attention_triton(q, q_pos, k, v, k_pos, scale)
+    if backend is KernelBackend.VLLM_CPU:
+        return vllm_cpu.sparse_query_attention_vllm(q, q_pos, k, v, k_pos, scale)
     return sparse_query_attention_blocked(q, q_pos, k, v, k_pos, scale)

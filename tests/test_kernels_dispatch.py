@@ -79,6 +79,22 @@ def test_kernel_backend_rejects_unknown_value(monkeypatch):
         kernel_backend(_CPU)
 
 
+def test_vllm_attention_only_where_vllm_is_loaded(monkeypatch):
+    """Without vLLM's ops in the process, auto keeps torch's attention; policy vllm says why it cannot."""
+    from blend.kernels import vllm_cpu
+    from blend.kernels.dispatch import attention_backend
+
+    q, pos = torch.randn(9, 8, 64), torch.arange(8)
+    assert not vllm_cpu.ops_registered() and not vllm_cpu.usable(torch.float32)
+    monkeypatch.setenv(ENV_VAR, "auto")
+    assert attention_backend(q, pos, pos) is KernelBackend.TORCH
+    monkeypatch.setenv(ENV_VAR, "vllm")
+    with pytest.raises(RuntimeError, match="vLLM's CPU attention ops are not loaded"):
+        attention_backend(q, pos, pos)
+    assert not vllm_cpu.covers(q.half(), pos, pos) and not vllm_cpu.covers(q, pos.flip(0), pos)
+    assert not vllm_cpu.covers(torch.randn(9, 8, 40), pos, pos)  # head size vLLM's vector kernel lacks
+
+
 def _spy(monkeypatch, module, name):
     calls = []
     real = getattr(module, name)
