@@ -40,6 +40,7 @@ from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.batch_decode import decode_batch
 from blend.decode_pool import DecodePool
 from blend.engine import Engine
+from blend.evals.metrics import percentile
 from blend.generation import generate
 from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
@@ -100,11 +101,6 @@ def policy_body(mode: str) -> dict:
 def policy_of(mode: str) -> ReusePolicy:
     body = policy_body(mode)
     return ReusePolicy.exact() if body["reuse"] == "exact" else ReusePolicy.blend(ratio=body["ratio"])
-
-
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
 def one_request(http: httpx.Client, model: str, question: str, docs: list[str], mode: str, max_tokens: int) -> Sample:

@@ -64,7 +64,7 @@ def backend_policy() -> BackendPolicy:
     """The policy currently set by ``KVBLEND_KERNELS`` (default ``auto``).
 
     Raises:
-        ValueError: the variable holds something other than auto|torch|triton.
+        ValueError: the variable holds something other than auto|torch|triton|vllm.
     """
     raw = os.environ.get(ENV_VAR, BackendPolicy.AUTO.value).strip().lower() or BackendPolicy.AUTO.value
     try:
