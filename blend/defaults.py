@@ -84,3 +84,8 @@ def kvblend_home() -> Path:
 # hot prefixes (blend.prefix_cache): bytes of assembled, rotated prefix KV an engine keeps in process so
 # that a prefix found stored again is attached instead of loaded (issue 18's fixed overhead); 0: off
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+# write-behind (blend.store.write_behind): a store chain writes its persistent tiers (disk, Redis) on a
+# background thread, off the request's time to first token; requests wait for their writes before they
+# finish. At most this many writes wait in the queue before a producer waits for room.
+DEFAULT_WRITE_BEHIND = True
+DEFAULT_WRITE_BEHIND_PENDING = 32

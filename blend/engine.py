@@ -462,6 +462,7 @@ class Engine:
                 if len(out) >= max_new_tokens:
                     break
                 tok = int(torch.argmax(self.runner.decode_step(cache, tok)))
+        self.segments.flush()  # done means stored in every tier (write-behind)
         text = self.tokenizer.decode(out, skip_special_tokens=True).strip()
         return Answer(text, out, prompt.token_ids, logits, ttft, report, cache if keep_cache else None)
 

@@ -249,6 +249,7 @@ class Generation:
             delta = self.stream.step(self._decode(cache))
             if delta:
                 yield delta
+        self.engine.segments.flush()  # done means stored in every tier (write-behind)
         s = self.stream
         self._completion = Completion(
             text=s.text, token_ids=list(s.tokens), prompt_token_ids=self.prompt.token_ids,

@@ -39,7 +39,7 @@ from blend.model import ModelRunner
 from blend.prompt import Prompt, Segment, SegmentKind, document_text, tokenize_segment
 from blend.report import ReuseClass, SegmentReport
 from blend.semantic import Donors
-from blend.store.base import KVStore, Lookup, LookupStatus
+from blend.store.base import KVStore, Lookup, LookupStatus, flush_writes
 from blend.store.prefetch import Prefetcher
 
 
@@ -127,8 +127,18 @@ class SegmentCache:
         self.hot = PrefixCache(DEFAULT_PREFIX_CACHE_BYTES)  # rotated prefixes found stored again
 
     def close(self) -> None:
-        """Stop the background loader's threads."""
+        """Stop the background loader's threads; wait for the store's background writes."""
         self.prefetcher.close()
+        self.flush()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until what this cache put into the store is in every tier (write-behind, see
+        ``blend.store.write_behind``): the request paths call it before a request finishes.
+
+        Returns:
+            False if ``timeout`` (seconds) expired first.
+        """
+        return flush_writes(self.store, timeout)
 
     # ---- keys and lookups ---------------------------------------------------------------
 
@@ -462,7 +472,8 @@ class SegmentCache:
             with torch.inference_mode():
                 kv = self.canonical_kv(preamble, ids, salt)
             entry = self._stored_form(kv)
-            self.store.put(Namespace.CANONICAL, key, entry)
+            self.store.put(Namespace.CANONICAL, key, entry)  # the disk write overlaps the next chunk's compute
             written += entry.nbytes
+        self.flush()
         return written
 

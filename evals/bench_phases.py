@@ -33,7 +33,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.environment import describe_environment
+from blend.evals.metrics import percentile
 from blend.evals.methods import MethodKind, parse_methods
 from blend.evals.phases import Phase, PhaseClock
 from blend.evals.splits import parse_item_range
@@ -80,6 +81,7 @@ class PhaseRow:
     ttft_s: float
     ratio: float  # ttft / full prefill's ttft, per item and repeat, then the median
     phases: dict[str, float]  # phase value -> seconds (phase-clocked run; sums to its ttft)
+    ratios: tuple[float, ...] = ()  # every item and repeat's ratio (the tail beside the median)
 
 
 def _prompts(engine: Engine, data: str, items: range, size: Size) -> list:
@@ -154,7 +156,8 @@ def bench_size(engine: Engine, prompts: list, methods: list, repeats: int) -> tu
         exact_over += e_s
     tokens = int(statistics.median(len(p) for p in prompts))
     rows = [PhaseRow("", m.name, tokens, statistics.median(ttft[m.name]), statistics.median(ratio[m.name]),
-                     {ph.value: statistics.median(d[ph] for d in phases[m.name]) for ph in Phase})
+                     {ph.value: statistics.median(d[ph] for d in phases[m.name]) for ph in Phase},
+                     tuple(ratio[m.name]))
             for m in methods]
     return rows, Overhead(statistics.median(reuse_over), statistics.median(exact_over))
 
@@ -168,6 +171,13 @@ def write_markdown(rows: list[PhaseRow], overhead: dict[str, float], meta: dict,
     for r in rows:
         lines.append(f"| {r.size} | {r.method} | {r.prompt_tokens} | {r.ttft_s * 1e3:.0f} | {r.ratio:.3f} | "
                      + " | ".join(f"{r.phases[p.value] * 1e3:.0f}" for p in Phase) + " |")
+    tails = [r for r in rows if r.ratios and r.method != "full"]
+    if tails:
+        lines += ["", "Ratio per item and repeat (the tail beside the median):", "",
+                  "| size | method | samples | median | mean | p90 | max |", "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r.size} | {r.method} | {len(r.ratios)} | {percentile(r.ratios, 50):.3f} | "
+                  f"{statistics.mean(r.ratios):.3f} | {percentile(r.ratios, 90):.3f} | {max(r.ratios):.3f} |"
+                  for r in tails]
     lines += ["", "Fixed overhead (full reuse minus the question's own compute): "
               + ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in overhead.items())]
     if exact_docs:
@@ -206,7 +216,7 @@ def write_plot(rows: list[PhaseRow], path: Path) -> None:
 def replot(out: Path) -> None:
     """Rewrite phases.md and phases.png from an earlier run's phases.json."""
     res = json.loads((out / "phases.json").read_text())
-    rows = [PhaseRow(**r) for r in res["rows"]]
+    rows = [PhaseRow(**{**r, "ratios": tuple(r.get("ratios", ()))}) for r in res["rows"]]
     write_markdown(rows, res["fixed_overhead_s"], res["meta"], out / "phases.md", res.get("exact_docs_overhead_s"))
     write_plot(rows, out / "phases.png")
 
@@ -237,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         print(f"size {size.name} ...", file=sys.stderr, flush=True)
         got, fixed = bench_size(engine, _prompts(engine, args.data, items, size), methods, args.repeats)
-        rows += [PhaseRow(size.name, r.method, r.prompt_tokens, r.ttft_s, r.ratio, r.phases) for r in got]
+        rows += [replace(r, size=size.name) for r in got]
         overhead[size.name], exact_docs[size.name] = fixed.reuse_s, fixed.exact_docs_s
         for r in got:
             print(f"  {r.method:>12} {r.prompt_tokens:>5} tok  {r.ttft_s * 1e3:7.0f} ms  {r.ratio:.3f}x",

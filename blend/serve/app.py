@@ -184,6 +184,7 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
             yield
         finally:
             scheduler.close()
+            engine.segments.flush()  # pending background store writes land before the process ends
 
     app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
@@ -208,6 +209,12 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
     async def _bug(_request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return _json_error(500, f"internal error: {type(exc).__name__}", ErrorType.SERVER)
+
+    async def stored() -> None:
+        """A request is done once what it stored is in every tier (write-behind): its answer waits
+        for the background writes, off the event loop, and only when some are pending."""
+        if not engine.segments.flush(0):
+            await run_in_threadpool(engine.segments.flush)
 
     async def answer(request: Request, body, endpoint: Endpoint) -> Response:
         if body.text_chars() <= config.inline_prepare_chars:  # tokenizing a small request beats a thread hop
@@ -240,6 +247,7 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
                 ev = await watch.next()
             if ev.kind is EventKind.FAILED:
                 raise _error_for(ev.error)
+            await stored()
             c = ev.completion
             ext = kvblend_extension(c, job.prompt, engine.tokenizer, job.return_tokens)
             return JSONResponse(full_body(head, c, ext, LogprobFormat(endpoint, engine.tokenizer, job.logprobs)))
@@ -257,6 +265,7 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
                 if ev.kind is EventKind.TEXT:
                     yield text_chunk(head, ev.text, logprobs=lp.format(ev.logprobs))
                 elif ev.kind is EventKind.DONE:
+                    await stored()
                     c = ev.completion
                     yield final_chunk(head, c, kvblend_extension(c, job.prompt, engine.tokenizer, job.return_tokens),
                                       lp.format(ev.logprobs))

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 from blend.keys import Namespace, StoreKey
 from blend.policy import ReuseMode, ReusePolicy
 from blend.prompt import Prompt
-from blend.store.base import KVEntry, KVStore, Lookup, StoreStats
+from blend.store.base import KVEntry, KVStore, Lookup, StoreStats, flush_writes
 
 FlightKey = tuple[Namespace, bytes]
 
@@ -114,6 +114,10 @@ class FlightStore:
             with self._cond:
                 if self._owner.pop((ns, bytes(key)), None) is not None:
                     self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the inner store's background writes (see ``blend.store.write_behind``)."""
+        return flush_writes(self.inner, timeout)
 
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
         return self.inner.contains(ns, key)

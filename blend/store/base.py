@@ -135,6 +135,20 @@ def check_put(entry: KVEntry) -> None:
         raise ValueError(f"refusing to store a malformed KV entry: {why}")
 
 
+def flush_writes(store: KVStore, timeout: float | None = None) -> bool:
+    """Wait for a store's background writes, where it has any (a write-behind chain, or a wrapper of one).
+
+    Args:
+        store: any store; one without a ``flush`` method writes inline and has nothing to wait for.
+        timeout: seconds; None waits as long as it takes.
+
+    Returns:
+        False if the timeout expired first.
+    """
+    flush = getattr(store, "flush", None)
+    return True if flush is None else bool(flush(timeout))
+
+
 def check_entry(entry: KVEntry, provenance: str) -> str:
     """Return why ``entry`` cannot serve ``provenance`` ('' if it can)."""
     if entry.provenance != provenance:

@@ -20,7 +20,7 @@ from enum import Enum
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from blend.defaults import kvblend_home
+from blend.defaults import DEFAULT_WRITE_BEHIND, kvblend_home
 from blend.store.base import InspectableStore
 from blend.store.disk import DiskStore
 from blend.store.memory import MemoryStore
@@ -143,6 +143,7 @@ def open_store(
     *,
     memory_budget_bytes: int | None = DEFAULT_MEMORY_BUDGET,
     with_memory: bool = True,
+    write_behind: bool = DEFAULT_WRITE_BEHIND,
 ) -> InspectableStore:
     """Open the store a ``--store`` value names.
 
@@ -151,6 +152,8 @@ def open_store(
         memory_budget_bytes: budget of the in-process LRU tier.
         with_memory: put an in-process LRU in front of persistent tiers (inspection
             commands pass False: a fresh process's memory tier is empty).
+        write_behind: a chain writes the tiers after its first one on a background thread
+            (``blend.store.write_behind``); False writes every tier inline.
 
     Returns:
         A single tier, or a :class:`TieredStore` chain.
@@ -158,6 +161,6 @@ def open_store(
     tiers = [_build(t, memory_budget_bytes) for t in parse_store_spec(spec)]
     if with_memory and not isinstance(tiers[0], MemoryStore):
         tiers.insert(0, MemoryStore(memory_budget_bytes))
-    return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
+    return tiers[0] if len(tiers) == 1 else TieredStore(tiers, write_behind=write_behind)
 
 

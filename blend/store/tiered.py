@@ -3,7 +3,9 @@
     get:  memory ──miss──► disk ──miss──► redis          (first valid hit wins)
             ▲  promote        ▲  promote     │ hit
             └─────────────────┴──────────────┘
-    put:  every tier (write-through)
+    put:  the first tier at once; the others on a background writer (write-behind,
+          ``blend.store.write_behind``), or all tiers inline, slowest first
+          (write-through, ``write_behind=False``)
 
 A ``REJECTED`` entry in one tier does not stop the search: a lower tier may
 hold a valid copy, which is then promoted over the bad one. If no tier hits,
@@ -17,8 +19,10 @@ import logging
 import threading
 from typing import Iterator, Sequence
 
+from blend.defaults import DEFAULT_WRITE_BEHIND, DEFAULT_WRITE_BEHIND_PENDING
 from blend.keys import Namespace, StoreKey
 from blend.store.base import EntryInfo, InspectableStore, KVEntry, Lookup, LookupStatus, StoreStats, check_put
+from blend.store.write_behind import BackgroundWriter
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +32,20 @@ class TieredStore:
 
     Args:
         tiers: e.g. ``[MemoryStore(budget), DiskStore(root)]``.
+        write_behind: write the tiers after the first on a background thread (:meth:`flush` waits
+            for them); False writes every tier inline.
+        max_pending: writes the background writer queues before a put waits for room.
     """
 
-    def __init__(self, tiers: Sequence[InspectableStore]) -> None:
+    def __init__(self, tiers: Sequence[InspectableStore], write_behind: bool = DEFAULT_WRITE_BEHIND,
+                 max_pending: int = DEFAULT_WRITE_BEHIND_PENDING) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         self.tiers = list(tiers)
         self.name = "+".join(t.name for t in self.tiers)
         self._stats = StoreStats()
         self._lock = threading.Lock()
+        self.writer = BackgroundWriter(self.name, max_pending) if write_behind and len(self.tiers) > 1 else None
 
     def _count(self, field: str) -> None:
         with self._lock:
@@ -70,17 +79,48 @@ class TieredStore:
             log.warning("%s store: put failed: %s", tier.name, e)
 
     def put(self, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
-        """Write-through to every tier, slowest first (so the fast tier never holds
-        an entry that a concurrent reader could not also find below it)."""
+        """Store ``entry`` in every tier.
+
+        Write-behind: the first tier at once (this process finds it from now on), the others in
+        the background, in put order (another process finds it there after :meth:`flush`).
+        Write-through: every tier inline, slowest first (so the fast tier never holds an entry
+        that a concurrent reader could not also find below it). Entries are never modified after
+        a put, so the background writer may read them later.
+        """
         check_put(entry)
-        for tier in reversed(self.tiers):
-            self._put_one(tier, ns, key, entry)
         self._count("puts")
+        if self.writer is None:
+            for tier in reversed(self.tiers):
+                self._put_one(tier, ns, key, entry)
+            return
+        self._put_one(self.tiers[0], ns, key, entry)
+        self.writer.submit(lambda: self._put_below(ns, key, entry))
+
+    def _put_below(self, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
+        for tier in reversed(self.tiers[1:]):
+            self._put_one(tier, ns, key, entry)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the background writes submitted so far (True at once without write-behind).
+
+        Args:
+            timeout: seconds; None waits as long as it takes.
+
+        Returns:
+            False if the timeout expired first.
+        """
+        return self.writer is None or self.writer.flush(timeout)
+
+    def close(self) -> None:
+        """Finish the pending writes and stop the writer thread (later puts write inline)."""
+        if self.writer is not None:
+            self.writer.close()
 
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
         return any(t.contains(ns, key) for t in self.tiers)
 
     def delete(self, ns: Namespace, key: StoreKey) -> bool:
+        self.flush()  # a pending write of this key must not land after the delete
         return any([t.delete(ns, key) for t in self.tiers])  # list: delete from all
 
     def keys(self, ns: Namespace) -> Iterator[StoreKey]:
@@ -96,9 +136,13 @@ class TieredStore:
         return [(t.name, t.stats()) for t in self.tiers]
 
     def stats(self) -> StoreStats:
-        """The chain's lookups; entries/bytes of the most complete (last) tier."""
+        """The chain's lookups; entries/bytes of the most complete (last) tier (writes still pending
+        there are counted in ``extra["pending_writes"]``)."""
         with self._lock:
             s = StoreStats(**{**self._stats.__dict__, "extra": dict(self._stats.extra)})
+        if self.writer is not None:
+            s.extra["pending_writes"] = self.writer.pending()
+            s.extra["background_write_failures"] = self.writer.failures
         for name, ts in self.tier_stats():
             s.extra[f"{name}.entries"] = ts.entries
             s.extra[f"{name}.bytes"] = ts.bytes
@@ -127,4 +171,5 @@ class TieredStore:
         return "; ".join(f"{t.name}: {why}" for t in self.tiers if (why := t.check_reachable()))
 
     def clear(self, ns: Namespace | None = None) -> int:
+        self.flush()  # nothing pending may land after the clear
         return max(t.clear(ns) for t in self.tiers)

@@ -83,7 +83,9 @@ class SharedEngine:
         from blend.store.spec import open_store
 
         self.cfg = cfg
-        self.store = open_store(cfg.store, memory_budget_bytes=cfg.memory_budget_bytes)
+        # write-through: a block saved after vLLM's forward is in every tier (Redis included) when
+        # the request ends, with no request-end hook to wait on background writes
+        self.store = open_store(cfg.store, memory_budget_bytes=cfg.memory_budget_bytes, write_behind=False)
         self.engine = Engine.load(cfg.model, dtype=cfg.dtype, store=self.store, quality_gate=not cfg.force,
                                   device=cfg.device)
         self.vllm_prov: Provenance = vllm_provenance(self.engine.provenance, cfg.backend, block_size, cfg.dtype)

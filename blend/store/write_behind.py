@@ -1,0 +1,126 @@
+"""Write-behind for a store chain's persistent tiers: one background writer thread.
+
+A request that computes a chunk puts it into every tier. The memory tier takes
+it at once (this process hits it from then on); disk and Redis writes (encode,
+checksum, file or network I/O: ~80 ms for a 600-row fp32 chunk on disk) go to
+this writer, so they overlap the request's remaining prefill and its decoding
+instead of adding to its time to first token::
+
+    request:  compute d1 ─ put d1 (memory) ─ compute d2 ─ put d2 (memory) ─ ... first token ─ decode ─ flush ─► done
+    writer:                 └─ disk d1 ──────────────────└─ disk d2 ─────────────────────────────┘
+
+``flush`` is the barrier: it waits for every write submitted before it. The
+engine's request paths call it before a request finishes (its answer
+returned, its last chunk streamed), so once a request is done its chunks are
+in every tier, as with write-through, and another process or replica finds
+them. A process that exits with writes pending finishes them first (atexit).
+The queue is bounded: a producer faster than the disk waits for room rather
+than holding unbounded KV in memory. A failed write is logged and counted,
+never raised: the store is a cache, and a lost write is a later miss.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import weakref
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+Write = Callable[[], None]
+
+
+class BackgroundWriter:
+    """Runs writes in submission order on one daemon thread, started on the first write.
+
+    Args:
+        name: for the thread's name and log lines.
+        max_pending: writes queued before :meth:`submit` blocks for room.
+    """
+
+    def __init__(self, name: str, max_pending: int) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.name = name
+        self._queue: queue.Queue[Write | None] = queue.Queue(maxsize=max_pending)
+        self._submit = threading.Lock()  # producers and close: queue order, the closed flag
+        self._cond = threading.Condition()  # the counters (the writer thread takes only this one)
+        self._submitted = 0  # writes handed in
+        self._finished = 0  # writes done (or failed)
+        self.failures = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        atexit.register(_flush_at_exit, weakref.ref(self))
+
+    def submit(self, write: Write) -> None:
+        """Queue ``write`` (blocks while ``max_pending`` writes are waiting); after :meth:`close`,
+        runs it inline."""
+        with self._submit:  # held while waiting for room: the writer thread never takes it
+            if not self._closed:
+                with self._cond:
+                    self._submitted += 1
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=f"kvblend-{self.name}-writer",
+                                                    daemon=True)
+                    self._thread.start()
+                self._queue.put(write)  # before close's stop mark, which waits for this lock
+                return
+        self._call(write)
+
+    def pending(self) -> int:
+        """Writes submitted and not yet finished."""
+        with self._cond:
+            return self._submitted - self._finished
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write submitted before this call has finished.
+
+        Args:
+            timeout: seconds; None waits as long as it takes.
+
+        Returns:
+            True when they finished, False on timeout.
+        """
+        with self._cond:
+            target = self._submitted
+            return self._cond.wait_for(lambda: self._finished >= target, timeout)
+
+    def close(self) -> None:
+        """Finish every pending write and stop the thread (later writes run inline)."""
+        with self._submit:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+            if thread is not None:
+                self._queue.put(None)  # after every queued write
+        if thread is not None:
+            thread.join()
+
+    def _call(self, write: Write) -> bool:
+        try:
+            write()
+            return True
+        except Exception:  # noqa: BLE001 - a cache write never takes the writer (or a request) down
+            log.exception("%s: background store write failed", self.name)
+            return False
+
+    def _run(self) -> None:
+        while True:
+            write = self._queue.get()
+            if write is None:
+                return
+            ok = self._call(write)
+            with self._cond:
+                self._finished += 1
+                self.failures += 0 if ok else 1
+                self._cond.notify_all()
+
+
+def _flush_at_exit(ref: "weakref.ref[BackgroundWriter]") -> None:
+    writer = ref()
+    if writer is not None:
+        writer.close()
