@@ -349,7 +349,10 @@ class Engine:
                 (other modes compute the whole prompt as usual).
 
         Returns:
-            first-token logits (V,) float32 (None as above), the filled cache, the report.
+            first-token logits (V,) float32 (None as above), the filled cache, the report. What the
+            prefill stored is in the store's first tier on return and reaches its persistent tiers
+            in the background (write-behind); ``engine.segments.flush()`` waits for that, as
+            :meth:`generate`, :meth:`close` and the streaming API do.
         """
         limit = self.dims.max_positions
         if len(prompt) + extra_capacity > limit:

@@ -190,3 +190,17 @@ def test_a_server_response_ends_after_its_writes():
             assert r.status_code == 200
             assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
             assert slow.stats().entries == 3 * (i + 1) - i  # preamble once, then two documents each
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_writer_yields_the_cores_to_compute():
+    """The writer runs at the lowest CPU priority: a prefill's torch threads fill both cores."""
+    import os
+
+    from blend.store.write_behind import WRITER_NICE
+
+    writer = BackgroundWriter("nice", max_pending=4)
+    seen: list[int] = []
+    writer.submit(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    assert writer.flush(5) and seen == [WRITER_NICE]
+    writer.close()

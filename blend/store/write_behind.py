@@ -16,13 +16,17 @@ in every tier, as with write-through, and another process or replica finds
 them. A process that exits with writes pending finishes them first (atexit).
 The queue is bounded: a producer faster than the disk waits for room rather
 than holding unbounded KV in memory. A failed write is logged and counted,
-never raised: the store is a cache, and a lost write is a later miss.
+never raised: the store is a cache, and a lost write is a later miss. The
+writer runs at the lowest CPU priority: at normal priority its encoding and
+copying competed with the prefill's torch threads for both cores and the
+cold TTFT did not move at all (``evals/bench_cold.py``, BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import weakref
@@ -31,6 +35,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 Write = Callable[[], None]
+WRITER_NICE = 19  # the lowest priority: the writer yields the cores to the request's compute
 
 
 class BackgroundWriter:
@@ -109,6 +114,7 @@ class BackgroundWriter:
             return False
 
     def _run(self) -> None:
+        _lowest_priority()
         while True:
             write = self._queue.get()
             if write is None:
@@ -118,6 +124,17 @@ class BackgroundWriter:
                 self._finished += 1
                 self.failures += 0 if ok else 1
                 self._cond.notify_all()
+
+
+def _lowest_priority() -> None:
+    """Run this thread at the lowest CPU priority (nice 19, Linux: per thread): a prefill's torch
+    threads fill every core, and a writer competing with them stalls the whole parallel region,
+    so it takes the cores when they idle (I/O waits, decoding, between requests). Its I/O is
+    unaffected; a flush that waits for it gets the cores the waiting request no longer uses."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
+        pass
 
 
 def _flush_at_exit(ref: "weakref.ref[BackgroundWriter]") -> None:
