@@ -3,9 +3,9 @@
 Inside vLLM's worker (kvblend's connector, issue 17) vLLM's compiled CPU ops are
 registered with torch (``torch.ops._C``). Its paged attention kernel runs a batch
 of requests, each a few queries at the end of its own key prefix; measured on a
-2-core AVX-512 EPYC in fp32 it is ~1.4x faster than torch's fused CPU attention on
-a causal prefill and ~1.7-2x faster than :func:`sparse_query_attention_blocked`
-on a blend's selected rows (``evals/bench_kernels.py --vllm``). A blend's sparse
+2-core AVX-512 EPYC in fp32 it is ~2.3x faster than torch's fused CPU attention on
+a causal prefill and 1.4-2x faster than :func:`sparse_query_attention_blocked`
+on a blend's selected rows (``evals/bench_kernels.py --vllm``; BENCHMARKS.md). A blend's sparse
 queries map onto it exactly: sorted queries split into *runs* whose visible key
 prefix grows by one key per query; each run is one causal request whose sequence
 length is its last query's visible prefix::
@@ -16,7 +16,7 @@ length is its last query's visible prefix::
     run 2           |==================================|q q|      ...
 
 All requests share one block table over a paged copy of K/V (one copy per call,
-~1% of the attention's time). Nothing here imports vLLM: the ops are looked up in
+included in the timings above). Nothing here imports vLLM: the ops are looked up in
 ``torch.ops._C`` and used only when vLLM itself has registered them, and only
 after a one-time self-check against the torch reference on this machine passed
 (an op whose schema or semantics changed between vLLM versions is never used).
