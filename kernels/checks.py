@@ -15,6 +15,11 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def nondecreasing(x: torch.Tensor) -> bool:
+    """Whether 1-D positions are in order (the blend path's layout, which the fast CPU paths need)."""
+    return x.numel() < 2 or bool((x[1:] >= x[:-1]).all())
+
+
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)

@@ -121,8 +121,7 @@ def attention_backend(q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor)
             raise RuntimeError(f"{ENV_VAR}=vllm but vLLM's CPU attention ops are not loaded in this process")
         if vllm_cpu.covers(q, q_pos, k_pos):
             return KernelBackend.VLLM_CPU
-    elif (policy is BackendPolicy.AUTO and q.device.type == "cpu" and vllm_cpu.ops_registered()
-          and vllm_cpu.covers(q, q_pos, k_pos) and vllm_cpu.usable(q.dtype)):
+    elif policy is BackendPolicy.AUTO and vllm_cpu.usable(q.dtype) and vllm_cpu.covers(q, q_pos, k_pos):
         return KernelBackend.VLLM_CPU
     return kernel_backend(q)
 

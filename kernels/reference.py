@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_attention, check_deviation, check_rope_mix, check_rope_mix_out
+from .checks import check_attention, check_deviation, check_rope_mix, check_rope_mix_out, nondecreasing
 
 
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -144,10 +144,6 @@ def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: to
     return out.to(q.dtype), probs
 
 
-def _sorted(x: torch.Tensor) -> bool:
-    return x.numel() < 2 or bool((x[1:] >= x[:-1]).all())
-
-
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Below this many grouped query rows (g x S) the prefix attention reads K/V in place (GQA as
 # more query rows per KV head) instead of repeating it per query head; the CPU flash op
@@ -271,7 +267,7 @@ def sparse_query_attention_blocked(
     shp = check_attention(q, q_pos, k, v, k_pos, scale)
     s = shp.queries
     blocks = blocks or min(32, max(8, s // 32))
-    if s < 2 * blocks or shp.keys == 0 or not (_sorted(q_pos) and _sorted(k_pos)):
+    if s < 2 * blocks or shp.keys == 0 or not (nondecreasing(q_pos) and nondecreasing(k_pos)):
         return sparse_query_attention_ref(q, q_pos, k, v, k_pos, scale)
     if _is_suffix(q_pos, k_pos):
         return causal_suffix_attention(q.float(), k.float(), v.float(), scale).to(q.dtype)

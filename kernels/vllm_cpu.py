@@ -31,7 +31,7 @@ from functools import lru_cache
 
 import torch
 
-from .checks import check_attention
+from .checks import check_attention, nondecreasing
 from .reference import sparse_query_attention_blocked, sparse_query_attention_ref
 from .tolerances import TOL
 
@@ -61,11 +61,7 @@ def covers(q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     """Whether this kernel takes the call (else the torch path does): CPU, fp32/bf16, a head size
     vLLM's vectorised kernel handles, sorted positions (the blend path's layout)."""
     return (q.device.type == "cpu" and q.dtype in DTYPES and _isa(q.shape[-1]) is not None
-            and _nondecreasing(q_pos) and _nondecreasing(k_pos))
-
-
-def _nondecreasing(x: torch.Tensor) -> bool:
-    return x.numel() < 2 or bool((x[1:] >= x[:-1]).all())
+            and nondecreasing(q_pos) and nondecreasing(k_pos))
 
 
 def _runs(ends: torch.Tensor) -> torch.Tensor:
@@ -147,7 +143,7 @@ def usable(dtype: torch.dtype) -> bool:
 
     A mismatch or an error (another vLLM's op schema) is logged once and the torch path is used.
     """
-    return ops_registered() and _self_check(dtype)
+    return ops_registered() and dtype in DTYPES and _self_check(dtype)
 
 
 @lru_cache(maxsize=None)

@@ -90,13 +90,14 @@ class TieredStore:
         check_put(entry)
         self._count("puts")
         if self.writer is None:
-            for tier in reversed(self.tiers):
-                self._put_one(tier, ns, key, entry)
-            return
-        self._put_one(self.tiers[0], ns, key, entry)
-        self.writer.submit(lambda: self._put_below(ns, key, entry))
+            self._put_below(ns, key, entry)
+            self._put_one(self.tiers[0], ns, key, entry)
+        else:
+            self._put_one(self.tiers[0], ns, key, entry)
+            self.writer.submit(lambda: self._put_below(ns, key, entry))
 
     def _put_below(self, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
+        """Every tier after the first, slowest first."""
         for tier in reversed(self.tiers[1:]):
             self._put_one(tier, ns, key, entry)
 
