@@ -68,7 +68,6 @@ class BlendOutcome:
     # whether any document row kept KV computed elsewhere (re-positioned chunk KV not recomputed): the same
     # on a cold request, whose chunks were computed canonically just before, as on a warm one
     approximate: bool = False
-    top_up: "TopUp | None" = None  # what the guard's TOP_UP remedy needs (None: not available)
 
 
 @dataclass(frozen=True)
@@ -193,9 +192,6 @@ class Selection:
     keep: torch.Tensor  # (A',) sorted positions into the active rows: kept doc rows, then the question
     deviation: DeviationStats | None  # at the first check layer
     ratio: float | None = None  # the share an adaptive budget or a threshold selected (None: a fixed ratio)
-    # (U,) sorted positions into the active rows: the document rows a guard's top-up would add (what the
-    # selector ranks next up to the guard ratio); None: no top-up from this check
-    top_up: torch.Tensor | None = None
 
 
 class Checker:
@@ -258,31 +254,7 @@ class Checker:
                 selected_min=float(dev_v[picked].min()) if picked.numel() else float("nan"),
             )
         keep_doc = torch.sort(torch.cat([free[picked], torch.nonzero(is_forced).flatten()])).values
-        more = self._top_up(check, inp, free, picked) if chosen is None else None
-        return Selection(torch.cat([keep_doc, torch.arange(n_doc, active.shape[0])]), stats, chosen, more)
-
-    def _top_up(self, check: CheckSpec, inp: SelectionInputs, free: torch.Tensor, picked: torch.Tensor
-                ) -> torch.Tensor | None:
-        """The rows a guard's top-up adds: the selector's pick at the guard ratio, less what it picked.
-
-        Args:
-            check: the check layer (only the first one, of a policy with one, tops up).
-            inp: the selector's inputs for the free rows.
-            free: (M,) positions into the active rows of the rows the selector may choose.
-            picked: positions into ``free`` it chose at this check's ratio.
-
-        Returns:
-            (U,) sorted positions into the active rows, or None when the policy does not top up or the
-            rows computed up to this layer cannot cover the guard's budget (the guard re-blends then).
-        """
-        target = self.policy.top_up_ratio()
-        if target is None or check.index != 0:
-            return None
-        want = int(round(target * self.plan.budget_base))
-        if want > free.numel() and free.numel() < int((~self.plan.forced).sum()):
-            return None  # rows the guard's budget needs were never computed up to the check
-        more = select(self.policy.selector, inp, want)  # (<= want,) top-k: a superset of ``picked``
-        return free[more[~torch.isin(more, picked)]]
+        return Selection(torch.cat([keep_doc, torch.arange(n_doc, active.shape[0])]), stats, chosen)
 
 
 class BlendRows:
@@ -321,7 +293,6 @@ class BlendRows:
         self.first_selected = self.active[self.active < plan.nb]  # doc rows kept at the first check
         self.deviation: DeviationStats | None = None
         self.k_pos = cache.pos[: plan.e + plan.n]  # (T,)
-        self.reserve: tuple[torch.Tensor, torch.Tensor] | None = None  # a top-up's rows (A2,) and h (A2, C)
 
     def _probe_first(self, policy: ReusePolicy) -> None:
         """Candidate pre-selection: the probe runs before the layer loop, then only the rows the
@@ -334,9 +305,6 @@ class BlendRows:
         share = policy.max_ratio if policy.budget is BudgetMode.AUTO or policy.threshold is not None \
             else plan.checks[0].ratio
         n_cand = int(math.ceil(policy.candidates * round(share * plan.budget_base)))
-        guard = policy.top_up_ratio()  # a guard that tops up ranks its rows among the candidates too
-        if guard is not None:
-            n_cand = max(n_cand, int(round(guard * plan.budget_base)))
         free = torch.nonzero(~plan.forced).flatten()  # (M,) document rows a selector may choose
         picked = free[top(self.probe.weight[free], n_cand)]  # (<= n_cand,)
         self.active = torch.unique(torch.cat([picked, plan.always()]))  # (A,) sorted
@@ -366,90 +334,16 @@ class BlendRows:
         if check.index == 0:
             self.first_selected = self.active[self.active < plan.nb]
             self.deviation, self.ratio = sel.deviation, sel.ratio
-            if sel.top_up is not None and self.question:  # the added rows and the question, from here up
-                n_doc = int((active < plan.nb).sum())
-                more = torch.cat([sel.top_up, torch.arange(n_doc, active.shape[0])])  # (A2,) sorted
-                self.reserve = (active[more], h[more])  # rows relative to e, (A2, C) layer inputs
         return q[:, keep], h[keep]
 
     def attend(self, layer, q):
-        return _attend_rows(self.plan, self.cache, self.k_pos, self.scale, layer, self.active, q)
-
-
-def _attend_rows(plan: BlendPlan, cache: KVCache, k_pos: torch.Tensor, scale: float, layer: int,
-                 active: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Attention of the active rows (A,) (relative to e) over one layer's whole mixed cache.
-
-    Args:
-        q: (Hq, A, D) their queries before RoPE; k_pos: (T,) the cache's positions.
-
-    Returns:
-        (A, Hq D) attention output rows.
-    """
-    if active.numel() == 0:  # a context-only blend that recomputes no row: layers only re-position
-        return q.new_zeros(0, q.shape[0] * q.shape[2])  # (0, Hq D)
-    k_all, v_all = cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
-    q_rot = apply_rope(q, plan.cos[active], plan.sin[active])  # (Hq, A, D)
-    attn = sparse_query_attention(q_rot, plan.pos[active], k_all, v_all, k_pos, scale)  # (Hq, A, D)
-    return attn.transpose(0, 1).reshape(q.shape[1], -1)  # (A, Hq D)
-
-
-@dataclass(frozen=True)
-class TopUp:
-    """What the near-tie guard needs to top a finished blend up (:attr:`GuardRemedy.TOP_UP`).
-
-    The rows the guard's budget adds were computed up to the first check layer and dropped there;
-    their hidden rows at that layer's input were kept, with the question's. Topping up runs them from
-    that layer to the top over the first pass's cache (its selected rows' KV stays as computed).
-    """
-
-    plan: BlendPlan
-    rows: torch.Tensor  # (A2,) sorted rows relative to e: the added document rows, then the question
-    h: torch.Tensor  # (A2, C) their hidden rows at the first check layer's input
-    layer: int  # the first check layer
-    segments: tuple[SegmentReport, ...]  # the report's rows with the added rows counted as selected
-    share: float  # document rows recomputed after the top-up over the budget's base
-
-    @property
-    def added(self) -> int:
-        """Document rows the top-up adds."""
-        return int((self.rows < self.plan.nb).sum())
-
-
-class TopUpRows:
-    """:class:`~blend.model.LayerRows` of a top-up: the added rows and the question, from the check
-    layer up. At the check layer the cache already holds their fresh K/V (the first pass computed
-    every candidate there); above it their fresh K/V replace the re-positioned (tempered) cached rows."""
-
-    gemm_tile = None
-
-    def __init__(self, top: TopUp, cache: KVCache, scale: float) -> None:
-        self.top, self.cache, self.scale = top, cache, scale
-        self.k_pos = cache.pos[: top.plan.e + top.plan.n]  # (T,)
-
-    def store_kv(self, layer, q, k, v, h):
-        if layer > self.top.layer:
-            self.top.plan.write_fresh(layer, self.cache, self.top.rows, k, v)
-        return q, h
-
-    def attend(self, layer, q):
-        return _attend_rows(self.top.plan, self.cache, self.k_pos, self.scale, layer, self.top.rows, q)
-
-
-def top_up(model: ModelRunner, top: TopUp, cache: KVCache) -> torch.Tensor:
-    """Top a finished blend up (the near-tie guard's TOP_UP remedy), in place.
-
-    Args:
-        model: the model runner.
-        top: the blend's :attr:`BlendOutcome.top_up`.
-        cache: that blend's cache (rows [e, e+n) hold its mixed KV; they are updated in place).
-
-    Returns:
-        (V,) float32 first-token logits after the top-up.
-    """
-    with torch.inference_mode():
-        h = model.run_layers(top.h, TopUpRows(top, cache, model.dims.scale), start=top.layer)  # (A2, C)
-        return model.logits(h[-1:])[0]  # (V,)
+        plan, active = self.plan, self.active
+        if active.numel() == 0:  # a context-only blend that recomputes no row: layers only re-position
+            return q.new_zeros(0, q.shape[0] * q.shape[2])  # (0, Hq D)
+        k_all, v_all = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
+        q_rot = apply_rope(q, plan.cos[active], plan.sin[active])  # (Hq, A, D)
+        attn = sparse_query_attention(q_rot, plan.pos[active], k_all, v_all, self.k_pos, self.scale)  # (Hq, A, D)
+        return attn.transpose(0, 1).reshape(q.shape[1], -1)  # (A, Hq D)
 
 
 NO_ROWS = torch.empty(0, dtype=torch.long)
@@ -511,20 +405,7 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     reports.append(SegmentReport(q.kind, ReuseClass.COMPUTED, len(q), plan.e + plan.nb))
     logits = None if skip_q else model.logits(h[-1:])[0]  # (V,)
     kept = plan.nb - int(rows.first_selected.numel())  # document rows whose re-positioned KV stayed
-    return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio, approximate=kept > 0,
-                        top_up=_top_up_of(rows, prompt, chunks, n_exact, reports))
-
-
-def _top_up_of(rows: BlendRows, prompt: Prompt, chunks: list[ChunkKV], n_exact: int,
-               reports: list[SegmentReport]) -> TopUp | None:
-    """The guard's top-up of a finished blend (None where its check kept nothing for one)."""
-    if rows.reserve is None:
-        return None
-    plan = rows.plan
-    added, h = rows.reserve  # (A2,) rows relative to e, (A2, C)
-    both = torch.sort(torch.cat([rows.first_selected, added[added < plan.nb]])).values  # (S + U,)
-    segs = (*reports[:-len(prompt.documents) - 1], *_doc_reports(prompt, chunks, both, n_exact), reports[-1])
-    return TopUp(plan, added, h, plan.checks[0].layer, segs, both.numel() / max(plan.budget_base, 1))
+    return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio, approximate=kept > 0)
 
 
 def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list[PendingChunk], policy: ReusePolicy

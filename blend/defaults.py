@@ -42,12 +42,6 @@ DEFAULT_AUTO_TARGET = 0.007
 # for a mean share of 0.171 (BENCHMARKS.md, "The near-tie guard by default"). None: off.
 DEFAULT_GUARD_MARGIN: float | None = 0.7
 DEFAULT_GUARD_RATIO = 0.3
-# how a guarded blend recomputes more: "reblend" runs a second blend at the guard ratio from scratch
-# (probe, candidates, check, every selected row through every layer again); "top-up" keeps the first
-# pass and computes only the rows the guard's budget adds (already computed up to the check layer,
-# where their hidden rows were kept) plus the question, from the check layer up
-DEFAULT_GUARD_REMEDY = "reblend"
-GUARD_REMEDY_NAMES = ("reblend", "top-up")
 # inside vLLM (the KV connector) the guard is opt-in (a request's "guard_margin"): kvblend's blend there
 # costs ~0.45x of vLLM's faster prefill, so a guarded prompt's second pass takes it past vLLM's own full
 # prefill (1.24-1.47x of it). Validation items 30-49, reordered documents: with 0.7 it fired on 4 of 20, TTFT

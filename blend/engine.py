@@ -19,7 +19,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from blend.blending import TopUp, prefill_blend, top_up
+from blend.blending import prefill_blend
 from blend.cpu_features import warn_if_emulated
 from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_GEMM, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, \
     DEFAULT_PROBE_PRECISION
@@ -99,7 +99,6 @@ class _Prefilled:
     margin: float | None = None  # the blend's first-token top-2 gap (nats), before any guard
     guard: str = ""  # why the near-tie guard recomputed the request ("" if it did not)
     approximate: bool = False  # a blend kept re-positioned KV of some document rows (the guard's condition)
-    top_up: TopUp | None = None  # what the guard's TOP_UP remedy needs (a blend that allows it)
 
 
 def _keep_first_pass_misses(first: Sequence[SegmentReport], redo: Sequence[SegmentReport]
@@ -397,7 +396,7 @@ class Engine:
         """A blended prefill into ``cache`` (see :func:`~blend.blending.prefill_blend`)."""
         out = prefill_blend(self.runner, self.segments, prompt, policy, cache, question=question)
         return _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio,
-                          approximate=out.approximate, top_up=out.top_up)
+                          approximate=out.approximate)
 
     def _guard(self, prompt: Prompt, policy: ReusePolicy, done: "_Prefilled", cache: KVCache
                ) -> tuple["_Prefilled", KVCache]:
@@ -416,14 +415,7 @@ class Engine:
         # what the blend spent: the share an adaptive budget or a threshold selected, or the fixed ratio
         spent = done.ratio if done.ratio is not None else policy.ratio
         target = policy.guard_ratio_for(spent)
-        gap = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats"
-        if done.top_up is not None:  # the first pass stays; the rows the guard ratio adds run from the check up
-            top = done.top_up
-            logits = top_up(self.runner, top, cache)
-            why = f"{gap}: topped up to ratio {target:g} ({top.added} rows added)"
-            return replace(done, logits=logits, segments=top.segments, ratio=top.share, spent=top.share,
-                           margin=margin, guard=why, top_up=None), cache
-        why = f"{gap}: recomputed at ratio {target:g}"
+        why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {target:g}"
         with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later
             again = self.runner.new_cache(cache.capacity)
         if target >= 1.0:  # the exact path: preamble and first document reused (both exact

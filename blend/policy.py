@@ -17,7 +17,6 @@ from enum import Enum
 
 from blend.defaults import (
     DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO,
-    DEFAULT_GUARD_REMEDY,
     DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE,
     DEFAULT_SELECTOR,
 )
@@ -44,13 +43,6 @@ class ProbePrecision(Enum):
 
 
 PROBE_PRECISION_NAMES = tuple(p.value for p in ProbePrecision)
-
-
-class GuardRemedy(Enum):
-    """How the near-tie guard recomputes more of a blend whose first token is a near tie."""
-
-    REBLEND = "reblend"  # a second blend at the guard ratio, from scratch, into a new cache
-    TOP_UP = "top-up"  # the first pass kept: only the rows the guard ratio adds, from the check layer up
 
 
 class ReuseMode(Enum):
@@ -93,11 +85,6 @@ class ReusePolicy:
         guard_ratio: the guarded requests' ratio; 1.0 runs the exact path (preamble and first
             document reused, the rest computed: the same numbers as exact reuse). A guard ratio at
             or below the ratio the blend ran at takes the exact path (see :meth:`guard_ratio_for`).
-        guard_remedy: how a guarded request recomputes (:class:`GuardRemedy`). TOP_UP keeps the
-            first pass and computes, from the first check layer up, the rows the selector ranks
-            next up to ``guard_ratio`` (and the question again); the first pass's selected rows keep
-            their KV. It applies to a fixed ratio with one check layer whose candidates cover the
-            guard's budget (they are widened to); otherwise the request is re-blended.
         candidates: probe selectors only (others ignore it): None computes the layers up to the
             first check for every document row (each row's V deviation is measured); a factor
             F >= 1 runs the query probe
@@ -129,7 +116,6 @@ class ReusePolicy:
     probe_precision: ProbePrecision = ProbePrecision(DEFAULT_PROBE_PRECISION)
     guard_margin: float | None = DEFAULT_GUARD_MARGIN
     guard_ratio: float = DEFAULT_GUARD_RATIO
-    guard_remedy: GuardRemedy = GuardRemedy(DEFAULT_GUARD_REMEDY)
     candidates: float | None = DEFAULT_CANDIDATES
     reused_temperature: float = DEFAULT_REUSED_TEMPERATURE
 
@@ -155,8 +141,6 @@ class ReusePolicy:
         if self.guard_margin is not None and (not isinstance(self.guard_margin, (int, float))
                                               or math.isnan(self.guard_margin) or self.guard_margin < 0):
             raise InvalidPolicyError(f"guard_margin must be >= 0 or None, got {self.guard_margin}")
-        if not isinstance(self.guard_remedy, GuardRemedy):
-            raise InvalidPolicyError(f"guard_remedy must be a GuardRemedy, got {self.guard_remedy!r}")
         if self.candidates is not None:
             if (not isinstance(self.candidates, (int, float)) or math.isnan(self.candidates)
                     or self.candidates < 1):
@@ -231,20 +215,6 @@ class ReusePolicy:
         """
         return self.guard_ratio if self.guard_ratio > ratio else 1.0
 
-    def top_up_ratio(self) -> float | None:
-        """The ratio a guarded blend is topped up to, or None where the guard re-blends instead.
-
-        Returns:
-            ``guard_ratio`` for a guarded fixed-ratio blend with one check layer whose remedy is
-            TOP_UP and whose guard ratio is above its ratio and below 1 (the exact path); else None.
-        """
-        if not self.guarded or self.guard_remedy is not GuardRemedy.TOP_UP:
-            return None
-        if self.budget is not BudgetMode.FIXED or self.threshold is not None or len(self.check_layers) != 1:
-            return None
-        target = self.guard_ratio_for(self.ratio)
-        return target if target < 1.0 else None
-
     def ratio_at(self, i: int) -> float:
         """Recompute ratio at the i-th check layer."""
         return self.ratio if self.layer_ratios is None else self.layer_ratios[i]
@@ -258,7 +228,6 @@ class ReusePolicy:
             what = f"auto({self.auto_target:g})<={self.max_ratio:g}"
         probe = f":probe={self.probe_precision.value}" if self.needs_probe else ""
         guard = f":guard={self.guard_margin:g}@{self.guard_ratio:g}" if self.guarded else ""
-        guard += "+top-up" if self.guarded and self.guard_remedy is GuardRemedy.TOP_UP else ""
         cand = f":cand={self.candidates:g}" if self.needs_probe and self.candidates is not None else ""
         temp = f":temp={self.reused_temperature:g}" if self.reused_temperature != 1.0 else ""
         return f"blend@{what}:{self.selector}:check={checks}{probe}{cand}{temp}{guard}"

@@ -7,7 +7,7 @@ belong to the check list)::
     prefix                       exact prefix reuse: only the preamble is shared
     reuse                        full KV reuse (blend at ratio 0, no near-tie guard)
     blend@R[:SELECTOR][:check=L1,L2,...][:auto[=T]][:probe=bf16|compute|auto][:cand=F|cand=off][:temp=T]
-          [:guard=M@G|guard=off][:remedy=reblend|top-up]
+          [:guard=M@G|guard=off]
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
                                  the budget is chosen per prompt (adaptive), R is its cap;
                                  ``probe=`` the dtype of the query probe's GEMMs; ``guard=``
@@ -16,9 +16,7 @@ belong to the check list)::
                                  ``cand=F`` (probe selectors) the probe runs first and only F x
                                  budget candidate rows are computed up to the check layer
                                  (``cand=off``: every row, the behaviour before candidates);
-                                 ``temp=T`` the reused rows' attention temperature (1: off);
-                                 ``remedy=`` how the guard recomputes (a second blend, or a
-                                 top-up of the first pass's selection)
+                                 ``temp=T`` the reused rows' attention temperature (1: off)
 
 e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.
 """
@@ -31,8 +29,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
-from blend.defaults import GUARD_REMEDY_NAMES
-from blend.policy import PROBE_PRECISION_NAMES, BudgetMode, GuardRemedy, ProbePrecision, ReusePolicy
+from blend.policy import PROBE_PRECISION_NAMES, BudgetMode, ProbePrecision, ReusePolicy
 
 FALLBACK_SELECTORS = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe", "probe_attn")
 # the shipped default selector at three budgets, against CacheBlend's V deviation at the middle one
@@ -77,7 +74,6 @@ class Method:
         auto_target: ``auto=T``: the adaptive budget's stopping target (None: the default).
         probe_precision: ``ProbePrecision`` value of the query probe's GEMMs (None: the default).
         guard: the near-tie guard as (margin, ratio); (None, None) switches it off; None: the default.
-        remedy: ``GuardRemedy`` value of how the guard recomputes (None: the default).
     """
 
     name: str
@@ -93,7 +89,6 @@ class Method:
     candidates: float | None = None  # the candidate factor (None: the default)
     candidates_off: bool = False  # cand=off: every row up to the check layer
     temperature: float | None = None  # temp=T: the reused rows' attention temperature (None: the default)
-    remedy: str | None = None
 
     def policy(self) -> Any:
         """The engine's :class:`blend.policy.ReusePolicy` for this method."""
@@ -122,8 +117,6 @@ class Method:
             kwargs["guard_margin"] = self.guard[0]
             if self.guard[1] is not None:
                 kwargs["guard_ratio"] = self.guard[1]
-        if self.remedy is not None:
-            kwargs["guard_remedy"] = GuardRemedy(self.remedy)
         return ReusePolicy.blend(**kwargs)
 
     def series(self) -> str:
@@ -137,7 +130,6 @@ class Method:
         label += " cand=off" if self.candidates_off else ""
         label += f" temp={self.temperature:g}" if self.temperature is not None else ""
         label += f" guard={_fmt_guard(self.guard)}" if self.guard is not None else ""
-        label += f" remedy={self.remedy}" if self.remedy is not None else ""
         return f"{label} check={','.join(map(str, self.check_layers))}" if self.check_layers else label
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,7 +145,6 @@ class Method:
             "guard": None if self.guard is None else list(self.guard),
             "candidates": "off" if self.candidates_off else self.candidates,
             "temperature": self.temperature,
-            "remedy": self.remedy,
         }
 
 
@@ -238,7 +229,6 @@ def parse_method(spec: str) -> Method:
     cand: float | None = None
     cand_off = False
     temp: float | None = None
-    remedy: str | None = None
     for part in [p for p in m.group(2).split(":") if p]:
         if part.startswith("temp="):
             if temp is not None:
@@ -251,12 +241,6 @@ def parse_method(spec: str) -> Method:
                 cand_off = True
                 continue
             cand = _parse_number(spec, part, "a factor >= 1", lambda x: x >= 1)
-        elif part.startswith("remedy="):
-            if remedy is not None:
-                raise MethodError(f"method '{spec}': remedy= given twice")
-            remedy = part[len("remedy="):]
-            if remedy not in GUARD_REMEDY_NAMES:
-                raise MethodError(f"method '{spec}': remedy= must be one of {', '.join(GUARD_REMEDY_NAMES)}")
         elif part.startswith("guard="):
             if guard is not None:
                 raise MethodError(f"method '{spec}': guard= given twice")
@@ -306,12 +290,10 @@ def parse_method(spec: str) -> Method:
         canonical += f":temp={temp:g}"
     if guard is not None:
         canonical += f":guard={_fmt_guard(guard)}"
-    if remedy is not None:
-        canonical += f":remedy={remedy}"
     return Method(
         name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks,
         auto=auto, auto_target=auto_target, probe_precision=probe, guard=guard, candidates=cand, candidates_off=cand_off,
-        temperature=temp, remedy=remedy,
+        temperature=temp,
     )
 
 

@@ -99,16 +99,3 @@ def test_auto_target_in_a_method_spec():
                 "blend@0.3:auto:auto=0.1"):
         with pytest.raises(MethodError):
             parse_method(bad)
-
-
-def test_guard_remedy_in_a_method_spec():
-    from blend.policy import GuardRemedy
-
-    m = parse_method("blend@0.15:probe:guard=0.7@0.3:remedy=top-up")
-    assert m.remedy == "top-up" and m.canonical == "blend@0.15:probe:guard=0.7@0.3:remedy=top-up"
-    assert m.policy().guard_remedy is GuardRemedy.TOP_UP and "remedy=top-up" in m.series()
-    assert m.to_dict()["remedy"] == "top-up"
-    assert parse_method("blend@0.15:remedy=reblend").policy().guard_remedy is GuardRemedy.REBLEND
-    for bad in ("blend@0.15:remedy=x", "blend@0.15:remedy=top-up:remedy=reblend"):
-        with pytest.raises(MethodError, match="remedy"):
-            parse_method(bad)
