@@ -38,12 +38,12 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from blend.keys import key_hex
-from blend.kernels import kv_deviation, query_attention_mass, rope_mix, sparse_query_attention
+from blend.kernels import kv_deviation, query_attention_mass, rope_rows, sparse_query_attention
 from blend.kvcache import KVCache, KVEntry
 from blend.model import ModelRunner
 from blend.policy import BudgetMode, ReusePolicy
@@ -54,6 +54,12 @@ from blend.report import DeviationStats, ReuseClass, SegmentReport
 from blend.rope import apply_rope
 from blend.segments import ChunkKV, PendingChunk, SegmentCache
 from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_auto, select_threshold
+
+
+# rows of K and V :meth:`BlendPlan.prepare` re-positions (or tempers) in one go: several layers of a short
+# prompt's documents (per-call overhead), about one layer of a long one's (its rows stay in the CPU's cache
+# until the layer reads them: re-positioning every layer up front measured slower at ~3k tokens)
+PREPARE_GROUP_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,8 @@ class BlendPlan:
     nb: int  # document rows; rows >= nb are the question
     budget_base: int  # reused document tokens the ratio counts
     checks: tuple[CheckSpec, ...]  # empty: full KV reuse (nothing is ever selected)
+    # per-request memo of gathered tables (see :meth:`_tables`); not part of the plan's value
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def n(self) -> int:
@@ -111,21 +119,70 @@ class BlendPlan:
         v = torch.cat([c.v[layer].to(dtype) for c in self.chunks], dim=1)  # (Hkv, nb, D)
         return k, v
 
-    def reposition(self, layer: int, cache: KVCache) -> None:
-        """Rotate one layer's cached K of every document at its new positions straight into the
-        cache (rows e .. e+nb), V beside it: one pass over the rows, no temporary."""
-        dtype = cache.k[layer].dtype
+    def prepare(self, layer: int, cache: KVCache, temperature: float = 1.0) -> None:
+        """Make one layer's cached document rows ready for a pass that reads them: re-positioned (once
+        per request) and, with ``temperature`` != 1, tempered (once). Works ahead over the next layers
+        in one go while their rows fit :data:`PREPARE_GROUP_BYTES` (fewer, larger ops on short prompts;
+        on long ones the rows are still in the CPU's cache when their layer reads them).
+
+        Args:
+            layer: the layer about to be computed.
+            cache: the request's cache.
+            temperature: the reused rows' attention temperature at this layer (1.0: none).
+        """
+        placed, tempered = self._memo.setdefault("placed", set()), self._memo.setdefault("tempered", set())
+        n_layers = cache.shape[0]
+        if layer not in placed:
+            group = range(layer, min(n_layers, layer + self._group(cache)))
+            group = range(layer, next((i for i in group if i in placed), group.stop))  # up to one already done
+            self.reposition_layers(group, cache)
+            placed.update(group)
+        if temperature != 1.0 and layer not in tempered:
+            group = range(layer, min(n_layers, layer + self._group(cache)))
+            group = range(layer, next((i for i in group if i in tempered or i not in placed), group.stop))
+            self.temper(group, cache, temperature)
+            tempered.update(group)
+
+    def _group(self, cache: KVCache) -> int:
+        """Layers :meth:`prepare` handles at once: as many as fit PREPARE_GROUP_BYTES of K and V rows."""
+        _, heads, dim, dtype, _ = cache.shape
+        per_layer = 2 * heads * self.nb * dim * dtype.itemsize  # K and V of one layer's document rows
+        return max(1, PREPARE_GROUP_BYTES // max(per_layer, 1))
+
+    def reposition_layers(self, layers: range, cache: KVCache) -> None:
+        """Rotate the cached K of every document at its new positions into the cache (rows e .. e+nb)
+        at each of ``layers`` (consecutive), V beside it: the numbers of :meth:`reposition_one`, with one
+        rotation per document over all of those layers and one copy call per K and per V."""
+        if len(layers) == 1:
+            for c, lo in zip(self.chunks, self.starts):
+                self.reposition_one(layers.start, cache, c, lo)
+            return
+        dtype = cache.k[0].dtype
         for c, lo in zip(self.chunks, self.starts):
             hi = lo + c.num_tokens
-            k, v = c.k[layer].to(dtype), c.v[layer].to(dtype)  # (Hkv, n_j, D) in the compute dtype
-            _rotate(k, v, self.cos[lo:hi], self.sin[lo:hi], out=cache.rows(layer, self.e + lo, self.e + hi))
+            k = c.k[layers.start:layers.stop].to(dtype)  # (Ls, Hkv, n_j, D)
+            v = c.v[layers.start:layers.stop].to(dtype)  # (Ls, Hkv, n_j, D)
+            flat = (-1, *k.shape[2:])  # (Ls Hkv, n_j, D): layers and heads as one dim, one op for all
+            k_rot, _ = _rotate(k.reshape(flat), v.reshape(flat), self.cos[lo:hi], self.sin[lo:hi])
+            k_rot = k_rot.view(k.shape)  # (Ls, Hkv, n_j, D)
+            dst = [cache.rows(layer, self.e + lo, self.e + hi) for layer in layers]  # Ls x 2 x (Hkv, n_j, D)
+            torch._foreach_copy_([d[0] for d in dst], list(k_rot.unbind(0)))
+            torch._foreach_copy_([d[1] for d in dst], list(v.unbind(0)))
 
-    def temper(self, layer: int, cache: KVCache, temperature: float) -> None:
-        """Divide one layer's re-positioned document K in the cache (rows e .. e+nb) by ``temperature``,
-        in place: every query's attention logit to those rows becomes logit / T (APE's attention
-        temperature on reused KV). Rows recomputed at this layer are written over them afterwards."""
-        k_rows, _ = cache.rows(layer, self.e, self.e + self.nb)  # (Hkv, nb, D) view of the cache
-        k_rows.mul_(1.0 / temperature)
+    def reposition_one(self, layer: int, cache: KVCache, chunk: KVEntry, lo: int) -> None:
+        """One layer of one document (its rows start ``lo`` rows after e), rotated straight into the
+        cache: one pass over the rows, no temporary."""
+        hi = lo + chunk.num_tokens
+        dtype = cache.k[layer].dtype
+        k, v = chunk.k[layer].to(dtype), chunk.v[layer].to(dtype)  # (Hkv, n_j, D) in the compute dtype
+        _rotate(k, v, self.cos[lo:hi], self.sin[lo:hi], out=cache.rows(layer, self.e + lo, self.e + hi))
+
+    def temper(self, layers: range, cache: KVCache, temperature: float) -> None:
+        """Divide the re-positioned document K in the cache (rows e .. e+nb) of ``layers`` by
+        ``temperature``, in place: every query's attention logit to those rows becomes logit / T (APE's
+        attention temperature on reused KV). Rows recomputed there are written over them afterwards."""
+        rows = [cache.rows(layer, self.e, self.e + self.nb)[0] for layer in layers]  # Ls x (Hkv, nb, D) views
+        torch._foreach_mul_(rows, 1.0 / temperature)
 
     def write_fresh(self, layer: int, cache: KVCache, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rotate fresh K of ``rows`` (A,) (sorted, distinct, relative to e) at their positions and
@@ -133,16 +190,26 @@ class BlendPlan:
         if rows.shape[0] == self.n:  # every row (layers up to the first check): one contiguous write
             _rotate(k, v, self.cos, self.sin, out=cache.rows(layer, self.e, self.e + self.n))
             return
-        k_rot, v_new = _rotate(k, v, self.cos[rows], self.sin[rows])  # (Hkv, A, D) x2
-        cache.write_rows(layer, self.e + rows, k_rot, v_new)
+        cos, sin, at = self._tables(rows)  # (A, R) x2, (A,) rows of the cache
+        k_rot, v_new = _rotate(k, v, cos, sin)  # (Hkv, A, D) x2
+        cache.write_rows(layer, at, k_rot, v_new)
+
+    def _tables(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rotary tables and cache rows of ``rows`` (A,), gathered once per set of rows (the same
+        active rows are written at every layer between two check layers)."""
+        memo = self._memo.get("tables")
+        if memo is None or memo[0] is not rows:
+            memo = (rows, self.cos[rows], self.sin[rows], self.e + rows)
+            self._memo["tables"] = memo
+        return memo[1], memo[2], memo[3]
 
 
 def _rotate(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K rotated at the tables' positions, V beside it: ``rope_mix`` with no fresh rows (so the same
-    numbers whichever rows are fresh). k, v: (Hkv, S, D); cos, sin: (S, R)."""
-    none = torch.empty(0, dtype=torch.long, device=k.device)
-    return rope_mix(k, v, cos, sin, none, k[:, :0], v[:, :0], trusted_indices=True, out=out)
+    numbers whichever rows are fresh), unchecked (the plan built the arguments). k, v: (H, S, D);
+    cos, sin: (S, R)."""
+    return rope_rows(k, v, cos, sin, out=out)
 
 
 def plan_blend(model: ModelRunner, prompt: Prompt, blended: list[ChunkKV], n_exact: int, e: int,
@@ -276,7 +343,6 @@ class BlendRows:
         self.question = question  # False: the question's rows stop at the first check layer
         self.scale = model.dims.scale
         self.use_probe = probe and bool(plan.checks)
-        self.probed_at: int | None = None  # layers above this hold the probe's re-positioned rows
         self.probe: ProbeResult | None = None
         pol = checker.policy  # the probe's settings, the same wherever it runs
         self.probe_dtype = probe_gemm_dtype(pol.probe_precision, model.dtype, model.device)
@@ -286,8 +352,10 @@ class BlendRows:
         # reused rows' attention temperature: above the first check layer (below it a row is either
         # fresh or about to be judged; with no check layer, full reuse, nothing is tempered)
         self.temperature = pol.reused_temperature
-        self.temper_above = plan.checks[0].layer if plan.checks and self.temperature != 1.0 else None
         self.active = torch.arange(plan.n) if plan.checks else plan.always()  # (A,) sorted rows relative to e
+        # layers above this one read cached rows (every layer without a check: full reuse); up to the
+        # first check every row is fresh (or, with candidates, the probe re-positioned every layer)
+        self.reads_cached_above = plan.checks[0].layer if plan.checks else -1
         if self.use_probe and checker.policy.candidates is not None:
             self._probe_first(checker.policy)
         self.first_selected = self.active[self.active < plan.nb]  # doc rows kept at the first check
@@ -301,7 +369,6 @@ class BlendRows:
         plan = self.plan
         self.probe = run_probe_first(self.model, plan, self.cache, plan.checks[0].layer,
                                      gemm_dtype=self.probe_dtype, want_entropy=self.probe_entropy)
-        self.probed_at = -1  # every layer holds the re-positioned cached rows
         share = policy.max_ratio if policy.budget is BudgetMode.AUTO or policy.threshold is not None \
             else plan.checks[0].ratio
         n_cand = int(math.ceil(policy.candidates * round(share * plan.budget_base)))
@@ -311,12 +378,9 @@ class BlendRows:
 
     def store_kv(self, layer, q, k, v, h):
         plan, active = self.plan, self.active
-        # above the probe the cache already holds every re-positioned cached row; while every
-        # row is fresh (layers up to the first check) no cached row is read at all
-        if not (self.probed_at is not None and layer > self.probed_at) and active.shape[0] < plan.n:
-            plan.reposition(layer, self.cache)
-        if self.temper_above is not None and layer > self.temper_above:
-            plan.temper(layer, self.cache, self.temperature)  # every reused row; the fresh ones overwrite theirs
+        if layer > self.reads_cached_above and active.shape[0] < plan.n:  # (every row recomputed: none read)
+            temperature = self.temperature if plan.checks else 1.0  # full reuse: nothing is tempered
+            plan.prepare(layer, self.cache, temperature)  # cached rows re-positioned and tempered (once)
         plan.write_fresh(layer, self.cache, active, k, v)  # the active rows over them
         check = self.checks.get(layer)
         if check is None:
@@ -324,7 +388,6 @@ class BlendRows:
         if check.index == 0 and self.use_probe and self.probe is None:  # later checks rank by the same probe
             self.probe = run_probe(self.model, plan, self.cache, layer, h[active >= plan.nb],
                                    gemm_dtype=self.probe_dtype, want_entropy=self.probe_entropy)
-            self.probed_at = layer
         k_all, _ = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
         sel = self.checker.select(check, active, q, k, v, k_all, self.k_pos, self.probe)
         keep = sel.keep

@@ -98,7 +98,7 @@ class ProbeRows:
 
     def store_kv(self, layer, q, k, v, h):
         if layer > self.check:  # layer c already holds every row's fresh K/V (check -1: none does)
-            self.plan.reposition(layer, self.cache)  # every document's cached rows, re-positioned
+            self.plan.prepare(layer, self.cache)  # every document's cached rows, re-positioned (once)
             self.plan.write_fresh(layer, self.cache, self.q_rows, k, v)  # the question's fresh rows
         return q, h
 

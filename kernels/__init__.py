@@ -37,6 +37,7 @@ else:
         kernel_backend,
         kv_deviation,
         rope_mix,
+        rope_rows,
         sparse_query_attention,
     )
     from .reference import (
@@ -62,6 +63,7 @@ else:
         "query_attention_mass",
         "rope_mix",
         "rope_mix_ref",
+        "rope_rows",
         "sparse_query_attention",
         "sparse_query_attention_blocked",
         "sparse_query_attention_ref",

@@ -29,7 +29,9 @@ from functools import lru_cache
 import torch
 
 from . import vllm_cpu
-from .reference import kv_deviation_ref, rope_mix_ref, sparse_query_attention_blocked, sparse_query_attention_ref
+from .reference import (
+    kv_deviation_ref, rope_mix_ref, rope_rows_ref, sparse_query_attention_blocked, sparse_query_attention_ref,
+)
 
 ENV_VAR = "KVBLEND_KERNELS"
 
@@ -172,6 +174,26 @@ def rope_mix(
 
         return rope_mix_triton(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices, out)
     return rope_mix_ref(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices, out)
+
+
+def rope_rows(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_mix` with no fresh rows (every row's K rotated at its table row, V beside it), for
+    callers that built every argument themselves (the engine, dozens of times per request): the
+    same numbers, without the argument checks.
+
+    Args:
+        k, v: (H, T, D) keys before RoPE and values (H may be layers x heads, flattened).
+        cos, sin: (T, R) rotary tables.
+        out: as :func:`rope_mix`'s ``out`` (e.g. rows of a KV cache), or None.
+
+    Returns:
+        ``(k_rot, v)``: K after RoPE (new, or ``out[0]``) and V (``v`` itself, or ``out[1]`` holding a copy).
+    """
+    if kernel_backend(k) is KernelBackend.TRITON:
+        none = torch.empty(0, dtype=torch.long, device=k.device)
+        return rope_mix(k, v, cos, sin, none, k[:, :0], v[:, :0], trusted_indices=True, out=out)
+    return rope_rows_ref(k, v, cos, sin, out)
 
 
 def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,18 @@ def rope_mix_ref(
     return k_out, v_out
 
 
+def rope_rows_ref(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of ``blend.kernels.rope_rows``: :func:`rope_mix_ref` with no fresh rows, bit for
+    bit, without its argument checks."""
+    k_out = out[0] if out is not None else torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (H, T, D)
+    _rotate_into(k_out, k, cos.float(), sin.float())
+    if out is None:
+        return k_out, v
+    out[1].copy_(v)
+    return k_out, out[1]
+
+
 def kv_deviation_ref(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
     """Torch reference of ``blend.kernels.kv_deviation`` (same contract)."""
     check_deviation(fresh, cached)

@@ -145,3 +145,24 @@ def test_rope_mix_out_is_checked():
         rope_mix(*inp.args(), out=(k.bfloat16(), v))
     with pytest.raises(ValueError, match="strides"):
         rope_mix(*inp.args(), out=(k, torch.empty(2, T + 1, 64)[:, :T]))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_rows_is_rope_mix_without_fresh_rows(monkeypatch, backend, dtype):
+    """The engine's unchecked fast path gives rope_mix's bits, returned or written into strided cache rows
+    spanning several layers (layers x heads flattened into one dim)."""
+    from blend.kernels import rope_rows
+
+    monkeypatch.setenv(ENV_VAR, backend)
+    inp = make_rope_mix_inputs(hkv=6, t=T, d=72, rot_dim=32, fresh_idx=_fresh("empty", T), dtype=dtype)
+    k_ref, v_ref = rope_mix(*inp.args())
+    k, v = rope_rows(inp.cached_k, inp.cached_v, inp.cos, inp.sin)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    cache_k = torch.full((3, 2, T + 20, 72), 7.0, dtype=dtype)  # (L, Hkv, N, D) like a KVCache's layers
+    cache_v = torch.full((3, 2, T + 20, 72), 7.0, dtype=dtype)
+    out = (cache_k[:, :, 10:10 + T].view(6, T, 72), cache_v[:, :, 10:10 + T].view(6, T, 72))
+    rope_rows(inp.cached_k, inp.cached_v, inp.cos, inp.sin, out=out)
+    assert torch.equal(cache_k[:, :, 10:10 + T].reshape(6, T, 72), k_ref)
+    assert torch.equal(cache_v[:, :, 10:10 + T].reshape(6, T, 72), v_ref)
+    assert bool((cache_k[:, :, :10] == 7).all() and (cache_k[:, :, 10 + T:] == 7).all())
