@@ -6,9 +6,9 @@ The probe runs the question's rows through layers c..L-1 (the model's one
 c over the re-positioned cached KV of every document (what a ratio-0 blend
 reads), recording the question's attention to each document row at every
 layer. It costs the question's rows through L-c layers (a few percent of a
-full prefill). It leaves layers > c of the cache holding every document's
-re-positioned cached rows, so the blend's own pass only writes the rows it
-recomputes there.
+full prefill). It re-positions every document's cached rows of layers > c in the
+cache as it goes (:meth:`BlendPlan.prepare`: once per layer per request), so the
+blend's own pass only writes the rows it recomputes there.
 
 With candidate pre-selection (``ReusePolicy.candidates``) the probe runs first
 instead (:func:`run_probe_first`): the question's rows from layer 0, over the
