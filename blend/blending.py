@@ -102,8 +102,8 @@ class BlendPlan:
     nb: int  # document rows; rows >= nb are the question
     budget_base: int  # reused document tokens the ratio counts
     checks: tuple[CheckSpec, ...]  # empty: full KV reuse (nothing is ever selected)
-    # per-request memo of gathered tables (see :meth:`_tables`); not part of the plan's value
-    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    # what this request's passes have done to the cache so far (see :meth:`prepare`, :meth:`_tables`)
+    _done: "_PlanProgress" = field(default_factory=lambda: _PlanProgress(), compare=False, repr=False)
 
     @property
     def n(self) -> int:
@@ -130,24 +130,23 @@ class BlendPlan:
             cache: the request's cache.
             temperature: the reused rows' attention temperature at this layer (1.0: none).
         """
-        placed, tempered = self._memo.setdefault("placed", set()), self._memo.setdefault("tempered", set())
-        n_layers = cache.shape[0]
-        if layer not in placed:
-            group = range(layer, min(n_layers, layer + self._group(cache)))
-            group = range(layer, next((i for i in group if i in placed), group.stop))  # up to one already done
+        done = self._done
+        if layer not in done.placed:
+            group = self._group(layer, cache, lambda i: i not in done.placed)
             self.reposition_layers(group, cache)
-            placed.update(group)
-        if temperature != 1.0 and layer not in tempered:
-            group = range(layer, min(n_layers, layer + self._group(cache)))
-            group = range(layer, next((i for i in group if i in tempered or i not in placed), group.stop))
+            done.placed.update(group)
+        if temperature != 1.0 and layer not in done.tempered:
+            group = self._group(layer, cache, lambda i: i in done.placed and i not in done.tempered)
             self.temper(group, cache, temperature)
-            tempered.update(group)
+            done.tempered.update(group)
 
-    def _group(self, cache: KVCache) -> int:
-        """Layers :meth:`prepare` handles at once: as many as fit PREPARE_GROUP_BYTES of K and V rows."""
-        _, heads, dim, dtype, _ = cache.shape
+    def _group(self, layer: int, cache: KVCache, todo) -> range:
+        """The layers :meth:`prepare` handles at once from ``layer``: consecutive ones for which ``todo``
+        holds, as many as fit PREPARE_GROUP_BYTES of K and V rows (at least ``layer`` itself)."""
+        n_layers, heads, dim, dtype, _ = cache.shape
         per_layer = 2 * heads * self.nb * dim * dtype.itemsize  # K and V of one layer's document rows
-        return max(1, PREPARE_GROUP_BYTES // max(per_layer, 1))
+        stop = min(n_layers, layer + max(1, PREPARE_GROUP_BYTES // max(per_layer, 1)))
+        return range(layer, next((i for i in range(layer + 1, stop) if not todo(i)), stop))
 
     def reposition_layers(self, layers: range, cache: KVCache) -> None:
         """Rotate the cached K of every document at its new positions into the cache (rows e .. e+nb)
@@ -197,11 +196,20 @@ class BlendPlan:
     def _tables(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rotary tables and cache rows of ``rows`` (A,), gathered once per set of rows (the same
         active rows are written at every layer between two check layers)."""
-        memo = self._memo.get("tables")
-        if memo is None or memo[0] is not rows:
-            memo = (rows, self.cos[rows], self.sin[rows], self.e + rows)
-            self._memo["tables"] = memo
-        return memo[1], memo[2], memo[3]
+        done = self._done
+        if done.tables is None or done.tables[0] is not rows:
+            done.tables = (rows, self.cos[rows], self.sin[rows], self.e + rows)
+        return done.tables[1], done.tables[2], done.tables[3]
+
+
+@dataclass
+class _PlanProgress:
+    """One request's progress over its cache, owned by its :class:`BlendPlan`."""
+
+    placed: set[int] = field(default_factory=set)  # layers whose document rows are re-positioned
+    tempered: set[int] = field(default_factory=set)  # layers whose re-positioned K is tempered
+    # the last active rows written and their gathered tables: (rows (A,), cos (A, R), sin (A, R), cache rows (A,))
+    tables: tuple[torch.Tensor, ...] | None = None
 
 
 def _rotate(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -351,7 +359,7 @@ class BlendRows:
         self.checks = {c.layer: c for c in plan.checks}
         # reused rows' attention temperature: above the first check layer (below it a row is either
         # fresh or about to be judged; with no check layer, full reuse, nothing is tempered)
-        self.temperature = pol.reused_temperature
+        self.temperature = pol.reused_temperature if plan.checks else 1.0
         self.active = torch.arange(plan.n) if plan.checks else plan.always()  # (A,) sorted rows relative to e
         # layers above this one read cached rows (every layer without a check: full reuse); up to the
         # first check every row is fresh (or, with candidates, the probe re-positioned every layer)
@@ -379,8 +387,7 @@ class BlendRows:
     def store_kv(self, layer, q, k, v, h):
         plan, active = self.plan, self.active
         if layer > self.reads_cached_above and active.shape[0] < plan.n:  # (every row recomputed: none read)
-            temperature = self.temperature if plan.checks else 1.0  # full reuse: nothing is tempered
-            plan.prepare(layer, self.cache, temperature)  # cached rows re-positioned and tempered (once)
+            plan.prepare(layer, self.cache, self.temperature)  # cached rows re-positioned and tempered (once)
         plan.write_fresh(layer, self.cache, active, k, v)  # the active rows over them
         check = self.checks.get(layer)
         if check is None:

@@ -1,3 +1,5 @@
+# In-process A/B of BlendPlan.prepare (grouped re-positioning) against the per-layer behaviour it replaced,
+# restored by patching; run from the repository root: PYTHONPATH=. python docs/results/prepare/ab_inprocess.py 600,3k
 import sys, time, statistics, torch, json
 torch.set_num_threads(int(sys.argv[2]) if len(sys.argv)>2 else 2)
 from blend.engine import Engine
@@ -17,7 +19,7 @@ def mode(old):
     B.BlendPlan._tables = nomemo if old else NEW[2]
 out={}
 for size in sys.argv[1].split(','):
-    prompts=_prompts(eng, "/work/shared/data/musique_dev.json", range(0,3), SIZES[size])
+    prompts=_prompts(eng, "../shared/data/musique_dev.json", range(0,3), SIZES[size])
     pol=ReusePolicy.blend(0.15); reuse=ReusePolicy.blend(0.0, guard_margin=None)
     for p in prompts:
         for o in (1,0): mode(o); eng.generate(p,pol,max_new_tokens=1)
