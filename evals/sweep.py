@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         print("sweep: full and prefix are the reference and exact path; list blend or reuse methods", file=sys.stderr)
         return 2
     lo, hi = parse_item_range(args.items)
-    items = load_items(args.data, None, args.passages)[lo:hi + 1]
+    items = load_items(args.data, hi + 1, args.passages)[lo:hi + 1]  # synthetic sets are built up to hi
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # LRU-bounded: each item precomputes its own chunks right before its methods, so the store only
