@@ -57,6 +57,7 @@ class Sample:
     server_e2e_s: float  # inside the server: submission to the scheduler -> last token
     guarded: bool = False  # the near-tie guard blended this request again (its report says so)
     gaps_s: tuple[float, ...] = ()  # between consecutive text chunks of the stream (inter-token latency)
+    exact_docs: bool = False  # every document exact (a blend of an order refined while idle: --refine-after)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Row:
     itl_p50_ms: float = 0.0  # inter-token gaps over every stream of the run
     itl_p99_ms: float = 0.0
     itl_max_ms: float = 0.0
+    exact_docs: int = 0  # blend requests whose documents were all exact (refined orders)
 
 
 def demo_requests() -> list[tuple[str, list[str]]]:
@@ -112,7 +114,7 @@ def one_request(http: httpx.Client, model: str, question: str, docs: list[str], 
             # prompts (it would take them: an exact hit, not the blend being measured)
             "cache_salt": f"bench:{mode}"}
     t0 = time.perf_counter()
-    ttft, tokens, inside, guarded = None, 0, 0.0, False
+    ttft, tokens, inside, guarded, exact_docs = None, 0, 0.0, False, False
     text_at: list[float] = []
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -129,11 +131,14 @@ def one_request(http: httpx.Client, model: str, question: str, docs: list[str], 
                     tokens = msg["usage"]["completion_tokens"]
                 if msg.get("kvblend"):
                     inside = msg["kvblend"]["e2e_s"]
-                    guarded = bool(msg["kvblend"].get("report", {}).get("guard"))
+                    report = msg["kvblend"].get("report", {})
+                    guarded = bool(report.get("guard"))
+                    docs = [g for g in report.get("segments", ()) if g.get("kind") == "document"]
+                    exact_docs = bool(docs) and all(g.get("class") == "exact" for g in docs)
                 if any(c.get("delta", {}).get("content") for c in msg.get("choices", ())):
                     text_at.append(now)
     gaps = tuple(b - a for a, b in zip(text_at, text_at[1:]))
-    return Sample(ttft, time.perf_counter() - t0, tokens, inside, guarded, gaps)
+    return Sample(ttft, time.perf_counter() - t0, tokens, inside, guarded, gaps, exact_docs)
 
 
 def run_clients(url: str, model: str, mode: str, clients: int, per_client: int, max_tokens: int,
@@ -169,7 +174,8 @@ def run_clients(url: str, model: str, mode: str, clients: int, per_client: int, 
     gaps = [g * 1000 for s in samples for g in s.gaps_s] or [0.0]
     return Row(mode, clients, len(samples), len(samples) / wall, sum(s.tokens for s in samples) / wall,
                percentile(ttft, 50), percentile(ttft, 99), percentile(e2e, 50), percentile(e2e, 99),
-               sum(s.guarded for s in samples), percentile(gaps, 50), percentile(gaps, 99), max(gaps))
+               sum(s.guarded for s in samples), percentile(gaps, 50), percentile(gaps, 99), max(gaps),
+               sum(s.exact_docs for s in samples))
 
 
 def start_server(model: str, port: int, max_concurrency: int, extra: list[str]) -> subprocess.Popen:
@@ -304,12 +310,13 @@ def markdown(rows: list[Row], overheads: list[dict], command: str, scaling: list
              f"Machine: {os.cpu_count()} cores; 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} "
              "at the end (other jobs share the cores).", "",
              "| mode | clients | requests | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms "
-             "| inter-token p50 / p99 / max ms | guarded |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| inter-token p50 / p99 / max ms | guarded | documents all exact |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.mode} | {r.clients} | {r.requests} | {r.req_per_s:.2f} | {r.out_tok_per_s:.1f} | "
                      f"{r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.e2e_p50_ms:.0f} | {r.e2e_p99_ms:.0f} | "
-                     f"{r.itl_p50_ms:.0f} / {r.itl_p99_ms:.0f} / {r.itl_max_ms:.0f} | {r.guarded} |")
+                     f"{r.itl_p50_ms:.0f} / {r.itl_p99_ms:.0f} / {r.itl_max_ms:.0f} | {r.guarded} | "
+                     f"{r.exact_docs if r.mode != 'exact' else '-'} |")
     lines += ["", "Targets:"]
     for mode in sorted({r.mode for r in rows}):
         by = {r.clients: r for r in rows if r.mode == mode}

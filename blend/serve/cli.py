@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let the decode loop also run waiting prefills while it has sequences to decode, "
                         "up to this share of its time (0-1; default: only when it has nothing to decode): "
                         "more tokens/s under a queue, streams pause while it prefills")
+    p.add_argument("--refine-after", type=int, default=sch.refine_after or 0, metavar="N",
+                   help="compute the exact KV of a document order on an idle prefill worker once N blends saw "
+                        "it, so later blends of that order are exact (bit-identical to a full prefill); "
+                        "0: off (default)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="decode in fixed 16-row GEMM tiles: concurrent answers bit-identical to one-at-a-time "
                         "(slower on CPU)")
@@ -102,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             decode_loop_prefills=not args.no_decode_loop_prefills,
             decode_loop_prefill_share=args.decode_loop_prefill_share,
             decode_pool_tokens=args.decode_pool_tokens or None,
+            refine_after=args.refine_after or None,
         ),
     )
 

@@ -67,6 +67,14 @@ class SchedulerConfig:
             instead of once per sequence (THROUGHPUT mode only: float rounding, as batching, in
             bf16 a few bf16 steps since the bmm pair rounds there; a step of one sequence keeps
             its bits). None: no pool. The pool's memory is only touched where sequences write.
+        refine_after: idle-time refinement (:mod:`blend.serve.refine`): a document order that
+            this many blends saw with some document not exact gets its exact KV computed by an
+            idle prefill worker, a segment at a time and after any waiting request, so later
+            blends of that order take the exact path (bit-identical to a full prefill, an exact
+            hit's cost). None: off (a blend's answer then never depends on earlier traffic
+            beyond the chunks it finds).
+        refine_max_pending: orders waiting for refinement at most (the oldest dropped beyond).
+        refine_max_tracked: orders whose blends are counted (least recently seen forgotten first).
     """
 
     max_concurrency: int = 16
@@ -81,6 +89,9 @@ class SchedulerConfig:
     decode_loop_prefill_share: float | None = None
     share_decode_min_batch: int | None = 8  # smaller steps gain nothing split (4 rows: 0.97-1.2x the one-thread time)
     decode_pool_tokens: int | None = 4096
+    refine_after: int | None = None
+    refine_max_pending: int = 16
+    refine_max_tracked: int = 4096
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1 or self.max_queue < 0 or self.prefill_workers < 1:
@@ -94,6 +105,10 @@ class SchedulerConfig:
             raise ValueError("decode_pool_tokens must be >= 1 (or None: no pool)")
         if self.share_decode_min_batch is not None and self.share_decode_min_batch < 2:
             raise ValueError("share_decode_min_batch must be >= 2 (or None: never share)")
+        if self.refine_after is not None and self.refine_after < 1:
+            raise ValueError("refine_after must be >= 1 (or None: no refinement)")
+        if self.refine_max_pending < 1 or self.refine_max_tracked < 1:
+            raise ValueError("refine_max_pending and refine_max_tracked must be >= 1")
         if self.idle_decode_threads is not None and self.batching is DecodeBatching.INVARIANT:
             raise ValueError("idle_decode_threads changes the decode thread count, which changes float "
                              "rounding: it cannot be combined with batch-invariant decoding")

@@ -12,6 +12,8 @@
     kvblend_store_lookups_total{result}          store hits / misses / rejections
     kvblend_queue_depth, kvblend_active_requests, kvblend_decode_batch_size
     kvblend_decode_shared_steps_total            decode steps that ran part of their rows on an idle prefill worker
+    kvblend_refined_orders_total / _segments_total   document orders (segments) an idle worker gave exact KV
+    kvblend_refine_pending                       orders waiting for that
 """
 
 from __future__ import annotations
@@ -79,6 +81,12 @@ class ServeMetrics:
                                registry=r)
         self.shared_steps = Counter("kvblend_decode_shared_steps", "decode steps that ran part of their "
                                     "sequences on an idle prefill worker", registry=r)
+        self.refined_orders = Counter("kvblend_refined_orders", "document orders whose exact KV an idle "
+                                      "prefill worker completed (later blends of them are exact)", registry=r)
+        self.refined_segments = Counter("kvblend_refined_segments", "segments an idle prefill worker computed "
+                                        "for exact KV of blended document orders", registry=r)
+        self.refine_pending = Gauge("kvblend_refine_pending", "document orders waiting for idle-time exact KV",
+                                    registry=r)
         self.rate = Gauge("kvblend_output_tokens_per_second", f"generated tokens/s over the last {RATE_WINDOW_S:g} s",
                           registry=r)
         self.rate.set_function(self._tokens_per_s)

@@ -54,6 +54,11 @@ decode step's numbers by float rounding at most, which THROUGHPUT mode allows
 anyway; prefills keep their thread count fixed (their logits are the ones
 reported bit for bit).
 
+Refinement (``refine_after``, off by default; :mod:`blend.serve.refine`): a worker with
+no prefill and no decode share to run computes, a segment at a time, the exact KV of a
+document order that blends keep seeing, so that later blends of it are exact. It checks
+for waiting requests before every segment.
+
 Capacity: at most ``max_concurrency`` requests prefill or decode at once; up
 to ``max_queue`` more wait; a request beyond that is refused
 (:class:`QueueFullError`, the server's 429 with Retry-After).
@@ -87,6 +92,7 @@ from blend.sampling import GenerationConfig
 from blend.serve.config import LOOP_SHARE_WINDOW_S, SchedulerConfig
 from blend.serve.flight import FlightStore, request_keys
 from blend.serve.metrics import ServeMetrics
+from blend.serve.refine import RefineQueue
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +242,11 @@ class Scheduler:
         self.decode_loop_prefills = 0  # prefills the decode loop ran (idle, or within its prefill share)
         self._loop_time = LoopTime(LOOP_SHARE_WINDOW_S)  # the decode loop's recent decode / prefill seconds
         self.pool = self._make_pool()  # decoding sequences' caches (None: each keeps its own)
+        cfg = self.config
+        self.refine = (RefineQueue(engine.segments, cfg.refine_after, cfg.refine_max_pending, cfg.refine_max_tracked)
+                       if cfg.refine_after is not None else None)
+        if self.refine is not None and metrics is not None:
+            metrics.refine_pending.set_function(lambda: self.refine.pending)  # read at scrape time
 
     def _make_pool(self) -> DecodePool | None:
         cfg, runner = self.config, self.engine.runner
@@ -351,22 +362,52 @@ class Scheduler:
     def _prefill_loop(self) -> None:
         self._threads_setup()
         while True:
-            share = None
+            share = job = fill = None
             with self._cond:
                 self._idle_workers += 1
-                self._cond.wait_for(lambda: not self._running or self._share_pending() or self._prefill_due())
+                self._cond.wait_for(lambda: not self._running or self._share_pending() or self._prefill_due()
+                                    or self._refine_due())
                 self._idle_workers -= 1
                 if not self._running:
                     return
                 if self._prefill_due():  # prefills first
                     job = self._take_job()
-                else:
+                elif self._share_pending():  # then the decode step's share
                     share = self._share
                     share.state, share.by_worker = ShareState.TAKEN, True
+                else:  # then one segment of an order's exact KV
+                    fill = self.refine.take()
             if share is not None:
                 self._run_share(share, yield_to_prefill=True)
-            else:
+            elif job is not None:
                 self._run_prefill(job)
+            elif fill is not None:
+                self._run_refine(fill)
+
+    def _refine_due(self) -> bool:
+        """An order waits for refinement (and no request for a prefill)."""
+        return self.refine is not None and self.refine.pending > 0 and not self._prefill_due()
+
+    def _run_refine(self, fill) -> None:
+        """One step of a :class:`~blend.prefix_fill.PrefixFill` on this idle worker; never raises."""
+        with self._cond:
+            self._prefilling += 1
+        computed_before, failed = fill.computed, False
+        try:
+            with self._exclusive or nullcontext():
+                fill.step()
+        except BaseException:  # noqa: BLE001 - a failed fill is dropped; serving goes on
+            log.exception("refinement of a document order failed; dropped")
+            failed = True
+        finally:
+            with self._cond:
+                self._prefilling -= 1
+        computed = fill.computed - computed_before
+        if self.metrics is not None:  # before put_back, which publishes the fill's outcome
+            self.metrics.refined_segments.inc(computed)
+            if fill.done and not failed:
+                self.metrics.refined_orders.inc()
+        self.refine.put_back(fill, computed, failed)
 
     def _take_job(self) -> _Job:
         """The next waiting request, now active (the caller holds ``_cond`` and saw a prefill due)."""
@@ -407,6 +448,8 @@ class Scheduler:
                 self.flight.release(job.id)
         job.ttft_s = time.perf_counter() - job.submitted
         job.first_logits, job.cache, job.report = first, cache, report
+        if self.refine is not None and self.refine.saw(job.prompt, job.policy, report):
+            self.wake()  # an idle worker may take it
         job.stream = TokenStream(engine.tokenizer, engine.eos_ids, job.config)
         text = job.stream.step(first)
         self._emit(job, Event(EventKind.STARTED, text=text, report=report, ttft_s=job.ttft_s,
