@@ -2,7 +2,7 @@
 # version (argv[1]: that commit's kernels/reference.py with absolute imports); PYTHONPATH=. python ... OLD.py
 import time, torch, statistics, sys, importlib.util
 import blend.kernels.reference as R
-spec = importlib.util.spec_from_file_location("old_reference", "sys.argv[1]")
+spec = importlib.util.spec_from_file_location("old_reference", sys.argv[1])
 old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
 torch.manual_seed(0)
 hkv, g, D = 3, 3, 64; hq = hkv * g
