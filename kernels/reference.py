@@ -149,8 +149,11 @@ def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: to
     hq, s, dd = q.shape
     hkv = k.shape[0]
     qg = q.float().reshape(hkv, (hq // hkv) * s, dd)  # (Hkv, g S, D): query head h reads KV head h // g
-    scores = torch.matmul(qg, k.float().transpose(1, 2)).view(hq, s, -1) * scale  # (Hq, S, T)
-    scores = scores.masked_fill(~(k_pos[None, :] <= q_pos[:, None]), float("-inf"))
+    scores = torch.matmul(qg, k.float().transpose(1, 2)).view(hq, s, -1).mul_(scale)  # (Hq, S, T)
+    # keys up to the first query's position are seen by every query (k_pos sorted: the probe's
+    # layout); only the rest is masked, in place (the same numbers as masking every column)
+    seen = int(torch.searchsorted(k_pos, q_pos.min(), right=True)) if s and nondecreasing(k_pos) else 0
+    scores[:, :, seen:].masked_fill_(~(k_pos[None, seen:] <= q_pos[:, None]), float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # (Hq, S, T)
     out = torch.matmul(probs.reshape(hkv, (hq // hkv) * s, -1), v.float()).view(hq, s, dd)  # (Hq, S, D)
     return out.to(q.dtype), probs

@@ -160,3 +160,25 @@ def test_blocked_path_takes_the_suffix_route_when_every_row_is_active(monkeypatc
     got = R.sparse_query_attention_blocked(*inp.args())
     assert seen == [1]
     assert_close_tol(got, sparse_query_attention_ref(*inp.args()))
+
+
+@pytest.mark.parametrize("where", ["end", "middle", "unsorted keys"])
+def test_attention_probs_masks_only_what_some_query_cannot_see(where):
+    """The probe's attention with probabilities: bit-identical to masking every column, and the
+    probabilities agree with the reference attention's output."""
+    from blend.kernels.reference import attention_probs
+
+    gen = torch.Generator().manual_seed(3)
+    t, s, hkv, g, d = 120, 9, 2, 3, 16
+    q = torch.randn(hkv * g, s, d, generator=gen)
+    k, v = torch.randn(hkv, t, d, generator=gen), torch.randn(hkv, t, d, generator=gen)
+    k_pos = torch.arange(t)
+    q_pos = {"end": torch.arange(t - s, t), "middle": torch.arange(50, 50 + s)}.get(where, torch.arange(t - s, t))
+    if where == "unsorted keys":
+        k_pos = torch.randperm(t, generator=gen)
+    out, probs = attention_probs(q, q_pos, k, v, k_pos, 0.25)
+    qg = q.reshape(hkv, g * s, d)
+    scores = torch.matmul(qg, k.transpose(1, 2)).view(hkv * g, s, -1) * 0.25
+    want = torch.softmax(scores.masked_fill(~(k_pos[None, :] <= q_pos[:, None]), float("-inf")), dim=-1)
+    assert torch.equal(probs, want)
+    assert_close_tol(out, sparse_query_attention_ref(q, q_pos, k, v, k_pos, 0.25))
