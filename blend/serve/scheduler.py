@@ -86,6 +86,7 @@ from blend.generation import Completion, TokenStream, Usage
 from blend.kvcache import KVCache
 from blend.logprobs import TokenLogprob
 from blend.policy import ReuseMode, ReusePolicy
+from blend.prefix_fill import PrefixFill
 from blend.prompt import Prompt
 from blend.report import ReuseReport
 from blend.sampling import GenerationConfig
@@ -388,7 +389,7 @@ class Scheduler:
         """An order waits for refinement (and no request for a prefill)."""
         return self.refine is not None and self.refine.pending > 0 and not self._prefill_due()
 
-    def _run_refine(self, fill) -> None:
+    def _run_refine(self, fill: PrefixFill) -> None:
         """One step of a :class:`~blend.prefix_fill.PrefixFill` on this idle worker; never raises."""
         with self._cond:
             self._prefilling += 1
@@ -448,12 +449,12 @@ class Scheduler:
                 self.flight.release(job.id)
         job.ttft_s = time.perf_counter() - job.submitted
         job.first_logits, job.cache, job.report = first, cache, report
-        if self.refine is not None and self.refine.saw(job.prompt, job.policy, report):
-            self.wake()  # an idle worker may take it
         job.stream = TokenStream(engine.tokenizer, engine.eos_ids, job.config)
         text = job.stream.step(first)
         self._emit(job, Event(EventKind.STARTED, text=text, report=report, ttft_s=job.ttft_s,
                               logprobs=job.stream.take_logprobs()))
+        if self.refine is not None and self.refine.saw(job.prompt, job.policy, report):  # after the first token
+            self.wake()  # an idle worker may take it
         if self.metrics is not None:
             self.metrics.on_prefill(report, job.ttft_s)
             self.metrics.on_tokens(len(job.stream.tokens))
