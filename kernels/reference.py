@@ -7,6 +7,8 @@ each is the fastest plain-torch formulation measured on CPU
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import torch.nn.functional as F
 
@@ -330,5 +332,7 @@ def sparse_query_attention_blocked(
             w1, w2 = torch.exp(lse - m), torch.exp(lse2 - m)  # (1, Hkv, g Sb) each
             o = (o * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
         out[:, a:b] = o[0].reshape(shp.q_heads, sb, d)
-    out[:, ends == 0] = 0.0  # queries before every key: zeros
+    blind = bisect.bisect_right(ends_l, 0)  # queries before every key (a prefix: ends are sorted)
+    if blind:
+        out[:, :blind] = 0.0
     return out.to(q.dtype)
