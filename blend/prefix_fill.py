@@ -51,9 +51,9 @@ class PrefixFill:
         self._segments = segments
         self.prefix = tuple(prefix)
         self.salt = salt
-        self._keys: list[tuple[Namespace, StoreKey]] = segments.prefix_keys(self.prefix, salt)
         # the order's identity: the last segment's exact-prefix key commits to every token before it
         self.key: StoreKey = segments.exact_keys(self.prefix, salt)[-1]
+        self._keys: list[tuple[Namespace, StoreKey]] | None = None  # where each segment goes: at the first step
         self._cache: KVCache | None = None  # the prefix so far; freed when done
         self._next = 0  # index of the next segment to append
         self.computed = 0  # segments this fill computed (the others were stored already)
@@ -72,6 +72,8 @@ class PrefixFill:
         Returns:
             True when the prefix is complete (every segment stored under its exact key).
         """
+        if self._keys is None:  # a fill is built for every sighting of an order, run for few of them
+            self._keys = self._segments.prefix_keys(self.prefix, self.salt)
         with torch.inference_mode():
             if self._cache is None and not self.done:
                 self._cache = self._segments.model.new_cache(self.tokens)

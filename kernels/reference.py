@@ -236,10 +236,15 @@ def causal_suffix_attention_parts(q: torch.Tensor, k_pre: torch.Tensor, v_pre: t
             k_own, v_own = k_own.repeat_interleave(g, dim=0), v_own.repeat_interleave(g, dim=0)  # (Hq, S, D)
         o_p, lse_p = _FLASH_CPU(q[None], k_pre[None], v_pre[None], scale=float(scale))  # (1,Hq,S,D) (1,Hq,S)
         o_s, lse_s = _FLASH_CPU(q[None], k_own[None], v_own[None], is_causal=True, scale=float(scale))
-    m = torch.maximum(lse_p, lse_s)  # (1, Hq, S)
-    w_p, w_s = torch.exp(lse_p - m), torch.exp(lse_s - m)  # (1, Hq, S) each
-    out = (o_p.float() * w_p[..., None] + o_s.float() * w_s[..., None]) / (w_p + w_s)[..., None]
-    return out[0].to(q.dtype)  # (Hq, S, D)
+    return _merge_by_lse(o_p, lse_p, o_s, lse_s)[0].to(q.dtype)  # (Hq, S, D)
+
+
+def _merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets merged into attention over both, from each part's output
+    (..., S, D) and log-sum-exp (..., S); float32. A part whose row saw no key has lse -inf (weight 0)."""
+    m = torch.maximum(lse1, lse2)  # (..., S)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)  # (..., S) each
+    return (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
 
 
 # sparse_query_attention_blocked: query blocks of ~BLOCK_ROWS queries (BLOCKS_MIN to BLOCKS_MAX of them);
@@ -323,14 +328,9 @@ def sparse_query_attention_blocked(
                                 attn_mask=mask.repeat(g, 1)[None, None], scale=float(scale))
             none = (ends[a:b] == lo).repeat(g)  # (g Sb,) rows that see no key of the span
             parts.append((o, lse.masked_fill(none, float("-inf"))))
-        if not parts:  # no query of the block sees a key
-            out[:, a:b] = 0.0
+        if not parts:  # no query of the block sees a key: zeroed below with the other blind queries
             continue
-        o, lse = parts[0]
-        if len(parts) == 2:
-            (o2, lse2), m = parts[1], torch.maximum(lse, parts[1][1])  # (1, Hkv, g Sb)
-            w1, w2 = torch.exp(lse - m), torch.exp(lse2 - m)  # (1, Hkv, g Sb) each
-            o = (o * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
+        o = _merge_by_lse(*parts[0], *parts[1]) if len(parts) == 2 else parts[0][0]  # (1, Hkv, g Sb, D)
         out[:, a:b] = o[0].reshape(shp.q_heads, sb, d)
     blind = bisect.bisect_right(ends_l, 0)  # queries before every key (a prefix: ends are sorted)
     if blind:

@@ -16,7 +16,7 @@ from blend.prompt import SegmentKind
 from blend.report import ReuseClass
 from blend.sampling import GenerationConfig
 from blend.serve.config import SchedulerConfig
-from blend.serve.scheduler import EventKind, Scheduler, _Job
+from blend.serve.scheduler import EventKind, Scheduler
 from conftest import make_docs, unguarded_blend
 from test_serve_scheduler import Collector, make_scheduler, wait_until  # noqa: F401 - fixture
 
@@ -123,7 +123,7 @@ def test_a_waiting_request_comes_before_refinement():
     blend = unguarded_blend(ratio=0.2)
     assert sched.refine.saw(prompt, blend, engine.prefill(prompt, blend)[2])
     assert sched._refine_due()
-    sched._waiting.append(_Job(1, prompt, blend, GenerationConfig(max_tokens=2), lambda ev: None, 0.0))
+    sched._waiting.append(object())  # a request now waits for its prefill
     assert sched._prefill_due() and not sched._refine_due()
 
 
