@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 import torch
 
 from blend.keys import key_hex
-from blend.kernels import kv_deviation, query_attention_mass, rope_rows, sparse_query_attention
+from blend.kernels import (
+    BlockPlan, kv_deviation, plan_query_blocks, query_attention_mass, rope_rows, sparse_query_attention,
+)
 from blend.kvcache import KVCache, KVEntry
 from blend.model import ModelRunner
 from blend.policy import BudgetMode, ReusePolicy
@@ -369,6 +371,7 @@ class BlendRows:
         self.first_selected = self.active[self.active < plan.nb]  # doc rows kept at the first check
         self.deviation: DeviationStats | None = None
         self.k_pos = cache.pos[: plan.e + plan.n]  # (T,)
+        self._queries: _ActiveQueries | None = None  # the active rows' positions, tables and attention plan
 
     def _probe_first(self, policy: ReusePolicy) -> None:
         """Candidate pre-selection: the probe runs before the layer loop, then only the rows the
@@ -411,9 +414,33 @@ class BlendRows:
         if active.numel() == 0:  # a context-only blend that recomputes no row: layers only re-position
             return q.new_zeros(0, q.shape[0] * q.shape[2])  # (0, Hq D)
         k_all, v_all = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
-        q_rot = apply_rope(q, plan.cos[active], plan.sin[active])  # (Hq, A, D)
-        attn = sparse_query_attention(q_rot, plan.pos[active], k_all, v_all, self.k_pos, self.scale)  # (Hq, A, D)
+        rows = self._active_queries(active)
+        q_rot = apply_rope(q, rows.cos, rows.sin)  # (Hq, A, D)
+        attn = sparse_query_attention(q_rot, rows.pos, k_all, v_all, self.k_pos, self.scale,
+                                      plan=rows.attention)  # (Hq, A, D)
         return attn.transpose(0, 1).reshape(q.shape[1], -1)  # (A, Hq D)
+
+    def _active_queries(self, active: torch.Tensor) -> "_ActiveQueries":
+        """What the active rows' attention reads besides q, K and V: the same at every layer between
+        two check layers, so made when ``active`` changes, not at every layer."""
+        if self._queries is None or self._queries.active is not active:
+            plan, dims = self.plan, self.model.dims
+            pos = plan.pos[active]  # (A,)
+            blocks = plan_query_blocks(pos, self.k_pos, dims.num_heads, dims.num_kv_heads) \
+                if pos.device.type == "cpu" else None
+            self._queries = _ActiveQueries(active, pos, plan.cos[active], plan.sin[active], blocks)
+        return self._queries
+
+
+@dataclass(frozen=True)
+class _ActiveQueries:
+    """The active rows of a blended pass, as their attention reads them."""
+
+    active: torch.Tensor  # (A,) the rows (relative to e) these were made for
+    pos: torch.Tensor  # (A,) their positions
+    cos: torch.Tensor  # (A, R) RoPE tables at those positions
+    sin: torch.Tensor  # (A, R)
+    attention: BlockPlan | None  # the CPU attention's plan (None off the CPU)
 
 
 NO_ROWS = torch.empty(0, dtype=torch.long)

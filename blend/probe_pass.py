@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from blend.cpu_features import native_on_cpu, this_cpu_flags
-from blend.kernels import attention_probs
+from blend.kernels import attention_probs, hidden_keys
 from blend.kvcache import KVCache
 from blend.model import ModelRunner, layer_attention_only
 from blend.policy import ProbePrecision
@@ -94,6 +94,10 @@ class ProbeRows:
         self.plan, self.cache, self.check, self.scale = plan, cache, check, scale
         self.q_rows = torch.arange(plan.nb, plan.n)  # (Nq,)
         self.k_pos = cache.pos[: plan.e + plan.n]  # (T,)
+        # the same at every layer: the question's positions, RoPE tables and causal mask
+        self.q_pos = plan.pos[self.q_rows]  # (Nq,)
+        self.cos, self.sin = plan.cos[self.q_rows], plan.sin[self.q_rows]  # (Nq, R) each
+        self.hidden = hidden_keys(self.q_pos, self.k_pos)
         self.mass: list[torch.Tensor] = []  # (nb,) per probed layer
 
     def store_kv(self, layer, q, k, v, h):
@@ -103,10 +107,10 @@ class ProbeRows:
         return q, h
 
     def attend(self, layer, q):
-        plan, rows = self.plan, self.q_rows
+        plan = self.plan
         k_all, v_all = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
-        q_rot = apply_rope(q, plan.cos[rows], plan.sin[rows])  # (Hq, Nq, D)
-        out, probs = attention_probs(q_rot, plan.pos[rows], k_all, v_all, self.k_pos, self.scale)
+        q_rot = apply_rope(q, self.cos, self.sin)  # (Hq, Nq, D)
+        out, probs = attention_probs(q_rot, self.q_pos, k_all, v_all, self.k_pos, self.scale, self.hidden)
         self.mass.append(probs.mean(dim=(0, 1))[plan.e:plan.e + plan.nb])  # (nb,)
         return out.transpose(0, 1).reshape(q.shape[1], -1)  # (Nq, Hq D)
 

@@ -41,7 +41,11 @@ else:
         sparse_query_attention,
     )
     from .reference import (
+        BlockPlan,
+        HiddenKeys,
         attention_probs,
+        hidden_keys,
+        plan_query_blocks,
         kv_deviation_ref,
         query_attention_mass,
         rope_mix_ref,
@@ -51,15 +55,19 @@ else:
     from .tolerances import TOL, Tol
 
     __all__ = [
+        "BlockPlan",
         "ENV_VAR",
+        "HiddenKeys",
         "TOL",
         "attention_probs",
         "BackendPolicy",
         "KernelBackend",
         "Tol",
+        "hidden_keys",
         "kernel_backend",
         "kv_deviation",
         "kv_deviation_ref",
+        "plan_query_blocks",
         "query_attention_mass",
         "rope_mix",
         "rope_mix_ref",

@@ -30,7 +30,7 @@ import torch
 
 from . import vllm_cpu
 from .reference import (
-    kv_deviation_ref, rope_mix_ref, rope_rows_ref, sparse_query_attention_blocked, sparse_query_attention_ref,
+    BlockPlan, kv_deviation_ref, rope_mix_ref, rope_rows_ref, sparse_query_attention_blocked, sparse_query_attention_ref,
 )
 
 ENV_VAR = "KVBLEND_KERNELS"
@@ -223,6 +223,7 @@ def sparse_query_attention(
     v: torch.Tensor,
     k_pos: torch.Tensor,
     scale: float,
+    plan: BlockPlan | None = None,
 ) -> torch.Tensor:
     """Attention of a subset of queries over the whole K/V, causal by absolute position.
 
@@ -236,12 +237,14 @@ def sparse_query_attention(
         v: (Hkv, T, D) values, same dtype as ``q``.
         k_pos: (T,) int64 absolute positions of the keys.
         scale: softmax scale (usually ``D ** -0.5``).
+        plan: the CPU path's :class:`~blend.kernels.reference.BlockPlan` for these positions, made once
+            by a caller that attends at the same positions layer after layer (other backends ignore it).
 
     Returns:
         (Hq, S, D) in q's dtype; a query that sees no key gets zeros.
 
     Raises:
-        ValueError: shape, dtype or device mismatch.
+        ValueError: shape, dtype or device mismatch, or a plan made for other sizes.
     """
     backend = attention_backend(q, q_pos, k_pos)
     if backend is KernelBackend.TRITON:
@@ -250,4 +253,4 @@ def sparse_query_attention(
         return sparse_query_attention_triton(q, q_pos, k, v, k_pos, scale)
     if backend is KernelBackend.VLLM_CPU:
         return vllm_cpu.sparse_query_attention_vllm(q, q_pos, k, v, k_pos, scale)
-    return sparse_query_attention_blocked(q, q_pos, k, v, k_pos, scale)
+    return sparse_query_attention_blocked(q, q_pos, k, v, k_pos, scale, plan=plan)

@@ -8,6 +8,8 @@ each is the fastest plain-torch formulation measured on CPU
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.nn.functional as F
@@ -136,26 +138,52 @@ def query_attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
     return torch.softmax(scores, dim=-1).mean(dim=(0, 1))  # (T,)
 
 
+@dataclass(frozen=True)
+class HiddenKeys:
+    """The keys some query of :func:`attention_probs` cannot see: columns [seen, T) where ``hide``."""
+
+    seen: int  # keys [0, seen) are visible to every query
+    hide: torch.Tensor  # (S, T - seen) bool: key hidden from the query (k_pos > q_pos)
+
+
+def hidden_keys(q_pos: torch.Tensor, k_pos: torch.Tensor) -> HiddenKeys:
+    """The causal mask of :func:`attention_probs` for these positions (made once by a caller that
+    attends at them layer after layer: the probe's question rows).
+
+    Args:
+        q_pos: (S,) query positions; k_pos: (T,) key positions.
+
+    Returns:
+        Where the mask starts and what it hides.
+    """
+    # keys up to the first query's position are seen by every query when k_pos is sorted (the probe's
+    # layout); only the rest is masked (the same numbers as masking every column)
+    seen = int(torch.searchsorted(k_pos, q_pos.min(), right=True)) if q_pos.numel() and nondecreasing(k_pos) else 0
+    return HiddenKeys(seen, ~(k_pos[None, seen:] <= q_pos[:, None]))
+
+
 def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, hidden: HiddenKeys | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few queries, with its probabilities (for the query probe).
 
     Args:
         q: (Hq, S, D) queries after RoPE; q_pos: (S,) their positions.
         k, v: (Hkv, T, D), K after RoPE; k_pos: (T,) their positions.
         scale: softmax scale.
+        hidden: :func:`hidden_keys` of these positions (None: made here).
 
     Returns:
         output (Hq, S, D) in q's dtype, and probabilities (Hq, S, T) float32 (causal by position).
     """
     hq, s, dd = q.shape
     hkv = k.shape[0]
+    hidden = hidden if hidden is not None else hidden_keys(q_pos, k_pos)
+    if tuple(hidden.hide.shape) != (s, k.shape[1] - hidden.seen):
+        raise ValueError(f"hidden keys made for {tuple(hidden.hide.shape)} past column {hidden.seen}, "
+                         f"called with {s} queries x {k.shape[1]} keys")
     qg = q.float().reshape(hkv, (hq // hkv) * s, dd)  # (Hkv, g S, D): query head h reads KV head h // g
     scores = torch.matmul(qg, k.float().transpose(1, 2)).view(hq, s, -1).mul_(scale)  # (Hq, S, T)
-    # keys up to the first query's position are seen by every query (k_pos sorted: the probe's
-    # layout); only the rest is masked, in place (the same numbers as masking every column)
-    seen = int(torch.searchsorted(k_pos, q_pos.min(), right=True)) if s and nondecreasing(k_pos) else 0
-    scores[:, :, seen:].masked_fill_(~(k_pos[None, seen:] <= q_pos[:, None]), float("-inf"))
+    scores[:, :, hidden.seen:].masked_fill_(hidden.hide, float("-inf"))  # in place, only where some query is blind
     probs = torch.softmax(scores, dim=-1)  # (Hq, S, T)
     out = torch.matmul(probs.reshape(hkv, (hq // hkv) * s, -1), v.float()).view(hq, s, dd)  # (Hq, S, D)
     return out.to(q.dtype), probs
@@ -261,6 +289,91 @@ def _is_suffix(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     return 2 <= s <= t and torch.equal(q_pos, k_pos[t - s:]) and bool((k_pos[1:] > k_pos[:-1]).all())
 
 
+class AttentionRoute(Enum):
+    """How :func:`sparse_query_attention_blocked` computes a call (decided by positions alone)."""
+
+    REFERENCE = "reference"  # the masked SDPA reference (unsorted positions, few queries, no flash op)
+    SUFFIX = "suffix"  # the queries are every row of a suffix of the keys: chunked prefill
+    BLOCKS = "blocks"  # query blocks: an unmasked shared prefix and a masked own span each
+
+
+@dataclass(frozen=True)
+class QueryBlock:
+    """Queries [a, b) of a blocked call: keys [0, lo) are seen by all of them, [lo, tb) by some."""
+
+    a: int
+    b: int
+    lo: int
+    tb: int
+    mask: torch.Tensor | None  # (1, 1, g Sb, tb - lo) additive float32 mask of the span (None: no span)
+    none: torch.Tensor | None  # (g Sb,) bool: rows that see no key of the span
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Everything :func:`sparse_query_attention_blocked` derives from the positions and head counts:
+    the route, the query blocks with their masks, the blind queries. A blend's active rows and key
+    positions are the same at every layer between two check layers, so the pass builds this once
+    for them (:func:`plan_query_blocks`) instead of once per layer."""
+
+    route: AttentionRoute
+    queries: int
+    keys: int
+    q_heads: int
+    kv_heads: int
+    blocks: tuple[QueryBlock, ...] = ()
+    blind: int = 0  # queries [0, blind) see no key (a prefix: the queries are sorted)
+
+    def fits(self, shp) -> bool:
+        """Whether the plan was made for a call of these sizes (an AttentionShape)."""
+        return (self.queries, self.keys, self.q_heads, self.kv_heads) == (
+            shp.queries, shp.keys, shp.q_heads, shp.kv_heads)
+
+
+def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv_heads: int,
+                      blocks: int | None = None) -> BlockPlan:
+    """The plan of :func:`sparse_query_attention_blocked` for these positions (see there).
+
+    Args:
+        q_pos: (S,) int64 query positions; k_pos: (T,) int64 key positions (one device).
+        q_heads, kv_heads: head counts (q_heads % kv_heads == 0).
+        blocks: query blocks (default: one per 64 queries, 4 to 16).
+
+    Returns:
+        The plan; valid for any q, k, v of these sizes at these positions.
+    """
+    s, t = q_pos.shape[0], k_pos.shape[0]
+    blocks = blocks or min(BLOCKS_MAX, max(BLOCKS_MIN, s // BLOCK_ROWS))
+    sizes = dict(queries=s, keys=t, q_heads=q_heads, kv_heads=kv_heads)
+    if (_FLASH_CPU is None or q_pos.device.type != "cpu" or s < 2 * blocks or t == 0
+            or not (nondecreasing(q_pos) and nondecreasing(k_pos))):
+        return BlockPlan(AttentionRoute.REFERENCE, **sizes)
+    if _is_suffix(q_pos, k_pos):
+        return BlockPlan(AttentionRoute.SUFFIX, **sizes)
+    g = q_heads // kv_heads
+    ends = torch.searchsorted(k_pos, q_pos, right=True)  # (S,) visible key prefix per query
+    ends_l = ends.tolist()
+    bounds = [round(i * s / blocks) for i in range(blocks + 1)]
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if a == b:
+            continue
+        lo, tb = ends_l[a], ends_l[b - 1]  # keys [0, lo) seen by all; [lo, tb) by some
+        if lo < SPLIT_MIN_PREFIX:  # a short shared prefix: one masked call over the block's keys
+            lo = 0
+        mask = none = None
+        if tb > lo:
+            visible = k_pos[None, lo:tb] <= q_pos[a:b, None]  # (Sb, tb - lo)
+            span = torch.zeros(visible.shape, device=q_pos.device).masked_fill_(~visible, float("-inf"))
+            mask = span.repeat(g, 1)[None, None]  # (1, 1, g Sb, tb - lo)
+            none = (ends[a:b] == lo).repeat(g)  # (g Sb,) rows that see no key of the span
+        if lo == 0 and mask is None:  # no query of the block sees a key: zeroed with the other blind queries
+            continue
+        out.append(QueryBlock(a, b, lo, tb, mask, none))
+    blind = bisect.bisect_right(ends_l, 0)  # queries before every key (a prefix: ends are sorted)
+    return BlockPlan(AttentionRoute.BLOCKS, **sizes, blocks=tuple(out), blind=blind)
+
+
 def sparse_query_attention_blocked(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -269,6 +382,7 @@ def sparse_query_attention_blocked(
     k_pos: torch.Tensor,
     scale: float,
     blocks: int | None = None,
+    plan: BlockPlan | None = None,
 ) -> torch.Tensor:
     """The CPU path of ``blend.kernels.sparse_query_attention`` (same contract).
 
@@ -292,47 +406,41 @@ def sparse_query_attention_blocked(
     Args:
         q, q_pos, k, v, k_pos, scale: as for the reference.
         blocks: query blocks (default: one per 64 queries, 4 to 16; fewer, larger blocks run
-            larger tiles, more of them mask more of their spans).
+            larger tiles, more of them mask more of their spans). Ignored with ``plan``.
+        plan: from :func:`plan_query_blocks` for these positions (None: made here). A caller that
+            attends at the same positions layer after layer makes it once.
 
     Returns:
         (Hq, S, D) in q's dtype; a query that sees no key gets zeros.
+
+    Raises:
+        ValueError: bad arguments, or a plan made for other sizes.
     """
     shp = check_attention(q, q_pos, k, v, k_pos, scale)
-    s = shp.queries
-    blocks = blocks or min(BLOCKS_MAX, max(BLOCKS_MIN, s // BLOCK_ROWS))
-    if (_FLASH_CPU is None or q.device.type != "cpu" or s < 2 * blocks or shp.keys == 0
-            or not (nondecreasing(q_pos) and nondecreasing(k_pos))):
+    if plan is None:
+        plan = plan_query_blocks(q_pos, k_pos, shp.q_heads, shp.kv_heads, blocks)
+    elif not plan.fits(shp):
+        raise ValueError(f"attention plan made for {plan.queries} queries x {plan.keys} keys, "
+                         f"{plan.q_heads}/{plan.kv_heads} heads, called with {shp}")
+    if plan.route is AttentionRoute.REFERENCE:
         return sparse_query_attention_ref(q, q_pos, k, v, k_pos, scale)
-    if _is_suffix(q_pos, k_pos):
+    if plan.route is AttentionRoute.SUFFIX:
         return causal_suffix_attention(q.float(), k.float(), v.float(), scale).to(q.dtype)
     hkv, g, d = shp.kv_heads, shp.q_heads // shp.kv_heads, q.shape[2]
-    ends = torch.searchsorted(k_pos, q_pos, right=True)  # (S,) visible key prefix per query
-    ends_l = ends.tolist()
     qf, kf, vf = q.float(), k.float(), v.float()
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # (Hq, S, D)
-    bounds = [round(i * s / blocks) for i in range(blocks + 1)]
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if a == b:
-            continue
-        lo, tb, sb = ends_l[a], ends_l[b - 1], b - a  # keys [0, lo) seen by all; [lo, tb) by some
-        qg = qf[:, a:b].reshape(hkv, g * sb, d)  # (Hkv, g Sb, D): query head h reads KV head h // g
+    for blk in plan.blocks:
+        a, b, lo, tb = blk.a, blk.b, blk.lo, blk.tb
+        qg = qf[:, a:b].reshape(hkv, g * (b - a), d)  # (Hkv, g Sb, D): query head h reads KV head h // g
         parts = []
-        if lo < SPLIT_MIN_PREFIX:  # a short shared prefix: one masked call over the block's keys
-            lo = 0
         if lo > 0:  # (1, Hkv, g Sb, D), (1, Hkv, g Sb)
             parts.append(_FLASH_CPU(qg[None], kf[None, :, :lo], vf[None, :, :lo], scale=float(scale)))
-        if tb > lo:
-            visible = k_pos[None, lo:tb] <= q_pos[a:b, None]  # (Sb, tb - lo)
-            mask = torch.zeros(visible.shape, device=q.device).masked_fill_(~visible, float("-inf"))
-            o, lse = _FLASH_CPU(qg[None], kf[None, :, lo:tb], vf[None, :, lo:tb],
-                                attn_mask=mask.repeat(g, 1)[None, None], scale=float(scale))
-            none = (ends[a:b] == lo).repeat(g)  # (g Sb,) rows that see no key of the span
-            parts.append((o, lse.masked_fill(none, float("-inf"))))
-        if not parts:  # no query of the block sees a key: zeroed below with the other blind queries
-            continue
+        if blk.mask is not None:
+            o, lse = _FLASH_CPU(qg[None], kf[None, :, lo:tb], vf[None, :, lo:tb], attn_mask=blk.mask,
+                                scale=float(scale))
+            parts.append((o, lse.masked_fill(blk.none, float("-inf"))))
         o = _merge_by_lse(*parts[0], *parts[1]) if len(parts) == 2 else parts[0][0]  # (1, Hkv, g Sb, D)
-        out[:, a:b] = o[0].reshape(shp.q_heads, sb, d)
-    blind = bisect.bisect_right(ends_l, 0)  # queries before every key (a prefix: ends are sorted)
-    if blind:
-        out[:, :blind] = 0.0
+        out[:, a:b] = o[0].reshape(shp.q_heads, b - a, d)
+    if plan.blind:
+        out[:, :plan.blind] = 0.0
     return out.to(q.dtype)

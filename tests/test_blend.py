@@ -315,3 +315,26 @@ def test_blend_exact_run_respects_the_cache_salt_and_rejects_corrupt_entries(tin
     b3 = eng.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=1)
     assert classes(b3)[1:-1] == [ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.BLENDED]
     assert torch.equal(b3.first_logits, ref.first_logits)
+
+
+def test_attention_plan_is_made_once_per_active_row_set(tiny_engine, monkeypatch):
+    """The active rows' positions, RoPE tables and the blocked attention's plan are made when the
+    active rows change (at a check layer), not at every layer, and give the bits of making them per layer."""
+    import blend.blending as B
+
+    prompt = tiny_engine.build_prompt("Which?", make_docs(4))
+    pol = unguarded_blend(ratio=0.3)
+    tiny_engine.generate(prompt, pol, max_new_tokens=1)  # warm: the chunks stored
+    made = []
+    real = B.plan_query_blocks
+    monkeypatch.setattr(B, "plan_query_blocks", lambda *a, **kw: made.append(a[0].numel()) or real(*a, **kw))
+    planned = tiny_engine.generate(prompt, pol, max_new_tokens=1)
+    assert len(made) == len(pol.check_layers) + 1 < tiny_engine.runner.dims.num_layers
+    assert made[0] > made[-1]  # the rows the check layer kept are fewer
+
+    def per_layer(self, active):
+        plan = self.plan
+        return B._ActiveQueries(active, plan.pos[active], plan.cos[active], plan.sin[active], None)
+
+    monkeypatch.setattr(B.BlendRows, "_active_queries", per_layer)
+    assert torch.equal(tiny_engine.generate(prompt, pol, max_new_tokens=1).first_logits, planned.first_logits)

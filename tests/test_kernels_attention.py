@@ -128,7 +128,7 @@ def test_cpu_dispatch_uses_the_blocked_path(monkeypatch):
 
     calls = []
     real = D.sparse_query_attention_blocked
-    monkeypatch.setattr(D, "sparse_query_attention_blocked", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(D, "sparse_query_attention_blocked", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setenv(ENV_VAR, "torch")
     x = torch.randn(1, 40, 16)
     sparse_query_attention(x, torch.arange(40), x, x, torch.arange(40), 0.25)
@@ -182,3 +182,61 @@ def test_attention_probs_masks_only_what_some_query_cannot_see(where):
     want = torch.softmax(scores.masked_fill(~(k_pos[None, :] <= q_pos[:, None]), float("-inf")), dim=-1)
     assert torch.equal(probs, want)
     assert_close_tol(out, sparse_query_attention_ref(q, q_pos, k, v, k_pos, 0.25))
+
+
+@pytest.mark.parametrize("case", ["blocks", "short prefix", "blind queries", "suffix"])
+def test_a_plan_made_once_gives_the_same_bits_at_every_call(case):
+    """A blend makes the blocked attention's plan once per active row set and reuses it layer after
+    layer: with new q, K and V at the same positions, the planned call equals the unplanned one."""
+    from blend.kernels import plan_query_blocks, sparse_query_attention_blocked
+    from blend.kernels.reference import SPLIT_MIN_PREFIX, AttentionRoute
+
+    t = {"short prefix": 300}.get(case, SPLIT_MIN_PREFIX + 400)
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.sort(torch.randperm(t - 64, generator=gen)[:150] + 64).values  # sorted, past key 64
+    k_pos = torch.arange(t) + 50
+    if case == "suffix":
+        rows = torch.arange(t - 150, t)
+    plan = None
+    for layer in range(3):  # new numbers each "layer", the same positions
+        inp = make_attention_inputs(2, 3, t, 32, rows, torch.float32, k_pos=k_pos, seed=layer)
+        q_pos = inp.q_pos
+        if case == "blind queries":  # the first ten queries sit before every key
+            q_pos = torch.cat([torch.arange(10, 20), q_pos[10:]])
+        args = (inp.q, q_pos, inp.k, inp.v, inp.k_pos, inp.scale)
+        if plan is None:
+            plan = plan_query_blocks(q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0])
+        planned = sparse_query_attention_blocked(*args, plan=plan)
+        assert torch.equal(planned, sparse_query_attention_blocked(*args))
+        assert_close_tol(planned, sparse_query_attention_ref(*args))
+    want = AttentionRoute.SUFFIX if case == "suffix" else AttentionRoute.BLOCKS
+    assert plan.route is want
+    if case == "blocks":
+        assert any(b.lo >= SPLIT_MIN_PREFIX for b in plan.blocks)  # some block's shared prefix is unmasked
+    if case == "blind queries":
+        assert plan.blind == 10
+
+
+def test_a_plan_for_other_sizes_is_refused():
+    from blend.kernels import plan_query_blocks, sparse_query_attention_blocked
+
+    inp = make_attention_inputs(1, 3, 200, 16, torch.arange(100, 200, 2), torch.float32)
+    plan = plan_query_blocks(inp.q_pos[1:], inp.k_pos, 3, 1)  # one query fewer
+    with pytest.raises(ValueError, match="plan made for"):
+        sparse_query_attention_blocked(*inp.args(), plan=plan)
+
+
+def test_the_probe_mask_made_once_gives_the_same_bits():
+    from blend.kernels import attention_probs, hidden_keys
+
+    gen = torch.Generator().manual_seed(4)
+    t, s, d = 150, 12, 16
+    q_pos, k_pos = torch.arange(t - s, t), torch.arange(t)
+    hidden = hidden_keys(q_pos, k_pos)
+    assert hidden.seen == t - s + 1 and tuple(hidden.hide.shape) == (s, s - 1)
+    for _ in range(2):
+        q, k, v = torch.randn(6, s, d, generator=gen), torch.randn(2, t, d, generator=gen), torch.randn(2, t, d, generator=gen)
+        planned, unplanned = attention_probs(q, q_pos, k, v, k_pos, 0.25, hidden), attention_probs(q, q_pos, k, v, k_pos, 0.25)
+        assert all(torch.equal(a, b) for a, b in zip(planned, unplanned))
+    with pytest.raises(ValueError, match="hidden keys made for"):
+        attention_probs(q[:, 1:], q_pos[1:], k, v, k_pos, 0.25, hidden)
