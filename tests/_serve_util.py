@@ -15,8 +15,9 @@ import uvicorn
 from _store_util import free_port
 from blend.engine import Engine
 from blend.serve.app import create_app
-from blend.serve.config import ServeConfig
+from blend.serve.config import SchedulerConfig, ServeConfig
 from blend.serve.flight import FlightStore
+from blend.serve.scheduler import EventKind, Scheduler
 from blend.store.memory import MemoryStore
 
 TINY = "tiny-llama"
@@ -70,3 +71,54 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---- the scheduler's tests (test_serve_scheduler, test_serve_refine) ----
+
+def wait_until(cond, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+class Collector:
+    """Events of several requests, by request index."""
+
+    def __init__(self) -> None:
+        self.events: dict[int, list] = {}
+        self.lock = threading.Lock()
+        self.done = threading.Condition(self.lock)
+
+    def sink(self, i: int):
+        def put(ev) -> None:
+            with self.lock:
+                self.events.setdefault(i, []).append((time.monotonic(), ev))
+                self.done.notify_all()
+        return put
+
+    def wait(self, n: int, timeout: float = 60) -> None:
+        with self.lock:
+            assert self.done.wait_for(lambda: sum(
+                1 for evs in self.events.values() if evs[-1][1].kind in (EventKind.DONE, EventKind.FAILED)) >= n,
+                timeout)
+
+    def last(self, i: int):
+        return self.events[i][-1][1]
+
+
+@pytest.fixture
+def make_scheduler():
+    made = []
+
+    def make(engine, **cfg) -> Scheduler:
+        s = Scheduler(engine, SchedulerConfig(**cfg))
+        s.start()
+        made.append(s)
+        return s
+
+    threads = torch.get_num_threads()
+    yield make
+    for s in made:
+        s.close()
+    torch.set_num_threads(threads)  # a scheduler thread's setting also becomes torch's default for new threads

@@ -9,7 +9,9 @@ import threading
 import pytest
 import torch
 
-from _serve_util import one_torch_thread, tiny_serve_engine  # noqa: F401 - module fixture
+from _serve_util import (  # noqa: F401 - fixtures
+    Collector, make_scheduler, one_torch_thread, tiny_serve_engine, wait_until,
+)
 from blend.policy import ReusePolicy
 from blend.prefix_fill import PrefixFill, order_segments
 from blend.prompt import SegmentKind
@@ -18,7 +20,6 @@ from blend.sampling import GenerationConfig
 from blend.serve.config import SchedulerConfig
 from blend.serve.scheduler import EventKind, Scheduler
 from conftest import make_docs, unguarded_blend
-from test_serve_scheduler import Collector, make_scheduler, wait_until  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

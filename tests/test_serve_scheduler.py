@@ -17,7 +17,9 @@ from collections import Counter
 import pytest
 import torch
 
-from _serve_util import one_torch_thread, tiny_serve_engine  # noqa: F401 - module fixture
+from _serve_util import (  # noqa: F401 - fixtures
+    Collector, make_scheduler, one_torch_thread, tiny_serve_engine, wait_until,
+)
 from blend.batch_decode import DecodeBatching, decode_batch
 from blend.errors import InvalidPolicyError
 from blend.generation import generate
@@ -30,38 +32,6 @@ from blend.store.memory import MemoryStore
 from conftest import make_docs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def wait_until(cond, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
-
-
-class Collector:
-    """Events of several requests, by request index."""
-
-    def __init__(self) -> None:
-        self.events: dict[int, list] = {}
-        self.lock = threading.Lock()
-        self.done = threading.Condition(self.lock)
-
-    def sink(self, i: int):
-        def put(ev) -> None:
-            with self.lock:
-                self.events.setdefault(i, []).append((time.monotonic(), ev))
-                self.done.notify_all()
-        return put
-
-    def wait(self, n: int, timeout: float = 60) -> None:
-        with self.lock:
-            assert self.done.wait_for(lambda: sum(
-                1 for evs in self.events.values() if evs[-1][1].kind in (EventKind.DONE, EventKind.FAILED)) >= n,
-                timeout)
-
-    def last(self, i: int):
-        return self.events[i][-1][1]
 
 
 class SlowStore(MemoryStore):
@@ -84,23 +54,6 @@ class SlowStore(MemoryStore):
     def put(self, ns, key, entry):
         self.puts[(ns, bytes(key))] += 1
         super().put(ns, key, entry)
-
-
-@pytest.fixture
-def make_scheduler():
-    made = []
-
-    def make(engine, **cfg) -> Scheduler:
-        s = Scheduler(engine, SchedulerConfig(**cfg))
-        s.start()
-        made.append(s)
-        return s
-
-    threads = torch.get_num_threads()
-    yield make
-    for s in made:
-        s.close()
-    torch.set_num_threads(threads)  # a scheduler thread's setting also becomes torch's default for new threads
 
 
 def requests(engine, n: int):
