@@ -30,7 +30,8 @@ import torch
 
 from . import vllm_cpu
 from .reference import (
-    BlockPlan, kv_deviation_ref, rope_mix_ref, rope_rows_ref, sparse_query_attention_blocked, sparse_query_attention_ref,
+    BlockPlan, kv_deviation_ref, rope_mix_ref, rope_rows_ref, sparse_query_attention_blocked,
+    sparse_query_attention_ref,
 )
 
 ENV_VAR = "KVBLEND_KERNELS"
@@ -244,7 +245,7 @@ def sparse_query_attention(
         (Hq, S, D) in q's dtype; a query that sees no key gets zeros.
 
     Raises:
-        ValueError: shape, dtype or device mismatch, or a plan made for other sizes.
+        ValueError: shape, dtype or device mismatch, or a plan made for other positions or head counts.
     """
     backend = attention_backend(q, q_pos, k_pos)
     if backend is KernelBackend.TRITON:

@@ -14,7 +14,7 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
-from .checks import check_attention, check_deviation, check_rope_mix, check_rope_mix_out, nondecreasing
+from .checks import AttentionShape, check_attention, check_deviation, check_rope_mix, check_rope_mix_out, nondecreasing
 
 
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -144,6 +144,12 @@ class HiddenKeys:
 
     seen: int  # keys [0, seen) are visible to every query
     hide: torch.Tensor  # (S, T - seen) bool: key hidden from the query (k_pos > q_pos)
+    q_pos: torch.Tensor  # (S,) the positions it was made for
+    k_pos: torch.Tensor  # (T,)
+
+    def made_for(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+        """Whether these are the positions it was made from (the same tensors: free; else compared)."""
+        return _same_positions(self.q_pos, q_pos) and _same_positions(self.k_pos, k_pos)
 
 
 def hidden_keys(q_pos: torch.Tensor, k_pos: torch.Tensor) -> HiddenKeys:
@@ -159,7 +165,13 @@ def hidden_keys(q_pos: torch.Tensor, k_pos: torch.Tensor) -> HiddenKeys:
     # keys up to the first query's position are seen by every query when k_pos is sorted (the probe's
     # layout); only the rest is masked (the same numbers as masking every column)
     seen = int(torch.searchsorted(k_pos, q_pos.min(), right=True)) if q_pos.numel() and nondecreasing(k_pos) else 0
-    return HiddenKeys(seen, ~(k_pos[None, seen:] <= q_pos[:, None]))
+    return HiddenKeys(seen, ~(k_pos[None, seen:] <= q_pos[:, None]), q_pos, k_pos)
+
+
+def _same_positions(made: torch.Tensor, given: torch.Tensor) -> bool:
+    """Positions a plan was made from and a call's: the same tensor (a caller reusing its plan) costs
+    nothing; other tensors are compared."""
+    return made is given or (made.shape == given.shape and bool(torch.equal(made, given)))
 
 
 def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
@@ -174,13 +186,16 @@ def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: to
 
     Returns:
         output (Hq, S, D) in q's dtype, and probabilities (Hq, S, T) float32 (causal by position).
+
+    Raises:
+        ValueError: ``hidden`` made for other positions.
     """
     hq, s, dd = q.shape
     hkv = k.shape[0]
-    hidden = hidden if hidden is not None else hidden_keys(q_pos, k_pos)
-    if tuple(hidden.hide.shape) != (s, k.shape[1] - hidden.seen):
-        raise ValueError(f"hidden keys made for {tuple(hidden.hide.shape)} past column {hidden.seen}, "
-                         f"called with {s} queries x {k.shape[1]} keys")
+    if hidden is None:
+        hidden = hidden_keys(q_pos, k_pos)
+    elif not hidden.made_for(q_pos, k_pos):
+        raise ValueError("hidden keys made for other positions than the call's")
     qg = q.float().reshape(hkv, (hq // hkv) * s, dd)  # (Hkv, g S, D): query head h reads KV head h // g
     scores = torch.matmul(qg, k.float().transpose(1, 2)).view(hq, s, -1).mul_(scale)  # (Hq, S, T)
     scores[:, :, hidden.seen:].masked_fill_(hidden.hide, float("-inf"))  # in place, only where some query is blind
@@ -317,17 +332,18 @@ class BlockPlan:
     for them (:func:`plan_query_blocks`) instead of once per layer."""
 
     route: AttentionRoute
-    queries: int
-    keys: int
+    q_pos: torch.Tensor  # (S,) the positions it was made for
+    k_pos: torch.Tensor  # (T,)
     q_heads: int
     kv_heads: int
     blocks: tuple[QueryBlock, ...] = ()
     blind: int = 0  # queries [0, blind) see no key (a prefix: the queries are sorted)
 
-    def fits(self, shp) -> bool:
-        """Whether the plan was made for a call of these sizes (an AttentionShape)."""
-        return (self.queries, self.keys, self.q_heads, self.kv_heads) == (
-            shp.queries, shp.keys, shp.q_heads, shp.kv_heads)
+    def fits(self, q_pos: torch.Tensor, k_pos: torch.Tensor, shp: AttentionShape) -> bool:
+        """Whether the plan was made for a call at these positions with these head counts (the same
+        position tensors, as a caller reusing its plan passes them, cost nothing; others are compared)."""
+        return ((self.q_heads, self.kv_heads) == (shp.q_heads, shp.kv_heads)
+                and _same_positions(self.q_pos, q_pos) and _same_positions(self.k_pos, k_pos))
 
 
 def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv_heads: int,
@@ -344,7 +360,7 @@ def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv
     """
     s, t = q_pos.shape[0], k_pos.shape[0]
     blocks = blocks or min(BLOCKS_MAX, max(BLOCKS_MIN, s // BLOCK_ROWS))
-    sizes = dict(queries=s, keys=t, q_heads=q_heads, kv_heads=kv_heads)
+    sizes = dict(q_pos=q_pos, k_pos=k_pos, q_heads=q_heads, kv_heads=kv_heads)
     if (_FLASH_CPU is None or q_pos.device.type != "cpu" or s < 2 * blocks or t == 0
             or not (nondecreasing(q_pos) and nondecreasing(k_pos))):
         return BlockPlan(AttentionRoute.REFERENCE, **sizes)
@@ -414,14 +430,14 @@ def sparse_query_attention_blocked(
         (Hq, S, D) in q's dtype; a query that sees no key gets zeros.
 
     Raises:
-        ValueError: bad arguments, or a plan made for other sizes.
+        ValueError: bad arguments, or a plan made for other positions or head counts.
     """
     shp = check_attention(q, q_pos, k, v, k_pos, scale)
     if plan is None:
         plan = plan_query_blocks(q_pos, k_pos, shp.q_heads, shp.kv_heads, blocks)
-    elif not plan.fits(shp):
-        raise ValueError(f"attention plan made for {plan.queries} queries x {plan.keys} keys, "
-                         f"{plan.q_heads}/{plan.kv_heads} heads, called with {shp}")
+    elif not plan.fits(q_pos, k_pos, shp):
+        raise ValueError(f"attention plan made for other positions or heads ({plan.q_pos.numel()} queries x "
+                         f"{plan.k_pos.numel()} keys, {plan.q_heads}/{plan.kv_heads} heads) than the call's {shp}")
     if plan.route is AttentionRoute.REFERENCE:
         return sparse_query_attention_ref(q, q_pos, k, v, k_pos, scale)
     if plan.route is AttentionRoute.SUFFIX:

@@ -217,13 +217,17 @@ def test_a_plan_made_once_gives_the_same_bits_at_every_call(case):
         assert plan.blind == 10
 
 
-def test_a_plan_for_other_sizes_is_refused():
+def test_a_plan_for_other_positions_or_heads_is_refused():
     from blend.kernels import plan_query_blocks, sparse_query_attention_blocked
 
     inp = make_attention_inputs(1, 3, 200, 16, torch.arange(100, 200, 2), torch.float32)
-    plan = plan_query_blocks(inp.q_pos[1:], inp.k_pos, 3, 1)  # one query fewer
-    with pytest.raises(ValueError, match="plan made for"):
-        sparse_query_attention_blocked(*inp.args(), plan=plan)
+    for plan in (plan_query_blocks(inp.q_pos[1:], inp.k_pos, 3, 1),  # one query fewer
+                 plan_query_blocks(inp.q_pos + 1, inp.k_pos, 3, 1),  # the same sizes, other positions
+                 plan_query_blocks(inp.q_pos, inp.k_pos, 6, 2)):  # other heads
+        with pytest.raises(ValueError, match="plan made for other positions"):
+            sparse_query_attention_blocked(*inp.args(), plan=plan)
+    equal = plan_query_blocks(inp.q_pos.clone(), inp.k_pos.clone(), 3, 1)  # equal positions, other tensors
+    assert torch.equal(sparse_query_attention_blocked(*inp.args(), plan=equal), sparse_query_attention_blocked(*inp.args()))
 
 
 def test_the_probe_mask_made_once_gives_the_same_bits():
@@ -238,5 +242,7 @@ def test_the_probe_mask_made_once_gives_the_same_bits():
         q, k, v = torch.randn(6, s, d, generator=gen), torch.randn(2, t, d, generator=gen), torch.randn(2, t, d, generator=gen)
         planned, unplanned = attention_probs(q, q_pos, k, v, k_pos, 0.25, hidden), attention_probs(q, q_pos, k, v, k_pos, 0.25)
         assert all(torch.equal(a, b) for a, b in zip(planned, unplanned))
-    with pytest.raises(ValueError, match="hidden keys made for"):
+    with pytest.raises(ValueError, match="hidden keys made for other positions"):
         attention_probs(q[:, 1:], q_pos[1:], k, v, k_pos, 0.25, hidden)
+    with pytest.raises(ValueError, match="hidden keys made for other positions"):
+        attention_probs(q, q_pos - 1, k, v, k_pos, 0.25, hidden)
