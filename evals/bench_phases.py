@@ -84,7 +84,18 @@ class PhaseRow:
     ratios: tuple[float, ...] = ()  # every item and repeat's ratio (the tail beside the median)
 
 
-def _prompts(engine: Engine, data: str, items: range, size: Size) -> list:
+def size_prompts(engine: Engine, data: str, items: range, size: Size) -> list:
+    """The prompts of ``data``'s items in ``items`` at a prompt size (passages per prompt, cut to its length).
+
+    Args:
+        engine: builds the prompts.
+        data: the musique file.
+        items: which items.
+        size: passages and characters per passage.
+
+    Returns:
+        One prompt per item.
+    """
     chosen = [it for i, it in enumerate(load_items(data, None, size.passages)) if i in items]
     out = []
     for it in chosen:
@@ -246,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, overhead, exact_docs = [], {}, {}
     for size in sizes:
         print(f"size {size.name} ...", file=sys.stderr, flush=True)
-        got, fixed = bench_size(engine, _prompts(engine, args.data, items, size), methods, args.repeats)
+        got, fixed = bench_size(engine, size_prompts(engine, args.data, items, size), methods, args.repeats)
         rows += [replace(r, size=size.name) for r in got]
         overhead[size.name], exact_docs[size.name] = fixed.reuse_s, fixed.exact_docs_s
         for r in got:

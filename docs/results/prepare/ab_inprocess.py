@@ -6,7 +6,7 @@ from blend.engine import Engine
 from blend.policy import ReusePolicy
 import blend.blending as B
 from blend.kernels import rope_mix
-from evals.bench_phases import SIZES, _prompts
+from evals.bench_phases import SIZES, size_prompts
 eng=Engine.load("smollm2-135m")
 NEW=(B.PREPARE_GROUP_BYTES, B.rope_rows, B.BlendPlan._tables)
 def checked(k,v,cos,sin,out=None):
@@ -19,7 +19,7 @@ def mode(old):
     B.BlendPlan._tables = nomemo if old else NEW[2]
 out={}
 for size in sys.argv[1].split(','):
-    prompts=_prompts(eng, "../shared/data/musique_dev.json", range(0,3), SIZES[size])
+    prompts=size_prompts(eng, "../shared/data/musique_dev.json", range(0,3), SIZES[size])
     pol=ReusePolicy.blend(0.15); reuse=ReusePolicy.blend(0.0, guard_margin=None)
     for p in prompts:
         for o in (1,0): mode(o); eng.generate(p,pol,max_new_tokens=1)

@@ -1,0 +1,22 @@
+"""evals/interleaved.py: the in-process A/B that issue 18's speed changes are measured with."""
+
+import torch
+
+from blend.evals.interleaved import interleaved_ab
+from conftest import make_docs, unguarded_blend
+
+
+def test_interleaved_ab_alternates_modes_and_keeps_each_modes_logits(tiny_engine):
+    prompts = [tiny_engine.build_prompt(q, make_docs(3)) for q in ("Which?", "Who?")]
+    calls = []
+    res = interleaved_ab(tiny_engine, prompts, unguarded_blend(ratio=0.3), calls.append, ("old", "new"), repeats=2)
+    assert calls[:4] == ["old", "new", "old", "new"]  # warm-up: each mode once per prompt
+    assert calls[4:8] == ["old", "new", "old", "new"] and calls[8:12] == ["new", "old", "new", "old"]
+    assert calls[-1] == "new"  # left on the last mode
+    assert all(len(res.ratios[m]) == 4 and all(r > 0 for r in res.ratios[m]) for m in ("old", "new"))
+    assert res.identical("old", "new")  # the same path under both names
+    assert len(res.kl("new")) == 2 and all(k >= 0 for k in res.kl("new"))
+    assert "logits bit-identical: True" in res.summary()
+    res.logits["new"][0] = res.logits["new"][0] + 1.0
+    assert not res.identical("old", "new")
+    assert isinstance(res.reference[0], torch.Tensor)
