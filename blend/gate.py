@@ -126,23 +126,24 @@ def _run_checks(engine: "Engine", eng: "Engine", items: int, progress: bool) -> 
     with torch.inference_mode():
         ref = hf(torch.tensor([first.token_ids])).logits[0, -1].float()
     full = eng.generate(first, ReusePolicy.none(), max_new_tokens=1)
-    diff = float((full.first_logits.cpu() - ref).abs().max())
+    diff = beyond(full.first_logits.cpu(), ref, tol.gate_rtol, per_row=True)
     checks.append(CheckResult(CheckName.REFERENCE, diff <= tol.logits, diff, tol.logits,
-                              "max |logits - transformers logits|"))
+                              "max |logits - transformers logits|" + _relative(tol, "max |logit|")))
 
     say("RoPE re-positioning")
     _, full_cache, _ = eng.prefill(first, ReusePolicy.none())
     _, reuse_cache, _ = eng.prefill(first, ReusePolicy.blend(ratio=0.0, force=True))
     n = len(first)
-    rope_diff = float((full_cache.k[0][:, :n].float() - reuse_cache.k[0][:, :n].float()).abs().max())
+    rope_diff = beyond(reuse_cache.k[0][:, :n], full_cache.k[0][:, :n], tol.gate_rtol, per_row=True)
     checks.append(CheckResult(CheckName.ROPE, rope_diff <= tol.rope, rope_diff, tol.rope,
-                              "max |layer-0 K re-positioned - K of full prefill|"))
+                              "max |layer-0 K re-positioned - K of full prefill|"
+                              + _relative(tol, "max |K| of the head's row")))
 
     say("ratio 1.0 against full prefill")
     one = eng.generate(first, ReusePolicy.blend(ratio=1.0, force=True), max_new_tokens=1)
-    d1 = float((one.first_logits - full.first_logits).abs().max())
+    d1 = beyond(one.first_logits, full.first_logits, tol.gate_rtol, per_row=True)
     checks.append(CheckResult(CheckName.RATIO_ONE, d1 <= tol.logits, d1, tol.logits,
-                              "max |logits(blend@1.0) - logits(full)|"))
+                              "max |logits(blend@1.0) - logits(full)|" + _relative(tol, "max |logit|")))
 
     kls, agree = [], []
     for i, item in enumerate(cal):
@@ -160,21 +161,47 @@ def _run_checks(engine: "Engine", eng: "Engine", items: int, progress: bool) -> 
     return GateResult(engine.model_name, engine.provenance.digest().hex(), tuple(checks))
 
 
-def gate_fingerprint(items: int = DEFAULT_GATE_ITEMS) -> str:
+def beyond(actual: torch.Tensor, expected: torch.Tensor, rtol: float, per_row: bool = False) -> float:
+    """How far ``actual`` strays from ``expected`` past a relative allowance: max |actual - expected|
+    - rtol x |expected| over the elements (rtol 0: the plain max absolute difference).
+
+    Args:
+        actual, expected: tensors of one shape.
+        rtol: the allowance, a share of the expected magnitude.
+        per_row: the magnitude is the largest |expected| of the element's last-dim row: RoPE rotates
+            pairs of a head's dims into each other, so a K element carries its partner's rounding, and
+            every logit carries the rounding of the hidden row they all read.
+
+    Returns:
+        The largest excess (<= 0 when every element is within the allowance).
+    """
+    a, e = actual.float(), expected.float()
+    mag = e.abs().amax(dim=-1, keepdim=True) if per_row else e.abs()
+    return float(((a - e).abs() - rtol * mag).max())
+
+
+def _relative(tol, what: str) -> str:
+    return f" - {tol.gate_rtol:.3g} x {what} (two ulps of the dtype)" if tol.gate_rtol else ""
+
+
+def gate_fingerprint(items: int = DEFAULT_GATE_ITEMS, dtype: torch.dtype = torch.float32) -> str:
     """What a recorded result was measured under: the blend policy its fidelity check runs (the
-    defaults of the day: selector, temperature, ...), the calibration prompts and the bounds.
+    defaults of the day: selector, temperature, ...), the calibration prompts and the bounds
+    (the dtype's mechanical bounds included).
 
     A record is only valid for the same fingerprint, so a release that changes a default blend
-    setting runs the gate again once instead of trusting a verdict on another policy.
+    setting or a bound runs the gate again once instead of trusting a verdict measured otherwise.
     """
+    tol = TOL[dtype]
     cfg = {"policy": ReusePolicy.blend(ratio=GATE_RATIO, force=True).describe(), "items": items,
-           "kl_bound": KL_BOUND, "top1_bound": TOP1_BOUND}
+           "kl_bound": KL_BOUND, "top1_bound": TOP1_BOUND,
+           "mechanical": [tol.logits, tol.rope, tol.gate_rtol]}
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def gate_path(engine: "Engine", items: int = DEFAULT_GATE_ITEMS) -> Path:
     """Where the gate result of the engine's provenance (under :func:`gate_fingerprint`) is recorded."""
-    return kvblend_home() / "gate" / f"{engine.provenance.digest().hex()}-{gate_fingerprint(items)}.json"
+    return kvblend_home() / "gate" / f"{engine.provenance.digest().hex()}-{gate_fingerprint(items, engine.dtype)}.json"
 
 
 def load_record(engine: "Engine") -> GateResult | None:

@@ -106,3 +106,32 @@ def test_a_record_holds_only_for_the_policy_and_prompts_it_was_measured_under(ho
     assert gate.load_record(eng) is None
     # the policy's description is what the fingerprint reads: a changed default temperature shows in it
     assert ReusePolicy.blend(reused_temperature=1.2).describe() != ReusePolicy.blend().describe()
+
+
+def test_beyond_allows_ulps_of_the_magnitude_and_nothing_in_fp32():
+    import torch
+
+    from blend.kernels.tolerances import TOL
+
+    bf16 = TOL[torch.bfloat16]
+    row = torch.tensor([[12.0, 3.0, -0.5, 0.0]])
+    one_ulp = torch.tensor([[12.0625, 3.0, -0.5, 0.0]])  # bf16 neighbours at 8-16 are 0.0625 apart
+    assert gate.beyond(one_ulp, row, 0.0) == pytest.approx(0.0625)  # fp32's absolute bound sees it all
+    assert gate.beyond(one_ulp, row, bf16.gate_rtol) <= 0  # two ulps of 12 cover it
+    partner = torch.tensor([[12.0, 3.0, -0.5625, 0.0]])  # the small element of a row holding a 12
+    assert gate.beyond(partner, row, bf16.gate_rtol) > 0  # elementwise: -0.5 allows only ~0.008
+    assert gate.beyond(partner, row, bf16.gate_rtol, per_row=True) <= 0  # the row magnitude covers it
+    wrong = torch.tensor([[10.0, 3.0, -0.5, 0.0]])  # a real error stays an error
+    assert gate.beyond(wrong, row, bf16.gate_rtol, per_row=True) > bf16.logits
+
+
+def test_a_bf16_engine_passes_the_mechanical_checks_and_records_apart(home):
+    import torch
+
+    eng = Engine.load("tiny-llama", dtype="bfloat16", quality_gate=False)
+    result = gate.run_gate(eng, items=1, progress=False)
+    by = {c.name: c for c in result.checks}
+    assert all(by[n].passed for n in (gate.CheckName.REFERENCE, gate.CheckName.ROPE, gate.CheckName.RATIO_ONE)), \
+        result.summary()
+    assert "two ulps" in by[gate.CheckName.ROPE].detail
+    assert gate.gate_fingerprint(dtype=torch.bfloat16) != gate.gate_fingerprint(dtype=torch.float32)

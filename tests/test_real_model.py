@@ -68,3 +68,18 @@ def test_real_conversation_turns_are_found_and_reused_bit_for_bit(real_engine):
         (SegmentKind.QUESTION, ReuseClass.COMPUTED)]
     none = real_engine.generate(third, ReusePolicy.none(), max_new_tokens=4)
     assert torch.equal(warm.first_logits, none.first_logits) and warm.token_ids == none.token_ids
+
+
+def test_real_bf16_engine_passes_the_gates_mechanical_checks(tmp_path, monkeypatch):
+    """bf16 values are known to an ulp of their magnitude: SmolLM2's bf16 K (up to ~10) and logits (~30)
+    differ from a full prefill's and transformers' by one to a few ulps. With absolute bounds the gate
+    refused every blend of a bf16 engine (rope 0.0625 > 0.02, reference 0.37 > 0.3)."""
+    from blend import gate
+    from blend.engine import Engine
+    from blend.store.memory import MemoryStore
+
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    eng = Engine.load("smollm2-135m", dtype="bfloat16", store=MemoryStore(), quality_gate=False)
+    by = {c.name: c for c in gate.run_gate(eng, items=1, progress=False).checks}
+    for name in (gate.CheckName.REFERENCE, gate.CheckName.ROPE, gate.CheckName.RATIO_ONE):
+        assert by[name].passed, by[name]
