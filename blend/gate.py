@@ -32,7 +32,7 @@ import torch
 
 from blend.calibration import calibration_items
 from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_RATIO, kvblend_home
-from blend.kernels.tolerances import TOL
+from blend.kernels.tolerances import TOL, Tol
 from blend.policy import ReusePolicy
 from blend.store.memory import MemoryStore
 
@@ -180,7 +180,7 @@ def beyond(actual: torch.Tensor, expected: torch.Tensor, rtol: float, per_row: b
     return float(((a - e).abs() - rtol * mag).max())
 
 
-def _relative(tol, what: str) -> str:
+def _relative(tol: Tol, what: str) -> str:
     return f" - {tol.gate_rtol:.3g} x {what} (two ulps of the dtype)" if tol.gate_rtol else ""
 
 

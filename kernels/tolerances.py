@@ -10,11 +10,12 @@ fp16 has a 2**-10 ulp.
 The same rows carry the engine-level bounds of the blend quality gate
 (``kvblend check``): ``logits`` bounds ``max |logits - reference logits|`` of a
 whole forward, ``rope`` bounds ``max |re-positioned K - K of a full prefill|``,
-each plus ``gate_rtol`` times the reference value's magnitude. In fp32 the gate's
-bounds are absolute (``gate_rtol`` 0); a bf16 or fp16 value is only known to an
-ulp of its own magnitude (bf16 K of magnitude 8-16 has 0.0625 between neighbours,
-logits of 16-32 have 0.125), so there the relative part is two ulps: without it
-the gate failed every bf16 engine on a one-ulp difference.
+each plus ``gate_rtol`` times the magnitude the value carries (the largest logit;
+the largest K of the head's row: ``blend.gate.beyond``). In fp32 the gate's bounds
+are absolute (``gate_rtol`` 0); a bf16 or fp16 value is only known to an ulp of
+its magnitude (bf16 K of magnitude 8-16 has 0.0625 between neighbours, logits of
+16-32 have 0.125), so there the relative part is two ulps: with absolute bounds
+the gate refused bf16 SmolLM2 on one- to four-ulp differences.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Tol:
     rtol: float
     logits: float  # max |logits - reference| of a whole forward
     rope: float  # max |re-positioned layer-0 K - K of a full prefill|
-    gate_rtol: float = 0.0  # the gate's bounds grow by this times |reference| (two ulps of the dtype; 0 in fp32)
+    gate_rtol: float = 0.0  # the gate's bounds grow by this times the value's magnitude (two ulps; 0 in fp32)
 
 
 TOL: dict[torch.dtype, Tol] = {
