@@ -20,6 +20,7 @@ import torch
 
 from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
+from blend.evals.bench_phases import DEFAULT_DATA, SIZES, size_prompts
 from blend.evals.metrics import kl_divergence
 from blend.policy import ReusePolicy
 from blend.prompt import Prompt
@@ -93,7 +94,7 @@ def interleaved_ab(engine: Engine, prompts: Sequence[Prompt], policy: ReusePolic
 
 def ab_over_sizes(set_mode: Callable[[str], None], sizes: str, items: str = "0-2", repeats: int = 5,
                   guard: bool = False, extra: Callable[[ABResult], str] | None = None,
-                  data: str = "../shared/data/musique_dev.json") -> dict[str, ABResult]:
+                  data: str = DEFAULT_DATA) -> dict[str, ABResult]:
     """:func:`interleaved_ab` of the default blend (its ratio) on the default model at ``bench_phases``' prompt
     sizes, one line per size.
 
@@ -109,8 +110,6 @@ def ab_over_sizes(set_mode: Callable[[str], None], sizes: str, items: str = "0-2
     Returns:
         The result per size (each also printed).
     """
-    from blend.evals.bench_phases import SIZES, size_prompts  # the benchmark's prompts (not needed by the helper above)
-
     engine = Engine.load(DEFAULT_MODEL)
     lo, hi = (int(x) for x in items.split("-"))
     policy = ReusePolicy.blend(DEFAULT_RATIO) if guard else ReusePolicy.blend(DEFAULT_RATIO, guard_margin=None)

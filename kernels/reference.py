@@ -138,6 +138,12 @@ def query_attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
     return torch.softmax(scores, dim=-1).mean(dim=(0, 1))  # (T,)
 
 
+def _same_positions(made: torch.Tensor, given: torch.Tensor) -> bool:
+    """Positions a plan was made from and a call's: the same tensor (a caller reusing its plan) costs
+    nothing; other tensors are compared."""
+    return made is given or (made.shape == given.shape and bool(torch.equal(made, given)))
+
+
 @dataclass(frozen=True)
 class HiddenKeys:
     """The keys some query of :func:`attention_probs` cannot see: columns [seen, T) where ``hide``."""
@@ -166,12 +172,6 @@ def hidden_keys(q_pos: torch.Tensor, k_pos: torch.Tensor) -> HiddenKeys:
     # layout); only the rest is masked (the same numbers as masking every column)
     seen = int(torch.searchsorted(k_pos, q_pos.min(), right=True)) if q_pos.numel() and nondecreasing(k_pos) else 0
     return HiddenKeys(seen, ~(k_pos[None, seen:] <= q_pos[:, None]), q_pos, k_pos)
-
-
-def _same_positions(made: torch.Tensor, given: torch.Tensor) -> bool:
-    """Positions a plan was made from and a call's: the same tensor (a caller reusing its plan) costs
-    nothing; other tensors are compared."""
-    return made is given or (made.shape == given.shape and bool(torch.equal(made, given)))
 
 
 def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,

@@ -5,7 +5,8 @@ registered with torch (``torch.ops._C``). Its paged attention kernel runs a batc
 of requests, each a few queries at the end of its own key prefix; measured on a
 2-core AVX-512 EPYC in fp32 it is ~2.3x faster than torch's fused CPU attention on
 a causal prefill and 1.4-2x faster than :func:`sparse_query_attention_blocked`
-(as it was before its shared prefixes went unmasked, 2026-12-05) on a blend's selected rows (``evals/bench_kernels.py --vllm``; BENCHMARKS.md). A blend's sparse
+(as it was before its shared prefixes went unmasked, 2026-12-05) on a blend's
+selected rows (``evals/bench_kernels.py --vllm``; BENCHMARKS.md). A blend's sparse
 queries map onto it exactly: sorted queries split into *runs* whose visible key
 prefix grows by one key per query; each run is one causal request whose sequence
 length is its last query's visible prefix::
