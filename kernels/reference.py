@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import AttentionShape, check_attention, check_deviation, check_rope_mix, check_rope_mix_out, nondecreasing
+from .onednn_attention import blocks_onednn, use_onednn
 
 
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -211,6 +212,14 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 GROUPED_PREFIX_MAX_ROWS = 768
 
 
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash op -> (out, lse), its operands' last dim made dense first: called directly (not
+    through SDPA, which does this itself) the op reads a (B, H, N, D) operand whose D stride is not 1 as
+    if it were (wrong numbers, no error; found 2026-12-05 with K/V stored dim-major). No copy otherwise."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    return _FLASH_CPU(q, k, v, **kw)
+
+
 def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of the last S key rows' queries: keys [0, T-S) all visible, the last S causal.
 
@@ -268,17 +277,17 @@ def causal_suffix_attention_parts(q: torch.Tensor, k_pre: torch.Tensor, v_pre: t
         # the prefix needs no mask, so the g query heads of a KV head are g x S query rows of it:
         # no copy of the (long) prefix K/V; the causal square repeats its own S rows only
         qg = q.reshape(hkv, g * s, q.shape[2])  # (Hkv, g S, D): query head h reads KV head h // g
-        o_p, lse_p = _FLASH_CPU(qg[None], k_pre[None], v_pre[None], scale=float(scale))  # (1,Hkv,gS,D)
+        o_p, lse_p = _flash(qg[None], k_pre[None], v_pre[None], scale=float(scale))  # (1,Hkv,gS,D)
         o_p, lse_p = o_p.reshape(1, hq, s, -1), lse_p.reshape(1, hq, s)  # (1, Hq, S, D), (1, Hq, S)
         ks = k_own.repeat_interleave(g, dim=0)  # (Hq, S, D)
         vs = v_own.repeat_interleave(g, dim=0)  # (Hq, S, D)
-        o_s, lse_s = _FLASH_CPU(q[None], ks[None], vs[None], is_causal=True, scale=float(scale))
+        o_s, lse_s = _flash(q[None], ks[None], vs[None], is_causal=True, scale=float(scale))
     else:
         if gqa:  # the CPU flash op wants equal head counts
             k_pre, v_pre = k_pre.repeat_interleave(g, dim=0), v_pre.repeat_interleave(g, dim=0)  # (Hq, P, D)
             k_own, v_own = k_own.repeat_interleave(g, dim=0), v_own.repeat_interleave(g, dim=0)  # (Hq, S, D)
-        o_p, lse_p = _FLASH_CPU(q[None], k_pre[None], v_pre[None], scale=float(scale))  # (1,Hq,S,D) (1,Hq,S)
-        o_s, lse_s = _FLASH_CPU(q[None], k_own[None], v_own[None], is_causal=True, scale=float(scale))
+        o_p, lse_p = _flash(q[None], k_pre[None], v_pre[None], scale=float(scale))  # (1,Hq,S,D) (1,Hq,S)
+        o_s, lse_s = _flash(q[None], k_own[None], v_own[None], is_causal=True, scale=float(scale))
     return _merge_by_lse(o_p, lse_p, o_s, lse_s)[0].to(q.dtype)  # (Hq, S, D)
 
 
@@ -338,6 +347,7 @@ class BlockPlan:
     kv_heads: int
     blocks: tuple[QueryBlock, ...] = ()
     blind: int = 0  # queries [0, blind) see no key (a prefix: the queries are sorted)
+    onednn: bool = False  # the blocks run on oneDNN's GEMMs (``onednn_attention``), not the flash op
 
     def fits(self, q_pos: torch.Tensor, k_pos: torch.Tensor, shp: AttentionShape) -> bool:
         """Whether the plan was made for a call at these positions with these head counts (the same
@@ -387,7 +397,35 @@ def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv
             continue
         out.append(QueryBlock(a, b, lo, tb, mask, none))
     blind = bisect.bisect_right(ends_l, 0)  # queries before every key (a prefix: ends are sorted)
-    return BlockPlan(AttentionRoute.BLOCKS, **sizes, blocks=tuple(out), blind=blind)
+    return BlockPlan(AttentionRoute.BLOCKS, **sizes, blocks=tuple(out), blind=blind,
+                     onednn=use_onednn(t, q_pos.device))
+
+
+def _blocks_flash(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, scale: float, plan: BlockPlan,
+                  out: torch.Tensor) -> None:
+    """The query blocks of a BLOCKS plan on the CPU flash op, written into ``out`` (blind queries untouched).
+
+    Args:
+        qf: (Hq, S, D) float32 queries after RoPE; kf, vf: (Hkv, T, D) float32 keys and values.
+        scale: softmax scale.
+        plan: the call's plan.
+        out: (Hq, S, D) float32.
+    """
+    hq, _, d = qf.shape
+    hkv = kf.shape[0]
+    g = hq // hkv
+    for blk in plan.blocks:
+        a, b, lo, tb = blk.a, blk.b, blk.lo, blk.tb
+        qg = qf[:, a:b].reshape(hkv, g * (b - a), d)  # (Hkv, g Sb, D): query head h reads KV head h // g
+        parts = []
+        if lo > 0:  # (1, Hkv, g Sb, D), (1, Hkv, g Sb)
+            parts.append(_flash(qg[None], kf[None, :, :lo], vf[None, :, :lo], scale=float(scale)))
+        if blk.mask is not None:
+            o, lse = _flash(qg[None], kf[None, :, lo:tb], vf[None, :, lo:tb], attn_mask=blk.mask,
+                                scale=float(scale))
+            parts.append((o, lse.masked_fill(blk.none, float("-inf"))))
+        o = _merge_by_lse(*parts[0], *parts[1]) if len(parts) == 2 else parts[0][0]  # (1, Hkv, g Sb, D)
+        out[:, a:b] = o[0].reshape(hq, b - a, d)
 
 
 def sparse_query_attention_blocked(
@@ -418,6 +456,8 @@ def sparse_query_attention_blocked(
     contiguous suffix of the keys (a check layer before selection, where all
     rows are active), it is chunked prefill: :func:`causal_suffix_attention`.
     Anything else (unsorted positions, few queries) goes to the reference.
+    With many keys on CPUs where it measured faster, the plan runs the same
+    blocks as oneDNN GEMMs instead of the flash op (``onednn_attention``).
 
     Args:
         q, q_pos, k, v, k_pos, scale: as for the reference.
@@ -442,21 +482,12 @@ def sparse_query_attention_blocked(
         return sparse_query_attention_ref(q, q_pos, k, v, k_pos, scale)
     if plan.route is AttentionRoute.SUFFIX:
         return causal_suffix_attention(q.float(), k.float(), v.float(), scale).to(q.dtype)
-    hkv, g, d = shp.kv_heads, shp.q_heads // shp.kv_heads, q.shape[2]
     qf, kf, vf = q.float(), k.float(), v.float()
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # (Hq, S, D)
-    for blk in plan.blocks:
-        a, b, lo, tb = blk.a, blk.b, blk.lo, blk.tb
-        qg = qf[:, a:b].reshape(hkv, g * (b - a), d)  # (Hkv, g Sb, D): query head h reads KV head h // g
-        parts = []
-        if lo > 0:  # (1, Hkv, g Sb, D), (1, Hkv, g Sb)
-            parts.append(_FLASH_CPU(qg[None], kf[None, :, :lo], vf[None, :, :lo], scale=float(scale)))
-        if blk.mask is not None:
-            o, lse = _FLASH_CPU(qg[None], kf[None, :, lo:tb], vf[None, :, lo:tb], attn_mask=blk.mask,
-                                scale=float(scale))
-            parts.append((o, lse.masked_fill(blk.none, float("-inf"))))
-        o = _merge_by_lse(*parts[0], *parts[1]) if len(parts) == 2 else parts[0][0]  # (1, Hkv, g Sb, D)
-        out[:, a:b] = o[0].reshape(shp.q_heads, b - a, d)
+    if plan.onednn:  # the same blocks, each one masked GEMM over its keys [0, tb) per KV head
+        blocks_onednn(qf, kf, vf, scale, plan, out)
+    else:
+        _blocks_flash(qf, kf, vf, scale, plan, out)
     if plan.blind:
         out[:, :plan.blind] = 0.0
     return out.to(q.dtype)

@@ -246,3 +246,99 @@ def test_the_probe_mask_made_once_gives_the_same_bits():
         attention_probs(q[:, 1:], q_pos[1:], k, v, k_pos, 0.25, hidden)
     with pytest.raises(ValueError, match="hidden keys made for other positions"):
         attention_probs(q, q_pos - 1, k, v, k_pos, 0.25, hidden)
+
+
+needs_onednn = pytest.mark.skipif(
+    not __import__("blend.kernels.onednn_attention", fromlist=["x"]).onednn_gemm_available(),
+    reason="this torch build has no oneDNN linear op")
+
+
+@pytest.fixture
+def onednn_from_256_keys(monkeypatch):
+    """The oneDNN route forced on, from 256 keys (small, fast cases)."""
+    import blend.kernels.onednn_attention as O
+
+    monkeypatch.setenv(O.ENV_VAR, "onednn")
+    monkeypatch.setattr(O, "ONEDNN_MIN_KEYS", 256)
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["long shared prefix", "short prefix", "blind queries", "no GQA", "token-major",
+                                  "dim-strided", "bf16"])
+def test_onednn_blocks_match_the_flash_route_and_the_reference(case, onednn_from_256_keys, monkeypatch):
+    """The same blocks as oneDNN GEMMs: within float32 rounding of the flash route (another summation
+    order), every query of every block written, blind queries zero, any K/V layout."""
+    import blend.kernels.onednn_attention as O
+    from blend.kernels import plan_query_blocks, sparse_query_attention_blocked
+    from blend.kernels.reference import SPLIT_MIN_PREFIX
+
+    t = 300 if case == "short prefix" else SPLIT_MIN_PREFIX + 400
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.sort(torch.randperm(t - 64, generator=gen)[:150] + 64).values
+    layout = {"token-major": Layout.TOKEN_MAJOR, "dim-strided": Layout.DIM_STRIDED}.get(case, Layout.CONTIGUOUS)
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    inp = make_attention_inputs(2, 1 if case == "no GQA" else 3, t, 32, rows, dtype, layout=layout,
+                                k_pos=torch.arange(t) + 50)
+    q_pos = inp.q_pos
+    if case == "blind queries":  # the first ten queries sit before every key
+        q_pos = torch.cat([torch.arange(10, 20), q_pos[10:]])
+    args = (inp.q, q_pos, inp.k, inp.v, inp.k_pos, inp.scale)
+    plan = plan_query_blocks(q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0])
+    assert plan.onednn
+    got = sparse_query_attention_blocked(*args, plan=plan)
+    monkeypatch.setenv(O.ENV_VAR, "flash")
+    flash_plan = plan_query_blocks(q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0])
+    spans = [(b.a, b.b, b.lo, b.tb) for b in plan.blocks]
+    assert not flash_plan.onednn and spans == [(b.a, b.b, b.lo, b.tb) for b in flash_plan.blocks]
+    flash = sparse_query_attention_blocked(*args, plan=flash_plan)
+    assert got.dtype == dtype and not torch.isnan(got).any()
+    assert_close_tol(got, flash)
+    assert_close_tol(got, sparse_query_attention_ref(*args))
+    if case == "long shared prefix":
+        assert any(b.lo >= SPLIT_MIN_PREFIX for b in plan.blocks)
+    if case == "blind queries":
+        assert plan.blind == 10 and torch.equal(got[:, :10], torch.zeros_like(got[:, :10]))
+
+
+@needs_onednn
+def test_the_onednn_route_is_decided_by_policy_keys_and_cpu(monkeypatch):
+    import blend.kernels.onednn_attention as O
+    from blend.kernels import plan_query_blocks
+
+    def planned(t: int) -> bool:
+        k_pos = torch.arange(t)
+        return plan_query_blocks(k_pos[t // 2::4], k_pos, 6, 2).onednn
+
+    n = O.ONEDNN_MIN_KEYS
+    monkeypatch.setenv(O.ENV_VAR, "onednn")
+    assert planned(n) and not planned(n - 1)  # from ONEDNN_MIN_KEYS keys on
+    monkeypatch.setenv(O.ENV_VAR, "flash")
+    assert not planned(n)
+    monkeypatch.setenv(O.ENV_VAR, "auto")
+    assert planned(n) == O.onednn_route_default() == (O.cpu_vendor() == "AuthenticAMD")
+    monkeypatch.setenv(O.ENV_VAR, "fastest")
+    with pytest.raises(ValueError, match="KVBLEND_ATTENTION_GEMM='fastest' is not one of auto|flash|onednn"):
+        planned(n)
+    assert not O.use_onednn(n, torch.device("meta"))  # CPU only
+
+
+def test_cpu_vendor_reads_cpuinfo():
+    from blend.kernels.onednn_attention import cpu_vendor
+
+    assert cpu_vendor("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n") == "AuthenticAMD"
+    assert cpu_vendor("processor : 0\nmodel name : something\n") == ""
+
+
+@pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.DIM_STRIDED])
+@pytest.mark.parametrize("rows", ["blocks", "suffix"])
+def test_the_flash_routes_read_any_layout(layout, rows, monkeypatch):
+    """The CPU flash op, called directly, read operands whose last dim is not dense as if it were
+    (wrong numbers, no error): both flash routes make such operands dense first."""
+    import blend.kernels.onednn_attention as O
+    from blend.kernels import sparse_query_attention_blocked
+
+    monkeypatch.setenv(O.ENV_VAR, "flash")
+    t = 1424
+    q_rows = torch.arange(t - 150, t) if rows == "suffix" else torch.sort(torch.randperm(t - 64)[:150] + 64).values
+    inp = make_attention_inputs(2, 3, t, 32, q_rows, torch.float32, layout=layout)
+    assert_close_tol(sparse_query_attention_blocked(*inp.args()), sparse_query_attention_ref(*inp.args()))

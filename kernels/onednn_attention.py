@@ -1,0 +1,144 @@
+"""The blend's query blocks with their two GEMMs on oneDNN (CPU, float32).
+
+Why: torch's CPU flash attention does its Q K^T and P V products with MKL's sgemm. On AMD CPUs MKL
+runs an AVX2 code path: float32 GEMMs at ~220 GFLOP/s on the development machine (2-core AVX-512
+EPYC), where oneDNN's GEMM, which the engine's linear layers already use, runs ~470-520. The flash
+op itself reached ~170-190 GFLOP/s there, near that AVX2 ceiling. So a query block of the blend's
+attention (``reference.sparse_query_attention_blocked``: ~64 queries, the query heads of a KV head as
+its rows) runs here as, per KV head::
+
+    S = (q * scale) K[:tb]^T        oneDNN GEMM            (g Sb, tb)
+    S[:, lo:tb] += the block's span mask (the keys [0, lo) every query sees need none)
+    P = softmax(S) in place          one pass per row, in cache
+    O = P V[:tb]                     oneDNN GEMM over a contiguous V^T copy    (g Sb, D)
+
+Measured on the blend's shapes (``docs/results/attention_onednn/``): 0.78-0.84 of the flash route's
+time with ~3k-6k keys; with fewer than ~2k keys the flash route stays faster (each GEMM's fixed cost
+weighs more), so the plan takes this route only from :data:`ONEDNN_MIN_KEYS` keys, on CPUs where it
+was measured faster (AMD; see :func:`onednn_route_default`). The numbers are the same attention in
+another summation order: within float32 rounding of the flash route (tested), not bit-identical.
+
+oneDNN builds a kernel per GEMM shape and caches it, so a request's shapes (the same at every layer)
+are built once per request; a weight that is not contiguous takes a path ~1000x slower, so every
+weight here is a contiguous (rows, D) or (D, rows) tensor.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .reference import BlockPlan
+
+ENV_VAR = "KVBLEND_ATTENTION_GEMM"
+ONEDNN_MIN_KEYS = 2048  # keys from which a blocked call runs on oneDNN's GEMMs (measured: 1.1x slower at
+# ~1.2k keys, 0.89x at 2k, 0.84x at 3k, 0.78x at 6k; docs/results/attention_onednn/)
+
+
+class AttentionGemm(enum.Enum):
+    """Which GEMMs a blocked attention call's query blocks run on."""
+
+    AUTO = "auto"  # oneDNN where measured faster (AMD x86 CPUs with oneDNN), from ONEDNN_MIN_KEYS keys
+    FLASH = "flash"  # torch's CPU flash op (MKL's GEMMs inside)
+    ONEDNN = "onednn"  # oneDNN's GEMMs whenever available, from ONEDNN_MIN_KEYS keys
+
+
+def attention_gemm_policy() -> AttentionGemm:
+    """The policy from ``KVBLEND_ATTENTION_GEMM`` (auto, flash, onednn; read at every plan).
+
+    Raises:
+        ValueError: another value.
+    """
+    raw = os.environ.get(ENV_VAR, AttentionGemm.AUTO.value).strip().lower() or AttentionGemm.AUTO.value
+    try:
+        return AttentionGemm(raw)
+    except ValueError:
+        allowed = "|".join(p.value for p in AttentionGemm)
+        raise ValueError(f"{ENV_VAR}={raw!r} is not one of {allowed}") from None
+
+
+@lru_cache(maxsize=1)
+def onednn_gemm_available() -> bool:
+    """Whether this torch build has oneDNN's linear op (x86 and Arm CPU builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The CPU's vendor id (``AuthenticAMD``, ``GenuineIntel``, ...; "" where unknown).
+
+    Args:
+        cpuinfo: the text of ``/proc/cpuinfo`` (None: read it; other systems give "").
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read(65536)
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+@lru_cache(maxsize=1)
+def onednn_route_default() -> bool:
+    """Whether ``auto`` takes the oneDNN route: on AMD CPUs, where MKL's sgemm (inside torch's flash op)
+    runs its AVX2 path and oneDNN's runs 2x faster. Intel CPUs, where MKL has its AVX-512 path, were
+    not measured and keep the flash op."""
+    return onednn_gemm_available() and cpu_vendor() == "AuthenticAMD"
+
+
+def use_onednn(keys: int, device: torch.device) -> bool:
+    """Whether a blocked attention call over ``keys`` keys on ``device`` runs on oneDNN's GEMMs."""
+    if device.type != "cpu" or keys < ONEDNN_MIN_KEYS:
+        return False
+    policy = attention_gemm_policy()
+    if policy is AttentionGemm.FLASH:
+        return False
+    if policy is AttentionGemm.ONEDNN:
+        return onednn_gemm_available()
+    return onednn_route_default()
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T on oneDNN; x (M, K), w (N, K) contiguous float32 -> (M, N)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+_softmax_into = torch.ops.aten._softmax.out  # row softmax written over its input (aten's CPU kernel reads
+# a row's max and sum before it writes the row)
+
+
+def blocks_onednn(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, scale: float, plan: "BlockPlan",
+                  out: torch.Tensor) -> None:
+    """The query blocks of a BLOCKS plan on oneDNN's GEMMs, written into ``out`` (blind queries untouched).
+
+    Args:
+        qf: (Hq, S, D) float32 queries after RoPE; kf, vf: (Hkv, T, D) float32 keys (after RoPE) and values.
+        scale: softmax scale.
+        plan: the call's plan (route BLOCKS; its blocks' spans and masks).
+        out: (Hq, S, D) float32, written for every query of every block.
+    """
+    hq, _, d = qf.shape
+    hkv = kf.shape[0]
+    g = hq // hkv
+    qs = (qf * scale).reshape(hkv, g, -1, d)  # (Hkv, g, S, D): query head h reads KV head h // g
+    keys = [kf[h] if kf[h].is_contiguous() else kf[h].contiguous() for h in range(hkv)]  # (T, D) each
+    outv = out.view(hkv, g, -1, d)  # (Hkv, g, S, D)
+    for blk in plan.blocks:
+        a, b, lo, tb = blk.a, blk.b, blk.lo, blk.tb
+        span = blk.mask[0, 0] if blk.mask is not None else None  # (g Sb, tb - lo)
+        for h in range(hkv):
+            s = _gemm(qs[h, :, a:b].reshape(g * (b - a), d), keys[h][:tb])  # (g Sb, tb)
+            if span is not None:
+                s[:, lo:tb] += span
+            p = _softmax_into(s, -1, False, out=s)  # (g Sb, tb)
+            o = _gemm(p, vf[h, :tb].t().contiguous())  # (g Sb, D)
+            outv[h, :, a:b] = o.view(g, b - a, d)
