@@ -377,6 +377,7 @@ def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv
     if _is_suffix(q_pos, k_pos):
         return BlockPlan(AttentionRoute.SUFFIX, **sizes)
     g = q_heads // kv_heads
+    onednn = use_onednn(t, q_pos.device)
     ends = torch.searchsorted(k_pos, q_pos, right=True)  # (S,) visible key prefix per query
     ends_l = ends.tolist()
     bounds = [round(i * s / blocks) for i in range(blocks + 1)]
@@ -385,8 +386,8 @@ def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv
         if a == b:
             continue
         lo, tb = ends_l[a], ends_l[b - 1]  # keys [0, lo) seen by all; [lo, tb) by some
-        if lo < SPLIT_MIN_PREFIX:  # a short shared prefix: one masked call over the block's keys
-            lo = 0
+        if lo < SPLIT_MIN_PREFIX and not onednn:  # flash: a short shared prefix is one masked call over
+            lo = 0  # the block's keys (oneDNN's one GEMM per block masks only the span at any lo)
         mask = none = None
         if tb > lo:
             visible = k_pos[None, lo:tb] <= q_pos[a:b, None]  # (Sb, tb - lo)
@@ -397,8 +398,7 @@ def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv
             continue
         out.append(QueryBlock(a, b, lo, tb, mask, none))
     blind = bisect.bisect_right(ends_l, 0)  # queries before every key (a prefix: ends are sorted)
-    return BlockPlan(AttentionRoute.BLOCKS, **sizes, blocks=tuple(out), blind=blind,
-                     onednn=use_onednn(t, q_pos.device))
+    return BlockPlan(AttentionRoute.BLOCKS, **sizes, blocks=tuple(out), blind=blind, onednn=onednn)
 
 
 def _blocks_flash(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, scale: float, plan: BlockPlan,
