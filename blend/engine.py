@@ -27,6 +27,7 @@ from blend.errors import InvalidPolicyError, InvalidRequestError, PromptTooLongE
 from blend.gate import GateVerdict, QualityGate
 from blend.gemm import GemmBackend, pick_gemm_backend
 from blend.keys import Namespace, Provenance, key_hex
+from blend.kernels import attention_label
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.models import LoadedModel, load_model
@@ -146,7 +147,7 @@ def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.devic
         dtype=cfg.dtype,
         kv_dtype=cfg.kv_dtype or cfg.dtype,
         device_class=device_class,
-        backend=f"kvblend-layers/torch-{torch.__version__}/sdpa/{gemm.value}",
+        backend=f"kvblend-layers/torch-{torch.__version__}/sdpa/{gemm.value}/{attention_label()}",
         rope=rope_config_json(config),
     )
 

@@ -34,6 +34,8 @@ class ABResult:
     ratios: dict[str, list[float]] = field(default_factory=dict)  # mode -> TTFT / full prefill, per prompt x repeat
     logits: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # mode -> (V,) first-token logits per prompt
     reference: list[torch.Tensor] = field(default_factory=list)  # (V,) full prefill's per prompt
+    full_s: dict[str, list[float]] = field(default_factory=dict)  # mode -> full prefill seconds (when the
+    # full prefill is timed in each mode: a change to the full prefill's own path)
 
     def median(self, mode: str) -> float:
         """Median ratio of ``mode``."""
@@ -55,13 +57,15 @@ class ABResult:
         """One line: median and mean ratio per mode, the last mode paired against the first, bit-identity."""
         first, last = self.modes[0], self.modes[-1]
         cells = {m: (round(self.median(m), 4), round(statistics.mean(self.ratios[m]), 4)) for m in self.modes}
+        full = {m: round(statistics.median(t) * 1e3) for m, t in self.full_s.items() if t}
         return (f"{cells} (median, mean) paired {last}/{first} median {self.paired(last, first):.4f} "
-                f"logits bit-identical: {self.identical(first, last)} KL {[round(x, 6) for x in self.kl(last)]}")
+                + (f"full prefill ms (median) {full} " if full else "")
+                + f"logits bit-identical: {self.identical(first, last)} KL {[round(x, 6) for x in self.kl(last)]}")
 
 
 def interleaved_ab(engine: Engine, prompts: Sequence[Prompt], policy: ReusePolicy,
                    set_mode: Callable[[str], None], modes: Sequence[str] = ("old", "new"),
-                   repeats: int = 5) -> ABResult:
+                   repeats: int = 5, full_per_mode: bool = False) -> ABResult:
     """Time ``policy`` on every prompt under each mode, interleaved with full prefills.
 
     Args:
@@ -71,12 +75,17 @@ def interleaved_ab(engine: Engine, prompts: Sequence[Prompt], policy: ReusePolic
         set_mode: switches the code path (e.g. patches a function back to its previous version).
         modes: the modes' names, passed to ``set_mode``; the first is the baseline.
         repeats: timed rounds; odd rounds run the modes in reverse order.
+        full_per_mode: time the full prefill in every mode (when the change touches it too) and
+            divide each mode's TTFT by its own; the reference logits are the first mode's.
 
     Returns:
         Ratios per mode, first-token logits per mode and full prefill's.
     """
-    res = ABResult(tuple(modes), {m: [] for m in modes}, {m: [] for m in modes})
+    res = ABResult(tuple(modes), {m: [] for m in modes}, {m: [] for m in modes},
+                   full_s={m: [] for m in modes} if full_per_mode else {})
     for p in prompts:  # warm-up: chunks stored; every mode's logits kept
+        if full_per_mode:
+            set_mode(modes[0])
         res.reference.append(engine.generate(p, ReusePolicy.none(), max_new_tokens=1).first_logits)
         for m in modes:
             set_mode(m)
@@ -84,9 +93,12 @@ def interleaved_ab(engine: Engine, prompts: Sequence[Prompt], policy: ReusePolic
     for rep in range(repeats):
         order = list(modes) if rep % 2 == 0 else list(reversed(modes))
         for p in prompts:
-            full = engine.generate(p, ReusePolicy.none(), max_new_tokens=1).ttft_s
+            full = None if full_per_mode else engine.generate(p, ReusePolicy.none(), max_new_tokens=1).ttft_s
             for m in order:
                 set_mode(m)
+                if full_per_mode:
+                    full = engine.generate(p, ReusePolicy.none(), max_new_tokens=1).ttft_s
+                    res.full_s[m].append(full)
                 res.ratios[m].append(engine.generate(p, policy, max_new_tokens=1).ttft_s / full)
     set_mode(modes[-1])
     return res
@@ -94,7 +106,7 @@ def interleaved_ab(engine: Engine, prompts: Sequence[Prompt], policy: ReusePolic
 
 def ab_over_sizes(set_mode: Callable[[str], None], sizes: str, items: str = "0-2", repeats: int = 5,
                   guard: bool = False, extra: Callable[[ABResult], str] | None = None,
-                  data: str = DEFAULT_DATA) -> dict[str, ABResult]:
+                  data: str = DEFAULT_DATA, full_per_mode: bool = False) -> dict[str, ABResult]:
     """:func:`interleaved_ab` of the default blend (its ratio) on the default model at ``bench_phases``' prompt
     sizes, one line per size.
 
@@ -106,6 +118,7 @@ def ab_over_sizes(set_mode: Callable[[str], None], sizes: str, items: str = "0-2
         guard: the default near-tie guard on (off: the blend's own pass).
         extra: more text for each size's line.
         data: the musique file.
+        full_per_mode: see :func:`interleaved_ab`.
 
     Returns:
         The result per size (each also printed).
@@ -116,7 +129,7 @@ def ab_over_sizes(set_mode: Callable[[str], None], sizes: str, items: str = "0-2
     out = {}
     for size in sizes.split(","):
         prompts = size_prompts(engine, data, range(lo, hi + 1), SIZES[size])
-        res = out[size] = interleaved_ab(engine, prompts, policy, set_mode, ("old", "new"), repeats)
+        res = out[size] = interleaved_ab(engine, prompts, policy, set_mode, ("old", "new"), repeats, full_per_mode)
         print(size, f"items {lo}-{hi} x {repeats}", "guard" if guard else "no guard", res.summary(),
               extra(res) if extra else "", flush=True)
     return out

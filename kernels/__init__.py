@@ -40,6 +40,7 @@ else:
         rope_rows,
         sparse_query_attention,
     )
+    from .onednn_attention import attention_label
     from .reference import (
         BlockPlan,
         HiddenKeys,
@@ -59,6 +60,7 @@ else:
         "ENV_VAR",
         "HiddenKeys",
         "TOL",
+        "attention_label",
         "attention_probs",
         "BackendPolicy",
         "KernelBackend",

@@ -36,8 +36,12 @@ if TYPE_CHECKING:
     from .reference import BlockPlan
 
 ENV_VAR = "KVBLEND_ATTENTION_GEMM"
-ONEDNN_MIN_KEYS = 2048  # keys from which a blocked call runs on oneDNN's GEMMs (measured: 1.1x slower at
-# ~1.2k keys, 0.89x at 2k, 0.84x at 3k, 0.78x at 6k; docs/results/attention_onednn/)
+ONEDNN_MIN_KEYS = 2048  # keys from which a blend's blocked call runs on oneDNN's GEMMs (kernel-level: 1.03-1.10x
+# the flash route's time at ~0.7-1.2k keys, ~1.0x at 2k, 0.70-0.87x at 2.5k-6k; docs/results/attention_onednn/)
+SUFFIX_MIN_KEYS = 1024  # a chunked prefill (a segment after cached rows) runs on oneDNN from this many keys
+SUFFIX_MIN_QUERIES = 128  # and this many queries (measured: 0.72-0.85x at 600 queries after 600-5.4k keys;
+# 1.05-1.07x for an 80-row question after 2.4k-6k keys, which keeps the flash op)
+SUFFIX_BLOCK_ROWS = 64  # queries per block of a chunked prefill's attention on oneDNN
 
 
 class AttentionGemm(enum.Enum):
@@ -48,8 +52,11 @@ class AttentionGemm(enum.Enum):
     ONEDNN = "onednn"  # oneDNN's GEMMs whenever available, from ONEDNN_MIN_KEYS keys
 
 
+@lru_cache(maxsize=1)
 def attention_gemm_policy() -> AttentionGemm:
-    """The policy from ``KVBLEND_ATTENTION_GEMM`` (auto, flash, onednn; read at every plan).
+    """The policy from ``KVBLEND_ATTENTION_GEMM`` (auto, flash, onednn), read once per process: the exact
+    path's numbers depend on it, so an engine's provenance names it (:func:`attention_label`) and it must
+    not change under a loaded engine (tests change it with ``attention_gemm_policy.cache_clear()``).
 
     Raises:
         ValueError: another value.
@@ -95,16 +102,33 @@ def onednn_route_default() -> bool:
     return onednn_gemm_available() and cpu_vendor() == "AuthenticAMD"
 
 
-def use_onednn(keys: int, device: torch.device) -> bool:
-    """Whether a blocked attention call over ``keys`` keys on ``device`` runs on oneDNN's GEMMs."""
-    if device.type != "cpu" or keys < ONEDNN_MIN_KEYS:
-        return False
+def onednn_route_on() -> bool:
+    """Whether this process's policy takes the oneDNN route at all (where the sizes call for it)."""
     policy = attention_gemm_policy()
     if policy is AttentionGemm.FLASH:
         return False
     if policy is AttentionGemm.ONEDNN:
         return onednn_gemm_available()
     return onednn_route_default()
+
+
+def attention_label() -> str:
+    """The exact path's attention as an engine's provenance names it (its ``backend`` field): which GEMMs
+    a chunked prefill runs on and from which sizes, since that changes the stored KV's last bits."""
+    if not onednn_route_on():
+        return "attn-flash"
+    return f"attn-onednn-{SUFFIX_MIN_KEYS}k{SUFFIX_MIN_QUERIES}q{SUFFIX_BLOCK_ROWS}r"
+
+
+def use_onednn(keys: int, device: torch.device) -> bool:
+    """Whether a blend's blocked attention call over ``keys`` keys on ``device`` runs on oneDNN's GEMMs."""
+    return device.type == "cpu" and keys >= ONEDNN_MIN_KEYS and onednn_route_on()
+
+
+def use_onednn_suffix(q: torch.Tensor, keys: int) -> bool:
+    """Whether a chunked prefill of q's (Hq, S, D) queries after ``keys - S`` cached rows runs on oneDNN."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[1] >= SUFFIX_MIN_QUERIES
+            and keys >= SUFFIX_MIN_KEYS and onednn_route_on())
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -142,3 +166,37 @@ def blocks_onednn(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, scale: f
             p = _softmax_into(s, -1, False, out=s)  # (g Sb, tb)
             o = _gemm(p, vf[h, :tb].t().contiguous())  # (g Sb, D)
             outv[h, :, a:b] = o.view(g, b - a, d)
+
+
+
+def suffix_onednn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Chunked-prefill attention on oneDNN's GEMMs: q are the last S rows of k/v, every earlier key visible.
+
+    Query blocks of :data:`SUFFIX_BLOCK_ROWS`, per KV head one GEMM over the keys [0, P + b) the block's
+    last query sees, the causal triangle masked over the block's own keys [P + a, P + b) only, an
+    in-place softmax and one GEMM with V: no second call for the prefix and no merge.
+
+    Args:
+        q: (Hq, S, D) float32 queries after RoPE; k, v: (Hkv, T, D) float32, T >= S, keys after RoPE.
+        scale: softmax scale.
+
+    Returns:
+        (Hq, S, D) float32.
+    """
+    hq, s, d = q.shape
+    hkv, t = k.shape[0], k.shape[1]
+    g, p, rows = hq // hkv, t - s, SUFFIX_BLOCK_ROWS
+    qs = (q * scale).reshape(hkv, g, s, d)  # (Hkv, g, S, D): query head h reads KV head h // g
+    keys = [k[h] if k[h].is_contiguous() else k[h].contiguous() for h in range(hkv)]  # (T, D) each
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # (Hq, S, D)
+    outv = out.view(hkv, g, s, d)
+    tri = torch.full((rows, rows), float("-inf"), device=q.device).triu_(1)  # (rows, rows) causal
+    for a in range(0, s, rows):
+        b = min(s, a + rows)
+        square = (tri if b - a == rows else tri[:b - a, :b - a]).repeat(g, 1)  # (g Sb, Sb)
+        for h in range(hkv):
+            sc = _gemm(qs[h, :, a:b].reshape(g * (b - a), d), keys[h][:p + b])  # (g Sb, P + b)
+            sc[:, p + a:] += square
+            pr = _softmax_into(sc, -1, False, out=sc)  # (g Sb, P + b)
+            outv[h, :, a:b] = _gemm(pr, v[h, :p + b].t().contiguous()).view(g, b - a, d)
+    return out

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import AttentionShape, check_attention, check_deviation, check_rope_mix, check_rope_mix_out, nondecreasing
-from .onednn_attention import blocks_onednn, use_onednn
+from .onednn_attention import blocks_onednn, suffix_onednn, use_onednn, use_onednn_suffix
 
 
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -241,6 +241,8 @@ def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         (Hq, S, D) in q's dtype.
     """
     p = k.shape[1] - q.shape[1]
+    if p > 0 and use_onednn_suffix(q, k.shape[1]):  # one masked GEMM per query block (onednn_attention)
+        return suffix_onednn(q, k, v, scale)
     if p == 0:  # no cached prefix: plain causal attention
         return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=float(scale),
                                               enable_gqa=q.shape[0] != k.shape[0])[0]
@@ -265,6 +267,8 @@ def causal_suffix_attention_parts(q: torch.Tensor, k_pre: torch.Tensor, v_pre: t
     hq, s, _ = q.shape
     hkv = k_pre.shape[0]
     gqa = hq != hkv
+    if use_onednn_suffix(q, k_pre.shape[1] + s):  # the same program as the contiguous form's, over a copy
+        return suffix_onednn(q, torch.cat([k_pre, k_own], dim=1), torch.cat([v_pre, v_own], dim=1), scale)
     if _FLASH_CPU is None or q.device.type != "cpu":
         k, v = torch.cat([k_pre, k_own], dim=1), torch.cat([v_pre, v_own], dim=1)  # (Hkv, T, D)
         p, t = k_pre.shape[1], k.shape[1]

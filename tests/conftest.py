@@ -77,3 +77,19 @@ def real_engine():
     from blend.engine import Engine
 
     return Engine.load("smollm2-135m")
+
+
+@pytest.fixture
+def attention_route(monkeypatch):
+    """A setter of ``KVBLEND_ATTENTION_GEMM`` (and of ``onednn_attention``'s size thresholds) for one test.
+    The policy is read once per process, so its cache is cleared when set and after the test."""
+    import blend.kernels.onednn_attention as O
+
+    def set_route(mode: str, **sizes: int) -> None:
+        monkeypatch.setenv(O.ENV_VAR, mode)
+        for name, value in sizes.items():
+            monkeypatch.setattr(O, name, value)
+        O.attention_gemm_policy.cache_clear()
+
+    yield set_route
+    O.attention_gemm_policy.cache_clear()

@@ -20,3 +20,25 @@ def test_interleaved_ab_alternates_modes_and_keeps_each_modes_logits(tiny_engine
     res.logits["new"][0] = res.logits["new"][0] + 1.0
     assert not res.identical("old", "new")
     assert isinstance(res.reference[0], torch.Tensor)
+
+
+def test_a_full_prefill_per_mode_divides_each_mode_by_its_own(tiny_engine, monkeypatch):
+    """When the change touches the full prefill too, each mode's TTFT is over that mode's full prefill."""
+    from blend.engine import Engine
+
+    prompts = [tiny_engine.build_prompt("Which?", make_docs(3))]
+    mode, seen = ["old"], []
+    real = Engine.generate
+
+    def generate(self, prompt, policy=None, **kw):  # records which mode each full prefill ran in
+        ans = real(self, prompt, policy, **kw)
+        if policy is not None and policy.mode.value == "none":
+            seen.append(mode[0])
+        return ans
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    res = interleaved_ab(tiny_engine, prompts, unguarded_blend(ratio=0.3), lambda m: mode.__setitem__(0, m),
+                         ("old", "new"), repeats=2, full_per_mode=True)
+    assert seen == ["old", "old", "new", "new", "old"]  # reference in the first mode, then one per mode and round
+    assert all(len(res.full_s[m]) == 2 for m in ("old", "new"))
+    assert "full prefill ms (median)" in res.summary()

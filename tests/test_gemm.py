@@ -55,7 +55,7 @@ def test_the_backend_is_part_of_the_provenance_so_entries_never_cross(tiny_engin
     b = a.with_store(store)
     c = tiny_engine_factory(store=store, gemm="onednn")
     assert a.runner.gemm is GemmBackend.TORCH and c.runner.gemm is GemmBackend.ONEDNN
-    assert a.provenance.backend != c.provenance.backend and a.provenance.backend.endswith("torch-linear")
+    assert a.provenance.backend != c.provenance.backend and "/torch-linear/" in a.provenance.backend
     prompt = a.build_prompt("Which?", make_docs(3))
     cold = a.generate(prompt, ReusePolicy.exact(), max_new_tokens=2)
     warm = b.generate(prompt, ReusePolicy.exact(), max_new_tokens=2)

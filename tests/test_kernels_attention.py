@@ -253,25 +253,16 @@ needs_onednn = pytest.mark.skipif(
     reason="this torch build has no oneDNN linear op")
 
 
-@pytest.fixture
-def onednn_from_256_keys(monkeypatch):
-    """The oneDNN route forced on, from 256 keys (small, fast cases)."""
-    import blend.kernels.onednn_attention as O
-
-    monkeypatch.setenv(O.ENV_VAR, "onednn")
-    monkeypatch.setattr(O, "ONEDNN_MIN_KEYS", 256)
-
-
 @needs_onednn
 @pytest.mark.parametrize("case", ["long shared prefix", "short prefix", "blind queries", "no GQA", "token-major",
                                   "dim-strided", "bf16"])
-def test_onednn_blocks_match_the_flash_route_and_the_reference(case, onednn_from_256_keys, monkeypatch):
+def test_onednn_blocks_match_the_flash_route_and_the_reference(case, attention_route):
     """The same blocks as oneDNN GEMMs: within float32 rounding of the flash route (another summation
     order), every query of every block written, blind queries zero, any K/V layout."""
-    import blend.kernels.onednn_attention as O
     from blend.kernels import plan_query_blocks, sparse_query_attention_blocked
     from blend.kernels.reference import SPLIT_MIN_PREFIX
 
+    attention_route("onednn", ONEDNN_MIN_KEYS=256)
     t = 300 if case == "short prefix" else SPLIT_MIN_PREFIX + 400
     gen = torch.Generator().manual_seed(11)
     rows = torch.sort(torch.randperm(t - 64, generator=gen)[:150] + 64).values
@@ -286,7 +277,7 @@ def test_onednn_blocks_match_the_flash_route_and_the_reference(case, onednn_from
     plan = plan_query_blocks(q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0])
     assert plan.onednn
     got = sparse_query_attention_blocked(*args, plan=plan)
-    monkeypatch.setenv(O.ENV_VAR, "flash")
+    attention_route("flash")
     flash_plan = plan_query_blocks(q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0])
     assert not flash_plan.onednn
     assert [(b.a, b.b, b.tb) for b in plan.blocks] == [(b.a, b.b, b.tb) for b in flash_plan.blocks]
@@ -302,7 +293,7 @@ def test_onednn_blocks_match_the_flash_route_and_the_reference(case, onednn_from
 
 
 @needs_onednn
-def test_the_onednn_route_is_decided_by_policy_keys_and_cpu(monkeypatch):
+def test_the_onednn_route_is_decided_by_policy_keys_and_cpu(attention_route):
     import blend.kernels.onednn_attention as O
     from blend.kernels import plan_query_blocks
 
@@ -311,13 +302,14 @@ def test_the_onednn_route_is_decided_by_policy_keys_and_cpu(monkeypatch):
         return plan_query_blocks(k_pos[t // 2::4], k_pos, 6, 2).onednn
 
     n = O.ONEDNN_MIN_KEYS
-    monkeypatch.setenv(O.ENV_VAR, "onednn")
+    attention_route("onednn")
     assert planned(n) and not planned(n - 1)  # from ONEDNN_MIN_KEYS keys on
-    monkeypatch.setenv(O.ENV_VAR, "flash")
-    assert not planned(n)
-    monkeypatch.setenv(O.ENV_VAR, "auto")
+    assert O.attention_label().startswith("attn-onednn-")
+    attention_route("flash")
+    assert not planned(n) and O.attention_label() == "attn-flash"
+    attention_route("auto")
     assert planned(n) == O.onednn_route_default() == (O.cpu_vendor() == "AuthenticAMD")
-    monkeypatch.setenv(O.ENV_VAR, "fastest")
+    attention_route("fastest")
     with pytest.raises(ValueError, match="KVBLEND_ATTENTION_GEMM='fastest' is not one of auto|flash|onednn"):
         planned(n)
     assert not O.use_onednn(n, torch.device("meta"))  # CPU only
@@ -332,14 +324,38 @@ def test_cpu_vendor_reads_cpuinfo():
 
 @pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.DIM_STRIDED])
 @pytest.mark.parametrize("rows", ["blocks", "suffix"])
-def test_the_flash_routes_read_any_layout(layout, rows, monkeypatch):
+def test_the_flash_routes_read_any_layout(layout, rows, attention_route):
     """The CPU flash op, called directly, read operands whose last dim is not dense as if it were
     (wrong numbers, no error): both flash routes make such operands dense first."""
-    import blend.kernels.onednn_attention as O
     from blend.kernels import sparse_query_attention_blocked
 
-    monkeypatch.setenv(O.ENV_VAR, "flash")
+    attention_route("flash")
     t = 1424
     q_rows = torch.arange(t - 150, t) if rows == "suffix" else torch.sort(torch.randperm(t - 64)[:150] + 64).values
     inp = make_attention_inputs(2, 3, t, 32, q_rows, torch.float32, layout=layout)
     assert_close_tol(sparse_query_attention_blocked(*inp.args()), sparse_query_attention_ref(*inp.args()))
+
+
+@needs_onednn
+@pytest.mark.parametrize("p, s, group", [(300, 150, 3), (200, 64, 3), (257, 130, 1), (120, 200, 2)])
+def test_chunked_prefill_on_onednn_matches_the_flash_op_and_reads_an_attached_prefix_in_place(
+        p, s, group, attention_route):
+    """A segment after cached rows (the exact path's chunked prefill) on oneDNN's GEMMs: within float32
+    rounding of the flash op's prefix-and-square program, and the same bits whether the cached rows
+    are the front of one tensor or a separate (attached) one."""
+    from blend.kernels.reference import causal_suffix_attention, causal_suffix_attention_parts
+
+    gen = torch.Generator().manual_seed(p + s)
+    t, d = p + s, 32
+    q = torch.randn(2 * group, s, d, generator=gen)
+    k, v = torch.randn(2, t, d, generator=gen), torch.randn(2, t, d, generator=gen)
+    attention_route("flash")
+    flash = causal_suffix_attention(q, k, v, d ** -0.5)
+    attention_route("onednn", SUFFIX_MIN_KEYS=64, SUFFIX_MIN_QUERIES=16)
+    whole = causal_suffix_attention(q, k, v, d ** -0.5)
+    parts = causal_suffix_attention_parts(q, k[:, :p].clone(), v[:, :p].clone(), k[:, p:].clone(),
+                                          v[:, p:].clone(), d ** -0.5)
+    assert torch.equal(whole, parts)
+    assert_close_tol(whole, flash)
+    want = sparse_query_attention_ref(q, torch.arange(p, t), k, v, torch.arange(t), d ** -0.5)
+    assert_close_tol(whole, want)
