@@ -1,14 +1,14 @@
 # Kernel-level timing of the blend's blocked attention: flash route vs oneDNN route, on the blend's shapes
-# (the oneDNN route forced below its 2,048-key threshold too; SmolLM2: 3 KV heads x 3 query heads, D 64; 15% of the document rows spread over the prompt plus an
-# 80-row question), and for context the full prefill's causal attention (torch's SDPA, flash inside) against
-# the same oneDNN GEMM formulation in 64-query blocks. Alternating, medians of 15; from the repository root:
+# (the oneDNN route forced below its 2,048-key threshold too; SmolLM2: 3 KV heads x 3 query heads, D 64; 15% of
+# the document rows spread over the prompt plus an 80-row question), and a chunked prefill (a segment of S rows
+# after P cached ones: the full prefill's segments, the exact path's question) on either. Alternating, medians;
+# from the repository root:
 #   PYTHONPATH=. OMP_NUM_THREADS=2 python docs/results/attention_onednn/micro.py
 import os, statistics, time
 import torch
-import torch.nn.functional as F
 import blend.kernels.onednn_attention as O
 import blend.kernels.reference as R
-from blend.kernels.onednn_attention import ENV_VAR, _gemm, _softmax_into
+from blend.kernels.onednn_attention import ENV_VAR, attention_gemm_policy, suffix_onednn
 
 torch.manual_seed(0)
 HKV, G, D = 3, 3, 64
@@ -30,9 +30,9 @@ def blend_case(t, nq=80):
     plans = {}
     min_keys, O.ONEDNN_MIN_KEYS = O.ONEDNN_MIN_KEYS, 0  # the oneDNN route below its threshold too
     for mode in ("flash", "onednn"):
-        os.environ[ENV_VAR] = mode
+        os.environ[ENV_VAR] = mode; attention_gemm_policy.cache_clear()
         plans[mode] = R.plan_query_blocks(q_pos, args[4], HQ, HKV)
-    os.environ[ENV_VAR], O.ONEDNN_MIN_KEYS = "auto", min_keys
+    os.environ[ENV_VAR], O.ONEDNN_MIN_KEYS = "auto", min_keys; attention_gemm_policy.cache_clear()
     ref = R.sparse_query_attention_ref(*args)
     diff = max((R.sparse_query_attention_blocked(*args, plan=p) - ref).abs().max().item() for p in plans.values())
     ts = timed({m: (lambda p=p: R.sparse_query_attention_blocked(*args, plan=p)) for m, p in plans.items()})
@@ -42,33 +42,24 @@ def blend_case(t, nq=80):
           flush=True)
 
 
-def causal_onednn(q, k, v, scale, rows=64):
-    t = q.shape[1]
-    out = torch.empty_like(q)
-    qs = (q * scale).view(HKV, G, t, D)
-    mask = torch.full((rows, rows), float("-inf")).triu_(1).repeat(G, 1)  # (G rows, rows)
-    for a in range(0, t, rows):
-        b = min(t, a + rows)
-        for h in range(HKV):
-            s = _gemm(qs[h, :, a:b].reshape(G * (b - a), D), k[h, :b])  # (G Sb, b)
-            s[:, a:b] += mask[:G * (b - a), :b - a] if b - a == rows else \
-                torch.full((b - a, b - a), float("-inf")).triu_(1).repeat(G, 1)
-            p = _softmax_into(s, -1, False, out=s)
-            out.view(HKV, G, t, D)[h, :, a:b] = _gemm(p, v[h, :b].t().contiguous()).view(G, b - a, D)
-    return out
-
-
-def prefill_case(t):
-    q, k, v = torch.randn(HQ, t, D), torch.randn(HKV, t, D), torch.randn(HKV, t, D)
-    sdpa = lambda: F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=0.125, enable_gqa=True)
-    diff = (causal_onednn(q, k, v, 0.125) - sdpa()[0]).abs().max().item()
-    ts = timed({"flash": sdpa, "onednn": lambda: causal_onednn(q, k, v, 0.125)}, rounds=7)
-    print(f"full prefill  T={t:5d}  causal SDPA {ts['flash']*1e3:7.2f} ms  oneDNN 64-query blocks {ts['onednn']*1e3:7.2f} ms"
+def suffix_case(p, s):
+    """A chunked prefill (a segment after p cached rows): the flash op's prefix-and-square program against
+    one masked oneDNN GEMM per 64-query block (forced, whatever the thresholds)."""
+    t = p + s
+    q, k, v = torch.randn(HQ, s, D), torch.randn(HKV, t, D), torch.randn(HKV, t, D)
+    os.environ[ENV_VAR] = "flash"; attention_gemm_policy.cache_clear()
+    flash = lambda: R.causal_suffix_attention(q, k, v, 0.125)
+    onednn = lambda: suffix_onednn(q, k, v, 0.125)
+    diff = (flash() - onednn()).abs().max().item()
+    ts = timed({"flash": flash, "onednn": onednn}, rounds=11)
+    os.environ[ENV_VAR] = "auto"; attention_gemm_policy.cache_clear()
+    print(f"chunked prefill  P={p:5d} S={s:4d}  flash {ts['flash']*1e3:7.2f} ms  onednn {ts['onednn']*1e3:7.2f} ms"
           f"  ratio {ts['onednn']/ts['flash']:.3f}  (max |diff| {diff:.1e})", flush=True)
 
 
 print(f"threads {torch.get_num_threads()}")
 for t in (660, 1200, 1600, 2048, 2500, 3051, 4500, 6122):
     blend_case(t)
-for t in (660, 3051, 6122):
-    prefill_case(t)
+for p, s in ((0, 660), (600, 600), (1200, 600), (2400, 600), (5400, 600), (2400, 200), (2400, 128), (3000, 80),
+             (6000, 80)):
+    suffix_case(p, s)
