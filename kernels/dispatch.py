@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import enum
 import importlib.util
-import os
 from functools import lru_cache
 
 import torch
 
 from . import vllm_cpu
+from .env import env_choice
 from .reference import (
     BlockPlan, kv_deviation_ref, rope_mix_ref, rope_rows_ref, sparse_query_attention_blocked,
     sparse_query_attention_ref,
@@ -69,12 +69,7 @@ def backend_policy() -> BackendPolicy:
     Raises:
         ValueError: the variable holds something other than auto|torch|triton|vllm.
     """
-    raw = os.environ.get(ENV_VAR, BackendPolicy.AUTO.value).strip().lower() or BackendPolicy.AUTO.value
-    try:
-        return BackendPolicy(raw)
-    except ValueError:
-        allowed = "|".join(p.value for p in BackendPolicy)
-        raise ValueError(f"{ENV_VAR}={raw!r} is not one of {allowed}") from None
+    return env_choice(ENV_VAR, BackendPolicy, BackendPolicy.AUTO)
 
 
 def kernel_backend(tensor: torch.Tensor) -> KernelBackend:

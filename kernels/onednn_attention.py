@@ -26,11 +26,12 @@ weight here is a contiguous (rows, D) or (D, rows) tensor.
 from __future__ import annotations
 
 import enum
-import os
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
+
+from .env import env_choice
 
 if TYPE_CHECKING:
     from .reference import BlockPlan
@@ -61,12 +62,7 @@ def attention_gemm_policy() -> AttentionGemm:
     Raises:
         ValueError: another value.
     """
-    raw = os.environ.get(ENV_VAR, AttentionGemm.AUTO.value).strip().lower() or AttentionGemm.AUTO.value
-    try:
-        return AttentionGemm(raw)
-    except ValueError:
-        allowed = "|".join(p.value for p in AttentionGemm)
-        raise ValueError(f"{ENV_VAR}={raw!r} is not one of {allowed}") from None
+    return env_choice(ENV_VAR, AttentionGemm, AttentionGemm.AUTO)
 
 
 @lru_cache(maxsize=1)

@@ -137,3 +137,15 @@ def test_tol_table_covers_kernel_dtypes_and_is_frozen():
     assert TOL[torch.float32].atol < TOL[torch.float16].atol < TOL[torch.bfloat16].atol
     with pytest.raises(dataclasses.FrozenInstanceError):
         TOL[torch.float32].atol = 1.0
+
+
+def test_a_bad_kernel_policy_names_the_variable_and_the_choices(monkeypatch):
+    from blend.kernels.dispatch import BackendPolicy, backend_policy
+
+    monkeypatch.setenv(ENV_VAR, " Torch ")
+    assert backend_policy() is BackendPolicy.TORCH  # case and spaces ignored
+    monkeypatch.setenv(ENV_VAR, "")
+    assert backend_policy() is BackendPolicy.AUTO
+    monkeypatch.setenv(ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match=r"KVBLEND_KERNELS='cuda' is not one of auto\|torch\|triton\|vllm"):
+        backend_policy()
