@@ -1,25 +1,32 @@
-"""The blend's query blocks with their two GEMMs on oneDNN (CPU, float32).
+"""Attention as oneDNN GEMMs around an in-place softmax (CPU, float32): the blend's query blocks and
+chunked prefill.
 
 Why: torch's CPU flash attention does its Q K^T and P V products with MKL's sgemm. On AMD CPUs MKL
 runs an AVX2 code path: float32 GEMMs at ~220 GFLOP/s on the development machine (2-core AVX-512
 EPYC), where oneDNN's GEMM, which the engine's linear layers already use, runs ~470-520. The flash
-op itself reached ~170-190 GFLOP/s there, near that AVX2 ceiling. So a query block of the blend's
-attention (``reference.sparse_query_attention_blocked``: ~64 queries, the query heads of a KV head as
-its rows) runs here as, per KV head::
+op itself reached ~150-190 GFLOP/s there, near that AVX2 ceiling. So a block of queries (the query
+heads of a KV head as its rows) runs here as, per KV head::
 
     S = (q * scale) K[:tb]^T        oneDNN GEMM            (g Sb, tb)
-    S[:, lo:tb] += the block's span mask (the keys [0, lo) every query sees need none)
+    S[:, lo:tb] += mask              only the keys some query of the block cannot see
     P = softmax(S) in place          one pass per row, in cache
     O = P V[:tb]                     oneDNN GEMM over a contiguous V^T copy    (g Sb, D)
 
-Measured on the blend's shapes (``docs/results/attention_onednn/``): 0.78-0.84 of the flash route's
-time with ~3k-6k keys; with fewer than ~2k keys the flash route stays faster (each GEMM's fixed cost
-weighs more), so the plan takes this route only from :data:`ONEDNN_MIN_KEYS` keys, on CPUs where it
-was measured faster (AMD; see :func:`onednn_route_default`). The numbers are the same attention in
-another summation order: within float32 rounding of the flash route (tested), not bit-identical.
+- :func:`blocks_onednn`: the blend's blocks (``reference.sparse_query_attention_blocked``'s plan), from
+  :data:`ONEDNN_MIN_KEYS` keys.
+- :func:`suffix_onednn`: chunked prefill (a segment after cached rows: the full prefill's later segments,
+  the exact path, the blend's check layer), from :data:`SUFFIX_MIN_KEYS` keys and
+  :data:`SUFFIX_MIN_QUERIES` queries. This changes the exact path's last bits, so the route is part of
+  an engine's provenance (:func:`attention_label`).
+
+Measured (``docs/results/attention_onednn/``): 0.68-0.82 of the flash route's time on the blend's blocks
+at ~2.5k-6k keys, 0.75-0.80 on 600-row segments; below the thresholds the flash op is as fast or faster
+(each GEMM's fixed cost weighs more). ``auto`` takes the route on AMD CPUs only
+(:func:`onednn_route_default`). The numbers are the same attention in another summation order: within
+float32 rounding of the flash op (tested), not bit-identical.
 
 oneDNN builds a kernel per GEMM shape and caches it, so a request's shapes (the same at every layer)
-are built once per request; a weight that is not contiguous takes a path ~1000x slower, so every
+are built once per request. A weight that is not contiguous takes a path ~1000x slower, so every
 weight here is a contiguous (rows, D) or (D, rows) tensor.
 """
 
@@ -37,20 +44,20 @@ if TYPE_CHECKING:
     from .reference import BlockPlan
 
 ENV_VAR = "KVBLEND_ATTENTION_GEMM"
-ONEDNN_MIN_KEYS = 2048  # keys from which a blend's blocked call runs on oneDNN's GEMMs (kernel-level: 1.03-1.10x
-# the flash route's time at ~0.7-1.2k keys, ~1.0x at 2k, 0.70-0.87x at 2.5k-6k; docs/results/attention_onednn/)
+ONEDNN_MIN_KEYS = 2048  # keys from which a blend's blocked call runs on oneDNN's GEMMs (kernel-level: 1.03-1.13x
+# the flash route's time at ~0.7-1.2k keys, 0.74-1.03x at 2k, 0.68-0.87x at 2.5k-6k; docs/results/attention_onednn/)
 SUFFIX_MIN_KEYS = 1024  # a chunked prefill (a segment after cached rows) runs on oneDNN from this many keys
 SUFFIX_MIN_QUERIES = 128  # and this many queries (measured: 0.72-0.85x at 600 queries after 600-5.4k keys;
-# 1.05-1.07x for an 80-row question after 2.4k-6k keys, which keeps the flash op)
+# an 80-row question after 2.4k-6k keys 1.05-1.07x in development, 0.86-0.88x in a later run: it keeps the flash op)
 SUFFIX_BLOCK_ROWS = 64  # queries per block of a chunked prefill's attention on oneDNN
 
 
 class AttentionGemm(enum.Enum):
-    """Which GEMMs a blocked attention call's query blocks run on."""
+    """Which GEMMs the blend's blocks and chunked prefills run on (where their sizes reach the thresholds)."""
 
-    AUTO = "auto"  # oneDNN where measured faster (AMD x86 CPUs with oneDNN), from ONEDNN_MIN_KEYS keys
-    FLASH = "flash"  # torch's CPU flash op (MKL's GEMMs inside)
-    ONEDNN = "onednn"  # oneDNN's GEMMs whenever available, from ONEDNN_MIN_KEYS keys
+    AUTO = "auto"  # oneDNN where measured faster (AMD x86 CPUs with oneDNN), else the flash op
+    FLASH = "flash"  # torch's CPU flash op (MKL's GEMMs inside) everywhere
+    ONEDNN = "onednn"  # oneDNN's GEMMs wherever this torch build has them
 
 
 @lru_cache(maxsize=1)
