@@ -143,6 +143,31 @@ _softmax_into = torch.ops.aten._softmax.out  # row softmax written over its inpu
 # a row's max and sum before it writes the row)
 
 
+def _per_head(x: torch.Tensor) -> list[torch.Tensor]:
+    """(H, T, D) -> H contiguous (T, D) tensors (views where x is already laid out so)."""
+    return [x[h].contiguous() for h in range(x.shape[0])]
+
+
+def _block(q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, lo: int,
+           mask: torch.Tensor | None) -> torch.Tensor:
+    """One block's attention for one KV head: softmax(q_rows k_rows^T, masked on keys [lo:]) v_rows.
+
+    Args:
+        q_rows: (M, D) queries, already scaled; k_rows: (N, D) contiguous keys the block sees;
+            v_rows: (N, D) their values.
+        lo: keys [0, lo) are visible to every row (no mask there).
+        mask: (M, N - lo) additive mask of the other keys, or None.
+
+    Returns:
+        (M, D) float32.
+    """
+    s = _gemm(q_rows, k_rows)  # (M, N)
+    if mask is not None:
+        s[:, lo:] += mask
+    p = _softmax_into(s, -1, False, out=s)  # (M, N)
+    return _gemm(p, v_rows.t().contiguous())  # (M, D)
+
+
 def blocks_onednn(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, scale: float, plan: "BlockPlan",
                   out: torch.Tensor) -> None:
     """The query blocks of a BLOCKS plan on oneDNN's GEMMs, written into ``out`` (blind queries untouched).
@@ -157,19 +182,14 @@ def blocks_onednn(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, scale: f
     hkv = kf.shape[0]
     g = hq // hkv
     qs = (qf * scale).reshape(hkv, g, -1, d)  # (Hkv, g, S, D): query head h reads KV head h // g
-    keys = [kf[h] if kf[h].is_contiguous() else kf[h].contiguous() for h in range(hkv)]  # (T, D) each
+    keys = _per_head(kf)  # (T, D) each
     outv = out.view(hkv, g, -1, d)  # (Hkv, g, S, D)
     for blk in plan.blocks:
         a, b, lo, tb = blk.a, blk.b, blk.lo, blk.tb
         span = blk.mask[0, 0] if blk.mask is not None else None  # (g Sb, tb - lo)
         for h in range(hkv):
-            s = _gemm(qs[h, :, a:b].reshape(g * (b - a), d), keys[h][:tb])  # (g Sb, tb)
-            if span is not None:
-                s[:, lo:tb] += span
-            p = _softmax_into(s, -1, False, out=s)  # (g Sb, tb)
-            o = _gemm(p, vf[h, :tb].t().contiguous())  # (g Sb, D)
+            o = _block(qs[h, :, a:b].reshape(g * (b - a), d), keys[h][:tb], vf[h, :tb], lo, span)  # (g Sb, D)
             outv[h, :, a:b] = o.view(g, b - a, d)
-
 
 
 def suffix_onednn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -190,7 +210,7 @@ def suffix_onednn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     hkv, t = k.shape[0], k.shape[1]
     g, p, rows = hq // hkv, t - s, SUFFIX_BLOCK_ROWS
     qs = (q * scale).reshape(hkv, g, s, d)  # (Hkv, g, S, D): query head h reads KV head h // g
-    keys = [k[h] if k[h].is_contiguous() else k[h].contiguous() for h in range(hkv)]  # (T, D) each
+    keys = _per_head(k)  # (T, D) each
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # (Hq, S, D)
     outv = out.view(hkv, g, s, d)
     tri = torch.full((rows, rows), float("-inf"), device=q.device).triu_(1)  # (rows, rows) causal
@@ -198,8 +218,6 @@ def suffix_onednn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         b = min(s, a + rows)
         square = (tri if b - a == rows else tri[:b - a, :b - a]).repeat(g, 1)  # (g Sb, Sb)
         for h in range(hkv):
-            sc = _gemm(qs[h, :, a:b].reshape(g * (b - a), d), keys[h][:p + b])  # (g Sb, P + b)
-            sc[:, p + a:] += square
-            pr = _softmax_into(sc, -1, False, out=sc)  # (g Sb, P + b)
-            outv[h, :, a:b] = _gemm(pr, v[h, :p + b].t().contiguous()).view(g, b - a, d)
+            o = _block(qs[h, :, a:b].reshape(g * (b - a), d), keys[h][:p + b], v[h, :p + b], p + a, square)
+            outv[h, :, a:b] = o.view(g, b - a, d)  # from (g Sb, D)
     return out
