@@ -19,6 +19,13 @@ that already holds the documents), interleaved, medians of three:
   cache salt of its own, so the other methods never see it): lookup, loads and
   Python, with nothing to re-position or recompute.
 
+And each method's *work* against the full prefill of the same prompt (the phase
+clock's :class:`~blend.evals.phases.Work`): its attention pairs and layer rows as
+shares of the full prefill's, and the floor that work sets at the full
+prefill's own speed (:func:`~blend.evals.phases.work_floor`). A blend whose
+selected rows sit late in the prompt attends over more keys per row: its
+pairs share is above its rows share, and so is its floor.
+
     python -m blend.evals.bench_phases [--items 0-2] [--repeats 3] [--sizes 600,3k,6k] \
         [--methods full,reuse,blend@0.15] [--dtype float32] --out DIR
 
@@ -44,14 +51,14 @@ from blend.evals.data import load_items
 from blend.evals.environment import describe_environment
 from blend.evals.metrics import percentile
 from blend.evals.methods import MethodKind, parse_methods
-from blend.evals.phases import Phase, PhaseClock
+from blend.evals.phases import Phase, PhaseClock, Work, work_floor
 from blend.evals.splits import parse_item_range
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
-FULL_REUSE = ReusePolicy.blend(ratio=0.0)
+FULL_REUSE = ReusePolicy.blend(ratio=0.0, guard_margin=None)  # the no-recompute floor: never guarded (as "reuse")
 EXACT_DOCS_SALT = "bench-phases-exact-documents"  # keeps the exact-hit case's entries from the other methods
 EXACT_DOCS_STORE = ReusePolicy.exact(cache_salt=EXACT_DOCS_SALT)
 EXACT_DOCS_BLEND = ReusePolicy.blend(ratio=DEFAULT_RATIO, cache_salt=EXACT_DOCS_SALT)
@@ -82,6 +89,9 @@ class PhaseRow:
     ratio: float  # ttft / full prefill's ttft, per item and repeat, then the median
     phases: dict[str, float]  # phase value -> seconds (phase-clocked run; sums to its ttft)
     ratios: tuple[float, ...] = ()  # every item and repeat's ratio (the tail beside the median)
+    pairs_share: float = 0.0  # attention pairs over the full prefill's of the same prompt (median)
+    rows_share: float = 0.0  # layer rows over the full prefill's (median)
+    floor: float = 0.0  # the work's cost at the full prefill's speed per pair and per row (phases.work_floor)
 
 
 def size_prompts(engine: Engine, data: str, items: range, size: Size) -> list:
@@ -117,6 +127,12 @@ def _question_compute_s(engine: Engine, prompt) -> float:
     return time.perf_counter() - t0
 
 
+def _shares(work: Work, full: Work, full_attention: float) -> tuple[float, float, float]:
+    """A method's (attention pairs share, layer rows share, work floor) against the full prefill's work."""
+    pairs, rows = work.share_of(full)
+    return pairs, rows, work_floor(pairs, rows, full_attention)
+
+
 @dataclass(frozen=True)
 class Overhead:
     """Fixed overhead at one size, seconds (medians over prompts x repeats)."""
@@ -147,28 +163,32 @@ def bench_size(engine: Engine, prompts: list, methods: list, repeats: int) -> tu
     ttft: dict[str, list[float]] = {m.name: [] for m in methods}
     ratio: dict[str, list[float]] = {m.name: [] for m in methods}
     phases: dict[str, list[dict[Phase, float]]] = {m.name: [] for m in methods}
+    shares: dict[str, list[tuple[float, float, float]]] = {m.name: [] for m in methods}  # pairs, rows, floor
     reuse_over, exact_over = [], []
     for p in prompts:
         for m in methods:
             engine.precompute(p, policies[m.name])
             engine.generate(p, policies[m.name], max_new_tokens=1)  # warm-up
         for r in range(repeats):
-            plain = {}
+            plain, work, clocked_s = {}, {}, {}
             for m in methods[r % len(methods):] + methods[: r % len(methods)]:
                 plain[m.name] = engine.generate(p, policies[m.name], max_new_tokens=1).ttft_s
                 with PhaseClock(check[m.name]) as clock:
-                    clocked = engine.generate(p, policies[m.name], max_new_tokens=1).ttft_s
-                phases[m.name].append(clock.times.with_remainder(clocked))
+                    clocked_s[m.name] = engine.generate(p, policies[m.name], max_new_tokens=1).ttft_s
+                phases[m.name].append(clock.times.with_remainder(clocked_s[m.name]))
+                work[m.name] = clock.work
+            full_attention = phases["full"][-1][Phase.ATTENTION] / clocked_s["full"]
             for m in methods:
                 ttft[m.name].append(plain[m.name])
                 ratio[m.name].append(plain[m.name] / plain["full"])
+                shares[m.name].append(_shares(work[m.name], work["full"], full_attention))
         r_s, e_s = fixed_overheads(engine, p)
         reuse_over += r_s
         exact_over += e_s
     tokens = int(statistics.median(len(p) for p in prompts))
     rows = [PhaseRow("", m.name, tokens, statistics.median(ttft[m.name]), statistics.median(ratio[m.name]),
                      {ph.value: statistics.median(d[ph] for d in phases[m.name]) for ph in Phase},
-                     tuple(ratio[m.name]))
+                     tuple(ratio[m.name]), *(statistics.median(s[i] for s in shares[m.name]) for i in range(3)))
             for m in methods]
     return rows, Overhead(statistics.median(reuse_over), statistics.median(exact_over))
 
@@ -189,6 +209,16 @@ def write_markdown(rows: list[PhaseRow], overhead: dict[str, float], meta: dict,
         lines += [f"| {r.size} | {r.method} | {len(r.ratios)} | {percentile(r.ratios, 50):.3f} | "
                   f"{statistics.mean(r.ratios):.3f} | {percentile(r.ratios, 90):.3f} | {max(r.ratios):.3f} |"
                   for r in tails]
+    counted = [r for r in rows if r.method != "full" and r.rows_share > 0]  # (runs before the work count: none)
+    if counted:
+        lines += ["", "Work against the full prefill of the same prompt (medians): attention pairs (a query and a key "
+                  "it sees, every layer, the probe's included) and layer rows; the floor is what that work costs at "
+                  "the full prefill's own speed per pair and per row (its attention share of TTFT per pair, the rest "
+                  "per row), so only doing less work, or doing it faster than the full prefill does, goes below it:",
+                  "", "| size | method | attention pairs | layer rows | work floor | ratio |",
+                  "|---|---|---:|---:|---:|---:|"]
+        lines += [f"| {r.size} | {r.method} | {r.pairs_share:.3f} | {r.rows_share:.3f} | {r.floor:.3f} | "
+                  f"{r.ratio:.3f} |" for r in counted]
     lines += ["", "Fixed overhead (full reuse minus the question's own compute): "
               + ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in overhead.items())]
     if exact_docs:

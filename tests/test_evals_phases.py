@@ -8,7 +8,7 @@ import torch
 
 import blend.blending as blending
 import blend.model as model
-from blend.evals.phases import Phase, PhaseClock
+from blend.evals.phases import Phase, PhaseClock, Work, causal_pairs, visible_pairs, work_floor
 from blend.policy import ReusePolicy
 from conftest import make_docs
 
@@ -55,6 +55,10 @@ def test_bench_phases_writes_a_table_a_plot_and_the_fixed_overhead(tmp_path):
     assert "documents that are all exact hits" in (out / "phases.md").read_text()
     assert (out / "phases.png").stat().st_size > 1000
     assert "| 600 | blend@0.3 |" in (out / "phases.md").read_text()
+    assert full["pairs_share"] == 1.0 and full["rows_share"] == 1.0 and abs(full["floor"] - 1.0) < 1e-12
+    # (the tiny model's few layers: a blend there does more work than the full prefill, its probe included)
+    assert 0 < reuse["rows_share"] < 1 and reuse["rows_share"] < blend["rows_share"] and 0 < reuse["floor"] < 1
+    assert "| 600 | blend@0.3 | " in (out / "phases.md").read_text().split("work floor")[1]
 
 
 def test_bench_bf16_scores_against_fp32_full_prefill():
@@ -66,3 +70,49 @@ def test_bench_bf16_scores_against_fp32_full_prefill():
         assert m["fp32 full"]["kl"] == 0.0 and m["fp32 full"]["ratio"] == 1.0
         assert 0.0 < m["bf16 full"]["kl"] < 0.05  # bf16 rounding, not a different model
     assert "| bf16 blend@0.3 |" in bench_bf16.summarise(res)
+
+
+def test_the_clock_counts_a_full_prefills_work_exactly(tiny_engine):
+    """Every segment of the exact schedule attends to every earlier row and itself: T (T + 1) / 2 pairs and T
+    rows per layer, whatever the segment boundaries."""
+    prompt = tiny_engine.build_prompt("what is the third word?", make_docs(3, words=30))
+    t, layers = len(prompt), tiny_engine.dims.num_layers
+    with PhaseClock(None) as clock:
+        tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    assert clock.work == Work(attention_pairs=layers * t * (t + 1) // 2, layer_rows=layers * t)
+    assert clock.work.share_of(clock.work) == (1.0, 1.0)
+
+
+def test_the_clock_counts_full_reuse_as_the_questions_rows_only(tiny_engine):
+    prompt = tiny_engine.build_prompt("what is the third word?", make_docs(3, words=30))
+    policy = ReusePolicy.blend(ratio=0.0, guard_margin=None)  # (a guarded one may recompute at 0.3)
+    tiny_engine.precompute(prompt, policy)
+    tiny_engine.generate(prompt, policy, max_new_tokens=1)
+    t, nq, layers = len(prompt), len(prompt.question), tiny_engine.dims.num_layers
+    with PhaseClock(None) as clock:
+        tiny_engine.generate(prompt, policy, max_new_tokens=1)
+    assert clock.work == Work(attention_pairs=layers * causal_pairs(nq, t), layer_rows=layers * nq)
+
+
+def test_a_blends_work_counts_the_probe_and_every_recomputed_row(tiny_engine):
+    prompt = tiny_engine.build_prompt("what is the third word?", make_docs(3, words=30))
+    policy = ReusePolicy.blend(ratio=0.3, guard_margin=None)  # (random weights: the guard would recompute)
+    tiny_engine.precompute(prompt, policy)
+    tiny_engine.generate(prompt, policy, max_new_tokens=1)
+    with PhaseClock(None) as full:
+        tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    with PhaseClock(policy.check_layers[0]) as clock:
+        tiny_engine.generate(prompt, policy, max_new_tokens=1)
+    pairs, rows = clock.work.share_of(full.work)
+    nq, layers = len(prompt.question), tiny_engine.dims.num_layers
+    assert layers * nq < clock.work.layer_rows < full.work.layer_rows  # the question twice (probe), some documents
+    assert 0.0 < pairs < 1.0 and 0.0 < rows < 1.0
+
+
+def test_pair_counts_and_the_work_floor():
+    assert causal_pairs(3, 3) == 6 and causal_pairs(2, 5) == 2 * 3 + 3 and causal_pairs(0, 4) == 0
+    k_pos = torch.tensor([4, 0, 2, 1, 3])  # any order
+    assert visible_pairs(torch.tensor([0, 2, 9]), k_pos) == 1 + 3 + 5
+    assert visible_pairs(torch.tensor([-1]), k_pos) == 0
+    assert work_floor(1.0, 1.0, 0.6) == 1.0
+    assert abs(work_floor(0.25, 0.15, 0.6) - (0.25 * 0.6 + 0.15 * 0.4)) < 1e-12
