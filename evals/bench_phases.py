@@ -245,9 +245,14 @@ def write_plot(rows: list[PhaseRow], path: Path) -> None:
     for x, r in enumerate(rows):
         ax.text(x, 101, f"{r.ratio:.3f}x" if r.method != "full" else f"{r.ttft_s:.1f} s", ha="center",
                 va="bottom", fontsize=8)
+    floors = [(x, 100 * r.floor / r.ratio) for x, r in enumerate(rows) if r.method != "full" and r.floor > 0]
+    if floors:  # the work floor inside each bar: the share of its TTFT that its work costs at full speed
+        ax.hlines([f for _, f in floors], [x - 0.4 for x, _ in floors], [x + 0.4 for x, _ in floors],
+                  colors="black", linewidth=2, label="work floor (its work at the full prefill's speed)")
     ax.set_ylim(0, 110)
     ax.set_ylabel("share of the method's TTFT (%)")
-    ax.set_title("Where a prefill's time goes (label: TTFT / full prefill's; full: seconds)", fontsize=10)
+    ax.set_title("Where a prefill's time goes (label: TTFT / full prefill's; full: seconds; black: work floor)",
+                 fontsize=10)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
