@@ -22,8 +22,9 @@ heads of a KV head as its rows) runs here as, per KV head::
 Measured (``docs/results/attention_onednn/``): 0.68-0.82 of the flash route's time on the blend's blocks
 at ~2.5k-6k keys, 0.75-0.80 on 600-row segments; below the thresholds the flash op is as fast or faster
 (each GEMM's fixed cost weighs more). ``auto`` takes the route on AMD CPUs only
-(:func:`onednn_route_default`). The numbers are the same attention in another summation order: within
-float32 rounding of the flash op (tested), not bit-identical.
+(:func:`onednn_route_default`; on an AMX Xeon it measured 1.5-2.4x slower than the flash op). The
+numbers are the same attention in another summation order: within float32 rounding of the flash op
+(tested), not bit-identical.
 
 oneDNN builds a kernel per GEMM shape and caches it, so a request's shapes (the same at every layer)
 are built once per request. A weight that is not contiguous takes a path ~1000x slower, so every
@@ -100,8 +101,9 @@ def cpu_vendor(cpuinfo: str | None = None) -> str:
 @lru_cache(maxsize=1)
 def onednn_route_default() -> bool:
     """Whether ``auto`` takes the oneDNN route: on AMD CPUs, where MKL's sgemm (inside torch's flash op)
-    runs its AVX2 path and oneDNN's runs 2x faster. Intel CPUs, where MKL has its AVX-512 path, were
-    not measured and keep the flash op."""
+    runs its AVX2 path and oneDNN's runs 2x faster. Intel CPUs keep the flash op: MKL has its AVX-512
+    path there, and on a 2-core AMX Xeon the route measured 1.5-2.4x slower than the flash op
+    (``docs/results/attention_onednn/micro_amx_xeon.txt``)."""
     return onednn_gemm_available() and cpu_vendor() == "AuthenticAMD"
 
 
