@@ -179,17 +179,6 @@ class PhaseClock(AbstractContextManager):
         setattr(owner, name, counter)
 
     def __enter__(self) -> "PhaseClock":
-        # counted first, so the timers below wrap the counters (a counter's own time is not a phase's)
-        self._counted(model, "project_qkv", rows=lambda w, dims, x: x.shape[0])
-        self._counted(model, "attend", pairs=lambda q, k, v, scale, mask, causal=False: _mask_pairs(q, k, mask, causal))
-        self._counted(model, "attend_suffix", pairs=lambda q, k, v, scale: causal_pairs(q.shape[1], k.shape[1]))
-        self._counted(model, "causal_suffix_attention_parts",
-                      pairs=lambda q, k_pre, v_pre, k_own, v_own, scale: causal_pairs(q.shape[1],
-                                                                                     k_pre.shape[1] + q.shape[1]))
-        self._counted(blending, "sparse_query_attention",
-                      pairs=lambda q, q_pos, k, v, k_pos, *a, **kw: visible_pairs(q_pos, k_pos))
-        self._counted(probe_pass, "attention_probs",
-                      pairs=lambda q, q_pos, k, v, k_pos, *a, **kw: visible_pairs(q_pos, k_pos))
         if self.check_layer is not None:
             self._patch(model, "layer_forward", Phase.EARLY_LAYERS,
                         lambda w, dims, layer, h, rows: layer < self.check_layer)
@@ -214,6 +203,18 @@ class PhaseClock(AbstractContextManager):
             (model.ModelRunner, "logits", Phase.LOGITS),
         ]:
             self._patch(owner, name, phase)
+        # the counters wrap the timers (installed after them): counting is not the counted step's phase
+        self._counted(model, "project_qkv", rows=lambda w, dims, x: x.shape[0])
+        self._counted(model, "attend",
+                      pairs=lambda q, k, v, scale, mask, causal=False: _mask_pairs(q, k, mask, causal))
+        self._counted(model, "attend_suffix", pairs=lambda q, k, v, scale: causal_pairs(q.shape[1], k.shape[1]))
+        self._counted(model, "causal_suffix_attention_parts",
+                      pairs=lambda q, k_pre, v_pre, k_own, v_own, scale: causal_pairs(q.shape[1],
+                                                                                     k_pre.shape[1] + q.shape[1]))
+        self._counted(blending, "sparse_query_attention",
+                      pairs=lambda q, q_pos, k, v, k_pos, *a, **kw: visible_pairs(q_pos, k_pos))
+        self._counted(probe_pass, "attention_probs",
+                      pairs=lambda q, q_pos, k, v, k_pos, *a, **kw: visible_pairs(q_pos, k_pos))
         return self
 
     def __exit__(self, *exc) -> None:
