@@ -334,7 +334,7 @@ class QueryBlock:
     lo: int
     tb: int
     mask: torch.Tensor | None  # (1, 1, g Sb, tb - lo) additive float32 mask of the span (None: no span)
-    none: torch.Tensor | None  # (g Sb,) bool: rows that see no key of the span
+    none: torch.Tensor | None  # (g Sb,) bool: rows that see no key of the span (None: no span, or oneDNN)
 
 
 @dataclass(frozen=True)
@@ -397,7 +397,8 @@ def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv
             visible = k_pos[None, lo:tb] <= q_pos[a:b, None]  # (Sb, tb - lo)
             span = torch.zeros(visible.shape, device=q_pos.device).masked_fill_(~visible, float("-inf"))
             mask = span.repeat(g, 1)[None, None]  # (1, 1, g Sb, tb - lo)
-            none = (ends[a:b] == lo).repeat(g)  # (g Sb,) rows that see no key of the span
+            if not onednn:  # (only the flash route's log-sum-exp merge reads it)
+                none = (ends[a:b] == lo).repeat(g)  # (g Sb,) rows that see no key of the span
         if lo == 0 and mask is None:  # no query of the block sees a key: zeroed with the other blind queries
             continue
         out.append(QueryBlock(a, b, lo, tb, mask, none))

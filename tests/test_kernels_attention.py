@@ -281,6 +281,8 @@ def test_onednn_blocks_match_the_flash_route_and_the_reference(case, attention_r
     assert not flash_plan.onednn
     assert [(b.a, b.b, b.tb) for b in plan.blocks] == [(b.a, b.b, b.tb) for b in flash_plan.blocks]
     assert all(b.lo == int((inp.k_pos <= q_pos[b.a]).sum()) for b in plan.blocks)  # the mask only on the span
+    assert all(b.none is None for b in plan.blocks)  # only the flash route's merge reads it: not built
+    assert all((b.none is None) == (b.mask is None) for b in flash_plan.blocks)
     flash = sparse_query_attention_blocked(*args, plan=flash_plan)
     assert got.dtype == dtype and not torch.isnan(got).any()
     assert_close_tol(got, flash)
