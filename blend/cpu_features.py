@@ -26,6 +26,28 @@ class EmulatedDtypeWarning(UserWarning):
     """A reduced-precision dtype on a CPU that emulates it (slower than float32 there)."""
 
 
+def cpuinfo_field(name: str, cpuinfo: str | None = None) -> str | None:
+    """The value of the first ``name`` line of /proc/cpuinfo text (read from the system when None).
+
+    Args:
+        name: the field, e.g. ``flags`` or ``vendor_id``.
+        cpuinfo: the file's text, or None to read it.
+
+    Returns:
+        The value, stripped; None where there is no such file or line.
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = CPUINFO.read_text(errors="replace")
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+    return None
+
+
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
     """The CPU's feature flags from /proc/cpuinfo text (read from the system when None).
 
@@ -35,16 +57,17 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
     Returns:
         The flags of the first ``flags`` line, or None where there is no such file or line.
     """
-    if cpuinfo is None:
-        try:
-            cpuinfo = CPUINFO.read_text(errors="replace")
-        except OSError:
-            return None
-    for line in cpuinfo.splitlines():
-        name, sep, value = line.partition(":")
-        if sep and name.strip() == "flags":
-            return frozenset(value.split())
-    return None
+    flags = cpuinfo_field("flags", cpuinfo)
+    return None if flags is None else frozenset(flags.split())
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The CPU's vendor id (``AuthenticAMD``, ``GenuineIntel``, ...; "" where unknown).
+
+    Args:
+        cpuinfo: /proc/cpuinfo's text, or None to read it (other systems give "").
+    """
+    return cpuinfo_field("vendor_id", cpuinfo) or ""
 
 
 @functools.lru_cache(maxsize=1)

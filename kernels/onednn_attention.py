@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from blend.cpu_features import cpu_vendor
+
 from .env import env_choice
 
 if TYPE_CHECKING:
@@ -77,25 +79,6 @@ def attention_gemm_policy() -> AttentionGemm:
 def onednn_gemm_available() -> bool:
     """Whether this torch build has oneDNN's linear op (x86 and Arm CPU builds do)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def cpu_vendor(cpuinfo: str | None = None) -> str:
-    """The CPU's vendor id (``AuthenticAMD``, ``GenuineIntel``, ...; "" where unknown).
-
-    Args:
-        cpuinfo: the text of ``/proc/cpuinfo`` (None: read it; other systems give "").
-    """
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read(65536)
-        except OSError:
-            return ""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
-            return value.strip()
-    return ""
 
 
 @lru_cache(maxsize=1)

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from blend import cpu_features
-from blend.cpu_features import EmulatedDtypeWarning, cpu_flags, native_on_cpu, warn_if_emulated
+from blend.cpu_features import (
+    EmulatedDtypeWarning, cpu_flags, cpu_vendor, cpuinfo_field, native_on_cpu, warn_if_emulated,
+)
 from blend.engine import Engine
 
 AVX2 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma f16c\n\nprocessor\t: 1\n"
@@ -19,6 +21,14 @@ def test_flags_come_from_the_first_flags_line():
     assert cpu_flags(AVX2) == frozenset({"fpu", "sse2", "avx", "avx2", "fma", "f16c"})
     assert cpu_flags("model name: x\n") is None
     assert cpu_flags("") is None
+
+
+def test_the_vendor_and_any_field_come_from_their_first_line():
+    assert cpu_vendor("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n") == "AuthenticAMD"
+    assert cpu_vendor("vendor_id : GenuineIntel\nvendor_id : AuthenticAMD\n") == "GenuineIntel"
+    assert cpu_vendor("processor : 0\nmodel name : something\n") == ""
+    assert cpuinfo_field("model name", AVX2) == "AMD EPYC"
+    assert cpuinfo_field("flags", "flags\n") is None  # a line without its colon is no field
 
 
 @pytest.mark.parametrize(("text", "dtype", "native"), [

@@ -316,13 +316,6 @@ def test_the_onednn_route_is_decided_by_policy_keys_and_cpu(attention_route):
     assert not O.use_onednn(n, torch.device("meta"))  # CPU only
 
 
-def test_cpu_vendor_reads_cpuinfo():
-    from blend.kernels.onednn_attention import cpu_vendor
-
-    assert cpu_vendor("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n") == "AuthenticAMD"
-    assert cpu_vendor("processor : 0\nmodel name : something\n") == ""
-
-
 @pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.DIM_STRIDED])
 @pytest.mark.parametrize("rows", ["blocks", "suffix"])
 def test_the_flash_routes_read_any_layout(layout, rows, attention_route):
