@@ -159,24 +159,27 @@ class PhaseClock(AbstractContextManager):
                     self._stack[-1].children += spent
         return wrapper
 
-    def _patch(self, owner: Any, name: str, phase: Phase, when: Callable[..., bool] | None = None) -> None:
+    def _wrap(self, owner: Any, name: str, wrapper: Callable[[Callable], Callable]) -> None:
+        """Replace ``owner.name`` with ``wrapper(original)`` until the clock exits."""
         fn = getattr(owner, name)
         self._saved.append((owner, name, fn))
-        setattr(owner, name, self._timed(phase, fn, when))
+        setattr(owner, name, wrapper(fn))
+
+    def _patch(self, owner: Any, name: str, phase: Phase, when: Callable[..., bool] | None = None) -> None:
+        self._wrap(owner, name, lambda fn: self._timed(phase, fn, when))
 
     def _counted(self, owner: Any, name: str, pairs: Callable[..., int] | None = None,
                  rows: Callable[..., int] | None = None) -> None:
         """Wrap ``owner.name`` to add its call's attention pairs and layer rows to :attr:`work`."""
-        fn = getattr(owner, name)
-        self._saved.append((owner, name, fn))
-
-        def counter(*args, **kwargs):
-            if pairs is not None:
-                self.work.attention_pairs += pairs(*args, **kwargs)
-            if rows is not None:
-                self.work.layer_rows += rows(*args, **kwargs)
-            return fn(*args, **kwargs)
-        setattr(owner, name, counter)
+        def counting(fn: Callable) -> Callable:
+            def counter(*args, **kwargs):
+                if pairs is not None:
+                    self.work.attention_pairs += pairs(*args, **kwargs)
+                if rows is not None:
+                    self.work.layer_rows += rows(*args, **kwargs)
+                return fn(*args, **kwargs)
+            return counter
+        self._wrap(owner, name, counting)
 
     def __enter__(self) -> "PhaseClock":
         if self.check_layer is not None:
