@@ -480,8 +480,7 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     chunks, n_exact, waited = _fetch_documents(segments, prompt, pending, policy)
     lookup_s = pre.lookup_s + waited
     t_load = time.perf_counter()
-    for c in chunks[:n_exact]:
-        model.load(cache, c.kv)
+    model.load_many(cache, [c.kv for c in chunks[:n_exact]])  # one rotation per layer over them all
     lookup_s += time.perf_counter() - t_load
     reports = [SegmentReport(SegmentKind.PREAMBLE, pre.reuse_class, len(prompt.preamble), 0, key_hex(pre_key),
                              note=pre.note)]

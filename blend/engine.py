@@ -319,13 +319,12 @@ class Engine:
                                                                  attached=True)
                 return _Prefilled(logits, (*hot, *tail), 0.0)
         keys = self.segments.prefix_keys(cacheable, salt) if use_store else [(Namespace.EXACT, None)] * len(cacheable)
-        rows, lookup_s = [], 0.0
-        for seg, (ns, key) in zip(cacheable, keys):
-            start = cache.length
-            done = self.segments.append_exact(cache, seg, key, ns)
+        rows, lookup_s, start = [], 0.0, cache.length
+        for seg, (_, key), done in zip(cacheable, keys, self.segments.append_run(cache, cacheable, keys)):
             rows.append(SegmentReport(seg.kind, done.reuse_class, len(seg), start, key_hex(key) if key else "",
                                       note=done.note))
             lookup_s += done.lookup_s
+            start += len(seg)
         if whole:
             logits, tail, waited = self.segments.compute_question(cache, cacheable, prompt.question, use_store, salt)
             if use_store:

@@ -106,8 +106,11 @@ def apply_rope_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: 
     if cos.shape[-1] != x.shape[-1]:  # partial rotary: the general form
         out.copy_(apply_rope(x, cos, sin))
         return
-    torch.mul(x, cos, out=out)  # the same two products and one sum as apply_rope, minus its temporaries
-    out.add_(rotate_half(x) * sin)
+    half = x.shape[-1] // 2
+    torch.mul(x, cos, out=out)  # (..., T, D) the same two products and one sum per element as apply_rope
+    # rotate_half(x) * sin without building rotate_half: (-x2) * s1 added is exactly x2 * s1 subtracted
+    out[..., :half].sub_(x[..., half:] * sin[:, :half])  # x1*c1 - x2*s1
+    out[..., half:].add_(x[..., :half] * sin[:, half:])  # x2*c2 + x1*s2
 
 
 def rope_config_json(config) -> str:

@@ -222,18 +222,43 @@ class SegmentCache:
         Returns:
             What happened, for the segment's report row.
         """
-        if key is None:
-            self._compute(cache, seg.token_ids)
-            return Appended(ReuseClass.COMPUTED, "", 0.0)
-        found = self.lookup(namespace, key, len(seg))
-        if found.entry is not None:
-            self.model.load(cache, found.entry)
-            return Appended(ReuseClass.EXACT, "", found.seconds)
-        kv = self._compute(cache, seg.token_ids)
-        self.store.put(namespace, key, self._stored_form(kv))
-        if found.rejected:
-            return Appended(ReuseClass.REJECTED, found.rejected, found.seconds)
-        return Appended(ReuseClass.COMPUTED, "", found.seconds)
+        return self.append_run(cache, [seg], [(namespace, key)])[0]
+
+    def append_run(self, cache: KVCache, segs: Sequence[Segment],
+                   keys: Sequence[tuple[Namespace, StoreKey | None]]) -> list[Appended]:
+        """:meth:`append_exact` over consecutive prefix segments, in order. The hits of a run of
+        consecutive hits are loaded together (:meth:`ModelRunner.load_many`: one rotation per layer
+        over all of them), just before the next segment computed or at the end: the same rows as
+        loading each in turn.
+
+        Args:
+            cache: the request's cache (the segments go at its end, in order).
+            segs: the segments.
+            keys: each segment's namespace and key (:meth:`prefix_keys`; a None key computes it
+                without the store).
+
+        Returns:
+            What happened to each segment, in order.
+        """
+        done: list[Appended] = []
+        hits: list[KVEntry] = []
+        for seg, (ns, key) in zip(segs, keys, strict=True):
+            found = self.lookup(ns, key, len(seg)) if key is not None else None
+            if found is not None and found.entry is not None:
+                hits.append(found.entry)
+                done.append(Appended(ReuseClass.EXACT, "", found.seconds))
+                continue
+            self.model.load_many(cache, hits)  # the rows this segment attends to
+            hits = []
+            kv = self._compute(cache, seg.token_ids)
+            if found is None:
+                done.append(Appended(ReuseClass.COMPUTED, "", 0.0))
+                continue
+            self.store.put(ns, key, self._stored_form(kv))
+            done.append(Appended(ReuseClass.REJECTED, found.rejected, found.seconds) if found.rejected
+                        else Appended(ReuseClass.COMPUTED, "", found.seconds))
+        self.model.load_many(cache, hits)
+        return done
 
     def canonical_kv(self, preamble: Segment, ids: Sequence[int], salt: str = "") -> KVEntry:
         """A chunk's canonical KV: computed alone, right after the preamble.
@@ -298,12 +323,14 @@ class SegmentCache:
             return logits, rows, 0.0
         keys = self.exact_keys([*prefix, *parts], salt)[len(prefix):] if use_store else [None] * len(parts)
         rows, waited = [], 0.0
-        for part, key in zip(parts[:-1], keys[:-1]) if not attached else ():
+        if not attached:
             start = cache.length
-            done = self.append_exact(cache, part, key)
-            rows.append(SegmentReport(part.kind, done.reuse_class, len(part), start, key_hex(key) if key else "",
-                                      note=done.note))
-            waited += done.lookup_s
+            earlier = self.append_run(cache, parts[:-1], [(Namespace.EXACT, k) for k in keys[:-1]])
+            for part, key, done in zip(parts[:-1], keys[:-1], earlier):
+                rows.append(SegmentReport(part.kind, done.reuse_class, len(part), start, key_hex(key) if key else "",
+                                          note=done.note))
+                waited += done.lookup_s
+                start += len(part)
         last, key = parts[-1], keys[-1]
         start = cache.length
         h, kv = self.model.prefill(cache, self.model.ids(last.token_ids), keep_kv=key is not None)  # (S, C)

@@ -161,3 +161,42 @@ def test_a_corrupt_canonical_entry_is_never_loaded_by_exact_mode(tiny_engine_fac
     ans = eng.generate(prompt, max_new_tokens=1)
     assert classes(ans)[1] is ReuseClass.REJECTED
     assert torch.equal(ans.first_logits, cold.first_logits)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
+def test_hits_on_both_sides_of_a_miss_load_in_runs_and_equal_cold(tiny_engine_factory, kv_dtype):
+    """append_run loads consecutive hits together (one rotation per layer over them): a prefix whose
+    middle document misses loads the hits before it, computes it over them, then loads the rest, and
+    the answer is cold's bit for bit."""
+    eng = tiny_engine_factory(kv_dtype=kv_dtype)
+    prompt = eng.build_prompt("What is listed?", make_docs(5))
+    cold = eng.generate(prompt, max_new_tokens=4, stop_at_newline=False)
+    keys = [k for _, k in eng.segments.prefix_keys(prompt.segments[:-1])]
+    assert eng.store.delete(Namespace.EXACT, keys[3])  # the third document (the preamble is keys[0])
+    warm = eng.generate(prompt, max_new_tokens=4, stop_at_newline=False)
+    assert classes(warm) == [ReuseClass.EXACT] * 3 + [ReuseClass.COMPUTED] + [ReuseClass.EXACT] * 2 + [
+        ReuseClass.COMPUTED]
+    assert [s.start for s in warm.report.segments] == [s.start for s in cold.report.segments]
+    assert torch.equal(cold.first_logits, warm.first_logits)
+    assert cold.token_ids == warm.token_ids
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_load_many_equals_loading_each_in_turn(tiny_engine, stored):
+    runner = tiny_engine.runner
+    L, H, D = runner.dims.num_layers, runner.dims.num_kv_heads, runner.dims.head_dim
+    gen = torch.Generator().manual_seed(0)
+    entries = [KVEntry(torch.randn(L, H, n, D, generator=gen).to(stored), torch.randn(L, H, n, D, generator=gen).to(stored))
+               for n in (7, 1, 30)]
+    one, many = runner.new_cache(50), runner.new_cache(50)
+    for c in (one, many):
+        runner.prefill(c, runner.ids([1, 2, 3]))  # something before: positions continue
+    for e in entries:
+        runner.load(one, e)
+    runner.load_many(many, entries)
+    runner.load_many(many, [])  # nothing
+    assert one.length == many.length == 41
+    assert torch.equal(one.pos[:41], many.pos[:41])
+    for i in range(L):
+        for a, b in zip(one.view(i), many.view(i)):
+            assert torch.equal(a, b)
