@@ -5,6 +5,8 @@
 2. TTFT of an exact hit (a ~3.5k-token cached prefix plus a ~100-token
    question) against the same request cold (target ratio <= 0.08), and of the
    request after it, whose prefix is hot (attached, not loaded: blend.prefix_cache).
+   ``rag-hit``: the same for musique prompts (6 passages, ~3.6k tokens, their own
+   ~20-token questions), the shape a RAG pipeline that repeats a retrieval sends.
 3. Exact reuse on reordered documents after ingest (musique prompts, chunks
    precomputed, each request in a new document order): only the preamble is an
    identical prefix (what a prefix cache gets, ``exact(prefix_limit=1)``), but
@@ -23,7 +25,7 @@
 Repeats are interleaved (engine, transformers, engine, ...) so machine drift
 hits both alike; the median is reported.
 
-    python -m blend.evals.bench_prefill [--model smollm2-135m] [--repeats 3] [--cases prefill,hit,first-doc,follow-up]
+    python -m blend.evals.bench_prefill [--model smollm2-135m] [--repeats 3] [--cases prefill,hit,rag-hit,first-doc,follow-up]
         [--json OUT] [--profile ROWS]
 """
 
@@ -113,6 +115,27 @@ def _filler(i: int) -> str:
             "ferry timetable would change in spring, and that the library roof still leaked. ") * 3
 
 
+def _cold_warm_hot(eng: Engine, prompt: Prompt) -> tuple[float, float, float]:
+    """TTFTs of one prompt under exact reuse in a fresh store: cold (computed and stored), warm (every
+    segment loaded) and hot (the prefix found stored again is attached).
+
+    Raises:
+        RuntimeError: the warm or hot request did not reuse every segment before the question, or its
+            first-token logits differ from cold's in any bit.
+    """
+    fresh = eng.with_store(MemoryStore())
+    try:
+        answers = [fresh.generate(prompt, ReusePolicy.exact(), max_new_tokens=1) for _ in range(3)]
+    finally:
+        fresh.close()
+    for name, a in zip(("warm", "hot"), answers[1:]):
+        if any(r.reuse_class is not ReuseClass.EXACT for r in a.report.segments[:-1]):
+            raise RuntimeError(f"the {name} request was not an exact hit")
+        if not torch.equal(a.first_logits, answers[0].first_logits):
+            raise RuntimeError(f"the {name} request's first-token logits differ from cold's")
+    return answers[0].ttft_s, answers[1].ttft_s, answers[2].ttft_s
+
+
 def bench_exact_hit(model: str, repeats: int, prefix_tokens: int = 3500, profile_rows: int = 0) -> HitRow:
     """TTFT of a request whose documents are an exact cached prefix, against the same request cold.
 
@@ -121,7 +144,7 @@ def bench_exact_hit(model: str, repeats: int, prefix_tokens: int = 3500, profile
         repeats: cold/warm pairs, interleaved.
         prefix_tokens: length of the cached prefix.
         profile_rows: > 0 prints the torch profiler's top operators (by self CPU time) of three
-            more warm requests, after the timed ones.
+            more hot requests, after the timed ones.
 
     Returns:
         Medians of the cold and warm TTFTs.
@@ -135,22 +158,53 @@ def bench_exact_hit(model: str, repeats: int, prefix_tokens: int = 3500, profile
                 "in one short sentence that names each of the three items clearly and briefly. If a section "
                 "does not mention one of them, say which section would be the right place to look for it next.")
     prompt = eng.build_prompt(question, docs)
-    cold, warm, hot = [], [], []
     eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # warm-up
-    for _ in range(repeats):
+    cold, warm, hot = zip(*(_cold_warm_hot(eng, prompt) for _ in range(repeats)))
+    if profile_rows:
         fresh = eng.with_store(MemoryStore())
-        cold.append(fresh.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).ttft_s)
-        warm.append(fresh.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).ttft_s)
-        hot.append(fresh.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).ttft_s)
-        if profile_rows and len(warm) == repeats:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                for _ in range(3):
-                    fresh.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
-            print("warm exact hits (3 requests), by self CPU time:\n"
-                  + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=profile_rows), flush=True)
+        for _ in range(3):  # cold, warm, then hot from here on
+            fresh.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                fresh.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+        print("hot exact hits (3 requests), by self CPU time:\n"
+              + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=profile_rows), flush=True)
         fresh.close()
     return HitRow(len(prompt), len(prompt) - len(prompt.question), statistics.median(cold), statistics.median(warm),
                   statistics.median(hot))
+
+
+@dataclass(frozen=True)
+class RagHitRow:
+    """Exact hits of RAG prompts: medians over items and repeats of each ratio to the same prompt cold."""
+
+    items: int
+    passages: int
+    prompt_tokens: int  # median
+    question_tokens: int  # median
+    cold_s: float  # median
+    warm_ratio: float
+    hot_ratio: float
+
+
+def bench_rag_hit(model: str, data: str, items: range, repeats: int, passages: int = 6) -> RagHitRow:
+    """Exact hits of musique prompts (their own short questions, ``passages`` documents: ~3.6k tokens at 6)
+    against the same prompt cold: what a RAG pipeline that repeats a retrieval gets. Per item and
+    repeat, a fresh store: cold, warm (every segment loaded), hot (attached)."""
+    eng = Engine.load(model, quality_gate=False)
+    chosen = [it for i, it in enumerate(load_items(data, None, passages)) if i in items]
+    prompts = [eng.build_prompt(it.question, it.document_texts()) for it in chosen]
+    eng.generate(prompts[0], ReusePolicy.exact(), max_new_tokens=1)  # warm-up
+    cold, warm, hot = [], [], []
+    for p in prompts:
+        for _ in range(repeats):
+            c, w, h = _cold_warm_hot(eng, p)
+            cold.append(c)
+            warm.append(w / c)
+            hot.append(h / c)
+    return RagHitRow(len(prompts), passages, int(statistics.median(len(p) for p in prompts)),
+                     int(statistics.median(len(p.question) for p in prompts)), statistics.median(cold),
+                     statistics.median(warm), statistics.median(hot))
 
 
 @dataclass(frozen=True)
@@ -268,12 +322,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prefix-tokens", type=int, default=3500, help="cached prefix of the exact-hit case")
     ap.add_argument("--cases", default="prefill,hit,first-doc",
-                    help="which of prefill, hit, first-doc, follow-up")
-    ap.add_argument("--data", default="../shared/data/musique_dev.json", help="first-doc, follow-up: the questions")
-    ap.add_argument("--items", default="30-39", help="first-doc, follow-up: item range A-B")
+                    help="which of prefill, hit, rag-hit, first-doc, follow-up")
+    ap.add_argument("--data", default="../shared/data/musique_dev.json", help="rag-hit, first-doc, follow-up: the questions")
+    ap.add_argument("--items", default="30-39", help="rag-hit, first-doc, follow-up: item range A-B")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                    help="hit: print the torch profiler's top ROWS operators of three warm requests")
+                    help="hit: print the torch profiler's top ROWS operators of three hot requests")
     args = ap.parse_args(argv)
     cases = set(args.cases.split(","))
     out: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__}
@@ -310,6 +364,12 @@ def main(argv=None) -> int:
               f"cold TTFT {hit.cold_s:.3f} s, warm TTFT {hit.warm_s:.3f} s, ratio {hit.ratio:.3f}; "
               f"again (hot prefix attached) {hit.hot_s:.3f} s, ratio {hit.hot_ratio:.3f}")
         out["exact_hit"] = {**asdict(hit), "ratio": hit.ratio, "hot_ratio": hit.hot_ratio}
+    if "rag-hit" in cases:
+        rh = bench_rag_hit(args.model, args.data, items, args.repeats)
+        print(f"\nexact hits of RAG prompts: {rh.items} items x {args.repeats}, {rh.passages} passages, "
+              f"{rh.prompt_tokens} tokens ({rh.question_tokens} in the question); cold TTFT {rh.cold_s:.3f} s, "
+              f"warm ratio {rh.warm_ratio:.4f}, hot ratio {rh.hot_ratio:.4f}", flush=True)
+        out["rag_hit"] = asdict(rh)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

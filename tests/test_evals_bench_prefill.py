@@ -12,13 +12,23 @@ def test_first_document_case_times_the_three_paths_and_checks_the_reuse():
     assert 0 < row.preamble_only_ratio and 0 < row.exact_ratio
 
 
-def test_exact_hit_case_profiles_warm_requests_when_asked(capsys):
+def test_exact_hit_case_profiles_hot_requests_when_asked(capsys):
     from blend.evals.bench_prefill import bench_exact_hit
 
     row = bench_exact_hit("tiny-llama", repeats=1, prefix_tokens=200, profile_rows=5)
     assert row.cached_tokens >= 200 and row.prompt_tokens > row.cached_tokens and row.warm_s > 0
     out = capsys.readouterr().out
-    assert "warm exact hits (3 requests)" in out and "Self CPU" in out
+    assert "hot exact hits (3 requests)" in out and "Self CPU" in out
+
+
+def test_rag_hit_case_times_exact_hits_of_the_data_prompts():
+    from blend.evals.bench_prefill import bench_rag_hit
+
+    # the case raises unless warm and hot reuse every segment and equal cold bit for bit
+    row = bench_rag_hit("tiny-llama", "synthetic:single", range(0, 2), repeats=1, passages=2)
+    assert row.items == 2 and row.passages == 2 and row.cold_s > 0
+    assert row.prompt_tokens > row.question_tokens > 0
+    assert 0 < row.warm_ratio and 0 < row.hot_ratio
 
 
 def test_follow_up_case_reuses_the_documents_exactly_and_blends_them_reordered():
