@@ -382,7 +382,7 @@ def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv
         return BlockPlan(AttentionRoute.SUFFIX, **sizes)
     g = q_heads // kv_heads
     onednn = use_onednn(t, q_pos.device)
-    ends = torch.searchsorted(k_pos, q_pos, right=True)  # (S,) visible key prefix per query
+    ends = torch.searchsorted(k_pos, q_pos.contiguous(), right=True)  # (S,) visible key prefix per query
     ends_l = ends.tolist()
     bounds = [round(i * s / blocks) for i in range(blocks + 1)]
     out = []
