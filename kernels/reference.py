@@ -411,9 +411,11 @@ def _blocks_flash(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, scale: f
     """The query blocks of a BLOCKS plan on the CPU flash op, written into ``out`` (blind queries untouched).
 
     Args:
-        qf: (Hq, S, D) float32 queries after RoPE; kf, vf: (Hkv, T, D) float32 keys and values.
+        qf: (Hq, S, D) queries after RoPE; kf, vf: (Hkv, T, D) keys and values; one dtype (float32, or
+            bf16 / fp16: the op keeps its softmax and sums in float32, and a block's two parts merge in
+            float32, as a chunked prefill's do).
         scale: softmax scale.
-        plan: the call's plan.
+        plan: the call's plan (its float32 span masks serve every dtype).
         out: (Hq, S, D) float32.
     """
     hq, _, d = qf.shape
@@ -485,14 +487,13 @@ def sparse_query_attention_blocked(
                          f"{plan.k_pos.numel()} keys, {plan.q_heads}/{plan.kv_heads} heads) than the call's {shp}")
     if plan.route is AttentionRoute.REFERENCE:
         return sparse_query_attention_ref(q, q_pos, k, v, k_pos, scale)
-    if plan.route is AttentionRoute.SUFFIX:
-        return causal_suffix_attention(q.float(), k.float(), v.float(), scale).to(q.dtype)
-    qf, kf, vf = q.float(), k.float(), v.float()
+    if plan.route is AttentionRoute.SUFFIX:  # chunked prefill: the prefill's own program, in q's dtype
+        return causal_suffix_attention(q, k, v, scale)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # (Hq, S, D)
-    if plan.onednn:  # the same blocks, each one masked GEMM over its keys [0, tb) per KV head
-        blocks_onednn(qf, kf, vf, scale, plan, out)
-    else:
-        _blocks_flash(qf, kf, vf, scale, plan, out)
+    if plan.onednn:  # the same blocks, each one masked GEMM over its keys [0, tb) per KV head (float32)
+        blocks_onednn(q.float(), k.float(), v.float(), scale, plan, out)
+    else:  # the flash op in the inputs' dtype, as a prefill runs it (softmax and accumulation in float32
+        _blocks_flash(q, k, v, scale, plan, out)  # inside; a bf16 engine's K/V are not copied to float32)
     if plan.blind:
         out[:, :plan.blind] = 0.0
     return out.to(q.dtype)

@@ -105,6 +105,29 @@ def test_blocked_cpu_path_matches_reference(dtype, group, blocks):
     assert_close_tol(actual, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_blocked_cpu_path_runs_the_flash_op_in_the_inputs_dtype(dtype, monkeypatch, attention_route):
+    """A bf16 / fp16 engine's blend attends as its prefill does: the flash op on its own K/V (no float32
+    copy of them per layer), both parts of a block with a long shared prefix, merged in float32."""
+    import blend.kernels.reference as R
+
+    attention_route("flash")
+    seen = []
+    real = R._flash
+    monkeypatch.setattr(R, "_flash", lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or real(q, k, v, **kw))
+    t = R.SPLIT_MIN_PREFIX + 400
+    gen = torch.Generator().manual_seed(12)
+    rows = torch.sort(torch.randperm(t - 64, generator=gen)[:150] + 64).values
+    inp = make_attention_inputs(2, 3, t, 64, rows, dtype)
+    plan = R.plan_query_blocks(inp.q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0])
+    assert plan.route is R.AttentionRoute.BLOCKS and any(b.lo >= R.SPLIT_MIN_PREFIX for b in plan.blocks)
+    got = R.sparse_query_attention_blocked(*inp.args(), plan=plan)
+    assert seen and all(d == (dtype,) * 3 for d in seen)
+    assert len(seen) > len(plan.blocks)  # two parts for some block
+    assert got.dtype == dtype and got.shape == inp.q.shape
+    assert_close_tol(got, sparse_query_attention_ref(*inp.args()))
+
+
 def test_blocked_cpu_path_edge_cases():
     from blend.kernels import sparse_query_attention_blocked
 
