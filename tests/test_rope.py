@@ -62,3 +62,24 @@ def test_rope_into_is_bit_identical_to_apply_rope(dtype, rotary):
     apply_rope_into(buf[:, 5:45], x, cos, sin)
     assert torch.equal(buf[:, 5:45], apply_rope(x, cos, sin))
     assert buf[:, :5].isnan().all() and buf[:, 45:].isnan().all()  # nothing outside the rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rotary", [64, 32])
+@pytest.mark.parametrize("layout", ["contiguous", "heads-strided"])
+def test_apply_rope_is_the_textbook_form_bit_for_bit(dtype, rotary, layout):
+    """x*cos + rotate_half(x)*sin (what transformers computes, tables cast to x's dtype), without its
+    temporaries: the same bits in every dtype, for a strided x (queries viewed out of a projection) too."""
+    from blend.rope import rotate_half
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 3, 64, generator=gen).to(dtype).transpose(0, 1) if layout == "heads-strided" \
+        else torch.randn(3, 40, 64, generator=gen).to(dtype)  # (H, T, D)
+    ang = torch.randn(40, rotary // 2, generator=gen)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)  # (T, R) fp32
+    c, s = cos.to(dtype), sin.to(dtype)
+    rot = x[..., :rotary]
+    textbook = torch.cat((rot * c + rotate_half(rot) * s, x[..., rotary:]), dim=-1)
+    got = apply_rope(x, cos, sin)
+    assert got.is_contiguous() and got.dtype == dtype
+    assert torch.equal(got, textbook)
