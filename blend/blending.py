@@ -426,7 +426,7 @@ class BlendRows:
         if self._queries is None or self._queries.active is not active:
             plan, dims = self.plan, self.model.dims
             pos = plan.pos[active]  # (A,)
-            blocks = plan_query_blocks(pos, self.k_pos, dims.num_heads, dims.num_kv_heads) \
+            blocks = plan_query_blocks(pos, self.k_pos, dims.num_heads, dims.num_kv_heads, dtype=self.model.dtype) \
                 if pos.device.type == "cpu" else None
             self._queries = _ActiveQueries(active, pos, plan.cos[active], plan.sin[active], blocks)
         return self._queries

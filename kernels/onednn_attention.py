@@ -108,9 +108,10 @@ def attention_label() -> str:
     return f"attn-onednn-{SUFFIX_MIN_KEYS}k{SUFFIX_MIN_QUERIES}q{SUFFIX_BLOCK_ROWS}r"
 
 
-def use_onednn(keys: int, device: torch.device) -> bool:
-    """Whether a blend's blocked attention call over ``keys`` keys on ``device`` runs on oneDNN's GEMMs."""
-    return device.type == "cpu" and keys >= ONEDNN_MIN_KEYS and onednn_route_on()
+def use_onednn(keys: int, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a blend's blocked attention call over ``keys`` keys on ``device`` runs on oneDNN's GEMMs
+    (float32 GEMMs: a bf16 / fp16 engine keeps the flash op in its own dtype, as its prefill does)."""
+    return device.type == "cpu" and dtype == torch.float32 and keys >= ONEDNN_MIN_KEYS and onednn_route_on()
 
 
 def use_onednn_suffix(q: torch.Tensor, keys: int) -> bool:

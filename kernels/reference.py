@@ -361,13 +361,15 @@ class BlockPlan:
 
 
 def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv_heads: int,
-                      blocks: int | None = None) -> BlockPlan:
+                      blocks: int | None = None, dtype: torch.dtype = torch.float32) -> BlockPlan:
     """The plan of :func:`sparse_query_attention_blocked` for these positions (see there).
 
     Args:
         q_pos: (S,) int64 query positions; k_pos: (T,) int64 key positions (one device).
         q_heads, kv_heads: head counts (q_heads % kv_heads == 0).
         blocks: query blocks (default: one per 64 queries, 4 to 16).
+        dtype: the calls' q/K/V dtype: only float32 may take oneDNN's route (its GEMMs are float32;
+            other dtypes keep the flash op in their own dtype). A plan serves any dtype correctly.
 
     Returns:
         The plan; valid for any q, k, v of these sizes at these positions.
@@ -381,7 +383,7 @@ def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv
     if _is_suffix(q_pos, k_pos):
         return BlockPlan(AttentionRoute.SUFFIX, **sizes)
     g = q_heads // kv_heads
-    onednn = use_onednn(t, q_pos.device)
+    onednn = use_onednn(t, q_pos.device, dtype)
     ends = torch.searchsorted(k_pos, q_pos.contiguous(), right=True)  # (S,) visible key prefix per query
     ends_l = ends.tolist()
     bounds = [round(i * s / blocks) for i in range(blocks + 1)]
@@ -481,7 +483,7 @@ def sparse_query_attention_blocked(
     """
     shp = check_attention(q, q_pos, k, v, k_pos, scale)
     if plan is None:
-        plan = plan_query_blocks(q_pos, k_pos, shp.q_heads, shp.kv_heads, blocks)
+        plan = plan_query_blocks(q_pos, k_pos, shp.q_heads, shp.kv_heads, blocks, q.dtype)
     elif not plan.fits(q_pos, k_pos, shp):
         raise ValueError(f"attention plan made for other positions or heads ({plan.q_pos.numel()} queries x "
                          f"{plan.k_pos.numel()} keys, {plan.q_heads}/{plan.kv_heads} heads) than the call's {shp}")

@@ -337,6 +337,11 @@ def test_the_onednn_route_is_decided_by_policy_keys_and_cpu(attention_route):
     with pytest.raises(ValueError, match="KVBLEND_ATTENTION_GEMM='fastest' is not one of auto|flash|onednn"):
         planned(n)
     assert not O.use_onednn(n, torch.device("meta"))  # CPU only
+    attention_route("onednn")
+    k_pos = torch.arange(n)
+    for dtype in (torch.bfloat16, torch.float16):  # float32 GEMMs: other dtypes keep the flash op, as their prefill
+        assert not plan_query_blocks(k_pos[n // 2::4], k_pos, 6, 2, dtype=dtype).onednn
+        assert not O.use_onednn(n, torch.device("cpu"), dtype)
 
 
 @pytest.mark.parametrize("layout", [Layout.TOKEN_MAJOR, Layout.DIM_STRIDED])
