@@ -47,7 +47,7 @@ import torch
 
 from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
-from blend.evals.data import load_items
+from blend.evals.data import load_item_range
 from blend.evals.environment import describe_environment
 from blend.evals.metrics import percentile
 from blend.evals.methods import MethodKind, parse_methods
@@ -106,7 +106,7 @@ def size_prompts(engine: Engine, data: str, items: range, size: Size) -> list:
     Returns:
         One prompt per item.
     """
-    chosen = [it for i, it in enumerate(load_items(data, None, size.passages)) if i in items]
+    chosen = load_item_range(data, items, size.passages)
     out = []
     for it in chosen:
         texts = [t[: size.chars] if size.chars else t for t in it.document_texts()]

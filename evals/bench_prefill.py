@@ -42,7 +42,7 @@ import torch
 
 from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
-from blend.evals.data import load_items
+from blend.evals.data import load_item_range
 from blend.evals.splits import parse_item_range
 from blend.evals.metrics import kl_divergence
 from blend.policy import ReusePolicy
@@ -192,7 +192,7 @@ def bench_rag_hit(model: str, data: str, items: range, repeats: int, passages: i
     against the same prompt cold: what a RAG pipeline that repeats a retrieval gets. Per item and
     repeat, a fresh store: cold, warm (every segment loaded), hot (attached)."""
     eng = Engine.load(model, quality_gate=False)
-    chosen = [it for i, it in enumerate(load_items(data, None, passages)) if i in items]
+    chosen = load_item_range(data, items, passages)
     prompts = [eng.build_prompt(it.question, it.document_texts()) for it in chosen]
     eng.generate(prompts[0], ReusePolicy.exact(), max_new_tokens=1)  # warm-up
     cold, warm, hot = [], [], []
@@ -222,7 +222,7 @@ class FirstDocRow:
 def bench_first_document(model: str, data: str, items: range, repeats: int, passages: int = 5) -> FirstDocRow:
     """Exact reuse of reordered documents whose chunks were precomputed (see the module docstring)."""
     eng = Engine.load(model, quality_gate=False).with_store(MemoryStore())
-    chosen = [it for i, it in enumerate(load_items(data, None, passages)) if i in items]
+    chosen = load_item_range(data, items, passages)
     full, pre, exact, tokens, first = [], [], [], [], []
     policies = {"none": ReusePolicy.none(), "pre": ReusePolicy.exact(prefix_limit=1), "exact": ReusePolicy.exact()}
     names = list(policies)
@@ -271,7 +271,7 @@ def bench_follow_up(model: str, data: str, items: range, repeats: int, passages:
                     answer_tokens: int = 32) -> FollowUpRow:
     """A conversation's third turn over the first turn's documents (see the module docstring)."""
     eng = Engine.load(model, quality_gate=False).with_store(MemoryStore())
-    chosen = [it for i, it in enumerate(load_items(data, None, passages)) if i in items]
+    chosen = load_item_range(data, items, passages)
     full, exact, docs_only, blend, kls, tokens, hist, computed = [], [], [], [], [], [], [], []
     for it in chosen:
         texts = it.document_texts()

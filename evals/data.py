@@ -193,3 +193,26 @@ def load_items(data: str, limit: int | None, passages: int | None, seed: int = 0
     if data.startswith(SYNTHETIC_PREFIX):
         return generate(data[len(SYNTHETIC_PREFIX):], n=limit or 30, passages=passages or 5, seed=seed)
     return limit_items(load_file(data), limit, passages)
+
+
+def load_item_range(data: str, items: range, passages: int | None, seed: int = 0) -> list[Item]:
+    """Items ``items`` of a data file or synthetic set, each with its first ``passages`` documents.
+
+    Args:
+        data: as for :func:`load_items`.
+        items: a range of item indices, step 1 (``range(lo, hi + 1)`` for ``--items lo-hi``).
+        passages: documents per item (None: all).
+        seed: as for :func:`load_items`.
+
+    Returns:
+        The items in the range, in order: a synthetic set is built up to the range's end (it builds any
+        item from its index), a file read up to it (fewer where the file ends first).
+
+    Raises:
+        ValueError: a range with another step.
+    """
+    if items.step != 1:
+        raise ValueError(f"an item range has step 1, got {items!r}")
+    if not items:
+        return []
+    return load_items(data, items.stop, passages, seed)[items.start:items.stop]

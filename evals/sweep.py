@@ -35,7 +35,7 @@ import torch
 
 from blend.defaults import DEFAULT_MODEL
 from blend.engine import Engine
-from blend.evals.data import load_items
+from blend.evals.data import load_item_range
 from blend.evals.methods import MethodKind, Method, parse_method, split_specs
 from blend.evals.metrics import kl_cells, kl_divergence, mean, median, top1_agree
 from blend.evals.report import NEAR_TIE_NATS
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         print("sweep: full and prefix are the reference and exact path; list blend or reuse methods", file=sys.stderr)
         return 2
     lo, hi = parse_item_range(args.items)
-    items = load_items(args.data, hi + 1, args.passages)[lo:hi + 1]  # synthetic sets are built up to hi
+    items = load_item_range(args.data, range(lo, hi + 1), args.passages)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # LRU-bounded: each item precomputes its own chunks right before its methods, so the store only

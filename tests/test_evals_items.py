@@ -144,3 +144,20 @@ def test_results_md_lists_first_token_flips_with_the_references_own_gap(tmp_path
     res["items"][0]["ref_margin"] = "wide"
     with pytest.raises(Exception, match="ref_margin"):
         validate_results(res)
+
+
+def test_load_item_range_is_the_range_of_the_whole_set(tmp_path):
+    """A range of a file's items, and of a synthetic set beyond its default 30 (built from the index)."""
+    from blend.evals.data import load_item_range
+
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"question": f"q{i}?", "ctxs": [{"title": "", "text": f"t{i} {j}"} for j in range(3)],
+                                 "answers": ["a"]} for i in range(6)]))
+    got = load_item_range(str(path), range(2, 5), passages=2)
+    assert [it.question for it in got] == ["q2?", "q3?", "q4?"] and all(len(it.documents) == 2 for it in got)
+    assert [it.question for it in load_item_range(str(path), range(4, 9), None)] == ["q4?", "q5?"]  # file ends
+    assert load_item_range(str(path), range(3, 3), None) == []
+    whole = load_items("synthetic:two-hop", 40, 5)
+    assert load_item_range("synthetic:two-hop", range(33, 36), 5) == whole[33:36]
+    with pytest.raises(ValueError, match="step 1"):
+        load_item_range(str(path), range(0, 6, 2), None)
