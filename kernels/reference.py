@@ -18,8 +18,12 @@ from .checks import AttentionShape, check_attention, check_deviation, check_rope
 from .onednn_attention import blocks_onednn, suffix_onednn, use_onednn, use_onednn_suffix
 
 
-def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """out[..., :R] = x*cos + rotate_half(x)*sin in fp32 (R = cos.shape[-1]); out[..., R:] = x[..., R:]."""
+def _rotate_into_fp32(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """out[..., :R] = x*cos + rotate_half(x)*sin in fp32 (R = cos.shape[-1]); out[..., R:] = x[..., R:].
+
+    rope_mix's reference: float32 math for any x dtype, each second term added by ``addcmul_``,
+    so its last bits differ from the engine's own RoPE (:func:`blend.rope._rotate_into`, products in x's
+    dtype then sums), which the blend's re-positioned keys use."""
     r = cos.shape[-1]
     half = r // 2
     xf = x[..., :r].float()  # (H, N, R), no copy when x is fp32
@@ -57,10 +61,10 @@ def rope_mix_ref(
     sin = sin.float()  # (T, R)
     k_out = out[0] if out is not None else torch.empty(cached_k.shape, dtype=cached_k.dtype,
                                                        device=cached_k.device)  # (Hkv, T, D)
-    _rotate_into(k_out, cached_k, cos, sin)
+    _rotate_into_fp32(k_out, cached_k, cos, sin)
     if shp.fresh > 0:
         k_fresh = torch.empty(fresh_k.shape, dtype=fresh_k.dtype, device=fresh_k.device)  # (Hkv, S, D)
-        _rotate_into(k_fresh, fresh_k, cos[fresh_idx], sin[fresh_idx])
+        _rotate_into_fp32(k_fresh, fresh_k, cos[fresh_idx], sin[fresh_idx])
         k_out.index_copy_(1, fresh_idx, k_fresh)
     if out is not None:  # straight into the caller's rows (e.g. a KV cache), no temporary
         v_out = out[1]
@@ -79,7 +83,7 @@ def rope_rows_ref(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torc
     """Torch reference of ``blend.kernels.rope_rows``: :func:`rope_mix_ref` with no fresh rows, bit for
     bit, without its argument checks."""
     k_out = out[0] if out is not None else torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (H, T, D)
-    _rotate_into(k_out, k, cos.float(), sin.float())
+    _rotate_into_fp32(k_out, k, cos.float(), sin.float())
     if out is None:
         return k_out, v
     out[1].copy_(v)
