@@ -363,7 +363,7 @@ class ModelRunner:
                               b_qkv=None if w.b_qkv is None else w.b_qkv.to(dtype))
                       for w in self.layers]
             if self.gemm is GemmBackend.ONEDNN and packs_natively(dtype):
-                # bf16 F.linear runs on oneDNN already: packing gives the same bits, without a reorder per call
+                # bf16 F.linear runs oneDNN's bf16 kernel already: packed, it skips a weight reorder per call
                 copies = [_packed(w, self.gemm) for w in copies]
             self._gemm_copies[dtype] = copies
         return self._gemm_copies[dtype]

@@ -71,7 +71,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--kv-dtype", default=None, choices=DTYPE_NAMES, help="dtype KV is stored at (default: --dtype)")
     p.add_argument("--gemm", default=DEFAULT_GEMM, choices=GEMM_CHOICES,
-                   help="linear layers: oneDNN over packed weights (auto: a float32 engine on a CPU) or "
+                   help="linear layers: oneDNN over packed weights (auto: a float32 engine on a CPU, or a "
+                        "bfloat16 one on a CPU with native bf16) or "
                         "torch's F.linear; part of the KV's provenance (default: %(default)s)")
     add_store_argument(p)
 

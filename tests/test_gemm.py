@@ -8,24 +8,34 @@ import torch
 import torch.nn.functional as F
 
 from blend.errors import InvalidRequestError
-from blend.gemm import GemmBackend, dense, linear, onednn_available, pack, pick_gemm_backend
+from blend.gemm import GemmBackend, dense, linear, onednn_available, pack, packs_natively, pick_gemm_backend
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
-from conftest import make_docs
+from conftest import make_docs, unguarded_blend
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
 
 
-def test_auto_picks_onednn_only_for_a_float32_cpu_engine():
+NO_BF16 = frozenset({"avx2", "avx512f"})  # CPU flags without native bf16
+AMX = frozenset({"avx512f", "amx_bf16", "amx_tile"})
+
+
+def test_auto_picks_onednn_for_float32_cpu_engines_and_bfloat16_where_bf16_is_native():
     want = GemmBackend.ONEDNN if onednn_available() else GemmBackend.TORCH
     assert pick_gemm_backend("auto", CPU, torch.float32) is want
-    assert pick_gemm_backend("auto", CPU, torch.bfloat16) is GemmBackend.TORCH
+    assert pick_gemm_backend("auto", CPU, torch.float32, NO_BF16) is want
+    assert pick_gemm_backend("auto", CPU, torch.bfloat16, NO_BF16) is GemmBackend.TORCH
+    assert pick_gemm_backend("auto", CPU, torch.bfloat16, AMX) is want
+    assert pick_gemm_backend("auto", CPU, torch.float16, AMX | {"avx512_fp16"}) is GemmBackend.TORCH
     assert pick_gemm_backend("auto", torch.device("cuda"), torch.float32) is GemmBackend.TORCH
+    assert pick_gemm_backend("auto", torch.device("cuda"), torch.bfloat16, AMX) is GemmBackend.TORCH
     assert pick_gemm_backend("torch", CPU, torch.float32) is GemmBackend.TORCH
-    with pytest.raises(ValueError, match="onednn"):
-        pick_gemm_backend("onednn", CPU, torch.bfloat16)
+    assert pick_gemm_backend("torch", CPU, torch.bfloat16, AMX) is GemmBackend.TORCH
+    for dtype, flags in ((torch.bfloat16, NO_BF16), (torch.float16, AMX | {"avx512_fp16"})):
+        with pytest.raises(ValueError, match="onednn"):
+            pick_gemm_backend("onednn", CPU, dtype, flags)
     with pytest.raises(ValueError, match="unknown"):
         pick_gemm_backend("mkl", CPU, torch.float32)
 
@@ -69,18 +79,46 @@ def test_the_backend_is_part_of_the_provenance_so_entries_never_cross(tiny_engin
 
 def test_an_impossible_backend_is_a_clear_error(tiny_engine_factory):
     with pytest.raises(InvalidRequestError, match="onednn"):
-        tiny_engine_factory(dtype="bfloat16", gemm="onednn")
+        tiny_engine_factory(dtype="float16", gemm="onednn")
 
 
-@needs_onednn
-def test_the_probes_bf16_copy_is_packed_only_where_bf16_is_native_and_gives_the_same_bits():
-    from blend.gemm import packs_natively
+needs_native_bf16 = pytest.mark.skipif(not packs_natively(torch.bfloat16),
+                                       reason="no native bf16 on this CPU: bf16 matrices stay plain")
 
+
+@needs_native_bf16
+def test_packed_bf16_matrices_run_oneDNNs_bf16_kernel_as_f_linear_does():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 64, generator=g).bfloat16()
-    if not packs_natively(torch.bfloat16):
-        pytest.skip("no native bf16 on this CPU: the probe's bf16 copy stays plain")
     p = pack(w, GemmBackend.ONEDNN)
     for rows in (1, 25, 200):
         x = torch.randn(rows, 64, generator=g).bfloat16()
-        assert torch.equal(linear(x, p), F.linear(x, w))
+        out = linear(x, p)
+        assert out.dtype == torch.bfloat16
+        # the same kernel at these shapes; oneDNN may pick another at others, so the contract is bf16 rounding
+        torch.testing.assert_close(out.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+
+
+@needs_native_bf16
+def test_a_bf16_engine_packs_where_bf16_is_native_and_keeps_its_invariants(tiny_engine_factory):
+    store = MemoryStore()
+    eng = tiny_engine_factory(dtype="bfloat16", store=store)
+    plain = tiny_engine_factory(dtype="bfloat16", store=store, gemm="torch")
+    assert eng.runner.gemm is GemmBackend.ONEDNN and plain.runner.gemm is GemmBackend.TORCH
+    assert all(w.w_qkv.is_mkldnn and w.w_down.is_mkldnn for w in eng.runner.layers) and eng.runner.lm_head.is_mkldnn
+    assert eng.runner.layers_in(torch.bfloat16) is eng.runner.layers  # the probe runs on the engine's own
+    prompt = eng.build_prompt("Which?", make_docs(3))
+    full = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=4)
+    cold = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=4)
+    warm = eng.with_store(store).generate(prompt, ReusePolicy.exact(), max_new_tokens=4)
+    assert all(s.reuse_class is ReuseClass.EXACT for s in warm.report.segments[:-1])
+    assert torch.equal(full.first_logits, cold.first_logits) and torch.equal(cold.first_logits, warm.first_logits)
+    assert warm.token_ids == cold.token_ids == full.token_ids  # decode steps on the packed weights too
+    shuffled = eng.build_prompt("Which?", make_docs(3)[::-1])
+    eng.generate(shuffled, ReusePolicy.exact(), max_new_tokens=1)  # stores this order's chunks
+    one = eng.generate(shuffled, unguarded_blend(ratio=1.0), max_new_tokens=1)
+    assert torch.equal(one.first_logits, eng.generate(shuffled, ReusePolicy.none(), max_new_tokens=1).first_logits)
+    other = plain.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # the packed engine's entries: misses
+    assert all(s.reuse_class is ReuseClass.COMPUTED for s in other.report.segments)
+    assert (other.first_logits - full.first_logits).abs().max() < 0.05  # the same model to bf16 rounding
