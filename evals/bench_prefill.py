@@ -70,14 +70,17 @@ class HitRow:
     cold_s: float
     warm_s: float  # the first warm request: every segment loaded from the store
     hot_s: float = 0.0  # the next one: the prefix found stored again is attached (blend.prefix_cache)
+    warm_ratios: tuple[float, ...] = ()  # each repeat's warm / cold of the same repeat
+    hot_ratios: tuple[float, ...] = ()
 
     @property
     def ratio(self) -> float:
-        return self.warm_s / self.cold_s
+        """Median over repeats of warm / the same repeat's cold (as ``rag-hit``); medians' ratio without them."""
+        return statistics.median(self.warm_ratios) if self.warm_ratios else self.warm_s / self.cold_s
 
     @property
     def hot_ratio(self) -> float:
-        return self.hot_s / self.cold_s
+        return statistics.median(self.hot_ratios) if self.hot_ratios else self.hot_s / self.cold_s
 
 
 def _timed(fn) -> float:
@@ -171,7 +174,8 @@ def bench_exact_hit(model: str, repeats: int, prefix_tokens: int = 3500, profile
               + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=profile_rows), flush=True)
         fresh.close()
     return HitRow(len(prompt), len(prompt) - len(prompt.question), statistics.median(cold), statistics.median(warm),
-                  statistics.median(hot))
+                  statistics.median(hot), tuple(w / c for w, c in zip(warm, cold)),
+                  tuple(h / c for h, c in zip(hot, cold)))
 
 
 @dataclass(frozen=True)

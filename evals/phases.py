@@ -189,6 +189,7 @@ class PhaseClock(AbstractContextManager):
             (segments.SegmentCache, "lookup", Phase.LOOKUP),
             (segments.SegmentCache, "fetch_chunks", Phase.LOOKUP),
             (model.ModelRunner, "load", Phase.LOOKUP),
+            (model.ModelRunner, "load_many", Phase.LOOKUP),  # stored runs (exact prefixes, exact documents)
             (blending.Checker, "select", Phase.CHECK),
             (blending, "run_probe", Phase.CHECK),
             (blending, "run_probe_first", Phase.CHECK),

@@ -12,6 +12,14 @@ def test_first_document_case_times_the_three_paths_and_checks_the_reuse():
     assert 0 < row.preamble_only_ratio and 0 < row.exact_ratio
 
 
+def test_the_hit_ratio_is_the_median_of_each_repeats_own_ratio():
+    from blend.evals.bench_prefill import HitRow
+
+    row = HitRow(100, 90, cold_s=2.0, warm_s=0.2, hot_s=0.1, warm_ratios=(0.05, 0.3, 0.08), hot_ratios=(0.04, 0.06, 0.2))
+    assert row.ratio == 0.08 and row.hot_ratio == 0.06  # not 0.2 / 2.0 = 0.1 (a ratio of medians)
+    assert HitRow(100, 90, 2.0, 0.2, 0.1).ratio == 0.1  # rows without per-repeat ratios keep the old form
+
+
 def test_exact_hit_case_profiles_hot_requests_when_asked(capsys):
     from blend.evals.bench_prefill import bench_exact_hit
 

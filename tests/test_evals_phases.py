@@ -30,6 +30,26 @@ def test_the_clock_times_a_blend_by_phase_and_restores_what_it_wrapped(tiny_engi
     assert sum(v for p, v in phases.items() if p is not Phase.OTHER) <= clocked.ttft_s
 
 
+def test_stored_rows_loaded_for_an_exact_hit_are_lookup_time(tiny_engine, monkeypatch):
+    import time
+
+    prompt = tiny_engine.build_prompt("q?", make_docs(3, words=20))
+    tiny_engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # stores the documents
+    warm = tiny_engine.with_store(tiny_engine.store)  # no hot prefix: the hit loads its stored rows
+    load_many = model.ModelRunner.load_many
+
+    def slow_load_many(self, cache, segs):  # every load, however it is reached, takes 50 ms more
+        time.sleep(0.05)
+        return load_many(self, cache, segs)
+
+    monkeypatch.setattr(model.ModelRunner, "load_many", slow_load_many)
+    with PhaseClock(None) as clock:
+        ans = warm.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+    assert ans.report.segments[0].reuse_class.value == "exact"
+    t = clock.times.with_remainder(ans.ttft_s)
+    assert t[Phase.LOOKUP] >= 0.05 and t[Phase.OTHER] < 0.05
+
+
 def test_full_prefill_has_no_check_phase(tiny_engine):
     prompt = tiny_engine.build_prompt("q?", make_docs(2, words=20))
     with PhaseClock(None) as clock:
@@ -52,7 +72,9 @@ def test_bench_phases_writes_a_table_a_plot_and_the_fixed_overhead(tmp_path):
     assert full["ratio"] == 1.0 and 0 < reuse["ratio"] and 0 < blend["ratio"]
     assert blend["phases"][Phase.CHECK.value] > 0 and full["phases"][Phase.CHECK.value] == 0
     assert set(res["fixed_overhead_s"]) == {"600"} and set(res["exact_docs_overhead_s"]) == {"600"}
-    assert "documents that are all exact hits" in (out / "phases.md").read_text()
+    assert set(res["exact_docs_hot_overhead_s"]) == {"600"}
+    md = (out / "phases.md").read_text()
+    assert "documents that are all exact hits, loaded from the store" in md and "hot-prefix cache" in md
     assert (out / "phases.png").stat().st_size > 1000
     assert "| 600 | blend@0.3 |" in (out / "phases.md").read_text()
     assert full["pairs_share"] == 1.0 and full["rows_share"] == 1.0 and abs(full["floor"] - 1.0) < 1e-12
@@ -64,12 +86,14 @@ def test_bench_phases_writes_a_table_a_plot_and_the_fixed_overhead(tmp_path):
 def test_bench_bf16_scores_against_fp32_full_prefill():
     from blend.evals import bench_bf16
 
-    res = bench_bf16.run("tiny-llama", "synthetic:single", [0, 1], 2, [0.3])
+    res = bench_bf16.run("tiny-llama", "synthetic:single", [0, 1], 2, [0.3], repeats=2)
+    assert res["repeats"] == 2 and set(res["gemm"]) == {"float32", "bfloat16"}
     for row in res["rows"]:
         m = row["methods"]
         assert m["fp32 full"]["kl"] == 0.0 and m["fp32 full"]["ratio"] == 1.0
         assert 0.0 < m["bf16 full"]["kl"] < 0.05  # bf16 rounding, not a different model
-    assert "| bf16 blend@0.3 |" in bench_bf16.summarise(res)
+    assert "| bf16 blend@0.3 |" in bench_bf16.summarise(res) and "2 rounds" in bench_bf16.summarise(res)
+    assert bench_bf16._methods([0.3])["bf16 reuse"][1].guard_margin is None  # the floor is never guarded
 
 
 def test_the_clock_counts_a_full_prefills_work_exactly(tiny_engine):
