@@ -41,7 +41,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--data", required=True,
                    help="JSON/JSONL file of CacheBlend records ({ctxs, question, answers}) or of your own questions "
                         "({question, documents}; answers optional), or synthetic:single / synthetic:two-hop")
-    p.add_argument("--limit", type=_positive, default=30, help="number of items (default 30)")
+    p.add_argument("--limit", type=_positive, default=30,
+                   help="number of items from item 0 (default 30: musique_dev's tuning split, 0-29; results.md "
+                        "names the range and its split)")
     p.add_argument("--items", default=None,
                    help="item range A-B of the data, 0-based inclusive (overrides --limit), e.g. 30-99 "
                         "(musique_dev: 0-29 is the tuning split, 30-99 the validation split)")

@@ -60,7 +60,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from blend.evals.data import SYNTHETIC_PREFIX
 from blend.evals.methods import REFERENCE
+from blend.evals.splits import TUNING, VALIDATION
 
 AGG_NUMBERS = (
     "f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_median_s", "ttft_p90_s",
@@ -82,6 +84,56 @@ TOP_LEVEL = {
 }
 # Metrics in [0, 1].
 UNIT = ("f1", "em", "rouge_l", "contains", "agreement", "top1", "tf_agreement", "recomputed_frac", "computed_frac")
+
+
+SPLIT_DATA = "musique_dev"  # the data set whose item indices TUNING / VALIDATION name
+
+
+def split_of(item: int) -> str:
+    """``tuning``, ``validation`` or ``other`` for a musique_dev item index."""
+    if TUNING[0] <= item <= TUNING[1]:
+        return "tuning"
+    return "validation" if VALIDATION[0] <= item <= VALIDATION[1] else "other"
+
+
+def range_split(first: int, last: int, data: str | None = None) -> str:
+    """The split an item range ``first``-``last`` (inclusive) of ``data`` belongs to.
+
+    Args:
+        first: the range's first item index.
+        last: its last.
+        data: the data (``--data``); None: musique_dev indices assumed (research rows).
+
+    Returns:
+        ``tuning`` (within 0-29) or ``validation`` (within 30-99) for musique_dev, ``mixed`` where the
+        range spans more than one of tuning / validation / beyond, ``other`` where it lies wholly past
+        them or the data is another file, ``synthetic`` for a built-in synthetic set.
+    """
+    if data is not None:
+        if data.startswith(SYNTHETIC_PREFIX):
+            return "synthetic"
+        if SPLIT_DATA not in Path(data).name.lower():
+            return "other"
+    a, b = split_of(first), split_of(last)
+    return a if a == b else "mixed"
+
+
+def _items_line(results: dict[str, Any]) -> str:
+    """results.md's item range and split, e.g. ``items 0-29 (30 items), tuning split``."""
+    idx = sorted(int(r["index"]) for r in results["items"])
+    if not idx:
+        return "0 items"
+    first, last = idx[0], idx[-1]
+    gaps = "" if last - first + 1 == len(idx) else f", {last - first + 1 - len(idx)} missing"
+    split = range_split(first, last, results["config"].get("data"))
+    text = f"items {first}-{last} ({len(idx)} items{gaps}), {split} split"
+    if split == "tuning":
+        text += f" (the selectors were tuned on {SPLIT_DATA} {TUNING[0]}-{TUNING[1]}; validation is " \
+                f"--items {VALIDATION[0]}-{VALIDATION[1]})"
+    elif split == "mixed":
+        text += f" (spans more than one of {SPLIT_DATA}'s splits: tuning {TUNING[0]}-{TUNING[1]}, " \
+                f"validation {VALIDATION[0]}-{VALIDATION[1]}; report them apart)"
+    return text
 
 
 class SchemaError(ValueError):
@@ -309,7 +361,8 @@ def _cell(agg: dict[str, Any], field: str, fmt: str) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """results.md: a header and the method table, sorted, best values in bold.
+    """results.md: a header (naming the item range and its split) and the method table, sorted, best
+    values in bold.
 
     Args:
         results: a validated results object.
@@ -321,11 +374,10 @@ def markdown(results: dict[str, Any]) -> str:
     methods = results["methods"]
     order = sorted(methods, key=lambda n: sort_key(n, methods[n]))
     best = best_per_column(methods)
-    n_items = len(results["items"])
     lines = [
         f"# kvblend eval: {cfg['data']}",
         "",
-        f"model `{model['name']}` ({model['dtype']}), {n_items} items, {cfg['passages']} passages, "
+        f"model `{model['name']}` ({model['dtype']}), {_items_line(results)}, {cfg['passages']} passages, "
         f"max {cfg['max_new_tokens']} new tokens, TTFT median of {cfg['repeats']} per item.",
         f"Machine: {results['machine'].get('platform')}, accelerator {results['machine'].get('accelerator')}.",
         "",

@@ -1,6 +1,11 @@
 """Summarise research_selectors rows: per variant mean / median / p90 / max KL, top-1, mean share.
 
-    python -m blend.evals.research_summary ROWS.jsonl [...] [--items 30-99] [--md OUT.md]
+    python -m blend.evals.research_summary ROWS.jsonl [...] --items 30-99
+
+``--items`` is required: rows of musique_dev's tuning (0-29) and validation (30-99) splits are
+often merged from several files, and pooling them would mix what the selectors were tuned on
+with what they are judged on. The printed header names the range and its split (``mixed``
+where the range spans both, e.g. ``--items 0-99`` on purpose).
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from blend.evals import metrics as M
-from blend.evals.splits import parse_item_range
+from blend.evals.report import range_split
+from blend.evals.splits import ItemRangeError, parse_item_range
 
 
 def load_rows(paths: list[Path], items: str | None = None) -> list[dict]:
@@ -81,14 +87,20 @@ def table(stats: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m blend.evals.research_summary", description=__doc__.splitlines()[0])
     p.add_argument("rows", nargs="+", type=Path)
-    p.add_argument("--items", default=None)
+    p.add_argument("--items", required=True,
+                   help="item range A-B, 0-based inclusive (required): musique_dev 0-29 is the tuning split, "
+                        "30-99 the validation split; a range over both is labelled mixed")
     p.add_argument("--all", action="store_true", help="also variants not run on every item")
     p.add_argument("--only", default=None, help="comma list of variants to show")
     p.add_argument("--complete", action="store_true", help="only items that hold every --only variant")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    try:
+        lo, hi = parse_item_range(a.items)
+    except ItemRangeError as e:
+        p.error(str(e))
     rows = load_rows(a.rows, a.items)
     stats = summarise(rows, common_only=not a.all)
     if a.only:
@@ -97,7 +109,7 @@ def main() -> int:
             rows = [r for r in rows if all(k in r["kl"] for k in keep)]
             stats = summarise(rows, common_only=True)
         stats = sorted([s for s in stats if s["name"] in keep], key=lambda s: keep.index(s["name"]))
-    print(f"{len(rows)} items")
+    print(f"{len(rows)} items of {lo}-{hi}, {range_split(lo, hi)} split")
     print(table(stats))
     return 0
 

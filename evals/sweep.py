@@ -16,8 +16,15 @@ blend's median milliseconds, and per method the items where it beats the first
 method of its budget (``blend@R``). ``--from-rows A,B`` summarises rows that
 earlier runs wrote (e.g. one item range per core) instead of running, and
 ``--plot`` then draws budget.png. Milliseconds are one sample per item and
-method, interleaved, at the process's torch thread count; TTFT ratios of record
-come from ``kvblend eval``.
+method, interleaved, at the process's torch thread count: each is the request's
+own TTFT from its reuse report (``report.timings.ttft_s``: the prefill up to
+the first token's logits, store lookups included; the quality gate's one-off run
+and the KV cache's allocation are outside it), as is ``--time-full``'s full
+prefill.
+Before the first item is timed, every method (and, with ``--time-full``, a full
+prefill) runs once untimed on it, so one-off costs (the quality gate's
+calibration run, the probe's low-precision weight copy, a cold first full
+prefill) stay out of the samples. TTFT ratios of record come from ``kvblend eval``.
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ from blend.engine import Engine
 from blend.evals.data import load_item_range
 from blend.evals.methods import MethodKind, Method, parse_method, split_specs
 from blend.evals.metrics import kl_cells, kl_divergence, mean, median, top1_agree
-from blend.evals.report import NEAR_TIE_NATS
-from blend.evals.splits import TUNING, VALIDATION, parse_item_range
+from blend.evals.report import NEAR_TIE_NATS, split_of
+from blend.evals.splits import parse_item_range
 from blend.policy import ReusePolicy
 from blend.probe import top2_margin
+from blend.report import ReuseReport
 from blend.store.memory import MemoryStore
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
@@ -55,7 +63,7 @@ class SweepRow:
     method: str
     kl: float
     top1: float
-    ms: float
+    ms: float  # the blend's TTFT, from its report (timings.ttft_s)
     share: float | None  # recomputed share of reused document rows (the report's ratio)
     prompt_tokens: int
     ref_margin: float | None = None  # the reference's first-token top-2 gap
@@ -93,11 +101,22 @@ def reference_logits(engine: Engine, prompt, cache_dir: Path) -> torch.Tensor:
     return logits
 
 
-def split_of(item: int) -> str:
-    """``tuning``, ``validation`` or ``other`` for a musique_dev item index."""
-    if TUNING[0] <= item <= TUNING[1]:
-        return "tuning"
-    return "validation" if VALIDATION[0] <= item <= VALIDATION[1] else "other"
+def request_ms(report: ReuseReport) -> float:
+    """A request's TTFT in milliseconds, as its reuse report timed it (``timings.ttft_s``: the
+    prefill itself, without the quality gate's one-off run or the KV cache's allocation)."""
+    return report.timings.ttft_s * 1e3
+
+
+def warm_up(engine: Engine, prompt, policies: list[ReusePolicy], time_full: bool) -> None:
+    """Run every policy (and, when full prefill is timed, one full prefill) once, untimed, so
+    one-off costs land here and not in the first item's samples: the quality gate's calibration
+    run (on a gated engine, the first blend's), the probe's low-precision weight copy (built by the
+    first blend of each probe precision) and a cold first full prefill. A gate refusal is not
+    judged here: the timed request that follows reports it."""
+    if time_full:
+        engine.prefill(prompt, ReusePolicy.none())
+    for policy in policies:
+        engine.prefill(prompt, policy)
 
 
 def first_of_budget(method: str, methods: list[str]) -> str:
@@ -299,16 +318,15 @@ def main(argv: list[str] | None = None) -> int:
             prompt = engine.build_prompt(it.question, it.document_texts())
             ref = reference_logits(engine, prompt, Path(args.ref_cache))
             engine.precompute(prompt, methods[0].policy())
+            policies = [replace(m.policy(), force=True) if args.force else m.policy() for m in methods]
+            if n == 0:
+                warm_up(engine, prompt, policies, args.time_full)
             full_ms = None
             if args.time_full:
-                t0 = time.perf_counter()
-                engine.prefill(prompt, ReusePolicy.none())
-                full_ms = (time.perf_counter() - t0) * 1e3
-            for m in methods:
-                policy = replace(m.policy(), force=True) if args.force else m.policy()
-                t0 = time.perf_counter()
+                full_ms = request_ms(engine.prefill(prompt, ReusePolicy.none())[2])
+            for m, policy in zip(methods, policies):
                 logits, _, report = engine.prefill(prompt, policy)
-                ms = (time.perf_counter() - t0) * 1e3
+                ms = request_ms(report)
                 if report.gate:
                     print(f"sweep: {m.name} on item {idx} did not blend ({report.gate}); its KL would be full "
                           "prefill's. Pass --force to measure the blend anyway.", file=sys.stderr)

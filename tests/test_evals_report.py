@@ -154,3 +154,32 @@ def test_best_selector_per_budget():
     assert r.by_f1 == "blend@0.3:v" and r.f1 == 0.7
     md = markdown(make_results())
     assert "## Best selector per budget" in md and "| 0.3 | default | 2 | `blend@0.3:k` |" in md
+
+
+def _header(res):
+    return markdown(res).splitlines()[2]
+
+
+def test_results_md_names_the_item_range_and_its_split():
+    from blend.evals.report import range_split
+
+    res = make_results()  # synthetic:single, items 0-1
+    assert "items 0-1 (2 items), synthetic split" in _header(res)
+    res["config"]["data"] = "../shared/data/musique_dev.json"
+
+    def with_items(indices):
+        r = copy.deepcopy(res)
+        r["items"] = [dict(r["items"][0], index=i, id=str(i)) for i in indices]
+        return _header(r)
+
+    tuning = with_items(range(30))  # what kvblend eval's default --limit 30 runs
+    assert "items 0-29 (30 items), tuning split" in tuning and "--items 30-99" in tuning
+    assert "items 30-99 (70 items), validation split," in with_items(range(30, 100))
+    assert "items 25-34 (10 items), mixed split" in with_items(range(25, 35))
+    assert "items 30-40 (2 items, 9 missing), validation split" in with_items([30, 40])
+    assert "items 100-101 (2 items), other split" in with_items([100, 101])
+    res["config"]["data"] = "/data/hotpot.jsonl"  # another file: musique_dev's indices mean nothing
+    assert "items 0-29 (30 items), other split" in with_items(range(30))
+    assert range_split(0, 29) == "tuning" and range_split(30, 99) == "validation"
+    assert range_split(0, 99) == "mixed" and range_split(90, 120) == "mixed" and range_split(100, 200) == "other"
+    assert range_split(0, 29, "synthetic:two-hop") == "synthetic"

@@ -121,3 +121,54 @@ def test_a_timed_sweep_plots_every_item_with_its_guard(tmp_path):
     (tmp_path / "u.jsonl").write_text("\n".join(json.dumps(asdict(r)) for r in untimed) + "\n")
     assert main([args[0], args[1], "--from-rows", str(tmp_path / "u.jsonl"), "--plot", "--out", str(tmp_path / "t")]) == 0
     assert (tmp_path / "t" / "budget.png").exists() and not (tmp_path / "t" / "items.png").exists()
+
+
+def test_a_timed_sweep_takes_each_requests_own_ttft_after_an_untimed_warm_up(tiny_engine_factory, tmp_path,
+                                                                              monkeypatch):
+    """The first blend runs the quality gate (and builds the probe's weight copy) and the first full
+    prefill is cold: one untimed request per method (and one full prefill) on the first item takes
+    those, and each sample is the request's own TTFT from its report (the gate's run excluded)."""
+    from blend.gate import GateVerdict
+
+    base = tiny_engine_factory()
+    calls = []  # (policy mode, ttft_ms reported) in call order
+    gate_runs = []  # the call the gate ran in
+
+    class SlowFirstGate:  # as QualityGate: a run on the first blend, the recorded verdict after it
+        def verdict(self, engine):
+            if not gate_runs:
+                gate_runs.append(len(calls))
+                return GateVerdict("", 5.0)
+            return GateVerdict("", 0.0)
+
+    def load(*a, **kw):
+        eng = base.with_store(kw["store"], SlowFirstGate())
+        real = eng.prefill
+
+        def prefill(prompt, policy, *args, **kwargs):
+            logits, cache, report = real(prompt, policy, *args, **kwargs)
+            ms = 100.0 + len(calls)  # what the report timed: distinct per request
+            report = dataclasses.replace(report, timings=dataclasses.replace(report.timings, ttft_s=ms / 1e3))
+            calls.append((policy.mode.value, ms))
+            return logits, cache, report
+
+        eng.prefill = prefill
+        return eng
+
+    monkeypatch.setattr(sweep.Engine, "load", staticmethod(load))
+    methods = "blend@0.3:v,blend@0.15:probe"
+    assert main(["--data", "synthetic:single", "--items", "0-1", "--passages", "2", "--methods", methods,
+                 "--ref-cache", str(tmp_path / "ref"), "--model", "tiny-llama", "--time-full",
+                 "--out", str(tmp_path / "o")]) == 0
+    rows = [json.loads(ln) for ln in (tmp_path / "o" / "rows.jsonl").read_text().splitlines()]
+    modes = [m for m, _ in calls]
+    # item 0: reference, warm-up (full, both blends), timed (full, both blends); item 1: no warm-up
+    assert modes == ["none", "none", "blend", "blend", "none", "blend", "blend",
+                     "none", "none", "blend", "blend"]
+    assert gate_runs == [2]  # the gate ran in the first warm-up blend, before anything was timed
+    timed = {0: calls[4:7], 1: calls[8:11]}
+    for r in rows:
+        (_, full_ms), *blends = timed[r["item"]]
+        assert r["full_ms"] == full_ms
+        assert r["ms"] == dict(zip(methods.split(","), (ms for _, ms in blends)))[r["method"]]
+    assert "TTFT ratio" in (tmp_path / "o" / "summary.md").read_text()
