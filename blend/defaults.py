@@ -89,3 +89,11 @@ DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 # finish. At most this many writes wait in the queue before a producer waits for room.
 DEFAULT_WRITE_BEHIND = True
 DEFAULT_WRITE_BEHIND_PENDING = 32
+# sampling: a temperature below this decodes greedily (its limit as T -> 0). Dividing logits by a
+# denormal temperature overflows float32 to inf, whose softmax is NaN (vLLM's _SAMPLING_EPS is the same).
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+# kvblend serve
+DEFAULT_LOG_LEVEL = "info"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+DEFAULT_GRACEFUL_SHUTDOWN_S = 5  # uvicorn's wait for open connections on shutdown

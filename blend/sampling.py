@@ -2,7 +2,8 @@
 
     logits (V,) ── - penalties + logit_bias ──/ temperature──► top-k ──► top-p (nucleus)
                 ──► multinomial(generator)
-    temperature 0: argmax (greedy) of the adjusted logits, no randomness used
+    temperature 0 (or below MIN_SAMPLING_TEMPERATURE): argmax (greedy) of the adjusted logits,
+    no randomness used
 
 Penalties as OpenAI defines them, over the answer's tokens so far:
 ``logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)``;
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from blend.defaults import DEFAULT_MAX_NEW_TOKENS, MIN_SAMPLING_TEMPERATURE
 from blend.errors import InvalidRequestError
 
-DEFAULT_MAX_TOKENS = 32  # the Python API's and the CLI's budget (the server has its own, see blend.serve.config)
+DEFAULT_MAX_TOKENS = DEFAULT_MAX_NEW_TOKENS  # the Python API's and the CLI's budget (the server has its own)
 MAX_STOP_STRINGS = 4  # as OpenAI allows
 MAX_STOP_CHARS = 64
 MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit, vLLM's default)
@@ -32,13 +34,27 @@ MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT
 MAX_LOGIT_BIAS_TOKENS = 300  # tokens one logit_bias may name (OpenAI's limit)
 
 
+class InvalidSettingError(InvalidRequestError):
+    """A :class:`GenerationConfig` field out of range.
+
+    Args:
+        field: the offending field's name (``max_tokens``, ``stop`` ...).
+        message: what is wrong, naming the field and its range.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """How one request decodes (validated on construction).
 
     Attributes:
         max_tokens: generated tokens at most (>= 1).
-        temperature: 0 = greedy; otherwise logits are divided by it (<= 2).
+        temperature: 0 = greedy (as is any below MIN_SAMPLING_TEMPERATURE); otherwise logits are
+            divided by it (<= 2).
         top_p: nucleus sampling: the smallest set of tokens whose probability reaches it (0 < p <= 1).
         top_k: keep only the k most likely tokens (0 = off).
         seed: sampling seed; None draws one (answers then differ run to run).
@@ -69,44 +85,46 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidSettingError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _finite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
-            raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature!r}")
+            raise InvalidSettingError("temperature", f"temperature must be in [0, 2], got {self.temperature!r}")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidSettingError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise InvalidSettingError("top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
-            raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise InvalidSettingError("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if isinstance(self.stop, str) or not isinstance(self.stop, tuple):
-            raise InvalidRequestError("stop must be a tuple of strings")
+            raise InvalidSettingError("stop", "stop must be a tuple of strings")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            raise InvalidSettingError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
-                raise InvalidRequestError(f"each stop string must be 1..{MAX_STOP_CHARS} characters, got {s!r}")
+                raise InvalidSettingError("stop", f"each stop string must be 1..{MAX_STOP_CHARS} characters, "
+                                                  f"got {s!r}")
         n = self.logprobs
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
-            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per "
-                                      f"token) or None, got {n!r}")
+            raise InvalidSettingError("logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] "
+                                                  f"(alternatives per token) or None, got {n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _finite(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
-                raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+                raise InvalidSettingError(name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
         if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
-            raise InvalidRequestError(f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS_TOKENS} (token, bias) "
-                                      "pairs")
+            raise InvalidSettingError("logit_bias", f"logit_bias must be a tuple of at most "
+                                                    f"{MAX_LOGIT_BIAS_TOKENS} (token, bias) pairs")
         for pair in self.logit_bias:
             if (not isinstance(pair, tuple) or len(pair) != 2 or isinstance(pair[0], bool)
                     or not isinstance(pair[0], int) or pair[0] < 0 or not _finite(pair[1])
                     or not -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS):
-                raise InvalidRequestError(f"logit_bias: each entry is a token id >= 0 and a bias in "
-                                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {pair!r}")
+                raise InvalidSettingError("logit_bias", f"logit_bias: each entry is a token id >= 0 and a bias in "
+                                                        f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {pair!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: temperature 0, or one too small to divide float32 logits by."""
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @property
     def adjusts_logits(self) -> bool:

@@ -1,6 +1,6 @@
 """The HTTP app (FastAPI): OpenAI's endpoints over the scheduler.
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /v1/models/{id}
     GET /health                 GET /metrics           GET /   (playground page)
 
 A request is validated (pydantic), checked against the limits
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 PLAYGROUND = Path(__file__).with_name("static") / "playground.html"
 KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/")
+MODEL_PATH = "/v1/models/"  # a model's own path: counted under one label, whatever the id
 STATUS_CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it
 
 
@@ -72,7 +73,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        label = path if path in KNOWN_PATHS else "other"
+        label = path if path in KNOWN_PATHS else MODEL_PATH + "{id}" if path.startswith(MODEL_PATH) else "other"
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -259,16 +260,17 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
     async def _events(first: Event, queue: asyncio.Queue, ticket: Ticket, head: ResponseHead, job: Job):
         lp = LogprobFormat(head.endpoint, engine.tokenizer, job.logprobs)
         try:
-            yield text_chunk(head, first.text, first=True, logprobs=lp.format(first.logprobs))
+            usage = job.include_usage  # every chunk before the usage chunk says "usage": null
+            yield text_chunk(head, first.text, first=True, logprobs=lp.format(first.logprobs), include_usage=usage)
             while True:
                 ev: Event = await queue.get()
                 if ev.kind is EventKind.TEXT:
-                    yield text_chunk(head, ev.text, logprobs=lp.format(ev.logprobs))
+                    yield text_chunk(head, ev.text, logprobs=lp.format(ev.logprobs), include_usage=usage)
                 elif ev.kind is EventKind.DONE:
                     await stored()
                     c = ev.completion
                     yield final_chunk(head, c, kvblend_extension(c, job.prompt, engine.tokenizer, job.return_tokens),
-                                      lp.format(ev.logprobs))
+                                      lp.format(ev.logprobs), include_usage=usage)
                     if job.include_usage:
                         yield usage_chunk(head, c)
                     break
@@ -288,15 +290,28 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
     async def completions(request: Request, body: CompletionRequest) -> Response:
         return await answer(request, body, Endpoint.COMPLETIONS)
 
+    created = int(time.time())
+    model_object = {"id": config.model_id, "object": "model", "created": created, "owned_by": "kvblend"}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": config.model_id, "object": "model", "created": int(time.time()),
-                                            "owned_by": "kvblend"}]}
+        return {"object": "list", "data": [model_object]}
+
+    @app.get(MODEL_PATH + "{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != config.model_id:
+            raise ApiError(404, f"model {model_id!r} is not served here; this server serves {config.model_id!r}",
+                           ErrorType.NOT_FOUND, "model", "model_not_found")
+        return model_object
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": config.model_id, "active": scheduler.active,
-                "queued": scheduler.queue_depth}
+    async def health() -> JSONResponse:
+        state = {"model": config.model_id, "active": scheduler.active, "queued": scheduler.queue_depth}
+        dead = scheduler.dead_threads()
+        if dead:  # requests would queue and never be answered
+            return JSONResponse({"status": "unavailable", "reason": f"scheduler thread(s) stopped: {', '.join(dead)}",
+                                 **state}, status_code=503)
+        return JSONResponse({"status": "ok", **state})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -17,6 +17,7 @@ from typing import Sequence
 import uvicorn
 
 from blend.batch_decode import DecodeBatching
+from blend.defaults import DEFAULT_GRACEFUL_SHUTDOWN_S, DEFAULT_LOG_LEVEL, DTYPE_NAMES, LOG_LEVELS
 from blend.engine import Engine
 from blend.serve.app import create_app
 from blend.serve.config import (
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=_DEFAULT.port)
     p.add_argument("--model", default=_DEFAULT.model, help="model name or checkpoint directory")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default --model)")
-    p.add_argument("--dtype", default=_DEFAULT.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=_DEFAULT.dtype, choices=DTYPE_NAMES)
     add_store_argument(p)
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default ${API_KEY_ENV})")
     p.add_argument("--max-concurrency", type=int, default=sch.max_concurrency,
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-limit", type=int, default=lim.max_tokens, help="largest max_tokens a request may ask")
     p.add_argument("--default-max-tokens", type=int, default=lim.default_max_tokens)
     p.add_argument("--max-body-bytes", type=int, default=lim.max_body_bytes)
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, choices=LOG_LEVELS)
     return p
 
 
@@ -132,5 +133,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = create_app(engine, config)
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger(__name__).warning("serving on %s without an API key", config.host)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
+                timeout_graceful_shutdown=DEFAULT_GRACEFUL_SHUTDOWN_S)
     return 0

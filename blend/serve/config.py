@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from blend.defaults import DEFAULT_MODEL
+from blend.defaults import DEFAULT_DTYPE, DEFAULT_MODEL
 from blend.batch_decode import DecodeBatching
 
 API_KEY_ENV = "KVBLEND_API_KEY"
@@ -127,7 +127,7 @@ class ServeConfig:
     host: str = "127.0.0.1"  # loopback unless asked
     port: int = 8000
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    dtype: str = DEFAULT_DTYPE
     store: str | None = None  # --store spec; None = the default store
     api_key: str | None = None  # None: no auth (or $KVBLEND_API_KEY, see resolve_api_key)
     experimental_semantic: bool = False

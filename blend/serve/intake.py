@@ -6,13 +6,13 @@ that names the field and the limit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.generation import stop_strings
 from blend.policy import ProbePrecision, ReusePolicy
 from blend.prompt import Prompt
-from blend.sampling import GenerationConfig
+from blend.sampling import GenerationConfig, InvalidSettingError
 from blend.serve.config import ServeConfig
 from blend.serve.protocol import Endpoint, ErrorType
 from blend.serve.schemas import ChatCompletionRequest, CompletionRequest, KvblendOptions
@@ -69,8 +69,9 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
     """Check ``body`` against the server's limits and build its prompt, policy and sampling settings.
 
     Raises:
-        ApiError: 400 (bad value, context exceeded), 404 (unknown model), 413 (too many documents,
-            prompt over the server's limit).
+        ApiError: 400 (bad value; ``context_length_exceeded``: the prompt, or the prompt and the asked
+            budget, over the model's context), 404 (unknown model), 413 (too many documents, prompt over
+            the server's ``max_prompt_tokens``).
     """
     limits = cfg.limits
     if body.model is not None and body.model not in (cfg.model_id, engine.model_name):
@@ -108,14 +109,15 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
             system, history, question = None, (), body.question()
     except ValueError as e:
         raise ApiError(400, str(e), param="messages" if endpoint is Endpoint.CHAT else "prompt") from None
-    max_tokens = body.token_budget() or limits.default_max_tokens
-    if max_tokens > limits.max_tokens:
-        raise ApiError(400, f"max_tokens={max_tokens} exceeds this server's limit of {limits.max_tokens}",
-                       param="max_tokens")
+    prompt_param = "messages" if endpoint is Endpoint.CHAT else "prompt"
+    asked, budget_param = body.token_budget(), body.budget_param()
+    if asked is not None and asked > limits.max_tokens:
+        raise ApiError(400, f"{budget_param}={asked} exceeds this server's limit of {limits.max_tokens}",
+                       param=budget_param)
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
     try:
         gen = GenerationConfig(
-            max_tokens=max_tokens,
+            max_tokens=asked or min(limits.default_max_tokens, limits.max_tokens),
             temperature=cfg.default_temperature if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
             stop=stop_strings(body.stop), stop_at_newline=opts.stop_at_newline, ignore_eos=body.ignore_eos,
@@ -124,18 +126,45 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
             logit_bias=logit_bias,
         )
     except InvalidRequestError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), param=_setting_param(e, body, endpoint)) from None
     try:
         prompt = engine.build_prompt(question, docs, system, history)
     except InvalidRequestError as e:
-        raise ApiError(400, str(e), param="messages" if endpoint is Endpoint.CHAT else "prompt") from None
+        raise ApiError(400, str(e), param=prompt_param) from None
     context = engine.dims.max_positions
-    limit = min(limits.max_prompt_tokens or context, context)
-    if len(prompt) > limit:
+    server_limit = limits.max_prompt_tokens
+    if server_limit is not None and server_limit < context and len(prompt) > server_limit:
         raise ApiError(413, f"prompt of {len(prompt)} tokens (system, documents and question) exceeds the limit "
-                       f"of {limit} tokens", ErrorType.TOO_LARGE, "documents")
-    if len(prompt) + max_tokens > context:
-        raise ApiError(400, f"prompt of {len(prompt)} tokens plus max_tokens={max_tokens} exceeds the model's "
-                       f"context of {context} tokens", param="max_tokens", code="context_length_exceeded")
+                       f"of {server_limit} tokens", ErrorType.TOO_LARGE, "documents")
+    room = context - len(prompt)  # answer tokens the context still holds
+    if room < 1:
+        raise ApiError(400, f"prompt of {len(prompt)} tokens (system, documents and question) leaves no room in "
+                       f"the model's context of {context} tokens", param=prompt_param,
+                       code="context_length_exceeded")
+    if asked is None:  # the server's default budget, cut to the room left
+        gen = replace(gen, max_tokens=min(gen.max_tokens, room))
+    elif asked > room:
+        raise ApiError(400, f"prompt of {len(prompt)} tokens plus {budget_param}={asked} exceeds the model's "
+                       f"context of {context} tokens", param=budget_param, code="context_length_exceeded")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Job(prompt, policy, gen, bool(body.stream), include_usage, opts.return_tokens)
+
+
+def _setting_param(error: InvalidRequestError, body: ChatCompletionRequest | CompletionRequest,
+                   endpoint: Endpoint) -> str | None:
+    """The request field behind a refused sampling setting.
+
+    Args:
+        error: what :class:`GenerationConfig` raised.
+        body: the request.
+        endpoint: which endpoint (chat's alternatives are ``top_logprobs``).
+
+    Returns:
+        The field's name as the client sent it, or None when the error names no field.
+    """
+    field = error.field if isinstance(error, InvalidSettingError) else None
+    if field == "max_tokens":
+        return body.budget_param()
+    if field == "logprobs" and endpoint is Endpoint.CHAT:
+        return "top_logprobs"
+    return field

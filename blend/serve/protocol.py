@@ -144,16 +144,46 @@ def sse(data: dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
-def text_chunk(head: ResponseHead, text: str, first: bool = False, logprobs: dict | None = None) -> str:
-    """A chunk of answer text (with its tokens' ``logprobs`` object when asked for)."""
-    return sse({**head.base(chunk=True), "choices": [_choice(head, text, None, first, logprobs)]})
+def _null_usage(include_usage: bool) -> dict:
+    """``"usage": null`` for a chunk before the usage chunk, when the stream ends with one (OpenAI's)."""
+    return {"usage": None} if include_usage else {}
 
 
-def final_chunk(head: ResponseHead, c: Completion, ext: dict, logprobs: dict | None = None) -> str:
-    """The chunk with ``finish_reason`` and the kvblend extension (and the last tokens' logprobs)."""
+def text_chunk(head: ResponseHead, text: str, first: bool = False, logprobs: dict | None = None,
+               include_usage: bool = False) -> str:
+    """A chunk of answer text (with its tokens' ``logprobs`` object when asked for).
+
+    Args:
+        head: the response's shared fields.
+        text: the chunk's text.
+        first: the stream's first chunk (a chat delta then carries the role).
+        logprobs: the chunk's tokens' ``logprobs`` object, or None.
+        include_usage: the stream ends with a usage chunk, so this one says ``"usage": null``.
+
+    Returns:
+        The chunk as a server-sent event.
+    """
+    return sse({**head.base(chunk=True), "choices": [_choice(head, text, None, first, logprobs)],
+                **_null_usage(include_usage)})
+
+
+def final_chunk(head: ResponseHead, c: Completion, ext: dict, logprobs: dict | None = None,
+                include_usage: bool = False) -> str:
+    """The chunk with ``finish_reason`` and the kvblend extension (and the last tokens' logprobs).
+
+    Args:
+        head: the response's shared fields.
+        c: the finished completion.
+        ext: the ``kvblend`` extension.
+        logprobs: the last tokens' ``logprobs`` object, or None.
+        include_usage: the stream ends with a usage chunk, so this one says ``"usage": null``.
+
+    Returns:
+        The chunk as a server-sent event.
+    """
     return sse({**head.base(chunk=True), "choices": [_choice(head, None if head.endpoint is Endpoint.CHAT else "",
                                                              c.finish_reason.value, logprobs=logprobs)],
-                "kvblend": ext})
+                **_null_usage(include_usage), "kvblend": ext})
 
 
 def usage_chunk(head: ResponseHead, c: Completion) -> str:

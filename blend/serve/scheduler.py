@@ -144,6 +144,14 @@ class _Job:
     retired: bool = False
 
 
+class Ending(Enum):
+    """How a request left the scheduler (which counter it adds to)."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
 class ShareState(Enum):
     PENDING = "pending"  # posted, nobody runs it yet
     TAKEN = "taken"  # a prefill worker (or the decode loop itself) runs it
@@ -175,9 +183,9 @@ class Ticket:
         return self._job.id
 
     def cancel(self) -> None:
-        """Stop the request (its client went away): it leaves the queue or the batch at the next step."""
-        self._job.cancelled.set()
-        self._scheduler.wake()
+        """Stop the request (its client went away): a queued one leaves the queue now (its place is
+        free for the next request), a running one the batch at the next step."""
+        self._scheduler.cancel(self._job)
 
 
 class LoopTime:
@@ -291,6 +299,33 @@ class Scheduler:
         with self._cond:
             self._cond.notify_all()
 
+    def cancel(self, job: _Job) -> None:
+        """Cancel a request: if it still waits for a prefill it leaves the queue now and is retired
+        as cancelled (no event: its client is gone); otherwise its thread drops it at the next check.
+
+        Args:
+            job: the request (a :class:`Ticket`'s).
+        """
+        with self._cond:
+            job.cancelled.set()
+            if not job.retired and job in self._waiting:
+                self._waiting.remove(job)
+                job.retired = True  # never active: no slot to give back
+                self.cancelled += 1
+                self._gauges()
+            self._cond.notify_all()
+
+    def dead_threads(self) -> list[str]:
+        """Names of the scheduler's threads that stopped while it runs (none while it is healthy).
+
+        Returns:
+            Thread names, empty when every prefill worker and the decode loop is alive (or the
+            scheduler is not running).
+        """
+        if not self._running:
+            return []
+        return [t.name for t in list(self._threads) if not t.is_alive()]
+
     # ---- state ----------------------------------------------------------------------------
 
     @property
@@ -378,12 +413,15 @@ class Scheduler:
                     share.state, share.by_worker = ShareState.TAKEN, True
                 else:  # then one segment of an order's exact KV
                     fill = self.refine.take()
-            if share is not None:
-                self._run_share(share, yield_to_prefill=True)
-            elif job is not None:
-                self._run_prefill(job)
-            elif fill is not None:
-                self._run_refine(fill)
+            try:
+                if share is not None:
+                    self._run_share(share, yield_to_prefill=True)
+                elif job is not None:
+                    self._run_prefill(job)
+                elif fill is not None:
+                    self._run_refine(fill)
+            except Exception:  # noqa: BLE001 - each of them handles its own errors; a bug must not stop the worker
+                log.exception("prefill worker iteration failed")
 
     def _refine_due(self) -> bool:
         """An order waits for refinement (and no request for a prefill)."""
@@ -426,7 +464,7 @@ class Scheduler:
 
     def _prefill(self, job: _Job) -> None:
         if job.cancelled.is_set():
-            self._retire(job, cancelled=True)
+            self._retire(job, Ending.CANCELLED)
             return
         engine = self.engine
         try:
@@ -469,41 +507,58 @@ class Scheduler:
 
     def _decode_loop(self) -> None:
         self._threads_setup()
-        batch: list[_Job] = []
+        batch: list[_Job] = []  # changed in place, so that a failed iteration knows whom to fail
         while True:
-            job = None
-            with self._cond:
-                self._cond.wait_for(lambda: not self._running or self._incoming or batch
-                                    or self._decode_loop_prefill_due())
-                if not self._running:
-                    for job in batch:
-                        self._emit(job, Event(EventKind.FAILED, error=RuntimeError("server shutting down")))
+            try:
+                if not self._decode_iteration(batch):
                     return
-                joining = list(self._incoming)
-                batch.extend(joining)
-                self._incoming.clear()
-                if self._decode_loop_prefill_due() and (not batch or self._loop_share_allows()):
-                    job = self._take_job()
-            if job is not None:  # nothing to decode (or within its share) and every worker busy: prefill here
-                self.decode_loop_prefills += 1
-                self._prefill_threads()
-                t0 = time.perf_counter()
-                self._run_prefill(job)
-                self._loop_time.add(time.perf_counter() - t0, prefill=True)
-                continue
-            if joining:
-                self._pool_joined(batch, joining)
-            live = []
-            for job in batch:
-                if job.cancelled.is_set():
-                    self._retire(job, cancelled=True)
-                else:
-                    live.append(job)
-            batch = live
-            if batch:
-                t0 = time.perf_counter()
-                batch = self._step(batch)
-                self._loop_time.add(time.perf_counter() - t0, prefill=False)
+            except Exception as e:  # noqa: BLE001 - a bug here fails the batch, never the loop
+                log.exception("decode loop iteration failed; its requests fail")
+                for job in batch:
+                    self._fail(job, e)
+                batch.clear()
+
+    def _decode_iteration(self, batch: list[_Job]) -> bool:
+        """Wait for work, then run one prefill or one decode step (``batch`` is updated in place).
+
+        Returns:
+            False once the scheduler stops (the batch's requests failed).
+        """
+        job = None
+        with self._cond:
+            self._cond.wait_for(lambda: not self._running or self._incoming or batch
+                                or self._decode_loop_prefill_due())
+            if not self._running:
+                for job in batch:
+                    self._emit(job, Event(EventKind.FAILED, error=RuntimeError("server shutting down")))
+                batch.clear()
+                return False
+            joining = list(self._incoming)
+            batch.extend(joining)
+            self._incoming.clear()
+            if self._decode_loop_prefill_due() and (not batch or self._loop_share_allows()):
+                job = self._take_job()
+        if job is not None:  # nothing to decode (or within its share) and every worker busy: prefill here
+            self.decode_loop_prefills += 1
+            self._prefill_threads()
+            t0 = time.perf_counter()
+            self._run_prefill(job)
+            self._loop_time.add(time.perf_counter() - t0, prefill=True)
+            return True
+        if joining:
+            self._pool_joined(batch, joining)
+        live = []
+        for job in batch:
+            if job.cancelled.is_set():
+                self._retire(job, Ending.CANCELLED)
+            else:
+                live.append(job)
+        batch[:] = live
+        if batch:
+            t0 = time.perf_counter()
+            batch[:] = self._step(batch)
+            self._loop_time.add(time.perf_counter() - t0, prefill=False)
+        return True
 
     def _pool_joined(self, batch: list[_Job], joining: list[_Job]) -> None:
         """Move the caches of requests that just joined the batch into free pool slots, and keep
@@ -513,7 +568,12 @@ class Scheduler:
             return
         for job in joining:
             if job.cache is not None and not job.retired:
-                job.cache = pool.adopt(job.cache)
+                try:
+                    job.cache = pool.adopt(job.cache)
+                except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                    log.exception("request %d: moving its cache into the decode pool failed", job.id)
+                    self._fail(job, e)
+        batch[:] = [j for j in batch if not j.retired]
         batch.sort(key=lambda j: j.cache.slot if isinstance(j.cache, PoolSlotCache) else pool.slots)
 
     def _step(self, batch: list[_Job]) -> list[_Job]:
@@ -540,17 +600,30 @@ class Scheduler:
             self.metrics.on_batch(len(batch))
         still = []
         for i, job in enumerate(batch):
-            before = len(job.stream.tokens)
-            text = job.stream.step(logits[i])
-            if self.metrics is not None:
-                self.metrics.on_tokens(len(job.stream.tokens) - before)
-            if text:
-                self._emit(job, Event(EventKind.TEXT, text=text, logprobs=job.stream.take_logprobs()))
-            if job.stream.finished:
-                self._complete(job)
-            else:
-                still.append(job)
+            try:
+                if self._advance(job, logits[i]):
+                    still.append(job)
+            except Exception as e:  # noqa: BLE001 - sampling failed for this request only
+                log.exception("request %d: sampling failed", job.id)
+                self._fail(job, e)
         return still
+
+    def _advance(self, job: _Job, logits: torch.Tensor) -> bool:
+        """Sample one request's next token from its logits row (V,) and send what it adds.
+
+        Returns:
+            Whether the request goes on decoding (False: it completed).
+        """
+        before = len(job.stream.tokens)
+        text = job.stream.step(logits)
+        if self.metrics is not None:
+            self.metrics.on_tokens(len(job.stream.tokens) - before)
+        if text:
+            self._emit(job, Event(EventKind.TEXT, text=text, logprobs=job.stream.take_logprobs()))
+        if job.stream.finished:
+            self._complete(job)
+            return False
+        return True
 
     # ---- decode shares ---------------------------------------------------------------------
 
@@ -657,11 +730,9 @@ class Scheduler:
             usage=Usage(len(job.prompt), len(s.tokens), report.reused_tokens), seed=s.sampler.seed,
             logprobs=s.answer_logprobs,
         )
-        self._e2e_ewma_s = 0.9 * self._e2e_ewma_s + 0.1 * e2e
         if self.metrics is not None:
             self.metrics.on_finish(e2e)
-        self.completed += 1
-        self._retire(job)
+        self._retire(job, Ending.COMPLETED, e2e)
         self._emit(job, Event(EventKind.DONE, completion=completion, logprobs=s.take_logprobs()))
 
     @staticmethod
@@ -672,25 +743,36 @@ class Scheduler:
             log.exception("request %d: event sink failed", job.id)
 
     def _fail(self, job: _Job, error: BaseException) -> None:
-        if job.retired:  # it already ended; nothing more to tell its client
+        if not self._retire(job, Ending.FAILED):  # it already ended; nothing more to tell its client
             log.error("request %d: error after it ended: %s", job.id, error)
             return
         if not isinstance(error, KVBlendError):
             log.error("request %d failed: %s: %s", job.id, type(error).__name__, error)
-        self.failed += 1
-        self._retire(job)
         self._emit(job, Event(EventKind.FAILED, error=error))
 
-    def _retire(self, job: _Job, cancelled: bool = False) -> None:
+    def _retire(self, job: _Job, ending: Ending, e2e_s: float | None = None) -> bool:
+        """Free an active request's slot and KV and count how it ended (under the lock: several
+        threads retire requests).
+
+        Returns:
+            False when it had been retired already (nothing counted).
+        """
         if self.pool is not None:
             self.pool.release(job.cache)  # a no-op for a cache that is not one of its slots
         job.cache = None  # frees the request's KV now, whoever still holds the job
         with self._cond:
             if job.retired:
-                return
+                return False
             job.retired = True
-            if cancelled:
+            if ending is Ending.COMPLETED:
+                self.completed += 1
+                if e2e_s is not None:
+                    self._e2e_ewma_s = 0.9 * self._e2e_ewma_s + 0.1 * e2e_s
+            elif ending is Ending.FAILED:
+                self.failed += 1
+            else:
                 self.cancelled += 1
             self._active -= 1
             self._gauges()
             self._cond.notify_all()
+        return True

@@ -233,6 +233,10 @@ class ChatCompletionRequest(_Common):
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def budget_param(self) -> str:
+        """The field the answer's budget came from (for errors): ``max_completion_tokens`` when set."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is the question (laid into the model's chat template)."""
@@ -266,3 +270,7 @@ class CompletionRequest(_Common):
 
     def token_budget(self) -> int | None:
         return self.max_tokens
+
+    def budget_param(self) -> str:
+        """The field the answer's budget came from (for errors)."""
+        return "max_tokens"

@@ -1,0 +1,308 @@
+"""The server survives what used to break it: a request whose sampling fails, a tiny temperature, a
+request cancelled while queued, a dead scheduler thread; and OpenAI's shapes where they differed
+(context errors, error params, model retrieval, streamed usage). Tiny model, loopback server."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+
+from _serve_util import (  # noqa: F401 - fixtures
+    TINY, Collector, make_scheduler, one_torch_thread, running_server, tiny_serve_engine, wait_until,
+)
+from blend.defaults import (
+    DEFAULT_DTYPE, DEFAULT_GRACEFUL_SHUTDOWN_S, DEFAULT_LOG_LEVEL, DEFAULT_MAX_NEW_TOKENS, DTYPE_NAMES, LOG_LEVELS,
+    MIN_SAMPLING_TEMPERATURE,
+)
+from blend.generation import TokenStream
+from blend.policy import ReusePolicy
+from blend.sampling import DEFAULT_MAX_TOKENS, GenerationConfig, sample
+from blend.serve import scheduler as scheduler_module
+from blend.serve.config import Limits, SchedulerConfig, ServeConfig
+from blend.serve.intake import ApiError, prepare
+from blend.serve.protocol import Endpoint
+from blend.serve.scheduler import Ending, EventKind, QueueFullError, Scheduler, _Job
+from blend.serve.schemas import ChatCompletionRequest, CompletionRequest
+from conftest import make_docs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TINY_T = 8.964331009808708e-39  # logits / T overflow float32 (with frequency_penalty -2: NaN probabilities)
+BAD_SEED = 666
+
+
+@pytest.fixture(scope="module")
+def engine(one_torch_thread):
+    return tiny_serve_engine()
+
+
+@pytest.fixture(scope="module")
+def srv(engine):
+    with running_server(engine, ServeConfig(model=TINY, scheduler=SchedulerConfig(max_concurrency=4))) as running:
+        yield running
+
+
+def chat(question: str = "hello there", **kw) -> dict:
+    return {"model": TINY, "messages": [{"role": "user", "content": question}], "max_tokens": 8, "temperature": 0,
+            **kw}
+
+
+def post(srv, body: dict, path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.post(srv.url + path, json=body, timeout=30)
+
+
+# ---- 1. a failing request fails alone; the decode loop lives; tiny temperatures are greedy ------------
+
+class _FlakyStream(TokenStream):
+    """Sampling that fails on a decode step (not the first token) for requests seeded BAD_SEED."""
+
+    def step(self, logits: torch.Tensor) -> str:
+        if self.config.seed == BAD_SEED and self.tokens:
+            raise RuntimeError("sampling broke")
+        return super().step(logits)
+
+
+def _fail_once(real, exc: Exception):
+    calls = {"n": 0}
+
+    def wrapped(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise exc
+        return real(*args, **kw)
+    return wrapped
+
+
+@pytest.mark.parametrize("where", ["sample", "pool_adopt", "step"])
+def test_a_failure_in_the_decode_loop_fails_its_requests_and_the_loop_keeps_serving(
+        engine, make_scheduler, monkeypatch, where):
+    monkeypatch.setattr(scheduler_module, "TokenStream", _FlakyStream)
+    sched = make_scheduler(engine, max_concurrency=4)
+    if where == "pool_adopt":
+        sched.pool.adopt = _fail_once(sched.pool.adopt, RuntimeError("adopt broke"))
+    elif where == "step":
+        sched._step = _fail_once(sched._step, RuntimeError("step broke"))
+    col = Collector()
+    prompt = engine.build_prompt("q?", make_docs(1))
+    seed = BAD_SEED if where == "sample" else 1
+    sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=6, ignore_eos=True, seed=seed),
+                 col.sink(0))
+    col.wait(1, timeout=20)
+    assert col.last(0).kind is EventKind.FAILED and "broke" in str(col.last(0).error)
+    assert sched.failed == 1 and sched.active == 0 and not sched.dead_threads()
+    later = sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=6, ignore_eos=True, seed=2),
+                         col.sink(1))
+    col.wait(2, timeout=20)
+    assert later.id and col.last(1).kind is EventKind.DONE and len(col.last(1).completion.token_ids) == 6
+    assert sched.completed == 1 and sched.failed == 1
+
+
+def test_a_request_whose_sampling_fails_does_not_stop_its_batch_neighbours(engine, make_scheduler, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "TokenStream", _FlakyStream)
+    sched = make_scheduler(engine, max_concurrency=4)
+    col = Collector()
+    prompt = engine.build_prompt("q?", make_docs(1))
+    good = sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=3000, ignore_eos=True, seed=1),
+                        col.sink(0))
+    wait_until(lambda: sched.steps >= 2, timeout=20)
+    sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=40, ignore_eos=True, seed=BAD_SEED),
+                 col.sink(1))
+    col.wait(1, timeout=20)
+    assert col.last(1).kind is EventKind.FAILED
+    steps = sched.steps
+    wait_until(lambda: sched.steps >= steps + 5, timeout=20)  # the neighbour goes on decoding
+    assert col.last(0).kind is EventKind.TEXT and sched.active == 1
+    good.cancel()
+    wait_until(lambda: sched.active == 0, timeout=10)
+    assert (sched.failed, sched.cancelled) == (1, 1)
+
+
+@pytest.mark.parametrize("temperature", [TINY_T, 1e-45, MIN_SAMPLING_TEMPERATURE / 2])
+def test_a_temperature_below_the_threshold_is_greedy(temperature):
+    logits = torch.tensor([2.0, 1.5, -1.0, 1.9])
+    cfg = GenerationConfig(temperature=temperature, frequency_penalty=-2.0)
+    assert cfg.greedy
+    assert sample(logits, cfg, torch.Generator().manual_seed(0), {3: 1}) == 3  # 1.9 + 2 beats 2.0
+    assert not GenerationConfig(temperature=MIN_SAMPLING_TEMPERATURE).greedy
+
+
+def test_a_tiny_temperature_over_http_is_answered_greedily(srv):
+    body = chat(max_tokens=20, frequency_penalty=-2.0, seed=1, ignore_eos=True)
+    r = post(srv, {**body, "temperature": TINY_T})
+    assert r.status_code == 200, r.text
+    greedy = post(srv, {**body, "temperature": 0})
+    assert r.json()["kvblend"]["answer_token_ids"] == greedy.json()["kvblend"]["answer_token_ids"]
+    assert post(srv, chat(temperature=1e-45)).status_code == 200
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread it kills
+def test_health_is_503_when_a_scheduler_thread_died(engine, monkeypatch):
+    def die(self, batch):
+        raise SystemExit  # not an Exception: the loop's guard lets it end the thread
+
+    monkeypatch.setattr(Scheduler, "_decode_iteration", die)
+    with running_server(engine, ServeConfig(model=TINY)) as running:
+        wait_until(lambda: running.scheduler.dead_threads(), timeout=10)
+        r = httpx.get(running.url + "/health")
+        assert r.status_code == 503, r.text
+        assert r.json()["status"] == "unavailable" and "kvblend-decode" in r.json()["reason"]
+
+
+# ---- 2. a request cancelled while queued frees its place ---------------------------------------------
+
+def test_a_request_cancelled_in_the_queue_leaves_it_at_once(engine, make_scheduler):
+    sched = make_scheduler(engine, max_concurrency=1, max_queue=1)
+    col = Collector()
+    prompt = engine.build_prompt("q?", make_docs(1))
+    long = sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=3000, ignore_eos=True),
+                        col.sink(0))
+    wait_until(lambda: sched.steps >= 1, timeout=20)
+    queued = sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=2), col.sink(1))
+    assert sched.queue_depth == 1
+    queued.cancel()
+    assert sched.queue_depth == 0 and sched.cancelled == 1 and sched.active == 1
+    sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=2), col.sink(2))  # no QueueFullError
+    with pytest.raises(QueueFullError):
+        sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=2), col.sink(3))
+    long.cancel()
+    col.wait(1, timeout=30)
+    assert col.last(2).kind is EventKind.DONE and 1 not in col.events
+    queued.cancel()  # again: nothing changes
+    wait_until(lambda: sched.active == 0, timeout=10)
+    assert sched.cancelled == 2 and sched.completed == 1
+
+
+# ---- 3, 4. context and field errors as OpenAI names them ---------------------------------------------
+
+def _long_question(engine, tokens: int) -> str:
+    """A question whose chat prompt is ``tokens`` tokens or a little more."""
+    words = tokens // 2
+    while len(engine.build_prompt("x " * words, [], None, ())) < tokens:
+        words += 5
+    return "x " * words
+
+
+def _prepare(engine, body, endpoint=Endpoint.CHAT, **limits):
+    return prepare(engine, ServeConfig(model=TINY, limits=Limits(**limits)), body, endpoint)
+
+
+def _refusal(engine, body, endpoint=Endpoint.CHAT, **limits) -> ApiError:
+    with pytest.raises(ApiError) as exc:
+        _prepare(engine, body, endpoint, **limits)
+    return exc.value
+
+
+def test_the_default_budget_is_cut_to_the_room_left_in_the_context(engine):
+    context = engine.dims.max_positions
+    q = _long_question(engine, context - 150)
+    job = _prepare(engine, ChatCompletionRequest(messages=[{"role": "user", "content": q}]))
+    assert job.config.max_tokens == context - len(job.prompt) < Limits().default_max_tokens
+    short = _prepare(engine, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]))
+    assert short.config.max_tokens == Limits().default_max_tokens
+    err = _refusal(engine, ChatCompletionRequest(messages=[{"role": "user", "content": q}], max_tokens=200))
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "max_tokens")
+    err = _refusal(engine, ChatCompletionRequest(messages=[{"role": "user", "content": q}],
+                                                 max_completion_tokens=200))
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "max_completion_tokens")
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+def test_a_prompt_over_the_context_is_a_400_context_length_exceeded(engine, endpoint):
+    q = _long_question(engine, engine.dims.max_positions + 10)
+    body = (ChatCompletionRequest(messages=[{"role": "user", "content": q}]) if endpoint is Endpoint.CHAT
+            else CompletionRequest(prompt=q))
+    err = _refusal(engine, body, endpoint)
+    param = "messages" if endpoint is Endpoint.CHAT else "prompt"
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", param)
+    err = _refusal(engine, body, endpoint, max_prompt_tokens=1000)  # the server's own limit stays a 413
+    assert (err.status, err.kind.value) == (413, "request_too_large")
+
+
+def test_over_the_context_over_http(srv, engine):
+    q = _long_question(engine, engine.dims.max_positions + 10)
+    r = post(srv, chat(q, max_tokens=None))
+    assert r.status_code == 400
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("context_length_exceeded", "messages")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": ["y" * 65]}, "stop"),
+    ({"max_completion_tokens": 5000}, "max_completion_tokens"),
+    ({"max_tokens": 5000}, "max_tokens"),
+])
+def test_a_refused_setting_names_its_field(engine, body, param):
+    err = _refusal(engine, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body))
+    assert err.status == 400 and err.param == param, err.message
+    assert param in err.message or "stop" in err.message
+
+
+# ---- 5. GET /v1/models/{id} --------------------------------------------------------------------------
+
+def test_a_model_is_retrieved_by_id_with_the_openai_client(srv):
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    model = client.models.retrieve(TINY)
+    assert (model.id, model.object, model.owned_by) == (TINY, "model", "kvblend")
+    assert model.created == client.models.list().data[0].created
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("gpt-4o")
+    assert exc.value.body["code"] == "model_not_found" and exc.value.body["param"] == "model"
+
+
+# ---- 6. "usage": null on every chunk but the usage chunk --------------------------------------------
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_streamed_chunks_carry_usage_null_when_usage_is_asked_for(srv, include_usage):
+    body = chat(stream=True, stream_options={"include_usage": include_usage}, ignore_eos=True)
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    if include_usage:
+        assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    else:
+        assert all("usage" not in c for c in chunks)
+
+
+# ---- 7. counters change under the lock ---------------------------------------------------------------
+
+def test_endings_are_counted_exactly_from_many_threads(engine):
+    sched = Scheduler(engine, SchedulerConfig(decode_pool_tokens=None))  # not started: only its books
+    per, endings = 500, [Ending.COMPLETED, Ending.FAILED, Ending.CANCELLED] * 2
+    sched._active = per * len(endings)
+    prompt = engine.build_prompt("q?", [])
+
+    def retire(ending: Ending) -> None:
+        for i in range(per):
+            job = _Job(i, prompt, ReusePolicy.none(), GenerationConfig(), lambda ev: None, 0.0)
+            assert sched._retire(job, ending, 1.0) and not sched._retire(job, ending, 1.0)
+
+    threads = [threading.Thread(target=retire, args=(e,)) for e in endings]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (sched.completed, sched.failed, sched.cancelled, sched.active) == (2 * per, 2 * per, 2 * per, 0)
+    assert sched._e2e_ewma_s == pytest.approx(1.0)
+
+
+# ---- 8. one default, one place -----------------------------------------------------------------------
+
+def test_defaults_come_from_blend_defaults():
+    from blend.serve import cli
+
+    assert DEFAULT_MAX_TOKENS == DEFAULT_MAX_NEW_TOKENS == GenerationConfig().max_tokens
+    assert ServeConfig().dtype == DEFAULT_DTYPE
+    actions = {a.dest: a for a in cli.build_parser()._actions}
+    assert tuple(actions["dtype"].choices) == DTYPE_NAMES
+    assert actions["log_level"].default == DEFAULT_LOG_LEVEL and tuple(actions["log_level"].choices) == LOG_LEVELS
+    main = inspect.getsource(cli.main)
+    assert "timeout_graceful_shutdown=DEFAULT_GRACEFUL_SHUTDOWN_S" in main and DEFAULT_GRACEFUL_SHUTDOWN_S == 5
