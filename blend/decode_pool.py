@@ -100,15 +100,19 @@ class DecodePool:
             self.adopted += 1
         out = PoolSlotCache(self, slot, cache.capacity)
         n, p = cache.length, cache.prefix_length
-        for layer in range(len(self.k)):
-            parts = cache.prefix_parts(layer)
-            if parts is None:
-                out.write(layer, 0, *cache.view(layer, n))
-            else:  # an attached prefix is copied from where it is held, once
-                out.write(layer, 0, *parts)
-                out.write(layer, p, *cache.own_rows(layer, p, n))
-        out.set_positions(0, cache.pos[:n])
-        out.advance(n)
+        try:
+            for layer in range(len(self.k)):
+                parts = cache.prefix_parts(layer)
+                if parts is None:
+                    out.write(layer, 0, *cache.view(layer, n))
+                else:  # an attached prefix is copied from where it is held, once
+                    out.write(layer, 0, *parts)
+                    out.write(layer, p, *cache.own_rows(layer, p, n))
+            out.set_positions(0, cache.pos[:n])
+            out.advance(n)
+        except BaseException:
+            self.release(out)  # the slot goes back (rows written so far are finite copies): no leak
+            raise
         self.reads_upto[slot] = max(self.reads_upto[slot], n)
         return out
 

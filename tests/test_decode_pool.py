@@ -129,3 +129,18 @@ def test_a_bf16_engine_pools_with_its_softmax_in_float32(tiny_engine_factory):
         assert torch.isfinite(rows[i]).all() and rows[i].dtype == one.dtype
         assert (rows[i].float() - one.float()).abs().max() < 0.05
         assert int(rows[i].argmax()) == int(one.argmax())
+
+
+def test_a_failed_move_into_the_pool_gives_its_slot_back(tiny_engine, monkeypatch):
+    pool = pool_for(tiny_engine, slots=1)
+    mine, _ = prefilled(tiny_engine, 1)
+
+    def broken(self, start, pos):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(PoolSlotCache, "set_positions", broken)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        pool.adopt(mine[0])
+    assert pool.free_slots == 1  # not leaked: the next sequence gets it
+    monkeypatch.undo()
+    assert isinstance(pool.adopt(mine[0]), PoolSlotCache) and pool.free_slots == 0
