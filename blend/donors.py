@@ -338,10 +338,8 @@ class DonorIndex:
     def save(self, path: str | Path) -> None:
         """Write the index as JSON (atomic: temp file + rename)."""
         rows = [_donor_row(d) for donors in self._by_pre.values() for d in donors]
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"shingle": SHINGLE, "num_hashes": NUM_HASHES, "donors": rows}))
-        tmp.replace(path)
+        # a private temp file per save (concurrent saves never share one), fsynced, then renamed
+        safeio.atomic_write_text(path, json.dumps({"shingle": SHINGLE, "num_hashes": NUM_HASHES, "donors": rows}))
 
     @classmethod
     def load(cls, path: str | Path) -> "DonorIndex":

@@ -19,9 +19,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
+import logging
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from blend import safeio
 from blend.calibration import calibration_items
 from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_RATIO, kvblend_home
 from blend.kernels.tolerances import TOL, Tol
@@ -38,6 +38,8 @@ from blend.store.memory import MemoryStore
 
 if TYPE_CHECKING:  # the engine receives a gate; the gate only calls the engine's public methods
     from blend.engine import Engine
+
+log = logging.getLogger(__name__)
 
 GATE_RATIO = DEFAULT_RATIO
 KL_BOUND = 0.25  # mean first-token KL(full || blend@GATE_RATIO) at most this
@@ -64,6 +66,14 @@ class CheckResult:
         return {**dataclasses.asdict(self), "name": self.name.value}
 
 
+class GateRecordError(ValueError):
+    """A recorded gate result that cannot be trusted (treated as no record: the gate runs again)."""
+
+
+_CHECK_FIELDS = frozenset({"name", "passed", "figure", "bound", "detail"})
+MAX_RECORD_BYTES = 1 << 20  # a record is ~1 KB
+
+
 @dataclass(frozen=True)
 class GateResult:
     model: str
@@ -82,10 +92,47 @@ class GateResult:
                 "checks": [c.to_dict() for c in self.checks]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GateResult":
-        checks = tuple(CheckResult(CheckName(c["name"]), c["passed"], c["figure"], c["bound"], c["detail"])
-                       for c in d["checks"])
-        return cls(d["model"], d["provenance_sha256"], checks)
+    def from_dict(cls, d: object) -> "GateResult":
+        """A recorded result, every field of its type and every check exactly once.
+
+        Raises:
+            GateRecordError: anything else (a record must never let blending on by what it lacks:
+                ``"checks": []`` or ``"passed": "false"`` would pass ``all``).
+        """
+        if not isinstance(d, dict):
+            raise GateRecordError("not a JSON object")
+        model, digest, rows = d.get("model"), d.get("provenance_sha256"), d.get("checks")
+        if not isinstance(model, str) or not isinstance(digest, str):
+            raise GateRecordError("model and provenance_sha256 must be strings")
+        if not isinstance(rows, list):
+            raise GateRecordError("checks must be a list")
+        checks = []
+        for c in rows:
+            if not isinstance(c, dict) or set(c) != _CHECK_FIELDS:
+                raise GateRecordError(f"a check must be an object of {sorted(_CHECK_FIELDS)}")
+            try:
+                name = CheckName(c["name"])
+            except ValueError:
+                raise GateRecordError(f"unknown check {c['name']!r:.40}") from None
+            if type(c["passed"]) is not bool:
+                raise GateRecordError(f"check {name.value}: passed must be true or false, got {c['passed']!r:.20}")
+            for f in ("figure", "bound"):
+                if isinstance(c[f], bool) or not isinstance(c[f], (int, float)):
+                    raise GateRecordError(f"check {name.value}: {f} must be a number")
+            if not isinstance(c["detail"], str):
+                raise GateRecordError(f"check {name.value}: detail must be a string")
+            try:
+                figure, bound = float(c["figure"]), float(c["bound"])
+            except OverflowError:
+                raise GateRecordError(f"check {name.value}: figure or bound out of range") from None
+            checks.append(CheckResult(name, c["passed"], figure, bound, c["detail"]))
+        names = [c.name for c in checks]
+        if sorted(n.value for n in names) != sorted(n.value for n in CheckName):
+            raise GateRecordError(f"checks {[n.value for n in names]} are not each of {[n.value for n in CheckName]} once")
+        result = cls(model, digest, tuple(checks))
+        if "passed" in d and d["passed"] is not result.passed:
+            raise GateRecordError(f"passed {d['passed']!r:.20} disagrees with its checks")
+        return result
 
 
 def kl_full_vs(full_logits: torch.Tensor, other_logits: torch.Tensor) -> float:
@@ -205,22 +252,37 @@ def gate_path(engine: "Engine", items: int = DEFAULT_GATE_ITEMS) -> Path:
 
 
 def load_record(engine: "Engine") -> GateResult | None:
-    """The recorded gate result for the engine's provenance, if any (unreadable = none)."""
+    """The recorded gate result for the engine's provenance, if any.
+
+    A record that is absent, unreadable (not a regular file, over :data:`MAX_RECORD_BYTES`), not
+    JSON, malformed (see :meth:`GateResult.from_dict`) or for another provenance is no record:
+    the gate runs again and rewrites it. Only an absent one goes without a warning.
+    """
     path = gate_path(engine)
     try:
-        return GateResult.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+        data = safeio.read_regular(path, MAX_RECORD_BYTES, follow_symlinks=True)
+    except FileNotFoundError:
         return None
+    except OSError as e:  # safeio.UnsafeFileError too: a FIFO, a directory, an oversized file
+        log.warning("quality gate: ignoring the record %s (%s); the gate runs again", path, e)
+        return None
+    try:
+        result = GateResult.from_dict(json.loads(data))
+        want = engine.provenance.digest().hex()
+        if result.provenance_sha256 != want:
+            raise GateRecordError(f"recorded for provenance {result.provenance_sha256[:16]!r}.., not {want[:16]}..")
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, GateRecordError
+        log.warning("quality gate: ignoring the malformed record %s (%s: %s); the gate runs again",
+                    path, type(e).__name__, str(e)[:120])
+        return None
+    return result
 
 
 def record(engine: "Engine", result: GateResult, items: int = DEFAULT_GATE_ITEMS) -> None:
     """Write the result (of a run over ``items`` calibration prompts) atomically."""
     path = gate_path(engine, items)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(result.to_dict(), f, indent=1)
-    os.replace(tmp, path)
+    safeio.atomic_write_text(path, json.dumps(result.to_dict(), indent=1))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from blend import safeio
 from blend.defaults import DEFAULT_MODEL, kvblend_home
 from blend.errors import UnknownModelError
 from blend.tiny import TinyModel, build_tiny
@@ -36,6 +38,8 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
 SMOLLM2 = DEFAULT_MODEL
 QWEN_CODER = "qwen2.5-coder-0.5b"
 FINGERPRINT_FILE = "kvblend-fingerprint.json"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -169,24 +173,51 @@ def convert_gguf(name: str, progress: bool = True) -> Path:
     return out
 
 
+MAX_FINGERPRINT_BYTES = 1 << 16  # a fingerprint file is ~100 bytes
+_HEX = frozenset("0123456789abcdef")
+
+
+def _read_fingerprint(path: Path) -> str | None:
+    """The ``weights_sha256`` a fingerprint file records: 64 lowercase hex digits, or None when the
+    file is absent, not a regular file, oversized, not JSON or holds anything else (logged; the
+    caller computes the fingerprint again)."""
+    try:
+        data = safeio.read_regular(path, MAX_FINGERPRINT_BYTES, follow_symlinks=True)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # safeio.UnsafeFileError too
+        log.warning("ignoring the weights fingerprint %s (%s); computing it again", path, e)
+        return None
+    try:
+        fp = json.loads(data).get("weights_sha256")
+    except (ValueError, RecursionError, AttributeError):  # not JSON; nesting; not an object
+        fp = None
+    if isinstance(fp, str) and len(fp) == 64 and set(fp) <= _HEX:
+        return fp
+    log.warning("ignoring the malformed weights fingerprint %s; computing it again", path)
+    return None
+
+
 def _dir_fingerprint(path: Path, model: torch.nn.Module) -> str:
-    """Weights fingerprint of a local checkpoint, cached by file names, sizes and mtimes."""
-    own = path / FINGERPRINT_FILE
-    if own.exists():
-        return json.loads(own.read_text())["weights_sha256"]
+    """Weights fingerprint of a local checkpoint, cached by file names, sizes and mtimes.
+
+    A cached value that is not a sha256 (a corrupt or hand-edited file) is a miss: the fingerprint
+    is computed again and the cache rewritten atomically.
+    """
+    own = _read_fingerprint(path / FINGERPRINT_FILE)
+    if own is not None:
+        return own
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
     stamp = hashlib.sha256(
         "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files).encode()
     ).hexdigest()
     cache = kvblend_home() / "fingerprints" / f"{stamp}.json"
-    if cache.exists():
-        return json.loads(cache.read_text())["weights_sha256"]
+    cached = _read_fingerprint(cache)
+    if cached is not None:
+        return cached
     fp = weights_fingerprint(model)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps({"weights_sha256": fp, "path": str(path)}))
-    os.replace(tmp, cache)
+    safeio.atomic_write_text(cache, json.dumps({"weights_sha256": fp, "path": str(path)}))
     return fp
 
 

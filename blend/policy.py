@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from enum import Enum
 
@@ -49,6 +50,25 @@ class ReuseMode(Enum):
     NONE = "none"
     EXACT = "exact"
     BLEND = "blend"
+
+
+def _finite(x: object) -> bool:
+    """Whether ``x`` is a real number (not a bool) whose float is finite: NaN, infinity and an
+    integer too large for a float (which ``math.isfinite`` and ``float`` raise OverflowError on)
+    are not."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):  # numpy's scalars are Real too
+        return False
+    try:
+        return math.isfinite(float(x))
+    except (OverflowError, ValueError, TypeError):
+        return False
+
+
+def _shown(x: object) -> str:
+    """``repr`` of a rejected value, short (an integer of thousands of digits by its size)."""
+    if isinstance(x, int) and not isinstance(x, bool) and abs(x) > 10**30:
+        return f"an integer of {x.bit_length()} bits"
+    return f"{x!r:.60}"
 
 
 @dataclass(frozen=True)
@@ -121,7 +141,16 @@ class ReusePolicy:
 
     def __post_init__(self) -> None:
         def bad_ratio(r: float) -> bool:
-            return not isinstance(r, (int, float)) or math.isnan(r) or not 0.0 <= r <= 1.0
+            return not _finite(r) or not 0.0 <= r <= 1.0
+
+        for name in ("ratio", "max_ratio", "guard_ratio", "auto_target", "reused_temperature"):
+            if not _finite(getattr(self, name)):
+                raise InvalidPolicyError(f"{name} must be a finite number, got {_shown(getattr(self, name))}")
+        for name in ("threshold", "guard_margin", "candidates"):
+            if getattr(self, name) is not None and not _finite(getattr(self, name)):
+                raise InvalidPolicyError(f"{name} must be a finite number or None, got {_shown(getattr(self, name))}")
+        if self.layer_ratios is not None and not all(map(_finite, self.layer_ratios)):
+            raise InvalidPolicyError(f"layer_ratios must be finite numbers, got {self.layer_ratios!r:.80}")
 
         if bad_ratio(self.ratio):
             raise InvalidPolicyError(f"recompute ratio must be in [0, 1], got {self.ratio}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import tempfile
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -128,3 +129,87 @@ def read_regular(path: str | os.PathLike[str], max_bytes: int, follow_symlinks: 
         return pread_exact(fd, max_bytes + 1, 0)[:max_bytes]
     finally:
         os.close(fd)
+
+
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
+    """fsync a directory so a rename inside it survives power loss (best effort: some file
+    systems and platforms cannot open or fsync a directory; that is not an error)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux: /proc); 0o022 where it cannot be read."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def _set_mode(fd: int, target: str) -> None:
+    """Give a temporary file the mode of the file it will replace (a new file: what a plain open()
+    would create): mkstemp's 0600 would hide it from users who could read the old one."""
+    try:
+        try:
+            mode = stat.S_IMODE(os.stat(target).st_mode)
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+        os.fchmod(fd, mode)
+    except OSError:
+        pass  # a mode we cannot set is not a reason to fail the write
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *,
+                       fsync: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically: a reader sees the old file or the new one, never part.
+
+    A private temporary file (``mkstemp``, in the target's folder, so two writers never share one) is
+    written, flushed and fsynced, then renamed over ``path`` (``os.replace``) and the folder fsynced
+    (best effort). On any failure the temporary file is removed and the error raised; ``path`` is
+    unchanged.
+
+    Args:
+        path: the file to replace (its folder must exist).
+        data: the new contents.
+        fsync: fsync the file and its folder (durable across power loss).
+
+    Raises:
+        OSError: the write or the rename failed.
+    """
+    target = os.fspath(path)
+    folder = os.path.dirname(target) or "."
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            _set_mode(f.fileno(), target)
+            f.write(data)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if fsync:
+        fsync_dir(folder)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, *, encoding: str = "utf-8",
+                      fsync: bool = True) -> None:
+    """:func:`atomic_write_bytes` of ``text`` encoded (UTF-8 by default)."""
+    atomic_write_bytes(path, text.encode(encoding), fsync=fsync)

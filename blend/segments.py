@@ -185,11 +185,33 @@ class SegmentCache:
         t0 = time.perf_counter()
         found = pending.result() if pending is not None else self.store.get(ns, key, self.provenance_json)
         seconds = time.perf_counter() - t0
-        if found.status is LookupStatus.HIT and found.entry.num_tokens == tokens:
-            return Found(found.entry, "", seconds)
         if found.status is LookupStatus.MISS:
             return Found(None, "", seconds)
-        return Found(None, found.reason or "stored entry has the wrong length", seconds)
+        if found.status is LookupStatus.HIT:
+            why = self.shape_problem(found.entry, tokens)
+            if not why:
+                return Found(found.entry, "", seconds)
+            return Found(None, why, seconds)  # REJECTED: the caller recomputes it and overwrites the entry
+        return Found(None, found.reason or "stored entry is unusable", seconds)
+
+    def shape_problem(self, entry: KVEntry, tokens: int | None = None) -> str:
+        """Why ``entry`` cannot be this model's KV of a ``tokens``-token segment ('' if it can).
+
+        An entry under this engine's provenance should always have the model's (layers, KV heads,
+        head dim); one that does not (a corrupt or tampered store) would fail inside the model's
+        loader, so it is rejected like any unusable entry.
+        """
+        d = self.model.dims
+        want = (d.num_layers, d.num_kv_heads, d.head_dim)
+        for name, t in (("k", entry.k), ("v", entry.v)):
+            if t.dim() != 4 or (int(t.shape[0]), int(t.shape[1]), int(t.shape[3])) != want:
+                return (f"stored entry's {name} has shape {tuple(t.shape)}, the model's KV is "
+                        f"(layers, kv heads, tokens, head dim) = ({want[0]}, {want[1]}, T, {want[2]})")
+        if entry.k.shape != entry.v.shape:
+            return f"stored entry's k {tuple(entry.k.shape)} and v {tuple(entry.v.shape)} differ"
+        if tokens is not None and entry.num_tokens != tokens:
+            return f"stored entry has the wrong length ({entry.num_tokens} tokens, the segment has {tokens})"
+        return ""
 
     # ---- computing ----------------------------------------------------------------------
 
@@ -439,6 +461,8 @@ class SegmentCache:
                 t0 = time.perf_counter()
                 donated = self.donors.donor_kv(pre_ids, doc.token_ids, p.key)
                 waited += time.perf_counter() - t0
+                if donated is not None and self.shape_problem(donated.kv, len(doc)):
+                    donated = None  # a donor entry of another shape (a corrupt store): compute instead
                 if donated is not None:
                     out.append(ChunkKV(donated.kv, ReuseClass.SEMANTIC, key_hex(p.key), donated.note, donated.forced))
                     continue

@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from blend import safeio
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.index import ApproxParams, IndexKind, VectorIndex
 from blend.retrieval.index_files import (  # the records are defined there, beside their readers
@@ -160,13 +161,14 @@ class Catalog:
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        safeio.fsync_dir(tmp)  # the generation's file names
         target = self.root / name
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
-        cur_tmp = self.root / f".CURRENT.{os.getpid()}"
-        cur_tmp.write_text(name)
-        os.replace(cur_tmp, cur)
+        # CURRENT: a private temp file, fsynced, renamed, then the index folder fsynced (which also
+        # makes the generation's rename above durable); the temp file is removed on failure
+        safeio.atomic_write_text(cur, name)
         for p in self.root.iterdir():  # earlier generations and abandoned temp folders
             if p.name != name and (p.name.startswith("gen-") or p.name.startswith(".gen-")) and p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)

@@ -246,6 +246,12 @@ def _read_jsonl(path: str, data: bytes) -> tuple[list[Document], list[CorpusIssu
             what = "missing" if not isinstance(obj, dict) or "text" not in obj else f"not a string ({type(text).__name__})"
             issues.append(CorpusIssue(path, lineno, IssueKind.NO_TEXT, f"`text` field {what}"))
             continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate escape ("\ud800"): no UTF-8 text has it
+            msg = f"`text` field holds the unpaired surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+            issues.append(CorpusIssue(path, lineno, IssueKind.NOT_UTF8, msg))
+            continue
         if not text.strip():
             issues.append(CorpusIssue(path, lineno, IssueKind.EMPTY, "`text` field is empty"))
             continue

@@ -31,8 +31,8 @@ def test_gate_checks_have_figures_and_mechanical_checks_pass_on_tiny(home):
 
 def test_failed_gate_falls_back_unless_forced(home):
     eng = Engine.load("tiny-llama")
-    failing = gate.GateResult(eng.model_name, eng.provenance.digest().hex(), (
-        gate.CheckResult(gate.CheckName.FIDELITY_KL, False, 3.0, gate.KL_BOUND, "test"),))
+    failing = gate.GateResult(eng.model_name, eng.provenance.digest().hex(), tuple(  # a record holds every check
+        gate.CheckResult(n, n is not gate.CheckName.FIDELITY_KL, 3.0, gate.KL_BOUND, "test") for n in gate.CheckName))
     gate.record(eng, failing)
     prompt = eng.build_prompt("Which?", make_docs(3))
     ans = eng.generate(prompt, ReusePolicy.blend(), max_new_tokens=1)

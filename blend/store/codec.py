@@ -32,6 +32,9 @@ from blend.store.base import KVEntry
 FORMAT_TAG = "kvblend-kv"
 MAX_HEADER_BYTES = 1 << 20  # a real header is ~1 KB; anything larger is corrupt
 MAX_ENTRY_BYTES = 2 << 30  # default cap on a whole blob a tier reads (30-layer 135M model: 45 KiB/token)
+MAX_DIM = 1 << 20  # layers, KV heads, head dim: each in [1, MAX_DIM] (real models: tens to hundreds)
+MAX_TOKENS = 1 << 31  # tokens of one entry: [0, MAX_TOKENS]
+MAX_ELEMENTS = 1 << 48  # L x Hkv x max(T, 1) x D: what a view's strides span, whatever T (an empty entry too)
 
 _ST_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "F32",
@@ -201,7 +204,21 @@ def _entry_header(meta: object) -> EntryHeader:
     if meta["dtype"] not in _DTYPES_BY_NAME:
         raise EntryError(EntryErrorKind.DTYPE, f"unsupported dtype {meta['dtype']!r:.40}")
     shape = _ints(meta["shape"], 4, "shape")
+    _check_dims(shape)
     return EntryHeader(**{**meta, "shape": shape})  # type: ignore[arg-type]
+
+
+def _check_dims(shape: tuple[int, ...]) -> None:
+    """Each dimension in its range and the strides they imply bounded: a header claiming (0, 2**40,
+    2**40, 1) over zero bytes would pass the size and checksum checks, then fail to become a tensor."""
+    L, H, T, D = shape
+    for name, n in (("layers", L), ("KV heads", H), ("head dim", D)):
+        if not 1 <= n <= MAX_DIM:
+            raise EntryError(EntryErrorKind.SHAPE, f"{name} {n} outside [1, {MAX_DIM}]")
+    if T > MAX_TOKENS:
+        raise EntryError(EntryErrorKind.SHAPE, f"{T} tokens, over {MAX_TOKENS}")
+    if L * H * max(T, 1) * D > MAX_ELEMENTS:
+        raise EntryError(EntryErrorKind.SHAPE, f"shape {list(shape)} spans over {MAX_ELEMENTS} elements")
 
 
 def decode_header(blob: bytes | bytearray | memoryview) -> tuple[EntryHeader, dict, int]:
@@ -308,11 +325,13 @@ def decode(
         raise EntryError(EntryErrorKind.CHECKSUM, "sha256 over the header claims and tensor bytes differs")
     dtype = _DTYPES_BY_NAME[hdr.dtype]
     nbytes = hdr.tensor_bytes // 2
-    return KVEntry(
-        k=_view(blob, start, nbytes, dtype, hdr.shape),  # (L, Hkv, T, D)
-        v=_view(blob, start + nbytes, nbytes, dtype, hdr.shape),  # (L, Hkv, T, D)
-        provenance=hdr.provenance,
-    )
+    try:
+        k = _view(blob, start, nbytes, dtype, hdr.shape)  # (L, Hkv, T, D)
+        v = _view(blob, start + nbytes, nbytes, dtype, hdr.shape)  # (L, Hkv, T, D)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # a shape torch cannot lay out
+        raise EntryError(EntryErrorKind.SHAPE, f"shape {list(hdr.shape)} is not a tensor "
+                                               f"({type(e).__name__}: {str(e)[:80]})") from None
+    return KVEntry(k=k, v=v, provenance=hdr.provenance)
 
 
 def _view(blob: bytearray | bytes | memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:

@@ -6,8 +6,9 @@ Layout under ``root``::
     root/<namespace>/<key hex[:2]>/.<key hex>.<random>.tmp   a write in progress
     root/logs/<name>.jsonl                                   record logs (e.g. semantic donors; record_logs.py)
 
-A put writes a private temporary file in the entry's directory, fsyncs it and
-renames it over the entry (``os.replace`` is atomic on POSIX): a reader sees
+A put writes a private temporary file in the entry's directory, fsyncs it,
+renames it over the entry (``os.replace`` is atomic on POSIX) and fsyncs the
+directory (best effort; with ``fsync=False`` neither): a reader sees
 the old file or the new one, a writer killed mid-write leaves only a ``.tmp``
 that is never read, and two writers of one key leave one complete file.
 
@@ -221,6 +222,8 @@ class DiskStore:
                     os.fsync(f.fileno())
             os.replace(tmp, dest)
             tmp = None
+            if self.fsync:
+                safeio.fsync_dir(dest.parent)  # the rename itself survives power loss (best effort)
             self._after_put(size)
         except OSError as e:
             log.warning("disk store: write of %s failed: %s", dest, e)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import threading
 from pathlib import Path
 
 from blend import safeio
@@ -81,10 +80,9 @@ class DiskRecordLogs:
                 return False
             if complete_lines(safeio.pread_exact(fd, size, 0)) != list(expected):
                 return False  # appended to (or rewritten) since it was read: try another time
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_bytes(b"".join(ln + b"\n" for ln in lines))
-            os.replace(tmp, path)  # appenders waiting on the old file reopen the new one
-            return True
+            # a private temp file, fsynced, renamed over the log, the folder fsynced; removed on failure
+            safeio.atomic_write_bytes(path, b"".join(ln + b"\n" for ln in lines))
+            return True  # appenders waiting on the old file reopen the new one
         except OSError as e:
             log.warning("disk store: cannot rewrite log %s: %s", path, e)
             return False

@@ -269,8 +269,22 @@ class RedisStore:
             return None
         size, header = head
         hdr, _, start = decode_header(header)
-        check_size(hdr, start, size, self.max_entry_bytes)
-        return self._call("get", lambda: self._client.get(rk), None)
+        want = check_size(hdr, start, size, self.max_entry_bytes)
+        # bounded: GETRANGE of at most want + 1 bytes, never a GET of whatever the value became since
+        # the probe (another writer may SET a larger one between the round trips); one byte more than
+        # claimed tells a value that grew from the one probed
+        blob = self._call("get", lambda: self._client.getrange(rk, 0, want), None)
+        if blob is None:
+            return None  # the server went down
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise EntryError(EntryErrorKind.NOT_A_BLOB, f"GETRANGE returned {type(blob).__name__}")
+        if len(blob) == 0:
+            return None  # deleted since the probe
+        if len(blob) != want:
+            raise EntryError(EntryErrorKind.TRUNCATED if len(blob) < want else EntryErrorKind.SHAPE,
+                             f"the value changed while read: {len(blob)}{'+' if len(blob) > want else ''} bytes, "
+                             f"its header claimed {want}")
+        return blob if isinstance(blob, bytes) else bytes(blob)
 
     def get(self, ns: Namespace, key: StoreKey, provenance: str) -> Lookup:
         try:

@@ -14,6 +14,7 @@ reaches redis-py: ``redis://h:6379/0?prefix=team&ttl=86400``.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from enum import Enum
@@ -50,6 +51,7 @@ class TierSpec:
     budget_bytes: int | None = None  # disk: LRU byte budget
 
 
+MAX_SIZE = 1 << 60  # bytes: no budget is larger (an int that any byte count compares with)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -65,9 +67,13 @@ def parse_size(text: str) -> int:
     try:
         value = float(number) * _UNITS[unit]
     except ValueError:
-        raise StoreSpecError(f"size must look like 500M or 20G, got {text!r}") from None
+        raise StoreSpecError(f"size must look like 500M or 20G, got {text!r:.80}") from None
+    if not math.isfinite(value):  # inf, nan, 1e400 (float() reads them all)
+        raise StoreSpecError(f"size must be a finite number of bytes, got {text!r:.80}")
     if not value >= 1:
-        raise StoreSpecError(f"size must be at least one byte, got {text!r}")
+        raise StoreSpecError(f"size must be at least one byte, got {text!r:.80}")
+    if value > MAX_SIZE:
+        raise StoreSpecError(f"size must be at most {MAX_SIZE} bytes (1 EiB), got {text!r:.80}")
     return int(value)
 
 

@@ -120,6 +120,25 @@ def blend_claim(params: BlendParams, num_computed: int, block_size: int) -> int:
     return max(0, params.question_start - num_computed)
 
 
+def _number(x: Any, lo: float, hi: float, message: str) -> float:
+    """``x`` as a finite float in [lo, hi]; anything else (a bool, a string, NaN, infinity, an
+    integer too large for a float) is an :class:`InvalidRequestError` with ``message``.
+
+    The range is checked by comparison first (exact for ints of any size), then the conversion,
+    so no OverflowError or TypeError escapes."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise InvalidRequestError(f"{message}, got {x!r:.60}")
+    try:
+        ok = lo <= x <= hi
+        value = float(x)
+    except (OverflowError, ValueError, TypeError):
+        ok = False
+    if not ok or not math.isfinite(value):
+        shown = f"an integer of {x.bit_length()} bits" if isinstance(x, int) and abs(x) > 10**30 else repr(x)
+        raise InvalidRequestError(f"{message}, got {shown}")
+    return value
+
+
 def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams | None:
     """A request's blend parameters, or None when it asks for no blend.
 
@@ -140,17 +159,13 @@ def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams 
         raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object")
     if p.get("mode", "blend") != "blend":
         return None
-    ratio = p.get("ratio", DEFAULT_RATIO)
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) \
-            or not 0.0 <= ratio <= 1.0:
-        raise InvalidRequestError(f"kvblend ratio must be a number in [0, 1], got {ratio!r}")
+    ratio = _number(p.get("ratio", DEFAULT_RATIO), 0.0, 1.0, "kvblend ratio must be a number in [0, 1]")
     selector = p.get("selector", DEFAULT_SELECTOR)
     if selector not in SELECTOR_NAMES:
         raise InvalidRequestError(f"unknown kvblend selector {selector!r}")
     guard = p.get("guard_margin", DEFAULT_VLLM_GUARD_MARGIN)
-    if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float))
-                              or not math.isfinite(guard) or guard < 0):
-        raise InvalidRequestError(f"kvblend guard_margin must be a number >= 0 or null, got {guard!r}")
+    if guard is not None:
+        guard = _number(guard, 0.0, math.inf, "kvblend guard_margin must be a finite number >= 0 or null")
     docs = p.get("documents")
     if not isinstance(docs, list) or not docs:
         raise InvalidRequestError("kvblend blend needs 'documents': a non-empty list of [start, end] token spans")
@@ -169,7 +184,7 @@ def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams 
             raise InvalidRequestError("document spans must be contiguous and in order")
     if spans[-1][1] >= num_prompt:
         raise InvalidRequestError("the question after the last document is empty")
-    return BlendParams(float(ratio), str(selector), tuple(spans), None if guard is None else float(guard))
+    return BlendParams(ratio, str(selector), tuple(spans), guard)
 
 
 def blend_request(prompt_token_ids: Sequence[int], doc_spans: Sequence[tuple[int, int]], ratio: float = DEFAULT_RATIO,
