@@ -58,11 +58,21 @@ def test_one_pass_prefill_equals_the_segment_schedule_within_tolerance(tiny_engi
     assert (one_pass - exact.first_logits).abs().max() <= 1e-4
 
 
-def test_exact_equals_full_prefill_within_tolerance(tiny_engine):
+def test_warm_exact_equals_a_one_pass_prefill_and_transformers_within_tolerance(tiny_engine):
+    """The warm exact run (every document loaded from the store) against two independent computations
+    of the whole prompt in one pass: the runner's and transformers' own forward."""
     prompt = tiny_engine.build_prompt("Why?", make_docs(4))
-    full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
-    exact = tiny_engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
-    assert (full.first_logits - exact.first_logits).abs().max() <= 1e-4
+    runner = tiny_engine.runner
+    with torch.inference_mode():
+        h, _ = runner.prefill(runner.new_cache(len(prompt)), runner.ids(prompt.token_ids), keep_kv=False)
+        one_pass = runner.logits(h[-1:])[0]
+        hf = runner.loaded.model(torch.tensor([prompt.token_ids])).logits[0, -1].float()
+    tiny_engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # cold: computes and stores
+    warm = tiny_engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+    assert classes(warm) == [ReuseClass.EXACT] * (len(prompt.segments) - 1) + [ReuseClass.COMPUTED]
+    assert warm.report.reused_tokens == len(prompt) - len(prompt.question)
+    for ref in (one_pass, hf):
+        assert (ref - warm.first_logits).abs().max() <= 1e-4
 
 
 def test_prefix_is_chained_a_reordered_prompt_only_shares_the_preamble(tiny_engine):

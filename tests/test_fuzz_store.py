@@ -114,6 +114,19 @@ def test_decode_of_mutated_entries(case: tuple[bytes, KVEntry, str]) -> None:
         _check_decode(*case)
 
 
+def _check_verify(got: Any, why: str) -> None:
+    """``verify`` (which knows no requested provenance) agrees with the lookup: a hit verifies clean;
+    an entry the lookup rejected for anything but a provenance mismatch (undecodable, damaged, wrong
+    shape) is flagged by verify with the same reason; a miss is absent."""
+    assert isinstance(why, str)
+    if got.status is LookupStatus.HIT:
+        assert why == ""
+    elif got.status is LookupStatus.REJECTED and got.reason != "provenance mismatch":
+        assert why != "" and why == got.reason, (got.reason, why)
+    elif got.status is LookupStatus.MISS and not got.reason:
+        assert why == "absent"
+
+
 @FUZZ
 @given(case=hostile_blobs(), sparse=st.sampled_from([0, 0, 0, 1 << 20, 1 << 40]))
 def test_disk_tier_over_mutated_entry_files(tmp_path_factory: pytest.TempPathFactory,
@@ -131,8 +144,7 @@ def test_disk_tier_over_mutated_entry_files(tmp_path_factory: pytest.TempPathFac
         assert got.status in (LookupStatus.HIT, LookupStatus.REJECTED)
         if got.status is LookupStatus.HIT:
             assert torch.equal(got.entry.k, entry.k) and torch.equal(got.entry.v, entry.v)
-        why = store.verify(NS, KEY)
-        assert isinstance(why, str) and (why == "" if got.status is LookupStatus.HIT else True)
+        _check_verify(got, store.verify(NS, KEY))
         try:
             store.info(NS, KEY)
         except EntryError:
@@ -161,8 +173,7 @@ def test_redis_tier_over_mutated_values(redis_store: RedisStore, case: tuple[byt
         assert got.status in (LookupStatus.HIT, LookupStatus.REJECTED, LookupStatus.MISS)
         if got.status is LookupStatus.HIT:
             assert torch.equal(got.entry.k, entry.k) and torch.equal(got.entry.v, entry.v)
-        why = redis_store.verify(NS, KEY)
-        assert isinstance(why, str) and (why == "" if got.status is LookupStatus.HIT else True)
+        _check_verify(got, redis_store.verify(NS, KEY))
         try:
             redis_store.info(NS, KEY)
         except EntryError:

@@ -5,7 +5,9 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blend.keys import Provenance, canonical_key, exact_chain
+from blend.keys import Provenance, canonical_key, exact_chain, key_hex
+from blend.report import ReuseClass
+from conftest import make_docs, unguarded_blend
 
 BASE = Provenance(
     model_arch="llama:abc", weights_sha256="w" * 64, tokenizer_sha256="t" * 64, dtype="float32",
@@ -48,9 +50,29 @@ def test_chain_is_prefix_dependent_and_boundaries_matter():
     assert exact_chain(BASE, [a, b])[1] != exact_chain(BASE, [b, a])[1]
     # the same tokens split differently are different segments
     assert exact_chain(BASE, [[1, 2], [3, 4, 5]])[1] != exact_chain(BASE, [a, b])[1]
-    # canonical keys never depend on neighbours, exact ones always do
-    assert canonical_key(BASE, a, b) == canonical_key(BASE, a, b)
+    # exact keys depend on the neighbours before a segment: the same document after another one
+    pre, doc = [9, 9], [6, 7, 8]
+    assert exact_chain(BASE, [pre, a, doc])[2] != exact_chain(BASE, [pre, b, doc])[2]
     assert len(exact_chain(BASE, [a, b])[1]) == 32
+
+
+def test_canonical_keys_never_depend_on_neighbours_exact_ones_do(tiny_engine_factory):
+    """The same document between different neighbours (at another position too): a blend reuses it
+    under one canonical key (preamble and its own tokens only), exact reuse keys it by its whole prefix."""
+    eng = tiny_engine_factory()
+    d = make_docs(5)
+    first = eng.build_prompt("Which?", [d[0], d[2], d[1]])
+    second = eng.build_prompt("Which?", [d[3], d[4], d[2], d[0]])
+    assert first.documents[1].token_ids == second.documents[2].token_ids
+    eng.precompute_chunks(d)
+    blended = [eng.generate(p, unguarded_blend(ratio=0.15), max_new_tokens=1).report.segments for p in (first, second)]
+    row1, row2 = blended[0][2], blended[1][3]  # the shared document (after the preamble's row)
+    assert row1.reuse_class is row2.reuse_class is ReuseClass.BLENDED and row1.start != row2.start
+    want = key_hex(canonical_key(eng.provenance, first.preamble.token_ids, first.documents[1].token_ids))
+    assert row1.key == row2.key == want
+    exact = [eng.generate(p, max_new_tokens=1).report.segments for p in (first, second)]
+    assert exact[0][2].key and exact[1][3].key and exact[0][2].key != exact[1][3].key
+    assert want not in (exact[0][2].key, exact[1][3].key)
 
 
 def test_engine_provenance_differs_by_dtype_model_and_kv_dtype():

@@ -77,7 +77,10 @@ def test_the_lru_keeps_its_budget():
     cache.put(b"c" * 32, prefix(10))
     assert b"b" * 32 not in cache and b"a" * 32 in cache and b"c" * 32 in cache
     assert cache.get(b"a" * 32, 11) is None  # another length: not this prefix
-    PrefixCache(0).put(b"d" * 32, prefix(1))  # budget 0 keeps nothing
+    empty = PrefixCache(0)
+    empty.put(b"d" * 32, prefix(1))  # budget 0 keeps nothing
+    assert b"d" * 32 not in empty and empty.get(b"d" * 32, 1) is None and not empty.holds(b"d" * 32, 1)
+    assert empty.kept == 0 and empty.hits == 0
 
 
 def test_blends_over_exact_documents_make_the_prefix_hot_on_their_own(tiny_engine_factory):

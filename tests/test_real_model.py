@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from blend.calibration import calibration_items
-from blend.policy import ReusePolicy
+from blend.policy import ReuseMode, ReusePolicy
 from blend.report import ReuseClass
+from blend.store.memory import MemoryStore
 
 pytestmark = pytest.mark.real
 
@@ -34,19 +35,43 @@ def test_real_greedy_matches_transformers_generate(real_engine, prompt):
     assert "Marisol Ortega" in got.text
 
 
+@pytest.fixture
+def fresh_engine(real_engine):
+    """The real model's weights over an empty store of its own (no gate): the session engine's store
+    holds whatever earlier tests ran, and an exact chain stored there turns a later blend of the same
+    prompt into the all-documents-exact path, which never blends."""
+    return real_engine.with_store(MemoryStore())
+
+
 def test_real_cold_equals_warm_exact_and_blend(real_engine, prompt):
-    for policy in (ReusePolicy.exact(), ReusePolicy.blend(ratio=0.15, force=True)):
-        cold = real_engine.generate(prompt, policy, max_new_tokens=4)
-        warm = real_engine.generate(prompt, policy, max_new_tokens=4)
+    for policy, warm_docs in ((ReusePolicy.exact(), [ReuseClass.EXACT] * len(prompt.documents)),
+                              (ReusePolicy.blend(ratio=0.15, force=True),
+                               [ReuseClass.EXACT] + [ReuseClass.BLENDED] * (len(prompt.documents) - 1))):
+        engine = real_engine.with_store(MemoryStore())  # each policy cold on its own empty store
+        cold = engine.generate(prompt, policy, max_new_tokens=4)
+        warm = engine.generate(prompt, policy, max_new_tokens=4)
         assert torch.equal(cold.first_logits, warm.first_logits)
         assert cold.token_ids == warm.token_ids
-        assert ReuseClass.COMPUTED not in [s.reuse_class for s in warm.report.segments[:-1]]
+        assert ReuseClass.COMPUTED in [s.reuse_class for s in cold.report.segments[:-1]], policy.describe()
+        assert [s.reuse_class for s in warm.report.segments[:-1]] == [ReuseClass.EXACT, *warm_docs], policy.describe()
+        if policy.mode is ReuseMode.BLEND:  # really blended: rows of the re-positioned documents recomputed
+            assert warm.report.recomputed_tokens > 0
+            assert warm.report.recomputed_tokens == cold.report.recomputed_tokens
+        else:
+            assert warm.report.recomputed_tokens == 0
 
 
-def test_real_ratio_one_equals_full_prefill(real_engine, prompt):
-    full = real_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
-    one = real_engine.generate(prompt, ReusePolicy.blend(ratio=1.0, force=True), max_new_tokens=1)
-    assert (one.first_logits - full.first_logits).abs().max() <= 1e-3
+def test_real_ratio_one_equals_full_prefill(fresh_engine, prompt):
+    full = fresh_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    for _ in ("cold", "warm"):
+        one = fresh_engine.generate(prompt, ReusePolicy.blend(ratio=1.0, force=True), max_new_tokens=1)
+        assert (one.first_logits - full.first_logits).abs().max() <= 1e-3
+    rows = one.report.segments
+    # warm: the first document exact at its place, every later one blended with all its rows recomputed
+    blended = [ReuseClass.BLENDED] * (len(prompt.documents) - 1)
+    assert [s.reuse_class for s in rows[1:-1]] == [ReuseClass.EXACT, *blended]
+    assert all(s.recomputed == s.tokens for s in rows[2:-1])
+    assert one.report.recomputed_tokens == sum(len(d) for d in prompt.documents[1:]) > 0
 
 
 def test_real_conversation_turns_are_found_and_reused_bit_for_bit(real_engine):

@@ -269,15 +269,20 @@ def test_fifo_inside_a_generation_is_refused(index: Path) -> None:
 
 def test_damaged_faiss_file_is_never_parsed_and_is_rebuilt(index: Path) -> None:
     cat = Catalog.open(index)
+    assert cat.vectors.faiss_loaded  # the intact file is used (so the checks below can tell)
     q = HashEmbedder().embed(["who is the captain"])  # (1, D)
     want = cat.search(q, 2)
     faiss_file = _gen(index) / "faiss.index"
     data = bytearray(faiss_file.read_bytes())
     data[len(data) // 2] ^= 0xFF
     faiss_file.write_bytes(bytes(data))
-    assert Catalog.open(index).search(q, 2) == want
+    flipped = Catalog.open(index)
+    assert not flipped.vectors.faiss_loaded  # refused by its digest, rebuilt from the vectors
+    assert flipped.search(q, 2) == want
     faiss_file.write_bytes(b"\xff" * 64)
-    assert Catalog.open(index).search(q, 2) == want
+    garbage = Catalog.open(index)
+    assert not garbage.vectors.faiss_loaded
+    assert garbage.search(q, 2) == want
 
 
 def test_vector_index_load_checks_the_digest(tmp_path: Path) -> None:

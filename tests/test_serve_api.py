@@ -11,7 +11,6 @@ import openai
 import pytest
 
 from _serve_util import TINY, one_torch_thread, running_server, tiny_serve_engine  # noqa: F401
-from blend.defaults import DEFAULT_SELECTOR
 from blend.generation import generate
 from blend.policy import ReusePolicy
 from blend.prompt import Role, Turn
@@ -90,21 +89,30 @@ def test_openai_client_completions_and_models(client):
     assert [m.id for m in client.models.list()] == [TINY]
 
 
-@pytest.mark.parametrize("kvblend, sampling", [
-    ({"reuse": "exact"}, {"temperature": 0}),
-    ({"reuse": "blend", "ratio": 0.3, "selector": "v"}, {"temperature": 0}),
-    ({"reuse": "exact"}, {"temperature": 0.9, "top_p": 0.9, "top_k": 40, "seed": 1234}),
-    ({"reuse": "blend", "ratio": 0.15}, {"temperature": 0.7, "seed": 99, "stop": ["q"]}),
-    ({"reuse": "blend", "ratio": 0.15, "guard_margin": 1e9}, {"temperature": 0}),  # the guard always fires
+@pytest.mark.parametrize("salt, kvblend, sampling", [
+    ("case-exact-greedy", {"reuse": "exact"}, {"temperature": 0}),
+    ("case-blend-v", {"reuse": "blend", "ratio": 0.3, "selector": "v"}, {"temperature": 0}),
+    ("case-exact-sampled", {"reuse": "exact"}, {"temperature": 0.9, "top_p": 0.9, "top_k": 40, "seed": 1234}),
+    ("case-blend-sampled", {"reuse": "blend", "ratio": 0.15}, {"temperature": 0.7, "seed": 99, "stop": ["q"]}),
+    # the guard always fires
+    ("case-blend-guard", {"reuse": "blend", "ratio": 0.15, "guard_margin": 1e9}, {"temperature": 0}),
 ])
-def test_server_answers_equal_the_python_api(srv, kvblend, sampling):
-    body = chat("which harbor?", max_tokens=12, kvblend=kvblend, **sampling)
+def test_server_answers_equal_the_python_api(srv, salt, kvblend, sampling):
+    """Each case keys its KV under its own cache salt: the server's store is shared by the module, and
+    an exact chain an earlier case stored for DOCS would turn a later blend into the exact path (no
+    blend, no guard). A blend case's canonical chunks are stored first, so the server and the Python
+    API both run the same warm blend."""
+    engine = srv.engine
+    blend = kvblend["reuse"] == "blend"
+    if blend:
+        engine.precompute_chunks(DOCS, salt=salt)
+    body = chat("which harbor?", max_tokens=12, kvblend=kvblend, cache_salt=salt, **sampling)
     got = post(srv, body).json()
     ext = got["kvblend"]
-    engine = srv.engine
-    policy = (ReusePolicy.exact() if kvblend["reuse"] == "exact"
-              else ReusePolicy.blend(ratio=kvblend["ratio"], selector=kvblend.get("selector", DEFAULT_SELECTOR),
-                                     guard_margin=kvblend.get("guard_margin")))
+    # the reference policy with the server's defaults: an option the request leaves out is the default
+    # (the default near-tie guard included), not None
+    options = {k: v for k, v in kvblend.items() if k != "reuse"}
+    policy = ReusePolicy.blend(**options, cache_salt=salt) if blend else ReusePolicy.exact(cache_salt=salt)
     cfg = GenerationConfig(max_tokens=12, temperature=sampling["temperature"], top_p=sampling.get("top_p", 1.0),
                            top_k=sampling.get("top_k", 0), seed=sampling.get("seed"),
                            stop=tuple(sampling.get("stop", ())))
@@ -113,6 +121,20 @@ def test_server_answers_equal_the_python_api(srv, kvblend, sampling):
     assert ext["answer_token_ids"] == ref.token_ids
     assert ext["steps_sha256"] == ref.steps_sha256  # alone in the batch: the very same numbers
     assert got["choices"][0]["message"]["content"] == ref.text
+    report = ext["report"]
+    classes = [s["class"] for s in report["segments"]]
+    if blend:  # really blended, not the all-documents-exact path (which reports no first-token gap):
+        # blended rows, or the near-tie guard, which fires only on a blend that kept re-positioned KV (a
+        # guard ratio not above the request's, as 0.3 under the default guard, recomputes on the exact path)
+        assert report["first_token_margin"] is not None, report
+        assert "blended" in classes or report["guard"], report
+        assert report["policy"] == ref.report.policy  # the same settings, defaults included
+        assert report["segments"] == ref.report.to_dict()["segments"]
+        if kvblend.get("guard_margin") == 1e9:  # re-blended at the guard's 0.3: blended rows still
+            assert report["guard"] and "blended" in classes, report
+    else:  # the server's request was the salt's first: cold; the Python API's found its exact chain
+        assert classes == ["computed"] * len(classes), classes
+        assert [s.reuse_class.value for s in ref.report.segments[:-1]] == ["exact"] * (len(classes) - 1)
 
 
 def test_a_conversation_is_answered_as_the_python_api_answers_it(srv):

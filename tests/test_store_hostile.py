@@ -379,11 +379,16 @@ def test_redis_url_with_a_bad_database_is_an_error(url: str) -> None:
         parse_store_spec(url)
 
 
-@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/3", "redis://127.0.0.1:6379", "redis://h:1/",
-                                 "unix:///tmp/redis.sock?db=2"])
-def test_redis_url_with_a_good_database_is_accepted(url: str) -> None:
+@pytest.mark.parametrize("url, db", [("redis://127.0.0.1:6379/3", 3), ("redis://127.0.0.1:6379", 0),
+                                     ("redis://h:1/", 0), ("unix:///tmp/redis.sock?db=2", 2),
+                                     ("redis://h:1/5?prefix=p&ttl=9", 5), ("unix:///tmp/r.sock?prefix=p&db=7", 7)])
+def test_redis_url_with_a_good_database_is_accepted(url: str, db: int) -> None:
+    from redis.connection import parse_url  # how the Redis tier's client reads its location
+
     (tier,) = parse_store_spec(url)
-    assert tier.kind is TierKind.REDIS and tier.location.endswith(url.rpartition("/")[2] if "?" not in url else "db=2")
+    assert tier.kind is TierKind.REDIS
+    assert parse_url(tier.location).get("db", 0) == db  # redis-py's default database is 0
+    assert "prefix" not in tier.location and "ttl" not in tier.location  # kvblend's own options are taken out
 
 
 # ---- end to end: `kvblend ask` and `kvblend store verify` over planted faults ----------------

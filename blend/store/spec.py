@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from blend.defaults import DEFAULT_WRITE_BEHIND, kvblend_home
 from blend.store.base import InspectableStore
@@ -104,7 +104,10 @@ def _parse_one(part: str) -> TierSpec:
             ttl = int(opts["ttl"]) if "ttl" in opts else None
         except ValueError:
             raise StoreSpecError(f"ttl must be whole seconds, got {opts['ttl']!r}") from None
-        url = urlunsplit(u._replace(query=urlencode(rest)))
+        # only the query changes: cut it off the text rather than re-joining the parts (urlunsplit drops the
+        # empty authority of unix:///path, and redis-py refuses unix:/path)
+        base = part.split("?", 1)[0].split("#", 1)[0]
+        url = base + ("?" + urlencode(rest) if rest else "") + ("#" + u.fragment if u.fragment else "")
         return TierSpec(TierKind.REDIS, url, prefix=opts.get("prefix", "kvblend"), ttl_s=ttl)
     raise StoreSpecError(f"unknown store {part!r}: use memory, disk:PATH or redis://HOST:PORT/DB")
 
