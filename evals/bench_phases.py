@@ -18,7 +18,8 @@ that already holds the documents), interleaved, medians of three:
   hits at their positions (this order stored by the exact path first, under a
   cache salt of its own, so the other methods never see it), with nothing to
   re-position or recompute, two ways: *loaded* (an engine over the same store
-  with no hot prefix yet: lookup, loading the stored rows, Python) and *hot*
+  whose hot-prefix cache keeps nothing: lookup, loading the stored rows,
+  Python) and *hot*
   (the engine has seen the prompt, so its rows are attached from the hot-prefix
   cache, what a repeated prompt gets).
 
@@ -148,10 +149,13 @@ class Overhead:
 
 def fixed_overheads(engine: Engine, prompt) -> tuple[list[float], list[float], list[float]]:
     """The fixed overheads of one prompt, :data:`OVERHEAD_REPEATS` interleaved samples each: full reuse,
-    all-exact documents loaded (a fresh engine over the same store and weights, so no hot prefix yet),
-    and all-exact documents hot (the rows attached from ``engine``'s hot-prefix cache)."""
+    all-exact documents loaded (an engine over the same store and weights whose hot-prefix cache keeps
+    nothing, so every request loads its rows) and all-exact documents hot (the rows attached from
+    ``engine``'s hot-prefix cache)."""
     engine.generate(prompt, EXACT_DOCS_STORE, max_new_tokens=1)  # stores this order's exact prefix
-    for ans in (engine.with_store(engine.store).generate(prompt, EXACT_DOCS_BLEND, max_new_tokens=1),
+    loader = engine.with_store(engine.store)
+    loader.segments.hot.budget_bytes = 0  # never hot: every request loads its stored rows
+    for ans in (loader.generate(prompt, EXACT_DOCS_BLEND, max_new_tokens=1),
                 engine.generate(prompt, EXACT_DOCS_BLEND, max_new_tokens=1)):  # loaded; then hot from here on
         if any(s.reuse_class is not ReuseClass.EXACT for s in ans.report.segments[:-1]):
             raise RuntimeError("the exact-documents case did not find every document exact")
@@ -159,8 +163,7 @@ def fixed_overheads(engine: Engine, prompt) -> tuple[list[float], list[float], l
     for _ in range(OVERHEAD_REPEATS):
         q = _question_compute_s(engine, prompt)
         reuse.append(engine.generate(prompt, FULL_REUSE, max_new_tokens=1).ttft_s - q)
-        fresh = engine.with_store(engine.store)  # its own segment cache: nothing hot, every row loaded
-        loaded.append(fresh.generate(prompt, EXACT_DOCS_BLEND, max_new_tokens=1).ttft_s - q)
+        loaded.append(loader.generate(prompt, EXACT_DOCS_BLEND, max_new_tokens=1).ttft_s - q)
         hot.append(engine.generate(prompt, EXACT_DOCS_BLEND, max_new_tokens=1).ttft_s - q)
     return reuse, loaded, hot
 
