@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from blend.cpu_features import cpu_vendor
+from blend.gemm import onednn_available
 
 from .env import env_choice
 
@@ -76,18 +77,12 @@ def attention_gemm_policy() -> AttentionGemm:
 
 
 @lru_cache(maxsize=1)
-def onednn_gemm_available() -> bool:
-    """Whether this torch build has oneDNN's linear op (x86 and Arm CPU builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-@lru_cache(maxsize=1)
 def onednn_route_default() -> bool:
     """Whether ``auto`` takes the oneDNN route: on AMD CPUs, where MKL's sgemm (inside torch's flash op)
     runs its AVX2 path and oneDNN's runs 2x faster. Intel CPUs keep the flash op: MKL has its AVX-512
     path there, and on a 2-core AMX Xeon the route measured 1.5-2.4x slower than the flash op
     (``docs/results/attention_onednn/micro_amx_xeon.txt``)."""
-    return onednn_gemm_available() and cpu_vendor() == "AuthenticAMD"
+    return onednn_available() and cpu_vendor() == "AuthenticAMD"
 
 
 def onednn_route_on() -> bool:
@@ -96,7 +91,7 @@ def onednn_route_on() -> bool:
     if policy is AttentionGemm.FLASH:
         return False
     if policy is AttentionGemm.ONEDNN:
-        return onednn_gemm_available()
+        return onednn_available()
     return onednn_route_default()
 
 

@@ -6,12 +6,13 @@ import torch
 
 import blend.kernels.onednn_attention as O
 import blend.kernels.reference as R
+from blend.gemm import onednn_available
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
 from conftest import make_docs, unguarded_blend
 
-pytestmark = pytest.mark.skipif(not O.onednn_gemm_available(), reason="this torch build has no oneDNN linear op")
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear op")
 
 LOW = dict(SUFFIX_MIN_KEYS=32, SUFFIX_MIN_QUERIES=4, ONEDNN_MIN_KEYS=32)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from blend.kernels import ENV_VAR, sparse_query_attention, sparse_query_attention_ref
-from blend.kernels.onednn_attention import onednn_gemm_available
+from blend.gemm import onednn_available
 from blend.kernels.testing import Layout, assert_close_tol, make_attention_inputs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -272,7 +272,7 @@ def test_the_probe_mask_made_once_gives_the_same_bits():
         attention_probs(q, q_pos - 1, k, v, k_pos, 0.25, hidden)
 
 
-needs_onednn = pytest.mark.skipif(not onednn_gemm_available(), reason="this torch build has no oneDNN linear op")
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear op")
 
 
 @needs_onednn
