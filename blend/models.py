@@ -116,12 +116,10 @@ def _gguf_source(name: str) -> tuple[Path, str]:
         out = kvblend_home() / "gguf" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".part")
-            with os.fdopen(fd, "wb") as w:
+            with safeio.atomic_file(out, private=True) as w:  # fsynced, renamed; removed on failure
                 for p in parts:
                     with open(p, "rb") as r:
                         shutil.copyfileobj(r, w)
-            os.replace(tmp, out)
         return out.parent, out.name
     raise UnknownModelError(name)
 

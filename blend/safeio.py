@@ -13,6 +13,9 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import BinaryIO
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -131,6 +134,9 @@ def read_regular(path: str | os.PathLike[str], max_bytes: int, follow_symlinks: 
         os.close(fd)
 
 
+TMP_SUFFIX = ".tmp"  # atomic_file's temporary files: .NAME.XXXXXXXX.tmp beside their target
+
+
 def fsync_dir(folder: str | os.PathLike[str]) -> None:
     """fsync a directory so a rename inside it survives power loss (best effort: some file
     systems and platforms cannot open or fsync a directory; that is not an error)."""
@@ -171,30 +177,36 @@ def _set_mode(fd: int, target: str) -> None:
         pass  # a mode we cannot set is not a reason to fail the write
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *,
-                       fsync: bool = True) -> None:
-    """Replace ``path`` with ``data`` atomically: a reader sees the old file or the new one, never part.
+@contextmanager
+def atomic_file(path: str | os.PathLike[str], *, fsync: bool = True, private: bool = False) -> Iterator[BinaryIO]:
+    """A binary file that replaces ``path`` atomically when the block ends: a reader sees the old file
+    or the new one, never part.
 
     A private temporary file (``mkstemp``, in the target's folder, so two writers never share one) is
-    written, flushed and fsynced, then renamed over ``path`` (``os.replace``) and the folder fsynced
-    (best effort). On any failure the temporary file is removed and the error raised; ``path`` is
-    unchanged.
+    written by the block, flushed and fsynced, then renamed over ``path`` (``os.replace``) and the
+    folder fsynced (best effort). If the block or the rename fails the temporary file is removed and
+    the error raised; ``path`` is unchanged.
 
     Args:
         path: the file to replace (its folder must exist).
-        data: the new contents.
         fsync: fsync the file and its folder (durable across power loss).
+        private: keep ``mkstemp``'s owner-only mode (0600); otherwise the file gets the mode of the
+            file it replaces, or what a plain ``open()`` would create.
+
+    Yields:
+        The temporary file, open for writing.
 
     Raises:
         OSError: the write or the rename failed.
     """
     target = os.fspath(path)
     folder = os.path.dirname(target) or "."
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=TMP_SUFFIX, dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            _set_mode(f.fileno(), target)
-            f.write(data)
+            if not private:
+                _set_mode(f.fileno(), target)
+            yield f
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
@@ -207,6 +219,22 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | bytearray | m
         raise
     if fsync:
         fsync_dir(folder)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *,
+                       fsync: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically (:func:`atomic_file`).
+
+    Args:
+        path: the file to replace (its folder must exist).
+        data: the new contents.
+        fsync: fsync the file and its folder (durable across power loss).
+
+    Raises:
+        OSError: the write or the rename failed.
+    """
+    with atomic_file(path, fsync=fsync) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, *, encoding: str = "utf-8",

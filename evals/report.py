@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from blend import safeio
 from blend.evals.data import SYNTHETIC_PREFIX
 from blend.evals.methods import REFERENCE
 from blend.evals.splits import TUNING, VALIDATION
@@ -231,9 +232,7 @@ def validate_results(obj: Any) -> None:
 def write_json(results: dict[str, Any], path: Path) -> None:
     """Validate and write results.json (atomically)."""
     validate_results(results)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    safeio.atomic_write_text(path, json.dumps(results, indent=1, sort_keys=False) + "\n")
 
 
 # Markdown table: (header, field, format, better: "high" | "low" | None, vs-reference metric).

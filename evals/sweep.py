@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from blend import safeio
 from blend.defaults import DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_item_range
@@ -95,9 +95,8 @@ def reference_logits(engine: Engine, prompt, cache_dir: Path) -> torch.Tensor:
             pass
     logits, _, _ = engine.prefill(prompt, ReusePolicy.none())
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(logits.clone(), tmp)
-    os.replace(tmp, path)
+    with safeio.atomic_file(path) as f:
+        torch.save(logits.clone(), f)
     return logits
 
 

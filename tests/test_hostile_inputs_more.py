@@ -456,6 +456,19 @@ def test_atomic_write_replaces_fsyncs_and_leaves_nothing_on_failure(tmp_path, mo
     assert target.read_text() == "new" and os.listdir(tmp_path) == ["f.json"]
 
 
+def test_an_atomic_file_is_private_on_request_and_a_failing_block_changes_nothing(tmp_path):
+    target = tmp_path / "entry.bin"
+    with safeio.atomic_file(target, private=True) as f:  # the disk store's entries, the assembled GGUF
+        f.write(b"a")
+        f.write(b"b")
+    assert target.read_bytes() == b"ab" and os.stat(target).st_mode & 0o777 == 0o600
+    with pytest.raises(RuntimeError, match="mid-write"):
+        with safeio.atomic_file(target) as f:
+            f.write(b"partial")
+            raise RuntimeError("mid-write")
+    assert target.read_bytes() == b"ab" and os.listdir(tmp_path) == ["entry.bin"]
+
+
 @pytest.fixture
 def atomic_paths(monkeypatch):
     """The paths written through safeio.atomic_write_bytes."""

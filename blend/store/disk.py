@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -67,7 +66,7 @@ from blend.store.codec import (
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
-TMP_SUFFIX = ".tmp"
+TMP_SUFFIX = safeio.TMP_SUFFIX  # abandoned temp files (a crash mid-put) are swept by this suffix
 LOW_WATER = 0.9  # a prune frees down to this fraction of the budget
 
 
@@ -209,33 +208,19 @@ class DiskStore:
             return
         parts = encode_parts(ns, key, entry)
         dest = self.path(ns, key)
-        tmp = None
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{dest.stem}.", suffix=TMP_SUFFIX, dir=dest.parent)
-            with os.fdopen(fd, "wb") as f:
+            # a private temp file (0600), fsynced, renamed over the entry, the folder fsynced; removed on failure
+            with safeio.atomic_file(dest, fsync=self.fsync, private=True) as f:
                 for part in parts:
                     f.write(part)
-                f.flush()
                 size = f.tell()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, dest)
-            tmp = None
-            if self.fsync:
-                safeio.fsync_dir(dest.parent)  # the rename itself survives power loss (best effort)
             self._after_put(size)
         except OSError as e:
             log.warning("disk store: write of %s failed: %s", dest, e)
             with self._lock:
                 self._stats.extra["put_errors"] = self._stats.extra.get("put_errors", 0) + 1
             return
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
         self._count("puts")
 
     # ---- byte budget --------------------------------------------------------------------
