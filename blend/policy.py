@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from enum import Enum
 
@@ -22,6 +21,7 @@ from blend.defaults import (
     DEFAULT_SELECTOR,
 )
 from blend.errors import InvalidPolicyError
+from blend.numeric import finite_real, shown
 
 SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe", "probe_attn")
 PROBE_SELECTORS = ("probe", "probe_attn")  # selectors that need the query probe (issue 14)
@@ -50,25 +50,6 @@ class ReuseMode(Enum):
     NONE = "none"
     EXACT = "exact"
     BLEND = "blend"
-
-
-def _finite(x: object) -> bool:
-    """Whether ``x`` is a real number (not a bool) whose float is finite: NaN, infinity and an
-    integer too large for a float (which ``math.isfinite`` and ``float`` raise OverflowError on)
-    are not."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):  # numpy's scalars are Real too
-        return False
-    try:
-        return math.isfinite(float(x))
-    except (OverflowError, ValueError, TypeError):
-        return False
-
-
-def _shown(x: object) -> str:
-    """``repr`` of a rejected value, short (an integer of thousands of digits by its size)."""
-    if isinstance(x, int) and not isinstance(x, bool) and abs(x) > 10**30:
-        return f"an integer of {x.bit_length()} bits"
-    return f"{x!r:.60}"
 
 
 @dataclass(frozen=True)
@@ -141,15 +122,15 @@ class ReusePolicy:
 
     def __post_init__(self) -> None:
         def bad_ratio(r: float) -> bool:
-            return not _finite(r) or not 0.0 <= r <= 1.0
+            return not finite_real(r) or not 0.0 <= r <= 1.0
 
         for name in ("ratio", "max_ratio", "guard_ratio", "auto_target", "reused_temperature"):
-            if not _finite(getattr(self, name)):
-                raise InvalidPolicyError(f"{name} must be a finite number, got {_shown(getattr(self, name))}")
+            if not finite_real(getattr(self, name)):
+                raise InvalidPolicyError(f"{name} must be a finite number, got {shown(getattr(self, name))}")
         for name in ("threshold", "guard_margin", "candidates"):
-            if getattr(self, name) is not None and not _finite(getattr(self, name)):
-                raise InvalidPolicyError(f"{name} must be a finite number or None, got {_shown(getattr(self, name))}")
-        if self.layer_ratios is not None and not all(map(_finite, self.layer_ratios)):
+            if getattr(self, name) is not None and not finite_real(getattr(self, name)):
+                raise InvalidPolicyError(f"{name} must be a finite number or None, got {shown(getattr(self, name))}")
+        if self.layer_ratios is not None and not all(map(finite_real, self.layer_ratios)):
             raise InvalidPolicyError(f"layer_ratios must be finite numbers, got {self.layer_ratios!r:.80}")
 
         if bad_ratio(self.ratio):

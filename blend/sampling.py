@@ -16,7 +16,6 @@ requests were decoded beside it or in which order.
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ import torch
 
 from blend.defaults import DEFAULT_MAX_NEW_TOKENS, MIN_SAMPLING_TEMPERATURE
 from blend.errors import InvalidRequestError
+from blend.numeric import finite_real
 
 DEFAULT_MAX_TOKENS = DEFAULT_MAX_NEW_TOKENS  # the Python API's and the CLI's budget (the server has its own)
 MAX_STOP_STRINGS = 4  # as OpenAI allows
@@ -133,7 +133,8 @@ class GenerationConfig:
 
 
 def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """An int or float (not a bool) whose float is finite (an integer too large for a float is not)."""
+    return isinstance(x, (int, float)) and finite_real(x)
 
 
 class Sampler:

@@ -114,3 +114,13 @@ def test_logit_bias_forces_and_bans_tokens():
 def test_penalty_and_bias_settings_are_checked(kw):
     with pytest.raises(InvalidRequestError):
         GenerationConfig(**kw)
+
+
+def test_an_integer_too_large_for_a_float_is_a_refused_setting_not_an_overflow():
+    from blend.sampling import InvalidSettingError
+
+    for field in ("temperature", "top_p", "frequency_penalty"):
+        with pytest.raises(InvalidSettingError, match=field):
+            GenerationConfig(**{field: 10**400})
+    with pytest.raises(InvalidSettingError, match="logit_bias"):
+        GenerationConfig(logit_bias=((5, 10**400),))

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR, DEFAULT_VLLM_GUARD_MARGIN
 from blend.errors import InvalidRequestError
 from blend.keys import Provenance, StoreKey, exact_chain, token_digest
+from blend.numeric import finite_real, shown
 from blend.policy import SELECTOR_NAMES
 
 PARAMS_KEY = "kvblend"  # our entry in a request's kv_transfer_params
@@ -124,19 +125,10 @@ def _number(x: Any, lo: float, hi: float, message: str) -> float:
     """``x`` as a finite float in [lo, hi]; anything else (a bool, a string, NaN, infinity, an
     integer too large for a float) is an :class:`InvalidRequestError` with ``message``.
 
-    The range is checked by comparison first (exact for ints of any size), then the conversion,
-    so no OverflowError or TypeError escapes."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise InvalidRequestError(f"{message}, got {x!r:.60}")
-    try:
-        ok = lo <= x <= hi
-        value = float(x)
-    except (OverflowError, ValueError, TypeError):
-        ok = False
-    if not ok or not math.isfinite(value):
-        shown = f"an integer of {x.bit_length()} bits" if isinstance(x, int) and abs(x) > 10**30 else repr(x)
-        raise InvalidRequestError(f"{message}, got {shown}")
-    return value
+    :func:`blend.numeric.finite_real` first, so no OverflowError or TypeError escapes."""
+    if not isinstance(x, (int, float)) or not finite_real(x) or not lo <= x <= hi:
+        raise InvalidRequestError(f"{message}, got {shown(x)}")
+    return float(x)
 
 
 def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams | None:
