@@ -2,7 +2,10 @@
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from blend import model as model_mod
 from blend.engine import Engine
 from blend.keys import Namespace, key_hex
 from blend.kvcache import KVEntry
@@ -191,13 +194,18 @@ def test_hits_on_both_sides_of_a_miss_load_in_runs_and_equal_cold(tiny_engine_fa
     assert cold.token_ids == warm.token_ids
 
 
+@pytest.mark.parametrize("min_rows", [1, 5, 1000])
 @pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
-def test_load_many_equals_loading_each_in_turn(tiny_engine, stored):
+def test_load_many_equals_loading_each_in_turn(tiny_engine, stored, min_rows, monkeypatch):
+    """Joined runs of short segments and long segments rotated straight from their entries (min_rows 1:
+    each alone; 5: 7 and 30 alone, 1 and 2 joined; 1000: all joined) give the numbers of one load per
+    segment."""
+    monkeypatch.setattr(model_mod, "LOAD_DIRECT_MIN_ROWS", min_rows)
     runner = tiny_engine.runner
     L, H, D = runner.dims.num_layers, runner.dims.num_kv_heads, runner.dims.head_dim
     gen = torch.Generator().manual_seed(0)
     entries = [KVEntry(torch.randn(L, H, n, D, generator=gen).to(stored), torch.randn(L, H, n, D, generator=gen).to(stored))
-               for n in (7, 1, 30)]
+               for n in (7, 1, 2, 30)]
     one, many = runner.new_cache(50), runner.new_cache(50)
     for c in (one, many):
         runner.prefill(c, runner.ids([1, 2, 3]))  # something before: positions continue
@@ -205,8 +213,22 @@ def test_load_many_equals_loading_each_in_turn(tiny_engine, stored):
         runner.load(one, e)
     runner.load_many(many, entries)
     runner.load_many(many, [])  # nothing
-    assert one.length == many.length == 41
-    assert torch.equal(one.pos[:41], many.pos[:41])
+    assert one.length == many.length == 43
+    assert torch.equal(one.pos[:43], many.pos[:43])
     for i in range(L):
         for a, b in zip(one.view(i), many.view(i)):
             assert torch.equal(a, b)
+
+
+@given(st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=12), st.integers(1, 200))
+def test_load_runs_cover_every_segment_once_and_join_only_short_ones(lengths, min_rows):
+    runs = model_mod.load_runs(lengths, min_rows)
+    assert runs[0].first == 0 and runs[0].start == 0
+    assert runs[-1].last == len(lengths) and runs[-1].stop == sum(lengths)
+    for a, b in zip(runs, runs[1:]):
+        assert (a.last, a.stop) == (b.first, b.start)  # contiguous, in order
+        assert not (lengths[a.last - 1] < min_rows and lengths[b.first] < min_rows)  # short stretches maximal
+    for r in runs:
+        assert r.stop - r.start == sum(lengths[r.first:r.last])
+        if r.last - r.first > 1:
+            assert all(n < min_rows for n in lengths[r.first:r.last])  # only short segments are joined
