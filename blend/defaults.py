@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
+# the evaluations' and benches' questions (CacheBlend's musique_dev records), relative to the repository root
+DEFAULT_EVAL_DATA = "../shared/data/musique_dev.json"
 DEFAULT_DTYPE = "float32"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_DEVICE = "cpu"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from blend.defaults import DEFAULT_MODEL
+from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.metrics import kl_cells, kl_divergence, top1_agree
@@ -34,7 +34,6 @@ from blend.evals.splits import parse_item_range
 from blend.policy import ReusePolicy
 from blend.store.memory import MemoryStore
 
-DEFAULT_DATA = "../shared/data/musique_dev.json"
 
 
 def _items(spec: str) -> list[int]:
@@ -125,7 +124,7 @@ def summarise(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m blend.evals.bench_bf16", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument("--data", default=DEFAULT_EVAL_DATA)
     ap.add_argument("--items", default="0-9,30-39", help="comma list of ranges A-B (tuning 0-29, validation 30-99)")
     ap.add_argument("--passages", type=int, default=5)
     ap.add_argument("--ratios", default="0.15")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from blend.defaults import DEFAULT_MODEL
+from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.environment import describe_environment
@@ -34,7 +34,6 @@ from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
 from blend.store.spec import open_store
 
-DEFAULT_DATA = "../shared/data/musique_dev.json"
 MODES = ("write-through", "write-behind")
 
 
@@ -52,7 +51,7 @@ class ColdRow:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument("--data", default=DEFAULT_EVAL_DATA)
     ap.add_argument("--items", default="0-2")
     ap.add_argument("--passages", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2)

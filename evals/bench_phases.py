@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
+from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.data import load_item_range
 from blend.evals.environment import describe_environment
@@ -61,7 +61,6 @@ from blend.policy import ReusePolicy
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
 
-DEFAULT_DATA = "../shared/data/musique_dev.json"
 FULL_REUSE = ReusePolicy.blend(ratio=0.0, guard_margin=None)  # the no-recompute floor: never guarded (as "reuse")
 EXACT_DOCS_SALT = "bench-phases-exact-documents"  # keeps the exact-hit case's entries from the other methods
 EXACT_DOCS_STORE = ReusePolicy.exact(cache_salt=EXACT_DOCS_SALT)
@@ -298,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m blend.evals.bench_phases", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument("--data", default=DEFAULT_EVAL_DATA)
     ap.add_argument("--items", default="0-2", help="item range A-B of the data (timing only)")
     ap.add_argument("--sizes", default="600,3k,6k")
     ap.add_argument("--methods", default="full,reuse,blend@0.15")

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
+from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.data import load_item_range
 from blend.evals.splits import parse_item_range
@@ -327,7 +327,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=3500, help="cached prefix of the exact-hit case")
     ap.add_argument("--cases", default="prefill,hit,first-doc",
                     help="which of prefill, hit, rag-hit, first-doc, follow-up")
-    ap.add_argument("--data", default="../shared/data/musique_dev.json", help="rag-hit, first-doc, follow-up: the questions")
+    ap.add_argument("--data", default=DEFAULT_EVAL_DATA, help="rag-hit, first-doc, follow-up: the questions")
     ap.add_argument("--items", default="30-39", help="rag-hit, first-doc, follow-up: item range A-B")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",

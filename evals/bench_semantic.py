@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
+from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL, DEFAULT_RATIO
 from blend.evals.data import Document, Item, load_items
 from blend.evals.metrics import answers_agree, best_over, kl_divergence, token_f1, top1_agree
 from blend.keys import Namespace, canonical_key
@@ -288,7 +288,7 @@ def run_discovery(engine, all_items: list[Item], items: list[Item], args, vocab,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--data", default="/work/shared/data/musique_dev.json")
+    ap.add_argument("--data", default=DEFAULT_EVAL_DATA)
     ap.add_argument("--limit", type=int, default=8, help="questions")
     ap.add_argument("--passages", type=int, default=3, help="passages per question (all edited)")
     ap.add_argument("--ratio", type=float, default=DEFAULT_RATIO)

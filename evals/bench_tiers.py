@@ -19,7 +19,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 
-from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
+from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.policy import ReusePolicy
@@ -38,7 +38,7 @@ class TierRow:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--data", default="../shared/data/musique_dev.json")
+    ap.add_argument("--data", default=DEFAULT_EVAL_DATA)
     ap.add_argument("--passages", type=int, default=5)
     ap.add_argument("--ratio", type=float, default=DEFAULT_RATIO)
     ap.add_argument("--redis", default=None, help="a Redis URL; the Redis tier is skipped without one")

@@ -43,10 +43,9 @@ import sys
 import time
 from pathlib import Path
 
-from blend.defaults import DEFAULT_GUARD_MARGIN, DEFAULT_RATIO
+from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_GUARD_MARGIN, DEFAULT_RATIO
 from blend.kernels import ENV_VAR as KERNELS_ENV
 
-DEFAULT_DATA = "../shared/data/musique_dev.json"
 
 
 def _orders(n_docs: int, k: int, seed: int) -> list[list[int]]:
@@ -101,7 +100,7 @@ def plot(out: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m blend.evals.bench_vllm", description=__doc__.split("\n")[0])
     ap.add_argument("--engine", choices=("vllm", "kvblend"), default="kvblend")
-    ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument("--data", default=DEFAULT_EVAL_DATA)
     ap.add_argument("--items", default="0-4")
     ap.add_argument("--repeats", type=int, default=2, help="reordered requests per item and mode")
     ap.add_argument("--ratio", type=float, default=DEFAULT_RATIO)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
+from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.metrics import kl_divergence
@@ -66,7 +66,7 @@ def compare(a: list[dict], b: list[dict]) -> tuple[float, int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default="../shared/data/musique_dev.json")
+    ap.add_argument("--data", default=DEFAULT_EVAL_DATA)
     ap.add_argument("--limit", type=int, default=30)
     ap.add_argument("--passages", type=int, default=5)
     ap.add_argument("--model", default=DEFAULT_MODEL)

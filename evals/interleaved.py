@@ -18,9 +18,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
+from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
-from blend.evals.bench_phases import DEFAULT_DATA, SIZES, size_prompts
+from blend.evals.bench_phases import SIZES, size_prompts
 from blend.evals.metrics import kl_divergence
 from blend.policy import ReusePolicy
 from blend.prompt import Prompt
@@ -106,7 +106,7 @@ def interleaved_ab(engine: Engine, prompts: Sequence[Prompt], policy: ReusePolic
 
 def ab_over_sizes(set_mode: Callable[[str], None], sizes: str, items: str = "0-2", repeats: int = 5,
                   guard: bool = False, extra: Callable[[ABResult], str] | None = None,
-                  data: str = DEFAULT_DATA, full_per_mode: bool = False) -> dict[str, ABResult]:
+                  data: str = DEFAULT_EVAL_DATA, full_per_mode: bool = False) -> dict[str, ABResult]:
     """:func:`interleaved_ab` of the default blend (its ratio) on the default model at ``bench_phases``' prompt
     sizes, one line per size.
 

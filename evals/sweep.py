@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from blend import safeio
-from blend.defaults import DEFAULT_MODEL
+from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_item_range
 from blend.evals.methods import MethodKind, Method, parse_method, split_specs
@@ -52,7 +52,6 @@ from blend.probe import top2_margin
 from blend.report import ReuseReport
 from blend.store.memory import MemoryStore
 
-DEFAULT_DATA = "../shared/data/musique_dev.json"
 
 
 @dataclass(frozen=True)
@@ -261,7 +260,7 @@ def write_items_plot(rows: list[SweepRow], methods: list[str], path: Path, title
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m blend.evals.sweep", description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument("--data", default=DEFAULT_EVAL_DATA)
     ap.add_argument("--items", default="0-29", help="item range A-B (0-based, inclusive)")
     ap.add_argument("--passages", type=int, default=5)
     ap.add_argument("--methods", required=True, help="comma list of blend / reuse methods (see kvblend eval)")

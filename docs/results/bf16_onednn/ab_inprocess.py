@@ -17,7 +17,8 @@ import torch
 
 from blend.defaults import DEFAULT_MODEL
 from blend.engine import Engine
-from blend.evals.bench_phases import DEFAULT_DATA, SIZES, size_prompts
+from blend.defaults import DEFAULT_EVAL_DATA
+from blend.evals.bench_phases import SIZES, size_prompts
 from blend.evals.environment import describe_environment
 from blend.evals.methods import parse_methods
 from blend.policy import ReusePolicy
@@ -48,7 +49,7 @@ def main() -> None:
     print(describe_environment(fp32.device), flush=True)
     print(f"threads {torch.get_num_threads()}, repeats {REPEATS}, items 0-2, gemm {[e.runner.gemm.value for e in engines.values()]}")
     for size in ("600", "3k"):
-        prompts = size_prompts(fp32, DEFAULT_DATA, range(0, 3), SIZES[size])
+        prompts = size_prompts(fp32, DEFAULT_EVAL_DATA, range(0, 3), SIZES[size])
         got: dict[str, list[float]] = {}
         for p in prompts:
             for e in engines.values():

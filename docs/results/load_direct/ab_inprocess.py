@@ -16,7 +16,8 @@ from blend import model as model_mod
 from blend.engine import Engine
 from blend.rope import apply_rope_into
 from blend.store.memory import MemoryStore
-from blend.evals.bench_phases import DEFAULT_DATA, EXACT_DOCS_BLEND, EXACT_DOCS_STORE, SIZES, size_prompts
+from blend.defaults import DEFAULT_EVAL_DATA
+from blend.evals.bench_phases import EXACT_DOCS_BLEND, EXACT_DOCS_STORE, SIZES, size_prompts
 
 NEW = model_mod.ModelRunner.load_many
 
@@ -53,7 +54,7 @@ def main() -> None:
     loader.segments.hot.budget_bytes = 0  # never hot: every request loads its stored rows
     print(f"threads {torch.get_num_threads()}", flush=True)
     for size in ("600", "3k", "6k"):
-        prompts = size_prompts(eng, DEFAULT_DATA, range(0, 3), SIZES[size])
+        prompts = size_prompts(eng, DEFAULT_EVAL_DATA, range(0, 3), SIZES[size])
         t = {"old": [], "new": []}
         firsts = {}
         for p in prompts:
