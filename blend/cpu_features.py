@@ -9,6 +9,7 @@ when asked for such a dtype on such a CPU; it still runs it.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from pathlib import Path
 
@@ -20,6 +21,12 @@ NATIVE_FLAGS: dict[torch.dtype, frozenset[str]] = {
     torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16"}),
     torch.float16: frozenset({"avx512_fp16", "amx_fp16"}),
 }
+
+
+# /proc/cpuinfo flags that select other GEMM kernels in oneDNN / MKL (other last bits): the vector width and
+# the native reduced-precision units; and the variables that cap either library's ISA below the CPU's
+KERNEL_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"})
+ISA_CAP_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
 
 
 class EmulatedDtypeWarning(UserWarning):
@@ -111,3 +118,22 @@ def warn_if_emulated(dtype: torch.dtype, device: torch.device, flags: frozenset[
                   f"than float32 (bf16 measured 4.7x slower on an AVX2 CPU); use --dtype float32 here",
                   EmulatedDtypeWarning, stacklevel=3)
     return True
+
+
+def cpu_kernel_class(flags: frozenset[str] | None = None) -> str:
+    """This CPU as a KV provenance names its device (as a CUDA device's capability does): ATen's kernels
+    (norms, softmax, attention) and oneDNN's / MKL's GEMMs dispatch on the vector ISA, and an AVX2 CPU's
+    KV differs from an AVX-512 one's in the last bits.
+
+    Args:
+        flags: CPU flags (default: this machine's).
+
+    Returns:
+        e.g. ``cpu/avx512/amx_bf16+avx2+avx512_bf16+avx512f``: ATen's capability, the kernel-selecting
+        flags, and any ISA cap set in the environment.
+    """
+    flags = this_cpu_flags() if flags is None else flags
+    parts = ["cpu", torch.backends.cpu.get_cpu_capability().lower()]
+    parts.append("+".join(sorted(KERNEL_FLAGS & flags)) if flags is not None else "flags-unknown")
+    parts += [f"{var}={os.environ[var]}" for var in ISA_CAP_VARS if os.environ.get(var)]
+    return "/".join(parts)

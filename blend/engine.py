@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 import torch
 
 from blend.blending import prefill_blend
-from blend.cpu_features import warn_if_emulated
+from blend.cpu_features import cpu_kernel_class, warn_if_emulated
 from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_GEMM, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, \
     DEFAULT_PROBE_PRECISION
 from blend.errors import InvalidPolicyError, InvalidRequestError, PromptTooLongError
@@ -138,6 +138,8 @@ def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.devic
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         device_class = f"cuda:sm{major}{minor}"
+    elif device.type == "cpu":
+        device_class = cpu_kernel_class()  # the ISA the kernels dispatch on
     else:
         device_class = device.type
     return Provenance(
@@ -164,6 +166,9 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, config: EngineConfig, store: KVStore | None = None,
                  gate: BlendGate | None = None) -> None:
+        if _dtype(config.dtype) != runner.dtype:  # the provenance names config.dtype: it must be what runs
+            raise InvalidRequestError(f"engine config dtype {config.dtype} but the model runs in "
+                                      f"{str(runner.dtype).removeprefix('torch.')}")
         self.config = config
         self.runner = runner
         self.device = runner.device

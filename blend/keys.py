@@ -56,7 +56,7 @@ class Provenance:
     tokenizer_sha256: str  # fingerprint of the tokenizer's vocabulary and rules
     dtype: str  # compute dtype, e.g. "float32"
     kv_dtype: str  # dtype the KV is stored at (may be lower than dtype)
-    device_class: str  # "cpu" or "cuda:<capability>"
+    device_class: str  # "cuda:sm<capability>", or "cpu/<ISA>/<kernel flags>" (blend.cpu_features.cpu_kernel_class)
     backend: str  # attention/kernel backend and its version
     rope: str  # canonical JSON of the rotary configuration (type, theta, scaling)
     adapter: str = "none"  # LoRA/adapter identity and weights hash

@@ -85,3 +85,56 @@ def test_engine_provenance_differs_by_dtype_model_and_kv_dtype():
     assert qwen.weights_sha256 != base.weights_sha256 and qwen.model_arch != base.model_arch
     scaled = Engine.load("tiny-llama-rope-linear").provenance
     assert scaled.rope != base.rope
+
+
+KV_BITS_CHILD = """
+import hashlib, json
+from blend.engine import Engine
+eng = Engine.load("tiny-llama", quality_gate=False)
+prompt = eng.build_prompt("Which?", [" ".join(["alpha beta gamma delta"] * 30)])
+kv = eng.segments.canonical_kv(prompt.preamble, prompt.documents[0].token_ids)
+bits = hashlib.sha256(kv.k.numpy().tobytes() + kv.v.numpy().tobytes()).hexdigest()
+print(json.dumps({"provenance": eng.provenance_json, "kv": bits}))
+"""
+
+
+def test_cpus_that_compute_other_kv_bits_have_other_provenances():
+    """ATen's CPU kernels (norms, softmax, attention) and oneDNN's GEMMs dispatch on the CPU's vector ISA, and
+    an AVX2 CPU's KV differs from an AVX-512 CPU's in the last bits: a store shared by both (Redis) must not
+    serve one's entries to the other as exact. ``ATEN_CPU_CAPABILITY`` stands in for the other CPU here."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    import torch
+
+    runs = {}
+    for cap in ("", "avx2", "default"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": cap, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-c", KV_BITS_CHILD], env=env, capture_output=True, text=True,
+                             check=True, timeout=300)
+        runs[cap] = json.loads(out.stdout.strip().splitlines()[-1])
+    if len({r["kv"] for r in runs.values()}) < 2:
+        pytest.skip(f"every ISA this CPU ({torch.backends.cpu.get_cpu_capability()}) offers computed the same bits")
+    for a in runs:
+        for b in runs:
+            if a < b and runs[a]["kv"] != runs[b]["kv"]:
+                assert runs[a]["provenance"] != runs[b]["provenance"], (a, b)
+
+
+def test_an_engines_provenance_names_the_dtype_its_runner_computes_in(tiny_engine):
+    """``Engine(runner, config)`` over a bfloat16 runner with a float32 config would store bf16-computed KV
+    under a float32 provenance (and serve it to float32 engines as exact): refused."""
+    import pytest
+    import torch
+
+    from blend.engine import Engine, EngineConfig
+    from blend.errors import InvalidRequestError
+    from blend.model import ModelRunner
+
+    runner = ModelRunner(tiny_engine.runner.loaded, torch.bfloat16, tiny_engine.device)
+    with pytest.raises(InvalidRequestError, match="bfloat16"):
+        Engine(runner, EngineConfig(model="tiny-llama", dtype="float32"))
+    assert Engine(runner, EngineConfig(model="tiny-llama", dtype="bfloat16")).provenance.dtype == "bfloat16"
