@@ -175,3 +175,45 @@ def test_offsets_scatter_a_request_over_its_blocks_as_the_backend_writer_would()
         writer(full_k[:, rows].transpose(0, 1).contiguous(), full_v[:, rows].transpose(0, 1).contiguous(),
                want[blk:blk + 1])
     assert torch.equal(one, want)
+
+
+def test_the_tenant_part_of_a_blend_salt_salts_kvblends_own_keys():
+    """A blend's cache_salt is ``tenant|<blend suffix>``: the suffix commits to the whole prompt (vLLM's
+    prefix cache), so kvblend's chunk keys take the tenant alone; any other salt is the tenant itself."""
+    from blend.integrations.vllm.plan import tenant_salt
+
+    ids = list(range(40))
+    params = blend_request(ids, [(5, 12), (12, 30)])
+    p = parse_blend_params(params, 40)
+    assert tenant_salt(blend_salt(params, ids, "tenant-a"), p, ids) == "tenant-a"
+    assert tenant_salt(blend_salt(params, ids), p, ids) == ""
+    assert tenant_salt(blend_salt(params, ids, "a|b"), p, ids) == "a|b"
+    assert tenant_salt("tenant-a", p, ids) == "tenant-a"  # prefix cache off: any salt is the tenant's
+    assert tenant_salt(None, p, ids) == tenant_salt("", p, ids) == ""
+    other = list(range(1, 41))  # another prompt's blend suffix is not stripped: a salt of its own
+    assert tenant_salt(blend_salt(params, ids, "t"), p, other) == blend_salt(params, ids, "t")
+
+
+def test_connector_blends_of_tenants_with_different_salts_share_no_chunk_kv():
+    """The connector's blend keys kvblend's canonical chunks under the request's tenant salt, as its exact
+    blocks are keyed: a second tenant blending the same documents computes them (no cross-tenant hit)."""
+    from blend.engine import Engine
+    from blend.integrations.vllm.engines import ConnectorConfig, SharedEngine
+    from blend.integrations.vllm.plan import tenant_salt
+    from blend.report import ReuseClass
+    from blend.tiny import make_docs
+
+    shared = SharedEngine(ConnectorConfig(model="tiny-llama", dtype="float32", backend="test", force=True), 4)
+    prompt = Engine.build_prompt(shared.engine, "Which one?", make_docs(3, words=12))
+    ids = list(prompt.token_ids)
+    params = blend_request(ids, prompt_spans([len(s) for s in prompt.segments]), guard_margin=None)
+    p = parse_blend_params(params, len(ids))
+
+    def doc_classes(tenant: str) -> list[ReuseClass]:
+        salt = tenant_salt(blend_salt(params, ids, tenant), p, ids)
+        _, report = shared.blend(ids, p, salt)
+        return [ReuseClass(c) for c in report["classes"][2:-1]]  # documents after the first (canonical chunks)
+
+    assert doc_classes("tenant-a") == [ReuseClass.COMPUTED, ReuseClass.COMPUTED]
+    assert doc_classes("tenant-b") == [ReuseClass.COMPUTED, ReuseClass.COMPUTED]  # was BLENDED: tenant a's KV
+    assert doc_classes("tenant-a") == [ReuseClass.BLENDED, ReuseClass.BLENDED]  # a tenant still reuses its own

@@ -309,10 +309,11 @@ def _scheduler_side(shared, block_size: int = 4):
     return c
 
 
-def _request(req_id, ids, params=None):
+def _request(req_id, ids, params=None, lora=None):
     from types import SimpleNamespace
 
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(ids), cache_salt=None, kv_transfer_params=params)
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(ids), cache_salt=None, kv_transfer_params=params,
+                           lora_request=lora)
 
 
 def _step(new=(), cached=(), scheduled=None):
@@ -402,3 +403,29 @@ def test_with_vllms_prefix_cache_a_blend_needs_its_salt(shared):
     res = json.loads(lines[-1][len("RESULT "):])
     assert "blend refused" in res["unsalted"][PARAMS_KEY]["error"] and "claim" not in res["unsalted"][PARAMS_KEY]
     assert res["salted"][PARAMS_KEY]["claim"] == "blend" and "error" not in res["salted"][PARAMS_KEY]
+
+
+def test_a_lora_request_neither_claims_stored_kv_nor_saves_its_own(shared):
+    """The store holds the base model's KV, keyed without an adapter: a LoRA request's KV differs, so it must
+    not load those blocks (exact or blended) nor save its own under the same keys."""
+    from types import SimpleNamespace
+
+    c = _scheduler_side(shared)
+    ids = list(range(300, 318))
+    base = _request("base", ids)
+    c.get_num_new_matched_tokens(base, 0)
+    m = c.build_connector_meta(_step(new=[("base", [1, 2, 3, 4, 5], 0)], scheduled={"base": 18}))
+    for spec in m.saves:  # pretend the worker stored the base model's blocks
+        for _, key in spec.blocks:
+            shared.store.put(Namespace.EXACT, key, KVEntry(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1),
+                                                           shared.vllm_prov_json))
+    assert c.get_num_new_matched_tokens(_request("base2", ids), 0)[0] > 0  # the base model would claim them
+    lora = _request("lora", ids, lora=SimpleNamespace(lora_name="adapter", lora_int_id=1))
+    assert c.get_num_new_matched_tokens(lora, 0) == (0, False)
+    m = c.build_connector_meta(_step(new=[("lora", [6, 7, 8, 9, 10], 0)], scheduled={"lora": 18}))
+    assert not m.loads and not m.saves
+    assert "LoRA" in c._reqs["lora"].report["skipped"]
+    spans = prompt_spans([6, 6, 6])
+    blend = _request("lora-blend", ids, params=blend_request(ids, spans, ratio=0.15),
+                     lora=SimpleNamespace(lora_name="adapter", lora_int_id=1))
+    assert c.get_num_new_matched_tokens(blend, 0) == (0, False)  # no blend from the base model's chunks either

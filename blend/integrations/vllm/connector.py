@@ -44,6 +44,7 @@ from blend.integrations.vllm.layout import BlockLayout, calibrate
 from blend.integrations.vllm.metrics import KVBlendPromMetrics, KVBlendStats
 from blend.integrations.vllm.plan import (
     PARAMS_KEY, BlendParams, ClaimKind, blend_claim, block_keys, exact_claim, parse_blend_params, salt_allows_blend,
+    tenant_salt,
 )
 from blend.keys import Namespace, StoreKey
 from blend.kvcache import KVEntry
@@ -74,6 +75,7 @@ class LoadSpec:
     end: int  # one past the last claimed token (block-aligned)
     keys: tuple[StoreKey, ...] = ()  # exact: key of every block up to ``end``
     blend: BlendParams | None = None
+    salt: str = ""  # blend: the request's tenant salt (kvblend's chunk keys)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,8 @@ class _ReqState:
     blended: bool = False  # approximate KV in its blocks: never saved
     claim: tuple[ClaimKind, int, int] | None = None  # kind, start, end of a claim awaiting its load
     blend: BlendParams | None = None
+    salt: str = ""  # the tenant salt of kvblend's own keys (plan.tenant_salt)
+    adapter: bool = False  # a LoRA request: its KV is not the base model's, so it neither loads nor saves
     report: dict = field(default_factory=dict)
 
 
@@ -159,7 +163,8 @@ class KVBlendConnector(KVConnectorBase_V1):
         if st is None:
             toks = tuple(request.prompt_token_ids or ())
             salt = request.cache_salt or ""
-            st = _ReqState(toks, block_keys(self.shared.vllm_prov, toks, self.block_size, salt))
+            st = _ReqState(toks, block_keys(self.shared.vllm_prov, toks, self.block_size, salt),
+                           adapter=getattr(request, "lora_request", None) is not None)
             self._reqs[request.request_id] = st
         return st
 
@@ -167,6 +172,9 @@ class KVBlendConnector(KVConnectorBase_V1):
         st = self._state(request)
         n = len(st.token_ids)
         st.claim = None
+        if st.adapter:  # the store holds the base model's KV (its provenance names no adapter): no reuse either way
+            st.report = {"skipped": "LoRA request: kvblend neither loads nor saves its KV"}
+            return 0, False
         try:
             st.blend = parse_blend_params(request.kv_transfer_params, n)
         except KVBlendError as e:  # a malformed blend request runs as a plain vLLM request
@@ -178,6 +186,7 @@ class KVBlendConnector(KVConnectorBase_V1):
                                   "cache_salt of blend_salt() (approximate blocks must not enter the prefix cache)"}
             st.blend = None
         if st.blend is not None:
+            st.salt = tenant_salt(request.cache_salt, st.blend, st.token_ids)
             got = blend_claim(st.blend, num_computed_tokens, self.block_size)
             kind = ClaimKind.BLEND
         else:
@@ -229,12 +238,12 @@ class KVBlendConnector(KVConnectorBase_V1):
             kind, start, end = st.claim
             st.claim = None
             meta.loads.append(LoadSpec(req_id, kind, st.token_ids, tuple(st.block_ids), start, end,
-                                       tuple(st.keys[: end // b]), st.blend))
+                                       tuple(st.keys[: end // b]), st.blend, st.salt))
             if kind is ClaimKind.BLEND:
                 st.blended = True
             else:
                 st.saved = max(st.saved, end // b)
-        if st.blended:
+        if st.blended or st.adapter:  # approximate KV, or an adapter's: never saved
             return
         if num_computed < st.saved * b:  # vLLM recomputes from here (a failed load): save those blocks again
             st.saved = num_computed // b
@@ -347,7 +356,7 @@ class KVBlendConnector(KVConnectorBase_V1):
 
     def _load_blend(self, spec: LoadSpec) -> dict:
         assert spec.blend is not None
-        cache, report = self.shared.blend(spec.token_ids, spec.blend)  # rows [0, question start) of every layer
+        cache, report = self.shared.blend(spec.token_ids, spec.blend, spec.salt)  # rows [0, question start), all layers
 
         def rows(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             k, v = cache.view(layer, spec.end)  # (Hkv, end, D) K after RoPE

@@ -112,15 +112,21 @@ class SharedEngine:
         segs.append(Segment(SegmentKind.QUESTION, tuple(token_ids[spans[-1][1]:]), ""))
         return Prompt(tuple(segs))
 
-    def blend(self, token_ids: Sequence[int], params: BlendParams) -> tuple[KVCache, dict]:
+    def blend(self, token_ids: Sequence[int], params: BlendParams, salt: str = "") -> tuple[KVCache, dict]:
         """kvblend's blended prefill of the request's context; its cache holds at least every row
         before the question (K after RoPE).
+
+        Args:
+            token_ids: the prompt.
+            params: its blend parameters.
+            salt: the request's tenant salt (:func:`~blend.integrations.vllm.plan.tenant_salt`), mixed
+                into every key the blend derives.
 
         Returns:
             The filled cache and the reuse report (as a JSON-able dict).
         """
         policy = ReusePolicy.blend(ratio=params.ratio, selector=params.selector, force=self.cfg.force,
-                                   guard_margin=params.guard_margin)
+                                   guard_margin=params.guard_margin, cache_salt=salt)
         with self._lock, torch.inference_mode():
             # vLLM computes the question itself; without the guard kvblend stops the question's rows
             # after the check layer, with it kvblend computes them too, to see the first token's gap

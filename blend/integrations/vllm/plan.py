@@ -226,12 +226,37 @@ def blend_salt(params: dict[str, Any], prompt_token_ids: Sequence[int], tenant: 
     p = parse_blend_params(params, len(prompt_token_ids))
     if p is None:
         raise InvalidRequestError("blend_salt needs the kv_transfer_params of a blend request")
+    return f"{tenant}|{_blend_suffix(p, prompt_token_ids)}"  # as salt_allows_blend and tenant_salt read it
+
+
+def _blend_suffix(params: BlendParams, prompt_token_ids: Sequence[int]) -> str:
+    """What a blend's salt ends with: the policy and the whole prompt (see :func:`blend_salt`)."""
     digest = token_digest(prompt_token_ids).hex()[:24]
-    return f"{tenant}|{BLEND_SALT_MARK}:{p.ratio}:{p.selector}:{p.guard_tag}:{digest}"  # as salt_allows_blend reads it
+    return f"{BLEND_SALT_MARK}:{params.ratio}:{params.selector}:{params.guard_tag}:{digest}"
 
 
 def salt_allows_blend(salt: str | None, params: BlendParams, prompt_token_ids: Sequence[int]) -> bool:
     """Whether ``salt`` keeps this blend's blocks apart from every other prompt's (see :func:`blend_salt`)."""
-    digest = token_digest(prompt_token_ids).hex()[:24]
-    return bool(salt) and salt.endswith(f"{BLEND_SALT_MARK}:{params.ratio}:{params.selector}:{params.guard_tag}:"
-                                        f"{digest}")
+    return bool(salt) and salt.endswith(_blend_suffix(params, prompt_token_ids))
+
+
+def tenant_salt(salt: str | None, params: BlendParams | None, prompt_token_ids: Sequence[int]) -> str:
+    """The salt kvblend's own keys (the preamble, canonical chunks) take for a vLLM request.
+
+    Tenants with different salts share no KV, blended or exact. A blend's salt (:func:`blend_salt`) is
+    ``tenant|suffix``, the suffix committing to the whole prompt for vLLM's prefix cache: kvblend's chunk
+    keys take the tenant alone (with the suffix, no other question would ever reuse a chunk). Any other
+    salt is the tenant's as it is.
+
+    Args:
+        salt: the request's ``cache_salt`` (None: none).
+        params: its blend parameters (None: not a blend).
+        prompt_token_ids: its prompt.
+
+    Returns:
+        The tenant salt ("" = none).
+    """
+    if not salt:
+        return ""
+    suffix = "|" + _blend_suffix(params, prompt_token_ids) if params is not None else ""
+    return salt[: -len(suffix)] if suffix and salt.endswith(suffix) else salt
