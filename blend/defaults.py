@@ -91,6 +91,9 @@ DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 # finish. At most this many writes wait in the queue before a producer waits for room.
 DEFAULT_WRITE_BEHIND = True
 DEFAULT_WRITE_BEHIND_PENDING = 32
+# disk tier byte budget (blend.store.disk): a process's tally counts only its own puts between scans of the
+# folder, so the folder (every process's files) is recounted at least this often (seconds) on a put
+DEFAULT_DISK_RESCAN_S = 10.0
 # sampling: a temperature below this decodes greedily (its limit as T -> 0). Dividing logits by a
 # denormal temperature overflows float32 to inf, whose softmax is NaN (vLLM's _SAMPLING_EPS is the same).
 MIN_SAMPLING_TEMPERATURE = 1e-5

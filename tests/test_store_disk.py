@@ -332,3 +332,67 @@ def test_record_log_appends_racing_a_rewrite_are_never_lost(tmp_path: Path, monk
     got = store.read_records("donors-x")
     assert sorted(got) == sorted([b"seed"] + [b"w%d-%d" % (w, i) for w in range(writers) for i in range(per_writer)])
     assert store.rewrite_records("donors-x", got, got[:1]) and store.read_records("donors-x") == got[:1]
+
+
+def test_an_entry_over_the_low_water_mark_is_not_stored_and_evicts_nothing(tmp_path: Path) -> None:
+    """An entry that fits the budget but not its prune's low-water mark would be removed by its
+    own put, after every other entry: it is refused up front instead."""
+    big = rand_entry(PROV, T=80)
+    store = DiskStore(tmp_path, budget_bytes=int(big.nbytes / 0.95))  # big: 95% of the budget
+    for i in range(3):
+        store.put(NS, key_for(PROV, i), rand_entry(PROV, T=8))
+    store.put(NS, key_for(PROV, 9), big)
+    assert not store.contains(NS, key_for(PROV, 9))
+    assert {k for k in store.keys(NS)} == {key_for(PROV, i) for i in range(3)}
+    assert store.stats().evictions == 0
+
+
+def test_overwrites_and_deletes_do_not_evict_a_store_under_budget(tmp_path: Path) -> None:
+    """Re-putting a stored key replaces its file (no bytes added); the tally must not prune then."""
+    one = len(encode(NS, key_for(PROV, 0), rand_entry(PROV, T=8)))
+    store = DiskStore(tmp_path, budget_bytes=int(one * 4.3))  # 4 entries fit; low water is 3.87
+    for i in range(4):
+        store.put(NS, key_for(PROV, i), rand_entry(PROV, T=8))
+    store.put(NS, key_for(PROV, 0), rand_entry(PROV, T=8))  # an overwrite: still 4 entries
+    store.delete(NS, key_for(PROV, 1))
+    store.put(NS, key_for(PROV, 1), rand_entry(PROV, T=8))  # back to 4
+    assert len(list(store.keys(NS))) == 4 and store.stats().evictions == 0
+
+
+def test_two_processes_sharing_a_budget_stay_under_it(tmp_path: Path) -> None:
+    """Each process's tally sees only its own puts between scans: the folder is recounted at
+    least every ``rescan_s``, so processes that started together cannot fill it N times over."""
+    one = len(encode(NS, key_for(PROV, 0), rand_entry(PROV, T=8)))
+    budget = int(one * 4.5)
+    a, b = (DiskStore(tmp_path, budget_bytes=budget, rescan_s=0.0) for _ in range(2))
+    a.put(NS, key_for(PROV, 0), rand_entry(PROV, T=8))
+    b.put(NS, key_for(PROV, 100), rand_entry(PROV, T=8))  # both have scanned: 2 files
+    for i in range(1, 4):
+        a.put(NS, key_for(PROV, i), rand_entry(PROV, T=8))
+    for i in range(1, 3):
+        b.put(NS, key_for(PROV, 100 + i), rand_entry(PROV, T=8))
+        assert a.stats().bytes <= budget
+
+
+def test_an_unremovable_path_does_not_stop_pruning_or_fail_puts(tmp_path: Path) -> None:
+    """A directory at an entry's path (it cannot be unlinked) is skipped by a prune, which goes
+    on to the next entry; the puts that triggered it succeeded and are counted as puts."""
+    one = len(encode(NS, key_for(PROV, 0), rand_entry(PROV, T=8)))
+    budget = int(one * 3.5)
+    store = DiskStore(tmp_path, budget_bytes=budget)
+    stuck = store.path(NS, key_for(PROV, 50))
+    stuck.mkdir(parents=True)
+    _age_path(stuck, 1000)  # the least recently used "entry"
+    for i in range(8):
+        store.put(NS, key_for(PROV, i), rand_entry(PROV, T=8))
+    stats = store.stats()
+    assert stats.puts == 8 and "put_errors" not in stats.extra
+    assert stats.bytes <= budget and store.contains(NS, key_for(PROV, 7))
+
+
+def _age_path(path: Path, seconds_ago: float) -> None:
+    import os
+    import time
+
+    t = time.time() - seconds_ago
+    os.utime(path, (t, t))

@@ -241,3 +241,23 @@ def test_record_log_reads_in_pages_and_refuses_an_oversized_list(
         assert store.read_records("donors") == []
     assert "not read" in caplog.text
     assert store.available  # a refused log is not an outage
+
+
+def test_a_put_the_server_refuses_is_counted_not_raised() -> None:
+    """A server at its memory limit (noeviction, Redis's default policy) answers SET with an error:
+    the write is lost like a disk write that failed, and counted as one (``put_errors``)."""
+    server = own_redis_server()
+    try:
+        admin = redis.Redis.from_url(server.url)
+        admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) + (1 << 20))  # 1 MB free
+        admin.config_set("maxmemory-policy", "noeviction")
+        store = RedisStore(server.url, prefix=unique_prefix())
+        store.put(NS, key_for(PROV, 0), rand_entry(PROV, T=200))  # 77 KB: fits
+        store.put(NS, key_for(PROV, 1), rand_entry(PROV, T=20000))  # 7.7 MB: refused
+        stats = store.stats()
+        assert stats.puts == 1 and stats.extra.get("put_errors") == 1
+        assert store.get(NS, key_for(PROV, 1), J).status is LookupStatus.MISS
+        store.close()
+        admin.close()
+    finally:
+        server.stop()

@@ -204,3 +204,16 @@ def test_the_writer_yields_the_cores_to_compute():
     writer.submit(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
     assert writer.flush(5) and seen == [WRITER_NICE]
     writer.close()
+
+
+def test_a_failed_write_after_close_is_counted_too():
+    """After close (at exit, say) writes run inline: a failure is still logged and counted."""
+    writer = BackgroundWriter("closed", max_pending=2)
+    writer.submit(lambda: None)
+    writer.close()
+
+    def fail() -> None:
+        raise RuntimeError("tier down")
+
+    writer.submit(fail)  # inline: never raised
+    assert writer.failures == 1 and writer.pending() == 0

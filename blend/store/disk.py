@@ -22,9 +22,13 @@ before the tensors are read (see ``codec.check_size``).
 With a byte budget the tier is an LRU on disk: a hit refreshes the entry's
 mtime, and a put that takes the tier over budget removes the least recently
 used entries (oldest mtime first, every namespace) until it is back under
-``low_water`` of the budget. Other processes sharing the folder are counted at
-every prune (the scan sees their files); a reader that loses a file to a
-concurrent prune sees a miss.
+``low_water`` of the budget. A process tallies its own puts between scans of
+the folder; the folder (other processes' files too) is scanned again when the
+tally says over budget, before anything is removed, and at least every
+``rescan_s`` on a put. An entry larger than ``low_water`` of the budget is not
+stored (its own prune would remove it, after every other entry); a path that
+cannot be removed is skipped. A reader that loses a file to a concurrent prune
+sees a miss.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Iterator
 
 from blend import safeio
+from blend.defaults import DEFAULT_DISK_RESCAN_S
 from blend.keys import Namespace, StoreKey, key_hex
 from blend.safeio import UnsafeFileError, pread_exact
 from blend.store.base import (
@@ -118,6 +123,11 @@ def _read_entry(path: Path, max_bytes: int) -> bytearray:
         os.close(fd)
 
 
+def _size(parts: list[memoryview | bytes]) -> int:
+    """Bytes of an encoded entry's file."""
+    return sum(memoryview(p).nbytes for p in parts)
+
+
 class DiskStore:
     """Entries as files under ``root``.
 
@@ -128,12 +138,15 @@ class DiskStore:
             least recently used entries are removed past it.
         max_entry_bytes: the largest entry file read or written (a larger one is
             rejected before any allocation).
+        rescan_s: with a budget, a put recounts the folder (every process's files) when its
+            last scan is older than this (seconds).
     """
 
     name = "disk"
 
     def __init__(self, root: str | os.PathLike[str], fsync: bool = True,
-                 budget_bytes: int | None = None, max_entry_bytes: int = MAX_ENTRY_BYTES) -> None:
+                 budget_bytes: int | None = None, max_entry_bytes: int = MAX_ENTRY_BYTES,
+                 rescan_s: float = DEFAULT_DISK_RESCAN_S) -> None:
         if budget_bytes is not None and budget_bytes <= 0:
             raise ValueError(f"disk store budget must be positive, got {budget_bytes}")
         if max_entry_bytes <= 0:
@@ -144,7 +157,9 @@ class DiskStore:
         self.max_entry_bytes = max_entry_bytes
         self._stats = StoreStats()
         self._lock = threading.Lock()
+        self.rescan_s = rescan_s
         self._approx_bytes: int | None = None  # bytes on disk as of the last scan plus our puts
+        self._scanned_at = 0.0  # time.monotonic() of that scan
         self._logs = DiskRecordLogs(self.root / "logs")
 
     def path(self, ns: Namespace, key: StoreKey) -> Path:
@@ -207,6 +222,10 @@ class DiskStore:
                         entry.nbytes, self.max_entry_bytes)
             return
         parts = encode_parts(ns, key, entry)
+        if self.budget_bytes is not None and _size(parts) > self.budget_bytes * LOW_WATER:
+            log.warning("disk store: entry of %d bytes exceeds the budget's low-water mark (%d); not stored",
+                        _size(parts), int(self.budget_bytes * LOW_WATER))
+            return  # its own put's prune would remove it, after every other entry
         dest = self.path(ns, key)
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -236,13 +255,22 @@ class DiskStore:
         if self.budget_bytes is None:
             return
         with self._lock:
-            if self._approx_bytes is None:
-                self._approx_bytes = self._scan_bytes()  # includes the file just written
+            if self._approx_bytes is None or time.monotonic() - self._scanned_at >= self.rescan_s:
+                recount = True  # the first put, or other processes may have written since the scan
             else:
-                self._approx_bytes += size
-            over = self._approx_bytes > self.budget_bytes
-        if over:
-            self.prune(int(self.budget_bytes * LOW_WATER))
+                self._approx_bytes += size  # an overwrite adds bytes it did not add: only a scan prunes
+                recount = self._approx_bytes > self.budget_bytes
+        if recount:
+            self._recount(self.budget_bytes)
+
+    def _recount(self, budget: int) -> None:
+        """Scan the folder (includes the file just written, and other processes' files); prune down to
+        the low-water mark only if the scan is over ``budget``."""
+        rows = self._entries_by_age()
+        if sum(size for _, size, _ in rows) > budget:
+            self._prune_rows(rows, int(budget * LOW_WATER))
+        else:
+            self._prune_rows(rows, budget)  # removes nothing: records the scan
 
     def _entries_by_age(self) -> list[tuple[float, int, Path]]:
         """(mtime, size, path) of every entry file, least recently used first."""
@@ -257,9 +285,6 @@ class DiskStore:
         rows.sort(key=lambda r: (r[0], str(r[2])))
         return rows
 
-    def _scan_bytes(self) -> int:
-        return sum(size for _, size, _ in self._entries_by_age())
-
     def prune(self, max_bytes: int) -> PruneResult:
         """Remove least recently used entries until the entry files total at most ``max_bytes``.
 
@@ -271,7 +296,11 @@ class DiskStore:
         """
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        rows = self._entries_by_age()
+        return self._prune_rows(self._entries_by_age(), max_bytes)
+
+    def _prune_rows(self, rows: list[tuple[float, int, Path]], max_bytes: int) -> PruneResult:
+        """:meth:`prune` over a scan's ``rows`` (:meth:`_entries_by_age`); records the scan's total."""
+        scanned_at = time.monotonic()
         total = sum(size for _, size, _ in rows)
         removed = freed = 0
         for _, size, path in rows:
@@ -281,12 +310,15 @@ class DiskStore:
                 path.unlink()
             except FileNotFoundError:
                 pass  # another process pruned it first: it is gone either way
+            except OSError as e:  # a directory at an entry's path, no permission: it stays, the next one goes
+                log.warning("disk store: cannot remove %s while pruning: %s", path, e)
+                continue
             else:
                 removed += 1
                 freed += size
             total -= size
         with self._lock:
-            self._approx_bytes = total
+            self._approx_bytes, self._scanned_at = total, scanned_at
             self._stats.evictions += removed
         if removed:
             log.info("disk store: pruned %d entries (%d bytes) under %s", removed, freed, self.root)

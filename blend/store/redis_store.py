@@ -304,7 +304,8 @@ class RedisStore:
         return Lookup(LookupStatus.REJECTED, reason=why, tier=self.name)
 
     def put(self, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
-        """SET the blob (with the TTL); a failure is logged, not raised."""
+        """SET the blob (with the TTL); a failure (the server down, or refusing the write) is
+        logged and counted (``put_errors``), not raised."""
         check_put(entry)
         if entry.nbytes + 8 + MAX_HEADER_BYTES > self.max_entry_bytes:  # it might not be read back
             log.warning("redis store: entry of %d bytes may exceed max_entry_bytes=%d; not stored",
@@ -314,6 +315,9 @@ class RedisStore:
         ok = self._call("put", lambda: self._client.set(self.rkey(ns, key), blob, ex=self.ttl_s), None)
         if ok:
             self._count("puts")
+        else:
+            with self._lock:
+                self._stats.extra["put_errors"] = self._stats.extra.get("put_errors", 0) + 1
 
     def put_raw(self, ns: Namespace, key: StoreKey, blob: bytes) -> None:
         """Store arbitrary bytes under (ns, key): for tests and repair tools only."""

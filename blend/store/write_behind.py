@@ -73,7 +73,9 @@ class BackgroundWriter:
                     self._thread.start()
                 self._queue.put(write)  # before close's stop mark, which waits for this lock
                 return
-        self._call(write)
+        if not self._call(write):
+            with self._cond:
+                self.failures += 1
 
     def pending(self) -> int:
         """Writes submitted and not yet finished."""
