@@ -2,9 +2,9 @@
 
 Three panels share the x axis (TTFT / full prefill TTFT, median over items):
 F1 against gold, answer agreement with full prefill, and first-token
-KL(full || method). Blend methods are grouped by selector (and check layers)
-and joined in ratio order; ``full``, ``reuse`` and ``prefix`` are reference
-markers.
+KL(full || method). Blend methods are grouped by selector (with check layers and
+any other option: guard, auto, probe, cand, temp) and joined in ratio order;
+``full``, ``reuse`` and ``prefix`` are reference markers.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Container
+
+from blend.evals.methods import Method, MethodKind
 
 PANELS = (("f1", "F1 vs gold"), ("agreement", "answer agreement with full"), ("kl", "KL(full || method)"))
 REFERENCE_STYLE = {"full": ("*", "black"), "reuse": ("X", "tab:red"), "prefix": ("s", "tab:gray")}
@@ -24,19 +26,31 @@ def series(methods: dict[str, dict[str, Any]]) -> dict[str, list[tuple[float, st
         methods: ``results["methods"]``.
 
     Returns:
-        ``{label: [(ratio, method name), ...]}`` sorted by ratio; label is the
-        selector (plus ``check=``), ``default`` when none was given.
+        ``{label: [(ratio, method name), ...]}`` sorted by ratio; label is
+        :meth:`Method.series`'s: the selector (``default`` when none was given) and its options.
     """
     out: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for name, agg in methods.items():
         spec = agg.get("spec") or {}
         if spec.get("kind") != "blend":
             continue
-        label = spec.get("selector") or "default"
-        if spec.get("check_layers"):
-            label += " check=" + ",".join(map(str, spec["check_layers"]))
-        out[label].append((float(spec.get("ratio") or 0.0), name))
+        out[_series_label(spec)].append((float(spec.get("ratio") or 0.0), name))
     return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def _series_label(spec: dict[str, Any]) -> str:
+    """A blend spec's line label, :meth:`Method.series`'s: the selector, check layers and every other option
+    (auto, probe, cand, temp, guard), so methods that differ in any of them are separate lines (specs written
+    before an option existed lack it: the default)."""
+    cand = spec.get("candidates")
+    guard = spec.get("guard")
+    return Method(
+        name="", kind=MethodKind.BLEND, selector=spec.get("selector"),
+        check_layers=tuple(spec.get("check_layers") or ()), auto=bool(spec.get("auto")),
+        auto_target=spec.get("auto_target"), probe_precision=spec.get("probe_precision"),
+        guard=None if guard is None else tuple(guard), candidates=None if cand == "off" else cand,
+        candidates_off=cand == "off", temperature=spec.get("temperature"),
+    ).series()
 
 
 def draw_methods(ax: Any, methods: dict[str, dict[str, Any]], field: str, labels: Container[str] | None = None, style: str = "-",

@@ -97,6 +97,20 @@ def split_of(item: int) -> str:
     return "validation" if VALIDATION[0] <= item <= VALIDATION[1] else "other"
 
 
+def has_splits(data: str | None) -> bool:
+    """Whether ``data``'s item indices are musique_dev's, which :data:`TUNING` / :data:`VALIDATION` name.
+
+    Args:
+        data: the data (``--data``); None: musique_dev indices assumed (research rows).
+
+    Returns:
+        False for a built-in synthetic set or any other file.
+    """
+    if data is None:
+        return True
+    return not data.startswith(SYNTHETIC_PREFIX) and SPLIT_DATA in Path(data).name.lower()
+
+
 def range_split(first: int, last: int, data: str | None = None) -> str:
     """The split an item range ``first``-``last`` (inclusive) of ``data`` belongs to.
 
@@ -110,11 +124,8 @@ def range_split(first: int, last: int, data: str | None = None) -> str:
         range spans more than one of tuning / validation / beyond, ``other`` where it lies wholly past
         them or the data is another file, ``synthetic`` for a built-in synthetic set.
     """
-    if data is not None:
-        if data.startswith(SYNTHETIC_PREFIX):
-            return "synthetic"
-        if SPLIT_DATA not in Path(data).name.lower():
-            return "other"
+    if not has_splits(data):
+        return "synthetic" if data.startswith(SYNTHETIC_PREFIX) else "other"
     a, b = split_of(first), split_of(last)
     return a if a == b else "mixed"
 

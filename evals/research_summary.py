@@ -44,7 +44,9 @@ def load_rows(paths: list[Path], items: str | None = None) -> list[dict]:
 
 def rows_from_results(path: Path, selectors: tuple[str, ...] = ("combo", "v", "k")) -> list[dict]:
     """Research-style rows from a harness results.json (``blend@R:S`` -> ``S@R``), e.g. the baselines
-    of docs/results/musique5 (the lab replays the engine bit for bit, so these compare directly)."""
+    of docs/results/musique5 (the lab replays the engine bit for bit, so these compare directly).
+    A method with more options keeps them (``blend@R:S:guard=off`` -> ``S:guard=off@R``), so two
+    methods never share a row."""
     res = json.loads(path.read_text())
     out = []
     for item in res["items"]:
@@ -52,7 +54,7 @@ def rows_from_results(path: Path, selectors: tuple[str, ...] = ("combo", "v", "k
         for name, m in item["methods"].items():
             spec = res["methods"][name].get("spec") or {}
             if spec.get("kind") == "blend" and spec.get("selector") in selectors and not spec.get("check_layers"):
-                key = f"{spec['selector']}@{spec['ratio']:g}"
+                key = f"{name.partition(':')[2]}@{spec['ratio']:g}"  # the selector and any options after it
                 kl[key], top1[key], share[key] = m["kl"], m["top1"], spec["ratio"]
             elif spec.get("kind") == "reuse":
                 kl["reuse@0"], top1["reuse@0"], share["reuse@0"] = m["kl"], m["top1"], 0.0

@@ -44,8 +44,8 @@ from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_item_range
 from blend.evals.methods import MethodKind, Method, parse_method, split_specs
-from blend.evals.metrics import kl_cells, kl_divergence, mean, median, top1_agree
-from blend.evals.report import NEAR_TIE_NATS, split_of
+from blend.evals.metrics import kl_cells, kl_divergence, mean, median, percentile, top1_agree
+from blend.evals.report import NEAR_TIE_NATS, has_splits, split_of
 from blend.evals.splits import parse_item_range
 from blend.policy import ReusePolicy
 from blend.probe import top2_margin
@@ -125,8 +125,12 @@ def first_of_budget(method: str, methods: list[str]) -> str:
 
 
 def read_rows(paths: list[Path]) -> list[SweepRow]:
-    """Rows that earlier sweeps wrote (rows.jsonl files), in file order."""
-    return [SweepRow(**json.loads(line)) for p in paths for line in p.read_text().splitlines() if line.strip()]
+    """Rows that earlier sweeps wrote (rows.jsonl files), in file order; a later row of the same item and
+    method (a rerun) supersedes an earlier one, so no item counts twice."""
+    rows: dict[tuple[int, str], SweepRow] = {}
+    for row in (SweepRow(**json.loads(line)) for p in paths for line in p.read_text().splitlines() if line.strip()):
+        rows[(row.item, row.method)] = row
+    return list(rows.values())
 
 
 def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> str:
@@ -161,9 +165,8 @@ def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> 
             line = (f"| {m} | {kl_cells(kls)} | {mean([r.top1 for r in rs]):.3f} | {_cell(share)} | {_cell(spent)} "
                     f"| {median([r.ms for r in rs]):.0f} | {wins}/{len(rs)} |")
             if timed:
-                ratios = sorted(r.ms / r.full_ms for r in rs)
-                p90 = ratios[min(len(ratios) - 1, round(0.9 * (len(ratios) - 1)))]
-                line += f" {median(ratios):.3f} | {mean(ratios):.3f} | {p90:.3f} |"
+                ratios = [r.ms / r.full_ms for r in rs]
+                line += f" {median(ratios):.3f} | {mean(ratios):.3f} | {percentile(ratios, 90):.3f} |"
             out.append(line)
         out.append("")
         for m in methods:
@@ -205,10 +208,10 @@ def write_budget_plot(rows: list[SweepRow], methods: list[Method], path: Path, t
     for i, (label, pts) in enumerate(sorted(lines.items())):
         pts.sort(key=lambda p: p[0])
         xs = [b for b, _ in pts]
-        kls = [sorted(r.kl for r in rs) for _, rs in pts]
+        kls = [[r.kl for r in rs] for _, rs in pts]
         color = f"C{i}"
         ax_kl.plot(xs, [mean(k) for k in kls], "-o", color=color, label=f"{label} mean")
-        ax_kl.plot(xs, [k[min(len(k) - 1, round(0.9 * (len(k) - 1)))] for k in kls], "--", color=color,
+        ax_kl.plot(xs, [percentile(k, 90) for k in kls], "--", color=color,
                    alpha=0.7, label=f"{label} p90")
         ax_top.plot(xs, [mean([r.top1 for r in rs]) for _, rs in pts], "-o", color=color, label=label)
     ax_kl.set(xlabel="recompute budget (share of reused rows)", ylabel="KL(full || blend), first token",
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         items = sorted({r.item for r in rows})
         text = (f"First-token sweep, {args.data}, {len(items)} items, {args.passages} passages, {args.model} "
                 f"{args.dtype}; merged from {args.from_rows}; reference: full prefill (cached).\n\n"
-                + summarise(rows, [m.name for m in methods], splits=not args.data.startswith("synthetic:")))
+                + summarise(rows, [m.name for m in methods], splits=has_splits(args.data)))
         (out / "summary.md").write_text(text)
         print(text)
         if args.plot:
@@ -342,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                   + f"  [{done}/{len(items)}, eta {eta / 60:.1f} min]", file=sys.stderr, flush=True)
     header = (f"First-token sweep, {args.data} items {args.items}, {args.passages} passages, {args.model} "
               f"{args.dtype}, {torch.get_num_threads()} torch threads; reference: full prefill (cached).\n\n")
-    text = header + summarise(rows, names, splits=not args.data.startswith("synthetic:"))
+    text = header + summarise(rows, names, splits=has_splits(args.data))
     (out / "summary.md").write_text(text)
     print(text)
     engine.close()

@@ -183,3 +183,17 @@ def test_results_md_names_the_item_range_and_its_split():
     assert range_split(0, 29) == "tuning" and range_split(30, 99) == "validation"
     assert range_split(0, 99) == "mixed" and range_split(90, 120) == "mixed" and range_split(100, 200) == "other"
     assert range_split(0, 29, "synthetic:two-hop") == "synthetic"
+
+
+def test_pareto_series_keep_methods_apart_that_differ_beyond_selector_and_ratio():
+    """``blend@0.15:probe`` and ``blend@0.15:probe:guard=off`` are two methods: two lines, not one line joining
+    two points at the same budget (the labels are the methods' own series labels)."""
+    from blend.evals.methods import parse_method
+
+    names = ["blend@0.15:probe", "blend@0.3:probe", "blend@0.15:probe:guard=off", "blend@0.3:probe:auto",
+             "blend@0.15:v:check=1,2", "blend@0.15:probe:temp=1.05:cand=2"]
+    methods = {n: {"spec": parse_method(n).to_dict()} for n in names}
+    got = series(methods)
+    assert got == {parse_method(n).series(): [(parse_method(n).ratio, n)] for n in names[2:]} | {
+        "probe": [(0.15, "blend@0.15:probe"), (0.3, "blend@0.3:probe")]}
+    assert "v check=1,2" in got

@@ -27,3 +27,19 @@ def test_items_is_required_and_the_header_names_the_split(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("30 items of 0-29, tuning split")
     assert research_summary.main([str(rows), "--items", "0-99"]) == 0  # pooled only when asked, and said so
     assert capsys.readouterr().out.startswith("100 items of 0-99, mixed split")
+
+
+def test_harness_methods_that_differ_beyond_selector_and_ratio_keep_their_own_rows(tmp_path):
+    """``blend@0.15:v`` and ``blend@0.15:v:guard=off`` are two methods: neither may overwrite the other."""
+    from blend.evals.methods import parse_method
+
+    names = {"blend@0.15:v": 0.1, "blend@0.15:v:guard=off": 0.4, "blend@0.3:v:auto": 0.2, "blend@0.3:v": 0.3}
+    spec = {n: parse_method(n).to_dict() for n in names}
+    res = {"methods": {n: {"spec": spec[n]} for n in names},
+           "items": [{"index": 30, "methods": {n: {"kl": kl, "top1": 1.0} for n, kl in names.items()}}]}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(res))
+    (row,) = research_summary.rows_from_results(path)
+    assert row["kl"]["v@0.15"] == 0.1 and row["kl"]["v@0.3"] == 0.3  # plain methods keep their research names
+    assert sorted(row["kl"].values()) == [0.1, 0.2, 0.3, 0.4]
+    assert row["share"]["v@0.15"] == 0.15
