@@ -5,13 +5,22 @@ step: ``log_softmax`` of the logits row it was sampled from, before
 temperature, top-k or top-p (vLLM's default, "raw" log-probabilities), so a
 blended answer's log-probabilities compare directly with an exact one's. The
 alternatives are that row's most likely tokens, most likely first.
+
+A token's bytes (OpenAI's ``bytes``) are its own UTF-8 bytes, so that a
+character spread over several tokens can be put back together, whereas its
+text decodes such a piece to U+FFFD.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 import torch
+
+_REPLACEMENT = "\ufffd"
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
 
 
 @dataclass(frozen=True)
@@ -40,3 +49,55 @@ def token_logprob(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogpr
         vals, ids = torch.topk(logp, min(top_n, logp.shape[0]))  # (n,) each
         top = tuple(zip(ids.tolist(), vals.tolist()))
     return TokenLogprob(int(token_id), float(logp[token_id]), top)
+
+
+@functools.lru_cache(maxsize=1)
+def byte_level_chars() -> dict[int, str]:
+    """The GPT-2 byte-level BPE alphabet: the printable character that stands for each byte.
+
+    Returns:
+        {byte: character} for the 256 bytes.
+    """
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    chars = keep[:]
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(keep, (chr(c) for c in chars)))
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_of_char() -> dict[str, int]:
+    """The byte each character of :func:`byte_level_chars` stands for."""
+    return {c: b for b, c in byte_level_chars().items()}
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """A token's own bytes: its text's UTF-8, or, for a piece of a multi-byte character (whose
+    text is U+FFFD), the bytes its vocabulary entry stands for (byte-level BPE or a SentencePiece
+    byte token).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        token_id: the token.
+
+    Returns:
+        The bytes (the text's UTF-8 when the entry is of neither kind).
+    """
+    text = tokenizer.decode([token_id])
+    if _REPLACEMENT not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str) or not piece:
+        return text.encode("utf-8")
+    m = _BYTE_PIECE.fullmatch(piece)
+    if m is not None:
+        return bytes([int(m.group(1), 16)])
+    table = _byte_of_char()
+    if all(c in table for c in piece):
+        return bytes(table[c] for c in piece)
+    return text.encode("utf-8")

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from blend.errors import UnknownModelError
+from blend.logprobs import byte_level_chars
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -40,23 +41,9 @@ class TinyModel(Enum):
     LLAMA_ROPE_DYNAMIC = "tiny-llama-rope-dynamic"  # dynamic NTK past 512 positions
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte <-> printable-unicode table used by byte-level BPE."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    keep += list(range(ord("®"), ord("ÿ") + 1))
-    chars = keep[:]
-    n = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(keep, (chr(c) for c in chars)))
-
-
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer: ids 0..255 are bytes, then the chat specials."""
-    table = _bytes_to_unicode()
+    table = byte_level_chars()
     vocab = {table[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

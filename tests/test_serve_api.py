@@ -210,7 +210,7 @@ def test_logprobs_are_the_python_apis_in_openais_shapes_streamed_or_not(srv, cli
     for c, e in zip(content, ref.logprobs):
         assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob  # greedy: the argmax
         assert [t.logprob for t in c.top_logprobs] == [lp for _, lp in e.top]
-        assert c.bytes == list(c.token.encode("utf-8"))
+        assert c.bytes == ([e.token_id] if e.token_id < 256 else list(c.token.encode("utf-8")))  # its own bytes
     parts = list(client.chat.completions.create(
         model=TINY, messages=[{"role": "user", "content": "which river?"}], max_tokens=8, temperature=0,
         logprobs=True, top_logprobs=3, stream=True, extra_body={"documents": DOCS}))
@@ -395,3 +395,21 @@ def test_semantic_reuse_needs_the_server_flag_and_then_works(one_torch_thread):
         salted = httpx.post(s.url + "/v1/chat/completions", timeout=60, json=chat(
             documents=edited, cache_salt="t", kvblend={"reuse": "blend", "semantic": True}))
         assert salted.status_code == 400 and "cache_salt" in salted.json()["error"]["message"]
+
+
+def test_chat_logprob_bytes_are_each_tokens_own_bytes_so_split_characters_join_up():
+    """OpenAI's ``bytes`` is the token's UTF-8 bytes, so that a character spread over several tokens
+    can be put back together: the pieces' bytes, joined, are the answer's text (a piece's own text
+    is U+FFFD, whose bytes would join up to garbage)."""
+    from blend.logprobs import TokenLogprob
+    from blend.serve.protocol import Endpoint, LogprobFormat
+    from blend.tiny import byte_tokenizer
+
+    text = "aé😀 東"
+    ids = list(text.encode("utf-8"))  # the byte tokenizer: one token per byte
+    entries = tuple(TokenLogprob(t, -1.0, ((t, -1.0), (ord("x"), -2.0))) for t in ids)
+    content = LogprobFormat(Endpoint.CHAT, byte_tokenizer(), True).format(entries)["content"]
+    assert [c["bytes"] for c in content] == [[b] for b in ids]
+    assert bytes(b for c in content for b in c["bytes"]).decode("utf-8") == text
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [[b] for b in ids]  # alternatives too
+    assert content[0]["token"] == "a" and content[1]["token"] == "\ufffd"  # the token's text: its own decoding

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from blend.generation import Completion
-from blend.logprobs import TokenLogprob
+from blend.logprobs import TokenLogprob, token_bytes
 from blend.prompt import Prompt
 
 
@@ -75,7 +75,8 @@ class LogprobFormat:
     Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
     "refusal": null}``; completions: ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
     "text_offset"}``. A token's text is its own decoding (a piece of a multi-byte character decodes
-    to U+FFFD), ``bytes`` that text's UTF-8.
+    to U+FFFD), ``bytes`` the token's own bytes (:func:`~blend.logprobs.token_bytes`: a character's
+    pieces join up to it).
 
     Args:
         endpoint: which shape.
@@ -93,8 +94,8 @@ class LogprobFormat:
         return self.tokenizer.decode([token_id])
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict:
-        text = self._text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": self._text(token_id), "logprob": logprob,
+                "bytes": list(token_bytes(self.tokenizer, token_id))}
 
     def format(self, entries: tuple[TokenLogprob, ...] | None) -> dict | None:
         """The ``logprobs`` object for these answer tokens (None when logprobs are off)."""
