@@ -250,7 +250,8 @@ def plan_blend(model: ModelRunner, prompt: Prompt, blended: list[ChunkKV], n_exa
         lo += n_c
     ids = torch.tensor([t for doc in prompt.documents[n_exact:] for t in doc.token_ids] + list(q.token_ids),
                        dtype=torch.long, device=dev)  # (n,)
-    full_reuse = policy.ratio == 0.0 and policy.threshold is None
+    # an adaptive budget or a threshold decides at the check layer whatever the fixed ratio says
+    full_reuse = policy.ratio == 0.0 and policy.threshold is None and policy.budget is BudgetMode.FIXED
     checks = () if full_reuse else tuple(
         CheckSpec(layer, i, policy.ratio_at(i)) for i, layer in enumerate(policy.check_layers))
     return BlendPlan(
@@ -328,7 +329,7 @@ class Checker:
             qs = torch.quantile(dev_v, torch.tensor([0.5, 0.9]))
             stats = DeviationStats(
                 layer=layer, mean=float(dev_v.mean()), p50=float(qs[0]), p90=float(qs[1]), max=float(dev_v.max()),
-                selected_min=float(dev_v[picked].min()) if picked.numel() else float("nan"),
+                selected_min=float(dev_v[picked].min()) if picked.numel() else None,  # None: no row (valid JSON)
             )
         keep_doc = torch.sort(torch.cat([free[picked], torch.nonzero(is_forced).flatten()])).values
         return Selection(torch.cat([keep_doc, torch.arange(n_doc, active.shape[0])]), stats, chosen)
@@ -382,8 +383,9 @@ class BlendRows:
                                      gemm_dtype=self.probe_dtype, want_entropy=self.probe_entropy)
         share = policy.max_ratio if policy.budget is BudgetMode.AUTO or policy.threshold is not None \
             else plan.checks[0].ratio
-        n_cand = int(math.ceil(policy.candidates * round(share * plan.budget_base)))
         free = torch.nonzero(~plan.forced).flatten()  # (M,) document rows a selector may choose
+        want = policy.candidates * round(share * plan.budget_base)  # a float: a huge factor may overflow int
+        n_cand = free.numel() if want >= free.numel() else int(math.ceil(want))
         picked = free[top(self.probe.weight[free], n_cand)]  # (<= n_cand,)
         self.active = torch.unique(torch.cat([picked, plan.always()]))  # (A,) sorted
 
@@ -500,7 +502,8 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     reports += _doc_reports(prompt, chunks, rows.first_selected, n_exact)
     reports.append(SegmentReport(q.kind, ReuseClass.COMPUTED, len(q), plan.e + plan.nb))
     logits = None if skip_q else model.logits(h[-1:])[0]  # (V,)
-    kept = plan.nb - int(rows.first_selected.numel())  # document rows whose re-positioned KV stayed
+    # document rows whose re-positioned KV stayed at some layer: a later check layer may drop rows the first kept
+    kept = plan.nb - int((rows.active < plan.nb).sum())
     return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio, approximate=kept > 0)
 
 

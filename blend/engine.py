@@ -393,8 +393,9 @@ class Engine:
             return self._prefill_segments(prompt, policy.prefix_limit, True, cache, policy.cache_salt), cache
         if self.segments.is_hot(prompt.segments[:-1], prompt.question, policy.cache_salt):
             # every document exact at its place, found stored again: the exact path (what a blend of an
-            # all-exact prompt computes), the hot prefix attached
-            return self._prefill_segments(prompt, None, True, cache, policy.cache_salt), cache
+            # all-exact prompt computes), the hot prefix attached; its gap reported as the loaded one's
+            done = self._prefill_segments(prompt, None, True, cache, policy.cache_salt)
+            return replace(done, margin=top2_margin(done.logits)), cache
         return self._guard(prompt, policy, self._blend(prompt, policy, cache, question), cache)
 
     def _blend(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool = True) -> "_Prefilled":

@@ -46,7 +46,7 @@ class DeviationStats:
     p50: float
     p90: float
     max: float
-    selected_min: float  # smallest deviation among selected rows
+    selected_min: float | None  # smallest deviation among selected rows (None: no row was selected)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -514,7 +514,7 @@ class SegmentCache:
         """
         written = 0
         for text in texts:
-            laid = text if text.endswith("\n\n") else document_text(text)
+            laid = document_text(text)  # as build_prompt lays it (idempotent on a laid-out text)
             ids = tokenize_segment(self.model.loaded.tokenizer, laid)
             key = self.canonical_key(preamble.token_ids, ids, salt)
             self.register_donor(preamble.token_ids, ids, key, salt)

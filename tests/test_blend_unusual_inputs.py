@@ -1,0 +1,77 @@
+"""Blends on unusual but legitimate requests: budgets that select nothing or everything, gradual
+filtering that narrows later, an adaptive budget beside a zero fixed ratio, chunk texts with extra
+whitespace, and an all-exact blend found hot. Each test failed before its fix."""
+
+import json
+
+import pytest
+import torch
+
+from blend.policy import BudgetMode, ReusePolicy
+from blend.report import ReuseClass
+from conftest import make_docs, unguarded_blend
+
+
+@pytest.mark.parametrize("policy", [
+    unguarded_blend(ratio=1e-4, selector="v"),  # round(1e-4 x ~800 document tokens) = 0 rows
+    unguarded_blend(ratio=1e-4, selector="v", candidates=None),
+    unguarded_blend(threshold=1e9),  # no row deviates that much
+    unguarded_blend(budget=BudgetMode.AUTO, auto_target=1e9),  # the target is met with no row
+], ids=["ratio", "ratio-no-candidates", "threshold", "auto"])
+def test_a_blend_that_selects_no_row_reports_valid_json(tiny_engine, policy):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(3))
+    ans = tiny_engine.generate(prompt, policy, max_new_tokens=1)
+    assert ans.report.recomputed_tokens == 0
+    assert ans.report.deviation is not None and ans.report.deviation.selected_min is None
+    json.dumps(ans.report.to_dict(), allow_nan=False)  # the server's JSONResponse refuses NaN (a 500)
+
+
+def test_a_later_check_layer_that_drops_rows_counts_as_approximate_for_the_guard(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(4))
+    full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1).first_logits
+    kw = dict(ratio=1.0, check_layers=(1, 2), selector="v", guard_margin=1e9)  # any blend that kept KV is guarded
+    narrowed = tiny_engine.generate(prompt, ReusePolicy.blend(layer_ratios=(1.0, 0.0), **kw), max_new_tokens=1)
+    unguarded = tiny_engine.generate(prompt, ReusePolicy.blend(layer_ratios=(1.0, 0.0), **{**kw, "guard_margin": None}),
+                                     max_new_tokens=1)
+    assert (unguarded.first_logits - full).abs().max() > 1e-3  # above layer 2 every document row was reused
+    assert narrowed.report.guard  # so the guard recomputes it
+    assert (narrowed.first_logits - full).abs().max() <= 1e-4
+    whole = tiny_engine.generate(prompt, ReusePolicy.blend(layer_ratios=(1.0, 1.0), **kw), max_new_tokens=1)
+    assert not whole.report.guard  # every row recomputed at every layer: nothing approximate to guard
+
+
+def test_the_adaptive_budget_runs_whatever_the_fixed_ratio_says(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(4))
+    kw = dict(budget=BudgetMode.AUTO, auto_target=0.0, max_ratio=0.3)  # target 0: the cap, max_ratio's rows
+    zero = tiny_engine.generate(prompt, unguarded_blend(ratio=0.0, **kw), max_new_tokens=1)
+    default = tiny_engine.generate(prompt, unguarded_blend(**kw), max_new_tokens=1)
+    assert zero.report.recomputed_tokens == default.report.recomputed_tokens > 0
+    assert zero.report.ratio == default.report.ratio > 0
+    assert torch.equal(zero.first_logits, default.first_logits)
+
+
+@pytest.mark.parametrize("text", ["abc def ghi\n\n\n", "  abc def ghi\n\n", "abc def ghi \n\n"])
+def test_precomputed_chunks_are_found_whatever_whitespace_the_text_carries(tiny_engine_factory, text):
+    eng = tiny_engine_factory()
+    docs = [make_docs(1)[0], text]
+    eng.precompute_chunks(docs)
+    ans = eng.generate(eng.build_prompt("Which?", docs), unguarded_blend(), max_new_tokens=1)
+    assert [s.reuse_class for s in ans.report.segments[1:-1]] == [ReuseClass.EXACT, ReuseClass.BLENDED]
+
+
+def test_a_huge_candidate_factor_takes_every_row(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(3))
+    huge = tiny_engine.generate(prompt, unguarded_blend(candidates=1e308), max_new_tokens=1)  # factor x budget: inf
+    every = tiny_engine.generate(prompt, unguarded_blend(candidates=1e6), max_new_tokens=1)
+    assert torch.equal(huge.first_logits, every.first_logits)
+    assert huge.report.recomputed_tokens == every.report.recomputed_tokens > 0
+
+
+def test_an_all_exact_blend_reports_its_first_token_gap_when_found_hot(tiny_engine):
+    prompt = tiny_engine.build_prompt("Which?", make_docs(3))
+    tiny_engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # stores this order's exact KV
+    loaded = tiny_engine.generate(prompt, ReusePolicy.blend(), max_new_tokens=1)  # all exact: keeps it hot
+    hot = tiny_engine.generate(prompt, ReusePolicy.blend(), max_new_tokens=1)  # the hot prefix attached
+    assert torch.equal(loaded.first_logits, hot.first_logits)
+    assert loaded.report.first_token_margin is not None
+    assert hot.report.first_token_margin == loaded.report.first_token_margin
