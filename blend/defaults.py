@@ -68,6 +68,9 @@ DEFAULT_CANDIDATES: float | None = 2.0
 # 0.0297, lower on 23 of 30), and lower at 0.05 and 0.30 too; then validation 30-99, two-hop and 10 passages
 # (BENCHMARKS.md, "Reused rows' attention temperature")
 DEFAULT_REUSED_TEMPERATURE = 1.05
+# the temperatures a request may set: dividing K by T -> 0 overflows a half-precision cache (T = 1e-5 gave NaN
+# logits in float16) and T -> inf flattens reused rows to uniform attention; APE's useful range is ~0.8-1.2
+REUSED_TEMPERATURE_RANGE = (0.1, 10.0)
 
 # answering
 DEFAULT_MAX_NEW_TOKENS = 32

@@ -16,6 +16,7 @@ from blend.defaults import (
     DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_GEMM, DEFAULT_GUARD_MARGIN,
     DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_PROBE_PRECISION,
     DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, DTYPE_NAMES, GEMM_CHOICES,
+    REUSED_TEMPERATURE_RANGE,
 )
 from blend.errors import InvalidRequestError
 from blend.policy import PROBE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode, ProbePrecision, ReuseMode, ReusePolicy
@@ -101,13 +102,14 @@ def _factor(text: str) -> float | None:
 
 
 def _temperature(text: str) -> float:
-    """--reused-temperature: a finite number > 0."""
+    """--reused-temperature: a number in :data:`~blend.defaults.REUSED_TEMPERATURE_RANGE`."""
+    lo, hi = REUSED_TEMPERATURE_RANGE
     try:
         t = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not math.isfinite(t) or t <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        t = math.nan
+    if not math.isfinite(t) or not lo <= t <= hi:
+        raise argparse.ArgumentTypeError(f"expected a number in [{lo:g}, {hi:g}], got {text!r}")
     return t
 
 

@@ -18,7 +18,7 @@ from enum import Enum
 from blend.defaults import (
     DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO,
     DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE,
-    DEFAULT_SELECTOR,
+    DEFAULT_SELECTOR, REUSED_TEMPERATURE_RANGE,
 )
 from blend.errors import InvalidPolicyError
 from blend.numeric import finite_real, shown
@@ -156,8 +156,9 @@ class ReusePolicy:
                     or self.candidates < 1):
                 raise InvalidPolicyError(f"candidates must be a factor >= 1 or None, got {self.candidates}")
         t = self.reused_temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
-            raise InvalidPolicyError(f"reused_temperature must be a finite number > 0, got {t!r}")
+        lo, hi = REUSED_TEMPERATURE_RANGE
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or not lo <= t <= hi:
+            raise InvalidPolicyError(f"reused_temperature must be a number in [{lo:g}, {hi:g}], got {shown(t)}")
         if bad_ratio(self.guard_ratio):
             raise InvalidPolicyError(f"guard_ratio must be in [0, 1], got {self.guard_ratio}")
         if self.threshold is not None and (math.isnan(self.threshold) or self.threshold < 0):

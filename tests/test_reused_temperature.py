@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from blend.defaults import DEFAULT_REUSED_TEMPERATURE
+from blend.defaults import DEFAULT_REUSED_TEMPERATURE, REUSED_TEMPERATURE_RANGE
 from blend.errors import InvalidPolicyError
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
@@ -56,7 +56,7 @@ def test_temperature_divides_only_the_reused_rows_keys_above_the_check_layer(tin
             assert torch.equal(v2[:, stale], v1[:, stale])
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, True])
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, True, 1e-5, 0.099, 10.5, 1e6])
 def test_policy_rejects_a_bad_temperature(bad):
     with pytest.raises(InvalidPolicyError):
         unguarded_blend(reused_temperature=bad)
@@ -82,3 +82,19 @@ def test_the_cli_the_api_and_the_harness_expose_the_temperature():
     assert policy_for(opts, "").reused_temperature == 1.1
     with pytest.raises(ValueError):
         KvblendOptions(reused_temperature=0)
+    for bad in ("1e-5", "11"):  # outside REUSED_TEMPERATURE_RANGE everywhere
+        with pytest.raises(SystemExit):
+            p.parse_args(["--reused-temperature", bad])
+        with pytest.raises(ValueError):
+            KvblendOptions(reused_temperature=float(bad))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("t", REUSED_TEMPERATURE_RANGE)
+def test_the_temperatures_a_request_may_set_give_finite_logits_in_every_dtype(tiny_engine_factory, dtype, t):
+    """1e-5 gave NaN logits in a float16 engine (K / T overflowed); the range's ends stay finite."""
+    eng = tiny_engine_factory(dtype=dtype)
+    prompt = eng.build_prompt("What is listed?", make_docs(3))
+    eng.generate(prompt, unguarded_blend(ratio=0.25), max_new_tokens=1)  # stores the chunks
+    ans = eng.generate(prompt, unguarded_blend(ratio=0.25, reused_temperature=t), max_new_tokens=1)
+    assert torch.isfinite(ans.first_logits).all()

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from blend.defaults import (
     DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO,
-    DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR,
+    DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, REUSED_TEMPERATURE_RANGE,
 )
 from blend.policy import PROBE_PRECISION_NAMES, SELECTOR_NAMES
 from blend.prompt import Role, Turn
@@ -56,7 +56,8 @@ class KvblendOptions(BaseModel):
     guard_ratio: float = Field(DEFAULT_GUARD_RATIO, ge=0.0, le=1.0)
     candidates: float | None = Field(DEFAULT_CANDIDATES, ge=1.0)  # probe selectors: candidate factor
     probe_precision: ProbePrecisionName = DEFAULT_PROBE_PRECISION  # the probe's GEMM dtype
-    reused_temperature: float = Field(DEFAULT_REUSED_TEMPERATURE, gt=0.0, allow_inf_nan=False)  # reused rows' attention
+    reused_temperature: float = Field(DEFAULT_REUSED_TEMPERATURE, ge=REUSED_TEMPERATURE_RANGE[0],
+                                      le=REUSED_TEMPERATURE_RANGE[1], allow_inf_nan=False)  # reused rows' attention
     stop_at_newline: StrictBool = False
     return_tokens: StrictBool = False  # each document's token texts in the report (the playground's highlights)
 
