@@ -158,3 +158,30 @@ def test_prefetch_stream_keeps_order_and_overlaps() -> None:
             assert g.entry.k.equal(rand_entry(PROV, seed=i).k)
     assert overlapped < 0.8 * sequential, (overlapped, sequential)
 
+
+
+def test_counters_are_stats_counters_without_a_scan(tmp_path, monkeypatch):
+    """``counters()`` (what every metrics scrape reads) equals ``stats()``'s counters on every tier and on a
+    chain, and never lists the disk folder (``stats()`` stats every entry file)."""
+    from prometheus_client import generate_latest
+
+    from blend.serve.metrics import ServeMetrics
+
+    disk = DiskStore(tmp_path / "d")
+    chain = TieredStore([MemoryStore(), disk], write_behind=False)
+    chain.put(NS, key_for(PROV, 0), rand_entry(PROV))
+    assert chain.get(NS, key_for(PROV, 0), PROV.canonical_json()).entry is not None
+    assert chain.get(NS, key_for(PROV, 1), PROV.canonical_json()).entry is None
+    for store in (chain, disk, chain.tiers[0]):
+        full, cheap = store.stats(), store.counters()
+        assert (cheap.hits, cheap.misses, cheap.rejected, cheap.puts, cheap.evictions) == (
+            full.hits, full.misses, full.rejected, full.puts, full.evictions)
+        assert (cheap.entries, cheap.bytes) == (0, 0)
+
+    def no_scan(*a, **kw):
+        raise AssertionError("a metrics scrape listed the disk store's folder")
+
+    monkeypatch.setattr(DiskStore, "_files", no_scan)
+    text = generate_latest(ServeMetrics(chain).registry).decode()
+    assert 'kvblend_store_lookups_total{result="hit"} 1.0' in text
+    assert 'kvblend_store_lookups_total{result="miss"} 1.0' in text

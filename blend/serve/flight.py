@@ -131,6 +131,9 @@ class FlightStore:
     def stats(self) -> StoreStats:
         return self.inner.stats()
 
+    def counters(self) -> StoreStats:
+        return self.inner.counters()
+
     def info(self, ns: Namespace, key: StoreKey):
         return self.inner.info(ns, key)
 

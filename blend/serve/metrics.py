@@ -37,13 +37,14 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class _StoreCollector(Collector):
-    """Store lookups, read from ``store.stats()`` at scrape time."""
+    """Store lookups, read from ``store.counters()`` at scrape time (never ``stats()``, which scans
+    every entry file on disk and every key in Redis)."""
 
     def __init__(self, store: KVStore) -> None:
         self.store = store
 
     def collect(self):
-        stats = self.store.stats()
+        stats = self.store.counters()
         fam = CounterMetricFamily("kvblend_store_lookups", "KV store lookups by result", labels=["result"])
         fam.add_metric(["hit"], stats.hits)
         fam.add_metric(["miss"], stats.misses)

@@ -66,7 +66,20 @@ class KVStore(Protocol):
 
     def keys(self, ns: Namespace) -> Iterator[StoreKey]: ...
 
-    def stats(self) -> StoreStats: ...
+    def stats(self) -> StoreStats:
+        """Counters and what the tier holds (entries, bytes: a scan of the disk folder or the Redis keys)."""
+        ...
+
+    def counters(self) -> StoreStats:
+        """The counters of :meth:`stats` (lookups, puts, evictions) without the scan: entries and bytes
+        are 0. Cheap enough for every metrics scrape."""
+        ...
+
+
+def counters_of(stats: StoreStats) -> StoreStats:
+    """A copy of a tier's own counters (entries and bytes left 0), for :meth:`KVStore.counters`."""
+    return StoreStats(hits=stats.hits, misses=stats.misses, rejected=stats.rejected, puts=stats.puts,
+                      evictions=stats.evictions, extra=dict(stats.extra))
 
 
 @dataclass(frozen=True)

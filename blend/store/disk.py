@@ -53,6 +53,7 @@ from blend.store.base import (
     StoreStats,
     check_entry,
     check_put,
+    counters_of,
     entry_problem,
 )
 from blend.store.record_logs import DiskRecordLogs
@@ -393,6 +394,10 @@ class DiskStore:
             except FileNotFoundError:
                 pass
         return n
+
+    def counters(self) -> StoreStats:
+        with self._lock:
+            return counters_of(self._stats)
 
     def stats(self) -> StoreStats:
         with self._lock:

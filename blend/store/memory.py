@@ -16,6 +16,7 @@ from blend.store.base import (
     StoreStats,
     check_entry,
     check_put,
+    counters_of,
     entry_problem,
 )
 
@@ -84,6 +85,10 @@ class MemoryStore:
         with self._lock:
             snapshot = [StoreKey(k) for (n, k) in self._data if n == ns]
         return iter(snapshot)
+
+    def counters(self) -> StoreStats:
+        with self._lock:
+            return counters_of(self._stats)
 
     def stats(self) -> StoreStats:
         with self._lock:

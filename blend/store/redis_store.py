@@ -36,6 +36,7 @@ from blend.store.base import (
     StoreStats,
     check_entry,
     check_put,
+    counters_of,
     entry_problem,
 )
 from blend.store.codec import (
@@ -342,6 +343,12 @@ class RedisStore:
                 continue
             if len(raw) == 32:
                 yield StoreKey(raw)
+
+    def counters(self) -> StoreStats:
+        with self._lock:
+            s = counters_of(self._stats)
+        s.extra["available"] = float(self.available)
+        return s
 
     def stats(self) -> StoreStats:
         with self._lock:

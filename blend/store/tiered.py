@@ -21,7 +21,9 @@ from typing import Iterator, Sequence
 
 from blend.defaults import DEFAULT_WRITE_BEHIND, DEFAULT_WRITE_BEHIND_PENDING
 from blend.keys import Namespace, StoreKey
-from blend.store.base import EntryInfo, InspectableStore, KVEntry, Lookup, LookupStatus, StoreStats, check_put
+from blend.store.base import (
+    EntryInfo, InspectableStore, KVEntry, Lookup, LookupStatus, StoreStats, check_put, counters_of,
+)
 from blend.store.write_behind import BackgroundWriter
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,14 @@ class TieredStore:
     def tier_stats(self) -> list[tuple[str, StoreStats]]:
         """Each tier's own statistics, fastest first."""
         return [(t.name, t.stats()) for t in self.tiers]
+
+    def counters(self) -> StoreStats:
+        """The chain's lookups (counted here, once per lookup) and its tiers' evictions, without a scan."""
+        with self._lock:
+            s = counters_of(self._stats)
+        for t in self.tiers:
+            s.evictions += t.counters().evictions
+        return s
 
     def stats(self) -> StoreStats:
         """The chain's lookups; entries/bytes of the most complete (last) tier (writes still pending
