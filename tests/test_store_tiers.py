@@ -185,3 +185,36 @@ def test_counters_are_stats_counters_without_a_scan(tmp_path, monkeypatch):
     text = generate_latest(ServeMetrics(chain).registry).decode()
     assert 'kvblend_store_lookups_total{result="hit"} 1.0' in text
     assert 'kvblend_store_lookups_total{result="miss"} 1.0' in text
+
+
+class _SlowPuts(MemoryStore):
+    """A memory store whose puts take ``delay_s`` (a stand-in for an fsynced disk tier)."""
+
+    name = "slow"
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def put(self, ns, key, entry):  # type: ignore[no-untyped-def]
+        time.sleep(self.delay_s)
+        super().put(ns, key, entry)
+
+
+@pytest.mark.parametrize("write_behind", [True, False])
+def test_a_lower_tiers_hit_reaches_the_persistent_tiers_above_it_in_the_background(write_behind):
+    """memory -> slow (disk) -> memory (Redis): a hit found only in the last tier is in the first tier
+    when the lookup returns; with write-behind the slow tier's copy is written off the lookup's time."""
+    fast, slow, last = MemoryStore(), _SlowPuts(0.4), MemoryStore()
+    chain = TieredStore([fast, slow, last], write_behind=write_behind)
+    e = rand_entry(PROV)
+    last.put(NS, key_for(PROV, 0), e)
+    t0 = time.perf_counter()
+    assert chain.get(NS, key_for(PROV, 0), J).status is LookupStatus.HIT
+    took = time.perf_counter() - t0
+    assert fast.contains(NS, key_for(PROV, 0))
+    assert (took < 0.2) if write_behind else (took >= 0.4)
+    assert chain.flush(5.0)
+    assert slow.contains(NS, key_for(PROV, 0))
+    assert chain.stats().extra["promotions"] == 1
+    chain.close()

@@ -59,9 +59,8 @@ class TieredStore:
             found = tier.get(ns, key, provenance)
             if found.status is LookupStatus.HIT:
                 assert found.entry is not None
-                for upper in self.tiers[:i]:
-                    self._put_one(upper, ns, key, found.entry)
                 if i:
+                    self._promote(ns, key, found.entry, self.tiers[:i])
                     with self._lock:
                         self._stats.extra["promotions"] = self._stats.extra.get("promotions", 0) + 1
                 self._count("hits")
@@ -73,6 +72,20 @@ class TieredStore:
             return rejected
         self._count("misses")
         return Lookup(LookupStatus.MISS, tier=self.name)
+
+    def _promote(self, ns: Namespace, key: StoreKey, entry: KVEntry, upper: list[InspectableStore]) -> None:
+        """Copy a lower tier's hit into the tiers above it: the first at once; with write-behind, the
+        persistent ones between in the background (a Redis hit's fsynced disk write stays off the
+        request's time to first token)."""
+        self._put_one(upper[0], ns, key, entry)
+        middle = upper[1:]
+        if not middle:
+            return
+        if self.writer is None:
+            for tier in middle:
+                self._put_one(tier, ns, key, entry)
+        else:
+            self.writer.submit(lambda: [self._put_one(t, ns, key, entry) for t in middle])
 
     def _put_one(self, tier: InspectableStore, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
         try:
