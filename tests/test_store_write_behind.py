@@ -217,3 +217,27 @@ def test_a_failed_write_after_close_is_counted_too():
 
     writer.submit(fail)  # inline: never raised
     assert writer.failures == 1 and writer.pending() == 0
+
+
+def test_two_concurrent_closes_both_return_after_the_pending_writes():
+    """The second of two concurrent close() calls returned at once, before the writes the first was
+    waiting for had landed (an exit path and a shutdown hook closing together)."""
+    prov = make_prov()
+    slow = GatedTier()
+    store = TieredStore([MemoryStore(None), slow])
+    store.put(NS, key_for(prov, 7), rand_entry(prov))  # held at the gate
+    returned: list[bool] = []
+
+    def close() -> None:
+        store.close()
+        returned.append(slow.contains(NS, key_for(prov, 7)))
+
+    threads = [threading.Thread(target=close) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    assert returned == []  # both wait while the write is held
+    slow.gate.set()
+    for t in threads:
+        t.join(5)
+    assert returned == [True, True]

@@ -98,14 +98,13 @@ class BackgroundWriter:
     def close(self) -> None:
         """Finish every pending write and stop the thread (later writes run inline)."""
         with self._submit:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
             thread = self._thread
-            if thread is not None:
+            if thread is not None and first:
                 self._queue.put(None)  # after every queued write
         if thread is not None:
-            thread.join()
+            thread.join()  # every caller, the second of two concurrent ones too, returns after the writes
 
     def _call(self, write: Write) -> bool:
         try:
