@@ -449,7 +449,13 @@ class SegmentCache:
         """
         out, waited = [], 0.0
         pre_ids = prompt.preamble.token_ids
+        done: dict[bytes, int] = {}  # key -> the document this call computed under it (a repeated text)
         for i, (doc, p) in enumerate(zip(prompt.documents[start:], pending), start=start):
+            first = done.get(bytes(p.key))
+            if first is not None:  # the same text again: its canonical KV is the one just computed
+                out.append(ChunkKV(out[first - start].kv, ReuseClass.COMPUTED, key_hex(p.key),
+                                   f"the same text as document {first}: computed once for both"))
+                continue
             found = self.lookup(Namespace.CANONICAL, p.key, len(doc), p.future)
             waited += found.seconds
             if found.entry is not None:
@@ -469,6 +475,7 @@ class SegmentCache:
             kv = self.canonical_kv(prompt.preamble, doc.token_ids, salt)
             self.store.put(Namespace.CANONICAL, p.key, self._stored_form(kv))
             self.register_donor(pre_ids, doc.token_ids, p.key, salt)
+            done[bytes(p.key)] = i
             if found.rejected:
                 out.append(ChunkKV(kv, ReuseClass.REJECTED, key_hex(p.key), found.rejected + "; recomputed"))
             else:

@@ -75,3 +75,25 @@ def test_an_all_exact_blend_reports_its_first_token_gap_when_found_hot(tiny_engi
     assert torch.equal(loaded.first_logits, hot.first_logits)
     assert loaded.report.first_token_margin is not None
     assert hot.report.first_token_margin == loaded.report.first_token_margin
+
+
+def test_a_document_repeated_in_one_prompt_is_computed_once_cold(tiny_engine_factory, monkeypatch):
+    """A retriever that returns one chunk twice: the cold blend computes its canonical KV once and uses it
+    for both copies (the numbers a second computation gives, bit for bit), and says so; warm == cold."""
+    from blend.segments import SegmentCache
+
+    docs = make_docs(3)
+    docs = [docs[0], docs[1], docs[2], docs[1]]  # documents 1 and 3 share a text
+    eng = tiny_engine_factory()
+    calls = []
+    real = SegmentCache.canonical_kv
+    monkeypatch.setattr(SegmentCache, "canonical_kv", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    prompt = eng.build_prompt("Which?", docs)
+    cold = eng.generate(prompt, unguarded_blend(ratio=0.25), max_new_tokens=2, stop_at_newline=False)
+    assert len(calls) == 3  # documents 0, 1 and 2; 4 before: document 3 computed again
+    rep = [s for s in cold.report.segments if s.kind.value == "document"]
+    assert rep[3].reuse_class is ReuseClass.COMPUTED and "document 1" in rep[3].note
+    monkeypatch.setattr(SegmentCache, "canonical_kv", real)
+    warm = eng.generate(prompt, unguarded_blend(ratio=0.25), max_new_tokens=2, stop_at_newline=False)
+    assert torch.equal(cold.first_logits, warm.first_logits) and cold.token_ids == warm.token_ids
+    assert [s.reuse_class for s in warm.report.segments if s.kind.value == "document"][1:] == [ReuseClass.BLENDED] * 3
