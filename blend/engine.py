@@ -273,7 +273,9 @@ class Engine:
             (reason or "", the segment kinds reported as fallback, seconds the quality gate ran).
         """
         if policy.mode is not ReuseMode.NONE and self._length_dependent(prompt):
-            return (f"dynamic-NTK RoPE rescales past {self.runner.rope.length_dependent_after} positions: KV "
+            name = "LongRoPE" if self.runner.rope.rope_type == "longrope" else "dynamic-NTK RoPE"
+            return (f"{name} changes past "
+                    f"{self.runner.rope.length_dependent_after} positions: KV "
                     f"depends on the request's length ({len(prompt)}), so nothing is reused or stored"), \
                 _STORED_KINDS, 0.0
         if policy.mode is not ReuseMode.BLEND:

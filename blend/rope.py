@@ -27,11 +27,14 @@ class RopeTables:
     def __init__(self, rotary_emb: torch.nn.Module, device: torch.device) -> None:
         self.rotary_emb = rotary_emb
         self.device = device
-        self.dynamic = "dynamic" in str(getattr(rotary_emb, "rope_type", ""))
-        # dynamic NTK rescales past this many positions, so past it a KV depends on the length
-        # of the forward that computed it (prefix reuse is not exact there)
+        rope_type = self.rope_type = str(getattr(rotary_emb, "rope_type", "")) or "default"
+        # tables that depend on the longest position of the call: dynamic NTK rescales by it, LongRoPE
+        # switches from its short to its long factors by it (both in transformers' rotary forward)
+        self.dynamic = "dynamic" in rope_type or rope_type == "longrope"
+        # past this many positions a KV depends on the length of the forward that computed it
+        # (prefix reuse is not exact there)
         self.length_dependent_after: int | None = (
-            int(getattr(rotary_emb, "original_max_seq_len", 0)) or None if self.dynamic else None
+            _length_dependent_after(rotary_emb, rope_type) if self.dynamic else None
         )
         self._cos = torch.empty(0, 0)
         self._sin = torch.empty(0, 0)
@@ -66,6 +69,27 @@ class RopeTables:
         elif self._cos.shape[0] < need:
             self._build(max(need, 2 * self._cos.shape[0], 256))
         return self._cos[positions], self._sin[positions]  # (T, R), (T, R)
+
+
+def _length_dependent_after(rotary_emb: torch.nn.Module, rope_type: str) -> int | None:
+    """Positions past which a length-dependent rotary module's tables change.
+
+    Args:
+        rotary_emb: the model's rotary module.
+        rope_type: its ``rope_type``.
+
+    Returns:
+        LongRoPE: its ``original_max_position_embeddings`` (transformers switches factors past it);
+        dynamic NTK: the module's ``original_max_seq_len``; None when unknown.
+    """
+    if rope_type == "longrope":
+        cfg = rotary_emb.config
+        params = getattr(cfg, "rope_parameters", None) or {}
+        n = (params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", 0)
+             or cfg.max_position_embeddings)
+    else:
+        n = getattr(rotary_emb, "original_max_seq_len", 0)
+    return int(n) or None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -83,3 +83,34 @@ def test_apply_rope_is_the_textbook_form_bit_for_bit(dtype, rotary, layout):
     got = apply_rope(x, cos, sin)
     assert got.is_contiguous() and got.dtype == dtype
     assert torch.equal(got, textbook)
+
+
+def _longrope_rotary(original: int = 512):
+    """A Llama rotary module with LongRoPE (short factors up to ``original`` positions, long ones past it)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hd = 16
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=hd,
+                      max_position_embeddings=4 * original,
+                      rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "factor": 4.0,
+                                       "short_factor": [1.0] * (hd // 2), "long_factor": [4.0] * (hd // 2),
+                                       "original_max_position_embeddings": original})
+    return LlamaRotaryEmbedding(cfg)
+
+
+def test_longrope_tables_do_not_depend_on_what_was_built_before():
+    """LongRoPE picks its short or long factors by the sequence's length (as dynamic NTK rescales by it):
+    tables grown past that length by an earlier, shorter request must not leak into a later one (a cold
+    and a warm engine would rotate the same rows differently), and the engine must know the length."""
+    from blend.rope import RopeTables
+
+    pos = torch.arange(400)  # within the 512 trained positions: short factors
+    with torch.no_grad():
+        want, _ = _longrope_rotary()(torch.zeros(1), pos[None])  # (1, 400, R) transformers' own
+    cold = RopeTables(_longrope_rotary(), torch.device("cpu"))
+    warm = RopeTables(_longrope_rotary(), torch.device("cpu"))
+    warm(torch.arange(300))  # an earlier request: the tables then grow to 600 rows for the next one
+    assert torch.equal(cold(pos)[0], want[0])
+    assert torch.equal(warm(pos)[0], want[0])
+    assert cold.dynamic and cold.length_dependent_after == 512
