@@ -171,6 +171,14 @@ class Donors:
         """
         return self.enabled and self.index.add(key, preamble_ids, doc_ids)
 
+    def forget(self, key: StoreKey) -> bool:
+        """Stop offering a chunk as a donor (its KV was deleted on purpose, e.g. its document was).
+
+        Returns:
+            True if it was registered (a removal record is appended to the log).
+        """
+        return self.enabled and self.index.remove(key)
+
     def donor_kv(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], own_key: StoreKey) -> DonorKV | None:
         """KV for a document whose canonical entry missed, seeded from the best donor.
 

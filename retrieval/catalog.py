@@ -8,7 +8,8 @@ Layout of an index folder::
 
 A commit writes a complete new generation into a temporary folder, renames
 it, then swaps ``CURRENT`` (temp file + ``os.replace``): a reader or a
-resumed ingest sees the old state or the new one, never a mix.
+resumed ingest sees the old state or the new one, never a mix (a reader whose
+generation a commit removed while it read reads the new one).
 
 Chunks are shared between files (same text, same id); a chunk leaves the
 index only when no file references it any more. Its id then moves to the
@@ -48,6 +49,8 @@ from blend.retrieval.index_files import (  # the records are defined there, besi
     read_manifest,
     read_meta,
 )
+
+OPEN_RETRIES = 3  # generations a reader moves on to when a commit removes the one it is reading
 
 __all__ = ["FORMAT_VERSION", "Catalog", "ChunkRecord", "ChunkRef", "FileEntry", "IndexMeta", "SearchHit"]
 
@@ -105,7 +108,18 @@ class Catalog:
             if meta is None:
                 raise RetrievalError(f"{root}: no index here (run `kvblend ingest PATH... --index {root}` first)")
             return cls(root, meta)
-        gen = read_generation(root)
+        for attempt in range(OPEN_RETRIES + 1):
+            gen = read_generation(root)
+            try:
+                return cls._open_generation(root, gen, meta)
+            except RetrievalError:  # a commit removed this generation while it was read: read the new one
+                if attempt == OPEN_RETRIES or read_generation(root) == gen:
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _open_generation(cls, root: Path, gen: Path, meta: IndexMeta | None) -> "Catalog":
+        """The catalog held by one generation folder (see :meth:`open`)."""
         stored = read_meta(gen / "meta.json")
         if stored.format_version != FORMAT_VERSION:
             raise RetrievalError(f"{root}: index format {stored.format_version}, expected {FORMAT_VERSION}")

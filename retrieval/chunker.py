@@ -20,8 +20,9 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+CHUNKER_VERSION = 2  # part of every file's chunking signature: a change re-chunks indexed files (2: closing quotes kept)
 _PARA = re.compile(r"\n[ \t]*\n\s*")
-_SENT = re.compile(r"(?<=[.!?])[\"')\]]*\s+")
+_SENT = re.compile(r"[.!?][\"')\]]*(\s+)")  # the cut is group 1: closing quotes stay in the sentence
 _LINE = re.compile(r"\n+")
 _WORD = re.compile(r"\s+")
 
@@ -138,12 +139,13 @@ def count_tokens(tokenizer: Any, texts: Sequence[str]) -> list[int]:
 
 
 def _spans(text: str, start: int, end: int, pattern: re.Pattern[str]) -> list[tuple[int, int]]:
-    """Split ``text[start:end]`` at ``pattern`` into whitespace-trimmed spans."""
+    """Split ``text[start:end]`` at ``pattern`` (at its group 1 if it has one) into whitespace-trimmed spans."""
     out: list[tuple[int, int]] = []
     pos = start
+    g = 1 if pattern.groups else 0
     for m in pattern.finditer(text, start, end):
-        out.append((pos, m.start()))
-        pos = m.end()
+        out.append((pos, m.start(g)))
+        pos = m.end(g)
     out.append((pos, end))
     trimmed: list[tuple[int, int]] = []
     for s, e in out:

@@ -2,7 +2,8 @@
 
 Idempotent and resumable: a file whose bytes, tokenizer and chunking are
 unchanged is skipped; a changed file replaces only its own chunks (chunk ids
-still present are kept with their vectors and KV); progress is committed
+still present are kept with their vectors and KV); an indexed file deleted from a
+folder given again (or named again) leaves the index with its chunks; progress is committed
 atomically every ``commit_every`` new chunks and when an exception stops the
 run, so re-running after an interruption continues where it stopped and
 never duplicates a chunk.
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterable, TextIO
 from blend import safeio
 from blend.retrieval.catalog import Catalog
 from blend.retrieval.index_files import ChunkRecord, ChunkRef, FileEntry, IndexMeta
-from blend.retrieval.chunker import ChunkerConfig, chunk_text, tokenizer_fingerprint
+from blend.retrieval.chunker import CHUNKER_VERSION, ChunkerConfig, chunk_text, tokenizer_fingerprint
 from blend.retrieval.corpus import CorpusIssue, IssueKind, RetrievalError, expand_paths, read_file
 from blend.retrieval.embedder import Embedder
 from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
@@ -53,6 +54,8 @@ class IngestSummary:
         gc_collected: unreachable chunks whose KV was deleted.
         gc_pending: unreachable chunks whose KV still awaits deletion.
         seconds: wall time.
+        files_removed: indexed files that no longer exist (under a folder given again, or named
+            again), removed with their chunks.
         kv_checked: chunks already in the index whose KV this run made sure of again, because the
             engine's KV signature differs from the one the index recorded (or ``refresh_kv``).
         issues: problems found, each naming its file and line.
@@ -75,10 +78,13 @@ class IngestSummary:
     issues: tuple[CorpusIssue, ...] = field(default_factory=tuple)
     removed_ids: tuple[str, ...] = field(default_factory=tuple)
     kv_checked: int = 0
+    files_removed: int = 0
 
     def format(self) -> str:
         """A short human summary (issues are listed by the caller)."""
         tail = f"; KV of {self.gc_pending} removed chunks awaits collection" if self.gc_pending else ""
+        if self.files_removed:
+            tail += f"; {self.files_removed} deleted files removed"
         if self.kv_checked:
             tail += f"; KV of {self.kv_checked} indexed chunks checked for the current engine"
         return (
@@ -98,8 +104,28 @@ def _fmt_bytes(n: int) -> str:
 
 
 def chunking_signature(tokenizer_fp: str, config: ChunkerConfig) -> str:
-    """sha256 over everything that decides a file's chunks besides its bytes."""
-    return hashlib.sha256(f"{tokenizer_fp}\x00{config.fingerprint()}".encode()).hexdigest()
+    """sha256 over everything that decides a file's chunks besides its bytes (the chunker's version too)."""
+    return hashlib.sha256(f"{tokenizer_fp}\x00{config.fingerprint()}\x00v{CHUNKER_VERSION}".encode()).hexdigest()
+
+
+def vanished_files(indexed: Iterable[str], paths: Iterable[str | os.PathLike[str]]) -> list[str]:
+    """Indexed files that were deleted: each lies under one of ``paths`` (a folder that still exists,
+    or is the very file named) and nothing exists at its path any more.
+
+    A path argument that is missing altogether (an unmounted folder) removes nothing under it.
+
+    Args:
+        indexed: the manifest's paths (absolute, resolved when ingested).
+        paths: this run's path arguments.
+
+    Returns:
+        The vanished paths, sorted.
+    """
+    roots = [Path(p).expanduser().resolve() for p in paths]
+    dirs = [r for r in roots if r.is_dir()]
+    named = {str(r) for r in roots if not os.path.lexists(r)}
+    return sorted(p for p in indexed if not os.path.lexists(p)
+                  and (p in named or any(Path(p).is_relative_to(d) for d in dirs)))
 
 
 class _Lock:
@@ -144,7 +170,7 @@ def ingest(
     """Ingest files into an index folder (created if absent).
 
     Args:
-        paths: files and/or directories (.txt, .md, .jsonl).
+        paths: files and/or directories (.txt, .md, .jsonl); indexed files deleted under them are removed.
         index_dir: the index folder.
         tokenizer: the model's tokenizer, used for chunking.
         embedder: the sentence embedder.
@@ -171,6 +197,7 @@ def ingest(
     """
     t0 = time.perf_counter()
     root = Path(index_dir).expanduser().resolve()
+    paths = list(paths)  # read twice: expanded, then matched against the indexed files
     files, issues = expand_paths(paths)
     if not files:  # before the tokenizer is touched: the CLI checks this without loading a model
         why = "; ".join(str(i) for i in issues) or "no paths given"
@@ -185,6 +212,10 @@ def ingest(
         removed_all: list[str] = []
         added_ids: set[str] = set()  # chunks whose KV this run wrote
         dirty, since_commit = not Catalog.exists(root), 0
+        gone = vanished_files(cat.files, paths)
+        for path in gone:  # deleted since it was indexed: its chunks go
+            removed_all += cat.remove_file(path)
+        dirty = dirty or bool(gone)
         bar = Progress(len(files), desc="ingest", unit="files", stream=stream if stream is not None else sys.stderr,
                        enabled=progress)
         try:
@@ -246,6 +277,7 @@ def ingest(
             cat.commit()
         return IngestSummary(
             files_seen=len(files),
+            files_removed=len(gone),
             files_ingested=stats["ingested"],
             files_unchanged=stats["unchanged"],
             files_failed=stats["failed"],

@@ -131,9 +131,14 @@ def engine_kv_signature(engine: "Engine", system: str | None = None) -> str:
 
 
 def engine_kv_deleter(engine: "Engine", system: str | None = None) -> Callable[[str, str], bool]:
-    """A ``kv_deleter`` that removes a chunk's canonical KV from the engine's store.
+    """A ``kv_deleter`` that removes a chunk's canonical KV from the engine's store, and the chunk
+    from the engine's semantic donors.
 
-    The key is derived exactly as ``Engine.precompute_chunks`` derives it.
+    The key is derived exactly as ``Engine.precompute_chunks`` derives it, i.e. as
+    :func:`engine_kv_writer` wrote it: unsalted, after ``system``'s preamble. KV of the chunk that
+    requests computed under a ``cache_salt`` or another system prompt is not deleted (its keys hash
+    the tenant's secret salt, which the index does not record); it can only ever be found for the
+    very same tokens, and leaves the store by eviction (``store prune``, a byte budget, Redis TTL).
 
     Args:
         engine: the engine.
@@ -148,6 +153,7 @@ def engine_kv_deleter(engine: "Engine", system: str | None = None) -> Callable[[
         ids = tokenize_segment(engine.tokenizer, document_text(text))
         key = engine.segments.canonical_key(preamble.token_ids, ids)
         engine.store.delete(Namespace.CANONICAL, key)
+        engine.segments.donors.forget(key)
         return not engine.store.contains(Namespace.CANONICAL, key)
 
     return delete

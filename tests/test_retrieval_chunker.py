@@ -111,3 +111,12 @@ def test_readers_name_file_and_line(tmp_path) -> None:
     assert [d.line for d in j.documents] == [1, 4]
     assert [(i.line, i.kind) for i in j.issues] == [(2, IssueKind.NO_TEXT), (3, IssueKind.BAD_JSON)]
     assert "docs.jsonl:2: no text field" in str(j.issues[0])
+
+
+def test_closing_quotes_and_brackets_after_a_sentence_stay_in_the_chunk() -> None:
+    text = 'He said "Stop." Then he left. She asked (why?) and "Who?" Nobody knew. [Done.] End.'
+    tok = word_tokenizer([text])
+    chunks = chunk_text(text, tok, tokenizer_fingerprint(tok), ChunkerConfig(target_tokens=8))
+    assert len(chunks) > 2  # cut between sentences
+    assert "".join(c.text for c in chunks).replace(" ", "") == text.replace(" ", "")  # no character lost
+    assert any(c.text.endswith('"Stop."') for c in chunks)

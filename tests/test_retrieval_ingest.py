@@ -251,3 +251,49 @@ def test_index_written_before_the_kv_signature_opens_and_is_refreshed(corpus, tm
     (gen.parent / (tmp_path / "idx" / "CURRENT").read_text() / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(RetrievalError, match="kv_signature must be a string"):
         Catalog.open(tmp_path / "idx")
+
+
+def test_a_file_deleted_from_an_ingested_folder_leaves_the_index(corpus, tmp_path, tok) -> None:
+    kv = FakeKV()
+    _run([corpus], tmp_path / "idx", tok, kv)
+    c_path = str((corpus / "c.txt").resolve())
+    c_ids = {c.chunk_id for c in Catalog.open(tmp_path / "idx").files[c_path].chunks}
+    (corpus / "c.txt").unlink()
+    s = _run([corpus], tmp_path / "idx", tok, kv)
+    cat = Catalog.open(tmp_path / "idx")
+    assert c_path not in cat.files and not c_ids & set(cat.records)
+    assert set(s.removed_ids) == c_ids and s.files_removed == 1 and s.gc_collected == len(c_ids)
+    assert not any("librarian" in t for t in kv.entries)  # its KV was deleted too
+    hits = cat.search(HashEmbedder().embed(["The librarian is Clara"]), k=len(cat.records))[0]
+    assert all(h.chunk_id not in c_ids for h in hits)
+
+
+def test_a_missing_file_named_again_leaves_the_index_and_other_files_stay(corpus, tmp_path, tok) -> None:
+    a, b = corpus / "a.txt", corpus / "b.md"
+    _run([a, b], tmp_path / "idx", tok)
+    _run([corpus / "c.txt"], tmp_path / "idx", tok)  # a later run over other paths adds, removes nothing
+    assert len(Catalog.open(tmp_path / "idx").files) == 3
+    a.unlink()
+    s = _run([a, b], tmp_path / "idx", tok)
+    assert any(i.kind is IssueKind.MISSING for i in s.issues) and s.files_removed == 1
+    assert {Path(p).name for p in Catalog.open(tmp_path / "idx").files} == {"b.md", "c.txt"}
+
+
+def test_a_reader_opening_while_a_commit_swaps_generations_sees_one_whole_generation(corpus, tmp_path, tok,
+                                                                                    monkeypatch) -> None:
+    import blend.retrieval.catalog as catalog_mod
+
+    _run([corpus], tmp_path / "idx", tok)
+    writer = Catalog.open(tmp_path / "idx")
+    writer.remove_file(str((corpus / "c.txt").resolve()))
+    real, swapped = catalog_mod.read_chunk_table, []
+
+    def commit_midway(path):  # the writer swaps CURRENT (and removes the old generation) mid-open
+        if not swapped:
+            swapped.append(path.parent.name)
+            writer.commit()
+        return real(path)
+
+    monkeypatch.setattr(catalog_mod, "read_chunk_table", commit_midway)
+    cat = Catalog.open(tmp_path / "idx")
+    assert swapped and set(cat.files) == set(writer.files) and set(cat.records) == set(writer.records)

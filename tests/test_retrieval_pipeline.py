@@ -200,3 +200,29 @@ def test_cli_user_errors_are_one_line(tmp_path, capsys) -> None:
     rc = ask_over_index(_cli(["ask", "q?", "--index", str(tmp_path / "none")]))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("kvblend: error:") and "no index here" in err[0]
+
+
+def test_a_deleted_documents_chunks_stop_being_semantic_donors(tmp_path) -> None:
+    from blend.keys import canonical_key
+    from blend.prompt import document_text, preamble_segment, tokenize_segment
+    from blend.store.memory import MemoryStore
+
+    eng = engine_mod.Engine.load("tiny-llama", store=MemoryStore(), experimental_semantic=True, quality_gate=False)
+    d = tmp_path / "docs"
+    d.mkdir()
+    for k, v in DOCS.items():
+        (d / k).write_text(v)
+
+    def run():
+        return ingest([d], tmp_path / "idx", tokenizer=eng.tokenizer, tokenizer_fp=eng.provenance.tokenizer_sha256,
+                      embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=64), kv_writer=engine_kv_writer(eng),
+                      kv_deleter=engine_kv_deleter(eng), stream=io.StringIO())
+
+    run()
+    pre = preamble_segment(eng.tokenizer, None).token_ids
+    pump = canonical_key(eng.provenance, pre, tokenize_segment(eng.tokenizer, document_text(DOCS["pump.txt"])))
+    assert pump in eng.segments.donors.index  # ingest offered it as a donor
+    (d / "pump.txt").write_text("The pump weighs five kilograms.")
+    assert run().gc_collected == 1
+    assert not eng.store.contains(Namespace.CANONICAL, pump)
+    assert pump not in eng.segments.donors.index  # its tokens are no longer offered (nor kept as a live donor)
