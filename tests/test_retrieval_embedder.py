@@ -37,3 +37,42 @@ def test_batched_equals_unbatched(emb: Embedder) -> None:
 
 def test_info_identifies_model(emb: Embedder) -> None:
     assert emb.info.name == "all-MiniLM-L6-v2" and emb.info.dim == 384 and len(emb.info.fingerprint) == 64
+
+
+def _legacy_fingerprint(d) -> str:
+    """What every index recorded before 2026-12-06: config bytes and weight file sizes."""
+    import hashlib
+
+    h = hashlib.sha256((d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        h.update(f.name.encode() + str(f.stat().st_size).encode())
+    return h.hexdigest()
+
+
+def test_the_packaged_models_fingerprint_is_what_indexes_recorded_before(emb: Embedder) -> None:
+    """Indexes built with the packaged model keep opening."""
+    from blend.retrieval.embedder import default_model_dir
+
+    assert emb.info.fingerprint == _legacy_fingerprint(default_model_dir())
+    assert Embedder.load(default_model_dir()).info.fingerprint == emb.info.fingerprint  # named explicitly
+
+
+def test_another_models_weights_or_truncation_change_the_fingerprint(emb: Embedder, tmp_path) -> None:
+    """A copy of MiniLM with other weights of the same size (a fine-tune) or another max_length embeds
+    differently: its fingerprint differs, so an index refuses its query vectors. Both got the packaged
+    model's fingerprint before."""
+    import shutil
+
+    from blend.retrieval.embedder import default_model_dir, model_fingerprint
+
+    copy = tmp_path / "minilm"
+    shutil.copytree(default_model_dir(), copy)
+    same = model_fingerprint(copy, 256, packaged=False)
+    with open(copy / "model.safetensors", "r+b") as f:  # flip bytes deep inside the tensors, size unchanged
+        f.seek(-4096, 2)
+        tail = bytearray(f.read(8))
+        f.seek(-4096, 2)
+        f.write(bytes(b ^ 0x01 for b in tail))
+    assert model_fingerprint(copy, 256, packaged=False) != same
+    assert _legacy_fingerprint(copy) == _legacy_fingerprint(default_model_dir())  # what the old check saw
+    assert Embedder.load(max_length=8).info.fingerprint != emb.info.fingerprint
