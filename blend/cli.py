@@ -81,10 +81,27 @@ def print_report(ans, out=sys.stdout, with_answer: bool = True) -> None:
         print(f"quality gate ran once before this request: {r.timings.gate_s:.1f} s (not in TTFT)", file=out)
 
 
+def _sampling_options_given(args: argparse.Namespace) -> list[str]:
+    """The sampling options set away from their defaults (``ask --index`` answers greedily, single line).
+
+    Args:
+        args: parsed ``ask`` arguments.
+
+    Returns:
+        The option names, in the order of ``--help``.
+    """
+    given = {"--temperature": args.temperature != 0.0, "--top-p": args.top_p != 1.0, "--seed": args.seed is not None,
+             "--stop": bool(args.stop), "--multiline": args.multiline}
+    return [name for name, on in given.items() if on]
+
+
 def run_ask(args: argparse.Namespace) -> int:
     if args.index:
         from blend.retrieval.cli import ask_over_index  # faiss and the index load only for --index
 
+        if given := _sampling_options_given(args):  # the index's pipeline decodes greedily: never ignore them
+            raise InvalidRequestError(f"{', '.join(given)}: not supported with --index (answers over an index "
+                                      "are greedy and single-line); use --doc FILE")
         return ask_over_index(args)
     if not args.doc:
         raise InvalidRequestError("give at least one --doc FILE (or --index DIR)")
@@ -102,8 +119,11 @@ def run_ask(args: argparse.Namespace) -> int:
 
 def run_check(args: argparse.Namespace) -> int:
     """``kvblend check``: run, record and print the gate; exit 1 when it fails."""
+    from blend.calibration import QUESTIONS
     from blend.gate import CheckName, record, run_gate
 
+    if not 1 <= args.items <= len(QUESTIONS):
+        raise InvalidRequestError(f"--items must be 1 to {len(QUESTIONS)} (calibration prompts), got {args.items}")
     engine = engine_from_args(args)
     result = run_gate(engine, items=args.items, progress=not args.json)
     record(engine, result, args.items)
@@ -150,7 +170,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="the per-model quality gate for blended reuse")
     check.add_argument("--json", action="store_true")
-    check.add_argument("--items", type=int, default=DEFAULT_GATE_ITEMS, help="calibration prompts")
+    check.add_argument("--items", type=int, default=DEFAULT_GATE_ITEMS,
+                       help="calibration prompts, 1-6 (default: %(default)s)")
     add_engine_arguments(check)
     check.set_defaults(func=run_check)
 

@@ -13,6 +13,7 @@ Like ``blend.cli``, this module imports torch only when a command runs (so
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from typing import TYPE_CHECKING, TextIO
 
@@ -47,9 +48,11 @@ def stream_answer(engine, prompt: "Prompt", policy: "ReusePolicy", config: "Gene
     from blend.generation import stream
 
     g = stream(engine, prompt, policy, config)
+    pieces = iter(g)
+    first = next(pieces, "")  # a request refused when generation starts raises here, before any output
     out.write("answer: ")
     started = False
-    for piece in g:
+    for piece in itertools.chain([first], pieces):
         if not started:
             piece = piece.lstrip()
             started = bool(piece)

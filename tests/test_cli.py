@@ -86,6 +86,13 @@ def test_cold_equals_warm_across_processes_in_redis(docs, tmp_path, redis_url):
     (["ask", "q", "--doc", "{dir}", "--model", "tiny-llama"], "is a directory"),
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--min-prompt-tokens", "-5"],
      "min_prompt_tokens must be an integer >= 0"),
+    (["check", "--model", "tiny-llama", "--items", "0"], "--items must be 1 to 6"),
+    (["check", "--model", "tiny-llama", "--items", "-1"], "--items must be 1 to 6"),
+    (["check", "--model", "tiny-llama", "--items", "7"], "--items must be 1 to 6"),
+    (["ask", "q", "--index", "{dir}/no-index", "--model", "tiny-llama", "--temperature", "0.7"],
+     "--temperature"),
+    (["ask", "q", "--index", "{dir}/no-index", "--model", "tiny-llama", "--multiline", "--seed", "3"],
+     "--seed, --multiline"),
 ])
 def test_user_errors_are_one_line_and_exit_2(tmp_path, docs, args, message):
     bad = tmp_path / "bad.txt"
@@ -126,3 +133,32 @@ def test_the_printed_report_says_the_blend_ratio_its_gap_and_the_guard(tiny_engi
     assert f"blend: recompute ratio 0.3 (spent {ans.report.spent:.3g} over both passes)" in text
     assert f"near-tie guard: {ans.report.guard}" in text and ans.report.guard
     assert "blend:" not in exact.getvalue() and "near-tie guard" not in exact.getvalue()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--reuse", "blend", "--semantic"], "semantic reuse is experimental"),
+    (["--reuse", "blend", "--check-layers", "99"], "check layers"),
+])
+def test_a_request_refused_at_generation_prints_no_half_answer(docs, tmp_path, extra, message):
+    """An error raised when generation starts is the only output: stdout holds no dangling 'answer: '."""
+    proc = kvblend("ask", "q", "--doc", docs[0], "--model", "tiny-llama", "--store", "memory", *extra,
+                   home=tmp_path, check=False)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_serve_with_a_port_out_of_range_is_a_usage_error(tmp_path):
+    proc = kvblend("serve", "--model", "tiny-llama", "--store", "memory", "--port", "99999",
+                   home=tmp_path, check=False)
+    assert proc.returncode == 2 and "--port" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_store_prune_names_an_unreachable_disk_tier_and_exits_3(tmp_path):
+    """prune, like ls/stats/clear, never reports a disk tier it could not read as pruned."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    proc = kvblend("store", "prune", "--max-bytes", "1G", "--store", f"disk:{not_a_dir}", home=tmp_path,
+                   check=False)
+    assert proc.returncode == 3 and "unreachable" in proc.stderr and "Traceback" not in proc.stderr
+    ok = kvblend("store", "prune", "--max-bytes", "1G", "--store", f"disk:{tmp_path / 'kv'}", home=tmp_path)
+    assert ok.returncode == 0

@@ -94,3 +94,44 @@ def test_playground_streams_an_answer_and_highlights_recomputed_tokens(one_torch
     assert shown == [s["recomputed_offsets"] for s in docs]  # exactly the selected rows are highlighted
     assert sum(map(len, shown)) > 0
     assert texts_shown == [d.strip() + "\n\n" for d in DOCS]  # every token of every document is shown
+
+
+NON_ASCII_DOCS = ["Le phare de Cap Wren est tenu par Orla Brenner, à Tōkyō (東京) depuis 1998. 🗼",
+                  "Der Fährmann fährt zweimal täglich zur Möweninsel; im Winter nur samstags."]
+
+
+def test_playground_shows_errors_and_non_ascii_documents_as_written(one_torch_thread):
+    """An error response is shown (not a hang), and a document whose characters span several tokens
+    is shown as written, each character once, not as U+FFFD per token."""
+    exe = chromium_path()
+    if exe is None:
+        pytest.skip("no chromium executable (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    engine = tiny_serve_engine()
+    with running_server(engine, ServeConfig(model=TINY)) as srv, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(srv.url + "/")
+            texts = page.locator(".doc-text")
+            for i, doc in enumerate(NON_ASCII_DOCS):
+                texts.nth(i).fill(doc)
+            page.fill("#question", "Qui tient le phare ?")
+            page.fill("#max-tokens", "0")  # a 400 naming max_tokens
+            page.click("#ask")
+            page.wait_for_selector("body[data-done='1']", timeout=60_000)
+            error = page.inner_text("#error")
+            page.fill("#max-tokens", "4")
+            page.click("#ask")
+            page.wait_for_selector("body[data-done='1']", timeout=60_000)
+            second_error = page.inner_text("#error")
+            boxes = page.locator(".docview")
+            texts_shown = [boxes.nth(d).locator(".tok").evaluate_all("els => els.map(e => e.textContent).join('')")
+                           for d in range(boxes.count())]
+        finally:
+            browser.close()
+    assert error.startswith("400") and "max_tokens" in error
+    assert second_error == ""
+    assert texts_shown == [d.strip() + "\n\n" for d in NON_ASCII_DOCS]
+    assert all("\ufffd" not in t for t in texts_shown)

@@ -30,13 +30,24 @@ from blend.store.spec import open_store
 _DEFAULT = ServeConfig()
 
 
+def _port(text: str) -> int:
+    """--port: a TCP port number, 0-65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvblend serve`` parser (defaults from :mod:`blend.serve.config`)."""
     lim, sch = _DEFAULT.limits, _DEFAULT.scheduler
     p = argparse.ArgumentParser(prog="kvblend serve",
                                 description="OpenAI-compatible HTTP server with KV reuse of explicit documents")
     p.add_argument("--host", default=_DEFAULT.host, help="bind address (default loopback)")
-    p.add_argument("--port", type=int, default=_DEFAULT.port)
+    p.add_argument("--port", type=_port, default=_DEFAULT.port)
     p.add_argument("--model", default=_DEFAULT.model, help="model name or checkpoint directory")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default --model)")
     p.add_argument("--dtype", default=_DEFAULT.dtype, choices=DTYPE_NAMES)

@@ -10,6 +10,7 @@ scheduler) and the answer's token ids. In a stream it is in the final chunk
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
@@ -65,8 +66,27 @@ def kvblend_extension(c: Completion, prompt: Prompt, tokenizer, return_tokens: b
         "finish_reason": c.finish_reason.value,
     }
     if return_tokens:  # each document's tokens as text, for highlighting recomputed rows
-        ext["documents"] = [{"tokens": [tokenizer.decode([t]) for t in d.token_ids]} for d in prompt.documents]
+        ext["documents"] = [{"tokens": token_texts(tokenizer, d.token_ids)} for d in prompt.documents]
     return ext
+
+
+def token_texts(tokenizer, token_ids) -> list[str]:
+    """Each token's text such that the texts join up to the document: a character spread over
+    several tokens is given whole to the token that completes it (the others get ""), instead of
+    U+FFFD for every piece.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        token_ids: one document's token ids.
+
+    Returns:
+        One string per token.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    texts = [decoder.decode(token_bytes(tokenizer, t)) for t in token_ids]
+    if texts:
+        texts[-1] += decoder.decode(b"", final=True)
+    return texts
 
 
 class LogprobFormat:

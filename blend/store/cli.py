@@ -227,7 +227,14 @@ def _prune(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> in
     if not disks:
         print("kvblend store prune: the store has no disk tier (Redis expires entries with ?ttl=)", file=sys.stderr)
         return 2
-    rows = [(str(t.root), t.prune(args.max_bytes)) for t in disks]
+    reachable = []
+    for t in disks:
+        if why := t.check_reachable():
+            print(f"kvblend store: tier {t.name} unreachable ({why}); it is not pruned", file=sys.stderr)
+        else:
+            reachable.append(t)
+    rows = [(str(t.root), t.prune(args.max_bytes)) for t in reachable]
+    status = EXIT_UNREACHABLE if len(reachable) < len(disks) else 0
     if args.json:
         json.dump([{"root": root, **asdict(r)} for root, r in rows], out, indent=1)
         out.write("\n")
@@ -235,7 +242,7 @@ def _prune(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> in
         for root, r in rows:
             out.write(f"{root}: removed {r.removed} entries ({r.freed_bytes / 2**20:.1f} MiB), "
                       f"kept {r.kept_bytes / 2**20:.1f} MiB\n")
-    return 0
+    return status
 
 
 def run_store_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -248,7 +255,7 @@ def run_store_command(args: argparse.Namespace, out: TextIO | None = None) -> in
     Returns:
         The process exit status: 0 ok, 1 corrupt entries found (or left undeleted), 2 bad store
         spec (or no disk tier to prune), 3 a tier could not be reached (``verify`` reports nothing
-        clean; ``ls``, ``stats`` and ``clear`` name the tier on stderr and cover only the others).
+        clean; ``ls``, ``stats``, ``clear`` and ``prune`` name the tier on stderr and cover only the others).
     """
     out = out or sys.stdout
     try:
