@@ -3,6 +3,7 @@ see each document with its recomputed tokens highlighted, then ask a follow-up i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -28,52 +29,62 @@ def chromium_path() -> str | None:
     return None
 
 
-def test_playground_streams_an_answer_and_highlights_recomputed_tokens(one_torch_thread):
+@contextlib.contextmanager
+def playground_page():
+    """A tiny model's server and a headless Chromium page open on its playground (skips without chromium).
+
+    Yields:
+        (the running server, the page).
+    """
     exe = chromium_path()
     if exe is None:
         pytest.skip("no chromium executable (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
-    engine = tiny_serve_engine()
-    with running_server(engine, ServeConfig(model=TINY)) as srv, sync_playwright() as pw:
+    with running_server(tiny_serve_engine(), ServeConfig(model=TINY)) as srv, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=exe, headless=True, args=["--no-sandbox"])
         try:
             page = browser.new_page()
             page.goto(srv.url + "/")
-            assert page.title() == "kvblend playground"
-            page.fill("#question", QUESTION)
-            page.click("#add-doc")
-            texts = page.locator(".doc-text")
-            assert texts.count() == 3
-            for i, doc in enumerate(DOCS):
-                texts.nth(i).fill(doc)
-            page.select_option("#reuse", "blend")
-            page.fill("#ratio", "0.2")  # a near tie on the tiny model: the default guard re-blends at 0.3
-            page.fill("#max-tokens", "8")
-            page.fill("#temperature", "0")
-            page.click("#ask")
-            page.wait_for_selector("body[data-done='1']", timeout=60_000)
-            assert page.inner_text("#error") == ""
-            answer = page.text_content("#answer")
-            stats = page.inner_text("#stats")
-            boxes = page.locator(".docview")
-            shown = [[i for i, cls in enumerate(boxes.nth(d).locator(".tok").evaluate_all(
-                "els => els.map(e => e.className)")) if "recomputed" in cls] for d in range(boxes.count())]
-            texts_shown = [boxes.nth(d).locator(".tok").evaluate_all("els => els.map(e => e.textContent).join('')")
-                           for d in range(boxes.count())]
-            # a follow-up: the first question and its answer go along as history
-            assert page.is_hidden("#conversation") is False
-            history_shown = page.inner_text("#history")
-            page.fill("#question", FOLLOW_UP)
-            page.click("#ask")
-            page.wait_for_selector("body[data-done='1']", timeout=60_000)
-            assert page.inner_text("#error") == ""
-            follow_answer = page.text_content("#answer")
-            follow_stats = page.inner_text("#stats")
-            page.click("#new-conversation")
-            assert page.is_hidden("#conversation")
+            yield srv, page
         finally:
             browser.close()
+
+
+def test_playground_streams_an_answer_and_highlights_recomputed_tokens(one_torch_thread):
+    with playground_page() as (srv, page):
+        assert page.title() == "kvblend playground"
+        page.fill("#question", QUESTION)
+        page.click("#add-doc")
+        texts = page.locator(".doc-text")
+        assert texts.count() == 3
+        for i, doc in enumerate(DOCS):
+            texts.nth(i).fill(doc)
+        page.select_option("#reuse", "blend")
+        page.fill("#ratio", "0.2")  # a near tie on the tiny model: the default guard re-blends at 0.3
+        page.fill("#max-tokens", "8")
+        page.fill("#temperature", "0")
+        page.click("#ask")
+        page.wait_for_selector("body[data-done='1']", timeout=60_000)
+        assert page.inner_text("#error") == ""
+        answer = page.text_content("#answer")
+        stats = page.inner_text("#stats")
+        boxes = page.locator(".docview")
+        shown = [[i for i, cls in enumerate(boxes.nth(d).locator(".tok").evaluate_all(
+            "els => els.map(e => e.className)")) if "recomputed" in cls] for d in range(boxes.count())]
+        texts_shown = [boxes.nth(d).locator(".tok").evaluate_all("els => els.map(e => e.textContent).join('')")
+                       for d in range(boxes.count())]
+        # a follow-up: the first question and its answer go along as history
+        assert page.is_hidden("#conversation") is False
+        history_shown = page.inner_text("#history")
+        page.fill("#question", FOLLOW_UP)
+        page.click("#ask")
+        page.wait_for_selector("body[data-done='1']", timeout=60_000)
+        assert page.inner_text("#error") == ""
+        follow_answer = page.text_content("#answer")
+        follow_stats = page.inner_text("#stats")
+        page.click("#new-conversation")
+        assert page.is_hidden("#conversation")
         api = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
             "model": TINY, "messages": [{"role": "user", "content": QUESTION}], "documents": DOCS,
             "max_tokens": 8, "temperature": 0, "kvblend": {"reuse": "blend", "ratio": 0.2}}).json()
@@ -103,34 +114,22 @@ NON_ASCII_DOCS = ["Le phare de Cap Wren est tenu par Orla Brenner, à Tōkyō (�
 def test_playground_shows_errors_and_non_ascii_documents_as_written(one_torch_thread):
     """An error response is shown (not a hang), and a document whose characters span several tokens
     is shown as written, each character once, not as U+FFFD per token."""
-    exe = chromium_path()
-    if exe is None:
-        pytest.skip("no chromium executable (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    engine = tiny_serve_engine()
-    with running_server(engine, ServeConfig(model=TINY)) as srv, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=exe, headless=True, args=["--no-sandbox"])
-        try:
-            page = browser.new_page()
-            page.goto(srv.url + "/")
-            texts = page.locator(".doc-text")
-            for i, doc in enumerate(NON_ASCII_DOCS):
-                texts.nth(i).fill(doc)
-            page.fill("#question", "Qui tient le phare ?")
-            page.fill("#max-tokens", "0")  # a 400 naming max_tokens
-            page.click("#ask")
-            page.wait_for_selector("body[data-done='1']", timeout=60_000)
-            error = page.inner_text("#error")
-            page.fill("#max-tokens", "4")
-            page.click("#ask")
-            page.wait_for_selector("body[data-done='1']", timeout=60_000)
-            second_error = page.inner_text("#error")
-            boxes = page.locator(".docview")
-            texts_shown = [boxes.nth(d).locator(".tok").evaluate_all("els => els.map(e => e.textContent).join('')")
-                           for d in range(boxes.count())]
-        finally:
-            browser.close()
+    with playground_page() as (_, page):
+        texts = page.locator(".doc-text")
+        for i, doc in enumerate(NON_ASCII_DOCS):
+            texts.nth(i).fill(doc)
+        page.fill("#question", "Qui tient le phare ?")
+        page.fill("#max-tokens", "0")  # a 400 naming max_tokens
+        page.click("#ask")
+        page.wait_for_selector("body[data-done='1']", timeout=60_000)
+        error = page.inner_text("#error")
+        page.fill("#max-tokens", "4")
+        page.click("#ask")
+        page.wait_for_selector("body[data-done='1']", timeout=60_000)
+        second_error = page.inner_text("#error")
+        boxes = page.locator(".docview")
+        texts_shown = [boxes.nth(d).locator(".tok").evaluate_all("els => els.map(e => e.textContent).join('')")
+                       for d in range(boxes.count())]
     assert error.startswith("400") and "max_tokens" in error
     assert second_error == ""
     assert texts_shown == [d.strip() + "\n\n" for d in NON_ASCII_DOCS]
