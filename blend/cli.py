@@ -81,27 +81,10 @@ def print_report(ans, out=sys.stdout, with_answer: bool = True) -> None:
         print(f"quality gate ran once before this request: {r.timings.gate_s:.1f} s (not in TTFT)", file=out)
 
 
-def _sampling_options_given(args: argparse.Namespace) -> list[str]:
-    """The sampling options set away from their defaults (``ask --index`` answers greedily, single line).
-
-    Args:
-        args: parsed ``ask`` arguments.
-
-    Returns:
-        The option names, in the order of ``--help``.
-    """
-    given = {"--temperature": args.temperature != 0.0, "--top-p": args.top_p != 1.0, "--seed": args.seed is not None,
-             "--stop": bool(args.stop), "--multiline": args.multiline}
-    return [name for name, on in given.items() if on]
-
-
 def run_ask(args: argparse.Namespace) -> int:
     if args.index:
         from blend.retrieval.cli import ask_over_index  # faiss and the index load only for --index
 
-        if given := _sampling_options_given(args):  # the index's pipeline decodes greedily: never ignore them
-            raise InvalidRequestError(f"{', '.join(given)}: not supported with --index (answers over an index "
-                                      "are greedy and single-line); use --doc FILE")
         return ask_over_index(args)
     if not args.doc:
         raise InvalidRequestError("give at least one --doc FILE (or --index DIR)")

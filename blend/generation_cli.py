@@ -2,7 +2,8 @@
 
     kvblend ask QUESTION --doc FILE ... [--temperature T] [--top-p P] [--seed S] [--stop STR ...] [--multiline]
 
-(``ask --top-k`` is the retrieval depth; top-k sampling is in the Python API and the server.)
+(``ask --top-k`` is the retrieval depth; top-k sampling is in the Python API and the server.) The same
+options apply with ``--index`` (answers over an index decode through the same stream).
 
 The answer is printed as it is decoded; the reuse report follows it.
 Defaults reproduce the engine's historical answers: greedy, single line.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Iterator, TextIO
 
 if TYPE_CHECKING:
     from blend.generation import Completion
@@ -48,9 +49,22 @@ def stream_answer(engine, prompt: "Prompt", policy: "ReusePolicy", config: "Gene
     from blend.generation import stream
 
     g = stream(engine, prompt, policy, config)
-    pieces = iter(g)
+    print_stream(g, out)
+    return g.result()
+
+
+def print_stream(pieces: Iterator[str], out: TextIO = sys.stdout, prefix: str = "answer: ") -> None:
+    """Write a streamed answer as its pieces come: ``prefix``, the text (leading whitespace dropped), a
+    newline. Nothing is written when the first piece raises (a request refused when generation
+    starts), so no half answer is left behind.
+
+    Args:
+        pieces: the answer's text pieces (a :class:`~blend.generation.Generation` or a RAG stream).
+        out: where to write.
+        prefix: written before the first piece.
+    """
     first = next(pieces, "")  # a request refused when generation starts raises here, before any output
-    out.write("answer: ")
+    out.write(prefix)
     started = False
     for piece in itertools.chain([first], pieces):
         if not started:
@@ -59,7 +73,6 @@ def stream_answer(engine, prompt: "Prompt", policy: "ReusePolicy", config: "Gene
         out.write(piece)
         out.flush()
     out.write("\n")
-    return g.result()
 
 
 def generate_answer(engine, prompt: "Prompt", policy: "ReusePolicy", config: "GenerationConfig") -> "Completion":

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import blend
 from blend.defaults import DEFAULT_DEMO_TOP_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_RATIO, kvblend_home
 from blend.errors import KVBlendError
+from blend.generation_cli import generation_config_from_args, print_stream
 from blend.options import (
     add_model_arguments, add_store_argument, engine_from_args, load_engine, policy_from_args, read_document,
 )
@@ -125,17 +126,20 @@ def _ask(args: argparse.Namespace) -> int:
         print(f"kvblend: note: {args.index}'s chunk KV was precomputed by another engine or system prompt; "
               f"its chunks are computed per request until `kvblend ingest` runs again with this one",
               file=sys.stderr)
-    ans = rag.ask(args.question, top_k=args.top_k, policy=policy, max_new_tokens=args.max_new_tokens,
-                  extra_documents=extra)
+    config = generation_config_from_args(args)  # --temperature, --top-p, --seed, --stop, --multiline
     if args.json:
+        ans = rag.ask(args.question, top_k=args.top_k, policy=policy, extra_documents=extra, config=config)
         print(json.dumps({
-            "answer": ans.answer, "ttft_s": ans.ttft_s, "policy": ans.policy,
-            "retrieved": [r.__dict__ for r in ans.retrieved], "reuse": [c.__dict__ for c in ans.reuse],
-            "report": ans.report,
+            "answer": ans.answer, "ttft_s": ans.ttft_s, "policy": ans.policy, "finish_reason": ans.finish_reason,
+            "seed": ans.seed, "retrieved": [r.__dict__ for r in ans.retrieved],
+            "reuse": [c.__dict__ for c in ans.reuse], "report": ans.report,
         }, indent=1))
         return 0
-    print(ans.answer)
-    print(f"  policy {ans.policy}; TTFT {ans.ttft_s * 1000:.1f} ms")
+    g = rag.stream(args.question, top_k=args.top_k, policy=policy, extra_documents=extra, config=config)
+    print_stream(g, sys.stdout, prefix="")  # the answer as it is decoded
+    ans = g.result()
+    seed = f"; seed {ans.seed}" if config.temperature > 0 else ""
+    print(f"  policy {ans.policy}; TTFT {ans.ttft_s * 1000:.1f} ms{seed}")
     _print_chunks(ans)
     return 0
 

@@ -28,7 +28,9 @@ from blend.retrieval.embedder import Embedder
 
 if TYPE_CHECKING:  # the engine is imported lazily: retrieval works without it
     from blend.engine import Engine
+    from blend.generation import Generation
     from blend.policy import ReusePolicy
+    from blend.sampling import GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,9 @@ class RagAnswer:
         report: the engine's full reuse report (``ReuseReport.to_dict()``).
         ttft_s: time to first token.
         policy: the policy's description.
+        finish_reason: why decoding ended (stop, length; OpenAI's words).
+        seed: the sampling seed (the one drawn when the config gave none): the same seed, documents
+            and settings give the same answer.
     """
 
     answer: str
@@ -84,6 +89,52 @@ class RagAnswer:
     report: dict
     ttft_s: float
     policy: str
+    finish_reason: str = "stop"
+    seed: int | None = None
+
+
+def greedy_config(max_tokens: int) -> "GenerationConfig":
+    """The pipeline's default decoding: greedy, up to the first newline (what ``Engine.generate`` does).
+
+    Args:
+        max_tokens: the budget (>= 1).
+
+    Returns:
+        The config.
+    """
+    from blend.sampling import GenerationConfig
+
+    return GenerationConfig(max_tokens=max_tokens, stop_at_newline=True)
+
+
+class RagGeneration:
+    """A streamed :meth:`RAG.ask`: iterate for the answer's text as it is decided; :meth:`result` runs
+    to the end and gives the :class:`RagAnswer`.
+
+    Args:
+        generation: the engine's stream over the assembled prompt.
+        docs: the documents in prompt order.
+    """
+
+    def __init__(self, generation: "Generation", docs: tuple[Retrieved, ...]) -> None:
+        self._gen = generation
+        self.retrieved = docs
+
+    def __iter__(self) -> "RagGeneration":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._gen)
+
+    def result(self) -> RagAnswer:
+        """Decode to the end (if not yet) and return the answer with its retrieval and reuse."""
+        done = self._gen.result()
+        report = done.report.to_dict()
+        segs = [s for s in report["segments"] if s.get("kind") == "document"]
+        reuse = tuple(ChunkReuse(d.chunk_id, s["class"], int(s["tokens"]), int(s.get("recomputed", 0)))
+                      for d, s in zip(self.retrieved, segs))
+        return RagAnswer(done.text.strip(), self.retrieved, reuse, report, float(done.ttft_s),
+                         str(report.get("policy", "")), done.finish_reason.value, done.seed)
 
 
 def order_documents(docs: Sequence[Retrieved]) -> list[Retrieved]:
@@ -258,7 +309,8 @@ class RAG:
 
     def ask(self, question: str, top_k: int = DEFAULT_TOP_K, policy: "ReusePolicy | None" = None,
             documents: Sequence[str | Retrieved] | None = None,
-            max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, extra_documents: Sequence[str] = ()) -> RagAnswer:
+            max_new_tokens: int | None = None, extra_documents: Sequence[str] = (),
+            config: "GenerationConfig | None" = None) -> RagAnswer:
         """Retrieve (unless ``documents`` are given), assemble the prompt, answer.
 
         Args:
@@ -266,23 +318,51 @@ class RAG:
             top_k: chunks to retrieve.
             policy: reuse policy (default: the engine's default, exact reuse).
             documents: the caller's own retrieved documents (texts or :class:`Retrieved`).
-            max_new_tokens: decoding budget.
+            max_new_tokens: decoding budget of the default decoding (greedy, single line; default
+                :data:`~blend.defaults.DEFAULT_MAX_NEW_TOKENS`); with ``config``, its ``max_tokens`` is the
+                budget and this must be left out.
             extra_documents: texts placed after the retrieved (or given) documents, in this
                 order (``kvblend ask --index DIR --doc FILE``).
+            config: sampling and stop settings (:class:`~blend.sampling.GenerationConfig`: temperature,
+                top-p, seed, stop strings, multi-line...); None: greedy up to the first newline.
 
         Returns:
             The answer with retrieved chunks, per-chunk reuse and the full report.
+
+        Raises:
+            RetrievalError: no index and no documents, a bad ``top_k``, an empty index.
+            ValueError: both ``config`` and ``max_new_tokens``.
         """
+        if config is None:
+            config = greedy_config(DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens)
+        elif max_new_tokens is not None:
+            raise ValueError("give the budget as config.max_tokens, not max_new_tokens, with a config")
+        return self.stream(question, top_k, policy, documents, extra_documents, config).result()
+
+    def stream(self, question: str, top_k: int = DEFAULT_TOP_K, policy: "ReusePolicy | None" = None,
+               documents: Sequence[str | Retrieved] | None = None, extra_documents: Sequence[str] = (),
+               config: "GenerationConfig | None" = None) -> "RagGeneration":
+        """:meth:`ask`, streamed: retrieval runs now, decoding as the result is iterated.
+
+            g = rag.stream("Who keeps the lighthouse?", config=GenerationConfig(temperature=0.7, seed=1))
+            for text in g:
+                print(text, end="")
+            ans = g.result()  # the RagAnswer
+
+        Args:
+            question, top_k, policy, documents, extra_documents: as :meth:`ask`.
+            config: sampling and stop settings (None: greedy up to the first newline, the default budget).
+
+        Returns:
+            A :class:`RagGeneration` (iterate for text; ``result()`` for the :class:`RagAnswer`).
+        """
+        from blend.generation import stream
+
         docs = self._caller_documents(documents) if documents is not None else self.retrieve(question, top_k)
         if extra_documents:
             fp = self.engine.provenance.tokenizer_sha256
             docs = [*docs, *(Retrieved(chunk_id(fp, t), float("nan"), "caller", t) for t in extra_documents)]
         engine = self.engine
         prompt = engine.build_prompt(question, [d.text for d in docs], system=self.system)
-        ans = engine.generate(prompt, policy, max_new_tokens=max_new_tokens)
-        report = ans.report.to_dict()
-        segs = [s for s in report["segments"] if s.get("kind") == "document"]
-        reuse = tuple(
-            ChunkReuse(d.chunk_id, s["class"], int(s["tokens"]), int(s.get("recomputed", 0))) for d, s in zip(docs, segs)
-        )
-        return RagAnswer(ans.text, tuple(docs), reuse, report, float(ans.ttft_s), str(report.get("policy", "")))
+        return RagGeneration(stream(engine, prompt, policy, config or greedy_config(DEFAULT_MAX_NEW_TOKENS)),
+                             tuple(docs))

@@ -89,10 +89,6 @@ def test_cold_equals_warm_across_processes_in_redis(docs, tmp_path, redis_url):
     (["check", "--model", "tiny-llama", "--items", "0"], "--items must be 1 to 6"),
     (["check", "--model", "tiny-llama", "--items", "-1"], "--items must be 1 to 6"),
     (["check", "--model", "tiny-llama", "--items", "7"], "--items must be 1 to 6"),
-    (["ask", "q", "--index", "{dir}/no-index", "--model", "tiny-llama", "--temperature", "0.7"],
-     "--temperature"),
-    (["ask", "q", "--index", "{dir}/no-index", "--model", "tiny-llama", "--multiline", "--seed", "3"],
-     "--seed, --multiline"),
 ])
 def test_user_errors_are_one_line_and_exit_2(tmp_path, docs, args, message):
     bad = tmp_path / "bad.txt"

@@ -73,6 +73,19 @@ def test_the_gates_first_run_is_reported_apart_from_the_requests_ttft(home):
     assert not again.report.gate_ran and again.report.timings.gate_s == 0.0
 
 
+def test_the_streaming_apis_ttft_leaves_the_gates_first_run_out_too(home):
+    """``kvblend ask`` and the server answer through blend.generation; its TTFT once counted the gate's
+    one-off run while the printed report said "not in TTFT"."""
+    from blend.generation import generate
+    from blend.sampling import GenerationConfig
+
+    eng = Engine.load("tiny-llama")
+    done = generate(eng, eng.build_prompt("Which?", make_docs(3)), ReusePolicy.blend(), GenerationConfig(max_tokens=1))
+    t = done.report.timings
+    assert done.report.gate_ran and done.ttft_s < t.gate_s
+    assert done.e2e_s >= t.gate_s  # wall time from the call still holds everything
+
+
 def test_the_engine_consults_the_gate_object_it_was_given(home):
     from blend.engine import Engine as E
 

@@ -194,6 +194,75 @@ def test_cli_ask_over_an_index_with_doc_uses_both_retrieved_chunks_then_the_doc(
     assert out["retrieved"][-1]["text"] == extra.read_text()
 
 
+def test_ask_decodes_with_a_generation_config_as_the_engines_stream_does(index, engine) -> None:
+    from blend.generation import generate
+    from blend.policy import ReusePolicy
+    from blend.retrieval.pipeline import greedy_config
+    from blend.sampling import GenerationConfig
+
+    _, idx = index
+    rag = RAG.open(idx, engine=engine, embedder=HashEmbedder())
+    policy = ReusePolicy.blend(ratio=0.15, force=True)
+    config = GenerationConfig(max_tokens=6, temperature=1.5, seed=11, stop_at_newline=False)
+    ans = rag.ask("What is the ferry named?", top_k=2, policy=policy, config=config)
+    prompt = engine.build_prompt("What is the ferry named?", [r.text for r in ans.retrieved])
+    direct = generate(engine, prompt, policy, config)  # what `kvblend ask --doc` runs
+    assert ans.answer == direct.text.strip() and ans.seed == 11 and len(direct.token_ids) >= 1
+    assert rag.ask("What is the ferry named?", top_k=2, policy=policy, config=config).answer == ans.answer
+    other = [rag.ask("What is the ferry named?", top_k=2, policy=policy, config=GenerationConfig(
+        max_tokens=6, temperature=1.5, seed=s, stop_at_newline=False)).answer for s in range(12, 16)]
+    assert any(o != ans.answer for o in other)  # the seed (not a greedy fallback) decides the sample
+    capped = rag.ask("What is the ferry named?", top_k=2, policy=policy,
+                     config=GenerationConfig(max_tokens=2, temperature=1.5, seed=11, stop_at_newline=False))
+    assert capped.finish_reason in ("length", "stop")
+    greedy = rag.ask("Who keeps the lighthouse?", documents=[DOCS["keeper.txt"]], max_new_tokens=3)
+    assert greedy.answer == rag.ask("Who keeps the lighthouse?", documents=[DOCS["keeper.txt"]],
+                                    config=greedy_config(3)).answer
+    with pytest.raises(ValueError, match="max_tokens"):
+        rag.ask("Who keeps the lighthouse?", documents=[DOCS["keeper.txt"]], max_new_tokens=3, config=config)
+
+
+def test_rag_stream_yields_the_answer_it_returns(index, engine) -> None:
+    from blend.sampling import GenerationConfig
+
+    _, idx = index
+    rag = RAG.open(idx, engine=engine, embedder=HashEmbedder())
+    g = rag.stream("What is the ferry named?", top_k=2, config=GenerationConfig(max_tokens=5, stop_at_newline=False))
+    assert len(g.retrieved) == 2  # retrieval ran before any decoding
+    text = "".join(g)
+    ans = g.result()
+    assert ans.answer == text.strip() and [r.chunk_id for r in ans.retrieved] == [r.chunk_id for r in g.retrieved]
+
+
+def test_cli_ask_over_an_index_honours_the_sampling_options(tmp_path, capsys) -> None:
+    from blend.retrieval.cli import ask_over_index, run_ingest
+
+    d = tmp_path / "docs"
+    d.mkdir()
+    for k, v in DOCS.items():
+        (d / k).write_text(v)
+    assert run_ingest(_cli(["ingest", str(d), "--index", str(tmp_path / "idx"), "--model", "tiny-llama",
+                            "--store", "memory", "--quiet"])) == 0
+    capsys.readouterr()
+
+    def ask(*extra: str) -> dict:
+        assert ask_over_index(_cli(["ask", "What is the ferry named?", "--index", str(tmp_path / "idx"),
+                                    "--max-new-tokens", "6", "--json", *extra])) == 0
+        return json.loads(capsys.readouterr().out)
+
+    a, b = ask("--temperature", "1.5", "--seed", "5", "--multiline"), ask("--temperature", "1.5", "--seed", "5",
+                                                                         "--multiline")
+    assert a["answer"] == b["answer"] and a["seed"] == 5
+    others = {ask("--temperature", "1.5", "--seed", str(s), "--multiline")["answer"] for s in range(6, 10)}
+    assert others != {a["answer"]}  # the sampling options reach the decoder
+    greedy = ask()
+    assert greedy["finish_reason"] in ("stop", "length") and "\n" not in greedy["answer"]
+    assert ask_over_index(_cli(["ask", "What is the ferry named?", "--index", str(tmp_path / "idx"),
+                                "--temperature", "1.5", "--seed", "5", "--multiline", "--max-new-tokens", "6"])) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(a["answer"]) and "seed 5" in out  # streamed text mode: the same answer
+
+
 def test_cli_user_errors_are_one_line(tmp_path, capsys) -> None:
     from blend.retrieval.cli import ask_over_index
 
