@@ -491,7 +491,8 @@ class ModelRunner:
         runs = load_runs([int(e.k.shape[2]) for e in segs], LOAD_DIRECT_MIN_ROWS)
         s = runs[-1].stop
         pos = torch.arange(start, start + s, device=self.device)  # (S,)
-        cos, sin = self.rope(pos)  # (S, R)
+        cos, sin = self.rope(pos)  # (S, R) float32
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)  # once, not per run and layer (apply_rope_into casts)
         cache.set_positions(start, pos)
         joined = max((r.stop - r.start for r in runs if r.last - r.first > 1), default=0)
         d = self.dims
