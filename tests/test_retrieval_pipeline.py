@@ -137,6 +137,23 @@ def _cli(argv: list[str]) -> argparse.Namespace:
     return build_parser(argv[0]).parse_args(argv)
 
 
+def cli_index(tmp_path: Path) -> Path:
+    """DOCS ingested into ``tmp_path/idx`` by ``kvblend ingest`` (the tiny model, a memory store).
+
+    Returns:
+        The index folder.
+    """
+    from blend.retrieval.cli import run_ingest
+
+    d = tmp_path / "docs"
+    d.mkdir()
+    for k, v in DOCS.items():
+        (d / k).write_text(v)
+    assert run_ingest(_cli(["ingest", str(d), "--index", str(tmp_path / "idx"), "--model", "tiny-llama",
+                            "--store", "memory", "--quiet"])) == 0
+    return tmp_path / "idx"
+
+
 def test_cli_ingest_and_ask(tmp_path, capsys) -> None:
     from blend.retrieval.cli import ask_over_index, run_ingest
 
@@ -174,14 +191,9 @@ def test_cli_ask_notes_chunk_kv_precomputed_by_another_engine(tmp_path, capsys) 
 
 
 def test_cli_ask_over_an_index_with_doc_uses_both_retrieved_chunks_then_the_doc(tmp_path, capsys) -> None:
-    from blend.retrieval.cli import ask_over_index, run_ingest
+    from blend.retrieval.cli import ask_over_index
 
-    d = tmp_path / "docs"
-    d.mkdir()
-    for k, v in DOCS.items():
-        (d / k).write_text(v)
-    assert run_ingest(_cli(["ingest", str(d), "--index", str(tmp_path / "idx"), "--model", "tiny-llama",
-                            "--store", "memory", "--quiet"])) == 0
+    cli_index(tmp_path)
     extra = tmp_path / "extra.txt"
     extra.write_text("The lighthouse keeper is named Ilse Marsh.")
     capsys.readouterr()
@@ -235,14 +247,9 @@ def test_rag_stream_yields_the_answer_it_returns(index, engine) -> None:
 
 
 def test_cli_ask_over_an_index_honours_the_sampling_options(tmp_path, capsys) -> None:
-    from blend.retrieval.cli import ask_over_index, run_ingest
+    from blend.retrieval.cli import ask_over_index
 
-    d = tmp_path / "docs"
-    d.mkdir()
-    for k, v in DOCS.items():
-        (d / k).write_text(v)
-    assert run_ingest(_cli(["ingest", str(d), "--index", str(tmp_path / "idx"), "--model", "tiny-llama",
-                            "--store", "memory", "--quiet"])) == 0
+    cli_index(tmp_path)
     capsys.readouterr()
 
     def ask(*extra: str) -> dict:
