@@ -13,7 +13,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from blend.errors import InvalidRequestError
-from blend.integrations.vllm.chat import ChunkConverter, chat_to_completion, completion_to_chat, is_kvblend_chat
+from blend.integrations.vllm.chat import (
+    ChunkConverter, TokenNamer, chat_to_completion, completion_to_chat, is_kvblend_chat,
+)
 from blend.integrations.vllm.middleware import STREAM_KEY, DocumentsMiddleware
 from blend.integrations.vllm.plan import PARAMS_KEY, parse_blend_params, prompt_spans, salt_allows_blend
 from blend.prompt import Role, Turn, build_prompt
@@ -214,6 +216,50 @@ def test_a_streamed_answer_goes_back_as_chat_chunks_however_it_is_split(piece):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "It"}
     assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["It", "aly", ""]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+# "é" is the bytes C3 A9: two tokens of the byte tokenizer, each decoding alone to U+FFFD (as vLLM names them)
+ID_LOGPROBS = {"tokens": ["token_id:195", "token_id:169"], "token_logprobs": [-0.1, -0.2], "text_offset": [0, 0],
+               "top_logprobs": [{"token_id:195": -0.1, "token_id:196": -2.5}, {"token_id:169": -0.2}]}
+
+
+def test_logprobs_carry_each_tokens_own_bytes_and_keep_alternatives_apart():
+    """vLLM names a piece of a multi-byte character U+FFFD: its UTF-8 is not the token's bytes, and two
+    such alternatives share one key of a text-keyed top_logprobs. The forwarded request asks for
+    ``token_id:N`` placeholders, which come back as each token's text and exact bytes."""
+    assert chat_to_completion(chat_body(logprobs=True), TOK)["return_tokens_as_token_ids"] is True
+    assert "return_tokens_as_token_ids" not in chat_to_completion(chat_body(), TOK)
+    resp = {**COMPLETION, "choices": [{**COMPLETION["choices"][0], "logprobs": ID_LOGPROBS}]}
+    lp = completion_to_chat(resp, top_logprobs=2, namer=TokenNamer(TOK))["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["bytes"]) for c in lp] == [("\ufffd", [0xC3]), ("\ufffd", [0xA9])]
+    assert bytes(b for c in lp for b in c["bytes"]).decode("utf-8") == "\u00e9"
+    assert [(t["bytes"], t["logprob"]) for t in lp[0]["top_logprobs"]] == [([0xC3], -0.1), ([0xC4], -2.5)]
+    as_ids = completion_to_chat(resp, 2, TokenNamer(TOK, as_ids=True))["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["bytes"]) for c in as_ids] == [("token_id:195", [0xC3]), ("token_id:169", [0xA9])]
+    plain = completion_to_chat({**COMPLETION, "choices": [{**COMPLETION["choices"][0], "logprobs": LOGPROBS}]}, 2,
+                               TokenNamer(TOK))["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["bytes"]) for c in plain] == [("It", list(b"It")), ("aly", list(b"aly"))]  # no placeholders
+    chunk = ChunkConverter(1, TokenNamer(TOK))({"id": "cmpl-1", "choices": [{"index": 0, "text": "", "logprobs": {
+        "tokens": ["token_id:195"], "token_logprobs": [-0.1], "top_logprobs": [{"token_id:195": -0.1}]}}]})
+    assert chunk["choices"][0]["logprobs"]["content"][0]["bytes"] == [0xC3]
+
+
+def test_the_middleware_resolves_placeholders_unless_the_client_asked_for_them():
+    class IdVllm(FakeVllm):
+        async def __call__(self, scope, receive, send):
+            body = json.loads(await request_body(receive))
+            self.seen.append((scope["path"], body))
+            out = json.dumps({**COMPLETION, "choices": [{**COMPLETION["choices"][0], "logprobs": ID_LOGPROBS}]}).encode()
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": out})
+
+    fake = IdVllm()
+    client = TestClient(DocumentsMiddleware(fake, tokenizer=TOK))
+    lp = client.post("/v1/chat/completions", json=chat_body(logprobs=True)).json()["choices"][0]["logprobs"]
+    assert fake.seen[-1][1]["return_tokens_as_token_ids"] is True
+    assert [(c["token"], c["bytes"]) for c in lp["content"]] == [("\ufffd", [0xC3]), ("\ufffd", [0xA9])]
+    lp = client.post("/v1/chat/completions", json=chat_body(logprobs=True, return_tokens_as_token_ids=True)).json()
+    assert [c["token"] for c in lp["choices"][0]["logprobs"]["content"]] == ["token_id:195", "token_id:169"]
 
 
 def test_a_malformed_kvblend_chat_gets_a_400_and_never_reaches_vllm():

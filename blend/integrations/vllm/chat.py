@@ -23,6 +23,8 @@ completion is turned back into a chat completion (or chunk, when streaming).
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -30,6 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR, DEFAULT_VLLM_GUARD_MARGIN
 from blend.errors import InvalidRequestError
 from blend.integrations.vllm.plan import PARAMS_KEY, blend_request, blend_salt, prompt_spans
+from blend.logprobs import token_bytes
 from blend.prompt import build_prompt
 from blend.sampling import MAX_TOP_LOGPROBS
 from blend.serve.schemas import ChatMessage, Document, conversation, document_text_of, logprob_alternatives
@@ -133,6 +136,7 @@ def chat_to_completion(body: dict[str, Any], tokenizer) -> dict[str, Any]:
                kv_transfer_params=params)
     if top_n is not None:
         out["logprobs"] = top_n  # completions' form: alternatives per token
+        out["return_tokens_as_token_ids"] = True  # exact bytes per token (TokenNamer), alternatives kept apart
     if salt is not None:
         out["cache_salt"] = salt
     return out
@@ -156,25 +160,61 @@ def _top_logprobs(body: dict[str, Any]) -> int | None:
         raise InvalidRequestError(str(e)) from None
 
 
-def chat_logprobs(lp: Any, top_n: int | None) -> dict[str, Any] | None:
+_TOKEN_ID = re.compile(r"token_id:(\d{1,12})")  # vLLM's placeholder for a token under return_tokens_as_token_ids
+
+
+@dataclass(frozen=True)
+class TokenNamer:
+    """Turns vLLM's ``token_id:N`` placeholders (the forwarded completions request asks for them) back
+    into each token's text and its own bytes (:func:`blend.logprobs.token_bytes`): vLLM's token text
+    of a piece of a multi-byte character is U+FFFD, so its UTF-8 is not the token's bytes, and
+    alternatives keyed by that text collapse into one.
+
+    Attributes:
+        tokenizer: the served model's tokenizer.
+        as_ids: the client asked for ``return_tokens_as_token_ids`` itself: tokens stay placeholders.
+    """
+
+    tokenizer: Any
+    as_ids: bool = False
+
+    def __call__(self, tok: Any) -> tuple[Any, list[int]]:
+        """A token as vLLM named it -> (the chat ``token``, its ``bytes``); a string that is no placeholder
+        (a server that ignored the request) keeps its text and that text's UTF-8."""
+        m = _TOKEN_ID.fullmatch(tok) if isinstance(tok, str) else None
+        tid = int(m.group(1)) if m else -1
+        if not 0 <= tid < len(self.tokenizer):
+            return tok, list(str(tok).encode("utf-8"))
+        text = tok if self.as_ids else self.tokenizer.decode([tid])
+        return text, list(token_bytes(self.tokenizer, tid))
+
+
+def _plain_name(tok: Any) -> tuple[Any, list[int]]:
+    return tok, list(str(tok).encode("utf-8"))
+
+
+def chat_logprobs(lp: Any, top_n: int | None, namer: TokenNamer | None = None) -> dict[str, Any] | None:
     """A completions choice's ``logprobs`` in the chat form (``{"content": [...], "refusal": null}``).
 
     Args:
         lp: the completions choice's ``{"tokens", "token_logprobs", "top_logprobs", ...}`` (or None).
         top_n: the alternatives the chat request asked for (None: it asked for no logprobs).
+        namer: resolves ``token_id:N`` placeholders (None: tokens are text, their bytes its UTF-8).
 
     Returns:
         The chat ``logprobs`` object, or None (not asked for, or nothing came back).
     """
     if top_n is None or not isinstance(lp, dict) or not isinstance(lp.get("tokens"), list):
         return None
+    name = namer or _plain_name
     tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
     content = []
     for tok, logprob, top in zip(lp["tokens"], lp.get("token_logprobs") or [], tops):
         alts = sorted((top or {}).items(), key=lambda kv: -(kv[1] if kv[1] is not None else float("inf")))[:top_n]
-        content.append({"token": tok, "logprob": logprob, "bytes": list(str(tok).encode("utf-8")),
-                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(str(t).encode("utf-8"))}
-                                         for t, v in alts]})
+        text, raw = name(tok)
+        named = [(*name(t), v) for t, v in alts]  # (token, bytes, logprob)
+        content.append({"token": text, "logprob": logprob, "bytes": raw,
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": b} for t, b, v in named]})
     return {"content": content, "refusal": None}
 
 
@@ -183,12 +223,14 @@ def _chat_id(completion_id: Any) -> str:
     return "chatcmpl-" + (s[len("cmpl-"):] if s.startswith("cmpl-") else s)
 
 
-def completion_to_chat(resp: dict[str, Any], top_logprobs: int | None = None) -> dict[str, Any]:
+def completion_to_chat(resp: dict[str, Any], top_logprobs: int | None = None,
+                       namer: TokenNamer | None = None) -> dict[str, Any]:
     """A completions response as the chat completion it answers.
 
     Args:
         resp: vLLM's ``text_completion`` response body.
         top_logprobs: alternatives per token the chat request asked for (None: no logprobs).
+        namer: resolves the logprobs' ``token_id:N`` placeholders (None: tokens are text).
 
     Returns:
         An OpenAI ``chat.completion`` body (vLLM's ``kv_transfer_params``, with kvblend's report, kept).
@@ -196,7 +238,7 @@ def completion_to_chat(resp: dict[str, Any], top_logprobs: int | None = None) ->
     choices = []
     for c in resp.get("choices") or []:
         choice = {"index": c.get("index", 0), "message": {"role": "assistant", "content": c.get("text", "")},
-                  "logprobs": chat_logprobs(c.get("logprobs"), top_logprobs),
+                  "logprobs": chat_logprobs(c.get("logprobs"), top_logprobs, namer),
                   "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason")}
         if c.get("token_ids") is not None:
             choice["token_ids"] = c["token_ids"]
@@ -214,11 +256,13 @@ class ChunkConverter:
 
     Args:
         top_logprobs: alternatives per token the chat request asked for (None: no logprobs).
+        namer: resolves the logprobs' ``token_id:N`` placeholders (None: tokens are text).
     """
 
-    def __init__(self, top_logprobs: int | None = None) -> None:
+    def __init__(self, top_logprobs: int | None = None, namer: TokenNamer | None = None) -> None:
         self._started: set[int] = set()
         self.top_logprobs = top_logprobs
+        self.namer = namer
 
     def __call__(self, chunk: dict[str, Any]) -> dict[str, Any]:
         """One ``text_completion`` chunk as a ``chat.completion.chunk``."""
@@ -230,7 +274,7 @@ class ChunkConverter:
                 self._started.add(idx)
                 delta = {"role": "assistant", **delta}
             choices.append({"index": idx, "delta": delta,
-                            "logprobs": chat_logprobs(c.get("logprobs"), self.top_logprobs),
+                            "logprobs": chat_logprobs(c.get("logprobs"), self.top_logprobs, self.namer),
                             "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason")})
         out = {"id": _chat_id(chunk.get("id")), "object": "chat.completion.chunk", "created": chunk.get("created"),
                "model": chunk.get("model"), "choices": choices}

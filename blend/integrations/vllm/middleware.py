@@ -40,8 +40,8 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from blend.errors import InvalidRequestError
-from blend.integrations.vllm.chat import CHAT_PATH, COMPLETIONS_PATH, ChunkConverter, chat_to_completion, \
-    completion_to_chat, is_kvblend_chat
+from blend.integrations.vllm.chat import CHAT_PATH, COMPLETIONS_PATH, ChunkConverter, TokenNamer, \
+    chat_to_completion, completion_to_chat, is_kvblend_chat
 from blend.integrations.vllm.plan import PARAMS_KEY
 from blend.serve.asgi import Receive, read_body, replay_body
 
@@ -215,7 +215,8 @@ class DocumentsMiddleware:
             await self.app(scope, replay, send)
             return
         try:
-            completion = await asyncio.to_thread(lambda: chat_to_completion(body, self._tokenizer_for(scope)))
+            tokenizer = await asyncio.to_thread(self._tokenizer_for, scope)
+            completion = await asyncio.to_thread(lambda: chat_to_completion(body, tokenizer))
         except InvalidRequestError as e:
             await _respond(send, 400, _error_body(400, str(e)))
             return
@@ -231,7 +232,9 @@ class DocumentsMiddleware:
         inner = {**scope, "path": path, "raw_path": path.encode(), "headers": headers}
         report = None if nonce is None else (lambda: self.stream_reports.report(nonce))
         try:
-            await self.app(inner, replay_body(new_raw, receive), _ChatSend(send, report, completion.get("logprobs")))
+            namer = TokenNamer(tokenizer, as_ids=body.get("return_tokens_as_token_ids") is True)
+            await self.app(inner, replay_body(new_raw, receive), _ChatSend(send, report, completion.get("logprobs"),
+                                                                           namer))
         finally:
             if nonce is not None:
                 self.stream_reports.close(nonce)
@@ -247,7 +250,7 @@ class _ChatSend:
     """Wraps ``send``: a completions answer goes out as a chat answer (JSON buffered; SSE event by event)."""
 
     def __init__(self, send: Send, report: Callable[[], dict[str, Any] | None] | None = None,
-                 top_logprobs: int | None = None) -> None:
+                 top_logprobs: int | None = None, namer: TokenNamer | None = None) -> None:
         self.send = send
         self.top_logprobs = top_logprobs  # the chat request's alternatives per token (None: no logprobs)
         self.report = report  # a streamed request's caught kv_transfer_params (None: not caught)
@@ -255,7 +258,8 @@ class _ChatSend:
         self.start: dict[str, Any] | None = None
         self.mode = "pass"  # "json" | "sse" | "pass" (errors and anything else, as vLLM sent them)
         self.buf = b""
-        self.chunks = ChunkConverter(top_logprobs)
+        self.namer = namer  # the logprobs' token_id:N placeholders -> text and exact bytes
+        self.chunks = ChunkConverter(top_logprobs, namer)
 
     async def __call__(self, msg: dict[str, Any]) -> None:
         if msg["type"] == "http.response.start":
@@ -277,7 +281,7 @@ class _ChatSend:
             if more:
                 return
             try:
-                out = json.dumps(completion_to_chat(json.loads(self.buf), self.top_logprobs)).encode()
+                out = json.dumps(completion_to_chat(json.loads(self.buf), self.top_logprobs, self.namer)).encode()
             except (ValueError, TypeError, AttributeError):
                 out = self.buf  # not a completion body: as vLLM sent it
             headers = [(k, v) for k, v in self.start.get("headers", []) if k.lower() != b"content-length"]
