@@ -77,8 +77,8 @@ class Answer:
         self.cache = None
 
     def logits_sha256(self) -> str:
-        """sha256 of the float32 bytes of :attr:`first_logits`."""
-        return hashlib.sha256(self.first_logits.float().contiguous().numpy().tobytes()).hexdigest()
+        """sha256 of the float32 bytes of :attr:`first_logits` (copied to the CPU from an accelerator)."""
+        return hashlib.sha256(self.first_logits.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 class BlendGate(Protocol):

@@ -65,9 +65,22 @@ class Usage:
         }
 
 
+def _host_row(logits: torch.Tensor) -> torch.Tensor:
+    """One logits row as float32 on the CPU, contiguous (a no-op for a CPU float32 row; a GPU
+    engine's rows are copied, since only a CPU tensor has a numpy view)."""
+    return logits.detach().float().cpu().contiguous()
+
+
 def logits_sha256(logits: torch.Tensor) -> str:
-    """sha256 of the float32 bytes of one logits row (as ``kvblend ask --json`` reports)."""
-    return hashlib.sha256(logits.float().contiguous().numpy().tobytes()).hexdigest()
+    """sha256 of the float32 bytes of one logits row (as ``kvblend ask --json`` reports).
+
+    Args:
+        logits: (V,) on any device, any float dtype.
+
+    Returns:
+        The hex digest.
+    """
+    return hashlib.sha256(_host_row(logits).numpy().tobytes()).hexdigest()
 
 
 class TokenStream:
@@ -116,7 +129,7 @@ class TokenStream:
         """
         if self.finished:
             raise RuntimeError("step() on a finished TokenStream")
-        self._hash.update(memoryview(logits.float().contiguous().numpy()))  # no copy of the row
+        self._hash.update(memoryview(_host_row(logits).numpy()))  # no copy of a CPU float32 row
         self._steps += 1
         tok = self.sampler(logits, self.counts)
         cfg = self.config

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from blend.generation import FinishReason, TokenStream, generate, stream
+from blend.generation import FinishReason, TokenStream, generate, logits_sha256, stream
 from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
 from blend.tiny import byte_tokenizer
@@ -104,3 +104,40 @@ def test_stream_yields_the_answer_piece_by_piece_and_a_seed_fixes_it(tiny_engine
     other = generate(tiny_engine, prompt, config=GenerationConfig(max_tokens=20, temperature=0.9, top_p=0.9, seed=12))
     assert other.token_ids != done.token_ids
     assert other.logits_sha256() == done.logits_sha256()  # the prompt's logits do not depend on the seed
+
+
+class _DeviceRow(torch.Tensor):
+    """A logits row that, like one on a GPU, has no numpy view until it is copied to the CPU."""
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first.")
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor)
+
+
+def test_logits_from_an_accelerator_are_sampled_and_hashed_on_the_cpu():
+    # A CUDA engine's prefill and decode steps return their logits on the GPU.
+    text = "hi"
+    cfg = GenerationConfig(max_tokens=len(text), temperature=0.8, seed=3, logprobs=1)
+    on_cpu, on_dev = TokenStream(TOK, {EOS}, cfg), TokenStream(TOK, {EOS}, cfg)
+    for b in text.encode():
+        row = forced(b)
+        on_cpu.step(row)
+        on_dev.step(row.clone().as_subclass(_DeviceRow))
+    assert on_dev.text == on_cpu.text == text and on_dev.steps_sha256 == on_cpu.steps_sha256
+    assert on_dev.logprobs == on_cpu.logprobs
+    assert logits_sha256(forced(1).as_subclass(_DeviceRow)) == logits_sha256(forced(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_generate_on_a_cuda_engine_matches_its_stream(tiny_engine_factory):
+    engine = tiny_engine_factory(device="cuda")
+    prompt = engine.build_prompt("which stone?", make_docs(2))
+    cfg = GenerationConfig(max_tokens=8, temperature=0.9, seed=5, logprobs=2)
+    g = stream(engine, prompt, config=cfg)
+    pieces = list(g)
+    done = g.result()
+    assert "".join(pieces) == done.text and len(done.logprobs) == len(done.token_ids)
+    assert generate(engine, prompt, config=cfg).token_ids == done.token_ids
+    assert len(done.logits_sha256()) == 64
