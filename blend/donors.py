@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
@@ -165,12 +166,17 @@ class DonorRecordError(ValueError):
 
 
 def _digest32(x: Any, what: str) -> bytes:
+    """32 bytes from exactly 64 hex digits (``bytes.fromhex`` alone skips ASCII whitespace, so 64
+    characters with spaces among them would give a shorter key)."""
     if not isinstance(x, str) or len(x) != 64:
         raise DonorRecordError(f"{what} must be 64 hex digits")
     try:
-        return bytes.fromhex(x)
+        raw = bytes.fromhex(x)
     except ValueError:
         raise DonorRecordError(f"{what} must be 64 hex digits") from None
+    if len(raw) != 32:
+        raise DonorRecordError(f"{what} must be 64 hex digits")
+    return raw
 
 
 def _donor_from_row(r: Any) -> Donor:
@@ -227,7 +233,12 @@ def _replay(lines: Sequence[bytes]) -> tuple[list[Donor], int]:
 
 
 class DonorIndex:
-    """Near-duplicate search over registered canonical chunks, per preamble."""
+    """Near-duplicate search over registered canonical chunks, per preamble.
+
+    Thread-safe: a serving engine's requests (prefill workers, the decode loop) register, look up
+    and forget donors at once. One lock covers the index and its log appends, so a lookup never
+    pairs one donor list with another list's signatures and the log's order is the index's.
+    """
 
     def __init__(self) -> None:
         self._by_pre: dict[bytes, list[Donor]] = {}
@@ -235,21 +246,27 @@ class DonorIndex:
         self._matrix: dict[bytes, np.ndarray] = {}  # (N, H) signatures, rebuilt after changes
         self._logs: list[RecordLog] = []  # where new registrations are appended
         self._log_name = ""
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
-        return len(self._keys)
+        with self._lock:
+            return len(self._keys)
 
     def __contains__(self, key: StoreKey) -> bool:
-        return bytes(key) in self._keys
+        with self._lock:
+            return bytes(key) in self._keys
 
     def add(self, key: StoreKey, preamble_ids: Sequence[int], token_ids: Sequence[int]) -> bool:
         """Register a canonical chunk; returns False if its key is already registered."""
-        if bytes(key) in self._keys:
+        if key in self:  # the common case (every hit offers its chunk again): no signature to compute
             return False
         pre = token_digest(preamble_ids)
         donor = Donor(StoreKey(bytes(key)), pre, tuple(int(t) for t in token_ids), minhash(token_ids))
-        self._insert(donor)
-        self._append(_donor_row(donor))
+        with self._lock:
+            if bytes(key) in self._keys:
+                return False
+            self._insert(donor)
+            self._append(_donor_row(donor))
         return True
 
     def _append(self, row: dict) -> None:
@@ -278,6 +295,11 @@ class DonorIndex:
             the registrations before it; keys already registered, torn or corrupt lines
             are skipped.
         """
+        with self._lock:
+            return self._attach(tiers, name)
+
+    def _attach(self, tiers: Sequence[object], name: str) -> int:
+        """:meth:`attach_log` with the lock held."""
         self._logs = [t for t in tiers if isinstance(t, RecordLog)]
         self._log_name = name
         loaded = 0
@@ -298,16 +320,17 @@ class DonorIndex:
 
     def remove(self, key: StoreKey) -> bool:
         """Forget a chunk (e.g. its KV was evicted from the store), here and in the attached logs."""
-        if bytes(key) not in self._keys:
-            return False
-        self._keys.discard(bytes(key))
-        self._append(_removal_row(key))
-        for pre, donors in self._by_pre.items():
-            kept = [d for d in donors if d.key != key]
-            if len(kept) != len(donors):
-                self._by_pre[pre] = kept
-                self._matrix.pop(pre, None)
-        return True
+        with self._lock:
+            if bytes(key) not in self._keys:
+                return False
+            self._keys.discard(bytes(key))
+            self._append(_removal_row(key))
+            for pre, donors in self._by_pre.items():
+                kept = [d for d in donors if d.key != key]
+                if len(kept) != len(donors):
+                    self._by_pre[pre] = kept
+                    self._matrix.pop(pre, None)
+            return True
 
     def candidates(self, preamble_ids: Sequence[int], token_ids: Sequence[int], min_similarity: float,
                    top: int = 4) -> list[tuple[Donor, float]]:
@@ -323,21 +346,24 @@ class DonorIndex:
             (donor, estimated similarity) pairs, similarity descending, ties by registration order.
         """
         pre = token_digest(preamble_ids)
-        donors = self._by_pre.get(pre)
-        if not donors:
-            return []
-        mat = self._matrix.get(pre)
-        if mat is None:
-            mat = self._matrix[pre] = np.stack([d.signature for d in donors])  # (N, H)
-        sims = (mat == minhash(token_ids)[None, :]).mean(axis=1)  # (N,)
-        order = np.argsort(-sims, kind="stable")[:top]
-        return [(donors[i], float(sims[i])) for i in order if sims[i] >= min_similarity]
+        sig = minhash(token_ids)  # (H,)
+        with self._lock:  # the donor list and its signature matrix, as one consistent pair
+            donors = self._by_pre.get(pre)
+            if not donors:
+                return []
+            mat = self._matrix.get(pre)
+            if mat is None:
+                mat = self._matrix[pre] = np.stack([d.signature for d in donors])  # (N, H)
+            sims = (mat == sig[None, :]).mean(axis=1)  # (N,)
+            order = np.argsort(-sims, kind="stable")[:top]
+            return [(donors[i], float(sims[i])) for i in order if sims[i] >= min_similarity]
 
     # ---- persistence --------------------------------------------------------------------
 
     def save(self, path: str | Path) -> None:
         """Write the index as JSON (atomic: temp file + rename)."""
-        rows = [_donor_row(d) for donors in self._by_pre.values() for d in donors]
+        with self._lock:
+            rows = [_donor_row(d) for donors in self._by_pre.values() for d in donors]
         # a private temp file per save (concurrent saves never share one), fsynced, then renamed
         safeio.atomic_write_text(path, json.dumps({"shingle": SHINGLE, "num_hashes": NUM_HASHES, "donors": rows}))
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -148,15 +149,20 @@ class Donors:
         self.store, self.provenance_json, self.enabled = store, provenance_json, enabled
         self.log_name = donor_log_name(provenance_json)
         self._index: DonorIndex | None = None
+        self._first_use = threading.Lock()
 
     @property
     def index(self) -> DonorIndex:
-        """The index, attached to the record log on first use."""
+        """The index, attached to the record log on first use (by one thread: another request's
+        first use waits for it, and never sees an index that would not yet log its registrations)."""
         if self._index is None:
-            self._index = DonorIndex()
-            if self.enabled:
-                tiers = self.store.tiers if isinstance(self.store, TieredStore) else [self.store]
-                self._index.attach_log(tiers, self.log_name)
+            with self._first_use:
+                if self._index is None:
+                    index = DonorIndex()
+                    if self.enabled:
+                        tiers = self.store.tiers if isinstance(self.store, TieredStore) else [self.store]
+                        index.attach_log(tiers, self.log_name)
+                    self._index = index
         return self._index
 
     def use_index(self, index: DonorIndex) -> None:
@@ -189,8 +195,11 @@ class Donors:
 
         Returns:
             The seeded KV, or None when no donor passes :data:`MIN_SIMILARITY` and
-            :data:`MIN_ALIGNED` (the caller computes the document).
+            :data:`MIN_ALIGNED`, or when the engine did not enable semantic reuse (the
+            caller computes the document).
         """
+        if not self.enabled:  # the engine's opt-in, whatever index was handed in (use_index)
+            return None
         scored = []
         for donor, sim in self.index.candidates(preamble_ids, doc_ids, MIN_SIMILARITY, top=MAX_CANDIDATES + 1):
             if donor.key == own_key:  # registered but its KV is gone: not a donor of itself

@@ -57,6 +57,10 @@ def _parse_or_declared(line: bytes) -> Donor | StoreKey | None:
     b'"remove this"',
     b'{"remove": "' + KEY.encode() + b'", "key": 1}',
     b"\xff\xfe",
+    # 64 characters that bytes.fromhex reads as 31 bytes (it skips ASCII whitespace): not a 32-byte key
+    b'{"key": " ' + KEY[:62].encode() + b' ", "preamble": "' + PRE.encode() + b'", "tokens": [1]}',
+    b'{"key": "' + KEY.encode() + b'", "preamble": "\\t\\n' + PRE[:62].encode() + b'", "tokens": [1]}',
+    b'{"remove": "' + KEY[:62].encode() + b'  "}',
 ])
 def test_bad_lines_raise_only_the_declared_error(line: bytes) -> None:
     with pytest.raises(DonorRecordError):

@@ -1,0 +1,173 @@
+"""The donor index under concurrent requests, and the donors' own opt-in.
+
+A serving engine runs prefills on several threads (prefill workers and the decode loop), and every
+blended request registers, looks up and forgets donors in the one index its segment cache owns.
+Each test makes another thread's call land at the exact point of a lookup, a removal or the index's
+first use (a hook that starts it there and waits a little for it), so a missing lock shows every time.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from blend import donors as donors_mod
+from blend.donors import DonorIndex
+from blend.keys import Namespace, StoreKey
+from blend.kvcache import KVEntry
+from blend.semantic import Donors
+from blend.store.disk import DiskStore
+from blend.store.memory import MemoryStore
+
+PRE = [1, 2, 3]
+A, B = StoreKey(b"\xaa" * 32), StoreKey(b"\xbb" * 32)
+TOKENS_A = list(range(100, 180))
+TOKENS_B = list(range(500, 580))
+
+
+def run_meanwhile(fn: Callable[[], object], threads: list[threading.Thread], wait_s: float = 0.5) -> None:
+    """Start ``fn`` on another thread and give it ``wait_s`` to finish (it may be blocked on a lock:
+    then it finishes once the caller lets go). The thread is appended to ``threads`` for joining."""
+    t = threading.Thread(target=fn, daemon=True)
+    threads.append(t)
+    t.start()
+    t.join(wait_s)
+
+
+def join_all(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive()
+
+
+def test_a_removal_during_a_lookup_leaves_no_stale_signatures(monkeypatch):
+    idx = DonorIndex()
+    idx.add(A, PRE, TOKENS_A)
+    idx.add(B, PRE, TOKENS_B)
+    real_stack, threads = np.stack, []
+
+    def stack_then_remove(arrays, *a, **kw):  # another request forgets A while this one builds the matrix
+        out = real_stack(arrays, *a, **kw)
+        if not threads:
+            run_meanwhile(lambda: idx.remove(A), threads)
+        return out
+
+    monkeypatch.setattr(donors_mod.np, "stack", stack_then_remove)
+    idx.candidates(PRE, TOKENS_B, 0.3)
+    join_all(threads)
+    monkeypatch.setattr(donors_mod.np, "stack", real_stack)
+    # the index now holds B only: its signatures must say so (a stale 2-row matrix indexed the 1-donor list)
+    got = idx.candidates(PRE, TOKENS_B, 0.3)
+    assert [(d.key, s) for d, s in got] == [(B, 1.0)]
+    assert idx.candidates(PRE, TOKENS_A, 0.3) == []
+
+
+def test_a_registration_during_a_lookup_is_found_by_the_next_one(monkeypatch):
+    idx = DonorIndex()
+    idx.add(A, PRE, TOKENS_A)
+    real_stack, threads = np.stack, []
+
+    def stack_then_add(arrays, *a, **kw):
+        out = real_stack(arrays, *a, **kw)
+        if not threads:
+            run_meanwhile(lambda: idx.add(B, PRE, TOKENS_B), threads)
+        return out
+
+    monkeypatch.setattr(donors_mod.np, "stack", stack_then_add)
+    idx.candidates(PRE, TOKENS_A, 0.3)
+    join_all(threads)
+    monkeypatch.setattr(donors_mod.np, "stack", real_stack)
+    assert [d.key for d, _ in idx.candidates(PRE, TOKENS_B, 0.3)] == [B]
+
+
+def test_a_registration_under_a_new_preamble_during_a_removal_is_kept():
+    idx = DonorIndex()
+    idx.add(A, PRE, TOKENS_A)
+    threads: list[threading.Thread] = []
+
+    class Key(bytes):  # compared inside remove's scan of the preambles: another request registers then
+        def __ne__(self, other):
+            if not threads:
+                run_meanwhile(lambda: idx.add(B, [9, 9], TOKENS_B), threads)
+            return bytes(self) != bytes(other)
+
+        __hash__ = bytes.__hash__
+
+    assert idx.remove(StoreKey(Key(A)))  # was: RuntimeError, dictionary changed size during iteration
+    join_all(threads)
+    assert A not in idx and B in idx and len(idx) == 1
+    assert [d.key for d, _ in idx.candidates([9, 9], TOKENS_B, 0.3)] == [B]
+
+
+def test_a_registration_during_the_index_first_use_reaches_the_log(tmp_path, monkeypatch):
+    disk = DiskStore(tmp_path)
+    donors = Donors(disk, '{"p":1}', enabled=True)
+    real_attach, threads = DonorIndex.attach_log, []
+
+    def attach_with_a_registration_meanwhile(self, tiers, name):  # another request's first use of the index
+        if not threads:
+            run_meanwhile(lambda: donors.register(B, PRE, TOKENS_B), threads)
+        return real_attach(self, tiers, name)
+
+    monkeypatch.setattr(DonorIndex, "attach_log", attach_with_a_registration_meanwhile)
+    assert donors.register(A, PRE, TOKENS_A)
+    join_all(threads)
+    monkeypatch.setattr(DonorIndex, "attach_log", real_attach)
+    assert A in donors.index and B in donors.index
+    fresh = DonorIndex()  # a new process over the same store finds both
+    assert fresh.attach_log([DiskStore(tmp_path)], donors.log_name) == 2
+
+
+def test_concurrent_registrations_lookups_and_removals_stay_consistent():
+    idx = DonorIndex()
+    errors: list[BaseException] = []
+    keys = [StoreKey(bytes([i]) * 32) for i in range(1, 41)]
+
+    def worker(offset: int) -> None:
+        try:
+            for i, k in enumerate(keys[offset::4]):
+                pre = [offset, i % 3]
+                toks = list(range(k[0] * 100, k[0] * 100 + 40))
+                idx.add(k, pre, toks)
+                idx.candidates(pre, toks, 0.3)
+                if i % 2:
+                    idx.remove(k)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(o,)) for o in range(4)]
+    for t in threads:
+        t.start()
+    join_all(threads)
+    assert errors == []
+    live = [k for o in range(4) for i, k in enumerate(keys[o::4]) if not i % 2]
+    assert len(idx) == len(live) and all(k in idx for k in live)
+    for o in range(4):
+        for i, k in enumerate(keys[o::4]):
+            toks = list(range(k[0] * 100, k[0] * 100 + 40))
+            found = [d.key for d, _ in idx.candidates([o, i % 3], toks, 0.99)]
+            assert found == ([k] if not i % 2 else []), (o, i)
+
+
+# ---- the opt-in ------------------------------------------------------------------------------
+
+
+def test_disabled_donors_never_lend_kv_even_with_an_index_in_hand():
+    prov = '{"p":1}'
+    store = MemoryStore()
+    k = torch.ones(2, 1, len(TOKENS_A), 4)
+    store.put(Namespace.CANONICAL, A, KVEntry(k, k.clone(), prov))
+    idx = DonorIndex()
+    idx.add(A, PRE, TOKENS_A)
+    near = TOKENS_A[:40] + [7] + TOKENS_A[41:]
+    on = Donors(store, prov, enabled=True)
+    on.use_index(idx)
+    assert on.donor_kv(PRE, near, StoreKey(b"\x01" * 32)) is not None  # the same call, opted in
+    off = Donors(store, prov, enabled=False)  # the engine did not enable experimental_semantic
+    off.use_index(idx)  # e.g. a saved index loaded beside the store
+    assert off.donor_kv(PRE, near, StoreKey(b"\x01" * 32)) is None
+    assert not off.register(B, PRE, TOKENS_B) and B not in idx
