@@ -240,7 +240,8 @@ def gate_fingerprint(items: int = DEFAULT_GATE_ITEMS, dtype: torch.dtype = torch
     setting or a bound runs the gate again once instead of trusting a verdict measured otherwise.
     """
     tol = TOL[dtype]
-    cfg = {"policy": ReusePolicy.blend(ratio=GATE_RATIO, force=True).describe(), "items": items,
+    prompts = [[c.question, list(c.documents)] for c in calibration_items(items)]  # the text, not only the count
+    cfg = {"policy": ReusePolicy.blend(ratio=GATE_RATIO, force=True).describe(), "items": items, "prompts": prompts,
            "kl_bound": KL_BOUND, "top1_bound": TOP1_BOUND,
            "mechanical": [tol.logits, tol.rope, tol.gate_rtol]}
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
@@ -319,7 +320,11 @@ class QualityGate:
                       "(kvblend check) once", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             result = run_gate(engine, progress=self.progress)
-            record(engine, result)
+            try:
+                record(engine, result)
+            except OSError as e:  # a read-only home, a directory at the path: the verdict still holds here
+                log.warning("quality gate: could not record the result at %s (%s); it holds for this process "
+                            "and the gate runs again in the next one", gate_path(engine), e)
             ran_s = time.perf_counter() - t0
         self._results[digest] = result
         if result.passed:

@@ -148,3 +148,44 @@ def test_a_bf16_engine_passes_the_mechanical_checks_and_records_apart(home):
         result.summary()
     assert "two ulps" in by[gate.CheckName.ROPE].detail
     assert gate.gate_fingerprint(dtype=torch.bfloat16) != gate.gate_fingerprint(dtype=torch.float32)
+
+
+def test_a_record_holds_only_for_the_calibration_prompts_it_was_measured_on(home, monkeypatch):
+    """The fingerprint names the prompts, not only how many: a release that rewrites a calibration
+    document or question measures again instead of trusting a verdict from other text."""
+    from blend import calibration
+
+    before = gate.gate_fingerprint()
+    assert gate.gate_fingerprint() == before  # stable
+    monkeypatch.setattr(calibration, "DOCUMENTS", (calibration.DOCUMENTS[0] + " It has a gift shop.",
+                                                   *calibration.DOCUMENTS[1:]))
+    assert gate.gate_fingerprint() != before
+    monkeypatch.undo()
+    questions = list(calibration.QUESTIONS)
+    questions[0] = ("Who runs the Quayside Public Library?", questions[0][1])
+    monkeypatch.setattr(calibration, "QUESTIONS", tuple(questions))
+    assert gate.gate_fingerprint() != before
+
+
+def test_a_record_that_cannot_be_written_warns_and_the_verdict_still_holds(home, monkeypatch, caplog):
+    """A directory squatting on the record's path (or a read-only home) must not turn every blend
+    request into a crash after the gate ran: the verdict is used, kept for the process, and the
+    failure to record it is a warning."""
+    import types
+
+    from blend.keys import Provenance
+
+    prov = Provenance(model_arch="m", weights_sha256="w", tokenizer_sha256="t", dtype="float32",
+                      kv_dtype="float32", device_class="cpu", backend="b", rope="r")
+    eng = types.SimpleNamespace(provenance=prov, dtype=__import__("torch").float32, model_name="m")
+    gate.gate_path(eng).mkdir(parents=True)  # not a file: unreadable as a record, and not replaceable
+    checks = tuple(gate.CheckResult(n, True, 0.0, 1.0, "") for n in gate.CheckName)
+    runs = []
+    monkeypatch.setattr(gate, "run_gate", lambda e, progress=True: runs.append(1) or
+                        gate.GateResult("m", prov.digest().hex(), checks))
+    g = gate.QualityGate(progress=False)
+    with caplog.at_level("WARNING"):
+        first = g.verdict(eng)
+    assert first.refused == "" and runs == [1]
+    assert "could not record" in caplog.text and str(gate.gate_path(eng)) in caplog.text
+    assert g.verdict(eng).refused == "" and runs == [1]  # measured once per process, not per request
