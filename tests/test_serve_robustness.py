@@ -1,12 +1,18 @@
 """The server survives what used to break it: a request whose sampling fails, a tiny temperature, a
 request cancelled while queued, a dead scheduler thread; and OpenAI's shapes where they differed
-(context errors, error params, model retrieval, streamed usage). Tiny model, loopback server."""
+(context errors, error params, model retrieval, streamed usage); a stream whose stalled client leaves, and
+a token rate nobody scrapes, hold no memory beyond their request and window. Tiny model, loopback server."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import inspect
 import json
 import threading
+import time
+import tracemalloc
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -23,9 +29,12 @@ from blend.defaults import (
 from blend.generation import TokenStream
 from blend.policy import ReusePolicy
 from blend.sampling import DEFAULT_MAX_TOKENS, GenerationConfig, sample
+from blend.serve import metrics as metrics_module
 from blend.serve import scheduler as scheduler_module
+from blend.serve.app import create_app
 from blend.serve.config import Limits, SchedulerConfig, ServeConfig
 from blend.serve.intake import ApiError, prepare
+from blend.serve.metrics import ServeMetrics
 from blend.serve.protocol import Endpoint
 from blend.serve.scheduler import Ending, EventKind, QueueFullError, Scheduler, _Job
 from blend.serve.schemas import ChatCompletionRequest, CompletionRequest
@@ -306,3 +315,90 @@ def test_defaults_come_from_blend_defaults():
     assert actions["log_level"].default == DEFAULT_LOG_LEVEL and tuple(actions["log_level"].choices) == LOG_LEVELS
     main = inspect.getsource(cli.main)
     assert "timeout_graceful_shutdown=DEFAULT_GRACEFUL_SHUTDOWN_S" in main and DEFAULT_GRACEFUL_SHUTDOWN_S == 5
+
+
+# ---- 9. a stream whose client leaves stops its request then, not when the collector runs ---------------
+
+def _stalled_client_stream(app, body: bytes, ended, timeout: float) -> list[str]:
+    """Run one request through the app (ASGI, no socket) as a client that reads the first chunk,
+    stops reading (the next write waits to drain, as uvicorn's does on a full socket) and goes away;
+    then wait, with the event loop still running (as a server's does), until ``ended()``.
+
+    Returns:
+        The ASGI message types the app sent.
+    """
+    async def run() -> list[str]:
+        first_chunk = asyncio.Event()
+        sent: list[str] = []
+        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+        async def receive() -> dict:
+            nxt = next(messages, None)
+            if nxt is not None:
+                return nxt
+            await first_chunk.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message["type"])
+            if message["type"] == "http.response.body":
+                first_chunk.set()
+                await asyncio.Event().wait()  # the write never drains: the client reads no more
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/chat/completions",
+                 "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+        await app(scope, receive, send)
+        deadline = time.monotonic() + timeout
+        while not ended() and time.monotonic() < deadline:  # not after asyncio.run: its shutdown closes
+            await asyncio.sleep(0.01)                       # every async generator still alive
+        return sent
+
+    return asyncio.run(run())
+
+
+def test_a_stream_whose_client_leaves_while_a_write_waits_is_cancelled_at_once(engine):
+    """The disconnect cancels the response while its write waits, which leaves the answer's
+    generator suspended at its ``yield``: its ``finally`` (which cancelled the request) ran only
+    when the garbage collector reached it. With the collector off, the request decoded every one of
+    its tokens, holding its slot and KV; now it leaves the batch at once."""
+    app = create_app(engine, ServeConfig(model=TINY, limits=Limits(max_tokens=4000)))
+    sched = app.state.scheduler
+    sched.start()
+    body = json.dumps(chat(max_tokens=3900, stream=True, ignore_eos=True)).encode()
+    gc.disable()
+    try:
+        sent = _stalled_client_stream(app, body, lambda: sched.cancelled + sched.completed >= 1, timeout=60)
+        assert sent[:2] == ["http.response.start", "http.response.body"]
+        assert (sched.cancelled, sched.completed, sched.active) == (1, 0, 0)
+        assert sched.pool.free_slots == sched.pool.slots  # its KV slot is free again
+    finally:
+        gc.enable()
+        sched.close()
+
+
+# ---- 10. the token rate remembers one window, scraped or not -------------------------------------------
+
+def test_the_token_rate_keeps_one_window_when_nobody_scrapes(monkeypatch):
+    """Every decoded token's count was kept until a /metrics scrape pruned it: a server nobody
+    scrapes grew by ~90 bytes per token for ever. Counts older than the window go as new ones come,
+    and the rate a scrape reads is unchanged."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(monotonic=lambda: clock["now"]))
+    metrics = ServeMetrics()
+    per_s, seconds = 100, 400  # 40,000 tokens, 100 a second
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(per_s * seconds):
+            clock["now"] = i / per_s
+            metrics.on_tokens(1)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 400_000, grown  # one window (~1,000 counts), not 40,000
+    rate = [line for line in metrics.exposition().decode().splitlines()
+            if line.startswith("kvblend_output_tokens_per_second ")]
+    assert float(rate[0].split()[-1]) == pytest.approx(per_s, rel=0.01)

@@ -21,6 +21,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import AsyncGenerator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -144,6 +145,34 @@ class _Watch:
         self._gone.cancel()
 
 
+class _TicketStream(StreamingResponse):
+    """A streamed answer that stops its request however the response ends.
+
+    The body generator's own ``finally`` is not enough: when the client leaves while a write
+    waits for the socket to drain (a client that stopped reading), Starlette cancels the write
+    and leaves the generator suspended at its ``yield``, where only the garbage collector would
+    close it (and a generator that never started has no ``finally`` to run). Until then the
+    request would keep its slot and its KV and decode every token it may.
+
+    Args:
+        content: the SSE chunks (an async generator).
+        ticket: the request's ticket.
+    """
+
+    def __init__(self, content: AsyncGenerator[str, None], ticket: Ticket) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._content = content
+        self.ticket = ticket
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.cancel()  # a no-op when the answer finished
+            await self._content.aclose()
+
+
 def _error_for(error: BaseException) -> ApiError:
     if isinstance(error, KVBlendError):  # the request asked for something the engine refuses
         return ApiError(400, str(error))
@@ -241,8 +270,7 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
             if first.kind is EventKind.FAILED:
                 raise _error_for(first.error)
             if job.stream:
-                return StreamingResponse(_events(first, queue, ticket, head, job), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return _TicketStream(_events(first, queue, ticket, head, job), ticket)
             ev = first
             while ev.kind not in (EventKind.DONE, EventKind.FAILED):
                 ev = await watch.next()

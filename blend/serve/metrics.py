@@ -97,11 +97,15 @@ class ServeMetrics:
             r.register(_StoreCollector(store))
 
     def _tokens_per_s(self) -> float:
-        now = time.monotonic()
         with self._lock:
-            while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
-                self._recent.popleft()
+            self._forget_old(time.monotonic())
             return sum(n for _, n in self._recent) / RATE_WINDOW_S
+
+    def _forget_old(self, now: float) -> None:
+        """Drop token counts older than the rate's window (the caller holds ``_lock``): on every
+        count, not only at scrape time, so a server nobody scrapes keeps one window's worth."""
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
 
     # ---- hooks (called from the scheduler's threads) ---------------------------------
 
@@ -119,7 +123,9 @@ class ServeMetrics:
     def on_tokens(self, n: int) -> None:
         self.output_tokens.inc(n)
         with self._lock:
-            self._recent.append((time.monotonic(), n))
+            now = time.monotonic()
+            self._recent.append((now, n))
+            self._forget_old(now)
 
     def on_batch(self, size: int) -> None:
         self.batch.observe(size)
