@@ -231,6 +231,28 @@ def test_single_flight_computes_a_shared_missing_chunk_once(make_scheduler, sing
         assert col.last(i).completion.logits_sha256() == generate(engine, p, pol, cfg).logits_sha256()
 
 
+def test_a_request_cancelled_while_it_waits_for_a_shared_chunk_is_never_prefilled(make_scheduler):
+    store = SlowStore(delay=0.3)  # the first request's misses hold its claims for a while
+    engine = tiny_serve_engine(store=store)
+    prefills = []
+    real = engine.prefill
+    engine.prefill = lambda *a, **kw: (prefills.append(a[0]), real(*a, **kw))[1]
+    docs = make_docs(2, seed=11)
+    sched = make_scheduler(engine, prefill_workers=2, single_flight=True)
+    col = Collector()
+    first = engine.build_prompt("first?", docs)
+    sched.submit(first, ReusePolicy.blend(ratio=0.2), GenerationConfig(max_tokens=2), col.sink(0))
+    wait_until(lambda: engine.store.claimed() > 0)
+    ticket = sched.submit(engine.build_prompt("second?", docs), ReusePolicy.blend(ratio=0.2),
+                          GenerationConfig(max_tokens=2), col.sink(1))
+    wait_until(lambda: engine.store.waited >= 1)  # the second waits for the first's chunks
+    ticket.cancel()
+    col.wait(0)
+    wait_until(lambda: sched.active == 0)
+    assert prefills == [first]  # its client was gone before its turn: no prefill for nobody
+    assert sched.cancelled == 1
+
+
 def test_a_long_prefill_does_not_stall_other_streams(make_scheduler):
     store = SlowStore()
     engine = tiny_serve_engine(store=store)

@@ -471,6 +471,9 @@ class Scheduler:
             if self.flight is not None:
                 busy = self.flight.claim(job.id, request_keys(engine, job.prompt, job.policy))
                 self.flight.wait(busy, self.config.flight_timeout_s)
+                if job.cancelled.is_set():  # its client left while it waited: no prefill for nobody
+                    self._retire(job, Ending.CANCELLED)
+                    return
             if job.policy.mode is ReuseMode.BLEND and engine.gate is not None and not job.policy.force:
                 with self._gate_lock:  # the first blend request may run the quality gate: once
                     engine.gate.verdict(engine)
