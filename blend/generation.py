@@ -29,6 +29,7 @@ from typing import Iterator, Sequence
 import torch
 
 from blend.batch_decode import DecodeBatching, decode_batch
+from blend.detokenize import REPLACEMENT, IncrementalText
 from blend.kvcache import KVCache
 from blend.logprobs import TokenLogprob, token_logprob
 from blend.prompt import Prompt
@@ -36,7 +37,6 @@ from blend.policy import ReusePolicy
 from blend.report import ReuseReport
 from blend.sampling import GenerationConfig, Sampler
 
-_REPLACEMENT = "\ufffd"
 
 
 class FinishReason(Enum):
@@ -98,6 +98,7 @@ class TokenStream:
         self.config = config
         self.sampler = Sampler(config)
         self.tokens: list[int] = []  # the answer's tokens (completion_tokens)
+        self._text = IncrementalText(tokenizer)  # decode(tokens), a window per token (not the whole answer)
         self.text = ""  # text emitted so far; the whole answer once finished
         self.finish_reason: FinishReason | None = None
         self._hash = hashlib.sha256()  # over every logits row a token was sampled from
@@ -141,7 +142,7 @@ class TokenStream:
         self.counts[tok] = self.counts.get(tok, 0) + 1
         if cfg.logprobs is not None:
             self.logprobs.append(token_logprob(logits, tok, cfg.logprobs))
-        full = self._decoded()
+        full = self._text.push(tok)
         cut = self._stop_index(full)
         if cut is not None:
             return self._finish(FinishReason.STOP, full[:cut])
@@ -167,7 +168,7 @@ class TokenStream:
     # ---- text ------------------------------------------------------------------------
 
     def _decoded(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        return self._text.text
 
     def _stop_index(self, full: str) -> int | None:
         hits = [i for s in self.config.stop if (i := full.find(s, max(0, len(self.text) - len(s)))) >= 0]
@@ -176,7 +177,7 @@ class TokenStream:
     def _safe_end(self, full: str) -> int:
         """End of the text that no later token can change or cut."""
         end = len(full)
-        while end > len(self.text) and full[end - 1] == _REPLACEMENT:
+        while end > len(self.text) and full[end - 1] == REPLACEMENT:
             end -= 1  # an incomplete multi-byte character
         hold = 0
         for s in self.config.stop:  # the longest suffix that may still grow into a stop string
@@ -194,8 +195,8 @@ class TokenStream:
 
     def _finish(self, reason: FinishReason, final: str) -> str:
         self.finish_reason = reason
-        if final.endswith(_REPLACEMENT):
-            final = final.rstrip(_REPLACEMENT)
+        if final.endswith(REPLACEMENT):
+            final = final.rstrip(REPLACEMENT)
         return self._emit(final)
 
 

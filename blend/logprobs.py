@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-_REPLACEMENT = "\ufffd"
+from blend.detokenize import REPLACEMENT
+
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
 
 
@@ -89,7 +90,7 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
         The bytes (the text's UTF-8 when the entry is of neither kind).
     """
     text = tokenizer.decode([token_id])
-    if _REPLACEMENT not in text:
+    if REPLACEMENT not in text:
         return text.encode("utf-8")
     piece = tokenizer.convert_ids_to_tokens(token_id)
     if not isinstance(piece, str) or not piece:
