@@ -247,6 +247,8 @@ def test_logprobs_are_the_python_apis_in_openais_shapes_streamed_or_not(srv, cli
     (chat(documents=[" "]), 400, "document 1 is empty"),
     (chat(documents=[{"text": "x", "page": 3}]), 400, "documents.0"),
     (chat(n=2), 400, "n:"),
+    (chat(stream_options={"include_usage": True}), 400, "stream_options is only allowed when stream is true"),
+    (chat(stream=False, stream_options={"include_usage": True}), 400, "stream_options"),
     (chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     (chat(top_logprobs=2), 400, "top_logprobs needs logprobs: true"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools is not supported"),

@@ -402,3 +402,26 @@ def test_the_token_rate_keeps_one_window_when_nobody_scrapes(monkeypatch):
     rate = [line for line in metrics.exposition().decode().splitlines()
             if line.startswith("kvblend_output_tokens_per_second ")]
     assert float(rate[0].split()[-1]) == pytest.approx(per_s, rel=0.01)
+
+
+def test_requests_a_stopping_server_cannot_finish_get_a_503_not_a_500(engine):
+    """Shutdown is neither the client's fault nor a bug: a queued request, and one that arrives after the
+    scheduler stopped, get 503 (another replica may answer), where both got "internal error: RuntimeError"."""
+    from starlette.testclient import TestClient
+
+    from blend.serve.scheduler import ShuttingDownError
+
+    app = create_app(engine, ServeConfig(model=TINY, scheduler=SchedulerConfig(max_concurrency=1),
+                                         limits=Limits(max_tokens=4000)))
+    sched = app.state.scheduler
+    sched.start()
+    events = []
+    prompt = engine.build_prompt("q?", make_docs(1))
+    sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=3000, ignore_eos=True), events.append)
+    sched.submit(prompt, ReusePolicy.exact(), GenerationConfig(max_tokens=2), events.append)  # waits for the slot
+    sched.close()
+    failed = [e.error for e in events if e.kind is EventKind.FAILED]
+    assert failed and all(isinstance(e, ShuttingDownError) for e in failed)
+    r = TestClient(app).post("/v1/chat/completions", json=chat())  # no lifespan: the scheduler stays stopped
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    assert "shutting down" in r.json()["error"]["message"]

@@ -40,7 +40,7 @@ from blend.serve.protocol import (
     text_chunk, usage_chunk,
 )
 from blend.serve.intake import ApiError, Job, prepare
-from blend.serve.scheduler import Event, EventKind, QueueFullError, Scheduler, Ticket
+from blend.serve.scheduler import Event, EventKind, QueueFullError, Scheduler, ShuttingDownError, Ticket
 from blend.serve.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -176,6 +176,8 @@ class _TicketStream(StreamingResponse):
 def _error_for(error: BaseException) -> ApiError:
     if isinstance(error, KVBlendError):  # the request asked for something the engine refuses
         return ApiError(400, str(error))
+    if isinstance(error, ShuttingDownError):  # not the request's fault, nor a bug: another replica may answer
+        return ApiError(503, str(error), ErrorType.SERVER, code="shutting_down")
     log.error("request failed: %s: %s", type(error).__name__, error)
     return ApiError(500, f"internal error: {type(error).__name__}", ErrorType.SERVER)
 
@@ -264,6 +266,8 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
         except QueueFullError as e:
             raise ApiError(429, str(e), ErrorType.RATE_LIMIT, code="queue_full",
                            headers={"Retry-After": str(e.retry_after_s)}) from None
+        except ShuttingDownError as e:
+            raise _error_for(e) from None
         watch = _Watch(request, queue, ticket)
         try:
             first = await watch.next()

@@ -106,6 +106,13 @@ class QueueFullError(KVBlendError):
         self.retry_after_s = retry_after_s
 
 
+class ShuttingDownError(RuntimeError):
+    """The scheduler stopped (or is stopping) before the request could finish: the server's 503."""
+
+    def __init__(self, message: str = "server shutting down") -> None:
+        super().__init__(message)
+
+
 class EventKind(Enum):
     STARTED = "started"  # prefill done: report, TTFT and the first text
     TEXT = "text"  # more text
@@ -293,7 +300,7 @@ class Scheduler:
             t.join(timeout)
         self._threads.clear()
         for job in left:
-            self._emit(job, Event(EventKind.FAILED, error=RuntimeError("server shutting down")))
+            self._emit(job, Event(EventKind.FAILED, error=ShuttingDownError()))
 
     def wake(self) -> None:
         with self._cond:
@@ -353,11 +360,12 @@ class Scheduler:
 
         Raises:
             QueueFullError: no slot and no queue place.
+            ShuttingDownError: the scheduler is not running.
         """
         cfg = self.config
         with self._cond:
             if not self._running:
-                raise RuntimeError("scheduler is not running")
+                raise ShuttingDownError("server not running (shutting down)")
             if self._active + len(self._waiting) >= cfg.max_concurrency + cfg.max_queue:
                 raise QueueFullError(
                     f"server busy: {self._active} requests running and {len(self._waiting)} queued "
@@ -533,7 +541,7 @@ class Scheduler:
                                 or self._decode_loop_prefill_due())
             if not self._running:
                 for job in batch:
-                    self._emit(job, Event(EventKind.FAILED, error=RuntimeError("server shutting down")))
+                    self._emit(job, Event(EventKind.FAILED, error=ShuttingDownError()))
                 batch.clear()
                 return False
             joining = list(self._incoming)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from blend.defaults import (
     DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO,
@@ -164,6 +164,12 @@ class _Common(BaseModel):
             if not text.strip():
                 raise ValueError(f"document {i + 1} is empty")
         return docs
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:  # OpenAI and vLLM answer 400 too
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     def refused_field(self) -> str | None:
         """A field set to something kvblend cannot honour (it would change the answer), or None."""
