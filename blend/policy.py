@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from enum import Enum
 
@@ -124,6 +125,17 @@ class ReusePolicy:
         def bad_ratio(r: float) -> bool:
             return not finite_real(r) or not 0.0 <= r <= 1.0
 
+        if not isinstance(self.mode, ReuseMode):  # a plain string would fall through to the blend path
+            raise InvalidPolicyError(f"mode must be a ReuseMode, got {self.mode!r:.60}")
+        if self.prefix_limit is not None and not _integer(self.prefix_limit):
+            raise InvalidPolicyError(f"prefix_limit must be an integer >= 0 or None, got {shown(self.prefix_limit)}")
+        if not isinstance(self.check_layers, (tuple, list)) or not all(map(_integer, self.check_layers)):
+            raise InvalidPolicyError(f"check_layers must be a sequence of layer numbers, got {self.check_layers!r:.80}")
+        if self.layer_ratios is not None and not isinstance(self.layer_ratios, (tuple, list)):
+            raise InvalidPolicyError(f"layer_ratios must be a sequence or None, got {self.layer_ratios!r:.80}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
+            # torch.Generator.manual_seed (the random selector) takes a Python int, not numpy's
+            raise InvalidPolicyError(f"seed must be an integer in [0, 2**63), got {shown(self.seed)}")
         for name in ("ratio", "max_ratio", "guard_ratio", "auto_target", "reused_temperature"):
             if not finite_real(getattr(self, name)):
                 raise InvalidPolicyError(f"{name} must be a finite number, got {shown(getattr(self, name))}")
@@ -242,3 +254,8 @@ class ReusePolicy:
         cand = f":cand={self.candidates:g}" if self.needs_probe and self.candidates is not None else ""
         temp = f":temp={self.reused_temperature:g}" if self.reused_temperature != 1.0 else ""
         return f"blend@{what}:{self.selector}:check={checks}{probe}{cand}{temp}{guard}"
+
+
+def _integer(x: object) -> bool:
+    """Whether ``x`` is an integer (numpy's included), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)

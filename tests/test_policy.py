@@ -1,0 +1,56 @@
+"""ReusePolicy validation: a value the engine cannot run is an InvalidPolicyError at construction,
+never a TypeError deep inside a prefill, and never a silent change of what the request does."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from blend.errors import InvalidPolicyError
+from blend.policy import ReuseMode, ReusePolicy
+
+
+@pytest.mark.parametrize("mode", ["exact", "none", "blend", None, 1])
+def test_a_mode_that_is_not_a_reuse_mode_is_refused(mode):
+    """A string "exact" used to pass, and every check in the engine (``is ReuseMode.EXACT``) then missed
+    it: the request ran the blend path, the explicit opt-in skipped."""
+    with pytest.raises(InvalidPolicyError, match="mode must be a ReuseMode"):
+        ReusePolicy(mode=mode)
+
+
+@pytest.mark.parametrize("limit", [math.nan, 1.5, True, "2", -1])
+def test_a_prefix_limit_that_is_not_a_segment_count_is_refused(limit):
+    with pytest.raises(InvalidPolicyError, match="prefix_limit"):
+        ReusePolicy.exact(prefix_limit=limit)
+
+
+@pytest.mark.parametrize("layers", [(math.nan,), (0.5,), ("1",), (True,), 1, "1"])
+def test_check_layers_that_are_not_layer_numbers_are_refused(layers):
+    with pytest.raises(InvalidPolicyError, match="check_layers"):
+        ReusePolicy(mode=ReuseMode.BLEND, check_layers=layers)
+
+
+@pytest.mark.parametrize("ratios", [0.1, "0.1"])
+def test_layer_ratios_that_are_not_a_sequence_are_refused(ratios):
+    with pytest.raises(InvalidPolicyError, match="layer_ratios"):
+        ReusePolicy.blend(layer_ratios=ratios)
+
+
+@pytest.mark.parametrize("seed", [math.nan, 1.5, -1, 2**64, "7", None, np.int64(3)])
+def test_a_seed_the_random_selector_cannot_use_is_refused(seed):
+    with pytest.raises(InvalidPolicyError, match="seed"):
+        ReusePolicy.blend(selector="random", seed=seed)
+
+
+def test_integer_settings_of_any_integer_type_are_kept(tiny_engine):
+    """numpy integers and lists are what a config loader hands over: they stay valid and run."""
+    exact = ReusePolicy.exact(prefix_limit=np.int64(1))
+    blend = ReusePolicy(mode=ReuseMode.BLEND, check_layers=[np.int64(1)], selector="random", seed=3,
+                        guard_margin=None)
+    prompt = tiny_engine.build_prompt("Which?", ["Alpha beta gamma.", "Delta epsilon zeta."])
+    tiny_engine.generate(prompt, exact, max_new_tokens=1)
+    again = tiny_engine.generate(prompt, exact, max_new_tokens=1)  # only the preamble is looked up and stored
+    assert [s.reuse_class.value for s in again.report.segments] == ["exact", "computed", "computed", "computed"]
+    assert tiny_engine.generate(prompt, blend, max_new_tokens=1).report.policy.startswith("blend@")
