@@ -136,6 +136,9 @@ class ReusePolicy:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
             # torch.Generator.manual_seed (the random selector) takes a Python int, not numpy's
             raise InvalidPolicyError(f"seed must be an integer in [0, 2**63), got {shown(self.seed)}")
+        for name in ("force", "semantic"):
+            if not isinstance(getattr(self, name), bool):  # "false" is truthy: it would switch it on
+                raise InvalidPolicyError(f"{name} must be true or false, got {getattr(self, name)!r:.40}")
         for name in ("ratio", "max_ratio", "guard_ratio", "auto_target", "reused_temperature"):
             if not finite_real(getattr(self, name)):
                 raise InvalidPolicyError(f"{name} must be a finite number, got {shown(getattr(self, name))}")
@@ -175,7 +178,7 @@ class ReusePolicy:
             raise InvalidPolicyError(f"guard_ratio must be in [0, 1], got {self.guard_ratio}")
         if self.threshold is not None and (math.isnan(self.threshold) or self.threshold < 0):
             raise InvalidPolicyError(f"threshold must be >= 0, got {self.threshold}")
-        if not isinstance(self.min_prompt_tokens, int) or self.min_prompt_tokens < 0:
+        if not _integer(self.min_prompt_tokens) or self.min_prompt_tokens < 0:
             raise InvalidPolicyError(f"min_prompt_tokens must be an integer >= 0, got {self.min_prompt_tokens}")
         if not isinstance(self.budget, BudgetMode):
             raise InvalidPolicyError(f"budget must be a BudgetMode, got {self.budget!r}")

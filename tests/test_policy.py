@@ -54,3 +54,16 @@ def test_integer_settings_of_any_integer_type_are_kept(tiny_engine):
     again = tiny_engine.generate(prompt, exact, max_new_tokens=1)  # only the preamble is looked up and stored
     assert [s.reuse_class.value for s in again.report.segments] == ["exact", "computed", "computed", "computed"]
     assert tiny_engine.generate(prompt, blend, max_new_tokens=1).report.policy.startswith("blend@")
+
+
+@pytest.mark.parametrize("name, value", [("semantic", "false"), ("semantic", 1), ("force", "no"), ("force", None)])
+def test_switches_take_only_true_or_false(name, value):
+    """``semantic="false"`` is truthy: it turned the experimental donor reuse on."""
+    with pytest.raises(InvalidPolicyError, match=f"{name} must be true or false"):
+        ReusePolicy.blend(**{name: value})
+
+
+@pytest.mark.parametrize("n", [True, 1.0, "5"])
+def test_min_prompt_tokens_is_a_count(n):
+    with pytest.raises(InvalidPolicyError, match="min_prompt_tokens"):
+        ReusePolicy.blend(min_prompt_tokens=n)
