@@ -21,7 +21,7 @@ def measure(tokenizer, ids: list[int]) -> tuple[float, float]:
     """Seconds to keep the text of ``ids`` current token by token: (incremental, whole decode per step).
 
     Raises:
-        AssertionError: the two texts differ.
+        RuntimeError: the two texts differ.
     """
     t0 = time.perf_counter()
     inc = IncrementalText(tokenizer)
@@ -33,7 +33,8 @@ def measure(tokenizer, ids: list[int]) -> tuple[float, float]:
     for n in range(1, len(ids) + 1):
         full = tokenizer.decode(ids[:n], skip_special_tokens=True)
     t_full = time.perf_counter() - t0
-    assert inc.text == full, "incremental text differs from the whole decode"
+    if inc.text != full:
+        raise RuntimeError("the incremental text differs from the whole decode")
     return t_inc, t_full
 
 

@@ -54,6 +54,9 @@ def test_an_engine_in_bf16_on_an_emulating_cpu_warns_and_still_runs(monkeypatch)
     with pytest.warns(EmulatedDtypeWarning):
         eng = Engine.load("tiny-llama", dtype="bfloat16")
     assert eng.runner.dtype == torch.bfloat16
+    ans = eng.generate(eng.build_prompt("Which?", ["The harbor lies north."]), max_new_tokens=2,
+                       stop_at_newline=False)  # still runs: a bf16 answer, not a refusal
+    assert len(ans.token_ids) == 2 and bool(torch.isfinite(ans.first_logits).all())
     monkeypatch.setattr(cpu_features, "this_cpu_flags", lambda: cpu_flags(SAPPHIRE))
     with warnings.catch_warnings():
         warnings.simplefilter("error", EmulatedDtypeWarning)

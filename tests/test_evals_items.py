@@ -10,7 +10,7 @@ from blend.evals.cli import configure_parser, run_eval
 from blend.evals.data import load_items
 from blend.evals.splits import ItemRangeError, parse_item_range
 from blend.evals.methods import parse_method
-from blend.evals.report import markdown, validate_results, worst_items
+from blend.evals.report import SchemaError, markdown, validate_results, worst_items
 from test_evals_harness import FakeEngine, _strip_timings
 
 METHODS = "full,reuse,blend@0.5:v,blend@0.2:k"
@@ -118,7 +118,7 @@ def test_validator_rejects_a_bad_tail_field(tmp_path):
     assert run_eval(_args(tmp_path, "--items", "0-1"), _factory([]), policy_of=lambda m: m) == 0
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     res["methods"]["reuse"]["kl_ci"] = [0.3, 0.1]
-    with pytest.raises(Exception, match="kl_ci"):
+    with pytest.raises(SchemaError, match="kl_ci"):
         validate_results(res)
 
 
@@ -142,7 +142,7 @@ def test_results_md_lists_first_token_flips_with_the_references_own_gap(tmp_path
     assert line == f"| `blend@0.5:v` | 2 | 1 | {res['items'][1]['index']} (0.04), {res['items'][4]['index']} (1.50) |"
     assert "`reuse`" not in block  # no flips, no row
     res["items"][0]["ref_margin"] = "wide"
-    with pytest.raises(Exception, match="ref_margin"):
+    with pytest.raises(SchemaError, match="ref_margin"):
         validate_results(res)
 
 

@@ -121,9 +121,16 @@ def test_rejected_entry_is_reported_and_recomputed(tiny_engine):
 
 def test_stops_at_eos_and_max_tokens(tiny_engine):
     prompt = tiny_engine.build_prompt("Q?", make_docs(1))
+    longer = tiny_engine.generate(prompt, max_new_tokens=6, stop_at_newline=False)
+    assert len(longer.token_ids) == 6 and not set(longer.token_ids) & tiny_engine.eos_ids  # no EOS: the budget ends it
     ans = tiny_engine.generate(prompt, max_new_tokens=3, stop_at_newline=False)
-    assert len(ans.token_ids) <= 3
-    assert not set(ans.token_ids) & tiny_engine.eos_ids
+    assert ans.token_ids == longer.token_ids[:3]  # max_new_tokens stops after exactly that many tokens
+    # the third greedy token as an end-of-sequence token: decoding stops there and does not emit it
+    eos = longer.token_ids[2]
+    tiny_engine.eos_ids = tiny_engine.eos_ids | {eos}
+    stopped = tiny_engine.generate(prompt, max_new_tokens=6, stop_at_newline=False)
+    assert stopped.token_ids == longer.token_ids[:longer.token_ids.index(eos)]
+    assert len(stopped.token_ids) < 6 and eos not in stopped.token_ids
 
 
 def test_first_document_is_an_exact_hit_on_its_canonical_chunk(tiny_engine_factory):

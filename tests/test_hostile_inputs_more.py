@@ -349,7 +349,17 @@ def test_jsonl_documents_are_always_utf8(tmp_path_factory, texts):
     fr = read_file(p)
     for d in fr.documents:
         d.text.encode("utf-8")
-    assert len(fr.documents) + len(fr.issues) >= 1
+    # every line is either a document (its text, whole) or an issue: a surrogate is NOT_UTF8, blank is EMPTY
+    want_docs, want_issues = [], []
+    for line, t in enumerate(texts, start=1):
+        if any("\ud800" <= c <= "\udfff" for c in t):
+            want_issues.append((line, IssueKind.NOT_UTF8))
+        elif not t.strip():
+            want_issues.append((line, IssueKind.EMPTY))
+        else:
+            want_docs.append((line, t))
+    assert [(d.line, d.text) for d in fr.documents] == want_docs
+    assert [(i.line, i.kind) for i in fr.issues] == want_issues
 
 
 # ---- 8. redis: the fetch is bounded by the size checked -----------------------------------------------
