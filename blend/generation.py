@@ -38,7 +38,6 @@ from blend.report import ReuseReport
 from blend.sampling import GenerationConfig, Sampler
 
 
-
 class FinishReason(Enum):
     STOP = "stop"  # EOS, a stop string or the newline rule
     LENGTH = "length"  # max_tokens
