@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefill worker is busy)")
     p.add_argument("--decode-loop-prefill-share", type=float, default=None, metavar="S",
                    help="let the decode loop also run waiting prefills while it has sequences to decode, "
-                        "up to this share of its time (0-1; default: only when it has nothing to decode): "
+                        "up to this share of its time (above 0, at most 1; default: only when it has nothing to decode): "
                         "more tokens/s under a queue, streams pause while it prefills")
     p.add_argument("--refine-after", type=int, default=sch.refine_after or 0, metavar="N",
                    help="compute the exact KV of a document order on an idle prefill worker once N blends saw "
