@@ -240,6 +240,7 @@ class Generation:
         self.prompt = prompt
         self.policy = policy or ReusePolicy.exact()
         self.config = config or GenerationConfig()
+        self.config.check_vocabulary(engine.dims.vocab)
         self.batching = batching
         self.stream = TokenStream(engine.tokenizer, engine.eos_ids, self.config)
         self._completion: Completion | None = None

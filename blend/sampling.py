@@ -126,6 +126,20 @@ class GenerationConfig:
         """Argmax decoding: temperature 0, or one too small to divide float32 logits by."""
         return self.temperature < MIN_SAMPLING_TEMPERATURE
 
+    def check_vocabulary(self, vocab: int) -> None:
+        """Refuse ``logit_bias`` ids outside a model's vocabulary (a bias on no token would be ignored).
+
+        Args:
+            vocab: the model's vocabulary size (its logits' length).
+
+        Raises:
+            InvalidSettingError: an id >= ``vocab``.
+        """
+        outside = sorted(t for t, _ in self.logit_bias if t >= vocab)
+        if outside:
+            raise InvalidSettingError("logit_bias", f"logit_bias: token id(s) {outside[:5]} are not in this model's "
+                                                    f"vocabulary (0..{vocab - 1})")
+
     @property
     def adjusts_logits(self) -> bool:
         """Penalties or a logit bias change the logits before sampling."""
@@ -172,7 +186,7 @@ def adjust_logits(logits: torch.Tensor, config: GenerationConfig, counts: dict[i
         ids = torch.tensor(list(counts), dtype=torch.long)  # (n,)
         n = torch.tensor(list(counts.values()), dtype=torch.float32)  # (n,) each >= 1: every token is present
         out[ids] -= config.frequency_penalty * n + config.presence_penalty
-    for tok, bias in config.logit_bias:
+    for tok, bias in config.logit_bias:  # ids checked against the vocabulary (check_vocabulary) first
         if tok < out.shape[0]:
             out[tok] += bias
     return out

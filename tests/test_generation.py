@@ -160,3 +160,14 @@ def test_a_long_answer_decodes_a_window_per_token_not_the_whole_answer():
     pieces = [s.step(forced(b)) for b in text]
     assert s.finished and "".join(pieces) == s.text == text.decode()
     assert sum(decoded) < 8 * len(text)  # was ~len(text)^2 / 2
+
+
+def test_a_logit_bias_on_a_token_outside_the_vocabulary_is_refused(tiny_engine):
+    """The server refused such ids; the Python API silently ignored the bias."""
+    from blend.sampling import InvalidSettingError
+
+    prompt = tiny_engine.build_prompt("Which?", make_docs(1))
+    with pytest.raises(InvalidSettingError, match=r"\[259, 100000\] are not in this model's vocabulary \(0..258\)"):
+        generate(tiny_engine, prompt, config=GenerationConfig(max_tokens=2, logit_bias=((100000, 5.0), (259, 1.0))))
+    ok = generate(tiny_engine, prompt, config=GenerationConfig(max_tokens=2, logit_bias=((258, -100.0),)))
+    assert 258 not in ok.token_ids
