@@ -26,6 +26,7 @@ from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_GEMM, DEFAULT_
 from blend.errors import InvalidPolicyError, InvalidRequestError, PromptTooLongError
 from blend.gate import GateVerdict, QualityGate
 from blend.gemm import GemmBackend, pick_gemm_backend
+from blend.generation import logits_sha256
 from blend.keys import Namespace, Provenance, key_hex
 from blend.kernels import attention_label
 from blend.kvcache import KVCache
@@ -78,7 +79,7 @@ class Answer:
 
     def logits_sha256(self) -> str:
         """sha256 of the float32 bytes of :attr:`first_logits` (copied to the CPU from an accelerator)."""
-        return hashlib.sha256(self.first_logits.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
+        return logits_sha256(self.first_logits)
 
 
 class BlendGate(Protocol):
