@@ -26,6 +26,11 @@ def finite_real(x: object) -> bool:
         return False
 
 
+def integral(x: object) -> bool:
+    """Whether ``x`` is an integer (numpy's included), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def shown(x: object) -> str:
     """``repr`` of a rejected value, short (an integer of thousands of digits by its size)."""
     if isinstance(x, int) and not isinstance(x, bool) and abs(x) > HUGE_INT_SHOWN:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from enum import Enum
 
@@ -22,7 +21,7 @@ from blend.defaults import (
     DEFAULT_SELECTOR, REUSED_TEMPERATURE_RANGE,
 )
 from blend.errors import InvalidPolicyError
-from blend.numeric import finite_real, shown
+from blend.numeric import finite_real, integral, shown
 
 SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe", "probe_attn")
 PROBE_SELECTORS = ("probe", "probe_attn")  # selectors that need the query probe (issue 14)
@@ -127,9 +126,9 @@ class ReusePolicy:
 
         if not isinstance(self.mode, ReuseMode):  # a plain string would fall through to the blend path
             raise InvalidPolicyError(f"mode must be a ReuseMode, got {self.mode!r:.60}")
-        if self.prefix_limit is not None and not _integer(self.prefix_limit):
+        if self.prefix_limit is not None and not integral(self.prefix_limit):
             raise InvalidPolicyError(f"prefix_limit must be an integer >= 0 or None, got {shown(self.prefix_limit)}")
-        if not isinstance(self.check_layers, (tuple, list)) or not all(map(_integer, self.check_layers)):
+        if not isinstance(self.check_layers, (tuple, list)) or not all(map(integral, self.check_layers)):
             raise InvalidPolicyError(f"check_layers must be a sequence of layer numbers, got {self.check_layers!r:.80}")
         if self.layer_ratios is not None and not isinstance(self.layer_ratios, (tuple, list)):
             raise InvalidPolicyError(f"layer_ratios must be a sequence or None, got {self.layer_ratios!r:.80}")
@@ -178,7 +177,7 @@ class ReusePolicy:
             raise InvalidPolicyError(f"guard_ratio must be in [0, 1], got {self.guard_ratio}")
         if self.threshold is not None and (math.isnan(self.threshold) or self.threshold < 0):
             raise InvalidPolicyError(f"threshold must be >= 0, got {self.threshold}")
-        if not _integer(self.min_prompt_tokens) or self.min_prompt_tokens < 0:
+        if not integral(self.min_prompt_tokens) or self.min_prompt_tokens < 0:
             raise InvalidPolicyError(f"min_prompt_tokens must be an integer >= 0, got {self.min_prompt_tokens}")
         if not isinstance(self.budget, BudgetMode):
             raise InvalidPolicyError(f"budget must be a BudgetMode, got {self.budget!r}")
@@ -257,8 +256,3 @@ class ReusePolicy:
         cand = f":cand={self.candidates:g}" if self.needs_probe and self.candidates is not None else ""
         temp = f":temp={self.reused_temperature:g}" if self.reused_temperature != 1.0 else ""
         return f"blend@{what}:{self.selector}:check={checks}{probe}{cand}{temp}{guard}"
-
-
-def _integer(x: object) -> bool:
-    """Whether ``x`` is an integer (numpy's included), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
