@@ -184,12 +184,13 @@ class TokenNamer:
         m = _TOKEN_ID.fullmatch(tok) if isinstance(tok, str) else None
         tid = int(m.group(1)) if m else -1
         if not 0 <= tid < len(self.tokenizer):
-            return tok, list(str(tok).encode("utf-8"))
+            return _plain_name(tok)
         text = tok if self.as_ids else self.tokenizer.decode([tid])
         return text, list(token_bytes(self.tokenizer, tid))
 
 
 def _plain_name(tok: Any) -> tuple[Any, list[int]]:
+    """A token named by its text: (the text, its UTF-8)."""
     return tok, list(str(tok).encode("utf-8"))
 
 

@@ -196,6 +196,11 @@ class DocumentsMiddleware:
         mc = cfg.model_config
         return served_tokenizer(str(getattr(mc, "tokenizer", None) or mc.model))
 
+    def _rewrite(self, scope: Scope, body: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The served tokenizer and the chat body laid out as a completions body (one worker-thread hop)."""
+        tokenizer = self._tokenizer_for(scope)
+        return tokenizer, chat_to_completion(body, tokenizer)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope.get("type") != "http" or scope.get("method") != "POST"
                 or not scope.get("path", "").endswith(CHAT_PATH) or not authorized(scope)):
@@ -215,8 +220,7 @@ class DocumentsMiddleware:
             await self.app(scope, replay, send)
             return
         try:
-            tokenizer = await asyncio.to_thread(self._tokenizer_for, scope)
-            completion = await asyncio.to_thread(lambda: chat_to_completion(body, tokenizer))
+            tokenizer, completion = await asyncio.to_thread(self._rewrite, scope, body)
         except InvalidRequestError as e:
             await _respond(send, 400, _error_body(400, str(e)))
             return
