@@ -346,7 +346,10 @@ class DonorIndex:
             (donor, estimated similarity) pairs, similarity descending, ties by registration order.
         """
         pre = token_digest(preamble_ids)
-        sig = minhash(token_ids)  # (H,)
+        with self._lock:
+            if not self._by_pre.get(pre):  # no donor under this preamble: no signature to compute
+                return []
+        sig = minhash(token_ids)  # (H,) outside the lock
         with self._lock:  # the donor list and its signature matrix, as one consistent pair
             donors = self._by_pre.get(pre)
             if not donors:
