@@ -162,7 +162,6 @@ class _TicketStream(StreamingResponse):
     def __init__(self, content: AsyncGenerator[str, None], ticket: Ticket) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._content = content
         self.ticket = ticket
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -170,7 +169,7 @@ class _TicketStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.ticket.cancel()  # a no-op when the answer finished
-            await self._content.aclose()
+            await self.body_iterator.aclose()  # the content itself (an async generator is kept as given)
 
 
 def _error_for(error: BaseException) -> ApiError:
