@@ -96,16 +96,27 @@ def _namespaces(args: argparse.Namespace) -> list[Namespace]:
     return [Namespace(ns)] if ns else list(Namespace)
 
 
+def _down_tiers(tiers: list, what: str) -> list:
+    """Say on stderr which of ``tiers`` could not be reached (so ``what`` left them out).
+
+    Returns:
+        The tiers that are down.
+    """
+    down = []
+    for t in tiers:
+        if why := t.check_reachable():
+            print(f"kvblend store: tier {t.name} unreachable ({why}); {what}", file=sys.stderr)
+            down.append(t)
+    return down
+
+
 def _unreachable(store: InspectableStore, what: str) -> int:
-    """Say on stderr which tiers could not be reached (so ``what`` left them out).
+    """:func:`_down_tiers` over every tier of ``store``.
 
     Returns:
         ``EXIT_UNREACHABLE`` if any tier is down, else 0.
     """
-    down = [(t.name, why) for t in _tiers(store) if (why := t.check_reachable())]
-    for name, why in down:
-        print(f"kvblend store: tier {name} unreachable ({why}); {what}", file=sys.stderr)
-    return EXIT_UNREACHABLE if down else 0
+    return EXIT_UNREACHABLE if _down_tiers(_tiers(store), what) else 0
 
 
 def _stats(store: InspectableStore, as_json: bool, out: TextIO) -> int:
@@ -227,14 +238,9 @@ def _prune(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> in
     if not disks:
         print("kvblend store prune: the store has no disk tier (Redis expires entries with ?ttl=)", file=sys.stderr)
         return 2
-    reachable = []
-    for t in disks:
-        if why := t.check_reachable():
-            print(f"kvblend store: tier {t.name} unreachable ({why}); it is not pruned", file=sys.stderr)
-        else:
-            reachable.append(t)
-    rows = [(str(t.root), t.prune(args.max_bytes)) for t in reachable]
-    status = EXIT_UNREACHABLE if len(reachable) < len(disks) else 0
+    down = _down_tiers(disks, "it is not pruned")
+    rows = [(str(t.root), t.prune(args.max_bytes)) for t in disks if not any(t is d for d in down)]
+    status = EXIT_UNREACHABLE if down else 0
     if args.json:
         json.dump([{"root": root, **asdict(r)} for root, r in rows], out, indent=1)
         out.write("\n")
