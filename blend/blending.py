@@ -237,6 +237,8 @@ def plan_blend(model: ModelRunner, prompt: Prompt, blended: list[ChunkKV], n_exa
     dev = model.device
     q = prompt.question
     nq = len(q)
+    if any(c.kv.rotated for c in blended):  # K after RoPE holds one placement only: never re-positioned
+        raise ValueError("a blended document's KV must hold K before RoPE (an EXACT entry is loaded, not blended)")
     lens = [c.kv.num_tokens for c in blended]
     nb = sum(lens)
     starts = tuple(itertools.accumulate(lens[:-1], initial=0))  # each document's first row relative to e

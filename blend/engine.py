@@ -38,7 +38,7 @@ from blend.probe_pass import probe_gemm_dtype, resolve_probe_precision
 from blend.prompt import Prompt, Segment, SegmentKind, Turn, build_prompt, preamble_segment
 from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport, Timings
 from blend.rope import rope_config_json
-from blend.segments import SegmentCache
+from blend.segments import SegmentCache, prefix_namespaces
 from blend.store.base import KVStore
 from blend.store.memory import MemoryStore
 
@@ -326,7 +326,8 @@ class Engine:
                 logits, tail, _ = self.segments.compute_question(cache, cacheable, prompt.question, True, salt,
                                                                  attached=True)
                 return _Prefilled(logits, (*hot, *tail), 0.0)
-        keys = self.segments.prefix_keys(cacheable, salt) if use_store else [(Namespace.EXACT, None)] * len(cacheable)
+        keys = (self.segments.prefix_keys(cacheable, salt) if use_store
+                else [(ns, None) for ns in prefix_namespaces(cacheable)])
         rows, lookup_s, start = [], 0.0, cache.length
         for seg, (_, key), done in zip(cacheable, keys, self.segments.append_run(cache, cacheable, keys)):
             rows.append(SegmentReport(seg.kind, done.reuse_class, len(seg), start, key_hex(key) if key else "",

@@ -11,6 +11,14 @@ segment i-1, so a segment only hits behind the very same prefix::
     preamble      doc A          doc B          question
     k0=H(P,t0) -> k1=H(k0,tA) -> k2=H(k1,tB) -> (never stored)
 
+Because that chain fixes every token before a segment, it fixes the segment's
+positions too: an EXACT entry holds K *after* RoPE at those positions (a load
+copies it), while CANONICAL and APPROX entries hold K before RoPE (a load
+rotates it to wherever the prompt places the chunk); see
+:attr:`Namespace.k_after_rope`. The chain's root names that form
+(``EXACT_ROOT``), so an entry stored in the earlier form (K before RoPE under
+an EXACT key) is never reached again.
+
 Canonical chunk keys (blend) hash the preamble's tokens and the chunk's own
 tokens only: the chunk is always computed alone right after the preamble.
 
@@ -42,6 +50,17 @@ class Namespace(Enum):
     EXACT = "exact"  # prefix-chained segments, bit-identical to a cold prefill
     CANONICAL = "canonical"  # a chunk computed alone right after the preamble
     APPROX = "approx"  # anything produced by a blended or semantic path
+
+    @property
+    def k_after_rope(self) -> bool:
+        """Whether this namespace's entries hold K after RoPE: EXACT ones, at the positions their prefix
+        chain fixes (a load copies them, no rotation); the others hold K before RoPE."""
+        return self is Namespace.EXACT
+
+
+# the root of every prefix chain; it names the EXACT entries' form (K after RoPE). Until 2026-12-06 the
+# root was b"exact-root" and EXACT entries held K before RoPE: those keys are never derived again.
+EXACT_ROOT = b"exact-root/k-after-rope"
 
 
 @dataclass(frozen=True)
@@ -104,7 +123,7 @@ def exact_chain(prov: Provenance, segments: Sequence[Sequence[int]], salt: str =
         keys[i] commits to the provenance, the salt and every token of segments 0..i.
     """
     keys: list[StoreKey] = []
-    prev = _salted(b"exact-root" + prov.digest(), salt)
+    prev = _salted(EXACT_ROOT + prov.digest(), salt)
     for seg in segments:
         prev = hashlib.sha256(b"exact" + prev + token_digest(seg)).digest()
         keys.append(StoreKey(prev))

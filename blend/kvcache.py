@@ -8,8 +8,11 @@ from row order.
 
 K before RoPE is never kept here: the store holds it (for re-positioning),
 the cache holds what attention reads. :class:`KVEntry` is that stored form
-of one segment (K before RoPE, V, all layers): what a computed segment
-leaves behind and what a store returns.
+of one segment (K, V, all layers): what a computed segment leaves behind and
+what a store returns. Its K is before RoPE, except in an entry whose
+``rotated`` flag says it is after RoPE at the positions it was computed at
+(an EXACT entry, see :attr:`blend.keys.Namespace.k_after_rope`):
+:meth:`KVCache.entry` takes that form from a cache's rows.
 """
 
 from __future__ import annotations
@@ -24,14 +27,18 @@ class KVEntry:
     """KV rows of one segment, all layers.
 
     Attributes:
-        k: keys before RoPE, (L, Hkv, T, D).
+        k: keys, (L, Hkv, T, D): before RoPE, or after it where ``rotated``.
         v: values, (L, Hkv, T, D).
         provenance: canonical JSON of the producing :class:`~blend.keys.Provenance`.
+        rotated: k is after RoPE at the positions the entry was computed at: it can only be
+            loaded there (a copy). Not stored: a store's namespace says it
+            (:attr:`~blend.keys.Namespace.k_after_rope`), and the segment cache sets it on lookup.
     """
 
     k: torch.Tensor  # (L, Hkv, T, D)
     v: torch.Tensor  # (L, Hkv, T, D)
     provenance: str = ""  # "" until the segment cache stamps it for the store
+    rotated: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -183,6 +190,17 @@ class KVCache:
         self.materialize()
         self._k[layer][:, rows] = k_rot
         self._v[layer][:, rows] = v
+
+    def entry(self, start: int, end: int) -> KVEntry:
+        """Rows [start, end) of every layer as a new entry (a copy), K after RoPE as the cache holds it.
+
+        Returns:
+            A ``rotated`` :class:`KVEntry`, (L, Hkv, end - start, D) each.
+        """
+        self.materialize()
+        k = torch.stack([k[:, start:end] for k in self._k])  # (L, Hkv, S, D)
+        v = torch.stack([v[:, start:end] for v in self._v])  # (L, Hkv, S, D)
+        return KVEntry(k, v, rotated=True)
 
     def set_positions(self, start: int, positions: torch.Tensor) -> None:
         """Absolute positions of rows [start, start + S)."""

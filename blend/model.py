@@ -342,13 +342,15 @@ class LoadRun:
     stop: int
 
 
-def load_runs(lengths: Sequence[int], min_rows: int) -> list[LoadRun]:
+def load_runs(lengths: Sequence[int], min_rows: int, alone: Sequence[bool] | None = None) -> list[LoadRun]:
     """Split segments of these row counts into runs for :meth:`ModelRunner.load_many`: each segment of at
     least ``min_rows`` rows alone, each maximal stretch of shorter ones together.
 
     Args:
         lengths: rows of each segment, in order (at least one).
         min_rows: the shortest segment rotated on its own.
+        alone: per segment, whether it makes a run of its own whatever its length (an entry with K
+            already rotated: copied, never joined); None: none does.
 
     Returns:
         the runs, in order, covering every segment and row once.
@@ -356,7 +358,7 @@ def load_runs(lengths: Sequence[int], min_rows: int) -> list[LoadRun]:
     runs: list[LoadRun] = []
     row, joining = 0, False  # joining: the last run is a stretch of short segments
     for j, n in enumerate(lengths):
-        short = n < min_rows
+        short = n < min_rows and not (alone is not None and alone[j])
         if short and joining:
             last = runs[-1]
             runs[-1] = LoadRun(last.first, j + 1, last.start, row + n)
@@ -469,31 +471,34 @@ class ModelRunner:
         return h, rows.entry()
 
     def load(self, cache: KVCache, seg: KVEntry) -> None:
-        """Append a stored segment (K before RoPE) to ``cache`` at the next positions."""
+        """Append a stored segment to ``cache`` at the next positions (see :meth:`load_many`)."""
         self.load_many(cache, (seg,))
 
     def load_many(self, cache: KVCache, segs: Sequence[KVEntry]) -> None:
-        """Append stored segments (K before RoPE), in order, at the next positions.
+        """Append stored segments, in order, at the next positions.
 
-        Per layer, one concatenation of V straight into the cache, and K rotated straight from each
-        stored segment into the cache (one pass over its rows); runs of short segments are joined
-        first and rotated together (:func:`load_runs`), since a prefix of many short documents paid
-        ~6 ops per segment and layer. The same numbers as loading each in turn (RoPE is elementwise
-        per position, and the tables are indexed by position).
+        Per layer, one concatenation of V straight into the cache. K before RoPE is rotated straight
+        from each stored segment into the cache (one pass over its rows); runs of short segments are
+        joined first and rotated together (:func:`load_runs`), since a prefix of many short documents
+        paid ~6 ops per segment and layer. The same numbers as loading each in turn (RoPE is
+        elementwise per position, and the tables are indexed by position). An entry whose K is
+        already rotated (``rotated``: an EXACT entry, computed at exactly these positions) is copied.
 
         Args:
             cache: the request's cache (the segments go at its end).
-            segs: stored entries, (L, Hkv, S_j, D) K before RoPE and V each; none: nothing happens.
+            segs: stored entries, (L, Hkv, S_j, D) K and V each; none: nothing happens.
         """
         if not segs:
             return
         start = cache.length
-        runs = load_runs([int(e.k.shape[2]) for e in segs], LOAD_DIRECT_MIN_ROWS)
+        runs = load_runs([int(e.k.shape[2]) for e in segs], LOAD_DIRECT_MIN_ROWS, [e.rotated for e in segs])
         s = runs[-1].stop
         pos = torch.arange(start, start + s, device=self.device)  # (S,)
-        cos, sin = self.rope(pos)  # (S, R) float32
-        cos, sin = cos.to(self.dtype), sin.to(self.dtype)  # once, not per run and layer (apply_rope_into casts)
         cache.set_positions(start, pos)
+        rotate = [r for r in runs if not segs[r.first].rotated]
+        if rotate:
+            cos, sin = self.rope(pos)  # (S, R) float32
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)  # once, not per run and layer (apply_rope_into casts)
         joined = max((r.stop - r.start for r in runs if r.last - r.first > 1), default=0)
         d = self.dims
         scratch = (torch.empty(d.num_kv_heads * joined * d.head_dim, dtype=self.dtype, device=self.device)
@@ -506,6 +511,9 @@ class ModelRunner:
             else:
                 torch.cat(vs, dim=1, out=v_rows)  # straight into the cache
             for r in runs:
+                if segs[r.first].rotated:  # K after RoPE at these positions: a copy
+                    k_rows[:, r.start:r.stop].copy_(segs[r.first].k[i])
+                    continue
                 ks = [e.k[i].to(device=self.device, dtype=self.dtype) for e in segs[r.first:r.last]]  # (Hkv, S_j, D)
                 if len(ks) == 1:
                     k = ks[0]

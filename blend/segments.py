@@ -20,13 +20,16 @@ never touches a request's report:
 
 A segment computed here leaves exactly the rows a later load will see: with a
 lower storage dtype, the cache continues from the rounded rows (cold == warm).
+What it stores under an EXACT key is K after RoPE, taken from the cache's rows
+(a later load copies it); under a CANONICAL key, K before RoPE (a later load
+rotates it wherever the chunk lands). See :attr:`blend.keys.Namespace.k_after_rope`.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -72,7 +75,8 @@ class ChunkKV:
     """One document's KV for a blended request.
 
     Attributes:
-        kv: K before RoPE and V, all layers.
+        kv: K and V, all layers: K before RoPE (a canonical chunk, re-positioned by the blend), or after
+            it for a document found in the exact run (``kv.rotated``: loaded where it was computed).
         reuse_class: how it was obtained (EXACT/BLENDED for its own entry, SEMANTIC,
             COMPUTED on a miss, REJECTED when a found entry was unusable).
         key: hex canonical key.
@@ -99,6 +103,17 @@ class PendingChunk:
 
     key: StoreKey
     future: Future[Lookup] | None
+
+
+def prefix_namespaces(segments: Sequence[Segment]) -> list[Namespace]:
+    """Where each segment of a prompt's prefix is stored (:meth:`SegmentCache.prefix_keys`, without
+    keys): the first document right after the preamble under CANONICAL, every other segment under
+    EXACT. A schedule without the store computes each segment in its namespace's form too, so turning
+    the store off changes no bit (with a lower storage dtype the two forms round differently)."""
+    out = [Namespace.EXACT] * len(segments)
+    if len(segments) > 1 and segments[0].kind is SegmentKind.PREAMBLE and segments[1].kind is SegmentKind.DOCUMENT:
+        out[1] = Namespace.CANONICAL
+    return out
 
 
 class SegmentCache:
@@ -161,8 +176,8 @@ class SegmentCache:
         Returns:
             (namespace, key) per segment.
         """
-        keys = [(Namespace.EXACT, k) for k in self.exact_keys(segments, salt)]
-        if len(segments) > 1 and segments[0].kind is SegmentKind.PREAMBLE and segments[1].kind is SegmentKind.DOCUMENT:
+        keys = list(zip(prefix_namespaces(segments), self.exact_keys(segments, salt)))
+        if keys[1:] and keys[1][0] is Namespace.CANONICAL:
             keys[1] = (Namespace.CANONICAL, self.canonical_key(segments[0].token_ids, segments[1].token_ids, salt))
         return keys
 
@@ -189,8 +204,8 @@ class SegmentCache:
             return Found(None, "", seconds)
         if found.status is LookupStatus.HIT:
             why = self.shape_problem(found.entry, tokens)
-            if not why:
-                return Found(found.entry, "", seconds)
+            if not why:  # the namespace says which form its K is in (the codec does not keep the flag)
+                return Found(replace(found.entry, rotated=ns.k_after_rope), "", seconds)
             return Found(None, why, seconds)  # REJECTED: the caller recomputes it and overwrites the entry
         return Found(None, found.reason or "stored entry is unusable", seconds)
 
@@ -217,16 +232,24 @@ class SegmentCache:
 
     def _stored_form(self, kv: KVEntry) -> KVEntry:
         """The entry as the store keeps it: storage dtype, on the CPU, stamped with the provenance."""
-        return KVEntry(kv.k.to(self.kv_dtype).cpu(), kv.v.to(self.kv_dtype).cpu(), self.provenance_json)
+        return KVEntry(kv.k.to(self.kv_dtype).cpu(), kv.v.to(self.kv_dtype).cpu(), self.provenance_json, kv.rotated)
 
-    def _compute(self, cache: KVCache, ids: Sequence[int]) -> KVEntry:
-        """Compute a segment whose KV will be stored; leave exactly the stored rows in the cache."""
+    def _compute(self, cache: KVCache, ids: Sequence[int], ns: Namespace) -> KVEntry:
+        """Compute a segment whose KV will be stored under ``ns``; leave exactly the stored rows in the cache.
+
+        Returns:
+            Its KV in ``ns``'s form: for EXACT, K after RoPE as the cache holds it (``rotated``); else K
+            before RoPE.
+        """
         start = cache.length
-        _, kv = self.model.prefill(cache, self.model.ids(ids))
+        rotated = ns.k_after_rope
+        _, kv = self.model.prefill(cache, self.model.ids(ids), keep_kv=not rotated)
+        if rotated:
+            kv = cache.entry(start, cache.length)  # (L, Hkv, S, D) K after RoPE
         if self.kv_dtype != self.model.dtype:  # cold must equal warm: continue from the rounded rows
             cache.length = start
             dt = self.model.dtype
-            kv = KVEntry(kv.k.to(self.kv_dtype).to(dt), kv.v.to(self.kv_dtype).to(dt))
+            kv = KVEntry(kv.k.to(self.kv_dtype).to(dt), kv.v.to(self.kv_dtype).to(dt), rotated=rotated)
             self.model.load(cache, kv)
         return kv
 
@@ -272,7 +295,7 @@ class SegmentCache:
                 continue
             self.model.load_many(cache, hits)  # the rows this segment attends to
             hits = []
-            kv = self._compute(cache, seg.token_ids)
+            kv = self._compute(cache, seg.token_ids, ns)
             if found is None:
                 done.append(Appended(ReuseClass.COMPUTED, "", 0.0))
                 continue
@@ -295,7 +318,7 @@ class SegmentCache:
         """
         cache = self.model.new_cache(len(preamble) + len(ids))
         self.append_exact(cache, preamble, self.exact_keys([preamble], salt)[0])
-        return self._compute(cache, ids)
+        return self._compute(cache, ids, Namespace.CANONICAL)
 
     def compute_rest(self, cache: KVCache, segs: Sequence[Segment]) -> tuple[torch.Tensor, tuple[SegmentReport, ...]]:
         """Compute the remaining segments in one causal pass, storing nothing.
@@ -355,9 +378,9 @@ class SegmentCache:
                 start += len(part)
         last, key = parts[-1], keys[-1]
         start = cache.length
-        h, kv = self.model.prefill(cache, self.model.ids(last.token_ids), keep_kv=key is not None)  # (S, C)
+        h, _ = self.model.prefill(cache, self.model.ids(last.token_ids), keep_kv=False)  # (S, C)
         if key is not None:  # the next turn's earlier part: what it computes from scratch, rounded as stored
-            self.store.put(Namespace.EXACT, key, self._stored_form(kv))
+            self.store.put(Namespace.EXACT, key, self._stored_form(cache.entry(start, cache.length)))
         rows.append(SegmentReport(last.kind, ReuseClass.COMPUTED, len(last), start, key_hex(key) if key else ""))
         return self.model.logits(h[-1:])[0], tuple(rows), waited
 

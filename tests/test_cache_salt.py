@@ -5,7 +5,7 @@ import hashlib
 import pytest
 
 from blend.errors import InvalidPolicyError
-from blend.keys import Provenance, canonical_key, exact_chain, token_digest
+from blend.keys import EXACT_ROOT, Provenance, canonical_key, exact_chain, token_digest
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
 from conftest import make_docs, unguarded_blend
@@ -16,8 +16,8 @@ PRE, A, B = [1, 2, 3], [10, 11], [20, 21, 22]
 
 
 def test_empty_salt_keeps_the_keys_that_existed_before_salts():
-    # the formulas as they were before cache_salt was added
-    old_chain, prev = [], b"exact-root" + PROV.digest()
+    # the formulas as they were before cache_salt was added (the chain's root renamed since: EXACT_ROOT)
+    old_chain, prev = [], EXACT_ROOT + PROV.digest()
     for seg in (PRE, A, B):
         prev = hashlib.sha256(b"exact" + prev + token_digest(seg)).digest()
         old_chain.append(prev)

@@ -206,13 +206,13 @@ def test_hits_on_both_sides_of_a_miss_load_in_runs_and_equal_cold(tiny_engine_fa
 def test_load_many_equals_loading_each_in_turn(tiny_engine, stored, min_rows, monkeypatch):
     """Joined runs of short segments and long segments rotated straight from their entries (min_rows 1:
     each alone; 5: 7 and 30 alone, 1 and 2 joined; 1000: all joined) give the numbers of one load per
-    segment."""
+    segment; so does an entry with K already rotated in the middle of short ones (copied, never joined)."""
     monkeypatch.setattr(model_mod, "LOAD_DIRECT_MIN_ROWS", min_rows)
     runner = tiny_engine.runner
     L, H, D = runner.dims.num_layers, runner.dims.num_kv_heads, runner.dims.head_dim
     gen = torch.Generator().manual_seed(0)
-    entries = [KVEntry(torch.randn(L, H, n, D, generator=gen).to(stored), torch.randn(L, H, n, D, generator=gen).to(stored))
-               for n in (7, 1, 2, 30)]
+    entries = [KVEntry(torch.randn(L, H, n, D, generator=gen).to(stored), torch.randn(L, H, n, D, generator=gen).to(stored),
+                       rotated=rot) for n, rot in ((7, False), (1, False), (3, True), (2, False), (30, False))]
     one, many = runner.new_cache(50), runner.new_cache(50)
     for c in (one, many):
         runner.prefill(c, runner.ids([1, 2, 3]))  # something before: positions continue
@@ -220,22 +220,99 @@ def test_load_many_equals_loading_each_in_turn(tiny_engine, stored, min_rows, mo
         runner.load(one, e)
     runner.load_many(many, entries)
     runner.load_many(many, [])  # nothing
-    assert one.length == many.length == 43
-    assert torch.equal(one.pos[:43], many.pos[:43])
+    assert one.length == many.length == 46
+    assert torch.equal(one.pos[:46], many.pos[:46])
     for i in range(L):
         for a, b in zip(one.view(i), many.view(i)):
             assert torch.equal(a, b)
+        assert torch.equal(many.view(i)[0][:, 11:14], entries[2].k[i].to(runner.dtype))  # copied as it was
 
 
-@given(st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=12), st.integers(1, 200))
-def test_load_runs_cover_every_segment_once_and_join_only_short_ones(lengths, min_rows):
-    runs = model_mod.load_runs(lengths, min_rows)
+@given(st.lists(st.tuples(st.integers(min_value=1, max_value=300), st.booleans()), min_size=1, max_size=12),
+       st.integers(1, 200))
+def test_load_runs_cover_every_segment_once_and_join_only_short_ones(segments, min_rows):
+    lengths, alone = [n for n, _ in segments], [a for _, a in segments]
+    joinable = [n < min_rows and not a for n, a in segments]
+    runs = model_mod.load_runs(lengths, min_rows, alone)
+    assert model_mod.load_runs(lengths, min_rows) == model_mod.load_runs(lengths, min_rows, [False] * len(lengths))
     assert runs[0].first == 0 and runs[0].start == 0
     assert runs[-1].last == len(lengths) and runs[-1].stop == sum(lengths)
     for a, b in zip(runs, runs[1:]):
         assert (a.last, a.stop) == (b.first, b.start)  # contiguous, in order
-        assert not (lengths[a.last - 1] < min_rows and lengths[b.first] < min_rows)  # short stretches maximal
+        assert not (joinable[a.last - 1] and joinable[b.first])  # short stretches maximal
     for r in runs:
         assert r.stop - r.start == sum(lengths[r.first:r.last])
         if r.last - r.first > 1:
-            assert all(n < min_rows for n in lengths[r.first:r.last])  # only short segments are joined
+            assert all(joinable[r.first:r.last])  # only short segments are joined, never one kept alone
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
+def test_exact_entries_hold_k_after_rope_and_load_as_a_copy(tiny_engine_factory, kv_dtype, monkeypatch):
+    """An EXACT entry is the cache's own rows (K after RoPE at the positions its chain fixes), so a warm
+    request copies it (no rotation) and still equals cold; the first document (CANONICAL) stays K before
+    RoPE and is rotated."""
+    eng = tiny_engine_factory(kv_dtype=kv_dtype)
+    prompt = eng.build_prompt("What is listed?", make_docs(3))
+    cold = eng.generate(prompt, max_new_tokens=3, stop_at_newline=False, keep_cache=True)
+    nss = [ns for ns, _ in eng.segments.prefix_keys(prompt.segments[:-1])]
+    assert nss == [Namespace.EXACT, Namespace.CANONICAL, Namespace.EXACT, Namespace.EXACT]
+    for seg, (ns, key) in zip(cold.report.segments, eng.segments.prefix_keys(prompt.segments[:-1])):
+        found = eng.segments.lookup(ns, key, seg.tokens)
+        assert found.entry is not None and found.entry.rotated is ns.k_after_rope
+        stored = eng.store.get(ns, key, eng.provenance_json).entry
+        for layer in range(eng.runner.dims.num_layers):
+            k_rows = cold.cache.view(layer, seg.start + seg.tokens)[0][:, seg.start:]  # (Hkv, S, D) after RoPE
+            if ns.k_after_rope:  # the stored rows are the cache's, as stored (rounded to kv_dtype)
+                assert torch.equal(stored.k[layer], k_rows.to(stored.k.dtype))
+            else:
+                assert not torch.equal(stored.k[layer].to(k_rows.dtype), k_rows)  # before RoPE
+    rotated = []
+    real_rope = model_mod.apply_rope_into
+
+    def counting(out, x, cos, sin):
+        rotated.append(int(x.shape[-2]))
+        real_rope(out, x, cos, sin)
+
+    monkeypatch.setattr(model_mod, "apply_rope_into", counting)
+    eng.segments.hot.budget_bytes = 0  # every warm request loads from the store
+    warm = eng.generate(prompt, max_new_tokens=3, stop_at_newline=False)
+    assert classes(warm) == [ReuseClass.EXACT] * 4 + [ReuseClass.COMPUTED]
+    assert set(rotated) == {len(prompt.documents[0])}  # only the canonical first document is rotated
+    assert torch.equal(cold.first_logits, warm.first_logits) and cold.token_ids == warm.token_ids
+
+
+def test_an_exact_entry_of_the_earlier_form_is_never_reached(tiny_engine_factory):
+    """EXACT entries stored before K was kept after RoPE sit under keys of the old chain root: a request
+    derives other keys, misses them and computes (never rotating rotated keys or copying unrotated ones)."""
+    import hashlib
+
+    from blend.keys import token_digest
+
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("What is listed?", make_docs(3))
+    cold = tiny_engine_factory().generate(prompt, max_new_tokens=2, stop_at_newline=False)
+    prefix = prompt.segments[:-1]
+    prev = b"exact-root" + eng.segments.provenance.digest()  # the chain as it was
+    runner = eng.runner
+    L, H, D = runner.dims.num_layers, runner.dims.num_kv_heads, runner.dims.head_dim
+    for seg in prefix:
+        prev = hashlib.sha256(b"exact" + prev + token_digest(seg.token_ids)).digest()
+        junk = torch.full((L, H, len(seg), D), 7.0)
+        eng.store.put(Namespace.EXACT, prev, KVEntry(junk, junk, eng.provenance_json))
+    ans = eng.generate(prompt, max_new_tokens=2, stop_at_newline=False)
+    assert classes(ans) == [ReuseClass.COMPUTED] * 5
+    assert torch.equal(ans.first_logits, cold.first_logits)
+
+
+def test_a_blend_never_re_positions_k_after_rope(tiny_engine):
+    from blend.blending import plan_blend
+    from blend.segments import ChunkKV
+
+    runner = tiny_engine.runner
+    prompt = tiny_engine.build_prompt("Why?", make_docs(2))
+    L, H, D = runner.dims.num_layers, runner.dims.num_kv_heads, runner.dims.head_dim
+    n = len(prompt.documents[1])
+    kv = KVEntry(torch.zeros(L, H, n, D), torch.zeros(L, H, n, D), rotated=True)
+    with pytest.raises(ValueError, match="before RoPE"):
+        plan_blend(runner, prompt, [ChunkKV(kv, ReuseClass.BLENDED, "")], 1, len(prompt.preamble) + len(prompt.documents[0]),
+                   ReusePolicy.blend(ratio=0.2))
