@@ -1,7 +1,8 @@
 """Hot prefixes: the assembled, rotated KV of prompt prefixes that exact requests keep hitting.
 
-An exact hit loads each stored segment into the request's cache, rotating its K
-(the store keeps K before RoPE). For a prefix that comes back (the same
+An exact hit loads each stored segment into the request's cache (copying an
+exact-prefix entry's K, kept after RoPE, and rotating the first document's
+canonical K, kept before RoPE). For a prefix that comes back (the same
 documents in the same order, a conversation's next turn), the engine keeps a
 snapshot of the rows it loaded, K after RoPE, keyed by the prefix-chained key of
 the prefix's last segment (which commits to every token before it, the salt and

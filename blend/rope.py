@@ -5,8 +5,9 @@ model, so every RoPE variant its config describes (default, linear,
 dynamic-NTK, YaRN, llama3, partial rotary) is reproduced exactly, including
 the attention scaling some variants fold into the tables.
 
-K is stored BEFORE RoPE; :func:`apply_rope` rotates it at whatever absolute
-positions a prompt places it.
+A canonical chunk's K is stored BEFORE RoPE; :func:`apply_rope` rotates it at
+whatever absolute positions a prompt places it (an exact-prefix entry's K, which
+never moves, is stored after it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """The store interface every tier implements.
 
-An entry is the KV of one segment for every layer: keys BEFORE RoPE (so they
-can be re-positioned) and values. A lookup is checked against the provenance
+An entry is the KV of one segment for every layer: keys and values. A canonical
+chunk's (and an approximate entry's) keys are BEFORE RoPE, so they can be
+re-positioned; an exact-prefix entry's are after RoPE at the positions its key
+fixes (:attr:`blend.keys.Namespace.k_after_rope`). The store holds bytes either
+way; the caller's namespace says which form it reads. A lookup is checked against the provenance
 the caller expects: an entry stored under the same key with a different
 provenance (a collision or a tampered header) is ``REJECTED``, never used.
 """

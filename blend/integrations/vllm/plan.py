@@ -4,8 +4,8 @@ Two kinds of claim on a vLLM request's prompt (vLLM computes the rest):
 
 - **exact**: vLLM's own KV of whole blocks, saved in kvblend's store under
   prefix-chained block keys of a *vLLM provenance* (backend, block size and
-  "K after RoPE" in the record: kvblend's own entries, K before RoPE, never
-  alias them). A request claims the longest run of stored blocks after what
+  "K after RoPE" in the record: kvblend's own entries, under the engine's
+  provenance, never alias them). A request claims the longest run of stored blocks after what
   vLLM already holds locally, leaving at least one prompt token to compute.
 - **blend**: a request that names its document spans in ``kv_transfer_params``
   gets kvblend's blended KV of preamble + documents (canonical chunk KV,
