@@ -488,10 +488,9 @@ class SegmentCache:
                 continue
             if not found.rejected and semantic:
                 t0 = time.perf_counter()
-                donated = self.donors.donor_kv(pre_ids, doc.token_ids, p.key)
+                # a donor entry of another shape (a corrupt store) is dropped; the next donor is tried
+                donated = self.donors.donor_kv(pre_ids, doc.token_ids, p.key, self.shape_problem)
                 waited += time.perf_counter() - t0
-                if donated is not None and self.shape_problem(donated.kv, len(doc)):
-                    donated = None  # a donor entry of another shape (a corrupt store): compute instead
                 if donated is not None:
                     out.append(ChunkKV(donated.kv, ReuseClass.SEMANTIC, key_hex(p.key), donated.note, donated.forced))
                     continue

@@ -34,7 +34,7 @@ import difflib
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -185,13 +185,17 @@ class Donors:
         """
         return self.enabled and self.index.remove(key)
 
-    def donor_kv(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], own_key: StoreKey) -> DonorKV | None:
+    def donor_kv(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], own_key: StoreKey,
+                 unusable: Callable[[KVEntry], str] | None = None) -> DonorKV | None:
         """KV for a document whose canonical entry missed, seeded from the best donor.
 
         Args:
             preamble_ids: the request's preamble (selects the donors).
             doc_ids: the missing document's tokens.
             own_key: its canonical key (a donor registered under it is not a donor of itself).
+            unusable: why a donor's stored entry cannot be this model's KV ('' if it can; e.g.
+                :meth:`blend.segments.SegmentCache.shape_problem`): such a donor is dropped from the
+                index like an evicted one, and the next candidate is tried.
 
         Returns:
             The seeded KV, or None when no donor passes :data:`MIN_SIMILARITY` and
@@ -210,7 +214,8 @@ class Donors:
         scored.sort(key=lambda s: (-s[0], -s[1]))  # stable: best aligned, then most similar
         for frac, sim, donor, a in scored[:MAX_CANDIDATES]:
             found = self.store.get(Namespace.CANONICAL, donor.key, self.provenance_json)
-            if found.status is not LookupStatus.HIT or found.entry.num_tokens != len(donor.token_ids):
+            if (found.status is not LookupStatus.HIT or found.entry.num_tokens != len(donor.token_ids)
+                    or (unusable is not None and unusable(found.entry))):
                 self.index.remove(donor.key)  # evicted or unusable: stop offering it
                 continue
             dk, dv = found.entry.k, found.entry.v  # (L, Hkv, Td, D)

@@ -242,6 +242,24 @@ def test_evicted_donor_is_skipped_and_forgotten(sem_engine):
     assert key not in sem_engine.segments.donors.index
 
 
+def test_a_donor_entry_of_another_shape_is_dropped_and_the_next_donor_seeds(sem_engine):
+    """A corrupt store: the best donor's entry has the wrong head dim. It is forgotten and the next
+    donor seeds the document (before, the document was computed in full)."""
+    docs = make_docs(2)
+    variant = docs[1].replace(" ", "  ", 1)  # another near-duplicate of the same document
+    orig = store_originals(sem_engine, [docs[0], docs[1], variant])
+    best, other = (canonical_key(sem_engine.provenance, orig.preamble.token_ids, d.token_ids) for d in orig.documents[1:])
+    good = sem_engine.store.get(Namespace.CANONICAL, best, sem_engine.provenance_json).entry
+    L, H, T, D = good.k.shape
+    bad = torch.zeros(L, H, T, 2 * D)
+    sem_engine.store.put(Namespace.CANONICAL, best, type(good)(bad, bad, good.provenance))
+    edited = [docs[0], edit_middle(docs[1])[0]]  # one byte from docs[1], two edits from the variant
+    ans = sem_engine.generate(sem_engine.build_prompt("Which?", edited), SEM0, max_new_tokens=1)
+    rep = ans.report.segments[2]
+    assert rep.reuse_class is ReuseClass.SEMANTIC and f"donor {key_hex(other)}" in rep.note
+    assert best not in sem_engine.segments.donors.index and other in sem_engine.segments.donors.index
+
+
 # ---- donor index -----------------------------------------------------------------------------
 
 
