@@ -8,7 +8,7 @@ tokens, fp32: 27.6 MB of k+v), five chunks per request.
 Tiers: memory (in-process LRU: a dict lookup), disk warm (files in the page
 cache), disk cold (pages dropped with posix_fadvise(DONTNEED) before each
 read), redis (a local redis-server, started here if --redis is not given and
-the binary exists). Every load but memory decodes and verifies the sha256.
+the binary exists). Every load but memory decodes and verifies the checksum.
 The overlap rows load the five chunks while a synthetic per-chunk compute
 (GEMMs sized to take about as long as one load) runs in the main thread:
 sequential = load then compute, chunk by chunk; prefetched = Prefetcher.stream.
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()  # type: ignore[attr-defined]
     load = os.getloadavg()[0]
     print(f"\nload average {load:.1f} on {os.cpu_count()} cores (contention skews the overlap rows)")
-    print(f"entry: L={L} Hkv={HKV} T={T} D={D}, {CHUNKS} chunks; per-chunk load incl. sha256 verify; torch threads=1\n")
+    print(f"entry: L={L} Hkv={HKV} T={T} D={D}, {CHUNKS} chunks; per-chunk load incl. checksum verify; torch threads=1\n")
     print(f"| tier | kv dtype | MB/chunk | load ms/chunk | load GB/s | write ms/chunk |\n|---|---|---|---|---|---|")
     for r in rows:
         gbs = "n/a (no copy)" if r.tier == "memory" else r.gb_per_s

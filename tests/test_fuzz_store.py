@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from blend.keys import Namespace
 from blend.store.base import KVEntry, LookupStatus, check_entry
-from blend.store.codec import EntryError, EntryHeader, checksum, decode, decode_header, encode
+from blend.store.codec import ChecksumKind, EntryError, EntryHeader, checksum, decode, decode_header, encode
 from blend.store.disk import DiskStore
 from blend.store.redis_store import RedisStore
 from _fuzz_util import FUZZ, ExampleHung, bounded, json_values, mutate_bytes, mutate_json
@@ -50,8 +50,10 @@ def _join(table: Any, meta: Any, data: bytes, resign: bool) -> bytes:
     kvblend fields still form a header, so the rewrite reaches the checks after it."""
     if resign and isinstance(meta, dict):
         try:
-            hdr = EntryHeader(**{**meta, "sha256": "", "shape": tuple(meta["shape"])})
-            meta = {**meta, "sha256": checksum(hdr, memoryview(data))}
+            kind = next(k for k in ChecksumKind if k.value in meta)
+            rest = {f: v for f, v in meta.items() if f != kind.value}
+            hdr = EntryHeader(**{**rest, "checksum": "", "checksum_kind": kind, "shape": tuple(meta["shape"])})
+            meta = {**rest, kind.value: checksum(hdr, memoryview(data))}
         except Exception:  # noqa: BLE001 - not a header any more: leave it unsigned
             pass
     if isinstance(table, dict) and isinstance(table.get("__metadata__"), dict):

@@ -82,7 +82,7 @@ def test_vllm_blend_params_any_number_gives_params_or_invalid_request(value):
 def _blob(shape, prov=json.dumps({"kv_dtype": "float32"}), key=KEY, ns=Namespace.EXACT):
     """A zero-byte blob whose header claims ``shape``, with a matching (unkeyed) checksum."""
     meta = EntryHeader(STORE_FORMAT_VERSION, ns.value, key.hex(), prov, tuple(shape), "float32", "")
-    meta = dataclasses.replace(meta, sha256=checksum(meta))
+    meta = dataclasses.replace(meta, checksum=checksum(meta))
     header = {"__metadata__": {"kvblend": meta.to_json()},
               "k": {"dtype": "F32", "shape": list(shape), "data_offsets": [0, 0]},
               "v": {"dtype": "F32", "shape": list(shape), "data_offsets": [0, 0]}}

@@ -396,3 +396,57 @@ def _age_path(path: Path, seconds_ago: float) -> None:
 
     t = time.time() - seconds_ago
     os.utime(path, (t, t))
+
+
+def _meta(blob: bytes) -> dict[str, Any]:
+    (n,) = struct.unpack("<Q", blob[:8])
+    return json.loads(json.loads(blob[8 : 8 + n])["__metadata__"]["kvblend"])
+
+
+def test_blobs_are_written_with_xxh3_and_sha256_blobs_of_earlier_builds_still_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    from blend.store import codec
+
+    key, entry = key_for(PROV, 0), rand_entry(PROV, T=9)
+    new = encode(NS, key, entry)
+    assert "xxh3_128" in _meta(new) and "sha256" not in _meta(new)
+    monkeypatch.setattr(codec, "WRITE_CHECKSUM", codec.ChecksumKind.SHA256)
+    old = encode(NS, key, entry)
+    monkeypatch.undo()
+    # the sha256 blob is byte for byte what builds before 2026-12-06 wrote: its checksum covers the
+    # claims as they serialised them (the "sha256" field empty, keys sorted), then k and v
+    meta = _meta(old)
+    claims = json.dumps({**meta, "sha256": ""}, sort_keys=True, separators=(",", ":")).encode()
+    want = hashlib.sha256(claims + entry.k.numpy().tobytes() + entry.v.numpy().tobytes()).hexdigest()
+    assert meta["sha256"] == want and set(meta) == set(_meta(new)) - {"xxh3_128"} | {"sha256"}
+    for blob in (new, old):
+        got = decode(bytearray(blob), NS, key)
+        assert torch.equal(got.k, entry.k) and torch.equal(got.v, entry.v)
+        with pytest.raises(EntryError) as err:
+            decode(bytearray(_flip_data_byte(blob)), NS, key)
+        assert err.value.kind is EntryErrorKind.CHECKSUM
+    both = retag(new, meta={"sha256": _meta(old)["sha256"]})
+    neither = retag(old, meta={"sha256": None})
+    (n,) = struct.unpack("<Q", neither[:8])
+    tab = json.loads(neither[8 : 8 + n])
+    m = json.loads(tab["__metadata__"]["kvblend"])
+    del m["sha256"]
+    tab["__metadata__"]["kvblend"] = json.dumps(m)
+    hj = json.dumps(tab).encode()
+    neither = struct.pack("<Q", len(hj + b" " * (-len(hj) % 8))) + hj + b" " * (-len(hj) % 8) + neither[8 + n :]
+    swapped = retag(new, meta={"xxh3_128": _meta(old)["sha256"]})  # a sha256 under the other kind's name
+    for blob, kind in ((both, EntryErrorKind.BAD_HEADER), (neither, EntryErrorKind.BAD_HEADER),
+                       (swapped, EntryErrorKind.CHECKSUM)):
+        with pytest.raises(EntryError) as err:
+            decode(bytearray(blob), NS, key)
+        assert err.value.kind is kind, blob[:200]
+    store = DiskStore(tmp_path)
+    store.put(NS, key, entry)
+    store.path(NS, key_for(PROV, 1)).parent.mkdir(parents=True, exist_ok=True)
+    store.path(NS, key_for(PROV, 1)).write_bytes(retag(old, meta={"key": key_for(PROV, 1).hex()}))
+    assert store.get(NS, key, PROV.canonical_json()).status is LookupStatus.HIT
+    # an old blob re-keyed without re-signing fails its sha256 (the key is one of the claims)
+    assert store.get(NS, key_for(PROV, 1), PROV.canonical_json()).status is LookupStatus.REJECTED

@@ -3,7 +3,7 @@
     main thread:  [compute seg 0][compute seg 1][compute seg 2] ...
     worker:       [load 1][load 2]       [load 3] ...               (depth=2 ahead)
 
-File reads, the sha256 check, Redis socket reads and torch copies all release
+File reads, the blobs' checksum (XXH3 or sha256), Redis socket reads and torch copies all release
 the GIL, so a thread overlaps with torch compute in the main thread. On CUDA a
 worker copies hits to the device on its own stream, off the compute stream.
 """
