@@ -184,8 +184,10 @@ def test_policy_construction_either_works_or_is_an_invalid_policy(field, value):
     except InvalidPolicyError:
         return
     assert math.isfinite(float(getattr(p, field)))
-    if p.candidates is not None:
-        math.ceil(p.candidates * 7)  # what the probe does with it: no OverflowError
+    if p.candidates is not None:  # what candidate pre-selection does with it (blending.BlendRows._probe_first):
+        want = p.candidates * 7  # a budget of 7 rows; a huge factor makes this inf, compared before ceil
+        n_cand = 10 if want >= 10 else int(math.ceil(want))  # of 10 free rows: no OverflowError
+        assert 1 <= n_cand <= 10
 
 
 # ---- 4. segments: an entry of another model shape ---------------------------------------------------
