@@ -197,7 +197,8 @@ class KVCache:
         Returns:
             A ``rotated`` :class:`KVEntry`, (L, Hkv, end - start, D) each.
         """
-        self.materialize()
+        if start < self.prefix_length:  # rows after an attached prefix are read without copying it in
+            self.materialize()
         k = torch.stack([k[:, start:end] for k in self._k])  # (L, Hkv, S, D)
         v = torch.stack([v[:, start:end] for v in self._v])  # (L, Hkv, S, D)
         return KVEntry(k, v, rotated=True)

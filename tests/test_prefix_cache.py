@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from blend.keys import Namespace
 from blend.kvcache import RotatedPrefix
 from blend.policy import ReusePolicy
 from blend.prefix_cache import PrefixCache
@@ -110,3 +111,23 @@ def test_shared_rows_are_read_only(tiny_engine_factory):
     with pytest.raises(RuntimeError, match="shared"):
         cache.write(0, 5, *cache.view(0, 1))
     cache.write(0, 10, *cache.view(0, 1))  # after them: fine
+
+
+def test_a_turn_after_an_attached_prefix_stores_its_part_without_copying_the_prefix_in(tiny_engine_factory):
+    """The question's last part is stored (K after RoPE) from the cache's own rows: the attached prefix
+    stays attached until something needs the rows contiguous."""
+    eng = tiny_engine_factory()
+    history = (Turn(Role.USER, "Where is the harbor?"), Turn(Role.ASSISTANT, "North."))
+    prompt = eng.build_prompt("And the tower?", DOCS, history=history)
+    for _ in range(2):
+        eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+    parts = prompt.question.parts()
+    eng.store.delete(Namespace.EXACT, eng.segments.exact_keys([*prompt.segments[:-1], *parts])[-1])
+    logits, cache, _ = eng.prefill(prompt, ReusePolicy.exact())
+    assert cache.prefix_length == len(prompt) - len(parts[-1])  # attached, not copied in
+    key = eng.segments.exact_keys([*prompt.segments[:-1], *parts])[-1]
+    stored = eng.store.get(Namespace.EXACT, key, eng.provenance_json).entry  # stored again by this request
+    start = cache.prefix_length
+    for layer in range(eng.runner.dims.num_layers):
+        k, v = cache.view(layer)
+        assert torch.equal(stored.k[layer], k[:, start:]) and torch.equal(stored.v[layer], v[:, start:])
