@@ -10,6 +10,11 @@ import os
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
+# PyTorch's CPU allocator asks for transparent huge pages on buffers of 2 MiB and more when this is "1"
+# (its own tuning knob, read once, at torch's first allocation); importing blend sets it unless the
+# environment already does. A loaded exact hit's 140 MB of KV copies took ~half the time on huge pages
+# (BENCHMARKS.md, "Exact entries after RoPE, and an XXH3 checksum").
+TORCH_THP_ENV = ("THP_MEM_ALLOC_ENABLE", "1")
 # the evaluations' and benches' questions (CacheBlend's musique_dev records), relative to the repository root
 DEFAULT_EVAL_DATA = "../shared/data/musique_dev.json"
 DEFAULT_DTYPE = "float32"

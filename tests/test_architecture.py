@@ -243,3 +243,17 @@ def test_the_kernels_folder_never_shadows_a_top_level_kernels_package(tmp_path):
                                                             ours=str(ROOT / "kernels" / "__init__.py"))],
                          cwd=str(ROOT), capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "kvblend_missing_dependency_xyz" in out.stderr  # a broken install is not hidden
+
+
+def test_importing_blend_asks_torch_for_huge_pages_unless_the_environment_says_otherwise():
+    import os
+    import subprocess
+    import sys
+
+    code = "import blend, os; print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "THP_MEM_ALLOC_ENABLE": "0"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"
