@@ -495,8 +495,7 @@ class ModelRunner:
         s = runs[-1].stop
         pos = torch.arange(start, start + s, device=self.device)  # (S,)
         cache.set_positions(start, pos)
-        rotate = [r for r in runs if not segs[r.first].rotated]
-        if rotate:
+        if not all(e.rotated for e in segs):  # some K before RoPE: the tables at these positions
             cos, sin = self.rope(pos)  # (S, R) float32
             cos, sin = cos.to(self.dtype), sin.to(self.dtype)  # once, not per run and layer (apply_rope_into casts)
         joined = max((r.stop - r.start for r in runs if r.last - r.first > 1), default=0)
