@@ -24,12 +24,16 @@ from _store_util import NS, key_for, make_prov, other_prov, rand_entry
 PROV = make_prov()
 
 
-def retag(blob: bytes, meta: dict[str, Any] | None = None, table: dict[str, Any] | None = None) -> bytes:
-    """Rewrite a blob's headers (kvblend metadata and/or the safetensors table), keeping the data."""
+def retag(blob: bytes, meta: dict[str, Any] | None = None, table: dict[str, Any] | None = None,
+          drop: tuple[str, ...] = ()) -> bytes:
+    """Rewrite a blob's headers (kvblend metadata and/or the safetensors table), keeping the data;
+    ``drop`` removes kvblend metadata fields."""
     (n,) = struct.unpack("<Q", blob[:8])
     tab = json.loads(blob[8 : 8 + n])
     m = json.loads(tab["__metadata__"]["kvblend"])
     m.update(meta or {})
+    for name in drop:
+        del m[name]
     tab["__metadata__"]["kvblend"] = json.dumps(m)
     for name, fields in (table or {}).items():
         tab[name].update(fields)
@@ -429,14 +433,8 @@ def test_blobs_are_written_with_xxh3_and_sha256_blobs_of_earlier_builds_still_lo
             decode(bytearray(_flip_data_byte(blob)), NS, key)
         assert err.value.kind is EntryErrorKind.CHECKSUM
     both = retag(new, meta={"sha256": _meta(old)["sha256"]})
-    neither = retag(old, meta={"sha256": None})
-    (n,) = struct.unpack("<Q", neither[:8])
-    tab = json.loads(neither[8 : 8 + n])
-    m = json.loads(tab["__metadata__"]["kvblend"])
-    del m["sha256"]
-    tab["__metadata__"]["kvblend"] = json.dumps(m)
-    hj = json.dumps(tab).encode()
-    neither = struct.pack("<Q", len(hj + b" " * (-len(hj) % 8))) + hj + b" " * (-len(hj) % 8) + neither[8 + n :]
+    neither = retag(old, drop=("sha256",))
+    assert "sha256" not in _meta(neither) and "xxh3_128" not in _meta(neither)
     swapped = retag(new, meta={"xxh3_128": _meta(old)["sha256"]})  # a sha256 under the other kind's name
     for blob, kind in ((both, EntryErrorKind.BAD_HEADER), (neither, EntryErrorKind.BAD_HEADER),
                        (swapped, EntryErrorKind.CHECKSUM)):
