@@ -95,6 +95,13 @@ def kvblend_home() -> Path:
 # hot prefixes (blend.prefix_cache): bytes of assembled, rotated prefix KV an engine keeps in process so
 # that a prefix found stored again is attached instead of loaded (issue 18's fixed overhead); 0: off
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+# recycled KV buffers (blend.kvpool): bytes of a finished request's per-layer K/V buffers a model keeps
+# for the next request's cache instead of returning them to the allocator (fresh buffers are faulted in
+# page by page); 0: off. Capacities round up to the quantum (rows) and a buffer serves requests needing
+# down to 1 / slack of its rows.
+DEFAULT_KV_POOL_BYTES = 1 << 30
+KV_POOL_ROW_QUANTUM = 256
+KV_POOL_SLACK = 2
 # write-behind (blend.store.write_behind): a store chain writes its persistent tiers (disk, Redis) on a
 # background thread, off the request's time to first token; requests wait for their writes before they
 # finish. At most this many writes wait in the queue before a producer waits for room.

@@ -17,9 +17,12 @@ what a store returns. Its K is before RoPE, except in an entry whose
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
+
+from blend.kvpool import KVBufferPool
 
 
 @dataclass(frozen=True)
@@ -84,13 +87,22 @@ class KVCache:
         num_layers, num_kv_heads, head_dim: model shape.
         capacity: maximum rows (prompt plus generated tokens).
         dtype, device: storage.
+        pool: where the buffers come from and go back to when the cache is dropped (None: allocated
+            for this cache alone).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_kv_heads, capacity, head_dim)
-        self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # (Hkv, N, D)
-        self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # (Hkv, N, D)
+                 dtype: torch.dtype, device: torch.device, pool: KVBufferPool | None = None) -> None:
+        if pool is None:
+            shape = (num_kv_heads, capacity, head_dim)
+            self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # (Hkv, N, D)
+            self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # (Hkv, N, D)
+        else:
+            bufs = [pool.take(num_kv_heads, capacity, head_dim, dtype, device)  # (Hkv, >= N, D)
+                    for _ in range(2 * num_layers)]
+            self._k = [b[:, :capacity] for b in bufs[:num_layers]]  # (Hkv, N, D)
+            self._v = [b[:, :capacity] for b in bufs[num_layers:]]  # (Hkv, N, D)
+            weakref.finalize(self, pool.give, bufs)  # back to the pool once this cache is dropped
         self.pos = torch.zeros(capacity, dtype=torch.long, device=device)  # (N,)
         self.length = 0
         self.capacity = capacity

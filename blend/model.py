@@ -36,6 +36,7 @@ from transformers.activations import ACT2FN
 from blend.gemm import GemmBackend, dense, linear, pack, packs_natively
 from blend.kernels.reference import causal_suffix_attention, causal_suffix_attention_parts
 from blend.kvcache import KVCache, KVEntry
+from blend.kvpool import KVBufferPool
 from blend.models import LoadedModel
 from blend.rope import RopeTables, apply_rope, apply_rope_into
 
@@ -393,6 +394,7 @@ class ModelRunner:
         self.layers: list[LayerWeights] = [_packed(extract_layer(layer, dtype, device), gemm) for layer in base.layers]
         self.rope = RopeTables(base.rotary_emb.to(device), device)
         self._gemm_copies: dict[torch.dtype, list[LayerWeights]] = {}  # dtype -> layers (lazy)
+        self.kv_pool = KVBufferPool()  # every cache's K/V buffers, recycled between requests
 
     def layers_in(self, dtype: torch.dtype) -> list[LayerWeights]:
         """The layers with their GEMM matrices (and the Q/K/V bias the GEMM adds) in ``dtype`` (norms
@@ -426,7 +428,7 @@ class ModelRunner:
 
     def new_cache(self, capacity: int) -> KVCache:
         d = self.dims
-        return KVCache(d.num_layers, d.num_kv_heads, d.head_dim, capacity, self.dtype, self.device)
+        return KVCache(d.num_layers, d.num_kv_heads, d.head_dim, capacity, self.dtype, self.device, self.kv_pool)
 
     def ids(self, token_ids) -> torch.Tensor:
         """Token ids as an (S,) int64 tensor on the compute device."""

@@ -364,6 +364,10 @@ def test_metrics_expose_requests_latency_reuse_and_store(srv):
         assert needle in text, needle
     hits = [line for line in text.splitlines() if line.startswith('kvblend_store_lookups_total{result="hit"}')]
     assert float(hits[0].split()[-1]) > 0
+    # the model's recycled KV buffers: requests after the first took a finished one's buffers
+    assert _metric(text, 'kvblend_kv_pool_buffers_total{source="reused"}') > 0
+    assert _metric(text, 'kvblend_kv_pool_bytes{state="free"}') >= 0
+    assert 'kvblend_kv_pool_bytes{state="pending"}' in text
 
 
 def test_a_full_queue_answers_429_with_retry_after(one_torch_thread):

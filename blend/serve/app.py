@@ -205,7 +205,7 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
         The FastAPI app; ``app.state.scheduler`` is its scheduler.
     """
     config = config or ServeConfig()
-    metrics = metrics or ServeMetrics(engine.store)
+    metrics = metrics or ServeMetrics(engine.store, engine.runner.kv_pool)
     scheduler = Scheduler(engine, config.scheduler, metrics)
 
     @asynccontextmanager

@@ -23,10 +23,11 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from blend.defaults import DEFAULT_RATIO
+from blend.kvpool import KVBufferPool
 from blend.report import ReuseReport
 from blend.store.base import KVStore
 
@@ -52,14 +53,36 @@ class _StoreCollector(Collector):
         yield fam
 
 
+class _KVPoolCollector(Collector):
+    """The model's recycled KV buffers (:class:`~blend.kvpool.KVBufferPool`), read at scrape time."""
+
+    def __init__(self, pool: KVBufferPool) -> None:
+        self.pool = pool
+
+    def collect(self):
+        st = self.pool.stats()
+        held = GaugeMetricFamily("kvblend_kv_pool_bytes", "KV buffers the model holds for the next requests' "
+                                 "caches: free, or pending (given back while views of their rows live on)",
+                                 labels=["state"])
+        held.add_metric(["free"], st.free_bytes)
+        held.add_metric(["pending"], st.pending_bytes)
+        yield held
+        taken = CounterMetricFamily("kvblend_kv_pool_buffers", "per-layer KV buffers handed to caches, by where "
+                                    "they came from", labels=["source"])
+        taken.add_metric(["reused"], st.reused)
+        taken.add_metric(["allocated"], st.allocated)
+        yield taken
+
+
 class ServeMetrics:
     """The server's metrics.
 
     Args:
         store: the engine's store (its lookup counters are exported).
+        kv_pool: the model's KV buffer pool (what it holds is exported).
     """
 
-    def __init__(self, store: KVStore | None = None) -> None:
+    def __init__(self, store: KVStore | None = None, kv_pool: KVBufferPool | None = None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvblend_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
@@ -95,6 +118,8 @@ class ServeMetrics:
         self._lock = threading.Lock()
         if store is not None:
             r.register(_StoreCollector(store))
+        if kv_pool is not None:
+            r.register(_KVPoolCollector(kv_pool))
 
     def _tokens_per_s(self) -> float:
         with self._lock:
