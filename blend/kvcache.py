@@ -98,8 +98,7 @@ class KVCache:
             self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # (Hkv, N, D)
             self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # (Hkv, N, D)
         else:
-            bufs = [pool.take(num_kv_heads, capacity, head_dim, dtype, device)  # (Hkv, >= N, D)
-                    for _ in range(2 * num_layers)]
+            bufs = pool.take(2 * num_layers, num_kv_heads, capacity, head_dim, dtype, device)  # (Hkv, >= N, D)
             self._k = [b[:, :capacity] for b in bufs[:num_layers]]  # (Hkv, N, D)
             self._v = [b[:, :capacity] for b in bufs[num_layers:]]  # (Hkv, N, D)
             weakref.finalize(self, pool.give, bufs)  # back to the pool once this cache is dropped

@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -59,8 +60,13 @@ class PoolStats:
     allocated: int
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+class _Held(NamedTuple):
+    """A buffer the pool holds, with what it serves (read once: tensor attributes are slow to ask)."""
+
+    buf: torch.Tensor  # (Hkv, rows, D)
+    kind: tuple[int, int, torch.dtype]  # (Hkv, D, dtype)
+    rows: int
+    nbytes: int
 
 
 class KVBufferPool:
@@ -76,8 +82,10 @@ class KVBufferPool:
             raise ValueError(f"a KV pool's budget is a byte count >= 0, not {budget_bytes}")
         self.budget_bytes = budget_bytes
         self._lock = threading.Lock()
-        self._free: OrderedDict[int, torch.Tensor] = OrderedDict()  # id -> (Hkv, C, D) base, oldest first
-        self._pending: list[torch.Tensor] = []  # given back, possibly still viewed
+        self._free: OrderedDict[int, _Held] = OrderedDict()  # id(buf) -> held, least recently given back first
+        self._by_kind: dict[tuple, dict[int, _Held]] = {}  # (Hkv, D, dtype) -> id(buf) -> held: the same buffers
+        self._free_bytes = 0
+        self._pending: list[_Held] = []  # given back, possibly still viewed
         self._reused = 0
         self._allocated = 0
 
@@ -86,38 +94,40 @@ class KVBufferPool:
         """Whether buffers can be handed out again at all (a budget, and a readable use count)."""
         return self.budget_bytes > 0 and _SOLE_USERS is not None
 
-    def take(self, num_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:
-        """A buffer for one layer's K or V.
+    def take(self, count: int, num_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+             device: torch.device) -> list[torch.Tensor]:
+        """Buffers for a cache's layers (K and V each).
 
         Args:
-            num_kv_heads, capacity, head_dim: the rows wanted, (Hkv, capacity, D).
+            count: how many buffers.
+            num_kv_heads, capacity, head_dim: the rows each must hold, (Hkv, capacity, D).
             dtype, device: storage.
 
         Returns:
-            An uninitialised (Hkv, C, D) buffer with C >= capacity: the caller slices its rows (a pool
-            rounds capacities up to :data:`~blend.defaults.KV_POOL_ROW_QUANTUM` so that prompts of
-            similar length share buffers) and gives the buffer itself back (:meth:`give`; views do not
-            name their base under inference mode).
+            ``count`` uninitialised (Hkv, C, D) buffers with C >= capacity: the caller slices their rows
+            (a pool rounds capacities up to :data:`~blend.defaults.KV_POOL_ROW_QUANTUM` so that prompts
+            of similar length share buffers) and gives the buffers themselves back (:meth:`give`; views
+            do not name their base under inference mode). Free buffers come first, the best-fitting
+            ones; the rest are allocated.
         """
         device = torch.device(device)
         if device.type != "cpu" or not self.recycles:
-            return torch.empty((num_kv_heads, capacity, head_dim), dtype=dtype, device=device)  # (Hkv, N, D)
+            return [torch.empty((num_kv_heads, capacity, head_dim), dtype=dtype, device=device)  # (Hkv, N, D)
+                    for _ in range(count)]
+        kind = (num_kv_heads, head_dim, dtype)
+        limit = capacity * KV_POOL_SLACK + KV_POOL_ROW_QUANTUM
         with self._lock:
             self._reclaim()
-            best_key, best_rows = None, None
-            for key, buf in self._free.items():
-                rows = buf.shape[1]
-                if (buf.shape[0] == num_kv_heads and buf.shape[2] == head_dim and buf.dtype == dtype
-                        and buf.device == device and capacity <= rows <= capacity * KV_POOL_SLACK
-                        + KV_POOL_ROW_QUANTUM and (best_rows is None or rows < best_rows)):
-                    best_key, best_rows = key, rows
-            if best_key is not None:
-                self._reused += 1
-                return self._free.pop(best_key)
-            self._allocated += 1
+            fits = sorted((h for h in self._by_kind.get(kind, {}).values() if capacity <= h.rows <= limit),
+                          key=lambda h: h.rows)[:count]
+            for h in fits:
+                self._drop_free(h)
+            self._reused += len(fits)
+            self._allocated += count - len(fits)
         rows = -(-capacity // KV_POOL_ROW_QUANTUM) * KV_POOL_ROW_QUANTUM
-        return torch.empty((num_kv_heads, rows, head_dim), dtype=dtype, device=device)  # (Hkv, C, D)
+        fresh = [torch.empty((num_kv_heads, rows, head_dim), dtype=dtype, device=device)  # (Hkv, C, D)
+                 for _ in range(count - len(fits))]
+        return [h.buf for h in fits] + fresh
 
     def give(self, buffers: list[torch.Tensor]) -> None:
         """Give back a dropped cache's buffers, as :meth:`take` returned them. They are handed out again
@@ -128,34 +138,43 @@ class KVBufferPool:
         """
         if not self.recycles:
             return
+        held = [_Held(b, (b.shape[0], b.shape[2], b.dtype), b.shape[1], b.numel() * b.element_size())
+                for b in buffers if b.device.type == "cpu"]
         with self._lock:
-            self._pending.extend(b for b in buffers if b.device.type == "cpu")
+            self._pending.extend(held)
             self._reclaim()
 
     def stats(self) -> PoolStats:
         """Bytes held free and pending, buffers reused and allocated."""
         with self._lock:
             self._reclaim()
-            return PoolStats(sum(_nbytes(b) for b in self._free.values()),
-                             sum(_nbytes(b) for b in self._pending), self._reused, self._allocated)
+            return PoolStats(self._free_bytes, sum(h.nbytes for h in self._pending), self._reused, self._allocated)
 
     def clear(self) -> None:
         """Drop every buffer the pool holds (views elsewhere keep theirs alive)."""
         with self._lock:
             self._free.clear()
+            self._by_kind.clear()
+            self._free_bytes = 0
             self._pending.clear()
 
+    def _drop_free(self, h: _Held) -> None:
+        """Take ``h`` off the free lists. Caller holds the lock."""
+        del self._free[id(h.buf)]
+        del self._by_kind[h.kind][id(h.buf)]
+        self._free_bytes -= h.nbytes
+
     def _reclaim(self) -> None:
-        """Move pending buffers nothing else reads to the free list, then keep it within the budget.
+        """Move pending buffers nothing else reads to the free lists, then keep them within the budget.
         Caller holds the lock."""
         still = []
-        for base in self._pending:
-            if _storage_users(base) == _SOLE_USERS:
-                self._free[id(base)] = base
+        for h in self._pending:
+            if _storage_users(h.buf) == _SOLE_USERS:
+                self._free[id(h.buf)] = h
+                self._by_kind.setdefault(h.kind, {})[id(h.buf)] = h
+                self._free_bytes += h.nbytes
             else:
-                still.append(base)
+                still.append(h)
         self._pending = still
-        total = sum(_nbytes(b) for b in self._free.values())
-        while total > self.budget_bytes and self._free:
-            _, old = self._free.popitem(last=False)
-            total -= _nbytes(old)
+        while self._free_bytes > self.budget_bytes and self._free:
+            self._drop_free(next(iter(self._free.values())))

@@ -84,7 +84,7 @@ def test_a_buffer_much_larger_than_the_request_is_not_used():
 
 def test_other_devices_allocate_as_without_a_pool():
     pool = KVBufferPool(1 << 20)
-    t = pool.take(2, 10, 4, torch.float32, torch.device("meta"))
+    (t,) = pool.take(1, 2, 10, 4, torch.float32, torch.device("meta"))
     assert t.shape == (2, 10, 4) and t.device.type == "meta"
     pool.give([t])
     assert pool.stats().pending_bytes == 0
@@ -95,9 +95,10 @@ def _poisoned(monkeypatch):
     take = KVBufferPool.take
 
     def poisoned(self, *a, **kw):
-        buf = take(self, *a, **kw)
-        buf.fill_(float("nan"))
-        return buf
+        bufs = take(self, *a, **kw)
+        for b in bufs:
+            b.fill_(float("nan"))
+        return bufs
 
     monkeypatch.setattr(KVBufferPool, "take", poisoned)
 
