@@ -108,7 +108,7 @@ class KVBufferPool:
             (a pool rounds capacities up to :data:`~blend.defaults.KV_POOL_ROW_QUANTUM` so that prompts
             of similar length share buffers) and gives the buffers themselves back (:meth:`give`; views
             do not name their base under inference mode). Free buffers come first, the best-fitting
-            ones; the rest are allocated.
+            ones (the most recently given back among equals); the rest are allocated.
         """
         device = torch.device(device)
         if device.type != "cpu" or not self.recycles:
@@ -118,7 +118,9 @@ class KVBufferPool:
         limit = capacity * KV_POOL_SLACK + KV_POOL_ROW_QUANTUM
         with self._lock:
             self._reclaim()
-            fits = sorted((h for h in self._by_kind.get(kind, {}).values() if capacity <= h.rows <= limit),
+            # the best fit, and among equal fits the most recently given back (its pages are likelier
+            # still cached); the sort is stable over newest-first order
+            fits = sorted((h for h in reversed(self._by_kind.get(kind, {}).values()) if capacity <= h.rows <= limit),
                           key=lambda h: h.rows)[:count]
             for h in fits:
                 self._drop_free(h)

@@ -51,9 +51,17 @@ def test_buffers_still_viewed_wait_until_nothing_reads_them():
     assert pool.stats().pending_bytes > 0
     del prefix
     assert pool.stats().pending_bytes == 0 and pool.stats().free_bytes > 0
-    del other
-    third = _cache(pool)
-    assert _ptrs(third) & ptrs
+    third = _cache(pool)  # once nothing views them, they serve the next cache
+    assert _ptrs(third) == ptrs
+
+
+def test_among_equal_fits_the_most_recently_given_back_comes_first():
+    pool = KVBufferPool(1 << 20)
+    older, newer = _cache(pool), _cache(pool)
+    ptrs = _ptrs(newer)
+    del older
+    del newer
+    assert _ptrs(_cache(pool)) == ptrs
 
 
 def test_the_budget_bounds_the_free_bytes_and_zero_turns_recycling_off():
