@@ -22,7 +22,7 @@ devices get ``torch.empty``.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -85,6 +85,7 @@ class KVBufferPool:
         self._free: OrderedDict[int, _Held] = OrderedDict()  # id(buf) -> held, least recently given back first
         self._by_kind: dict[tuple, dict[int, _Held]] = {}  # (Hkv, D, dtype) -> id(buf) -> held: the same buffers
         self._free_bytes = 0
+        self._given: deque[_Held] = deque()  # given back, not yet looked at (appended without the lock)
         self._pending: list[_Held] = []  # given back, possibly still viewed
         self._reused = 0
         self._allocated = 0
@@ -140,11 +141,15 @@ class KVBufferPool:
         """
         if not self.recycles:
             return
-        held = [_Held(b, (b.shape[0], b.shape[2], b.dtype), b.shape[1], b.numel() * b.element_size())
-                for b in buffers if b.device.type == "cpu"]
-        with self._lock:
-            self._pending.extend(held)
-            self._reclaim()
+        self._given.extend(_Held(b, (b.shape[0], b.shape[2], b.dtype), b.shape[1], b.numel() * b.element_size())
+                           for b in buffers if b.device.type == "cpu")
+        # a finalizer may run this on any thread, in the middle of a take() of its own thread (a garbage
+        # collection there): never wait for the lock; whoever holds it reclaims before it hands out
+        if self._lock.acquire(blocking=False):
+            try:
+                self._reclaim()
+            finally:
+                self._lock.release()
 
     def stats(self) -> PoolStats:
         """Bytes held free and pending, buffers reused and allocated."""
@@ -159,6 +164,7 @@ class KVBufferPool:
             self._by_kind.clear()
             self._free_bytes = 0
             self._pending.clear()
+            self._given.clear()
 
     def _drop_free(self, h: _Held) -> None:
         """Take ``h`` off the free lists. Caller holds the lock."""
@@ -169,6 +175,8 @@ class KVBufferPool:
     def _reclaim(self) -> None:
         """Move pending buffers nothing else reads to the free lists, then keep them within the budget.
         Caller holds the lock."""
+        while self._given:
+            self._pending.append(self._given.popleft())
         still = []
         for h in self._pending:
             if _storage_users(h.buf) == _SOLE_USERS:

@@ -130,3 +130,17 @@ def test_recycled_buffers_change_no_number(tiny_engine_factory, monkeypatch):
             assert a.token_ids == b.token_ids
     gc.collect()
     assert pooled.runner.kv_pool.stats().reused > 0
+
+
+def test_a_cache_dropped_while_its_own_thread_takes_buffers_does_not_deadlock():
+    """A garbage collection inside take() can drop a cache whose finalizer gives buffers back on the same
+    thread, under the pool's lock: the give must not wait for it, and the buffers are reclaimed later."""
+    pool = KVBufferPool(1 << 20)
+    cache = _cache(pool)
+    ptrs = _ptrs(cache)
+    cache.cycle = cache  # only the cycle collector frees it
+    del cache
+    with pool._lock:  # what take() holds when a collection runs inside it
+        gc.collect()
+    assert pool.stats().free_bytes > 0
+    assert _ptrs(_cache(pool)) == ptrs
