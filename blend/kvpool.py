@@ -2,9 +2,10 @@
 
 A request's :class:`~blend.kvcache.KVCache` needs two (Hkv, N, D) buffers per layer: ~140 MB for a
 ~3k-token prompt of SmolLM2 in float32. A fresh CPU allocation of that size is new pages from the
-kernel, and every page is faulted in (and zeroed) on first write: on a 2-core KVM guest that was
-~13-22 thousand minor faults per request and most of the loaded, all-exact request's fixed overhead
-beyond copying its rows (BENCHMARKS.md, "Recycled KV buffers"). A serving engine keeps its KV memory
+kernel unless the allocator can reuse what the last request freed, which depends on the sizes of
+the requests before; a fresh page is faulted in (and zeroed) on first write. In a mixed stream of
+requests on a 2-core KVM guest a ~6k-token request took ~21 thousand minor faults, a quarter of a
+loaded exact hit's time (BENCHMARKS.md, "Recycled KV buffers"). A serving engine keeps its KV memory
 (vLLM's and SGLang's KV pools are allocated once); this pool does the same for kvblend's per-request
 caches, without changing what a cache is: a cache takes its buffers from the pool and gives them back
 when it is dropped.
