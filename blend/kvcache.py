@@ -94,14 +94,13 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device, pool: KVBufferPool | None = None) -> None:
         if pool is None:
-            shape = (num_kv_heads, capacity, head_dim)
-            self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # (Hkv, N, D)
-            self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # (Hkv, N, D)
+            bufs = [torch.empty((num_kv_heads, capacity, head_dim), dtype=dtype, device=device)  # (Hkv, N, D)
+                    for _ in range(2 * num_layers)]
         else:
             bufs = pool.take(2 * num_layers, num_kv_heads, capacity, head_dim, dtype, device)  # (Hkv, >= N, D)
-            self._k = [b[:, :capacity] for b in bufs[:num_layers]]  # (Hkv, N, D)
-            self._v = [b[:, :capacity] for b in bufs[num_layers:]]  # (Hkv, N, D)
             weakref.finalize(self, pool.give, bufs)  # back to the pool once this cache is dropped
+        self._k = [b[:, :capacity] for b in bufs[:num_layers]]  # (Hkv, N, D)
+        self._v = [b[:, :capacity] for b in bufs[num_layers:]]  # (Hkv, N, D)
         self.pos = torch.zeros(capacity, dtype=torch.long, device=device)  # (N,)
         self.length = 0
         self.capacity = capacity

@@ -24,12 +24,17 @@ from _store_util import NS, key_for, make_prov, other_prov, rand_entry
 PROV = make_prov()
 
 
+def _table(blob: bytes) -> tuple[int, dict[str, Any]]:
+    """A blob's safetensors header: its length and its table."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    return n, json.loads(blob[8 : 8 + n])
+
+
 def retag(blob: bytes, meta: dict[str, Any] | None = None, table: dict[str, Any] | None = None,
           drop: tuple[str, ...] = ()) -> bytes:
     """Rewrite a blob's headers (kvblend metadata and/or the safetensors table), keeping the data;
     ``drop`` removes kvblend metadata fields."""
-    (n,) = struct.unpack("<Q", blob[:8])
-    tab = json.loads(blob[8 : 8 + n])
+    n, tab = _table(blob)
     m = json.loads(tab["__metadata__"]["kvblend"])
     m.update(meta or {})
     for name in drop:
@@ -403,8 +408,7 @@ def _age_path(path: Path, seconds_ago: float) -> None:
 
 
 def _meta(blob: bytes) -> dict[str, Any]:
-    (n,) = struct.unpack("<Q", blob[:8])
-    return json.loads(json.loads(blob[8 : 8 + n])["__metadata__"]["kvblend"])
+    return json.loads(_table(blob)[1]["__metadata__"]["kvblend"])
 
 
 def test_blobs_are_written_with_xxh3_and_sha256_blobs_of_earlier_builds_still_load(

@@ -35,11 +35,18 @@ ROUNDS = 6  # the first warms up
 EXACT_HIT = ReusePolicy.exact(cache_salt="ab-kv-pool-exact-hit")
 
 
-def main(sizes: list[str]) -> None:
+def engines() -> tuple[Engine, Engine]:
+    """SmolLM2 over one memory store twice (the same runner, so the same pool): ``base`` computes and
+    stores, ``loader`` loads; neither keeps hot prefixes, so every request loads its stored rows."""
     base = Engine.load("smollm2-135m", store=MemoryStore(), quality_gate=False)
-    loader = base.with_store(base.store)  # the same runner, so the same pool
-    loader.segments.hot.budget_bytes = 0  # never hot: every request loads its stored rows
+    loader = base.with_store(base.store)
+    loader.segments.hot.budget_bytes = 0
     base.segments.hot.budget_bytes = 0
+    return base, loader
+
+
+def main(sizes: list[str]) -> None:
+    base, loader = engines()
     pool = base.runner.kv_pool
     cases = {"all-exact blend": (loader, EXACT_DOCS_BLEND), "exact hit": (loader, EXACT_HIT),
              "blend@0.15": (base, ReusePolicy.blend(0.15)), "full": (base, ReusePolicy.none())}

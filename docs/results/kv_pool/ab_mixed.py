@@ -16,21 +16,16 @@ import sys
 
 import torch
 
+from ab_inprocess import EXACT_HIT, engines  # this folder: the script's own directory is on sys.path
 from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_KV_POOL_BYTES
-from blend.engine import Engine
 from blend.evals.bench_phases import EXACT_DOCS_BLEND, EXACT_DOCS_STORE, SIZES, size_prompts
 from blend.policy import ReusePolicy
-from blend.store.memory import MemoryStore
 
 ROUNDS = 7  # the first warms up
-EXACT_HIT = ReusePolicy.exact(cache_salt="ab-kv-pool-exact-hit")
 
 
 def main() -> None:
-    base = Engine.load("smollm2-135m", store=MemoryStore(), quality_gate=False)
-    loader = base.with_store(base.store)  # the same runner, so the same pool
-    loader.segments.hot.budget_bytes = 0  # never hot: every request loads its stored rows
-    base.segments.hot.budget_bytes = 0
+    base, loader = engines()
     pool = base.runner.kv_pool
     kinds = {"all-exact blend": (loader, EXACT_DOCS_BLEND), "exact hit": (loader, EXACT_HIT),
              "blend@0.15": (base, ReusePolicy.blend(0.15))}
