@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -48,7 +48,7 @@ from blend.kernels import (
 )
 from blend.kvcache import KVCache, KVEntry
 from blend.model import ModelRunner
-from blend.policy import BudgetMode, ReusePolicy
+from blend.policy import BudgetMode, GuardMode, ReusePolicy
 from blend.probe import top
 from blend.probe_pass import ProbeResult, probe_gemm_dtype, run_probe, run_probe_first
 from blend.prompt import Prompt, SegmentKind
@@ -76,6 +76,10 @@ class BlendOutcome:
     # whether any document row kept KV computed elsewhere (re-positioned chunk KV not recomputed): the same
     # on a cold request, whose chunks were computed canonically just before, as on a warm one
     approximate: bool = False
+    # what a second pass over this cache needs (a guarded policy whose guard may widen it), else None
+    resume: "BlendResume | None" = None
+    # a widened pass (:func:`widen_blend`): the share of reused document rows it computed above the check
+    extra: float | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,42 @@ class CheckSpec:
     layer: int
     index: int
     ratio: float
+
+
+@dataclass(frozen=True)
+class CheckInput:
+    """A blended pass's rows entering its first check layer: where a second selection (the near-tie
+    guard's, :func:`widen_blend`) starts again without redoing the probe or the layers below."""
+
+    layer: int  # the first check layer
+    active: torch.Tensor  # (A,) sorted rows relative to e active there: candidates, forced rows, the question
+    h: torch.Tensor  # (A, C) their hidden rows entering that layer
+    probe: ProbeResult | None  # the query probe's result (the same for any later selection)
+    selected: torch.Tensor  # (S,) sorted document rows the pass kept there (recomputed above it)
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What a blended request fetched, for its report: the prompt, each document's KV (the exact ones
+    first) and the rows before the documents'."""
+
+    prompt: Prompt
+    chunks: tuple[ChunkKV, ...]
+    n_exact: int  # documents loaded as an exact prefix
+    head: tuple[SegmentReport, ...]  # the preamble's report row
+
+
+@dataclass(frozen=True)
+class BlendResume:
+    """A finished blend that a second pass may widen: its plan (the cache's re-positioned rows stay
+    valid), its policy, its first check layer's input and what its report needs."""
+
+    plan: "BlendPlan"
+    policy: ReusePolicy
+    at: CheckInput
+    context: _Context
+    # the cache's length and the rows the pass wrote: a widened pass needs them unchanged
+    length: int
 
 
 @dataclass(frozen=True)
@@ -351,9 +391,13 @@ class BlendRows:
     gemm_tile = None
 
     def __init__(self, plan: BlendPlan, cache: KVCache, checker: Checker, model: ModelRunner,
-                 probe: bool, question: bool = True) -> None:
+                 probe: bool, question: bool = True, widen: tuple[CheckInput, GuardMode] | None = None) -> None:
         self.plan, self.cache, self.checker, self.model = plan, cache, checker, model
         self.question = question  # False: the question's rows stop at the first check layer
+        # a second pass (:func:`widen_blend`): it starts at the first pass's check input, keeps every row
+        # that pass recomputed and, under EXTEND, leaves those rows' KV above the check as that pass wrote it
+        self.widen = widen
+        self.check_input: CheckInput | None = None  # this pass's, once its first check layer ran
         self.scale = model.dims.scale
         self.use_probe = probe and bool(plan.checks)
         self.probe: ProbeResult | None = None
@@ -361,7 +405,8 @@ class BlendRows:
         self.probe_dtype = probe_gemm_dtype(pol.probe_precision, model.dtype, model.device)
         self.probe_entropy = pol.budget is BudgetMode.AUTO  # only the adaptive budget reads it
         self.ratio: float | None = None
-        self.checks = {c.layer: c for c in plan.checks}
+        # each check layer at the checker's policy's ratio (a widened pass's differs from its plan's)
+        self.checks = {c.layer: replace(c, ratio=pol.ratio_at(c.index)) for c in plan.checks}
         # reused rows' attention temperature: above the first check layer (below it a row is either
         # fresh or about to be judged; with no check layer, full reuse, nothing is tempered)
         self.temperature = pol.reused_temperature if plan.checks else 1.0
@@ -369,7 +414,9 @@ class BlendRows:
         # layers above this one read cached rows (every layer without a check: full reuse); up to the
         # first check every row is fresh (or, with candidates, the probe re-positioned every layer)
         self.reads_cached_above = plan.checks[0].layer if plan.checks else -1
-        if self.use_probe and checker.policy.candidates is not None:
+        if widen is not None:
+            self.active, self.probe = widen[0].active, widen[0].probe
+        elif self.use_probe and checker.policy.candidates is not None:
             self._probe_first(checker.policy)
         self.first_selected = self.active[self.active < plan.nb]  # doc rows kept at the first check
         self.deviation: DeviationStats | None = None
@@ -407,11 +454,28 @@ class BlendRows:
         keep = sel.keep
         if not self.question:  # document rows never attend to the question (causal): drop its rows
             keep = keep[active[keep] < plan.nb]
+        if check.index == 0 and self.widen is not None:
+            keep = self._widened(active, keep)
         self.active = active[keep]
         if check.index == 0:
             self.first_selected = self.active[self.active < plan.nb]
             self.deviation, self.ratio = sel.deviation, sel.ratio
+            self.check_input = CheckInput(layer, active, h, self.probe, self.first_selected)
+            if self.widen is not None:  # the report's rows: recomputed by either pass
+                self.first_selected = torch.unique(torch.cat([self.widen[0].selected, self.first_selected]))
         return q[:, keep], h[keep]
+
+    def _widened(self, active: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """A second pass's rows above its check layer: the selector's ``keep`` (positions into the
+        sorted ``active``) and every row the first pass recomputed there, so that no row keeps a first
+        pass's fresh KV without being computed again; under EXTEND those rows are left out instead (their
+        KV above the check stays the first pass's). Returns sorted positions into ``active``."""
+        first, mode = self.widen
+        again = torch.isin(active, first.selected)  # (A,) rows the first pass recomputed above the check
+        mask = torch.zeros(active.shape[0], dtype=torch.bool)  # (A,)
+        mask[keep] = True
+        mask = mask & ~again if mode is GuardMode.EXTEND else mask | again
+        return torch.nonzero(mask).flatten()
 
     def attend(self, layer, q):
         plan, active = self.plan, self.active
@@ -489,7 +553,6 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     reports = [SegmentReport(SegmentKind.PREAMBLE, pre.reuse_class, len(prompt.preamble), 0, key_hex(pre_key),
                              note=pre.note)]
     blended = chunks[n_exact:]
-    q = prompt.question
     if not blended:  # nothing to re-position: this is the exact path (a conversation's turns included)
         return _exact_outcome(segments, prompt, cache, [*reports, *_doc_reports(prompt, chunks, NO_ROWS, 0)],
                               lookup_s, salt)
@@ -501,9 +564,57 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
                      question=not skip_q)
     h = model.run_layers(model.embed(plan.ids[rows.active]), rows)  # (A, C)
     cache.advance(plan.nb if skip_q else plan.n)
-    reports += _doc_reports(prompt, chunks, rows.first_selected, n_exact)
+    context = _Context(prompt, tuple(chunks), n_exact, tuple(reports))
+    out = _finish(model, context, plan, rows, None if skip_q else h, lookup_s)
+    if skip_q or not policy.guarded or rows.check_input is None or policy.guard_mode is GuardMode.RESTART:
+        return out
+    return replace(out, resume=BlendResume(plan, policy, rows.check_input, context, cache.length))
+
+
+def widen_blend(model: ModelRunner, resume: BlendResume, cache: KVCache, ratio: float) -> BlendOutcome:
+    """The near-tie guard's second pass over a finished blend's ``cache``: the first pass's rows
+    entering its check layer go on, selected again at ``ratio`` (every row the first pass recomputed
+    kept); under :attr:`GuardMode.EXTEND` the rows the first pass recomputed keep its KV above the check.
+
+    Under WIDEN this computes what one blend would have if its check layer had kept those rows: below
+    the check nothing changes (the same candidates, the same probe), and above it every row the first
+    pass wrote is written again.
+
+    Args:
+        model: the model runner of the first pass.
+        resume: the first pass's :attr:`BlendOutcome.resume` (its policy's ``guard_widens(ratio)`` holds).
+        cache: the first pass's cache, as it left it.
+        ratio: the share of the reused document tokens the check layer keeps.
+
+    Returns:
+        The outcome to answer from; its ``ratio`` is the share recomputed above the check by either pass
+        and its ``extra`` the share this pass computed there.
+    """
+    if cache.length != resume.length:
+        raise ValueError("widen_blend needs the cache as the first pass left it")
+    plan, at = resume.plan, resume.at
+    policy = replace(resume.policy, ratio=ratio, layer_ratios=None, budget=BudgetMode.FIXED, threshold=None,
+                     guard_margin=None)
+    rows = BlendRows(plan, cache, Checker(plan, policy, model.dims.scale), model, policy.needs_probe,
+                     widen=(at, resume.policy.guard_mode))
+    h = model.run_layers(at.h, rows, start=at.layer)  # (A', C)
+    base = max(plan.budget_base, 1)
+    computed = rows.check_input.selected  # (S2,) document rows this pass kept at the check
+    extra = int((~torch.isin(computed, at.selected)).sum()) if resume.policy.guard_mode is GuardMode.EXTEND \
+        else computed.numel()
+    out = _finish(model, resume.context, plan, rows, h, 0.0)
+    return replace(out, ratio=rows.first_selected.numel() / base, extra=extra / base)
+
+
+def _finish(model: ModelRunner, context: _Context, plan: BlendPlan, rows: BlendRows, h: torch.Tensor | None,
+            lookup_s: float) -> BlendOutcome:
+    """A blended pass's outcome: first-token logits from the last row of ``h`` (None: the question
+    was left to the caller) and the report's rows."""
+    q = context.prompt.question
+    reports = [*context.head, *_doc_reports(context.prompt, list(context.chunks), rows.first_selected,
+                                            context.n_exact)]
     reports.append(SegmentReport(q.kind, ReuseClass.COMPUTED, len(q), plan.e + plan.nb))
-    logits = None if skip_q else model.logits(h[-1:])[0]  # (V,)
+    logits = None if h is None else model.logits(h[-1:])[0]  # (V,)
     # document rows whose re-positioned KV stayed at some layer: a later check layer may drop rows the first kept
     kept = plan.nb - int((rows.active < plan.nb).sum())
     return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio, approximate=kept > 0)

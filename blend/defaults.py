@@ -49,6 +49,9 @@ DEFAULT_AUTO_TARGET = 0.007
 # for a mean share of 0.171 (BENCHMARKS.md, "The near-tie guard by default"). None: off.
 DEFAULT_GUARD_MARGIN: float | None = 0.7
 DEFAULT_GUARD_RATIO = 0.3
+# how the guard's second pass runs (blend.policy.GuardMode): "restart" blends again from the start;
+# "widen" / "extend" go on from the first pass's check layer (where its candidates cover the guard ratio)
+DEFAULT_GUARD_MODE = "restart"
 # inside vLLM (the KV connector) the guard is opt-in (a request's "guard_margin"): kvblend's blend there
 # costs ~0.45x of vLLM's faster prefill, so a guarded prompt's second pass takes it past vLLM's own full
 # prefill (1.24-1.47x of it). Validation items 30-49, reordered documents: with 0.7 it fired on 4 of 20, TTFT

@@ -19,7 +19,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from blend.blending import prefill_blend
+from blend.blending import BlendResume, prefill_blend, widen_blend
 from blend.cpu_features import cpu_kernel_class, warn_if_emulated
 from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_GEMM, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, \
     DEFAULT_PROBE_PRECISION
@@ -101,6 +101,7 @@ class _Prefilled:
     margin: float | None = None  # the blend's first-token top-2 gap (nats), before any guard
     guard: str = ""  # why the near-tie guard recomputed the request ("" if it did not)
     approximate: bool = False  # a blend kept re-positioned KV of some document rows (the guard's condition)
+    resume: BlendResume | None = None  # a blend the guard may widen (see blending.widen_blend)
 
 
 def _keep_first_pass_misses(first: Sequence[SegmentReport], redo: Sequence[SegmentReport]
@@ -406,7 +407,7 @@ class Engine:
         """A blended prefill into ``cache`` (see :func:`~blend.blending.prefill_blend`)."""
         out = prefill_blend(self.runner, self.segments, prompt, policy, cache, question=question)
         return _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio,
-                          approximate=out.approximate)
+                          approximate=out.approximate, resume=out.resume)
 
     def _guard(self, prompt: Prompt, policy: ReusePolicy, done: "_Prefilled", cache: KVCache
                ) -> tuple["_Prefilled", KVCache]:
@@ -421,11 +422,17 @@ class Engine:
         # decided by what the blend computed, not by where its KV came from: a cold request (chunks computed
         # canonically, then blended) guards exactly where the warm one does, so cold == warm holds
         if not policy.guarded or not done.approximate or margin >= policy.guard_margin:
-            return replace(done, margin=margin), cache
+            return replace(done, margin=margin, resume=None), cache
         # what the blend spent: the share an adaptive budget or a threshold selected, or the fixed ratio
         spent = done.ratio if done.ratio is not None else policy.ratio
         target = policy.guard_ratio_for(spent)
         why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {target:g}"
+        if done.resume is not None and policy.guard_widens(target):  # on from the first pass's check layer
+            out = widen_blend(self.runner, done.resume, cache, target)
+            why += f" ({policy.guard_mode.value}: from check layer {done.resume.at.layer})"
+            return replace(done, logits=out.logits, segments=out.segments, deviation=out.deviation,
+                           ratio=out.ratio, spent=spent + out.extra, margin=margin, guard=why,
+                           approximate=out.approximate, resume=None), cache
         with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later
             again = self.runner.new_cache(cache.capacity)
         if target >= 1.0:  # the exact path: preamble and first document reused (both exact
@@ -436,7 +443,7 @@ class Engine:
                                                guard_margin=None), again)
         segments = _keep_first_pass_misses(done.segments, redo.segments)
         return replace(redo, segments=segments, lookup_s=done.lookup_s + redo.lookup_s, ratio=target,
-                       spent=spent + target, margin=margin, guard=why), again
+                       spent=spent + target, margin=margin, guard=why, resume=None), again
 
     # ---- answers --------------------------------------------------------------------------
 

@@ -14,12 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 from blend.defaults import (
     DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_GEMM, DEFAULT_GUARD_MARGIN,
-    DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_PROBE_PRECISION,
-    DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, DTYPE_NAMES, GEMM_CHOICES,
+    DEFAULT_GUARD_MODE, DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL,
+    DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, DTYPE_NAMES, GEMM_CHOICES,
     REUSED_TEMPERATURE_RANGE,
 )
 from blend.errors import InvalidRequestError
-from blend.policy import PROBE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode, ProbePrecision, ReuseMode, ReusePolicy
+from blend.policy import (
+    GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode, GuardMode, ProbePrecision, ReuseMode,
+    ReusePolicy,
+)
 
 if TYPE_CHECKING:
     from blend.engine import Engine
@@ -136,6 +139,10 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guard-ratio", type=float, default=DEFAULT_GUARD_RATIO,
                    help="blend: the near-tie guard's ratio; 1.0, or one at or below the blend's own, runs the exact "
                         "path (default: %(default)s)")
+    p.add_argument("--guard-mode", default=DEFAULT_GUARD_MODE, choices=GUARD_MODE_NAMES,
+                   help="blend: how the guard's recompute at a ratio below 1 runs: 'restart' blends again from the "
+                        "start; 'widen' goes on from the first pass's check layer at the guard ratio, 'extend' too "
+                        "but computes only the rows the first pass did not (default: %(default)s)")
     p.add_argument("--candidates", type=_factor, default=DEFAULT_CANDIDATES,
                    help="blend, probe selectors: run the probe first and compute the layers up to the check only "
                         "for this many times the budget of rows the question reads most ('off': every row; "
@@ -171,6 +178,7 @@ def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
         auto_target=getattr(args, "auto_target", DEFAULT_AUTO_TARGET),
         guard_margin=getattr(args, "guard_margin", DEFAULT_GUARD_MARGIN),
         guard_ratio=getattr(args, "guard_ratio", DEFAULT_GUARD_RATIO),
+        guard_mode=GuardMode(getattr(args, "guard_mode", DEFAULT_GUARD_MODE)),
         candidates=getattr(args, "candidates", DEFAULT_CANDIDATES),
         reused_temperature=getattr(args, "reused_temperature", DEFAULT_REUSED_TEMPERATURE),
         probe_precision=ProbePrecision(getattr(args, "probe_precision", DEFAULT_PROBE_PRECISION)),

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 from blend.defaults import (
-    DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO,
-    DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE,
-    DEFAULT_SELECTOR, REUSED_TEMPERATURE_RANGE,
+    DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_MODE,
+    DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO,
+    DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, REUSED_TEMPERATURE_RANGE,
 )
 from blend.errors import InvalidPolicyError
 from blend.numeric import finite_real, integral, shown
@@ -44,6 +44,22 @@ class ProbePrecision(Enum):
 
 
 PROBE_PRECISION_NAMES = tuple(p.value for p in ProbePrecision)
+
+
+class GuardMode(Enum):
+    """How the near-tie guard's second pass (a blend at ``guard_ratio`` < 1) is computed."""
+
+    # a second blend from the start: fetch, re-position, probe, candidates, check, every layer
+    RESTART = "restart"
+    # the first pass's rows entering its first check layer go on at the guard ratio: the rows the
+    # selector keeps there (every row the first pass recomputed among them) through the layers above
+    WIDEN = "widen"
+    # as WIDEN, but the rows the first pass recomputed keep the KV it computed for them above the
+    # check layer; only the newly kept rows (and the question) are computed
+    EXTEND = "extend"
+
+
+GUARD_MODE_NAMES = tuple(m.value for m in GuardMode)
 
 
 class ReuseMode(Enum):
@@ -86,6 +102,8 @@ class ReusePolicy:
         guard_ratio: the guarded requests' ratio; 1.0 runs the exact path (preamble and first
             document reused, the rest computed: the same numbers as exact reuse). A guard ratio at
             or below the ratio the blend ran at takes the exact path (see :meth:`guard_ratio_for`).
+        guard_mode: how a guard ratio below 1 is computed (:class:`GuardMode`): from the start, or
+            going on from the first pass's check layer where its candidates cover the guard ratio.
         candidates: probe selectors only (others ignore it): None computes the layers up to the
             first check for every document row (each row's V deviation is measured); a factor
             F >= 1 runs the query probe
@@ -118,6 +136,7 @@ class ReusePolicy:
     guard_margin: float | None = DEFAULT_GUARD_MARGIN
     guard_ratio: float = DEFAULT_GUARD_RATIO
     candidates: float | None = DEFAULT_CANDIDATES
+    guard_mode: GuardMode = GuardMode(DEFAULT_GUARD_MODE)
     reused_temperature: float = DEFAULT_REUSED_TEMPERATURE
 
     def __post_init__(self) -> None:
@@ -187,6 +206,8 @@ class ReusePolicy:
             raise InvalidPolicyError("prefix_limit must be >= 0")
         if self.semantic and self.mode is not ReuseMode.BLEND:
             raise InvalidPolicyError("semantic reuse is a blend option: use ReusePolicy.blend(..., semantic=True)")
+        if not isinstance(self.guard_mode, GuardMode):
+            raise InvalidPolicyError(f"guard_mode must be a GuardMode, got {self.guard_mode!r:.60}")
         if not isinstance(self.probe_precision, ProbePrecision):
             raise InvalidPolicyError(f"probe_precision must be a ProbePrecision, got {self.probe_precision!r}")
         if not isinstance(self.cache_salt, str):
@@ -240,6 +261,23 @@ class ReusePolicy:
         """
         return self.guard_ratio if self.guard_ratio > ratio else 1.0
 
+    @property
+    def candidate_share(self) -> float:
+        """The share of the reused document rows a blend computes up to its first check layer: 1.0, or
+        with candidate pre-selection (a probe selector and ``candidates``) F x the largest share that
+        check may keep (``max_ratio`` for an adaptive budget or a threshold), at most 1.0."""
+        if not (self.needs_probe and self.candidates is not None):
+            return 1.0
+        share = self.max_ratio if self.budget is BudgetMode.AUTO or self.threshold is not None else self.ratio_at(0)
+        return min(1.0, self.candidates * share)
+
+    def guard_widens(self, target: float) -> bool:
+        """Whether a guarded recompute at ``target`` goes on from the first pass's check layer (see
+        :class:`GuardMode`) rather than blending from the start: its mode says so, ``target`` is a blend
+        (below 1.0), the policy has one check layer and its candidates cover ``target``."""
+        return (self.guard_mode is not GuardMode.RESTART and target < 1.0 and len(self.check_layers) == 1
+                and target <= self.candidate_share)
+
     def ratio_at(self, i: int) -> float:
         """Recompute ratio at the i-th check layer."""
         return self.ratio if self.layer_ratios is None else self.layer_ratios[i]
@@ -253,6 +291,8 @@ class ReusePolicy:
             what = f"auto({self.auto_target:g})<={self.max_ratio:g}"
         probe = f":probe={self.probe_precision.value}" if self.needs_probe else ""
         guard = f":guard={self.guard_margin:g}@{self.guard_ratio:g}" if self.guarded else ""
+        if self.guarded and self.guard_mode is not GuardMode(DEFAULT_GUARD_MODE):
+            guard += f"/{self.guard_mode.value}"
         cand = f":cand={self.candidates:g}" if self.needs_probe and self.candidates is not None else ""
         temp = f":temp={self.reused_temperature:g}" if self.reused_temperature != 1.0 else ""
         return f"blend@{what}:{self.selector}:check={checks}{probe}{cand}{temp}{guard}"

@@ -7,7 +7,7 @@ belong to the check list)::
     prefix                       exact prefix reuse: only the preamble is shared
     reuse                        full KV reuse (blend at ratio 0, no near-tie guard)
     blend@R[:SELECTOR][:check=L1,L2,...][:auto[=T]][:probe=bf16|compute|auto][:cand=F|cand=off][:temp=T]
-          [:guard=M@G|guard=off]
+          [:guard=M@G|guard=off][:gmode=restart|widen|extend]
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
                                  the budget is chosen per prompt (adaptive), R is its cap;
                                  ``probe=`` the dtype of the query probe's GEMMs; ``guard=``
@@ -16,7 +16,8 @@ belong to the check list)::
                                  ``cand=F`` (probe selectors) the probe runs first and only F x
                                  budget candidate rows are computed up to the check layer
                                  (``cand=off``: every row, the behaviour before candidates);
-                                 ``temp=T`` the reused rows' attention temperature (1: off)
+                                 ``temp=T`` the reused rows' attention temperature (1: off);
+                                 ``gmode=`` how the guard's second pass runs (``GuardMode``)
 
 e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.
 """
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
-from blend.policy import PROBE_PRECISION_NAMES, BudgetMode, ProbePrecision, ReusePolicy
+from blend.policy import (
+    GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, BudgetMode, GuardMode, ProbePrecision, ReusePolicy,
+)
 
 FALLBACK_SELECTORS = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe", "probe_attn")
 # the shipped default selector at three budgets, against CacheBlend's V deviation at the middle one
@@ -89,6 +92,7 @@ class Method:
     candidates: float | None = None  # the candidate factor (None: the default)
     candidates_off: bool = False  # cand=off: every row up to the check layer
     temperature: float | None = None  # temp=T: the reused rows' attention temperature (None: the default)
+    guard_mode: str | None = None  # gmode=: a GuardMode value (None: the default)
 
     def policy(self) -> Any:
         """The engine's :class:`blend.policy.ReusePolicy` for this method."""
@@ -113,6 +117,8 @@ class Method:
             kwargs["candidates"] = self.candidates
         if self.temperature is not None:
             kwargs["reused_temperature"] = self.temperature
+        if self.guard_mode is not None:
+            kwargs["guard_mode"] = GuardMode(self.guard_mode)
         if self.guard is not None:
             kwargs["guard_margin"] = self.guard[0]
             if self.guard[1] is not None:
@@ -130,6 +136,7 @@ class Method:
         label += " cand=off" if self.candidates_off else ""
         label += f" temp={self.temperature:g}" if self.temperature is not None else ""
         label += f" guard={_fmt_guard(self.guard)}" if self.guard is not None else ""
+        label += f" gmode={self.guard_mode}" if self.guard_mode is not None else ""
         return f"{label} check={','.join(map(str, self.check_layers))}" if self.check_layers else label
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,6 +152,7 @@ class Method:
             "guard": None if self.guard is None else list(self.guard),
             "candidates": "off" if self.candidates_off else self.candidates,
             "temperature": self.temperature,
+            "guard_mode": self.guard_mode,
         }
 
 
@@ -229,8 +237,15 @@ def parse_method(spec: str) -> Method:
     cand: float | None = None
     cand_off = False
     temp: float | None = None
+    gmode: str | None = None
     for part in [p for p in m.group(2).split(":") if p]:
-        if part.startswith("temp="):
+        if part.startswith("gmode="):
+            if gmode is not None:
+                raise MethodError(f"method '{spec}': gmode= given twice")
+            gmode = part[len("gmode="):]
+            if gmode not in GUARD_MODE_NAMES:
+                raise MethodError(f"method '{spec}': gmode= must be one of {', '.join(GUARD_MODE_NAMES)}")
+        elif part.startswith("temp="):
             if temp is not None:
                 raise MethodError(f"method '{spec}': temp= given twice")
             temp = _parse_number(spec, part, "a number > 0", lambda x: x > 0)
@@ -290,10 +305,12 @@ def parse_method(spec: str) -> Method:
         canonical += f":temp={temp:g}"
     if guard is not None:
         canonical += f":guard={_fmt_guard(guard)}"
+    if gmode is not None:
+        canonical += f":gmode={gmode}"
     return Method(
         name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks,
         auto=auto, auto_target=auto_target, probe_precision=probe, guard=guard, candidates=cand, candidates_off=cand_off,
-        temperature=temp,
+        temperature=temp, guard_mode=gmode,
     )
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.generation import stop_strings
-from blend.policy import ProbePrecision, ReusePolicy
+from blend.policy import GuardMode, ProbePrecision, ReusePolicy
 from blend.prompt import Prompt
 from blend.sampling import GenerationConfig, InvalidSettingError
 from blend.serve.config import ServeConfig
@@ -61,6 +61,7 @@ def policy_for(opts: KvblendOptions, salt: str) -> ReusePolicy:
         return ReusePolicy.exact(cache_salt=salt)
     return ReusePolicy.blend(ratio=opts.ratio, selector=opts.selector, semantic=opts.semantic, cache_salt=salt,
                              guard_margin=opts.guard_margin, guard_ratio=opts.guard_ratio,
+                             guard_mode=GuardMode(opts.guard_mode),
                              candidates=opts.candidates, probe_precision=ProbePrecision(opts.probe_precision),
                              reused_temperature=opts.reused_temperature)
 

@@ -25,15 +25,16 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from blend.defaults import (
-    DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO,
-    DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, REUSED_TEMPERATURE_RANGE,
+    DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_MODE, DEFAULT_GUARD_RATIO, DEFAULT_PROBE_PRECISION,
+    DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, REUSED_TEMPERATURE_RANGE,
 )
-from blend.policy import PROBE_PRECISION_NAMES, SELECTOR_NAMES
+from blend.policy import GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, SELECTOR_NAMES
 from blend.prompt import Role, Turn
 from blend.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS
 
 Selector = Literal[SELECTOR_NAMES]  # type: ignore[valid-type]
 ProbePrecisionName = Literal[PROBE_PRECISION_NAMES]  # type: ignore[valid-type]
+GuardModeName = Literal[GUARD_MODE_NAMES]  # type: ignore[valid-type]
 
 
 class Document(BaseModel):
@@ -54,6 +55,7 @@ class KvblendOptions(BaseModel):
     semantic: StrictBool = False
     guard_margin: float | None = Field(DEFAULT_GUARD_MARGIN, ge=0.0)  # near-tie guard (nats); None: off
     guard_ratio: float = Field(DEFAULT_GUARD_RATIO, ge=0.0, le=1.0)
+    guard_mode: GuardModeName = DEFAULT_GUARD_MODE  # how the guard's recompute runs (blend.policy.GuardMode)
     candidates: float | None = Field(DEFAULT_CANDIDATES, ge=1.0)  # probe selectors: candidate factor
     probe_precision: ProbePrecisionName = DEFAULT_PROBE_PRECISION  # the probe's GEMM dtype
     reused_temperature: float = Field(DEFAULT_REUSED_TEMPERATURE, ge=REUSED_TEMPERATURE_RANGE[0],
