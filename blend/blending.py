@@ -78,8 +78,6 @@ class BlendOutcome:
     approximate: bool = False
     # what a second pass over this cache needs (a guarded policy whose guard may widen it), else None
     resume: "BlendResume | None" = None
-    # a widened pass (:func:`widen_blend`): the share of reused document rows it computed above the check
-    extra: float | None = None
 
 
 @dataclass(frozen=True)
@@ -391,11 +389,11 @@ class BlendRows:
     gemm_tile = None
 
     def __init__(self, plan: BlendPlan, cache: KVCache, checker: Checker, model: ModelRunner,
-                 probe: bool, question: bool = True, widen: tuple[CheckInput, GuardMode] | None = None) -> None:
+                 probe: bool, question: bool = True, widen: CheckInput | None = None) -> None:
         self.plan, self.cache, self.checker, self.model = plan, cache, checker, model
         self.question = question  # False: the question's rows stop at the first check layer
-        # a second pass (:func:`widen_blend`): it starts at the first pass's check input, keeps every row
-        # that pass recomputed and, under EXTEND, leaves those rows' KV above the check as that pass wrote it
+        # a second pass (:func:`widen_blend`): it starts at the first pass's check input and keeps every
+        # row that pass recomputed
         self.widen = widen
         self.check_input: CheckInput | None = None  # this pass's, once its first check layer ran
         self.scale = model.dims.scale
@@ -415,7 +413,7 @@ class BlendRows:
         # first check every row is fresh (or, with candidates, the probe re-positioned every layer)
         self.reads_cached_above = plan.checks[0].layer if plan.checks else -1
         if widen is not None:
-            self.active, self.probe = widen[0].active, widen[0].probe
+            self.active, self.probe = widen.active, widen.probe
         elif self.use_probe and checker.policy.candidates is not None:
             self._probe_first(checker.policy)
         self.first_selected = self.active[self.active < plan.nb]  # doc rows kept at the first check
@@ -462,19 +460,15 @@ class BlendRows:
             self.deviation, self.ratio = sel.deviation, sel.ratio
             self.check_input = CheckInput(layer, active, h, self.probe, self.first_selected)
             if self.widen is not None:  # the report's rows: recomputed by either pass
-                self.first_selected = torch.unique(torch.cat([self.widen[0].selected, self.first_selected]))
+                self.first_selected = torch.unique(torch.cat([self.widen.selected, self.first_selected]))
         return q[:, keep], h[keep]
 
     def _widened(self, active: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """A second pass's rows above its check layer: the selector's ``keep`` (positions into the
         sorted ``active``) and every row the first pass recomputed there, so that no row keeps a first
-        pass's fresh KV without being computed again; under EXTEND those rows are left out instead (their
-        KV above the check stays the first pass's). Returns sorted positions into ``active``."""
-        first, mode = self.widen
-        again = torch.isin(active, first.selected)  # (A,) rows the first pass recomputed above the check
-        mask = torch.zeros(active.shape[0], dtype=torch.bool)  # (A,)
+        pass's fresh KV without being computed again. Returns sorted positions into ``active``."""
+        mask = torch.isin(active, self.widen.selected)  # (A,) rows the first pass recomputed above the check
         mask[keep] = True
-        mask = mask & ~again if mode is GuardMode.EXTEND else mask | again
         return torch.nonzero(mask).flatten()
 
     def attend(self, layer, q):
@@ -572,13 +566,13 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
 
 
 def widen_blend(model: ModelRunner, resume: BlendResume, cache: KVCache, ratio: float) -> BlendOutcome:
-    """The near-tie guard's second pass over a finished blend's ``cache``: the first pass's rows
-    entering its check layer go on, selected again at ``ratio`` (every row the first pass recomputed
-    kept); under :attr:`GuardMode.EXTEND` the rows the first pass recomputed keep its KV above the check.
+    """The near-tie guard's second pass over a finished blend's ``cache`` (:attr:`GuardMode.WIDEN`): the
+    first pass's rows entering its check layer go on, selected again at ``ratio`` among its candidates
+    (every row the first pass recomputed kept).
 
-    Under WIDEN this computes what one blend would have if its check layer had kept those rows: below
-    the check nothing changes (the same candidates, the same probe), and above it every row the first
-    pass wrote is written again.
+    This computes what one blend would have if its check layer had kept those rows: below the check
+    nothing changes (the same candidates, the same probe), and above it every row the first pass wrote
+    is written again.
 
     Args:
         model: the model runner of the first pass.
@@ -587,8 +581,8 @@ def widen_blend(model: ModelRunner, resume: BlendResume, cache: KVCache, ratio: 
         ratio: the share of the reused document tokens the check layer keeps.
 
     Returns:
-        The outcome to answer from; its ``ratio`` is the share recomputed above the check by either pass
-        and its ``extra`` the share this pass computed there.
+        The outcome to answer from; its ``ratio`` is the share of the reused document rows it recomputed
+        above the check (all it spent: it computes nothing below).
     """
     if cache.length != resume.length:
         raise ValueError("widen_blend needs the cache as the first pass left it")
@@ -596,14 +590,10 @@ def widen_blend(model: ModelRunner, resume: BlendResume, cache: KVCache, ratio: 
     policy = replace(resume.policy, ratio=ratio, layer_ratios=None, budget=BudgetMode.FIXED, threshold=None,
                      guard_margin=None)
     rows = BlendRows(plan, cache, Checker(plan, policy, model.dims.scale), model, policy.needs_probe,
-                     widen=(at, resume.policy.guard_mode))
+                     widen=at)
     h = model.run_layers(at.h, rows, start=at.layer)  # (A', C)
-    base = max(plan.budget_base, 1)
-    computed = rows.check_input.selected  # (S2,) document rows this pass kept at the check
-    extra = int((~torch.isin(computed, at.selected)).sum()) if resume.policy.guard_mode is GuardMode.EXTEND \
-        else computed.numel()
-    out = _finish(model, resume.context, plan, rows, h, 0.0)
-    return replace(out, ratio=rows.first_selected.numel() / base, extra=extra / base)
+    share = rows.first_selected.numel() / max(plan.budget_base, 1)  # every row the first pass kept is kept
+    return replace(_finish(model, resume.context, plan, rows, h, 0.0), ratio=share)
 
 
 def _finish(model: ModelRunner, context: _Context, plan: BlendPlan, rows: BlendRows, h: torch.Tensor | None,

@@ -431,7 +431,7 @@ class Engine:
             out = widen_blend(self.runner, done.resume, cache, target)
             why += f" ({policy.guard_mode.value}: from check layer {done.resume.at.layer})"
             return replace(done, logits=out.logits, segments=out.segments, deviation=out.deviation,
-                           ratio=out.ratio, spent=spent + out.extra, margin=margin, guard=why,
+                           ratio=out.ratio, spent=spent + out.ratio, margin=margin, guard=why,
                            approximate=out.approximate, resume=None), cache
         with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later
             again = self.runner.new_cache(cache.capacity)

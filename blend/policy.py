@@ -52,11 +52,10 @@ class GuardMode(Enum):
     # a second blend from the start: fetch, re-position, probe, candidates, check, every layer
     RESTART = "restart"
     # the first pass's rows entering its first check layer go on at the guard ratio: the rows the
-    # selector keeps there (every row the first pass recomputed among them) through the layers above
+    # selector keeps there among the first pass's candidates (every row the first pass recomputed
+    # among them) through the layers above. (Recomputing only the rows the first pass had not, keeping
+    # its KV for the rest, measured no better than no guard in KL: BENCHMARKS.md, 2026-12-06 (15).)
     WIDEN = "widen"
-    # as WIDEN, but the rows the first pass recomputed keep the KV it computed for them above the
-    # check layer; only the newly kept rows (and the question) are computed
-    EXTEND = "extend"
 
 
 GUARD_MODE_NAMES = tuple(m.value for m in GuardMode)
@@ -103,7 +102,8 @@ class ReusePolicy:
             document reused, the rest computed: the same numbers as exact reuse). A guard ratio at
             or below the ratio the blend ran at takes the exact path (see :meth:`guard_ratio_for`).
         guard_mode: how a guard ratio below 1 is computed (:class:`GuardMode`): from the start, or
-            going on from the first pass's check layer where its candidates cover the guard ratio.
+            going on from the first pass's check layer where its candidates cover the guard ratio
+            (cheaper; its selection only ranks the first pass's candidates).
         candidates: probe selectors only (others ignore it): None computes the layers up to the
             first check for every document row (each row's V deviation is measured); a factor
             F >= 1 runs the query probe

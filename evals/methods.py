@@ -7,7 +7,7 @@ belong to the check list)::
     prefix                       exact prefix reuse: only the preamble is shared
     reuse                        full KV reuse (blend at ratio 0, no near-tie guard)
     blend@R[:SELECTOR][:check=L1,L2,...][:auto[=T]][:probe=bf16|compute|auto][:cand=F|cand=off][:temp=T]
-          [:guard=M@G|guard=off][:gmode=restart|widen|extend]
+          [:guard=M@G|guard=off][:gmode=restart|widen]
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
                                  the budget is chosen per prompt (adaptive), R is its cap;
                                  ``probe=`` the dtype of the query probe's GEMMs; ``guard=``

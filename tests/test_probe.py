@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from blend import probe as P
-from blend.policy import BudgetMode, ReusePolicy
+from blend.policy import BudgetMode, GuardMode, ReusePolicy
 from blend.report import ReuseClass
 from blend.selectors import SelectionInputs, select, select_auto
 from conftest import make_docs, unguarded_blend
@@ -317,14 +317,15 @@ def test_a_guard_ratio_at_or_below_the_blends_takes_the_exact_path(tiny_engine):
     # a threshold blend is judged by the share it selected: all it may (0.5) -> the exact path ...
     capped = ReusePolicy.blend(0.15, "probe", threshold=0.0, max_ratio=0.5, guard_margin=1e9, guard_ratio=0.3)
     assert tiny_engine.generate(prompt, capped, max_new_tokens=1).report.ratio == 1.0
-    # ... none -> blended again at the guard ratio
-    idle = ReusePolicy.blend(0.15, "probe", threshold=1e9, max_ratio=0.5, guard_margin=1e9, guard_ratio=0.3)
+    # ... none -> blended again at the guard ratio (from the start here: tests/test_guard_widen.py has the rest)
+    idle = ReusePolicy.blend(0.15, "probe", threshold=1e9, max_ratio=0.5, guard_margin=1e9, guard_ratio=0.3,
+                             guard_mode=GuardMode.RESTART)
     again = tiny_engine.generate(prompt, idle, max_new_tokens=1)
     at_guard = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe"), max_new_tokens=1)
     assert again.report.ratio == 0.3 and torch.equal(again.first_logits, at_guard.first_logits)
     assert ReusePolicy.blend(0.15).guard_ratio_for(0.3) == 1.0
     auto = ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, max_ratio=0.2, auto_target=1e9,
-                             guard_margin=1e9, guard_ratio=0.4)
+                             guard_margin=1e9, guard_ratio=0.4, guard_mode=GuardMode.RESTART)
     redo = tiny_engine.generate(prompt, auto, max_new_tokens=1)
     at = tiny_engine.generate(prompt, unguarded_blend(0.4, "probe"), max_new_tokens=1)
     assert redo.report.ratio == 0.4 and torch.equal(redo.first_logits, at.first_logits)
