@@ -186,6 +186,20 @@ def _parse_number(spec: str, part: str, wants: str, valid: Callable[[float], boo
     return x
 
 
+def _parse_choice(spec: str, part: str, names: tuple[str, ...], given: str | None) -> str:
+    """The NAME of a ``key=NAME`` part of a method spec.
+
+    Raises:
+        MethodError: the key was ``given`` already, or NAME is not one of ``names``.
+    """
+    key, _, name = part.partition("=")
+    if given is not None:
+        raise MethodError(f"method '{spec}': {key}= given twice")
+    if name not in names:
+        raise MethodError(f"method '{spec}': {key}= must be one of {', '.join(names)}")
+    return name
+
+
 def _parse_guard(spec: str, text: str) -> tuple[float | None, float | None]:
     """``M``, ``M@G`` or ``off`` -> (margin, ratio)."""
     if text == "off":
@@ -240,11 +254,7 @@ def parse_method(spec: str) -> Method:
     gmode: str | None = None
     for part in [p for p in m.group(2).split(":") if p]:
         if part.startswith("gmode="):
-            if gmode is not None:
-                raise MethodError(f"method '{spec}': gmode= given twice")
-            gmode = part[len("gmode="):]
-            if gmode not in GUARD_MODE_NAMES:
-                raise MethodError(f"method '{spec}': gmode= must be one of {', '.join(GUARD_MODE_NAMES)}")
+            gmode = _parse_choice(spec, part, GUARD_MODE_NAMES, gmode)
         elif part.startswith("temp="):
             if temp is not None:
                 raise MethodError(f"method '{spec}': temp= given twice")
@@ -261,11 +271,7 @@ def parse_method(spec: str) -> Method:
                 raise MethodError(f"method '{spec}': guard= given twice")
             guard = _parse_guard(spec, part[len("guard="):])
         elif part.startswith("probe="):
-            if probe is not None:
-                raise MethodError(f"method '{spec}': probe= given twice")
-            probe = part[len("probe="):]
-            if probe not in PROBE_PRECISIONS:
-                raise MethodError(f"method '{spec}': probe= must be one of {', '.join(PROBE_PRECISIONS)}")
+            probe = _parse_choice(spec, part, PROBE_PRECISIONS, probe)
         elif part == "auto" or part.startswith("auto="):
             if auto:
                 raise MethodError(f"method '{spec}': auto given twice")
