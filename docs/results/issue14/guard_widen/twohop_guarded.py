@@ -11,14 +11,22 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 RESTART, WIDEN = "blend@0.15:probe:gmode=restart", "blend@0.15:probe:gmode=widen"
+OFF, V = "blend@0.15:probe:guard=off", "blend@0.15:v:guard=off"
 
 for folder in sorted(p for p in HERE.glob("twohop_*") if p.is_dir()):
     rows = [json.loads(x) for x in (folder / "rows.jsonl").read_text().splitlines() if x.strip()]
     by = {(r["item"], r["method"]): r for r in rows}
-    items = sorted({r["item"] for r in rows})
+    # complete items only (a run stopped early leaves its last item part-done)
+    items = sorted(i for i in {r["item"] for r in rows} if all((i, m) in by for m in (RESTART, WIDEN, OFF)))
     fired = [i for i in items if by[(i, RESTART)]["guarded"]]
     print(f"{folder.name}: {len(items)} items, the guard fired on {len(fired)} (restart) / "
           f"{sum(by[(i, WIDEN)]['guarded'] for i in items)} (widen)")
+    for m in (RESTART, WIDEN, OFF, V):
+        if not all((i, m) in by for i in items):
+            continue
+        every = [by[(i, m)]["kl"] for i in items]
+        print(f"  {m}, every item: mean KL {statistics.mean(every):.4f}, max {max(every):.4f}, "
+              f"top-1 {statistics.mean(by[(i, m)]['top1'] for i in items):.3f}")
     for m in (RESTART, WIDEN):
         ms = [by[(i, m)]["ms"] for i in fired]
         kl = [by[(i, m)]["kl"] for i in fired]
