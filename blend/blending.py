@@ -121,7 +121,7 @@ class BlendResume:
     policy: ReusePolicy
     at: CheckInput
     context: _Context
-    # the cache's length and the rows the pass wrote: a widened pass needs them unchanged
+    # the cache's length when the pass finished: a widened pass refuses a cache that has grown since
     length: int
 
 
