@@ -291,7 +291,7 @@ def plan_blend(model: ModelRunner, prompt: Prompt, blended: list[ChunkKV], n_exa
     ids = torch.tensor([t for doc in prompt.documents[n_exact:] for t in doc.token_ids] + list(q.token_ids),
                        dtype=torch.long, device=dev)  # (n,)
     # an adaptive budget or a threshold decides at the check layer whatever the fixed ratio says
-    full_reuse = policy.ratio == 0.0 and policy.threshold is None and policy.budget is BudgetMode.FIXED
+    full_reuse = policy.first_ratio == 0.0 and policy.threshold is None and policy.budget is BudgetMode.FIXED
     checks = () if full_reuse else tuple(
         CheckSpec(layer, i, policy.ratio_at(i)) for i, layer in enumerate(policy.check_layers))
     return BlendPlan(
@@ -587,8 +587,7 @@ def widen_blend(model: ModelRunner, resume: BlendResume, cache: KVCache, ratio: 
     if cache.length != resume.length:
         raise ValueError("widen_blend needs the cache as the first pass left it")
     plan, at = resume.plan, resume.at
-    policy = replace(resume.policy, ratio=ratio, layer_ratios=None, budget=BudgetMode.FIXED, threshold=None,
-                     guard_margin=None)
+    policy = resume.policy.at_guard_ratio(ratio)
     rows = BlendRows(plan, cache, Checker(plan, policy, model.dims.scale), model, policy.needs_probe,
                      widen=at)
     h = model.run_layers(at.h, rows, start=at.layer)  # (A', C)

@@ -378,7 +378,7 @@ class Engine:
             done, cache = self._run(prompt, policy, cache, question, refused, kinds)
         ttft = time.perf_counter() - t0
         blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS
-        ratio = (done.ratio if done.ratio is not None else policy.ratio) if blend_fields else None
+        ratio = (done.ratio if done.ratio is not None else policy.first_ratio) if blend_fields else None
         report = ReuseReport(
             policy=policy.describe(), segments=done.segments,
             selector=policy.selector if blend_fields else "",
@@ -424,7 +424,7 @@ class Engine:
         if not policy.guarded or not done.approximate or margin >= policy.guard_margin:
             return replace(done, margin=margin, resume=None), cache
         # what the blend spent: the share an adaptive budget or a threshold selected, or the fixed ratio
-        spent = done.ratio if done.ratio is not None else policy.ratio
+        spent = done.ratio if done.ratio is not None else policy.first_ratio
         target = policy.guard_ratio_for(spent)
         why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {target:g}"
         if done.resume is not None and policy.guard_widens(target):  # on from the first pass's check layer
@@ -439,8 +439,7 @@ class Engine:
             # there, the blend just fetched them), the rest computed, nothing else stored
             redo = self._prefill_segments(prompt, GUARD_PREFIX_SEGMENTS, True, again, policy.cache_salt)
         else:  # a fixed ratio: the recompute reports no chosen share of its own
-            redo = self._blend(prompt, replace(policy, ratio=target, budget=BudgetMode.FIXED, threshold=None,
-                                               guard_margin=None), again)
+            redo = self._blend(prompt, policy.at_guard_ratio(target), again)
         segments = _keep_first_pass_misses(done.segments, redo.segments)
         return replace(redo, segments=segments, lookup_s=done.lookup_s + redo.lookup_s, ratio=target,
                        spent=spent + target, margin=margin, guard=why, resume=None), again

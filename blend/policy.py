@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from blend.defaults import (
@@ -268,7 +268,7 @@ class ReusePolicy:
         check may keep (``max_ratio`` for an adaptive budget or a threshold), at most 1.0."""
         if not (self.needs_probe and self.candidates is not None):
             return 1.0
-        share = self.max_ratio if self.budget is BudgetMode.AUTO or self.threshold is not None else self.ratio_at(0)
+        share = self.max_ratio if self.budget is BudgetMode.AUTO or self.threshold is not None else self.first_ratio
         return min(1.0, self.candidates * share)
 
     def guard_widens(self, target: float) -> bool:
@@ -282,11 +282,34 @@ class ReusePolicy:
         """Recompute ratio at the i-th check layer."""
         return self.ratio if self.layer_ratios is None else self.layer_ratios[i]
 
+    @property
+    def first_ratio(self) -> float:
+        """The fixed share the first check layer recomputes: ``layer_ratios[0]`` where given, else ``ratio``
+        (what a fixed-ratio blend reports and what its guard compares the guard ratio with)."""
+        return self.ratio_at(0)
+
+    def at_guard_ratio(self, ratio: float) -> "ReusePolicy":
+        """This blend as its near-tie guard recomputes it: a fixed ``ratio`` at every check layer (explicit
+        ``layer_ratios`` dropped: they would narrow the guard's budget back down), unguarded.
+
+        Args:
+            ratio: the guard's ratio (:meth:`guard_ratio_for`), below 1.0.
+
+        Returns:
+            The second pass's policy.
+        """
+        return replace(self, ratio=ratio, layer_ratios=None, budget=BudgetMode.FIXED, threshold=None,
+                       guard_margin=None)
+
+    def _ratios(self) -> str:
+        """The fixed ratio, or the explicit per-check-layer ratios, as :meth:`describe` shows them."""
+        return f"{self.ratio:g}" if self.layer_ratios is None else ",".join(f"{r:g}" for r in self.layer_ratios)
+
     def describe(self) -> str:
         if self.mode is not ReuseMode.BLEND:
             return self.mode.value
         checks = ",".join(map(str, self.check_layers))
-        what = f"threshold={self.threshold}<= {self.max_ratio}" if self.threshold is not None else f"{self.ratio:g}"
+        what = f"threshold={self.threshold}<= {self.max_ratio}" if self.threshold is not None else self._ratios()
         if self.budget is BudgetMode.AUTO:
             what = f"auto({self.auto_target:g})<={self.max_ratio:g}"
         probe = f":probe={self.probe_precision.value}" if self.needs_probe else ""

@@ -88,7 +88,8 @@ def test_a_guard_ratio_the_candidates_do_not_cover_blends_again_from_the_start(t
         ans = tiny_engine.generate(prompt, guarded(mode, guard_ratio=0.4), max_new_tokens=1)
         assert torch.equal(ans.first_logits, at.first_logits) and "check layer" not in ans.report.guard
     two = dict(check_layers=(1, 2), layer_ratios=(0.15, 0.15))
-    at2 = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe", **two), max_new_tokens=1)
+    # the guard's blend: 0.3 at both check layers (its explicit layer ratios dropped)
+    at2 = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe", check_layers=(1, 2)), max_new_tokens=1)
     w2 = tiny_engine.generate(prompt, guarded(GuardMode.WIDEN, **two), max_new_tokens=1)
     assert torch.equal(w2.first_logits, at2.first_logits) and "check layer" not in w2.report.guard
     restart = tiny_engine.generate(prompt, guarded(GuardMode.RESTART), max_new_tokens=1)

@@ -336,6 +336,35 @@ def test_a_guard_ratio_at_or_below_the_blends_takes_the_exact_path(tiny_engine):
     assert tiny_engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).report.spent is None
 
 
+@pytest.mark.parametrize("mode", [GuardMode.RESTART, GuardMode.WIDEN])
+def test_explicit_layer_ratios_are_what_a_blend_runs_reports_and_guards_from(tiny_engine, mode):
+    """``layer_ratios`` overrides ``ratio`` at the check layers: a blend given ``layer_ratios=(0.1,)`` is
+    the blend at 0.1, reports 0.1, and its guard recomputes at the guard ratio (the blend at 0.3, bit for
+    bit, in either mode), not again at the 0.1 its layer ratios said, counting 0.1 + 0.3 as spent."""
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    at_01 = tiny_engine.generate(prompt, unguarded_blend(0.1, "probe", candidates=None), max_new_tokens=1)
+    told = tiny_engine.generate(prompt, unguarded_blend(0.15, "probe", candidates=None, layer_ratios=(0.1,)),
+                                max_new_tokens=1)
+    assert torch.equal(told.first_logits, at_01.first_logits) and told.report.ratio == 0.1
+    at_03 = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe", candidates=None), max_new_tokens=1)
+    guarded = ReusePolicy.blend(0.15, "probe", candidates=None, layer_ratios=(0.1,), guard_margin=1e9,
+                                guard_ratio=0.3, guard_mode=mode)
+    redo = tiny_engine.generate(prompt, guarded, max_new_tokens=1)
+    assert torch.equal(redo.first_logits, at_03.first_logits) and "recomputed at ratio 0.3" in redo.report.guard
+    assert redo.report.spent == pytest.approx(0.1 + redo.report.ratio)
+    # a first check already at the guard ratio: the exact path, whatever ``ratio`` says
+    up = replace(guarded, layer_ratios=(0.3,))
+    assert tiny_engine.generate(prompt, up, max_new_tokens=1).report.ratio == 1.0
+    # several check layers: the guard's blend keeps the guard ratio at every one (no narrowing below it)
+    two = ReusePolicy.blend(0.15, "probe", check_layers=(1, 2), layer_ratios=(0.15, 0.1), guard_margin=1e9,
+                            guard_ratio=0.3, guard_mode=mode)
+    flat = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe", check_layers=(1, 2)), max_new_tokens=1)
+    assert torch.equal(tiny_engine.generate(prompt, two, max_new_tokens=1).first_logits, flat.first_logits)
+    assert two.at_guard_ratio(0.3) == unguarded_blend(0.3, "probe", check_layers=(1, 2), guard_mode=mode)
+    assert told.report.policy.startswith("blend@0.1:") and ReusePolicy.blend(layer_ratios=(0.15,)).describe() \
+        .startswith("blend@0.15:") and "blend@0.15,0.1:" in two.describe()
+
+
 def test_the_guard_is_on_by_default_and_never_fires_on_exact_results(tiny_engine):
     from blend.defaults import DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_RATIO
 
