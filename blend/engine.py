@@ -32,7 +32,7 @@ from blend.kernels import attention_label
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.models import LoadedModel, load_model
-from blend.policy import BudgetMode, ProbePrecision, ReuseMode, ReusePolicy
+from blend.policy import ProbePrecision, ReuseMode, ReusePolicy
 from blend.probe import top2_margin
 from blend.probe_pass import probe_gemm_dtype, resolve_probe_precision
 from blend.prompt import Prompt, Segment, SegmentKind, Turn, build_prompt, preamble_segment
