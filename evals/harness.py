@@ -192,6 +192,11 @@ def evaluate_item(
             "ttft_ratio": (ttft / full_ttft) if ttft is not None and full_ttft else None,
             "ttft_ref_s": full_ttft,  # full prefill's TTFT beside it: what ttft_ratio divides by
             "threads": threads,  # intra-op threads the times were measured with
+            # the blend's own first-token top-2 gap (nats; before any guard) and whether the guard fired:
+            # with a guarded method and the same blend unguarded, every smaller margin's outcome follows
+            # (evals/guard_curve.py)
+            "first_token_margin": getattr(rep, "first_token_margin", None),  # engine-like objects may lack them
+            "guarded": bool(getattr(rep, "guard", "")),
             "recomputed_tokens": int(rep.recomputed_tokens),
             "reused_tokens": int(rep.reused_tokens),
             "prompt_tokens": int(rep.prompt_tokens),

@@ -1,0 +1,213 @@
+"""The near-tie guard's margin, what it buys and what it costs, from one ``kvblend eval`` run.
+
+A guarded blend (``guard=M@G``) fires where its first pass's first-token top-2 gap is under M nats; its
+first pass is the unguarded blend's whole computation. So a run holding both, item by item, gives every
+smaller margin m <= M exactly: an item is the guarded method's row where its gap is under m, else the
+unguarded method's row (time included). One run, every margin: no re-running per setting::
+
+    kvblend eval ... --methods full,blend@0.15:probe:guard=2@0.3,blend@0.15:probe:guard=off --out RUN
+    python -m blend.evals.guard_curve --run RUN --guarded blend@0.15:probe:guard=2@0.3 \\
+        --off blend@0.15:probe:guard=off [--margins 0,0.1,...] [--out RUN/guard_curve]
+
+Writes ``guard_curve.md`` (a row per margin: the share of items guarded, mean / p90 / max first-token KL,
+top-1 agreement, TTFT ratio median / mean / p90) and ``guard_curve.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from blend.evals import metrics as M
+from blend.evals.methods import MethodError, parse_method
+
+# what two rows of one item may differ by in their first pass's gap and still be the same first pass
+# (the eval's JSON keeps floats exactly; a run resumed on another host could round differently)
+MARGIN_TOLERANCE = 1e-4
+
+
+class CurveError(ValueError):
+    """A run that cannot give the curve (a method missing, rows without margins, first passes that differ)."""
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """The outcome over a run's items of a guard at one margin."""
+
+    margin: float
+    guarded: float  # share of items whose first pass's gap is under the margin
+    kl_mean: float
+    kl_p90: float
+    kl_max: float
+    top1: float
+    ttft_median: float | None
+    ttft_mean: float | None
+    ttft_p90: float | None
+
+
+def guard_margin_of(name: str) -> float:
+    """The margin M of a ``guard=M@G`` method spec.
+
+    Raises:
+        CurveError: the spec is not a blend with an explicit guard margin.
+    """
+    try:
+        method = parse_method(name)
+    except MethodError as e:
+        raise CurveError(str(e)) from e
+    if method.guard is None or method.guard[0] is None:
+        raise CurveError(f"{name!r} names no guard margin (guard=M@G)")
+    return float(method.guard[0])
+
+
+def read_rows(run: Path) -> list[dict[str, Any]]:
+    """The items of a ``kvblend eval`` output folder (``rows.jsonl``), in file order.
+
+    Raises:
+        CurveError: no rows file, or a line that is not a JSON object.
+    """
+    path = run / "rows.jsonl"
+    if not path.is_file():
+        raise CurveError(f"{path} not found (a kvblend eval --out folder holds it)")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CurveError(f"{path}:{n}: not JSON ({e.msg})") from e
+        if not isinstance(row, dict) or not isinstance(row.get("methods"), dict):
+            raise CurveError(f"{path}:{n}: not an item row")
+        rows.append(row)
+    return rows
+
+
+def _pair(row: dict[str, Any], guarded: str, off: str) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """One item's guarded and unguarded rows and its first pass's gap (checked to be the same pass)."""
+    ms = row["methods"]
+    where = f"item {row.get('index')}"
+    if guarded not in ms or off not in ms:
+        raise CurveError(f"{where}: the run lacks {guarded!r} or {off!r}")
+    g, o = ms[guarded], ms[off]
+    gap_g, gap_o = g.get("first_token_margin"), o.get("first_token_margin")
+    if gap_g is None or gap_o is None:
+        raise CurveError(f"{where}: no first_token_margin (a run from before kvblend eval recorded it)")
+    if abs(gap_g - gap_o) > MARGIN_TOLERANCE:
+        raise CurveError(f"{where}: the two methods' first passes differ (gaps {gap_g:.6g} and {gap_o:.6g}): "
+                         "--off must be --guarded with the guard off")
+    # under M the guard may still not fire (a blend that recomputed every row has nothing to guard, and its
+    # guarded row is then the unguarded computation); at or over M it never does
+    if g.get("guarded") and gap_g >= guard_margin_of(guarded):
+        raise CurveError(f"{where}: {guarded!r} fired at gap {gap_g:.6g}, over its margin: not that method")
+    return g, o, float(gap_o)
+
+
+def curve(rows: Sequence[dict[str, Any]], guarded: str, off: str, margins: Sequence[float]) -> list[CurvePoint]:
+    """The guard's outcome at each margin, from each item's guarded and unguarded rows.
+
+    Args:
+        rows: item rows of one ``kvblend eval`` run (:func:`read_rows`).
+        guarded: a method with the guard at margin M (``guard=M@G``).
+        off: the same blend with the guard off.
+        margins: margins to report, each in [0, M].
+
+    Returns:
+        One point per margin, in the given order.
+
+    Raises:
+        CurveError: no items, a margin outside [0, M], an item lacking a method or its gap, or first
+            passes that differ.
+    """
+    top = guard_margin_of(guarded)
+    if not rows:
+        raise CurveError("the run has no items")
+    if any(not 0.0 <= m <= top for m in margins):
+        raise CurveError(f"margins must lie in [0, {top:g}] (the guarded method's own margin)")
+    pairs = [_pair(r, guarded, off) for r in rows]
+    points = []
+    for m in margins:
+        chosen = [g if gap < m else o for g, o, gap in pairs]
+        kl = [c["kl"] for c in chosen]
+        ttft = [c.get("ttft_ratio") for c in chosen]
+        points.append(CurvePoint(
+            margin=float(m), guarded=sum(gap < m for _, _, gap in pairs) / len(pairs),
+            kl_mean=M.mean(kl), kl_p90=M.percentile(kl, 90), kl_max=max(kl),
+            top1=M.mean([c["top1"] for c in chosen]),
+            ttft_median=M.median(ttft), ttft_mean=M.mean(ttft), ttft_p90=M.percentile(ttft, 90)))
+    return points
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def write_markdown(points: Sequence[CurvePoint], items: int, guarded: str, off: str, path: Path) -> None:
+    """``guard_curve.md``: a row per margin."""
+    lines = [f"# The near-tie guard by margin ({items} items)", "",
+             f"Guarded `{guarded}`, unguarded `{off}`: at margin m an item is the guarded row where its first",
+             "pass's top-2 gap is under m, else the unguarded row.", "",
+             "| margin (nats) | guarded | mean KL | p90 | max | top-1 | TTFT median / mean / p90 |",
+             "|---|---|---|---|---|---|---|"]
+    for p in points:
+        lines.append(f"| {p.margin:g} | {p.guarded:.3f} | {p.kl_mean:.4f} | {p.kl_p90:.4f} | {p.kl_max:.4f} | "
+                     f"{p.top1:.3f} | {_fmt(p.ttft_median, '.3f')} / {_fmt(p.ttft_mean, '.3f')} / "
+                     f"{_fmt(p.ttft_p90, '.3f')} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plot(points: Sequence[CurvePoint], path: Path) -> None:
+    """``guard_curve.png``: top-1 and mean KL against mean TTFT ratio, each point labelled by its margin."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [p for p in points if p.ttft_mean is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, field, label in ((axes[0], "top1", "top-1 agreement with full prefill"),
+                             (axes[1], "kl_mean", "mean first-token KL")):
+        xs, ys = [p.ttft_mean for p in pts], [getattr(p, field) for p in pts]
+        ax.plot(xs, ys, "o-")
+        for p, x, y in zip(pts, xs, ys):
+            ax.annotate(f"{p.margin:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel("mean TTFT / full prefill")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle("near-tie guard: points labelled by margin (nats)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m blend.evals.guard_curve", description=__doc__.split("\n")[0])
+    ap.add_argument("--run", required=True, help="a kvblend eval --out folder")
+    ap.add_argument("--guarded", required=True, help="its guarded method (guard=M@G)")
+    ap.add_argument("--off", required=True, help="the same blend with guard=off")
+    ap.add_argument("--margins", default=None, help="comma list (default: 0 to M in 11 steps)")
+    ap.add_argument("--out", default=None, help="folder for guard_curve.md and .png (default: --run)")
+    args = ap.parse_args(argv)
+    try:
+        top = guard_margin_of(args.guarded)
+        margins = ([float(x) for x in args.margins.split(",")] if args.margins
+                   else [round(top * i / 10, 6) for i in range(11)])
+        rows = read_rows(Path(args.run))
+        points = curve(rows, args.guarded, args.off, margins)
+    except (CurveError, ValueError) as e:
+        print(f"guard_curve: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out or args.run)
+    out.mkdir(parents=True, exist_ok=True)
+    write_markdown(points, len(rows), args.guarded, args.off, out / "guard_curve.md")
+    write_plot(points, out / "guard_curve.png")
+    print((out / "guard_curve.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""The guard's margin curve from one eval run (evals/guard_curve.py): each margin's outcome picks, item by
+item, the guarded row under it and the unguarded row otherwise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blend.evals import guard_curve as G
+
+GUARDED, OFF = "blend@0.15:probe:guard=2@0.3", "blend@0.15:probe:guard=off"
+
+
+def item(index: int, gap: float, fired_kl: float, off_kl: float, fired_top1: float = 1.0, off_top1: float = 1.0,
+         fired_ttft: float = 0.6, off_ttft: float = 0.2) -> dict:
+    fired = gap < 2.0
+    return {"index": index, "methods": {
+        GUARDED: {"first_token_margin": gap, "guarded": fired, "kl": fired_kl if fired else off_kl,
+                  "top1": fired_top1 if fired else off_top1, "ttft_ratio": fired_ttft if fired else off_ttft},
+        OFF: {"first_token_margin": gap, "guarded": False, "kl": off_kl, "top1": off_top1, "ttft_ratio": off_ttft},
+    }}
+
+
+ROWS = [item(0, 0.1, 0.01, 0.30, 1.0, 0.0), item(1, 0.5, 0.02, 0.04), item(2, 1.5, 0.03, 0.05), item(3, 3.0, 0.0, 0.07)]
+
+
+def test_each_margin_takes_the_guarded_row_under_it_and_the_unguarded_row_over_it():
+    p0, p1, p2 = G.curve(ROWS, GUARDED, OFF, [0.0, 1.0, 2.0])
+    assert p0.guarded == 0.0 and p0.kl_mean == pytest.approx((0.30 + 0.04 + 0.05 + 0.07) / 4) and p0.top1 == 0.75
+    assert p0.ttft_mean == pytest.approx(0.2) and p0.kl_max == pytest.approx(0.30)
+    assert p1.guarded == 0.5 and p1.kl_mean == pytest.approx((0.01 + 0.02 + 0.05 + 0.07) / 4) and p1.top1 == 1.0
+    assert p1.ttft_mean == pytest.approx((0.6 + 0.6 + 0.2 + 0.2) / 4) and p1.ttft_median == pytest.approx(0.4)
+    assert p2.guarded == 0.75 and p2.kl_max == pytest.approx(0.07)  # item 3's gap is over the guard's own 2.0
+    assert p2.kl_mean == pytest.approx(G.curve(ROWS, GUARDED, GUARDED, [2.0])[0].kl_mean)  # = the guarded run
+
+
+def test_runs_that_cannot_give_the_curve_say_why():
+    with pytest.raises(G.CurveError, match=r"\[0, 2\]"):
+        G.curve(ROWS, GUARDED, OFF, [2.5])
+    with pytest.raises(G.CurveError, match="no guard margin"):
+        G.curve(ROWS, OFF, GUARDED, [0.5])
+    other = [item(0, 0.1, 0.01, 0.3)]
+    other[0]["methods"][OFF]["first_token_margin"] = 0.9
+    with pytest.raises(G.CurveError, match="first passes differ"):
+        G.curve(other, GUARDED, OFF, [0.5])
+    old = [item(0, 0.1, 0.01, 0.3)]
+    del old[0]["methods"][GUARDED]["first_token_margin"]
+    with pytest.raises(G.CurveError, match="no first_token_margin"):
+        G.curve(old, GUARDED, OFF, [0.5])
+    with pytest.raises(G.CurveError, match="lacks"):
+        G.curve([{"index": 0, "methods": {}}], GUARDED, OFF, [0.5])
+    with pytest.raises(G.CurveError, match="no items"):
+        G.curve([], GUARDED, OFF, [0.5])
+    wrong = [item(0, 2.5, 0.01, 0.3)]
+    wrong[0]["methods"][GUARDED]["guarded"] = True
+    with pytest.raises(G.CurveError, match="over its margin"):
+        G.curve(wrong, GUARDED, OFF, [0.5])
+
+
+def test_the_command_writes_a_table_and_a_plot(tmp_path, capsys):
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    assert G.main(["--run", str(tmp_path), "--guarded", GUARDED, "--off", OFF, "--margins", "0,1,2"]) == 0
+    md = (tmp_path / "guard_curve.md").read_text()
+    assert "| 1 | 0.500 | 0.0375 |" in md and (tmp_path / "guard_curve.png").stat().st_size > 0
+    assert "4 items" in capsys.readouterr().out
+    (tmp_path / "rows.jsonl").write_text("{not json\n")
+    assert G.main(["--run", str(tmp_path), "--guarded", GUARDED, "--off", OFF]) == 2
+    assert "not JSON" in capsys.readouterr().err
+    assert G.main(["--run", str(tmp_path / "missing"), "--guarded", GUARDED, "--off", OFF]) == 2
+
+
+def test_an_eval_row_records_the_first_passs_gap_and_whether_the_guard_fired(tiny_engine):
+    from blend.evals.harness import EvalConfig, evaluate_item
+    from blend.evals.items import Document, Item
+    from blend.evals.methods import parse_methods
+
+    methods = parse_methods(f"full,{GUARDED},{OFF}")
+    policies = {m.name: m.policy() for m in methods}
+    docs = tuple(Document("", f"Document {i} says the code word is w{i}.") for i in range(4))
+    row = evaluate_item(tiny_engine, Item("x", "Which word?", docs, ("w1",)), 0, methods, policies,
+                        EvalConfig("x", 1, 4, tuple(m.name for m in methods), "tiny", "float32", max_new_tokens=2, repeats=1,
+                                   warmup=0), False)
+    g, o = row["methods"][GUARDED], row["methods"][OFF]
+    assert g["first_token_margin"] == o["first_token_margin"] is not None
+    assert g["guarded"] == (g["first_token_margin"] < 2.0) and o["guarded"] is False
+    assert row["methods"]["full"]["first_token_margin"] is None and row["methods"]["full"]["guarded"] is False
