@@ -173,8 +173,11 @@ def write_plot(points: Sequence[CurvePoint], path: Path) -> None:
                              (axes[1], "kl_mean", "mean first-token KL")):
         xs, ys = [p.ttft_mean for p in pts], [getattr(p, field) for p in pts]
         ax.plot(xs, ys, "o-")
+        labels: dict[tuple[float, float], list[str]] = {}  # margins that guard the same items share a point
         for p, x, y in zip(pts, xs, ys):
-            ax.annotate(f"{p.margin:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            labels.setdefault((x, y), []).append(f"{p.margin:g}")
+        for (x, y), names in labels.items():
+            ax.annotate(",".join(names), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_xlabel("mean TTFT / full prefill")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
