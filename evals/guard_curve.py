@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from blend.defaults import DEFAULT_GUARD_MARGIN
 from blend.evals import metrics as M
-from blend.evals.methods import MethodError, parse_method
+from blend.evals.methods import Method, MethodError, MethodKind, parse_method
 
 # what two rows of one item may differ by in their first pass's gap and still be the same first pass
 # (the eval's JSON keeps floats exactly; a run resumed on another host could round differently)
@@ -49,19 +50,63 @@ class CurvePoint:
     ttft_p90: float | None
 
 
+# the margins a results.md shows (those up to the guarded method's own, and that one)
+MARGIN_STEPS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0)
+
+
 def guard_margin_of(name: str) -> float:
-    """The margin M of a ``guard=M@G`` method spec.
+    """The guard margin of a blend method spec: M of ``guard=M@G``, the engine's default where the spec
+    names no guard.
 
     Raises:
-        CurveError: the spec is not a blend with an explicit guard margin.
+        CurveError: the spec is not a blend, or its guard is off.
     """
     try:
         method = parse_method(name)
     except MethodError as e:
         raise CurveError(str(e)) from e
-    if method.guard is None or method.guard[0] is None:
-        raise CurveError(f"{name!r} names no guard margin (guard=M@G)")
-    return float(method.guard[0])
+    margin = DEFAULT_GUARD_MARGIN if method.guard is None else method.guard[0]
+    if method.kind is not MethodKind.BLEND or margin is None:
+        raise CurveError(f"{name!r} names no guard margin (a blend with guard=M@G, or the default guard)")
+    return float(margin)
+
+
+def default_margins(top: float) -> list[float]:
+    """:data:`MARGIN_STEPS` up to ``top``, and ``top`` itself."""
+    return sorted({m for m in MARGIN_STEPS if m <= top} | {top})
+
+
+def guard_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
+    """The (guarded, unguarded) pairs among a run's method names: a guarded blend (its own margin or the
+    default guard) and the same blend with ``guard=off``, whatever the guard's ratio and mode.
+
+    Args:
+        names: method specs as a run keys them.
+
+    Returns:
+        Pairs in the order the guarded methods come.
+    """
+    blends: dict[str, Method] = {}
+    for n in names:
+        try:
+            m = parse_method(n)
+        except MethodError:
+            continue
+        if m.kind is MethodKind.BLEND:
+            blends[n] = m
+
+    def base(m: Method) -> Method:
+        return replace(m, name="", canonical="", guard=None, guard_mode=None)
+
+    offs = [n for n, m in blends.items() if m.guard == (None, None)]
+    pairs = []
+    for n, m in blends.items():
+        if (DEFAULT_GUARD_MARGIN if m.guard is None else m.guard[0]) is None:  # unguarded itself
+            continue
+        off = next((o for o in offs if base(blends[o]) == base(m)), None)
+        if off is not None:
+            pairs.append((n, off))
+    return pairs
 
 
 def read_rows(run: Path) -> list[dict[str, Any]]:
@@ -146,17 +191,22 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def write_markdown(points: Sequence[CurvePoint], items: int, guarded: str, off: str, path: Path) -> None:
-    """``guard_curve.md``: a row per margin."""
-    lines = [f"# The near-tie guard by margin ({items} items)", "",
-             f"Guarded `{guarded}`, unguarded `{off}`: at margin m an item is the guarded row where its first",
-             "pass's top-2 gap is under m, else the unguarded row.", "",
-             "| margin (nats) | guarded | mean KL | p90 | max | top-1 | TTFT median / mean / p90 |",
+def table_lines(points: Sequence[CurvePoint]) -> list[str]:
+    """The curve as a markdown table, a row per margin."""
+    lines = ["| margin (nats) | guarded | mean KL | p90 | max | top-1 | TTFT median / mean / p90 |",
              "|---|---|---|---|---|---|---|"]
     for p in points:
         lines.append(f"| {p.margin:g} | {p.guarded:.3f} | {p.kl_mean:.4f} | {p.kl_p90:.4f} | {p.kl_max:.4f} | "
                      f"{p.top1:.3f} | {_fmt(p.ttft_median, '.3f')} / {_fmt(p.ttft_mean, '.3f')} / "
                      f"{_fmt(p.ttft_p90, '.3f')} |")
+    return lines
+
+
+def write_markdown(points: Sequence[CurvePoint], items: int, guarded: str, off: str, path: Path) -> None:
+    """``guard_curve.md``: a row per margin."""
+    lines = [f"# The near-tie guard by margin ({items} items)", "",
+             f"Guarded `{guarded}`, unguarded `{off}`: at margin m an item is the guarded row where its first",
+             "pass's top-2 gap is under m, else the unguarded row.", "", *table_lines(points)]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -192,13 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", required=True, help="a kvblend eval --out folder")
     ap.add_argument("--guarded", required=True, help="its guarded method (guard=M@G)")
     ap.add_argument("--off", required=True, help="the same blend with guard=off")
-    ap.add_argument("--margins", default=None, help="comma list (default: 0 to M in 11 steps)")
+    ap.add_argument("--margins", default=None, help="comma list (default: 0, 0.1, 0.2, 0.3, 0.5, 0.7, 1, ... up to M)")
     ap.add_argument("--out", default=None, help="folder for guard_curve.md and .png (default: --run)")
     args = ap.parse_args(argv)
     try:
         top = guard_margin_of(args.guarded)
-        margins = ([float(x) for x in args.margins.split(",")] if args.margins
-                   else [round(top * i / 10, 6) for i in range(11)])
+        margins = [float(x) for x in args.margins.split(",")] if args.margins else default_margins(top)
         rows = read_rows(Path(args.run))
         points = curve(rows, args.guarded, args.off, margins)
     except (CurveError, ValueError) as e:

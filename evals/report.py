@@ -410,7 +410,28 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _tail_lines(methods, order)
     lines += _worst_lines(results, order)
     lines += _flip_lines(results, order)
+    lines += _guard_lines(results)
     return "\n".join(lines) + "\n"
+
+
+def _guard_lines(results: dict[str, Any]) -> list[str]:
+    """For each guarded blend run beside the same blend with ``guard=off``: the guard's outcome at every
+    margin up to its own (:mod:`blend.evals.guard_curve`; rows from before the eval recorded first-token
+    gaps give none)."""
+    from blend.evals import guard_curve as G  # results.md only: the validator needs none of it
+
+    lines: list[str] = []
+    for guarded, off in G.guard_pairs(list(results["methods"])):
+        rows = [r for r in results["items"] if guarded in r["methods"] and off in r["methods"]]
+        try:
+            points = G.curve(rows, guarded, off, G.default_margins(G.guard_margin_of(guarded)))
+        except G.CurveError as e:
+            lines += ["", f"(No guard margin table for `{guarded}` against `{off}`: {e}.)"]
+            continue
+        lines += ["", f"## The near-tie guard by margin: `{guarded}` against `{off}`", "",
+                  "At margin m an item is the guarded row where its first pass's top-2 gap is under m, else the "
+                  "unguarded row (`python -m blend.evals.guard_curve` draws it).", "", *G.table_lines(points)]
+    return lines
 
 
 def _fmt_ci(agg: dict[str, Any], field: str, ci_field: str, fmt: str) -> str:

@@ -85,3 +85,25 @@ def test_an_eval_row_records_the_first_passs_gap_and_whether_the_guard_fired(tin
     assert g["first_token_margin"] == o["first_token_margin"] is not None
     assert g["guarded"] == (g["first_token_margin"] < 2.0) and o["guarded"] is False
     assert row["methods"]["full"]["first_token_margin"] is None and row["methods"]["full"]["guarded"] is False
+
+
+def test_a_run_pairs_each_guarded_blend_with_the_same_blend_unguarded():
+    names = ["full", "blend@0.15:probe", GUARDED, "blend@0.15:probe:guard=0.5@0.3:gmode=widen", OFF,
+             "blend@0.3:probe", "blend@0.15:v:guard=1@0.3", "reuse"]
+    assert G.guard_pairs(names) == [("blend@0.15:probe", OFF), (GUARDED, OFF),
+                                    ("blend@0.15:probe:guard=0.5@0.3:gmode=widen", OFF)]
+    assert G.guard_margin_of("blend@0.15:probe") == 0.7  # the engine's default guard
+    assert G.default_margins(0.7) == [0.0, 0.1, 0.2, 0.3, 0.5, 0.7] and G.default_margins(0.25)[-1] == 0.25
+
+
+def test_results_md_shows_the_guard_by_margin_where_a_run_allows_it():
+    from blend.evals.report import _guard_lines
+
+    results = {"methods": {"full": {}, GUARDED: {}, OFF: {}}, "items": ROWS}
+    md = "\n".join(_guard_lines(results))
+    assert f"## The near-tie guard by margin: `{GUARDED}` against `{OFF}`" in md and "| 1 | 0.500 | 0.0375 |" in md
+    old = [{"index": r["index"], "methods": {k: {f: v for f, v in m.items() if f != "first_token_margin"}
+                                             for k, m in r["methods"].items()}} for r in ROWS]
+    md = "\n".join(_guard_lines({"methods": results["methods"], "items": old}))
+    assert "No guard margin table" in md and "no first_token_margin" in md
+    assert _guard_lines({"methods": {"full": {}, OFF: {}}, "items": ROWS}) == []
