@@ -29,6 +29,8 @@ from blend.evals.methods import Method, MethodError, MethodKind, parse_method
 # what two rows of one item may differ by in their first pass's gap and still be the same first pass
 # (the eval's JSON keeps floats exactly; a run resumed on another host could round differently)
 MARGIN_TOLERANCE = 1e-4
+# the margins a results.md shows (those up to the guarded method's own, and that one)
+MARGIN_STEPS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0)
 
 
 class CurveError(ValueError):
@@ -50,9 +52,6 @@ class CurvePoint:
     ttft_p90: float | None
 
 
-# the margins a results.md shows (those up to the guarded method's own, and that one)
-MARGIN_STEPS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0)
-
 
 def guard_margin_of(name: str) -> float:
     """The guard margin of a blend method spec: M of ``guard=M@G``, the engine's default where the spec
@@ -65,10 +64,15 @@ def guard_margin_of(name: str) -> float:
         method = parse_method(name)
     except MethodError as e:
         raise CurveError(str(e)) from e
-    margin = DEFAULT_GUARD_MARGIN if method.guard is None else method.guard[0]
+    margin = _margin(method)
     if method.kind is not MethodKind.BLEND or margin is None:
         raise CurveError(f"{name!r} names no guard margin (a blend with guard=M@G, or the default guard)")
     return float(margin)
+
+
+def _margin(method: Method) -> float | None:
+    """The guard margin a parsed method runs with: its ``guard=`` margin, else the engine's default (None: off)."""
+    return DEFAULT_GUARD_MARGIN if method.guard is None else method.guard[0]
 
 
 def default_margins(top: float) -> list[float]:
@@ -101,7 +105,7 @@ def guard_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
     offs = [n for n, m in blends.items() if m.guard == (None, None)]
     pairs = []
     for n, m in blends.items():
-        if (DEFAULT_GUARD_MARGIN if m.guard is None else m.guard[0]) is None:  # unguarded itself
+        if _margin(m) is None:  # unguarded itself
             continue
         off = next((o for o in offs if base(blends[o]) == base(m)), None)
         if off is not None:
@@ -132,7 +136,7 @@ def read_rows(run: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _pair(row: dict[str, Any], guarded: str, off: str) -> tuple[dict[str, Any], dict[str, Any], float]:
+def _pair(row: dict[str, Any], guarded: str, off: str, top: float) -> tuple[dict[str, Any], dict[str, Any], float]:
     """One item's guarded and unguarded rows and its first pass's gap (checked to be the same pass)."""
     ms = row["methods"]
     where = f"item {row.get('index')}"
@@ -147,7 +151,7 @@ def _pair(row: dict[str, Any], guarded: str, off: str) -> tuple[dict[str, Any], 
                          "--off must be --guarded with the guard off")
     # under M the guard may still not fire (a blend that recomputed every row has nothing to guard, and its
     # guarded row is then the unguarded computation); at or over M it never does
-    if g.get("guarded") and gap_g >= guard_margin_of(guarded):
+    if g.get("guarded") and gap_g >= top:
         raise CurveError(f"{where}: {guarded!r} fired at gap {gap_g:.6g}, over its margin: not that method")
     return g, o, float(gap_o)
 
@@ -173,7 +177,7 @@ def curve(rows: Sequence[dict[str, Any]], guarded: str, off: str, margins: Seque
         raise CurveError("the run has no items")
     if any(not 0.0 <= m <= top for m in margins):
         raise CurveError(f"margins must lie in [0, {top:g}] (the guarded method's own margin)")
-    pairs = [_pair(r, guarded, off) for r in rows]
+    pairs = [_pair(r, guarded, off, top) for r in rows]
     points = []
     for m in margins:
         chosen = [g if gap < m else o for g, o, gap in pairs]

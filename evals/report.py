@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from blend import safeio
+from blend.evals import guard_curve as G
 from blend.evals.data import SYNTHETIC_PREFIX
 from blend.evals.methods import REFERENCE
 from blend.evals.splits import TUNING, VALIDATION
@@ -418,8 +419,6 @@ def _guard_lines(results: dict[str, Any]) -> list[str]:
     """For each guarded blend run beside the same blend with ``guard=off``: the guard's outcome at every
     margin up to its own (:mod:`blend.evals.guard_curve`; rows from before the eval recorded first-token
     gaps give none)."""
-    from blend.evals import guard_curve as G  # results.md only: the validator needs none of it
-
     lines: list[str] = []
     for guarded, off in G.guard_pairs(list(results["methods"])):
         rows = [r for r in results["items"] if guarded in r["methods"] and off in r["methods"]]
