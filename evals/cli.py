@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from blend.defaults import DEFAULT_MODEL
+from blend.evals.answer_survival import write_plot as write_survival
 from blend.evals.data import DataError, load_items
 from blend.evals.harness import EvalConfig, ResumeError, run_harness
 from blend.evals.splits import parse_item_range
@@ -162,8 +163,10 @@ def run_eval(
     write_json(results, out / "results.json")
     write_markdown(results, out / "results.md")
     write_pareto(results, out / "pareto.png")
+    survival = write_survival(results, out / "answer_survival.png")
     print(markdown(results))
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pareto.png'}")
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pareto.png'}"
+          + (f", {survival}" if survival else ""))
     return 0
 
 

@@ -164,6 +164,24 @@ def top1_agree(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float(int(torch.argmax(p_logits)) == int(torch.argmax(q_logits)))
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two answers share.
+
+    Args:
+        a: one answer's token ids.
+        b: the other's.
+
+    Returns:
+        The length of their longest common prefix (``len(a)`` when ``a == b``).
+    """
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def teacher_forced_agreement(method_logits: torch.Tensor, continuation: Sequence[int]) -> float:
     """Fraction of steps where the method's greedy token equals full prefill's.
 

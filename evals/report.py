@@ -44,7 +44,9 @@ results.json, schema_version 1::
                                 computed_frac, ttft_ref_s, threads}}}
                                 # ttft_ref_s: full's TTFT timed beside this method (the ratio's
                                 # denominator; after --resume, not necessarily the full row's ttft_s);
-                                # ttft_ref_s and threads are absent in rows written before they existed
+                                # ttft_ref_s and threads are absent in rows written before they existed;
+                                # same_tokens (int): leading answer tokens that are full's own
+                                # (evals/answer_survival.py), absent before 2026-12-06 (17)
       ]
     }
 
@@ -61,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from blend import safeio
+from blend.evals import answer_survival as S
 from blend.evals import guard_curve as G
 from blend.evals.data import SYNTHETIC_PREFIX
 from blend.evals.methods import REFERENCE
@@ -80,6 +83,7 @@ ROW_NUMBERS = (
     "recomputed_frac", "computed_frac",
 )
 ROW_INTS = ("answer_tokens", "recomputed_tokens", "reused_tokens", "prompt_tokens")
+ROW_INTS_SINCE = ("same_tokens",)  # written since 2026-12-06 (17); checked when present
 TOP_LEVEL = {
     "schema_version": int, "config": dict, "model": dict, "versions": dict, "machine": dict,
     "reference": str, "methods": dict, "items": list,
@@ -230,6 +234,9 @@ def validate_results(obj: Any) -> None:
             for f in ROW_INTS:
                 if not isinstance(r.get(f), int):
                     raise SchemaError(f"{w}.{f}: missing or not an integer")
+            for f in ROW_INTS_SINCE:
+                if f in r and (not isinstance(r[f], int) or isinstance(r[f], bool) or r[f] < 0):
+                    raise SchemaError(f"{w}.{f}: not a non-negative integer")
             if not isinstance(r.get("ttft_samples"), list) or not all(_num(v) for v in r["ttft_samples"]):
                 raise SchemaError(f"{w}.ttft_samples: must be a list of numbers")
             if "ttft_ref_s" in r and not _num(r["ttft_ref_s"]):
@@ -411,6 +418,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _tail_lines(methods, order)
     lines += _worst_lines(results, order)
     lines += _flip_lines(results, order)
+    lines += S.markdown_lines(results, order)
     lines += _guard_lines(results)
     return "\n".join(lines) + "\n"
 

@@ -2,6 +2,7 @@
 resume) and the real engine on the tiny model (skipped until it imports)."""
 
 import argparse
+import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from blend.evals.cli import config_from_args, configure_parser, run_eval
 from blend.evals.data import load_items
 from blend.evals.harness import EvalConfig, ResumeError, run_harness
 from blend.evals.methods import MethodKind, parse_methods
-from blend.evals.report import validate_results
+from blend.evals import answer_survival as S
+from blend.evals.report import SchemaError, markdown, validate_results
 
 V = 48
 
@@ -264,7 +266,7 @@ def tiny_runs(tmp_path_factory):
 
 def test_tiny_engine_end_to_end(tiny_runs):
     out = tiny_runs[0]
-    for f in ("results.json", "results.md", "pareto.png"):
+    for f in ("results.json", "results.md", "pareto.png", "answer_survival.png"):
         assert (out / f).stat().st_size > 0
     res = json.loads((out / "results.json").read_text())
     validate_results(res)
@@ -341,3 +343,34 @@ def test_resume_adds_methods_to_items_already_done(tmp_path):
     run_harness(_fake_factory([])(cfg), load_items("synthetic:single", 3, 3), parse_methods(",".join(cfg.methods)),
                 cfg, tmp_path / "r", resume=True, progress=bar, policy_of=lambda m: m)
     assert (bar.done, bar.total) == (3, 3)  # items extended count once, not on top of the done ones
+
+
+# How long each answer stays full prefill's (evals/answer_survival.py), on the tiny model's run
+
+def test_a_tiny_model_run_shows_the_table_and_draws_the_curve(tiny_runs):
+    out = tiny_runs[0]
+    res = json.loads((out / "results.json").read_text())
+    for r in res["items"]:  # a ratio-1.0 blend answers full's answer to its end
+        b, f = r["methods"]["blend@1.0"], r["methods"]["full"]
+        assert b["same_tokens"] == b["answer_tokens"] == f["answer_tokens"] == f["same_tokens"]
+        assert 0 <= r["methods"]["reuse"]["same_tokens"] <= r["methods"]["reuse"]["answer_tokens"]
+    assert S.survival(res["items"], "blend@1.0").whole == 1.0
+    md = markdown(res)
+    assert "## How long the answer stays full prefill's" in md and "| `blend@1.0` | 3 | 1.000" in md
+    assert (out / "answer_survival.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_validator_checks_same_tokens_where_present(tiny_runs):
+    res = json.loads((tiny_runs[0] / "results.json").read_text())
+    validate_results(res)
+    for bad in (-1, 1.5, True, "3"):
+        broken = copy.deepcopy(res)
+        broken["items"][0]["methods"]["reuse"]["same_tokens"] = bad
+        with pytest.raises(SchemaError, match="same_tokens"):
+            validate_results(broken)
+    old = copy.deepcopy(res)
+    for r in old["items"]:
+        for m in r["methods"].values():
+            del m["same_tokens"]
+    validate_results(old)  # runs from before the field stay valid, and results.md leaves the section out
+    assert "How long the answer stays" not in markdown(old)

@@ -1,0 +1,142 @@
+"""How long each method's answer stays full prefill's, from ``kvblend eval`` rows.
+
+First-token KL and top-1 score one token. Teacher-forced agreement scores every token of full's answer,
+each given full's own tokens before it. A user reads the free-running answer, which is full prefill's
+only up to its first different token; after that token the two answers go their own ways. This module
+gives, for every k, the share of items whose first k answer tokens are full's own (a survival curve),
+from each row's ``same_tokens`` (the leading tokens it shares with full's answer; written by
+:mod:`blend.evals.harness` since 2026-12-06 (17)).
+
+An answer the same as full's to its end counts at every k, also past its length (both stopped at the
+same place). An answer that shares all of full's tokens and goes on (or stops early) differs at the
+token after the shorter one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from blend.evals.methods import REFERENCE
+
+# the answer lengths (tokens) results.md shows a share for; the plot draws every k up to the longest answer
+SURVIVAL_TOKENS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class Survival:
+    """One method's answers against full prefill's over a run's items."""
+
+    method: str
+    n: int  # items scored (those whose rows record same_tokens)
+    shares: tuple[float, ...]  # per k of ``ks``: the share of items whose first k tokens are full's
+    ks: tuple[int, ...]
+    whole: float  # the share whose whole answer is full's
+    median_same: float  # the median leading tokens in common
+
+
+def same_through(same: int, length: int, ref_length: int, k: int) -> bool:
+    """Whether an answer's first ``k`` tokens are full prefill's.
+
+    Args:
+        same: leading tokens the answer shares with full's.
+        length: the answer's tokens.
+        ref_length: full's answer's tokens.
+        k: how many leading tokens to compare.
+
+    Returns:
+        True when the answer is full's to its end, or its first ``k`` tokens are.
+    """
+    return (same == length == ref_length) or same >= k
+
+
+def survival(rows: Sequence[dict[str, Any]], method: str, ks: Sequence[int] = SURVIVAL_TOKENS) -> Survival | None:
+    """A method's survival over a run's item rows.
+
+    Args:
+        rows: results.json's ``items`` (or rows.jsonl's rows).
+        method: a method name in them.
+        ks: the answer lengths to give a share for.
+
+    Returns:
+        The survival, or None where no row of ``method`` records ``same_tokens``.
+    """
+    got = []
+    for r in rows:
+        m, ref = r["methods"].get(method), r["methods"].get(REFERENCE)
+        if m is None or ref is None or m.get("same_tokens") is None:
+            continue
+        got.append((int(m["same_tokens"]), int(m["answer_tokens"]), int(ref["answer_tokens"])))
+    if not got:
+        return None
+    n = len(got)
+    shares = tuple(sum(same_through(s, a, b, k) for s, a, b in got) / n for k in ks)
+    whole = sum(s == a == b for s, a, b in got) / n
+    return Survival(method, n, shares, tuple(ks), whole, float(statistics.median(s for s, _, _ in got)))
+
+
+def curve_points(rows: Sequence[dict[str, Any]], method: str, longest: int) -> list[float]:
+    """The share for every k in 1..``longest`` (the plot's curve)."""
+    s = survival(rows, method, range(1, longest + 1))
+    return list(s.shares) if s else []
+
+
+def table_lines(survivals: Sequence[Survival]) -> list[str]:
+    """Markdown table rows: a row per method, a column per k, then the whole answer."""
+    if not survivals:
+        return []
+    ks = survivals[0].ks
+    lines = ["| method | n | " + " | ".join(f"first {k}" for k in ks) + " | whole answer | median tokens in common |",
+             "|---|---|" + "---|" * len(ks) + "---|---|"]
+    for s in survivals:
+        lines.append(f"| `{s.method}` | {s.n} | " + " | ".join(f"{x:.3f}" for x in s.shares)
+                     + f" | {s.whole:.3f} | {s.median_same:g} |")
+    return lines
+
+
+def markdown_lines(results: dict[str, Any], order: Sequence[str]) -> list[str]:
+    """results.md's section: every method but full, in ``order``; none where no row records the field."""
+    survivals = [s for s in (survival(results["items"], n) for n in order if n != REFERENCE) if s is not None]
+    if not survivals:
+        return []
+    return ["", "## How long the answer stays full prefill's: share of items whose first k answer tokens are full's",
+            "", "Free-running greedy answers; one different token and the rest of the answer is the method's own "
+            "(`answer_survival.png` draws every k).", "", *table_lines(survivals)]
+
+
+def write_plot(results: dict[str, Any], path: Path) -> Path | None:
+    """``answer_survival.png``: the share against k, a line per method. Nothing where no row has the field.
+
+    Args:
+        results: a validated results object.
+        path: where to write.
+
+    Returns:
+        ``path``, or None when there was nothing to draw.
+    """
+    rows = results["items"]
+    longest = max((int(m["answer_tokens"]) for r in rows for m in r["methods"].values()), default=0)
+    names = [n for n in results["methods"] if n != REFERENCE]
+    curves = {n: curve_points(rows, n, max(longest, 1)) for n in names}
+    curves = {n: c for n, c in curves.items() if c}
+    if not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, c in curves.items():
+        ax.step(range(1, len(c) + 1), c, where="post", label=name)
+    ax.set_xlabel("answer tokens k")
+    ax.set_ylabel("share of answers whose first k tokens are full's")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
