@@ -5,7 +5,9 @@ line, as `kvblend eval` answers) and the bf16 engine's, their leading tokens in 
 first-token KL between them. A bf16 full prefill is a numeric perturbation people accept (its
 first-token KL is ~10x below a blend@0.15's), so its curve is the floor the blend's is read against.
 
-    OMP_NUM_THREADS=2 .venv/bin/python -u docs/results/issue14/answer_survival/bf16_floor.py 30-99 OUT.jsonl
+    OMP_NUM_THREADS=2 .venv/bin/python -u docs/results/issue14/answer_survival/bf16_floor.py 30-99 OUT.jsonl [DATA]
+
+DATA: what `kvblend eval --data` takes (default the musique file; e.g. synthetic:two-hop).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from blend.evals.data import load_item_range
 from blend.policy import ReusePolicy
 
 lo, hi = map(int, sys.argv[1].split("-"))
+data = sys.argv[3] if len(sys.argv) > 3 else "../shared/data/musique_dev.json"
 fp32 = Engine.load(model="smollm2-135m", dtype="float32", quality_gate=False)
 bf16 = Engine.load(model="smollm2-135m", dtype="bfloat16", quality_gate=False)
 with open(sys.argv[2], "w") as out:
-    for i, item in zip(range(lo, hi + 1), load_item_range("../shared/data/musique_dev.json", range(lo, hi + 1), 5)):
+    for i, item in zip(range(lo, hi + 1), load_item_range(data, range(lo, hi + 1), 5)):
         prompt = fp32.build_prompt(item.question, item.document_texts())
         a = fp32.generate(prompt, ReusePolicy.none(), max_new_tokens=32)
         b = bf16.generate(bf16.build_prompt(item.question, item.document_texts()), ReusePolicy.none(),
