@@ -137,7 +137,7 @@ def test_results_md_lists_first_token_flips_with_the_references_own_gap(tmp_path
     for i in (0, 2, 3, 5, 6):
         res["items"][i]["methods"]["blend@0.5:v"]["top1"] = 1.0
     md = markdown(res)
-    block = md.split("## First-token flips")[1]
+    block = md.split("## First-token flips")[1].split("\n## ")[0]  # up to the next section
     line = next(ln for ln in block.splitlines() if ln.startswith("| `blend@0.5:v`"))
     assert line == f"| `blend@0.5:v` | 2 | 1 | {res['items'][1]['index']} (0.04), {res['items'][4]['index']} (1.50) |"
     assert "`reuse`" not in block  # no flips, no row
