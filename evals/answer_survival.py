@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from blend.evals.metrics import bootstrap_ci
 from blend.evals.methods import REFERENCE
 
 # the answer lengths (tokens) results.md shows a share for; the plot draws every k up to the longest answer
@@ -35,6 +36,7 @@ class Survival:
     ks: tuple[int, ...]
     whole: float  # the share whose whole answer is full's
     median_same: float  # the median leading tokens in common
+    whole_ci: tuple[float, float] | None = None  # 95% bootstrap CI of ``whole`` over items
 
 
 def same_through(same: int, length: int, ref_length: int, k: int) -> bool:
@@ -73,8 +75,9 @@ def survival(rows: Sequence[dict[str, Any]], method: str, ks: Sequence[int] = SU
         return None
     n = len(got)
     shares = tuple(sum(same_through(s, a, b, k) for s, a, b in got) / n for k in ks)
-    whole = sum(s == a == b for s, a, b in got) / n
-    return Survival(method, n, shares, tuple(ks), whole, float(statistics.median(s for s, _, _ in got)))
+    whole_each = [float(s == a == b) for s, a, b in got]  # (n,) 1.0 where the whole answer is full's
+    return Survival(method, n, shares, tuple(ks), sum(whole_each) / n,
+                    float(statistics.median(s for s, _, _ in got)), bootstrap_ci(whole_each))
 
 
 def curve_points(rows: Sequence[dict[str, Any]], method: str, longest: int) -> list[float]:
@@ -88,11 +91,13 @@ def table_lines(survivals: Sequence[Survival]) -> list[str]:
     if not survivals:
         return []
     ks = survivals[0].ks
-    lines = ["| method | n | " + " | ".join(f"first {k}" for k in ks) + " | whole answer | median tokens in common |",
+    lines = ["| method | n | " + " | ".join(f"first {k}" for k in ks)
+             + " | whole answer [95% CI] | median tokens in common |",
              "|---|---|" + "---|" * len(ks) + "---|---|"]
     for s in survivals:
+        ci = f" [{s.whole_ci[0]:.3f}, {s.whole_ci[1]:.3f}]" if s.whole_ci else ""
         lines.append(f"| `{s.method}` | {s.n} | " + " | ".join(f"{x:.3f}" for x in s.shares)
-                     + f" | {s.whole:.3f} | {s.median_same:g} |")
+                     + f" | {s.whole:.3f}{ci} | {s.median_same:g} |")
     return lines
 
 

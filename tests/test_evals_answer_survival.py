@@ -39,6 +39,7 @@ def test_shares_by_answer_length_whole_answers_and_the_median():
     assert s.n == 4 and s.ks == (1, 2, 4, 8, 16)
     assert s.shares == (0.75, 0.75, 0.5, 0.25, 0.25)  # only item 0 is full's through 8 and 16
     assert s.whole == 0.25 and s.median_same == pytest.approx(4.5)
+    assert 0.0 <= s.whole_ci[0] <= 0.25 <= s.whole_ci[1] <= 1.0
     full = S.survival(rows, "full")
     assert full.whole == 1.0 and set(full.shares) == {1.0}
     assert S.curve_points(rows, B, 4) == [0.75, 0.75, 0.75, 0.5]
@@ -54,5 +55,5 @@ def test_rows_written_before_the_field_are_left_out_and_none_at_all_gives_nothin
 
 def test_table_lines_give_a_column_per_length_and_the_whole_answer():
     lines = S.table_lines([S.survival([row(0, 4, 2, 4)], B, ks=(1, 4))])
-    assert lines[0] == "| method | n | first 1 | first 4 | whole answer | median tokens in common |"
-    assert lines[2] == f"| `{B}` | 1 | 1.000 | 0.000 | 0.000 | 2 |"
+    assert lines[0] == "| method | n | first 1 | first 4 | whole answer [95% CI] | median tokens in common |"
+    assert lines[2] == f"| `{B}` | 1 | 1.000 | 0.000 | 0.000 [0.000, 0.000] | 2 |"
