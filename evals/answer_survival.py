@@ -54,6 +54,23 @@ def same_through(same: int, length: int, ref_length: int, k: int) -> bool:
     return (same == length == ref_length) or same >= k
 
 
+def _outcomes(rows: Sequence[dict[str, Any]], method: str) -> list[tuple[int, int, int]]:
+    """Each scored item's (tokens in common with full's, the answer's tokens, full's answer's tokens); items
+    whose ``method`` row lacks ``same_tokens`` (written before it existed) are left out."""
+    got = []
+    for r in rows:
+        m, ref = r["methods"].get(method), r["methods"].get(REFERENCE)
+        if m is None or ref is None or m.get("same_tokens") is None:
+            continue
+        got.append((int(m["same_tokens"]), int(m["answer_tokens"]), int(ref["answer_tokens"])))
+    return got
+
+
+def _shares(got: Sequence[tuple[int, int, int]], ks: Sequence[int]) -> tuple[float, ...]:
+    """Per k, the share of ``got`` (non-empty) whose first k tokens are full's."""
+    return tuple(sum(same_through(s, a, b, k) for s, a, b in got) / len(got) for k in ks)
+
+
 def survival(rows: Sequence[dict[str, Any]], method: str, ks: Sequence[int] = SURVIVAL_TOKENS) -> Survival | None:
     """A method's survival over a run's item rows.
 
@@ -65,25 +82,18 @@ def survival(rows: Sequence[dict[str, Any]], method: str, ks: Sequence[int] = SU
     Returns:
         The survival, or None where no row of ``method`` records ``same_tokens``.
     """
-    got = []
-    for r in rows:
-        m, ref = r["methods"].get(method), r["methods"].get(REFERENCE)
-        if m is None or ref is None or m.get("same_tokens") is None:
-            continue
-        got.append((int(m["same_tokens"]), int(m["answer_tokens"]), int(ref["answer_tokens"])))
+    got = _outcomes(rows, method)
     if not got:
         return None
-    n = len(got)
-    shares = tuple(sum(same_through(s, a, b, k) for s, a, b in got) / n for k in ks)
     whole_each = [float(s == a == b) for s, a, b in got]  # (n,) 1.0 where the whole answer is full's
-    return Survival(method, n, shares, tuple(ks), sum(whole_each) / n,
+    return Survival(method, len(got), _shares(got, ks), tuple(ks), sum(whole_each) / len(got),
                     float(statistics.median(s for s, _, _ in got)), bootstrap_ci(whole_each))
 
 
 def curve_points(rows: Sequence[dict[str, Any]], method: str, longest: int) -> list[float]:
-    """The share for every k in 1..``longest`` (the plot's curve)."""
-    s = survival(rows, method, range(1, longest + 1))
-    return list(s.shares) if s else []
+    """The share for every k in 1..``longest`` (the plot's curve; no CI, so no bootstrap)."""
+    got = _outcomes(rows, method)
+    return list(_shares(got, range(1, longest + 1))) if got else []
 
 
 def table_lines(survivals: Sequence[Survival]) -> list[str]:

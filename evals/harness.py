@@ -184,7 +184,7 @@ def evaluate_item(
             **_gold_scores(ans.text, item.answers),
             "agreement": M.answers_agree(ans.text, full.text),
             # leading answer tokens that are full prefill's own (evals/answer_survival.py)
-            "same_tokens": M.common_prefix([int(t) for t in full.token_ids], [int(t) for t in ans.token_ids]),
+            "same_tokens": M.common_prefix(cont, [int(t) for t in ans.token_ids]),  # cont: full's answer ids
             "kl": kl,
             "top1": top1,
             "tf_agreement": tf_agree,
