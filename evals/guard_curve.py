@@ -114,15 +114,18 @@ def guard_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def read_rows(run: Path) -> list[dict[str, Any]]:
-    """The items of a ``kvblend eval`` output folder (``rows.jsonl``), in file order.
+    """The items of a ``kvblend eval`` output folder (``rows.jsonl``), one row per item, in item order.
+
+    A ``--resume`` that adds methods appends a merged row for each item it extends, so an item can have
+    several lines: the last one holds every method (what the run's ``results.json`` keeps).
 
     Raises:
-        CurveError: no rows file, or a line that is not a JSON object.
+        CurveError: no rows file, or a line that is not an item row (a JSON object with an index and methods).
     """
     path = run / "rows.jsonl"
     if not path.is_file():
         raise CurveError(f"{path} not found (a kvblend eval --out folder holds it)")
-    rows = []
+    rows: dict[int, dict[str, Any]] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -130,10 +133,11 @@ def read_rows(run: Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise CurveError(f"{path}:{n}: not JSON ({e.msg})") from e
-        if not isinstance(row, dict) or not isinstance(row.get("methods"), dict):
+        if (not isinstance(row, dict) or not isinstance(row.get("methods"), dict)
+                or type(row.get("index")) is not int):
             raise CurveError(f"{path}:{n}: not an item row")
-        rows.append(row)
-    return rows
+        rows[row["index"]] = row  # a later line of the same item supersedes an earlier one
+    return [rows[i] for i in sorted(rows)]
 
 
 def _pair(row: dict[str, Any], guarded: str, off: str, top: float) -> tuple[dict[str, Any], dict[str, Any], float]:

@@ -30,6 +30,7 @@ The harness only needs an engine-like object (duck-typed): ``build_prompt``,
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -212,6 +213,7 @@ def evaluate_item(
             "index": index,
             "id": item.id,
             "question": item.question,
+            "item_sha256": item_digest(item),  # what --resume checks the data against
             "answers": list(item.answers),
             "prompt_tokens": len(prompt.token_ids),
             "full_answer": full.text,
@@ -219,6 +221,14 @@ def evaluate_item(
             "methods": rows,
         }
     )
+
+
+def item_digest(item: Item) -> str:
+    """SHA-256 of what an item's rows are computed from: its question, the passages its prompt holds (in
+    order) and its gold answers. ``--resume`` compares it, so a data file rewritten under the same path
+    (same questions, other passages) cannot mix rows built on different passages."""
+    text = json.dumps([item.question, item.document_texts(), list(item.answers)], ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def timing_threads() -> int | None:
@@ -275,6 +285,17 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _ranges(indices: Sequence[int]) -> str:
+    """Sorted indices as ranges: [1, 2, 3, 7] -> "1-3, 7"."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)
+
+
 def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bool,
                 first_index: int = 0) -> dict[int, dict[str, Any]]:
     """Create the output folder; on --resume, load the rows already done.
@@ -290,7 +311,8 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
         ``{index: row}`` of items already done (empty unless resuming).
 
     Raises:
-        ResumeError: the folder was written with other settings or data.
+        ResumeError: the folder was written with other settings or data (other questions, or the same
+            questions over other passages), or holds items outside this run's range.
     """
     out.mkdir(parents=True, exist_ok=True)
     run_path, rows_path = out / RUN_FILE, out / ROWS_FILE
@@ -304,14 +326,22 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
                 k for k in set(old_id) | set(config.identity()) if old_id.get(k) != config.identity().get(k)
             )
             raise ResumeError(f"--resume: {out} was written with different settings ({', '.join(diff)})")
+        outside = set()
         for row in _read_rows(rows_path):
             i = int(row["index"])
             if not first_index <= i < first_index + len(items):
+                outside.add(i)
                 continue
             it = items[i - first_index]
             if row.get("id") != it.id or row.get("question") != it.question:
                 raise ResumeError(f"--resume: item {i} in {rows_path} does not match the data (id {row.get('id')!r})")
+            if "item_sha256" in row and row["item_sha256"] != item_digest(it):  # rows from before the field: unchecked
+                raise ResumeError(f"--resume: item {i} in {rows_path} was computed on other passages or answers "
+                                  "than the data now holds (start a fresh --out)")
             done[i] = row  # a later line for the same item (methods added) supersedes an earlier one
+        if outside:  # rewriting the file below without them would lose them
+            raise ResumeError(f"--resume: {rows_path} holds items outside this run's range "
+                              f"({_ranges(sorted(outside))}); resume with a range that covers them, or use another --out")
         dropped = sorted({n for r in done.values() for n in r["methods"]} - set(config.methods))
         if dropped:
             raise ResumeError(f"--resume: {out} holds methods this run does not list ({', '.join(dropped)}); "

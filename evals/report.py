@@ -378,6 +378,16 @@ def _cell(agg: dict[str, Any], field: str, fmt: str) -> str:
     return s
 
 
+def _repeats_line(results: dict[str, Any]) -> str:
+    """TTFT samples per item and method: the config's repeats, or the range the rows hold where a resumed
+    run measured its items with another ``--repeats``."""
+    counts = {len(r["ttft_samples"]) for it in results["items"] for r in it["methods"].values()
+              if isinstance(r.get("ttft_samples"), list)}
+    if len(counts) > 1:
+        return f"{min(counts)}-{max(counts)} (a resumed run changed --repeats)"
+    return str(counts.pop() if counts else results["config"]["repeats"])
+
+
 def markdown(results: dict[str, Any]) -> str:
     """results.md: a header (naming the item range and its split) and the method table, sorted, best
     values in bold.
@@ -396,7 +406,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"# kvblend eval: {cfg['data']}",
         "",
         f"model `{model['name']}` ({model['dtype']}), {_items_line(results)}, {cfg['passages']} passages, "
-        f"max {cfg['max_new_tokens']} new tokens, TTFT median of {cfg['repeats']} per item.",
+        f"max {cfg['max_new_tokens']} new tokens, TTFT median of {_repeats_line(results)} per item.",
         f"Machine: {results['machine'].get('platform')}, accelerator {results['machine'].get('accelerator')}.",
         "",
         "Sorted by KL(full ‖ method) of the first answer token. **Bold**: best in column "

@@ -70,6 +70,19 @@ def test_the_command_writes_a_table_and_a_plot(tmp_path, capsys):
     assert G.main(["--run", str(tmp_path / "missing"), "--guarded", GUARDED, "--off", OFF]) == 2
 
 
+def test_a_resumed_runs_later_line_of_an_item_supersedes_the_earlier_one(tmp_path):
+    # a --resume that adds a method appends a merged row per item: the curve counts each item once, from it
+    first = [{"index": r["index"], "methods": {OFF: r["methods"][OFF]}} for r in ROWS]
+    lines = first + ROWS[::-1]  # every item twice, the merged rows last (in another order)
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    rows = G.read_rows(tmp_path)
+    assert [r["index"] for r in rows] == [0, 1, 2, 3] and rows == ROWS
+    assert G.curve(rows, GUARDED, OFF, [1.0]) == G.curve(ROWS, GUARDED, OFF, [1.0])
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"methods": {}}) + "\n")  # no index: not an item row
+    with pytest.raises(G.CurveError, match="not an item row"):
+        G.read_rows(tmp_path)
+
+
 def test_an_eval_row_records_the_first_passs_gap_and_whether_the_guard_fired(tiny_engine):
     from blend.evals.harness import EvalConfig, evaluate_item
     from blend.evals.items import Document, Item

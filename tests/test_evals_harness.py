@@ -218,6 +218,35 @@ def test_resume_with_other_settings_is_refused(tmp_path, capsys):
                     policy_of=lambda m: m)
 
 
+def test_resume_over_other_passages_or_a_narrower_range_is_refused_and_keeps_every_row(tmp_path, capsys):
+    data = tmp_path / "mine.jsonl"
+
+    def write(tag):
+        recs = [{"id": f"q{i}", "question": f"Who keeps lighthouse {i}?", "answers": [f"Ada {i}"],
+                 "documents": [f"{tag}: lighthouse {i} is kept by Ada {i}.", f"{tag}: filler {i}."]} for i in range(4)]
+        data.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+
+    def run(limit, *extra):
+        args = _args(tmp_path, "--limit", str(limit), *extra, data=str(data), methods="full,reuse")
+        return run_eval(args, _fake_factory([]), policy_of=lambda m: m)
+
+    write("first retriever")
+    assert run(4) == 0
+    rows = (tmp_path / "out" / "rows.jsonl").read_text()
+    # a narrower range: the rows outside it would be dropped by the rewrite, so the run is refused
+    assert run(2, "--resume") == 2
+    assert "outside this run's range (2-3)" in capsys.readouterr().err
+    assert (tmp_path / "out" / "rows.jsonl").read_text() == rows
+    # the same questions over other passages: rows computed on the old ones are not merged in
+    write("another retriever")
+    assert run(4, "--resume") == 2
+    err = capsys.readouterr().err
+    assert "item 0" in err and "other passages" in err
+    assert (tmp_path / "out" / "rows.jsonl").read_text() == rows
+    write("first retriever")
+    assert run(4, "--resume") == 0  # the data it was computed on: nothing to redo
+
+
 def test_bad_inputs_fail_with_named_item(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"ctxs": [{"title": "", "text": "t"}], "question": "q", "answers": ["a"]},
