@@ -115,6 +115,21 @@ def test_markdown_warns_when_methods_were_timed_with_other_thread_counts():
     assert "1: `full`, `blend@0.3:v`, `blend@0.1:v`; 2: `blend@0.3:k`; unrecorded: `reuse`" in note[0]
 
 
+def test_markdown_header_gives_the_ttft_samples_the_rows_hold():
+    res = make_results()
+    res["config"]["repeats"] = 3
+    for it in res["items"]:
+        for r in it["methods"].values():
+            del r["ttft_samples"]
+    assert "TTFT median of 3 per item" in markdown(res)  # rows without samples: the config's repeats
+    for it in res["items"]:
+        for r in it["methods"].values():
+            r["ttft_samples"] = [0.1] * 3
+    assert "TTFT median of 3 per item" in markdown(res)
+    res["items"][0]["methods"]["full"]["ttft_samples"] = [0.1] * 5  # measured before a resume with --repeats 3
+    assert "TTFT median of 3-5 (a resumed run changed --repeats) per item" in markdown(res)
+
+
 def test_pareto_series_and_png(tmp_path):
     res = make_results()
     assert series(res["methods"]) == {"k": [(0.3, "blend@0.3:k")], "v": [(0.1, "blend@0.1:v"), (0.3, "blend@0.3:v")]}
