@@ -264,6 +264,26 @@ def test_disk_symlinked_entry_is_rejected_not_followed(tmp_path: Path) -> None:
     assert not os.path.lexists(link) and outside.path(NS, key).exists()  # the link went, not its target
 
 
+def test_disk_symlinked_folder_is_never_written_through_listed_or_cleared(tmp_path: Path) -> None:
+    # root/<ns>/<xx> is a link to a folder that is not the store's: puts refuse it, and listing, pruning,
+    # clearing and deleting never reach the files over there (clear used to unlink them)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / ("0" * 64 + ".safetensors")
+    victim.write_bytes(b"not the store's")
+    store = DiskStore(tmp_path / "store", budget_bytes=10**9)
+    key = key_for(PROV, 0)
+    store.path(NS, key).parent.parent.mkdir(parents=True)
+    store.path(NS, key).parent.symlink_to(outside)
+    store.put(NS, key, rand_entry(PROV))
+    assert sorted(p.name for p in outside.iterdir()) == [victim.name]  # nothing written over there
+    assert store.stats().extra["put_errors"] == 1 and store.get(NS, key, J).status is LookupStatus.REJECTED
+    assert store.stats().entries == 0 and list(store.keys(NS)) == []
+    assert store.prune(0).removed == 0 and store.clear() == 0 and not store.delete(NS, key)
+    (outside / ".x.tmp").write_bytes(b"")
+    assert store.sweep_temp(0.0) == 0 and victim.exists()
+
+
 def test_disk_directory_at_entry_path_is_reported_not_a_crash(tmp_path: Path) -> None:
     store = DiskStore(tmp_path)
     key = key_for(PROV, 0)

@@ -172,11 +172,25 @@ class DiskStore:
         with self._lock:
             setattr(self._stats, field, getattr(self._stats, field) + n)
 
+    def _leads_inside(self, folder: Path) -> bool:
+        """Whether ``folder`` resolves inside the store (not through a symlinked folder to elsewhere)."""
+        root = os.path.realpath(self.root)
+        return os.path.commonpath([root, os.path.realpath(folder)]) == root
+
     def _inside(self, path: Path) -> None:
         """Raise EntryError if ``path``'s folder resolves outside the store (a symlinked folder)."""
-        root = os.path.realpath(self.root)
-        if os.path.commonpath([root, os.path.realpath(path.parent)]) != root:
+        if not self._leads_inside(path.parent):
             raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.parent} leads outside the store")
+
+    def _shards(self, ns: Namespace) -> Iterator[Path]:
+        """The namespace's two-hex-digit folders that resolve inside the store: listing, pruning and
+        clearing never follow a symlinked folder out of it (they would delete files that are not the store's)."""
+        base = self.root / ns.value
+        if not base.is_dir() or not self._leads_inside(base / "x"):
+            return
+        for d in base.glob("??"):
+            if d.is_dir() and not d.is_symlink() and self._leads_inside(d / "x"):
+                yield d
 
     def _load(self, ns: Namespace, key: StoreKey) -> KVEntry | None:
         """Decoded entry, None if absent; raises EntryError if unusable."""
@@ -230,13 +244,14 @@ class DiskStore:
         dest = self.path(ns, key)
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
+            self._inside(dest)  # never write through a symlinked folder out of the store
             # a private temp file (0600), fsynced, renamed over the entry, the folder fsynced; removed on failure
             with safeio.atomic_file(dest, fsync=self.fsync, private=True) as f:
                 for part in parts:
                     f.write(part)
                 size = f.tell()
             self._after_put(size)
-        except OSError as e:
+        except (OSError, EntryError) as e:
             log.warning("disk store: write of %s failed: %s", dest, e)
             with self._lock:
                 self._stats.extra["put_errors"] = self._stats.extra.get("put_errors", 0) + 1
@@ -346,6 +361,9 @@ class DiskStore:
         """Remove the entry (a FIFO or link at its path too, never a link's target); False if
         nothing was there or it cannot be removed (a directory, no permission: logged)."""
         path = self.path(ns, key)
+        if not self._leads_inside(path.parent):
+            log.warning("disk store: not deleting %s: its folder leads outside the store", path)
+            return False
         try:
             os.unlink(path)
             return True
@@ -356,9 +374,8 @@ class DiskStore:
             return False
 
     def _files(self, ns: Namespace) -> Iterator[Path]:
-        base = self.root / ns.value
-        if base.is_dir():
-            yield from base.glob(f"??/*{SUFFIX}")
+        for shard in self._shards(ns):
+            yield from shard.glob(f"*{SUFFIX}")
 
     def keys(self, ns: Namespace) -> Iterator[StoreKey]:
         for p in self._files(ns):
@@ -374,11 +391,10 @@ class DiskStore:
         now = time.time()
         found = []
         for ns in Namespace:
-            base = self.root / ns.value
-            if base.is_dir():
-                for p in base.glob(f"??/.*{TMP_SUFFIX}"):
+            for shard in self._shards(ns):
+                for p in shard.glob(f".*{TMP_SUFFIX}"):
                     try:
-                        if now - p.stat().st_mtime >= older_than_s:
+                        if now - p.lstat().st_mtime >= older_than_s:
                             found.append(p)
                     except FileNotFoundError:
                         continue
@@ -405,7 +421,7 @@ class DiskStore:
         for ns in Namespace:
             for p in self._files(ns):
                 try:
-                    s.bytes += p.stat().st_size
+                    s.bytes += p.lstat().st_size
                     s.entries += 1
                 except FileNotFoundError:
                     continue
@@ -425,6 +441,8 @@ class DiskStore:
             size = os.fstat(fd).st_size
             head = pread_exact(fd, 8, 0)
             head += pread_exact(fd, header_length(head) - 8, 8)
+        except OSError as e:  # an I/O error mid-read: the entry is unreadable, said in the store's own error
+            raise EntryError(EntryErrorKind.NOT_A_BLOB, f"unreadable: {e}") from None
         finally:
             os.close(fd)
         hdr, _, start = decode_header(head)
