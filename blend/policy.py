@@ -212,6 +212,10 @@ class ReusePolicy:
             raise InvalidPolicyError(f"probe_precision must be a ProbePrecision, got {self.probe_precision!r}")
         if not isinstance(self.cache_salt, str):
             raise InvalidPolicyError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
+        try:
+            self.cache_salt.encode("utf-8")  # part of every store key, as UTF-8
+        except UnicodeEncodeError:
+            raise InvalidPolicyError("cache_salt must be valid Unicode text (it holds a lone surrogate)") from None
         if self.semantic and self.cache_salt:  # donors are shared across salts: that would leak KV
             raise InvalidPolicyError("semantic reuse cannot be combined with a cache_salt")
 

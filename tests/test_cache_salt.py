@@ -61,3 +61,5 @@ def test_semantic_reuse_refuses_a_salt():
         unguarded_blend(semantic=True, cache_salt="t")
     with pytest.raises(InvalidPolicyError, match="string"):
         ReusePolicy.exact(cache_salt=3)
+    with pytest.raises(InvalidPolicyError, match="lone surrogate"):  # a key derivation would crash mid-request
+        ReusePolicy.exact(cache_salt="tenant-\ud800")

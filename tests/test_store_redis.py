@@ -53,6 +53,18 @@ def test_roundtrip(store: RedisStore, kv_dtype: str) -> None:
     assert store.delete(NS, key_for(prov, 0)) and not store.contains(NS, key_for(prov, 0))
 
 
+def test_stats_skip_a_key_of_another_type_not_the_namespace(redis_url: str) -> None:
+    store = RedisStore(redis_url, prefix=unique_prefix())
+    for i in range(3):
+        store.put(Namespace.APPROX, key_for(PROV, i), rand_entry(PROV))
+    redis.Redis.from_url(redis_url).rpush(store.rkey(Namespace.APPROX, key_for(PROV, 9)), b"x")  # a list, not a blob
+    st = store.stats()
+    assert st.entries == 3 and st.bytes > 0
+    store.clear()
+    with pytest.raises(ValueError, match="at least 1 second"):
+        RedisStore(redis_url, ttl_s=0)
+
+
 def test_prefix_per_namespace_and_ttl(redis_url: str) -> None:
     prefix = unique_prefix()
     store = RedisStore(redis_url, prefix=prefix, ttl_s=300)

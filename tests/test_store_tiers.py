@@ -109,7 +109,7 @@ def test_specs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert chain[1].location == "redis://127.0.0.1:6390/2" and chain[1].prefix == "team" and chain[1].ttl_s == 60
     store = open_store("redis://127.0.0.1:6390/2?prefix=team", with_memory=False)
     assert isinstance(store, RedisStore) and store.prefix == "team"
-    for bad in ["disk:", "s3://bucket", "redis://h:1/0?ttl=soon", ""]:
+    for bad in ["disk:", "s3://bucket", "redis://h:1/0?ttl=soon", "redis://h:1/0?ttl=0", "redis://h:1/0?ttl=-5", ""]:
         with pytest.raises(StoreSpecError):
             parse_store_spec(bad) if bad else parse_store_spec(",")
     monkeypatch.setenv("KVBLEND_STORE", "memory")

@@ -101,6 +101,8 @@ class RedisStore:
         retry_after_s: float = 5.0,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
+        if ttl_s is not None and ttl_s < 1:  # Redis refuses SET ... EX 0 (and below): every put would fail
+            raise ValueError(f"ttl_s must be at least 1 second (or None: no expiry), got {ttl_s}")
         self.url = url
         self.max_entry_bytes = max_entry_bytes
         self.prefix = prefix
@@ -362,7 +364,8 @@ class RedisStore:
                 pipe = self._client.pipeline(transaction=False)
                 for rk in rks:
                     pipe.strlen(rk)
-                return pipe.execute()
+                # a key holding another type (WRONGTYPE) answers with an error: skip it, not the namespace
+                return [n for n in pipe.execute(raise_on_error=False) if isinstance(n, int)]
 
             lengths = self._call("stats", sizes, [])
             s.entries += sum(1 for n in lengths if n)

@@ -104,6 +104,8 @@ def _parse_one(part: str) -> TierSpec:
             ttl = int(opts["ttl"]) if "ttl" in opts else None
         except ValueError:
             raise StoreSpecError(f"ttl must be whole seconds, got {opts['ttl']!r}") from None
+        if ttl is not None and ttl < 1:  # Redis refuses SET ... EX 0 (and below): every put would fail
+            raise StoreSpecError(f"ttl must be at least 1 second, got {ttl}")
         # only the query changes: cut it off the text rather than re-joining the parts (urlunsplit drops the
         # empty authority of unix:///path, and redis-py refuses unix:/path)
         base = part.split("?", 1)[0].split("#", 1)[0]
