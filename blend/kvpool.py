@@ -110,7 +110,11 @@ class KVBufferPool:
             (a pool rounds capacities up to :data:`~blend.defaults.KV_POOL_ROW_QUANTUM` so that prompts
             of similar length share buffers) and gives the buffers themselves back (:meth:`give`; views
             do not name their base under inference mode). Free buffers come first, the best-fitting
-            ones (the most recently given back among equals); the rest are allocated.
+            ones (the most recently given back among equals); the rest are allocated. All ``count`` buffers
+            have the same row count C (a layer's K and V share strides, as kernels that write both expect),
+            and are normal tensors, never inference tensors, whatever mode the caller runs in: a buffer
+            outlives the request that allocated it, and a cache made outside inference mode writes its rows
+            in place (decoding).
         """
         device = torch.device(device)
         if device.type != "cpu" or not self.recycles:
@@ -118,19 +122,27 @@ class KVBufferPool:
                     for _ in range(count)]
         kind = (num_kv_heads, head_dim, dtype)
         limit = capacity * KV_POOL_SLACK + KV_POOL_ROW_QUANTUM
+        rows = -(-capacity // KV_POOL_ROW_QUANTUM) * KV_POOL_ROW_QUANTUM
         with self._lock:
             self._reclaim()
-            # the best fit, and among equal fits the most recently given back (its pages are likelier
-            # still cached); the sort is stable over newest-first order
-            fits = sorted((h for h in reversed(self._by_kind.get(kind, {}).values()) if capacity <= h.rows <= limit),
-                          key=lambda h: h.rows)[:count]
+            # free buffers by row count, each class newest first (their pages are likelier still cached)
+            classes: dict[int, list[_Held]] = {}
+            for h in reversed(self._by_kind.get(kind, {}).values()):
+                if capacity <= h.rows <= limit:
+                    classes.setdefault(h.rows, []).append(h)
+            if classes:
+                # one row count for every buffer: the best fit that has them all, else the class with the most
+                # (the smaller among equals); the rest are allocated at that row count
+                whole = [r for r, hs in classes.items() if len(hs) >= count]
+                rows = min(whole) if whole else min(classes, key=lambda r: (-len(classes[r]), r))
+            fits = classes.get(rows, [])[:count]
             for h in fits:
                 self._drop_free(h)
             self._reused += len(fits)
             self._allocated += count - len(fits)
-        rows = -(-capacity // KV_POOL_ROW_QUANTUM) * KV_POOL_ROW_QUANTUM
-        fresh = [torch.empty((num_kv_heads, rows, head_dim), dtype=dtype, device=device)  # (Hkv, C, D)
-                 for _ in range(count - len(fits))]
+        with torch.inference_mode(False):  # a normal tensor: recycled into caches made in either mode
+            fresh = [torch.empty((num_kv_heads, rows, head_dim), dtype=dtype, device=device)  # (Hkv, C, D)
+                     for _ in range(count - len(fits))]
         return [h.buf for h in fits] + fresh
 
     def give(self, buffers: list[torch.Tensor]) -> None:

@@ -88,6 +88,34 @@ def test_a_buffer_much_larger_than_the_request_is_not_used():
         KVBufferPool(-1)
 
 
+def test_one_takes_buffers_all_have_one_row_count():
+    # a budget that keeps part of a dropped cache's buffers, then a cache of another length: K and V of a
+    # layer must still share strides (kernels writing both check it), so every buffer of a take has one row count
+    pool = KVBufferPool(1 << 24)
+    small, large = _cache(pool, capacity=200), _cache(pool, capacity=300)  # 256 and 512 rows (quantum 256)
+    del small, large
+    assert pool.stats().free_bytes == 4 * 2 * (256 + 512) * 4 * 4
+    pool.budget_bytes = 6 * 2 * 256 * 4 * 4  # drops the oldest: three of 512 rows are left
+    pool.stats()
+    mixed = _cache(pool, capacity=240)  # three free buffers fit, the fourth is allocated: at their row count
+    rows = {t.untyped_storage().nbytes() for t in (*mixed._k, *mixed._v)}
+    assert len(rows) == 1
+    assert {t.stride() for t in (*mixed._k, *mixed._v)} == {mixed._k[0].stride()}
+
+
+def test_buffers_are_normal_tensors_whatever_mode_allocated_them():
+    # a scratch cache made under inference mode must not leave an inference tensor to a later cache made
+    # outside it: that cache writes its rows in place (decoding), which inference tensors refuse there
+    pool = KVBufferPool(1 << 20)
+    with torch.inference_mode():
+        scratch = _cache(pool)
+        assert not any(t.is_inference() for t in scratch._k)
+    del scratch
+    cache = _cache(pool)
+    assert _ptrs(cache) and not any(t.is_inference() for t in (*cache._k, *cache._v))
+    cache.write(0, 0, torch.ones(2, 3, 4), torch.ones(2, 3, 4))  # outside inference mode: no error
+
+
 def test_other_devices_allocate_as_without_a_pool():
     pool = KVBufferPool(1 << 20)
     (t,) = pool.take(1, 2, 10, 4, torch.float32, torch.device("meta"))
