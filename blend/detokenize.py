@@ -13,9 +13,12 @@ never starts with a token whose text counts)::
 
 The result is ``decode(tokens)`` itself, trailing U+FFFD of an incomplete character included, for
 decoders that map tokens to bytes and bytes to text (byte-level BPE, SentencePiece byte fallback):
-UTF-8 decoding starts afresh after a whole character, so the settled text never changes. A
-tokenizer that rewrites text across tokens (``clean_up_tokenization_spaces``) decodes the whole
-answer every time instead, as does a window whose context decodes differently with the new tokens.
+UTF-8 decoding starts afresh after a whole character, so the settled text never changes. A window
+whose context decodes differently with the new tokens decodes the whole answer instead.
+
+Text is decoded without transformers' ``clean_up_tokenization_spaces`` (as vLLM's detokenizer does):
+that tidy-up rewrites text already streamed ("cat ." becomes "cat." once the "." arrives), and an
+answer streamed to a client can only grow. So an answer reads as the model's tokens spell it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ class IncrementalText:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.windowed = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self.ids: list[int] = []
         self.text = ""  # decode(ids), kept current by push()
         self._settled = ""  # decode(ids[:read]): ends on a whole character, never changes
@@ -49,9 +51,6 @@ class IncrementalText:
             The text of every token so far (equal to decoding them all at once).
         """
         self.ids.append(int(token))
-        if not self.windowed:
-            self.text = self._decode(self.ids)
-            return self.text
         context = self._decode(self.ids[self._prefix:self._read])
         window = self._decode(self.ids[self._prefix:])
         if not window.startswith(context):  # the new tokens changed their context's text: no window
@@ -70,4 +69,4 @@ class IncrementalText:
         self._prefix, self._read = self._read, len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) if ids else ""

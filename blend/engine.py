@@ -482,7 +482,7 @@ class Engine:
                     break
                 tok = int(torch.argmax(self.runner.decode_step(cache, tok)))
         self.segments.flush()  # done means stored in every tier (write-behind)
-        text = self.tokenizer.decode(out, skip_special_tokens=True).strip()
+        text = self.tokenizer.decode(out, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
         return Answer(text, out, prompt.token_ids, logits, ttft, report, cache if keep_cache else None)
 
     def teacher_forced_logits(self, prompt: Prompt, policy: ReusePolicy, continuation: Sequence[int],

@@ -36,26 +36,48 @@ def test_text_with_multi_byte_characters_and_specials():
     assert_matches_full_decode(BYTES, ids[:5] + [258] + ids[5:] + [257])
 
 
-def test_a_tokenizer_that_rewrites_text_across_tokens_decodes_it_all():
-    class CleaningUp:
-        clean_up_tokenization_spaces = True
+class _Tidying:
+    """transformers' clean_up_tokenization_spaces: "a ." decodes as "a." unless asked not to tidy."""
 
-        def decode(self, ids, skip_special_tokens=True):
-            return BYTES.decode(ids, skip_special_tokens=skip_special_tokens).replace(" .", ".")
+    clean_up_tokenization_spaces = True
 
-    tok = CleaningUp()
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
+        text = BYTES.decode(ids, skip_special_tokens=skip_special_tokens)
+        tidy = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        return text.replace(" .", ".") if tidy else text
+
+
+def test_a_tokenizer_that_tidies_spaces_is_decoded_untidied_so_the_text_only_grows():
+    tok = _Tidying()
     ids = list(b"a b . c .")
     inc = IncrementalText(tok)
-    assert not inc.windowed
     for i, t in enumerate(ids):
-        assert inc.push(t) == tok.decode(ids[: i + 1])
+        assert inc.push(t) == tok.decode(ids[: i + 1], clean_up_tokenization_spaces=False)
+
+
+def test_a_tidying_tokenizers_answer_keeps_every_token_in_the_stream_and_the_text():
+    # the tidy-up rewrote text already streamed ("cat ." -> "cat."), after which every later token's text
+    # was dropped from the stream and from the answer
+    import torch
+
+    from blend.generation import TokenStream
+    from blend.sampling import GenerationConfig
+
+    ids = list(b"It is a cat . It sleeps all day")
+    stream = TokenStream(_Tidying(), {258}, GenerationConfig(max_tokens=len(ids)))
+    pieces = []
+    for t in ids:
+        logits = torch.full((259,), -10.0)
+        logits[t] = 10.0
+        pieces.append(stream.step(logits))
+    assert "".join(pieces) == stream.text == "It is a cat . It sleeps all day"
 
 
 def test_a_window_whose_context_changes_falls_back_to_the_whole_decode():
     class Merging:  # "ab" decodes as "X": a later token rewrites its context's text
         clean_up_tokenization_spaces = False
 
-        def decode(self, ids, skip_special_tokens=True):
+        def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
             return BYTES.decode(ids).replace("ab", "X")
 
     tok = Merging()

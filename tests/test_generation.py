@@ -151,7 +151,7 @@ def test_a_long_answer_decodes_a_window_per_token_not_the_whole_answer():
     class Counting:
         clean_up_tokenization_spaces = False
 
-        def decode(self, ids, skip_special_tokens=False):
+        def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=None):
             decoded.append(len(ids))
             return TOK.decode(ids, skip_special_tokens=skip_special_tokens)
 

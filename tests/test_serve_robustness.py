@@ -425,3 +425,59 @@ def test_requests_a_stopping_server_cannot_finish_get_a_503_not_a_500(engine):
     r = TestClient(app).post("/v1/chat/completions", json=chat())  # no lifespan: the scheduler stays stopped
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     assert "shutting down" in r.json()["error"]["message"]
+
+
+# ---- hostile text, unhandled errors and long conversations (a review, 2026-12-06 (18)) ------------
+
+def _status_count(app, code: str) -> float:
+    from starlette.testclient import TestClient
+
+    text = TestClient(app).get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvblend_requests_total{") and f'status="{code}"' in line)
+
+
+def test_a_lone_surrogate_is_a_400_naming_its_field_and_an_unhandled_error_is_a_counted_500(engine, monkeypatch):
+    from starlette.testclient import TestClient
+
+    app = create_app(engine, ServeConfig(model=TINY))
+    client = TestClient(app, raise_server_exceptions=False)
+    for body in (chat("which \ud800 river?"), {**chat(), "documents": ["a \udfff b"]}, {**chat(), "stop": "\ud800"}):
+        raw = json.dumps(body).encode()  # JSON escapes the surrogate: valid JSON, not valid text
+        r = client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
+    import blend.serve.app as app_module
+
+    def broken(*_a, **_kw):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app_module, "prepare", broken)
+    before = _status_count(app, "500")
+    r = client.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: RuntimeError"
+    assert _status_count(app, "500") == before + 1  # Starlette sends it from outside the counting middleware
+
+
+def test_a_conversation_is_never_prepared_on_the_event_loop_and_its_messages_are_bounded(engine, monkeypatch):
+    from starlette.testclient import TestClient
+
+    import blend.serve.app as app_module
+
+    app = create_app(engine, ServeConfig(model=TINY, limits=Limits(max_messages=5)))
+    seen = []
+    real = app_module.run_in_threadpool
+
+    async def spy(fn, *a, **kw):
+        seen.append(fn.__name__)
+        return await real(fn, *a, **kw)
+
+    monkeypatch.setattr(app_module, "run_in_threadpool", spy)
+    with TestClient(app) as client:
+        assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+        assert "prepare" not in seen  # one short question: tokenized inline
+        turns = [{"role": r, "content": f"turn {i}"} for i, r in enumerate(["user", "assistant"] * 2)]
+        history = {**chat(), "messages": turns + chat()["messages"]}
+        assert client.post("/v1/chat/completions", json=history).status_code == 200
+        assert "prepare" in seen  # a conversation: off the event loop (its cost grows faster than its length)
+        r = client.post("/v1/chat/completions", json={**chat(), "messages": turns * 2 + chat()["messages"]})
+        assert r.status_code == 413 and r.json()["error"]["param"] == "messages"

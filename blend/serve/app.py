@@ -76,8 +76,12 @@ class Guard:
         path = scope["path"]
         label = path if path in KNOWN_PATHS else MODEL_PATH + "{id}" if path.startswith(MODEL_PATH) else "other"
 
+        started = False
+
         async def counting_send(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.on_request(label, int(message["status"]))
             await send(message)
 
@@ -93,7 +97,13 @@ class Guard:
                     scope, receive, counting_send)
                 return
             receive = replay
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            # an unhandled error's 500 is sent by Starlette's outermost middleware, around this one: count it here
+            if not started:
+                self.metrics.on_request(label, 500)
+            raise
 
     def _authorized(self, scope: Scope) -> bool:
         for name, value in scope.get("headers", []):
@@ -248,7 +258,10 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
             await run_in_threadpool(engine.segments.flush)
 
     async def answer(request: Request, body, endpoint: Endpoint) -> Response:
-        if body.text_chars() <= config.inline_prepare_chars:  # tokenizing a small request beats a thread hop
+        # tokenizing a small request beats a thread hop; a conversation renders its template once per earlier
+        # turn, so it never blocks the event loop
+        if (body.text_chars() <= config.inline_prepare_chars
+                and len(getattr(body, "messages", ())) <= config.inline_prepare_messages):
             job: Job = prepare(engine, config, body, endpoint)
         else:
             job = await run_in_threadpool(prepare, engine, config, body, endpoint)

@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experimental-semantic", action="store_true",
                    help="allow kvblend.semantic (donor KV from near-duplicate documents)")
     p.add_argument("--max-documents", type=int, default=lim.max_documents)
+    p.add_argument("--max-messages", type=int, default=lim.max_messages,
+                   help="most chat messages per request (a conversation's cost grows faster than its length)")
     p.add_argument("--max-prompt-tokens", type=int, default=lim.max_prompt_tokens,
                    help="default: the model's context")
     p.add_argument("--max-tokens-limit", type=int, default=lim.max_tokens, help="largest max_tokens a request may ask")
@@ -106,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         api_key=resolve_api_key(args.api_key), experimental_semantic=args.experimental_semantic,
         served_model_name=args.served_model_name,
         limits=Limits(max_body_bytes=args.max_body_bytes, max_documents=args.max_documents,
+                      max_messages=args.max_messages,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
                       default_max_tokens=args.default_max_tokens),
         scheduler=SchedulerConfig(

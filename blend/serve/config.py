@@ -18,6 +18,9 @@ class Limits:
 
     max_body_bytes: int = 1 << 20  # 413
     max_documents: int = 32  # 413
+    # 413: a conversation's prompt is rendered again for each earlier turn (to find where its KV can be
+    # reused), so its cost grows faster than its length; 256 messages take ~0.5 s on one core
+    max_messages: int = 256
     max_prompt_tokens: int | None = None  # 413; None = the model's context
     max_tokens: int = 1024  # 400 when a request asks for more
     default_max_tokens: int = 256  # when a request names none
@@ -134,6 +137,7 @@ class ServeConfig:
     served_model_name: str | None = None  # the id /v1/models reports; default the model argument
     default_temperature: float = 1.0  # when a request names none (OpenAI's default)
     inline_prepare_chars: int = 16_384  # smaller requests are tokenized on the event loop (no thread hop)
+    inline_prepare_messages: int = 2  # ... and only with at most this many messages (no conversation history)
     limits: Limits = field(default_factory=Limits)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

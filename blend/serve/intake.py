@@ -91,6 +91,10 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
         logit_bias = body.logit_bias_pairs(engine.dims.vocab)
     except ValueError as e:
         raise ApiError(400, str(e), param="logit_bias") from None
+    messages = len(getattr(body, "messages", ()))
+    if messages > limits.max_messages:
+        raise ApiError(413, f"{messages} messages; this server takes at most {limits.max_messages} per request",
+                       ErrorType.TOO_LARGE, "messages")
     docs = body.document_texts()
     if len(docs) > limits.max_documents:
         raise ApiError(413, f"{len(docs)} documents; this server takes at most {limits.max_documents} per request",

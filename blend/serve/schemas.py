@@ -168,6 +168,32 @@ class _Common(BaseModel):
         return docs
 
     @model_validator(mode="after")
+    def _text_is_unicode(self):
+        # JSON may carry a lone UTF-16 surrogate ("\ud800"), which no tokenizer takes: a 400, not a 500
+        for where, text in self._texts():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{where} is not valid Unicode text (it holds a lone surrogate)") from None
+        return self
+
+    def _texts(self):
+        """(field, text) of every text the prompt or the answer's stop is made from."""
+        for i, d in enumerate(self.documents or []):
+            yield f"documents[{i}]", d if isinstance(d, str) else d.text
+            if not isinstance(d, str) and d.title:
+                yield f"documents[{i}].title", d.title
+        for i, m in enumerate(getattr(self, "messages", None) or []):
+            yield f"messages[{i}].content", m.text()
+        prompt = getattr(self, "prompt", None)
+        for text in [prompt] if isinstance(prompt, str) else prompt or []:
+            yield "prompt", text
+        for text in [self.stop] if isinstance(self.stop, str) else self.stop or []:
+            yield "stop", text
+        if self.cache_salt:
+            yield "cache_salt", self.cache_salt
+
+    @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:  # OpenAI and vLLM answer 400 too
             raise ValueError("stream_options is only allowed when stream is true")
