@@ -514,7 +514,7 @@ def _exact_outcome(segments: SegmentCache, prompt: Prompt, cache: KVCache, repor
     computes it; a prefix found stored in full is remembered as hot (its second use)."""
     logits, tail, waited = segments.compute_question(cache, prompt.segments[:-1], prompt.question, True, salt)
     segments.remember_hot(cache, prompt.segments[:-1], prompt.question, (*reports, *tail), salt)
-    return BlendOutcome(logits, (*reports, *tail), None, lookup_s + waited)
+    return BlendOutcome(logits, (*reports, *tail), None, lookup_s + waited, ratio=0.0)  # nothing re-positioned
 
 
 def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, policy: ReusePolicy,

@@ -377,7 +377,9 @@ class Engine:
         with torch.inference_mode():
             done, cache = self._run(prompt, policy, cache, question, refused, kinds)
         ttft = time.perf_counter() - t0
-        blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS
+        # a blend that ran (not refused): its selector, the share it recomputed (0 where nothing was
+        # re-positioned: every document exact, or the hot prefix) and its first-token gap
+        blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS and not refused
         ratio = (done.ratio if done.ratio is not None else policy.first_ratio) if blend_fields else None
         report = ReuseReport(
             policy=policy.describe(), segments=done.segments,
@@ -400,7 +402,7 @@ class Engine:
             # every document exact at its place, found stored again: the exact path (what a blend of an
             # all-exact prompt computes), the hot prefix attached; its gap reported as the loaded one's
             done = self._prefill_segments(prompt, None, True, cache, policy.cache_salt)
-            return replace(done, margin=top2_margin(done.logits)), cache
+            return replace(done, margin=top2_margin(done.logits), ratio=0.0), cache  # nothing recomputed
         return self._guard(prompt, policy, self._blend(prompt, policy, cache, question), cache)
 
     def _blend(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool = True) -> "_Prefilled":

@@ -156,6 +156,23 @@ def test_min_prompt_tokens_falls_back_to_full_compute(tiny_engine):
     full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
     assert torch.equal(ans.first_logits, full.first_logits)
     assert "min_prompt_tokens" in ans.report.gate
+    assert ans.report.ratio is None and ans.report.spent is None  # refused: nothing was blended
+
+
+def test_a_blend_that_recomputes_nothing_reports_a_share_of_zero(tiny_engine_factory):
+    """No document to re-position (none, one exact after the preamble, or every one exact and hot): the
+    report said the policy's fixed ratio, as if that share had been recomputed."""
+    engine = tiny_engine_factory()
+    for docs in ([], make_docs(1)):
+        prompt = engine.build_prompt("Which one?", docs)
+        for policy in (unguarded_blend(ratio=0.4), unguarded_blend(threshold=0.0, max_ratio=1.0)):
+            rep = engine.generate(prompt, policy, max_new_tokens=1).report
+            assert rep.recomputed_tokens == 0 and rep.ratio == 0.0 and rep.spent == 0.0, (docs, policy)
+    prompt = engine.build_prompt("Which one?", make_docs(3))
+    engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # stores this order's exact prefix
+    for _ in range(2):  # the exact prefix loaded, then attached hot
+        rep = engine.generate(prompt, unguarded_blend(ratio=0.4), max_new_tokens=1).report
+        assert rep.recomputed_tokens == 0 and rep.ratio == 0.0 and rep.spent == 0.0
 
 
 def test_blend_never_writes_the_exact_namespace_beyond_the_preamble(tiny_engine):
