@@ -431,7 +431,10 @@ class Engine:
         why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {target:g}"
         if done.resume is not None and policy.guard_widens(target):  # on from the first pass's check layer
             out = widen_blend(self.runner, done.resume, cache, target)
-            why += f" ({policy.guard_mode.value}: from check layer {done.resume.at.layer})"
+            why += f" ({policy.guard_mode.value}: from check layer {done.resume.at.layer}"
+            if round(out.ratio, 3) != round(target, 3):  # the candidates, sized before rounding, held fewer rows
+                why += f", its candidates only {out.ratio:.3g} of the document rows"
+            why += ")"
             return replace(done, logits=out.logits, segments=out.segments, deviation=out.deviation,
                            ratio=out.ratio, spent=spent + out.ratio, margin=margin, guard=why,
                            approximate=out.approximate, resume=None), cache

@@ -79,6 +79,18 @@ def test_widen_spends_what_it_recomputed_above_the_check(tiny_engine):
     assert wid.report.guard.endswith("(widen: from check layer 1)") and wid.report.to_dict()["spent"] > 0.15
 
 
+def test_a_widened_guard_says_when_its_candidates_held_fewer_rows_than_the_guard_ratio(tiny_engine):
+    """The candidates are 2 x round(0.15 x base) rows; where round(0.3 x base) is one more, the widened pass
+    recomputes the candidates' share, and its guard note says so instead of only naming 0.3."""
+    prompt = next(p for w in range(8, 60) for p in [tiny_engine.build_prompt("Which one?", make_docs(4, words=w))]
+                  if 2 * round(0.15 * budget_base(p)) < round(0.3 * budget_base(p)))
+    wid = tiny_engine.generate(prompt, guarded(GuardMode.WIDEN), max_new_tokens=1)
+    n = sum(len(r) for r in rows_of(wid))
+    assert n == 2 * round(0.15 * budget_base(prompt)) and wid.report.ratio == pytest.approx(n / budget_base(prompt))
+    assert wid.report.guard.endswith(f"(widen: from check layer 1, its candidates only {n / budget_base(prompt):.3g} "
+                                     "of the document rows)")
+
+
 def test_a_guard_ratio_the_candidates_do_not_cover_blends_again_from_the_start(tiny_engine):
     """0.4 is more than the first pass's 2 x 0.15 candidates: the guard restarts (bit for bit the blend at
     0.4); so does a policy with two check layers. RESTART never widens."""
