@@ -81,6 +81,7 @@ class Catalog:
         self._next_slot = 0
         self._refs: dict[str, int] = {}
         self._where: dict[str, tuple[str, ChunkRef]] | None = None  # chunk id -> first occurrence
+        self.settings_changed = False  # opened with another index kind or threshold than stored: commit to keep them
 
     # ---- open / commit -------------------------------------------------
 
@@ -125,9 +126,11 @@ class Catalog:
             raise RetrievalError(f"{root}: index format {stored.format_version}, expected {FORMAT_VERSION}")
         if meta is not None and (meta.embedder_fingerprint, meta.dim) != (stored.embedder_fingerprint, stored.dim):
             raise RetrievalError(f"{root}: index was built with another embedder ({stored.embedder}, dim {stored.dim})")
-        if meta is not None and meta.kind != stored.kind:
+        changed = meta is not None and (meta.kind, meta.threshold) != (stored.kind, stored.threshold)
+        if changed:  # ingest's --index-kind and --approx-threshold apply
             stored = IndexMeta(**{**asdict(stored), "kind": meta.kind, "threshold": meta.threshold})
         self = cls(root, stored)
+        self.settings_changed = changed
         self.records = read_chunk_table(gen / "chunks.jsonl")
         files_path = gen / "files.json"
         self.files, self._next_slot = read_manifest(files_path)

@@ -211,7 +211,7 @@ def ingest(
         stats = dict(ingested=0, unchanged=0, failed=0, docs=0, added=0, tokens=0, kv=0)
         removed_all: list[str] = []
         added_ids: set[str] = set()  # chunks whose KV this run wrote
-        dirty, since_commit = not Catalog.exists(root), 0
+        dirty, since_commit = not Catalog.exists(root) or cat.settings_changed, 0
         gone = vanished_files(cat.files, paths)
         for path in gone:  # deleted since it was indexed: its chunks go
             removed_all += cat.remove_file(path)

@@ -297,3 +297,12 @@ def test_a_reader_opening_while_a_commit_swaps_generations_sees_one_whole_genera
     monkeypatch.setattr(catalog_mod, "read_chunk_table", commit_midway)
     cat = Catalog.open(tmp_path / "idx")
     assert swapped and set(cat.files) == set(writer.files) and set(cat.records) == set(writer.records)
+
+
+def test_reingest_applies_a_new_approx_threshold(corpus, tmp_path, tok) -> None:
+    # the stored threshold used to win unless --index-kind changed too: --approx-threshold did nothing
+    _run([corpus], tmp_path / "idx", tok)
+    assert Catalog.open(tmp_path / "idx").meta.threshold != 2
+    _run([corpus], tmp_path / "idx", tok, threshold=2)
+    cat = Catalog.open(tmp_path / "idx")
+    assert cat.meta.threshold == 2 and cat.vectors.params.threshold == 2
