@@ -313,7 +313,7 @@ class ReusePolicy:
         if self.mode is not ReuseMode.BLEND:
             return self.mode.value
         checks = ",".join(map(str, self.check_layers))
-        what = f"threshold={self.threshold}<= {self.max_ratio}" if self.threshold is not None else self._ratios()
+        what = f"threshold={self.threshold:g}<={self.max_ratio:g}" if self.threshold is not None else self._ratios()
         if self.budget is BudgetMode.AUTO:
             what = f"auto({self.auto_target:g})<={self.max_ratio:g}"
         probe = f":probe={self.probe_precision.value}" if self.needs_probe else ""
@@ -322,4 +322,7 @@ class ReusePolicy:
             guard += f"/{self.guard_mode.value}"
         cand = f":cand={self.candidates:g}" if self.needs_probe and self.candidates is not None else ""
         temp = f":temp={self.reused_temperature:g}" if self.reused_temperature != 1.0 else ""
-        return f"blend@{what}:{self.selector}:check={checks}{probe}{cand}{temp}{guard}"
+        # settings that change what runs: the random selector's seed, donor KV (experimental)
+        seed = f":seed={self.seed}" if self.selector == "random" else ""
+        semantic = ":semantic" if self.semantic else ""
+        return f"blend@{what}:{self.selector}{seed}:check={checks}{probe}{cand}{temp}{guard}{semantic}"

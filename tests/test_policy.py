@@ -67,3 +67,11 @@ def test_switches_take_only_true_or_false(name, value):
 def test_min_prompt_tokens_is_a_count(n):
     with pytest.raises(InvalidPolicyError, match="min_prompt_tokens"):
         ReusePolicy.blend(min_prompt_tokens=n)
+
+
+def test_describe_names_every_setting_that_changes_what_a_blend_runs():
+    assert ReusePolicy.blend(threshold=0.5, max_ratio=0.3).describe().startswith("blend@threshold=0.5<=0.3:")
+    assert ":random:seed=7:" in ReusePolicy.blend(0.2, "random", seed=7).describe()
+    assert ReusePolicy.blend(0.2, "random", seed=7).describe() != ReusePolicy.blend(0.2, "random", seed=8).describe()
+    assert ReusePolicy.blend(0.2, semantic=True).describe().endswith(":semantic")
+    assert "seed" not in ReusePolicy.blend(0.2).describe() and "semantic" not in ReusePolicy.blend(0.2).describe()
