@@ -349,6 +349,9 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
         # Rewrite without a cut-off last line, so appends start on a fresh line.
         rows_path.write_text("".join(json.dumps(done[i]) + "\n" for i in sorted(done)), encoding="utf-8")
     else:
+        if resume and rows_path.is_file() and rows_path.stat().st_size:  # nothing says what they were run with
+            raise ResumeError(f"--resume: {out} holds {ROWS_FILE} but no {RUN_FILE} (its settings); "
+                              "move the rows away or start a fresh --out")
         rows_path.write_text("", encoding="utf-8")
     run_path.write_text(json.dumps({"identity": config.identity()}, indent=1) + "\n", encoding="utf-8")
     return done

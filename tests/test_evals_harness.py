@@ -247,6 +247,14 @@ def test_resume_over_other_passages_or_a_narrower_range_is_refused_and_keeps_eve
     assert run(4, "--resume") == 0  # the data it was computed on: nothing to redo
 
 
+def test_resume_of_rows_without_their_run_file_is_refused_not_emptied(tmp_path, capsys):
+    assert run_eval(_args(tmp_path, out="r"), _fake_factory([]), policy_of=lambda m: m) == 0
+    (tmp_path / "r" / "run.json").unlink()
+    rows = (tmp_path / "r" / "rows.jsonl").read_text()
+    assert run_eval(_args(tmp_path, "--resume", out="r"), _fake_factory([]), policy_of=lambda m: m) == 2
+    assert "no run.json" in capsys.readouterr().err and (tmp_path / "r" / "rows.jsonl").read_text() == rows
+
+
 def test_bad_inputs_fail_with_named_item(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"ctxs": [{"title": "", "text": "t"}], "question": "q", "answers": ["a"]},
