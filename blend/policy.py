@@ -202,6 +202,11 @@ class ReusePolicy:
             raise InvalidPolicyError(f"budget must be a BudgetMode, got {self.budget!r}")
         if math.isnan(self.auto_target) or self.auto_target < 0:
             raise InvalidPolicyError(f"auto_target must be >= 0, got {self.auto_target}")
+        if self.layer_ratios is not None and (self.budget is BudgetMode.AUTO or self.threshold is not None):
+            # each check layer of an adaptive budget or a threshold selects by its own rule: the ratios
+            # would be dropped without a word
+            raise InvalidPolicyError("layer_ratios are fixed shares per check layer: not with an adaptive "
+                                     "budget or a threshold")
         if self.prefix_limit is not None and self.prefix_limit < 0:
             raise InvalidPolicyError("prefix_limit must be >= 0")
         if self.semantic and self.mode is not ReuseMode.BLEND:

@@ -7,7 +7,7 @@ from blend.errors import InvalidPolicyError
 from blend.keys import Namespace
 from blend.kvcache import KVEntry
 from blend.selectors import SelectionInputs, select
-from blend.policy import SELECTOR_NAMES, ReusePolicy
+from blend.policy import SELECTOR_NAMES, BudgetMode, ReusePolicy
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
 from conftest import make_docs, unguarded_blend
@@ -187,6 +187,8 @@ def test_blend_never_writes_the_exact_namespace_beyond_the_preamble(tiny_engine)
     (dict(ratio=1.5), "ratio"), (dict(ratio=-0.1), "ratio"), (dict(ratio=float("nan")), "ratio"),
     (dict(selector="nope"), "unknown selector"), (dict(check_layers=()), "check_layers"),
     (dict(check_layers=(2, 1)), "increasing"),
+    (dict(check_layers=(1, 2), layer_ratios=(0.3, 0.15), threshold=0.5), "not with an adaptive budget or a threshold"),
+    (dict(check_layers=(1, 2), layer_ratios=(0.3, 0.15), budget=BudgetMode.AUTO), "not with an adaptive"),
 ])
 def test_policy_validation(kw, match):
     with pytest.raises(InvalidPolicyError, match=match):
