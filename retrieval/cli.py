@@ -23,7 +23,8 @@ from blend.defaults import DEFAULT_DEMO_TOP_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_R
 from blend.errors import KVBlendError
 from blend.generation_cli import generation_config_from_args, print_stream
 from blend.options import (
-    add_model_arguments, add_store_argument, engine_from_args, load_engine, policy_from_args, read_document,
+    add_engine_arguments, add_model_arguments, add_store_argument, engine_from_args, load_engine, policy_from_args,
+    read_document,
 )
 from blend.policy import ReuseMode, ReusePolicy
 from blend.retrieval.chunker import ChunkerConfig
@@ -58,8 +59,9 @@ def add_ingest_command(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("ingest", help="chunk, embed, index and precompute KV for a corpus")
     p.add_argument("paths", nargs="+", metavar="PATH", help=".txt, .md, .jsonl files or folders")
     p.add_argument("--index", required=True, metavar="DIR", help="index folder (created if absent)")
-    add_store_argument(p)
-    add_model_arguments(p)
+    add_engine_arguments(p)  # --model, --dtype, --kv-dtype, --gemm, --store: the chunk KV's keys, as `ask`'s
+    p.add_argument("--system", default=None,
+                   help="the system prompt the chunks will be asked under (part of their KV's key, as in `ask`)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="target tokens per chunk (default: %(default)s)")
     p.add_argument("--overlap", type=int, default=0, help="tokens of whole sentences repeated between chunks")
     p.add_argument("--index-kind", choices=[k.value for k in IndexKind], default="auto",
@@ -98,12 +100,12 @@ def _ingest(args: argparse.Namespace) -> int:
     if not expand_paths(args.paths)[0]:  # fail before loading any model
         ingest(args.paths, args.index, tokenizer=None, embedder=None)  # type: ignore[arg-type]  # raises
     config = ChunkerConfig(target_tokens=args.chunk_tokens, overlap_tokens=args.overlap)
-    engine = load_engine(args.model, args.dtype, args.store)
+    engine = engine_from_args(args)
     summary = ingest(
         args.paths, args.index, tokenizer=engine.tokenizer, embedder=Embedder.load(),
         tokenizer_fp=engine.provenance.tokenizer_sha256, config=config,
-        kv_writer=None if args.no_kv else engine_kv_writer(engine),
-        kv_deleter=engine_kv_deleter(engine), kv_signature=engine_kv_signature(engine),
+        kv_writer=None if args.no_kv else engine_kv_writer(engine, args.system),
+        kv_deleter=engine_kv_deleter(engine, args.system), kv_signature=engine_kv_signature(engine, args.system),
         refresh_kv=args.refresh_kv, kind=IndexKind(args.index_kind),
         threshold=args.approx_threshold, progress=not args.quiet,
     )

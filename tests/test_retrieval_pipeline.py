@@ -188,6 +188,13 @@ def test_cli_ask_notes_chunk_kv_precomputed_by_another_engine(tmp_path, capsys) 
     assert ask_over_index(_cli(["ask", "What is the ferry named?", "--index", str(tmp_path / "idx"),
                                 "--gemm", "torch"])) == 0
     assert "precomputed by another engine" in capsys.readouterr().err
+    # what the note asks for: ingest again with that engine (and system prompt), then the chunks are hits
+    assert run_ingest(_cli(["ingest", str(d), "--index", str(tmp_path / "idx"), "--model", "tiny-llama",
+                            "--store", "memory", "--quiet", "--gemm", "torch", "--system", "Be brief."])) == 0
+    capsys.readouterr()
+    assert ask_over_index(_cli(["ask", "What is the ferry named?", "--index", str(tmp_path / "idx"),
+                                "--gemm", "torch", "--system", "Be brief."])) == 0
+    assert "precomputed by another engine" not in capsys.readouterr().err
 
 
 def test_cli_ask_over_an_index_with_doc_uses_both_retrieved_chunks_then_the_doc(tmp_path, capsys) -> None:
