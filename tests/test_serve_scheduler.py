@@ -253,6 +253,26 @@ def test_a_request_cancelled_while_it_waits_for_a_shared_chunk_is_never_prefille
     assert sched.cancelled == 1
 
 
+def test_a_cancelled_wait_for_a_shared_chunk_ends_at_once():
+    """A cancelled request waiting on another's chunk held its prefill worker for up to flight_timeout_s (60 s)."""
+    from blend.serve.flight import FlightStore
+
+    store = FlightStore(MemoryStore())
+    key = (Namespace.CANONICAL, bytes(range(32)))
+    assert store.claim(1, [key]) == [] and store.claim(2, [key]) == [key]
+    stop, got = threading.Event(), []
+    waiter = threading.Thread(target=lambda: got.append(store.wait([key], 30.0, stop)))
+    waiter.start()
+    wait_until(lambda: store.waited == 1)
+    t0 = time.monotonic()
+    stop.set()
+    store.wake()
+    waiter.join(5)
+    assert got == [False] and time.monotonic() - t0 < 1.0
+    store.release(1)
+    assert store.wait([key], 0.1, threading.Event())  # released: free, not stopped
+
+
 def test_a_long_prefill_does_not_stall_other_streams(make_scheduler):
     store = SlowStore()
     engine = tiny_serve_engine(store=store)

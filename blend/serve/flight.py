@@ -81,13 +81,21 @@ class FlightStore:
                     busy.append(k)
         return busy
 
-    def wait(self, keys: Sequence[FlightKey], timeout: float) -> bool:
-        """Block until none of ``keys`` is claimed (put or released); False on timeout."""
+    def wait(self, keys: Sequence[FlightKey], timeout: float, stop: threading.Event | None = None) -> bool:
+        """Block until none of ``keys`` is claimed (put or released), or ``stop`` is set (its request was
+        cancelled: :meth:`wake` rouses the wait); False on timeout or when stopped."""
         if not keys:
             return True
         with self._cond:
             self.waited += 1
-            return self._cond.wait_for(lambda: all(k not in self._owner for k in keys), timeout)
+            free = self._cond.wait_for(lambda: all(k not in self._owner for k in keys)
+                                       or (stop is not None and stop.is_set()), timeout)
+            return free and not (stop is not None and stop.is_set())
+
+    def wake(self) -> None:
+        """Rouse every wait to look at its ``stop`` again (a request was cancelled)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def release(self, owner: int) -> None:
         """Drop every claim ``owner`` still holds (its prefill ended)."""

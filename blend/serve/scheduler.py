@@ -321,6 +321,8 @@ class Scheduler:
                 self.cancelled += 1
                 self._gauges()
             self._cond.notify_all()
+        if self.flight is not None:  # a prefill waiting on another request's chunk stops waiting
+            self.flight.wake()
 
     def dead_threads(self) -> list[str]:
         """Names of the scheduler's threads that stopped while it runs (none while it is healthy).
@@ -478,7 +480,7 @@ class Scheduler:
         try:
             if self.flight is not None:
                 busy = self.flight.claim(job.id, request_keys(engine, job.prompt, job.policy))
-                self.flight.wait(busy, self.config.flight_timeout_s)
+                self.flight.wait(busy, self.config.flight_timeout_s, job.cancelled)
                 if job.cancelled.is_set():  # its client left while it waited: no prefill for nobody
                     self._retire(job, Ending.CANCELLED)
                     return
