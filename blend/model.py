@@ -38,6 +38,7 @@ from blend.gemm import GemmBackend, dense, linear, pack, packs_natively
 from blend.kernels.reference import causal_suffix_attention, causal_suffix_attention_parts
 from blend.kvcache import KVCache, KVEntry
 from blend.kvpool import KVBufferPool
+from blend.errors import UnknownModelError
 from blend.models import LoadedModel
 from blend.rope import RopeTables, apply_rope, apply_rope_into
 
@@ -93,14 +94,26 @@ def dims_of(config) -> ModelDims:
     )
 
 
+def sliding_window(config) -> int | None:
+    """The attention window of a config that uses one (Mistral's ``sliding_window``; Qwen2's where
+    ``use_sliding_window`` turns it on), else None."""
+    window = getattr(config, "sliding_window", None)
+    if not window or (getattr(config, "model_type", "") == "qwen2" and not getattr(config, "use_sliding_window", False)):
+        return None
+    return int(window)
+
+
 def context_length(config) -> int:
     """Longest sequence the model serves: ``max_position_embeddings``, times the
-    factor for dynamic-NTK RoPE (which rescales past the trained length by design)."""
+    factor for dynamic-NTK RoPE (which rescales past the trained length by design), at most a
+    sliding attention window: the engine attends to every earlier key, which is the windowed
+    model's attention only while a sequence fits in its window."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     n = int(config.max_position_embeddings)
     if isinstance(rope, dict) and "dynamic" in str(rope.get("rope_type", rope.get("type", ""))):
-        return int(n * float(rope.get("factor", 1.0)))
-    return n
+        n = int(n * float(rope.get("factor", 1.0)))
+    window = sliding_window(config)
+    return n if window is None else min(n, window)
 
 
 def extract_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> LayerWeights:
@@ -110,6 +123,11 @@ def extract_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(device=device, dtype=dtype).contiguous()
 
+    extra = [name for name, m in (("o_proj", att.o_proj), ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj),
+                                  ("down_proj", mlp.down_proj)) if getattr(m, "bias", None) is not None]
+    if extra:  # only the q/k/v biases are carried (Qwen2's): refuse rather than drop these
+        raise UnknownModelError(f"biases on {', '.join(extra)} are not supported (a config with attention_bias or "
+                                "mlp_bias); only q/k/v biases are")
     biases = [p.bias for p in (att.q_proj, att.k_proj, att.v_proj)]
     b_qkv = None
     if any(b is not None for b in biases):

@@ -46,7 +46,9 @@ class RopeTables:
             # reset it so the tables are a function of n alone
             emb = self.rotary_emb
             if hasattr(emb, "original_inv_freq"):
-                emb.register_buffer("inv_freq", emb.original_inv_freq.to(self.device), persistent=False)
+                # a copy: LongRoPE writes its long factors into inv_freq in place, which would overwrite the
+                # short ones kept in original_inv_freq if the two were one tensor (.to() on its own device)
+                emb.register_buffer("inv_freq", emb.original_inv_freq.to(self.device).clone(), persistent=False)
                 emb.max_seq_len_cached = emb.original_max_seq_len
         pos = torch.arange(n, device=self.device)[None]  # (1, n)
         dummy = torch.zeros(1, device=self.device, dtype=torch.float32)

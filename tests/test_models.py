@@ -87,3 +87,44 @@ def test_qwen_coder_reference_when_installed():
                Turn(Role.USER, "And for 3?"), Turn(Role.ASSISTANT, "6."))
     talk = eng.build_prompt("And for -1?", ["def f(x):\n    return x * 2\n"], history=history)
     assert len(talk.question.turn_ends) == 2
+
+
+_SMALL = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=4096,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+
+
+def _runner(cfg):
+    from transformers import AutoModelForCausalLM
+
+    from blend.model import ModelRunner
+    from blend.models import LoadedModel
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    return model, ModelRunner(LoadedModel("x", model, None, "", ""), torch.float32, torch.device("cpu"))
+
+
+def test_a_sliding_window_caps_the_context_where_full_attention_is_the_models():
+    """The engine attends to every earlier key: a windowed model's attention only while a sequence fits in
+    its window (a 200-token prompt over a 64-token window was off by 1.8 in the logits)."""
+    from transformers import MistralConfig, Qwen2Config
+
+    for cfg in (MistralConfig(**_SMALL, sliding_window=64),
+                Qwen2Config(**_SMALL, use_sliding_window=True, sliding_window=64, max_window_layers=0)):
+        model, runner = _runner(cfg)
+        assert runner.dims.max_positions == 64
+        ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            h, _ = runner.prefill(runner.new_cache(64), ids, keep_kv=False)
+            ref = model(ids[None]).logits[0, -1]
+        assert (runner.logits(h[-1:])[0] - ref).abs().max() < 1e-4
+    _, off = _runner(Qwen2Config(**_SMALL, use_sliding_window=False, sliding_window=64))
+    assert off.dims.max_positions == 4096  # Qwen2 with its window off: the whole context
+
+
+def test_biases_the_engine_does_not_carry_are_refused_not_dropped():
+    from transformers import LlamaConfig
+
+    for kw, name in ((dict(attention_bias=True), "o_proj"), (dict(mlp_bias=True), "gate_proj")):
+        with pytest.raises(UnknownModelError, match=name):
+            _runner(LlamaConfig(**_SMALL, **kw))

@@ -114,3 +114,6 @@ def test_longrope_tables_do_not_depend_on_what_was_built_before():
     assert torch.equal(cold(pos)[0], want[0])
     assert torch.equal(warm(pos)[0], want[0])
     assert cold.dynamic and cold.length_dependent_after == 512
+    after_long = RopeTables(_longrope_rotary(), torch.device("cpu"))
+    after_long(torch.arange(700))  # past 512: LongRoPE's long factors, written into inv_freq in place
+    assert torch.equal(after_long(pos)[0], want[0])  # the short factors again (they were overwritten: off by 2.2)
