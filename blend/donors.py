@@ -43,7 +43,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -279,7 +279,7 @@ class DonorIndex:
         self._keys.add(bytes(donor.key))
         self._matrix.pop(donor.preamble, None)
 
-    def attach_log(self, tiers: Sequence[object], name: str) -> int:
+    def attach_log(self, tiers: Sequence[object], name: str, verify: Callable[[Donor], bool] | None = None) -> int:
         """Load the donors recorded by the persistent ``tiers`` and record new ones there.
 
         A log with many dead lines (removed or repeated donors) is compacted on the
@@ -289,6 +289,9 @@ class DonorIndex:
         Args:
             tiers: store tiers; those implementing :class:`RecordLog` are used.
             name: the log's name (one per model provenance: keys are provenance-bound).
+            verify: whether a recorded donor's key is the canonical key of its preamble and tokens (None: not
+                checked). A line edited into another valid record would otherwise lend the KV stored under its
+                key to documents that match its (other) tokens; such a donor is skipped like a corrupt line.
 
         Returns:
             Donors loaded: registrations replayed in order, a removal record cancelling
@@ -296,9 +299,9 @@ class DonorIndex:
             are skipped.
         """
         with self._lock:
-            return self._attach(tiers, name)
+            return self._attach(tiers, name, verify)
 
-    def _attach(self, tiers: Sequence[object], name: str) -> int:
+    def _attach(self, tiers: Sequence[object], name: str, verify: Callable[[Donor], bool] | None) -> int:
         """:meth:`attach_log` with the lock held."""
         self._logs = [t for t in tiers if isinstance(t, RecordLog)]
         self._log_name = name
@@ -306,6 +309,9 @@ class DonorIndex:
         for sink in self._logs:
             lines = sink.read_records(name)
             live, bad = _replay(lines)
+            if verify is not None:
+                kept = [d for d in live if verify(d)]
+                bad, live = bad + len(live) - len(kept), kept
             if bad:
                 log.warning("donor log %s: skipped %d unreadable line(s)", name, bad)
             for donor in live:

@@ -142,8 +142,18 @@ def canonical_key(prov: Provenance, preamble: Sequence[int], chunk: Sequence[int
     Returns:
         A key independent of any other chunk and of which request computed it.
     """
-    h = hashlib.sha256(_salted(b"canonical" + prov.digest(), salt) + token_digest(preamble) + token_digest(chunk))
-    return StoreKey(h.digest())
+    return canonical_key_of(prov.digest(), token_digest(preamble), token_digest(chunk), salt)
+
+
+def canonical_key_of(prov_digest: bytes, preamble_digest: bytes, chunk_digest: bytes, salt: str = "") -> StoreKey:
+    """:func:`canonical_key` from the digests (a donor record carries its preamble's digest, not its tokens).
+
+    Args:
+        prov_digest: :meth:`Provenance.digest`.
+        preamble_digest, chunk_digest: :func:`token_digest` of the preamble and of the chunk.
+        salt: the request's cache salt ("" = none).
+    """
+    return StoreKey(hashlib.sha256(_salted(b"canonical" + prov_digest, salt) + preamble_digest + chunk_digest).digest())
 
 
 def key_hex(key: StoreKey) -> str:

@@ -38,11 +38,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from blend.donors import DonorIndex
-from blend.keys import Namespace, StoreKey, key_hex
+from blend.donors import Donor, DonorIndex
+from blend.keys import Namespace, StoreKey, canonical_key_of, key_hex, token_digest
 from blend.kvcache import KVEntry
 from blend.store.base import KVStore, LookupStatus
-from blend.store.tiered import TieredStore
 
 FORCE_WINDOW = 4  # tokens recomputed on each side of every edit (their left context changed most)
 MIN_SIMILARITY = 0.3  # estimated shingle Jaccard a donor needs to be considered (5-gram shingles)
@@ -160,10 +159,18 @@ class Donors:
                 if self._index is None:
                     index = DonorIndex()
                     if self.enabled:
-                        tiers = self.store.tiers if isinstance(self.store, TieredStore) else [self.store]
-                        index.attach_log(tiers, self.log_name)
+                        # a chain's tiers (a tiered store, or a wrapper over one such as the server's
+                        # FlightStore): the log attaches to the persistent ones
+                        tiers = list(getattr(self.store, "tiers", [self.store]))
+                        index.attach_log(tiers, self.log_name, self._is_canonical)
                     self._index = index
         return self._index
+
+    def _is_canonical(self, donor: Donor) -> bool:
+        """Whether a recorded donor's key is this engine's canonical key of its preamble and tokens (donors
+        are unsalted: semantic reuse refuses a cache salt)."""
+        prov = hashlib.sha256(self.provenance_json.encode()).digest()  # Provenance.digest()
+        return donor.key == canonical_key_of(prov, donor.preamble, token_digest(donor.token_ids))
 
     def use_index(self, index: DonorIndex) -> None:
         """Replace the index (e.g. :meth:`DonorIndex.load` of one saved beside a disk store)."""

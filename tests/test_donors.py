@@ -108,10 +108,10 @@ def test_a_registration_during_the_index_first_use_reaches_the_log(tmp_path, mon
     donors = Donors(disk, '{"p":1}', enabled=True)
     real_attach, threads = DonorIndex.attach_log, []
 
-    def attach_with_a_registration_meanwhile(self, tiers, name):  # another request's first use of the index
+    def attach_with_a_registration_meanwhile(self, tiers, name, verify=None):  # another request's first use
         if not threads:
             run_meanwhile(lambda: donors.register(B, PRE, TOKENS_B), threads)
-        return real_attach(self, tiers, name)
+        return real_attach(self, tiers, name)  # these keys are made up: unverified
 
     monkeypatch.setattr(DonorIndex, "attach_log", attach_with_a_registration_meanwhile)
     assert donors.register(A, PRE, TOKENS_A)

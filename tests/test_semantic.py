@@ -316,6 +316,52 @@ def test_donors_persist_beside_a_disk_store_for_a_new_process(tmp_path, tiny_eng
     assert other.segments.donors.log_name != first.segments.donors.log_name and len(other.segments.donors.index) == 0
 
 
+def test_a_served_engine_over_a_flight_store_keeps_the_donor_log(tmp_path, tiny_engine_factory):
+    """kvblend serve wraps its store in a FlightStore (single-flight): the donor log of the tiers under it is
+    read and written as for a plain engine (it was never attached: no donor survived a server's restart)."""
+    from blend.serve.flight import FlightStore
+    from blend.store.disk import DiskStore
+    from blend.store.memory import MemoryStore
+    from blend.store.tiered import TieredStore
+
+    docs = make_docs(3)
+    first = tiny_engine_factory(experimental_semantic=True, store=TieredStore([MemoryStore(), DiskStore(tmp_path)]))
+    first.precompute_chunks(docs)
+    served = tiny_engine_factory(experimental_semantic=True,
+                                 store=FlightStore(TieredStore([MemoryStore(), DiskStore(tmp_path)])))
+    assert len(served.segments.donors.index) == 3  # the log the plain engine wrote
+    served.precompute_chunks(make_docs(2, seed=9))
+    assert len(DiskStore(tmp_path).read_records(served.segments.donors.log_name)) == 5  # and its own go there
+
+
+def test_a_donor_line_whose_key_is_not_its_tokens_canonical_key_is_skipped(tmp_path, tiny_engine_factory):
+    """A line edited into another valid record (one token changed) would lend the KV under its key, unedited,
+    to documents matching its tokens: its key is checked against its preamble and tokens."""
+    import json
+
+    from blend.store.disk import DiskStore
+
+    eng = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    eng.precompute_chunks(make_docs(2))
+    path = tmp_path / "logs" / f"{eng.segments.donors.log_name}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[0]["tokens"][3] = (rows[0]["tokens"][3] + 1) % 256
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    again = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    assert len(again.segments.donors.index) == 1
+
+
+def test_a_torn_last_line_does_not_swallow_the_next_record(tmp_path):
+    from blend.store.record_logs import DiskRecordLogs
+
+    logs = DiskRecordLogs(tmp_path)
+    logs.append("x", b'{"a": 1}')
+    with open(logs.path("x"), "ab") as f:
+        f.write(b'{"b": {"c"')  # a writer died mid-line
+    logs.append("x", b'{"d": 4}')
+    assert logs.read("x") == [b'{"a": 1}', b'{"b": {"c"', b'{"d": 4}']  # the torn line alone is unreadable
+
+
 def test_torn_and_corrupt_donor_lines_are_skipped(tmp_path, tiny_engine_factory):
     from blend.store.disk import DiskStore
 

@@ -460,3 +460,14 @@ def test_cli_ask_with_an_unreachable_redis_tier_computes_and_warns(tmp_path: Pat
     assert json.loads(down.stdout)["logits_sha256"] == json.loads(ref.stdout)["logits_sha256"]
     warnings = [ln for ln in down.stderr.splitlines() if "unreachable" in ln]
     assert len(warnings) == 1 and "Traceback" not in down.stderr, down.stderr
+
+
+def test_disk_contains_on_an_unreadable_folder_is_a_miss_not_an_error(tmp_path: Path, monkeypatch) -> None:
+    # contains is on the request path (single-flight claims, precompute): EACCES or EIO there must not fail a request
+    store = DiskStore(tmp_path)
+
+    def unreadable(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_file", unreadable)
+    assert store.contains(NS, key_for(PROV, 0)) is False

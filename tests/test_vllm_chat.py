@@ -35,6 +35,11 @@ def chat_body(**kw) -> dict:
     return body
 
 
+def test_an_explicit_max_tokens_holds_when_max_completion_tokens_is_null():
+    assert chat_to_completion(chat_body(max_completion_tokens=None, max_tokens=50), TOK)["max_tokens"] == 50
+    assert chat_to_completion(chat_body(max_tokens=50), TOK)["max_tokens"] == 8  # max_completion_tokens wins
+
+
 def test_a_blend_chat_becomes_a_completion_over_kvblends_own_prompt():
     rw = chat_to_completion(chat_body(cache_salt="tenant-a"), TOK)
     want = build_prompt(TOK, "Where is Rome?", TEXTS, "Be brief.")

@@ -54,6 +54,11 @@ def test_a_blend_needs_its_own_salt_beside_vllms_prefix_cache():
     for guard in (0.7, 0.5):  # the near-tie guard changes which KV a near tie gets: another salt
         unguarded = parse_blend_params(blend_request(ids, [(5, 12), (12, 30)], ratio=0.15, guard_margin=guard), 40)
         assert not salt_allows_blend(blend_salt(params, ids), unguarded, ids)
+    near = blend_request(ids, [(5, 12), (12, 30)], guard_margin=0.7)
+    nearer = parse_blend_params(blend_request(ids, [(5, 12), (12, 30)], guard_margin=0.70000001), 40)
+    assert not salt_allows_blend(blend_salt(near, ids), nearer, ids)  # every digit of the margin
+    recut = parse_blend_params(blend_request(ids, [(5, 20), (20, 30)], ratio=0.15, selector="probe"), 40)
+    assert not salt_allows_blend(blend_salt(params, ids), recut, ids)  # the same tokens, other documents
 
 
 def test_the_near_tie_guard_is_opt_in_inside_vllm():
@@ -98,6 +103,9 @@ def test_vllm_kv_never_aliases_kvblend_kv():
     {PARAMS_KEY: {"guard_margin": "0.7", "documents": [[1, 3]]}},
     {PARAMS_KEY: {"guard_margin": True, "documents": [[1, 3]]}},
     {PARAMS_KEY: {"guard_margin": float("nan"), "documents": [[1, 3]]}},
+    {PARAMS_KEY: {"mode": "blnd", "documents": [[1, 3]]}},  # a typo ran as exact reuse
+    {PARAMS_KEY: {"mode": "none"}},
+    {PARAMS_KEY: {"ratoi": 0.9, "documents": [[1, 3]]}},  # a misspelt option ran at the default ratio
 ])
 def test_malformed_blend_params_are_rejected(bad):
     with pytest.raises(InvalidRequestError):

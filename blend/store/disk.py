@@ -355,7 +355,12 @@ class DiskStore:
         return self._logs.read(log_name)
 
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
-        return self.path(ns, key).is_file()
+        path = self.path(ns, key)
+        try:
+            return path.is_file()
+        except OSError as e:  # an unreadable folder (EACCES, EIO): a miss, as get() says, never an error
+            log.warning("disk store: cannot look for %s: %s", path, e)
+            return False
 
     def delete(self, ns: Namespace, key: StoreKey) -> bool:
         """Remove the entry (a FIFO or link at its path too, never a link's target); False if

@@ -49,9 +49,13 @@ class DiskRecordLogs:
         path = self.path(name)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = _open_current(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, fcntl.LOCK_SH)
+            fd = _open_current(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, fcntl.LOCK_SH)
             try:
-                os.write(fd, line + b"\n")
+                size = os.fstat(fd).st_size
+                # a writer that died mid-line left a torn tail: end it, or this record would be glued onto it
+                # and skipped with it
+                torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+                os.write(fd, (b"\n" if torn else b"") + line + b"\n")
             finally:
                 os.close(fd)  # releases the lock
         except OSError as e:  # safeio.UnsafeFileError too

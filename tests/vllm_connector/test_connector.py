@@ -429,3 +429,61 @@ def test_a_lora_request_neither_claims_stored_kv_nor_saves_its_own(shared):
     blend = _request("lora-blend", ids, params=blend_request(ids, spans, ratio=0.15),
                      lora=SimpleNamespace(lora_name="adapter", lora_int_id=1))
     assert c.get_num_new_matched_tokens(blend, 0) == (0, False)  # no blend from the base model's chunks either
+
+
+def test_a_blend_request_never_saves_its_blocks_even_when_it_claims_none(shared):
+    """vLLM's prefix cache (under the blend's salt) can cover a blended request up to its question: it claims
+    nothing then, and the blocks vLLM holds for it are still blended ones: never saved as exact."""
+    c = _scheduler_side(shared)
+    ids = list(range(500, 518))
+    params = blend_request(ids, [(2, 6), (6, 10)], ratio=0.15)  # the question starts at 10
+    req = _request("covered", ids, params=params)
+    assert c.get_num_new_matched_tokens(req, 12) == (0, False)  # the local prefix reaches past the question
+    m = c.build_connector_meta(_step(new=[("covered", [1, 2, 3, 4, 5], 12)], scheduled={"covered": 6}))
+    assert not m.loads and not m.saves
+    salted = _request("salted", ids)
+    salted.cache_salt = "tenant|kvblend-blend:whatever"  # a blend's salt without its entry: vLLM's blocks may be blended
+    c.get_num_new_matched_tokens(salted, 0)
+    m = c.build_connector_meta(_step(new=[("salted", [6, 7, 8, 9, 10], 0)], scheduled={"salted": 18}))
+    assert not m.saves
+
+
+def test_blocks_from_a_failed_load_on_are_never_saved(shared):
+    """vLLM runs the step's forward over a block that failed to load and recomputes only afterwards: the
+    blocks the step computed after it hold KV over the hole, so the worker drops their saves."""
+    from blend.integrations.vllm.connector import KVBlendConnector, KVBlendMeta, LoadSpec, SaveSpec
+    from blend.integrations.vllm.metrics import KVBlendStats
+    from blend.integrations.vllm.plan import ClaimKind, block_keys
+
+    ids = list(range(600, 624))
+    keys = block_keys(shared.vllm_prov, ids, 4, "tainted")
+    c = object.__new__(KVBlendConnector)
+    c.shared, c.block_size, c._stats, c._load_errors, c._tainted = shared, 4, KVBlendStats(), set(), set()
+    blocks = (11, 12, 13, 14, 15, 16)
+    c._fail(LoadSpec("r", ClaimKind.EXACT, tuple(ids), blocks, 0, 12, tuple(keys[:3])), 4)  # block 12 failed
+    assert c.get_block_ids_with_load_errors() == {12, 13}
+    meta = KVBlendMeta(saves=[SaveSpec("r", tuple(zip(blocks[:1] + blocks[3:], keys[:1] + keys[3:])))])
+
+    class Layout:
+        def read(self, kv, block):
+            return torch.zeros(1, 4, 1), torch.zeros(1, 4, 1)  # (Hkv, B, D)
+
+    c._layout, c._kv = Layout(), [None]
+    c._get_connector_metadata, c.has_connector_metadata = (lambda: meta), (lambda: True)
+    c.wait_for_save()
+    saved = [k for k in keys if shared.store.contains(Namespace.EXACT, k)]
+    assert saved == [keys[0]]  # block 11, before the failure; 14-16 were computed over it
+    assert c._stats.data["unsaved_after_load_error"] == 3 and not c._tainted
+
+
+def test_tensor_or_pipeline_parallel_vllm_is_refused():
+    """Each rank would save its shard of the heads under the one key the store derives, and load another's."""
+    from types import SimpleNamespace
+
+    from blend.errors import KVBlendError
+    from blend.integrations.vllm.connector import KVBlendConnector
+
+    for tp, pp in ((2, 1), (1, 2)):
+        cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+        with pytest.raises(KVBlendError, match="without tensor or pipeline parallelism"):
+            KVBlendConnector(cfg, None, None)

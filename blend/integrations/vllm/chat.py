@@ -132,7 +132,9 @@ def chat_to_completion(body: dict[str, Any], tokenizer) -> dict[str, Any]:
                                                                   DEFAULT_VLLM_GUARD_MARGIN))[PARAMS_KEY]
         salt = blend_salt(params, ids, tenant or "")
     out = {k: v for k, v in body.items() if k not in CONSUMED}
-    out.update(prompt=ids, max_tokens=body.get("max_completion_tokens", body.get("max_tokens")),
+    # max_completion_tokens where set (not null), else max_tokens (OpenAI's precedence)
+    budget = body.get("max_completion_tokens")
+    out.update(prompt=ids, max_tokens=budget if budget is not None else body.get("max_tokens"),
                kv_transfer_params=params)
     if top_n is not None:
         out["logprobs"] = top_n  # completions' form: alternatives per token

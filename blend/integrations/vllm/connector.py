@@ -43,8 +43,8 @@ from blend.integrations.vllm.engines import ConnectorConfig, SharedEngine, share
 from blend.integrations.vllm.layout import BlockLayout, calibrate
 from blend.integrations.vllm.metrics import KVBlendPromMetrics, KVBlendStats
 from blend.integrations.vllm.plan import (
-    PARAMS_KEY, BlendParams, ClaimKind, blend_claim, block_keys, exact_claim, parse_blend_params, salt_allows_blend,
-    tenant_salt,
+    BLEND_SALT_MARK, PARAMS_KEY, BlendParams, ClaimKind, blend_claim, block_keys, exact_claim, parse_blend_params,
+    salt_allows_blend, tenant_salt,
 )
 from blend.keys import Namespace, StoreKey
 from blend.kvcache import KVEntry
@@ -139,6 +139,12 @@ class KVBlendConnector(KVConnectorBase_V1):
     """vLLM v1 KV connector over kvblend's store and blended prefill. See the module docstring."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
+            # each rank holds a shard of the heads or layers, and the store's keys name no rank: ranks would
+            # save their shards under one key and load each other's
+            raise KVBlendError(f"kvblend's connector runs without tensor or pipeline parallelism (got "
+                               f"tp={par.tensor_parallel_size}, pp={par.pipeline_parallel_size})")
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -153,6 +159,9 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._names: list[str] = []  # their layer names, same order
         self._layout: BlockLayout | None = None
         self._load_errors: set[int] = set()
+        # blocks of this step's requests from a failed load on: the forward computes them over unloaded KV
+        # (vLLM recomputes after the step), so they are never saved
+        self._tainted: set[int] = set()
         self._reports: dict[str, dict] = {}
         self._stats = KVBlendStats()  # worker side: counters since vLLM last collected them
 
@@ -185,6 +194,9 @@ class KVBlendConnector(KVConnectorBase_V1):
             st.report = {"error": "blend refused: with vLLM's prefix cache on, a blended request needs the "
                                   "cache_salt of blend_salt() (approximate blocks must not enter the prefix cache)"}
             st.blend = None
+        if st.blend is not None or BLEND_SALT_MARK in (request.cache_salt or ""):
+            # blended blocks (this step's claim, or vLLM's prefix cache under a blend salt): never saved
+            st.blended = True
         if st.blend is not None:
             st.salt = tenant_salt(request.cache_salt, st.blend, st.token_ids)
             got = blend_claim(st.blend, num_computed_tokens, self.block_size)
@@ -330,6 +342,7 @@ class KVBlendConnector(KVConnectorBase_V1):
     def _fail(self, spec: LoadSpec, from_token: int) -> None:
         b = self.block_size
         self._load_errors.update(spec.block_ids[from_token // b: -(-spec.end // b)])
+        self._tainted.update(spec.block_ids[from_token // b:])  # and every later block of the request
 
     def _load_exact(self, spec: LoadSpec) -> dict:
         b = self.block_size
@@ -380,12 +393,16 @@ class KVBlendConnector(KVConnectorBase_V1):
         return  # whole blocks are read back after the forward, in wait_for_save
 
     def wait_for_save(self):
+        tainted, self._tainted = self._tainted, set()
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         if not isinstance(meta, KVBlendMeta) or not meta.saves or self._layout is None:
             return
         store, prov = self.shared.store, self.shared.vllm_prov_json
         for spec in meta.saves:
             for block, key in spec.blocks:
+                if block in tainted:  # computed over a block that failed to load: vLLM recomputes it
+                    self._stats.add("unsaved_after_load_error")
+                    continue
                 if store.contains(Namespace.EXACT, key):
                     continue
                 ks, vs = zip(*(self._layout.read(kv, block) for kv in self._kv))  # gathered: fresh tensors

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -26,6 +27,9 @@ from blend.policy import ReusePolicy
 from blend.prompt import Prompt, Segment, SegmentKind
 from blend.store.codec import dtype_name
 from blend.store.spec import DEFAULT_MEMORY_BUDGET
+
+MAX_POSTED_REPORTS = 4096  # load reports a worker keeps for a scheduler in its own process
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -91,13 +95,17 @@ class SharedEngine:
         self.vllm_prov: Provenance = vllm_provenance(self.engine.provenance, cfg.backend, block_size, cfg.dtype)
         self.vllm_prov_json = self.vllm_prov.canonical_json()
         self._lock = threading.Lock()  # one blend at a time per process (the engine's caches)
-        self._reports: dict[str, dict] = {}  # request id -> what its load got (worker -> scheduler, in process)
+        # request id -> what its load got (worker -> scheduler, in process); bounded: with the worker in another
+        # process (a multiprocess executor) nothing here ever takes them
+        self._reports: OrderedDict[str, dict] = OrderedDict()
         self._reports_lock = threading.Lock()
 
     def post_report(self, req_id: str, report: dict) -> None:
         """The worker's record of a request's load, for a scheduler in this process."""
         with self._reports_lock:
             self._reports[req_id] = report
+            while len(self._reports) > MAX_POSTED_REPORTS:
+                self._reports.popitem(last=False)  # the oldest: its scheduler is elsewhere, or long gone
 
     def take_report(self, req_id: str) -> dict:
         """The posted record of a request's load ({} if none reached this process)."""

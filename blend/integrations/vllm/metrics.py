@@ -22,6 +22,7 @@ COUNTERS = {
     "blend_recomputed_tokens": "document tokens kvblend recomputed in a blend",
     "load_errors": "claims that failed to load (their blocks recomputed by vLLM)",
     "saved_blocks": "whole prompt blocks saved to kvblend's store",
+    "unsaved_after_load_error": "blocks not saved: computed in a step whose load failed before them",
 }
 
 

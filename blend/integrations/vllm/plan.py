@@ -31,6 +31,8 @@ again at the guard's ratio before its KV is written into vLLM's blocks.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -43,6 +45,7 @@ from blend.numeric import finite_real, shown
 from blend.policy import SELECTOR_NAMES
 
 PARAMS_KEY = "kvblend"  # our entry in a request's kv_transfer_params
+BLEND_ENTRY_KEYS = frozenset({"mode", "ratio", "selector", "guard_margin", "documents"})  # what that entry may hold
 BLEND_SALT_MARK = "kvblend-blend"  # a blended request's cache_salt carries this (see blend_salt)
 VLLM_KV_LAYOUT = "k-after-rope"  # what a vLLM-provenance entry's K holds
 
@@ -66,8 +69,8 @@ class BlendParams:
 
     @property
     def guard_tag(self) -> str:
-        """The guard as a salt reads it ("off" or the margin)."""
-        return "off" if self.guard_margin is None else f"{self.guard_margin:g}"
+        """The guard as a salt reads it ("off" or the margin, every digit: 0.7 and 0.70000001 differ)."""
+        return "off" if self.guard_margin is None else repr(float(self.guard_margin))
 
     @property
     def question_start(self) -> int:
@@ -139,18 +142,26 @@ def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams 
         num_prompt: prompt length.
 
     Returns:
-        The parameters, or None (no ``kvblend`` entry, or ``mode`` other than ``blend``).
+        The parameters, or None (no ``kvblend`` entry, or ``mode: "exact"``: vLLM's blocks from the store only).
 
     Raises:
-        InvalidRequestError: a ``kvblend`` blend entry that is malformed.
+        InvalidRequestError: a ``kvblend`` entry that is malformed: another mode, a key it does not know (a
+            misspelt option must not run at its default), a bad value.
     """
     if not isinstance(kv_transfer_params, dict) or PARAMS_KEY not in kv_transfer_params:
         return None
     p = kv_transfer_params[PARAMS_KEY]
     if not isinstance(p, dict):
         raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object")
-    if p.get("mode", "blend") != "blend":
+    unknown = sorted(set(p) - BLEND_ENTRY_KEYS, key=str)
+    if unknown:
+        raise InvalidRequestError(f"unknown key(s) in kv_transfer_params[{PARAMS_KEY!r}]: {', '.join(map(repr, unknown))} "
+                                  f"(known: {', '.join(sorted(BLEND_ENTRY_KEYS))})")
+    mode = p.get("mode", "blend")
+    if mode == "exact":
         return None
+    if mode != "blend":
+        raise InvalidRequestError(f"kvblend mode must be 'blend' or 'exact', got {shown(mode)}")
     ratio = _number(p.get("ratio", DEFAULT_RATIO), 0.0, 1.0, "kvblend ratio must be a number in [0, 1]")
     selector = p.get("selector", DEFAULT_SELECTOR)
     if selector not in SELECTOR_NAMES:
@@ -232,7 +243,9 @@ def blend_salt(params: dict[str, Any], prompt_token_ids: Sequence[int], tenant: 
 def _blend_suffix(params: BlendParams, prompt_token_ids: Sequence[int]) -> str:
     """What a blend's salt ends with: the policy and the whole prompt (see :func:`blend_salt`)."""
     digest = token_digest(prompt_token_ids).hex()[:24]
-    return f"{BLEND_SALT_MARK}:{params.ratio}:{params.selector}:{params.guard_tag}:{digest}"
+    # the document spans too: the same tokens cut into other documents blend differently
+    spans = hashlib.sha256(json.dumps(params.spans).encode()).hexdigest()[:12]
+    return f"{BLEND_SALT_MARK}:{params.ratio!r}:{params.selector}:{params.guard_tag}:{spans}:{digest}"
 
 
 def salt_allows_blend(salt: str | None, params: BlendParams, prompt_token_ids: Sequence[int]) -> bool:
