@@ -507,7 +507,8 @@ class Engine:
             (len(continuation) + 1, V) float32; row 0 is the first-token logits,
             row i the next-token logits after feeding ``continuation[:i]`` (all rows
             of the continuation in one pass, so they match step-by-step decoding
-            to float rounding, not bit for bit).
+            to float rounding, not bit for bit; a token at a time where RoPE depends
+            on the sequence's length, as decoding feeds them).
         """
         n = len(prompt)
         kept = answer.cache if answer is not None else None
@@ -520,9 +521,16 @@ class Engine:
             logits, cache, _ = self.prefill(prompt, policy, len(continuation))
         if not continuation:
             return logits[None]  # (1, V)
-        with torch.inference_mode():  # the whole continuation in one causal pass over the prompt rows
-            h, _ = self.runner.prefill(cache, self.runner.ids(continuation), keep_kv=False)  # (S, C)
-            rest = self.runner.logits(h)  # (S, V)
+        after = self.runner.rope.length_dependent_after
+        with torch.inference_mode():
+            if after is not None and n + len(continuation) > after:
+                # dynamic-NTK / LongRoPE past its trained length: a pass's tables depend on its longest
+                # position, so one pass would rotate every row for the last one; decoding rotates each
+                # token for its own, so feed them as decoding does (0.42 apart in logits otherwise)
+                rest = torch.stack([self.runner.decode_step(cache, int(t)) for t in continuation])  # (S, V)
+            else:  # the whole continuation in one causal pass over the prompt rows
+                h, _ = self.runner.prefill(cache, self.runner.ids(continuation), keep_kv=False)  # (S, C)
+                rest = self.runner.logits(h)  # (S, V)
         return torch.cat([logits[None], rest])  # (S + 1, V)
 
     # ---- ahead of requests ----------------------------------------------------------------

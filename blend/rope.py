@@ -13,6 +13,7 @@ never moves, is stored after it).
 from __future__ import annotations
 
 import json
+import threading
 
 import torch
 
@@ -39,6 +40,7 @@ class RopeTables:
         )
         self._cos = torch.empty(0, 0)
         self._sin = torch.empty(0, 0)
+        self._lock = threading.Lock()
 
     def _build(self, n: int) -> None:
         if self.dynamic:
@@ -65,13 +67,14 @@ class RopeTables:
             cos, sin: (T, R) float32.
         """
         need = int(positions.max().item()) + 1 if positions.numel() else 1
-        if self.dynamic:
-            # dynamic-NTK tables depend on the longest position; rebuild exactly for it
-            if self._cos.shape[0] != need:
-                self._build(need)
-        elif self._cos.shape[0] < need:
-            self._build(max(need, 2 * self._cos.shape[0], 256))
-        return self._cos[positions], self._sin[positions]  # (T, R), (T, R)
+        with self._lock:  # threads share the tables (a quality-gate prefill beside a decode step): build and read as one
+            if self.dynamic:
+                # dynamic-NTK tables depend on the longest position; rebuild exactly for it
+                if self._cos.shape[0] != need:
+                    self._build(need)
+            elif self._cos.shape[0] < need:
+                self._build(max(need, 2 * self._cos.shape[0], 256))
+            return self._cos[positions], self._sin[positions]  # (T, R), (T, R)
 
 
 def _length_dependent_after(rotary_emb: torch.nn.Module, rope_type: str) -> int | None:

@@ -120,6 +120,10 @@ class GenerationConfig:
                     or not -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS):
                 raise InvalidSettingError("logit_bias", f"logit_bias: each entry is a token id >= 0 and a bias in "
                                                         f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {pair!r}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):  # the biases would add up past the bound
+            twice = sorted({t for t in ids if ids.count(t) > 1})
+            raise InvalidSettingError("logit_bias", f"logit_bias names token(s) {twice} more than once")
 
     @property
     def greedy(self) -> bool:

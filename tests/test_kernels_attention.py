@@ -119,7 +119,7 @@ def test_blocked_cpu_path_runs_the_flash_op_in_the_inputs_dtype(dtype, monkeypat
     gen = torch.Generator().manual_seed(12)
     rows = torch.sort(torch.randperm(t - 64, generator=gen)[:150] + 64).values
     inp = make_attention_inputs(2, 3, t, 64, rows, dtype)
-    plan = R.plan_query_blocks(inp.q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0])
+    plan = R.plan_query_blocks(inp.q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0], blocks=4)  # a block with a long prefix
     assert plan.route is R.AttentionRoute.BLOCKS and any(b.lo >= R.SPLIT_MIN_PREFIX for b in plan.blocks)
     got = R.sparse_query_attention_blocked(*inp.args(), plan=plan)
     assert seen and all(d == (dtype,) * 3 for d in seen)
@@ -228,10 +228,10 @@ def test_a_plan_made_once_gives_the_same_bits_at_every_call(case):
         if case == "blind queries":  # the first ten queries sit before every key
             q_pos = torch.cat([torch.arange(10, 20), q_pos[10:]])
         args = (inp.q, q_pos, inp.k, inp.v, inp.k_pos, inp.scale)
-        if plan is None:
-            plan = plan_query_blocks(q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0])
+        if plan is None:  # four blocks: some with a long unmasked prefix
+            plan = plan_query_blocks(q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0], blocks=4)
         planned = sparse_query_attention_blocked(*args, plan=plan)
-        assert torch.equal(planned, sparse_query_attention_blocked(*args))
+        assert torch.equal(planned, sparse_query_attention_blocked(*args, blocks=4))
         assert_close_tol(planned, sparse_query_attention_ref(*args))
     want = AttentionRoute.SUFFIX if case == "suffix" else AttentionRoute.BLOCKS
     assert plan.route is want
@@ -239,6 +239,19 @@ def test_a_plan_made_once_gives_the_same_bits_at_every_call(case):
         assert any(b.lo >= SPLIT_MIN_PREFIX for b in plan.blocks)  # some block's shared prefix is unmasked
     if case == "blind queries":
         assert plan.blind == 10
+
+
+def test_default_blocks_grow_with_the_keys_on_the_flash_route():
+    """Larger query tiles run the flash op faster per pair; longer keys make them worth their larger masked
+    spans. The shapes of a default blend's attention after its check layer (SmolLM2, 5 and 10 passages)."""
+    from blend.kernels.reference import default_blocks
+
+    assert default_blocks(949, 6227, onednn=False) == 3  # ~6k tokens: was 14
+    assert default_blocks(1875, 6227, onednn=False) == 6
+    assert default_blocks(937, 3097, onednn=False) == 6  # ~3k
+    assert default_blocks(205, 660, onednn=False) == 3  # ~600
+    assert default_blocks(10, 100, onednn=False) == 2 and default_blocks(10**6, 1000, onednn=False) == 16
+    assert default_blocks(949, 6227, onednn=True) == 14  # oneDNN's GEMMs mask only each span: one per 64 queries
 
 
 def test_a_plan_for_other_positions_or_heads_is_refused():
@@ -296,11 +309,11 @@ def test_onednn_blocks_match_the_flash_route_and_the_reference(case, attention_r
     if case == "blind queries":  # the first ten queries sit before every key
         q_pos = torch.cat([torch.arange(10, 20), q_pos[10:]])
     args = (inp.q, q_pos, inp.k, inp.v, inp.k_pos, inp.scale)
-    plan = plan_query_blocks(q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0])
+    plan = plan_query_blocks(q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0], blocks=4)  # the same blocks on
     assert plan.onednn
     got = sparse_query_attention_blocked(*args, plan=plan)
     attention_route("flash")
-    flash_plan = plan_query_blocks(q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0])
+    flash_plan = plan_query_blocks(q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0], blocks=4)  # both routes
     assert not flash_plan.onednn
     assert [(b.a, b.b, b.tb) for b in plan.blocks] == [(b.a, b.b, b.tb) for b in flash_plan.blocks]
     assert all(b.lo == int((inp.k_pos <= q_pos[b.a]).sum()) for b in plan.blocks)  # the mask only on the span

@@ -113,7 +113,8 @@ def test_logit_bias_forces_and_bans_tokens():
 
 @pytest.mark.parametrize("kw", [{"presence_penalty": 2.5}, {"frequency_penalty": float("nan")},
                                 {"logit_bias": ((1, 101.0),)}, {"logit_bias": ((-1, 1.0),)},
-                                {"logit_bias": [(1, 1.0)]}, {"logit_bias": ((True, 1.0),)}])
+                                {"logit_bias": [(1, 1.0)]}, {"logit_bias": ((True, 1.0),)},
+                                {"logit_bias": ((5, 100.0), (5, 100.0))}])  # summed past the bound: refused
 def test_penalty_and_bias_settings_are_checked(kw):
     with pytest.raises(InvalidRequestError):
         GenerationConfig(**kw)

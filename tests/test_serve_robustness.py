@@ -481,3 +481,21 @@ def test_a_conversation_is_never_prepared_on_the_event_loop_and_its_messages_are
         assert "prepare" in seen  # a conversation: off the event loop (its cost grows faster than its length)
         r = client.post("/v1/chat/completions", json={**chat(), "messages": turns * 2 + chat()["messages"]})
         assert r.status_code == 413 and r.json()["error"]["param"] == "messages"
+
+
+def test_a_token_named_twice_in_logit_bias_is_refused():
+    body = CompletionRequest(prompt="q", logit_bias={"5": 100, "05": 100})
+    with pytest.raises(ValueError, match="more than once"):
+        body.logit_bias_pairs(259)
+
+
+def test_completions_top_logprobs_keep_the_most_likely_alternative_of_each_text():
+    """Every piece of a multi-byte character decodes to U+FFFD: keyed by text, the least likely one used to win."""
+    from blend.logprobs import TokenLogprob
+    from blend.serve.protocol import LogprobFormat
+    from blend.tiny import byte_tokenizer
+
+    fmt = LogprobFormat(Endpoint.COMPLETIONS, byte_tokenizer(), True)
+    entry = TokenLogprob(0xC3, -0.5, ((0xC3, -0.5), (0xE2, -1.0), (ord("a"), -2.0), (0xF0, -3.0)))
+    (top,) = fmt.format((entry,))["top_logprobs"]
+    assert top == {"\ufffd": -0.5, "a": -2.0}

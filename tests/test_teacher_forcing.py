@@ -61,3 +61,16 @@ def test_one_pass_matches_step_by_step_decoding(tiny_engine):
     steps = [logits] + [tiny_engine.runner.decode_step(cache, t) for t in (7, 8, 9, 10)]
     assert torch.allclose(got, torch.stack(steps), atol=1e-4, rtol=1e-4)
     assert torch.equal(tiny_engine.teacher_forced_logits(prompt, policy, []), logits[None])
+
+
+def test_past_a_length_dependent_ropes_trained_length_it_feeds_tokens_as_decoding_does(tiny_engine_factory):
+    """Dynamic NTK rescales a pass's tables by its longest position: one pass over a continuation that crosses
+    the trained length rotated every row for the last one (0.42 apart from decoding, 41 argmax flips)."""
+    engine = tiny_engine_factory("tiny-llama-rope-dynamic")
+    prompt = engine.build_prompt("question?", make_docs(1, words=25, seed=3))
+    after = engine.runner.rope.length_dependent_after
+    cont = [97 + (i * 7) % 26 for i in range(after + 40 - len(prompt))]
+    got = engine.teacher_forced_logits(prompt, ReusePolicy.none(), cont)
+    logits, cache, _ = engine.prefill(prompt, ReusePolicy.none(), len(cont))
+    steps = torch.stack([logits] + [engine.runner.decode_step(cache, t) for t in cont])
+    assert torch.allclose(got, steps, atol=1e-4, rtol=1e-4)

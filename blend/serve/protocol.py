@@ -132,8 +132,18 @@ class LogprobFormat:
             offsets.append(self._offset)
             self._offset += len(text)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._text(t): lp for t, lp in e.top} for e in entries],
+                # keyed by text, as OpenAI's format is: pieces of one multi-byte character all read U+FFFD,
+                # so the first (most likely) alternative of each text is kept
+                "top_logprobs": [_first_per_text((self._text(t), lp) for t, lp in e.top) for e in entries],
                 "text_offset": offsets}
+
+
+def _first_per_text(pairs) -> dict[str, float]:
+    """(text, logprob) pairs, most likely first, as a dict keeping each text's first value."""
+    out: dict[str, float] = {}
+    for text, lp in pairs:
+        out.setdefault(text, lp)
+    return out
 
 
 def full_body(head: ResponseHead, c: Completion, ext: dict, logprobs: LogprobFormat) -> dict:

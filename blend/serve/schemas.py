@@ -215,8 +215,8 @@ class _Common(BaseModel):
         """``logit_bias`` as (token id, bias) pairs.
 
         Raises:
-            ValueError: a key that is not a token id of this model's vocabulary (0..vocab-1), or a
-                bias outside [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS].
+            ValueError: a key that is not a token id of this model's vocabulary (0..vocab-1), a token named
+                twice ("5" and "05"), or a bias outside [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS].
         """
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
@@ -225,6 +225,8 @@ class _Common(BaseModel):
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias: the bias of token {key} must be in "
                                  f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+            if int(key) in {t for t, _ in pairs}:  # "5" and "05": one token twice, its biases would add up
+                raise ValueError(f"logit_bias: token {int(key)} is named more than once")
             pairs.append((int(key), float(bias)))
         return tuple(pairs)
 
