@@ -32,6 +32,7 @@ from blend.retrieval.corpus import RetrievalError, expand_paths
 from blend.retrieval.embedder import Embedder
 from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
 from blend.retrieval.ingest import ingest, print_issues
+from blend.store.spec import default_spec
 from blend.retrieval.pipeline import RAG, engine_kv_deleter, engine_kv_signature, engine_kv_writer
 
 USER_ERRORS: tuple[type[BaseException], ...] = (RetrievalError, FileNotFoundError, ValueError, KVBlendError)
@@ -161,7 +162,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     home = kvblend_home()
     index = Path(args.index) if args.index else home / "demo-index"
-    spec = args.store if args.store else f"disk:{home / 'store'}"
+    spec = args.store if args.store else default_spec()  # $KVBLEND_STORE, else disk:$KVBLEND_HOME/store
     print(f"demo: model {args.model}, index {index}, store {spec}")
     t0 = time.perf_counter()
     engine = load_engine(args.model, args.dtype, spec)
