@@ -58,11 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.load(args.model, quality_gate=False)
     prompts = [engine.build_prompt(q, d) for q, d in demo_requests()]
     policy = ReusePolicy.exact() if args.mode == "exact" else ReusePolicy.blend(ratio=DEFAULT_RATIO)
-    for p in prompts:  # warm every chunk
-        engine.prefill(p, policy, 1)
+    for _ in range(2):  # warm every chunk, then every prompt's hot prefix: each timed burst starts the same
+        for p in prompts:
+            engine.prefill(p, policy, 1)
     res: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
-    for _ in range(args.repeats):
-        for allowed in (True, False):
+    for r in range(args.repeats):
+        for allowed in ((True, False) if r % 2 == 0 else (False, True)):  # alternated per repeat
             res[allowed].append(burst(engine, prompts, policy, allowed, args.requests))
     for allowed, rows in res.items():
         p50, mx, wall = (statistics.median(r[i] for r in rows) for i in range(3))

@@ -264,7 +264,7 @@ class FollowUpRow:
     history_tokens: int  # the question segment: both earlier turns, their answers and the new question
     computed_tokens: int  # of which the exact path computes (the last answer and the new question)
     full_s: float
-    exact_ratio: float  # same documents: preamble, documents and both earlier turns an exact hit
+    exact_ratio: float  # same documents: preamble, documents and both earlier turns an exact hit (loaded, not hot)
     exact_documents_only_ratio: float  # the same, the question segment computed whole (before turns were stored)
     blend_ratio: float  # documents reordered: blended at the default ratio
     blend_kl_mean: float  # first-token KL of the blend to the reordered prompt's full prefill
@@ -275,6 +275,10 @@ def bench_follow_up(model: str, data: str, items: range, repeats: int, passages:
                     answer_tokens: int = 32) -> FollowUpRow:
     """A conversation's third turn over the first turn's documents (see the module docstring)."""
     eng = Engine.load(model, quality_gate=False).with_store(MemoryStore())
+    # the exact arms run on an engine over the same store and weights whose hot-prefix cache keeps nothing: every
+    # repeat loads the stored turns (the first repeat's request would otherwise leave them hot for the others)
+    loader = eng.with_store(eng.store)
+    loader.segments.hot.budget_bytes = 0
     chosen = load_item_range(data, items, passages)
     full, exact, docs_only, blend, kls, tokens, hist, computed = [], [], [], [], [], [], [], []
     for it in chosen:
@@ -296,7 +300,7 @@ def bench_follow_up(model: str, data: str, items: range, repeats: int, passages:
             t, logits = {}, {}
             for name in names[r % len(names):] + names[: r % len(names)]:  # rotated per repeat
                 prompt, policy = runs[name]
-                ans = eng.generate(prompt, policy, max_new_tokens=1)
+                ans = (loader if name.startswith("exact") else eng).generate(prompt, policy, max_new_tokens=1)
                 t[name], logits[name] = ans.ttft_s, ans.first_logits
                 if name.startswith("exact") and any(s.reuse_class is not ReuseClass.EXACT
                                                     for s in ans.report.segments[:-1]):

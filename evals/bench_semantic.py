@@ -182,7 +182,8 @@ def quality_table(rows: list[Row]) -> str:
             rs = [r for r in rows if r.variant == v and r.method == m]
             if not rs:
                 continue
-            ratio = mean(r.ttft_s / ttft_full[(r.item, r.variant)] for r in rs)
+            # stale answers from the unedited prompt: another length than the full prefill it would divide by
+            ratio = "-" if m == "stale" else f"{mean(r.ttft_s / ttft_full[(r.item, r.variant)] for r in rs):.2f}"
             docs = sum(r.doc_tokens for r in rs)
             sem_docs = sum(r.semantic_docs for r in rs)
             donor = f"{sem_docs}" if m == "semantic" else "-"
@@ -192,7 +193,7 @@ def quality_table(rows: list[Row]) -> str:
             out.append(
                 f"| {v} | {m} | {mean(r.agree for r in rs):.2f} | {mean(r.f1 for r in rs):.2f} | "
                 f"{mean(r.gold_f1 for r in rs):.2f} | {mean(r.kl for r in rs):.3f} | {mean(r.top1 for r in rs):.2f} | "
-                f"{ratio:.2f} | {donor} | {forced} | {rec} | {'-' if al != al else f'{al:.2f}'} |"
+                f"{ratio} | {donor} | {forced} | {rec} | {'-' if al != al else f'{al:.2f}'} |"
             )
     return "\n".join(out)
 

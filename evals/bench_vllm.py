@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     from blend.evals.splits import parse_item_range
     from blend.integrations.vllm import blend_request, prompt_spans
     from blend.integrations.vllm.engines import loaded_engines
+    from blend.integrations.vllm.plan import BLEND_SALT_MARK
     from blend.models import SMOLLM2, convert_gguf
 
     model = str(convert_gguf(SMOLLM2))
@@ -179,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     salt_n = 0
 
     def fresh_salt() -> str:
+        # a salt no earlier request used (vLLM's prefix cache and the store miss), marked as a blend's so that
+        # the connector saves none of its blocks: the blends it is the denominator of save nothing either
         nonlocal salt_n
         salt_n += 1
-        return f"bench-full-{salt_n}"
+        return f"bench-full-{salt_n}|{BLEND_SALT_MARK}"
 
     def request(mode: str, prompt) -> tuple[list[int], dict | None, str | None]:
         ids = prompt.token_ids
