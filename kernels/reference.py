@@ -313,6 +313,26 @@ def _merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: 
 # ~600-token blend measured 5% slower splitting every block)
 BLOCK_ROWS, BLOCKS_MIN, BLOCKS_MAX = 64, 4, 16
 SPLIT_MIN_PREFIX = 1024
+# On the flash route a block takes at least BLOCK_ROWS queries and at least one per FLASH_KEYS_PER_ROW keys
+# (2 to BLOCKS_MAX blocks): larger query tiles run the flash op faster per pair (3.6 ns at 204 grouped rows,
+# 2.9 at 1,024, AMX Xeon), and longer keys make that worth the larger masked spans. A blend's attention
+# after its check layer measured 0.88x at ~6k tokens (3 blocks instead of 14), 0.90-0.95x at ~3k and
+# 0.86-0.95x at ~600 (docs/results/issue18/attention_per_pair/).
+FLASH_KEYS_PER_ROW, FLASH_BLOCKS_MIN = 20, 2
+
+
+def default_blocks(queries: int, keys: int, onednn: bool) -> int:
+    """Query blocks of a blocked call with ``queries`` over ``keys`` (see :func:`plan_query_blocks`).
+
+    Args:
+        queries: S; keys: T.
+        onednn: the blocks run as oneDNN GEMMs (AMD CPUs), which mask only each block's span: one per
+            :data:`BLOCK_ROWS` queries, as measured there.
+    """
+    if onednn:
+        return min(BLOCKS_MAX, max(BLOCKS_MIN, queries // BLOCK_ROWS))
+    rows = max(BLOCK_ROWS, keys // FLASH_KEYS_PER_ROW)
+    return min(BLOCKS_MAX, max(FLASH_BLOCKS_MIN, round(queries / rows)))
 
 
 def _is_suffix(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
@@ -371,7 +391,7 @@ def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv
     Args:
         q_pos: (S,) int64 query positions; k_pos: (T,) int64 key positions (one device).
         q_heads, kv_heads: head counts (q_heads % kv_heads == 0).
-        blocks: query blocks (default: one per 64 queries, 4 to 16).
+        blocks: query blocks (default: :func:`default_blocks`).
         dtype: the calls' q/K/V dtype: only float32 may take oneDNN's route (its GEMMs are float32;
             other dtypes keep the flash op in their own dtype). A plan serves any dtype correctly.
 
@@ -379,7 +399,8 @@ def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv
         The plan; valid for any q, k, v of these sizes at these positions.
     """
     s, t = q_pos.shape[0], k_pos.shape[0]
-    blocks = blocks or min(BLOCKS_MAX, max(BLOCKS_MIN, s // BLOCK_ROWS))
+    onednn = use_onednn(t, q_pos.device, dtype)
+    blocks = blocks or default_blocks(s, t, onednn)
     sizes = dict(q_pos=q_pos, k_pos=k_pos, q_heads=q_heads, kv_heads=kv_heads)
     if (_FLASH_CPU is None or q_pos.device.type != "cpu" or s < 2 * blocks or t == 0
             or not (nondecreasing(q_pos) and nondecreasing(k_pos))):
@@ -387,7 +408,6 @@ def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv
     if _is_suffix(q_pos, k_pos):
         return BlockPlan(AttentionRoute.SUFFIX, **sizes)
     g = q_heads // kv_heads
-    onednn = use_onednn(t, q_pos.device, dtype)
     ends = torch.searchsorted(k_pos, q_pos.contiguous(), right=True)  # (S,) visible key prefix per query
     ends_l = ends.tolist()
     bounds = [round(i * s / blocks) for i in range(blocks + 1)]
@@ -474,7 +494,7 @@ def sparse_query_attention_blocked(
 
     Args:
         q, q_pos, k, v, k_pos, scale: as for the reference.
-        blocks: query blocks (default: one per 64 queries, 4 to 16; fewer, larger blocks run
+        blocks: query blocks (default: :func:`default_blocks`; fewer, larger blocks run
             larger tiles, more of them mask more of their spans). Ignored with ``plan``.
         plan: from :func:`plan_query_blocks` for these positions (None: made here). A caller that
             attends at the same positions layer after layer makes it once.
