@@ -65,6 +65,9 @@ class ConnectorConfig:
         cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
         if cache_dtype not in ("auto", dtype):
             raise InvalidRequestError(f"kvblend's connector needs the KV cache in the model dtype, got {cache_dtype}")
+        quant = getattr(mc, "quantization", None)
+        if quant:  # kvblend's engine blends with the checkpoint's own weights, and its keys name no quantization
+            raise InvalidRequestError(f"kvblend's connector needs an unquantized model, got quantization={quant!r}")
         backend = f"vllm-{vllm.__version__}/{vllm_config.device_config.device_type}"
         return cls(model=str(mc.model), dtype=dtype, backend=backend, store=str(extra.get("store", "memory")),
                    force=bool(extra.get("force", False)),
