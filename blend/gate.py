@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -160,8 +161,19 @@ def run_gate(engine: "Engine", items: int = DEFAULT_GATE_ITEMS, progress: bool =
         eng.close()
 
 
+def gate_tol(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> Tol:
+    """The mechanical bounds of an engine computing in ``dtype`` and keeping KV in ``kv_dtype``: those of
+    the less precise (a float32 engine with bf16 KV rounds every stored row to bf16, which float32's
+    absolute bounds refused: every blend fell back)."""
+    coarse = max((dtype, kv_dtype or dtype), key=lambda d: _COARSENESS[d])
+    return TOL[coarse]
+
+
+_COARSENESS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # ulps of 2**-23, 2**-10, 2**-7
+
+
 def _run_checks(engine: "Engine", eng: "Engine", items: int, progress: bool) -> GateResult:
-    tol = TOL[engine.dtype]
+    tol = gate_tol(engine.dtype, engine.kv_dtype)
     say = (lambda m: print(f"kvblend check [{engine.model_name}]: {m}", file=sys.stderr, flush=True)) \
         if progress else (lambda m: None)
     cal = calibration_items(items)
@@ -231,7 +243,8 @@ def _relative(tol: Tol, what: str) -> str:
     return f" - {tol.gate_rtol:.3g} x {what} (two ulps of the dtype)" if tol.gate_rtol else ""
 
 
-def gate_fingerprint(items: int = DEFAULT_GATE_ITEMS, dtype: torch.dtype = torch.float32) -> str:
+def gate_fingerprint(items: int = DEFAULT_GATE_ITEMS, dtype: torch.dtype = torch.float32,
+                     kv_dtype: torch.dtype | None = None) -> str:
     """What a recorded result was measured under: the blend policy its fidelity check runs (the
     defaults of the day: selector, temperature, ...), the calibration prompts and the bounds
     (the dtype's mechanical bounds included).
@@ -239,7 +252,7 @@ def gate_fingerprint(items: int = DEFAULT_GATE_ITEMS, dtype: torch.dtype = torch
     A record is only valid for the same fingerprint, so a release that changes a default blend
     setting or a bound runs the gate again once instead of trusting a verdict measured otherwise.
     """
-    tol = TOL[dtype]
+    tol = gate_tol(dtype, kv_dtype)
     prompts = [[c.question, list(c.documents)] for c in calibration_items(items)]  # the text, not only the count
     cfg = {"policy": ReusePolicy.blend(ratio=GATE_RATIO, force=True).describe(), "items": items, "prompts": prompts,
            "kl_bound": KL_BOUND, "top1_bound": TOP1_BOUND,
@@ -249,7 +262,8 @@ def gate_fingerprint(items: int = DEFAULT_GATE_ITEMS, dtype: torch.dtype = torch
 
 def gate_path(engine: "Engine", items: int = DEFAULT_GATE_ITEMS) -> Path:
     """Where the gate result of the engine's provenance (under :func:`gate_fingerprint`) is recorded."""
-    return kvblend_home() / "gate" / f"{engine.provenance.digest().hex()}-{gate_fingerprint(items, engine.dtype)}.json"
+    fingerprint = gate_fingerprint(items, engine.dtype, engine.kv_dtype)
+    return kvblend_home() / "gate" / f"{engine.provenance.digest().hex()}-{fingerprint}.json"
 
 
 def load_record(engine: "Engine") -> GateResult | None:
@@ -305,6 +319,7 @@ class QualityGate:
     def __init__(self, progress: bool = True) -> None:
         self.progress = progress
         self._results: dict[str, GateResult] = {}  # record name (provenance + gate fingerprint) -> result
+        self._lock = threading.Lock()  # two first blend requests at once: one runs the gate, the other waits for it
 
     def verdict(self, engine: "Engine") -> GateVerdict:
         """Consult (or run once and record) the gate for ``engine``'s model.
@@ -312,6 +327,11 @@ class QualityGate:
         Returns:
             The verdict; ``ran_s`` > 0 when the gate ran now (its time is not the request's).
         """
+        with self._lock:
+            return self._verdict(engine)
+
+    def _verdict(self, engine: "Engine") -> GateVerdict:
+        """:meth:`verdict` with the lock held."""
         digest = gate_path(engine).name  # the same key as the record: provenance and what the gate measures
         result, ran_s = self._results.get(digest) or load_record(engine), 0.0
         if result is None:

@@ -88,7 +88,10 @@ def model_fingerprint(d: Path, max_length: int, packaged: bool) -> str:
         sha256 hex.
     """
     h = hashlib.sha256((d / "config.json").read_bytes())
-    for f in sorted(d.glob("*.safetensors")):
+    weights = sorted(d.glob("*.safetensors"))
+    if not packaged:  # every file from_pretrained may load weights from (a pytorch_model.bin folder hashed none)
+        weights += sorted(f for pattern in ("*.bin", "*.pt", "*.pth") for f in d.glob(pattern))
+    for f in weights:
         h.update(f.name.encode() + str(f.stat().st_size).encode())
         if not packaged:
             with open(f, "rb") as fh:

@@ -150,6 +150,68 @@ def test_a_bf16_engine_passes_the_mechanical_checks_and_records_apart(home):
     assert gate.gate_fingerprint(dtype=torch.bfloat16) != gate.gate_fingerprint(dtype=torch.float32)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_a_float32_engine_keeping_kv_in_16_bits_is_held_to_that_formats_bounds(home, kv_dtype):
+    """Every stored row is rounded to the storage dtype: float32's absolute bounds refused such an engine, and
+    every blend fell back although its fidelity passed."""
+    import torch
+
+    eng = Engine.load("tiny-llama", kv_dtype=kv_dtype, quality_gate=False)
+    result = gate.run_gate(eng, items=1, progress=False)
+    by = {c.name: c for c in result.checks}
+    assert all(by[n].passed for n in (gate.CheckName.REFERENCE, gate.CheckName.ROPE, gate.CheckName.RATIO_ONE)), \
+        result.summary()
+    kv = getattr(torch, kv_dtype)
+    assert gate.gate_tol(torch.float32, kv) == gate.TOL[kv] and gate.gate_tol(kv, torch.float32) == gate.TOL[kv]
+    assert gate.gate_fingerprint(kv_dtype=kv) != gate.gate_fingerprint()  # measured under other bounds: apart
+    assert gate.gate_fingerprint(kv_dtype=torch.float32) == gate.gate_fingerprint()  # float32 KV: records kept
+
+
+def test_the_servers_first_blend_reports_the_gates_run_apart_from_its_ttft(home):
+    """The scheduler consults the gate before the prefill: its run was thrown away, the report said the gate
+    had not run, and the request's TTFT held the whole run."""
+    from blend.sampling import GenerationConfig
+    from blend.serve.config import SchedulerConfig
+    from blend.serve.scheduler import EventKind, Scheduler
+
+    eng = Engine.load("tiny-llama")
+    sched = Scheduler(eng, SchedulerConfig(max_concurrency=1))
+    sched.start()
+    try:
+        events, done = [], __import__("threading").Event()
+
+        def sink(ev):
+            events.append(ev)
+            if ev.kind in (EventKind.DONE, EventKind.FAILED):
+                done.set()
+
+        sched.submit(eng.build_prompt("Which?", make_docs(3)), ReusePolicy.blend(), GenerationConfig(max_tokens=1),
+                     sink)
+        assert done.wait(120)
+    finally:
+        sched.close()
+    started = next(e for e in events if e.kind is EventKind.STARTED)
+    assert started.report.gate_ran and started.report.timings.gate_s > 0
+    assert started.ttft_s < started.report.timings.gate_s  # the gate's seconds are not the request's
+
+
+def test_two_first_blend_requests_at_once_run_the_gate_once(home, monkeypatch):
+    import threading
+
+    runs = []
+    real = gate.run_gate
+    monkeypatch.setattr(gate, "run_gate", lambda *a, **kw: (runs.append(1), real(*a, **kw))[1])
+    eng = Engine.load("tiny-llama")
+    prompt = eng.build_prompt("Which?", make_docs(3))
+    threads = [threading.Thread(target=lambda: eng.generate(prompt, ReusePolicy.blend(), max_new_tokens=1))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert runs == [1]
+
+
 def test_a_record_holds_only_for_the_calibration_prompts_it_was_measured_on(home, monkeypatch):
     """The fingerprint names the prompts, not only how many: a release that rewrites a calibration
     document or question measures again instead of trusting a verdict from other text."""
@@ -177,7 +239,7 @@ def test_a_record_that_cannot_be_written_warns_and_the_verdict_still_holds(home,
 
     prov = Provenance(model_arch="m", weights_sha256="w", tokenizer_sha256="t", dtype="float32",
                       kv_dtype="float32", device_class="cpu", backend="b", rope="r")
-    eng = types.SimpleNamespace(provenance=prov, dtype=__import__("torch").float32, model_name="m")
+    eng = types.SimpleNamespace(provenance=prov, dtype=__import__("torch").float32, kv_dtype=None, model_name="m")
     gate.gate_path(eng).mkdir(parents=True)  # not a file: unreadable as a record, and not replaceable
     checks = tuple(gate.CheckResult(n, True, 0.0, 1.0, "") for n in gate.CheckName)
     runs = []

@@ -76,3 +76,9 @@ def test_another_models_weights_or_truncation_change_the_fingerprint(emb: Embedd
     assert model_fingerprint(copy, 256, packaged=False) != same
     assert _legacy_fingerprint(copy) == _legacy_fingerprint(default_model_dir())  # what the old check saw
     assert Embedder.load(max_length=8).info.fingerprint != emb.info.fingerprint
+    # a folder whose weights are a pytorch_model.bin: its bytes count too (two fine-tunes shared one fingerprint)
+    (copy / "model.safetensors").unlink()
+    (copy / "pytorch_model.bin").write_bytes(b"weights one")
+    one = model_fingerprint(copy, 256, packaged=False)
+    (copy / "pytorch_model.bin").write_bytes(b"weights two")
+    assert model_fingerprint(copy, 256, packaged=False) != one

@@ -73,7 +73,7 @@ import threading
 import time
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Callable
 
@@ -484,9 +484,10 @@ class Scheduler:
                 if job.cancelled.is_set():  # its client left while it waited: no prefill for nobody
                     self._retire(job, Ending.CANCELLED)
                     return
+            gate_s = 0.0  # the first blend request may run the quality gate (once): not its TTFT, said in its report
             if job.policy.mode is ReuseMode.BLEND and engine.gate is not None and not job.policy.force:
-                with self._gate_lock:  # the first blend request may run the quality gate: once
-                    engine.gate.verdict(engine)
+                with self._gate_lock:
+                    gate_s = engine.gate.verdict(engine).ran_s
             with self._cond:
                 self._prefilling += 1
             try:
@@ -498,7 +499,9 @@ class Scheduler:
         finally:
             if self.flight is not None:
                 self.flight.release(job.id)
-        job.ttft_s = time.perf_counter() - job.submitted
+        job.ttft_s = time.perf_counter() - job.submitted - gate_s
+        if gate_s:  # the engine found the verdict this run recorded: the run was this request's
+            report = replace(report, timings=replace(report.timings, gate_s=gate_s))
         job.first_logits, job.cache, job.report = first, cache, report
         job.stream = TokenStream(engine.tokenizer, engine.eos_ids, job.config)
         text = job.stream.step(first)
