@@ -229,7 +229,7 @@ def test_lookup_rejects_wrong_heads_or_head_dim(tiny, cut):
 @pytest.fixture
 def fake_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
-    return types.SimpleNamespace(provenance=PROV, dtype=torch.float32, model_name="m")
+    return types.SimpleNamespace(provenance=PROV, dtype=torch.float32, kv_dtype=None, model_name="m")
 
 
 def _record(passed=True, **over):
