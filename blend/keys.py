@@ -87,7 +87,12 @@ class Provenance:
 
     def digest(self) -> bytes:
         """sha256 of the canonical JSON."""
-        return hashlib.sha256(self.canonical_json().encode()).digest()
+        return provenance_digest(self.canonical_json())
+
+
+def provenance_digest(canonical_json: str) -> bytes:
+    """:meth:`Provenance.digest` from the canonical JSON alone (what a component given only the JSON holds)."""
+    return hashlib.sha256(canonical_json.encode()).digest()
 
 
 def _tokens_bytes(token_ids: Sequence[int]) -> bytes:

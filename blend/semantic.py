@@ -31,7 +31,6 @@ when some later request computes it in full.
 from __future__ import annotations
 
 import difflib
-import hashlib
 import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -39,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 
 from blend.donors import Donor, DonorIndex
-from blend.keys import Namespace, StoreKey, canonical_key_of, key_hex, token_digest
+from blend.keys import Namespace, StoreKey, canonical_key_of, key_hex, provenance_digest, token_digest
 from blend.kvcache import KVEntry
 from blend.store.base import KVStore, LookupStatus
 
@@ -51,7 +50,7 @@ MAX_CANDIDATES = 4  # donors aligned per miss (alignment is the costly part)
 
 def donor_log_name(provenance_json: str) -> str:
     """The record log of one provenance's donors (its keys only resolve under it)."""
-    return "donors-" + hashlib.sha256(provenance_json.encode()).hexdigest()[:16]
+    return "donors-" + provenance_digest(provenance_json).hex()[:16]
 
 
 @dataclass(frozen=True)
@@ -146,6 +145,7 @@ class Donors:
 
     def __init__(self, store: KVStore, provenance_json: str, enabled: bool) -> None:
         self.store, self.provenance_json, self.enabled = store, provenance_json, enabled
+        self._prov_digest = provenance_digest(provenance_json)  # what canonical keys are derived under
         self.log_name = donor_log_name(provenance_json)
         self._index: DonorIndex | None = None
         self._first_use = threading.Lock()
@@ -169,8 +169,7 @@ class Donors:
     def _is_canonical(self, donor: Donor) -> bool:
         """Whether a recorded donor's key is this engine's canonical key of its preamble and tokens (donors
         are unsalted: semantic reuse refuses a cache salt)."""
-        prov = hashlib.sha256(self.provenance_json.encode()).digest()  # Provenance.digest()
-        return donor.key == canonical_key_of(prov, donor.preamble, token_digest(donor.token_ids))
+        return donor.key == canonical_key_of(self._prov_digest, donor.preamble, token_digest(donor.token_ids))
 
     def use_index(self, index: DonorIndex) -> None:
         """Replace the index (e.g. :meth:`DonorIndex.load` of one saved beside a disk store)."""
