@@ -98,7 +98,8 @@ def sliding_window(config) -> int | None:
     """The attention window of a config that uses one (Mistral's ``sliding_window``; Qwen2's where
     ``use_sliding_window`` turns it on), else None."""
     window = getattr(config, "sliding_window", None)
-    if not window or (getattr(config, "model_type", "") == "qwen2" and not getattr(config, "use_sliding_window", False)):
+    qwen2_off = getattr(config, "model_type", "") == "qwen2" and not getattr(config, "use_sliding_window", False)
+    if not window or qwen2_off:
         return None
     return int(window)
 

@@ -67,7 +67,8 @@ class RopeTables:
             cos, sin: (T, R) float32.
         """
         need = int(positions.max().item()) + 1 if positions.numel() else 1
-        with self._lock:  # threads share the tables (a quality-gate prefill beside a decode step): build and read as one
+        # threads share the tables (a quality-gate prefill beside a decode step): build and read as one
+        with self._lock:
             if self.dynamic:
                 # dynamic-NTK tables depend on the longest position; rebuild exactly for it
                 if self._cos.shape[0] != need:

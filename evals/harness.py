@@ -341,7 +341,8 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
             done[i] = row  # a later line for the same item (methods added) supersedes an earlier one
         if outside:  # rewriting the file below without them would lose them
             raise ResumeError(f"--resume: {rows_path} holds items outside this run's range "
-                              f"({_ranges(sorted(outside))}); resume with a range that covers them, or use another --out")
+                              f"({_ranges(sorted(outside))}); resume with a range that covers them, "
+                              "or use another --out")
         dropped = sorted({n for r in done.values() for n in r["methods"]} - set(config.methods))
         if dropped:
             raise ResumeError(f"--resume: {out} holds methods this run does not list ({', '.join(dropped)}); "

@@ -43,7 +43,9 @@ class _Tidying:
 
     def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
         text = BYTES.decode(ids, skip_special_tokens=skip_special_tokens)
-        tidy = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        tidy = clean_up_tokenization_spaces
+        if tidy is None:
+            tidy = self.clean_up_tokenization_spaces
         return text.replace(" .", ".") if tidy else text
 
 

@@ -119,7 +119,8 @@ def test_blocked_cpu_path_runs_the_flash_op_in_the_inputs_dtype(dtype, monkeypat
     gen = torch.Generator().manual_seed(12)
     rows = torch.sort(torch.randperm(t - 64, generator=gen)[:150] + 64).values
     inp = make_attention_inputs(2, 3, t, 64, rows, dtype)
-    plan = R.plan_query_blocks(inp.q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0], blocks=4)  # a block with a long prefix
+    # four blocks: some with a long shared prefix
+    plan = R.plan_query_blocks(inp.q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0], blocks=4)
     assert plan.route is R.AttentionRoute.BLOCKS and any(b.lo >= R.SPLIT_MIN_PREFIX for b in plan.blocks)
     got = R.sparse_query_attention_blocked(*inp.args(), plan=plan)
     assert seen and all(d == (dtype,) * 3 for d in seen)

@@ -442,7 +442,7 @@ def test_a_blend_request_never_saves_its_blocks_even_when_it_claims_none(shared)
     m = c.build_connector_meta(_step(new=[("covered", [1, 2, 3, 4, 5], 12)], scheduled={"covered": 6}))
     assert not m.loads and not m.saves
     salted = _request("salted", ids)
-    salted.cache_salt = "tenant|kvblend-blend:whatever"  # a blend's salt without its entry: vLLM's blocks may be blended
+    salted.cache_salt = "tenant|kvblend-blend:whatever"  # a blend's salt, no entry: vLLM's blocks may be blended
     c.get_num_new_matched_tokens(salted, 0)
     m = c.build_connector_meta(_step(new=[("salted", [6, 7, 8, 9, 10], 0)], scheduled={"salted": 18}))
     assert not m.saves

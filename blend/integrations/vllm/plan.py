@@ -155,8 +155,8 @@ def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams 
         raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object")
     unknown = sorted(set(p) - BLEND_ENTRY_KEYS, key=str)
     if unknown:
-        raise InvalidRequestError(f"unknown key(s) in kv_transfer_params[{PARAMS_KEY!r}]: {', '.join(map(repr, unknown))} "
-                                  f"(known: {', '.join(sorted(BLEND_ENTRY_KEYS))})")
+        raise InvalidRequestError(f"unknown key(s) in kv_transfer_params[{PARAMS_KEY!r}]: "
+                                  f"{', '.join(map(repr, unknown))} (known: {', '.join(sorted(BLEND_ENTRY_KEYS))})")
     mode = p.get("mode", "blend")
     if mode == "exact":
         return None
