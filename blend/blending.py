@@ -354,7 +354,7 @@ class Checker:
         inp = SelectionInputs(dev_k, dev_v, dev_v / v_norm, plan.doc[rows[free]], plan.offset[rows[free]],
                               query_attn, policy.seed, probe_attn=None if probe is None else probe.weight[rows[free]],
                               v_norm=v_norm)
-        cap = int(round(policy.max_ratio * plan.budget_base))
+        cap = int(math.floor(policy.max_ratio * plan.budget_base + 1e-9))  # a cap: never over max_ratio
         chosen = None
         if policy.budget is BudgetMode.AUTO and probe is not None:  # per prompt, reported as the ratio chosen
             picked = select_auto(inp, policy.auto_target, cap, probe.entropy)
@@ -391,7 +391,7 @@ class BlendRows:
     def __init__(self, plan: BlendPlan, cache: KVCache, checker: Checker, model: ModelRunner,
                  probe: bool, question: bool = True, widen: CheckInput | None = None) -> None:
         self.plan, self.cache, self.checker, self.model = plan, cache, checker, model
-        self.question = question  # False: the question's rows stop at the first check layer
+        self.question = question  # False: the question's rows stop after the last check layer
         # a second pass (:func:`widen_blend`): it starts at the first pass's check input and keeps every
         # row that pass recomputed
         self.widen = widen
@@ -450,7 +450,9 @@ class BlendRows:
         k_all, _ = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
         sel = self.checker.select(check, active, q, k, v, k_all, self.k_pos, self.probe)
         keep = sel.keep
-        if not self.question:  # document rows never attend to the question (causal): drop its rows
+        if not self.question and check.index == len(self.checks) - 1:
+            # document rows never attend to the question (causal): its rows go after the last check layer
+            # (a selector that reads the question's attention needs them at every check layer)
             keep = keep[active[keep] < plan.nb]
         if check.index == 0 and self.widen is not None:
             keep = self._widened(active, keep)
@@ -528,7 +530,7 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
         policy: a blend policy.
         cache: an empty cache with room for the prompt.
         question: False: the caller computes the question itself (a serving engine that takes the
-            context's KV): once a check layer has selected, the question's rows are not computed
+            context's KV): once the last check layer has selected, the question's rows are not computed
             further, the cache ends before the question and the logits are None. The context's
             rows are the same numbers either way (no document row attends to the question).
 

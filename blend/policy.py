@@ -25,6 +25,9 @@ from blend.numeric import finite_real, integral, shown
 
 SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe", "probe_attn")
 PROBE_SELECTORS = ("probe", "probe_attn")  # selectors that need the query probe (issue 14)
+# selectors that rank by fresh-vs-cached K/V deviation: meaningless at check layer 0, where a row's K/V
+# depend on its token alone, so fresh and cached rows are the same numbers and every score is 0
+DEVIATION_SELECTORS = ("v", "k", "kv", "combo", "split", "probe")
 
 
 class BudgetMode(Enum):
@@ -207,6 +210,8 @@ class ReusePolicy:
             # would be dropped without a word
             raise InvalidPolicyError("layer_ratios are fixed shares per check layer: not with an adaptive "
                                      "budget or a threshold")
+        if self.mode is ReuseMode.BLEND:
+            self._check_blend_rules()
         if self.prefix_limit is not None and self.prefix_limit < 0:
             raise InvalidPolicyError("prefix_limit must be >= 0")
         if self.semantic and self.mode is not ReuseMode.BLEND:
@@ -223,6 +228,21 @@ class ReusePolicy:
             raise InvalidPolicyError("cache_salt must be valid Unicode text (it holds a lone surrogate)") from None
         if self.semantic and self.cache_salt:  # donors are shared across salts: that would leak KV
             raise InvalidPolicyError("semantic reuse cannot be combined with a cache_salt")
+
+    def _check_blend_rules(self) -> None:
+        """Combinations a blend would run without doing what they say: refused."""
+        ranks_deviation = (self.selector in DEVIATION_SELECTORS or self.budget is BudgetMode.AUTO
+                           or self.threshold is not None)
+        if 0 in self.check_layers and ranks_deviation:
+            raise InvalidPolicyError(
+                "check layer 0 cannot rank by K/V deviation: layer 0's K/V depend on the token alone, so fresh "
+                "and cached rows are equal there and every deviation is 0; use a check layer >= 1, or the "
+                "probe_attn, query, lead or random selector at a fixed ratio")
+        if self.budget is BudgetMode.AUTO and self.selector != "probe":
+            raise InvalidPolicyError(f"the adaptive budget ranks rows by the probe score (selector probe); "
+                                     f"selector {self.selector!r} would be ignored")
+        if self.budget is BudgetMode.AUTO and self.threshold is not None:
+            raise InvalidPolicyError("an adaptive budget and a threshold are two stopping rules: give one")
 
     @classmethod
     def none(cls) -> "ReusePolicy":

@@ -39,7 +39,9 @@ class SegmentReport:
 
 @dataclass(frozen=True)
 class DeviationStats:
-    """Deviation of cached vs fresh KV at the first check layer, over blended rows."""
+    """Deviation of cached vs fresh V at the first check layer, over the rows compared there: every
+    blended row the selector may choose, or, with candidate pre-selection (the default), only the
+    candidates (the rows the question attends to most; the others are not computed up to the check)."""
 
     layer: int
     mean: float

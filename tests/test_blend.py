@@ -228,6 +228,8 @@ def test_store_shared_across_engines_serves_blend(tiny_engine_factory):
 
 @pytest.mark.parametrize("policy", [unguarded_blend(0.25, "probe"), unguarded_blend(0.25, "v"),
                                     unguarded_blend(0.3, "probe", check_layers=(1, 2), layer_ratios=(0.3, 0.2)),
+                                    unguarded_blend(0.3, "combo", check_layers=(1, 2)),
+                                    unguarded_blend(0.3, "split", check_layers=(1, 2), layer_ratios=(0.3, 0.2)),
                                     unguarded_blend(0.0), unguarded_blend(1e-9, "probe")])
 def test_context_only_blend_leaves_the_context_rows_bit_identical(tiny_engine, policy):
     """question=False (a serving engine computes the question itself) stops the question's rows

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from blend.errors import InvalidPolicyError
-from blend.policy import ReuseMode, ReusePolicy
+from blend.policy import BudgetMode, ReuseMode, ReusePolicy
 
 
 @pytest.mark.parametrize("mode", ["exact", "none", "blend", None, 1])
@@ -75,3 +75,28 @@ def test_describe_names_every_setting_that_changes_what_a_blend_runs():
     assert ReusePolicy.blend(0.2, "random", seed=7).describe() != ReusePolicy.blend(0.2, "random", seed=8).describe()
     assert ReusePolicy.blend(0.2, semantic=True).describe().endswith(":semantic")
     assert "seed" not in ReusePolicy.blend(0.2).describe() and "semantic" not in ReusePolicy.blend(0.2).describe()
+
+
+@pytest.mark.parametrize("kw", [dict(selector="v"), dict(selector="combo"), dict(selector="probe"),
+                                dict(selector="split", check_layers=(0, 2)), dict(selector="probe", threshold=0.1),
+                                dict(selector="probe", budget=BudgetMode.AUTO)])
+def test_check_layer_0_with_a_deviation_ranking_is_refused(kw):
+    """Layer 0's K/V depend on the token alone: fresh and cached rows are equal there, every
+    deviation is 0, and such a selector would pick rows by position without a word."""
+    layers = kw.pop("check_layers", (0,))
+    with pytest.raises(InvalidPolicyError, match="check layer 0"):
+        ReusePolicy.blend(0.15, check_layers=layers, **kw)
+
+
+@pytest.mark.parametrize("selector", ["probe_attn", "query", "lead", "random"])
+def test_check_layer_0_takes_the_selectors_that_need_no_deviation(selector):
+    assert ReusePolicy.blend(0.15, selector, check_layers=0).check_layers == (0,)
+
+
+def test_an_adaptive_budget_takes_only_the_probe_selector_and_no_threshold():
+    """It ranks by the probe score: another selector would be named in the report and ignored."""
+    with pytest.raises(InvalidPolicyError, match="probe score"):
+        ReusePolicy.blend(0.15, "v", budget=BudgetMode.AUTO)
+    with pytest.raises(InvalidPolicyError, match="two stopping rules"):
+        ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, threshold=0.2)
+    assert ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO).budget is BudgetMode.AUTO

@@ -607,3 +607,12 @@ def test_prepare_blend_builds_the_probe_copy_before_the_first_request(tiny_engin
                  unguarded_blend(0.25, "probe", probe_precision=PP.BF16), max_new_tokens=1)
     assert runner.layers_in(torch.bfloat16) is made  # reused, not rebuilt
     assert eng.prepare_blend(PP.COMPUTE) == runner.dtype  # nothing to copy
+
+
+@pytest.mark.parametrize("kw", [dict(budget=BudgetMode.AUTO, auto_target=0.0), dict(threshold=0.0)])
+@pytest.mark.parametrize("max_ratio", [0.2505, 0.35])
+def test_a_cap_is_never_exceeded_by_rounding(tiny_engine, kw, max_ratio):
+    """``max_ratio`` is a cap: the rows it allows round down (0.35 of 1090 rows is 381, not 382)."""
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    out = tiny_engine.generate(prompt, unguarded_blend(0.15, "probe", max_ratio=max_ratio, **kw), max_new_tokens=1)
+    assert 0 < out.report.ratio <= max_ratio
