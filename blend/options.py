@@ -18,7 +18,7 @@ from blend.defaults import (
     DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, DTYPE_NAMES, GEMM_CHOICES,
     REUSED_TEMPERATURE_RANGE,
 )
-from blend.errors import InvalidRequestError
+from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.policy import (
     GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode, GuardMode, ProbePrecision, ReuseMode,
     ReusePolicy,
@@ -164,6 +164,11 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
 def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
     """The request's :class:`ReusePolicy` from parsed arguments (missing blend knobs take their defaults)."""
     mode = ReuseMode(getattr(args, "reuse", ReuseMode.EXACT.value))
+    if mode is not ReuseMode.BLEND:  # switches a blend reads: never dropped without a word
+        given = [flag for flag, name in (("--semantic", "semantic"), ("--force-blend", "force_blend"))
+                 if getattr(args, name, False)]
+        if given:
+            raise InvalidPolicyError(f"{' and '.join(given)} only apply with --reuse blend (got --reuse {mode.value})")
     if mode is ReuseMode.NONE:
         return ReusePolicy.none()
     if mode is ReuseMode.EXACT:

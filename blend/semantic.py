@@ -172,7 +172,9 @@ class Donors:
         return donor.key == canonical_key_of(self._prov_digest, donor.preamble, token_digest(donor.token_ids))
 
     def use_index(self, index: DonorIndex) -> None:
-        """Replace the index (e.g. :meth:`DonorIndex.load` of one saved beside a disk store)."""
+        """Replace the index (e.g. :meth:`DonorIndex.load` of one saved beside a disk store). Its rows
+        are untrusted: :meth:`donor_kv` uses a donor only where its key is this engine's canonical key
+        of the donor's own preamble and tokens, and drops any other."""
         self._index = index
 
     def register(self, key: StoreKey, preamble_ids: Sequence[int], doc_ids: Sequence[int]) -> bool:
@@ -214,6 +216,12 @@ class Donors:
         for donor, sim in self.index.candidates(preamble_ids, doc_ids, MIN_SIMILARITY, top=MAX_CANDIDATES + 1):
             if donor.key == own_key:  # registered but its KV is gone: not a donor of itself
                 continue
+            if donor.preamble != token_digest(preamble_ids) or not self._is_canonical(donor):
+                # an index handed in (use_index: a saved file is untrusted input) is checked here as the
+                # log is on replay: a row whose key is not the canonical key of its own preamble and
+                # tokens would lend another chunk's KV under this document's name
+                self.index.remove(donor.key)
+                continue
             a = align(donor.token_ids, doc_ids)
             if a.aligned_fraction >= MIN_ALIGNED:
                 scored.append((a.aligned_fraction, sim, donor, a))
@@ -232,8 +240,6 @@ class Donors:
             v[:, :, a.dst] = dv[:, :, a.src]
             note = (f"donor {key_hex(donor.key)} similarity {sim:.3f} aligned {frac:.3f} "
                     f"edits {a.edits} forced {a.forced.numel()}")
-            # identical tokens after the same preamble: the donor rows *are* this document's
-            # canonical KV, so nothing is forced and it is treated like its own entry
-            forced = None if a.edits == 0 and len(donor.token_ids) == len(doc_ids) else a.forced
-            return DonorKV(KVEntry(k, v), forced, note)
+            # (a verified donor never has this document's own tokens: it would have its own key)
+            return DonorKV(KVEntry(k, v), a.forced, note)
         return None

@@ -17,7 +17,7 @@ import torch
 
 from blend import donors as donors_mod
 from blend.donors import DonorIndex
-from blend.keys import Namespace, StoreKey
+from blend.keys import Namespace, StoreKey, canonical_key_of, provenance_digest, token_digest
 from blend.kvcache import KVEntry
 from blend.semantic import Donors
 from blend.store.disk import DiskStore
@@ -160,9 +160,10 @@ def test_disabled_donors_never_lend_kv_even_with_an_index_in_hand():
     prov = '{"p":1}'
     store = MemoryStore()
     k = torch.ones(2, 1, len(TOKENS_A), 4)
-    store.put(Namespace.CANONICAL, A, KVEntry(k, k.clone(), prov))
+    a = canonical_key_of(provenance_digest(prov), token_digest(PRE), token_digest(TOKENS_A))  # a real donor's key
+    store.put(Namespace.CANONICAL, a, KVEntry(k, k.clone(), prov))
     idx = DonorIndex()
-    idx.add(A, PRE, TOKENS_A)
+    idx.add(a, PRE, TOKENS_A)
     near = TOKENS_A[:40] + [7] + TOKENS_A[41:]
     on = Donors(store, prov, enabled=True)
     on.use_index(idx)

@@ -87,17 +87,14 @@ def test_without_the_opt_in_a_near_duplicate_never_reuses_donor_kv(sem_engine):
 
 
 @pytest.mark.parametrize("where", [0, 1])
-def test_document_identical_to_its_donor_reproduces_the_blend_exactly(tiny_engine_factory, where):
+def test_a_donor_under_a_key_that_is_not_its_canonical_key_is_never_used(tiny_engine_factory, where):
+    """The same KV under another key (an alias registered as a donor) is not this document's KV as far
+    as provenance can tell: only a donor whose key is the canonical key of its own preamble and
+    tokens lends KV. (A genuine donor with identical tokens has the document's own key.)"""
     docs = make_docs(3)
-    policy = unguarded_blend(ratio=0.15)
-    ref_eng = tiny_engine_factory()
-    prompt = ref_eng.build_prompt("Which?", docs)
-    ref_eng.precompute_chunks(docs)
-    ref = ref_eng.generate(prompt, policy, max_new_tokens=4, stop_at_newline=False)
-
     eng = tiny_engine_factory(experimental_semantic=True)
+    prompt = eng.build_prompt("Which?", docs)
     eng.precompute_chunks(docs)
-    # the document's own entry is gone; the same KV survives under another key (a donor)
     ids = prompt.documents[where].token_ids
     own = canonical_key(eng.provenance, prompt.preamble.token_ids, ids)
     entry = eng.store.get(Namespace.CANONICAL, own, eng.provenance.canonical_json()).entry
@@ -106,14 +103,9 @@ def test_document_identical_to_its_donor_reproduces_the_blend_exactly(tiny_engin
     eng.store.delete(Namespace.CANONICAL, own)
     assert eng.segments.register_donor(prompt.preamble.token_ids, ids, key=alias)
 
-    sem = eng.generate(prompt, unguarded_blend(ratio=0.15, semantic=True), max_new_tokens=4,
-                       stop_at_newline=False)
+    sem = eng.generate(prompt, unguarded_blend(ratio=0.15, semantic=True), max_new_tokens=1)
     rep = sem.report.segments[1 + where]
-    assert rep.reuse_class is ReuseClass.SEMANTIC
-    assert f"donor {key_hex(alias)}" in rep.note and "aligned 1.000" in rep.note
-    assert torch.equal(sem.first_logits, ref.first_logits)
-    assert sem.token_ids == ref.token_ids
-    assert sem.report.recomputed_tokens == ref.report.recomputed_tokens
+    assert rep.reuse_class is ReuseClass.COMPUTED and key_hex(alias) not in rep.note
 
 
 def test_ratio_one_semantic_equals_full_prefill(sem_engine):
@@ -289,6 +281,25 @@ def test_donor_index_save_load_and_preamble_scoping(tmp_path, sem_engine):
     assert [(d.key, s) for d, s in back.candidates([1, 2], near, 0.3)] == [(d.key, s) for d, s in got]
     sem_engine.segments.donors.use_index(back)
     assert sem_engine.segments.donors.index is back
+
+
+def test_a_saved_index_row_whose_key_is_another_chunks_is_never_lent(tmp_path, sem_engine):
+    """A saved index is untrusted input: a row pairing chunk A's key with B's tokens (B = A with
+    one byte changed) would otherwise lend A's KV to B as B's own canonical KV, nothing recomputed
+    (and a conversation would then store turns computed over it under exact keys)."""
+    a_text = make_docs(1)[0]
+    b_text, _ = edit_middle(a_text)
+    store_originals(sem_engine, [a_text])
+    pa, pb = sem_engine.build_prompt("Which?", [a_text]), sem_engine.build_prompt("Which?", [b_text])
+    key_a = canonical_key(sem_engine.provenance, pa.preamble.token_ids, pa.documents[0].token_ids)
+    forged = DonorIndex()
+    forged.add(key_a, pb.preamble.token_ids, pb.documents[0].token_ids)
+    forged.save(tmp_path / "donors.json")
+    sem_engine.segments.donors.use_index(DonorIndex.load(tmp_path / "donors.json"))
+    ans = sem_engine.generate(pb, SEM0, max_new_tokens=1)
+    assert classes(ans)[1] is ReuseClass.COMPUTED  # the forged donor is dropped, B computed
+    left = sem_engine.segments.donors.index.candidates(pb.preamble.token_ids, pb.documents[0].token_ids, 0.0, top=9)
+    assert key_a not in [d.key for d, _ in left]  # dropped from the index (B itself is registered now)
 
 
 # ---- persisted donors ------------------------------------------------------------------------
