@@ -646,6 +646,8 @@ def _doc_reports(prompt: Prompt, chunks: list[ChunkKV], selected: torch.Tensor, 
             mine = selected[(selected >= lo) & (selected < hi)]  # sorted: active rows stay sorted
             offsets = tuple(int(x) for x in mine - lo)
             lo = hi
-        out.append(SegmentReport(doc.kind, c.reuse_class, len(doc), start, c.key, len(offsets), c.note, offsets))
+        forced = 0 if c.forced is None else int(c.forced.numel())
+        out.append(SegmentReport(doc.kind, c.reuse_class, len(doc), start, c.key, len(offsets), c.note, offsets,
+                                 forced))
         start += len(doc)
     return out

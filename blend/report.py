@@ -18,6 +18,8 @@ class ReuseClass(Enum):
     FALLBACK = "fallback"  # reuse refused (quality gate, dynamic-NTK past its length): computed fully
 
 
+REUSED_CLASSES = frozenset({ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.SEMANTIC})  # KV from the store
+
 @dataclass(frozen=True)
 class SegmentReport:
     kind: SegmentKind
@@ -28,12 +30,19 @@ class SegmentReport:
     recomputed: int = 0  # rows of this segment recomputed above the check layer
     note: str = ""  # why (rejection reason, donor key, ...)
     recomputed_offsets: tuple[int, ...] = ()  # which rows: token offsets inside the segment, sorted
+    forced: int = 0  # a semantic document's rows computed at every layer (edited, inserted or next to an
+    # edit: their donor KV, where they had any, is not used); counted in ``recomputed`` too
+
+    @property
+    def reused(self) -> int:
+        """Rows whose KV came from the store (a semantic document's forced rows did not)."""
+        return self.tokens - self.forced if self.reuse_class in REUSED_CLASSES else 0
 
     def to_dict(self) -> dict:
         return {
             "kind": self.kind.value, "class": self.reuse_class.value, "tokens": self.tokens,
             "start": self.start, "key": self.key, "recomputed": self.recomputed, "note": self.note,
-            "recomputed_offsets": list(self.recomputed_offsets),
+            "recomputed_offsets": list(self.recomputed_offsets), "forced": self.forced,
         }
 
 
@@ -93,9 +102,9 @@ class ReuseReport:
 
     @property
     def reused_tokens(self) -> int:
-        """Rows whose KV came from the store (exact, blended or semantic)."""
-        reused = (ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.SEMANTIC)
-        return sum(s.tokens for s in self.segments if s.reuse_class in reused)
+        """Rows whose KV came from the store (exact, blended or semantic; not a semantic document's
+        forced rows)."""
+        return sum(s.reused for s in self.segments)
 
     @property
     def recomputed_tokens(self) -> int:

@@ -134,6 +134,10 @@ def test_one_token_edit_recomputes_that_token_and_its_window(sem_engine):
     # ratio 0: the only document rows recomputed are the forced ones
     assert rep.recomputed == 2 * FORCE_WINDOW + 1
     assert ans.report.recomputed_tokens == rep.recomputed
+    # the forced rows' KV did not come from the store: not counted as reused
+    assert rep.forced == rep.recomputed and rep.to_dict()["forced"] == rep.forced
+    assert rep.reused == rep.tokens - rep.forced
+    assert ans.report.reused_tokens == sum(s.tokens for s in ans.report.segments[:-1]) - rep.forced
     a = align(sem_engine.build_prompt("Which?", docs).documents[1].token_ids, prompt.documents[1].token_ids)
     assert a.forced.tolist() == list(range(at - FORCE_WINDOW, at + FORCE_WINDOW + 1))
     # the edited token's row was filled with zeros from the donor side: recomputed at every layer
