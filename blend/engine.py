@@ -539,6 +539,7 @@ class Engine:
         """Store whatever KV ``policy`` would reuse for ``prompt`` (preamble, chunks)."""
         if policy.mode is ReuseMode.EXACT:
             self.prefill(prompt, policy)
+            self.segments.flush()  # in every tier on return, as precompute_chunks
         elif policy.mode is ReuseMode.BLEND:  # canonical chunks (this also stores the preamble)
             self.precompute_chunks([s.text for s in prompt.documents], preamble=prompt.preamble,
                                    salt=policy.cache_salt)

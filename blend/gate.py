@@ -182,7 +182,7 @@ def _run_checks(engine: "Engine", eng: "Engine", items: int, progress: bool) -> 
 
     say("reference equality with transformers")
     hf = engine.runner.loaded.model
-    with torch.inference_mode():
+    with torch.inference_mode(), engine.runner.rope.module_in_use():  # it shares the engine's rotary module
         ref = hf(torch.tensor([first.token_ids])).logits[0, -1].float()
     full = eng.generate(first, ReusePolicy.none(), max_new_tokens=1)
     diff = beyond(full.first_logits.cpu(), ref, tol.gate_rtol, per_row=True)

@@ -79,7 +79,14 @@ class PrefixFill:
                 self._cache = self._segments.model.new_cache(self.tokens)
             while not self.done:
                 ns, key = self._keys[self._next]
-                got = self._segments.append_exact(self._cache, self.prefix[self._next], key, ns)
+                try:
+                    got = self._segments.append_exact(self._cache, self.prefix[self._next], key, ns)
+                except BaseException:
+                    # the segment may be in the cache already (a failed put after it was appended): a retry
+                    # would append it twice and store what follows, computed after the duplicate, under
+                    # exact keys. Start over instead: what was stored before is found again.
+                    self._cache, self._next = None, 0
+                    raise
                 self._next += 1
                 if got.reuse_class is not ReuseClass.EXACT:  # computed (a miss or an unusable entry)
                     self.computed += 1

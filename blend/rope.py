@@ -12,8 +12,10 @@ never moves, is stored after it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+from typing import Iterator
 
 import torch
 
@@ -56,6 +58,14 @@ class RopeTables:
         dummy = torch.zeros(1, device=self.device, dtype=torch.float32)
         cos, sin = self.rotary_emb(dummy, pos)  # (1, n, R) fp32
         self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()  # (n, R)
+
+    @contextlib.contextmanager
+    def module_in_use(self) -> Iterator[None]:
+        """Hold the tables' lock while something else calls the rotary module: a transformers forward of
+        the same model (the quality gate's reference) changes a dynamic-NTK or LongRoPE module's state,
+        which a table build on another thread would read half-changed."""
+        with self._lock:
+            yield
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables at the given positions.

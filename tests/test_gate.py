@@ -29,6 +29,21 @@ def test_gate_checks_have_figures_and_mechanical_checks_pass_on_tiny(home):
     assert len(list(eng.store.keys(__import__("blend.keys").keys.Namespace.CANONICAL))) == 0  # private store
 
 
+def test_the_gates_transformers_forward_holds_the_rope_tables_lock(home):
+    """The reference forward calls the model's rotary module, which RopeTables shares: on dynamic-NTK
+    and LongRoPE models it changes the module's state, and a table built on another thread meanwhile
+    (a request beside the gate) rotated KV wrongly and stored it under exact keys."""
+    eng = Engine.load("tiny-llama-rope-dynamic", quality_gate=False)
+    rope, hf = eng.runner.rope, eng.runner.loaded.model
+    seen = []
+    hook = hf.register_forward_pre_hook(lambda *_: seen.append(rope._lock.locked()))
+    try:
+        gate.run_gate(eng, items=1, progress=False)
+    finally:
+        hook.remove()
+    assert seen and all(seen)
+
+
 def test_failed_gate_falls_back_unless_forced(home):
     eng = Engine.load("tiny-llama")
     failing = gate.GateResult(eng.model_name, eng.provenance.digest().hex(), tuple(  # a record holds every check

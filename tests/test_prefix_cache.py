@@ -3,6 +3,9 @@ read in place by the first chunk) instead of loaded, and the answer stays bit-id
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
 from blend.keys import Namespace
@@ -131,3 +134,48 @@ def test_a_turn_after_an_attached_prefix_stores_its_part_without_copying_the_pre
     for layer in range(eng.runner.dims.num_layers):
         k, v = cache.view(layer)
         assert torch.equal(stored.k[layer], k[:, start:]) and torch.equal(stored.v[layer], v[:, start:])
+
+
+def test_a_prefix_fill_retried_after_a_failed_put_stores_what_a_clean_engine_computes(tiny_engine_factory):
+    """A put that raises after its segment was appended to the fill's cache: a retried step must
+    not append that segment again (what follows would be stored, computed after a duplicate, under
+    exact keys)."""
+    from blend.prefix_fill import PrefixFill, order_segments
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("q?", make_docs(4, words=20))
+    fill = PrefixFill(eng.segments, order_segments(prompt))
+    put, calls = eng.store.put, [0]
+
+    def flaky(*a, **kw):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError("transient store failure")
+        return put(*a, **kw)
+
+    eng.store.put = flaky
+    with pytest.raises(OSError):
+        fill.run()
+    fill.run()  # the caller retries
+    eng.store.put = put
+    warm = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+    assert [s.reuse_class for s in warm.report.segments[:-1]] == [ReuseClass.EXACT] * 5
+    clean = tiny_engine_factory().generate(prompt, ReusePolicy.none(), max_new_tokens=1)
+    assert torch.equal(warm.first_logits, clean.first_logits)
+
+
+def test_precompute_under_the_exact_policy_returns_with_its_writes_in_every_tier(tiny_engine_factory, tmp_path):
+    from blend.store.spec import open_store
+    store = open_store(f"memory,disk:{tmp_path / 'kv'}")
+    eng = tiny_engine_factory(store=store)
+    disk = store.tiers[-1]
+    put = disk.put
+
+    def slow_put(*a, **kw):
+        time.sleep(0.2)
+        return put(*a, **kw)
+
+    disk.put = slow_put
+    prompt = eng.build_prompt("q?", make_docs(2, words=20))
+    eng.precompute(prompt, ReusePolicy.exact())
+    keys = eng.segments.prefix_keys(prompt.segments[:-1])
+    assert all(store.tiers[-1].contains(ns, key) for ns, key in keys)
