@@ -77,6 +77,9 @@ def _byte_of_char() -> dict[str, int]:
     return {c: b for b, c in byte_level_chars().items()}
 
 
+SP_SPACE = "\u2581"  # SentencePiece's word-boundary mark: a space before the piece
+
+
 def token_bytes(tokenizer, token_id: int) -> bytes:
     """A token's own bytes: its text's UTF-8, or, for a piece of a multi-byte character (whose
     text is U+FFFD), the bytes its vocabulary entry stands for (byte-level BPE or a SentencePiece
@@ -91,6 +94,13 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     """
     text = tokenizer.decode([token_id])
     if REPLACEMENT not in text:
+        # SentencePiece marks a word's leading space with U+2581 and decoding one token alone drops it
+        # ("\u2581Paris" -> "Paris"): the piece keeps it, so the tokens' texts join up to the answer's
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece.startswith(SP_SPACE) and not text.startswith(" "):
+            spaced = piece.replace(SP_SPACE, " ")
+            if spaced.lstrip(" ") == text:
+                return spaced.encode("utf-8")
         return text.encode("utf-8")
     piece = tokenizer.convert_ids_to_tokens(token_id)
     if not isinstance(piece, str) or not piece:

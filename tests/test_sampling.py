@@ -128,3 +128,25 @@ def test_an_integer_too_large_for_a_float_is_a_refused_setting_not_an_overflow()
             GenerationConfig(**{field: 10**400})
     with pytest.raises(InvalidSettingError, match="logit_bias"):
         GenerationConfig(logit_bias=((5, 10**400),))
+
+
+def test_logprob_token_texts_keep_a_sentencepiece_words_leading_space():
+    """Llama/Mistral tokenizers mark a word's space with U+2581 and decoding one token alone drops it:
+    each token's text and bytes keep it, so the tokens join up to the answer (its very first space
+    aside, which the tokenizer strips from the start of any text)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from blend.logprobs import TokenLogprob
+    from blend.serve.protocol import Endpoint, LogprobFormat
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\u2581": 3, "\u2581Paris": 4, "\u2581is": 5, "\u2581big": 6, "<0xE2>": 7}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    entries = tuple(TokenLogprob(t, -0.1) for t in (4, 5, 6, 7))
+    comp = LogprobFormat(Endpoint.COMPLETIONS, tok, True).format(entries)
+    assert comp["tokens"] == [" Paris", " is", " big", "\ufffd"] and comp["text_offset"] == [0, 6, 9, 13]
+    chat = LogprobFormat(Endpoint.CHAT, tok, True).format(entries)
+    assert [bytes(e["bytes"]) for e in chat["content"]] == [b" Paris", b" is", b" big", b"\xe2"]

@@ -190,9 +190,15 @@ def test_penalties_and_logit_bias_are_the_python_apis(srv, client):
     assert got == ref.token_ids and banned not in got
     nulls = post(srv, chat(max_tokens=8, presence_penalty=None, frequency_penalty=None, logit_bias=None,
                            logprobs=None, top_logprobs=None, tools=None, response_format=None, n=None,
-                           stream=None, seed=None, stop=None, user=None))
+                           stream=None, seed=None, stop=None, user=None, ignore_eos=None,
+                           stream_options=None))
     assert nulls.status_code == 200, nulls.text  # OpenAI's optional fields sent as null: their defaults
     assert nulls.json()["kvblend"]["answer_token_ids"] == plain.token_ids
+    streamed = post(srv, chat(max_tokens=8, stream=True, stream_options={"include_usage": None}))
+    assert streamed.status_code == 200, streamed.text
+    comp = post(srv, {"model": TINY, "prompt": "which river?", "max_tokens": 2, "echo": None, "ignore_eos": None},
+                path="/v1/completions")
+    assert comp.status_code == 200, comp.text
     assert r.model_extra["kvblend"]["logits_sha256"] == plain.logits_sha256()  # the model's logits: unchanged
 
 

@@ -125,7 +125,7 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
             max_tokens=asked or min(limits.default_max_tokens, limits.max_tokens),
             temperature=cfg.default_temperature if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
-            stop=stop_strings(body.stop), stop_at_newline=opts.stop_at_newline, ignore_eos=body.ignore_eos,
+            stop=stop_strings(body.stop), stop_at_newline=opts.stop_at_newline, ignore_eos=bool(body.ignore_eos),
             logprobs=logprobs, presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=logit_bias,

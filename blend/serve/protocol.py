@@ -111,7 +111,9 @@ class LogprobFormat:
         self._offset = 0  # characters of the answer's tokens formatted so far (completions' text_offset)
 
     def _text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        # its own bytes as text: a SentencePiece word's leading space kept (decoding it alone drops it), a
+        # piece of a multi-byte character U+FFFD
+        return token_bytes(self.tokenizer, token_id).decode("utf-8", errors="replace")
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict:
         return {"token": self._text(token_id), "logprob": logprob,

@@ -67,7 +67,7 @@ class KvblendOptions(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: StrictBool = False
+    include_usage: StrictBool | None = False
 
 
 class TextPart(BaseModel):
@@ -156,7 +156,7 @@ class _Common(BaseModel):
     functions: list | None = None  # refused when non-empty (OpenAI's older tools)
     tool_choice: Union[str, dict, None] = None  # refused unless "none" or unset
     response_format: dict | None = None  # refused unless {"type": "text"}: no constrained decoding
-    ignore_eos: StrictBool = False  # vLLM's extension: fixed-length answers (benchmarks)
+    ignore_eos: StrictBool | None = False  # vLLM's extension: fixed-length answers (benchmarks)
 
     @field_validator("documents")
     @classmethod
@@ -280,7 +280,7 @@ class CompletionRequest(_Common):
 
     prompt: Union[str, list[str]]
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
-    echo: StrictBool = False  # refused when true: the prompt is kvblend's layout, not the client's text
+    echo: StrictBool | None = False  # refused when true: the prompt is kvblend's layout, not the client's text
     best_of: int | None = None  # refused above 1 (n = 1)
     suffix: str | None = None  # refused when set: no insertion
 
