@@ -56,7 +56,8 @@ SHINGLE = 5  # token ids per shingle
 COMPACT_MIN_LINES = 64  # a log is compacted at attach when it has this many lines and over half are dead
 NUM_HASHES = 128  # MinHash signature length: std. error of the estimate ~ sqrt(J(1-J)/128) <= 0.045
 MINHASH_BLOCK = 4096  # shingles hashed at once: bounds minhash's working set to (H, 4096) uint64 = 4 MiB
-MAX_TOKEN_ID = (1 << 63) - 1
+MAX_TOKEN_ID = (1 << 32) - 1  # store keys hash token ids as uint32 (keys.token_digest)
+MAX_DONOR_TOKENS = 1 << 18  # tokens of one donor: a longer record is refused before any work on it
 MAX_SAVED_BYTES = 1 << 30  # the largest saved index DonorIndex.load reads
 _SEED_BASE = 0x6B76626C656E6421  # b"kvblend!": the fixed seed of the hash family
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -183,6 +184,8 @@ def _donor_from_row(r: Any) -> Donor:
     if not isinstance(r, dict) or set(r) != {"key", "preamble", "tokens"}:
         raise DonorRecordError("a registration is an object with key, preamble and tokens")
     tokens = r["tokens"]
+    if isinstance(tokens, list) and len(tokens) > MAX_DONOR_TOKENS:
+        raise DonorRecordError(f"a donor holds at most {MAX_DONOR_TOKENS} tokens")
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):
         raise DonorRecordError(f"tokens must be a list of whole numbers in [0, {MAX_TOKEN_ID}]")
     key, pre = _digest32(r["key"], "key"), _digest32(r["preamble"], "preamble")

@@ -465,3 +465,23 @@ def test_a_log_of_mostly_dead_lines_is_compacted_on_attach(tmp_path):
     small.remove(churn)
     DonorIndex().attach_log([DiskStore(tmp_path / "s")], "donors-t")
     assert len(DiskStore(tmp_path / "s").read_records("donors-t")) == 2
+
+
+def test_a_donor_line_with_a_token_id_past_uint32_is_skipped_and_semantic_reuse_goes_on(tmp_path):
+    """Store keys hash token ids as uint32: such a line passed the parser, then the canonical-key check
+    raised OverflowError out of the index's first use, and again at every later request."""
+    import json as _json
+
+    from blend.donors import MAX_DONOR_TOKENS, DonorRecordError, parse_record
+    from blend.semantic import Donors, donor_log_name
+    from blend.store.disk import DiskStore
+    prov = _json.dumps({"model": "x"})
+    store = DiskStore(tmp_path / "s", fsync=False)
+    line = _json.dumps({"key": "00" * 32, "preamble": "11" * 32, "tokens": [1, 2, 2**32]}).encode()
+    with pytest.raises(DonorRecordError):
+        parse_record(line)
+    store.append_record(donor_log_name(prov), line)
+    assert len(Donors(store, prov, enabled=True).index) == 0
+    too_long = _json.dumps({"key": "00" * 32, "preamble": "11" * 32, "tokens": [1] * (MAX_DONOR_TOKENS + 1)}).encode()
+    with pytest.raises(DonorRecordError, match="at most"):
+        parse_record(too_long)
