@@ -301,12 +301,27 @@ class VectorIndex:
             return None  # damaged, or saved by a build that wrote no digest: never parsed
         try:
             index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
-        except RuntimeError:
+            if not _is_kind(index, built):  # another index type under this kind's name: rebuilt
+                return None
+        except (RuntimeError, MemoryError, AttributeError):  # faiss's refusals; a size claim too large to allocate
             return None
         if index.ntotal != self.ntotal or index.d != dim:
             return None
         self._built_kind = built
         return index
+
+
+def _is_kind(index: faiss.Index, kind: IndexKind) -> bool:
+    """Whether a deserialized index is what :meth:`VectorIndex._build` makes for ``kind`` (inner product)."""
+    index = faiss.downcast_index(index)
+    if index.metric_type != faiss.METRIC_INNER_PRODUCT:
+        return False
+    if kind is IndexKind.IVF:
+        return isinstance(index, faiss.IndexIVFFlat)
+    if not isinstance(index, faiss.IndexIDMap2):
+        return False
+    inner = faiss.downcast_index(index.index)
+    return isinstance(inner, faiss.IndexHNSWFlat if kind is IndexKind.HNSW else faiss.IndexFlatIP)
 
 
 def load_npy(path: Path, dtype: np.dtype, shape: tuple[int | None, ...]) -> np.ndarray:

@@ -26,7 +26,8 @@ from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.index import MAX_DIM, MAX_INDEX_FILE_BYTES, IndexKind
 
 FORMAT_VERSION = 1
-GENERATION = re.compile(r"gen-[0-9]{6,9}")  # the only names CURRENT may hold
+GENERATION = re.compile(r"gen-[0-9]{6,18}")  # the only names CURRENT may hold (commits count up from gen-000001)
+MAX_SLOT = 1 << 62  # chunk slots are faiss vector ids (int64): a manifest's next slot stays well inside them
 
 
 @dataclass(frozen=True)
@@ -191,8 +192,8 @@ def _manifest(d: Any, path: Path) -> tuple[dict[str, FileEntry], int]:
     """(files, next slot) of ``files.json``."""
     if not isinstance(d, dict) or set(d) != {"next_slot", "files"}:
         raise _bad(path, "the manifest must be an object with next_slot and files")
-    if not _is_count(d["next_slot"]) or not isinstance(d["files"], dict):
-        raise _bad(path, "next_slot must be a whole number and files an object")
+    if not _is_count(d["next_slot"]) or d["next_slot"] > MAX_SLOT or not isinstance(d["files"], dict):
+        raise _bad(path, f"next_slot must be a whole number up to {MAX_SLOT} and files an object")
     out: dict[str, FileEntry] = {}
     for p, fe in d["files"].items():
         if (not isinstance(fe, dict) or set(fe) != {"sha256", "signature", "chunks"} or not isinstance(fe["sha256"], str)

@@ -177,6 +177,9 @@ DAMAGE: dict[str, tuple[str, Callable[[Path], Any]]] = {
         "files.json", lambda ix: {**_files(ix), "files": {p: {**fe, "chunks": [["x", 1]]} for p, fe in _files(ix)["files"].items()}}),
     "files_json_next_slot_is_text": ("files.json", lambda ix: {**_files(ix), "next_slot": "3"}),
     "files_json_next_slot_reuses_a_slot": ("files.json", lambda ix: {**_files(ix), "next_slot": 0}),
+    # past int64 faiss ids: the next ingest overflowed after recording a chunk, and its commit left an index
+    # that never opened again
+    "files_json_next_slot_past_the_ids": ("files.json", lambda ix: {**_files(ix), "next_slot": 2**63}),
     "files_json_is_a_list": ("files.json", lambda ix: [1, 2]),
     "files_json_garbage": ("files.json", lambda ix: b"\xff\xfe{garbage"),
     "files_json_deeply_nested": ("files.json", lambda ix: b"[" * 100_000 + b"]" * 100_000),
@@ -293,3 +296,34 @@ def test_vector_index_load_checks_the_digest(tmp_path: Path) -> None:
     (tmp_path / "faiss.index").write_bytes((tmp_path / "faiss.index").read_bytes() + b"\0")
     again = VectorIndex.load(tmp_path, 4, IndexKind.EXACT)
     assert not again.faiss_loaded and again.search(np.eye(1, 4, dtype=np.float32), 1)[1].tolist() == [[0]]
+
+
+def test_a_faiss_file_of_another_index_type_under_a_matching_digest_is_rebuilt(tmp_path: Path) -> None:
+    """The digest beside the file only detects damage: whoever writes the folder can write both. A flat
+    index saved under "hnsw" opened, then search raised AttributeError; it is now rebuilt."""
+    import hashlib
+
+    import faiss
+    vecs = np.eye(3, 4, dtype=np.float32)  # (3, 4)
+    vi = VectorIndex(4, IndexKind.HNSW)
+    vi.add(np.arange(3, dtype=np.int64), vecs)
+    vi.save(tmp_path)
+    flat = faiss.IndexIDMap2(faiss.IndexFlatIP(4))
+    flat.add_with_ids(vecs, np.arange(3, dtype=np.int64))
+    data = faiss.serialize_index(flat).tobytes()
+    (tmp_path / "faiss.index").write_bytes(data)
+    (tmp_path / "faiss.kind").write_text(f"hnsw {hashlib.sha256(data).hexdigest()}")
+    again = VectorIndex.load(tmp_path, 4, IndexKind.HNSW)
+    assert not again.faiss_loaded and again.search(np.eye(1, 4, dtype=np.float32), 1)[1].tolist() == [[0]]
+
+
+def test_a_commit_after_generation_999999_999_opens_again(index: Path) -> None:
+    """The writer counts up without a digit limit; the reader took 6-9 digits, so the commit after
+    gen-999999999 wrote a generation its own reader refused."""
+    gen = _gen(index)
+    gen.rename(index / "gen-999999999")
+    (index / "CURRENT").write_text("gen-999999999")
+    cat = Catalog.open(index)
+    cat.commit()
+    assert (index / "CURRENT").read_text().strip() == "gen-1000000000"
+    Catalog.open(index)
