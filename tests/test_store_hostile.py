@@ -471,3 +471,21 @@ def test_disk_contains_on_an_unreadable_folder_is_a_miss_not_an_error(tmp_path: 
 
     monkeypatch.setattr(Path, "is_file", unreadable)
     assert store.contains(NS, key_for(PROV, 0)) is False
+
+
+def test_a_symlinked_logs_folder_is_never_written_read_or_cleared(tmp_path: Path) -> None:
+    """The entry folders were checked for links out of the store; ``logs`` was not: ``clear`` deleted
+    every file of the folder it pointed at, and appends wrote there."""
+    outside = tmp_path / "home"
+    outside.mkdir()
+    (outside / "thesis.tex").write_text("mine")
+    (outside / "donors-x.jsonl").write_text('{"a": 1}\n')
+    store = DiskStore(tmp_path / "store", fsync=False)
+    (tmp_path / "store").mkdir(exist_ok=True)
+    (tmp_path / "store" / "logs").symlink_to(outside)
+    store.append_record("donors-x", b'{"b": 2}')
+    assert store.read_records("donors-x") == []
+    assert not store.rewrite_records("donors-x", [b'{"a": 1}'], [])
+    store.clear()
+    assert sorted(p.name for p in outside.iterdir()) == ["donors-x.jsonl", "thesis.tex"]
+    assert (outside / "donors-x.jsonl").read_text() == '{"a": 1}\n'

@@ -36,18 +36,32 @@ class DiskRecordLogs:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
+    def _own_folder(self) -> bool:
+        """Whether the folder is the store's own: not a symlink, resolving inside its parent (the store's
+        root). A symlinked ``logs`` would have appends write, and ``clear`` delete, files elsewhere."""
+        if self.folder.is_symlink():
+            return False
+        parent = os.path.realpath(self.folder.parent)
+        return os.path.commonpath([parent, os.path.realpath(self.folder)]) == parent
+
     def path(self, name: str) -> Path:
-        """The file of the log ``name`` (a plain name: no slash, no leading dot)."""
+        """The file of the log ``name`` (a plain name: no slash, no leading dot).
+
+        Raises:
+            ValueError: a bad name; safeio.UnsafeFileError (an OSError) when the folder leads outside the store.
+        """
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"bad log name {name!r}")
+        if not self._own_folder():
+            raise safeio.UnsafeFileError(f"{self.folder} leads outside the store")
         return self.folder / f"{name}.jsonl"
 
     def append(self, name: str, line: bytes) -> None:
         """Append one record (no newline inside) under a shared lock."""
         if b"\n" in line:
             raise ValueError("a record must not contain a newline")
-        path = self.path(name)
         try:
+            path = self.path(name)
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = _open_current(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, fcntl.LOCK_SH)
             try:
@@ -59,7 +73,7 @@ class DiskRecordLogs:
             finally:
                 os.close(fd)  # releases the lock
         except OSError as e:  # safeio.UnsafeFileError too
-            log.warning("disk store: cannot append to %s: %s", path, e)
+            log.warning("disk store: cannot append to log %s: %s", name, e)
 
     def rewrite(self, name: str, expected: list[bytes], lines: list[bytes]) -> bool:
         """Replace the log with ``lines`` if it still holds exactly ``expected``.
@@ -69,13 +83,13 @@ class DiskRecordLogs:
         """
         if any(b"\n" in ln for ln in lines):
             raise ValueError("a record must not contain a newline")
-        path = self.path(name)
         try:
+            path = self.path(name)
             fd = _open_current(path, os.O_RDWR, fcntl.LOCK_EX)
         except FileNotFoundError:
             return False
         except OSError as e:
-            log.warning("disk store: cannot lock log %s: %s", path, e)
+            log.warning("disk store: cannot lock log %s: %s", name, e)
             return False
         try:
             size = os.fstat(fd).st_size
@@ -106,6 +120,10 @@ class DiskRecordLogs:
 
     def clear(self) -> None:
         """Remove every log (and a compaction's temp file left by a crash)."""
+        if not self.folder.is_dir() or not self._own_folder():
+            if self.folder.is_symlink():
+                log.warning("disk store: not clearing %s: it leads outside the store", self.folder)
+            return
         for p in self.folder.glob("*"):
             try:
                 p.unlink()
