@@ -53,7 +53,7 @@ class DiskRecordLogs:
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"bad log name {name!r}")
         if not self._own_folder():
-            raise safeio.UnsafeFileError(f"{self.folder} leads outside the store")
+            raise safeio.UnsafeFileError(f"{self.folder} leads outside the store", self.folder)
         return self.folder / f"{name}.jsonl"
 
     def append(self, name: str, line: bytes) -> None:
