@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from blend import safeio
 from blend.evals import metrics as M
 from blend.evals.aggregate import aggregate
 from blend.evals.data import Item
@@ -47,6 +48,7 @@ from blend.progress import Progress
 
 ROWS_FILE = "rows.jsonl"
 RUN_FILE = "run.json"
+MAX_RUN_FILE_BYTES = 1 << 20  # a run.json larger than this is not a run's settings
 SCHEMA_VERSION = 1
 
 # Config fields that may differ between an interrupted run and its --resume
@@ -272,16 +274,31 @@ def _release(answer: Any) -> None:
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
-    rows = []
+    """The rows of ``rows.jsonl``; a last line cut short by an interruption is dropped (that item is redone).
+
+    Raises:
+        ResumeError: any other line that is not a row (dropping it, and the file rewritten without it,
+            would lose it).
+    """
     if not path.exists():
-        return rows
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
+        return []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ResumeError(f"--resume: cannot read {path} ({type(e).__name__}); start a fresh --out") from None
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    rows = []
+    for n, line in enumerate(lines):
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line cut short by the interruption: that item is redone
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            if n == len(lines) - 1 and not text.endswith("\n"):
+                break  # torn by the interruption: the last write never finished
+            raise ResumeError(f"--resume: line {n + 1} of {path} is not a row (not JSON); "
+                              "repair or remove it, or start a fresh --out") from None
+        if not isinstance(row, dict):
+            raise ResumeError(f"--resume: line {n + 1} of {path} is not a row (not an object)")
+        rows.append(row)
     return rows
 
 
@@ -318,43 +335,58 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
     run_path, rows_path = out / RUN_FILE, out / ROWS_FILE
     done: dict[int, dict[str, Any]] = {}
     if resume and run_path.exists():
-        old = json.loads(run_path.read_text(encoding="utf-8"))
-        # fields free to differ are ignored on both sides (folders written before a field became free)
-        old_id = {k: v for k, v in old.get("identity", {}).items() if k not in _RESUME_FREE}
-        if old_id != config.identity():
-            diff = sorted(
-                k for k in set(old_id) | set(config.identity()) if old_id.get(k) != config.identity().get(k)
-            )
-            raise ResumeError(f"--resume: {out} was written with different settings ({', '.join(diff)})")
-        outside = set()
-        for row in _read_rows(rows_path):
-            i = int(row["index"])
-            if not first_index <= i < first_index + len(items):
-                outside.add(i)
-                continue
-            it = items[i - first_index]
-            if row.get("id") != it.id or row.get("question") != it.question:
-                raise ResumeError(f"--resume: item {i} in {rows_path} does not match the data (id {row.get('id')!r})")
-            if "item_sha256" in row and row["item_sha256"] != item_digest(it):  # rows from before the field: unchecked
-                raise ResumeError(f"--resume: item {i} in {rows_path} was computed on other passages or answers "
-                                  "than the data now holds (start a fresh --out)")
-            done[i] = row  # a later line for the same item (methods added) supersedes an earlier one
-        if outside:  # rewriting the file below without them would lose them
-            raise ResumeError(f"--resume: {rows_path} holds items outside this run's range "
-                              f"({_ranges(sorted(outside))}); resume with a range that covers them, "
-                              "or use another --out")
-        dropped = sorted({n for r in done.values() for n in r["methods"]} - set(config.methods))
-        if dropped:
-            raise ResumeError(f"--resume: {out} holds methods this run does not list ({', '.join(dropped)}); "
-                              "a resumed run may add methods, not drop them")
+        try:
+            done = _resumed_rows(out, config, items, first_index)
+        except ResumeError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
+            raise ResumeError(f"--resume: {out} holds a damaged {RUN_FILE} or {ROWS_FILE} "
+                              f"({type(e).__name__}: {str(e)[:80]}); start a fresh --out") from None
         # Rewrite without a cut-off last line, so appends start on a fresh line.
-        rows_path.write_text("".join(json.dumps(done[i]) + "\n" for i in sorted(done)), encoding="utf-8")
+        safeio.atomic_write_bytes(rows_path, "".join(json.dumps(done[i]) + "\n" for i in sorted(done)).encode())
     else:
         if resume and rows_path.is_file() and rows_path.stat().st_size:  # nothing says what they were run with
             raise ResumeError(f"--resume: {out} holds {ROWS_FILE} but no {RUN_FILE} (its settings); "
                               "move the rows away or start a fresh --out")
         rows_path.write_text("", encoding="utf-8")
-    run_path.write_text(json.dumps({"identity": config.identity()}, indent=1) + "\n", encoding="utf-8")
+    safeio.atomic_write_bytes(run_path, (json.dumps({"identity": config.identity()}, indent=1) + "\n").encode())
+    return done
+
+
+def _resumed_rows(out: Path, config: EvalConfig, items: Sequence[Item], first_index: int) -> dict[int, dict[str, Any]]:
+    """The rows a resumed run keeps (see :func:`prepare_out`); a malformed field raises whatever parsing it
+    raised (the caller names the damage)."""
+    run_path, rows_path = out / RUN_FILE, out / ROWS_FILE
+    done: dict[int, dict[str, Any]] = {}
+    old = json.loads(safeio.read_regular(run_path, MAX_RUN_FILE_BYTES).decode("utf-8"))
+    # fields free to differ are ignored on both sides (folders written before a field became free)
+    old_id = {k: v for k, v in old.get("identity", {}).items() if k not in _RESUME_FREE}
+    if old_id != config.identity():
+        diff = sorted(
+            k for k in set(old_id) | set(config.identity()) if old_id.get(k) != config.identity().get(k)
+        )
+        raise ResumeError(f"--resume: {out} was written with different settings ({', '.join(diff)})")
+    outside = set()
+    for row in _read_rows(rows_path):
+        i = int(row["index"])
+        if not first_index <= i < first_index + len(items):
+            outside.add(i)
+            continue
+        it = items[i - first_index]
+        if row.get("id") != it.id or row.get("question") != it.question:
+            raise ResumeError(f"--resume: item {i} in {rows_path} does not match the data (id {row.get('id')!r})")
+        if "item_sha256" in row and row["item_sha256"] != item_digest(it):  # rows from before the field: unchecked
+            raise ResumeError(f"--resume: item {i} in {rows_path} was computed on other passages or answers "
+                              "than the data now holds (start a fresh --out)")
+        done[i] = row  # a later line for the same item (methods added) supersedes an earlier one
+    if outside:  # rewriting the file below without them would lose them
+        raise ResumeError(f"--resume: {rows_path} holds items outside this run's range "
+                          f"({_ranges(sorted(outside))}); resume with a range that covers them, "
+                          "or use another --out")
+    dropped = sorted({n for r in done.values() for n in r["methods"]} - set(config.methods))
+    if dropped:
+        raise ResumeError(f"--resume: {out} holds methods this run does not list ({', '.join(dropped)}); "
+                          "a resumed run may add methods, not drop them")
     return done
 
 

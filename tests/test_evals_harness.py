@@ -255,6 +255,22 @@ def test_resume_of_rows_without_their_run_file_is_refused_not_emptied(tmp_path, 
     assert "no run.json" in capsys.readouterr().err and (tmp_path / "r" / "rows.jsonl").read_text() == rows
 
 
+def test_resume_over_a_damaged_middle_row_or_run_file_is_refused_and_keeps_every_row(tmp_path, capsys):
+    """Only a torn last line is dropped: a bad line before other rows dropped every row after it, and the
+    rewrite then lost them. A damaged run.json raised JSONDecodeError (a traceback), not ResumeError."""
+    assert run_eval(_args(tmp_path, out="r"), _fake_factory([]), policy_of=lambda m: m) == 0
+    rows_path = tmp_path / "r" / "rows.jsonl"
+    lines = rows_path.read_text().splitlines()
+    damaged = "\n".join([lines[0], '{"index": 1, "id"', *lines[1:]]) + "\n"
+    rows_path.write_text(damaged)
+    assert run_eval(_args(tmp_path, "--resume", out="r"), _fake_factory([]), policy_of=lambda m: m) == 2
+    assert "line 2" in capsys.readouterr().err and rows_path.read_text() == damaged
+    rows_path.write_text("\n".join(lines) + "\n")
+    (tmp_path / "r" / "run.json").write_text('{"identity": {"data"')
+    assert run_eval(_args(tmp_path, "--resume", out="r"), _fake_factory([]), policy_of=lambda m: m) == 2
+    assert "damaged run.json" in capsys.readouterr().err
+
+
 def test_bad_inputs_fail_with_named_item(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"ctxs": [{"title": "", "text": "t"}], "question": "q", "answers": ["a"]},
