@@ -489,3 +489,23 @@ def test_a_symlinked_logs_folder_is_never_written_read_or_cleared(tmp_path: Path
     store.clear()
     assert sorted(p.name for p in outside.iterdir()) == ["donors-x.jsonl", "thesis.tex"]
     assert (outside / "donors-x.jsonl").read_text() == '{"a": 1}\n'
+
+
+def test_store_ls_escapes_a_stored_model_name(tmp_path: Path) -> None:
+    """The listing prints a field of the stored bytes: a lone surrogate crashed it (UnicodeEncodeError),
+    and escape sequences went to the terminal as they were."""
+    import torch
+
+    from blend.keys import Namespace, StoreKey
+    from blend.kvcache import KVEntry
+    store = DiskStore(tmp_path / "s", fsync=False)
+    k = torch.zeros(1, 1, 1, 2)
+    for i, arch in enumerate(["\ud800", "\x1b]0;pwned\x07\x1b[31mRED", "LlamaForCausalLM"]):
+        store.put(Namespace.CANONICAL, StoreKey(bytes([i + 1]) * 32), KVEntry(k, k.clone(), json.dumps({"model_arch": arch})))
+    parser = argparse.ArgumentParser()
+    add_store_commands(parser.add_subparsers(dest="command"))
+    out = io.StringIO()
+    assert run_store_command(parser.parse_args(["store", "ls", "--store", f"disk:{tmp_path / 's'}"]), out) == 0
+    text = out.getvalue()
+    text.encode("utf-8")  # no lone surrogate
+    assert "\x1b" not in text and "\\ud800" in text and "\\x1b" in text and "LlamaForCausalLM" in text

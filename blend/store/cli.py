@@ -140,7 +140,10 @@ def _model_of(provenance: str) -> str:
     except (ValueError, RecursionError):
         return "?"
     arch = prov.get("model_arch") if isinstance(prov, dict) else None
-    return arch if isinstance(arch, str) else "?"
+    if not isinstance(arch, str):
+        return "?"
+    # stored bytes, shown on a terminal: control characters (escape sequences) and lone surrogates escaped
+    return arch if arch.isprintable() and arch.isascii() else ascii(arch)[1:-1]
 
 
 def _ls(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
