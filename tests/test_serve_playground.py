@@ -79,8 +79,10 @@ def test_playground_streams_an_answer_and_highlights_recomputed_tokens(one_torch
         history_shown = page.inner_text("#history")
         page.fill("#question", FOLLOW_UP)
         page.click("#ask")
+        in_flight = page.is_disabled("#new-conversation")  # the answer joins the conversation it was asked in
         page.wait_for_selector("body[data-done='1']", timeout=60_000)
         assert page.inner_text("#error") == ""
+        assert in_flight and page.is_enabled("#new-conversation")
         follow_answer = page.text_content("#answer")
         follow_stats = page.inner_text("#stats")
         page.click("#new-conversation")
@@ -119,6 +121,8 @@ def test_playground_shows_errors_and_non_ascii_documents_as_written(one_torch_th
         for i, doc in enumerate(NON_ASCII_DOCS):
             texts.nth(i).fill(doc)
         page.fill("#question", "Qui tient le phare ?")
+        page.click("#docs-label")  # a heading's text is not the button beside it (a wrapping label made it one)
+        assert texts.count() == len(NON_ASCII_DOCS)
         page.fill("#max-tokens", "0")  # a 400 naming max_tokens
         page.click("#ask")
         page.wait_for_selector("body[data-done='1']", timeout=60_000)
