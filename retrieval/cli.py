@@ -112,7 +112,7 @@ def _ingest(args: argparse.Namespace) -> int:
     )
     print_issues(summary.issues)
     print(f"ingest: {summary.format()}")
-    return 1 if summary.issues else 0
+    return 1 if summary.issues or summary.kv_unsaved else 0
 
 
 def ask_over_index(args: argparse.Namespace) -> int:

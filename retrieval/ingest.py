@@ -58,6 +58,8 @@ class IngestSummary:
             again), removed with their chunks.
         kv_checked: chunks already in the index whose KV this run made sure of again, because the
             engine's KV signature differs from the one the index recorded (or ``refresh_kv``).
+        kv_unsaved: chunks whose KV did not reach the store (its writes failed: see the log); the index
+            then does not record the engine's KV signature, so the next run writes them again.
         issues: problems found, each naming its file and line.
         removed_ids: ids of the removed chunks.
     """
@@ -79,6 +81,7 @@ class IngestSummary:
     removed_ids: tuple[str, ...] = field(default_factory=tuple)
     kv_checked: int = 0
     files_removed: int = 0
+    kv_unsaved: int = 0
 
     def format(self) -> str:
         """A short human summary (issues are listed by the caller)."""
@@ -87,6 +90,8 @@ class IngestSummary:
             tail += f"; {self.files_removed} deleted files removed"
         if self.kv_checked:
             tail += f"; KV of {self.kv_checked} indexed chunks checked for the current engine"
+        if self.kv_unsaved:
+            tail += f"; KV of {self.kv_unsaved} chunks NOT stored (the store's writes failed; run again)"
         return (
             f"{self.files_seen} files: {self.files_ingested} ingested, {self.files_unchanged} unchanged, "
             f"{self.files_failed} failed; {self.chunks_added} chunks added, {self.chunks_removed} removed, "
@@ -268,7 +273,8 @@ def ingest(
             checked, written = _refresh_kv(cat, kv_writer, skip=added_ids, batch=kv_batch, progress=progress,
                                            stream=stream)
             stats["kv"] += written
-            if kv_signature is not None:
+            if kv_signature is not None and not getattr(kv_writer, "unsaved", 0):
+                # recorded only once every chunk's KV is in the store: otherwise the next run tries again
                 cat.record_kv_signature(kv_signature)
             cat.commit()
         collected = 0
@@ -293,6 +299,7 @@ def ingest(
             issues=tuple(issues),
             removed_ids=tuple(removed_all),
             kv_checked=checked,
+            kv_unsaved=int(getattr(kv_writer, "unsaved", 0)),
         )
     finally:
         lock.release()

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from blend.defaults import DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_TOP_K
-from blend.keys import Namespace, key_hex
+from blend.keys import Namespace, StoreKey, key_hex
 from blend.options import load_engine
-from blend.prompt import document_text, preamble_segment, tokenize_segment
+from blend.prompt import Segment, document_text, preamble_segment, tokenize_segment
 from blend.retrieval.catalog import Catalog
 from blend.retrieval.chunker import chunk_id
 from blend.retrieval.corpus import RetrievalError
@@ -151,17 +151,45 @@ def order_documents(docs: Sequence[Retrieved]) -> list[Retrieved]:
     return sorted(docs, key=lambda d: (-(d.score if not math.isnan(d.score) else -math.inf), d.chunk_id))
 
 
-def engine_kv_writer(engine: "Engine", system: str | None = None) -> Callable[[list[str]], int]:
-    """A ``kv_writer`` for :func:`~blend.retrieval.ingest.ingest` backed by an engine.
+class EngineKVWriter:
+    """A ``kv_writer`` for :func:`~blend.retrieval.ingest.ingest` backed by an engine: texts -> bytes of
+    KV written. A store write that fails is logged, never raised (the store is a cache), so after each
+    batch it checks that every chunk's entry reached the store's last (most persistent) tier and counts
+    those that did not in ``unsaved`` (an index must not record KV it does not have).
+
+    Args:
+        engine: the engine whose store receives canonical chunk KV.
+        system: the system prompt the chunks will be asked under.
+    """
+
+    def __init__(self, engine: "Engine", system: str | None = None) -> None:
+        self.engine, self.system = engine, system
+        self.unsaved = 0  # chunks whose KV is not in the store's last tier after their batch
+
+    def __call__(self, texts: list[str]) -> int:
+        written = int(self.engine.precompute_chunks(list(texts), system=self.system))  # flushed on return
+        last = list(getattr(self.engine.store, "tiers", [self.engine.store]))[-1]
+        preamble = preamble_segment(self.engine.tokenizer, self.system)
+        self.unsaved += sum(not last.contains(Namespace.CANONICAL, _chunk_key(self.engine, preamble, t)) for t in texts)
+        return written
+
+
+def engine_kv_writer(engine: "Engine", system: str | None = None) -> EngineKVWriter:
+    """A ``kv_writer`` for :func:`~blend.retrieval.ingest.ingest` backed by an engine (:class:`EngineKVWriter`).
 
     Args:
         engine: the engine whose store receives canonical chunk KV.
         system: the system prompt the chunks will be asked under.
 
     Returns:
-        texts -> bytes of KV written.
+        texts -> bytes of KV written; its ``unsaved`` counts chunks whose KV did not reach the store.
     """
-    return lambda texts: int(engine.precompute_chunks(list(texts), system=system))
+    return EngineKVWriter(engine, system)
+
+
+def _chunk_key(engine: "Engine", preamble: Segment, text: str) -> StoreKey:
+    """The canonical key :meth:`Engine.precompute_chunks` stores a chunk's KV under."""
+    return engine.segments.canonical_key(preamble.token_ids, tokenize_segment(engine.tokenizer, document_text(text)))
 
 
 def engine_kv_signature(engine: "Engine", system: str | None = None) -> str:
@@ -201,8 +229,7 @@ def engine_kv_deleter(engine: "Engine", system: str | None = None) -> Callable[[
     preamble = preamble_segment(engine.tokenizer, system)
 
     def delete(_cid: str, text: str) -> bool:
-        ids = tokenize_segment(engine.tokenizer, document_text(text))
-        key = engine.segments.canonical_key(preamble.token_ids, ids)
+        key = _chunk_key(engine, preamble, text)
         engine.store.delete(Namespace.CANONICAL, key)
         engine.segments.donors.forget(key)
         return not engine.store.contains(Namespace.CANONICAL, key)

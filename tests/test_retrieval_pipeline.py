@@ -129,6 +129,35 @@ def test_engine_with_other_provenance_gets_every_chunk_kv_on_reingest(index, eng
     assert Catalog.open(idx).meta.kv_signature == engine_kv_signature(other)
 
 
+def test_an_ingest_whose_kv_writes_fail_says_so_and_records_no_kv_signature(tmp_path) -> None:
+    """A failed store write is logged, not raised: ingest reported the bytes as written, recorded the
+    engine's KV signature, and later runs never wrote the KV again (every ask computed every chunk)."""
+    from blend.store.memory import MemoryStore
+
+    d = tmp_path / "docs"
+    d.mkdir()
+    for k, v in DOCS.items():
+        (d / k).write_text(v)
+    from blend.store.spec import open_store
+    broken = open_store(f"memory,disk:{tmp_path / 'kv'}")
+
+    def refuse(*_a, **_kw):
+        raise OSError("disk full")
+
+    broken.tiers[-1].put = refuse  # the chain logs a tier's failed put and goes on
+    eng = engine_mod.Engine.load("tiny-llama", store=broken)
+    kw = dict(embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=64), stream=io.StringIO())
+    s = ingest([d], tmp_path / "idx", tokenizer=eng.tokenizer, tokenizer_fp=eng.provenance.tokenizer_sha256,
+               kv_writer=engine_kv_writer(eng), kv_signature=engine_kv_signature(eng), **kw)
+    assert s.kv_unsaved == s.chunks_total > 0 and "NOT stored" in s.format()
+    assert Catalog.open(tmp_path / "idx").meta.kv_signature != engine_kv_signature(eng)
+    good = engine_mod.Engine.load("tiny-llama", store=MemoryStore())  # the store works again: written now
+    again = ingest([d], tmp_path / "idx", tokenizer=good.tokenizer, tokenizer_fp=good.provenance.tokenizer_sha256,
+                   kv_writer=engine_kv_writer(good), kv_signature=engine_kv_signature(good), **kw)
+    assert again.kv_unsaved == 0 and again.kv_checked == again.chunks_total and again.kv_bytes > 0
+    assert Catalog.open(tmp_path / "idx").meta.kv_signature == engine_kv_signature(good)
+
+
 def _cli(argv: list[str]) -> argparse.Namespace:
     from blend.cli import build_parser
 
