@@ -109,7 +109,11 @@ def run_check(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--items must be 1 to {len(QUESTIONS)} (calibration prompts), got {args.items}")
     engine = engine_from_args(args)
     result = run_gate(engine, items=args.items, progress=not args.json)
-    record(engine, result, args.items)
+    try:
+        record(engine, result, args.items)
+    except OSError as e:  # the verdict still stands for what it measured: shown, not thrown away
+        print(f"kvblend: warning: could not record the gate's result ({e}); it is shown below but later "
+              "processes will run the gate again", file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

@@ -160,3 +160,12 @@ def test_store_prune_names_an_unreachable_disk_tier_and_exits_3(tmp_path):
     assert proc.returncode == 3 and "unreachable" in proc.stderr and "Traceback" not in proc.stderr
     ok = kvblend("store", "prune", "--max-bytes", "1G", "--store", f"disk:{tmp_path / 'kv'}", home=tmp_path)
     assert ok.returncode == 0
+
+
+def test_check_shows_its_verdict_when_it_cannot_record_it(tmp_path):
+    """The gate runs for minutes on a real model: a home it cannot write to lost the verdict (an error)."""
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    proc = kvblend("check", "--model", "tiny-llama", "--items", "1", home=blocked / "home", check=False)
+    assert "could not record" in proc.stderr and "blend gate for tiny-llama" in proc.stdout
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr
