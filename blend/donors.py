@@ -157,6 +157,11 @@ def _record(row: dict) -> bytes:
     return json.dumps(row, separators=(",", ":")).encode()
 
 
+def removal_record(key: StoreKey) -> bytes:
+    """The donor-log line that removes ``key``."""
+    return _record(_removal_row(key))
+
+
 def _removal_row(key: StoreKey) -> dict:
     """The record that forgets a donor (replayed in order with the registrations)."""
     return {"remove": bytes(key).hex()}

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from blend.donors import Donor, DonorIndex
+from blend.donors import Donor, DonorIndex, RecordLog, removal_record
 from blend.keys import Namespace, StoreKey, canonical_key_of, key_hex, provenance_digest, token_digest
 from blend.kvcache import KVEntry
 from blend.store.base import KVStore, LookupStatus
@@ -149,6 +149,7 @@ class Donors:
         self.log_name = donor_log_name(provenance_json)
         self._index: DonorIndex | None = None
         self._first_use = threading.Lock()
+        self._logs_holding: list[RecordLog] | None = None  # disabled: the tiers whose donor log has lines
 
     @property
     def index(self) -> DonorIndex:
@@ -188,10 +189,21 @@ class Donors:
     def forget(self, key: StoreKey) -> bool:
         """Stop offering a chunk as a donor (its KV was deleted on purpose, e.g. its document was).
 
+        On an engine without semantic reuse (``kvblend ingest`` deleting a file's chunks) nothing is
+        loaded: a removal record still goes to the persistent tiers' donor log where one exists, so
+        the processes that do enable semantic reuse stop offering the chunk too.
+
         Returns:
-            True if it was registered (a removal record is appended to the log).
+            True if it was registered here (a removal record is appended to the log).
         """
-        return self.enabled and self.index.remove(key)
+        if self.enabled:
+            return self.index.remove(key)
+        if self._logs_holding is None:  # read once: an ingest may forget many chunks
+            self._logs_holding = [t for t in getattr(self.store, "tiers", [self.store])
+                                  if isinstance(t, RecordLog) and t.read_records(self.log_name)]
+        for tier in self._logs_holding:
+            tier.append_record(self.log_name, removal_record(key))
+        return False
 
     def donor_kv(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], own_key: StoreKey,
                  unusable: Callable[[KVEntry], str] | None = None) -> DonorKV | None:

@@ -338,3 +338,23 @@ def test_a_deleted_documents_chunks_stop_being_semantic_donors(tmp_path) -> None
     assert run().gc_collected == 1
     assert not eng.store.contains(Namespace.CANONICAL, pump)
     assert pump not in eng.segments.donors.index  # its tokens are no longer offered (nor kept as a live donor)
+
+
+def test_an_ingest_without_semantic_reuse_still_removes_a_deleted_chunks_donor(tmp_path) -> None:
+    """`kvblend ingest` has no --experimental-semantic: its engine's donors are off, and deleting a chunk
+    left its registration live in the donor log beside the store for the processes that enable it."""
+    from blend.keys import canonical_key
+    from blend.prompt import document_text, preamble_segment, tokenize_segment
+    from blend.store.disk import DiskStore
+
+    secret = "The vault code of the northern tower is 7 4 1 9, known only to the keeper of the lantern."
+    semantic = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), experimental_semantic=True,
+                                      quality_gate=False)
+    semantic.precompute_chunks([secret])
+    plain = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), quality_gate=False)
+    assert engine_kv_deleter(plain)("cid", secret)
+    later = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), experimental_semantic=True,
+                                   quality_gate=False)
+    key = canonical_key(later.provenance, preamble_segment(later.tokenizer, None).token_ids,
+                        tokenize_segment(later.tokenizer, document_text(secret)))
+    assert key not in later.segments.donors.index
