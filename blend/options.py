@@ -164,11 +164,10 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
 def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
     """The request's :class:`ReusePolicy` from parsed arguments (missing blend knobs take their defaults)."""
     mode = ReuseMode(getattr(args, "reuse", ReuseMode.EXACT.value))
-    if mode is not ReuseMode.BLEND:  # switches a blend reads: never dropped without a word
-        given = [flag for flag, name in (("--semantic", "semantic"), ("--force-blend", "force_blend"))
-                 if getattr(args, name, False)]
-        if given:
-            raise InvalidPolicyError(f"{' and '.join(given)} only apply with --reuse blend (got --reuse {mode.value})")
+    if mode is not ReuseMode.BLEND and getattr(args, "semantic", False):
+        # semantic reuse is never dropped without a word (the server and ReusePolicy refuse it too);
+        # --force-blend outside a blend forces nothing and is let through
+        raise InvalidPolicyError(f"--semantic only applies with --reuse blend (got --reuse {mode.value})")
     if mode is ReuseMode.NONE:
         return ReusePolicy.none()
     if mode is ReuseMode.EXACT:

@@ -134,8 +134,8 @@ def test_the_printed_report_says_the_blend_ratio_its_gap_and_the_guard(tiny_engi
 @pytest.mark.parametrize("extra, message", [
     (["--reuse", "blend", "--semantic"], "semantic reuse is experimental"),
     (["--reuse", "blend", "--check-layers", "99"], "check layers"),
-    (["--reuse", "exact", "--semantic"], "only apply with --reuse blend"),  # not dropped without a word
-    (["--reuse", "none", "--force-blend"], "only apply with --reuse blend"),
+    (["--reuse", "exact", "--semantic"], "only applies with --reuse blend"),  # not dropped without a word
+    (["--reuse", "none", "--semantic"], "only applies with --reuse blend"),
 ])
 def test_a_request_refused_at_generation_prints_no_half_answer(docs, tmp_path, extra, message):
     """An error raised when generation starts is the only output: stdout holds no dangling 'answer: '."""
