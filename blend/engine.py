@@ -182,11 +182,7 @@ class Engine:
         self.segments = SegmentCache(runner, store if store is not None else MemoryStore(), self.provenance,
                                      self.kv_dtype, config.overlap_loading, config.experimental_semantic)
         self.gate = gate
-        cfg = runner.loaded.model.config
-        eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-        self.eos_ids = {int(e) for e in eos if e is not None}
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            self.eos_ids.add(int(self.tokenizer.eos_token_id))
+        self.eos_ids = _eos_ids(runner.loaded.model, self.tokenizer)
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, store: KVStore | None = None,
@@ -558,3 +554,26 @@ class Engine:
             Bytes of KV written (0 when everything was already stored).
         """
         return self.segments.precompute_chunks(texts, preamble or preamble_segment(self.tokenizer, system), salt)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """The tokens that end an answer: the model config's, its ``generation_config.json``'s (instruct
+    checkpoints list their end-of-turn token there, e.g. Qwen2.5's ``<|im_end|>`` and ``<|endoftext|>``)
+    and the tokenizer's.
+
+    Args:
+        model: the transformers model.
+        tokenizer: its tokenizer.
+
+    Returns:
+        The token ids.
+    """
+    ids: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        for e in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if e is not None:
+                ids.add(int(e))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

@@ -171,3 +171,16 @@ def test_a_logit_bias_on_a_token_outside_the_vocabulary_is_refused(tiny_engine):
         generate(tiny_engine, prompt, config=GenerationConfig(max_tokens=2, logit_bias=((100000, 5.0), (259, 1.0))))
     ok = generate(tiny_engine, prompt, config=GenerationConfig(max_tokens=2, logit_bias=((258, -100.0),)))
     assert 258 not in ok.token_ids
+
+
+def test_the_eos_set_takes_the_generation_configs_end_of_turn_tokens_too():
+    """Instruct checkpoints (Qwen2.5) list their end-of-turn token in generation_config.json, not
+    config.json: without it an answer ran on past <|im_end|> to max_tokens."""
+    from types import SimpleNamespace
+
+    from blend.engine import _eos_ids
+    model = SimpleNamespace(config=SimpleNamespace(eos_token_id=151643),
+                            generation_config=SimpleNamespace(eos_token_id=[151645, 151643]))
+    assert _eos_ids(model, SimpleNamespace(eos_token_id=151643)) == {151643, 151645}
+    bare = SimpleNamespace(config=SimpleNamespace(eos_token_id=None))
+    assert _eos_ids(bare, SimpleNamespace(eos_token_id=2)) == {2}
