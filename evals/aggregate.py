@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import math
+
 import numpy as np
 
 from blend.evals import metrics as M
@@ -35,6 +37,9 @@ def aggregate_method(
     ratios = [p.get("ttft_ratio") for p in per]
     f1 = [p.get("f1") for p in per]
     kl = [p.get("kl") for p in per]
+    # a KL that was inf or NaN is null in the rows (JSON): dropping it would make the method look better,
+    # so then the KL summary is null (shown as such) and the count of such items says why
+    nonfinite = sum(1 for p in per if "kl" in p and (p["kl"] is None or not math.isfinite(p["kl"])))
     out.update(
         # the tail of KL to full prefill: errors are heavy-tailed, so the mean alone hides the worst prompts
         kl_median=M.median(kl),
@@ -57,7 +62,11 @@ def aggregate_method(
         n=len(per),
         threads=sorted({int(p["threads"]) for p in per if p.get("threads") is not None}),
         spec=method.to_dict() if method is not None else None,
+        kl_nonfinite=nonfinite,
     )
+    if nonfinite:
+        for f in ("kl", "kl_median", "kl_p90", "kl_max", "kl_ci", "kl_median_ci"):
+            out[f] = None
     return out
 
 

@@ -173,8 +173,8 @@ def curve(rows: Sequence[dict[str, Any]], guarded: str, off: str, margins: Seque
         One point per margin, in the given order.
 
     Raises:
-        CurveError: no items, a margin outside [0, M], an item lacking a method or its gap, or first
-            passes that differ.
+        CurveError: no items, a margin outside [0, M], an item lacking a method or its gap, first
+            passes that differ, or a KL that is not finite.
     """
     top = guard_margin_of(guarded)
     if not rows:
@@ -186,6 +186,8 @@ def curve(rows: Sequence[dict[str, Any]], guarded: str, off: str, margins: Seque
     for m in margins:
         chosen = [g if gap < m else o for g, o, gap in pairs]
         kl = [c["kl"] for c in chosen]
+        if any(v is None for v in kl):  # inf or NaN in the run (null in its rows): no mean or max to draw
+            raise CurveError(f"a KL at margin {m:g} is not finite (null in the rows): the curve cannot be drawn")
         ttft = [c.get("ttft_ratio") for c in chosen]
         points.append(CurvePoint(
             margin=float(m), guarded=sum(gap < m for _, _, gap in pairs) / len(pairs),

@@ -151,6 +151,8 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     """
     if p_logits.shape != q_logits.shape or p_logits.dim() != 1:
         raise ValueError(f"need two (V,) logit vectors, got {tuple(p_logits.shape)} and {tuple(q_logits.shape)}")
+    if bool(torch.isnan(p_logits).any()) or bool(torch.isnan(q_logits).any()):
+        return math.nan  # a NaN logit on either side: no divergence to report (a NaN reference read as 0)
     lp = torch.log_softmax(p_logits.detach().to(torch.float64), dim=-1)  # (V,)
     lq = torch.log_softmax(q_logits.detach().to(torch.float64), dim=-1)  # (V,)
     p = lp.exp()

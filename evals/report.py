@@ -472,7 +472,9 @@ def _tail_lines(methods: dict[str, dict[str, Any]], order: list[str]) -> list[st
         num = lambda f, fmt="{:.4f}": "–" if a.get(f) is None else fmt.format(a[f])  # noqa: E731
         lines.append(f"| `{name}` | {_fmt_ci(a, 'kl', 'kl_ci', '{:.4f}')} | {_fmt_ci(a, 'kl_median', 'kl_median_ci', '{:.4f}')} "
                      f"| {num('kl_p90')} | {num('kl_max')} | {_fmt_ci(a, 'top1', 'top1_ci', '{:.3f}')} "
-                     f"| {_fmt_ci(a, 'tf_agreement', 'tf_agreement_ci', '{:.3f}')} | {a['n']} |")
+                     f"| {_fmt_ci(a, 'tf_agreement', 'tf_agreement_ci', '{:.3f}')} | {a['n']}"
+                     + (f" ({a['kl_nonfinite']} with an infinite or NaN KL)" if a.get("kl_nonfinite") else "")
+                     + " |")
     return lines
 
 
@@ -492,8 +494,10 @@ def worst_items(results: dict[str, Any], k: int = WORST_ITEMS) -> list[dict[str,
     judged = blend or [n for n in methods if n != REFERENCE]
 
     def badness(row: dict[str, Any]) -> float:
-        vals = [row["methods"][n].get("kl") for n in judged if n in row["methods"]]
-        vals = [v for v in vals if v is not None and math.isfinite(v)]
+        got = [row["methods"][n] for n in judged if n in row["methods"] and "kl" in row["methods"][n]]
+        if any(g["kl"] is None or not math.isfinite(g["kl"]) for g in got):
+            return math.inf  # an infinite or NaN KL (null in the rows) is the worst there is
+        vals = [g["kl"] for g in got]
         return sum(vals) / len(vals) if vals else -1.0
 
     return sorted(results["items"], key=lambda r: (-badness(r), r["index"]))[:k]

@@ -107,3 +107,23 @@ def test_stats_and_bootstrap():
     assert M.bootstrap_ci(vals, n=500, seed=3) == (lo, hi)  # seeded: reproducible
     assert M.bootstrap_ci([2.0, 2.0, 2.0]) == (2.0, 2.0)
     assert M.bootstrap_ci([None]) is None
+
+
+def test_a_nan_logit_makes_kl_nan_not_zero():
+    import math as _math
+
+    import torch as _torch
+
+    from blend.evals.metrics import kl_divergence
+    assert _math.isnan(kl_divergence(_torch.tensor([1.0, float("nan")]), _torch.tensor([0.5, 0.2])))
+    assert _math.isnan(kl_divergence(_torch.tensor([1.0, 0.0]), _torch.tensor([float("nan"), 0.2])))
+
+
+def test_non_finite_kls_make_the_kl_summary_null_not_better():
+    """inf/NaN KLs are null in the rows; dropping them made a method whose logits broke look better."""
+    from blend.evals.aggregate import aggregate_method
+    rows = [{"methods": {"m": {"kl": k, "top1": 1.0}}} for k in (0.01, 0.02, None)]
+    out = aggregate_method("m", rows, None, n_boot=10, seed=0)
+    assert out["kl_nonfinite"] == 1 and out["kl"] is None and out["kl_max"] is None and out["n"] == 3
+    fine = aggregate_method("m", rows[:2], None, n_boot=10, seed=0)
+    assert fine["kl_nonfinite"] == 0 and abs(fine["kl"] - 0.015) < 1e-12
