@@ -333,14 +333,18 @@ def best_by_budget(methods: dict[str, dict[str, Any]]) -> list[BudgetBest]:
     Returns:
         One row per (ratio, check layers), ratios ascending; ties go to the first name.
     """
-    groups: dict[tuple[float, tuple[int, ...]], dict[str, dict[str, Any]]] = {}
+    groups: dict[tuple[float, tuple[int, ...], str], dict[str, dict[str, Any]]] = {}
     for name, agg in methods.items():
         spec = agg.get("spec") or {}
         if spec.get("kind") != "blend" or spec.get("ratio") is None or spec.get("auto"):
             continue
-        groups.setdefault((float(spec["ratio"]), tuple(spec.get("check_layers") or ())), {})[name] = agg
+        # rivals differ in the selector alone: a guard, a temperature or other candidates spend or compute
+        # differently, so such variants of one selector are never compared here as if they were selectors
+        rest = json.dumps({k: v for k, v in spec.items() if k not in ("selector", "ratio", "check_layers")},
+                          sort_keys=True)
+        groups.setdefault((float(spec["ratio"]), tuple(spec.get("check_layers") or ()), rest), {})[name] = agg
     rows = []
-    for (ratio, checks), group in sorted(groups.items()):
+    for (ratio, checks, _), group in sorted(groups.items()):
         picks = [_pick(group, "kl", False), _pick(group, "tf_agreement", True), _pick(group, "f1", True)]
         if len(group) < 2 or any(p is None for p in picks):
             continue

@@ -212,3 +212,19 @@ def test_pareto_series_keep_methods_apart_that_differ_beyond_selector_and_ratio(
     assert got == {parse_method(n).series(): [(parse_method(n).ratio, n)] for n in names[2:]} | {
         "probe": [(0.15, "blend@0.15:probe"), (0.3, "blend@0.3:probe")]}
     assert "v check=1,2" in got
+
+
+def test_variants_of_one_selector_are_not_ranked_as_rival_selectors():
+    """A guarded and an unguarded probe blend spend different budgets: "best selector" compared them."""
+    from blend.evals.report import best_by_budget
+
+    def agg(kl, **spec):
+        base = {"kind": "blend", "ratio": 0.15, "selector": "probe", "check_layers": [1], "auto": False,
+                "guard": None, "temperature": 1.05}
+        return {"kl": kl, "tf_agreement": 0.9, "f1": 0.1, "spec": {**base, **spec}}
+
+    methods = {"blend@0.15:probe:guard=2@0.3": agg(0.026, guard=[2.0, 0.3]), "blend@0.15:probe:guard=off": agg(0.033)}
+    assert best_by_budget(methods) == []
+    methods["blend@0.15:v:guard=off"] = agg(0.05, selector="v")
+    rows = best_by_budget(methods)
+    assert len(rows) == 1 and rows[0].candidates == 2 and rows[0].by_kl == "blend@0.15:probe:guard=off"
