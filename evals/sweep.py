@@ -70,6 +70,7 @@ class SweepRow:
     guarded: bool = False  # the near-tie guard recomputed it
     full_ms: float | None = None  # with --time-full: this item's full prefill, timed in the same process
     spent: float | None = None  # share recomputed over every pass (a guarded item: both); None in older rows
+    setup: str | None = None  # "<passages> passages, <model> <dtype>" it ran with; None in older rows
 
 
 SWEEP_STORE_BYTES = 2 << 30  # chunk KV kept across items (LRU)
@@ -289,13 +290,17 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         items = sorted({r.item for r in rows})
-        text = (f"First-token sweep, {args.data}, {len(items)} items, {args.passages} passages, {args.model} "
-                f"{args.dtype}; merged from {args.from_rows}; reference: full prefill (cached).\n\n"
+        setups = sorted({r.setup for r in rows if r.setup is not None})
+        if any(r.setup is None for r in rows):  # older rows: only the command line can say (and may be wrong)
+            setups.append(f"{args.passages} passages, {args.model} {args.dtype} as given on the command line "
+                          "(rows without a recorded setup)")
+        text = (f"First-token sweep, {args.data}, {len(items)} items, {'; '.join(setups)}; merged from "
+                f"{args.from_rows}; reference: full prefill (cached).\n\n"
                 + summarise(rows, [m.name for m in methods], splits=has_splits(args.data)))
         (out / "summary.md").write_text(text)
         print(text)
         if args.plot:
-            title = f"{args.model} {args.dtype}, {args.data}, items {items[0]}-{items[-1]} ({len(items)})"
+            title = f"{setups[0] if len(setups) == 1 else args.model}, {args.data}, items {items[0]}-{items[-1]} ({len(items)})"
             write_budget_plot(rows, [m for m in methods if m.kind is MethodKind.BLEND], out / "budget.png", title)
             if all(r.full_ms for r in rows):
                 write_items_plot(rows, [m.name for m in methods], out / "items.png", title)
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 2
                 row = SweepRow(idx, m.name, kl_divergence(ref, logits), top1_agree(ref, logits), ms, report.ratio,
                                len(prompt), top2_margin(ref), report.first_token_margin, bool(report.guard), full_ms,
-                               report.spent)
+                               report.spent, f"{args.passages} passages, {args.model} {args.dtype}")
                 rows.append(row)
                 f.write(json.dumps(asdict(row)) + "\n")
                 f.flush()

@@ -217,3 +217,18 @@ def test_rows_merged_from_runs_count_each_item_once(tmp_path):
     assert sorted((r.item, r.kl) for r in merged) == [(30, 0.1), (31, 0.4)]
     text = summarise(merged, [m])
     assert "### validation: 2 items (30-31)" in text and f"| {m} | 0.2500 |" in text and "| 0/2 |" in text
+
+
+def test_a_summary_from_rows_names_the_setup_the_rows_ran_with(tmp_path):
+    """--from-rows labelled its summary with the command line's --passages/--model defaults, not what the
+    rows were run with (two committed summaries said 5 passages for 10-passage rows)."""
+    from dataclasses import asdict
+
+    from blend.evals.sweep import SweepRow, main
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(asdict(SweepRow(30, "blend@0.15", 0.01, 1.0, 5.0, 0.15, 6000,
+                                               setup="10 passages, smollm2-135m float32"))) + "\n")
+    out = tmp_path / "o"
+    assert main(["--from-rows", str(rows), "--methods", "blend@0.15", "--out", str(out)]) in (0, None)
+    head = (out / "summary.md").read_text().splitlines()[0]
+    assert "10 passages, smollm2-135m float32" in head and "5 passages" not in head
