@@ -26,7 +26,9 @@ NATIVE_FLAGS: dict[torch.dtype, frozenset[str]] = {
 # /proc/cpuinfo flags that select other GEMM kernels in oneDNN / MKL (other last bits): the vector width and
 # the native reduced-precision units; and the variables that cap either library's ISA below the CPU's
 KERNEL_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"})
-ISA_CAP_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+ISA_CAP_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR",
+                # float32 GEMMs in bf16 (oneDNN's implicit down-conversion): other numbers, so part of the key
+                "ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE")
 
 
 class EmulatedDtypeWarning(UserWarning):

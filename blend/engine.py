@@ -132,6 +132,14 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def fp32_precision_label() -> str:
+    """torch's process-wide float32 matmul precision ("highest" by default; "high"/"medium" let float32
+    GEMMs and attention run in TF32 or bf16): it changes the numbers of every KV row, so it is part of
+    the provenance, and a request refuses to run once it has changed since the engine was built."""
+    mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    return f"fp32mm-{torch.get_float32_matmul_precision()}-{getattr(mkldnn, 'fp32_precision', 'na')}"
+
+
 def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.device,
                      gemm: GemmBackend = GemmBackend.TORCH) -> Provenance:
     """Every field that changes the KV this engine produces (the linear layers' backend included)."""
@@ -151,7 +159,7 @@ def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.devic
         dtype=cfg.dtype,
         kv_dtype=cfg.kv_dtype or cfg.dtype,
         device_class=device_class,
-        backend=f"kvblend-layers/torch-{torch.__version__}/sdpa/{gemm.value}/{attention_label()}",
+        backend=f"kvblend-layers/torch-{torch.__version__}/sdpa/{gemm.value}/{attention_label()}/{fp32_precision_label()}",
         rope=rope_config_json(config),
     )
 
@@ -179,6 +187,7 @@ class Engine:
         self.tokenizer = runner.loaded.tokenizer
         self.model_name = runner.loaded.name
         self.provenance = build_provenance(runner.loaded, config, self.device, runner.gemm)
+        self._fp32_precision = fp32_precision_label()  # what the provenance records
         self.segments = SegmentCache(runner, store if store is not None else MemoryStore(), self.provenance,
                                      self.kv_dtype, config.overlap_loading, config.experimental_semantic)
         self.gate = gate
@@ -360,6 +369,7 @@ class Engine:
             in the background (write-behind); ``engine.segments.flush()`` waits for that, as
             :meth:`generate`, :meth:`close` and the streaming API do.
         """
+        self._check_fp32_precision()
         limit = self.dims.max_positions
         if len(prompt) + extra_capacity > limit:
             raise PromptTooLongError(f"prompt of {len(prompt)} tokens plus {extra_capacity} new tokens exceeds "
@@ -540,6 +550,15 @@ class Engine:
             self.precompute_chunks([s.text for s in prompt.documents], preamble=prompt.preamble,
                                    salt=policy.cache_salt)
 
+    def _check_fp32_precision(self) -> None:
+        """Refuse to compute under another float32 matmul precision than the provenance records (its KV
+        would be stored, and found, under keys that say otherwise)."""
+        now = fp32_precision_label()
+        if now != self._fp32_precision:
+            raise InvalidRequestError(f"torch's float32 matmul precision changed since this engine was built "
+                                      f"({self._fp32_precision} -> {now}): its store keys record the first; "
+                                      "set it before loading the engine")
+
     def precompute_chunks(self, texts: Sequence[str], system: str | None = None,
                           preamble: Segment | None = None, salt: str = "") -> int:
         """Compute and store canonical chunk KV (each chunk alone after the preamble).
@@ -553,6 +572,7 @@ class Engine:
         Returns:
             Bytes of KV written (0 when everything was already stored).
         """
+        self._check_fp32_precision()
         return self.segments.precompute_chunks(texts, preamble or preamble_segment(self.tokenizer, system), salt)
 
 

@@ -197,7 +197,9 @@ def _read_fingerprint(path: Path) -> str | None:
 
 
 def _dir_fingerprint(path: Path, model: torch.nn.Module) -> str:
-    """Weights fingerprint of a local checkpoint, cached by file names, sizes and mtimes.
+    """Weights fingerprint of a local checkpoint, cached by the folder and its files' names, sizes, inodes,
+    mtimes and ctimes (a copy that keeps the mtimes, ``cp -p`` or ``rsync -a`` of same-size files, still
+    changes the ctimes: the cached value of the old weights is not taken for the new ones).
 
     A cached value that is not a sha256 (a corrupt or hand-edited file) is a miss: the fingerprint
     is computed again and the cache rewritten atomically.
@@ -206,9 +208,9 @@ def _dir_fingerprint(path: Path, model: torch.nn.Module) -> str:
     if own is not None:
         return own
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
-    stamp = hashlib.sha256(
-        "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files).encode()
-    ).hexdigest()
+    stats = [(p.name, p.stat()) for p in files]
+    stamp = hashlib.sha256((str(path.resolve()) + "|" + "|".join(
+        f"{n}:{st.st_size}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}" for n, st in stats)).encode()).hexdigest()
     cache = kvblend_home() / "fingerprints" / f"{stamp}.json"
     cached = _read_fingerprint(cache)
     if cached is not None:

@@ -2,10 +2,13 @@
 
 import dataclasses
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blend.keys import Provenance, canonical_key, exact_chain, key_hex
+from blend.policy import ReusePolicy
 from blend.report import ReuseClass
 from conftest import make_docs, unguarded_blend
 
@@ -138,3 +141,29 @@ def test_an_engines_provenance_names_the_dtype_its_runner_computes_in(tiny_engin
     with pytest.raises(InvalidRequestError, match="bfloat16"):
         Engine(runner, EngineConfig(model="tiny-llama", dtype="float32"))
     assert Engine(runner, EngineConfig(model="tiny-llama", dtype="bfloat16")).provenance.dtype == "bfloat16"
+
+
+def test_the_float32_matmul_precision_is_in_the_key_and_a_change_after_loading_is_refused(tiny_engine_factory):
+    """torch.set_float32_matmul_precision("medium") runs float32 GEMMs in bf16 on CPUs that have it:
+    other KV under the same keys (0.016 off) before it was part of the provenance."""
+    import torch
+
+    from blend.errors import InvalidRequestError
+    before = tiny_engine_factory()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        medium = tiny_engine_factory()
+        assert medium.provenance.digest() != before.provenance.digest()
+        with pytest.raises(InvalidRequestError, match="float32 matmul precision changed"):
+            before.generate(before.build_prompt("q?", ["a document"]), ReusePolicy.exact(), max_new_tokens=1)
+        with pytest.raises(InvalidRequestError, match="float32 matmul precision changed"):
+            before.precompute_chunks(["a document"])
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+def test_onednn_fpmath_mode_is_in_the_device_class(monkeypatch):
+    from blend.cpu_features import cpu_kernel_class
+    plain = cpu_kernel_class()
+    monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
+    assert cpu_kernel_class() != plain

@@ -32,6 +32,30 @@ def test_local_checkpoint_directory_loads_and_matches(tmp_path, home):
     assert len(list((home / "fingerprints").glob("*.json"))) == 1  # computed once, cached
 
 
+def test_a_checkpoint_replaced_in_place_with_its_mtimes_kept_gets_a_new_fingerprint(tmp_path, home):
+    """The cache was keyed by names, sizes and mtimes: same-size weights copied over with ``cp -p``
+    (mtimes kept) kept the old weights_sha256, and their KV was found under the old weights' keys."""
+    import os
+    import shutil
+
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    for seed, d in ((0, ckpt), (1, other)):
+        torch.manual_seed(seed)
+        model, tok = build_tiny(TinyModel.QWEN2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.01 * seed)
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+    first = models.load_model(str(ckpt)).weights_sha256
+    for f in other.iterdir():  # same sizes; then the old mtimes put back
+        st = (ckpt / f.name).stat() if (ckpt / f.name).exists() else None
+        shutil.copyfile(f, ckpt / f.name)
+        if st is not None:
+            os.utime(ckpt / f.name, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert models.load_model(str(ckpt)).weights_sha256 == models.load_model(str(other)).weights_sha256 != first
+
+
 def test_unsupported_architecture_and_non_checkpoint_are_clear_errors(tmp_path, home):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnknownModelError, match="not a model checkpoint"):

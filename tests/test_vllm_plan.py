@@ -225,3 +225,24 @@ def test_connector_blends_of_tenants_with_different_salts_share_no_chunk_kv():
     assert doc_classes("tenant-a") == [ReuseClass.COMPUTED, ReuseClass.COMPUTED]
     assert doc_classes("tenant-b") == [ReuseClass.COMPUTED, ReuseClass.COMPUTED]  # was BLENDED: tenant a's KV
     assert doc_classes("tenant-a") == [ReuseClass.BLENDED, ReuseClass.BLENDED]  # a tenant still reuses its own
+
+
+def test_vllm_settings_that_change_kv_change_the_blocks_backend_digest():
+    """hf_overrides (e.g. rope_theta) reach the model vLLM runs but not the config.json kvblend reads: the
+    blocks' keys missed them (4.27 off on a hit). The digest covers vLLM's model config as it runs, its
+    load, attention, compilation and kernel configs."""
+    from types import SimpleNamespace
+
+    from blend.integrations.vllm.engines import vllm_numerics
+
+    def config(theta=10000.0, backend="FLASH_ATTN", load="auto"):
+        hashed = lambda v: SimpleNamespace(compute_hash=lambda: v)  # noqa: E731
+        hf = SimpleNamespace(to_json_string=lambda use_diff=False: f'{{"rope_theta": {theta}}}')
+        return SimpleNamespace(model_config=SimpleNamespace(compute_hash=lambda: "m", hf_config=hf),
+                               load_config=hashed(load), attention_config=hashed(backend),
+                               compilation_config=hashed("c"), kernel_config=None)
+
+    base = vllm_numerics(config())
+    assert base == vllm_numerics(config()) and len(base) == 16
+    assert len({base, vllm_numerics(config(theta=50000.0)), vllm_numerics(config(backend="TRITON_ATTN")),
+                vllm_numerics(config(load="dummy"))}) == 4

@@ -11,6 +11,7 @@ No vLLM import: the config is read from plain values.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections import OrderedDict
@@ -38,7 +39,8 @@ class ConnectorConfig:
     Attributes:
         model: the checkpoint directory vLLM serves (kvblend loads the same weights).
         dtype: vLLM's model dtype name.
-        backend: vLLM's version and attention backend, for the provenance of the KV it computes.
+        backend: vLLM's version, device type and the digest of its settings that change KV
+            (:func:`vllm_numerics`), for the provenance of the KV it computes.
         store: kvblend store spec (``memory``, ``disk:PATH``, ``redis://...``, or a chain).
         force: blend even if kvblend's quality gate has not passed for this model.
         recompute_on_load_error: set vLLM's ``kv_load_failure_policy`` to ``recompute`` (a block that
@@ -68,13 +70,34 @@ class ConnectorConfig:
         quant = getattr(mc, "quantization", None)
         if quant:  # kvblend's engine blends with the checkpoint's own weights, and its keys name no quantization
             raise InvalidRequestError(f"kvblend's connector needs an unquantized model, got quantization={quant!r}")
-        backend = f"vllm-{vllm.__version__}/{vllm_config.device_config.device_type}"
+        backend = f"vllm-{vllm.__version__}/{vllm_config.device_config.device_type}/{vllm_numerics(vllm_config)}"
         return cls(model=str(mc.model), dtype=dtype, backend=backend, store=str(extra.get("store", "memory")),
                    force=bool(extra.get("force", False)),
                    recompute_on_load_error=extra.get("on_load_error", "recompute") == "recompute",
                    prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True)),
                    device=str(vllm_config.device_config.device_type),
                    memory_budget_bytes=int(extra.get("memory_budget_bytes", DEFAULT_MEMORY_BUDGET)))
+
+
+def vllm_numerics(vllm_config: Any) -> str:
+    """A digest of vLLM's settings that change the KV it computes, for the blocks' keys: its model config's
+    own hash, the model config it runs with (``hf_overrides`` applied: kvblend's engine reads config.json
+    from disk and would not see them), and the load, attention, compilation and kernel configs' hashes
+    (the attention backend, custom ops, dummy weights).
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig``.
+
+    Returns:
+        16 hex digits.
+    """
+    mc = vllm_config.model_config
+    hf = getattr(mc, "hf_config", None)
+    parts = [mc.compute_hash(), hf.to_json_string(use_diff=False) if hf is not None else "None"]
+    for name in ("load_config", "attention_config", "compilation_config", "kernel_config"):
+        cfg = getattr(vllm_config, name, None)
+        parts.append(cfg.compute_hash() if hasattr(cfg, "compute_hash") else "None")
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
 class SharedEngine:
