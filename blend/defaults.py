@@ -113,6 +113,9 @@ KV_POOL_SLACK = 2
 # finish. At most this many writes wait in the queue before a producer waits for room.
 DEFAULT_WRITE_BEHIND = True
 DEFAULT_WRITE_BEHIND_PENDING = 32
+# semantic reuse's donor index (blend.donors): donors held in memory per engine (each keeps its token ids and
+# a MinHash signature, ~5-20 KB); past it the oldest registration leaves memory (the donor log keeps it)
+DEFAULT_MAX_DONORS = 1 << 14
 # disk tier byte budget (blend.store.disk): a process's tally counts only its own puts between scans of the
 # folder, so the folder (every process's files) is recounted at least this often (seconds) on a put
 DEFAULT_DISK_RESCAN_S = 10.0

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
@@ -48,6 +49,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from blend import safeio
+from blend.defaults import DEFAULT_MAX_DONORS
 from blend.keys import StoreKey, token_digest
 
 log = logging.getLogger(__name__)
@@ -248,12 +250,18 @@ class DonorIndex:
     pairs one donor list with another list's signatures and the log's order is the index's.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_donors: int = DEFAULT_MAX_DONORS) -> None:
+        if max_donors < 1:
+            raise ValueError(f"max_donors must be >= 1, got {max_donors}")
+        self.max_donors = max_donors  # held in memory; past it the oldest registration leaves (not the log)
         self._by_pre: dict[bytes, list[Donor]] = {}
         self._keys: set[bytes] = set()
+        self._order: OrderedDict[bytes, bytes] = OrderedDict()  # key -> its preamble, oldest first
         self._matrix: dict[bytes, np.ndarray] = {}  # (N, H) signatures, rebuilt after changes
         self._logs: list[RecordLog] = []  # where new registrations are appended
         self._log_name = ""
+        self._verify: Callable[[Donor], bool] | None = None
+        self._appended = 0  # lines this index appended since the logs were last read whole
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
@@ -281,11 +289,48 @@ class DonorIndex:
         line = _record(row)
         for sink in self._logs:
             sink.append_record(self._log_name, line)
+        self._appended += 1
+        if self._logs and self._appended >= max(COMPACT_MIN_LINES, len(self._keys)):
+            # a long-running process: compact as the log grows, not only when a process attaches (a log
+            # past MAX_LOG_BYTES is not read at all, and a new process would start with no donors)
+            self._appended = 0
+            for sink in self._logs:
+                self._compact(sink, sink.read_records(self._log_name))
+
+    def _compact(self, sink: RecordLog, lines: list[bytes]) -> list[Donor]:
+        """Rewrite ``sink``'s log to one line per live donor if over half its lines are dead (and nobody
+        appended since ``lines`` were read). Returns the live (verified) donors of ``lines``."""
+        live, bad = _replay(lines)
+        if self._verify is not None:
+            kept = [d for d in live if self._verify(d)]
+            bad, live = bad + len(live) - len(kept), kept
+        if bad:
+            log.warning("donor log %s: skipped %d unreadable line(s)", self._log_name, bad)
+        if isinstance(sink, CompactableLog) and len(lines) >= COMPACT_MIN_LINES and len(lines) > 2 * len(live):
+            rows = [_record(_donor_row(d)) for d in live]
+            if sink.rewrite_records(self._log_name, lines, rows):
+                log.info("donor log %s: compacted %d lines to %d", self._log_name, len(lines), len(rows))
+        return live
 
     def _insert(self, donor: Donor) -> None:
         self._by_pre.setdefault(donor.preamble, []).append(donor)
         self._keys.add(bytes(donor.key))
+        self._order[bytes(donor.key)] = donor.preamble
         self._matrix.pop(donor.preamble, None)
+        while len(self._order) > self.max_donors:  # the oldest registration leaves memory (the log keeps it)
+            old, pre = self._order.popitem(last=False)
+            self._drop(old, pre)
+
+    def _drop(self, key: bytes, pre: bytes) -> None:
+        """Forget ``key`` (registered under preamble ``pre``) in memory only."""
+        self._keys.discard(key)
+        self._order.pop(key, None)
+        kept = [d for d in self._by_pre.get(pre, []) if bytes(d.key) != key]
+        if kept:
+            self._by_pre[pre] = kept
+        else:
+            self._by_pre.pop(pre, None)
+        self._matrix.pop(pre, None)
 
     def attach_log(self, tiers: Sequence[object], name: str, verify: Callable[[Donor], bool] | None = None) -> int:
         """Load the donors recorded by the persistent ``tiers`` and record new ones there.
@@ -312,38 +357,22 @@ class DonorIndex:
     def _attach(self, tiers: Sequence[object], name: str, verify: Callable[[Donor], bool] | None) -> int:
         """:meth:`attach_log` with the lock held."""
         self._logs = [t for t in tiers if isinstance(t, RecordLog)]
-        self._log_name = name
+        self._log_name, self._verify = name, verify
         loaded = 0
         for sink in self._logs:
-            lines = sink.read_records(name)
-            live, bad = _replay(lines)
-            if verify is not None:
-                kept = [d for d in live if verify(d)]
-                bad, live = bad + len(live) - len(kept), kept
-            if bad:
-                log.warning("donor log %s: skipped %d unreadable line(s)", name, bad)
-            for donor in live:
+            for donor in self._compact(sink, sink.read_records(name)):
                 if bytes(donor.key) not in self._keys:
                     self._insert(donor)
                     loaded += 1
-            if isinstance(sink, CompactableLog) and len(lines) >= COMPACT_MIN_LINES and len(lines) > 2 * len(live):
-                rows = [_record(_donor_row(d)) for d in live]
-                if sink.rewrite_records(name, lines, rows):
-                    log.info("donor log %s: compacted %d lines to %d", name, len(lines), len(rows))
-        return loaded
+        return min(loaded, len(self._keys))
 
     def remove(self, key: StoreKey) -> bool:
         """Forget a chunk (e.g. its KV was evicted from the store), here and in the attached logs."""
         with self._lock:
             if bytes(key) not in self._keys:
                 return False
-            self._keys.discard(bytes(key))
+            self._drop(bytes(key), self._order[bytes(key)])
             self._append(_removal_row(key))
-            for pre, donors in self._by_pre.items():
-                kept = [d for d in donors if d.key != key]
-                if len(kept) != len(donors):
-                    self._by_pre[pre] = kept
-                    self._matrix.pop(pre, None)
             return True
 
     def candidates(self, preamble_ids: Sequence[int], token_ids: Sequence[int], min_similarity: float,

@@ -89,11 +89,11 @@ def test_a_registration_under_a_new_preamble_during_a_removal_is_kept():
     idx.add(A, PRE, TOKENS_A)
     threads: list[threading.Thread] = []
 
-    class Key(bytes):  # compared inside remove's scan of the preambles: another request registers then
-        def __ne__(self, other):
+    class Key(bytes):  # read inside remove (with the index's lock held): another request registers then
+        def __bytes__(self):
             if not threads:
                 run_meanwhile(lambda: idx.add(B, [9, 9], TOKENS_B), threads)
-            return bytes(self) != bytes(other)
+            return bytes(bytearray(self))
 
         __hash__ = bytes.__hash__
 
@@ -172,3 +172,17 @@ def test_disabled_donors_never_lend_kv_even_with_an_index_in_hand():
     off.use_index(idx)  # e.g. a saved index loaded beside the store
     assert off.donor_kv(PRE, near, StoreKey(b"\x01" * 32)) is None
     assert not off.register(B, PRE, TOKENS_B) and B not in idx
+
+
+def test_the_index_holds_at_most_max_donors_the_oldest_leaving_memory_only(tmp_path):
+    from blend.store.disk import DiskStore
+    disk = DiskStore(tmp_path)
+    idx = DonorIndex(max_donors=2)
+    idx.attach_log([disk], "donors-t")
+    keys = [StoreKey(bytes([i + 1]) * 32) for i in range(3)]
+    for k in keys:
+        idx.add(k, PRE, [k[0]] * 3 + TOKENS_A)
+    assert len(idx) == 2 and keys[0] not in idx and keys[1] in idx and keys[2] in idx
+    assert len(disk.read_records("donors-t")) == 3  # the log keeps every registration
+    with pytest.raises(ValueError):
+        DonorIndex(max_donors=0)

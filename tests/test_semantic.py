@@ -435,8 +435,8 @@ def test_bad_removal_records_are_skipped():
     assert b.attach_log([sink], "x") == 1 and StoreKey(b"a" * 32) in b
 
 
-def test_a_log_of_mostly_dead_lines_is_compacted_on_attach(tmp_path):
-    from blend.donors import COMPACT_MIN_LINES
+def test_a_log_of_mostly_dead_lines_is_compacted_as_it_grows_and_on_attach(tmp_path):
+    from blend.donors import COMPACT_MIN_LINES, removal_record
     from blend.store.disk import DiskStore
 
     disk = DiskStore(tmp_path)
@@ -446,9 +446,17 @@ def test_a_log_of_mostly_dead_lines_is_compacted_on_attach(tmp_path):
     for k in keep:
         first.add(k, [1], list(range(k[0], k[0] + 40)))
     churn = StoreKey(b"\xee" * 32)
-    for _ in range(COMPACT_MIN_LINES // 2):  # evicted and registered again, over and over
+    first.add(churn, [1], list(range(900, 940)))
+    churn_line = disk.read_records("donors-t")[-1]
+    first.remove(churn)
+    for _ in range(3 * COMPACT_MIN_LINES):  # evicted and registered again, over and over, in this process
         first.add(churn, [1], list(range(900, 940)))
         first.remove(churn)
+    # compacted as it grows (a long-running process never re-attaches; a log past its read cap is not read)
+    assert 3 <= len(disk.read_records("donors-t")) <= COMPACT_MIN_LINES + 3
+    for _ in range(COMPACT_MIN_LINES):  # another process's churn, appended raw: dead lines for the attach
+        disk.append_record("donors-t", churn_line)
+        disk.append_record("donors-t", removal_record(churn))
     before = disk.read_records("donors-t")
     assert len(before) >= COMPACT_MIN_LINES
     second = DonorIndex()
