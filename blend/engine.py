@@ -369,7 +369,6 @@ class Engine:
             in the background (write-behind); ``engine.segments.flush()`` waits for that, as
             :meth:`generate`, :meth:`close` and the streaming API do.
         """
-        self._check_fp32_precision()
         limit = self.dims.max_positions
         if len(prompt) + extra_capacity > limit:
             raise PromptTooLongError(f"prompt of {len(prompt)} tokens plus {extra_capacity} new tokens exceeds "
@@ -400,6 +399,7 @@ class Engine:
     def _run(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool, refused: str,
              kinds: frozenset[SegmentKind]) -> tuple["_Prefilled", KVCache]:
         """The prefill ``policy`` asks for (or the one a refusal leaves); returns it and its cache."""
+        self._check_fp32_precision()
         if refused or policy.mode is ReuseMode.NONE:
             return self._prefill_unreused(prompt, cache, refused, kinds), cache
         if policy.mode is ReuseMode.EXACT:
