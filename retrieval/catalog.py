@@ -282,7 +282,10 @@ class Catalog:
         Returns:
             Number of chunks collected (call :meth:`commit` to persist).
         """
-        done = [cid for cid, text in sorted(self.pending_gc.items()) if delete_fn(cid, text)]
+        # KV is keyed by the text, not the chunk id: an unreachable id whose text a live chunk still holds (ids
+        # change when the tokenizer's fingerprint does) has nothing of its own to delete
+        live = {rec.text for rec in self.records.values()}
+        done = [cid for cid, text in sorted(self.pending_gc.items()) if text in live or delete_fn(cid, text)]
         for cid in done:
             del self.pending_gc[cid]
         return len(done)

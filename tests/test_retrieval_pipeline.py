@@ -358,3 +358,29 @@ def test_an_ingest_without_semantic_reuse_still_removes_a_deleted_chunks_donor(t
     key = canonical_key(later.provenance, preamble_segment(later.tokenizer, None).token_ids,
                         tokenize_segment(later.tokenizer, document_text(secret)))
     assert key not in later.segments.donors.index
+
+
+def test_a_reingest_that_changes_chunk_ids_but_not_texts_keeps_their_kv(tmp_path) -> None:
+    """A new tokenizer fingerprint gives every chunk a new id; the old ids went to garbage collection with
+    the same texts, and KV (keyed by text) that the live chunks use was deleted."""
+    from blend.prompt import preamble_segment
+    from blend.retrieval.pipeline import _chunk_key
+    from blend.store.memory import MemoryStore
+
+    eng = engine_mod.Engine.load("tiny-llama", store=MemoryStore())
+    d = tmp_path / "docs"
+    d.mkdir()
+    for k, v in DOCS.items():
+        (d / k).write_text(v)
+
+    def run(fp):
+        return ingest([d], tmp_path / "idx", tokenizer=eng.tokenizer, tokenizer_fp=fp, embedder=HashEmbedder(),
+                      config=ChunkerConfig(target_tokens=64), kv_writer=engine_kv_writer(eng),
+                      kv_deleter=engine_kv_deleter(eng), kv_signature=engine_kv_signature(eng), stream=io.StringIO())
+
+    run(eng.provenance.tokenizer_sha256)
+    s = run("0" * 64)
+    assert s.gc_collected == s.chunks_total > 0  # the old ids leave the index
+    pre = preamble_segment(eng.tokenizer, None)
+    texts = [r.text for r in Catalog.open(tmp_path / "idx").records.values()]
+    assert all(eng.store.contains(Namespace.CANONICAL, _chunk_key(eng, pre, t)) for t in texts)
