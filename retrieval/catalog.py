@@ -78,6 +78,9 @@ class Catalog:
         self.records: dict[str, ChunkRecord] = {}
         self.files: dict[str, FileEntry] = {}
         self.pending_gc: dict[str, str] = {}  # chunk id -> text, unreachable, KV not yet deleted
+        # a change to files, records and vectors that raised half-way (Ctrl-C, MemoryError): the state in
+        # memory disagrees with itself and is never committed (the index keeps its last generation)
+        self.interrupted = False
         self._next_slot = 0
         self._refs: dict[str, int] = {}
         self._where: dict[str, tuple[str, ChunkRef]] | None = None  # chunk id -> first occurrence
@@ -157,7 +160,13 @@ class Catalog:
                 self._refs[cid] = self._refs.get(cid, 0) + 1
 
     def commit(self) -> None:
-        """Write the whole state as a new generation and make it current, atomically."""
+        """Write the whole state as a new generation and make it current, atomically.
+
+        Raises:
+            RetrievalError: a change was interrupted half-way (:attr:`interrupted`): nothing is written.
+        """
+        if self.interrupted:
+            raise RetrievalError(f"{self.root}: a change was interrupted half-way; the index keeps its last commit")
         self.root.mkdir(parents=True, exist_ok=True)
         cur = self.root / "CURRENT"
         old = read_generation(self.root).name if self.exists(self.root) else ""
@@ -205,7 +214,7 @@ class Catalog:
         fe = self.files.get(path)
         return fe is not None and fe.sha256 == sha256 and fe.signature == signature
 
-    def replace_file(
+    def _replace_file(
         self, entry: FileEntry, new: Sequence[tuple[ChunkRecord, np.ndarray]]
     ) -> list[str]:
         """Make ``entry`` the manifest row for its path, adding and dropping chunks.
@@ -250,8 +259,7 @@ class Catalog:
             self.vectors.add(np.array(add_ids, dtype=np.int64), np.stack(add_vecs))  # (M,), (M, D)
         return removed
 
-    def remove_file(self, path: str) -> list[str]:
-        """Forget a file; returns the chunk ids that became unreachable."""
+    def _remove_file(self, path: str) -> list[str]:
         old = self.files.pop(path, None)
         self._where = None
         if old is None:
@@ -263,6 +271,21 @@ class Catalog:
                 del self._refs[cid]
                 removed.append(cid)
         self._drop(removed)
+        return removed
+
+    def replace_file(self, entry: FileEntry, new: Sequence[tuple[ChunkRecord, np.ndarray]]) -> list[str]:
+        """:meth:`_replace_file`, marking the catalog :attr:`interrupted` if it raises half-way."""
+        self.interrupted = True
+        removed = self._replace_file(entry, new)
+        self.interrupted = False
+        return removed
+
+    def remove_file(self, path: str) -> list[str]:
+        """Forget a file; returns the chunk ids that became unreachable (marks the catalog
+        :attr:`interrupted` if it raises half-way)."""
+        self.interrupted = True
+        removed = self._remove_file(path)
+        self.interrupted = False
         return removed
 
     def _drop(self, removed: list[str]) -> None:

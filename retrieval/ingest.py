@@ -264,8 +264,8 @@ def ingest(
                     cat.commit()
                     dirty, since_commit = False, 0
         finally:
-            if dirty:  # everything finished so far is consistent: keep it, even on an interrupt
-                cat.commit()
+            if dirty and not cat.interrupted:  # everything finished so far is consistent: keep it, even on an
+                cat.commit()  # interrupt (a change cut half-way is not: the last commit stays, the rerun redoes it)
             bar.close()
         checked = 0
         stale = kv_signature is not None and kv_signature != cat.meta.kv_signature
