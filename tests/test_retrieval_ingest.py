@@ -308,20 +308,21 @@ def test_reingest_applies_a_new_approx_threshold(corpus, tmp_path, tok) -> None:
     assert cat.meta.threshold == 2 and cat.vectors.params.threshold == 2
 
 
-@pytest.mark.parametrize("where", ["add", "remove"])
+@pytest.mark.parametrize("where, at_call", [("add", 2), ("remove", 1)])
 def test_an_interrupt_inside_a_files_change_keeps_the_last_commit_and_the_rerun_heals(corpus, tmp_path, tok,
-                                                                                    monkeypatch, where) -> None:
+                                                                                    monkeypatch, where, at_call) -> None:
     """Ctrl-C after the chunk table changed and before the vectors did: the finally-commit wrote that
     half-applied state, and the index never opened again ("vector ids disagree with the chunk slots")."""
     from blend.retrieval.index import VectorIndex
     _run([corpus], tmp_path / "idx", tok)
-    (corpus / "a.txt").write_text("Totally new first sentence. " + DOCS["a.txt"] + " Extra words here.")
-    (corpus / "e.txt").write_text("The tower clock strikes noon. The keeper winds it on Mondays.")
+    # a new file first (it completes: there is something to commit), then a changed one, cut half-way
+    (corpus / "0new.txt").write_text("The tower clock strikes noon. The keeper winds it on Mondays.")
+    (corpus / "c.txt").write_text("Totally new first sentence. " + DOCS["c.txt"] + " Extra words here.")
     real, calls = getattr(VectorIndex, where), []
 
     def interrupted(self, *a, **kw):
         calls.append(1)
-        if len(calls) == 1:
+        if len(calls) == at_call:
             raise KeyboardInterrupt
         return real(self, *a, **kw)
 
@@ -333,4 +334,4 @@ def test_an_interrupt_inside_a_files_change_keeps_the_last_commit_and_the_rerun_
     assert cat.vectors.ntotal == len(cat.records)
     _run([corpus], tmp_path / "idx", tok)
     cat = Catalog.open(tmp_path / "idx")
-    assert cat.vectors.ntotal == len(cat.records) and any(p.endswith("e.txt") for p in cat.files)
+    assert cat.vectors.ntotal == len(cat.records) and any(p.endswith("0new.txt") for p in cat.files)
