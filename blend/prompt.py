@@ -202,10 +202,17 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
     if not question or not question.strip():
         raise InvalidRequestError("the question is empty")
     for i, turn in enumerate(history):
-        if not isinstance(turn, Turn) or not isinstance(turn.role, Role):
+        if not isinstance(turn, Turn) or not isinstance(turn.role, Role) or not isinstance(turn.text, str):
             raise InvalidRequestError(f"history turn {i + 1} is not a Turn(Role, text)")
-        if not turn.text.strip():
+        if turn.role is not Role.ASSISTANT and not turn.text.strip():  # an answer may be empty (EOS at once)
             raise InvalidRequestError(f"history turn {i + 1} ({turn.role.value}) is empty")
+    for what, text in (("the question", question), ("the system prompt", system or ""),
+                       *((f"history turn {i + 1}", t.text) for i, t in enumerate(history))):
+        if not _is_unicode(text):
+            raise InvalidRequestError(f"{what} is not valid Unicode text (it holds a lone surrogate)")
+    # every turn as it was asked or answered: stripped, as the question is (a client echoing "q?\n" back
+    # would otherwise read another prompt than the one that produced the answer, and lose its turn's reuse)
+    history = tuple(Turn(t.role, t.text.strip()) for t in history)
     system = system or DEFAULT_SYSTEM
     if history:
         # head: the single-question preamble, or a conversation opening with assistant turns' own
@@ -220,6 +227,15 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
     qtext = f"Question: {question.strip()}{tail}"
     segs.append(Segment(SegmentKind.QUESTION, tokenize_segment(tokenizer, qtext), qtext))
     return Prompt(tuple(segs))
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether ``text`` encodes to UTF-8 (no lone surrogate: a tokenizer raises TypeError on one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _turn_ends(tokenizer, system: str, history: Sequence[Turn], head: str, ids: tuple[int, ...]

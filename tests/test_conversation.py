@@ -93,8 +93,8 @@ def test_without_a_chat_template_turns_are_question_and_answer_lines(tiny_engine
 
 @pytest.mark.parametrize("history, needle", [
     ((Turn(Role.USER, "  "),), "history turn 1 (user) is empty"),
-    ((Turn(Role.USER, "a"), Turn(Role.ASSISTANT, "")), "history turn 2 (assistant) is empty"),
     ((("user", "a"),), "not a Turn"),
+    ((Turn(Role.USER, "a\ud800"),), "lone surrogate"),
 ])
 def test_a_bad_turn_is_refused(tiny_engine, history, needle):
     with pytest.raises(InvalidRequestError, match=needle.replace("(", r"\(").replace(")", r"\)")):
@@ -180,3 +180,16 @@ def test_a_follow_up_over_reordered_documents_blends_them(tiny_engine_factory):
     docs = [s.reuse_class for s in part.report.segments[1:4]]
     assert set(docs) <= {ReuseClass.BLENDED, ReuseClass.EXACT} and ReuseClass.BLENDED in docs
     assert part.report.reused_tokens > 0
+
+
+def test_an_empty_answer_and_turns_with_surrounding_whitespace_keep_the_conversation_going(tiny_engine_factory):
+    """An answer that was EOS at once is an empty assistant turn (the server returned it; the follow-up
+    was a 400), and a turn echoed back with its newline reads the prompt that produced the answer."""
+    eng = tiny_engine_factory()
+    first = eng.build_prompt("Where is the harbor?", DOCS)
+    follow = eng.build_prompt("And the bridge?", DOCS, history=(Turn(Role.USER, "Where is the harbor?\n"),
+                                                                   Turn(Role.ASSISTANT, " North. ")))
+    asked = list(first.question.token_ids)
+    assert list(follow.question.token_ids[:len(asked)]) == asked and follow.question.turn_ends == (len(asked),)
+    empty = eng.build_prompt("And?", DOCS, history=(Turn(Role.USER, "Where?"), Turn(Role.ASSISTANT, "")))
+    assert "And?" in empty.question.text

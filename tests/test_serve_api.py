@@ -167,7 +167,7 @@ def test_a_chat_reuses_its_earlier_turns_through_the_server(client):
                                            extra_body={"documents": DOCS, "cache_salt": "turns-test"})
         rows = r.model_extra["kvblend"]["report"]["segments"]
         seen.append(rows)
-        messages.append({"role": "assistant", "content": r.choices[0].message.content or "x"})
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})  # "" too: OpenAI takes it
         assert r.usage.prompt_tokens_details.cached_tokens == sum(x["tokens"] for x in rows
                                                                   if x["class"] == "exact")
     assert [x["kind"] for x in seen[0]][-1] == "question"
@@ -275,8 +275,8 @@ def test_logprobs_are_the_python_apis_in_openais_shapes_streamed_or_not(srv, cli
     ({**chat(), "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, 400,
      "last message must be the user's question"),
     ({**chat(), "messages": [{"role": "system", "content": "s"}]}, 400, "last message must be the user's question"),
-    ({**chat(), "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "},
-                             {"role": "user", "content": "c"}]}, 400, "history turn 2 (assistant) is empty"),
+    ({**chat(), "messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "b"},
+                             {"role": "user", "content": "c"}]}, 400, "history turn 1 (user) is empty"),
     ({**chat(), "messages": [{"role": "tool", "content": "a"}, {"role": "user", "content": "c"}]}, 400, "messages"),
     ({**chat(), "messages": [{"role": "user", "content": "   "}]}, 400, "question is empty"),
     (chat(model="gpt-4o"), 404, "not served here"),
@@ -426,3 +426,15 @@ def test_chat_logprob_bytes_are_each_tokens_own_bytes_so_split_characters_join_u
     assert bytes(b for c in content for b in c["bytes"]).decode("utf-8") == text
     assert [c["top_logprobs"][0]["bytes"] for c in content] == [[b] for b in ids]  # alternatives too
     assert content[0]["token"] == "a" and content[1]["token"] == "\ufffd"  # the token's text: its own decoding
+
+
+def test_a_long_conversation_that_cannot_fit_is_refused_before_it_is_laid_out(srv):
+    """Laying out a conversation re-renders it per turn (quadratic): one whose texts alone exceed the
+    context is refused first (255 such messages took 30-60 s of CPU, then a 400 anyway)."""
+    import time as _time
+    big = "word " * (srv.engine.dims.max_positions // 4)
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": big} for i in range(11)]
+    t = _time.perf_counter()
+    r = post(srv, {**chat(), "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "texts alone" in r.json()["error"]["message"] and _time.perf_counter() - t < 30

@@ -66,6 +66,9 @@ def policy_for(opts: KvblendOptions, salt: str) -> ReusePolicy:
                              reused_temperature=opts.reused_temperature)
 
 
+LONG_HISTORY = 8  # history turns past which a request's texts are counted before its prompt is laid out
+
+
 def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRequest, endpoint: Endpoint) -> Job:
     """Check ``body`` against the server's limits and build its prompt, policy and sampling settings.
 
@@ -132,12 +135,20 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
         )
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=_setting_param(e, body, endpoint)) from None
+    context = engine.dims.max_positions
+    server_limit = limits.max_prompt_tokens
+    if len(history) > LONG_HISTORY:  # laying out a conversation re-renders it once per turn: refuse one that
+        # cannot fit before paying for that (its texts alone, tokenized once, already exceed the limit)
+        least = sum(len(engine.tokenizer(t, add_special_tokens=False)["input_ids"])
+                    for t in (question, *docs, *(turn.text for turn in history)))
+        limit = context if server_limit is None else min(context, server_limit)
+        if least >= limit:
+            raise ApiError(400, f"the conversation's texts alone are {least} tokens: no room in this server's "
+                           f"prompt limit of {limit} tokens", param=prompt_param, code="context_length_exceeded")
     try:
         prompt = engine.build_prompt(question, docs, system, history)
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=prompt_param) from None
-    context = engine.dims.max_positions
-    server_limit = limits.max_prompt_tokens
     if server_limit is not None and server_limit < context and len(prompt) > server_limit:
         raise ApiError(413, f"prompt of {len(prompt)} tokens (system, documents and question) exceeds the limit "
                        f"of {server_limit} tokens", ErrorType.TOO_LARGE, "documents")
