@@ -88,8 +88,9 @@ def run_chat(args: argparse.Namespace, lines: TextIO | None = None, out: TextIO 
             prompt = engine.build_prompt(question, docs, args.system, history=history)
             ans = stream_answer(engine, prompt, policy, config, out=out)
         except KVBlendError as e:  # e.g. the conversation outgrew the model's context
-            print(f"kvblend: error: {e}", file=out)
+            hint = f" ({RESET} starts a new conversation)" if history else ""
+            print(f"kvblend: error: {e}{hint}", file=out)
             continue
         print(turn_summary(ans.report), file=out)
-        history += [Turn(Role.USER, question), Turn(Role.ASSISTANT, ans.text.strip() or "(no answer)")]
+        history += [Turn(Role.USER, question), Turn(Role.ASSISTANT, ans.text.strip())]  # "" if it ended at once
     return 0
