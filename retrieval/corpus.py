@@ -116,7 +116,8 @@ class FileRead:
     issues: tuple[CorpusIssue, ...]
 
 
-def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], list[CorpusIssue]]:
+def expand_paths(paths: Iterable[str | os.PathLike[str]], skip: Iterable[str | os.PathLike[str]] = ()
+                 ) -> tuple[list[str], list[CorpusIssue]]:
     """Turn path arguments into a sorted, de-duplicated list of files.
 
     Directories are walked recursively for supported suffixes (hidden entries
@@ -126,10 +127,13 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], li
 
     Args:
         paths: files and/or directories.
+        skip: folders a directory walk never enters (the index being written: its generations hold
+            JSONL files a corpus walk would read back in as documents).
 
     Returns:
         (absolute file paths, issues for missing, unsupported or irregular arguments).
     """
+    skipped = {os.path.realpath(d) for d in skip}
     files: list[str] = []
     issues: list[CorpusIssue] = []
     for raw in paths:
@@ -139,7 +143,8 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], li
         elif p.is_dir():
             before = len(files)
             for root, dirs, names in os.walk(p):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                dirs[:] = sorted(d for d in dirs if not d.startswith(".")
+                                 and os.path.realpath(os.path.join(root, d)) not in skipped)
                 for name in sorted(names):
                     if not name.startswith(".") and Path(name).suffix.lower() in SUPPORTED_SUFFIXES:
                         _add_regular(Path(root, name), files, issues)

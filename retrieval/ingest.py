@@ -203,7 +203,7 @@ def ingest(
     t0 = time.perf_counter()
     root = Path(index_dir).expanduser().resolve()
     paths = list(paths)  # read twice: expanded, then matched against the indexed files
-    files, issues = expand_paths(paths)
+    files, issues = expand_paths(paths, skip=[root])  # an index inside the corpus folder is not corpus
     if not files:  # before the tokenizer is touched: the CLI checks this without loading a model
         why = "; ".join(str(i) for i in issues) or "no paths given"
         raise RetrievalError(f"nothing to ingest (.txt, .md, .jsonl): {why}")

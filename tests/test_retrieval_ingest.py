@@ -335,3 +335,10 @@ def test_an_interrupt_inside_a_files_change_keeps_the_last_commit_and_the_rerun_
     _run([corpus], tmp_path / "idx", tok)
     cat = Catalog.open(tmp_path / "idx")
     assert cat.vectors.ntotal == len(cat.records) and any(p.endswith("0new.txt") for p in cat.files)
+
+
+def test_an_index_inside_its_corpus_folder_is_not_ingested_as_corpus(corpus, tmp_path, tok) -> None:
+    """`kvblend ingest . --index ./idx` read idx/gen-N/chunks.jsonl back in as documents, every run."""
+    first = _run([corpus], corpus / "idx", tok)
+    again = _run([corpus], corpus / "idx", tok)
+    assert again.files_seen == first.files_seen == len(DOCS) + 1 and again.files_ingested == 0
