@@ -233,7 +233,7 @@ def chunk_text(text: str, tokenizer: Any, tokenizer_fp: str, config: ChunkerConf
     units, counts = _units(text, tokenizer, config.target_tokens)
     n = len(units)
     spans: list[tuple[int, int]] = []  # (first unit, one past last unit)
-    i = 0
+    i = end = 0  # end: one past the previous chunk's last unit
     while i < n:
         j, total = i, 0
         while j < n and (j == i or total + counts[j] <= config.target_tokens):
@@ -243,11 +243,13 @@ def chunk_text(text: str, tokenizer: Any, tokenizer_fp: str, config: ChunkerConf
             fill, best = 0, None
             for p in range(i + 1, j):
                 fill += counts[p - 1]
-                if units[p].para_start and fill >= config.min_fill * config.target_tokens:
+                # past the previous chunk's end: a cut inside the overlap made a chunk of repeated text only
+                if p > end and units[p].para_start and fill >= config.min_fill * config.target_tokens:
                     best = p
             if best is not None:
                 j = best
         spans.append((i, j))
+        end = j
         if j >= n:
             break
         k, ov = j, 0  # overlap: whole trailing units, never the chunk's first, leaving room for unit j

@@ -120,3 +120,15 @@ def test_closing_quotes_and_brackets_after_a_sentence_stay_in_the_chunk() -> Non
     assert len(chunks) > 2  # cut between sentences
     assert "".join(c.text for c in chunks).replace(" ", "") == text.replace(" ", "")  # no character lost
     assert any(c.text.endswith('"Stop."') for c in chunks)
+
+
+def test_with_overlap_every_chunk_reaches_past_the_previous_one() -> None:
+    """The paragraph-break preference could cut a chunk right at the previous chunk's end: a chunk of
+    repeated text only (embedded, indexed, its KV computed), and the next chunk with no overlap."""
+    from blend.retrieval.chunker import ChunkerConfig, chunk_text, tokenizer_fingerprint
+    from blend.retrieval.testing import word_tokenizer
+    text = "Anna keeps bees. The hives face south hill.\n\nHoney is sold on Fridays.\n\nJars cost. Bees sting."
+    tok = word_tokenizer([text])
+    chunks = chunk_text(text, tok, tokenizer_fingerprint(tok), ChunkerConfig(target_tokens=12, overlap_tokens=6))
+    assert len(chunks) > 1 and all(b.end > a.end for a, b in zip(chunks, chunks[1:]))
+    assert chunks[-1].end == len(text)
