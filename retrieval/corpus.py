@@ -171,7 +171,9 @@ def _add_regular(p: Path, files: list[str], issues: list[CorpusIssue]) -> None:
         issues.append(CorpusIssue(str(p), None, IssueKind.UNREADABLE, e.strerror or str(e)))
         return
     if stat.S_ISREG(mode):
-        files.append(str(p.resolve()))
+        # under its own name (its folder resolved): a symlinked file indexed under its target's path never
+        # left the index when the link was removed (the target lies outside the folder walked)
+        files.append(str(p.absolute().parent.resolve() / p.name))
     else:
         issues.append(CorpusIssue(str(p.resolve()), None, IssueKind.NOT_REGULAR,
                                   f"{safeio.file_kind(mode)}, not a regular file"))

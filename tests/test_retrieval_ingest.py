@@ -342,3 +342,16 @@ def test_an_index_inside_its_corpus_folder_is_not_ingested_as_corpus(corpus, tmp
     first = _run([corpus], corpus / "idx", tok)
     again = _run([corpus], corpus / "idx", tok)
     assert again.files_seen == first.files_seen == len(DOCS) + 1 and again.files_ingested == 0
+
+
+def test_a_symlinked_corpus_file_leaves_the_index_with_its_link(corpus, tmp_path, tok) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "b.txt").write_text("The lantern is lit at dusk by the keeper's daughter.")
+    (corpus / "link.txt").symlink_to(elsewhere / "b.txt")
+    _run([corpus], tmp_path / "idx", tok)
+    assert any(p.endswith("link.txt") for p in Catalog.open(tmp_path / "idx").files)
+    (corpus / "link.txt").unlink()
+    s = _run([corpus], tmp_path / "idx", tok)
+    names = {Path(p).name for p in Catalog.open(tmp_path / "idx").files}
+    assert s.files_removed == 1 and "link.txt" not in names and "b.txt" not in names
