@@ -105,7 +105,7 @@ class PooledStep:
             return None
         slots = [c.slot for c in caches]  # type: ignore[attr-defined]
         lo, hi, rows = min(slots), max(slots) + 1, max(starts) + 1
-        pool.ensure_readable(slots, rows)  # before the step writes its rows: padding keys must be finite
+        pool.ensure_readable(slots, rows, starts)  # before the step writes its rows: padding keys must be finite
         dev = pos.device
         slot_of = torch.tensor(slots, dtype=torch.long, device=dev) - lo  # (B,)
         start = torch.tensor(starts, dtype=torch.long, device=dev)  # (B,)

@@ -124,15 +124,18 @@ class DecodePool:
             if cache.slot not in self._free:
                 heapq.heappush(self._free, cache.slot)
 
-    def ensure_readable(self, slots: list[int], rows: int) -> None:
+    def ensure_readable(self, slots: list[int], rows: int, written: list[int]) -> None:
         """Make rows [0, rows) of these slots finite (zero those never written), before a step reads them.
 
         Args:
             slots: slot indices a step reads.
             rows: how many rows of each it reads.
+            written: each slot's cache length: its rows below it hold the sequence's KV and are never
+                zeroed (a step that was not pooled, e.g. one sequence decoding alone, wrote them without
+                moving ``reads_upto``; zeroing from there wiped the tokens it had generated).
         """
-        for s in slots:
-            lo = self.reads_upto[s]
+        for s, n in zip(slots, written):
+            lo = max(self.reads_upto[s], n)
             if lo < rows:  # a chunk ahead, so a growing batch zeroes once per ZERO_AHEAD steps, not every step
                 hi = min(self.capacity, rows + ZERO_AHEAD)
                 for k, v in zip(self.k, self.v):

@@ -144,3 +144,28 @@ def test_a_failed_move_into_the_pool_gives_its_slot_back(tiny_engine, monkeypatc
     assert pool.free_slots == 1  # not leaked: the next sequence gets it
     monkeypatch.undo()
     assert isinstance(pool.adopt(mine[0]), PoolSlotCache) and pool.free_slots == 0
+
+
+def test_rows_a_sequence_decoded_alone_survive_a_second_sequence_joining(tiny_engine):
+    """A one-sequence step writes its rows into its slot without moving ``reads_upto``: the first pooled
+    step then zeroed them, and the sequence read zeros for the tokens it had generated (0.07-0.1 off,
+    and greedy answers parted, on a server idle between bursts)."""
+    pool = pool_for(tiny_engine)
+    (a,), (ta,) = prefilled(tiny_engine, 1, room=16)
+    (ref,), _ = prefilled(tiny_engine, 1, room=16)
+    slot = pool.adopt(a)
+    (b,), (tb,) = prefilled(tiny_engine, 1, room=16)
+    t_slot = t_ref = ta
+    for step in range(10):
+        if step < 5:  # alone
+            got = decode_batch(tiny_engine.runner, [slot], [t_slot])[0]
+        else:  # a second request has joined: pooled steps
+            if step == 5:
+                b = pool.adopt(b)
+            got, other = decode_batch(tiny_engine.runner, [slot, b], [t_slot, tb])
+            tb = int(other.argmax())
+        want = decode_batch(tiny_engine.runner, [ref], [t_ref])[0]
+        assert torch.allclose(got, want, atol=THROUGHPUT_ATOL, rtol=0), step
+        t_slot, t_ref = int(got.argmax()), int(want.argmax())
+    k = pool.k[0][slot.slot, :, : slot.length]  # (Hkv, T, D)
+    assert all(float(k[:, t].abs().max()) > 0 for t in range(slot.length))
