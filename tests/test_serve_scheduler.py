@@ -351,6 +351,9 @@ def test_with_a_prefill_share_the_decode_loop_prefills_beside_a_decoding_batch(m
     ticket.cancel()
     for i, (p, pol, cfg) in enumerate(reqs):
         assert col.last(i).completion.logits_sha256() == generate(engine, p, pol, cfg).logits_sha256()
+    # every request that joined the batch was moved into the decode pool, also in an iteration where the
+    # loop then ran a prefill (those were never adopted: their steps ran attention per sequence)
+    assert sched.pool is None or sched.pool.adopted == len(reqs) + 1
 
 
 def test_the_loop_time_window_measures_the_prefill_share():

@@ -554,6 +554,8 @@ class Scheduler:
             self._incoming.clear()
             if self._decode_loop_prefill_due() and (not batch or self._loop_share_allows()):
                 job = self._take_job()
+        if joining:  # before a prefill this iteration may run: the next iteration no longer knows them
+            self._pool_joined(batch, joining)
         if job is not None:  # nothing to decode (or within its share) and every worker busy: prefill here
             self.decode_loop_prefills += 1
             self._prefill_threads()
@@ -561,8 +563,6 @@ class Scheduler:
             self._run_prefill(job)
             self._loop_time.add(time.perf_counter() - t0, prefill=True)
             return True
-        if joining:
-            self._pool_joined(batch, joining)
         live = []
         for job in batch:
             if job.cancelled.is_set():
