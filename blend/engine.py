@@ -159,7 +159,8 @@ def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.devic
         dtype=cfg.dtype,
         kv_dtype=cfg.kv_dtype or cfg.dtype,
         device_class=device_class,
-        backend=f"kvblend-layers/torch-{torch.__version__}/sdpa/{gemm.value}/{attention_label()}/{fp32_precision_label()}",
+        backend=(f"kvblend-layers/torch-{torch.__version__}/sdpa/{gemm.value}/{attention_label()}/"
+                 f"{fp32_precision_label()}"),
         rope=rope_config_json(config),
     )
 

@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "summary.md").write_text(text)
         print(text)
         if args.plot:
-            title = f"{setups[0] if len(setups) == 1 else args.model}, {args.data}, items {items[0]}-{items[-1]} ({len(items)})"
+            setup = setups[0] if len(setups) == 1 else args.model
+            title = f"{setup}, {args.data}, items {items[0]}-{items[-1]} ({len(items)})"
             write_budget_plot(rows, [m for m in methods if m.kind is MethodKind.BLEND], out / "budget.png", title)
             if all(r.full_ms for r in rows):
                 write_items_plot(rows, [m.name for m in methods], out / "items.png", title)

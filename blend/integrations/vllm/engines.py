@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -97,6 +98,9 @@ def vllm_numerics(vllm_config: Any) -> str:
     for name in ("load_config", "attention_config", "compilation_config", "kernel_config"):
         cfg = getattr(vllm_config, name, None)
         parts.append(cfg.compute_hash() if hasattr(cfg, "compute_hash") else "None")
+    # the float32 matmul precision vLLM's GPU workers set (TF32 at "high"): an environment variable, so the
+    # scheduler's process and the workers' derive the same keys
+    parts.append(os.environ.get("VLLM_FLOAT32_MATMUL_PRECISION", "default"))
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
