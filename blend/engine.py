@@ -137,7 +137,9 @@ def fp32_precision_label() -> str:
     GEMMs and attention run in TF32 or bf16): it changes the numbers of every KV row, so it is part of
     the provenance, and a request refuses to run once it has changed since the engine was built."""
     mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
-    return f"fp32mm-{torch.get_float32_matmul_precision()}-{getattr(mkldnn, 'fp32_precision', 'na')}"
+    onednn = getattr(mkldnn, "fp32_precision", "na")
+    onednn = "ieee" if onednn in ("none", "ieee") else onednn  # both full float32 ("highest" sets "ieee")
+    return f"fp32mm-{torch.get_float32_matmul_precision()}-{onednn}"
 
 
 def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.device,

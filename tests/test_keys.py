@@ -148,8 +148,10 @@ def test_the_float32_matmul_precision_is_in_the_key_and_a_change_after_loading_i
     other KV under the same keys (0.016 off) before it was part of the provenance."""
     import torch
 
+    from blend.engine import fp32_precision_label
     from blend.errors import InvalidRequestError
     before = tiny_engine_factory()
+    saved = torch.get_float32_matmul_precision(), torch.backends.mkldnn.matmul.fp32_precision
     try:
         torch.set_float32_matmul_precision("medium")
         medium = tiny_engine_factory()
@@ -159,7 +161,9 @@ def test_the_float32_matmul_precision_is_in_the_key_and_a_change_after_loading_i
         with pytest.raises(InvalidRequestError, match="float32 matmul precision changed"):
             before.precompute_chunks(["a document"])
     finally:
-        torch.set_float32_matmul_precision("highest")
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.mkldnn.matmul.fp32_precision = saved[1]
+    assert fp32_precision_label() == before._fp32_precision  # restored: "none" and "ieee" read the same
 
 
 def test_onednn_fpmath_mode_is_in_the_device_class(monkeypatch):
