@@ -423,3 +423,24 @@ def test_batch_invariant_decoding_refuses_a_changing_thread_count():
     with pytest.raises(ValueError, match="batch-invariant"):
         SchedulerConfig(batching=DecodeBatching.INVARIANT, torch_threads=1, idle_decode_threads=2)
     assert SchedulerConfig(batching=DecodeBatching.THROUGHPUT, torch_threads=1, idle_decode_threads=2)
+
+
+def test_a_request_still_prefilling_when_the_scheduler_closes_fails_and_does_not_hang(make_scheduler):
+    """close() took its snapshot of the queues while the prefill ran; the prefill then queued the request
+    for the decode loop, which nothing read after shutdown: no FAILED event, ever."""
+    engine = tiny_serve_engine()
+    real = engine.prefill
+
+    def slow(*a, **kw):
+        time.sleep(0.8)
+        return real(*a, **kw)
+
+    engine.prefill = slow
+    sched = make_scheduler(engine, torch_threads=1)
+    col = Collector()
+    sched.submit(engine.build_prompt("q?", make_docs(1)), ReusePolicy.exact(), GenerationConfig(max_tokens=5),
+                 col.sink(0))
+    wait_until(lambda: sched.active >= 1)  # prefilling now
+    time.sleep(0.2)
+    sched.close()
+    assert col.last(0).kind is EventKind.FAILED

@@ -296,9 +296,14 @@ class Scheduler:
             self._waiting.clear()
             self._incoming.clear()
             self._cond.notify_all()
+        if self.flight is not None:  # a prefill waiting on another request's chunk stops waiting
+            self.flight.wake()
         for t in self._threads:
             t.join(timeout)
         self._threads.clear()
+        with self._cond:  # a prefill that was running finished into the batch's queue after the snapshot
+            left += list(self._incoming)
+            self._incoming.clear()
         for job in left:
             self._emit(job, Event(EventKind.FAILED, error=ShuttingDownError()))
 
