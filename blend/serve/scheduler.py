@@ -459,7 +459,7 @@ class Scheduler:
         computed = fill.computed - computed_before
         if self.metrics is not None:  # before put_back, which publishes the fill's outcome
             self.metrics.refined_segments.inc(computed)
-            if fill.done and not failed:
+            if fill.done and not failed and fill.computed:  # an order found stored already gained nothing
                 self.metrics.refined_orders.inc()
         self.refine.put_back(fill, computed, failed)
 
