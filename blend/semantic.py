@@ -40,7 +40,7 @@ import torch
 from blend.donors import Donor, DonorIndex, RecordLog, removal_record
 from blend.keys import Namespace, StoreKey, canonical_key_of, key_hex, provenance_digest, token_digest
 from blend.kvcache import KVEntry
-from blend.store.base import KVStore, LookupStatus
+from blend.store.base import KVStore, LookupStatus, store_tiers
 
 FORCE_WINDOW = 4  # tokens recomputed on each side of every edit (their left context changed most)
 MIN_SIMILARITY = 0.3  # estimated shingle Jaccard a donor needs to be considered (5-gram shingles)
@@ -160,10 +160,8 @@ class Donors:
                 if self._index is None:
                     index = DonorIndex()
                     if self.enabled:
-                        # a chain's tiers (a tiered store, or a wrapper over one such as the server's
-                        # FlightStore): the log attaches to the persistent ones
-                        tiers = list(getattr(self.store, "tiers", [self.store]))
-                        index.attach_log(tiers, self.log_name, self._is_canonical)
+                        # the log attaches to the chain's persistent tiers
+                        index.attach_log(store_tiers(self.store), self.log_name, self._is_canonical)
                     self._index = index
         return self._index
 
@@ -199,7 +197,7 @@ class Donors:
         if self.enabled:
             return self.index.remove(key)
         if self._logs_holding is None:  # read once: an ingest may forget many chunks
-            self._logs_holding = [t for t in getattr(self.store, "tiers", [self.store])
+            self._logs_holding = [t for t in store_tiers(self.store)
                                   if isinstance(t, RecordLog) and t.read_records(self.log_name)]
         for tier in self._logs_holding:
             tier.append_record(self.log_name, removal_record(key))
@@ -224,11 +222,11 @@ class Donors:
         """
         if not self.enabled:  # the engine's opt-in, whatever index was handed in (use_index)
             return None
-        scored = []
+        scored, pre = [], token_digest(preamble_ids)
         for donor, sim in self.index.candidates(preamble_ids, doc_ids, MIN_SIMILARITY, top=MAX_CANDIDATES + 1):
             if donor.key == own_key:  # registered but its KV is gone: not a donor of itself
                 continue
-            if donor.preamble != token_digest(preamble_ids) or not self._is_canonical(donor):
+            if donor.preamble != pre or not self._is_canonical(donor):
                 # an index handed in (use_index: a saved file is untrusted input) is checked here as the
                 # log is on replay: a row whose key is not the canonical key of its own preamble and
                 # tokens would lend another chunk's KV under this document's name

@@ -25,6 +25,7 @@ from blend.retrieval.catalog import Catalog
 from blend.retrieval.chunker import chunk_id
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.embedder import Embedder
+from blend.store.base import store_tiers
 
 if TYPE_CHECKING:  # the engine is imported lazily: retrieval works without it
     from blend.engine import Engine
@@ -168,7 +169,7 @@ class EngineKVWriter:
 
     def __call__(self, texts: list[str]) -> int:
         written = int(self.engine.precompute_chunks(list(texts), system=self.system))  # flushed on return
-        last = list(getattr(self.engine.store, "tiers", [self.engine.store]))[-1]
+        last = store_tiers(self.engine.store)[-1]
         preamble = preamble_segment(self.engine.tokenizer, self.system)
         self.unsaved += sum(not last.contains(Namespace.CANONICAL, _chunk_key(self.engine, preamble, t)) for t in texts)
         return written

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 from blend.keys import Namespace, StoreKey
 from blend.policy import ReuseMode, ReusePolicy
 from blend.prompt import Prompt
-from blend.store.base import KVEntry, KVStore, Lookup, StoreStats, flush_writes
+from blend.store.base import KVEntry, KVStore, Lookup, StoreStats, flush_writes, store_tiers
 
 FlightKey = tuple[Namespace, bytes]
 
@@ -66,7 +66,7 @@ class FlightStore:
     @property
     def tiers(self) -> list:
         """The inner chain's tiers (donor logs attach to the persistent ones)."""
-        return list(getattr(self.inner, "tiers", [self.inner]))
+        return store_tiers(self.inner)
 
     # ---- claims -----------------------------------------------------------------------
 

@@ -165,6 +165,19 @@ def flush_writes(store: KVStore, timeout: float | None = None) -> bool:
     return True if flush is None else bool(flush(timeout))
 
 
+def store_tiers(store: KVStore) -> list:
+    """A store's tiers, first to last: a chain's (a tiered store, or a wrapper of one such as the server's
+    FlightStore), else the store alone.
+
+    Args:
+        store: any store.
+
+    Returns:
+        The tiers; the last is the most persistent.
+    """
+    return list(getattr(store, "tiers", [store]))
+
+
 def check_entry(entry: KVEntry, provenance: str) -> str:
     """Return why ``entry`` cannot serve ``provenance`` ('' if it can)."""
     if entry.provenance != provenance:
