@@ -24,13 +24,14 @@ checked) and the files must agree with each other. Anything else is one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -214,7 +215,15 @@ class Catalog:
         fe = self.files.get(path)
         return fe is not None and fe.sha256 == sha256 and fe.signature == signature
 
-    def _replace_file(
+    @contextlib.contextmanager
+    def _change(self) -> Iterator[None]:
+        """A change to files, records and vectors together: :attr:`interrupted` until it completes
+        (an exception half-way leaves it set, and :meth:`commit` refuses the state)."""
+        self.interrupted = True
+        yield
+        self.interrupted = False
+
+    def replace_file(
         self, entry: FileEntry, new: Sequence[tuple[ChunkRecord, np.ndarray]]
     ) -> list[str]:
         """Make ``entry`` the manifest row for its path, adding and dropping chunks.
@@ -227,66 +236,54 @@ class Catalog:
             Ids of chunks no file references any more (removed from the index and
             queued for KV garbage collection).
         """
-        old = self.files.get(entry.path)
-        old_ids = {c.chunk_id for c in old.chunks} if old else set()
-        new_ids = {c.chunk_id for c in entry.chunks}
-        add_ids: list[int] = []
-        add_vecs: list[np.ndarray] = []
-        given = {rec.chunk_id: (rec, vec) for rec, vec in new}
-        for cid in sorted(new_ids - old_ids):
-            self._refs[cid] = self._refs.get(cid, 0) + 1
-            if cid in self.records:
+        with self._change():
+            old = self.files.get(entry.path)
+            old_ids = {c.chunk_id for c in old.chunks} if old else set()
+            new_ids = {c.chunk_id for c in entry.chunks}
+            add_ids: list[int] = []
+            add_vecs: list[np.ndarray] = []
+            given = {rec.chunk_id: (rec, vec) for rec, vec in new}
+            for cid in sorted(new_ids - old_ids):
+                self._refs[cid] = self._refs.get(cid, 0) + 1
+                if cid in self.records:
+                    self.pending_gc.pop(cid, None)
+                    continue
+                if cid not in given:
+                    raise ValueError(f"no vector given for new chunk {cid}")
+                rec, vec = given[cid]
+                self.records[cid] = ChunkRecord(cid, self._next_slot, rec.text, rec.n_tokens)
                 self.pending_gc.pop(cid, None)
-                continue
-            if cid not in given:
-                raise ValueError(f"no vector given for new chunk {cid}")
-            rec, vec = given[cid]
-            self.records[cid] = ChunkRecord(cid, self._next_slot, rec.text, rec.n_tokens)
-            self.pending_gc.pop(cid, None)
-            add_ids.append(self._next_slot)
-            add_vecs.append(np.asarray(vec, dtype=np.float32).reshape(-1))  # (D,)
-            self._next_slot += 1
-        removed: list[str] = []
-        for cid in sorted(old_ids - new_ids):
-            self._refs[cid] -= 1
-            if self._refs[cid] == 0:
-                del self._refs[cid]
-                removed.append(cid)
-        self.files[entry.path] = entry
-        self._where = None
-        self._drop(removed)
-        if add_ids:
-            self.vectors.add(np.array(add_ids, dtype=np.int64), np.stack(add_vecs))  # (M,), (M, D)
-        return removed
-
-    def _remove_file(self, path: str) -> list[str]:
-        old = self.files.pop(path, None)
-        self._where = None
-        if old is None:
-            return []
-        removed: list[str] = []
-        for cid in sorted({c.chunk_id for c in old.chunks}):
-            self._refs[cid] -= 1
-            if self._refs[cid] == 0:
-                del self._refs[cid]
-                removed.append(cid)
-        self._drop(removed)
-        return removed
-
-    def replace_file(self, entry: FileEntry, new: Sequence[tuple[ChunkRecord, np.ndarray]]) -> list[str]:
-        """:meth:`_replace_file`, marking the catalog :attr:`interrupted` if it raises half-way."""
-        self.interrupted = True
-        removed = self._replace_file(entry, new)
-        self.interrupted = False
-        return removed
+                add_ids.append(self._next_slot)
+                add_vecs.append(np.asarray(vec, dtype=np.float32).reshape(-1))  # (D,)
+                self._next_slot += 1
+            removed: list[str] = []
+            for cid in sorted(old_ids - new_ids):
+                self._refs[cid] -= 1
+                if self._refs[cid] == 0:
+                    del self._refs[cid]
+                    removed.append(cid)
+            self.files[entry.path] = entry
+            self._where = None
+            self._drop(removed)
+            if add_ids:
+                self.vectors.add(np.array(add_ids, dtype=np.int64), np.stack(add_vecs))  # (M,), (M, D)
+            return removed
 
     def remove_file(self, path: str) -> list[str]:
-        """Forget a file; returns the chunk ids that became unreachable (marks the catalog
-        :attr:`interrupted` if it raises half-way)."""
-        self.interrupted = True
-        removed = self._remove_file(path)
-        self.interrupted = False
-        return removed
+        """Forget a file; returns the chunk ids that became unreachable."""
+        with self._change():
+            old = self.files.pop(path, None)
+            self._where = None
+            if old is None:
+                return []
+            removed: list[str] = []
+            for cid in sorted({c.chunk_id for c in old.chunks}):
+                self._refs[cid] -= 1
+                if self._refs[cid] == 0:
+                    del self._refs[cid]
+                    removed.append(cid)
+            self._drop(removed)
+            return removed
 
     def _drop(self, removed: list[str]) -> None:
         if not removed:

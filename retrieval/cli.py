@@ -32,8 +32,8 @@ from blend.retrieval.corpus import RetrievalError, expand_paths
 from blend.retrieval.embedder import Embedder
 from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
 from blend.retrieval.ingest import ingest, print_issues
-from blend.store.spec import default_spec
 from blend.retrieval.pipeline import RAG, engine_kv_deleter, engine_kv_signature, engine_kv_writer
+from blend.store.spec import default_spec
 
 USER_ERRORS: tuple[type[BaseException], ...] = (RetrievalError, FileNotFoundError, ValueError, KVBlendError)
 
