@@ -358,13 +358,13 @@ class DonorIndex:
         """:meth:`attach_log` with the lock held."""
         self._logs = [t for t in tiers if isinstance(t, RecordLog)]
         self._log_name, self._verify = name, verify
-        loaded = 0
+        loaded: list[bytes] = []
         for sink in self._logs:
             for donor in self._compact(sink, sink.read_records(name)):
                 if bytes(donor.key) not in self._keys:
                     self._insert(donor)
-                    loaded += 1
-        return min(loaded, len(self._keys))
+                    loaded.append(bytes(donor.key))
+        return sum(k in self._keys for k in loaded)  # past max_donors the oldest left memory again
 
     def remove(self, key: StoreKey) -> bool:
         """Forget a chunk (e.g. its KV was evicted from the store), here and in the attached logs."""
