@@ -116,8 +116,8 @@ class LogprobFormat:
         return token_bytes(self.tokenizer, token_id).decode("utf-8", errors="replace")
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict:
-        return {"token": self._text(token_id), "logprob": logprob,
-                "bytes": list(token_bytes(self.tokenizer, token_id))}
+        own = token_bytes(self.tokenizer, token_id)  # once: the text is these bytes decoded
+        return {"token": own.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(own)}
 
     def format(self, entries: tuple[TokenLogprob, ...] | None) -> dict | None:
         """The ``logprobs`` object for these answer tokens (None when logprobs are off)."""
