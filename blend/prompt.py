@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
+from blend.control_text import OPEN, encode_marked, encode_user_text, holds_control, mark, unmark
 from blend.errors import InvalidRequestError
 
 DEFAULT_SYSTEM = (
@@ -168,6 +169,35 @@ def tokenize_segment(tokenizer, text: str) -> tuple[int, ...]:
     return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def document_ids(tokenizer, doc: str) -> tuple[int, ...]:
+    """Token ids of a document as :func:`build_prompt` lays it out (a control token's string in it is
+    text, see :mod:`blend.control_text`).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        doc: the document's text (as given to ``build_prompt``, or already laid out).
+
+    Returns:
+        The ids of ``document_text(doc)``.
+    """
+    return encode_user_text(tokenizer, document_text(doc))
+
+
+def _user(tokenizer, text: str) -> str:
+    """User text as the layout renders it: marked where it spells a control token (else unchanged)."""
+    return mark(tokenizer, text) if holds_control(tokenizer, text) else text
+
+
+def _segment(tokenizer, kind: SegmentKind, rendered: str, turn_ends: tuple[int, ...] = ()) -> Segment:
+    """A segment of rendered text whose user parts went through :func:`_user`."""
+    return Segment(kind, _ids(tokenizer, rendered), unmark(rendered), turn_ends)
+
+
+def _ids(tokenizer, rendered: str) -> tuple[int, ...]:
+    """Token ids of rendered text: the tokenizer's own unless a user part in it was marked."""
+    return encode_marked(tokenizer, rendered) if OPEN in rendered else tokenize_segment(tokenizer, rendered)
+
+
 def document_text(doc: str) -> str:
     """How a document is laid into the prompt."""
     return doc.strip() + "\n\n"
@@ -175,8 +205,8 @@ def document_text(doc: str) -> str:
 
 def preamble_segment(tokenizer, system: str | None) -> Segment:
     """The preamble: chat head with the system prompt and the user turn's opening."""
-    head, _ = _template_parts(tokenizer, system or DEFAULT_SYSTEM)
-    return Segment(SegmentKind.PREAMBLE, tokenize_segment(tokenizer, head), head)
+    head, _ = _template_parts(tokenizer, _user(tokenizer, system or DEFAULT_SYSTEM))
+    return _segment(tokenizer, SegmentKind.PREAMBLE, head)
 
 
 def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str | None = None,
@@ -212,20 +242,20 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
             raise InvalidRequestError(f"{what} is not valid Unicode text (it holds a lone surrogate)")
     # every turn as it was asked or answered: stripped, as the question is (a client echoing "q?\n" back
     # would otherwise read another prompt than the one that produced the answer, and lose its turn's reuse)
-    history = tuple(Turn(t.role, t.text.strip()) for t in history)
-    system = system or DEFAULT_SYSTEM
+    # (user text spelling a control token is marked, so it reads as text: see blend.control_text)
+    history = tuple(Turn(t.role, _user(tokenizer, t.text.strip())) for t in history)
+    system = _user(tokenizer, system or DEFAULT_SYSTEM)
+    question = _user(tokenizer, question.strip())
     if history:
         # head: the single-question preamble, or a conversation opening with assistant turns' own
-        head, rest = _conversation_parts(tokenizer, system, history, question.strip())
-        pre = Segment(SegmentKind.PREAMBLE, tokenize_segment(tokenizer, head), head)
-        ids = tokenize_segment(tokenizer, rest)
+        head, rest = _conversation_parts(tokenizer, system, history, question)
+        ids = _ids(tokenizer, rest)
         ends = _turn_ends(tokenizer, system, history, head, ids)
-        return Prompt((pre, *_document_segments(tokenizer, documents),
-                       Segment(SegmentKind.QUESTION, ids, rest, ends)))
-    _, tail = _template_parts(tokenizer, system)
-    segs = [preamble_segment(tokenizer, system), *_document_segments(tokenizer, documents)]
-    qtext = f"Question: {question.strip()}{tail}"
-    segs.append(Segment(SegmentKind.QUESTION, tokenize_segment(tokenizer, qtext), qtext))
+        return Prompt((_segment(tokenizer, SegmentKind.PREAMBLE, head), *_document_segments(tokenizer, documents),
+                       Segment(SegmentKind.QUESTION, ids, unmark(rest), ends)))
+    head, tail = _template_parts(tokenizer, system)
+    segs = [_segment(tokenizer, SegmentKind.PREAMBLE, head), *_document_segments(tokenizer, documents)]
+    segs.append(_segment(tokenizer, SegmentKind.QUESTION, f"Question: {question}{tail}"))
     return Prompt(tuple(segs))
 
 
@@ -258,7 +288,7 @@ def _turn_ends(tokenizer, system: str, history: Sequence[Turn], head: str, ids: 
             prev_head, prev_rest = _conversation_parts(tokenizer, system, history[:i - 1], history[i - 1].text.strip())
         except InvalidRequestError:
             continue
-        prev = tokenize_segment(tokenizer, prev_rest)
+        prev = _ids(tokenizer, prev_rest)
         if prev_head == head and (ends[-1] if ends else 0) < len(prev) < len(ids) and ids[:len(prev)] == prev:
             ends.append(len(prev))
     return tuple(ends)
@@ -274,6 +304,6 @@ def _document_segments(tokenizer, documents: Sequence[str]) -> list[Segment]:
     for i, doc in enumerate(documents):
         if not doc or not doc.strip():
             raise InvalidRequestError(f"document {i + 1} is empty")
-        text = document_text(doc)
-        segs.append(Segment(SegmentKind.DOCUMENT, tokenize_segment(tokenizer, text), text))
+        # (its text as its ids read it: a Unicode noncharacter marker in it is dropped, see blend.control_text)
+        segs.append(Segment(SegmentKind.DOCUMENT, document_ids(tokenizer, doc), unmark(document_text(doc))))
     return segs

@@ -39,7 +39,7 @@ from blend.keys import Namespace, Provenance, StoreKey, canonical_key, exact_cha
 from blend.kvcache import KVCache, KVEntry
 from blend.prefix_cache import PrefixCache
 from blend.model import ModelRunner
-from blend.prompt import Prompt, Segment, SegmentKind, document_text, tokenize_segment
+from blend.prompt import Prompt, Segment, SegmentKind, document_ids
 from blend.report import ReuseClass, SegmentReport
 from blend.semantic import Donors
 from blend.store.base import KVStore, Lookup, LookupStatus, flush_writes
@@ -543,8 +543,7 @@ class SegmentCache:
         """
         written = 0
         for text in texts:
-            laid = document_text(text)  # as build_prompt lays it (idempotent on a laid-out text)
-            ids = tokenize_segment(self.model.loaded.tokenizer, laid)
+            ids = document_ids(self.model.loaded.tokenizer, text)  # as build_prompt lays it out (idempotent)
             key = self.canonical_key(preamble.token_ids, ids, salt)
             self.register_donor(preamble.token_ids, ids, key, salt)
             if self.store.contains(Namespace.CANONICAL, key):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from blend.defaults import DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_TOP_K
 from blend.keys import Namespace, StoreKey, key_hex
 from blend.options import load_engine
-from blend.prompt import Segment, document_text, preamble_segment, tokenize_segment
+from blend.prompt import Segment, document_ids, preamble_segment
 from blend.retrieval.catalog import Catalog
 from blend.retrieval.chunker import chunk_id
 from blend.retrieval.corpus import RetrievalError
@@ -190,7 +190,7 @@ def engine_kv_writer(engine: "Engine", system: str | None = None) -> EngineKVWri
 
 def _chunk_key(engine: "Engine", preamble: Segment, text: str) -> StoreKey:
     """The canonical key :meth:`Engine.precompute_chunks` stores a chunk's KV under."""
-    return engine.segments.canonical_key(preamble.token_ids, tokenize_segment(engine.tokenizer, document_text(text)))
+    return engine.segments.canonical_key(preamble.token_ids, document_ids(engine.tokenizer, text))
 
 
 def engine_kv_signature(engine: "Engine", system: str | None = None) -> str:
