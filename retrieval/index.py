@@ -28,6 +28,7 @@ import numpy as np
 
 from blend import safeio
 from blend.retrieval.corpus import RetrievalError
+from blend.retrieval.faiss_layout import LayoutError, check_layout
 
 DEFAULT_APPROX_THRESHOLD = 20_000
 MAX_INDEX_FILE_BYTES = 8 << 30  # the largest index file read (vectors of ~5M chunks at dim 384)
@@ -300,10 +301,11 @@ class VectorIndex:
         if built is not self.resolved_kind() or hashlib.sha256(data).hexdigest() != digest.strip():
             return None  # damaged, or saved by a build that wrote no digest: never parsed
         try:
+            check_layout(data, built.value, dim)  # every size claim fits the file, before faiss allocates any
             index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
             if not _is_kind(index, built):  # another index type under this kind's name: rebuilt
                 return None
-        except (RuntimeError, MemoryError, AttributeError):  # faiss's refusals; a size claim too large to allocate
+        except (LayoutError, RuntimeError, MemoryError, AttributeError):  # another layout; faiss's refusals
             return None
         if index.ntotal != self.ntotal or index.d != dim:
             return None
