@@ -242,6 +242,32 @@ def _replay(lines: Sequence[bytes]) -> tuple[list[Donor], int]:
     return [d for d in state.values() if d is not None], bad
 
 
+PURGE_TRIES = 3  # a purge's compare-and-swap rewrite, retried when another process appended meanwhile
+
+
+def purge_log(sink: RecordLog, name: str) -> bool:
+    """Rewrite ``sink``'s donor log to one line per live donor, whatever its share of dead lines: a
+    deleted document's tokens must leave the disk or Redis now, not at some later compaction.
+
+    Args:
+        sink: a persistent tier's record log.
+        name: the log's name.
+
+    Returns:
+        True if the log holds no removed or repeated donor afterwards (False: it cannot be rewritten, or
+        other processes kept appending through every try).
+    """
+    if not isinstance(sink, CompactableLog):
+        return False
+    for _ in range(PURGE_TRIES):
+        lines = sink.read_records(name)
+        live, _ = _replay(lines)
+        rows = [_record(_donor_row(d)) for d in live]
+        if rows == lines or sink.rewrite_records(name, lines, rows):
+            return True
+    return False
+
+
 class DonorIndex:
     """Near-duplicate search over registered canonical chunks, per preamble.
 

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from blend.donors import Donor, DonorIndex, RecordLog, removal_record
+from blend.donors import Donor, DonorIndex, RecordLog, purge_log, removal_record
 from blend.keys import Namespace, StoreKey, canonical_key_of, key_hex, provenance_digest, token_digest
 from blend.kvcache import KVEntry
 from blend.store.base import KVStore, LookupStatus, store_tiers
@@ -202,6 +202,19 @@ class Donors:
         for tier in self._logs_holding:
             tier.append_record(self.log_name, removal_record(key))
         return False
+
+    def purge_logs(self) -> bool:
+        """Rewrite the persistent tiers' donor logs without the donors forgotten so far (after a batch of
+        :meth:`forget` calls: an ingest that deleted documents). Until then a removed chunk's tokens stay
+        readable in the log, under a removal record.
+
+        Returns:
+            True if every log that exists was rewritten (or needed nothing).
+        """
+        # (a registration appended meanwhile, here or by another process, fails the rewrite's compare-and-swap,
+        # and the purge reads the log again)
+        tiers = [t for t in store_tiers(self.store) if isinstance(t, RecordLog) and t.read_records(self.log_name)]
+        return all([purge_log(t, self.log_name) for t in tiers])
 
     def donor_kv(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], own_key: StoreKey,
                  unusable: Callable[[KVEntry], str] | None = None) -> DonorKV | None:

@@ -281,6 +281,9 @@ def ingest(
         if kv_deleter is not None and cat.pending_gc:
             collected = cat.collect_garbage(kv_deleter)
             cat.commit()
+            finish = getattr(kv_deleter, "finish", None)  # e.g. purge the deleted chunks from the donor logs
+            if finish is not None:
+                finish()
         return IngestSummary(
             files_seen=len(files),
             files_removed=len(gone),

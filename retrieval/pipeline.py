@@ -210,7 +210,7 @@ def engine_kv_signature(engine: "Engine", system: str | None = None) -> str:
     return key_hex(engine.segments.canonical_key(preamble_segment(engine.tokenizer, system).token_ids, []))
 
 
-def engine_kv_deleter(engine: "Engine", system: str | None = None) -> Callable[[str, str], bool]:
+def engine_kv_deleter(engine: "Engine", system: str | None = None) -> "EngineKVDeleter":
     """A ``kv_deleter`` that removes a chunk's canonical KV from the engine's store, and the chunk
     from the engine's semantic donors.
 
@@ -225,17 +225,32 @@ def engine_kv_deleter(engine: "Engine", system: str | None = None) -> Callable[[
         system: the system prompt the chunks were precomputed under.
 
     Returns:
-        (chunk id, text) -> True once the entry is gone (or was never stored).
+        (chunk id, text) -> True once the entry is gone (or was never stored); its ``finish()``, after a
+        batch, rewrites the donor logs without the deleted chunks (``ingest`` calls it after collecting).
     """
-    preamble = preamble_segment(engine.tokenizer, system)
+    return EngineKVDeleter(engine, preamble_segment(engine.tokenizer, system))
 
-    def delete(_cid: str, text: str) -> bool:
-        key = _chunk_key(engine, preamble, text)
-        engine.store.delete(Namespace.CANONICAL, key)
-        engine.segments.donors.forget(key)
-        return not engine.store.contains(Namespace.CANONICAL, key)
 
-    return delete
+class EngineKVDeleter:
+    """Deletes chunks' canonical KV (see :func:`engine_kv_deleter`); :meth:`finish` after a batch purges
+    the donor logs, so the deleted chunks' tokens leave them at once."""
+
+    def __init__(self, engine: "Engine", preamble: Segment) -> None:
+        self.engine, self.preamble = engine, preamble
+        self.forgotten = 0
+
+    def __call__(self, _cid: str, text: str) -> bool:
+        key = _chunk_key(self.engine, self.preamble, text)
+        self.engine.store.delete(Namespace.CANONICAL, key)
+        self.engine.segments.donors.forget(key)
+        self.forgotten += 1
+        return not self.engine.store.contains(Namespace.CANONICAL, key)
+
+    def finish(self) -> None:
+        """Rewrite the donor logs without the chunks deleted since the last call."""
+        if self.forgotten:
+            self.forgotten = 0
+            self.engine.segments.donors.purge_logs()
 
 
 class RAG:

@@ -360,6 +360,36 @@ def test_an_ingest_without_semantic_reuse_still_removes_a_deleted_chunks_donor(t
     assert key not in later.segments.donors.index
 
 
+@pytest.mark.parametrize("semantic", [False, True])
+def test_a_deleted_chunks_tokens_leave_the_donor_log_on_disk_at_once(tmp_path, semantic: bool) -> None:
+    """A removal record only cancelled the registration: the deleted document's tokens stayed readable in
+    the log file until a compaction that needs 64 lines and over half of them dead. An ingest that deletes
+    chunks (finish() after its garbage collection) now rewrites the log without them."""
+    from blend.prompt import document_ids
+    from blend.store.disk import DiskStore
+
+    secret = "The vault code of the northern tower is 7 4 1 9, known only to the keeper of the lantern."
+    keep = "The harbor master logs every ship that enters after dusk, in a ledger kept by the gate."
+    writer = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), experimental_semantic=True,
+                                    quality_gate=False)
+    writer.precompute_chunks([secret, keep])
+    eng = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), experimental_semantic=semantic,
+                                 quality_gate=False)
+    tokens = ",".join(map(str, document_ids(eng.tokenizer, secret))).encode()
+    logs = tmp_path / "kv" / "logs"
+
+    def on_disk() -> bytes:
+        return b"".join(f.read_bytes() for f in logs.rglob("*") if f.is_file())
+
+    assert tokens in on_disk()
+    deleter = engine_kv_deleter(eng)
+    assert deleter("cid", secret)
+    deleter.finish()
+    assert tokens not in on_disk()  # gone from the files, not only cancelled
+    kept = ",".join(map(str, document_ids(eng.tokenizer, keep))).encode()
+    assert kept in on_disk()  # the live donor stays
+
+
 def test_a_reingest_that_changes_chunk_ids_but_not_texts_keeps_their_kv(tmp_path) -> None:
     """A new tokenizer fingerprint gives every chunk a new id; the old ids went to garbage collection with
     the same texts, and KV (keyed by text) that the live chunks use was deleted."""
