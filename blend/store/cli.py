@@ -15,12 +15,11 @@ from enum import Enum
 from typing import Any, TextIO
 
 from blend.keys import Namespace, key_hex
-from blend.store.base import InspectableStore
+from blend.store.base import InspectableStore, store_tiers
 from blend.store.codec import EntryError
 from blend.store.disk import DiskStore
 from blend.options import add_store_argument
 from blend.store.spec import StoreSpecError, open_store, parse_size
-from blend.store.tiered import TieredStore
 
 
 class StoreCommand(Enum):
@@ -87,10 +86,6 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _tiers(store: InspectableStore) -> list[InspectableStore]:
-    return store.tiers if isinstance(store, TieredStore) else [store]
-
-
 def _namespaces(args: argparse.Namespace) -> list[Namespace]:
     ns = getattr(args, "namespace", None)
     return [Namespace(ns)] if ns else list(Namespace)
@@ -116,12 +111,12 @@ def _unreachable(store: InspectableStore, what: str) -> int:
     Returns:
         ``EXIT_UNREACHABLE`` if any tier is down, else 0.
     """
-    return EXIT_UNREACHABLE if _down_tiers(_tiers(store), what) else 0
+    return EXIT_UNREACHABLE if _down_tiers(store_tiers(store), what) else 0
 
 
 def _stats(store: InspectableStore, as_json: bool, out: TextIO) -> int:
     status = _unreachable(store, "its figures are not real")
-    rows = [(t.name, t.stats()) for t in _tiers(store)]
+    rows = [(t.name, t.stats()) for t in store_tiers(store)]
     if as_json:
         json.dump({name: asdict(s) for name, s in rows}, out, indent=1)
         out.write("\n")
@@ -149,7 +144,7 @@ def _model_of(provenance: str) -> str:
 def _ls(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
     status = _unreachable(store, "its entries are not listed")
     rows: list[dict[str, Any]] = []
-    for tier in _tiers(store):
+    for tier in store_tiers(store):
         for ns in _namespaces(args):
             for key in tier.keys(ns):
                 row: dict[str, Any] = {"tier": tier.name, "namespace": ns.value, "key": key_hex(key)}
@@ -184,7 +179,7 @@ def _verify(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> i
     results: list[tuple[str, VerifyResult]] = []
     unreachable: list[tuple[str, str]] = []  # (tier, why)
     undeleted: list[str] = []  # keys --delete could not remove
-    for tier in _tiers(store):
+    for tier in store_tiers(store):
         why_down = tier.check_reachable()
         if why_down:
             unreachable.append((tier.name, why_down))
@@ -237,7 +232,7 @@ def _clear(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> in
 
 
 def _prune(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
-    disks = [t for t in _tiers(store) if isinstance(t, DiskStore)]
+    disks = [t for t in store_tiers(store) if isinstance(t, DiskStore)]
     if not disks:
         print("kvblend store prune: the store has no disk tier (Redis expires entries with ?ttl=)", file=sys.stderr)
         return 2
