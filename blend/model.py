@@ -124,6 +124,10 @@ def extract_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(device=device, dtype=dtype).contiguous()
 
+    linears = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    odd = sorted({type(m).__name__ for m in linears if type(m) is not torch.nn.Linear})
+    if odd:  # a quantized or adapted projection computes more than its .weight: refused, never read raw
+        raise UnknownModelError(f"projection layers of type {', '.join(odd)} are not supported (torch Linear only)")
     extra = [name for name, m in (("o_proj", att.o_proj), ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj),
                                   ("down_proj", mlp.down_proj)) if getattr(m, "bias", None) is not None]
     if extra:  # only the q/k/v biases are carried (Qwen2's): refuse rather than drop these
@@ -420,6 +424,11 @@ class ModelRunner:
         self.lm_head = pack(hf.lm_head.weight.detach().to(device=device, dtype=dtype), gemm)  # (V, C)
         self.layers: list[LayerWeights] = [_packed(extract_layer(layer, dtype, device), gemm) for layer in base.layers]
         self.rope = RopeTables(base.rotary_emb.to(device), device)
+        width = self.rope(torch.zeros(1, dtype=torch.long, device=device))[0].shape[-1]
+        if width != self.dims.head_dim:  # partial rotary: these families' attention rotates every dim
+            raise UnknownModelError(f"rotary tables {width} wide for heads of {self.dims.head_dim} (a partial rotary "
+                                    "factor) are not supported: transformers' attention for this architecture "
+                                    "rotates the whole head")
         self._gemm_copies: dict[torch.dtype, list[LayerWeights]] = {}  # dtype -> layers (lazy)
         self.kv_pool = KVBufferPool()  # every cache's K/V buffers, recycled between requests
 

@@ -125,10 +125,30 @@ def _gguf_source(name: str) -> tuple[Path, str]:
 
 
 def _converted_dir(name: str) -> Path:
+    """Where :func:`convert_gguf` keeps ``name``'s conversion: named by the GGUF's content (another file of
+    the same name and size, a new revision of the package, converts again)."""
     src_dir, fname = _gguf_source(name)
-    st = (src_dir / fname).stat()
-    tag = hashlib.sha256(f"{fname}|{st.st_size}".encode()).hexdigest()[:12]
+    tag = _file_sha256(src_dir / fname)[:16]
     return kvblend_home() / "models" / f"{name}-{tag}"
+
+
+def _file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, cached under KVBLEND_HOME by its path, size, inode, mtime and ctime."""
+    st = path.stat()
+    stamp = hashlib.sha256(f"{path.resolve()}|{st.st_size}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+                           .encode()).hexdigest()
+    cache = kvblend_home() / "fingerprints" / f"file-{stamp}.json"
+    cached = _read_fingerprint(cache)
+    if cached is not None:
+        return cached
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    safeio.atomic_write_text(cache, json.dumps({"weights_sha256": digest, "path": str(path)}))
+    return digest
 
 
 def convert_gguf(name: str, progress: bool = True) -> Path:
@@ -159,7 +179,7 @@ def convert_gguf(name: str, progress: bool = True) -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        fp = {"weights_sha256": weights_fingerprint(model), "source": fname}
+        fp = {"weights_sha256": weights_fingerprint(model), "source": fname, "stamp": _files_stamp(tmp)}
         (tmp / FINGERPRINT_FILE).write_text(json.dumps(fp))  # written last: marks completion
         try:
             os.rename(tmp, out)
@@ -175,10 +195,10 @@ MAX_FINGERPRINT_BYTES = 1 << 16  # a fingerprint file is ~100 bytes
 _HEX = frozenset("0123456789abcdef")
 
 
-def _read_fingerprint(path: Path) -> str | None:
+def _read_fingerprint(path: Path, stamp: str | None = None) -> str | None:
     """The ``weights_sha256`` a fingerprint file records: 64 lowercase hex digits, or None when the
-    file is absent, not a regular file, oversized, not JSON or holds anything else (logged; the
-    caller computes the fingerprint again)."""
+    file is absent, not a regular file, oversized, not JSON, holds anything else (logged; the
+    caller computes the fingerprint again) or, given ``stamp``, records another ``stamp``."""
     try:
         data = safeio.read_regular(path, MAX_FINGERPRINT_BYTES, follow_symlinks=True)
     except FileNotFoundError:
@@ -187,7 +207,10 @@ def _read_fingerprint(path: Path) -> str | None:
         log.warning("ignoring the weights fingerprint %s (%s); computing it again", path, e)
         return None
     try:
-        fp = json.loads(data).get("weights_sha256")
+        row = json.loads(data)
+        fp = row.get("weights_sha256")
+        if stamp is not None and row.get("stamp") != stamp:
+            return None  # the folder's files changed since (or a file from before stamps): computed again
     except (ValueError, RecursionError, AttributeError):  # not JSON; nesting; not an object
         fp = None
     if isinstance(fp, str) and len(fp) == 64 and set(fp) <= _HEX:
@@ -196,21 +219,32 @@ def _read_fingerprint(path: Path) -> str | None:
     return None
 
 
+def _files_stamp(path: Path) -> str:
+    """A checkpoint folder's weight and config files as they are on disk: names, sizes, inodes, mtimes and
+    ctimes (the fingerprint file itself left out). Saving new weights into the folder, or copying the
+    folder, changes it."""
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json")
+                   and p.name != FINGERPRINT_FILE)
+    return hashlib.sha256("|".join(
+        f"{p.name}:{st.st_size}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+        for p, st in ((p, p.stat()) for p in files)).encode()).hexdigest()
+
+
 def _dir_fingerprint(path: Path, model: torch.nn.Module) -> str:
     """Weights fingerprint of a local checkpoint, cached by the folder and its files' names, sizes, inodes,
     mtimes and ctimes (a copy that keeps the mtimes, ``cp -p`` or ``rsync -a`` of same-size files, still
     changes the ctimes: the cached value of the old weights is not taken for the new ones).
 
     A cached value that is not a sha256 (a corrupt or hand-edited file) is a miss: the fingerprint
-    is computed again and the cache rewritten atomically.
+    is computed again and the cache rewritten atomically. The folder's own fingerprint file (what
+    :func:`convert_gguf` writes) is taken only while its recorded stamp still matches the folder's files:
+    ``save_pretrained`` of other weights into the folder leaves that file behind, and the old value
+    would have keyed the new weights' KV as the old ones'.
     """
-    own = _read_fingerprint(path / FINGERPRINT_FILE)
+    own = _read_fingerprint(path / FINGERPRINT_FILE, _files_stamp(path))
     if own is not None:
         return own
-    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
-    stats = [(p.name, p.stat()) for p in files]
-    stamp = hashlib.sha256((str(path.resolve()) + "|" + "|".join(
-        f"{n}:{st.st_size}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}" for n, st in stats)).encode()).hexdigest()
+    stamp = hashlib.sha256(f"{path.resolve()}|{_files_stamp(path)}".encode()).hexdigest()
     cache = kvblend_home() / "fingerprints" / f"{stamp}.json"
     cached = _read_fingerprint(cache)
     if cached is not None:
@@ -232,7 +266,12 @@ def _load_dir(path: Path, name: str) -> LoadedModel:
         raise UnknownModelError(
             f"{path}: architecture {cfg.model_type!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
         )
+    if getattr(cfg, "quantization_config", None):  # transformers quantizes at forward time: the raw weights
+        raise UnknownModelError(f"{path}: quantized checkpoints are not supported "  # would be read as they are
+                                f"({dict(cfg.quantization_config).get('quant_method', 'quantization_config')})")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if getattr(model, "hf_quantizer", None) is not None:
+        raise UnknownModelError(f"{path}: quantized checkpoints are not supported")
     tok = AutoTokenizer.from_pretrained(path)
     return LoadedModel(name, model, tok, _dir_fingerprint(path, model), tokenizer_fingerprint(tok))
 

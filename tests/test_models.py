@@ -152,3 +152,70 @@ def test_biases_the_engine_does_not_carry_are_refused_not_dropped():
     for kw, name in ((dict(attention_bias=True), "o_proj"), (dict(mlp_bias=True), "gate_proj")):
         with pytest.raises(UnknownModelError, match=name):
             _runner(LlamaConfig(**_SMALL, **kw))
+
+
+def _saved_tiny(d, seed: int = 0):
+    torch.manual_seed(seed)
+    model, tok = build_tiny(TinyModel.LLAMA)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01 * seed)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return model
+
+
+def test_a_fingerprint_file_left_in_a_folder_whose_weights_changed_is_not_believed(tmp_path, home):
+    """save_pretrained of other weights into a converted folder leaves kvblend-fingerprint.json behind:
+    its old weights_sha256 keyed the new weights' KV as the old ones' (exact hits 2.3 off)."""
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    old = _saved_tiny(ckpt, 0)
+    (ckpt / models.FINGERPRINT_FILE).write_text(json.dumps({"weights_sha256": models.weights_fingerprint(old)}))
+    assert models.load_model(str(ckpt)).weights_sha256 == models.weights_fingerprint(old)
+    new = _saved_tiny(ckpt, 1)  # a fine-tune saved into the same folder
+    assert models.load_model(str(ckpt)).weights_sha256 == models.weights_fingerprint(new)
+
+
+def test_a_converted_folders_own_fingerprint_is_used_while_its_files_are_unchanged(tmp_path, home, monkeypatch):
+    import transformers
+
+    fake = tmp_path / "m.gguf"
+    fake.write_bytes(b"GGUF\x01" + bytes(100))
+    monkeypatch.setattr(models, "_gguf_source", lambda name: (fake.parent, fake.name))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: build_tiny(TinyModel.LLAMA)[0])
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: build_tiny(TinyModel.LLAMA)[1])
+    out = models.convert_gguf(models.SMOLLM2, progress=False)
+    assert models._read_fingerprint(out / models.FINGERPRINT_FILE, models._files_stamp(out)) is not None
+    # another GGUF of the same name and size (a new revision of the package): converted again
+    fake.write_bytes(b"GGUF\x02" + bytes(100))
+    assert models.convert_gguf(models.SMOLLM2, progress=False) != out
+
+
+def test_quantized_checkpoints_and_partial_rotary_are_refused_not_computed_wrong(tmp_path, home):
+    """A quantized checkpoint's projections compute more than their .weight (1.8 off transformers); a
+    partial rotary factor with a non-default RoPE type rotates part of the head where transformers'
+    attention for these families cannot run at all."""
+    import json
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    q = tmp_path / "quant"
+    _saved_tiny(q)
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitnet", "linear_class": "autobitlinear",
+                                  "quantization_mode": "online"}
+    (q / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnknownModelError, match="quantized"):
+        models.load_model(str(q))
+
+    p = tmp_path / "partial"
+    conf = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
+                       rope_scaling={"rope_type": "linear", "factor": 2.0})
+    AutoModelForCausalLM.from_config(conf).save_pretrained(p)
+    build_tiny(TinyModel.LLAMA)[1].save_pretrained(p)
+    with pytest.raises(UnknownModelError, match="rotary"):
+        Engine.load(str(p), quality_gate=False)
