@@ -28,7 +28,7 @@ import numpy as np
 
 from blend import safeio
 from blend.retrieval.corpus import RetrievalError
-from blend.retrieval.faiss_layout import LayoutError, check_layout
+from blend.retrieval.faiss_layout import Layout, LayoutError, check_layout
 
 DEFAULT_APPROX_THRESHOLD = 20_000
 MAX_INDEX_FILE_BYTES = 8 << 30  # the largest index file read (vectors of ~5M chunks at dim 384)
@@ -301,7 +301,9 @@ class VectorIndex:
         if built is not self.resolved_kind() or hashlib.sha256(data).hexdigest() != digest.strip():
             return None  # damaged, or saved by a build that wrote no digest: never parsed
         try:
-            check_layout(data, built.value, dim)  # every size claim fits the file, before faiss allocates any
+            layout = check_layout(data, built.value, dim)  # every claim fits the file, before faiss allocates any
+            if not self._holds(layout):  # the ids and vectors the file's index searches must be the index's own
+                return None
             index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
             if not _is_kind(index, built):  # another index type under this kind's name: rebuilt
                 return None
@@ -311,6 +313,17 @@ class VectorIndex:
             return None
         self._built_kind = built
         return index
+
+
+    def _holds(self, layout: Layout) -> bool:
+        """Whether a walked faiss file holds exactly this index's ids and vectors (bit for bit; an inverted
+        file's lists in any order), so that it searches as one rebuilt from them would (an HNSW graph
+        aside: it only decides which of them a search visits)."""
+        if len(layout.ids) != len(self._ids):
+            return False
+        mine, theirs = np.argsort(self._ids, kind="stable"), np.argsort(layout.ids, kind="stable")
+        return bool(np.array_equal(layout.ids[theirs], self._ids[mine])
+                    and np.array_equal(layout.vectors[theirs].view(np.uint32), self._vecs[mine].view(np.uint32)))
 
 
 def _is_kind(index: faiss.Index, kind: IndexKind) -> bool:

@@ -190,6 +190,8 @@ DAMAGE: dict[str, tuple[str, Callable[[Path], Any]]] = {
     "meta_json_unknown_kind": ("meta.json", lambda ix: {**json.loads((_gen(ix) / "meta.json").read_text()), "kind": "magic"}),
     "chunks_jsonl_slot_is_text": ("chunks.jsonl", lambda ix: b'{"chunk_id": "a", "slot": "0", "text": "t", "n_tokens": 1}\n'),
     "chunks_jsonl_garbage": ("chunks.jsonl", lambda ix: b"\xff\n"),
+    # valid JSON whose text is a lone surrogate: the tokenizer raised TypeError when the chunk was asked
+    "chunks_jsonl_lone_surrogate": ("chunks.jsonl", lambda ix: _with_surrogate(_gen(ix) / "chunks.jsonl")),
     "vectors_npy_garbage": ("vectors.npy", lambda ix: b"garbage"),
     "vectors_npy_pickle": ("vectors.npy", lambda ix: _npy(np.array([{"a": 1}], dtype=object))),
     "vectors_npy_wrong_dtype": ("vectors.npy", lambda ix: _npy(np.zeros((2, 64), dtype=np.int8))),
@@ -198,6 +200,15 @@ DAMAGE: dict[str, tuple[str, Callable[[Path], Any]]] = {
     "ids_npy_garbage": ("ids.npy", lambda ix: b"\x93NUMPY\x01\x00\xff\xff" + b"x" * 64),
     "ids_npy_do_not_match_slots": ("ids.npy", lambda ix: _npy(np.arange(100, 100 + _n_ids(ix), dtype=np.int64))),
 }
+
+
+def _with_surrogate(path: Path) -> bytes:
+    """The chunk table with its first chunk's text ending in a lone surrogate (valid JSON, every other field
+    consistent): the tokenizer raised TypeError when the chunk was asked."""
+    lines = path.read_text().splitlines()
+    row = json.loads(lines[0])
+    row["text"] += "\ud800"
+    return "\n".join([json.dumps(row), *lines[1:]]).encode() + b"\n"
 
 
 def _npy(arr: np.ndarray) -> bytes:
