@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Unicode noncharacters: reserved for a program's internal use, never meaningful in interchanged text
 OPEN = "\ufdd0"
@@ -31,9 +31,10 @@ _MARKERS = re.compile(f"[{OPEN}{CLOSE}]")
 class ControlTokens:
     """A tokenizer's control tokens as patterns."""
 
-    strings: tuple[str, ...]  # the special tokens' strings, longest first
+    strings: tuple[str, ...]  # the added tokens' strings, longest first
     find: re.Pattern  # any of them
     split: re.Pattern  # OPEN token CLOSE (captured) or a lone marker (captures None)
+    literal: dict = field(default_factory=dict, compare=False)  # string -> its ids as text (made once each)
 
 
 _cache: "weakref.WeakKeyDictionary[object, ControlTokens]" = weakref.WeakKeyDictionary()
@@ -58,9 +59,11 @@ def control_tokens(tokenizer) -> ControlTokens:
 
 
 def _build(tokenizer) -> ControlTokens:
+    # every added token, special or not: the tokenizer matches each one whole in any text (Qwen2.5's
+    # <tool_call> and <|fim_prefix|> are added tokens not flagged special, as are a GGUF's user-defined ones)
     strings = {str(t) for t in getattr(tokenizer, "all_special_tokens", ()) or ()}
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    strings |= {t.content for t in decoder.values() if getattr(t, "special", False)}
+    strings |= {t.content for t in decoder.values()}
     ordered = tuple(sorted((s for s in strings if s), key=len, reverse=True))
     find = re.compile("|".join(map(re.escape, ordered)) or "(?!)")  # (?!) never matches
     split = re.compile(f"{OPEN}({find.pattern}){CLOSE}|[{OPEN}{CLOSE}]")
@@ -94,12 +97,22 @@ def encode_marked(tokenizer, text: str) -> tuple[int, ...]:
     Returns:
         The ids, no special tokens added.
     """
-    pieces = control_tokens(tokenizer).split.split(text)  # [text, marked, text, marked, ..., text]
+    ct = control_tokens(tokenizer)
+    pieces = ct.split.split(text)  # [text, marked, text, marked, ..., text]
+    # the stretches between marked strings, each encoded as a continuation of the text before it (one
+    # tokenizer call for them all); the first as the start it is
+    later = [p for i, p in enumerate(pieces) if i > 0 and i % 2 == 0 and p]
+    continued = iter(_continuations(tokenizer, later))
     ids: list[int] = []
     for i, piece in enumerate(pieces):
         if not piece:  # an empty stretch, or a lone marker (None): it still breaks the text there
             continue
-        ids += _literal(tokenizer, piece) if i % 2 == 1 else _plain(tokenizer, piece)
+        if i % 2 == 1:
+            if piece not in ct.literal:
+                ct.literal[piece] = tuple(_literal(tokenizer, piece))
+            ids += ct.literal[piece]
+        else:
+            ids += _plain(tokenizer, piece) if i == 0 else next(continued)
     return tuple(ids)
 
 
@@ -113,6 +126,20 @@ def encode_user_text(tokenizer, text: str) -> tuple[int, ...]:
 
 def _plain(tokenizer, text: str) -> tuple[int, ...]:
     return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _continuations(tokenizer, pieces: list[str]) -> list[tuple[int, ...]]:
+    """Each piece's ids as the middle of a text: encoded after a newline, which is then dropped (a
+    SentencePiece tokenizer would otherwise add a word-start space the text does not have)."""
+    if not pieces:
+        return []
+    newline = _plain(tokenizer, "\n")
+    batch = tokenizer(["\n" + p for p in pieces], add_special_tokens=False)["input_ids"]
+    out = []
+    for piece, ids in zip(pieces, batch):
+        ids = tuple(ids)
+        out.append(ids[len(newline):] if newline and ids[:len(newline)] == newline else _plain(tokenizer, piece))
+    return out
 
 
 def _literal(tokenizer, piece: str) -> list[int]:

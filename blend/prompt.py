@@ -199,8 +199,9 @@ def _ids(tokenizer, rendered: str) -> tuple[int, ...]:
 
 
 def document_text(doc: str) -> str:
-    """How a document is laid into the prompt."""
-    return doc.strip() + "\n\n"
+    """How a document is laid into the prompt (a Unicode noncharacter marker in it dropped before the strip,
+    see :mod:`blend.control_text`)."""
+    return unmark(doc).strip() + "\n\n"
 
 
 def preamble_segment(tokenizer, system: str | None) -> Segment:
@@ -240,12 +241,22 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
                        *((f"history turn {i + 1}", t.text) for i, t in enumerate(history))):
         if not _is_unicode(text):
             raise InvalidRequestError(f"{what} is not valid Unicode text (it holds a lone surrogate)")
-    # every turn as it was asked or answered: stripped, as the question is (a client echoing "q?\n" back
-    # would otherwise read another prompt than the one that produced the answer, and lose its turn's reuse)
+        if _SENTINEL in text:  # the layout splits the rendered template there: it would move the turns
+            raise InvalidRequestError(f"{what} holds kvblend's internal split marker ({_SENTINEL!r})")
+    # Unicode noncharacter markers dropped first (blend.control_text), then every turn stripped as it was
+    # asked or answered, as the question is (a client echoing "q?\n" back would otherwise read another
+    # prompt than the one that produced the answer, and lose its turn's reuse)
+    question, system = unmark(question).strip(), unmark(system) if system else system
+    history = tuple(Turn(t.role, unmark(t.text).strip()) for t in history)
+    if not question:
+        raise InvalidRequestError("the question is empty")
+    for i, turn in enumerate(history):
+        if turn.role is not Role.ASSISTANT and not turn.text:
+            raise InvalidRequestError(f"history turn {i + 1} ({turn.role.value}) is empty")
     # (user text spelling a control token is marked, so it reads as text: see blend.control_text)
-    history = tuple(Turn(t.role, _user(tokenizer, t.text.strip())) for t in history)
+    history = tuple(Turn(t.role, _user(tokenizer, t.text)) for t in history)
     system = _user(tokenizer, system or DEFAULT_SYSTEM)
-    question = _user(tokenizer, question.strip())
+    question = _user(tokenizer, question)
     if history:
         # head: the single-question preamble, or a conversation opening with assistant turns' own
         head, rest = _conversation_parts(tokenizer, system, history, question)
@@ -302,8 +313,7 @@ def _document_segments(tokenizer, documents: Sequence[str]) -> list[Segment]:
     """
     segs = []
     for i, doc in enumerate(documents):
-        if not doc or not doc.strip():
+        if not doc or not unmark(doc).strip():
             raise InvalidRequestError(f"document {i + 1} is empty")
-        # (its text as its ids read it: a Unicode noncharacter marker in it is dropped, see blend.control_text)
-        segs.append(Segment(SegmentKind.DOCUMENT, document_ids(tokenizer, doc), unmark(document_text(doc))))
+        segs.append(Segment(SegmentKind.DOCUMENT, document_ids(tokenizer, doc), document_text(doc)))
     return segs

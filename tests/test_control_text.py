@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from blend.control_text import CLOSE, OPEN, control_tokens, encode_user_text, holds_control
 from blend.policy import ReusePolicy
-from blend.prompt import Role, SegmentKind, Turn, build_prompt, document_text, tokenize_segment
+from blend.prompt import Role, SegmentKind, Turn, build_prompt, document_ids, document_text, tokenize_segment
 from blend.report import ReuseClass
 from conftest import make_docs, unguarded_blend
 
@@ -147,3 +147,72 @@ def test_the_real_tokenizer_reads_an_injected_document_as_text(real_engine):
     prompt = build_prompt(tok, "What then?", [INJECT])
     assert count_specials(tok, prompt.documents[0].token_ids) == {}
     assert tok.decode(list(prompt.documents[0].token_ids)) == document_text(INJECT)
+
+
+def _sentencepiece_tokenizer():
+    """A Llama-2/Mistral-style fast tokenizer (Metaspace, prepend_scheme "first", byte fallback)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from blend.tiny import CHATML_TEMPLATE
+
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789<|>_?.:, !"))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for c in ["\u2581", *chars]:
+        vocab.setdefault(c, len(vocab))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tk.add_special_tokens(["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                                   chat_template=CHATML_TEMPLATE)
+
+
+def test_sentencepiece_text_after_a_control_string_gets_no_space_the_user_never_wrote():
+    tok = _sentencepiece_tokenizer()
+    ids = encode_user_text(tok, "x<|im_end|>y")
+    assert tok.decode(list(ids)) == "x<|im_end|>y"  # was "x<|im_end|> y"
+    prompt = build_prompt(tok, "why<|im_end|>now", ["x<|im_end|>y"])
+    assert tok.decode(list(prompt.question.token_ids)).startswith("Question: why<|im_end|>now")
+    assert count_specials(tok, prompt.documents[0].token_ids) == {}
+
+
+def test_added_tokens_not_flagged_special_are_text_too():
+    """Qwen2.5's <tool_call> and <|fim_prefix|> are added tokens without the special flag: the tokenizer
+    still matches them whole in any text."""
+    from blend.tiny import byte_tokenizer
+
+    tok = byte_tokenizer()  # its own: the tokens added here must not reach any engine's
+    tok.add_tokens(["<tool_call>", "<|fim_prefix|>"])
+    assert "<tool_call>" in control_tokens(tok).strings
+    added = {tok.convert_tokens_to_ids(t) for t in ("<tool_call>", "<|fim_prefix|>")}
+    prompt = build_prompt(tok, "a <tool_call> b", ["c <|fim_prefix|> d"], "e <tool_call>")
+    assert not added & set(prompt.token_ids)
+    assert tok.decode(list(prompt.documents[0].token_ids)) == "c <|fim_prefix|> d\n\n"
+
+
+def test_markers_go_before_the_strip_and_the_emptiness_checks(tiny_engine):
+    """A marker beside whitespace at a text's edge: the document's text re-tokenized to other ids than the
+    prompt's (precompute missed it), and a question or document of only markers was not refused."""
+    from blend.errors import InvalidRequestError
+
+    tok = tiny_engine.tokenizer
+    for doc in (f"{OPEN} a document", f"a document {CLOSE}", f"{OPEN}\n<|im_end|> both"):
+        seg = build_prompt(tok, "Q?", [doc]).documents[0]
+        assert document_ids(tok, seg.text) == seg.token_ids == document_ids(tok, doc)
+    for question, docs, history in ((OPEN, ["d"], ()), ("Q?", [CLOSE], ()), ("Q?", ["d"], (Turn(Role.USER, OPEN),
+                                                                                          Turn(Role.ASSISTANT, "a")))):
+        with pytest.raises(InvalidRequestError, match="empty"):
+            build_prompt(tok, question, docs, None, history)
+
+
+def test_the_layouts_split_marker_in_user_text_is_refused(tiny_engine):
+    """The layout splits the rendered template at an internal marker: in a system prompt it moved the
+    documents into the system turn and opened a second user turn."""
+    from blend.errors import InvalidRequestError
+    from blend.prompt import _SENTINEL
+
+    with pytest.raises(InvalidRequestError, match="split marker"):
+        build_prompt(tiny_engine.tokenizer, "Q?", ["d"], "Be brief." + _SENTINEL + "x")
