@@ -271,6 +271,15 @@ def test_logprobs_are_the_python_apis_in_openais_shapes_streamed_or_not(srv, cli
     ({"model": TINY, "prompt": "a", "logprobs": True}, 400, "logprobs"),
     ({"model": TINY, "prompt": "a", "echo": True}, 400, "echo is not supported"),
     ({"model": TINY, "prompt": "a", "best_of": 3}, 400, "best_of is not supported"),
+    # vLLM's sampling fields kvblend does not implement: a 400 naming them, never accepted and ignored
+    (chat(best_of=3), 400, "best_of is not supported"),
+    (chat(min_tokens=50), 400, "min_tokens is not supported"),
+    (chat(min_p=0.5), 400, "min_p is not supported"),
+    (chat(repetition_penalty=2.0), 400, "repetition_penalty is not supported"),
+    (chat(stop_token_ids=[5]), 400, "stop_token_ids is not supported"),
+    (chat(include_stop_str_in_output=True), 400, "include_stop_str_in_output is not supported"),
+    ({"model": TINY, "prompt": "a", "skip_special_tokens": False}, 400, "skip_special_tokens is not supported"),
+    (chat(use_beam_search=True), 400, "use_beam_search is not supported"),
     (chat(cache_salt=7), 400, "cache_salt"),
     ({**chat(), "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, 400,
      "last message must be the user's question"),
@@ -289,6 +298,13 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(srv, body, st
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
     assert post(srv, chat(max_tokens=2)).status_code == 200
+
+
+def test_vllm_sampling_fields_at_their_neutral_values_are_accepted(srv):
+    neutral = dict(best_of=1, min_tokens=0, min_p=0.0, repetition_penalty=1.0, stop_token_ids=[],
+                   include_stop_str_in_output=False, skip_special_tokens=True, use_beam_search=False)
+    assert post(srv, chat(max_tokens=2, **neutral)).status_code == 200
+    assert post(srv, chat(max_tokens=2, **{k: None for k in neutral})).status_code == 200
 
 
 def test_api_key_is_checked_before_anything_else(srv):

@@ -83,8 +83,9 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
                        ErrorType.NOT_FOUND, "model", "model_not_found")
     refused = body.refused_field()
     if refused is not None:
-        raise ApiError(400, f"{refused} is not supported by kvblend serve (no tool calls, constrained decoding, "
-                       "echo or several candidates)",
+        raise ApiError(400, f"{refused} is not supported by kvblend serve at that value: it would change the answer "
+                       "and kvblend does not implement it (no tool calls, constrained decoding, echo, several "
+                       "candidates, or vLLM's min_p, min_tokens, repetition_penalty, stop_token_ids, ...)",
                        param=refused)
     try:
         logprobs = body.logprob_alternatives()

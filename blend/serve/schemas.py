@@ -131,6 +131,14 @@ def logprob_alternatives(logprobs: bool | None, top_logprobs: int | None) -> int
     return top_logprobs or 0
 
 
+# vLLM sampling fields kvblend does not implement, and the values that ask for nothing (null included)
+VLLM_NEUTRAL: dict[str, tuple] = {
+    "best_of": (None, 1), "min_tokens": (None, 0), "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "use_beam_search": (None, False),
+}
+
+
 class _Common(BaseModel):
     """Fields shared by both endpoints."""
 
@@ -157,6 +165,15 @@ class _Common(BaseModel):
     tool_choice: Union[str, dict, None] = None  # refused unless "none" or unset
     response_format: dict | None = None  # refused unless {"type": "text"}: no constrained decoding
     ignore_eos: StrictBool | None = False  # vLLM's extension: fixed-length answers (benchmarks)
+    # vLLM's other sampling fields: accepted at their neutral value, refused otherwise (never ignored)
+    best_of: int | None = None  # n = 1
+    min_tokens: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    use_beam_search: StrictBool | None = None
 
     @field_validator("documents")
     @classmethod
@@ -209,6 +226,9 @@ class _Common(BaseModel):
             return "tool_choice"
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             return "response_format"
+        for name, neutral in VLLM_NEUTRAL.items():
+            if getattr(self, name) not in neutral:
+                return name
         return None
 
     def logit_bias_pairs(self, vocab: int) -> tuple[tuple[int, float], ...]:
@@ -281,15 +301,12 @@ class CompletionRequest(_Common):
     prompt: Union[str, list[str]]
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
     echo: StrictBool | None = False  # refused when true: the prompt is kvblend's layout, not the client's text
-    best_of: int | None = None  # refused above 1 (n = 1)
     suffix: str | None = None  # refused when set: no insertion
 
     def refused_field(self) -> str | None:
         """A field set to something kvblend cannot honour (it would change the answer), or None."""
         if self.echo:
             return "echo"
-        if self.best_of not in (None, 1):
-            return "best_of"
         if self.suffix:
             return "suffix"
         return super().refused_field()
