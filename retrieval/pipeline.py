@@ -168,11 +168,28 @@ class EngineKVWriter:
         self.unsaved = 0  # chunks whose KV is not in the store's last tier after their batch
 
     def __call__(self, texts: list[str]) -> int:
-        written = int(self.engine.precompute_chunks(list(texts), system=self.system))  # flushed on return
         last = store_tiers(self.engine.store)[-1]
         preamble = preamble_segment(self.engine.tokenizer, self.system)
-        self.unsaved += sum(not last.contains(Namespace.CANONICAL, _chunk_key(self.engine, preamble, t)) for t in texts)
+        keys = [_chunk_key(self.engine, preamble, t) for t in texts]
+        store, ns = self.engine.store, Namespace.CANONICAL
+        for key in keys:
+            # missing or damaged in the most persistent tier while the chain still holds the key (an emptied
+            # Redis under a disk tier; a truncated file): precompute would take it as stored and never repair
+            # it, so every copy goes and the chunk is computed again
+            if store.contains(ns, key) and _problem(last, key):
+                store.delete(ns, key)
+        written = int(self.engine.precompute_chunks(list(texts), system=self.system))  # flushed on return
+        self.unsaved += sum(not last.contains(ns, key) for key in keys)
         return written
+
+
+def _problem(tier, key: StoreKey) -> str:
+    """Why ``tier`` cannot serve ``key``'s canonical entry ('' if it can): the whole entry decoded where the
+    tier can verify, else only whether it holds the key."""
+    verify = getattr(tier, "verify", None)
+    if verify is not None:
+        return verify(Namespace.CANONICAL, key)
+    return "" if tier.contains(Namespace.CANONICAL, key) else "absent"
 
 
 def engine_kv_writer(engine: "Engine", system: str | None = None) -> EngineKVWriter:
@@ -244,7 +261,10 @@ class EngineKVDeleter:
         self.engine.store.delete(Namespace.CANONICAL, key)
         self.engine.segments.donors.forget(key)
         self.forgotten += 1
-        return not self.engine.store.contains(Namespace.CANONICAL, key)
+        gone = not self.engine.store.contains(Namespace.CANONICAL, key)
+        # a tier that skipped or failed a call (a Redis outage) answered nothing: its copy may be there still,
+        # so the chunk stays pending and the next collection deletes it again
+        return gone and all(getattr(t, "available", True) for t in store_tiers(self.engine.store))
 
     def finish(self) -> None:
         """Rewrite the donor logs without the chunks deleted since the last call."""

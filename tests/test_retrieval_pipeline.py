@@ -414,3 +414,54 @@ def test_a_reingest_that_changes_chunk_ids_but_not_texts_keeps_their_kv(tmp_path
     pre = preamble_segment(eng.tokenizer, None)
     texts = [r.text for r in Catalog.open(tmp_path / "idx").records.values()]
     assert all(eng.store.contains(Namespace.CANONICAL, _chunk_key(eng, pre, t)) for t in texts)
+
+
+def test_a_delete_during_a_redis_outage_is_not_reported_done(tmp_path) -> None:
+    """A Redis tier in its back-off window skips calls and answers the default: delete and contains read
+    'absent', the deleter said the chunk was gone, and garbage collection forgot it while Redis kept its
+    KV. Unknown is not gone: the chunk stays pending."""
+    from blend.store.memory import MemoryStore
+    from blend.store.redis_store import RedisStore
+    from blend.store.tiered import TieredStore
+
+    down = RedisStore("redis://127.0.0.1:1/0", connect_timeout_s=0.05, retry_after_s=60.0)  # nothing listens
+    eng = engine_mod.Engine.load("tiny-llama", store=TieredStore([MemoryStore(), down], write_behind=False),
+                                 quality_gate=False)
+    text = "The ferry leaves the north pier at seven and returns before the tide turns at noon."
+    eng.precompute_chunks([text])
+    assert not down.available  # the put found the server down
+    assert engine_kv_deleter(eng)("cid", text) is False
+    up = engine_mod.Engine.load("tiny-llama", store=MemoryStore(), quality_gate=False)
+    eng_mem = up.store  # a store with every tier answering: the same deletion is done
+    up.precompute_chunks([text])
+    assert engine_kv_deleter(up)("cid", text) is True and len(list(eng_mem.keys(Namespace.CANONICAL))) == 0
+
+
+@pytest.mark.parametrize("damage", ["emptied last tier", "truncated entry"])
+def test_a_kv_refresh_repairs_what_the_last_tier_lacks(tmp_path, damage: str) -> None:
+    """precompute took any tier's key as stored: under an emptied last tier every refresh wrote nothing and
+    counted the chunks unsaved (ingest exited 1 forever); a truncated file was reported saved."""
+    from blend.prompt import preamble_segment
+    from blend.retrieval.pipeline import _chunk_key
+    from blend.store.disk import DiskStore
+    from blend.store.tiered import TieredStore
+
+    texts = ["The lighthouse keeper climbs the stairs each dusk to light the lamp.",
+             "The mill by the river grinds barley every autumn for the village bakers."]
+    upper, last = DiskStore(tmp_path / "upper"), DiskStore(tmp_path / "last")
+    eng = engine_mod.Engine.load("tiny-llama", store=TieredStore([upper, last], write_behind=False),
+                                 quality_gate=False)
+    writer = engine_kv_writer(eng)
+    assert writer(texts) > 0 and writer.unsaved == 0
+    pre = preamble_segment(eng.tokenizer, None)
+    keys = [_chunk_key(eng, pre, t) for t in texts]
+    if damage == "emptied last tier":
+        last.clear()
+    else:
+        for key in keys:
+            for tier in (upper, last):
+                path = tier.path(Namespace.CANONICAL, key)
+                path.write_bytes(path.read_bytes()[:100])
+    again = engine_kv_writer(eng)
+    assert again(texts) > 0 and again.unsaved == 0  # computed and stored again
+    assert all(last.verify(Namespace.CANONICAL, k) == "" for k in keys)

@@ -199,6 +199,34 @@ def test_stale_temp_files_are_ignored_and_swept(tmp_path: Path) -> None:
     assert store.sweep_temp(older_than_s=0) == 1 and not tmp.exists()
 
 
+def test_killed_writers_temp_files_are_swept_by_the_budget_scan_and_prune(tmp_path: Path) -> None:
+    """Temp files of writers killed before their rename were neither counted in the budget nor removed by
+    its scans or `store prune`: eight kills left a budgeted folder at 3x its budget."""
+    import os
+    import time
+
+    from blend.defaults import DEFAULT_STALE_TEMP_S
+
+    one = len(encode(NS, key_for(PROV, 0), rand_entry(PROV, T=8)))
+    store = DiskStore(tmp_path, budget_bytes=one * 4, rescan_s=0.0)
+    store.put(NS, key_for(PROV, 0), rand_entry(PROV, T=8))
+    shard = store.path(NS, key_for(PROV, 0)).parent
+    old = time.time() - DEFAULT_STALE_TEMP_S - 5
+    stale = [shard / f".{key_for(PROV, i).hex()}.k{i}.tmp" for i in range(1, 9)]
+    for p in stale:
+        p.write_bytes(b"x" * one)
+        os.utime(p, (old, old))
+    live = shard / f".{key_for(PROV, 20).hex()}.live.tmp"  # a write in progress: recent, kept
+    live.write_bytes(b"x" * one)
+    store.put(NS, key_for(PROV, 1), rand_entry(PROV, T=8))  # the budget scan
+    assert not any(p.exists() for p in stale) and live.exists()
+    p = stale[0]
+    p.write_bytes(b"x")
+    os.utime(p, (old, old))
+    store.prune(one * 100)
+    assert not p.exists() and live.exists()
+
+
 def _cli(root: Path, *argv: str) -> tuple[int, Any]:
     parser = argparse.ArgumentParser()
     add_store_commands(parser.add_subparsers(dest="command"))

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Iterator
 
 from blend import safeio
-from blend.defaults import DEFAULT_DISK_RESCAN_S
+from blend.defaults import DEFAULT_DISK_RESCAN_S, DEFAULT_STALE_TEMP_S
 from blend.keys import Namespace, StoreKey, key_hex
 from blend.safeio import UnsafeFileError, pread_exact
 from blend.store.base import (
@@ -281,7 +281,9 @@ class DiskStore:
 
     def _recount(self, budget: int) -> None:
         """Scan the folder (includes the file just written, and other processes' files); prune down to
-        the low-water mark only if the scan is over ``budget``."""
+        the low-water mark only if the scan is over ``budget``. Killed writers' stale temp files go first:
+        they are bytes on disk that no entry count sees."""
+        self.sweep_temp(DEFAULT_STALE_TEMP_S)
         rows = self._entries_by_age()
         if sum(size for _, size, _ in rows) > budget:
             self._prune_rows(rows, int(budget * LOW_WATER))
@@ -312,6 +314,7 @@ class DiskStore:
         """
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.sweep_temp(DEFAULT_STALE_TEMP_S)  # killed writers' leftovers (see _recount)
         return self._prune_rows(self._entries_by_age(), max_bytes)
 
     def _prune_rows(self, rows: list[tuple[float, int, Path]], max_bytes: int) -> PruneResult:
