@@ -13,6 +13,7 @@ end of the prefill.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
@@ -146,7 +147,9 @@ def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.devic
                      gemm: GemmBackend = GemmBackend.TORCH) -> Provenance:
     """Every field that changes the KV this engine produces (the linear layers' backend included)."""
     config = loaded.model.config
-    arch = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+    fields = config.to_dict()
+    fields.pop("_name_or_path", None)  # where the checkpoint was read from: the same weights at another path
+    arch = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         device_class = f"cuda:sm{major}{minor}"

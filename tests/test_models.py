@@ -219,3 +219,15 @@ def test_quantized_checkpoints_and_partial_rotary_are_refused_not_computed_wrong
     build_tiny(TinyModel.LLAMA)[1].save_pretrained(p)
     with pytest.raises(UnknownModelError, match="rotary"):
         Engine.load(str(p), quality_gate=False)
+
+
+def test_the_same_checkpoint_at_two_paths_has_one_provenance(tmp_path, home):
+    """The config's _name_or_path was hashed into the architecture: replicas mounting one model at different
+    paths never shared KV through a common store."""
+    import shutil
+
+    a = tmp_path / "a"
+    _saved_tiny(a)
+    shutil.copytree(a, tmp_path / "b")
+    assert Engine.load(str(a), quality_gate=False).provenance == Engine.load(str(tmp_path / "b"),
+                                                                            quality_gate=False).provenance
