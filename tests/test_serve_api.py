@@ -454,3 +454,50 @@ def test_a_long_conversation_that_cannot_fit_is_refused_before_it_is_laid_out(sr
     r = post(srv, {**chat(), "messages": messages})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert "texts alone" in r.json()["error"]["message"] and _time.perf_counter() - t < 30
+
+
+def _raw_request(srv, head: bytes, body: bytes = b"", wait_s: float = 5.0) -> bytes:
+    """Send a request's head (and part of its body) on a raw socket; what the server answers within wait_s."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(srv.url)
+    with socket.create_connection((url.hostname, url.port), timeout=wait_s) as s:
+        s.sendall(head + body)
+        try:
+            return s.recv(4096)
+        except socket.timeout:
+            return b""
+
+
+def test_a_stalled_body_is_a_408_and_other_routes_never_wait_for_one(one_torch_thread):
+    """Nothing timed out receiving a body: a client that sent 10 of 1000 announced bytes held its connection
+    and buffers for ever, and a POST to /health (no API key needed) was buffered whole before any check."""
+    engine = tiny_serve_engine()
+    limits = Limits(max_body_bytes=64_000, body_timeout_s=0.5)
+    with running_server(engine, ServeConfig(model=TINY, api_key=KEY, limits=limits)) as srv:
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n")
+        t0 = time.monotonic()
+        answer = _raw_request(srv, head, b'{"model": "')
+        assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 4.0
+        other = b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n"
+        assert _raw_request(srv, other, wait_s=3.0).split(b" ")[1] in (b"404", b"405")  # at once: nothing read
+        assert post(srv, chat(max_tokens=2)).status_code == 200  # still serving
+
+
+def test_document_titles_count_toward_preparing_a_large_request_off_the_event_loop():
+    from blend.serve.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "q"}], documents=[{"title": "t" * 50_000, "text": "x"}])
+    assert body.text_chars() >= 50_001  # titles were not counted: 1 MB of them was tokenized inline
+
+
+def test_a_short_conversation_too_long_for_the_context_is_refused_before_its_layout(srv):
+    """Only conversations of over 8 earlier turns were counted before their layout, which renders the
+    conversation once per turn: an 8-turn one of 880 KB took 3.6 s to be refused."""
+    big = "word " * 4000
+    body = {**chat(), "messages": [{"role": "user", "content": big}, {"role": "assistant", "content": "ok"},
+                                   {"role": "user", "content": "and?"}]}
+    r = post(srv, body)
+    assert r.status_code == 400 and "texts alone" in r.json()["error"]["message"]

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 PLAYGROUND = Path(__file__).with_name("static") / "playground.html"
 KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/")
+BODY_PATHS = ("/v1/chat/completions", "/v1/completions")  # the only routes that read a body
 MODEL_PATH = "/v1/models/"  # a model's own path: counted under one label, whatever the id
 STATUS_CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it
 
@@ -67,6 +68,7 @@ class Guard:
         self.app = app
         self.key = config.api_key.encode() if config.api_key else None
         self.max_body = config.limits.max_body_bytes
+        self.body_timeout_s = config.limits.body_timeout_s
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -90,8 +92,13 @@ class Guard:
                               ErrorType.AUTHENTICATION, code="invalid_api_key",
                               headers={"WWW-Authenticate": "Bearer"})(scope, receive, counting_send)
             return
-        if scope["method"] in ("POST", "PUT", "PATCH"):
-            replay = await self._read_body(scope, receive)
+        if scope["method"] in ("POST", "PUT", "PATCH") and path in BODY_PATHS:  # any other route: never buffered
+            try:
+                replay = await asyncio.wait_for(self._read_body(scope, receive), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                await _json_error(408, f"request body not received within {self.body_timeout_s:g} s",
+                                  ErrorType.INVALID_REQUEST)(scope, receive, counting_send)
+                return
             if replay is None:
                 await _json_error(413, f"request body exceeds {self.max_body} bytes", ErrorType.TOO_LARGE)(
                     scope, receive, counting_send)

@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-limit", type=int, default=lim.max_tokens, help="largest max_tokens a request may ask")
     p.add_argument("--default-max-tokens", type=int, default=lim.default_max_tokens)
     p.add_argument("--max-body-bytes", type=int, default=lim.max_body_bytes)
+    p.add_argument("--body-timeout", type=float, default=lim.body_timeout_s,
+                   help="seconds a client has to send its whole request body (408 after)")
+    p.add_argument("--max-connections", type=int, default=lim.max_connections,
+                   help="connections held at once (503 past it); put a reverse proxy in front for header "
+                        "timeouts (uvicorn has none)")
     p.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, choices=LOG_LEVELS)
     return p
 
@@ -110,7 +115,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         limits=Limits(max_body_bytes=args.max_body_bytes, max_documents=args.max_documents,
                       max_messages=args.max_messages,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
-                      default_max_tokens=args.default_max_tokens),
+                      default_max_tokens=args.default_max_tokens, body_timeout_s=args.body_timeout,
+                      max_connections=args.max_connections),
         scheduler=SchedulerConfig(
             max_concurrency=args.max_concurrency, max_queue=args.max_queue, prefill_workers=args.prefill_workers,
             batching=DecodeBatching.INVARIANT if args.batch_invariant else DecodeBatching.THROUGHPUT,
@@ -148,5 +154,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger(__name__).warning("serving on %s without an API key", config.host)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
-                timeout_graceful_shutdown=DEFAULT_GRACEFUL_SHUTDOWN_S)
+                timeout_graceful_shutdown=DEFAULT_GRACEFUL_SHUTDOWN_S,
+                limit_concurrency=config.limits.max_connections)
     return 0

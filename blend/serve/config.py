@@ -17,6 +17,12 @@ class Limits:
     """What one request may ask for (beyond them: 413 or 400 with the limit in the message)."""
 
     max_body_bytes: int = 1 << 20  # 413
+    # 408: a client that has not sent its whole body this long after the request began (a stalled or
+    # slow upload held the connection and its buffered bytes for ever)
+    body_timeout_s: float = 30.0
+    # connections uvicorn holds at once; one more is answered 503 (each stalled connection holds a
+    # descriptor and its buffers; streams and requests waiting for a slot count too)
+    max_connections: int = 512
     max_documents: int = 32  # 413
     # 413: a conversation's prompt is rendered again for each earlier turn (to find where its KV can be
     # reused), so its cost grows faster than its length; 256 messages take ~0.5 s on one core

@@ -66,7 +66,6 @@ def policy_for(opts: KvblendOptions, salt: str) -> ReusePolicy:
                              reused_temperature=opts.reused_temperature)
 
 
-LONG_HISTORY = 8  # history turns past which a request's texts are counted before its prompt is laid out
 
 
 def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRequest, endpoint: Endpoint) -> Job:
@@ -138,8 +137,8 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
         raise ApiError(400, str(e), param=_setting_param(e, body, endpoint)) from None
     context = engine.dims.max_positions
     server_limit = limits.max_prompt_tokens
-    if len(history) > LONG_HISTORY:  # laying out a conversation re-renders it once per turn: refuse one that
-        # cannot fit before paying for that (its texts alone, tokenized once, already exceed the limit)
+    if history:  # laying out a conversation re-renders it once per turn: refuse one that cannot fit before
+        # paying for that (its texts alone, tokenized once, already exceed the limit)
         least = sum(len(engine.tokenizer(t, add_special_tokens=False)["input_ids"])
                     for t in (question, *docs, *(turn.text for turn in history)))
         limit = context if server_limit is None else min(context, server_limit)

@@ -251,12 +251,9 @@ class _Common(BaseModel):
         return tuple(pairs)
 
     def text_chars(self) -> int:
-        """Characters the prompt is built from (documents, messages or prompt)."""
-        n = sum(len(d if isinstance(d, str) else d.text) for d in self.documents or [])
-        for m in getattr(self, "messages", None) or []:
-            n += len(m.text())
-        prompt = getattr(self, "prompt", "")
-        return n + (len(prompt) if isinstance(prompt, str) else sum(map(len, prompt)))
+        """Characters the prompt and the answer's stop are built from (documents and their titles, messages
+        or prompt, stop strings): what deciding to prepare a request inline must count."""
+        return sum(len(text) for _, text in self._texts())
 
     def document_texts(self) -> list[str]:
         """Document texts in order; a title becomes the document's first line."""
