@@ -66,7 +66,8 @@ def is_regular(path: str | os.PathLike[str], follow_symlinks: bool = True) -> bo
         return False
 
 
-def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, follow_symlinks: bool = False) -> int:
+def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, follow_symlinks: bool = False,
+                 mode: int = 0o644) -> int:
     """Open ``path`` only if it is a regular file, never blocking on a FIFO.
 
     Args:
@@ -74,6 +75,7 @@ def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, follow_
         flags: access flags; ``O_NONBLOCK`` and ``O_CLOEXEC`` are added, and
             ``O_NOFOLLOW`` unless ``follow_symlinks``.
         follow_symlinks: whether a symbolic link as the last component is followed.
+        mode: permissions of a file ``O_CREAT`` creates (0o600 for anything holding users' text or KV).
 
     Returns:
         A descriptor of a regular file (the caller closes it).
@@ -85,7 +87,7 @@ def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, follow_
     """
     extra = os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, flags | extra, 0o644)
+        fd = os.open(path, flags | extra, mode)
     except OSError as e:
         if e.errno == errno.ELOOP and not follow_symlinks:
             raise NotRegularFileError("a symbolic link, not a regular file", path) from None
@@ -222,18 +224,19 @@ def atomic_file(path: str | os.PathLike[str], *, fsync: bool = True, private: bo
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *,
-                       fsync: bool = True) -> None:
+                       fsync: bool = True, private: bool = False) -> None:
     """Replace ``path`` with ``data`` atomically (:func:`atomic_file`).
 
     Args:
         path: the file to replace (its folder must exist).
         data: the new contents.
         fsync: fsync the file and its folder (durable across power loss).
+        private: owner-only (0600) whatever the umask.
 
     Raises:
         OSError: the write or the rename failed.
     """
-    with atomic_file(path, fsync=fsync) as f:
+    with atomic_file(path, fsync=fsync, private=private) as f:
         f.write(data)
 
 

@@ -480,3 +480,23 @@ def test_blobs_are_written_with_xxh3_and_sha256_blobs_of_earlier_builds_still_lo
     assert store.get(NS, key, PROV.canonical_json()).status is LookupStatus.HIT
     # an old blob re-keyed without re-signing fails its sha256 (the key is one of the claims)
     assert store.get(NS, key_for(PROV, 1), PROV.canonical_json()).status is LookupStatus.REJECTED
+
+
+def test_record_logs_are_owner_only_like_the_entries(tmp_path: Path) -> None:
+    """A donor log holds documents' token ids (they decode back to the text): it was created 0644 under
+    umask 022 while the entries are 0600, and a compaction kept that."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        store = DiskStore(tmp_path)
+        store.append_record("donors-x", b'{"a":1}')
+        path = next(p for p in (tmp_path / "logs").rglob("*") if p.is_file())
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        store.append_record("donors-x", b'{"a":1}')
+        assert store.rewrite_records("donors-x", [b'{"a":1}', b'{"a":1}'], [b'{"a":1}'])
+        path = next(p for p in (tmp_path / "logs").rglob("*") if p.is_file() and not p.name.startswith("."))
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    finally:
+        os.umask(old)

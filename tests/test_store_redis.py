@@ -13,7 +13,7 @@ import pytest
 import redis
 import torch
 
-from blend.keys import Namespace
+from blend.keys import Namespace, StoreKey
 from blend.store.base import LookupStatus
 from blend.store.codec import encode
 from blend.store.memory import MemoryStore
@@ -273,3 +273,16 @@ def test_a_put_the_server_refuses_is_counted_not_raised() -> None:
         admin.close()
     finally:
         server.stop()
+
+
+def test_a_redis_password_never_reaches_logs_or_messages(caplog) -> None:
+    from blend.store.redis_store import RedisStore, redacted_url
+
+    assert redacted_url("redis://alice:S3cretPass@h:6379/0") == "redis://alice:***@h:6379/0"
+    assert redacted_url("rediss://u:p@[::1]:7/0") == "rediss://u:***@[::1]:7/0"
+    assert redacted_url("redis://h:6379/0") == "redis://h:6379/0"
+    store = RedisStore("redis://alice:S3cretPass@127.0.0.1:1/0", connect_timeout_s=0.05)
+    with caplog.at_level("WARNING"):
+        store.contains(Namespace.CANONICAL, StoreKey(b"\0" * 32))
+        why = store.check_reachable()
+    assert why and "S3cretPass" not in why and "S3cretPass" not in caplog.text and "***" in why

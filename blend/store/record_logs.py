@@ -99,7 +99,7 @@ class DiskRecordLogs:
             if complete_lines(safeio.pread_exact(fd, size, 0)) != list(expected):
                 return False  # appended to (or rewritten) since it was read: try another time
             # a private temp file, fsynced, renamed over the log, the folder fsynced; removed on failure
-            safeio.atomic_write_bytes(path, b"".join(ln + b"\n" for ln in lines))
+            safeio.atomic_write_bytes(path, b"".join(ln + b"\n" for ln in lines), private=True)
             return True  # appenders waiting on the old file reopen the new one
         except OSError as e:
             log.warning("disk store: cannot rewrite log %s: %s", path, e)
@@ -150,7 +150,9 @@ def _open_current(path: Path, flags: int, lock: int) -> int:
         FileNotFoundError, safeio.UnsafeFileError (not a regular file), OSError.
     """
     while True:
-        fd = safeio.open_regular(path, flags)  # a FIFO or link at a log's path is refused, never waited on
+        # a FIFO or link at a log's path is refused, never waited on; owner-only, as the entries: a donor log
+        # holds documents' token ids, which decode back to their text
+        fd = safeio.open_regular(path, flags, mode=0o600)
         try:
             fcntl.flock(fd, lock)
             if os.fstat(fd).st_ino == os.stat(path).st_ino:

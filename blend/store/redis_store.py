@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from typing import Callable, Iterator, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -70,6 +71,21 @@ T = TypeVar("T")
 HEADER_PROBE = 4096  # bytes fetched with the length; a real header is ~1 KB
 
 
+def redacted_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (``redis://user:***@host:port/db``)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.hostname or ""
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets
+        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:  # a port that is not a number, brackets: show nothing of it rather than a secret
+        return "redis://<unparsable url>"
+
+
 def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
@@ -103,7 +119,7 @@ class RedisStore:
     ) -> None:
         if ttl_s is not None and ttl_s < 1:  # Redis refuses SET ... EX 0 (and below): every put would fail
             raise ValueError(f"ttl_s must be at least 1 second (or None: no expiry), got {ttl_s}")
-        self.url = url
+        self.url = redacted_url(url)  # what logs and messages show: the password never leaves the process
         self.max_entry_bytes = max_entry_bytes
         self.prefix = prefix
         self.ttl_s = ttl_s
