@@ -33,6 +33,7 @@ from blend.retrieval.embedder import Embedder
 from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
 from blend.retrieval.ingest import ingest, print_issues
 from blend.retrieval.pipeline import RAG, engine_kv_deleter, engine_kv_signature, engine_kv_writer
+from blend.terminal_text import shown
 from blend.store.spec import default_spec
 
 USER_ERRORS: tuple[type[BaseException], ...] = (RetrievalError, FileNotFoundError, ValueError, KVBlendError)
@@ -150,7 +151,8 @@ def _ask(args: argparse.Namespace) -> int:
 def _print_chunks(ans: Any, indent: str = "  ") -> None:
     for r, c in zip(ans.retrieved, ans.reuse):
         where = os.path.basename(r.source.split(":")[0]) + (":" + r.source.split(":")[1] if r.source.count(":") else "")
-        print(f"{indent}[{r.score:.3f}] {r.chunk_id[:12]} {where:<18} {c.reuse_class:<9} "
+        where = shown(where)  # an index records any path string: escape sequences are shown escaped
+        print(f"{indent}[{r.score:.3f}] {shown(r.chunk_id[:12])} {where:<18} {c.reuse_class:<9} "
               f"{c.tokens} tok, {c.recomputed} recomputed")
 
 

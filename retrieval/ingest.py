@@ -31,6 +31,7 @@ from blend.retrieval.corpus import CorpusIssue, IssueKind, RetrievalError, expan
 from blend.retrieval.embedder import Embedder
 from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
 from blend.progress import Progress
+from blend.terminal_text import shown
 
 KVWriter = Callable[[list[str]], int]
 KVDeleter = Callable[[str, str], bool]
@@ -336,4 +337,4 @@ def print_issues(issues: Iterable[CorpusIssue], stream: TextIO | None = None) ->
     """Print one ``warning: path:line: kind: message`` line per issue."""
     out = stream if stream is not None else sys.stderr
     for issue in issues:
-        out.write(f"warning: {issue}\n")
+        out.write(f"warning: {shown(str(issue))}\n")  # a file name may hold escape sequences

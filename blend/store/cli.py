@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from blend.keys import Namespace, key_hex
 from blend.store.base import InspectableStore, store_tiers
+from blend.terminal_text import shown
 from blend.store.codec import EntryError
 from blend.store.disk import DiskStore
 from blend.options import add_store_argument
@@ -137,8 +138,7 @@ def _model_of(provenance: str) -> str:
     arch = prov.get("model_arch") if isinstance(prov, dict) else None
     if not isinstance(arch, str):
         return "?"
-    # stored bytes, shown on a terminal: control characters (escape sequences) and lone surrogates escaped
-    return arch if arch.isprintable() and arch.isascii() else ascii(arch)[1:-1]
+    return shown(arch)  # stored bytes, shown on a terminal: escape sequences and lone surrogates escaped
 
 
 def _ls(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
