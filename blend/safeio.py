@@ -244,3 +244,18 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *, encoding: str 
                       fsync: bool = True) -> None:
     """:func:`atomic_write_bytes` of ``text`` encoded (UTF-8 by default)."""
     atomic_write_bytes(path, text.encode(encoding), fsync=fsync)
+
+
+def save_figure(fig, path: str | os.PathLike[str], **kwargs) -> None:
+    """A matplotlib figure written as :func:`atomic_file` writes (never through a link or into a FIFO at
+    ``path``); ``kwargs`` go to ``savefig`` (the format is taken from the suffix)."""
+    fmt = kwargs.pop("format", None) or (os.path.splitext(os.fspath(path))[1].lstrip(".") or "png")
+    with atomic_file(path) as f:
+        fig.savefig(f, format=fmt, **kwargs)
+
+
+def append_text(path: str | os.PathLike[str], encoding: str = "utf-8"):
+    """A text file opened for appending (created if absent), only if it is a regular file: a link or FIFO
+    at ``path`` is refused (:class:`NotRegularFileError`), never written through or waited on."""
+    fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    return os.fdopen(fd, "a", encoding=encoding)

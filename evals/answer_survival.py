@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from blend import safeio
 from blend.evals.metrics import bootstrap_ci
 from blend.evals.methods import REFERENCE
 
@@ -152,6 +153,6 @@ def write_plot(results: dict[str, Any], path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    safeio.save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path

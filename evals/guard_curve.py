@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from blend import safeio
 from blend.defaults import DEFAULT_GUARD_MARGIN
 from blend.evals import metrics as M
 from blend.evals.methods import Method, MethodError, MethodKind, parse_method
@@ -217,7 +218,7 @@ def write_markdown(points: Sequence[CurvePoint], items: int, guarded: str, off: 
     lines = [f"# The near-tie guard by margin ({items} items)", "",
              f"Guarded `{guarded}`, unguarded `{off}`: at margin m an item is the guarded row where its first",
              "pass's top-2 gap is under m, else the unguarded row.", "", *table_lines(points)]
-    path.write_text("\n".join(lines) + "\n")
+    safeio.atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def write_plot(points: Sequence[CurvePoint], path: Path) -> None:
@@ -243,7 +244,7 @@ def write_plot(points: Sequence[CurvePoint], path: Path) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle("near-tie guard: points labelled by margin (nats)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    safeio.save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

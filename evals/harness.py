@@ -47,6 +47,7 @@ from blend.probe import top2_margin
 from blend.progress import Progress
 
 ROWS_FILE = "rows.jsonl"
+MAX_ROWS_BYTES = 1 << 30  # the largest rows file --resume reads (a run of 10k items is ~100 MB)
 RUN_FILE = "run.json"
 MAX_RUN_FILE_BYTES = 1 << 20  # a run.json larger than this is not a run's settings
 SCHEMA_VERSION = 1
@@ -280,10 +281,10 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
         ResumeError: any other line that is not a row (dropping it, and the file rewritten without it,
             would lose it).
     """
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return []
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # a regular file only (a link or FIFO planted in --out is refused, never followed or waited on)
+        text = safeio.read_regular(path, MAX_ROWS_BYTES).decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ResumeError(f"--resume: cannot read {path} ({type(e).__name__}); start a fresh --out") from None
     lines = [ln for ln in text.splitlines() if ln.strip()]
@@ -348,7 +349,7 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
         if resume and rows_path.is_file() and rows_path.stat().st_size:  # nothing says what they were run with
             raise ResumeError(f"--resume: {out} holds {ROWS_FILE} but no {RUN_FILE} (its settings); "
                               "move the rows away or start a fresh --out")
-        rows_path.write_text("", encoding="utf-8")
+        safeio.atomic_write_bytes(rows_path, b"")  # replaces a link or FIFO there, never writes through it
     safeio.atomic_write_bytes(run_path, (json.dumps({"identity": config.identity()}, indent=1) + "\n").encode())
     return done
 
@@ -427,7 +428,7 @@ def run_harness(
     if progress is not None:
         progress.skip(sum(not todo for todo in missing.values()))  # items with nothing to add
     warm = False
-    with (out / ROWS_FILE).open("a", encoding="utf-8") as f:
+    with safeio.append_text(out / ROWS_FILE) as f:
         for i, item in enumerate(items, start=first_index):
             todo = list(methods)
             if i in done:

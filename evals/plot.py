@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Container
 
+from blend import safeio
 from blend.evals.methods import Method, MethodKind
 
 PANELS = (("f1", "F1 vs gold"), ("agreement", "answer agreement with full"), ("kl", "KL(full || method)"))
@@ -116,5 +117,5 @@ def write_pareto(results: dict[str, Any], path: Path) -> None:
     cfg = results.get("config", {})
     fig.suptitle(f"{results['model']['name']} on {cfg.get('data')} ({len(results['items'])} items)", fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
-    fig.savefig(path, dpi=110)
+    safeio.save_figure(fig, path, dpi=110)
     plt.close(fig)

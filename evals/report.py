@@ -559,4 +559,4 @@ def _thread_lines(methods: dict[str, dict[str, Any]], order: list[str]) -> list[
 
 def write_markdown(results: dict[str, Any], path: Path) -> None:
     """Write results.md."""
-    path.write_text(markdown(results), encoding="utf-8")
+    safeio.atomic_write_text(path, markdown(results))  # never through a link planted in --out

@@ -427,3 +427,32 @@ def test_the_validator_checks_same_tokens_where_present(tiny_runs):
             del m["same_tokens"]
     validate_results(old)  # runs from before the field stay valid, and results.md leaves the section out
     assert "How long the answer stays" not in markdown(old)
+
+
+def test_links_planted_in_out_are_replaced_never_written_through_and_a_fifo_is_refused(tmp_path, capsys):
+    """rows.jsonl, results.md and the plots were written through symbolic links in --out (truncating and
+    filling the files they pointed at), and --resume read a FIFO at rows.jsonl, blocking for ever."""
+    import os
+    import threading
+
+    out = tmp_path / "out"
+    out.mkdir()
+    victims = {name: tmp_path / f"victim-{name}" for name in ("rows.jsonl", "results.md", "pareto.png")}
+    for name, victim in victims.items():
+        victim.write_text("precious\n")
+        (out / name).symlink_to(victim)
+    assert run_eval(_args(tmp_path), _fake_factory([]), policy_of=lambda m: m) == 0
+    for name, victim in victims.items():
+        assert victim.read_text() == "precious\n", name  # untouched
+        assert not (out / name).is_symlink() and (out / name).stat().st_size > 0  # replaced by the real output
+
+    fifo_out = tmp_path / "fifo"
+    fifo_out.mkdir()
+    (fifo_out / "run.json").write_text((out / "run.json").read_text())
+    os.mkfifo(fifo_out / "rows.jsonl")
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(
+        run_eval(_args(tmp_path, "--resume", out="fifo"), _fake_factory([]), policy_of=lambda m: m)), daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive() and result and result[0] != 0  # refused at once
