@@ -176,8 +176,8 @@ class EngineKVWriter:
             # missing or damaged in the most persistent tier while the chain still holds the key (an emptied
             # Redis under a disk tier; a truncated file): precompute would take it as stored and never repair
             # it, so every copy goes and the chunk is computed again
-            if store.contains(ns, key) and _problem(last, key):
-                store.delete(ns, key)
+            if store.contains(ns, key) and _problem(last, key) and getattr(last, "available", True):
+                store.delete(ns, key)  # (a tier in an outage answered nothing: its verdict is no reason)
         written = int(self.engine.precompute_chunks(list(texts), system=self.system))  # flushed on return
         self.unsaved += sum(not last.contains(ns, key) for key in keys)
         return written

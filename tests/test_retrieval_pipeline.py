@@ -465,3 +465,23 @@ def test_a_kv_refresh_repairs_what_the_last_tier_lacks(tmp_path, damage: str) ->
     again = engine_kv_writer(eng)
     assert again(texts) > 0 and again.unsaved == 0  # computed and stored again
     assert all(last.verify(Namespace.CANONICAL, k) == "" for k in keys)
+
+
+def test_a_kv_refresh_during_a_last_tier_outage_keeps_the_valid_copies(tmp_path) -> None:
+    """The refresh's repair took a Redis tier's skipped call for 'absent' and deleted the valid disk copies:
+    every ingest during an outage recomputed the whole corpus."""
+    from blend.store.disk import DiskStore
+    from blend.store.redis_store import RedisStore
+    from blend.store.tiered import TieredStore
+
+    texts = ["The lighthouse keeper climbs the stairs each dusk to light the lamp.",
+             "The mill by the river grinds barley every autumn for the village bakers."]
+    disk = DiskStore(tmp_path / "disk")
+    down = RedisStore("redis://127.0.0.1:1/0", connect_timeout_s=0.05, retry_after_s=60.0)
+    eng = engine_mod.Engine.load("tiny-llama", store=TieredStore([disk, down], write_behind=False),
+                                 quality_gate=False)
+    first = engine_kv_writer(eng)
+    assert first(texts) > 0 and first.unsaved == 2  # Redis down: not in the last tier
+    again = engine_kv_writer(eng)
+    assert again(texts) == 0  # the disk copies are valid: nothing recomputed
+    assert len(list(disk.keys(Namespace.CANONICAL))) == 2

@@ -496,8 +496,11 @@ def test_document_titles_count_toward_preparing_a_large_request_off_the_event_lo
 def test_a_short_conversation_too_long_for_the_context_is_refused_before_its_layout(srv):
     """Only conversations of over 8 earlier turns were counted before their layout, which renders the
     conversation once per turn: an 8-turn one of 880 KB took 3.6 s to be refused."""
-    big = "word " * 4000
+    big = "word " * 500  # 5 tokens a word (the tiny byte tokenizer): 2500, ~3130 with the documents
     body = {**chat(), "messages": [{"role": "user", "content": big}, {"role": "assistant", "content": "ok"},
                                    {"role": "user", "content": "and?"}]}
+    r = post(srv, body)  # over the server's --max-prompt-tokens (3000), under the model's context: a 413
+    assert r.status_code == 413 and "texts alone" in r.json()["error"]["message"], r.text
+    body["messages"][0]["content"] = "word " * 900  # 4500 tokens, over the model's context (4096): a 400
     r = post(srv, body)
-    assert r.status_code == 400 and "texts alone" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text

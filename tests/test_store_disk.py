@@ -500,3 +500,24 @@ def test_record_logs_are_owner_only_like_the_entries(tmp_path: Path) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
     finally:
         os.umask(old)
+
+
+def test_a_stale_temp_path_that_cannot_be_removed_does_not_stop_the_budget(tmp_path: Path) -> None:
+    """The sweep caught only FileNotFoundError: a directory (or another user's file) under a stale temp name
+    raised out of every budget scan, so the budget stopped pruning and every put was logged as failed."""
+    import os
+    import time
+
+    from blend.defaults import DEFAULT_STALE_TEMP_S
+
+    one = len(encode(NS, key_for(PROV, 0), rand_entry(PROV, T=8)))
+    store = DiskStore(tmp_path, budget_bytes=one * 3, rescan_s=0.0)
+    store.put(NS, key_for(PROV, 0), rand_entry(PROV, T=8))
+    odd = store.path(NS, key_for(PROV, 0)).parent / ".leftover.tmp"
+    odd.mkdir()
+    old = time.time() - DEFAULT_STALE_TEMP_S - 5
+    os.utime(odd, (old, old))
+    for i in range(1, 8):
+        store.put(NS, key_for(PROV, i), rand_entry(PROV, T=8))
+    assert store.stats().bytes <= one * 3 and not store.stats().extra.get("put_errors")
+    assert store.prune(0).removed > 0 and odd.is_dir()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -413,10 +414,14 @@ class DiskStore:
         n = 0
         for p in self.temp_files(older_than_s):
             try:
+                if not stat.S_ISREG(p.lstat().st_mode):  # a directory or link under a temp name: not ours
+                    continue
                 p.unlink()
                 n += 1
             except FileNotFoundError:
                 pass
+            except OSError as e:  # another user's file in a shared folder: it stays, the sweep goes on
+                log.warning("disk store: cannot remove the stale temp file %s: %s", p, e)
         return n
 
     def counters(self) -> StoreStats:
