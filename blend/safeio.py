@@ -259,3 +259,39 @@ def append_text(path: str | os.PathLike[str], encoding: str = "utf-8"):
     at ``path`` is refused (:class:`NotRegularFileError`), never written through or waited on."""
     fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     return os.fdopen(fd, "a", encoding=encoding)
+
+
+def unlink_beneath(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """Remove ``path`` (a file or link, never a link's target) without following any symbolic link below
+    ``root``: each folder between them is opened with ``O_NOFOLLOW`` relative to the one before, and the
+    file is unlinked relative to the last. A folder swapped for a link after it was listed (a race to make
+    a prune delete elsewhere) is refused instead of followed.
+
+    Args:
+        root: the folder the path must lie in (itself trusted as given).
+        path: a path inside ``root`` (lexically: no ``..`` components).
+
+    Raises:
+        FileNotFoundError: nothing there.
+        UnsafeFileError: a folder on the way is a symbolic link or not a folder, or ``path`` is not inside
+            ``root``.
+        OSError: any other failure to remove.
+    """
+    rel = os.path.relpath(os.fspath(path), os.fspath(root))
+    parts = rel.split(os.sep)
+    if rel.startswith("..") or os.path.isabs(rel) or any(p in ("", ".", "..") for p in parts):
+        raise UnsafeFileError("not inside the folder it must be in", path)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafeFileError("a folder on its way is a symbolic link or not a folder", path) from None
+                raise
+            os.close(fd)
+            fd = nxt
+        os.unlink(parts[-1], dir_fd=fd)
+    finally:
+        os.close(fd)

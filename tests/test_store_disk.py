@@ -521,3 +521,47 @@ def test_a_stale_temp_path_that_cannot_be_removed_does_not_stop_the_budget(tmp_p
         store.put(NS, key_for(PROV, i), rand_entry(PROV, T=8))
     assert store.stats().bytes <= one * 3 and not store.stats().extra.get("put_errors")
     assert store.prune(0).removed > 0 and odd.is_dir()
+
+
+def test_a_shard_swapped_for_a_link_after_its_listing_is_not_followed_by_prune(tmp_path: Path) -> None:
+    """Prune listed a shard's files, then deleted them by full path: a shard folder swapped for a symbolic
+    link in between (whoever can write the store can race that) made it delete the link target's files
+    of the same names, outside the store."""
+    import shutil
+
+    store = DiskStore(tmp_path / "store")
+    for i in range(3):
+        store.put(NS, key_for(PROV, i), rand_entry(PROV, T=8))
+    rows = store._entries_by_age()  # listed ...
+    shard = rows[0][2].parent
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for _, _, path in rows:
+        if path.parent == shard:
+            (victim / path.name).write_text("precious")
+    shutil.rmtree(shard)
+    shard.symlink_to(victim, target_is_directory=True)  # ... then swapped
+    store._prune_rows(rows, 0)
+    assert all(f.read_text() == "precious" for f in victim.iterdir()) and any(victim.iterdir())
+    assert store.delete(NS, next(k for k in (key_for(PROV, i) for i in range(3))
+                                 if store.path(NS, k).parent == shard)) is False
+    assert all(f.read_text() == "precious" for f in victim.iterdir())
+
+
+def test_unlink_beneath_refuses_a_linked_folder_and_a_path_outside(tmp_path: Path) -> None:
+    from blend import safeio
+
+    (tmp_path / "root" / "a").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "f").write_text("keep")
+    (tmp_path / "root" / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(safeio.UnsafeFileError):
+        safeio.unlink_beneath(tmp_path / "root", tmp_path / "root" / "link" / "f")
+    with pytest.raises(safeio.UnsafeFileError):
+        safeio.unlink_beneath(tmp_path / "root", tmp_path / "elsewhere" / "f")
+    assert (tmp_path / "elsewhere" / "f").read_text() == "keep"
+    (tmp_path / "root" / "a" / "g").write_text("x")
+    safeio.unlink_beneath(tmp_path / "root", tmp_path / "root" / "a" / "g")
+    assert not (tmp_path / "root" / "a" / "g").exists()
+    with pytest.raises(FileNotFoundError):
+        safeio.unlink_beneath(tmp_path / "root", tmp_path / "root" / "a" / "g")

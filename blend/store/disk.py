@@ -327,7 +327,7 @@ class DiskStore:
             if total <= max_bytes:
                 break
             try:
-                path.unlink()
+                safeio.unlink_beneath(self.root, path)  # never through a folder swapped for a link meanwhile
             except FileNotFoundError:
                 pass  # another process pruned it first: it is gone either way
             except OSError as e:  # a directory at an entry's path, no permission: it stays, the next one goes
@@ -374,7 +374,7 @@ class DiskStore:
             log.warning("disk store: not deleting %s: its folder leads outside the store", path)
             return False
         try:
-            os.unlink(path)
+            safeio.unlink_beneath(self.root, path)  # the folders checked above are not followed if swapped since
             return True
         except FileNotFoundError:
             return False
@@ -416,7 +416,7 @@ class DiskStore:
             try:
                 if not stat.S_ISREG(p.lstat().st_mode):  # a directory or link under a temp name: not ours
                     continue
-                p.unlink()
+                safeio.unlink_beneath(self.root, p)
                 n += 1
             except FileNotFoundError:
                 pass
@@ -486,10 +486,12 @@ class DiskStore:
         for space in [ns] if ns is not None else list(Namespace):
             for p in list(self._files(space)):
                 try:
-                    p.unlink()
+                    safeio.unlink_beneath(self.root, p)
                     n += 1
                 except FileNotFoundError:
                     pass
+                except OSError as e:  # a folder swapped for a link since it was listed: refused, never followed
+                    log.warning("disk store: cannot remove %s: %s", p, e)
         self.sweep_temp(0.0)
         if ns is None:  # everything: the record logs too (they only point at entries)
             self._logs.clear()

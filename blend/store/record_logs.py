@@ -125,8 +125,8 @@ class DiskRecordLogs:
                 log.warning("disk store: not clearing %s: it leads outside the store", self.folder)
             return
         for p in self.folder.glob("*"):
-            try:
-                p.unlink()
+            try:  # relative to the store's root, no link followed: the folder may be swapped after the check
+                safeio.unlink_beneath(self.folder.parent, p)
             except FileNotFoundError:
                 pass
             except OSError as e:
