@@ -34,7 +34,7 @@ from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
 from blend.retrieval.ingest import ingest, print_issues
 from blend.retrieval.pipeline import RAG, engine_kv_deleter, engine_kv_signature, engine_kv_writer
 from blend.terminal_text import shown
-from blend.store.spec import default_spec
+from blend.store.spec import default_spec, redacted_spec
 
 USER_ERRORS: tuple[type[BaseException], ...] = (RetrievalError, FileNotFoundError, ValueError, KVBlendError)
 
@@ -49,7 +49,7 @@ def _guard(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
         return fn(args)
     except USER_ERRORS as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"kvblend: error: {msg}", file=sys.stderr)
+        print(f"kvblend: error: {shown(msg)}", file=sys.stderr)  # an index's recorded names may hold escapes
         return 2
     except KeyboardInterrupt:
         print("kvblend: interrupted (finished files are saved; re-run to resume)", file=sys.stderr)
@@ -165,7 +165,7 @@ def _demo(args: argparse.Namespace) -> int:
     home = kvblend_home()
     index = Path(args.index) if args.index else home / "demo-index"
     spec = args.store if args.store else default_spec()  # $KVBLEND_STORE, else disk:$KVBLEND_HOME/store
-    print(f"demo: model {args.model}, index {index}, store {spec}")
+    print(f"demo: model {args.model}, index {index}, store {redacted_spec(spec)}")
     t0 = time.perf_counter()
     engine = load_engine(args.model, args.dtype, spec)
     embedder = Embedder.load()

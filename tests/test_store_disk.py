@@ -498,6 +498,9 @@ def test_record_logs_are_owner_only_like_the_entries(tmp_path: Path) -> None:
         assert store.rewrite_records("donors-x", [b'{"a":1}', b'{"a":1}'], [b'{"a":1}'])
         path = next(p for p in (tmp_path / "logs").rglob("*") if p.is_file() and not p.name.startswith("."))
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        os.chmod(path, 0o644)  # a log an earlier version made
+        store.append_record("donors-x", b'{"a":2}')
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600  # private once written again
     finally:
         os.umask(old)
 

@@ -281,6 +281,13 @@ def test_a_redis_password_never_reaches_logs_or_messages(caplog) -> None:
     assert redacted_url("redis://alice:S3cretPass@h:6379/0") == "redis://alice:***@h:6379/0"
     assert redacted_url("rediss://u:p@[::1]:7/0") == "rediss://u:***@[::1]:7/0"
     assert redacted_url("redis://h:6379/0") == "redis://h:6379/0"
+    assert redacted_url("redis://127.0.0.1:1/0?password=hunter2&x=1") == "redis://127.0.0.1:1/0?password=***&x=1"
+    from blend.store.spec import StoreSpecError, parse_store_spec, redacted_spec
+
+    assert redacted_spec("memory,redis://:pw@h/0,disk:/x") == "memory,redis://:***@h/0,disk:/x"
+    with pytest.raises(StoreSpecError) as err:
+        parse_store_spec("redis://:hunter2@127.0.0.1:6379/zero")
+    assert "hunter2" not in str(err.value)
     store = RedisStore("redis://alice:S3cretPass@127.0.0.1:1/0", connect_timeout_s=0.05)
     with caplog.at_level("WARNING"):
         store.contains(Namespace.CANONICAL, StoreKey(b"\0" * 32))

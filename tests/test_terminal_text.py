@@ -22,3 +22,18 @@ def test_ingest_warnings_do_not_pass_a_file_names_escape_sequences_to_the_termin
     out = io.StringIO()
     print_issues([CorpusIssue(ESC, None, next(iter(IssueKind)), "unreadable")], out)
     assert "\x1b" not in out.getvalue() and "\x07" not in out.getvalue() and "SYSTEM COMPROMISED" in out.getvalue()
+
+
+def test_a_cli_error_naming_an_indexs_recorded_name_is_printed_escaped(capsys):
+    """An index's meta.json names its embedder: 'built with another embedder (<name>)' printed it raw."""
+    import argparse
+
+    from blend.retrieval.cli import _guard
+    from blend.retrieval.corpus import RetrievalError
+
+    def fail(_args):
+        raise RetrievalError(f"idx: index was built with another embedder ({ESC}, dim 64)")
+
+    assert _guard(fail, argparse.Namespace()) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err and "another embedder" in err

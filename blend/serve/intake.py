@@ -141,12 +141,13 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
         # paying for that (its texts alone, tokenized once, already exceed the limit)
         least = sum(len(engine.tokenizer(t, add_special_tokens=False)["input_ids"])
                     for t in (question, *docs, *(turn.text for turn in history)))
+        # in the order of the checks after the layout: the server's limit (413), then the model's context (400)
+        if server_limit is not None and server_limit < context and least > server_limit:
+            raise ApiError(413, f"the conversation's texts alone are {least} tokens, over the limit of "
+                           f"{server_limit} tokens", ErrorType.TOO_LARGE, "documents")
         if least >= context:
             raise ApiError(400, f"the conversation's texts alone are {least} tokens: no room in the model's "
                            f"context of {context} tokens", param=prompt_param, code="context_length_exceeded")
-        if server_limit is not None and server_limit < context and least > server_limit:  # as the check below
-            raise ApiError(413, f"the conversation's texts alone are {least} tokens, over the limit of "
-                           f"{server_limit} tokens", ErrorType.TOO_LARGE, "documents")
     try:
         prompt = engine.build_prompt(question, docs, system, history)
     except InvalidRequestError as e:

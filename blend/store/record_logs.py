@@ -138,6 +138,16 @@ def complete_lines(data: bytes) -> list[bytes]:
     return [ln for ln in data.split(b"\n")[:-1] if ln.strip()]
 
 
+def _owner_only(fd: int) -> None:
+    """Drop group and other permissions of an open file we own (best effort: another user's file stays)."""
+    try:
+        st = os.fstat(fd)
+        if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+            os.fchmod(fd, st.st_mode & 0o700)
+    except OSError:
+        pass
+
+
 def _open_current(path: Path, flags: int, lock: int) -> int:
     """Open ``path`` and take ``lock`` (fcntl.flock) on the file that is at ``path``
     once the lock is held: a compaction may have renamed a new file over the one
@@ -153,6 +163,8 @@ def _open_current(path: Path, flags: int, lock: int) -> int:
         # a FIFO or link at a log's path is refused, never waited on; owner-only, as the entries: a donor log
         # holds documents' token ids, which decode back to their text
         fd = safeio.open_regular(path, flags, mode=0o600)
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            _owner_only(fd)  # a log an earlier version created 0644 is made private the first time it is written
         try:
             fcntl.flock(fd, lock)
             if os.fstat(fd).st_ino == os.stat(path).st_ino:

@@ -72,16 +72,25 @@ HEADER_PROBE = 4096  # bytes fetched with the length; a real header is ~1 KB
 
 
 def redacted_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (``redis://user:***@host:port/db``)."""
+    """``url`` with its password replaced by ``***``: the ``user:PASS@`` part and a ``?password=`` argument
+    (redis-py logs in with either).
+
+    Args:
+        url: a Redis URL.
+
+    Returns:
+        The URL as logs and messages may show it.
+    """
     try:
         parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        host = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets
-        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
-        return urlunsplit(parts._replace(netloc=netloc))
+        netloc = parts.netloc
+        if parts.password is not None:
+            host = parts.hostname or ""
+            host = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets
+            netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
+        query = "&".join(f"{pair.partition('=')[0]}=***" if pair.partition("=")[0].lower() == "password" else pair
+                         for pair in parts.query.split("&")) if parts.query else ""
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
     except ValueError:  # a port that is not a number, brackets: show nothing of it rather than a secret
         return "redis://<unparsable url>"
 

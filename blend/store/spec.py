@@ -25,7 +25,7 @@ from blend.defaults import DEFAULT_WRITE_BEHIND, kvblend_home
 from blend.store.base import InspectableStore
 from blend.store.disk import DiskStore
 from blend.store.memory import MemoryStore
-from blend.store.redis_store import RedisStore
+from blend.store.redis_store import RedisStore, redacted_url
 from blend.store.tiered import TieredStore
 
 DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes of KV held in process
@@ -122,7 +122,14 @@ def _check_database(url: str, path: str, db_params: list[str]) -> None:
     given = [path.strip("/")] if path.strip("/") else []
     for db in given + db_params:
         if not db.isdigit() or not db.isascii():
-            raise StoreSpecError(f"{url}: the Redis database must be a whole number >= 0 (e.g. /0), got {db!r}")
+            raise StoreSpecError(f"{redacted_url(url)}: the Redis database must be a whole number >= 0 (e.g. /0), "
+                                 f"got {db!r}")
+
+
+def redacted_spec(spec: str) -> str:
+    """A store spec as output may show it: every Redis tier's password replaced by ``***``."""
+    return ",".join(redacted_url(part) if part.strip().lower().startswith(("redis", "unix")) else part
+                    for part in spec.split(","))
 
 
 def parse_store_spec(spec: str | None) -> list[TierSpec]:
