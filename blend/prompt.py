@@ -239,7 +239,7 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
             raise InvalidRequestError(f"history turn {i + 1} ({turn.role.value}) is empty")
     for what, text in (("the question", question), ("the system prompt", system or ""),
                        *((f"history turn {i + 1}", t.text) for i, t in enumerate(history))):
-        if not _is_unicode(text):
+        if not is_unicode(text):
             raise InvalidRequestError(f"{what} is not valid Unicode text (it holds a lone surrogate)")
         if _SENTINEL in text:  # the layout splits the rendered template there: it would move the turns
             raise InvalidRequestError(f"{what} holds kvblend's internal split marker ({_SENTINEL!r})")
@@ -270,7 +270,7 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
     return Prompt(tuple(segs))
 
 
-def _is_unicode(text: str) -> bool:
+def is_unicode(text: str) -> bool:
     """Whether ``text`` encodes to UTF-8 (no lone surrogate: a tokenizer raises TypeError on one)."""
     try:
         text.encode("utf-8")

@@ -7,6 +7,8 @@ crashes the print. Such text is shown with Python's escapes instead (``\\x1b``, 
 
 from __future__ import annotations
 
+from blend.prompt import is_unicode
+
 
 def shown(text: str) -> str:
     """``text`` as printed: unchanged when printable, else with control characters and lone surrogates
@@ -18,14 +20,6 @@ def shown(text: str) -> str:
     Returns:
         A string with no control character and no lone surrogate.
     """
-    if text.isprintable() and _encodes(text):
+    if text.isprintable() and is_unicode(text):
         return text
     return ascii(text)[1:-1]
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from blend import safeio
+from blend.prompt import is_unicode
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.index import MAX_DIM, MAX_INDEX_FILE_BYTES, IndexKind
 
@@ -175,21 +176,12 @@ def read_chunk_table(path: Path) -> dict[str, ChunkRecord]:
         if (not isinstance(row, dict) or set(row) != names or not isinstance(row["chunk_id"], str)
                 or not isinstance(row["text"], str) or not _is_count(row["slot"]) or not _is_count(row["n_tokens"])):
             raise _bad(path, f"line {lineno}: corrupt chunk row (want {sorted(names)} of the right types)")
-        if not _is_unicode(row["text"]) or not _is_unicode(row["chunk_id"]):  # JSON escapes allow lone surrogates
+        if not is_unicode(row["text"]) or not is_unicode(row["chunk_id"]):  # JSON escapes allow lone surrogates
             raise _bad(path, f"line {lineno}: a chunk's text is not valid Unicode (a lone surrogate)")
         if row["chunk_id"] in records:
             raise _bad(path, f"line {lineno}: chunk {row['chunk_id'][:16]!r} appears twice")
         records[row["chunk_id"]] = ChunkRecord(**row)
     return records
-
-
-def _is_unicode(text: str) -> bool:
-    """Whether ``text`` encodes to UTF-8 (a tokenizer raises TypeError on a lone surrogate)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _chunk_ref(c: Any) -> ChunkRef:

@@ -40,13 +40,7 @@ def test_a_checkpoint_replaced_in_place_with_its_mtimes_kept_gets_a_new_fingerpr
 
     ckpt, other = tmp_path / "ckpt", tmp_path / "other"
     for seed, d in ((0, ckpt), (1, other)):
-        torch.manual_seed(seed)
-        model, tok = build_tiny(TinyModel.QWEN2)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.01 * seed)
-        model.save_pretrained(d)
-        tok.save_pretrained(d)
+        _saved_tiny(d, seed, TinyModel.QWEN2)
     first = models.load_model(str(ckpt)).weights_sha256
     for f in other.iterdir():  # same sizes; then the old mtimes put back
         st = (ckpt / f.name).stat() if (ckpt / f.name).exists() else None
@@ -154,9 +148,10 @@ def test_biases_the_engine_does_not_carry_are_refused_not_dropped():
             _runner(LlamaConfig(**_SMALL, **kw))
 
 
-def _saved_tiny(d, seed: int = 0):
+def _saved_tiny(d, seed: int = 0, kind: TinyModel = TinyModel.LLAMA):
+    """A tiny model's checkpoint folder at ``d``, its weights moved by ``seed`` (0: as built)."""
     torch.manual_seed(seed)
-    model, tok = build_tiny(TinyModel.LLAMA)
+    model, tok = build_tiny(kind)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01 * seed)
