@@ -34,7 +34,7 @@ class ControlTokens:
     strings: tuple[str, ...]  # the added tokens' strings, longest first
     find: re.Pattern  # any of them
     split: re.Pattern  # OPEN token CLOSE (captured) or a lone marker (captures None)
-    literal: dict = field(default_factory=dict, compare=False)  # string -> its ids as text (made once each)
+    literal: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)  # string -> its ids as text
 
 
 _cache: "weakref.WeakKeyDictionary[object, ControlTokens]" = weakref.WeakKeyDictionary()
@@ -71,18 +71,40 @@ def _build(tokenizer) -> ControlTokens:
 
 
 def holds_control(tokenizer, text: str) -> bool:
-    """Whether ``text`` holds a control token's string (or one of this module's markers)."""
+    """Whether ``text`` holds a control token's string (or one of this module's markers).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        text: user text.
+
+    Returns:
+        True if :func:`mark` would change it.
+    """
     return bool(control_tokens(tokenizer).find.search(text)) or bool(_MARKERS.search(text))
 
 
 def mark(tokenizer, text: str) -> str:
-    """User text with each control token's string wrapped in the markers (markers already in it dropped,
-    so none can be forged)."""
-    return control_tokens(tokenizer).find.sub(lambda m: f"{OPEN}{m.group(0)}{CLOSE}", _MARKERS.sub("", text))
+    """User text with each control token's string wrapped in the markers.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        text: user text (markers already in it are dropped, so none can be forged).
+
+    Returns:
+        The marked text, for a template to render and :func:`encode_marked` to tokenize.
+    """
+    return control_tokens(tokenizer).find.sub(lambda m: f"{OPEN}{m.group(0)}{CLOSE}", unmark(text))
 
 
 def unmark(text: str) -> str:
-    """Marked text as the model reads it: the markers removed."""
+    """Marked text as the model reads it.
+
+    Args:
+        text: any text.
+
+    Returns:
+        ``text`` without this module's markers.
+    """
     return _MARKERS.sub("", text)
 
 
@@ -109,7 +131,7 @@ def encode_marked(tokenizer, text: str) -> tuple[int, ...]:
             continue
         if i % 2 == 1:
             if piece not in ct.literal:
-                ct.literal[piece] = tuple(_literal(tokenizer, piece))
+                ct.literal[piece] = _literal(tokenizer, piece)
             ids += ct.literal[piece]
         else:
             ids += _plain(tokenizer, piece) if i == 0 else next(continued)
@@ -117,8 +139,16 @@ def encode_marked(tokenizer, text: str) -> tuple[int, ...]:
 
 
 def encode_user_text(tokenizer, text: str) -> tuple[int, ...]:
-    """Token ids of text that is all the user's (a document): the tokenizer's own where it holds no
-    control token's string, else :func:`encode_marked` of it marked."""
+    """Token ids of text that is all the user's (a document).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        text: the text.
+
+    Returns:
+        The tokenizer's own ids where it holds no control token's string, else :func:`encode_marked` of it
+        marked; no special tokens added.
+    """
     if not holds_control(tokenizer, text):
         return _plain(tokenizer, text)
     return encode_marked(tokenizer, mark(tokenizer, text))
@@ -129,27 +159,26 @@ def _plain(tokenizer, text: str) -> tuple[int, ...]:
 
 
 def _continuations(tokenizer, pieces: list[str]) -> list[tuple[int, ...]]:
-    """Each piece's ids as the middle of a text: encoded after a newline, which is then dropped (a
-    SentencePiece tokenizer would otherwise add a word-start space the text does not have)."""
+    """Each piece's ids as the middle of a text (:func:`_after_newline`), one tokenizer call for them all."""
     if not pieces:
         return []
     newline = _plain(tokenizer, "\n")
     batch = tokenizer(["\n" + p for p in pieces], add_special_tokens=False)["input_ids"]
-    out = []
-    for piece, ids in zip(pieces, batch):
-        ids = tuple(ids)
-        out.append(ids[len(newline):] if newline and ids[:len(newline)] == newline else _plain(tokenizer, piece))
-    return out
+    return [_after_newline(tuple(ids), newline, lambda p=p: _plain(tokenizer, p)) for p, ids in zip(pieces, batch)]
 
 
-def _literal(tokenizer, piece: str) -> list[int]:
-    """``piece`` encoded with no added token recognised. Encoded after a newline, which is then dropped,
-    so a SentencePiece tokenizer adds no word-start space to the middle of a text."""
+def _literal(tokenizer, piece: str) -> tuple[int, ...]:
+    """``piece`` encoded with no added token recognised, as the middle of a text (:func:`_after_newline`)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     encode = _backend_encoder(backend) if backend is not None else _slow_encoder(tokenizer)
-    newline = encode("\n")
-    ids = encode("\n" + piece)
-    return ids[len(newline):] if newline and ids[:len(newline)] == newline else encode(piece)
+    return _after_newline(tuple(encode("\n" + piece)), tuple(encode("\n")), lambda: tuple(encode(piece)))
+
+
+def _after_newline(ids: tuple[int, ...], newline: tuple[int, ...], alone) -> tuple[int, ...]:
+    """The ids of a piece encoded after a newline, the newline's ids dropped: a SentencePiece tokenizer
+    would otherwise add a word-start space the text does not have. ``alone()`` (the piece encoded by
+    itself) where the newline merged with the piece."""
+    return ids[len(newline):] if newline and ids[:len(newline)] == newline else alone()
 
 
 def _backend_encoder(backend):

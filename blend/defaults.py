@@ -116,6 +116,9 @@ DEFAULT_WRITE_BEHIND_PENDING = 32
 # semantic reuse's donor index (blend.donors): donors held in memory per engine (each keeps its token ids and
 # a MinHash signature, ~5-20 KB); past it the oldest registration leaves memory (the donor log keeps it)
 DEFAULT_MAX_DONORS = 1 << 14
+# a donor-log purge (a deleted document's tokens leaving the log) rewrites it by compare-and-swap: this many
+# tries while other processes keep appending
+DEFAULT_PURGE_TRIES = 3
 # disk tier byte budget (blend.store.disk): a process's tally counts only its own puts between scans of the
 # folder, so the folder (every process's files) is recounted at least this often (seconds) on a put
 DEFAULT_DISK_RESCAN_S = 10.0

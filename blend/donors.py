@@ -49,7 +49,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from blend import safeio
-from blend.defaults import DEFAULT_MAX_DONORS
+from blend.defaults import DEFAULT_MAX_DONORS, DEFAULT_PURGE_TRIES
 from blend.keys import StoreKey, token_digest
 
 log = logging.getLogger(__name__)
@@ -242,9 +242,6 @@ def _replay(lines: Sequence[bytes]) -> tuple[list[Donor], int]:
     return [d for d in state.values() if d is not None], bad
 
 
-PURGE_TRIES = 3  # a purge's compare-and-swap rewrite, retried when another process appended meanwhile
-
-
 def purge_log(sink: RecordLog, name: str) -> bool:
     """Rewrite ``sink``'s donor log to one line per live donor, whatever its share of dead lines: a
     deleted document's tokens must leave the disk or Redis now, not at some later compaction.
@@ -259,7 +256,7 @@ def purge_log(sink: RecordLog, name: str) -> bool:
     """
     if not isinstance(sink, CompactableLog):
         return False
-    for _ in range(PURGE_TRIES):
+    for _ in range(DEFAULT_PURGE_TRIES):
         lines = sink.read_records(name)
         live, _ = _replay(lines)
         rows = [_record(_donor_row(d)) for d in live]

@@ -241,10 +241,11 @@ def _dir_fingerprint(path: Path, model: torch.nn.Module) -> str:
     ``save_pretrained`` of other weights into the folder leaves that file behind, and the old value
     would have keyed the new weights' KV as the old ones'.
     """
-    own = _read_fingerprint(path / FINGERPRINT_FILE, _files_stamp(path))
+    files = _files_stamp(path)
+    own = _read_fingerprint(path / FINGERPRINT_FILE, files)
     if own is not None:
         return own
-    stamp = hashlib.sha256(f"{path.resolve()}|{_files_stamp(path)}".encode()).hexdigest()
+    stamp = hashlib.sha256(f"{path.resolve()}|{files}".encode()).hexdigest()
     cache = kvblend_home() / "fingerprints" / f"{stamp}.json"
     cached = _read_fingerprint(cache)
     if cached is not None:

@@ -199,8 +199,14 @@ def _ids(tokenizer, rendered: str) -> tuple[int, ...]:
 
 
 def document_text(doc: str) -> str:
-    """How a document is laid into the prompt (a Unicode noncharacter marker in it dropped before the strip,
-    see :mod:`blend.control_text`)."""
+    """How a document is laid into the prompt.
+
+    Args:
+        doc: the document's text (laying out a laid-out text changes nothing).
+
+    Returns:
+        The text stripped (a :mod:`blend.control_text` marker in it dropped first), then a blank line.
+    """
     return unmark(doc).strip() + "\n\n"
 
 
@@ -230,13 +236,11 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
         InvalidRequestError: an empty question, document or turn, or a conversation the
             chat template cannot render.
     """
-    if not question or not question.strip():
+    if not isinstance(question, str) or not question:
         raise InvalidRequestError("the question is empty")
     for i, turn in enumerate(history):
         if not isinstance(turn, Turn) or not isinstance(turn.role, Role) or not isinstance(turn.text, str):
             raise InvalidRequestError(f"history turn {i + 1} is not a Turn(Role, text)")
-        if turn.role is not Role.ASSISTANT and not turn.text.strip():  # an answer may be empty (EOS at once)
-            raise InvalidRequestError(f"history turn {i + 1} ({turn.role.value}) is empty")
     for what, text in (("the question", question), ("the system prompt", system or ""),
                        *((f"history turn {i + 1}", t.text) for i, t in enumerate(history))):
         if not is_unicode(text):
@@ -251,7 +255,7 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
     if not question:
         raise InvalidRequestError("the question is empty")
     for i, turn in enumerate(history):
-        if turn.role is not Role.ASSISTANT and not turn.text:
+        if turn.role is not Role.ASSISTANT and not turn.text:  # an answer may be empty (EOS at once)
             raise InvalidRequestError(f"history turn {i + 1} ({turn.role.value}) is empty")
     # (user text spelling a control token is marked, so it reads as text: see blend.control_text)
     history = tuple(Turn(t.role, _user(tokenizer, t.text)) for t in history)
@@ -271,7 +275,14 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
 
 
 def is_unicode(text: str) -> bool:
-    """Whether ``text`` encodes to UTF-8 (no lone surrogate: a tokenizer raises TypeError on one)."""
+    """Whether ``text`` encodes to UTF-8.
+
+    Args:
+        text: any string.
+
+    Returns:
+        False if it holds a lone surrogate (a tokenizer raises TypeError on one), else True.
+    """
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

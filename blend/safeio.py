@@ -15,7 +15,7 @@ import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -247,16 +247,32 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *, encoding: str 
 
 
 def save_figure(fig, path: str | os.PathLike[str], **kwargs) -> None:
-    """A matplotlib figure written as :func:`atomic_file` writes (never through a link or into a FIFO at
-    ``path``); ``kwargs`` go to ``savefig`` (the format is taken from the suffix)."""
+    """A matplotlib figure written as :func:`atomic_file` writes (never through a link or into a FIFO).
+
+    Args:
+        fig: the figure.
+        path: the image file; its suffix names the format unless ``format`` is given (none: png).
+        **kwargs: passed to ``savefig``.
+    """
     fmt = kwargs.pop("format", None) or (os.path.splitext(os.fspath(path))[1].lstrip(".") or "png")
     with atomic_file(path) as f:
         fig.savefig(f, format=fmt, **kwargs)
 
 
-def append_text(path: str | os.PathLike[str], encoding: str = "utf-8"):
-    """A text file opened for appending (created if absent), only if it is a regular file: a link or FIFO
-    at ``path`` is refused (:class:`NotRegularFileError`), never written through or waited on."""
+def append_text(path: str | os.PathLike[str], encoding: str = "utf-8") -> TextIO:
+    """A text file opened for appending (created if absent), only if it is a regular file.
+
+    Args:
+        path: the file.
+        encoding: its text encoding.
+
+    Returns:
+        The open file (the caller closes it).
+
+    Raises:
+        NotRegularFileError: a link or FIFO at ``path`` (never written through or waited on).
+        OSError: any other failure to open.
+    """
     fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     return os.fdopen(fd, "a", encoding=encoding)
 
@@ -279,7 +295,7 @@ def unlink_beneath(root: str | os.PathLike[str], path: str | os.PathLike[str]) -
     """
     rel = os.path.relpath(os.fspath(path), os.fspath(root))
     parts = rel.split(os.sep)
-    if rel.startswith("..") or os.path.isabs(rel) or any(p in ("", ".", "..") for p in parts):
+    if any(p in ("", ".", "..") for p in parts):
         raise UnsafeFileError("not inside the folder it must be in", path)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

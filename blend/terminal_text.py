@@ -22,4 +22,4 @@ def shown(text: str) -> str:
     """
     if text.isprintable() and is_unicode(text):
         return text
-    return ascii(text)[1:-1]
+    return "".join(c if c.isprintable() and is_unicode(c) else ascii(c)[1:-1] for c in text)

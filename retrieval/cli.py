@@ -33,8 +33,8 @@ from blend.retrieval.embedder import Embedder
 from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
 from blend.retrieval.ingest import ingest, print_issues
 from blend.retrieval.pipeline import RAG, engine_kv_deleter, engine_kv_signature, engine_kv_writer
-from blend.terminal_text import shown
 from blend.store.spec import default_spec, redacted_spec
+from blend.terminal_text import shown
 
 USER_ERRORS: tuple[type[BaseException], ...] = (RetrievalError, FileNotFoundError, ValueError, KVBlendError)
 

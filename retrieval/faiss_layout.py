@@ -21,10 +21,10 @@ import numpy as np
 FLAT_IP, ID_MAP2, HNSW_FLAT, IVF_FLAT = b"IxFI", b"IxM2", b"IHNf", b"IwFl"
 INNER_PRODUCT = 0  # faiss.METRIC_INNER_PRODUCT
 _HEADER = struct.Struct("<iqqq?i")  # d, ntotal, two unused int64s, is_trained, metric_type
-_DIRECT_MAP_HASHTABLE = 2  # faiss DirectMap::Hashtable: a second vector of (id, offset) pairs
+NO_DIRECT_MAP = 0  # faiss DirectMap::NoMap: VectorIndex never maintains a direct map
 
 
-MAX_EF = 1 << 16  # an HNSW beam past this is no index VectorIndex writes (a crafted one would cost every add)
+MAX_EF = 1 << 16  # an HNSW build beam past this is no index VectorIndex writes (a crafted one would cost every add)
 
 
 class LayoutError(ValueError):
@@ -108,10 +108,10 @@ def check_layout(data: bytes, kind: str, dim: int) -> Layout:
     return out
 
 
-def _header(r: _Reader, dim: int, trained: bool = True) -> int:
-    """An index header; returns its ntotal."""
-    d, ntotal, _, _, is_trained, metric = r.unpack(_HEADER.format[1:])
-    if d != dim or metric != INNER_PRODUCT or ntotal < 0 or (trained and not is_trained):
+def _header(r: _Reader, dim: int) -> int:
+    """A trained inner-product index header of dimension ``dim``; returns its ntotal."""
+    d, ntotal, _, _, is_trained, metric = _HEADER.unpack(r.take(_HEADER.size))
+    if d != dim or metric != INNER_PRODUCT or ntotal < 0 or not is_trained:
         raise LayoutError(f"header d={d} ntotal={ntotal} trained={is_trained} metric={metric} "
                           f"(expected d={dim}, trained, inner product)")
     return ntotal
@@ -141,7 +141,8 @@ def _hnsw_flat(r: _Reader, dim: int) -> np.ndarray:
     entry, max_level, ef_construction, ef_search, _ = r.unpack("5i")
     storage = _flat(r, dim)
     _check_graph(n, probas, cum, levels, offsets, neighbors, entry, max_level)
-    if not (1 <= ef_construction <= MAX_EF and 1 <= ef_search <= MAX_EF) or len(storage) != n:
+    # efSearch is set before every search (VectorIndex._configure), efConstruction is read by every add
+    if not (1 <= ef_construction <= MAX_EF and ef_search >= 1) or len(storage) != n:
         raise LayoutError(f"HNSW beams {ef_construction}/{ef_search}, {len(storage)} stored vectors for {n}")
     return storage
 
@@ -180,7 +181,7 @@ def _ivf_flat(r: _Reader, dim: int) -> Layout:
     if len(centroids) != nlist or nlist < 1:
         raise LayoutError(f"{nlist} inverted lists for {len(centroids)} centroids")
     (map_type,) = r.unpack("b")
-    if map_type != 0 or r.vector(8):  # VectorIndex never maintains a direct map
+    if map_type != NO_DIRECT_MAP or r.vector(8):
         raise LayoutError(f"inverted lists: direct map of type {map_type}")
     r.fourcc(b"ilar")
     lists, code_size = r.unpack("QQ")

@@ -177,7 +177,7 @@ def read_chunk_table(path: Path) -> dict[str, ChunkRecord]:
                 or not isinstance(row["text"], str) or not _is_count(row["slot"]) or not _is_count(row["n_tokens"])):
             raise _bad(path, f"line {lineno}: corrupt chunk row (want {sorted(names)} of the right types)")
         if not is_unicode(row["text"]) or not is_unicode(row["chunk_id"]):  # JSON escapes allow lone surrogates
-            raise _bad(path, f"line {lineno}: a chunk's text is not valid Unicode (a lone surrogate)")
+            raise _bad(path, f"line {lineno}: a chunk's text or id is not valid Unicode (a lone surrogate)")
         if row["chunk_id"] in records:
             raise _bad(path, f"line {lineno}: chunk {row['chunk_id'][:16]!r} appears twice")
         records[row["chunk_id"]] = ChunkRecord(**row)

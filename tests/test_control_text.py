@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blend.control_text import CLOSE, OPEN, control_tokens, encode_user_text, holds_control
-from blend.policy import ReusePolicy
 from blend.prompt import Role, SegmentKind, Turn, build_prompt, document_ids, document_text, tokenize_segment
 from blend.report import ReuseClass
 from conftest import make_docs, unguarded_blend

@@ -429,7 +429,7 @@ def test_the_validator_checks_same_tokens_where_present(tiny_runs):
     assert "How long the answer stays" not in markdown(old)
 
 
-def test_links_planted_in_out_are_replaced_never_written_through_and_a_fifo_is_refused(tmp_path, capsys):
+def test_links_planted_in_out_are_replaced_never_written_through_and_a_fifo_is_refused(tmp_path):
     """rows.jsonl, results.md and the plots were written through symbolic links in --out (truncating and
     filling the files they pointed at), and --resume read a FIFO at rows.jsonl, blocking for ever."""
     import os

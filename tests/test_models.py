@@ -184,6 +184,14 @@ def test_a_converted_folders_own_fingerprint_is_used_while_its_files_are_unchang
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: build_tiny(TinyModel.LLAMA)[1])
     out = models.convert_gguf(models.SMOLLM2, progress=False)
     assert models._read_fingerprint(out / models.FINGERPRINT_FILE, models._files_stamp(out)) is not None
+
+    def never(_model):
+        raise AssertionError("the folder's own fingerprint should have been used")
+
+    real = models.weights_fingerprint
+    monkeypatch.setattr(models, "weights_fingerprint", never)
+    assert models._dir_fingerprint(out, None)  # taken from the file, not computed
+    monkeypatch.setattr(models, "weights_fingerprint", real)
     # another GGUF of the same name and size (a new revision of the package): converted again
     fake.write_bytes(b"GGUF\x02" + bytes(100))
     assert models.convert_gguf(models.SMOLLM2, progress=False) != out

@@ -546,6 +546,8 @@ def test_a_shard_swapped_for_a_link_after_its_listing_is_not_followed_by_prune(t
     shard.symlink_to(victim, target_is_directory=True)  # ... then swapped
     store._prune_rows(rows, 0)
     assert all(f.read_text() == "precious" for f in victim.iterdir()) and any(victim.iterdir())
+    # delete checks the folder first: the swap lands after that check
+    store._leads_inside = lambda folder: True
     assert store.delete(NS, next(k for k in (key_for(PROV, i) for i in range(3))
                                  if store.path(NS, k).parent == shard)) is False
     assert all(f.read_text() == "precious" for f in victim.iterdir())

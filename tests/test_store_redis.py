@@ -276,13 +276,14 @@ def test_a_put_the_server_refuses_is_counted_not_raised() -> None:
 
 
 def test_a_redis_password_never_reaches_logs_or_messages(caplog) -> None:
-    from blend.store.redis_store import RedisStore, redacted_url
+    from blend.store.redis_store import redacted_url
+    from blend.store.spec import StoreSpecError, parse_store_spec, redacted_spec
 
     assert redacted_url("redis://alice:S3cretPass@h:6379/0") == "redis://alice:***@h:6379/0"
     assert redacted_url("rediss://u:p@[::1]:7/0") == "rediss://u:***@[::1]:7/0"
     assert redacted_url("redis://h:6379/0") == "redis://h:6379/0"
     assert redacted_url("redis://127.0.0.1:1/0?password=hunter2&x=1") == "redis://127.0.0.1:1/0?password=***&x=1"
-    from blend.store.spec import StoreSpecError, parse_store_spec, redacted_spec
+    assert redacted_url("unix:///tmp/r.sock?password=s3") == "unix:///tmp/r.sock?password=***"  # spelled as given
 
     assert redacted_spec("memory,redis://:pw@h/0,disk:/x") == "memory,redis://:***@h/0,disk:/x"
     with pytest.raises(StoreSpecError) as err:

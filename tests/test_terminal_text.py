@@ -16,6 +16,7 @@ def test_shown_escapes_control_characters_and_lone_surrogates_only():
     assert "\x1b" not in shown(ESC) and "\\x1b" in shown(ESC)
     assert shown("a\ud800b") == "a\\ud800b"
     assert shown("tab\there") == "tab\\there"
+    assert shown("caf\u00e9\x1b") == "caf\u00e9\\x1b"  # printable text around a control character stays as it is
 
 
 def test_ingest_warnings_do_not_pass_a_file_names_escape_sequences_to_the_terminal():

@@ -66,8 +66,6 @@ def policy_for(opts: KvblendOptions, salt: str) -> ReusePolicy:
                              reused_temperature=opts.reused_temperature)
 
 
-
-
 def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRequest, endpoint: Endpoint) -> Job:
     """Check ``body`` against the server's limits and build its prompt, policy and sampling settings.
 

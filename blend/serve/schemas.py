@@ -251,8 +251,8 @@ class _Common(BaseModel):
         return tuple(pairs)
 
     def text_chars(self) -> int:
-        """Characters the prompt and the answer's stop are built from (documents and their titles, messages
-        or prompt, stop strings): what deciding to prepare a request inline must count."""
+        """Characters of every text the request carries (documents and their titles, messages or prompt, stop
+        strings, cache_salt): what deciding to prepare a request inline must count."""
         return sum(len(text) for _, text in self._texts())
 
     def document_texts(self) -> list[str]:

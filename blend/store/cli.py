@@ -16,11 +16,11 @@ from typing import Any, TextIO
 
 from blend.keys import Namespace, key_hex
 from blend.store.base import InspectableStore, store_tiers
-from blend.terminal_text import shown
 from blend.store.codec import EntryError
 from blend.store.disk import DiskStore
 from blend.options import add_store_argument
 from blend.store.spec import StoreSpecError, open_store, parse_size
+from blend.terminal_text import shown
 
 
 class StoreCommand(Enum):

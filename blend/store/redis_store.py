@@ -83,14 +83,17 @@ def redacted_url(url: str) -> str:
     """
     try:
         parts = urlsplit(url)
-        netloc = parts.netloc
+        out = url
         if parts.password is not None:
             host = parts.hostname or ""
             host = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets
             netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
-        query = "&".join(f"{pair.partition('=')[0]}=***" if pair.partition("=")[0].lower() == "password" else pair
-                         for pair in parts.query.split("&")) if parts.query else ""
-        return urlunsplit(parts._replace(netloc=netloc, query=query))
+            out = urlunsplit(parts._replace(netloc=netloc))
+        if parts.query:  # the rest of the URL as written (urlunsplit would respell unix:///path as unix:/path)
+            query = "&".join(f"{pair.partition('=')[0]}=***" if pair.partition("=")[0].lower() == "password"
+                             else pair for pair in parts.query.split("&"))
+            out = out.replace("?" + parts.query, "?" + query, 1)
+        return out
     except ValueError:  # a port that is not a number, brackets: show nothing of it rather than a secret
         return "redis://<unparsable url>"
 

@@ -127,7 +127,14 @@ def _check_database(url: str, path: str, db_params: list[str]) -> None:
 
 
 def redacted_spec(spec: str) -> str:
-    """A store spec as output may show it: every Redis tier's password replaced by ``***``."""
+    """A store spec as output may show it.
+
+    Args:
+        spec: a ``--store`` spec (a comma chain of tiers).
+
+    Returns:
+        The spec with every Redis tier's password replaced by ``***``.
+    """
     return ",".join(redacted_url(part) if part.strip().lower().startswith(("redis", "unix")) else part
                     for part in spec.split(","))
 
