@@ -42,13 +42,14 @@ _lock = threading.Lock()
 
 
 def control_tokens(tokenizer) -> ControlTokens:
-    """The strings ``tokenizer`` parses as special tokens (made once per tokenizer).
+    """The strings ``tokenizer`` matches whole as added tokens (made once per tokenizer: tokens added to it
+    later are not seen).
 
     Args:
         tokenizer: a transformers tokenizer.
 
     Returns:
-        Its :class:`ControlTokens`: every added token marked special, and every special token it names.
+        Its :class:`ControlTokens`: every added token, special or not, and every special token it names.
     """
     with _lock:
         found = _cache.get(tokenizer)
