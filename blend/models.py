@@ -26,6 +26,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -137,15 +138,34 @@ def _file_sha256(path: Path) -> str:
     st = path.stat()
     stamp = hashlib.sha256(f"{path.resolve()}|{st.st_size}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}"
                            .encode()).hexdigest()
-    cache = kvblend_home() / "fingerprints" / f"file-{stamp}.json"
+
+    def compute() -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        return h.hexdigest()
+
+    return _cached_digest(f"file-{stamp}", path, compute)
+
+
+def _cached_digest(name: str, path: Path, compute: Callable[[], str]) -> str:
+    """A sha256 cached under ``$KVBLEND_HOME/fingerprints/<name>.json``: read if the cache holds a valid one,
+    else computed and written atomically (a corrupt or hand-edited cache file is a miss).
+
+    Args:
+        name: the cache file's name, a stamp of what the digest is of.
+        path: what it is the digest of (recorded beside it, for people).
+        compute: makes the digest on a miss.
+
+    Returns:
+        64 lowercase hex digits.
+    """
+    cache = kvblend_home() / "fingerprints" / f"{name}.json"
     cached = _read_fingerprint(cache)
     if cached is not None:
         return cached
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    digest = h.hexdigest()
+    digest = compute()
     cache.parent.mkdir(parents=True, exist_ok=True)
     safeio.atomic_write_text(cache, json.dumps({"weights_sha256": digest, "path": str(path)}))
     return digest
@@ -246,14 +266,7 @@ def _dir_fingerprint(path: Path, model: torch.nn.Module) -> str:
     if own is not None:
         return own
     stamp = hashlib.sha256(f"{path.resolve()}|{files}".encode()).hexdigest()
-    cache = kvblend_home() / "fingerprints" / f"{stamp}.json"
-    cached = _read_fingerprint(cache)
-    if cached is not None:
-        return cached
-    fp = weights_fingerprint(model)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    safeio.atomic_write_text(cache, json.dumps({"weights_sha256": fp, "path": str(path)}))
-    return fp
+    return _cached_digest(stamp, path, lambda: weights_fingerprint(model))
 
 
 def _load_dir(path: Path, name: str) -> LoadedModel:
