@@ -254,13 +254,15 @@ def purge_log(sink: RecordLog, name: str) -> bool:
         True if the log holds no removed or repeated donor afterwards (False: it cannot be rewritten, or
         other processes kept appending through every try).
     """
-    if not isinstance(sink, CompactableLog):
-        return False
     for _ in range(DEFAULT_PURGE_TRIES):
         lines = sink.read_records(name)
         live, _ = _replay(lines)
         rows = [_record(_donor_row(d)) for d in live]
-        if rows == lines or sink.rewrite_records(name, lines, rows):
+        if rows == lines:  # nothing dead in it (an empty or absent log too)
+            return True
+        if not isinstance(sink, CompactableLog):
+            return False
+        if sink.rewrite_records(name, lines, rows):
             return True
     return False
 

@@ -197,8 +197,7 @@ class Donors:
         if self.enabled:
             return self.index.remove(key)
         if self._logs_holding is None:  # read once: an ingest may forget many chunks
-            self._logs_holding = [t for t in store_tiers(self.store)
-                                  if isinstance(t, RecordLog) and t.read_records(self.log_name)]
+            self._logs_holding = [t for t in self._log_tiers() if t.read_records(self.log_name)]
         for tier in self._logs_holding:
             tier.append_record(self.log_name, removal_record(key))
         return False
@@ -212,9 +211,12 @@ class Donors:
             True if every log that exists was rewritten (or needed nothing).
         """
         # (a registration appended meanwhile, here or by another process, fails the rewrite's compare-and-swap,
-        # and the purge reads the log again)
-        tiers = [t for t in store_tiers(self.store) if isinstance(t, RecordLog) and t.read_records(self.log_name)]
-        return all([purge_log(t, self.log_name) for t in tiers])
+        # and the purge reads the log again; an empty or absent log needs nothing)
+        return all([purge_log(t, self.log_name) for t in self._log_tiers()])
+
+    def _log_tiers(self) -> list[RecordLog]:
+        """The store's tiers that keep record logs (the persistent ones)."""
+        return [t for t in store_tiers(self.store) if isinstance(t, RecordLog)]
 
     def donor_kv(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], own_key: StoreKey,
                  unusable: Callable[[KVEntry], str] | None = None) -> DonorKV | None:
