@@ -22,6 +22,7 @@ from blend.defaults import (
 )
 from blend.errors import InvalidPolicyError
 from blend.numeric import finite_real, integral, shown
+from blend.prompt import is_unicode
 
 SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe", "probe_attn")
 PROBE_SELECTORS = ("probe", "probe_attn")  # selectors that need the query probe (issue 14)
@@ -222,10 +223,8 @@ class ReusePolicy:
             raise InvalidPolicyError(f"probe_precision must be a ProbePrecision, got {self.probe_precision!r}")
         if not isinstance(self.cache_salt, str):
             raise InvalidPolicyError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
-        try:
-            self.cache_salt.encode("utf-8")  # part of every store key, as UTF-8
-        except UnicodeEncodeError:
-            raise InvalidPolicyError("cache_salt must be valid Unicode text (it holds a lone surrogate)") from None
+        if not is_unicode(self.cache_salt):  # part of every store key, as UTF-8
+            raise InvalidPolicyError("cache_salt must be valid Unicode text (it holds a lone surrogate)")
         if self.semantic and self.cache_salt:  # donors are shared across salts: that would leak KV
             raise InvalidPolicyError("semantic reuse cannot be combined with a cache_salt")
 

@@ -29,7 +29,7 @@ from blend.defaults import (
     DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, REUSED_TEMPERATURE_RANGE,
 )
 from blend.policy import GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, SELECTOR_NAMES
-from blend.prompt import Role, Turn
+from blend.prompt import Role, Turn, is_unicode
 from blend.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS
 
 Selector = Literal[SELECTOR_NAMES]  # type: ignore[valid-type]
@@ -188,10 +188,8 @@ class _Common(BaseModel):
     def _text_is_unicode(self):
         # JSON may carry a lone UTF-16 surrogate ("\ud800"), which no tokenizer takes: a 400, not a 500
         for where, text in self._texts():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(f"{where} is not valid Unicode text (it holds a lone surrogate)") from None
+            if not is_unicode(text):
+                raise ValueError(f"{where} is not valid Unicode text (it holds a lone surrogate)")
         return self
 
     def _texts(self):
