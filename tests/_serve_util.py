@@ -16,6 +16,7 @@ from _store_util import free_port
 from blend.engine import Engine
 from blend.serve.app import create_app
 from blend.serve.config import SchedulerConfig, ServeConfig
+from blend.serve.connection import uvicorn_options
 from blend.serve.flight import FlightStore
 from blend.serve.scheduler import EventKind, Scheduler
 from blend.store.memory import MemoryStore
@@ -46,8 +47,8 @@ def running_server(engine: Engine, config: ServeConfig | None = None) -> Iterato
     config = config or ServeConfig(model=TINY)
     app = create_app(engine, config)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+    options = {**uvicorn_options(config), "host": "127.0.0.1", "port": port, "timeout_graceful_shutdown": 2}
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **options))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

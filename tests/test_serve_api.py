@@ -4,7 +4,9 @@ input a clear 4xx (a server on a free loopback port, tiny model)."""
 from __future__ import annotations
 
 import json
+import socket
 import time
+from urllib.parse import urlparse
 
 import httpx
 import openai
@@ -459,9 +461,6 @@ def test_a_long_conversation_that_cannot_fit_is_refused_before_it_is_laid_out(sr
 
 def _raw_request(srv, head: bytes, body: bytes = b"", wait_s: float = 5.0) -> bytes:
     """Send a request's head (and part of its body) on a raw socket; what the server answers within wait_s."""
-    import socket
-    from urllib.parse import urlparse
-
     url = urlparse(srv.url)
     with socket.create_connection((url.hostname, url.port), timeout=wait_s) as s:
         s.sendall(head + body)
@@ -485,6 +484,62 @@ def test_a_stalled_body_is_a_408_and_other_routes_never_wait_for_one(one_torch_t
         other = b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n"
         assert _raw_request(srv, other, wait_s=3.0).split(b" ")[1] in (b"404", b"405")  # at once: nothing read
         assert post(srv, chat(max_tokens=2)).status_code == 200  # still serving
+
+
+def _read_until_closed(s: socket.socket, limit_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection (or ``limit_s`` passes), and when."""
+    t0, got = time.monotonic(), b""
+    s.settimeout(limit_s)
+    try:
+        while chunk := s.recv(4096):
+            got += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return got, time.monotonic() - t0
+
+
+def test_a_request_head_that_never_completes_ends_its_connection_and_frees_its_slot(one_torch_thread):
+    """uvicorn had no deadline for a request's line and headers: connections that sent nothing, or a head
+    a few bytes at a time, were held for ever, and --max-connections of them made every request a 503."""
+    engine = tiny_serve_engine()
+    limits = Limits(head_timeout_s=0.6, max_connections=4)
+    with running_server(engine, ServeConfig(model=TINY, api_key=KEY, limits=limits)) as srv:
+        url = urlparse(srv.url)
+        silent = [socket.create_connection((url.hostname, url.port)) for _ in range(4)]
+        trickle, t0 = socket.create_connection((url.hostname, url.port)), time.monotonic()
+        for b in b"POST":  # a byte every 0.1 s: under any per-read timeout, never a whole head
+            trickle.sendall(bytes([b]))
+            time.sleep(0.1)
+        answer, _ = _read_until_closed(trickle, 5.0)
+        assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+        assert time.monotonic() - t0 < 2.0
+        for s in silent:
+            got, after_s = _read_until_closed(s, 5.0)
+            assert got == b"" and after_s < 2.0  # closed, nothing said: no request had begun
+            s.close()
+        trickle.close()
+        assert post(srv, chat(max_tokens=2)).status_code == 200  # the slots are free again
+        with socket.create_connection((url.hostname, url.port)) as s:  # keep-alive: the next head is timed too
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = s.recv(4096)
+            while not first.endswith(b"}"):  # the whole response (head and JSON body)
+                first += s.recv(4096)
+            assert first.startswith(b"HTTP/1.1 200")
+            s.sendall(b"GET /hea")
+            got, after_s = _read_until_closed(s, 10.0)  # uvicorn's own keep-alive timer stops at the first byte
+            assert got.startswith(b"HTTP/1.1 408") and after_s < 2.0
+        with socket.create_connection((url.hostname, url.port)) as s:  # a slow head within the deadline is served
+            for part in (b"GET /health HTTP/1.1\r\n", b"Host: x\r\n", b"\r\n"):
+                s.sendall(part)
+                time.sleep(0.15)
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("field", ["head_timeout_s", "body_timeout_s"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
+def test_a_timeout_must_be_positive(field, value):
+    with pytest.raises(ValueError, match="timeouts must be > 0"):
+        Limits(**{field: value})  # a negative body timeout made every request a 408
 
 
 def test_document_titles_count_toward_preparing_a_large_request_off_the_event_loop():

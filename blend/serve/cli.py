@@ -17,12 +17,13 @@ from typing import Sequence
 import uvicorn
 
 from blend.batch_decode import DecodeBatching
-from blend.defaults import DEFAULT_GRACEFUL_SHUTDOWN_S, DEFAULT_LOG_LEVEL, DTYPE_NAMES, LOG_LEVELS
+from blend.defaults import DEFAULT_LOG_LEVEL, DTYPE_NAMES, LOG_LEVELS
 from blend.engine import Engine
 from blend.serve.app import create_app
 from blend.serve.config import (
     API_KEY_ENV, Limits, SchedulerConfig, ServeConfig, default_torch_threads, resolve_api_key,
 )
+from blend.serve.connection import uvicorn_options
 from blend.serve.flight import FlightStore
 from blend.options import add_store_argument
 from blend.store.spec import open_store
@@ -99,9 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=lim.max_body_bytes)
     p.add_argument("--body-timeout", type=float, default=lim.body_timeout_s,
                    help="seconds a client has to send its whole request body (408 after)")
+    p.add_argument("--header-timeout", type=float, default=lim.head_timeout_s,
+                   help="seconds a client has to send a request's line and headers once its connection is "
+                        "ready for one (opened, or done with its last response); the connection ends after it")
     p.add_argument("--max-connections", type=int, default=lim.max_connections,
-                   help="connections held at once (503 past it); put a reverse proxy in front for header "
-                        "timeouts (uvicorn has none)")
+                   help="connections held at once (503 past it)")
     p.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, choices=LOG_LEVELS)
     return p
 
@@ -116,7 +119,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                       max_messages=args.max_messages,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
                       default_max_tokens=args.default_max_tokens, body_timeout_s=args.body_timeout,
-                      max_connections=args.max_connections),
+                      head_timeout_s=args.header_timeout, max_connections=args.max_connections),
         scheduler=SchedulerConfig(
             max_concurrency=args.max_concurrency, max_queue=args.max_queue, prefill_workers=args.prefill_workers,
             batching=DecodeBatching.INVARIANT if args.batch_invariant else DecodeBatching.THROUGHPUT,
@@ -153,7 +156,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = create_app(engine, config)
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger(__name__).warning("serving on %s without an API key", config.host)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
-                timeout_graceful_shutdown=DEFAULT_GRACEFUL_SHUTDOWN_S,
-                limit_concurrency=config.limits.max_connections)
+    uvicorn.run(app, log_level=args.log_level, **uvicorn_options(config))
     return 0

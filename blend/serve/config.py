@@ -20,6 +20,10 @@ class Limits:
     # 408: a client that has not sent its whole body this long after the request began (a stalled or
     # slow upload held the connection and its buffered bytes for ever)
     body_timeout_s: float = 30.0
+    # a request's head (request line and headers) must arrive this long after the connection is ready
+    # for it (opened, or done with its last response); after it the connection ends (408 if part of a
+    # head came). uvicorn has no such deadline: idle or trickling connections held --max-connections
+    head_timeout_s: float = 15.0
     # connections uvicorn holds at once; one more is answered 503 (each stalled connection holds a
     # descriptor and its buffers; streams and requests waiting for a slot count too)
     max_connections: int = 512
@@ -30,6 +34,12 @@ class Limits:
     max_prompt_tokens: int | None = None  # 413; None = the model's context
     max_tokens: int = 1024  # 400 when a request asks for more
     default_max_tokens: int = 256  # when a request names none
+
+    def __post_init__(self) -> None:
+        if not (self.body_timeout_s > 0 and self.head_timeout_s > 0):  # NaN and <= 0 refused
+            raise ValueError("body and header timeouts must be > 0 seconds")
+        if self.max_connections < 1 or self.max_body_bytes < 1:
+            raise ValueError("max_connections and max_body_bytes must be >= 1")
 
 
 @dataclass(frozen=True)
