@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -277,6 +278,51 @@ def append_text(path: str | os.PathLike[str], encoding: str = "utf-8") -> TextIO
     return os.fdopen(fd, "a", encoding=encoding)
 
 
+def _relative_parts(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> list[str]:
+    """``path``'s components below ``root`` (raises UnsafeFileError for a path not lexically inside it)."""
+    rel = os.path.relpath(os.fspath(path), os.fspath(root))
+    parts = rel.split(os.sep)
+    if any(p in ("", ".", "..") for p in parts):
+        raise UnsafeFileError("not inside the folder it must be in", path)
+    return parts
+
+
+def _open_folders_beneath(root: str | os.PathLike[str], folders: list[str], path: str | os.PathLike[str],
+                          create: bool = False) -> int:
+    """A descriptor of ``root``/``folders``..., each folder opened with ``O_NOFOLLOW`` relative to the one
+    before (``create``: missing ones made, mode 0777 less the umask). The caller closes it.
+
+    Raises:
+        UnsafeFileError: a folder on the way is a symbolic link or not a folder (``path`` names it).
+        OSError: any other failure.
+    """
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in folders:
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                try:
+                    nxt = os.open(part, flags, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(part, dir_fd=fd)
+                    except FileExistsError:  # another writer made it meanwhile
+                        pass
+                    nxt = os.open(part, flags, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafeFileError("a folder on its way is a symbolic link or not a folder", path) from None
+                raise
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def unlink_beneath(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
     """Remove ``path`` (a file or link, never a link's target) without following any symbolic link below
     ``root``: each folder between them is opened with ``O_NOFOLLOW`` relative to the one before, and the
@@ -293,21 +339,68 @@ def unlink_beneath(root: str | os.PathLike[str], path: str | os.PathLike[str]) -
             ``root``.
         OSError: any other failure to remove.
     """
-    rel = os.path.relpath(os.fspath(path), os.fspath(root))
-    parts = rel.split(os.sep)
-    if any(p in ("", ".", "..") for p in parts):
-        raise UnsafeFileError("not inside the folder it must be in", path)
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    parts = _relative_parts(root, path)
+    fd = _open_folders_beneath(root, parts[:-1], path)
     try:
-        for part in parts[:-1]:
-            try:
-                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise UnsafeFileError("a folder on its way is a symbolic link or not a folder", path) from None
-                raise
-            os.close(fd)
-            fd = nxt
         os.unlink(parts[-1], dir_fd=fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def atomic_file_beneath(root: str | os.PathLike[str], path: str | os.PathLike[str], *, fsync: bool = True
+                        ) -> Iterator[BinaryIO]:
+    """:func:`atomic_file` for a file inside ``root`` that never follows a symbolic link below ``root``:
+    the folders between them are opened (made where missing) with ``O_NOFOLLOW`` relative to the one
+    before, and the private (0600) temporary file is created, renamed over ``path`` and its folder
+    fsynced through that last folder's descriptor. A folder swapped for a link between a check and the
+    rename (a race to make a store write elsewhere) is refused instead of followed.
+
+    Args:
+        root: the folder the path must lie in (itself trusted as given).
+        path: the file to replace, lexically inside ``root``.
+        fsync: fsync the file and its folder (durable across power loss).
+
+    Yields:
+        The temporary file, open for writing.
+
+    Raises:
+        UnsafeFileError: a folder on the way is a symbolic link or not a folder, or ``path`` is not inside
+            ``root``.
+        OSError: the write or the rename failed (``path`` is unchanged; the temporary file is removed).
+    """
+    parts = _relative_parts(root, path)
+    dir_fd = _open_folders_beneath(root, parts[:-1], path, create=True)
+    try:
+        name = parts[-1]
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for _ in range(100):  # a fresh name, as mkstemp picks one (.NAME.XXXXXXXX.tmp)
+            tmp = f".{name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+            try:
+                fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise FileExistsError(errno.EEXIST, "no free temporary file name", os.fspath(path))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), 0o600)  # whatever the umask
+                yield f
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+        if fsync:
+            try:
+                os.fsync(dir_fd)
+            except OSError:
+                pass  # best effort, as fsync_dir
+    finally:
+        os.close(dir_fd)

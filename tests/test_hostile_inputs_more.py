@@ -517,9 +517,13 @@ def test_record_log_rewrite_is_atomic_and_leaves_no_temp_on_failure(tmp_path, mo
     logs = DiskRecordLogs(tmp_path)
     logs.append("donors", b"a")
     logs.append("donors", b"b")
+    beneath = []
+    real_beneath = safeio.atomic_file_beneath
+    monkeypatch.setattr(safeio, "atomic_file_beneath", lambda root, path, **kw: (
+        beneath.append(os.fspath(path)), real_beneath(root, path, **kw))[1])
     assert logs.rewrite("donors", [b"a", b"b"], [b"c"]) and logs.read("donors") == [b"c"]
-    assert atomic_paths == [str(logs.path("donors"))]
-    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    assert beneath == [str(logs.path("donors"))]  # the atomic write that never follows a link
+    monkeypatch.setattr(os, "replace", lambda *a, **kw: (_ for _ in ()).throw(OSError("disk full")))
     assert not logs.rewrite("donors", [b"c"], [b"d"])
     assert os.listdir(tmp_path) == ["donors.jsonl"] and logs.read("donors") == [b"c"]
 

@@ -344,9 +344,9 @@ def test_record_log_appends_racing_a_rewrite_are_never_lost(tmp_path: Path, monk
 
     real_replace = os.replace
 
-    def slow_replace(src: Any, dst: Any) -> None:  # widen the window between the check and the swap
+    def slow_replace(src: Any, dst: Any, **kw: Any) -> None:  # widen the window between the check and the swap
         time.sleep(0.003)
-        real_replace(src, dst)
+        real_replace(src, dst, **kw)
 
     monkeypatch.setattr(os, "replace", slow_replace)
     store = DiskStore(tmp_path)
@@ -570,3 +570,39 @@ def test_unlink_beneath_refuses_a_linked_folder_and_a_path_outside(tmp_path: Pat
     assert not (tmp_path / "root" / "a" / "g").exists()
     with pytest.raises(FileNotFoundError):
         safeio.unlink_beneath(tmp_path / "root", tmp_path / "root" / "a" / "g")
+
+
+def test_a_shard_folder_swapped_for_a_link_while_a_put_writes_never_sends_the_entry_outside(tmp_path, monkeypatch):
+    """A put checked that the entry's folder resolved inside the store, then created its temp file and
+    renamed it into that folder by path: whoever can write the store could swap the folder for a link in
+    between and have the write land in any folder (it did). Now the folders are opened without following
+    links and the file is created and renamed through the folder's descriptor."""
+    import os
+
+    store = DiskStore(tmp_path / "store")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    prov = make_prov()
+    key = key_for(prov, 1)
+    dest = store.path(NS, key)
+    dest.parent.mkdir(parents=True)
+    real_open = os.open
+    swapped = []
+
+    def open_then_swap(path, flags, *args, **kw):  # the moment a temp file is created: after any check
+        if str(path).endswith(".tmp") and flags & os.O_CREAT and not swapped:
+            os.rename(dest.parent, dest.parent.with_name("moved"))
+            os.symlink(outside, dest.parent)
+            swapped.append(True)
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", open_then_swap)
+    store.put(NS, key, rand_entry(prov))
+    monkeypatch.setattr(os, "open", real_open)
+    assert swapped and list(outside.iterdir()) == []  # nothing written through the link
+    assert [p.name for p in dest.parent.with_name("moved").iterdir()] == [dest.name]  # where the folder went
+
+    other = next(k for k in (key_for(prov, i) for i in range(2, 400)) if store.path(NS, k).parent != dest.parent)
+    store.path(NS, other).parent.symlink_to(outside)  # a folder that is a link from the start: refused as well
+    store.put(NS, other, rand_entry(prov))
+    assert list(outside.iterdir()) == [] and store.get(NS, other, prov.canonical_json()).status is not LookupStatus.HIT

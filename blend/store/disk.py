@@ -244,10 +244,12 @@ class DiskStore:
             return  # its own put's prune would remove it, after every other entry
         dest = self.path(ns, key)
         try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            self._inside(dest)  # never write through a symlinked folder out of the store
-            # a private temp file (0600), fsynced, renamed over the entry, the folder fsynced; removed on failure
-            with safeio.atomic_file(dest, fsync=self.fsync, private=True) as f:
+            # a private temp file (0600), fsynced, renamed over the entry, the folder fsynced; removed on
+            # failure. Every folder below the root is opened without following links and the file is written
+            # and renamed through the last one's descriptor: a folder swapped for a link between a check and
+            # the rename can never make the write land outside the store
+            self.root.mkdir(parents=True, exist_ok=True)  # the root itself is trusted as given
+            with safeio.atomic_file_beneath(self.root, dest, fsync=self.fsync) as f:
                 for part in parts:
                     f.write(part)
                 size = f.tell()

@@ -99,7 +99,9 @@ class DiskRecordLogs:
             if complete_lines(safeio.pread_exact(fd, size, 0)) != list(expected):
                 return False  # appended to (or rewritten) since it was read: try another time
             # a private temp file, fsynced, renamed over the log, the folder fsynced; removed on failure
-            safeio.atomic_write_bytes(path, b"".join(ln + b"\n" for ln in lines), private=True)
+            # (through the store root's folders, never a link: the log cannot be replaced elsewhere)
+            with safeio.atomic_file_beneath(self.folder.parent, path) as f:
+                f.write(b"".join(ln + b"\n" for ln in lines))
             return True  # appenders waiting on the old file reopen the new one
         except OSError as e:
             log.warning("disk store: cannot rewrite log %s: %s", path, e)
