@@ -283,6 +283,18 @@ def test_logprobs_are_the_python_apis_in_openais_shapes_streamed_or_not(srv, cli
     ({"model": TINY, "prompt": "a", "skip_special_tokens": False}, 400, "skip_special_tokens is not supported"),
     (chat(use_beam_search=True), 400, "use_beam_search is not supported"),
     (chat(cache_salt=7), 400, "cache_salt"),
+    # a JSON boolean or a numeric string is not a number: max_tokens true ran with a budget of 1, seed true as 1
+    (chat(max_tokens=True), 400, "max_tokens"),
+    (chat(max_tokens="3"), 400, "max_tokens"),
+    (chat(max_tokens=3.0), 400, "max_tokens"),
+    (chat(max_completion_tokens=True), 400, "max_completion_tokens"),
+    (chat(seed=True), 400, "seed"),
+    (chat(n=True), 400, "n:"),
+    (chat(temperature=True), 400, "temperature"),
+    (chat(temperature="0.5"), 400, "temperature"),
+    (chat(top_p=False), 400, "top_p"),
+    (chat(logit_bias={"5": True}), 400, "logit_bias"),
+    (chat(kvblend={"reuse": "blend", "ratio": True}), 400, "ratio"),
     ({**chat(), "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, 400,
      "last message must be the user's question"),
     ({**chat(), "messages": [{"role": "system", "content": "s"}]}, 400, "last message must be the user's question"),
@@ -307,6 +319,10 @@ def test_vllm_sampling_fields_at_their_neutral_values_are_accepted(srv):
                    include_stop_str_in_output=False, skip_special_tokens=True, use_beam_search=False)
     assert post(srv, chat(max_tokens=2, **neutral)).status_code == 200
     assert post(srv, chat(max_tokens=2, **{k: None for k in neutral})).status_code == 200
+
+
+def test_integer_valued_numbers_are_accepted_where_a_float_is_asked(srv):
+    assert post(srv, chat(max_tokens=2, temperature=0, top_p=1, kvblend={"reuse": "blend", "ratio": 1})).status_code == 200
 
 
 def test_api_key_is_checked_before_anything_else(srv):

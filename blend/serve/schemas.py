@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from blend.defaults import (
     DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_MODE, DEFAULT_GUARD_RATIO, DEFAULT_PROBE_PRECISION,
@@ -50,15 +50,15 @@ class KvblendOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reuse: Literal["exact", "blend", "none"] = "exact"
-    ratio: float = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
+    ratio: StrictFloat = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
     selector: Selector = DEFAULT_SELECTOR
     semantic: StrictBool = False
-    guard_margin: float | None = Field(DEFAULT_GUARD_MARGIN, ge=0.0)  # near-tie guard (nats); None: off
-    guard_ratio: float = Field(DEFAULT_GUARD_RATIO, ge=0.0, le=1.0)
+    guard_margin: StrictFloat | None = Field(DEFAULT_GUARD_MARGIN, ge=0.0)  # near-tie guard (nats); None: off
+    guard_ratio: StrictFloat = Field(DEFAULT_GUARD_RATIO, ge=0.0, le=1.0)
     guard_mode: GuardModeName = DEFAULT_GUARD_MODE  # how the guard's recompute runs (blend.policy.GuardMode)
-    candidates: float | None = Field(DEFAULT_CANDIDATES, ge=1.0)  # probe selectors: candidate factor
+    candidates: StrictFloat | None = Field(DEFAULT_CANDIDATES, ge=1.0)  # probe selectors: candidate factor
     probe_precision: ProbePrecisionName = DEFAULT_PROBE_PRECISION  # the probe's GEMM dtype
-    reused_temperature: float = Field(DEFAULT_REUSED_TEMPERATURE, ge=REUSED_TEMPERATURE_RANGE[0],
+    reused_temperature: StrictFloat = Field(DEFAULT_REUSED_TEMPERATURE, ge=REUSED_TEMPERATURE_RANGE[0],
                                       le=REUSED_TEMPERATURE_RANGE[1], allow_inf_nan=False)  # reused rows' attention
     stop_at_newline: StrictBool = False
     return_tokens: StrictBool = False  # each document's token texts in the report (the playground's highlights)
@@ -148,29 +148,29 @@ class _Common(BaseModel):
     documents: list[Union[Document, str]] | None = None
     cache_salt: str | None = Field(None, max_length=256)
     kvblend: KvblendOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM's convention)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=-1)  # -1 or 0: off (vLLM's convention)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     stop: Union[str, list[str], None] = None
     stream: StrictBool | None = None  # null or absent: one JSON body
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1, le=1)  # one answer per request
-    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)  # null: 0
-    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)  # null: 0
-    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    n: StrictInt | None = Field(None, ge=1, le=1)  # one answer per request
+    presence_penalty: StrictFloat | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)  # null: 0
+    frequency_penalty: StrictFloat | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)  # null: 0
+    logit_bias: dict[str, StrictFloat] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
     tools: list | None = None  # refused when non-empty: no tool calling
     functions: list | None = None  # refused when non-empty (OpenAI's older tools)
     tool_choice: Union[str, dict, None] = None  # refused unless "none" or unset
     response_format: dict | None = None  # refused unless {"type": "text"}: no constrained decoding
     ignore_eos: StrictBool | None = False  # vLLM's extension: fixed-length answers (benchmarks)
     # vLLM's other sampling fields: accepted at their neutral value, refused otherwise (never ignored)
-    best_of: int | None = None  # n = 1
-    min_tokens: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    best_of: StrictInt | None = None  # n = 1
+    min_tokens: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     use_beam_search: StrictBool | None = None
@@ -262,7 +262,7 @@ class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
