@@ -33,6 +33,7 @@ from blend.serve import metrics as metrics_module
 from blend.serve import scheduler as scheduler_module
 from blend.serve.app import create_app
 from blend.serve.config import Limits, SchedulerConfig, ServeConfig
+from blend.serve.connection import uvicorn_options
 from blend.serve.intake import ApiError, prepare
 from blend.serve.metrics import ServeMetrics
 from blend.serve.protocol import Endpoint
@@ -313,8 +314,12 @@ def test_defaults_come_from_blend_defaults():
     actions = {a.dest: a for a in cli.build_parser()._actions}
     assert tuple(actions["dtype"].choices) == DTYPE_NAMES
     assert actions["log_level"].default == DEFAULT_LOG_LEVEL and tuple(actions["log_level"].choices) == LOG_LEVELS
-    main = inspect.getsource(cli.main)
-    assert "timeout_graceful_shutdown=DEFAULT_GRACEFUL_SHUTDOWN_S" in main and DEFAULT_GRACEFUL_SHUTDOWN_S == 5
+    assert "**uvicorn_options(config)" in inspect.getsource(cli.main)  # the server's uvicorn settings
+    options = uvicorn_options(ServeConfig())
+    assert options["timeout_graceful_shutdown"] == DEFAULT_GRACEFUL_SHUTDOWN_S == 5
+    assert options["limit_concurrency"] == Limits().max_connections
+    assert options["http"].head_timeout_s == Limits().head_timeout_s
+    assert actions["header_timeout"].default == Limits().head_timeout_s
 
 
 # ---- 9. a stream whose client leaves stops its request then, not when the collector runs ---------------
