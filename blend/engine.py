@@ -481,8 +481,8 @@ class Engine:
             The answer with its first-token logits, TTFT and reuse report.
         """
         policy = policy or ReusePolicy.exact()
-        if max_new_tokens < 1:
-            raise InvalidRequestError("max_new_tokens must be >= 1")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, not {max_new_tokens!r}")
         t0 = time.perf_counter()
         logits, cache, report = self.prefill(prompt, policy, max_new_tokens)
         tok = int(torch.argmax(logits))

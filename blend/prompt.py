@@ -179,7 +179,14 @@ def document_ids(tokenizer, doc: str) -> tuple[int, ...]:
 
     Returns:
         The ids of ``document_text(doc)``.
+
+    Raises:
+        InvalidRequestError: the text is not valid Unicode (a lone surrogate: the tokenizer cannot read it).
     """
+    if not isinstance(doc, str):
+        raise InvalidRequestError("a document is not a string")
+    if not is_unicode(doc):
+        raise InvalidRequestError("a document is not valid Unicode text (it holds a lone surrogate)")
     return encode_user_text(tokenizer, document_text(doc))
 
 
@@ -320,10 +327,16 @@ def _document_segments(tokenizer, documents: Sequence[str]) -> list[Segment]:
     """One segment per document, in order.
 
     Raises:
-        InvalidRequestError: an empty document.
+        InvalidRequestError: an empty document, or one that is not valid Unicode text.
     """
+    if isinstance(documents, (str, bytes)):  # would read as one document per character
+        raise InvalidRequestError("documents must be a sequence of texts, not one string")
     segs = []
     for i, doc in enumerate(documents):
+        if not isinstance(doc, str):
+            raise InvalidRequestError(f"document {i + 1} is not a string")
+        if not is_unicode(doc):
+            raise InvalidRequestError(f"document {i + 1} is not valid Unicode text (it holds a lone surrogate)")
         if not doc or not unmark(doc).strip():
             raise InvalidRequestError(f"document {i + 1} is empty")
         segs.append(Segment(SegmentKind.DOCUMENT, document_ids(tokenizer, doc), document_text(doc)))

@@ -193,3 +193,26 @@ def test_an_empty_answer_and_turns_with_surrounding_whitespace_keep_the_conversa
     assert list(follow.question.token_ids[:len(asked)]) == asked and follow.question.turn_ends == (len(asked),)
     empty = eng.build_prompt("And?", DOCS, history=(Turn(Role.USER, "Where?"), Turn(Role.ASSISTANT, "")))
     assert "And?" in empty.question.text
+
+
+@pytest.mark.parametrize("documents, needle", [
+    (["fine", "bad \ud800 text"], "document 2 is not valid Unicode text"),
+    (["fine", 7], "document 2 is not a string"),
+    ("one string", "not one string"),
+])
+def test_a_bad_document_is_a_clear_invalid_request(tiny_engine, documents, needle):
+    """A lone surrogate in a document reached the tokenizer (an undeclared TypeError); a plain string as the
+    documents read as one document per character."""
+    with pytest.raises(InvalidRequestError, match=needle):
+        tiny_engine.build_prompt("Why?", documents)
+
+
+def test_precomputing_a_document_with_a_lone_surrogate_is_a_clear_invalid_request(tiny_engine):
+    with pytest.raises(InvalidRequestError, match="not valid Unicode text"):
+        tiny_engine.precompute_chunks(["bad \ud800 text"])
+
+
+@pytest.mark.parametrize("n", [2.5, "3", True, 0])
+def test_max_new_tokens_must_be_a_positive_integer(tiny_engine, n):
+    with pytest.raises(InvalidRequestError, match="max_new_tokens must be an integer >= 1"):
+        tiny_engine.generate(tiny_engine.build_prompt("Why?", DOCS), max_new_tokens=n)
