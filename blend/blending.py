@@ -363,7 +363,11 @@ class Checker:
             picked = select_threshold(inp, policy.threshold, cap)
             chosen = picked.numel() / max(plan.budget_base, 1)
         else:
-            picked = select(policy.selector, inp, int(round(check.ratio * plan.budget_base)))
+            budget = int(round(check.ratio * plan.budget_base))
+            picked = select(policy.selector, inp, budget)
+            if picked.numel() < budget:  # fewer rows to choose from than the ratio asks (the first document,
+                # exact, counts in the base): the report gives the share recomputed, not the policy's ratio
+                chosen = picked.numel() / max(plan.budget_base, 1)
         stats = None
         if check.index == 0 and free.numel():
             qs = torch.quantile(dev_v, torch.tensor([0.5, 0.9]))

@@ -36,6 +36,11 @@ def test_ratio_one_reproduces_full_prefill(tiny_engine):
         b = tiny_engine.generate(prompt, unguarded_blend(ratio=1.0), max_new_tokens=1)
         assert (b.first_logits - full.first_logits).abs().max() <= 1e-4, warm
     assert b.report.recomputed_tokens == sum(len(d) for d in prompt.documents[1:])
+    # every row it could recompute (the first document, exact, counts in the base): the report says the
+    # share recomputed, as an adaptive budget's does, not the policy's 1.0
+    share = b.report.recomputed_tokens / sum(len(d) for d in prompt.documents)
+    assert b.report.ratio == pytest.approx(share) and b.report.spent == pytest.approx(share) and share < 0.9
+    assert tiny_engine.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=1).report.ratio == 0.15
 
 
 def test_ratio_zero_reproduces_plain_full_reuse(tiny_engine):
