@@ -626,7 +626,9 @@ def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list[Pendi
     Returns:
         One :class:`ChunkKV` per document, how many lead the prompt exactly, and the store seconds.
     """
-    chunks, waited = segments.fetch_chunks(prompt, pending[:1], policy.semantic, policy.cache_salt)
+    computed: dict[bytes, tuple[int, KVEntry]] = {}  # canonical KV this request computes, by key: a later copy of a text takes it
+    chunks, waited = segments.fetch_chunks(prompt, pending[:1], policy.semantic, policy.cache_salt,
+                                           computed=computed)
     n_exact = 1 if chunks and chunks[0].own_kv else 0
     if n_exact:
         run, w = segments.exact_run(prompt, policy.cache_salt)
@@ -635,7 +637,7 @@ def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list[Pendi
             if p.future is not None:
                 p.future.cancel()  # a lookup still queued never runs (one already running just finishes)
     rest, w = segments.fetch_chunks(prompt, pending[len(chunks):], policy.semantic, policy.cache_salt,
-                                    start=len(chunks))
+                                    start=len(chunks), computed=computed)
     return chunks + rest, n_exact, waited + w
 
 

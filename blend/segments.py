@@ -456,7 +456,8 @@ class SegmentCache:
         return out
 
     def fetch_chunks(self, prompt: Prompt, pending: Sequence[PendingChunk], semantic: bool, salt: str = "",
-                     start: int = 0) -> tuple[list[ChunkKV], float]:
+                     start: int = 0, computed: dict[bytes, tuple[int, KVEntry]] | None = None
+                     ) -> tuple[list[ChunkKV], float]:
         """Canonical KV of documents: a hit is loaded; a miss or rejection is computed and stored.
 
         Args:
@@ -465,6 +466,8 @@ class SegmentCache:
             semantic: a miss may be seeded from a donor (experimental opt-in).
             salt: the request's cache salt (the keys in ``pending`` were derived under it).
             start: index of the first document fetched (document 0 is EXACT at its canonical position).
+            computed: canonical KV this request computed before this call, by key: (document index, KV). A
+                document of the same text takes it (not computed again); this call's computations are added.
 
         Returns:
             One :class:`ChunkKV` per document fetched, and the seconds spent on the store
@@ -472,12 +475,14 @@ class SegmentCache:
         """
         out, waited = [], 0.0
         pre_ids = prompt.preamble.token_ids
-        done: dict[bytes, int] = {}  # key -> the document this call computed under it (a repeated text)
+        done = {} if computed is None else computed  # key -> (document, KV) computed by this request
         for i, (doc, p) in enumerate(zip(prompt.documents[start:], pending), start=start):
             first = done.get(bytes(p.key))
             if first is not None:  # the same text again: its canonical KV is the one just computed
-                out.append(ChunkKV(out[first - start].kv, ReuseClass.COMPUTED, key_hex(p.key),
-                                   f"the same text as document {first}: computed once for both"))
+                if p.future is not None:
+                    p.future.cancel()  # its lookup started before that KV was stored: not needed
+                out.append(ChunkKV(first[1], ReuseClass.COMPUTED, key_hex(p.key),
+                                   f"the same text as document {first[0]}: computed once for both"))
                 continue
             found = self.lookup(Namespace.CANONICAL, p.key, len(doc), p.future)
             waited += found.seconds
@@ -497,7 +502,7 @@ class SegmentCache:
             kv = self.canonical_kv(prompt.preamble, doc.token_ids, salt)
             self.store.put(Namespace.CANONICAL, p.key, self._stored_form(kv))
             self.register_donor(pre_ids, doc.token_ids, p.key, salt)
-            done[bytes(p.key)] = i
+            done[bytes(p.key)] = (i, kv)
             if found.rejected:
                 out.append(ChunkKV(kv, ReuseClass.REJECTED, key_hex(p.key), found.rejected + "; recomputed"))
             else:

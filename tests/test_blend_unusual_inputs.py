@@ -101,3 +101,25 @@ def test_a_document_repeated_in_one_prompt_is_computed_once_cold(tiny_engine_fac
     warm = eng.generate(prompt, unguarded_blend(ratio=0.25), max_new_tokens=2, stop_at_newline=False)
     assert torch.equal(cold.first_logits, warm.first_logits) and cold.token_ids == warm.token_ids
     assert [s.reuse_class for s in warm.report.segments if s.kind.value == "document"][1:] == [ReuseClass.BLENDED] * 3
+
+
+@pytest.mark.parametrize("order", [(0, 0), (0, 1, 0)])
+def test_a_repeat_of_the_first_document_is_computed_once_cold(tiny_engine_factory, monkeypatch, order):
+    """The first document is fetched on its own (it is exact at its canonical position), the rest after:
+    a later copy of its text was computed and stored a second time, and reported as a plain miss."""
+    from blend.segments import SegmentCache
+
+    base = make_docs(2)
+    docs = [base[i] for i in order]
+    eng = tiny_engine_factory()
+    calls = []
+    real = SegmentCache.canonical_kv
+    monkeypatch.setattr(SegmentCache, "canonical_kv", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    prompt = eng.build_prompt("Which?", docs)
+    cold = eng.generate(prompt, unguarded_blend(ratio=0.25), max_new_tokens=2, stop_at_newline=False)
+    assert len(calls) == len(set(order))
+    last = [s for s in cold.report.segments if s.kind.value == "document"][-1]
+    assert last.reuse_class is ReuseClass.COMPUTED and "the same text as document 0" in last.note
+    monkeypatch.setattr(SegmentCache, "canonical_kv", real)
+    warm = eng.generate(prompt, unguarded_blend(ratio=0.25), max_new_tokens=2, stop_at_newline=False)
+    assert torch.equal(cold.first_logits, warm.first_logits) and cold.token_ids == warm.token_ids
