@@ -122,6 +122,11 @@ def _keep_first_pass_misses(first: Sequence[SegmentReport], redo: Sequence[Segme
                  for f, r in zip(first, redo, strict=True))
 
 
+# The guard's exact recompute reuses the preamble and the first document: both sit where their
+# stored KV was computed (the first document's canonical chunk is its exact KV there).
+GUARD_PREFIX_SEGMENTS = 2
+
+
 def _dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise InvalidRequestError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
@@ -447,9 +452,9 @@ class Engine:
                            approximate=out.approximate, resume=None), cache
         with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later
             again = self.runner.new_cache(cache.capacity)
-        if target >= 1.0:  # the exact path, as an exact request runs it: every exact-prefix entry found is
-            # loaded, the rest computed and stored (bit for bit exact reuse; a later blend of this order is exact)
-            redo = self._prefill_segments(prompt, None, True, again, policy.cache_salt)
+        if target >= 1.0:  # the exact path: preamble and first document reused (both exact
+            # there, the blend just fetched them), the rest computed, nothing else stored
+            redo = self._prefill_segments(prompt, GUARD_PREFIX_SEGMENTS, True, again, policy.cache_salt)
         else:  # a fixed ratio: the recompute reports no chosen share of its own
             redo = self._blend(prompt, policy.at_guard_ratio(target), again)
         segments = _keep_first_pass_misses(done.segments, redo.segments)

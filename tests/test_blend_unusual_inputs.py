@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from blend.store.memory import MemoryStore
 from blend.policy import BudgetMode, ReusePolicy
 from blend.report import ReuseClass
 from conftest import make_docs, unguarded_blend
@@ -31,16 +30,13 @@ def test_a_later_check_layer_that_drops_rows_counts_as_approximate_for_the_guard
     prompt = tiny_engine.build_prompt("Which?", make_docs(4))
     full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1).first_logits
     kw = dict(ratio=1.0, check_layers=(1, 2), selector="v", guard_margin=1e9)  # any blend that kept KV is guarded
-    # (each on its own store: the guard's exact recompute stores this order exactly, later blends load it)
-    narrowed = tiny_engine.with_store(MemoryStore()).generate(
-        prompt, ReusePolicy.blend(layer_ratios=(1.0, 0.0), **kw), max_new_tokens=1)
-    unguarded = tiny_engine.with_store(MemoryStore()).generate(
-        prompt, ReusePolicy.blend(layer_ratios=(1.0, 0.0), **{**kw, "guard_margin": None}), max_new_tokens=1)
+    narrowed = tiny_engine.generate(prompt, ReusePolicy.blend(layer_ratios=(1.0, 0.0), **kw), max_new_tokens=1)
+    unguarded = tiny_engine.generate(prompt, ReusePolicy.blend(layer_ratios=(1.0, 0.0), **{**kw, "guard_margin": None}),
+                                     max_new_tokens=1)
     assert (unguarded.first_logits - full).abs().max() > 1e-3  # above layer 2 every document row was reused
     assert narrowed.report.guard  # so the guard recomputes it
     assert (narrowed.first_logits - full).abs().max() <= 1e-4
-    whole = tiny_engine.with_store(MemoryStore()).generate(prompt, ReusePolicy.blend(layer_ratios=(1.0, 1.0), **kw),
-                                                           max_new_tokens=1)
+    whole = tiny_engine.generate(prompt, ReusePolicy.blend(layer_ratios=(1.0, 1.0), **kw), max_new_tokens=1)
     assert not whole.report.guard  # every row recomputed at every layer: nothing approximate to guard
 
 

@@ -10,7 +10,6 @@ from blend import probe as P
 from blend.policy import BudgetMode, GuardMode, ReusePolicy
 from blend.report import ReuseClass
 from blend.selectors import SelectionInputs, select, select_auto
-from blend.store.memory import MemoryStore
 from conftest import make_docs, unguarded_blend
 
 
@@ -263,26 +262,21 @@ def test_top2_margin():
 
 def test_the_near_tie_guard_recomputes_only_under_its_margin(tiny_engine):
     """Every blend reports its first-token gap; under guard_margin the request is recomputed: at
-    guard_ratio 1.0 by the exact path (bit-identical to exact reuse, and it stores what exact reuse stores:
-    a later blend of this order finds every document exact), else by a blend at that ratio (bit-identical
-    to asking for it outright). TTFT covers both passes."""
+    guard_ratio 1.0 by the exact path (preamble and first document shared: bit-identical to
+    exact reuse with prefix_limit=2, which is bit-identical to its own cold run), else by a blend at that
+    ratio (bit-identical to asking for it outright). TTFT covers both passes."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     plain = tiny_engine.generate(prompt, unguarded_blend(0.15, "probe"), max_new_tokens=1)
     gap = plain.report.first_token_margin
     assert gap is not None and gap >= 0 and plain.report.guard == ""
     assert gap == pytest.approx(P.top2_margin(plain.first_logits), abs=1e-12)
-    full = tiny_engine.with_store(MemoryStore()).generate(prompt, ReusePolicy.none(), max_new_tokens=1)
-    guarded = ReusePolicy.blend(0.15, "probe", guard_margin=gap + 1.0, guard_ratio=1.0)
-    eng = tiny_engine.with_store(MemoryStore())  # its own store: the exact recompute stores this order
-    eng.generate(prompt, unguarded_blend(0.15, "probe"), max_new_tokens=1)  # the chunks, stored canonically
-    hit = eng.generate(prompt, guarded, max_new_tokens=1)
-    assert torch.equal(hit.first_logits, full.first_logits)  # exact reuse's numbers (--reuse none's)
+    full = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=2), max_new_tokens=1)
+    hit = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap + 1.0, guard_ratio=1.0),
+                               max_new_tokens=1)
+    assert torch.equal(hit.first_logits, full.first_logits)
     assert hit.report.ratio == 1.0 and "recomputed at ratio 1" in hit.report.guard
     assert [s.reuse_class for s in hit.report.segments][:3] == [ReuseClass.EXACT, ReuseClass.EXACT,
                                                                  ReuseClass.COMPUTED]  # doc 1 reused
-    after = eng.generate(prompt, guarded, max_new_tokens=1)  # the recompute stored this order exactly
-    assert [s.reuse_class for s in after.report.segments][:-1] == [ReuseClass.EXACT] * 5 and not after.report.guard
-    assert torch.equal(after.first_logits, full.first_logits)
     assert hit.report.first_token_margin == pytest.approx(gap) and hit.report.to_dict()["guard"] == hit.report.guard
     assert ":guard=" in hit.report.policy and hit.report.timings.ttft_s > 0
     mid = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap + 1.0, guard_ratio=0.4),
@@ -298,12 +292,9 @@ def test_the_guard_answers_from_the_recomputed_cache(tiny_engine):
     """A guarded request decodes from the recompute's cache: its whole answer equals exact reuse's."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     guarded = ReusePolicy.blend(0.15, "probe", guard_margin=1e9, guard_ratio=1.0)
-    cold = tiny_engine.with_store(MemoryStore()).generate(prompt, guarded, max_new_tokens=6, stop_at_newline=False)
-    full = tiny_engine.with_store(MemoryStore()).generate(prompt, ReusePolicy.none(), max_new_tokens=6,
-                                                          stop_at_newline=False)
-    warm = tiny_engine.with_store(MemoryStore())  # chunks stored canonically, this order never exactly
-    warm.generate(prompt, unguarded_blend(0.15, "probe"), max_new_tokens=1)
-    hit = warm.generate(prompt, guarded, max_new_tokens=6, stop_at_newline=False)
+    cold = tiny_engine.generate(prompt, guarded, max_new_tokens=6, stop_at_newline=False)
+    full = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=2), max_new_tokens=6, stop_at_newline=False)
+    hit = tiny_engine.generate(prompt, guarded, max_new_tokens=6, stop_at_newline=False)
     assert hit.token_ids == full.token_ids and hit.report.guard
     # the cold request blended chunks it computed canonically just before: it guards as the warm one does
     assert cold.report.guard == hit.report.guard and cold.token_ids == hit.token_ids
@@ -317,15 +308,15 @@ def test_a_guard_ratio_at_or_below_the_blends_takes_the_exact_path(tiny_engine):
     """The guard never answers a near tie with the budget it already had (or less): a guard ratio at or
     below the blend's own runs the exact path; an adaptive budget's redo runs at the fixed guard ratio."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    full = tiny_engine.with_store(MemoryStore()).generate(prompt, ReusePolicy.none(), max_new_tokens=1)
-    for ratio in (0.3, 0.4):  # (each on its own store: the exact path stores this order exactly)
-        ans = tiny_engine.with_store(MemoryStore()).generate(
-            prompt, ReusePolicy.blend(ratio, "probe", guard_margin=1e9, guard_ratio=0.3), max_new_tokens=1)
+    full = tiny_engine.generate(prompt, ReusePolicy.exact(prefix_limit=2), max_new_tokens=1)
+    for ratio in (0.3, 0.4):
+        ans = tiny_engine.generate(prompt, ReusePolicy.blend(ratio, "probe", guard_margin=1e9, guard_ratio=0.3),
+                                   max_new_tokens=1)
         assert ans.report.ratio == 1.0 and torch.equal(ans.first_logits, full.first_logits)
     assert ReusePolicy.blend(0.15).guard_ratio_for(0.15) == 0.3
     # a threshold blend is judged by the share it selected: all it may (0.5) -> the exact path ...
     capped = ReusePolicy.blend(0.15, "probe", threshold=0.0, max_ratio=0.5, guard_margin=1e9, guard_ratio=0.3)
-    assert tiny_engine.with_store(MemoryStore()).generate(prompt, capped, max_new_tokens=1).report.ratio == 1.0
+    assert tiny_engine.generate(prompt, capped, max_new_tokens=1).report.ratio == 1.0
     # ... none -> blended again at the guard ratio (from the start here: tests/test_guard_widen.py has the rest)
     idle = ReusePolicy.blend(0.15, "probe", threshold=1e9, max_ratio=0.5, guard_margin=1e9, guard_ratio=0.3,
                              guard_mode=GuardMode.RESTART)
