@@ -123,7 +123,9 @@ def _keep_first_pass_misses(first: Sequence[SegmentReport], redo: Sequence[Segme
 
 
 # The guard's exact recompute reuses the preamble and the first document: both sit where their
-# stored KV was computed (the first document's canonical chunk is its exact KV there).
+# stored KV was computed (the first document's canonical chunk is its exact KV there). The rest is
+# computed in one pass and not stored: exact-prefix entries would make every later blend of this order
+# (another policy's, an evaluation's other methods) an exact hit.
 GUARD_PREFIX_SEGMENTS = 2
 
 

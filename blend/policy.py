@@ -102,8 +102,10 @@ class ReusePolicy:
         guard_margin: near-tie guard (on by default): when the blend's first-token distribution has
             its top two tokens within this many nats, the request is blended again at
             ``guard_ratio`` (the report says so; TTFT counts both passes). None: off.
-        guard_ratio: the guarded requests' ratio; 1.0 runs the exact path (preamble and first
-            document reused, the rest computed: the same numbers as exact reuse). A guard ratio at
+        guard_ratio: the guarded requests' ratio; 1.0 runs the exact path over the preamble and the first
+            document (both reused: exact there), the rest computed in one pass and not stored (within float
+            rounding of exact reuse, ~1e-6; storing it would turn later blends of this order, another
+            policy's included, into exact hits). A guard ratio at
             or below the ratio the blend ran at takes the exact path (see :meth:`guard_ratio_for`).
         guard_mode: how a guard ratio below 1 is computed (:class:`GuardMode`): from the start, or
             going on from the first pass's check layer where its candidates cover the guard ratio

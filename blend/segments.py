@@ -516,7 +516,7 @@ class SegmentCache:
         documents) and to the provenance, so a blend that finds one holds that document's
         exact KV at exactly this position: nothing to re-position or recompute. Such entries
         exist where this prompt's document order was computed before by the exact path (an
-        exact request, a near-tie guard's recompute, ``precompute`` under an exact policy).
+        exact request, ``precompute`` under an exact policy; a near-tie guard's recompute stores none).
 
         Args:
             prompt: the request (its first document must already be exact in the cache).

@@ -277,6 +277,8 @@ def test_the_near_tie_guard_recomputes_only_under_its_margin(tiny_engine):
     assert hit.report.ratio == 1.0 and "recomputed at ratio 1" in hit.report.guard
     assert [s.reuse_class for s in hit.report.segments][:3] == [ReuseClass.EXACT, ReuseClass.EXACT,
                                                                  ReuseClass.COMPUTED]  # doc 1 reused
+    again = tiny_engine.generate(prompt, unguarded_blend(0.15, "probe"), max_new_tokens=1)  # nothing stored:
+    assert torch.equal(again.first_logits, plain.first_logits)  # a later blend of this order still blends
     assert hit.report.first_token_margin == pytest.approx(gap) and hit.report.to_dict()["guard"] == hit.report.guard
     assert ":guard=" in hit.report.policy and hit.report.timings.ttft_s > 0
     mid = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, "probe", guard_margin=gap + 1.0, guard_ratio=0.4),
