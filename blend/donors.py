@@ -21,8 +21,12 @@ Redis; see :func:`attach_log`), so a later process over the same store finds
 the same donors. Forgetting a donor (its KV was evicted) appends a removal
 record, so the next process does not offer it again; a later registration of
 the same key brings it back. Records are replayed in order; a log whose lines
-are mostly dead is compacted when a process attaches to it (compare-and-swap,
-so a concurrent append is never lost). A torn or corrupt
+are mostly dead, or that holds more than the ``max_donors`` most recent donors
+(or :data:`LOG_KEEP_BYTES` of them), is compacted to those when a process
+attaches to it and as it grows (compare-and-swap, so a concurrent append is
+never lost): donors whose KV a byte budget evicted would otherwise stay for
+ever, until the log passed the size a tier reads at all. Replay computes
+signatures only for the donors it keeps. A torn or corrupt
 line is skipped; a donor whose KV is gone from the store is skipped at lookup
 time like any miss.
 
@@ -56,6 +60,9 @@ log = logging.getLogger(__name__)
 
 SHINGLE = 5  # token ids per shingle
 COMPACT_MIN_LINES = 64  # a log is compacted at attach when it has this many lines and over half are dead
+# a compaction keeps at most this many bytes of records (the most recent donors): a quarter of what a tier
+# reads at all (blend.store.record_logs.MAX_LOG_BYTES), leaving room for the appends until the next one
+LOG_KEEP_BYTES = 64 << 20
 NUM_HASHES = 128  # MinHash signature length: std. error of the estimate ~ sqrt(J(1-J)/128) <= 0.045
 MINHASH_BLOCK = 4096  # shingles hashed at once: bounds minhash's working set to (H, 4096) uint64 = 4 MiB
 MAX_TOKEN_ID = (1 << 32) - 1  # store keys hash token ids as uint32 (keys.token_digest)
@@ -187,7 +194,23 @@ def _digest32(x: Any, what: str) -> bytes:
     return raw
 
 
-def _donor_from_row(r: Any) -> Donor:
+@dataclass(frozen=True)
+class _Registration:
+    """A registration record, checked but without its signature (replaying a log computes signatures only
+    for the donors it keeps: MinHash costs ~0.3 ms per 400-token line)."""
+
+    key: bytes
+    preamble: bytes
+    token_ids: tuple[int, ...]
+
+    def donor(self) -> Donor:
+        return Donor(StoreKey(self.key), self.preamble, self.token_ids, minhash(self.token_ids))
+
+    def record(self) -> bytes:
+        return _record({"key": self.key.hex(), "preamble": self.preamble.hex(), "tokens": list(self.token_ids)})
+
+
+def _registration_from_row(r: Any) -> _Registration:
     if not isinstance(r, dict) or set(r) != {"key", "preamble", "tokens"}:
         raise DonorRecordError("a registration is an object with key, preamble and tokens")
     tokens = r["tokens"]
@@ -196,7 +219,22 @@ def _donor_from_row(r: Any) -> Donor:
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):
         raise DonorRecordError(f"tokens must be a list of whole numbers in [0, {MAX_TOKEN_ID}]")
     key, pre = _digest32(r["key"], "key"), _digest32(r["preamble"], "preamble")
-    return Donor(StoreKey(key), pre, tuple(tokens), minhash(tokens))
+    return _Registration(key, pre, tuple(tokens))
+
+
+def _donor_from_row(r: Any) -> Donor:
+    return _registration_from_row(r).donor()
+
+
+def _parse(line: bytes) -> _Registration | StoreKey:
+    """:func:`parse_record` without the registration's signature."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise DonorRecordError(f"not JSON ({type(e).__name__})") from None
+    if isinstance(row, dict) and set(row) == {"remove"}:
+        return StoreKey(_digest32(row["remove"], "removed key"))
+    return _registration_from_row(row)
 
 
 def parse_record(line: bytes) -> Donor | StoreKey:
@@ -211,44 +249,53 @@ def parse_record(line: bytes) -> Donor | StoreKey:
     Raises:
         DonorRecordError: for any line that is neither (and for nothing else).
     """
-    try:
-        row = json.loads(line)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise DonorRecordError(f"not JSON ({type(e).__name__})") from None
-    if isinstance(row, dict) and set(row) == {"remove"}:
-        return StoreKey(_digest32(row["remove"], "removed key"))
-    return _donor_from_row(row)
+    rec = _parse(line)
+    return rec.donor() if isinstance(rec, _Registration) else rec
 
 
-def _replay(lines: Sequence[bytes]) -> tuple[list[Donor], int]:
+def _replay(lines: Sequence[bytes]) -> tuple[list[_Registration], int]:
     """Replay a record log in order.
 
     Returns:
-        (the live donors in first-registration order, unreadable lines skipped).
+        (the live registrations, least recently registered first; unreadable lines skipped).
     """
-    state: dict[bytes, Donor | None] = {}  # key -> donor, None once removed
+    state: dict[bytes, _Registration | None] = {}  # key -> registration, None once removed
     bad = 0
     for line in lines:
         try:
-            rec = parse_record(line)
+            rec = _parse(line)
         except DonorRecordError as e:
             bad += 1
             log.debug("donor log: skipped a bad line: %s", e)
             continue
-        if isinstance(rec, Donor):
-            state[bytes(rec.key)] = rec
+        if isinstance(rec, _Registration):
+            state.pop(rec.key, None)  # registered again: the most recent now
+            state[rec.key] = rec
         else:
             state[bytes(rec)] = None
-    return [d for d in state.values() if d is not None], bad
+    return [r for r in state.values() if r is not None], bad
 
 
-def purge_log(sink: RecordLog, name: str) -> bool:
+def _newest(live: list[_Registration], max_donors: int) -> list[_Registration]:
+    """The most recent registrations of ``live`` (oldest first) that a log keeps: at most ``max_donors``,
+    and at most :data:`LOG_KEEP_BYTES` of records (a log past MAX_LOG_BYTES is not read at all)."""
+    kept, size, max_bytes = [], 0, LOG_KEEP_BYTES
+    for r in reversed(live[-max_donors:]):
+        size += len(r.record()) + 1
+        if size > max_bytes:
+            break
+        kept.append(r)
+    return kept[::-1]
+
+
+def purge_log(sink: RecordLog, name: str, max_donors: int = DEFAULT_MAX_DONORS) -> bool:
     """Rewrite ``sink``'s donor log to one line per live donor, whatever its share of dead lines: a
     deleted document's tokens must leave the disk or Redis now, not at some later compaction.
 
     Args:
         sink: a persistent tier's record log.
         name: the log's name.
+        max_donors: the most donors the log keeps (the most recent; see :func:`_newest`).
 
     Returns:
         True if the log holds no removed or repeated donor afterwards (False: it cannot be rewritten, or
@@ -257,7 +304,7 @@ def purge_log(sink: RecordLog, name: str) -> bool:
     for _ in range(DEFAULT_PURGE_TRIES):
         lines = sink.read_records(name)
         live, _ = _replay(lines)
-        rows = [_record(_donor_row(d)) for d in live]
+        rows = [r.record() for r in _newest(live, max_donors)]
         if rows == lines:  # nothing dead in it (an empty or absent log too)
             return True
         if not isinstance(sink, CompactableLog):
@@ -320,22 +367,34 @@ class DonorIndex:
             # past MAX_LOG_BYTES is not read at all, and a new process would start with no donors)
             self._appended = 0
             for sink in self._logs:
-                self._compact(sink, sink.read_records(self._log_name))
+                self._compact(sink, sink.read_records(self._log_name), donors=False)
 
-    def _compact(self, sink: RecordLog, lines: list[bytes]) -> list[Donor]:
-        """Rewrite ``sink``'s log to one line per live donor if over half its lines are dead (and nobody
-        appended since ``lines`` were read). Returns the live (verified) donors of ``lines``."""
+    def _compact(self, sink: RecordLog, lines: list[bytes], donors: bool = True) -> list[Donor]:
+        """Rewrite ``sink``'s log to one line per live donor, the ``max_donors`` most recent within
+        :data:`LOG_KEEP_BYTES`, if over half its lines are dead or it holds more than those (and nobody
+        appended since ``lines`` were read).
+
+        Returns:
+            The donors kept (verified), signatures computed; none with ``donors=False`` (a periodic
+            compaction: only the log is rewritten, from the records as they are).
+        """
         live, bad = _replay(lines)
-        if self._verify is not None:
-            kept = [d for d in live if self._verify(d)]
-            bad, live = bad + len(live) - len(kept), kept
-        if bad:
-            log.warning("donor log %s: skipped %d unreadable line(s)", self._log_name, bad)
-        if isinstance(sink, CompactableLog) and len(lines) >= COMPACT_MIN_LINES and len(lines) > 2 * len(live):
-            rows = [_record(_donor_row(d)) for d in live]
+        kept = _newest(live, self.max_donors)
+        trimmed = len(kept) < len(live)
+        out: list[Donor] = []
+        if donors:
+            out = [r.donor() for r in kept]  # signatures only for the donors kept
+            if self._verify is not None:
+                ok = [d for d in out if self._verify(d)]
+                bad, out = bad + len(out) - len(ok), ok
+            if bad:
+                log.warning("donor log %s: skipped %d unreadable line(s)", self._log_name, bad)
+        if isinstance(sink, CompactableLog) and (trimmed or (len(lines) >= COMPACT_MIN_LINES
+                                                             and len(lines) > 2 * len(kept))):
+            rows = [_record(_donor_row(d)) for d in out] if donors else [r.record() for r in kept]
             if sink.rewrite_records(self._log_name, lines, rows):
                 log.info("donor log %s: compacted %d lines to %d", self._log_name, len(lines), len(rows))
-        return live
+        return out
 
     def _insert(self, donor: Donor) -> None:
         self._by_pre.setdefault(donor.preamble, []).append(donor)
@@ -391,14 +450,25 @@ class DonorIndex:
                     loaded.append(bytes(donor.key))
         return sum(k in self._keys for k in loaded)  # past max_donors the oldest left memory again
 
-    def remove(self, key: StoreKey) -> bool:
-        """Forget a chunk (e.g. its KV was evicted from the store), here and in the attached logs."""
+    def remove(self, key: StoreKey, record_absent: bool = False) -> bool:
+        """Forget a chunk (e.g. its KV was evicted from the store), here and in the attached logs.
+
+        Args:
+            key: its canonical key.
+            record_absent: append the removal record even where ``key`` is not in memory (a deletion on
+                purpose: another process may have registered it since this one read the log, or memory's
+                cap dropped it while the log keeps it).
+
+        Returns:
+            Whether it was registered in memory.
+        """
         with self._lock:
-            if bytes(key) not in self._keys:
-                return False
-            self._drop(bytes(key), self._order[bytes(key)])
-            self._append(_removal_row(key))
-            return True
+            present = bytes(key) in self._keys
+            if present:
+                self._drop(bytes(key), self._order[bytes(key)])
+            if present or record_absent:
+                self._append(_removal_row(key))
+            return present
 
     def candidates(self, preamble_ids: Sequence[int], token_ids: Sequence[int], min_similarity: float,
                    top: int = 4) -> list[tuple[Donor, float]]:

@@ -192,10 +192,12 @@ class Donors:
         the processes that do enable semantic reuse stop offering the chunk too.
 
         Returns:
-            True if it was registered here (a removal record is appended to the log).
+            True if it was registered in this process's memory (on an engine with semantic reuse the removal
+            record is appended to the log either way).
         """
-        if self.enabled:
-            return self.index.remove(key)
+        if self.enabled:  # recorded even where this process does not hold it (another registered it since
+            # this one read the log, or memory's cap dropped it): the log must not keep it live
+            return self.index.remove(key, record_absent=True)
         if self._logs_holding is None:  # read once: an ingest may forget many chunks
             self._logs_holding = [t for t in self._log_tiers() if t.read_records(self.log_name)]
         for tier in self._logs_holding:

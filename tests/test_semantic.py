@@ -11,6 +11,7 @@ from blend.donors import DonorIndex, jaccard_estimate, minhash
 from blend.errors import InvalidPolicyError
 from blend.keys import Namespace, StoreKey, canonical_key, key_hex
 from blend.policy import ReusePolicy
+from blend.prompt import document_ids
 from blend.report import ReuseClass
 from blend.semantic import FORCE_WINDOW, MIN_ALIGNED, align
 from conftest import make_docs, unguarded_blend
@@ -493,3 +494,65 @@ def test_a_donor_line_with_a_token_id_past_uint32_is_skipped_and_semantic_reuse_
     too_long = _json.dumps({"key": "00" * 32, "preamble": "11" * 32, "tokens": [1] * (MAX_DONOR_TOKENS + 1)}).encode()
     with pytest.raises(DonorRecordError, match="at most"):
         parse_record(too_long)
+
+
+def test_deleting_a_donor_another_process_registered_since_this_one_read_the_log_removes_it(tmp_path,
+                                                                                           tiny_engine_factory):
+    """A semantic engine forgot (and logged the removal of) only the donors in its own memory: one another
+    process registered after this one read the log stayed live there, tokens included, after the purge."""
+    from blend.retrieval.pipeline import engine_kv_deleter
+    from blend.store.disk import DiskStore
+
+    secret = "The vault code of the northern tower is 7 4 1 9, known only to the keeper of the lantern."
+    a = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    assert len(a.segments.donors.index) == 0  # attached to the (empty) log
+    b = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    b.precompute_chunks([secret])  # registered by the other process
+    tokens = ",".join(map(str, document_ids(a.tokenizer, secret))).encode()
+    logs = lambda: b"".join(f.read_bytes() for f in (tmp_path / "logs").rglob("*") if f.is_file())  # noqa: E731
+    assert tokens in logs()
+    deleter = engine_kv_deleter(a)
+    assert deleter("cid", secret)
+    deleter.finish()
+    assert tokens not in logs()  # purged
+    c = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    assert len(c.segments.donors.index) == 0
+
+
+def test_a_compaction_keeps_the_most_recent_donors_within_the_cap_and_signs_only_those(tmp_path, monkeypatch):
+    """Donors whose KV the store's budget evicted stayed live lines for ever: the log grew with every chunk
+    ever seen until it passed the size a tier reads at all, and then no process loaded any donor. And every
+    line was MinHashed on replay, the ones that would not be kept too."""
+    import blend.donors as D
+    from blend.store.disk import DiskStore
+
+    disk = DiskStore(tmp_path)
+    first = DonorIndex(max_donors=10)
+    first.attach_log([disk], "donors-t")
+    keys = [StoreKey(bytes([i]) * 32) for i in range(100)]
+    for i, k in enumerate(keys):
+        first.add(k, [1], list(range(i * 50, i * 50 + 40)))
+    # memory capped; the log trimmed as it grows (to the 10 most recent at each periodic compaction)
+    assert len(first) == 10 and 10 < len(disk.read_records("donors-t")) <= D.COMPACT_MIN_LINES + 10
+    signed = []
+    real = D.minhash
+    monkeypatch.setattr(D, "minhash", lambda t, *a: signed.append(1) or real(t, *a))
+    second = DonorIndex(max_donors=10)
+    assert second.attach_log([disk], "donors-t") == 10
+    assert len(signed) == 10  # the kept donors only, not every line replayed
+    assert [bytes(k) for k in keys[-10:]] == [bytes(r.key) for r in D._replay(disk.read_records("donors-t"))[0]]
+    assert all(k in second for k in keys[-10:]) and keys[0] not in second
+    first.add(keys[0], [1], list(range(40)))  # registered again: now the most recent
+    third = DonorIndex(max_donors=10)
+    third.attach_log([disk], "donors-t")
+    assert keys[0] in third and keys[90] not in third  # the least recent left
+    monkeypatch.setattr(D, "LOG_KEEP_BYTES", 3 * len(disk.read_records("donors-t")[0]) + 3)
+    assert D.purge_log(disk, "donors-t", max_donors=10)  # the byte bound as well
+    assert len(disk.read_records("donors-t")) == 3
+
+
+def test_the_kept_log_is_well_under_what_a_tier_reads():
+    from blend.donors import LOG_KEEP_BYTES
+    from blend.store.record_logs import MAX_LOG_BYTES
+
+    assert 4 * LOG_KEEP_BYTES <= MAX_LOG_BYTES
