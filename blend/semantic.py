@@ -46,6 +46,10 @@ FORCE_WINDOW = 4  # tokens recomputed on each side of every edit (their left con
 MIN_SIMILARITY = 0.3  # estimated shingle Jaccard a donor needs to be considered (5-gram shingles)
 MIN_ALIGNED = 0.5  # share of the new document's rows reused unforced (Alignment.aligned_fraction)
 MAX_CANDIDATES = 4  # donors aligned per miss (alignment is the costly part)
+# donor x document tokens aligned per missing document, summed over its candidates: difflib's matcher is
+# quadratic on repetitive text (tables, code: an 8k x 8k alignment took 2-4 s in pure Python), so a
+# candidate past what is left is skipped and the document computed (~0.15 s at this bound, worst case)
+MAX_ALIGN_CELLS = 1 << 22
 
 
 def donor_log_name(provenance_json: str) -> str:
@@ -239,7 +243,7 @@ class Donors:
         """
         if not self.enabled:  # the engine's opt-in, whatever index was handed in (use_index)
             return None
-        scored, pre = [], token_digest(preamble_ids)
+        scored, pre, cells_left = [], token_digest(preamble_ids), MAX_ALIGN_CELLS
         for donor, sim in self.index.candidates(preamble_ids, doc_ids, MIN_SIMILARITY, top=MAX_CANDIDATES + 1):
             if donor.key == own_key:  # registered but its KV is gone: not a donor of itself
                 continue
@@ -249,6 +253,13 @@ class Donors:
                 # tokens would lend another chunk's KV under this document's name
                 self.index.remove(donor.key)
                 continue
+            cells = len(donor.token_ids) * len(doc_ids)
+            if cells > cells_left:  # aligning it could cost more than computing the document
+                continue
+            if not self.store.contains(Namespace.CANONICAL, donor.key):  # evicted: never aligned for nothing
+                self.index.remove(donor.key)
+                continue
+            cells_left -= cells
             a = align(donor.token_ids, doc_ids)
             if a.aligned_fraction >= MIN_ALIGNED:
                 scored.append((a.aligned_fraction, sim, donor, a))

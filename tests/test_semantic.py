@@ -239,6 +239,29 @@ def test_evicted_donor_is_skipped_and_forgotten(sem_engine):
     assert key not in sem_engine.segments.donors.index
 
 
+def test_alignment_work_is_bounded_and_an_evicted_donor_is_never_aligned(sem_engine, monkeypatch):
+    """difflib's matcher is quadratic on repetitive text (an 8k-token alignment took seconds), and every
+    candidate was aligned before its KV was looked up: a miss could cost far more than computing it."""
+    import blend.semantic as S
+
+    docs = make_docs(2)
+    orig = store_originals(sem_engine, docs)
+    aligned = []
+    real = S.align
+    monkeypatch.setattr(S, "align", lambda a, b, *r: aligned.append(tuple(a)) or real(a, b, *r))
+    edited = [docs[0], edit_middle(docs[1])[0]]
+    n = len(orig.documents[1])
+    monkeypatch.setattr(S, "MAX_ALIGN_CELLS", n * n - 1)  # less than one alignment: computed, never aligned
+    ans = sem_engine.generate(sem_engine.build_prompt("Which?", edited), SEM0, max_new_tokens=1)
+    assert ans.report.segments[2].reuse_class is ReuseClass.COMPUTED and aligned == []
+    monkeypatch.setattr(S, "MAX_ALIGN_CELLS", 1 << 22)
+    edited2 = [docs[0], edit_middle(edit_middle(docs[1])[0][::-1])[0][::-1]]  # another near-duplicate
+    key = canonical_key(sem_engine.provenance, orig.preamble.token_ids, orig.documents[1].token_ids)
+    sem_engine.store.delete(Namespace.CANONICAL, key)  # the donor's KV is gone: dropped before any alignment
+    ans = sem_engine.generate(sem_engine.build_prompt("Which?", edited2), SEM0, max_new_tokens=1)
+    assert key not in sem_engine.segments.donors.index and tuple(orig.documents[1].token_ids) not in aligned
+
+
 def test_a_donor_entry_of_another_shape_is_dropped_and_the_next_donor_seeds(sem_engine):
     """A corrupt store: the best donor's entry has the wrong head dim. It is forgotten and the next
     donor seeds the document (before, the document was computed in full)."""
