@@ -504,3 +504,22 @@ def test_completions_top_logprobs_keep_the_most_likely_alternative_of_each_text(
     entry = TokenLogprob(0xC3, -0.5, ((0xC3, -0.5), (0xE2, -1.0), (ord("a"), -2.0), (0xF0, -3.0)))
     (top,) = fmt.format((entry,))["top_logprobs"]
     assert top == {"\ufffd": -0.5, "a": -2.0}
+
+
+def test_completions_text_offsets_index_the_answer_text_across_split_characters():
+    """A token's text_offset is where its text starts in the answer: adding each token's own decoding (a U+FFFD
+    per piece of a split character) ran every later offset past the text."""
+    from blend.logprobs import TokenLogprob
+    from blend.serve.protocol import LogprobFormat
+    from blend.tiny import byte_tokenizer
+
+    tok = byte_tokenizer()
+    answer = "é" + "A" + "\u20ac" + "AA"  # 2 + 1 + 3 + 1 + 1 bytes
+    ids = tok.encode(answer, add_special_tokens=False)
+    fmt = LogprobFormat(Endpoint.COMPLETIONS, tok, True)
+    got = fmt.format(tuple(TokenLogprob(i, -1.0) for i in ids[:4]))  # in two chunks, as a stream sends them
+    more = fmt.format(tuple(TokenLogprob(i, -1.0) for i in ids[4:]))
+    offsets, tokens = got["text_offset"] + more["text_offset"], got["tokens"] + more["tokens"]
+    assert len(ids) == 8 and offsets == [0, 0, 1, 2, 2, 2, 3, 4]
+    for t, off in zip(tokens, offsets):
+        assert t == "\ufffd" or answer[off:off + len(t)] == t

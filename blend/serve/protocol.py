@@ -108,7 +108,12 @@ class LogprobFormat:
         self.endpoint = endpoint
         self.tokenizer = tokenizer
         self.enabled = enabled
-        self._offset = 0  # characters of the answer's tokens formatted so far (completions' text_offset)
+        # completions' text_offset: characters of the answer's text before each token. The answer's bytes
+        # so far go through one incremental UTF-8 decoder, as the answer's text is decoded: a token that
+        # continues a multi-byte character sits at that character's offset (adding each token's own
+        # decoding, a U+FFFD per piece, ran the offsets past the text after any split character)
+        self._offset = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def _text(self, token_id: int) -> str:
         # its own bytes as text: a SentencePiece word's leading space kept (decoding it alone drops it), a
@@ -129,10 +134,10 @@ class LogprobFormat:
                     "refusal": None}
         tokens, offsets = [], []
         for e in entries:
-            text = self._text(e.token_id)
-            tokens.append(text)
+            own = token_bytes(self.tokenizer, e.token_id)
+            tokens.append(own.decode("utf-8", errors="replace"))
             offsets.append(self._offset)
-            self._offset += len(text)
+            self._offset += len(self._decoder.decode(own))
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 # keyed by text, as OpenAI's format is: pieces of one multi-byte character all read U+FFFD,
                 # so the first (most likely) alternative of each text is kept
