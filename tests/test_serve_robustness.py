@@ -516,6 +516,10 @@ def test_completions_text_offsets_index_the_answer_text_across_split_characters(
     tok = byte_tokenizer()
     answer = "é" + "A" + "\u20ac" + "AA"  # 2 + 1 + 3 + 1 + 1 bytes
     ids = tok.encode(answer, add_special_tokens=False)
+    cut = LogprobFormat(Endpoint.COMPLETIONS, tok, True)  # a character cut short: its U+FFFD, then the next token
+    lead, a = tok.encode("\u20ac", add_special_tokens=False)[0], tok.encode("A", add_special_tokens=False)[0]
+    assert cut.format((TokenLogprob(lead, -1.0), TokenLogprob(a, -1.0), TokenLogprob(a, -1.0)))["text_offset"] == \
+        [0, 1, 2]  # the text reads "\ufffdAA"
     fmt = LogprobFormat(Endpoint.COMPLETIONS, tok, True)
     got = fmt.format(tuple(TokenLogprob(i, -1.0) for i in ids[:4]))  # in two chunks, as a stream sends them
     more = fmt.format(tuple(TokenLogprob(i, -1.0) for i in ids[4:]))

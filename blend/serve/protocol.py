@@ -136,8 +136,12 @@ class LogprobFormat:
         for e in entries:
             own = token_bytes(self.tokenizer, e.token_id)
             tokens.append(own.decode("utf-8", errors="replace"))
-            offsets.append(self._offset)
-            self._offset += len(self._decoder.decode(own))
+            pending = bool(self._decoder.getstate()[0])  # an earlier token's character not yet complete
+            out = self._decoder.decode(own)
+            # that character: completed by this token (which then starts where it does), or cut short by it
+            # (its U+FFFD comes first, then this token's text)
+            offsets.append(self._offset + (1 if pending and out.startswith("\ufffd") else 0))
+            self._offset += len(out)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 # keyed by text, as OpenAI's format is: pieces of one multi-byte character all read U+FFFD,
                 # so the first (most likely) alternative of each text is kept
