@@ -144,7 +144,7 @@ class TokenStream:
         full = self._text.push(tok)
         cut = self._stop_index(full)
         if cut is not None:
-            return self._finish(FinishReason.STOP, full[:cut])
+            return self._finish(FinishReason.STOP, full[:cut], complete=True)
         if len(self.tokens) >= cfg.max_tokens:
             return self._finish(FinishReason.LENGTH, full)
         return self._emit(full[: self._safe_end(full)])
@@ -192,9 +192,12 @@ class TokenStream:
         delta, self.text = upto[len(self.text):], upto
         return delta
 
-    def _finish(self, reason: FinishReason, final: str) -> str:
+    def _finish(self, reason: FinishReason, final: str, complete: bool = False) -> str:
+        """End the answer at ``final``. Trailing U+FFFDs are an incomplete multi-byte character the answer
+        ends inside (dropped) unless ``complete``: text cut before a stop string, which later bytes followed,
+        so its U+FFFDs are invalid bytes already decoded (kept, as the answer's tokens read)."""
         self.finish_reason = reason
-        if final.endswith(REPLACEMENT):
+        if not complete and final.endswith(REPLACEMENT):
             final = final.rstrip(REPLACEMENT)
         return self._emit(final)
 

@@ -51,6 +51,15 @@ def test_a_partial_stop_string_is_held_back_until_resolved():
     assert shown == "ab STx done"
 
 
+def test_invalid_bytes_before_a_stop_string_stay_in_the_answer():
+    """Text cut before a stop string is final: its U+FFFDs are invalid bytes the later ones followed, not an
+    incomplete character (they were dropped, so the answer lost them)."""
+    s, deltas = run(b"\xe6\xf0C rest", stop=("C",))
+    assert s.finish_reason is FinishReason.STOP and s.text == "\ufffd\ufffd" == "".join(deltas)
+    s, _ = run(b"ab\xe6", max_tokens=3)  # the answer ends inside a character: dropped, as before
+    assert s.finish_reason is FinishReason.LENGTH and s.text == "ab"
+
+
 def test_the_earliest_of_several_stop_strings_wins():
     s, _ = run("one. two! three", stop=("!", "."))
     assert s.text == "one"
