@@ -129,6 +129,17 @@ def _keep_first_pass_misses(first: Sequence[SegmentReport], redo: Sequence[Segme
 GUARD_PREFIX_SEGMENTS = 2
 
 
+def _report_ratio(done: "_Prefilled", policy: ReusePolicy) -> float:
+    """The share a blend that ran recomputed: what its selection chose (an adaptive budget's, a threshold's, a
+    capped one's), else the policy's ratio; with a semantic document's forced rows (recomputed at every
+    layer on top of the selection), the rows recomputed over the document rows."""
+    ratio = done.ratio if done.ratio is not None else policy.first_ratio
+    docs = [s for s in done.segments if s.kind is SegmentKind.DOCUMENT]
+    if done.guard or not any(s.forced for s in docs):  # (a guarded request reports its second pass)
+        return ratio
+    return sum(s.recomputed for s in docs) / max(sum(s.tokens for s in docs), 1)
+
+
 def _dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise InvalidRequestError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
@@ -393,7 +404,7 @@ class Engine:
         # a blend that ran (not refused): its selector, the share it recomputed (0 where nothing was
         # re-positioned: every document exact, or the hot prefix) and its first-token gap
         blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS and not refused
-        ratio = (done.ratio if done.ratio is not None else policy.first_ratio) if blend_fields else None
+        ratio = _report_ratio(done, policy) if blend_fields else None
         report = ReuseReport(
             policy=policy.describe(), segments=done.segments,
             selector=policy.selector if blend_fields else "",

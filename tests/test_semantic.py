@@ -199,6 +199,9 @@ def test_report_labels_the_segment_with_donor_similarity_and_aligned_fraction(se
     assert rep.key == key_hex(canonical_key(sem_engine.provenance, prompt.preamble.token_ids,
                                             prompt.documents[1].token_ids))
     assert ans.report.reused_tokens > len(prompt.preamble) + len(prompt.documents[0])
+    # the edited rows are recomputed on top of the (here empty) selection: the share says so, not the 0.0 asked
+    base = sum(len(d) for d in prompt.documents)
+    assert rep.forced > 0 and ans.report.ratio == pytest.approx(rep.forced / base) == ans.report.spent
 
 
 # ---- store isolation -------------------------------------------------------------------------
