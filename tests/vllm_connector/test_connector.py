@@ -487,3 +487,24 @@ def test_tensor_or_pipeline_parallel_vllm_is_refused():
         cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp))
         with pytest.raises(KVBlendError, match="without tensor or pipeline parallelism"):
             KVBlendConnector(cfg, None, None)
+
+
+def test_one_checkpoint_in_two_folders_gives_one_backend_digest(tmp_path):
+    """vLLM's model-config hash and its config JSON name the checkpoint's folder: replicas that loaded the same
+    weights from different paths derived different keys for every block, and never shared KV."""
+    import shutil
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from blend.integrations.vllm.engines import ConnectorConfig
+
+    src = str(convert_gguf(SMOLLM2))
+    dst = tmp_path / "elsewhere"
+    shutil.copytree(src, dst)
+
+    def backend(path, **kw):
+        cfg = EngineArgs(model=str(path), dtype="float32", enforce_eager=True, max_model_len=4096, **kw)
+        return ConnectorConfig.from_vllm(cfg.create_engine_config(), {}).backend
+
+    assert backend(src) == backend(dst)
+    assert backend(src) != backend(src, hf_overrides={"rope_theta": 50000.0})  # what changes the KV still counts

@@ -11,6 +11,7 @@ No vLLM import: the config is read from plain values.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -80,6 +81,26 @@ class ConnectorConfig:
                    memory_budget_bytes=int(extra.get("memory_budget_bytes", DEFAULT_MEMORY_BUDGET)))
 
 
+def _model_hash(mc: Any) -> str:
+    """vLLM's model-config hash without the checkpoint's folder in it (``model``: its path). The KV's
+    provenance already names the weights by content, so replicas that load one checkpoint from different
+    folders share their blocks (vLLM's own hash differed between them, and so did every key)."""
+    clone = copy.copy(mc)
+    try:
+        object.__setattr__(clone, "model", "")  # past a validating dataclass's __setattr__: a plain field
+    except (AttributeError, TypeError):
+        return str(mc.compute_hash())
+    return str(clone.compute_hash())
+
+
+def _hf_json(hf: Any) -> str:
+    """The model config vLLM runs (``hf_overrides`` applied) as JSON, without the folder it came from."""
+    to_dict = getattr(hf, "to_dict", None)
+    if to_dict is None:
+        return str(hf.to_json_string(use_diff=False))
+    return json.dumps({k: v for k, v in to_dict().items() if k != "_name_or_path"}, sort_keys=True, default=str)
+
+
 def vllm_numerics(vllm_config: Any) -> str:
     """A digest of vLLM's settings that change the KV it computes, for the blocks' keys: its model config's
     own hash, the model config it runs with (``hf_overrides`` applied: kvblend's engine reads config.json
@@ -94,7 +115,7 @@ def vllm_numerics(vllm_config: Any) -> str:
     """
     mc = vllm_config.model_config
     hf = getattr(mc, "hf_config", None)
-    parts = [mc.compute_hash(), hf.to_json_string(use_diff=False) if hf is not None else "None"]
+    parts = [_model_hash(mc), _hf_json(hf) if hf is not None else "None"]
     for name in ("load_config", "attention_config", "compilation_config", "kernel_config"):
         cfg = getattr(vllm_config, name, None)
         parts.append(cfg.compute_hash() if hasattr(cfg, "compute_hash") else "None")
