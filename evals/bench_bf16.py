@@ -33,6 +33,7 @@ from blend.evals.metrics import kl_cells, kl_divergence, top1_agree
 from blend.evals.splits import parse_item_range
 from blend.policy import ReusePolicy
 from blend.store.memory import MemoryStore
+from blend import safeio
 
 
 
@@ -135,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
               args.repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bf16.json").write_text(json.dumps(res, indent=1))
+    safeio.atomic_write_text(out / "bf16.json", json.dumps(res, indent=1))
     md = summarise(res)
-    (out / "bf16.md").write_text(md)
+    safeio.atomic_write_text(out / "bf16.md", md)
     print(md)
     return 0
 

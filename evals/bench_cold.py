@@ -33,6 +33,7 @@ from blend.generation import generate
 from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
 from blend.store.spec import open_store
+from blend import safeio
 
 MODES = ("write-through", "write-behind")
 
@@ -93,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         e = statistics.median(x.e2e_s for x in rows if x.mode == m)
         lines.append(f"| {m} | {t:.3f} s | {t / base_t:.3f} | {e:.3f} s | {e / base_e:.3f} |")
     text = "\n".join(lines) + "\n"
-    (out / "cold.md").write_text(text)
-    (out / "cold.json").write_text(json.dumps({"environment": describe_environment(),
+    safeio.atomic_write_text(out / "cold.md", text)
+    safeio.atomic_write_text(out / "cold.json", json.dumps({"environment": describe_environment(),
                                                "rows": [asdict(x) for x in rows]}, indent=1))
     print(text)
     return 0

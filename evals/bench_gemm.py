@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from blend.gemm import GemmBackend, linear, onednn_available, pack
+from blend import safeio
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (N, K)
 ROWS = (1, 4, 16, 25, 79, 470, 3000)
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"proj": name, "rows": m, "linear_ms": a * 1e3, "onednn_ms": b * 1e3, "speedup": a / b})
             print(f"{name:8s} {m:5d} {a * 1e3:9.3f} {b * 1e3:9.3f} {a / b:7.2f}x")
     if args.json:
-        args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
+        safeio.atomic_write_text(args.json, json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
     return 0
 
 

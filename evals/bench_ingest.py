@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 from blend.defaults import DEFAULT_MODEL
+from blend import safeio
 
 
 def _corpus(folder: Path, copies: int) -> None:
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             extra = f"  ({v['bytes_per_chunk'] / 2**20:.1f} MiB KV/chunk)" if "bytes_per_chunk" in v else ""
             print(f"  {k:<26} {v['s']:>8.2f} s {v['chunks_per_s']:>9.1f} chunks/s {v['tokens_per_s']:>10.1f} tokens/s{extra}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        safeio.atomic_write_text(Path(args.json), json.dumps(res, indent=1))
     return 0
 
 

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from blend.defaults import DEFAULT_RATIO
+from blend import safeio
 
 HKV, HQ, HEAD_DIM, ROPE_THETA = 3, 9, 64, 1e5  # SmolLM2-135M
 SMALL_T = 256  # interpreter error check on CPU
@@ -312,9 +313,8 @@ def main(argv: list[str] | None = None) -> None:
           f"Hkv={HKV} Hq={HQ} D={HEAD_DIM} ratio={args.ratio} best of {repeats}, ms\n")
     print_tables(errors, timings)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads(),
-                       "errors": [asdict(e) for e in errors], "timings": [asdict(r) for r in timings]}, f, indent=2)
+        safeio.atomic_write_text(args.json, json.dumps({"device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads(),
+                       "errors": [asdict(e) for e in errors], "timings": [asdict(r) for r in timings]}, indent=2))
 
 
 if __name__ == "__main__":

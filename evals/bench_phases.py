@@ -60,6 +60,7 @@ from blend.evals.splits import parse_item_range
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
+from blend import safeio
 
 FULL_REUSE = ReusePolicy.blend(ratio=0.0, guard_margin=None)  # the no-recompute floor: never guarded (as "reuse")
 EXACT_DOCS_SALT = "bench-phases-exact-documents"  # keeps the exact-hit case's entries from the other methods
@@ -242,7 +243,7 @@ def write_markdown(rows: list[PhaseRow], overhead: dict[str, float], meta: dict,
     if exact_docs_hot:
         lines += ["", "Fixed overhead (the same, the rows attached from the hot-prefix cache: a prompt seen before): "
                   + ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in exact_docs_hot.items())]
-    path.write_text("\n".join(lines) + "\n")
+    safeio.atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def write_plot(rows: list[PhaseRow], path: Path) -> None:
@@ -273,7 +274,7 @@ def write_plot(rows: list[PhaseRow], path: Path) -> None:
                  fontsize=10)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    safeio.save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"items": len(items), "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": args.dtype,
             "model": args.model, "environment": describe_environment(engine.device)}
-    (out / "phases.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],
+    safeio.atomic_write_text(out / "phases.json", json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],
                                                  "fixed_overhead_s": overhead,
                                                  "exact_docs_overhead_s": exact_docs,
                                                  "exact_docs_hot_overhead_s": exact_hot}, indent=1))

@@ -49,6 +49,7 @@ from blend.policy import ReusePolicy
 from blend.prompt import Prompt, Role, Turn
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
+from blend import safeio
 
 
 @dataclass(frozen=True)
@@ -379,8 +380,7 @@ def main(argv=None) -> int:
               f"warm ratio {rh.warm_ratio:.4f}, hot ratio {rh.hot_ratio:.4f}", flush=True)
         out["rag_hit"] = asdict(rh)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        safeio.atomic_write_text(args.json, json.dumps(out, indent=1))
     return 0
 
 

@@ -41,6 +41,7 @@ from blend.keys import Namespace, canonical_key
 from blend.policy import ReusePolicy
 from blend.prompt import document_text, tokenize_segment
 from blend.report import ReuseClass
+from blend import safeio
 
 VARIANTS = ("sub1", "sub5", "sub10", "insert", "delete")
 METHODS = ("full", "semantic", "fresh", "stale")
@@ -324,8 +325,7 @@ def main(argv=None) -> int:
     print("\n" + disc, flush=True)
     result["discovery"] = disc
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        safeio.atomic_write_text(args.json, json.dumps(result, indent=1))
     return 0
 
 

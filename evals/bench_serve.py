@@ -66,6 +66,7 @@ from blend.generation import generate
 from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
 from blend.serve.config import default_torch_threads
+from blend import safeio
 
 DEMO = Path(__file__).resolve().parents[1] / "blend" / "data" / "demo"
 
@@ -444,10 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(scaling), flush=True)
     command = "python -m blend.evals.bench_serve " + " ".join(argv if argv is not None else sys.argv[1:])
     md = markdown(rows, overheads, command.strip(), scaling, (load_start, os.getloadavg()[0]))
-    (out / "bench_serve.json").write_text(json.dumps({"rows": [asdict(r) for r in rows], "overhead": overheads,
+    safeio.atomic_write_text(out / "bench_serve.json", json.dumps({"rows": [asdict(r) for r in rows], "overhead": overheads,
                                                       "decode_scaling": scaling, "cpu_count": os.cpu_count(),
                                                       "load_avg": os.getloadavg()}, indent=2))
-    (out / "bench_serve.md").write_text(md)
+    safeio.atomic_write_text(out / "bench_serve.md", md)
     print(md)
     return 0
 

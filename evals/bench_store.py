@@ -36,6 +36,7 @@ from blend.store.disk import DiskStore
 from blend.store.memory import MemoryStore
 from blend.store.prefetch import FetchRequest, Prefetcher
 from blend.store.redis_store import RedisStore
+from blend import safeio
 
 L, HKV, D, T, CHUNKS = 30, 3, 64, 600, 5
 NS = Namespace.CANONICAL
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, o in overlaps.items():
         print(f"| {name} | {o['compute_ms_per_chunk']} | {o['sequential_ms']} | {o['prefetched_ms']} | {o['speedup']}x |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in rows], "overlap": overlaps}, indent=1))
+        safeio.atomic_write_text(Path(args.json), json.dumps({"rows": [asdict(r) for r in rows], "overlap": overlaps}, indent=1))
     return 0
 
 

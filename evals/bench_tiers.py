@@ -24,6 +24,7 @@ from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.policy import ReusePolicy
 from blend.store.spec import open_store
+from blend import safeio
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r.tier} | {'on' if r.overlap else 'off'} | {r.ttft_s:.3f} | {r.ratio:.3f} | {r.lookup_s:.3f} |")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"full_ttft_s": f, "prompt_tokens": len(prompt),
-                       "rows": [dataclasses.asdict(r) for r in rows]}, fh, indent=1)
+        safeio.atomic_write_text(args.json, json.dumps({"full_ttft_s": f, "prompt_tokens": len(prompt),
+                       "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
     return 0
 
 

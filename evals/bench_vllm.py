@@ -45,6 +45,7 @@ from pathlib import Path
 
 from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_GUARD_MARGIN, DEFAULT_RATIO
 from blend.kernels import ENV_VAR as KERNELS_ENV
+from blend import safeio
 
 
 
@@ -92,7 +93,7 @@ def plot(out: Path) -> Path | None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "vllm.png"
-    fig.savefig(path, dpi=120)
+    safeio.save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(torch_threads=torch.get_num_threads(), engine=args.engine, items=args.items, repeats=args.repeats,
                omp_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
-    (out / f"{args.engine}.json").write_text(json.dumps(dict(env=env, rows=rows, concurrent=conc), indent=1))
+    safeio.atomic_write_text(out / f"{args.engine}.json", json.dumps(dict(env=env, rows=rows, concurrent=conc), indent=1))
     lines = [f"{args.engine}: items {args.items}, {args.repeats} reordered requests per item and mode, "
              f"{env['torch_threads']} torch threads", "",
              "| mode | tokens (median) | TTFT median s | ratio to full (median) | ratio mean | KL mean | KL p90 "
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                   "| mode | wall s | ratio to full |", "|---|---|---|"]
         lines += [f"| {c['mode']} | {c['wall_s']:.2f} | {c['ratio']:.3f} |" for c in conc]
     text = "\n".join(lines)
-    (out / f"{args.engine}.md").write_text(text + "\n")
+    safeio.atomic_write_text(out / f"{args.engine}.md", text + "\n")
     print(text)
     plot(out)
     return 0

@@ -32,6 +32,7 @@ from blend.engine import Engine
 from blend.evals.metrics import kl_divergence
 from blend.policy import ReusePolicy
 from blend.tiny import make_docs
+from blend import safeio
 
 EXACT_SALT = "device-check-exact"
 RATIO_ONE_ATOL = 1e-3  # fp32 logits, as the quality gate's ratio-1.0 check
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.value:.3g} ({c.detail})")
     print(f"kernel backend on {args.device}: {engine_backend}; {time.perf_counter() - t0:.1f} s")
     if args.json:
-        args.json.write_text(json.dumps({"device": args.device, "backend": engine_backend,
+        safeio.atomic_write_text(args.json, json.dumps({"device": args.device, "backend": engine_backend,
                                          "torch": torch.__version__,
                                          "checks": [asdict(c) for c in checks]}, indent=1))
     return 0 if all(c.ok for c in checks) else 1

@@ -26,6 +26,7 @@ from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.metrics import kl_divergence
 from blend.policy import ReusePolicy
+from blend import safeio
 
 METHODS = {
     "full": ReusePolicy.none(),
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if same == n else 1
     if args.out is None:
         ap.error("give --out FILE or --compare A B")
-    args.out.write_text(json.dumps(dump(args.data, args.limit, args.passages, args.model), indent=1))
+    safeio.atomic_write_text(args.out, json.dumps(dump(args.data, args.limit, args.passages, args.model), indent=1))
     return 0
 
 

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 from blend.evals.plot import draw_methods, series
 from blend.evals.report import SchemaError, best_by_budget, validate_results
+from blend import safeio
 
 LINESTYLES = ("-", "--", ":", "-.")
 FIELDS = {"kl": "KL(full || method), first token", "tf_agreement": "teacher-forced agreement with full",
@@ -123,7 +124,7 @@ def write_comparison(runs: Sequence[Run], path: Path, fields: Sequence[str] = ("
     fig.suptitle(f"{model}: " + " vs ".join(r.label for r in runs), fontsize=10)
     rows = -(-len(handles) // 4) if handles else 0
     fig.tight_layout(rect=(0, min(0.4, 0.045 * rows + 0.02), 1, 0.95))
-    fig.savefig(path, dpi=110)
+    safeio.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from blend import safeio
+
 TARGET_SPEEDUP = 4.0  # issue 16: output tok/s at 16 clients >= 4x one client
 
 
@@ -82,7 +84,7 @@ def plot(series: list[Series], out: Path) -> Path:
     fig.suptitle("kvblend serve, demo corpus", fontsize=9)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    safeio.save_figure(fig, out, dpi=120)
     plt.close(fig)
     return out
 

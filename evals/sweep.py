@@ -225,7 +225,7 @@ def write_budget_plot(rows: list[SweepRow], methods: list[Method], path: Path, t
     ax_top.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.savefig(path, dpi=110)
+    safeio.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -258,7 +258,7 @@ def write_items_plot(rows: list[SweepRow], methods: list[str], path: Path, title
     ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.savefig(path, dpi=110)
+    safeio.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         text = (f"First-token sweep, {args.data}, {len(items)} items, {'; '.join(setups)}; merged from "
                 f"{args.from_rows}; reference: full prefill (cached).\n\n"
                 + summarise(rows, [m.name for m in methods], splits=has_splits(args.data)))
-        (out / "summary.md").write_text(text)
+        safeio.atomic_write_text(out / "summary.md", text)
         print(text)
         if args.plot:
             setup = setups[0] if len(setups) == 1 else args.model
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"First-token sweep, {args.data} items {args.items}, {args.passages} passages, {args.model} "
               f"{args.dtype}, {torch.get_num_threads()} torch threads; reference: full prefill (cached).\n\n")
     text = header + summarise(rows, names, splits=has_splits(args.data))
-    (out / "summary.md").write_text(text)
+    safeio.atomic_write_text(out / "summary.md", text)
     print(text)
     engine.close()
     return 0
