@@ -43,7 +43,8 @@ class CurvePoint:
     """The outcome over a run's items of a guard at one margin."""
 
     margin: float
-    guarded: float  # share of items whose first pass's gap is under the margin
+    guarded: float  # share of items the guard re-ran at this margin: gap under it, and the guard fired (it
+    # does not where the blend kept no re-positioned row: one passage, every document exact)
     kl_mean: float
     kl_p90: float
     kl_max: float
@@ -191,7 +192,7 @@ def curve(rows: Sequence[dict[str, Any]], guarded: str, off: str, margins: Seque
             raise CurveError(f"a KL at margin {m:g} is not finite (null in the rows): the curve cannot be drawn")
         ttft = [c.get("ttft_ratio") for c in chosen]
         points.append(CurvePoint(
-            margin=float(m), guarded=sum(gap < m for _, _, gap in pairs) / len(pairs),
+            margin=float(m), guarded=sum(gap < m and bool(g.get("guarded")) for g, _, gap in pairs) / len(pairs),
             kl_mean=M.mean(kl), kl_p90=M.percentile(kl, 90), kl_max=max(kl),
             top1=M.mean([c["top1"] for c in chosen]),
             ttft_median=M.median(ttft), ttft_mean=M.mean(ttft), ttft_p90=M.percentile(ttft, 90)))

@@ -120,3 +120,14 @@ def test_results_md_shows_the_guard_by_margin_where_a_run_allows_it():
     md = "\n".join(_guard_lines({"methods": results["methods"], "items": old}))
     assert "No guard margin table" in md and "no first_token_margin" in md
     assert _guard_lines({"methods": {"full": {}, OFF: {}}, "items": ROWS}) == []
+
+
+def test_the_guarded_share_counts_items_the_guard_re_ran_not_gaps_under_the_margin():
+    """The guard does not fire where the blend kept no re-positioned row (one passage, every document exact):
+    the column said 1.000 on a run where it fired on none."""
+    never = [item(i, 0.1 * (i + 1), 0.02, 0.02) for i in range(4)]
+    for r in never:
+        r["methods"][GUARDED]["guarded"] = False
+    (p,) = G.curve(never, GUARDED, OFF, [1.0])
+    assert p.guarded == 0.0
+    assert G.curve(ROWS, GUARDED, OFF, [1.0])[0].guarded == 0.5  # where it fired, as before
