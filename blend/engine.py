@@ -238,9 +238,10 @@ class Engine:
         return Engine(self.runner, self.config, store, gate)
 
     def prepare_blend(self, precision: ProbePrecision = ProbePrecision(DEFAULT_PROBE_PRECISION)) -> torch.dtype:
-        """Make what a blend request's query probe needs before the first one arrives: the probe's
-        lower-precision copy of the layers' GEMM matrices (built once, on first use otherwise, which
-        the first blend request would pay). A server calls this at start-up.
+        """Make what a blend request needs before the first one arrives: the query probe's
+        lower-precision copy of the layers' GEMM matrices, and with semantic reuse the donor index read
+        from its log (each built once, on first use otherwise, which the first blend request would pay: a
+        full donor log takes seconds to replay). A server calls this at start-up.
 
         Args:
             precision: the probe precision requests will use (default: the engine's default).
@@ -250,6 +251,8 @@ class Engine:
         """
         dtype = probe_gemm_dtype(precision, self.runner.dtype, self.runner.device)
         self.runner.layers_in(dtype)
+        if self.segments.donors.enabled:
+            len(self.segments.donors.index)  # attaches the index to its log (once)
         return dtype
 
     def close(self) -> None:

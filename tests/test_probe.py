@@ -618,3 +618,16 @@ def test_a_cap_is_never_exceeded_by_rounding(tiny_engine, kw, max_ratio):
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     out = tiny_engine.generate(prompt, unguarded_blend(0.15, "probe", max_ratio=max_ratio, **kw), max_new_tokens=1)
     assert 0 < out.report.ratio <= max_ratio
+
+
+def test_prepare_blend_reads_the_donor_log_of_a_semantic_engine(tiny_engine_factory):
+    """The donor index attached to its log on the first blend request, under a lock every request takes: a
+    full log takes seconds to replay, which the first requests paid."""
+    donors = tiny_engine_factory(experimental_semantic=True).segments.donors
+    eng = tiny_engine_factory(experimental_semantic=True)
+    assert eng.segments.donors._index is None
+    eng.prepare_blend()
+    assert eng.segments.donors._index is not None
+    plain = tiny_engine_factory()
+    plain.prepare_blend()
+    assert plain.segments.donors._index is None and donors._index is None  # nothing to read without the flag
