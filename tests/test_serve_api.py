@@ -552,6 +552,35 @@ def test_a_request_head_that_never_completes_ends_its_connection_and_frees_its_s
             assert s.recv(4096).startswith(b"HTTP/1.1 200")
 
 
+def test_a_body_still_arriving_after_its_request_was_answered_has_the_head_deadline_too(one_torch_thread):
+    """A request answered before its body ended (a 401 needs no body) left the connection in the body's
+    state, where no deadline ran: the rest trickled in for ever, then the connection idled untimed."""
+    engine = tiny_serve_engine()
+    limits = Limits(head_timeout_s=0.6, max_connections=4)
+    with running_server(engine, ServeConfig(model=TINY, api_key=KEY, limits=limits)) as srv:
+        url = urlparse(srv.url)
+        with socket.create_connection((url.hostname, url.port)) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+            t0 = time.monotonic()
+            first = s.recv(4096)
+            assert first.startswith(b"HTTP/1.1 401")  # no key: answered before the body
+            closed = False
+            try:
+                for _ in range(40):  # a body byte every 0.1 s: over 4 s if nothing cuts it
+                    s.sendall(b"x")
+                    time.sleep(0.1)
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+            if not closed:
+                got, _ = _read_until_closed(s, 3.0)
+                closed = got == b"" or got.endswith(b"}")
+            assert closed and time.monotonic() - t0 < 3.0
+        with socket.create_connection((url.hostname, url.port)) as s:  # a partial head behind a pipelined one
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /hea")
+            got, after_s = _read_until_closed(s, 5.0)
+            assert got.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in got and after_s < 2.0
+
+
 @pytest.mark.parametrize("field", ["head_timeout_s", "body_timeout_s"])
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
 def test_a_timeout_must_be_positive(field, value):

@@ -527,3 +527,8 @@ def test_completions_text_offsets_index_the_answer_text_across_split_characters(
     assert len(ids) == 8 and offsets == [0, 0, 1, 2, 2, 2, 3, 4]
     for t, off in zip(tokens, offsets):
         assert t == "\ufffd" or answer[off:off + len(t)] == t
+    special = LogprobFormat(Endpoint.COMPLETIONS, tok, True)  # a special token's text is not in the answer
+    eos = tok.eos_token_id
+    a, b = tok.encode("ab", add_special_tokens=False)
+    got = special.format(tuple(TokenLogprob(i, -1.0) for i in (a, eos, b, eos)))["text_offset"]
+    assert got == [0, 1, 1, 2]

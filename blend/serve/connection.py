@@ -7,7 +7,9 @@ few hundred such clients made every other request a 503. :class:`HeadTimeoutProt
 request's head (request line and headers) ``head_timeout_s`` from the moment the connection is ready
 for it: opened, or done with the previous response (keep-alive). A head that has not arrived by then
 ends the connection: with a 408 if some of it had arrived, silently if none had (as uvicorn closes an
-idle keep-alive connection). The body has its own deadline (``Limits.body_timeout_s``, in the app).
+idle keep-alive connection). A request answered before its body ended (a 401, 413 or the app's 408)
+has as long from that answer for the rest of the body to arrive. The body has its own deadline
+(``Limits.body_timeout_s``, in the app).
 """
 
 from __future__ import annotations
@@ -42,18 +44,22 @@ class HeadTimeoutProtocol(H11Protocol):
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._head_timer is None and self._awaiting_head():  # a keep-alive connection's next request
+        if self._head_timer is None and self._waiting():  # a keep-alive connection's next request
             self._arm_head_timer()
         if self._head_timer is not None:
             self._head_bytes += len(data)
         super().data_received(data)
-        if self._head_timer is not None and not self._awaiting_head():
+        if self._head_timer is not None and not self._waiting():
             self._disarm_head_timer()
+        elif self._head_timer is None and self._waiting():  # a body answered early just ended: the next head
+            self._arm_head_timer()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and self._awaiting_head():
-            self._arm_head_timer()  # the next request's head, if the client sends one
+        if not self.transport.is_closing() and self._waiting():
+            # the next request's head, if the client sends one; or the rest of a body the response came
+            # before (a 401, 413 or 408): it must end by then too, or the connection does
+            self._arm_head_timer(buffered=len(self.conn.trailing_data[0]))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
@@ -64,9 +70,18 @@ class HeadTimeoutProtocol(H11Protocol):
         is IDLE; a request whose headers arrived moves it on) and no response is being sent."""
         return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
 
-    def _arm_head_timer(self) -> None:
+    def _draining(self) -> bool:
+        """Whether a response is complete while its request's body is still arriving (answered early)."""
+        return self.conn.their_state is h11.SEND_BODY and self.cycle is not None and self.cycle.response_complete
+
+    def _waiting(self) -> bool:
+        """Whether the client owes the connection something with no request being served: a head, or the
+        rest of a body already answered."""
+        return self._awaiting_head() or self._draining()
+
+    def _arm_head_timer(self, buffered: int = 0) -> None:
         self._disarm_head_timer()
-        self._head_bytes = 0
+        self._head_bytes = buffered  # part of a pipelined head may already sit in h11's buffer
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
 
     def _disarm_head_timer(self) -> None:
@@ -77,11 +92,11 @@ class HeadTimeoutProtocol(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or not self._awaiting_head():
+        if self.transport.is_closing() or not self._waiting():
             return
-        if self._head_bytes:  # part of a head arrived: say why the connection ends
+        if self._head_bytes and self._awaiting_head():  # part of a head arrived: say why the connection ends
             self.transport.write(_TIMEOUT_RESPONSE % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
-        self.transport.close()
+        self.transport.close()  # (a body still arriving after its answer: that answer was the response)
 
 
 def protocol_with_head_timeout(head_timeout_s: float) -> Callable[..., asyncio.Protocol]:

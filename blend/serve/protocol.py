@@ -10,13 +10,13 @@ scheduler) and the answer's token ids. In a stream it is in the final chunk
 
 from __future__ import annotations
 
-import codecs
 import json
 import time
 import uuid
 from dataclasses import dataclass
 from enum import Enum
 
+from blend.detokenize import REPLACEMENT, IncrementalText
 from blend.generation import Completion
 from blend.logprobs import TokenLogprob, token_bytes
 from blend.prompt import Prompt
@@ -108,12 +108,13 @@ class LogprobFormat:
         self.endpoint = endpoint
         self.tokenizer = tokenizer
         self.enabled = enabled
-        # completions' text_offset: characters of the answer's text before each token. The answer's bytes
-        # so far go through one incremental UTF-8 decoder, as the answer's text is decoded: a token that
-        # continues a multi-byte character sits at that character's offset (adding each token's own
-        # decoding, a U+FFFD per piece, ran the offsets past the text after any split character)
-        self._offset = 0
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # completions' text_offset: where each token's text starts in the answer's text, decoded as the
+        # answer is (IncrementalText: special tokens skipped, SentencePiece's leading space dropped): the
+        # length of what the text before the token and the text with it share. A token that completes a
+        # multi-byte character sits where the character starts; one that cuts it short, after its U+FFFD.
+        # (Adding each token's own decoding ran the offsets past the text after a split character or a
+        # special token.)
+        self._answer = IncrementalText(tokenizer)
 
     def _text(self, token_id: int) -> str:
         # its own bytes as text: a SentencePiece word's leading space kept (decoding it alone drops it), a
@@ -134,19 +135,28 @@ class LogprobFormat:
                     "refusal": None}
         tokens, offsets = [], []
         for e in entries:
+            tokens.append(self._text(e.token_id))
+            before = self._answer.text
+            after = self._answer.push(e.token_id)
+            offset = _shared_length(before, after)
             own = token_bytes(self.tokenizer, e.token_id)
-            tokens.append(own.decode("utf-8", errors="replace"))
-            pending = bool(self._decoder.getstate()[0])  # an earlier token's character not yet complete
-            out = self._decoder.decode(own)
-            # that character: completed by this token (which then starts where it does), or cut short by it
-            # (its U+FFFD comes first, then this token's text)
-            offsets.append(self._offset + (1 if pending and out.startswith("\ufffd") else 0))
-            self._offset += len(out)
+            if after == before and before.endswith(REPLACEMENT) and own and 0x80 <= own[0] <= 0xBF:
+                offset -= 1  # a piece inside a character still incomplete: where that character starts
+            offsets.append(offset)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 # keyed by text, as OpenAI's format is: pieces of one multi-byte character all read U+FFFD,
                 # so the first (most likely) alternative of each text is kept
                 "top_logprobs": [_first_per_text((self._text(t), lp) for t, lp in e.top) for e in entries],
                 "text_offset": offsets}
+
+
+def _shared_length(before: str, after: str) -> int:
+    """How much of ``before`` ``after`` still starts with (all of it but a trailing incomplete character's
+    U+FFFD that the next token completed)."""
+    k = len(before)
+    while k and not after.startswith(before[:k]):
+        k -= 1
+    return k
 
 
 def _first_per_text(pairs) -> dict[str, float]:
