@@ -220,13 +220,6 @@ class Donors:
         # and the purge reads the log again; an empty or absent log needs nothing)
         return all([purge_log(t, self.log_name) for t in self._log_tiers()])
 
-    def _persisted(self, key: StoreKey) -> bool:
-        """Whether a donor's KV is in the store's persistent tiers, where it has any. A long-running process
-        still holds a chunk that another process deleted (``kvblend ingest``) in its own memory tier; the
-        deletion reached the persistent tiers and their donor log, which this process read only once."""
-        tiers = self._log_tiers()
-        return not tiers or any(t.contains(Namespace.CANONICAL, key) for t in tiers)
-
     def _log_tiers(self) -> list[RecordLog]:
         """The store's tiers that keep record logs (the persistent ones)."""
         return [t for t in store_tiers(self.store) if isinstance(t, RecordLog)]
@@ -266,8 +259,6 @@ class Donors:
             if not self.store.contains(Namespace.CANONICAL, donor.key):  # evicted: never aligned for nothing
                 self.index.remove(donor.key)
                 continue
-            if not self._persisted(donor.key):  # deleted by another process (an ingest), or still being
-                continue  # written behind: not lent now, not forgotten either (the log decides)
             cells_left -= cells
             a = align(donor.token_ids, doc_ids)
             if a.aligned_fraction >= MIN_ALIGNED:

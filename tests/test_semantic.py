@@ -582,25 +582,3 @@ def test_the_kept_log_is_well_under_what_a_tier_reads():
     from blend.store.record_logs import MAX_LOG_BYTES
 
     assert 4 * LOG_KEEP_BYTES <= MAX_LOG_BYTES
-
-
-def test_a_running_process_stops_lending_a_donor_another_process_deleted(tmp_path, tiny_engine_factory):
-    """`kvblend ingest` in another process deleted a document (its KV on disk, its donor lines): a running
-    semantic process still held the chunk in its memory tier and its donor index, and seeded near-duplicates
-    from it."""
-    from blend.retrieval.pipeline import engine_kv_deleter
-    from blend.store.spec import open_store
-
-    spec = f"memory,disk:{tmp_path}/kv"
-    secret = "The vault code of the northern tower is 7 4 1 9, known only to the keeper of the lantern. " * 2
-    server = tiny_engine_factory(experimental_semantic=True, store=open_store(spec))
-    server.precompute_chunks([secret])
-    near = secret.replace("7 4 1 9", "7 4 1 8", 1)
-    ingest = tiny_engine_factory(store=open_store(spec))  # another process, semantic off
-    deleter = engine_kv_deleter(ingest)
-    assert deleter("cid", secret)
-    deleter.finish()
-    key = canonical_key(server.provenance, server.build_prompt("q?", [near]).preamble.token_ids,
-                        document_ids(server.tokenizer, secret))
-    ans = server.generate(server.build_prompt("What is the code?", [make_docs(1)[0], near]), SEM0, max_new_tokens=1)
-    assert ans.report.segments[2].reuse_class is ReuseClass.COMPUTED and key_hex(key) not in ans.report.segments[2].note
