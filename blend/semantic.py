@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import difflib
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -46,10 +47,12 @@ FORCE_WINDOW = 4  # tokens recomputed on each side of every edit (their left con
 MIN_SIMILARITY = 0.3  # estimated shingle Jaccard a donor needs to be considered (5-gram shingles)
 MIN_ALIGNED = 0.5  # share of the new document's rows reused unforced (Alignment.aligned_fraction)
 MAX_CANDIDATES = 4  # donors aligned per miss (alignment is the costly part)
-# donor x document tokens aligned per missing document, summed over its candidates: difflib's matcher is
-# quadratic on repetitive text (tables, code: an 8k x 8k alignment took 2-4 s in pure Python), so a
-# candidate past what is left is skipped and the document computed (~0.15 s at this bound, worst case)
-MAX_ALIGN_CELLS = 1 << 22
+# token pairs the aligner may compare per missing document, summed over its candidates: sum over token
+# ids of (count in donor) x (count in document), what difflib's matcher walks (~100-180 ns each here).
+# Ordinary text of 8k tokens is ~0.7M (105 ms); text whose tokens repeat (tables, code, a 3-token period)
+# reaches n^2 / 3 (4k tokens: 5.3M, 0.6 s), where a candidate past what is left is skipped and the document
+# computed (at this bound ~0.3 s at most)
+MAX_ALIGN_PAIRS = 1 << 21
 
 
 def donor_log_name(provenance_json: str) -> str:
@@ -87,6 +90,13 @@ class Alignment:
         kept = torch.ones(self.length, dtype=torch.bool)
         kept[self.forced] = False
         return int(kept[self.dst].sum()) / self.length
+
+
+def match_pairs(donor_ids: Sequence[int], new_ids: Sequence[int]) -> int:
+    """The work of aligning two token lists: sum over token ids of (count in one) x (count in the other),
+    the candidate matches difflib's matcher walks (its time follows this, not the lengths' product)."""
+    donor_counts = Counter(donor_ids)
+    return sum(n * donor_counts[t] for t, n in Counter(new_ids).items())
 
 
 def align(donor_ids: Sequence[int], new_ids: Sequence[int], window: int = FORCE_WINDOW) -> Alignment:
@@ -243,7 +253,7 @@ class Donors:
         """
         if not self.enabled:  # the engine's opt-in, whatever index was handed in (use_index)
             return None
-        scored, pre, cells_left = [], token_digest(preamble_ids), MAX_ALIGN_CELLS
+        scored, pre, cells_left = [], token_digest(preamble_ids), MAX_ALIGN_PAIRS
         for donor, sim in self.index.candidates(preamble_ids, doc_ids, MIN_SIMILARITY, top=MAX_CANDIDATES + 1):
             if donor.key == own_key:  # registered but its KV is gone: not a donor of itself
                 continue
@@ -253,7 +263,7 @@ class Donors:
                 # tokens would lend another chunk's KV under this document's name
                 self.index.remove(donor.key)
                 continue
-            cells = len(donor.token_ids) * len(doc_ids)
+            cells = match_pairs(donor.token_ids, doc_ids)
             if cells > cells_left:  # aligning it could cost more than computing the document
                 continue
             if not self.store.contains(Namespace.CANONICAL, donor.key):  # evicted: never aligned for nothing

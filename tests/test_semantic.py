@@ -244,7 +244,8 @@ def test_evicted_donor_is_skipped_and_forgotten(sem_engine):
 
 def test_alignment_work_is_bounded_and_an_evicted_donor_is_never_aligned(sem_engine, monkeypatch):
     """difflib's matcher is quadratic on repetitive text (an 8k-token alignment took seconds), and every
-    candidate was aligned before its KV was looked up: a miss could cost far more than computing it."""
+    candidate was aligned before its KV was looked up: a miss could cost far more than computing it. The
+    bound is on the matcher's work, not the lengths: ordinary text of 8k tokens still aligns."""
     import blend.semantic as S
 
     docs = make_docs(2)
@@ -253,11 +254,11 @@ def test_alignment_work_is_bounded_and_an_evicted_donor_is_never_aligned(sem_eng
     real = S.align
     monkeypatch.setattr(S, "align", lambda a, b, *r: aligned.append(tuple(a)) or real(a, b, *r))
     edited = [docs[0], edit_middle(docs[1])[0]]
-    n = len(orig.documents[1])
-    monkeypatch.setattr(S, "MAX_ALIGN_CELLS", n * n - 1)  # less than one alignment: computed, never aligned
+    pairs = S.match_pairs(orig.documents[1].token_ids, sem_engine.build_prompt("Which?", edited).documents[1].token_ids)
+    monkeypatch.setattr(S, "MAX_ALIGN_PAIRS", pairs - 1)  # less than one alignment: computed, never aligned
     ans = sem_engine.generate(sem_engine.build_prompt("Which?", edited), SEM0, max_new_tokens=1)
     assert ans.report.segments[2].reuse_class is ReuseClass.COMPUTED and aligned == []
-    monkeypatch.setattr(S, "MAX_ALIGN_CELLS", 1 << 22)
+    monkeypatch.setattr(S, "MAX_ALIGN_PAIRS", 1 << 21)
     edited2 = [docs[0], edit_middle(edit_middle(docs[1])[0][::-1])[0][::-1]]  # another near-duplicate
     key = canonical_key(sem_engine.provenance, orig.preamble.token_ids, orig.documents[1].token_ids)
     sem_engine.store.delete(Namespace.CANONICAL, key)  # the donor's KV is gone: dropped before any alignment
@@ -582,3 +583,14 @@ def test_the_kept_log_is_well_under_what_a_tier_reads():
     from blend.store.record_logs import MAX_LOG_BYTES
 
     assert 4 * LOG_KEEP_BYTES <= MAX_LOG_BYTES
+
+
+def test_the_alignment_bound_follows_the_matchers_work_not_the_lengths():
+    """A bound on donor x document tokens refused every near-duplicate over ~2k tokens, where ordinary text
+    aligns in milliseconds; text whose tokens repeat is what costs (its pairs grow as n^2)."""
+    from blend.semantic import MAX_ALIGN_PAIRS, match_pairs
+
+    ordinary = [i % 5000 for i in range(0, 8192 * 7, 7)]  # 8k tokens, each id a handful of times
+    periodic = [100, 101, 102] * 1400  # 4.2k tokens of a 3-token period
+    assert match_pairs(ordinary, ordinary) < MAX_ALIGN_PAIRS < match_pairs(periodic, periodic)
+    assert match_pairs([1, 1, 2], [1, 2, 2, 3]) == 2 * 1 + 1 * 2
