@@ -131,11 +131,15 @@ GUARD_PREFIX_SEGMENTS = 2
 
 def _report_ratio(done: "_Prefilled", policy: ReusePolicy) -> float:
     """The share a blend that ran recomputed: what its selection chose (an adaptive budget's, a threshold's, a
-    capped one's), else the policy's ratio; with a semantic document's forced rows (recomputed at every
-    layer on top of the selection), the rows recomputed over the document rows."""
-    ratio = done.ratio if done.ratio is not None else policy.first_ratio
-    docs = [s for s in done.segments if s.kind is SegmentKind.DOCUMENT]
-    if done.guard or not any(s.forced for s in docs):  # (a guarded request reports its second pass)
+    capped one's), else the policy's ratio; with forced rows, the rows recomputed (:func:`_with_forced`)."""
+    return _with_forced(done.segments, done.ratio if done.ratio is not None else policy.first_ratio)
+
+
+def _with_forced(segments: Sequence[SegmentReport], ratio: float) -> float:
+    """``ratio``, or where a semantic document's rows were forced (recomputed at every layer on top of the
+    selection) the rows the pass recomputed over the document rows."""
+    docs = [s for s in segments if s.kind is SegmentKind.DOCUMENT]
+    if not any(s.forced for s in docs):
         return ratio
     return sum(s.recomputed for s in docs) / max(sum(s.tokens for s in docs), 1)
 
@@ -454,7 +458,8 @@ class Engine:
         if not policy.guarded or not done.approximate or margin >= policy.guard_margin:
             return replace(done, margin=margin, resume=None), cache
         # what the blend spent: the share an adaptive budget or a threshold selected, or the fixed ratio
-        spent = done.ratio if done.ratio is not None else policy.first_ratio
+        # (forced rows counted)
+        spent = _report_ratio(done, policy)
         target = policy.guard_ratio_for(spent)
         why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {target:g}"
         if done.resume is not None and policy.guard_widens(target):  # on from the first pass's check layer
@@ -464,8 +469,8 @@ class Engine:
                 why += f", its candidates only {out.ratio:.3g} of the document rows"
             why += ")"
             return replace(done, logits=out.logits, segments=out.segments, deviation=out.deviation,
-                           ratio=out.ratio, spent=spent + out.ratio, margin=margin, guard=why,
-                           approximate=out.approximate, resume=None), cache
+                           ratio=out.ratio, spent=spent + _with_forced(out.segments, out.ratio), margin=margin,
+                           guard=why, approximate=out.approximate, resume=None), cache
         with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later
             again = self.runner.new_cache(cache.capacity)
         if target >= 1.0:  # the exact path: preamble and first document reused (both exact
@@ -475,7 +480,7 @@ class Engine:
             redo = self._blend(prompt, policy.at_guard_ratio(target), again)
         segments = _keep_first_pass_misses(done.segments, redo.segments)
         return replace(redo, segments=segments, lookup_s=done.lookup_s + redo.lookup_s, ratio=target,
-                       spent=spent + target, margin=margin, guard=why, resume=None), again
+                       spent=spent + _with_forced(segments, target), margin=margin, guard=why, resume=None), again
 
     # ---- answers --------------------------------------------------------------------------
 

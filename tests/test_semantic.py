@@ -594,3 +594,20 @@ def test_the_alignment_bound_follows_the_matchers_work_not_the_lengths():
     periodic = [100, 101, 102] * 1400  # 4.2k tokens of a 3-token period
     assert match_pairs(ordinary, ordinary) < MAX_ALIGN_PAIRS < match_pairs(periodic, periodic)
     assert match_pairs([1, 1, 2], [1, 2, 2, 3]) == 2 * 1 + 1 * 2
+
+
+def test_a_guarded_semantic_blend_reports_both_passes_forced_rows(sem_engine):
+    """A guard that fired reported its own ratio (0.3) and spent (0 + 0.3): both passes' forced rows were
+    left out, as every semantic blend's were before."""
+    from blend.policy import ReusePolicy
+
+    docs = make_docs(2)
+    store_originals(sem_engine, docs)
+    edited = [docs[0], edit_middle(docs[1])[0]]
+    pol = ReusePolicy.blend(0.0, semantic=True, guard_margin=1e9, guard_ratio=0.3)
+    rep = sem_engine.generate(sem_engine.build_prompt("Which?", edited), pol, max_new_tokens=1).report
+    segs = [s for s in rep.segments if s.kind.value == "document"]
+    base, forced = sum(s.tokens for s in segs), sum(s.forced for s in segs)
+    assert rep.guard and forced > 0
+    assert rep.ratio == pytest.approx(sum(s.recomputed for s in segs) / base) and rep.ratio > 0.3
+    assert rep.spent == pytest.approx(forced / base + rep.ratio)  # the first pass recomputed its forced rows only
