@@ -606,3 +606,17 @@ def test_a_shard_folder_swapped_for_a_link_while_a_put_writes_never_sends_the_en
     store.path(NS, other).parent.symlink_to(outside)  # a folder that is a link from the start: refused as well
     store.put(NS, other, rand_entry(prov))
     assert list(outside.iterdir()) == [] and store.get(NS, other, prov.canonical_json()).status is not LookupStatus.HIT
+
+
+def test_processes_sharing_a_budgeted_folder_see_each_others_puts(tmp_path: Path) -> None:
+    """Each process counted only its own puts between scans (every 10 s), so two writers sharing one folder
+    each filled the budget: 1.7x it on disk. One shared tally of every process's puts keeps the folder
+    within the budget after every put."""
+    one = len(encode(NS, key_for(PROV, 0), rand_entry(PROV, T=8)))
+    budget = int(one * 6.5)
+    a, b = (DiskStore(tmp_path, budget_bytes=budget, rescan_s=3600.0) for _ in range(2))  # two processes
+    for i in range(40):
+        (a if i % 2 else b).put(NS, key_for(PROV, i), rand_entry(PROV, T=8))
+        on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.safetensors"))
+        assert on_disk <= budget, (i, on_disk / budget)
+    assert len(list(a.keys(NS))) >= 4  # pruned down to the low-water mark, not emptied

@@ -22,10 +22,12 @@ before the tensors are read (see ``codec.check_size``).
 With a byte budget the tier is an LRU on disk: a hit refreshes the entry's
 mtime, and a put that takes the tier over budget removes the least recently
 used entries (oldest mtime first, every namespace) until it is back under
-``low_water`` of the budget. A process tallies its own puts between scans of
-the folder; the folder (other processes' files too) is scanned again when the
-tally says over budget, before anything is removed, and at least every
-``rescan_s`` on a put. An entry larger than ``low_water`` of the budget is not
+``low_water`` of the budget. Every process sharing the folder adds its puts'
+bytes to one shared tally (``root/budget.tally``: 8 bytes, updated under
+``flock``); a process's estimate is its last scan's total plus what the tally
+grew by since, so it sees the others' writes too. The folder (every process's
+files) is scanned again when the estimate says over budget, before anything
+is removed, and at least every ``rescan_s`` on a put. An entry larger than ``low_water`` of the budget is not
 stored (its own prune would remove it, after every other entry); a path that
 cannot be removed is skipped. A reader that loses a file to a concurrent prune
 sees a miss.
@@ -33,6 +35,7 @@ sees a miss.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import stat
@@ -75,6 +78,7 @@ log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 TMP_SUFFIX = safeio.TMP_SUFFIX  # abandoned temp files (a crash mid-put) are swept by this suffix
 LOW_WATER = 0.9  # a prune frees down to this fraction of the budget
+TALLY_FILE = "budget.tally"  # bytes put by every process sharing the folder (8 bytes, little-endian, flock)
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,9 @@ class DiskStore:
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self.rescan_s = rescan_s
-        self._approx_bytes: int | None = None  # bytes on disk as of the last scan plus our puts
+        self._approx_bytes: int | None = None  # bytes on disk as of the last scan plus every process's puts
+        self._scan_total = 0  # bytes on disk at the last scan (after its prune)
+        self._tally_at_scan = 0  # the shared tally (:meth:`_tally`) when that scan began
         self._scanned_at = 0.0  # time.monotonic() of that scan
         self._logs = DiskRecordLogs(self.root / "logs")
 
@@ -273,20 +279,49 @@ class DiskStore:
     def _after_put(self, size: int) -> None:
         if self.budget_bytes is None:
             return
+        tally = self._tally(size)  # every process's puts, this one's included
         with self._lock:
             if self._approx_bytes is None or time.monotonic() - self._scanned_at >= self.rescan_s:
-                recount = True  # the first put, or other processes may have written since the scan
+                recount = True  # the first put, or a scan too old to trust
             else:
-                self._approx_bytes += size  # an overwrite adds bytes it did not add: only a scan prunes
+                # the last scan plus every process's puts since (an overwrite adds bytes it did not add, a
+                # removal elsewhere is not subtracted: the estimate errs high, and only a scan prunes)
+                grown = tally - self._tally_at_scan if tally is not None else size
+                self._approx_bytes = self._scan_total + max(grown, size)
                 recount = self._approx_bytes > self.budget_bytes
         if recount:
             self._recount(self.budget_bytes)
+
+    def _tally(self, add: int = 0) -> int | None:
+        """The shared tally of bytes put into this folder by every process, after adding ``add`` (None: it
+        cannot be kept here, e.g. a read-only or odd file; the process then counts only its own puts)."""
+        try:
+            fd = safeio.open_regular(self.root / TALLY_FILE, os.O_RDWR | os.O_CREAT, mode=0o600)
+        except OSError as e:  # safeio.UnsafeFileError too: a link or FIFO planted at its path
+            log.debug("disk store: no shared budget tally: %s", e)
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            raw = os.pread(fd, 8, 0)
+            value = int.from_bytes(raw, "little") if len(raw) == 8 else 0
+            value = (value + add) % (1 << 63)  # wraps after 8 EiB put: a difference across it is a rescan
+            if add:
+                os.pwrite(fd, value.to_bytes(8, "little"), 0)
+            return value
+        except OSError as e:
+            log.debug("disk store: cannot update the shared budget tally: %s", e)
+            return None
+        finally:
+            os.close(fd)  # (closing drops the lock)
 
     def _recount(self, budget: int) -> None:
         """Scan the folder (includes the file just written, and other processes' files); prune down to
         the low-water mark only if the scan is over ``budget``. Killed writers' stale temp files go first:
         they are bytes on disk that no entry count sees."""
         self.sweep_temp(DEFAULT_STALE_TEMP_S)
+        tally = self._tally()  # read before the listing: a put landing during it is counted again (errs high)
+        with self._lock:
+            self._tally_at_scan = tally if tally is not None else 0
         rows = self._entries_by_age()
         if sum(size for _, size, _ in rows) > budget:
             self._prune_rows(rows, int(budget * LOW_WATER))
@@ -340,7 +375,7 @@ class DiskStore:
                 freed += size
             total -= size
         with self._lock:
-            self._approx_bytes, self._scanned_at = total, scanned_at
+            self._approx_bytes, self._scan_total, self._scanned_at = total, total, scanned_at
             self._stats.evictions += removed
         if removed:
             log.info("disk store: pruned %d entries (%d bytes) under %s", removed, freed, self.root)
