@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -33,6 +34,7 @@ from blend.options import (
 )
 
 EXIT_USER_ERROR = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a tool the signal ended: the reader of our output left
 
 # command -> (module, function registering it on the subparsers); the module is imported on demand
 AREA_COMMANDS: dict[str, tuple[str, str]] = {
@@ -181,6 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(_command_of(argv)).parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader left (`kvblend store ls | head`): not an error of ours
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        except (OSError, ValueError):  # a stdout without a descriptor (captured): nothing to redirect
+            pass
+        return EXIT_BROKEN_PIPE
     except KVBlendError as e:
         print(f"kvblend: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

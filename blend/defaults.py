@@ -133,3 +133,6 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 DEFAULT_LOG_LEVEL = "info"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DEFAULT_GRACEFUL_SHUTDOWN_S = 5  # uvicorn's wait for open connections on shutdown
+# the largest `--doc` file `ask`/`chat` read: far past any model's context in characters (read whole, then
+# tokenized: a 3 GB file took the process to 23.7 GB before the kernel killed it)
+MAX_DOCUMENT_BYTES = 16 << 20

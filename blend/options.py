@@ -12,11 +12,12 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from blend import safeio
 from blend.defaults import (
     DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_GEMM, DEFAULT_GUARD_MARGIN,
     DEFAULT_GUARD_MODE, DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL,
     DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, DTYPE_NAMES, GEMM_CHOICES,
-    REUSED_TEMPERATURE_RANGE,
+    MAX_DOCUMENT_BYTES, REUSED_TEMPERATURE_RANGE,
 )
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.policy import (
@@ -45,7 +46,13 @@ def read_document(path: str) -> str:
     if not p.is_file():
         raise InvalidRequestError(f"document {path}: no such file" if not p.exists() else
                                   f"document {path}: not a regular file")
-    data = p.read_bytes()
+    try:  # never more than a document can be: a prompt holds a few characters per token of the context
+        data = safeio.read_regular(p, MAX_DOCUMENT_BYTES, follow_symlinks=True)
+    except safeio.FileTooLargeError:
+        raise InvalidRequestError(f"document {path}: over {MAX_DOCUMENT_BYTES >> 20} MiB: no model's context holds "
+                                  "it (split it, or `kvblend ingest` it and ask with --index)") from None
+    except OSError as e:
+        raise InvalidRequestError(f"document {path}: cannot be read ({e})") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -141,9 +141,10 @@ def run_eval(
         first = 0
         if config.items is not None:
             first, last = parse_item_range(config.items)
-            items = load_items(config.data, last + 1, config.passages, seed=config.seed)[first:]
+            loaded = load_items(config.data, last + 1, config.passages, seed=config.seed)
+            items = loaded[first:]
             if len(items) < last + 1 - first:
-                raise DataError(f"--items {config.items}: the data holds only {first + len(items)} items")
+                raise DataError(f"--items {config.items}: the data holds only {len(loaded)} items")
         else:
             items = load_items(config.data, config.limit, config.passages, seed=config.seed)
     except (DataError, MethodError, ValueError) as e:

@@ -84,6 +84,7 @@ def test_cold_equals_warm_across_processes_in_redis(docs, tmp_path, redis_url):
     (["ask", "q", "--doc", "{long}", "--model", "tiny-llama"], "exceeds the model's context"),
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--ratio", "2"], "ratio"),
     (["ask", "q", "--doc", "{dir}", "--model", "tiny-llama"], "is a directory"),
+    (["ask", "q", "--doc", "{huge}", "--model", "tiny-llama"], "over 16 MiB"),  # read whole: a 3 GB one OOMed
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--min-prompt-tokens", "-5"],
      "min_prompt_tokens must be an integer >= 0"),
     (["check", "--model", "tiny-llama", "--items", "0"], "--items must be 1 to 6"),
@@ -95,7 +96,10 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, docs, args, message):
     bad.write_bytes(b"\xff\xfe\x00abc")
     long = tmp_path / "long.txt"
     long.write_text("word " * 1000)
-    args = [a.format(doc=docs[0], bad=bad, long=long, dir=tmp_path) for a in args]
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as f:
+        f.truncate(1 << 32)  # 4 GiB, sparse: refused by its size before any of it is read
+    args = [a.format(doc=docs[0], bad=bad, long=long, dir=tmp_path, huge=huge) for a in args]
     proc = kvblend(*args, "--store", "memory", home=tmp_path, check=False)
     assert proc.returncode == 2
     assert message in proc.stderr
@@ -169,3 +173,21 @@ def test_check_shows_its_verdict_when_it_cannot_record_it(tmp_path):
     proc = kvblend("check", "--model", "tiny-llama", "--items", "1", home=blocked / "home", check=False)
     assert "could not record" in proc.stderr and "blend gate for tiny-llama" in proc.stdout
     assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr
+
+
+def test_a_reader_that_leaves_is_not_an_error(monkeypatch, capsys):
+    """`kvblend store ls | head -1` printed "kvblend: error: [Errno 32] Broken pipe" and exited 2."""
+    import argparse
+
+    import blend.cli as C
+
+    def leaves(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    class Parser:
+        def parse_args(self, argv):
+            return argparse.Namespace(func=leaves)
+
+    monkeypatch.setattr(C, "build_parser", lambda command: Parser())
+    assert C.main(["store", "ls"]) == C.EXIT_BROKEN_PIPE == 141
+    assert capsys.readouterr().err == ""

@@ -532,3 +532,18 @@ def test_completions_text_offsets_index_the_answer_text_across_split_characters(
     a, b = tok.encode("ab", add_special_tokens=False)
     got = special.format(tuple(TokenLogprob(i, -1.0) for i in (a, eos, b, eos)))["text_offset"]
     assert got == [0, 1, 1, 2]
+
+
+def test_a_stream_whose_last_chunk_cannot_be_built_ends_with_an_error_not_a_cut(engine, monkeypatch):
+    """An exception while building the final chunk (a bug in the report's extension, say) cut the stream
+    without an error event or [DONE]: the playground showed "network error"."""
+    from starlette.testclient import TestClient
+
+    import blend.serve.app as app_module
+
+    app = create_app(engine, ServeConfig(model=TINY))
+    monkeypatch.setattr(app_module, "kvblend_extension", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("bug")))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/v1/chat/completions", json={**chat(), "stream": True, "max_tokens": 2})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "internal error: RuntimeError" in json.loads(events[-2])["error"]["message"]

@@ -318,10 +318,17 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
                 if ev.kind is EventKind.TEXT:
                     yield text_chunk(head, ev.text, logprobs=lp.format(ev.logprobs), include_usage=usage)
                 elif ev.kind is EventKind.DONE:
-                    await stored()
-                    c = ev.completion
-                    yield final_chunk(head, c, kvblend_extension(c, job.prompt, engine.tokenizer, job.return_tokens),
-                                      lp.format(ev.logprobs), include_usage=usage)
+                    try:
+                        await stored()
+                        c = ev.completion
+                        last = final_chunk(head, c, kvblend_extension(c, job.prompt, engine.tokenizer,
+                                                                      job.return_tokens),
+                                           lp.format(ev.logprobs), include_usage=usage)
+                    except Exception as e:  # the last chunk could not be built: the client is told, not cut off
+                        err = _error_for(e)
+                        yield sse(error_body(err.message, err.kind, err.param, err.code))
+                        break
+                    yield last
                     if job.include_usage:
                         yield usage_chunk(head, c)
                     break

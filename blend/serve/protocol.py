@@ -10,6 +10,7 @@ scheduler) and the answer's token ids. In a stream it is in the final chunk
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
