@@ -31,7 +31,8 @@ from blend.retrieval.chunker import ChunkerConfig
 from blend.retrieval.corpus import RetrievalError, expand_paths
 from blend.retrieval.embedder import Embedder
 from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
-from blend.retrieval.ingest import ingest, print_issues
+from blend.retrieval.catalog import Catalog
+from blend.retrieval.ingest import ingest, nothing_to_ingest, print_issues
 from blend.retrieval.pipeline import RAG, engine_kv_deleter, engine_kv_signature, engine_kv_writer
 from blend.store.spec import default_spec, redacted_spec
 from blend.terminal_text import shown
@@ -99,8 +100,9 @@ def run_ingest(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    if not expand_paths(args.paths)[0]:  # fail before loading any model
-        ingest(args.paths, args.index, tokenizer=None, embedder=None)  # type: ignore[arg-type]  # raises
+    files, issues = expand_paths(args.paths)
+    if not files and not Catalog.exists(Path(args.index).expanduser()):  # fail before loading any model
+        raise RetrievalError(nothing_to_ingest(issues))  # (an existing index may still lose files that went)
     config = ChunkerConfig(target_tokens=args.chunk_tokens, overlap_tokens=args.overlap)
     engine = engine_from_args(args)
     summary = ingest(

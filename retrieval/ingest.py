@@ -130,7 +130,9 @@ def vanished_files(indexed: Iterable[str], paths: Iterable[str | os.PathLike[str
     roots = [Path(p).expanduser().resolve() for p in paths]
     dirs = [r for r in roots if r.is_dir()]
     named = {str(r) for r in roots if not os.path.lexists(r)}
-    return sorted(p for p in indexed if not os.path.lexists(p)
+    # no longer a file: deleted, replaced by a folder, or a link whose target is gone (a corpus link to a file
+    # is read through, so its target going is the file going)
+    return sorted(p for p in indexed if not os.path.isfile(p)
                   and (p in named or any(Path(p).is_relative_to(d) for d in dirs)))
 
 
@@ -205,9 +207,8 @@ def ingest(
     root = Path(index_dir).expanduser().resolve()
     paths = list(paths)  # read twice: expanded, then matched against the indexed files
     files, issues = expand_paths(paths, skip=[root])  # an index inside the corpus folder is not corpus
-    if not files:  # before the tokenizer is touched: the CLI checks this without loading a model
-        why = "; ".join(str(i) for i in issues) or "no paths given"
-        raise RetrievalError(f"nothing to ingest (.txt, .md, .jsonl): {why}")
+    if not files and not Catalog.exists(root):  # before the tokenizer is touched: the CLI checks this first
+        raise RetrievalError(nothing_to_ingest(issues))
     fp = tokenizer_fp or tokenizer_fingerprint(tokenizer)
     signature = chunking_signature(fp, config)
     lock = _Lock(root)
@@ -219,6 +220,8 @@ def ingest(
         added_ids: set[str] = set()  # chunks whose KV this run wrote
         dirty, since_commit = not Catalog.exists(root) or cat.settings_changed, 0
         gone = vanished_files(cat.files, paths)
+        if not files and not gone:  # (an index whose corpus was emptied still loses the files that went)
+            raise RetrievalError(nothing_to_ingest(issues))
         for path in gone:  # deleted since it was indexed: its chunks go
             removed_all += cat.remove_file(path)
         dirty = dirty or bool(gone)
@@ -231,8 +234,8 @@ def ingest(
                 issues.extend(fr.issues)
                 if not fr.documents:
                     stats["failed"] += 1
-                    if path in cat.files and any(i.kind is IssueKind.EMPTY for i in fr.issues):
-                        removed_all += cat.remove_file(path)  # the file was emptied: its chunks go
+                    if path in cat.files and _no_longer_holds(cat, path, fr):
+                        removed_all += cat.remove_file(path)  # its old chunks are not what it holds: they go
                         dirty = True
                     bar.update(1)
                     continue
@@ -269,6 +272,11 @@ def ingest(
                 cat.commit()  # interrupt (a change cut half-way is not: the last commit stays, the rerun redoes it)
             bar.close()
         checked = 0
+        if stats["added"] and (kv_writer is None or getattr(kv_writer, "unsaved", 0)) and cat.meta.kv_signature:
+            # chunks went in without their KV (--no-kv, or store writes that failed): the signature no longer
+            # says every chunk's KV is stored, so the next run with a writer checks them all
+            cat.record_kv_signature("")
+            cat.commit()
         stale = kv_signature is not None and kv_signature != cat.meta.kv_signature
         if kv_writer is not None and (refresh_kv or stale):
             checked, written = _refresh_kv(cat, kv_writer, skip=added_ids, batch=kv_batch, progress=progress,
@@ -307,6 +315,21 @@ def ingest(
         )
     finally:
         lock.release()
+
+
+def nothing_to_ingest(issues) -> str:
+    """The error of a run with no corpus file to read (and, for an existing index, none that went)."""
+    why = "; ".join(str(i) for i in issues) or "no paths given"
+    return f"nothing to ingest (.txt, .md, .jsonl): {why}"
+
+
+def _no_longer_holds(cat: Catalog, path: str, fr) -> bool:
+    """Whether an indexed file that gave no document this run no longer holds what was indexed: emptied, or
+    changed into bytes that cannot be read as text (another encoding, a binary, a JSONL of bad lines, too
+    large, no longer a regular file). A file that could not be read (permissions, a passing error) keeps them."""
+    if any(i.kind in (IssueKind.EMPTY, IssueKind.TOO_LARGE, IssueKind.NOT_REGULAR) for i in fr.issues):
+        return True
+    return bool(fr.sha256) and fr.sha256 != cat.files[path].sha256  # read ("" when it could not be)
 
 
 def _refresh_kv(cat: Catalog, kv_writer: KVWriter, skip: set[str], batch: int, progress: bool,

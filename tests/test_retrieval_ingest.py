@@ -355,3 +355,67 @@ def test_a_symlinked_corpus_file_leaves_the_index_with_its_link(corpus, tmp_path
     s = _run([corpus], tmp_path / "idx", tok)
     names = {Path(p).name for p in Catalog.open(tmp_path / "idx").files}
     assert s.files_removed == 1 and "link.txt" not in names and "b.txt" not in names
+
+
+def _texts(index: Path) -> set[str]:
+    return {r.text for r in Catalog.open(index).records.values()}
+
+
+def test_a_file_replaced_by_a_folder_or_a_link_whose_target_went_is_removed(corpus, tmp_path, tok) -> None:
+    """A path that still existed as something else (a folder, a dangling link) was never "vanished": the
+    deleted file's chunks stayed retrievable, and their KV was never collected."""
+    kv = FakeKV()
+    (tmp_path / "target.txt").write_text(DOCS["c.txt"])
+    (corpus / "c.txt").unlink()
+    (corpus / "link.txt").symlink_to(tmp_path / "target.txt")
+    _run([corpus], tmp_path / "idx", tok, kv)
+    anna = {t for t in _texts(tmp_path / "idx") if "Anna" in t}
+    assert anna and any("library" in t for t in _texts(tmp_path / "idx"))
+    (corpus / "a.txt").unlink()
+    (corpus / "a.txt").mkdir()  # a folder under the old file's name
+    (corpus / "a.txt" / "x.txt").write_text(DOCS["b.md"])
+    (tmp_path / "target.txt").unlink()  # the link now dangles
+    s = _run([corpus], tmp_path / "idx", tok, kv)
+    left = _texts(tmp_path / "idx")
+    assert not anna & left and not any("library" in t for t in left) and s.files_removed == 2
+    assert not any("Anna" in t or "library" in t for t in kv.entries)  # their KV collected
+
+
+def test_a_corpus_emptied_of_files_removes_them_from_its_index(corpus, tmp_path, tok) -> None:
+    """A run that found no file was refused before anything was removed: once every file of a folder was
+    deleted, no ingest could ever drop them, and `ask --index` kept answering from them."""
+    kv = FakeKV()
+    _run([corpus], tmp_path / "idx", tok, kv)
+    for p in corpus.iterdir():
+        p.unlink()
+    s = _run([corpus], tmp_path / "idx", tok, kv)
+    assert s.files_removed == 4 and _texts(tmp_path / "idx") == set() and kv.entries == {}
+    with pytest.raises(RetrievalError, match="nothing to ingest"):  # nothing left to remove: the error again
+        _run([corpus], tmp_path / "idx", tok, kv)
+    with pytest.raises(RetrievalError, match="nothing to ingest"):  # a new index of nothing: as before
+        _run([corpus], tmp_path / "fresh", tok, kv)
+
+
+def test_a_file_rewritten_into_unusable_bytes_loses_its_old_chunks(corpus, tmp_path, tok) -> None:
+    """A file re-saved in another encoding (or a JSONL whose lines all broke) was "failed" but kept its
+    previous content's chunks: the edited file's old text kept being retrieved."""
+    _run([corpus], tmp_path / "idx", tok)
+    (corpus / "a.txt").write_bytes("Ann\u00e9 keeps bees.".encode("latin-1"))
+    (corpus / "d.jsonl").write_text("{not json\n")
+    s = _run([corpus], tmp_path / "idx", tok)
+    left = _texts(tmp_path / "idx")
+    assert s.files_failed == 2 and not any("Anna" in t or "baker" in t for t in left)
+    assert any("ferry" in t for t in left)  # the others stay
+
+
+def test_chunks_added_without_their_kv_are_stored_by_the_next_run_that_can(corpus, tmp_path, tok) -> None:
+    """An index that had recorded its KV signature never stored KV for chunks a --no-kv run added later (or a
+    run whose store writes failed): every request computed them, and "run again" did nothing."""
+    kv = FakeKV()
+    (corpus / "c.txt").unlink()
+    _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    (corpus / "c.txt").write_text(DOCS["c.txt"])
+    _run([corpus], tmp_path / "idx", tok, None, kv_signature="engine-a")  # --no-kv
+    assert not any("library" in t for t in kv.entries)
+    _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")  # a normal run
+    assert any("library" in t for t in kv.entries)
