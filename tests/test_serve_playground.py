@@ -53,6 +53,9 @@ def playground_page():
 
 def test_playground_streams_an_answer_and_highlights_recomputed_tokens(one_torch_thread):
     with playground_page() as (srv, page):
+        blocked = []  # the page runs under its Content-Security-Policy: nothing of its own may be refused
+        page.on("console", lambda m: blocked.append(m.text) if "Content Security Policy" in m.text else None)
+        page.reload()
         assert page.title() == "kvblend playground"
         page.fill("#question", QUESTION)
         page.click("#add-doc")
@@ -107,6 +110,22 @@ def test_playground_streams_an_answer_and_highlights_recomputed_tokens(one_torch
     assert shown == [s["recomputed_offsets"] for s in docs]  # exactly the selected rows are highlighted
     assert sum(map(len, shown)) > 0
     assert texts_shown == [d.strip() + "\n\n" for d in DOCS]  # every token of every document is shown
+    assert blocked == []
+
+
+def test_the_playground_page_cannot_be_framed_and_runs_only_its_own_script(one_torch_thread):
+    """No security header: another site framed the page invisibly and a click through it asked with the key the
+    user had typed (clickjacking)."""
+    from blend.serve.app import PLAYGROUND, playground_headers
+
+    with running_server(tiny_serve_engine(), ServeConfig(model=TINY)) as srv:
+        r = httpx.get(srv.url + "/")
+    csp = r.headers["content-security-policy"]
+    assert r.headers["x-frame-options"] == "DENY" and "frame-ancestors 'none'" in csp
+    assert r.headers["x-content-type-options"] == "nosniff" and "default-src 'none'" in csp
+    assert "'unsafe-inline'" not in csp.split("script-src")[1].split(";")[0]  # its script by hash only
+    assert playground_headers(PLAYGROUND.read_text())["Content-Security-Policy"] == csp
+    assert "onsubmit=" not in r.text and "onclick=" not in r.text  # inline handlers would be refused
 
 
 NON_ASCII_DOCS = ["Le phare de Cap Wren est tenu par Orla Brenner, à Tōkyō (東京) depuis 1998. 🗼",
