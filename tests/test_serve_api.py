@@ -608,3 +608,24 @@ def test_a_short_conversation_too_long_for_the_context_is_refused_before_its_lay
     assert r.status_code == 413, r.text
     no_history = post(srv, {**chat(), "messages": [{"role": "user", "content": "word " * 900}]})
     assert no_history.status_code == 413, no_history.text
+
+
+def test_on_loopback_without_a_key_only_loopback_host_names_are_answered(one_torch_thread):
+    """Nothing checked Host: a page whose own name an attacker resolved to 127.0.0.1 (DNS rebinding) called the
+    API as same-origin and read the answers."""
+    from blend.serve.cli import build_parser, config_from_args
+    from blend.serve.config import default_allowed_hosts, host_name
+
+    config = config_from_args(build_parser().parse_args(["--model", TINY]))
+    assert config.allowed_hosts == ("localhost", "127.0.0.1", "::1")
+    with running_server(tiny_serve_engine(), ServeConfig(model=TINY, allowed_hosts=config.allowed_hosts)) as srv:
+        port = urlparse(srv.url).port
+        assert httpx.get(srv.url + "/v1/models").status_code == 200  # Host: 127.0.0.1:PORT
+        assert httpx.get(srv.url + "/health", headers={"Host": f"localhost:{port}"}).status_code == 200
+        r = httpx.get(srv.url + "/v1/models", headers={"Host": f"rebind.example:{port}"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed"
+        assert httpx.get(srv.url + "/", headers={"Host": "rebind.example"}).status_code == 400
+    assert default_allowed_hosts("127.0.0.1", None, "box.lan") == ("localhost", "127.0.0.1", "::1", "box.lan")
+    assert default_allowed_hosts("127.0.0.1", "key", None) is None  # a key guards it: any name
+    assert default_allowed_hosts("0.0.0.0", None, None) is None and default_allowed_hosts("127.0.0.1", None, "*") is None
+    assert [host_name(h) for h in ("[::1]:8000", "LocalHost:80", "::1", "a.b")] == ["::1", "localhost", "::1", "a.b"]

@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blend.errors import KVBlendError
 from blend.serve.asgi import read_body, replay_body
-from blend.serve.config import ServeConfig
+from blend.serve.config import ServeConfig, host_name
 from blend.serve.metrics import ServeMetrics
 from blend.serve.protocol import (
     DONE, Endpoint, ErrorType, LogprobFormat, ResponseHead, error_body, final_chunk, full_body, kvblend_extension, sse,
@@ -70,6 +70,7 @@ class Guard:
     def __init__(self, app: ASGIApp, config: ServeConfig, metrics: ServeMetrics) -> None:
         self.app = app
         self.key = config.api_key.encode() if config.api_key else None
+        self.hosts = None if config.allowed_hosts is None else frozenset(config.allowed_hosts)
         self.max_body = config.limits.max_body_bytes
         self.body_timeout_s = config.limits.body_timeout_s
         self.metrics = metrics
@@ -90,6 +91,10 @@ class Guard:
                 self.metrics.on_request(label, int(message["status"]))
             await send(message)
 
+        if self.hosts is not None and host_name(_header(scope, b"host")) not in self.hosts:
+            await _json_error(400, "this server does not answer for that Host name (see --allowed-hosts)",
+                              ErrorType.INVALID_REQUEST, code="host_not_allowed")(scope, receive, counting_send)
+            return
         if self.key is not None and path.startswith("/v1/") and not self._authorized(scope):
             await _json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                               ErrorType.AUTHENTICATION, code="invalid_api_key",
@@ -116,6 +121,7 @@ class Guard:
             raise
 
     def _authorized(self, scope: Scope) -> bool:
+        """Whether the request carries this server's API key (compared in constant time)."""
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
@@ -190,6 +196,14 @@ class _TicketStream(StreamingResponse):
         finally:
             self.ticket.cancel()  # a no-op when the answer finished
             await self.body_iterator.aclose()  # the content itself (an async generator is kept as given)
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    """A request header's value ("" if absent), as text."""
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return value.decode("latin-1")
+    return ""
 
 
 def playground_headers(page: str) -> dict[str, str]:

@@ -21,7 +21,7 @@ from blend.defaults import DEFAULT_LOG_LEVEL, DTYPE_NAMES, LOG_LEVELS
 from blend.engine import Engine
 from blend.serve.app import create_app
 from blend.serve.config import (
-    API_KEY_ENV, Limits, SchedulerConfig, ServeConfig, default_torch_threads, resolve_api_key,
+    API_KEY_ENV, Limits, SchedulerConfig, ServeConfig, default_allowed_hosts, default_torch_threads, resolve_api_key,
 )
 from blend.serve.connection import uvicorn_options
 from blend.serve.flight import FlightStore
@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--header-timeout", type=float, default=lim.head_timeout_s,
                    help="seconds a client has to send a request's line and headers once its connection is "
                         "ready for one (opened, or done with its last response); the connection ends after it")
+    p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="Host header names to answer, comma-separated ('*': any). On loopback without an API "
+                        "key the loopback names are always allowed and no other (a DNS-rebinding page is refused)")
     p.add_argument("--max-connections", type=int, default=lim.max_connections,
                    help="connections held at once (503 past it)")
     p.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, choices=LOG_LEVELS)
@@ -115,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         host=args.host, port=args.port, model=args.model, dtype=args.dtype, store=args.store,
         api_key=resolve_api_key(args.api_key), experimental_semantic=args.experimental_semantic,
         served_model_name=args.served_model_name,
+        allowed_hosts=default_allowed_hosts(args.host, resolve_api_key(args.api_key), args.allowed_hosts),
         limits=Limits(max_body_bytes=args.max_body_bytes, max_documents=args.max_documents,
                       max_messages=args.max_messages,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,

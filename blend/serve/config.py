@@ -156,10 +156,45 @@ class ServeConfig:
     inline_prepare_messages: int = 2  # ... and only with at most this many messages (no conversation history)
     limits: Limits = field(default_factory=Limits)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # the names a request's Host header may carry (None: any). `kvblend serve` on loopback without an API key
+    # answers only loopback names (LOOPBACK_NAMES): a web page whose own name an attacker points at 127.0.0.1
+    # (DNS rebinding) is then refused, where it could read every answer as same-origin
+    allowed_hosts: tuple[str, ...] | None = None
 
     @property
     def model_id(self) -> str:
         return self.served_model_name or self.model
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def default_allowed_hosts(host: str, api_key: str | None, extra: str | None) -> tuple[str, ...] | None:
+    """The Host names a server answers: ``extra`` (comma-separated; ``*``: any) added to the loopback names
+    when it listens on loopback without an API key; otherwise ``extra`` alone (None: any).
+
+    Args:
+        host: the address it listens on.
+        api_key: its API key (None: none).
+        extra: ``--allowed-hosts``.
+
+    Returns:
+        Lowercase names, or None for any.
+    """
+    names = tuple(n.strip().lower() for n in (extra or "").split(",") if n.strip())
+    if "*" in names:
+        return None
+    if host in LOOPBACK_NAMES and api_key is None:
+        return LOOPBACK_NAMES + tuple(n for n in names if n not in LOOPBACK_NAMES)
+    return names or None
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header ("[::1]:8000" -> "::1", "Example.com:80" -> "example.com")."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
 def resolve_api_key(explicit: str | None) -> str | None:
