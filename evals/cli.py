@@ -161,6 +161,10 @@ def run_eval(
     except (ResumeError, *_engine_errors()) as e:
         print(f"kvblend eval: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"kvblend eval: interrupted: the items done are in {out / 'rows.jsonl'}; the same command with "
+              "--resume goes on from there", file=sys.stderr)
+        return 130
     write_json(results, out / "results.json")
     write_markdown(results, out / "results.md")
     write_pareto(results, out / "pareto.png")

@@ -349,6 +349,10 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
         if resume and rows_path.is_file() and rows_path.stat().st_size:  # nothing says what they were run with
             raise ResumeError(f"--resume: {out} holds {ROWS_FILE} but no {RUN_FILE} (its settings); "
                               "move the rows away or start a fresh --out")
+        if not resume and safeio.is_regular(rows_path, follow_symlinks=False) and rows_path.lstat().st_size:
+            # a run's rows are never wiped unasked (a link or FIFO planted there is not a run: it is replaced)
+            raise ResumeError(f"{out} holds the rows of an earlier run: --resume continues it; to start over, "
+                              "give another --out or remove that folder")
         safeio.atomic_write_bytes(rows_path, b"")  # replaces a link or FIFO there, never writes through it
     safeio.atomic_write_bytes(run_path, (json.dumps({"identity": config.identity()}, indent=1) + "\n").encode())
     return done

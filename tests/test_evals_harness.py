@@ -456,3 +456,14 @@ def test_links_planted_in_out_are_replaced_never_written_through_and_a_fifo_is_r
     t.start()
     t.join(20)
     assert not t.is_alive() and result and result[0] != 0  # refused at once
+
+
+def test_a_second_run_into_a_folder_with_rows_is_refused_unless_it_resumes(tmp_path, capsys):
+    """A rerun without --resume (after an interrupt, say) emptied rows.jsonl silently and recomputed everything."""
+    assert run_eval(_args(tmp_path), _fake_factory([]), policy_of=lambda m: m) == 0
+    rows = (tmp_path / "out" / "rows.jsonl").read_text()
+    assert rows
+    assert run_eval(_args(tmp_path), _fake_factory([]), policy_of=lambda m: m) == 2
+    assert "--resume continues it" in capsys.readouterr().err
+    assert (tmp_path / "out" / "rows.jsonl").read_text() == rows  # untouched
+    assert run_eval(_args(tmp_path, "--resume"), _fake_factory([]), policy_of=lambda m: m) == 0
