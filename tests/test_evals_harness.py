@@ -182,11 +182,12 @@ def test_full_always_run(tmp_path):
     assert list(res["methods"]) == ["full", "reuse"]
 
 
-def test_resume_after_interruption_matches_fresh_run(tmp_path):
+def test_resume_after_interruption_matches_fresh_run(tmp_path, capsys):
     items = load_items("synthetic:single", 3, 3)
     engines = []
-    with pytest.raises(KeyboardInterrupt):
-        run_eval(_args(tmp_path, out="r"), _fake_factory(engines, fail_on=items[2].question), policy_of=lambda m: m)
+    assert run_eval(_args(tmp_path, out="r"), _fake_factory(engines, fail_on=items[2].question),
+                    policy_of=lambda m: m) == 130
+    assert "--resume goes on from there" in capsys.readouterr().err
     assert len((tmp_path / "r" / "rows.jsonl").read_text().splitlines()) == 2
     # a line cut short by the interruption is dropped and redone
     with (tmp_path / "r" / "rows.jsonl").open("a") as f:
