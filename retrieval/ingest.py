@@ -336,6 +336,8 @@ def _refresh_kv(cat: Catalog, kv_writer: KVWriter, skip: set[str], batch: int, p
                 stream: TextIO | None) -> tuple[int, int]:
     """Pass every indexed chunk not in ``skip`` through ``kv_writer``; (chunks passed, bytes written)."""
     texts = [r.text for cid, r in sorted(cat.records.items()) if cid not in skip]
+    if not texts:  # every chunk was written by this run (a new index): no bar of nothing
+        return 0, 0
     bar = Progress(len(texts), desc="chunk KV", unit="chunks", stream=stream if stream is not None else sys.stderr,
                    enabled=progress)
     try:

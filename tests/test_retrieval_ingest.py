@@ -419,3 +419,11 @@ def test_chunks_added_without_their_kv_are_stored_by_the_next_run_that_can(corpu
     assert not any("library" in t for t in kv.entries)
     _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")  # a normal run
     assert any("library" in t for t in kv.entries)
+
+
+def test_a_first_ingest_draws_no_empty_chunk_kv_bar(corpus, tmp_path, tok) -> None:
+    """Every fresh index drew "chunk KV [####] 0/0 chunks": the refresh had nothing this run had not written."""
+    out = io.StringIO()
+    ingest([corpus], tmp_path / "idx", tokenizer=tok, embedder=HashEmbedder(), config=CFG, kv_writer=FakeKV().write,
+           kv_signature="engine-a", stream=out, progress=True)
+    assert "ingest" in out.getvalue() and "chunk KV" not in out.getvalue()
