@@ -168,6 +168,16 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
                    help="enable the experimental semantic-reuse path in the engine")
 
 
+# the blend options and their defaults: set under --reuse exact or none, they are refused, not ignored
+BLEND_OPTION_DEFAULTS = (
+    ("ratio", DEFAULT_RATIO), ("selector", DEFAULT_SELECTOR), ("check_layers", DEFAULT_CHECK_LAYERS),
+    ("threshold", None), ("max_ratio", DEFAULT_MAX_RATIO), ("min_prompt_tokens", DEFAULT_MIN_PROMPT_TOKENS),
+    ("budget", BudgetMode.FIXED.value), ("auto_target", DEFAULT_AUTO_TARGET), ("guard_margin", DEFAULT_GUARD_MARGIN),
+    ("guard_ratio", DEFAULT_GUARD_RATIO), ("guard_mode", DEFAULT_GUARD_MODE), ("candidates", DEFAULT_CANDIDATES),
+    ("reused_temperature", DEFAULT_REUSED_TEMPERATURE), ("probe_precision", DEFAULT_PROBE_PRECISION),
+)
+
+
 def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
     """The request's :class:`ReusePolicy` from parsed arguments (missing blend knobs take their defaults)."""
     mode = ReuseMode(getattr(args, "reuse", ReuseMode.EXACT.value))
@@ -175,6 +185,11 @@ def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
         # semantic reuse is never dropped without a word (the server and ReusePolicy refuse it too);
         # --force-blend outside a blend forces nothing and is let through
         raise InvalidPolicyError(f"--semantic only applies with --reuse blend (got --reuse {mode.value})")
+    if mode is not ReuseMode.BLEND:  # a blend setting under another mode is never dropped without a word either
+        for name, default in BLEND_OPTION_DEFAULTS:
+            if getattr(args, name, default) != default:
+                raise InvalidPolicyError(f"--{name.replace('_', '-')} only applies with --reuse blend "
+                                         f"(got --reuse {mode.value})")
     if mode is ReuseMode.NONE:
         return ReusePolicy.none()
     if mode is ReuseMode.EXACT:

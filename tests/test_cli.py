@@ -85,6 +85,10 @@ def test_cold_equals_warm_across_processes_in_redis(docs, tmp_path, redis_url):
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--ratio", "2"], "ratio"),
     (["ask", "q", "--doc", "{dir}", "--model", "tiny-llama"], "is a directory"),
     (["ask", "q", "--doc", "{huge}", "--model", "tiny-llama"], "over 16 MiB"),  # read whole: a 3 GB one OOMed
+    (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--ratio", "0.3"],  # was run exact, silently
+     "--ratio only applies with --reuse blend (got --reuse exact)"),
+    (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "none", "--guard-margin", "off"],
+     "--guard-margin only applies with --reuse blend"),
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--min-prompt-tokens", "-5"],
      "min_prompt_tokens must be an integer >= 0"),
     (["check", "--model", "tiny-llama", "--items", "0"], "--items must be 1 to 6"),
