@@ -620,3 +620,15 @@ def test_processes_sharing_a_budgeted_folder_see_each_others_puts(tmp_path: Path
         on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.safetensors"))
         assert on_disk <= budget, (i, on_disk / budget)
     assert len(list(a.keys(NS))) >= 4  # pruned down to the low-water mark, not emptied
+
+
+def test_a_store_that_cannot_be_written_warns_once_per_cause(tmp_path: Path, caplog) -> None:
+    """An unwritable store printed one warning per chunk: thousands of lines for a corpus."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    store = DiskStore(blocker / "store")  # under a file: every write fails the same way
+    with caplog.at_level(logging.WARNING, logger="blend.store.disk"):
+        for i in range(20):
+            store.put(NS, key_for(PROV, i), rand_entry(PROV, T=4))
+    assert len([r for r in caplog.records if "write of" in r.getMessage()]) == 1
+    assert store.stats().extra["put_errors"] == 20

@@ -169,6 +169,7 @@ class DiskStore:
         self._tally_at_scan = 0  # the shared tally (:meth:`_tally`) when that scan began
         self._scanned_at = 0.0  # time.monotonic() of that scan
         self._logs = DiskRecordLogs(self.root / "logs")
+        self._put_failures: set[tuple[str, int | None]] = set()  # causes of failed writes already logged
 
     def path(self, ns: Namespace, key: StoreKey) -> Path:
         """Where the entry for (ns, key) lives."""
@@ -261,9 +262,16 @@ class DiskStore:
                 size = f.tell()
             self._after_put(size)
         except (OSError, EntryError) as e:
-            log.warning("disk store: write of %s failed: %s", dest, e)
+            cause = (type(e).__name__, getattr(e, "errno", None))
             with self._lock:
                 self._stats.extra["put_errors"] = self._stats.extra.get("put_errors", 0) + 1
+                first = cause not in self._put_failures
+                self._put_failures.add(cause)
+            if first:  # once per cause: an unwritable store would print one line per chunk (thousands)
+                log.warning("disk store: write of %s failed: %s (later writes failing the same way are "
+                            "counted in put_errors, not logged)", dest, e)
+            else:
+                log.debug("disk store: write of %s failed: %s", dest, e)
             return
         self._count("puts")
 
