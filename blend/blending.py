@@ -626,7 +626,8 @@ def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list[Pendi
     Returns:
         One :class:`ChunkKV` per document, how many lead the prompt exactly, and the store seconds.
     """
-    computed: dict[bytes, tuple[int, KVEntry]] = {}  # canonical KV this request computes, by key: a later copy of a text takes it
+    # canonical KV this request computes, by key: a later copy of the same text takes it
+    computed: dict[bytes, tuple[int, KVEntry]] = {}
     chunks, waited = segments.fetch_chunks(prompt, pending[:1], policy.semantic, policy.cache_salt,
                                            computed=computed)
     n_exact = 1 if chunks and chunks[0].own_kv else 0

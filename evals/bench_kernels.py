@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
           f"Hkv={HKV} Hq={HQ} D={HEAD_DIM} ratio={args.ratio} best of {repeats}, ms\n")
     print_tables(errors, timings)
     if args.json:
-        safeio.atomic_write_text(args.json, json.dumps({"device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads(),
+        safeio.atomic_write_text(args.json, json.dumps({"device": str(device), "dtype": str(dtype),
+                       "threads": torch.get_num_threads(),
                        "errors": [asdict(e) for e in errors], "timings": [asdict(r) for r in timings]}, indent=2))
 
 

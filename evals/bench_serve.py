@@ -445,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(scaling), flush=True)
     command = "python -m blend.evals.bench_serve " + " ".join(argv if argv is not None else sys.argv[1:])
     md = markdown(rows, overheads, command.strip(), scaling, (load_start, os.getloadavg()[0]))
-    safeio.atomic_write_text(out / "bench_serve.json", json.dumps({"rows": [asdict(r) for r in rows], "overhead": overheads,
+    safeio.atomic_write_text(out / "bench_serve.json", json.dumps({
+                                                      "rows": [asdict(r) for r in rows], "overhead": overheads,
                                                       "decode_scaling": scaling, "cpu_count": os.cpu_count(),
                                                       "load_avg": os.getloadavg()}, indent=2))
     safeio.atomic_write_text(out / "bench_serve.md", md)

@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, o in overlaps.items():
         print(f"| {name} | {o['compute_ms_per_chunk']} | {o['sequential_ms']} | {o['prefetched_ms']} | {o['speedup']}x |")
     if args.json:
-        safeio.atomic_write_text(Path(args.json), json.dumps({"rows": [asdict(r) for r in rows], "overlap": overlaps}, indent=1))
+        safeio.atomic_write_text(Path(args.json),
+                                 json.dumps({"rows": [asdict(r) for r in rows], "overlap": overlaps}, indent=1))
     return 0
 
 

@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(torch_threads=torch.get_num_threads(), engine=args.engine, items=args.items, repeats=args.repeats,
                omp_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
-    safeio.atomic_write_text(out / f"{args.engine}.json", json.dumps(dict(env=env, rows=rows, concurrent=conc), indent=1))
+    safeio.atomic_write_text(out / f"{args.engine}.json",
+                             json.dumps(dict(env=env, rows=rows, concurrent=conc), indent=1))
     lines = [f"{args.engine}: items {args.items}, {args.repeats} reordered requests per item and mode, "
              f"{env['torch_threads']} torch threads", "",
              "| mode | tokens (median) | TTFT median s | ratio to full (median) | ratio mean | KL mean | KL p90 "
