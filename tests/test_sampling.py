@@ -147,6 +147,7 @@ def test_logprob_token_texts_keep_a_sentencepiece_words_leading_space():
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     entries = tuple(TokenLogprob(t, -0.1) for t in (4, 5, 6, 7))
     comp = LogprobFormat(Endpoint.COMPLETIONS, tok, True).format(entries)
-    assert comp["tokens"] == [" Paris", " is", " big", "\ufffd"] and comp["text_offset"] == [0, 6, 9, 13]
+    # the offsets index the answer's text, "Paris is big\ufffd" (its first space stripped, as any decode does)
+    assert comp["tokens"] == [" Paris", " is", " big", "\ufffd"] and comp["text_offset"] == [0, 5, 8, 12]
     chat = LogprobFormat(Endpoint.CHAT, tok, True).format(entries)
     assert [bytes(e["bytes"]) for e in chat["content"]] == [b" Paris", b" is", b" big", b"\xe2"]
