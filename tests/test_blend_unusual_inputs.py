@@ -77,24 +77,33 @@ def test_an_all_exact_blend_reports_its_first_token_gap_when_found_hot(tiny_engi
     assert hot.report.first_token_margin == loaded.report.first_token_margin
 
 
-def test_a_document_repeated_in_one_prompt_is_computed_once_cold(tiny_engine_factory, monkeypatch):
-    """A retriever that returns one chunk twice: the cold blend computes its canonical KV once and uses it
-    for both copies (the numbers a second computation gives, bit for bit), and says so; warm == cold."""
+def _cold_then_warm(eng, monkeypatch, docs):
+    """A cold blend of ``docs`` counting the canonical chunks it computes, then the same blend warm.
+
+    Returns:
+        (engine, cold answer, warm answer, chunks the cold one computed).
+    """
     from blend.segments import SegmentCache
 
-    docs = make_docs(3)
-    docs = [docs[0], docs[1], docs[2], docs[1]]  # documents 1 and 3 share a text
-    eng = tiny_engine_factory()
     calls = []
     real = SegmentCache.canonical_kv
     monkeypatch.setattr(SegmentCache, "canonical_kv", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
     prompt = eng.build_prompt("Which?", docs)
     cold = eng.generate(prompt, unguarded_blend(ratio=0.25), max_new_tokens=2, stop_at_newline=False)
-    assert len(calls) == 3  # documents 0, 1 and 2; 4 before: document 3 computed again
-    rep = [s for s in cold.report.segments if s.kind.value == "document"]
-    assert rep[3].reuse_class is ReuseClass.COMPUTED and "document 1" in rep[3].note
     monkeypatch.setattr(SegmentCache, "canonical_kv", real)
     warm = eng.generate(prompt, unguarded_blend(ratio=0.25), max_new_tokens=2, stop_at_newline=False)
+    return eng, cold, warm, len(calls)
+
+
+def test_a_document_repeated_in_one_prompt_is_computed_once_cold(tiny_engine_factory, monkeypatch):
+    """A retriever that returns one chunk twice: the cold blend computes its canonical KV once and uses it
+    for both copies (the numbers a second computation gives, bit for bit), and says so; warm == cold."""
+    docs = make_docs(3)
+    docs = [docs[0], docs[1], docs[2], docs[1]]  # documents 1 and 3 share a text
+    eng, cold, warm, computed = _cold_then_warm(tiny_engine_factory(), monkeypatch, docs)
+    assert computed == 3  # documents 0, 1 and 2; 4 before: document 3 computed again
+    rep = [s for s in cold.report.segments if s.kind.value == "document"]
+    assert rep[3].reuse_class is ReuseClass.COMPUTED and "document 1" in rep[3].note
     assert torch.equal(cold.first_logits, warm.first_logits) and cold.token_ids == warm.token_ids
     assert [s.reuse_class for s in warm.report.segments if s.kind.value == "document"][1:] == [ReuseClass.BLENDED] * 3
 
@@ -103,19 +112,9 @@ def test_a_document_repeated_in_one_prompt_is_computed_once_cold(tiny_engine_fac
 def test_a_repeat_of_the_first_document_is_computed_once_cold(tiny_engine_factory, monkeypatch, order):
     """The first document is fetched on its own (it is exact at its canonical position), the rest after:
     a later copy of its text was computed and stored a second time, and reported as a plain miss."""
-    from blend.segments import SegmentCache
-
     base = make_docs(2)
-    docs = [base[i] for i in order]
-    eng = tiny_engine_factory()
-    calls = []
-    real = SegmentCache.canonical_kv
-    monkeypatch.setattr(SegmentCache, "canonical_kv", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
-    prompt = eng.build_prompt("Which?", docs)
-    cold = eng.generate(prompt, unguarded_blend(ratio=0.25), max_new_tokens=2, stop_at_newline=False)
-    assert len(calls) == len(set(order))
+    eng, cold, warm, computed = _cold_then_warm(tiny_engine_factory(), monkeypatch, [base[i] for i in order])
+    assert computed == len(set(order))
     last = [s for s in cold.report.segments if s.kind.value == "document"][-1]
     assert last.reuse_class is ReuseClass.COMPUTED and "the same text as document 0" in last.note
-    monkeypatch.setattr(SegmentCache, "canonical_kv", real)
-    warm = eng.generate(prompt, unguarded_blend(ratio=0.25), max_new_tokens=2, stop_at_newline=False)
     assert torch.equal(cold.first_logits, warm.first_logits) and cold.token_ids == warm.token_ids
