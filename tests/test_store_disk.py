@@ -632,3 +632,14 @@ def test_a_store_that_cannot_be_written_warns_once_per_cause(tmp_path: Path, cap
             store.put(NS, key_for(PROV, i), rand_entry(PROV, T=4))
     assert len([r for r in caplog.records if "write of" in r.getMessage()]) == 1
     assert store.stats().extra["put_errors"] == 20
+
+
+def test_verify_of_a_store_path_that_does_not_exist_is_not_clean(tmp_path: Path, capsys) -> None:
+    """`store verify --store disk:/typo` said "checked 0 entries, found 0 corrupt" and exited 0."""
+    parser = argparse.ArgumentParser()
+    add_store_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["store", "verify", "--store", f"disk:{tmp_path / 'typo'}"])
+    assert run_store_command(args, io.StringIO()) == 2
+    assert "no disk store at" in capsys.readouterr().err
+    DiskStore(tmp_path / "real").put(NS, key_for(PROV, 0), rand_entry(PROV))
+    assert _cli(tmp_path / "real", "verify")[0] == 0  # an existing store verifies as before

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -273,6 +274,10 @@ def run_store_command(args: argparse.Namespace, out: TextIO | None = None) -> in
     if cmd is StoreCommand.LS:
         return _ls(store, args, out)
     if cmd is StoreCommand.VERIFY:
+        missing = [str(t.root) for t in store_tiers(store) if isinstance(t, DiskStore) and not os.path.lexists(t.root)]
+        if missing:  # a mistyped path is not a clean store
+            print(f"kvblend store: no disk store at {', '.join(missing)} (nothing to verify)", file=sys.stderr)
+            return 2
         return _verify(store, args, out)
     if cmd is StoreCommand.PRUNE:
         return _prune(store, args, out)
