@@ -67,6 +67,11 @@ def aggregate_method(
     if nonfinite:
         for f in ("kl", "kl_median", "kl_p90", "kl_max", "kl_ci", "kl_median_ci"):
             out[f] = None
+    # the teacher-forced KL likewise: a mean over the finite items only would flatter the method
+    tf_nonfinite = sum(1 for p in per if "tf_kl" in p and (p["tf_kl"] is None or not math.isfinite(p["tf_kl"])))
+    if tf_nonfinite:
+        out["tf_kl"] = None
+    out["tf_kl_nonfinite"] = tf_nonfinite
     return out
 
 

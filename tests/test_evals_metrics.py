@@ -127,3 +127,13 @@ def test_non_finite_kls_make_the_kl_summary_null_not_better():
     assert out["kl_nonfinite"] == 1 and out["kl"] is None and out["kl_max"] is None and out["n"] == 3
     fine = aggregate_method("m", rows[:2], None, n_boot=10, seed=0)
     assert fine["kl_nonfinite"] == 0 and abs(fine["kl"] - 0.015) < 1e-12
+
+
+def test_a_non_finite_teacher_forced_kl_makes_its_mean_null_too():
+    """tf_kl's mean dropped non-finite items silently, where kl's summary is nulled."""
+    from blend.evals.aggregate import aggregate_method
+    rows = [{"methods": {"m": {"kl": 0.01, "tf_kl": k, "top1": 1.0}}} for k in (0.01, 0.03, None)]
+    out = aggregate_method("m", rows, None, n_boot=10, seed=0)
+    assert out["tf_kl"] is None and out["tf_kl_nonfinite"] == 1 and out["kl"] == 0.01
+    fine = aggregate_method("m", rows[:2], None, n_boot=10, seed=0)
+    assert abs(fine["tf_kl"] - 0.02) < 1e-12 and fine["tf_kl_nonfinite"] == 0
