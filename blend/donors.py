@@ -156,7 +156,7 @@ class CompactableLog(Protocol):
         """Replace the log with ``lines`` only if it still holds exactly ``expected``."""
 
 
-def _donor_row(d: Donor) -> dict:
+def _donor_row(d: Donor | _Registration) -> dict:
     """A donor as JSON (the signature is recomputed on reading, so it is always consistent)."""
     return {"key": d.key.hex(), "preamble": d.preamble.hex(), "tokens": list(d.token_ids)}
 
@@ -207,7 +207,7 @@ class _Registration:
         return Donor(StoreKey(self.key), self.preamble, self.token_ids, minhash(self.token_ids))
 
     def record(self) -> bytes:
-        return _record({"key": self.key.hex(), "preamble": self.preamble.hex(), "tokens": list(self.token_ids)})
+        return _record(_donor_row(self))  # the line a Donor of these fields is written as
 
 
 def _registration_from_row(r: Any) -> _Registration:

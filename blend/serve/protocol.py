@@ -136,11 +136,11 @@ class LogprobFormat:
                     "refusal": None}
         tokens, offsets = [], []
         for e in entries:
-            tokens.append(self._text(e.token_id))
+            own = token_bytes(self.tokenizer, e.token_id)  # once: its text is these bytes decoded
+            tokens.append(own.decode("utf-8", errors="replace"))
             before = self._answer.text
             after = self._answer.push(e.token_id)
             offset = _shared_length(before, after)
-            own = token_bytes(self.tokenizer, e.token_id)
             if after == before and before.endswith(REPLACEMENT) and own and 0x80 <= own[0] <= 0xBF:
                 offset -= 1  # a piece inside a character still incomplete: where that character starts
             offsets.append(offset)
