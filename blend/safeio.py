@@ -13,7 +13,6 @@ import errno
 import os
 import secrets
 import stat
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO, TextIO
@@ -167,17 +166,66 @@ def _umask() -> int:
     return 0o022
 
 
-def _set_mode(fd: int, target: str) -> None:
-    """Give a temporary file the mode of the file it will replace (a new file: what a plain open()
-    would create): mkstemp's 0600 would hide it from users who could read the old one."""
+def _mode_for(target: str) -> int | None:
+    """The mode a replacement of ``target`` gets: the old file's, or what a plain open() would create
+    for a new one (mkstemp's 0600 would hide it from users who could read the old one); None where it
+    cannot be read (the temporary file keeps 0600: a mode is no reason to fail a write)."""
     try:
         try:
-            mode = stat.S_IMODE(os.stat(target).st_mode)
+            return stat.S_IMODE(os.stat(target).st_mode)
         except FileNotFoundError:
-            mode = 0o666 & ~_umask()
-        os.fchmod(fd, mode)
+            return 0o666 & ~_umask()
     except OSError:
-        pass  # a mode we cannot set is not a reason to fail the write
+        return None
+
+
+@contextmanager
+def _replace_in_folder(dir_fd: int, name: str, path: str | os.PathLike[str], *, fsync: bool,
+                       mode: int | None) -> Iterator[BinaryIO]:
+    """The steps every atomic write shares, inside the folder open at ``dir_fd``: a fresh temporary file
+    (``.NAME.XXXXXXXX.tmp``, created exclusively, never through a link), written by the block, flushed
+    and fsynced, renamed over ``name`` and the folder fsynced (best effort). On any failure the temporary
+    file is removed and the error raised; ``name`` is unchanged.
+
+    Args:
+        dir_fd: the folder's descriptor (the caller closes it).
+        name: the file's name in that folder.
+        path: the file's path, for errors.
+        fsync: fsync the file and the folder.
+        mode: the file's mode (None: 0600).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):  # a fresh name, as mkstemp picks one
+        tmp = f".{name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free temporary file name", os.fspath(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            try:
+                os.fchmod(f.fileno(), 0o600 if mode is None else mode)  # whatever the umask
+            except OSError:
+                pass  # a mode we cannot set is not a reason to fail the write
+            yield f
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    if fsync:
+        try:
+            os.fsync(dir_fd)
+        except OSError:
+            pass  # best effort: some file systems cannot fsync a folder
 
 
 @contextmanager
@@ -185,16 +233,16 @@ def atomic_file(path: str | os.PathLike[str], *, fsync: bool = True, private: bo
     """A binary file that replaces ``path`` atomically when the block ends: a reader sees the old file
     or the new one, never part.
 
-    A private temporary file (``mkstemp``, in the target's folder, so two writers never share one) is
-    written by the block, flushed and fsynced, then renamed over ``path`` (``os.replace``) and the
-    folder fsynced (best effort). If the block or the rename fails the temporary file is removed and
-    the error raised; ``path`` is unchanged.
+    A private temporary file (in the target's folder, a fresh name, so two writers never share one) is
+    written by the block, flushed and fsynced, then renamed over ``path`` and the folder fsynced (best
+    effort). If the block or the rename fails the temporary file is removed and the error raised;
+    ``path`` is unchanged.
 
     Args:
         path: the file to replace (its folder must exist).
         fsync: fsync the file and its folder (durable across power loss).
-        private: keep ``mkstemp``'s owner-only mode (0600); otherwise the file gets the mode of the
-            file it replaces, or what a plain ``open()`` would create.
+        private: owner-only (0600); otherwise the file gets the mode of the file it replaces, or what a
+            plain ``open()`` would create.
 
     Yields:
         The temporary file, open for writing.
@@ -203,25 +251,13 @@ def atomic_file(path: str | os.PathLike[str], *, fsync: bool = True, private: bo
         OSError: the write or the rename failed.
     """
     target = os.fspath(path)
-    folder = os.path.dirname(target) or "."
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=TMP_SUFFIX, dir=folder)
+    dir_fd = os.open(os.path.dirname(target) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        with os.fdopen(fd, "wb") as f:
-            if not private:
-                _set_mode(f.fileno(), target)
+        with _replace_in_folder(dir_fd, os.path.basename(target), target, fsync=fsync,
+                                mode=None if private else _mode_for(target)) as f:
             yield f
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    if fsync:
-        fsync_dir(folder)
+    finally:
+        os.close(dir_fd)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *,
@@ -372,35 +408,7 @@ def atomic_file_beneath(root: str | os.PathLike[str], path: str | os.PathLike[st
     parts = _relative_parts(root, path)
     dir_fd = _open_folders_beneath(root, parts[:-1], path, create=True)
     try:
-        name = parts[-1]
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        for _ in range(100):  # a fresh name, as mkstemp picks one (.NAME.XXXXXXXX.tmp)
-            tmp = f".{name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
-            try:
-                fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise FileExistsError(errno.EEXIST, "no free temporary file name", os.fspath(path))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), 0o600)  # whatever the umask
-                yield f
-                f.flush()
-                if fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dir_fd)
-            except OSError:
-                pass
-            raise
-        if fsync:
-            try:
-                os.fsync(dir_fd)
-            except OSError:
-                pass  # best effort, as fsync_dir
+        with _replace_in_folder(dir_fd, parts[-1], path, fsync=fsync, mode=None) as f:
+            yield f
     finally:
         os.close(dir_fd)

@@ -461,7 +461,7 @@ def test_atomic_write_replaces_fsyncs_and_leaves_nothing_on_failure(tmp_path, mo
     assert target.read_text() == "new" and len(synced) == 2  # the file, then the folder
     assert os.stat(target).st_mode & 0o777 == 0o640 and os.listdir(tmp_path) == ["f.json"]
 
-    def fail(*a):
+    def fail(*a, **kw):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", fail)
@@ -507,7 +507,7 @@ def test_gate_record_and_fingerprint_cache_write_atomically(fake_engine, tmp_pat
 
 
 def test_a_failed_gate_record_leaves_no_temp_file(fake_engine, monkeypatch):
-    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(os, "replace", lambda *a, **kw: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError):
         gate.record(fake_engine, gate.GateResult.from_dict(_record()))
     assert os.listdir(gate.gate_path(fake_engine).parent) == []
@@ -549,8 +549,8 @@ def test_catalog_current_is_written_atomically(tmp_path, monkeypatch, atomic_pat
     assert str(idx / "CURRENT") in atomic_paths
     doc.write_text("another document about dogs.")
     real = os.replace
-    monkeypatch.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(OSError("disk full"))
-                        if os.path.basename(b) == "CURRENT" else real(a, b))
+    monkeypatch.setattr(os, "replace", lambda a, b, **kw: (_ for _ in ()).throw(OSError("disk full"))
+                        if os.path.basename(b) == "CURRENT" else real(a, b, **kw))
     with pytest.raises(OSError):
         ingest([str(doc)], str(idx), tokenizer=word_tokenizer(["dogs"]), embedder=HashEmbedder(), progress=False)
     assert not [p for p in os.listdir(idx) if "CURRENT" in p and p != "CURRENT"]
