@@ -509,3 +509,22 @@ def test_store_ls_escapes_a_stored_model_name(tmp_path: Path) -> None:
     text = out.getvalue()
     text.encode("utf-8")  # no lone surrogate
     assert "\x1b" not in text and "\\ud800" in text and "\\x1b" in text and "LlamaForCausalLM" in text
+
+
+def test_verify_delete_sweeps_temp_files_as_stale_as_prune_does(tmp_path: Path) -> None:
+    """`store verify --delete` kept killed writers' temp files for an hour (its own default) where the budget
+    scan and `store prune` remove them after DEFAULT_STALE_TEMP_S; a write in progress is kept by both."""
+    from blend.defaults import DEFAULT_STALE_TEMP_S
+
+    store = DiskStore(tmp_path)
+    key = key_for(PROV, 0)
+    store.put(NS, key, rand_entry(PROV))
+    folder = store.path(NS, key).parent
+    stale, live = folder / f".{key.hex()}.dead.tmp", folder / f".{key.hex()}.live.tmp"
+    stale.write_bytes(b"half an entry")
+    live.write_bytes(b"a write in progress")
+    old = stale.stat().st_mtime - DEFAULT_STALE_TEMP_S - 60
+    os.utime(stale, (old, old))
+    code, report, _ = _cli(f"disk:{tmp_path}", "verify", "--delete")
+    assert code == 0 and report["checked"] == 1
+    assert not stale.exists() and live.exists()

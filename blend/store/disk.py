@@ -454,8 +454,9 @@ class DiskStore:
                         continue
         return found
 
-    def sweep_temp(self, older_than_s: float = 3600.0) -> int:
-        """Remove interrupted writes older than ``older_than_s``; returns how many."""
+    def sweep_temp(self, older_than_s: float = DEFAULT_STALE_TEMP_S) -> int:
+        """Remove interrupted writes no byte has reached for ``older_than_s`` (the default: a write in
+        progress touches its file with every block, so only killed writers' leftovers go); returns how many."""
         n = 0
         for p in self.temp_files(older_than_s):
             try:
