@@ -246,3 +246,28 @@ def test_vllm_settings_that_change_kv_change_the_blocks_backend_digest():
     assert base == vllm_numerics(config()) and len(base) == 16
     assert len({base, vllm_numerics(config(theta=50000.0)), vllm_numerics(config(backend="TRITON_ATTN")),
                 vllm_numerics(config(load="dummy"))}) == 4
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"on_load_error": "recompte"}, "on_load_error"),  # was read as "fail": recompute silently off
+    ({"force": "false"}, "force"),  # bool("false") is True: the quality gate silently skipped
+    ({"stor": "disk:/x"}, "stor"),  # a misspelt key: the store silently in memory
+    ({"memory_budget_bytes": "1GB"}, "memory_budget_bytes"),
+    ({"memory_budget_bytes": True}, "memory_budget_bytes"),
+    ({"store": 3}, "store"),
+])
+def test_the_connectors_extra_config_is_checked_strictly(extra, field):
+    from blend.integrations.vllm.engines import parse_extra_config
+
+    with pytest.raises(InvalidRequestError, match=field):
+        parse_extra_config(extra)
+
+
+def test_the_connectors_extra_config_defaults_and_values():
+    from blend.integrations.vllm.engines import ExtraConfig, OnLoadError, parse_extra_config
+
+    assert parse_extra_config({}) == ExtraConfig()
+    assert parse_extra_config({}).on_load_error is OnLoadError.RECOMPUTE
+    got = parse_extra_config({"store": "disk:/kv", "force": True, "on_load_error": "fail",
+                              "memory_budget_bytes": 1 << 20})
+    assert got == ExtraConfig("disk:/kv", True, OnLoadError.FAIL, 1 << 20)

@@ -18,6 +18,7 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Sequence
 
 import torch
@@ -32,6 +33,64 @@ from blend.store.codec import dtype_name
 from blend.store.spec import DEFAULT_MEMORY_BUDGET
 
 MAX_POSTED_REPORTS = 4096  # load reports a worker keeps for a scheduler in its own process
+
+
+class OnLoadError(Enum):
+    """``kv_connector_extra_config["on_load_error"]``: what vLLM does with a block that fails to load."""
+
+    RECOMPUTE = "recompute"  # the connector sets vLLM's kv_load_failure_policy to recompute
+    FAIL = "fail"  # vLLM's policy as configured
+
+
+@dataclass(frozen=True)
+class ExtraConfig:
+    """The connector's ``kv_connector_extra_config``, checked (:func:`parse_extra_config`)."""
+
+    store: str = "memory"
+    force: bool = False
+    on_load_error: OnLoadError = OnLoadError.RECOMPUTE
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET
+
+
+def parse_extra_config(extra: dict) -> ExtraConfig:
+    """Check the connector's extra config strictly: a misspelt key or a string where a boolean belongs
+    (``"force": "false"`` read as true, ``"on_load_error": "recompte"`` as "fail") must stop vLLM's start-up,
+    not change what the connector does.
+
+    Args:
+        extra: ``kv_connector_extra_config`` as vLLM passes it (JSON values).
+
+    Returns:
+        The values, defaults filled in.
+
+    Raises:
+        InvalidRequestError: an unknown key or a value of the wrong type or range (the message names it).
+    """
+    if not isinstance(extra, dict):
+        raise InvalidRequestError(f"kv_connector_extra_config must be an object, got {type(extra).__name__}")
+    fields = ExtraConfig.__dataclass_fields__
+    unknown = sorted(set(map(str, extra)) - set(fields))
+    if unknown:
+        raise InvalidRequestError(f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))} "
+                                  f"(known: {', '.join(fields)})")
+    out = ExtraConfig()
+    store = extra.get("store", out.store)
+    if not isinstance(store, str) or not store:
+        raise InvalidRequestError(f"kv_connector_extra_config: store must be a store spec string, got {store!r}")
+    force = extra.get("force", out.force)
+    if not isinstance(force, bool):
+        raise InvalidRequestError(f"kv_connector_extra_config: force must be true or false, got {force!r}")
+    try:
+        on_load_error = OnLoadError(extra.get("on_load_error", out.on_load_error.value))
+    except ValueError:
+        raise InvalidRequestError(f"kv_connector_extra_config: on_load_error must be one of "
+                                  f"{', '.join(e.value for e in OnLoadError)}, got "
+                                  f"{extra.get('on_load_error')!r}") from None
+    budget = extra.get("memory_budget_bytes", out.memory_budget_bytes)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise InvalidRequestError(f"kv_connector_extra_config: memory_budget_bytes must be an integer >= 0, "
+                                  f"got {budget!r}")
+    return ExtraConfig(store=store, force=force, on_load_error=on_load_error, memory_budget_bytes=budget)
 
 
 @dataclass(frozen=True)
@@ -61,9 +120,21 @@ class ConnectorConfig:
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, extra: dict) -> "ConnectorConfig":
-        """Read vLLM's config object and the connector's extra config."""
+        """Read vLLM's config object and the connector's extra config.
+
+        Args:
+            vllm_config: vLLM's ``VllmConfig``.
+            extra: ``kv_connector_extra_config`` (checked by :func:`parse_extra_config`).
+
+        Returns:
+            The config.
+
+        Raises:
+            InvalidRequestError: a KV cache dtype or quantization kvblend cannot serve, or a bad extra config.
+        """
         import vllm
 
+        ex = parse_extra_config(extra)
         mc = vllm_config.model_config
         dtype = dtype_name(mc.dtype)
         cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
@@ -73,12 +144,11 @@ class ConnectorConfig:
         if quant:  # kvblend's engine blends with the checkpoint's own weights, and its keys name no quantization
             raise InvalidRequestError(f"kvblend's connector needs an unquantized model, got quantization={quant!r}")
         backend = f"vllm-{vllm.__version__}/{vllm_config.device_config.device_type}/{vllm_numerics(vllm_config)}"
-        return cls(model=str(mc.model), dtype=dtype, backend=backend, store=str(extra.get("store", "memory")),
-                   force=bool(extra.get("force", False)),
-                   recompute_on_load_error=extra.get("on_load_error", "recompute") == "recompute",
+        return cls(model=str(mc.model), dtype=dtype, backend=backend, store=ex.store, force=ex.force,
+                   recompute_on_load_error=ex.on_load_error is OnLoadError.RECOMPUTE,
                    prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True)),
                    device=str(vllm_config.device_config.device_type),
-                   memory_budget_bytes=int(extra.get("memory_budget_bytes", DEFAULT_MEMORY_BUDGET)))
+                   memory_budget_bytes=ex.memory_budget_bytes)
 
 
 def _model_hash(mc: Any) -> str:
