@@ -25,7 +25,7 @@ from blend.retrieval.catalog import Catalog
 from blend.retrieval.chunker import chunk_id
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.embedder import Embedder
-from blend.store.base import store_tiers
+from blend.store.base import EntryState, store_tiers
 
 if TYPE_CHECKING:  # the engine is imported lazily: retrieval works without it
     from blend.engine import Engine
@@ -176,20 +176,20 @@ class EngineKVWriter:
             # missing or damaged in the most persistent tier while the chain still holds the key (an emptied
             # Redis under a disk tier; a truncated file): precompute would take it as stored and never repair
             # it, so every copy goes and the chunk is computed again
-            if store.contains(ns, key) and _problem(last, key) and getattr(last, "available", True):
+            if store.contains(ns, key) and not _serves(last, key) and getattr(last, "available", True):
                 store.delete(ns, key)  # (a tier in an outage answered nothing: its verdict is no reason)
         written = int(self.engine.precompute_chunks(list(texts), system=self.system))  # flushed on return
         self.unsaved += sum(not last.contains(ns, key) for key in keys)
         return written
 
 
-def _problem(tier, key: StoreKey) -> str:
-    """Why ``tier`` cannot serve ``key``'s canonical entry ('' if it can): the whole entry decoded where the
-    tier can verify, else only whether it holds the key."""
+def _serves(tier, key: StoreKey) -> bool:
+    """Whether ``tier`` can serve ``key``'s canonical entry: the whole entry decoded where the tier can
+    verify, else only whether it holds the key."""
     verify = getattr(tier, "verify", None)
     if verify is not None:
-        return verify(Namespace.CANONICAL, key)
-    return "" if tier.contains(Namespace.CANONICAL, key) else "absent"
+        return verify(Namespace.CANONICAL, key).state is EntryState.VALID
+    return tier.contains(Namespace.CANONICAL, key)
 
 
 def engine_kv_writer(engine: "Engine", system: str | None = None) -> EngineKVWriter:

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from blend.keys import Namespace
-from blend.store.base import KVEntry, LookupStatus, check_entry
+from blend.store.base import EntryState, KVEntry, LookupStatus, Verdict, check_entry
 from blend.store.codec import ChecksumKind, EntryError, EntryHeader, checksum, decode, decode_header, encode
 from blend.store.disk import DiskStore
 from blend.store.redis_store import RedisStore
@@ -116,17 +116,17 @@ def test_decode_of_mutated_entries(case: tuple[bytes, KVEntry, str]) -> None:
         _check_decode(*case)
 
 
-def _check_verify(got: Any, why: str) -> None:
+def _check_verify(got: Any, verdict: Verdict) -> None:
     """``verify`` (which knows no requested provenance) agrees with the lookup: a hit verifies clean;
     an entry the lookup rejected for anything but a provenance mismatch (undecodable, damaged, wrong
     shape) is flagged by verify with the same reason; a miss is absent."""
-    assert isinstance(why, str)
+    assert isinstance(verdict, Verdict)
     if got.status is LookupStatus.HIT:
-        assert why == ""
+        assert verdict.state is EntryState.VALID and verdict.reason == ""
     elif got.status is LookupStatus.REJECTED and got.reason != "provenance mismatch":
-        assert why != "" and why == got.reason, (got.reason, why)
+        assert verdict.invalid and verdict.reason == got.reason, (got.reason, verdict)
     elif got.status is LookupStatus.MISS and not got.reason:
-        assert why == "absent"
+        assert verdict.state is EntryState.ABSENT
 
 
 @FUZZ

@@ -130,7 +130,7 @@ def test_impossible_shape_on_disk_is_rejected_by_every_reader(tmp_path):
     p.write_bytes(_blob([0, 2**40, 2**40, 1]))
     prov = json.dumps({"kv_dtype": "float32"})
     assert disk.get(Namespace.EXACT, KEY, prov).status is LookupStatus.REJECTED
-    assert "shape" in disk.verify(Namespace.EXACT, KEY)
+    assert "shape" in disk.verify(Namespace.EXACT, KEY).reason
     tiered = TieredStore([MemoryStore(), disk], write_behind=False)
     assert tiered.get(Namespace.EXACT, KEY, prov).status is LookupStatus.REJECTED
 

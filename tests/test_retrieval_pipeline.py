@@ -13,6 +13,7 @@ import pytest
 engine_mod = pytest.importorskip("blend.engine")
 
 from blend.keys import Namespace  # noqa: E402
+from blend.store.base import EntryState  # noqa: E402
 from blend.retrieval.catalog import Catalog  # noqa: E402
 from blend.retrieval.chunker import ChunkerConfig  # noqa: E402
 from blend.retrieval.ingest import ingest  # noqa: E402
@@ -464,7 +465,7 @@ def test_a_kv_refresh_repairs_what_the_last_tier_lacks(tmp_path, damage: str) ->
                 path.write_bytes(path.read_bytes()[:100])
     again = engine_kv_writer(eng)
     assert again(texts) > 0 and again.unsaved == 0  # computed and stored again
-    assert all(last.verify(Namespace.CANONICAL, k) == "" for k in keys)
+    assert all(last.verify(Namespace.CANONICAL, k).state is EntryState.VALID for k in keys)
 
 
 def test_a_kv_refresh_during_a_last_tier_outage_keeps_the_valid_copies(tmp_path) -> None:

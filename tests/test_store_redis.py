@@ -103,7 +103,7 @@ def test_corrupt_blob_is_rejected_and_verify_finds_it(
         got = store.get(NS, key, J)
     assert got.status is LookupStatus.REJECTED and got.reason.startswith(reason)
     assert any("rejected" in w for w in _warnings(caplog))
-    assert store.verify(NS, key).startswith(reason)
+    assert store.verify(NS, key).invalid and store.verify(NS, key).reason.startswith(reason)
 
 
 def test_collision_is_rejected(store: RedisStore) -> None:

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 from blend.keys import Namespace, StoreKey
 from blend.policy import ReuseMode, ReusePolicy
 from blend.prompt import Prompt
-from blend.store.base import KVEntry, KVStore, Lookup, StoreStats, flush_writes, store_tiers
+from blend.store.base import KVEntry, KVStore, Lookup, StoreStats, Verdict, flush_writes, store_tiers
 
 FlightKey = tuple[Namespace, bytes]
 
@@ -145,7 +145,7 @@ class FlightStore:
     def info(self, ns: Namespace, key: StoreKey):
         return self.inner.info(ns, key)
 
-    def verify(self, ns: Namespace, key: StoreKey) -> str:
+    def verify(self, ns: Namespace, key: StoreKey) -> Verdict:
         return self.inner.verify(ns, key)
 
     def clear(self, ns: Namespace | None = None) -> int:

@@ -85,6 +85,35 @@ def counters_of(stats: StoreStats) -> StoreStats:
                       evictions=stats.evictions, extra=dict(stats.extra))
 
 
+class EntryState(Enum):
+    """What a tier's ``verify`` found under a key."""
+
+    VALID = "valid"  # the whole entry decodes and passes its checks
+    ABSENT = "absent"  # nothing stored there
+    INVALID = "invalid"  # stored, and unusable (the verdict's reason says why)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A tier's ``verify`` of one key: its state, and why an invalid entry is unusable."""
+
+    state: EntryState
+    reason: str = ""
+
+    @classmethod
+    def of(cls, problem: str) -> "Verdict":
+        """VALID for an empty problem (:func:`entry_problem`'s "nothing wrong"), else INVALID with it."""
+        return cls(EntryState.INVALID, problem) if problem else VALID
+
+    @property
+    def invalid(self) -> bool:
+        return self.state is EntryState.INVALID
+
+
+VALID = Verdict(EntryState.VALID)
+ABSENT = Verdict(EntryState.ABSENT)
+
+
 @dataclass(frozen=True)
 class EntryInfo:
     """What a tier knows about a stored entry without loading its tensors."""
@@ -105,8 +134,8 @@ class InspectableStore(KVStore, Protocol):
         """Header of a stored entry (None if absent); raises ``codec.EntryError`` if unreadable."""
         ...
 
-    def verify(self, ns: Namespace, key: StoreKey) -> str:
-        """Decode the whole entry; '' if it is valid, else why not."""
+    def verify(self, ns: Namespace, key: StoreKey) -> Verdict:
+        """Decode the whole entry: VALID, ABSENT, or INVALID with the reason."""
         ...
 
     def clear(self, ns: Namespace | None = None) -> int:

@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Any, TextIO
 
 from blend.keys import Namespace, key_hex
-from blend.store.base import InspectableStore, store_tiers
+from blend.store.base import EntryState, InspectableStore, store_tiers
 from blend.store.codec import EntryError
 from blend.store.disk import DiskStore
 from blend.options import add_store_argument
@@ -187,11 +187,11 @@ def _verify(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> i
             continue
         for ns in _namespaces(args):
             for key in list(tier.keys(ns)):
-                why = tier.verify(ns, key)
-                if why == "absent":
+                verdict = tier.verify(ns, key)
+                if verdict.state is EntryState.ABSENT:
                     continue
-                results.append((tier.name, VerifyResult(ns.value, key_hex(key), not why, why)))
-                if why and args.delete and not tier.delete(ns, key):
+                results.append((tier.name, VerifyResult(ns.value, key_hex(key), not verdict.invalid, verdict.reason)))
+                if verdict.invalid and args.delete and not tier.delete(ns, key):
                     undeleted.append(key_hex(key))
         if isinstance(tier, DiskStore) and args.delete:
             tier.sweep_temp()

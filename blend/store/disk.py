@@ -50,11 +50,13 @@ from blend.defaults import DEFAULT_DISK_RESCAN_S, DEFAULT_STALE_TEMP_S
 from blend.keys import Namespace, StoreKey, key_hex
 from blend.safeio import UnsafeFileError, pread_exact
 from blend.store.base import (
+    ABSENT,
     EntryInfo,
     KVEntry,
     Lookup,
     LookupStatus,
     StoreStats,
+    Verdict,
     check_entry,
     check_put,
     counters_of,
@@ -508,14 +510,14 @@ class DiskStore:
         check_size(hdr, start, size, self.max_entry_bytes)
         return EntryInfo(ns, key, hdr.provenance, hdr.shape, hdr.dtype, size)
 
-    def verify(self, ns: Namespace, key: StoreKey) -> str:
+    def verify(self, ns: Namespace, key: StoreKey) -> Verdict:
         try:
             entry = self._load(ns, key)
         except EntryError as e:
-            return str(e)
+            return Verdict.of(str(e) or "invalid entry")
         except OSError as e:
-            return f"unreadable: {e}"
-        return "absent" if entry is None else entry_problem(entry)
+            return Verdict.of(f"unreadable: {e}")
+        return ABSENT if entry is None else Verdict.of(entry_problem(entry))
 
     def check_reachable(self) -> str:
         """'' if the root is a readable folder (or absent: an empty store), else why not."""

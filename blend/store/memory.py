@@ -9,11 +9,13 @@ from typing import Iterator
 
 from blend.keys import Namespace, StoreKey, key_hex
 from blend.store.base import (
+    ABSENT,
     EntryInfo,
     KVEntry,
     Lookup,
     LookupStatus,
     StoreStats,
+    Verdict,
     check_entry,
     check_put,
     counters_of,
@@ -106,10 +108,10 @@ class MemoryStore:
         dtype = str(entry.k.dtype).removeprefix("torch.")
         return EntryInfo(ns, key, entry.provenance, shape, dtype, entry.nbytes)  # type: ignore[arg-type]
 
-    def verify(self, ns: Namespace, key: StoreKey) -> str:
+    def verify(self, ns: Namespace, key: StoreKey) -> Verdict:
         with self._lock:
             entry = self._data.get((ns, bytes(key)))
-        return "absent" if entry is None else entry_problem(entry)
+        return ABSENT if entry is None else Verdict.of(entry_problem(entry))
 
     def check_reachable(self) -> str:
         return ""  # in-process: always

@@ -30,11 +30,13 @@ from redis.retry import Retry
 
 from blend.keys import Namespace, StoreKey, key_hex
 from blend.store.base import (
+    ABSENT,
     EntryInfo,
     KVEntry,
     Lookup,
     LookupStatus,
     StoreStats,
+    Verdict,
     check_entry,
     check_put,
     counters_of,
@@ -412,14 +414,14 @@ class RedisStore:
         check_size(hdr, start, size, self.max_entry_bytes)
         return EntryInfo(ns, key, hdr.provenance, hdr.shape, hdr.dtype, size)
 
-    def verify(self, ns: Namespace, key: StoreKey) -> str:
+    def verify(self, ns: Namespace, key: StoreKey) -> Verdict:
         try:
             blob = self._fetch(ns, key)
             if blob is None:
-                return "absent"
-            return entry_problem(decode(bytearray(blob), ns, key, self.max_entry_bytes))
+                return ABSENT
+            return Verdict.of(entry_problem(decode(bytearray(blob), ns, key, self.max_entry_bytes)))
         except EntryError as e:
-            return str(e)
+            return Verdict.of(str(e) or "invalid entry")
 
     def check_reachable(self) -> str:
         """'' if the server answers PING and no call failed since the last check, else why not."""

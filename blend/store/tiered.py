@@ -22,7 +22,17 @@ from typing import Iterator, Sequence
 from blend.defaults import DEFAULT_WRITE_BEHIND, DEFAULT_WRITE_BEHIND_PENDING
 from blend.keys import Namespace, StoreKey
 from blend.store.base import (
-    EntryInfo, InspectableStore, KVEntry, Lookup, LookupStatus, StoreStats, check_put, counters_of,
+    ABSENT,
+    VALID,
+    EntryInfo,
+    InspectableStore,
+    KVEntry,
+    Lookup,
+    LookupStatus,
+    StoreStats,
+    Verdict,
+    check_put,
+    counters_of,
 )
 from blend.store.write_behind import BackgroundWriter
 
@@ -183,12 +193,12 @@ class TieredStore:
                 return got
         return None
 
-    def verify(self, ns: Namespace, key: StoreKey) -> str:
-        """'' if every tier holding the entry holds a valid copy."""
-        problems = [f"{t.name}: {why}" for t in self.tiers if (why := t.verify(ns, key)) not in ("", "absent")]
+    def verify(self, ns: Namespace, key: StoreKey) -> Verdict:
+        """VALID if every tier holding the entry holds a valid copy; INVALID naming each tier that does not."""
+        problems = [f"{t.name}: {v.reason}" for t in self.tiers if (v := t.verify(ns, key)).invalid]
         if problems:
-            return "; ".join(problems)
-        return "" if self.contains(ns, key) else "absent"
+            return Verdict.of("; ".join(problems))
+        return VALID if self.contains(ns, key) else ABSENT
 
     def check_reachable(self) -> str:
         """Every unreachable tier with its reason ('' if all are reachable)."""
