@@ -255,6 +255,11 @@ def ingest(
                 vecs = embedder.embed([r.text for r in new]) if new else None  # (M, D)
                 if kv_writer is not None:
                     stats["kv"] += _write_kv(kv_writer, [r.text for r in new], kv_batch)
+                if new and (kv_writer is None or getattr(kv_writer, "unsaved", 0)) and cat.meta.kv_signature:
+                    # chunks go in without their KV (--no-kv, or store writes that failed): the signature no
+                    # longer says every chunk's KV is stored, so the next run with a writer checks them all.
+                    # Cleared in the commit that adds them: an interrupt or a kill after that commit keeps it
+                    cat.record_kv_signature("")
                 entry = FileEntry(path, fr.sha256, signature, tuple(refs))
                 removed_all += cat.replace_file(entry, [(r, vecs[i]) for i, r in enumerate(new)])
                 stats["ingested"] += 1
@@ -272,11 +277,6 @@ def ingest(
                 cat.commit()  # interrupt (a change cut half-way is not: the last commit stays, the rerun redoes it)
             bar.close()
         checked = 0
-        if stats["added"] and (kv_writer is None or getattr(kv_writer, "unsaved", 0)) and cat.meta.kv_signature:
-            # chunks went in without their KV (--no-kv, or store writes that failed): the signature no longer
-            # says every chunk's KV is stored, so the next run with a writer checks them all
-            cat.record_kv_signature("")
-            cat.commit()
         stale = kv_signature is not None and kv_signature != cat.meta.kv_signature
         if kv_writer is not None and (refresh_kv or stale):
             checked, written = _refresh_kv(cat, kv_writer, skip=added_ids, batch=kv_batch, progress=progress,

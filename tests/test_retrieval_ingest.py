@@ -427,3 +427,29 @@ def test_a_first_ingest_draws_no_empty_chunk_kv_bar(corpus, tmp_path, tok) -> No
     ingest([corpus], tmp_path / "idx", tokenizer=tok, embedder=HashEmbedder(), config=CFG, kv_writer=FakeKV().write,
            kv_signature="engine-a", stream=out, progress=True)
     assert "ingest" in out.getvalue() and "chunk KV" not in out.getvalue()
+
+
+def test_chunks_added_without_kv_clear_the_signature_in_their_own_commit(corpus, tmp_path, tok) -> None:
+    """An interrupted --no-kv ingest committed its chunks (the finally's commit, or a commit_every commit
+    before a kill) but cleared the KV signature only after its loop: the next ingest with a writer found
+    the signature current and left those chunks without KV for good."""
+    kv = FakeKV()
+    _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    assert Catalog.open(tmp_path / "idx").meta.kv_signature == "engine-a"
+    (corpus / "e.txt").write_text("The bell tower has nine bells.")
+    (corpus / "f.txt").write_text("The harbour freezes in January.")
+
+    class Interrupting(HashEmbedder):
+        def embed(self, texts):
+            if self.batches:  # the second new file: a Ctrl-C mid-run
+                raise KeyboardInterrupt
+            return super().embed(texts)
+
+    with pytest.raises(KeyboardInterrupt):
+        _run([corpus], tmp_path / "idx", tok, None, Interrupting(), kv_signature="engine-a", commit_every=1)
+    cat = Catalog.open(tmp_path / "idx")
+    without = [r.text for r in cat.records.values() if r.text not in kv.entries]
+    assert without and cat.meta.kv_signature == ""  # committed chunks without KV: nothing made sure of
+    _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    assert all(t in kv.entries for t in without)  # the next run with a writer gave them their KV
+    assert Catalog.open(tmp_path / "idx").meta.kv_signature == "engine-a"
