@@ -32,6 +32,7 @@ from blend.generation_cli import add_sampling_arguments, generate_answer, genera
 from blend.options import (
     add_engine_arguments, add_policy_arguments, engine_from_args, policy_from_args, read_document,
 )
+from blend.termination import EXIT_TERMINATED, Terminated, sigterm_unwinds
 
 EXIT_USER_ERROR = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a tool the signal ended: the reader of our output left
@@ -182,7 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_command_of(argv)).parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with sigterm_unwinds():  # finally blocks run and queued store writes are flushed at exit
+            return int(args.func(args) or 0)
+    except Terminated:
+        print("kvblend: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except BrokenPipeError:  # the reader left (`kvblend store ls | head`): not an error of ours
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
