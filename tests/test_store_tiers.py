@@ -218,3 +218,24 @@ def test_a_lower_tiers_hit_reaches_the_persistent_tiers_above_it_in_the_backgrou
     assert slow.contains(NS, key_for(PROV, 0))
     assert chain.stats().extra["promotions"] == 1
     chain.close()
+
+
+@pytest.mark.parametrize("write_behind", [False, True])
+def test_a_memory_hit_counts_as_a_use_in_the_budgeted_disk_tier_below(tmp_path: Path, write_behind: bool) -> None:
+    """A memory hit never reached the disk, so the disk's least-recently-used pruning took the hottest
+    entry first (the one every request read from memory): after a restart, or for another process
+    sharing the folder, the most used entry was the one missing."""
+    one = rand_entry(PROV).nbytes
+    disk = DiskStore(tmp_path, fsync=False, budget_bytes=int(4.5 * (one + 4096)))
+    chain = TieredStore([MemoryStore(), disk], write_behind=write_behind)
+    hot = key_for(PROV, 0)
+    chain.put(NS, hot, rand_entry(PROV))
+    for i in range(1, 12):
+        assert chain.get(NS, hot, J).status is LookupStatus.HIT  # served by the memory tier
+        assert chain.flush(5.0)
+        time.sleep(0.01)  # mtimes apart
+        chain.put(NS, key_for(PROV, i), rand_entry(PROV, seed=i))
+        assert chain.flush(5.0)
+    assert disk.contains(NS, hot)  # the hottest entry stays on disk
+    assert not disk.contains(NS, key_for(PROV, 1))  # the coldest went
+    chain.close()

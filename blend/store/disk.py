@@ -228,8 +228,7 @@ class DiskStore:
             why = check_entry(entry, provenance)
             if not why:
                 self._count("hits")
-                if self.budget_bytes is not None:
-                    self._touch(self.path(ns, key))
+                self._touch(self.path(ns, key))
                 return Lookup(LookupStatus.HIT, entry=entry, tier=self.name)
         self._count("rejected")
         log.warning("disk store: rejected %s: %s", self.path(ns, key), why)
@@ -278,6 +277,18 @@ class DiskStore:
         self._count("puts")
 
     # ---- byte budget --------------------------------------------------------------------
+
+    def touch(self, ns: Namespace, key: StoreKey) -> None:
+        """Count a use of ``key`` served by a faster tier above this one (a memory hit never reads the
+        disk): its entry is then as recent here as it is there, and a budget's least-recently-used
+        pruning (this process's or another's sharing the folder) keeps the hottest entries, not the
+        ones no faster tier holds. Best effort; nothing happens for an absent entry.
+
+        Args:
+            ns: the entry's namespace.
+            key: its key.
+        """
+        self._touch(self.path(ns, key))
 
     @staticmethod
     def _touch(path: Path) -> None:

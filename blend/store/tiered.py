@@ -73,6 +73,7 @@ class TieredStore:
                     self._promote(ns, key, found.entry, self.tiers[:i])
                     with self._lock:
                         self._stats.extra["promotions"] = self._stats.extra.get("promotions", 0) + 1
+                self._touch_below(ns, key, self.tiers[i + 1:])
                 self._count("hits")
                 return found
             if found.status is LookupStatus.REJECTED and rejected is None:
@@ -96,6 +97,19 @@ class TieredStore:
                 self._put_one(tier, ns, key, entry)
         else:
             self.writer.submit(lambda: [self._put_one(t, ns, key, entry) for t in middle])
+
+    def _touch_below(self, ns: Namespace, key: StoreKey, lower: list[InspectableStore]) -> None:
+        """A hit counts as a use in the tiers below it that keep recency (the disk tier's LRU order):
+        otherwise the entries a faster tier serves most are the first a lower tier's budget prunes.
+        With write-behind, off the request's path."""
+        touches = [t.touch for t in lower if hasattr(t, "touch")]
+        if not touches:
+            return
+        if self.writer is None:
+            for touch in touches:
+                touch(ns, key)
+        else:
+            self.writer.submit(lambda: [touch(ns, key) for touch in touches])
 
     def _put_one(self, tier: InspectableStore, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
         try:
