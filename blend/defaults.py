@@ -132,7 +132,11 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 # kvblend serve
 DEFAULT_LOG_LEVEL = "info"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-DEFAULT_GRACEFUL_SHUTDOWN_S = 5  # uvicorn's wait for open connections on shutdown
+# a stopping server (SIGTERM, Ctrl-C) refuses new and queued requests at once (503) and gives running ones
+# this long to finish; those still running this much before it ends get a 503 or a stream's error event
+# (Kubernetes' default grace period is 30 s)
+DEFAULT_GRACEFUL_SHUTDOWN_S = 25.0
+DEFAULT_SHUTDOWN_MARGIN_S = 1.0
 # the largest `--doc` file `ask`/`chat` read: far past any model's context in characters (read whole, then
 # tokenized: a 3 GB file took the process to 23.7 GB before the kernel killed it)
 MAX_DOCUMENT_BYTES = 16 << 20

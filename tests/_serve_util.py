@@ -19,6 +19,7 @@ from blend.serve.config import SchedulerConfig, ServeConfig
 from blend.serve.connection import uvicorn_options
 from blend.serve.flight import FlightStore
 from blend.serve.scheduler import EventKind, Scheduler
+from blend.serve.shutdown import DrainingServer
 from blend.store.memory import MemoryStore
 
 TINY = "tiny-llama"
@@ -48,7 +49,7 @@ def running_server(engine: Engine, config: ServeConfig | None = None) -> Iterato
     app = create_app(engine, config)
     port = free_port()
     options = {**uvicorn_options(config), "host": "127.0.0.1", "port": port, "timeout_graceful_shutdown": 2}
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **options))
+    server = DrainingServer(uvicorn.Config(app, log_level="warning", **options), app.state.scheduler)
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

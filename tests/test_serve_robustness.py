@@ -316,7 +316,7 @@ def test_defaults_come_from_blend_defaults():
     assert actions["log_level"].default == DEFAULT_LOG_LEVEL and tuple(actions["log_level"].choices) == LOG_LEVELS
     assert "**uvicorn_options(config)" in inspect.getsource(cli.main)  # the server's uvicorn settings
     options = uvicorn_options(ServeConfig())
-    assert options["timeout_graceful_shutdown"] == DEFAULT_GRACEFUL_SHUTDOWN_S == 5
+    assert options["timeout_graceful_shutdown"] == DEFAULT_GRACEFUL_SHUTDOWN_S == 25
     assert options["limit_concurrency"] == Limits().max_connections
     assert options["http"].head_timeout_s == Limits().head_timeout_s
     assert actions["header_timeout"].default == Limits().head_timeout_s
@@ -430,6 +430,54 @@ def test_requests_a_stopping_server_cannot_finish_get_a_503_not_a_500(engine):
     r = TestClient(app).post("/v1/chat/completions", json=chat())  # no lifespan: the scheduler stays stopped
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     assert "shutting down" in r.json()["error"]["message"]
+
+
+def test_a_stopping_server_answers_queued_requests_at_once_and_ends_running_streams_cleanly(monkeypatch):
+    """uvicorn cancels the handlers still running when its grace period ends and only then runs the app's
+    shutdown: a stream was cut without an error event or [DONE], and a queued request waited out the whole
+    period for uvicorn's plain-text 500. Now the queued one gets a 503 at once and the stream its error."""
+    real_emit = Scheduler._emit
+
+    def slow_text(job, event):  # decoding slower than the grace period (2 s in the tests' servers)
+        if event.kind is EventKind.TEXT:
+            time.sleep(0.005)
+        real_emit(job, event)
+
+    monkeypatch.setattr(Scheduler, "_emit", staticmethod(slow_text))
+    config = ServeConfig(model=TINY, scheduler=SchedulerConfig(max_concurrency=1), limits=Limits(max_tokens=4000))
+    with running_server(tiny_serve_engine(), config) as srv:
+        lines: list[str] = []
+        streamed = threading.Event()
+
+        def stream() -> None:
+            body = {**chat(), "max_tokens": 3000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    streamed.set()
+
+        queued: list[tuple[httpx.Response, float]] = []
+
+        def wait_in_queue() -> None:
+            r = post(srv, chat())
+            queued.append((r, time.monotonic()))
+
+        threads = [threading.Thread(target=stream)]
+        threads[0].start()
+        assert streamed.wait(20)
+        threads.append(threading.Thread(target=wait_in_queue))
+        threads[1].start()
+        wait_until(lambda: srv.scheduler.queue_depth == 1)
+        stop = time.monotonic()
+        srv.server.should_exit = True  # what SIGTERM does
+        for t in threads:
+            t.join(20)
+        (r, at), = queued
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert at - stop < 1.0  # at once, not after the grace period
+        data = [line for line in lines if line.startswith("data: ")]
+        assert data[-1] == "data: [DONE]"
+        assert "shutting" in json.loads(data[-2][len("data: "):])["error"]["message"]
 
 
 # ---- hostile text, unhandled errors and long conversations (a review, 2026-12-06 (18)) ------------

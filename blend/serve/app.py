@@ -114,8 +114,9 @@ class Guard:
             receive = replay
         try:
             await self.app(scope, receive, counting_send)
-        except Exception:
-            # an unhandled error's 500 is sent by Starlette's outermost middleware, around this one: count it here
+        except (Exception, asyncio.CancelledError):
+            # an unhandled error's 500 is sent by Starlette's outermost middleware, around this one, and a handler
+            # a stopping uvicorn cancelled gets uvicorn's own 500: count them here
             if not started:
                 self.metrics.on_request(label, 500)
             raise
@@ -336,6 +337,9 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
             return JSONResponse(full_body(head, c, ext, LogprobFormat(endpoint, engine.tokenizer, job.logprobs)))
         except ClientGone:
             return Response(status_code=STATUS_CLIENT_GONE)
+        except asyncio.CancelledError:  # a stopping uvicorn cancelled the handler: the request stops too
+            ticket.cancel()
+            raise
         finally:
             watch.close()
 

@@ -24,6 +24,7 @@ from blend.serve.config import (
     API_KEY_ENV, Limits, SchedulerConfig, ServeConfig, default_allowed_hosts, default_torch_threads, resolve_api_key,
 )
 from blend.serve.connection import uvicorn_options
+from blend.serve.shutdown import DrainingServer
 from blend.serve.flight import FlightStore
 from blend.options import add_store_argument
 from blend.store.spec import open_store
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--header-timeout", type=float, default=lim.head_timeout_s,
                    help="seconds a client has to send a request's line and headers once its connection is "
                         "ready for one (opened, or done with its last response); the connection ends after it")
+    p.add_argument("--graceful-shutdown", type=float, default=lim.graceful_shutdown_s, metavar="S",
+                   help="on SIGTERM or Ctrl-C: queued requests get a 503 at once, running ones this many seconds "
+                        "to finish (then a 503, or an error event in their stream) (default: %(default)s)")
     p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="Host header names to answer, comma-separated ('*': any). On loopback without an API "
                         "key the loopback names are always allowed and no other (a DNS-rebinding page is refused)")
@@ -123,7 +127,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                       max_messages=args.max_messages,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
                       default_max_tokens=args.default_max_tokens, body_timeout_s=args.body_timeout,
-                      head_timeout_s=args.header_timeout, max_connections=args.max_connections),
+                      head_timeout_s=args.header_timeout, max_connections=args.max_connections,
+                      graceful_shutdown_s=args.graceful_shutdown),
         scheduler=SchedulerConfig(
             max_concurrency=args.max_concurrency, max_queue=args.max_queue, prefill_workers=args.prefill_workers,
             batching=DecodeBatching.INVARIANT if args.batch_invariant else DecodeBatching.THROUGHPUT,
@@ -160,5 +165,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = create_app(engine, config)
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger(__name__).warning("serving on %s without an API key", config.host)
-    uvicorn.run(app, log_level=args.log_level, **uvicorn_options(config))
+    DrainingServer(uvicorn.Config(app, log_level=args.log_level, **uvicorn_options(config)),
+                   app.state.scheduler).run()
     return 0

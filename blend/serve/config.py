@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from blend.defaults import DEFAULT_DTYPE, DEFAULT_MODEL
+from blend.defaults import DEFAULT_DTYPE, DEFAULT_GRACEFUL_SHUTDOWN_S, DEFAULT_MODEL
 from blend.batch_decode import DecodeBatching
 
 API_KEY_ENV = "KVBLEND_API_KEY"
@@ -27,6 +27,8 @@ class Limits:
     # connections uvicorn holds at once; one more is answered 503 (each stalled connection holds a
     # descriptor and its buffers; streams and requests waiting for a slot count too)
     max_connections: int = 512
+    # a stopping server's wait for running requests (the queued ones get a 503 at once)
+    graceful_shutdown_s: float = DEFAULT_GRACEFUL_SHUTDOWN_S
     max_documents: int = 32  # 413
     # 413: a conversation's prompt is rendered again for each earlier turn (to find where its KV can be
     # reused), so its cost grows faster than its length; 256 messages take ~0.5 s on one core
@@ -38,6 +40,8 @@ class Limits:
     def __post_init__(self) -> None:
         if not (self.body_timeout_s > 0 and self.head_timeout_s > 0):  # NaN and <= 0 refused
             raise ValueError("body and header timeouts must be > 0 seconds")
+        if not self.graceful_shutdown_s >= 0:
+            raise ValueError("the graceful shutdown must be >= 0 seconds")
         if self.max_connections < 1 or self.max_body_bytes < 1:
             raise ValueError("max_connections and max_body_bytes must be >= 1")
 

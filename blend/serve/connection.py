@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Callable
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from blend.defaults import DEFAULT_GRACEFUL_SHUTDOWN_S
 
 if TYPE_CHECKING:
     from blend.serve.config import ServeConfig
@@ -117,6 +116,6 @@ def uvicorn_options(config: "ServeConfig") -> dict[str, Any]:
     """The connection settings ``uvicorn.run``/``uvicorn.Config`` take for a server of ``config``: its
     address, the connection cap, the head deadline (:class:`HeadTimeoutProtocol`) and the graceful
     shutdown. ``kvblend serve`` and the tests' in-process servers both start from these."""
-    return {"host": config.host, "port": config.port, "timeout_graceful_shutdown": DEFAULT_GRACEFUL_SHUTDOWN_S,
+    return {"host": config.host, "port": config.port, "timeout_graceful_shutdown": config.limits.graceful_shutdown_s,
             "limit_concurrency": config.limits.max_connections,
             "http": protocol_with_head_timeout(config.limits.head_timeout_s)}

@@ -239,6 +239,8 @@ class Scheduler:
         self._incoming: list[_Job] = []
         self._active = 0
         self._running = False
+        self._draining = False  # stopping: no new request is taken (drain)
+        self._closing = threading.Lock()  # one close at a time (a shutdown deadline's and the lifespan's)
         self._threads: list[threading.Thread] = []
         self._ids = itertools.count(1)
         # dynamic-NTK RoPE tables are rebuilt per call length (shared state): no overlap then
@@ -288,8 +290,28 @@ class Scheduler:
         for t in self._threads:
             t.start()
 
+    def drain(self) -> None:
+        """Take no new request (``submit`` raises ShuttingDownError) and fail the queued ones now: they have
+        not started, so a 503 at once lets a client or a balancer retry elsewhere instead of waiting out a
+        stopping server's grace period. Running requests go on (:meth:`close` ends them)."""
+        with self._cond:
+            self._draining = True
+            left = list(self._waiting)
+            self._waiting.clear()
+            for job in left:
+                job.retired = True  # never active: no slot to give back
+                self.failed += 1
+            self._gauges()
+            self._cond.notify_all()
+        for job in left:
+            self._emit(job, Event(EventKind.FAILED, error=ShuttingDownError()))
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the threads; requests still queued or running fail."""
+        with self._closing:
+            self._close(timeout)
+
+    def _close(self, timeout: float) -> None:
         with self._cond:
             self._running = False
             left = list(self._waiting) + list(self._incoming)
@@ -371,7 +393,7 @@ class Scheduler:
         """
         cfg = self.config
         with self._cond:
-            if not self._running:
+            if not self._running or self._draining:
                 raise ShuttingDownError("server not running (shutting down)")
             if self._active + len(self._waiting) >= cfg.max_concurrency + cfg.max_queue:
                 raise QueueFullError(
