@@ -3,6 +3,8 @@
 Layout of an index folder::
 
     DIR/CURRENT            name of the live generation (replaced atomically)
+    DIR/kv-intent.jsonl    chunks whose KV an ingest writes before the commit that adds them (appended;
+                           removed by that commit)
     DIR/gen-000007/        meta.json, chunks.jsonl, files.json, gc.json,
                            ids.npy, vectors.npy, faiss.index, faiss.kind (kind and sha256 of faiss.index)
 
@@ -13,7 +15,11 @@ generation a commit removed while it read reads the new one).
 
 Chunks are shared between files (same text, same id); a chunk leaves the
 index only when no file references it any more. Its id then moves to the
-pending-GC list until :meth:`Catalog.collect_garbage` deletes its KV.
+pending-GC list until :meth:`Catalog.collect_garbage` deletes its KV. A
+chunk's KV is written before the commit that adds the chunk, so an ingest
+notes it first (:meth:`Catalog.note_kv_intent`): a run killed in between
+leaves KV no generation names, and the next commit queues every noted chunk
+it does not hold for garbage collection.
 
 Opening trusts none of these bytes: ``CURRENT`` must name a ``gen-NNNNNN``
 folder inside the index (no link out of it), every file is read by the strict
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -52,6 +59,10 @@ from blend.retrieval.index_files import (  # the records are defined there, besi
 )
 
 OPEN_RETRIES = 3  # generations a reader moves on to when a commit removes the one it is reading
+INTENT_FILE = "kv-intent.jsonl"  # chunks whose KV is written before the commit that adds them
+MAX_INTENT_BYTES = 1 << 30  # a longer intent log is not read (its chunks' KV stays until a store prune)
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FORMAT_VERSION", "Catalog", "ChunkRecord", "ChunkRef", "FileEntry", "IndexMeta", "SearchHit"]
 
@@ -86,6 +97,8 @@ class Catalog:
         self._refs: dict[str, int] = {}
         self._where: dict[str, tuple[str, ChunkRef]] | None = None  # chunk id -> first occurrence
         self.settings_changed = False  # opened with another index kind or threshold than stored: commit to keep them
+        self.kv_intent: dict[str, str] = read_kv_intent(root)  # chunk id -> text, noted since the last commit
+        self._queue_intents()
 
     # ---- open / commit -------------------------------------------------
 
@@ -152,6 +165,7 @@ class Catalog:
         if set(self.vectors.ids.tolist()) != slots or self.vectors.ntotal != len(self.records):
             raise RetrievalError(f"{gen / 'ids.npy'}: {self.vectors.ntotal} vector ids disagree with the "
                                  f"{len(self.records)} chunk slots of chunks.jsonl")
+        self._queue_intents()
         return self
 
     def _recount(self) -> None:
@@ -169,6 +183,7 @@ class Catalog:
         if self.interrupted:
             raise RetrievalError(f"{self.root}: a change was interrupted half-way; the index keeps its last commit")
         self.root.mkdir(parents=True, exist_ok=True)
+        self._queue_intents()
         cur = self.root / "CURRENT"
         old = read_generation(self.root).name if self.exists(self.root) else ""
         n = int(old.split("-")[1]) + 1 if old else 1
@@ -199,6 +214,34 @@ class Catalog:
         for p in self.root.iterdir():  # earlier generations and abandoned temp folders
             if p.name != name and (p.name.startswith("gen-") or p.name.startswith(".gen-")) and p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
+        if self.kv_intent or os.path.lexists(self.root / INTENT_FILE):  # every noted chunk is held or queued now
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / INTENT_FILE)
+            self.kv_intent = {}
+
+    def _queue_intents(self) -> None:
+        """Queue for garbage collection every noted chunk this state does not hold (its KV was written by
+        a run that never committed it); one this run adds after all leaves the queue again."""
+        for cid, text in self.kv_intent.items():
+            if cid not in self.records:
+                self.pending_gc.setdefault(cid, text)
+
+    def note_kv_intent(self, chunks: dict[str, str]) -> None:
+        """Note chunks whose KV is about to be written, before it is (appended to the intent log, not
+        fsynced: it outlives a killed process, not a power loss). The next :meth:`commit` queues those it
+        does not hold for garbage collection, so KV a killed ingest wrote is never orphaned.
+
+        Args:
+            chunks: chunk id -> text.
+        """
+        fresh = {cid: text for cid, text in chunks.items() if cid not in self.kv_intent}
+        if not fresh:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        with safeio.append_text(self.root / INTENT_FILE) as f:
+            for cid, text in fresh.items():
+                f.write(json.dumps({cid: text}, ensure_ascii=False) + "\n")
+        self.kv_intent.update(fresh)
 
     # ---- mutation ------------------------------------------------------
 
@@ -343,3 +386,29 @@ class Catalog:
                 hits.append(SearchHit(rec.chunk_id, s, rec.text, path, ref.line, ref.start, ref.end))
             out.append(hits)
         return out
+
+
+def read_kv_intent(root: Path) -> dict[str, str]:
+    """The intent log of an index folder (chunk id -> text; empty when there is none). It is this
+    process's own crash artefact, so a line cut by a kill, or any line that is not one id and its text,
+    is skipped, and an unreadable or oversized log is ignored with a warning (its chunks' KV then stays
+    until the store prunes it); it never stops an index from opening."""
+    path = Path(root) / INTENT_FILE
+    if not os.path.lexists(path):
+        return {}
+    try:
+        raw = safeio.read_regular(path, MAX_INTENT_BYTES)
+    except OSError as e:
+        log.warning("%s: not read (%s); KV it noted is left to the store's pruning", path, e)
+        return {}
+    out: dict[str, str] = {}
+    for line in raw.decode("utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and len(row) == 1:
+            (cid, text), = row.items()
+            if isinstance(text, str):
+                out[cid] = text
+    return out

@@ -218,7 +218,8 @@ def ingest(
         stats = dict(ingested=0, unchanged=0, failed=0, docs=0, added=0, tokens=0, kv=0)
         removed_all: list[str] = []
         added_ids: set[str] = set()  # chunks whose KV this run wrote
-        dirty, since_commit = not Catalog.exists(root) or cat.settings_changed, 0
+        # a run killed before its commit left noted chunks' KV: this run's commit queues it for collection
+        dirty, since_commit = not Catalog.exists(root) or cat.settings_changed or bool(cat.kv_intent), 0
         gone = vanished_files(cat.files, paths)
         if not files and not gone:  # (an index whose corpus was emptied still loses the files that went)
             raise RetrievalError(nothing_to_ingest(issues))
@@ -254,6 +255,7 @@ def ingest(
                 new = list(fresh.values())
                 vecs = embedder.embed([r.text for r in new]) if new else None  # (M, D)
                 if kv_writer is not None:
+                    cat.note_kv_intent({r.chunk_id: r.text for r in new})  # before the KV: never orphaned
                     stats["kv"] += _write_kv(kv_writer, [r.text for r in new], kv_batch)
                 if new and (kv_writer is None or getattr(kv_writer, "unsaved", 0)) and cat.meta.kv_signature:
                     # chunks go in without their KV (--no-kv, or store writes that failed): the signature no

@@ -453,3 +453,33 @@ def test_chunks_added_without_kv_clear_the_signature_in_their_own_commit(corpus,
     _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
     assert all(t in kv.entries for t in without)  # the next run with a writer gave them their KV
     assert Catalog.open(tmp_path / "idx").meta.kv_signature == "engine-a"
+
+
+def test_kv_a_killed_ingest_wrote_is_collected_even_when_its_files_changed(corpus, tmp_path, tok, monkeypatch):
+    """KV is written before the commit that adds its chunks. A run killed in between left KV no generation
+    named; when the files changed before the rerun nothing ever collected it (orphans for good)."""
+    kv = FakeKV()
+    _run([corpus], tmp_path / "idx", tok, kv)
+    before = dict(kv.entries)
+    doomed = corpus / "e.txt"
+    doomed.write_text("The bell tower has nine bells. The harbour freezes in January.")
+    with monkeypatch.context() as m:
+        m.setattr(Catalog, "commit", lambda self: None)  # killed before any commit of this run
+        _run([corpus], tmp_path / "idx", tok, kv)
+    orphans = set(kv.entries) - set(before)
+    assert orphans  # its chunks' KV is in the store, no generation names them
+    doomed.unlink()  # the corpus changes before the rerun
+    s = _run([corpus], tmp_path / "idx", tok, kv)
+    assert s.gc_collected >= len(orphans) and not orphans & set(kv.entries)
+    assert kv.entries == before  # everything the index holds keeps its KV
+    assert not (tmp_path / "idx" / "kv-intent.jsonl").exists()
+
+
+def test_the_intent_log_is_read_leniently(tmp_path) -> None:
+    from blend.retrieval.catalog import INTENT_FILE, read_kv_intent
+
+    (tmp_path / INTENT_FILE).write_text('{"a": "text a"}\n{"b": 3}\nnot json\n{"c": "t", "d": "u"}\n{"e": "cut')
+    assert read_kv_intent(tmp_path) == {"a": "text a"}
+    (tmp_path / INTENT_FILE).unlink()
+    (tmp_path / INTENT_FILE).mkdir()  # not a regular file: ignored, never raised
+    assert read_kv_intent(tmp_path) == {}
