@@ -78,6 +78,7 @@ class BlendOutcome:
     approximate: bool = False
     # what a second pass over this cache needs (a guarded policy whose guard may widen it), else None
     resume: "BlendResume | None" = None
+    check_rows: tuple[int, ...] = ()  # document rows recomputed above each check layer, in order
 
 
 @dataclass(frozen=True)
@@ -421,6 +422,7 @@ class BlendRows:
         elif self.use_probe and checker.policy.candidates is not None:
             self._probe_first(checker.policy)
         self.first_selected = self.active[self.active < plan.nb]  # doc rows kept at the first check
+        self.check_rows: list[int] = []  # document rows kept above each check layer, in order
         self.deviation: DeviationStats | None = None
         self.k_pos = cache.pos[: plan.e + plan.n]  # (T,)
         self._queries: _ActiveQueries | None = None  # the active rows' positions, tables and attention plan
@@ -461,6 +463,7 @@ class BlendRows:
         if check.index == 0 and self.widen is not None:
             keep = self._widened(active, keep)
         self.active = active[keep]
+        self.check_rows.append(int((self.active < plan.nb).sum()))
         if check.index == 0:
             self.first_selected = self.active[self.active < plan.nb]
             self.deviation, self.ratio = sel.deviation, sel.ratio
@@ -612,16 +615,17 @@ def _finish(model: ModelRunner, context: _Context, plan: BlendPlan, rows: BlendR
     logits = None if h is None else model.logits(h[-1:])[0]  # (V,)
     # document rows whose re-positioned KV stayed at some layer: a later check layer may drop rows the first kept
     kept = plan.nb - int((rows.active < plan.nb).sum())
-    return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio, approximate=kept > 0)
+    return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio, approximate=kept > 0,
+                        check_rows=tuple(rows.check_rows))
 
 
 def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list[PendingChunk], policy: ReusePolicy
                      ) -> tuple[list[ChunkKV], int, float]:
     """Every document's KV, the exact ones first.
 
-    Doc 1 sits at its canonical position: its own KV is exact there; so are the documents after it
-    whose exact-prefix entries this order's exact path stored before (their keys commit to every
-    token before them). The rest are canonical chunks, to re-position.
+    Doc 1 sits at its canonical position: its own KV is exact there. With ``policy.take_exact``, so are
+    the documents after it whose exact-prefix entries this order's exact path stored before (their keys
+    commit to every token before them). The rest are canonical chunks, to re-position.
 
     Returns:
         One :class:`ChunkKV` per document, how many lead the prompt exactly, and the store seconds.
@@ -631,7 +635,7 @@ def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list[Pendi
     chunks, waited = segments.fetch_chunks(prompt, pending[:1], policy.semantic, policy.cache_salt,
                                            computed=computed)
     n_exact = 1 if chunks and chunks[0].own_kv else 0
-    if n_exact:
+    if n_exact and policy.take_exact:  # opt-in: the answer then depends on what the store holds
         run, w = segments.exact_run(prompt, policy.cache_salt)
         chunks, n_exact, waited = chunks + run, n_exact + len(run), waited + w
         for p in pending[1:len(chunks)]:  # canonical lookups of documents the run took: not needed

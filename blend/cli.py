@@ -26,6 +26,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from blend.cli_messages import flag_names, in_flag_words
 from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K
 from blend.errors import InvalidRequestError, KVBlendError
 from blend.generation_cli import add_sampling_arguments, generate_answer, generation_config_from_args, stream_answer
@@ -181,7 +182,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvblend`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(_command_of(argv)).parse_args(argv)
+    parser = build_parser(_command_of(argv))
+    args = parser.parse_args(argv)
+    args.flag_names = flag_names(parser)  # errors name the flag a user typed, not a Python field
     try:
         with sigterm_unwinds():  # finally blocks run and queued store writes are flushed at exit
             return int(args.func(args) or 0)
@@ -194,11 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError):  # a stdout without a descriptor (captured): nothing to redirect
             pass
         return EXIT_BROKEN_PIPE
-    except KVBlendError as e:
-        print(f"kvblend: error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except (ValueError, OSError) as e:  # typed errors of the store/eval/retrieval layers
-        print(f"kvblend: error: {e}", file=sys.stderr)
+    except (KVBlendError, ValueError, OSError) as e:  # OSError, ValueError: the store/eval/retrieval layers'
+        print(f"kvblend: error: {in_flag_words(str(e), args.flag_names)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("kvblend: interrupted", file=sys.stderr)

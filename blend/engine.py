@@ -103,6 +103,7 @@ class _Prefilled:
     guard: str = ""  # why the near-tie guard recomputed the request ("" if it did not)
     approximate: bool = False  # a blend kept re-positioned KV of some document rows (the guard's condition)
     resume: BlendResume | None = None  # a blend the guard may widen (see blending.widen_blend)
+    check_rows: tuple[int, ...] = ()  # a blend's document rows recomputed above each check layer
 
 
 def _keep_first_pass_misses(first: Sequence[SegmentReport], redo: Sequence[SegmentReport]
@@ -419,6 +420,7 @@ class Engine:
             deviation=done.deviation, gate=refused,
             timings=Timings(lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s),
             first_token_margin=done.margin if blend_fields else None, guard=done.guard,
+            check_rows=done.check_rows if blend_fields else (),
         )
         return done.logits, cache, report
 
@@ -441,7 +443,7 @@ class Engine:
         """A blended prefill into ``cache`` (see :func:`~blend.blending.prefill_blend`)."""
         out = prefill_blend(self.runner, self.segments, prompt, policy, cache, question=question)
         return _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio,
-                          approximate=out.approximate, resume=out.resume)
+                          approximate=out.approximate, resume=out.resume, check_rows=out.check_rows)
 
     def _guard(self, prompt: Prompt, policy: ReusePolicy, done: "_Prefilled", cache: KVCache
                ) -> tuple["_Prefilled", KVCache]:
@@ -470,7 +472,7 @@ class Engine:
             why += ")"
             return replace(done, logits=out.logits, segments=out.segments, deviation=out.deviation,
                            ratio=out.ratio, spent=spent + _with_forced(out.segments, out.ratio), margin=margin,
-                           guard=why, approximate=out.approximate, resume=None), cache
+                           guard=why, approximate=out.approximate, resume=None, check_rows=out.check_rows), cache
         with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later
             again = self.runner.new_cache(cache.capacity)
         if target >= 1.0:  # the exact path: preamble and first document reused (both exact

@@ -164,6 +164,9 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
                    help="blend: compute fully below this length")
     p.add_argument("--force-blend", action="store_true", help="blend even if the model's quality gate failed")
     p.add_argument("--semantic", action="store_true", help="blend: also reuse near-duplicate donor KV")
+    p.add_argument("--take-exact", action="store_true",
+                   help="blend: load the documents this order's exact path stored before as they are (the answer "
+                        "then depends on what the store holds)")
     p.add_argument("--experimental-semantic", action="store_true",
                    help="enable the experimental semantic-reuse path in the engine")
 
@@ -175,6 +178,7 @@ BLEND_OPTION_DEFAULTS = (
     ("budget", BudgetMode.FIXED.value), ("auto_target", DEFAULT_AUTO_TARGET), ("guard_margin", DEFAULT_GUARD_MARGIN),
     ("guard_ratio", DEFAULT_GUARD_RATIO), ("guard_mode", DEFAULT_GUARD_MODE), ("candidates", DEFAULT_CANDIDATES),
     ("reused_temperature", DEFAULT_REUSED_TEMPERATURE), ("probe_precision", DEFAULT_PROBE_PRECISION),
+    ("take_exact", False),
 )
 
 
@@ -208,6 +212,7 @@ def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
         candidates=getattr(args, "candidates", DEFAULT_CANDIDATES),
         reused_temperature=getattr(args, "reused_temperature", DEFAULT_REUSED_TEMPERATURE),
         probe_precision=ProbePrecision(getattr(args, "probe_precision", DEFAULT_PROBE_PRECISION)),
+        take_exact=getattr(args, "take_exact", False),
     )
 
 

@@ -121,6 +121,12 @@ class ReusePolicy:
             rows at the layers above the first check layer, for every query of the prefill and of
             decoding: their attention logits are divided by T (their K is stored divided by T in the
             request's cache). 1.0: off. APE's temperature for independently encoded context.
+        take_exact: blend: documents after the first that this order's exact path stored before (an
+            exact request, ``precompute`` under an exact policy, idle-time refinement) are loaded as they
+            are (``exact``: no re-positioning, no recompute; a repeat of an exact prompt is then the exact
+            path bit for bit). Off by default: the answer would then depend on what the store holds, not
+            only on the request and the engine (DESIGN's cold-equals-warm invariant); the first document
+            is exact at its canonical position either way.
     """
 
     mode: ReuseMode = ReuseMode.EXACT
@@ -144,6 +150,7 @@ class ReusePolicy:
     candidates: float | None = DEFAULT_CANDIDATES
     guard_mode: GuardMode = GuardMode(DEFAULT_GUARD_MODE)
     reused_temperature: float = DEFAULT_REUSED_TEMPERATURE
+    take_exact: bool = False
 
     def __post_init__(self) -> None:
         def bad_ratio(r: float) -> bool:
@@ -160,7 +167,7 @@ class ReusePolicy:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
             # torch.Generator.manual_seed (the random selector) takes a Python int, not numpy's
             raise InvalidPolicyError(f"seed must be an integer in [0, 2**63), got {shown(self.seed)}")
-        for name in ("force", "semantic"):
+        for name in ("force", "semantic", "take_exact"):
             if not isinstance(getattr(self, name), bool):  # "false" is truthy: it would switch it on
                 raise InvalidPolicyError(f"{name} must be true or false, got {getattr(self, name)!r:.40}")
         for name in ("ratio", "max_ratio", "guard_ratio", "auto_target", "reused_temperature"):
@@ -219,6 +226,8 @@ class ReusePolicy:
             raise InvalidPolicyError("prefix_limit must be >= 0")
         if self.semantic and self.mode is not ReuseMode.BLEND:
             raise InvalidPolicyError("semantic reuse is a blend option: use ReusePolicy.blend(..., semantic=True)")
+        if self.take_exact and self.mode is not ReuseMode.BLEND:
+            raise InvalidPolicyError("take_exact is a blend option (the exact path takes what is stored anyway)")
         if not isinstance(self.guard_mode, GuardMode):
             raise InvalidPolicyError(f"guard_mode must be a GuardMode, got {self.guard_mode!r:.60}")
         if not isinstance(self.probe_precision, ProbePrecision):
@@ -351,4 +360,5 @@ class ReusePolicy:
         # settings that change what runs: the random selector's seed, donor KV (experimental)
         seed = f":seed={self.seed}" if self.selector == "random" else ""
         semantic = ":semantic" if self.semantic else ""
-        return f"blend@{what}:{self.selector}{seed}:check={checks}{probe}{cand}{temp}{guard}{semantic}"
+        exact = ":take-exact" if self.take_exact else ""
+        return f"blend@{what}:{self.selector}{seed}:check={checks}{probe}{cand}{temp}{guard}{semantic}{exact}"

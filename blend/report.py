@@ -90,6 +90,9 @@ class ReuseReport:
     guard: str = ""  # why the near-tie guard recomputed this request ("" if it did not)
     spent: float | None = None  # share of the document rows recomputed over every pass: ``ratio``, plus the
     # first blend's share when the near-tie guard recomputed the request (its exact path counts 1.0)
+    # a blend's document rows recomputed above each of its check layers, in order: ``ratio`` and the segments'
+    # ``recomputed`` count the first check's selection; a later check layer (gradual filtering) narrows it
+    check_rows: tuple[int, ...] = ()
 
     @property
     def gate_ran(self) -> bool:
@@ -133,4 +136,5 @@ class ReuseReport:
             "first_token_margin": self.first_token_margin,
             "guard": self.guard,
             "spent": self.spent,
+            "check_rows": list(self.check_rows),
         }

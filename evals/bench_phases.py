@@ -65,7 +65,7 @@ from blend import safeio
 FULL_REUSE = ReusePolicy.blend(ratio=0.0, guard_margin=None)  # the no-recompute floor: never guarded (as "reuse")
 EXACT_DOCS_SALT = "bench-phases-exact-documents"  # keeps the exact-hit case's entries from the other methods
 EXACT_DOCS_STORE = ReusePolicy.exact(cache_salt=EXACT_DOCS_SALT)
-EXACT_DOCS_BLEND = ReusePolicy.blend(ratio=DEFAULT_RATIO, cache_salt=EXACT_DOCS_SALT)
+EXACT_DOCS_BLEND = ReusePolicy.blend(ratio=DEFAULT_RATIO, cache_salt=EXACT_DOCS_SALT, take_exact=True)  # the case
 OVERHEAD_REPEATS = 3
 SHORT_PASSAGE_CHARS = 480  # ~110 tokens: five of them make a ~630-token prompt
 

@@ -141,7 +141,15 @@ def test_gradual_filtering_and_threshold_mode(tiny_engine):
     full = tiny_engine.generate(prompt, ReusePolicy.none(), max_new_tokens=1).first_logits
     grad = tiny_engine.generate(prompt, unguarded_blend(ratio=0.3, check_layers=(1, 2), layer_ratios=(0.3, 0.1)),
                                 max_new_tokens=1)
+    blended = sum(len(d) for d in prompt.documents[1:])  # the first document is exact at its place
     assert grad.report.recomputed_tokens == round(0.3 * sum(len(d) for d in prompt.documents))
+    # the report also says what each later check layer kept (it counted only the first's selection)
+    n_doc = sum(len(d) for d in prompt.documents)  # the budget's base
+    assert grad.report.check_rows == (grad.report.recomputed_tokens, round(0.1 * n_doc))
+    assert grad.report.to_dict()["check_rows"] == list(grad.report.check_rows)
+    last = tiny_engine.generate(prompt, unguarded_blend(ratio=1.0, check_layers=(1, 2), layer_ratios=(1.0, 0.0)),
+                                max_new_tokens=1)
+    assert last.report.check_rows == (blended, 0)  # every re-positioned row up to layer 2, none above it
     everything = tiny_engine.generate(prompt, unguarded_blend(threshold=0.0, max_ratio=1.0), max_new_tokens=1)
     assert (everything.first_logits - full).abs().max() <= 1e-4
     capped = tiny_engine.generate(prompt, unguarded_blend(threshold=0.0, max_ratio=0.05), max_new_tokens=1)
@@ -176,7 +184,7 @@ def test_a_blend_that_recomputes_nothing_reports_a_share_of_zero(tiny_engine_fac
     prompt = engine.build_prompt("Which one?", make_docs(3))
     engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # stores this order's exact prefix
     for _ in range(2):  # the exact prefix loaded, then attached hot
-        rep = engine.generate(prompt, unguarded_blend(ratio=0.4), max_new_tokens=1).report
+        rep = engine.generate(prompt, unguarded_blend(ratio=0.4, take_exact=True), max_new_tokens=1).report
         assert rep.recomputed_tokens == 0 and rep.ratio == 0.0 and rep.spent == 0.0
 
 
@@ -262,13 +270,13 @@ def test_context_only_blend_leaves_the_context_rows_bit_identical(tiny_engine, p
 
 
 def test_blend_takes_the_exact_prefix_an_exact_run_stored(tiny_engine_factory):
-    """Documents this order's exact path stored are exact in a blend too: a repeat of an exact
-    prompt under a blend policy is the exact path bit for bit, whatever the ratio."""
+    """With take_exact, documents this order's exact path stored are exact in a blend too: a repeat of an
+    exact prompt under such a blend is the exact path bit for bit, whatever the ratio."""
     eng = tiny_engine_factory()
     prompt = eng.build_prompt("Which?", make_docs(4))
     exact = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=3)
     for ratio, sel in [(0.15, "probe"), (0.0, "probe"), (0.3, "v")]:
-        b = eng.generate(prompt, unguarded_blend(ratio=ratio, selector=sel), max_new_tokens=3)
+        b = eng.generate(prompt, unguarded_blend(ratio=ratio, selector=sel, take_exact=True), max_new_tokens=3)
         assert classes(b)[:-1] == [ReuseClass.EXACT] * 5
         assert b.report.recomputed_tokens == 0 and b.report.reused_tokens == len(prompt) - len(prompt.question)
         assert torch.equal(b.first_logits, exact.first_logits) and b.token_ids == exact.token_ids
@@ -279,14 +287,14 @@ def test_blend_exact_run_stops_at_the_first_document_not_stored_in_this_order(ti
     docs = make_docs(4)
     eng.generate(eng.build_prompt("Which?", docs[:2]), ReusePolicy.exact(), max_new_tokens=1)  # docs 0, 1 exact
     prompt = eng.build_prompt("Which?", [docs[0], docs[1], docs[3], docs[2]])
-    b = eng.generate(prompt, unguarded_blend(ratio=1.0), max_new_tokens=1)
+    b = eng.generate(prompt, unguarded_blend(ratio=1.0, take_exact=True), max_new_tokens=1)
     assert classes(b)[1:-1] == [ReuseClass.EXACT, ReuseClass.EXACT, ReuseClass.COMPUTED, ReuseClass.COMPUTED]
     full = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
     assert (b.first_logits - full.first_logits).abs().max() <= 1e-4  # ratio 1.0 == full prefill still
     assert b.report.recomputed_tokens == len(prompt.documents[2]) + len(prompt.documents[3])  # not the exact ones
     # the same documents reordered after the first: only document 1 is exact (its canonical position)
     other = eng.build_prompt("Which?", [docs[0], docs[3], docs[1], docs[2]])
-    b2 = eng.generate(other, unguarded_blend(ratio=0.15), max_new_tokens=1)
+    b2 = eng.generate(other, unguarded_blend(ratio=0.15, take_exact=True), max_new_tokens=1)
     # (docs[1] was exact before, so its canonical KV is computed now; docs[3] and docs[2] were blended)
     assert classes(b2)[1:-1] == [ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.COMPUTED, ReuseClass.BLENDED]
 
@@ -315,7 +323,7 @@ def test_blend_cancels_canonical_lookups_of_documents_the_exact_run_took(tiny_en
     prompt = eng.build_prompt("Which?", make_docs(8))
     exact = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
     store.delay_s, store.canonical_gets = 0.25, 0
-    b = eng.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=1)
+    b = eng.generate(prompt, unguarded_blend(ratio=0.15, take_exact=True), max_new_tokens=1)
     assert classes(b)[:-1] == [ReuseClass.EXACT] * 9 and torch.equal(b.first_logits, exact.first_logits)
     pool = eng.segments.prefetcher._pool  # FIFO, two workers: once two later tasks ran, every queued lookup began
     for f in [pool.submit(lambda: None) for _ in range(2)]:
@@ -329,18 +337,39 @@ def test_blend_exact_run_respects_the_cache_salt_and_rejects_corrupt_entries(tin
     docs = make_docs(3)
     prompt = eng.build_prompt("Which?", docs)
     eng.generate(prompt, ReusePolicy.exact(cache_salt="tenant-a"), max_new_tokens=1)
-    b = eng.generate(prompt, unguarded_blend(ratio=0.15, cache_salt="tenant-b"), max_new_tokens=1)
+    b = eng.generate(prompt, unguarded_blend(ratio=0.15, cache_salt="tenant-b", take_exact=True), max_new_tokens=1)
     assert classes(b)[2:-1] == [ReuseClass.COMPUTED, ReuseClass.COMPUTED]  # another tenant's KV: never seen
-    ref = eng.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=1)  # no exact run: salt ""
+    ref = eng.generate(prompt, unguarded_blend(ratio=0.15, take_exact=True), max_new_tokens=1)  # no exact run: salt ""
     # an exact entry of the wrong length (crafted) ends the run: the document is blended instead
     keys = eng.segments.prefix_keys([prompt.preamble, *prompt.documents])
     ns, key = keys[2]
     eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
     good = eng.segments.lookup(ns, key, len(prompt.documents[1])).entry
     eng.store.put(ns, key, KVEntry(good.k[:, :, :-1], good.v[:, :, :-1], good.provenance))
-    b3 = eng.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=1)
+    b3 = eng.generate(prompt, unguarded_blend(ratio=0.15, take_exact=True), max_new_tokens=1)
     assert classes(b3)[1:-1] == [ReuseClass.EXACT, ReuseClass.BLENDED, ReuseClass.BLENDED]
     assert torch.equal(b3.first_logits, ref.first_logits)
+
+
+def test_a_blend_is_a_function_of_the_request_whatever_the_exact_path_stored(tiny_engine_factory):
+    """DESIGN's invariant 2 (cold equals warm, for every mode): an exact request of the same order stored
+    exact-prefix entries, and the next blend took them (a different answer, 0.4 off on the tiny model,
+    3.5 on SmolLM2), so a blend's output depended on earlier traffic, evictions and other processes.
+    By default it never does; take_exact opts in."""
+    docs = make_docs(4)
+    cold = tiny_engine_factory()
+    prompt = cold.build_prompt("Which?", docs)
+    ref = cold.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=3)
+    warm = tiny_engine_factory()
+    warm.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # the exact path stores this order
+    b = warm.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=3)
+    assert torch.equal(b.first_logits, ref.first_logits) and b.token_ids == ref.token_ids
+    assert classes(b)[2:] == classes(ref)[2:] and b.report.recomputed_tokens == ref.report.recomputed_tokens > 0
+    taken = warm.generate(prompt, unguarded_blend(ratio=0.15, take_exact=True), max_new_tokens=3)
+    assert classes(taken)[:-1] == [ReuseClass.EXACT] * 5  # the opt-in
+    assert "take-exact" in taken.report.policy
+    with pytest.raises(InvalidPolicyError, match="take_exact"):
+        ReusePolicy(take_exact=True)  # an exact policy takes what is stored anyway
 
 
 def test_attention_plan_is_made_once_per_active_row_set(tiny_engine, monkeypatch):

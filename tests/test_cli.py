@@ -90,7 +90,9 @@ def test_cold_equals_warm_across_processes_in_redis(docs, tmp_path, redis_url):
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "none", "--guard-margin", "off"],
      "--guard-margin only applies with --reuse blend"),
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--min-prompt-tokens", "-5"],
-     "min_prompt_tokens must be an integer >= 0"),
+     "--min-prompt-tokens must be an integer >= 0"),  # the flag, not the policy's field (min_prompt_tokens)
+    (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--max-new-tokens", "0"],
+     "--max-new-tokens must be an integer >= 1"),  # was "max_tokens must be ..."
     (["check", "--model", "tiny-llama", "--items", "0"], "--items must be 1 to 6"),
     (["check", "--model", "tiny-llama", "--items", "-1"], "--items must be 1 to 6"),
     (["check", "--model", "tiny-llama", "--items", "7"], "--items must be 1 to 6"),
@@ -195,3 +197,24 @@ def test_a_reader_that_leaves_is_not_an_error(monkeypatch, capsys):
     monkeypatch.setattr(C, "build_parser", lambda command: Parser())
     assert C.main(["store", "ls"]) == C.EXIT_BROKEN_PIPE == 141
     assert capsys.readouterr().err == ""
+
+
+def test_setting_errors_name_the_flag_a_user_typed(capsys):
+    """Settings check themselves in their own classes, whose messages name Python fields (max_tokens,
+    target_tokens, share_decode_min_batch); the command line says the flag instead."""
+    from blend.cli import build_parser
+    from blend.cli_messages import flag_names, in_flag_words
+    from blend.serve.cli import build_parser as serve_parser
+
+    names = flag_names(build_parser(None))
+    assert in_flag_words("top_p must be in (0, 1], got 2.0", names) == "--top-p must be in (0, 1], got 2.0"
+    assert in_flag_words("overlap_tokens must be in [0, target_tokens)", names) == "--overlap must be in [0, --chunk-tokens)"
+    assert in_flag_words("no index here; a store_command or plain words stay", names) == \
+        "no index here; a store_command or plain words stay"  # only names a flag sets are rewritten
+    serve = flag_names(serve_parser())
+    assert in_flag_words("share_decode_min_batch must be >= 2", serve) == "--share-decode-min-batch must be >= 2"
+    with pytest.raises(SystemExit):
+        from blend.serve.cli import main as serve_main
+
+        serve_main(["--max-concurrency", "0"])
+    assert "error: --max-concurrency and --prefill-workers must be >= 1" in capsys.readouterr().err

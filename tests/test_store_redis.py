@@ -255,9 +255,10 @@ def test_record_log_reads_in_pages_and_refuses_an_oversized_list(
     assert store.available  # a refused log is not an outage
 
 
-def test_a_put_the_server_refuses_is_counted_not_raised() -> None:
+def test_a_put_the_server_refuses_is_counted_not_raised(caplog) -> None:
     """A server at its memory limit (noeviction, Redis's default policy) answers SET with an error:
-    the write is lost like a disk write that failed, and counted as one (``put_errors``)."""
+    the write is lost like a disk write that failed, and counted as one (``put_errors``). It is logged
+    once per cause (every later refused put logged a line of its own: one per chunk)."""
     server = own_redis_server()
     try:
         admin = redis.Redis.from_url(server.url)
@@ -265,9 +266,12 @@ def test_a_put_the_server_refuses_is_counted_not_raised() -> None:
         admin.config_set("maxmemory-policy", "noeviction")
         store = RedisStore(server.url, prefix=unique_prefix())
         store.put(NS, key_for(PROV, 0), rand_entry(PROV, T=200))  # 77 KB: fits
-        store.put(NS, key_for(PROV, 1), rand_entry(PROV, T=20000))  # 7.7 MB: refused
+        with caplog.at_level(logging.WARNING, logger="blend.store"):
+            for i in range(1, 6):
+                store.put(NS, key_for(PROV, i), rand_entry(PROV, T=20000))  # 7.7 MB: refused
         stats = store.stats()
-        assert stats.puts == 1 and stats.extra.get("put_errors") == 1
+        assert stats.puts == 1 and stats.extra.get("put_errors") == 5 and stats.extra.get("refused_calls") == 5
+        assert len([w for w in _warnings(caplog) if "put failed" in w]) == 1
         assert store.get(NS, key_for(PROV, 1), J).status is LookupStatus.MISS
         store.close()
         admin.close()

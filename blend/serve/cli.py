@@ -23,6 +23,7 @@ from blend.serve.app import create_app
 from blend.serve.config import (
     API_KEY_ENV, Limits, SchedulerConfig, ServeConfig, default_allowed_hosts, default_torch_threads, resolve_api_key,
 )
+from blend.cli_messages import flag_names, in_flag_words
 from blend.serve.connection import uvicorn_options
 from blend.serve.shutdown import DrainingServer
 from blend.serve.flight import FlightStore
@@ -155,11 +156,12 @@ def build_engine(config: ServeConfig) -> Engine:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until interrupted."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
-    except ValueError as e:
-        build_parser().error(str(e))
+    except ValueError as e:  # a setting's own check names its field: say the flag
+        parser.error(in_flag_words(str(e), flag_names(parser)))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = build_engine(config)
     app = create_app(engine, config)

@@ -49,8 +49,21 @@ class Job:
         return self.config.logprobs is not None
 
 
-def policy_for(opts: KvblendOptions, salt: str) -> ReusePolicy:
-    """The request's reuse policy (same gates as the CLI: blend and semantic are opt-ins)."""
+def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False) -> ReusePolicy:
+    """The request's reuse policy (same gates as the CLI: blend and semantic are opt-ins).
+
+    Args:
+        opts: the request's ``kvblend`` options.
+        salt: its cache salt.
+        take_exact: a blend's ``take_exact`` where the request names none (the server's: on when it
+            refines, whose exact KV a blend would not take otherwise).
+
+    Returns:
+        The policy.
+
+    Raises:
+        InvalidPolicyError: options that contradict each other.
+    """
     if opts.reuse == "none":  # nothing is looked up or stored: a salt has nothing to key
         if opts.semantic:
             raise InvalidPolicyError("semantic reuse is a blend option: use kvblend.reuse = \"blend\"")
@@ -58,12 +71,15 @@ def policy_for(opts: KvblendOptions, salt: str) -> ReusePolicy:
     if opts.reuse == "exact":
         if opts.semantic:
             raise InvalidPolicyError("semantic reuse is a blend option: use kvblend.reuse = \"blend\"")
+        if opts.take_exact:
+            raise InvalidPolicyError("take_exact is a blend option: use kvblend.reuse = \"blend\"")
         return ReusePolicy.exact(cache_salt=salt)
     return ReusePolicy.blend(ratio=opts.ratio, selector=opts.selector, semantic=opts.semantic, cache_salt=salt,
                              guard_margin=opts.guard_margin, guard_ratio=opts.guard_ratio,
                              guard_mode=GuardMode(opts.guard_mode),
                              candidates=opts.candidates, probe_precision=ProbePrecision(opts.probe_precision),
-                             reused_temperature=opts.reused_temperature)
+                             reused_temperature=opts.reused_temperature,
+                             take_exact=take_exact if opts.take_exact is None else opts.take_exact)
 
 
 def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRequest, endpoint: Endpoint) -> Job:
@@ -105,7 +121,7 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
         raise ApiError(400, "semantic reuse is experimental: start the server with --experimental-semantic",
                        param="kvblend.semantic")
     try:
-        policy = policy_for(opts, body.cache_salt or "")
+        policy = policy_for(opts, body.cache_salt or "", take_exact=cfg.scheduler.refine_after is not None)
     except InvalidPolicyError as e:
         raise ApiError(400, str(e), param="kvblend") from None
     try:

@@ -60,6 +60,8 @@ class KvblendOptions(BaseModel):
     probe_precision: ProbePrecisionName = DEFAULT_PROBE_PRECISION  # the probe's GEMM dtype
     reused_temperature: StrictFloat = Field(DEFAULT_REUSED_TEMPERATURE, ge=REUSED_TEMPERATURE_RANGE[0],
                                       le=REUSED_TEMPERATURE_RANGE[1], allow_inf_nan=False)  # reused rows' attention
+    # blend: load documents this order's exact path stored (None: the server's default, on with --refine-after)
+    take_exact: StrictBool | None = None
     stop_at_newline: StrictBool = False
     return_tokens: StrictBool = False  # each document's token texts in the report (the playground's highlights)
 

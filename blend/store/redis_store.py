@@ -153,6 +153,7 @@ class RedisStore:
         self._down_until = 0.0  # time.monotonic() before which the server is skipped
         self._outage = False
         self._failed_calls = 0  # calls that failed or were skipped since the last check_reachable()
+        self._refusals: set[tuple[str, str]] = set()  # (call, error kind) the server refused, logged once each
 
     # -- availability ---------------------------------------------------------
 
@@ -174,7 +175,16 @@ class RedisStore:
         except OversizedLogError:  # the server answered; the data is refused, not the server
             raise
         except redis.ResponseError as e:  # the server answered with an error: not an outage
-            log.warning("redis store %s: %s failed: %s", self.url, what, e)
+            cause = (what, str(e).split(" ", 1)[0])  # e.g. ("put", "OOM"): at maxmemory every put is refused
+            with self._lock:
+                self._stats.extra["refused_calls"] = self._stats.extra.get("refused_calls", 0) + 1
+                first = cause not in self._refusals
+                self._refusals.add(cause)
+            if first:  # once per cause: a full server would log one line per chunk
+                log.warning("redis store %s: %s failed: %s (later calls refused the same way are counted in "
+                            "refused_calls, not logged)", self.url, what, e)
+            else:
+                log.debug("redis store %s: %s failed: %s", self.url, what, e)
             return default
         except Exception as e:  # noqa: BLE001 -- connection loss, timeouts, or a server redis-py cannot parse
             with self._lock:

@@ -1,0 +1,59 @@
+"""Error messages in the command line's own words.
+
+Settings are checked where they live (``GenerationConfig``, ``ReusePolicy``,
+``ChunkerConfig``, the server's ``Limits`` and ``SchedulerConfig``), whose
+messages name their Python fields: right for the Python API, wrong at a shell
+prompt, where ``max_tokens must be an integer >= 1`` answers
+``--max-new-tokens 0``. The command line rewrites each field name a message
+holds (a snake_case word) into the flag that sets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+# fields whose flag is not the field's own name
+FIELD_FLAGS = {
+    "max_tokens": "--max-new-tokens",
+    "target_tokens": "--chunk-tokens",
+    "overlap_tokens": "--overlap",
+}
+_SNAKE = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")  # a field name, never a plain word
+
+
+def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Field name -> the long flag that sets it, over a parser and its sub-commands' parsers.
+
+    Args:
+        parser: the command line's parser.
+
+    Returns:
+        Each snake_case destination's first long option, with :data:`FIELD_FLAGS` on top.
+    """
+    out: dict[str, str] = {}
+    stack = [parser]
+    while stack:
+        p = stack.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack.extend(action.choices.values())
+                continue
+            longs = [o for o in action.option_strings if o.startswith("--")]
+            if longs and "_" in action.dest:
+                out.setdefault(action.dest, longs[0])
+    return {**out, **FIELD_FLAGS}
+
+
+def in_flag_words(message: str, names: dict[str, str]) -> str:
+    """``message`` with each field name it holds written as its flag (``top_p must be ...`` ->
+    ``--top-p must be ...``); words that name no flag are left as they are.
+
+    Args:
+        message: an error's message.
+        names: from :func:`flag_names`.
+
+    Returns:
+        The message for a shell user.
+    """
+    return _SNAKE.sub(lambda m: names.get(m.group(0), m.group(0)), message)
