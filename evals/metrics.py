@@ -23,6 +23,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from blend.divergence import kl_divergence, top1_agree  # noqa: F401 - the evals' metrics, defined once
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCT = frozenset(string.punctuation)
 
@@ -135,35 +137,6 @@ def best_over(metric: Callable[[str, str], float], prediction: str, answers: Seq
 def answers_agree(a: str, b: str) -> float:
     """1.0 when two answers are equal after SQuAD normalisation."""
     return exact_match(a, b)
-
-
-def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(P || Q) in nats between the softmax distributions of two logit vectors.
-
-    Computed in float64 from log-softmax; terms where P is zero contribute 0.
-
-    Args:
-        p_logits: (V,) logits of the reference (full prefill).
-        q_logits: (V,) logits of the method.
-
-    Returns:
-        KL >= 0 (inf if Q puts zero mass where P does not).
-    """
-    if p_logits.shape != q_logits.shape or p_logits.dim() != 1:
-        raise ValueError(f"need two (V,) logit vectors, got {tuple(p_logits.shape)} and {tuple(q_logits.shape)}")
-    if bool(torch.isnan(p_logits).any()) or bool(torch.isnan(q_logits).any()):
-        return math.nan  # a NaN logit on either side: no divergence to report (a NaN reference read as 0)
-    lp = torch.log_softmax(p_logits.detach().to(torch.float64), dim=-1)  # (V,)
-    lq = torch.log_softmax(q_logits.detach().to(torch.float64), dim=-1)  # (V,)
-    p = lp.exp()
-    terms = torch.where(p > 0, p * (lp - lq), torch.zeros_like(p))
-    kl = float(terms.sum())
-    return max(kl, 0.0) if not math.isnan(kl) else kl
-
-
-def top1_agree(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """1.0 when both logit vectors have the same argmax, else 0.0."""
-    return float(int(torch.argmax(p_logits)) == int(torch.argmax(q_logits)))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from blend import gate
+from blend.divergence import kl_divergence
 from blend.engine import Engine
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
@@ -72,8 +73,11 @@ def test_kl_is_zero_for_equal_and_positive_otherwise():
     import torch
 
     a = torch.tensor([1.0, 2.0, 3.0])
-    assert gate.kl_full_vs(a, a) == 0.0
-    assert gate.kl_full_vs(a, torch.tensor([3.0, 2.0, 1.0])) > 0.5
+    assert kl_divergence(a, a) == 0.0
+    assert kl_divergence(a, torch.tensor([3.0, 2.0, 1.0])) > 0.5
+    masked = torch.tensor([1.0, 2.0, float("-inf")])  # a token the reference masks: was a NaN in the gate
+    assert kl_divergence(masked, torch.tensor([1.0, 2.0, 0.0])) > 0.0
+    assert gate.kl_divergence is kl_divergence  # the gate measures as the evals that set its bounds
 
 
 def test_the_gates_first_run_is_reported_apart_from_the_requests_ttft(home):
