@@ -128,6 +128,24 @@ DEFAULT_STALE_TEMP_S = 600.0
 # sampling: a temperature below this decodes greedily (its limit as T -> 0). Dividing logits by a
 # denormal temperature overflows float32 to inf, whose softmax is NaN (vLLM's _SAMPLING_EPS is the same).
 MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_SAMPLING_TEMPERATURE = 2.0  # OpenAI's range: [0, 2]
+MAX_SEED = 2**63  # sampling and the random selector's seeds lie in [0, MAX_SEED)
+
+# store: bytes of KV the in-process (memory) tier holds
+DEFAULT_MEMORY_BUDGET = 2 << 30
+# retrieval: chunk size, and the index size where an AUTO index becomes approximate (HNSW)
+DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_APPROX_THRESHOLD = 20_000
+# the quality gate's bounds for blended reuse (per model): mean first-token KL(full || blend) at most, and
+# first-token top-1 agreement at least
+GATE_KL_BOUND = 0.25
+GATE_TOP1_BOUND = 0.75
+# semantic reuse (experimental): tokens recomputed on each side of every edit; the estimated shingle Jaccard
+# a donor needs; the share of a document's rows it must lend unforced; donors aligned per miss
+SEMANTIC_FORCE_WINDOW = 4
+SEMANTIC_MIN_SIMILARITY = 0.3
+SEMANTIC_MIN_ALIGNED = 0.5
+SEMANTIC_MAX_CANDIDATES = 4
 
 # kvblend serve
 DEFAULT_LOG_LEVEL = "info"

@@ -33,7 +33,7 @@ import torch
 from blend import safeio
 from blend.calibration import calibration_items
 from blend.divergence import kl_divergence, top1_agree
-from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_RATIO, kvblend_home
+from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_RATIO, GATE_KL_BOUND, GATE_TOP1_BOUND, kvblend_home
 from blend.kernels.tolerances import TOL, Tol
 from blend.policy import ReusePolicy
 from blend.store.memory import MemoryStore
@@ -44,8 +44,8 @@ if TYPE_CHECKING:  # the engine receives a gate; the gate only calls the engine'
 log = logging.getLogger(__name__)
 
 GATE_RATIO = DEFAULT_RATIO
-KL_BOUND = 0.25  # mean first-token KL(full || blend@GATE_RATIO) at most this
-TOP1_BOUND = 0.75  # first-token top-1 agreement at least this
+KL_BOUND = GATE_KL_BOUND  # mean first-token KL(full || blend@GATE_RATIO) at most this
+TOP1_BOUND = GATE_TOP1_BOUND  # first-token top-1 agreement at least this
 
 
 class CheckName(Enum):

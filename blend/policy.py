@@ -18,7 +18,7 @@ from enum import Enum
 from blend.defaults import (
     DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_MODE,
     DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO,
-    DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, REUSED_TEMPERATURE_RANGE,
+    DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, MAX_SEED, REUSED_TEMPERATURE_RANGE,
 )
 from blend.errors import InvalidPolicyError
 from blend.numeric import finite_real, integral, shown
@@ -164,7 +164,7 @@ class ReusePolicy:
             raise InvalidPolicyError(f"check_layers must be a sequence of layer numbers, got {self.check_layers!r:.80}")
         if self.layer_ratios is not None and not isinstance(self.layer_ratios, (tuple, list)):
             raise InvalidPolicyError(f"layer_ratios must be a sequence or None, got {self.layer_ratios!r:.80}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < MAX_SEED:
             # torch.Generator.manual_seed (the random selector) takes a Python int, not numpy's
             raise InvalidPolicyError(f"seed must be an integer in [0, 2**63), got {shown(self.seed)}")
         for name in ("force", "semantic", "take_exact"):

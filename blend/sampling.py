@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blend.defaults import DEFAULT_MAX_NEW_TOKENS, MIN_SAMPLING_TEMPERATURE
+from blend.defaults import DEFAULT_MAX_NEW_TOKENS, MAX_SAMPLING_TEMPERATURE, MAX_SEED, MIN_SAMPLING_TEMPERATURE
 from blend.errors import InvalidRequestError
 from blend.numeric import finite_real
 
@@ -86,14 +86,14 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidSettingError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _finite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+        if not _finite(self.temperature) or not 0.0 <= self.temperature <= MAX_SAMPLING_TEMPERATURE:
             raise InvalidSettingError("temperature", f"temperature must be in [0, 2], got {self.temperature!r}")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidSettingError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidSettingError("top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2**63):
+                                      or not 0 <= self.seed < MAX_SEED):
             raise InvalidSettingError("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if isinstance(self.stop, str) or not isinstance(self.stop, tuple):
             raise InvalidSettingError("stop", "stop must be a tuple of strings")

@@ -120,7 +120,6 @@ SELECTORS: dict[str, Callable[[SelectionInputs, int], torch.Tensor]] = {
     "probe_attn": lambda inp, b: _top(_need_probe(inp), b),
 }
 NEEDS_QUERY_ATTENTION = frozenset({"query", "combo", "split"})
-NEEDS_PROBE = frozenset({"probe", "probe_attn"})
 assert set(SELECTORS) == set(SELECTOR_NAMES)
 
 

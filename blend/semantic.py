@@ -38,15 +38,18 @@ from typing import Callable, Sequence
 
 import torch
 
+from blend.defaults import (
+    SEMANTIC_FORCE_WINDOW, SEMANTIC_MAX_CANDIDATES, SEMANTIC_MIN_ALIGNED, SEMANTIC_MIN_SIMILARITY,
+)
 from blend.donors import Donor, DonorIndex, RecordLog, purge_log, removal_record
 from blend.keys import Namespace, StoreKey, canonical_key_of, key_hex, provenance_digest, token_digest
 from blend.kvcache import KVEntry
 from blend.store.base import KVStore, LookupStatus, store_tiers
 
-FORCE_WINDOW = 4  # tokens recomputed on each side of every edit (their left context changed most)
-MIN_SIMILARITY = 0.3  # estimated shingle Jaccard a donor needs to be considered (5-gram shingles)
-MIN_ALIGNED = 0.5  # share of the new document's rows reused unforced (Alignment.aligned_fraction)
-MAX_CANDIDATES = 4  # donors aligned per miss (alignment is the costly part)
+FORCE_WINDOW = SEMANTIC_FORCE_WINDOW  # tokens recomputed on each side of every edit (their left context changed most)
+MIN_SIMILARITY = SEMANTIC_MIN_SIMILARITY  # estimated shingle Jaccard a donor needs (5-gram shingles)
+MIN_ALIGNED = SEMANTIC_MIN_ALIGNED  # share of the new document's rows reused unforced (Alignment.aligned_fraction)
+MAX_CANDIDATES = SEMANTIC_MAX_CANDIDATES  # donors aligned per miss (alignment is the costly part)
 # token pairs the aligner may compare per missing document, summed over its candidates: sum over token
 # ids of (count in donor) x (count in document), what difflib's matcher walks (~100-180 ns each here).
 # Ordinary text of 8k tokens is ~0.7M (105 ms); text whose tokens repeat (tables, code, a 3-token period)

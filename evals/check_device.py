@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from blend.defaults import DEFAULT_RATIO
+from blend.kernels.tolerances import TOL
 from blend.engine import Engine
 from blend.evals.metrics import kl_divergence
 from blend.policy import ReusePolicy
@@ -35,7 +36,7 @@ from blend.tiny import make_docs
 from blend import safeio
 
 EXACT_SALT = "device-check-exact"
-RATIO_ONE_ATOL = 1e-3  # fp32 logits, as the quality gate's ratio-1.0 check
+RATIO_ONE_ATOL = TOL[torch.float32].logits  # fp32 logits, as the quality gate's ratio-1.0 check
 
 
 

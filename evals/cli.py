@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from blend.defaults import DEFAULT_MODEL
+from blend.defaults import DEFAULT_DTYPE, DEFAULT_MODEL
 from blend.evals.answer_survival import write_plot as write_survival
 from blend.evals.data import DataError, load_items
 from blend.evals.harness import EvalConfig, ResumeError, run_harness
@@ -21,6 +21,11 @@ from blend.evals.plot import write_pareto
 from blend.progress import Progress
 from blend.evals.report import markdown, write_json, write_markdown
 
+
+
+def _config_default(name: str) -> Any:
+    """An :class:`EvalConfig` field's default: the command line's, stated once."""
+    return EvalConfig.__dataclass_fields__[name].default
 
 
 def _positive(text: str) -> int:
@@ -54,15 +59,19 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"(default {DEFAULT_METHODS}; full is always run)")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name or path (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, help="compute dtype (default %(default)s)")
     p.add_argument("--store", default=None, help="KV store spec passed to the engine (default: in memory)")
-    p.add_argument("--max-new-tokens", type=_positive, default=32, help="answer length limit (default 32)")
-    p.add_argument("--repeats", type=_positive, default=3,
-                   help="TTFT samples per method and item; the median is kept (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds before timing (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of synthetic data and bootstrap (default 0)")
+    p.add_argument("--max-new-tokens", type=_positive, default=_config_default("max_new_tokens"),
+                   help="answer length limit (default %(default)s)")
+    p.add_argument("--repeats", type=_positive, default=_config_default("repeats"),
+                   help="TTFT samples per method and item; the median is kept (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=_config_default("warmup"),
+                   help="untimed warm-up rounds before timing (default %(default)s)")
+    p.add_argument("--seed", type=int, default=_config_default("seed"),
+                   help="seed of synthetic data and bootstrap (default %(default)s)")
     p.add_argument("--system", default=None, help="system prompt (default: the engine's)")
-    p.add_argument("--bootstrap", type=_positive, default=1000, help="bootstrap resamples (default 1000)")
+    p.add_argument("--bootstrap", type=_positive, default=_config_default("bootstrap"),
+                   help="bootstrap resamples (default %(default)s)")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run from --out/rows.jsonl; methods added to --methods are "
                         "run on the items already done (beside a freshly timed full prefill)")

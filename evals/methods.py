@@ -31,10 +31,8 @@ from enum import Enum
 from typing import Any, Callable
 
 from blend.policy import (
-    GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, BudgetMode, GuardMode, ProbePrecision, ReusePolicy,
+    GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode, GuardMode, ProbePrecision, ReusePolicy,
 )
-
-FALLBACK_SELECTORS = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe", "probe_attn")
 # the shipped default selector at three budgets, against CacheBlend's V deviation at the middle one
 DEFAULT_METHODS = "full,prefix,reuse,blend@0.05:probe,blend@0.15:probe,blend@0.3:probe,blend@0.15:combo,blend@0.15:v"
 REFERENCE = "full"
@@ -54,12 +52,8 @@ class MethodKind(Enum):
 
 
 def known_selectors() -> tuple[str, ...]:
-    """Selector names: ``blend.selectors.SELECTORS`` when that module exists, else the documented set."""
-    try:
-        from blend.selectors import SELECTORS  # type: ignore[import-not-found]
-    except ImportError:
-        return FALLBACK_SELECTORS
-    return tuple(sorted(SELECTORS))
+    """Selector names (:data:`blend.policy.SELECTOR_NAMES`, sorted)."""
+    return tuple(sorted(SELECTOR_NAMES))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+from blend.defaults import DEFAULT_CHUNK_TOKENS
+
 CHUNKER_VERSION = 2  # part of every file's chunking signature: a change re-chunks indexed files (2: closing quotes kept)
 _PARA = re.compile(r"\n[ \t]*\n\s*")
 _SENT = re.compile(r"[.!?][\"')\]]*(\s+)")  # the cut is group 1: closing quotes stay in the sentence
@@ -38,7 +40,7 @@ class ChunkerConfig:
             least this fraction of ``target_tokens`` there.
     """
 
-    target_tokens: int = 256
+    target_tokens: int = DEFAULT_CHUNK_TOKENS
     overlap_tokens: int = 0
     min_fill: float = 0.5
 

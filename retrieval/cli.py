@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import blend
 from blend.cli_messages import FIELD_FLAGS, in_flag_words
-from blend.defaults import DEFAULT_DEMO_TOP_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_RATIO, kvblend_home
+from blend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_DEMO_TOP_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_RATIO, kvblend_home
 from blend.errors import KVBlendError
 from blend.generation_cli import generation_config_from_args, print_stream
 from blend.options import (
@@ -67,7 +67,8 @@ def add_ingest_command(subparsers: Any) -> argparse.ArgumentParser:
     add_engine_arguments(p)  # --model, --dtype, --kv-dtype, --gemm, --store: the chunk KV's keys, as `ask`'s
     p.add_argument("--system", default=None,
                    help="the system prompt the chunks will be asked under (part of their KV's key, as in `ask`)")
-    p.add_argument("--chunk-tokens", type=int, default=256, help="target tokens per chunk (default: %(default)s)")
+    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+                   help="target tokens per chunk (default: %(default)s)")
     p.add_argument("--overlap", type=int, default=0, help="tokens of whole sentences repeated between chunks")
     p.add_argument("--index-kind", choices=[k.value for k in IndexKind], default="auto",
                    help="auto: exact below --approx-threshold vectors, HNSW above")

@@ -27,10 +27,10 @@ import faiss
 import numpy as np
 
 from blend import safeio
+from blend.defaults import DEFAULT_APPROX_THRESHOLD
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.faiss_layout import Layout, LayoutError, check_layout
 
-DEFAULT_APPROX_THRESHOLD = 20_000
 MAX_INDEX_FILE_BYTES = 8 << 30  # the largest index file read (vectors of ~5M chunks at dim 384)
 MAX_DIM = 1 << 16  # the largest embedding dimension an index may claim
 

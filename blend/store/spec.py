@@ -21,14 +21,13 @@ from enum import Enum
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from blend.defaults import DEFAULT_WRITE_BEHIND, kvblend_home
+from blend.defaults import DEFAULT_MEMORY_BUDGET, DEFAULT_WRITE_BEHIND, kvblend_home
 from blend.store.base import InspectableStore
 from blend.store.disk import DiskStore
 from blend.store.memory import MemoryStore
 from blend.store.redis_store import RedisStore, redacted_url
 from blend.store.tiered import TieredStore
 
-DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes of KV held in process
 _REDIS_OPTIONS = ("prefix", "ttl")
 
 
