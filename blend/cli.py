@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from blend.cli_messages import flag_names, in_flag_words
+from blend.cli_messages import OneLineParser, flag_names, in_flag_words
 from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K
 from blend.errors import InvalidRequestError, KVBlendError
 from blend.generation_cli import add_sampling_arguments, generate_answer, generation_config_from_args, stream_answer
@@ -142,7 +142,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     Returns:
         The parser.
     """
-    parser = argparse.ArgumentParser(prog="kvblend", description="KV reuse for RAG prompts")
+    parser = OneLineParser(prog="kvblend", description="KV reuse for RAG prompts")
     sub = parser.add_subparsers(dest="command", required=True)
 
     ask = sub.add_parser("ask", help="answer a question over documents")

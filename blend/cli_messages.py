@@ -57,3 +57,13 @@ def in_flag_words(message: str, names: dict[str, str]) -> str:
         The message for a shell user.
     """
     return _SNAKE.sub(lambda m: names.get(m.group(0), m.group(0)), message)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line on stderr, as every other user error of the
+    command line is (argparse printed its whole usage block first: 20-25 lines for one bad flag), and in
+    the command line's words: a setting's field name is written as its flag. Exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override] # argparse's signature: never returns
+        self.exit(2, f"{self.prog}: error: {in_flag_words(message, flag_names(self))} "
+                     f"(see {self.prog} --help)\n")

@@ -167,6 +167,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    policy = policy_from_args(args)  # every setting checked before the minutes of loading and ingesting
+    if args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
     home = kvblend_home()
     index = Path(args.index) if args.index else home / "demo-index"
     spec = args.store if args.store else default_spec()  # $KVBLEND_STORE, else disk:$KVBLEND_HOME/store
@@ -182,7 +185,6 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"ingest: {summary.format()}")
     questions = json.loads((demo_dir() / "questions.json").read_text())["questions"]
     rag = RAG.open(index, engine=engine, embedder=embedder)
-    policy = policy_from_args(args)
     full = ReusePolicy.none()
     for warm in (full, policy):  # untimed warm-up (a first blend request may also run the quality gate once)
         rag.ask(questions[0]["question"], top_k=args.top_k, policy=warm, max_new_tokens=2)

@@ -205,6 +205,10 @@ def ingest(
     """
     t0 = time.perf_counter()
     root = Path(index_dir).expanduser().resolve()
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise RetrievalError(f"{root} is a file, not an index folder")
+    if threshold < 0:
+        raise RetrievalError(f"the approximate-index threshold must be >= 0 vectors, got {threshold}")
     paths = list(paths)  # read twice: expanded, then matched against the indexed files
     files, issues = expand_paths(paths, skip=[root])  # an index inside the corpus folder is not corpus
     if not files and not Catalog.exists(root):  # before the tokenizer is touched: the CLI checks this first

@@ -218,3 +218,22 @@ def test_setting_errors_name_the_flag_a_user_typed(capsys):
 
         serve_main(["--max-concurrency", "0"])
     assert "error: --max-concurrency and --prefill-workers must be >= 1" in capsys.readouterr().err
+
+
+def test_usage_errors_are_one_line_and_settings_are_checked_before_any_work(capsys):
+    """argparse printed its whole usage block (20-25 lines) before a bad flag's error; `demo --top-k 0`
+    ingested the corpus and loaded the model before refusing; `serve --torch-threads 0` was read as the
+    default."""
+    from blend.cli import main
+    from blend.serve.cli import main as serve_main
+
+    for argv in (["ask", "q", "--doc", "x", "--guard-margin", "abc"], ["nosuch"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "--help" in err
+    assert main(["demo", "--top-k", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "kvblend: error: --top-k must be >= 1, got 0"
+    with pytest.raises(SystemExit):
+        serve_main(["--torch-threads", "0"])
+    assert "--torch-threads and --idle-decode-threads must be >= 1" in capsys.readouterr().err

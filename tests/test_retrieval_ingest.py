@@ -483,3 +483,11 @@ def test_the_intent_log_is_read_leniently(tmp_path) -> None:
     (tmp_path / INTENT_FILE).unlink()
     (tmp_path / INTENT_FILE).mkdir()  # not a regular file: ignored, never raised
     assert read_kv_intent(tmp_path) == {}
+
+
+def test_an_index_path_that_is_a_file_and_a_negative_threshold_are_clear_errors(corpus, tmp_path, tok) -> None:
+    a_file = corpus / "a.txt"
+    with pytest.raises(RetrievalError, match="is a file, not an index folder"):  # was "cannot lock the index"
+        _run([corpus], a_file, tok)
+    with pytest.raises(RetrievalError, match="threshold must be >= 0"):  # was accepted
+        _run([corpus], tmp_path / "idx", tok, threshold=-1)

@@ -23,7 +23,7 @@ from blend.serve.app import create_app
 from blend.serve.config import (
     API_KEY_ENV, Limits, SchedulerConfig, ServeConfig, default_allowed_hosts, default_torch_threads, resolve_api_key,
 )
-from blend.cli_messages import flag_names, in_flag_words
+from blend.cli_messages import OneLineParser, flag_names, in_flag_words
 from blend.serve.connection import uvicorn_options
 from blend.serve.shutdown import DrainingServer
 from blend.serve.flight import FlightStore
@@ -47,7 +47,7 @@ def _port(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvblend serve`` parser (defaults from :mod:`blend.serve.config`)."""
     lim, sch = _DEFAULT.limits, _DEFAULT.scheduler
-    p = argparse.ArgumentParser(prog="kvblend serve",
+    p = OneLineParser(prog="kvblend serve",
                                 description="OpenAI-compatible HTTP server with KV reuse of explicit documents")
     p.add_argument("--host", default=_DEFAULT.host, help="bind address (default loopback)")
     p.add_argument("--port", type=_port, default=_DEFAULT.port)
@@ -134,7 +134,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             max_concurrency=args.max_concurrency, max_queue=args.max_queue, prefill_workers=args.prefill_workers,
             batching=DecodeBatching.INVARIANT if args.batch_invariant else DecodeBatching.THROUGHPUT,
             single_flight=not args.no_single_flight,
-            torch_threads=args.torch_threads or default_torch_threads(args.prefill_workers),
+            torch_threads=(default_torch_threads(args.prefill_workers) if args.torch_threads is None
+                           else args.torch_threads),  # 0 is refused by SchedulerConfig, not read as the default
             idle_decode_threads=args.idle_decode_threads,
             share_decode_min_batch=args.share_decode_min_batch or None,
             decode_loop_prefills=not args.no_decode_loop_prefills,
@@ -161,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
     except ValueError as e:  # a setting's own check names its field: say the flag
-        parser.error(in_flag_words(str(e), flag_names(parser)))
+        parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = build_engine(config)
     app = create_app(engine, config)
