@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -194,26 +193,24 @@ class ReusePolicy:
                 raise InvalidPolicyError("layer_ratios needs one ratio in [0, 1] per check layer")
             if list(self.layer_ratios) != sorted(self.layer_ratios, reverse=True):
                 raise InvalidPolicyError("layer_ratios must not increase (gradual filtering narrows)")
-        if self.guard_margin is not None and (not isinstance(self.guard_margin, (int, float))
-                                              or math.isnan(self.guard_margin) or self.guard_margin < 0):
+        # (every number below was checked finite and real above)
+        if self.guard_margin is not None and self.guard_margin < 0:
             raise InvalidPolicyError(f"guard_margin must be >= 0 or None, got {self.guard_margin}")
-        if self.candidates is not None:
-            if (not isinstance(self.candidates, (int, float)) or math.isnan(self.candidates)
-                    or self.candidates < 1):
-                raise InvalidPolicyError(f"candidates must be a factor >= 1 or None, got {self.candidates}")
+        if self.candidates is not None and self.candidates < 1:
+            raise InvalidPolicyError(f"candidates must be a factor >= 1 or None, got {self.candidates}")
         t = self.reused_temperature
         lo, hi = REUSED_TEMPERATURE_RANGE
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or not lo <= t <= hi:
+        if not lo <= t <= hi:
             raise InvalidPolicyError(f"reused_temperature must be a number in [{lo:g}, {hi:g}], got {shown(t)}")
         if bad_ratio(self.guard_ratio):
             raise InvalidPolicyError(f"guard_ratio must be in [0, 1], got {self.guard_ratio}")
-        if self.threshold is not None and (math.isnan(self.threshold) or self.threshold < 0):
+        if self.threshold is not None and self.threshold < 0:
             raise InvalidPolicyError(f"threshold must be >= 0, got {self.threshold}")
         if not integral(self.min_prompt_tokens) or self.min_prompt_tokens < 0:
             raise InvalidPolicyError(f"min_prompt_tokens must be an integer >= 0, got {self.min_prompt_tokens}")
         if not isinstance(self.budget, BudgetMode):
             raise InvalidPolicyError(f"budget must be a BudgetMode, got {self.budget!r}")
-        if math.isnan(self.auto_target) or self.auto_target < 0:
+        if self.auto_target < 0:
             raise InvalidPolicyError(f"auto_target must be >= 0, got {self.auto_target}")
         if self.layer_ratios is not None and (self.budget is BudgetMode.AUTO or self.threshold is not None):
             # each check layer of an adaptive budget or a threshold selects by its own rule: the ratios

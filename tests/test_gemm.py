@@ -117,7 +117,7 @@ def test_a_bf16_engine_packs_where_bf16_is_native_and_keeps_its_invariants(tiny_
     assert warm.token_ids == cold.token_ids == full.token_ids  # decode steps on the packed weights too
     shuffled = eng.build_prompt("Which?", make_docs(3)[::-1])
     eng.generate(shuffled, ReusePolicy.exact(), max_new_tokens=1)  # stores this order's chunks
-    one = eng.generate(shuffled, unguarded_blend(ratio=1.0), max_new_tokens=1)
+    one = eng.generate(shuffled, unguarded_blend(ratio=1.0, take_exact=True), max_new_tokens=1)
     assert torch.equal(one.first_logits, eng.generate(shuffled, ReusePolicy.none(), max_new_tokens=1).first_logits)
     other = plain.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # the packed engine's entries: misses
     assert all(s.reuse_class is ReuseClass.COMPUTED for s in other.report.segments)

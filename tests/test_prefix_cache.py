@@ -94,9 +94,9 @@ def test_blends_over_exact_documents_make_the_prefix_hot_on_their_own(tiny_engin
     prompt = eng.build_prompt("Which tower?", DOCS)
     none = tiny_engine_factory().generate(prompt, ReusePolicy.none(), max_new_tokens=3)
     eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
-    first = eng.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=3)
+    first = eng.generate(prompt, unguarded_blend(ratio=0.15, take_exact=True), max_new_tokens=3)
     assert eng.segments.hot.kept == 1
-    again = eng.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=3)
+    again = eng.generate(prompt, unguarded_blend(ratio=0.15, take_exact=True), max_new_tokens=3)
     assert eng.segments.hot.hits >= 1
     for ans in (first, again):
         assert torch.equal(ans.first_logits, none.first_logits) and ans.token_ids == none.token_ids

@@ -31,7 +31,7 @@ def _doc_classes(report) -> list[ReuseClass]:
 def test_a_fill_computes_one_segment_per_step_and_makes_the_blend_exact():
     engine = tiny_serve_engine()
     prompt = engine.build_prompt("where is it?", make_docs(4, words=30, seed=3))
-    blend = unguarded_blend(ratio=0.2)
+    blend = unguarded_blend(ratio=0.2, take_exact=True)
     engine.precompute(prompt, blend)  # preamble and canonical chunks stored
     _, _, first = engine.prefill(prompt, blend)
     assert _doc_classes(first)[0] is ReuseClass.EXACT  # document 1 at its canonical place
@@ -53,8 +53,8 @@ def test_a_fill_under_a_salt_is_found_only_with_that_salt():
     engine = tiny_serve_engine()
     prompt = engine.build_prompt("who?", make_docs(3, words=20, seed=5))
     PrefixFill(engine.segments, order_segments(prompt), salt="tenant-a").run()
-    _, _, mine = engine.prefill(prompt, unguarded_blend(ratio=0.2, cache_salt="tenant-a"))
-    _, _, theirs = engine.prefill(prompt, unguarded_blend(ratio=0.2, cache_salt="tenant-b"))
+    _, _, mine = engine.prefill(prompt, unguarded_blend(ratio=0.2, cache_salt="tenant-a", take_exact=True))
+    _, _, theirs = engine.prefill(prompt, unguarded_blend(ratio=0.2, cache_salt="tenant-b", take_exact=True))
     assert _doc_classes(mine) == [ReuseClass.EXACT] * 3
     assert ReuseClass.EXACT not in _doc_classes(theirs)[1:]
 
@@ -69,7 +69,7 @@ def test_the_queue_admits_an_order_on_its_nth_blend_and_only_blends_with_work_le
     engine = tiny_serve_engine()
     q = _queue(engine, after=2)
     prompt = engine.build_prompt("q?", make_docs(3, words=20, seed=1))
-    blend = unguarded_blend(ratio=0.2)
+    blend = unguarded_blend(ratio=0.2, take_exact=True)
     _, _, rep = engine.prefill(prompt, blend)
     _, _, exact = engine.prefill(prompt, ReusePolicy.exact())
     assert not q.saw(prompt, ReusePolicy.exact(), exact)  # exact requests are not counted
@@ -101,7 +101,7 @@ def test_an_idle_worker_refines_an_order_and_its_next_blend_is_exact(make_schedu
     engine = tiny_serve_engine()
     sched = make_scheduler(engine, refine_after=2, prefill_workers=1)
     prompt = engine.build_prompt("where?", make_docs(4, words=40, seed=7))
-    policy, cfg = unguarded_blend(ratio=0.2), GenerationConfig(max_tokens=3)
+    policy, cfg = unguarded_blend(ratio=0.2, take_exact=True), GenerationConfig(max_tokens=3)
     col = Collector()
     for i in range(2):
         sched.submit(prompt, policy, cfg, col.sink(i))
@@ -121,7 +121,7 @@ def test_a_waiting_request_comes_before_refinement():
     engine = tiny_serve_engine()
     sched = Scheduler(engine, SchedulerConfig(refine_after=1))  # not started: state only
     prompt = engine.build_prompt("q?", make_docs(3, words=20, seed=4))
-    blend = unguarded_blend(ratio=0.2)
+    blend = unguarded_blend(ratio=0.2, take_exact=True)
     assert sched.refine.saw(prompt, blend, engine.prefill(prompt, blend)[2])
     assert sched._refine_due()
     sched._waiting.append(object())  # a request now waits for its prefill
@@ -140,7 +140,7 @@ def test_a_failing_fill_is_dropped_and_serving_goes_on(make_scheduler, monkeypat
     monkeypatch.setattr(PrefixFill, "step", boom)
     prompt = engine.build_prompt("q?", make_docs(3, words=20, seed=9))
     col = Collector()
-    sched.submit(prompt, unguarded_blend(ratio=0.2), GenerationConfig(max_tokens=2), col.sink(0))
+    sched.submit(prompt, unguarded_blend(ratio=0.2, take_exact=True), GenerationConfig(max_tokens=2), col.sink(0))
     col.wait(1)
     wait_until(lambda: sched.refine.dropped == 1)
     assert failed.is_set() and sched.refine.pending == 0
@@ -168,7 +168,7 @@ def test_refinement_is_exported_as_metrics(make_scheduler):
     try:
         prompt = engine.build_prompt("q?", make_docs(3, words=20, seed=12))
         col = Collector()
-        sched.submit(prompt, unguarded_blend(ratio=0.2), GenerationConfig(max_tokens=2), col.sink(0))
+        sched.submit(prompt, unguarded_blend(ratio=0.2, take_exact=True), GenerationConfig(max_tokens=2), col.sink(0))
         col.wait(1)
         wait_until(lambda: sched.refine.completed == 1)
         text = metrics.exposition().decode()

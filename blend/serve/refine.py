@@ -3,7 +3,8 @@
 In RAG traffic the same retrieved documents come back in the same order for related
 questions. A blend answers each of them approximately (re-positioned chunks, a few rows
 recomputed); once the exact KV of that order is stored, the next one takes the exact
-path (a blend takes the exact prefix it finds): bit-identical to a full prefill, at an
+path (a ``take_exact`` blend takes the exact prefix it finds; a refining server's blends are
+``take_exact`` unless a request declines): bit-identical to a full prefill, at an
 exact hit's cost. So the server computes that exact KV on a prefill worker that has
 nothing else to do::
 
