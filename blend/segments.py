@@ -27,6 +27,7 @@ rotates it wherever the chunk lands). See :attr:`blend.keys.Namespace.k_after_ro
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -44,6 +45,8 @@ from blend.report import ReuseClass, SegmentReport
 from blend.semantic import Donors
 from blend.store.base import KVStore, Lookup, LookupStatus, flush_writes
 from blend.store.prefetch import Prefetcher
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -544,11 +547,15 @@ class SegmentCache:
             salt: the cache salt of the requests that will reuse them.
 
         Returns:
-            Bytes of KV written (0 when everything was already stored).
+            Bytes of KV written (0 when everything was already stored). A chunk that does not fit the model's
+            context after the preamble is skipped (no prompt holding it could be answered; logged).
         """
-        written = 0
+        written, too_long = 0, 0
         for text in texts:
             ids = document_ids(self.model.loaded.tokenizer, text)  # as build_prompt lays it out (idempotent)
+            if len(preamble) + len(ids) > self.model.dims.max_positions:
+                too_long += 1
+                continue
             key = self.canonical_key(preamble.token_ids, ids, salt)
             self.register_donor(preamble.token_ids, ids, key, salt)
             if self.store.contains(Namespace.CANONICAL, key):
@@ -559,5 +566,8 @@ class SegmentCache:
             self.store.put(Namespace.CANONICAL, key, entry)  # the disk write overlaps the next chunk's compute
             written += entry.nbytes
         self.flush()
+        if too_long:
+            log.warning("%d chunk(s) longer than the model's context of %d tokens (after the preamble): no KV "
+                        "precomputed for them", too_long, self.model.dims.max_positions)
         return written
 

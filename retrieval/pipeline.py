@@ -170,7 +170,11 @@ class EngineKVWriter:
     def __call__(self, texts: list[str]) -> int:
         last = store_tiers(self.engine.store)[-1]
         preamble = preamble_segment(self.engine.tokenizer, self.system)
-        keys = [_chunk_key(self.engine, preamble, t) for t in texts]
+        ids = [document_ids(self.engine.tokenizer, t) for t in texts]
+        keys = [self.engine.segments.canonical_key(preamble.token_ids, i) for i in ids]
+        # a chunk longer than the context after the preamble gets no KV (no prompt holding it can be answered):
+        # not a store failure, so it never keeps the index from recording its signature
+        fits = [len(preamble) + len(i) <= self.engine.dims.max_positions for i in ids]
         store, ns = self.engine.store, Namespace.CANONICAL
         for key in keys:
             # missing or damaged in the most persistent tier while the chain still holds the key (an emptied
@@ -179,7 +183,7 @@ class EngineKVWriter:
             if store.contains(ns, key) and not _serves(last, key) and getattr(last, "available", True):
                 store.delete(ns, key)  # (a tier in an outage answered nothing: its verdict is no reason)
         written = int(self.engine.precompute_chunks(list(texts), system=self.system))  # flushed on return
-        self.unsaved += sum(not last.contains(ns, key) for key in keys)
+        self.unsaved += sum(ok and not last.contains(ns, key) for key, ok in zip(keys, fits))
         return written
 
 

@@ -486,3 +486,16 @@ def test_a_kv_refresh_during_a_last_tier_outage_keeps_the_valid_copies(tmp_path)
     again = engine_kv_writer(eng)
     assert again(texts) == 0  # the disk copies are valid: nothing recomputed
     assert len(list(disk.keys(Namespace.CANONICAL))) == 2
+
+
+def test_a_chunk_longer_than_the_context_gets_no_kv_and_does_not_count_as_unsaved(tiny_engine_factory):
+    """precompute_chunks stored a 20k-token chunk for a 4,096-position model: KV no prompt could ever use
+    (a prompt holding it is refused). It is skipped now, and the index writer does not count it as a
+    failed write (that would keep the index from recording its KV signature for good)."""
+    from blend.keys import Namespace
+
+    eng = tiny_engine_factory()
+    long = "word " * eng.dims.max_positions  # ~5 tokens a word on the byte tokenizer: far past the context
+    writer = engine_kv_writer(eng)
+    assert writer([long, "a short chunk."]) > 0  # the short one is written
+    assert len(list(eng.store.keys(Namespace.CANONICAL))) == 1 and writer.unsaved == 0
