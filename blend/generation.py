@@ -111,6 +111,13 @@ class TokenStream:
         return self.finish_reason is not None
 
     @property
+    def generated(self) -> int:
+        """Tokens sampled so far: the answer's and the one that ended it (an EOS, a newline under
+        ``stop_at_newline``), which a decode step computed though the answer leaves it out. Usage's
+        ``completion_tokens`` (as vLLM counts: a forced EOS is one generated token, not zero)."""
+        return self._steps
+
+    @property
     def next_input(self) -> int:
         """The token to feed to the next decode step (the last accepted one)."""
         return self.tokens[-1]
@@ -272,7 +279,7 @@ class Generation:
             text=s.text, token_ids=list(s.tokens), prompt_token_ids=self.prompt.token_ids,
             finish_reason=s.finish_reason, first_logits=first, steps_sha256=s.steps_sha256, ttft_s=ttft,
             e2e_s=time.perf_counter() - t0, report=report,
-            usage=Usage(len(self.prompt), len(s.tokens), report.reused_tokens), seed=s.sampler.seed,
+            usage=Usage(len(self.prompt), s.generated, report.reused_tokens), seed=s.sampler.seed,
             logprobs=s.answer_logprobs,
         )
 

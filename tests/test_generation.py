@@ -97,7 +97,10 @@ def test_generate_matches_engine_generate_greedy(tiny_engine):
         new = generate(tiny_engine, prompt, policy, GenerationConfig(max_tokens=12, stop_at_newline=True))
         assert new.token_ids == old.token_ids
         assert new.logits_sha256() == old.logits_sha256()
-        assert new.usage.prompt_tokens == len(prompt) and new.usage.completion_tokens == len(new.token_ids)
+        # completion tokens: the answer's, and the EOS or newline token that ended it (a decode step computed it)
+        ended_by_a_token = new.finish_reason.value == "stop"  # no stop strings here: an EOS or a newline
+        assert new.usage.prompt_tokens == len(prompt)
+        assert new.usage.completion_tokens == len(new.token_ids) + ended_by_a_token
         assert new.usage.cached_tokens == new.report.reused_tokens
 
 

@@ -55,13 +55,24 @@ def chat(question: str = "which river?", **kw) -> dict:
             "max_tokens": 8, "temperature": 0, **kw}
 
 
+def test_a_generated_eos_counts_as_a_completion_token(client, srv):
+    """The EOS that ends an answer was sampled by a decode step: usage counted 0 tokens for an answer ended
+    by a forced EOS (vLLM counts 1), and /metrics' output tokens missed every such token."""
+    eos = srv.engine.tokenizer.eos_token_id
+    r = client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "which river?"}],
+                                       max_tokens=8, temperature=0, logit_bias={str(eos): 100})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == ""
+    assert r.model_extra["kvblend"]["answer_token_ids"] == [] and r.usage.completion_tokens == 1
+
+
 def test_openai_client_chat_completions_and_streaming(client):
     r = client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "which river?"}],
                                        max_tokens=8, temperature=0, extra_body={"documents": DOCS})
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason in ("stop", "length")
     ext = r.model_extra["kvblend"]
-    assert r.usage.completion_tokens == len(ext["answer_token_ids"]) >= 1
+    ended_by_a_token = r.choices[0].finish_reason == "stop"  # an EOS: generated, not in the answer
+    assert r.usage.completion_tokens == len(ext["answer_token_ids"]) + ended_by_a_token >= 1
     assert r.usage.prompt_tokens == ext["report"]["prompt_tokens"]
     assert [s["kind"] for s in ext["report"]["segments"]] == ["preamble", "document", "document", "document",
                                                                "question"]

@@ -538,7 +538,7 @@ class Scheduler:
             self.wake()  # an idle worker may take it
         if self.metrics is not None:
             self.metrics.on_prefill(report, job.ttft_s)
-            self.metrics.on_tokens(len(job.stream.tokens))
+            self.metrics.on_tokens(job.stream.generated)
         if job.stream.finished:
             self._complete(job)
             return
@@ -657,10 +657,10 @@ class Scheduler:
         Returns:
             Whether the request goes on decoding (False: it completed).
         """
-        before = len(job.stream.tokens)
+        before = job.stream.generated
         text = job.stream.step(logits)
         if self.metrics is not None:
-            self.metrics.on_tokens(len(job.stream.tokens) - before)
+            self.metrics.on_tokens(job.stream.generated - before)
         if text:
             self._emit(job, Event(EventKind.TEXT, text=text, logprobs=job.stream.take_logprobs()))
         if job.stream.finished:
@@ -770,7 +770,7 @@ class Scheduler:
             text=s.text, token_ids=list(s.tokens), prompt_token_ids=job.prompt.token_ids,
             finish_reason=s.finish_reason, first_logits=job.first_logits, steps_sha256=s.steps_sha256,
             ttft_s=job.ttft_s, e2e_s=e2e, report=report,
-            usage=Usage(len(job.prompt), len(s.tokens), report.reused_tokens), seed=s.sampler.seed,
+            usage=Usage(len(job.prompt), s.generated, report.reused_tokens), seed=s.sampler.seed,
             logprobs=s.answer_logprobs,
         )
         if self.metrics is not None:
