@@ -432,7 +432,7 @@ class Engine:
             return self._prefill_unreused(prompt, cache, refused, kinds), cache
         if policy.mode is ReuseMode.EXACT:
             return self._prefill_segments(prompt, policy.prefix_limit, True, cache, policy.cache_salt), cache
-        if self.segments.is_hot(prompt.segments[:-1], prompt.question, policy.cache_salt):
+        if policy.take_exact and self.segments.is_hot(prompt.segments[:-1], prompt.question, policy.cache_salt):
             # every document exact at its place, found stored again: the exact path (what a blend of an
             # all-exact prompt computes), the hot prefix attached; its gap reported as the loaded one's
             done = self._prefill_segments(prompt, None, True, cache, policy.cache_salt)

@@ -361,10 +361,13 @@ def test_a_blend_is_a_function_of_the_request_whatever_the_exact_path_stored(tin
     prompt = cold.build_prompt("Which?", docs)
     ref = cold.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=3)
     warm = tiny_engine_factory()
-    warm.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # the exact path stores this order
-    b = warm.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=3)
-    assert torch.equal(b.first_logits, ref.first_logits) and b.token_ids == ref.token_ids
-    assert classes(b)[2:] == classes(ref)[2:] and b.report.recomputed_tokens == ref.report.recomputed_tokens > 0
+    for _ in range(2):  # the exact path stores this order; its second request makes the prefix hot
+        warm.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+    for _ in range(2):  # found stored, then hot: neither changes a blend
+        b = warm.generate(prompt, unguarded_blend(ratio=0.15), max_new_tokens=3)
+        assert torch.equal(b.first_logits, ref.first_logits) and b.token_ids == ref.token_ids
+        assert set(classes(b)[2:-1]) <= {ReuseClass.COMPUTED, ReuseClass.BLENDED}  # re-positioned, never exact
+        assert b.report.recomputed_tokens == ref.report.recomputed_tokens > 0
     taken = warm.generate(prompt, unguarded_blend(ratio=0.15, take_exact=True), max_new_tokens=3)
     assert classes(taken)[:-1] == [ReuseClass.EXACT] * 5  # the opt-in
     assert "take-exact" in taken.report.policy

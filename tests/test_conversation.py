@@ -150,8 +150,8 @@ def test_a_follow_up_reuses_every_earlier_turn_bit_for_bit(tiny_engine_factory):
     none = tiny_engine_factory().generate(third, ReusePolicy.none(), max_new_tokens=4)
     assert torch.equal(warm.first_logits, cold.first_logits) and torch.equal(warm.first_logits, none.first_logits)
     assert warm.token_ids == cold.token_ids == none.token_ids
-    # a blend over the same documents in the same order takes the exact path, turns included
-    blend = eng.generate(third, unguarded_blend(ratio=0.15), max_new_tokens=4)
+    # a take_exact blend over the same documents in the same order takes the exact path, turns included
+    blend = eng.generate(third, unguarded_blend(ratio=0.15, take_exact=True), max_new_tokens=4)
     assert [s.reuse_class for s in blend.report.segments[4:6]] == [ReuseClass.EXACT] * 2
     assert torch.equal(blend.first_logits, none.first_logits)
 

@@ -64,7 +64,7 @@ def test_a_conversation_and_a_blend_over_exact_documents_use_the_hot_prefix(tiny
         assert torch.equal(got.first_logits, none.first_logits) and got.token_ids == none.token_ids
     assert eng.segments.hot.hits >= 1
     assert [s.kind for s in got.report.segments[-3:]] == [SegmentKind.TURN, SegmentKind.TURN, SegmentKind.QUESTION]
-    blend = eng.generate(third, unguarded_blend(ratio=0.15), max_new_tokens=4)  # every document exact: exact path
+    blend = eng.generate(third, unguarded_blend(ratio=0.15, take_exact=True), max_new_tokens=4)  # all exact: exact path
     assert torch.equal(blend.first_logits, none.first_logits)
     assert all(s.reuse_class is ReuseClass.EXACT for s in blend.report.segments[:-1])
 

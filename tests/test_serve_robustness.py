@@ -480,6 +480,28 @@ def test_a_stopping_server_answers_queued_requests_at_once_and_ends_running_stre
         assert "shutting" in json.loads(data[-2][len("data: "):])["error"]["message"]
 
 
+def test_a_request_still_prefilling_when_the_grace_period_ends_gets_a_503():
+    """A prefill cannot be interrupted: the scheduler's close failed a request only after its prefill, by
+    when uvicorn had cancelled its handler (a plain-text 500). It fails it at once now."""
+    engine = tiny_serve_engine()
+    real = engine.prefill
+
+    def slow_prefill(*a, **kw):
+        time.sleep(3.5)  # longer than the tests' grace period (2 s)
+        return real(*a, **kw)
+
+    engine.prefill = slow_prefill
+    with running_server(engine) as srv:
+        got: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: got.append(post(srv, chat())))
+        t.start()
+        wait_until(lambda: srv.scheduler.active == 1)
+        srv.server.should_exit = True
+        t.join(20)
+    (r,) = got
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+
+
 # ---- hostile text, unhandled errors and long conversations (a review, 2026-12-06 (18)) ------------
 
 def _status_count(app, code: str) -> float:

@@ -240,6 +240,7 @@ class Scheduler:
         self._active = 0
         self._running = False
         self._draining = False  # stopping: no new request is taken (drain)
+        self._prefilling_jobs: set[_Job] = set()  # requests whose prefill runs now (close fails them at once)
         self._closing = threading.Lock()  # one close at a time (a shutdown deadline's and the lifespan's)
         self._threads: list[threading.Thread] = []
         self._ids = itertools.count(1)
@@ -312,6 +313,11 @@ class Scheduler:
             self._close(timeout)
 
     def _close(self, timeout: float) -> None:
+        with self._cond:
+            prefilling = list(self._prefilling_jobs)
+        for job in prefilling:  # a prefill cannot be interrupted: its client gets the 503 now, not after it
+            job.cancelled.set()
+            self._fail(job, ShuttingDownError())
         with self._cond:
             self._running = False
             left = list(self._waiting) + list(self._incoming)
@@ -462,7 +468,8 @@ class Scheduler:
 
     def _refine_due(self) -> bool:
         """An order waits for refinement (and no request for a prefill)."""
-        return self.refine is not None and self.refine.pending > 0 and not self._prefill_due()
+        return (self.refine is not None and self.refine.pending > 0 and not self._prefill_due()
+                and not self._draining)  # a stopping server leaves the cores to the requests it finishes
 
     def _run_refine(self, fill: PrefixFill) -> None:
         """One step of a :class:`~blend.prefix_fill.PrefixFill` on this idle worker; never raises."""
@@ -494,10 +501,15 @@ class Scheduler:
         return job
 
     def _run_prefill(self, job: _Job) -> None:
+        with self._cond:
+            self._prefilling_jobs.add(job)
         try:
             self._prefill(job)
         except BaseException as e:  # noqa: BLE001 - a failed request must not kill the thread
             self._fail(job, e)
+        finally:
+            with self._cond:
+                self._prefilling_jobs.discard(job)
 
     def _prefill(self, job: _Job) -> None:
         if job.cancelled.is_set():
@@ -526,6 +538,8 @@ class Scheduler:
         finally:
             if self.flight is not None:
                 self.flight.release(job.id)
+        if job.retired:  # failed while it prefilled (the scheduler closed): its client has its answer
+            return
         job.ttft_s = time.perf_counter() - job.submitted - gate_s
         if gate_s:  # the engine found the verdict this run recorded: the run was this request's
             report = replace(report, timings=replace(report.timings, gate_s=gate_s))
