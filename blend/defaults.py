@@ -125,6 +125,8 @@ DEFAULT_DISK_RESCAN_S = 10.0
 # an interrupted write's temp file (a writer killed mid-put) no byte has reached for this long is removed by the
 # next budget scan or `kvblend store prune` (a write in progress touches its file with every block it writes)
 DEFAULT_STALE_TEMP_S = 600.0
+# a disk entry's recency (its mtime, the budget's LRU order) is updated at most this often per key (seconds)
+DEFAULT_TOUCH_INTERVAL_S = 1.0
 # sampling: a temperature below this decodes greedily (its limit as T -> 0). Dividing logits by a
 # denormal temperature overflows float32 to inf, whose softmax is NaN (vLLM's _SAMPLING_EPS is the same).
 MIN_SAMPLING_TEMPERATURE = 1e-5

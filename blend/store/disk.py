@@ -41,12 +41,13 @@ import os
 import stat
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from blend import safeio
-from blend.defaults import DEFAULT_DISK_RESCAN_S, DEFAULT_STALE_TEMP_S
+from blend.defaults import DEFAULT_DISK_RESCAN_S, DEFAULT_STALE_TEMP_S, DEFAULT_TOUCH_INTERVAL_S
 from blend.keys import Namespace, StoreKey, key_hex
 from blend.safeio import UnsafeFileError, pread_exact
 from blend.store.base import (
@@ -75,6 +76,7 @@ from blend.store.codec import (
     header_length,
 )
 
+MAX_TOUCHED_KEYS = 1 << 16  # keys whose last recency update is remembered (the rate limit's memory)
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
@@ -172,6 +174,7 @@ class DiskStore:
         self._scanned_at = 0.0  # time.monotonic() of that scan
         self._logs = DiskRecordLogs(self.root / "logs")
         self._put_failures: set[tuple[str, int | None]] = set()  # causes of failed writes already logged
+        self._touched: OrderedDict[tuple[Namespace, StoreKey], float] = OrderedDict()  # last recency update
 
     def path(self, ns: Namespace, key: StoreKey) -> Path:
         """Where the entry for (ns, key) lives."""
@@ -228,7 +231,7 @@ class DiskStore:
             why = check_entry(entry, provenance)
             if not why:
                 self._count("hits")
-                self._touch(self.path(ns, key))
+                self.touch(ns, key)
                 return Lookup(LookupStatus.HIT, entry=entry, tier=self.name)
         self._count("rejected")
         log.warning("disk store: rejected %s: %s", self.path(ns, key), why)
@@ -284,10 +287,23 @@ class DiskStore:
         pruning (this process's or another's sharing the folder) keeps the hottest entries, not the
         ones no faster tier holds. Best effort; nothing happens for an absent entry.
 
+        At most once per key every ``DEFAULT_TOUCH_INTERVAL_S`` (one ``utime``, a few microseconds, on the
+        caller's thread: a lookup never waits behind queued writes), which is far finer than the order a
+        budget prunes in.
+
         Args:
             ns: the entry's namespace.
             key: its key.
         """
+        now = time.monotonic()
+        with self._lock:
+            last = self._touched.get((ns, key))
+            if last is not None and now - last < DEFAULT_TOUCH_INTERVAL_S:
+                return
+            self._touched[(ns, key)] = now
+            self._touched.move_to_end((ns, key))
+            while len(self._touched) > MAX_TOUCHED_KEYS:
+                self._touched.popitem(last=False)
         self._touch(self.path(ns, key))
 
     @staticmethod

@@ -101,15 +101,12 @@ class TieredStore:
     def _touch_below(self, ns: Namespace, key: StoreKey, lower: list[InspectableStore]) -> None:
         """A hit counts as a use in the tiers below it that keep recency (the disk tier's LRU order):
         otherwise the entries a faster tier serves most are the first a lower tier's budget prunes.
-        With write-behind, off the request's path."""
-        touches = [t.touch for t in lower if hasattr(t, "touch")]
-        if not touches:
-            return
-        if self.writer is None:
-            for touch in touches:
+        Inline and rate-limited by the tier (never through the write queue, where a lookup would wait
+        behind other requests' writes)."""
+        for tier in lower:
+            touch = getattr(tier, "touch", None)
+            if touch is not None:
                 touch(ns, key)
-        else:
-            self.writer.submit(lambda: [touch(ns, key) for touch in touches])
 
     def _put_one(self, tier: InspectableStore, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
         try:
@@ -195,6 +192,9 @@ class TieredStore:
             s.extra[f"{name}.entries"] = ts.entries
             s.extra[f"{name}.bytes"] = ts.bytes
             s.extra[f"{name}.hits"] = ts.hits
+            for what in ("put_errors", "outages", "refused_calls"):  # a tier's write failures: it logs and
+                if ts.extra.get(what):  # swallows them, so the chain's writer never sees one fail
+                    s.extra[f"{name}.{what}"] = ts.extra[what]
             s.evictions += ts.evictions
         last = self.tiers[-1].name
         s.entries, s.bytes = int(s.extra[f"{last}.entries"]), int(s.extra[f"{last}.bytes"])
