@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import re
 
-# fields whose flag is not the field's own name
+# fields whose flag is not the field's own name: the candidates, the first a parser has wins
 FIELD_FLAGS = {
-    "max_tokens": "--max-new-tokens",
-    "target_tokens": "--chunk-tokens",
-    "overlap_tokens": "--overlap",
+    "max_tokens": ("--max-new-tokens", "--max-tokens-limit"),
+    "target_tokens": ("--chunk-tokens",),
+    "overlap_tokens": ("--overlap",),
 }
-_SNAKE = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")  # a field name, never a plain word
+# a field name standing alone: never a plain word, and never part of a path, a file name or a flag a user
+# typed ("/data/top_k.txt", "--max_tokens" stay as they are)
+_SNAKE = re.compile(r"(?<![-/.\w])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w/-]|\.\w)")
 
 
 def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -29,9 +31,11 @@ def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
         parser: the command line's parser.
 
     Returns:
-        Each snake_case destination's first long option, with :data:`FIELD_FLAGS` on top.
+        Each snake_case destination's first long option, and :data:`FIELD_FLAGS`' renamed fields whose
+        flag the parser has.
     """
     out: dict[str, str] = {}
+    flags: set[str] = set()
     stack = [parser]
     while stack:
         p = stack.pop()
@@ -40,9 +44,14 @@ def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
                 stack.extend(action.choices.values())
                 continue
             longs = [o for o in action.option_strings if o.startswith("--")]
+            flags.update(longs)
             if longs and "_" in action.dest:
                 out.setdefault(action.dest, longs[0])
-    return {**out, **FIELD_FLAGS}
+    for field, candidates in FIELD_FLAGS.items():
+        have = [f for f in candidates if f in flags]
+        if have:  # only a flag this command line has
+            out[field] = have[0]
+    return out
 
 
 def in_flag_words(message: str, names: dict[str, str]) -> str:

@@ -259,7 +259,11 @@ def ingest(
                 new = list(fresh.values())
                 vecs = embedder.embed([r.text for r in new]) if new else None  # (M, D)
                 if kv_writer is not None:
-                    cat.note_kv_intent({r.chunk_id: r.text for r in new})  # before the KV: never orphaned
+                    # before the KV, so it is never orphaned: the chunks whose KV this run writes (a writer that
+                    # says which are stored already keeps another index's KV out of a killed run's collection)
+                    missing = getattr(kv_writer, "missing", None)
+                    todo = missing([r.text for r in new]) if (missing is not None and new) else [True] * len(new)
+                    cat.note_kv_intent({r.chunk_id: r.text for r, m in zip(new, todo) if m})
                     stats["kv"] += _write_kv(kv_writer, [r.text for r in new], kv_batch)
                 if new and (kv_writer is None or getattr(kv_writer, "unsaved", 0)) and cat.meta.kv_signature:
                     # chunks go in without their KV (--no-kv, or store writes that failed): the signature no

@@ -167,6 +167,20 @@ class EngineKVWriter:
         self.engine, self.system = engine, system
         self.unsaved = 0  # chunks whose KV is not in the store's last tier after their batch
 
+    def missing(self, texts: list[str]) -> list[bool]:
+        """Which of ``texts`` have no KV in the store yet (the ones a call would write): an ingest notes only
+        those in its intent log, so a killed run's collection never takes KV another index stored.
+
+        Args:
+            texts: chunk texts.
+
+        Returns:
+            One flag per text.
+        """
+        preamble = preamble_segment(self.engine.tokenizer, self.system)
+        return [not self.engine.store.contains(Namespace.CANONICAL, _chunk_key(self.engine, preamble, t))
+                for t in texts]
+
     def __call__(self, texts: list[str]) -> int:
         last = store_tiers(self.engine.store)[-1]
         preamble = preamble_segment(self.engine.tokenizer, self.system)

@@ -211,8 +211,13 @@ def test_setting_errors_name_the_flag_a_user_typed(capsys):
     assert in_flag_words("overlap_tokens must be in [0, target_tokens)", names) == "--overlap must be in [0, --chunk-tokens)"
     assert in_flag_words("no index here; a store_command or plain words stay", names) == \
         "no index here; a store_command or plain words stay"  # only names a flag sets are rewritten
+    for untouched in ("document /data/top_k.txt: no such file", "/tmp/max_tokens: no index here",
+                      "unrecognized arguments: --max_tokens 5"):  # paths and what a user typed
+        assert in_flag_words(untouched, names) == untouched
+    assert in_flag_words("got top_p.", names) == "got --top-p."  # a sentence's full stop is not a file name
     serve = flag_names(serve_parser())
     assert in_flag_words("share_decode_min_batch must be >= 2", serve) == "--share-decode-min-batch must be >= 2"
+    assert serve["max_tokens"] == "--max-tokens-limit"  # the server's flag for that field, not ask's
     with pytest.raises(SystemExit):
         from blend.serve.cli import main as serve_main
 

@@ -491,3 +491,34 @@ def test_an_index_path_that_is_a_file_and_a_negative_threshold_are_clear_errors(
         _run([corpus], a_file, tok)
     with pytest.raises(RetrievalError, match="threshold must be >= 0"):  # was accepted
         _run([corpus], tmp_path / "idx", tok, threshold=-1)
+
+
+def test_a_killed_runs_collection_never_takes_kv_it_did_not_write(corpus, tmp_path, tok, monkeypatch):
+    """The intent log noted every new chunk, stored or not: after a kill, the rerun collected a chunk whose
+    KV another index over the same store had written (and still used). A writer that says which chunks
+    are missing keeps those out of the log."""
+
+    class SharedKV(FakeKV):
+        def __call__(self, texts):
+            return self.write(texts)
+
+        def missing(self, texts):
+            return [t not in self.entries for t in texts]
+
+    kv = SharedKV()
+    shared = "The bell tower has nine bells."
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "b.txt").write_text(shared)
+    ingest([other], tmp_path / "idx-b", tokenizer=tok, embedder=HashEmbedder(), config=CFG, kv_writer=kv,
+           kv_deleter=kv.delete, stream=io.StringIO())  # index B stores the chunk's KV
+    assert shared in kv.entries
+    (corpus / "e.txt").write_text(shared)
+    with monkeypatch.context() as m:
+        m.setattr(Catalog, "commit", lambda self: None)  # index A's run, killed before its commit
+        ingest([corpus], tmp_path / "idx-a", tokenizer=tok, embedder=HashEmbedder(), config=CFG, kv_writer=kv,
+               kv_deleter=kv.delete, stream=io.StringIO())
+    (corpus / "e.txt").unlink()
+    ingest([corpus], tmp_path / "idx-a", tokenizer=tok, embedder=HashEmbedder(), config=CFG, kv_writer=kv,
+           kv_deleter=kv.delete, stream=io.StringIO())
+    assert shared in kv.entries  # B's chunk keeps its KV
