@@ -153,9 +153,9 @@ SEMANTIC_MAX_CANDIDATES = 4
 DEFAULT_LOG_LEVEL = "info"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # a stopping server (SIGTERM, Ctrl-C) refuses new and queued requests at once (503) and gives running ones
-# this long to finish; those still running this much before it ends get a 503 or a stream's error event
-# (Kubernetes' default grace period is 30 s)
-DEFAULT_GRACEFUL_SHUTDOWN_S = 25.0
+# this long to finish; those still running this much before it ends get a 503 or a stream's error event.
+# Under `docker stop`'s 10 s before its SIGKILL (Kubernetes gives 30 s: --graceful-shutdown 25 there)
+DEFAULT_GRACEFUL_SHUTDOWN_S = 8.0
 DEFAULT_SHUTDOWN_MARGIN_S = 1.0
 # the largest `--doc` file `ask`/`chat` read: far past any model's context in characters (read whole, then
 # tokenized: a 3 GB file took the process to 23.7 GB before the kernel killed it)

@@ -19,6 +19,7 @@ from blend.evals.splits import parse_item_range
 from blend.evals.methods import DEFAULT_METHODS, MethodError, parse_methods
 from blend.evals.plot import write_pareto
 from blend.progress import Progress
+from blend.termination import EXIT_TERMINATED, Terminated
 from blend.evals.report import markdown, write_json, write_markdown
 
 
@@ -170,10 +171,10 @@ def run_eval(
     except (ResumeError, *_engine_errors()) as e:
         print(f"kvblend eval: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"kvblend eval: interrupted: the items done are in {out / 'rows.jsonl'}; the same command with "
-              "--resume goes on from there", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        print(f"kvblend eval: {'terminated' if isinstance(e, Terminated) else 'interrupted'}: the items done are "
+              f"in {out / 'rows.jsonl'}; the same command with --resume goes on from there", file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(e, Terminated) else 130
     write_json(results, out / "results.json")
     write_markdown(results, out / "results.md")
     write_pareto(results, out / "pareto.png")

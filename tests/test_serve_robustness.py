@@ -316,7 +316,7 @@ def test_defaults_come_from_blend_defaults():
     assert actions["log_level"].default == DEFAULT_LOG_LEVEL and tuple(actions["log_level"].choices) == LOG_LEVELS
     assert "**uvicorn_options(config)" in inspect.getsource(cli.main)  # the server's uvicorn settings
     options = uvicorn_options(ServeConfig())
-    assert options["timeout_graceful_shutdown"] == DEFAULT_GRACEFUL_SHUTDOWN_S == 25
+    assert options["timeout_graceful_shutdown"] == DEFAULT_GRACEFUL_SHUTDOWN_S == 8
     assert options["limit_concurrency"] == Limits().max_connections
     assert options["http"].head_timeout_s == Limits().head_timeout_s
     assert actions["header_timeout"].default == Limits().head_timeout_s
