@@ -33,10 +33,11 @@ from blend.generation_cli import add_sampling_arguments, generate_answer, genera
 from blend.options import (
     add_engine_arguments, add_policy_arguments, engine_from_args, policy_from_args, read_document,
 )
+from blend.exit_codes import ExitCode
 from blend.termination import EXIT_TERMINATED, Terminated, sigterm_unwinds
 
-EXIT_USER_ERROR = 2
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a tool the signal ended: the reader of our output left
+EXIT_USER_ERROR = ExitCode.USER_ERROR
+EXIT_BROKEN_PIPE = ExitCode.BROKEN_PIPE  # as a tool the signal ended: the reader of our output left
 
 # command -> (module, function registering it on the subparsers); the module is imported on demand
 AREA_COMMANDS: dict[str, tuple[str, str]] = {
@@ -202,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("kvblend: interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-EXIT_TERMINATED = 128 + signal.SIGTERM  # as a tool the signal ended
+from blend.exit_codes import ExitCode
+
+EXIT_TERMINATED = ExitCode.TERMINATED  # as a tool the signal ended
 
 
 class Terminated(BaseException):

@@ -19,6 +19,7 @@ from blend.evals.splits import parse_item_range
 from blend.evals.methods import DEFAULT_METHODS, MethodError, parse_methods
 from blend.evals.plot import write_pareto
 from blend.progress import Progress
+from blend.exit_codes import ExitCode
 from blend.termination import EXIT_TERMINATED, Terminated
 from blend.evals.report import markdown, write_json, write_markdown
 
@@ -159,7 +160,7 @@ def run_eval(
             items = load_items(config.data, config.limit, config.passages, seed=config.seed)
     except (DataError, MethodError, ValueError) as e:
         print(f"kvblend eval: error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     out: Path = args.out
     progress = None if args.no_progress else Progress(total=len(items))
     try:
@@ -170,11 +171,11 @@ def run_eval(
         )
     except (ResumeError, *_engine_errors()) as e:
         print(f"kvblend eval: error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     except (KeyboardInterrupt, Terminated) as e:
         print(f"kvblend eval: {'terminated' if isinstance(e, Terminated) else 'interrupted'}: the items done are "
               f"in {out / 'rows.jsonl'}; the same command with --resume goes on from there", file=sys.stderr)
-        return EXIT_TERMINATED if isinstance(e, Terminated) else 130
+        return EXIT_TERMINATED if isinstance(e, Terminated) else ExitCode.INTERRUPTED
     write_json(results, out / "results.json")
     write_markdown(results, out / "results.md")
     write_pareto(results, out / "pareto.png")

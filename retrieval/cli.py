@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import blend
 from blend.cli_messages import in_flag_words
+from blend.exit_codes import ExitCode
 from blend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_DEMO_TOP_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_RATIO, kvblend_home
 from blend.errors import KVBlendError
 from blend.generation_cli import generation_config_from_args, print_stream
@@ -53,10 +54,10 @@ def _guard(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         msg = in_flag_words(msg, getattr(args, "flag_names", {}))  # the flag a user typed
         print(f"kvblend: error: {shown(msg)}", file=sys.stderr)  # an index's recorded names may hold escapes
-        return 2
+        return ExitCode.USER_ERROR
     except KeyboardInterrupt:
         print("kvblend: interrupted (finished files are saved; re-run to resume)", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 def add_ingest_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -118,7 +119,7 @@ def _ingest(args: argparse.Namespace) -> int:
     )
     print_issues(summary.issues)
     print(f"ingest: {summary.format()}")
-    return 1 if summary.issues or summary.kv_unsaved else 0
+    return ExitCode.FAILED if summary.issues or summary.kv_unsaved else ExitCode.OK
 
 
 def ask_over_index(args: argparse.Namespace) -> int:
@@ -206,7 +207,7 @@ def _demo(args: argparse.Namespace) -> int:
     tally = ", ".join(f"{k} {v}" for k, v in sorted(classes.items()))
     print(f"\ndemo: {correct}/{len(questions)} answered correctly; chunk reuse: {tally}; mean TTFT "
           f"{sum(ratios) / len(ratios):.2f}x of full prefill")
-    return 0 if correct == len(questions) else 1
+    return ExitCode.OK if correct == len(questions) else ExitCode.FAILED
 
 
 def answer_matches(answer: str, accepted: list[str]) -> bool:

@@ -398,7 +398,7 @@ def test_metrics_expose_requests_latency_reuse_and_store(srv):
     post(srv, chat(max_tokens=2))
     assert post(srv, chat(max_tokens=0)).status_code == 400  # a refused request of its own (the test runs alone too)
     guarded_before = _metric(httpx.get(srv.url + "/metrics").text, "kvblend_guarded_requests_total")
-    post(srv, chat(max_tokens=2, kvblend={"reuse": "blend", "ratio": 0.2}))
+    post(srv, chat(max_tokens=2, kvblend={"reuse": "blend", "ratio": 0.2, "guard_margin": None}))  # unguarded
     # documents in a new order (so blended, not exact) and a margin no first token clears: the guard
     # recomputes the request, and the counter says so
     guarded = post(srv, {**chat(max_tokens=2, kvblend={"reuse": "blend", "ratio": 0.2, "guard_margin": 1e9}),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.generation import stop_strings
-from blend.policy import GuardMode, ProbePrecision, ReusePolicy
+from blend.policy import GuardMode, ProbePrecision, ReuseMode, ReusePolicy
 from blend.prompt import Prompt
 from blend.sampling import GenerationConfig, InvalidSettingError
 from blend.serve.config import ServeConfig
@@ -64,11 +64,12 @@ def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False) -> Reu
     Raises:
         InvalidPolicyError: options that contradict each other.
     """
-    if opts.reuse == "none":  # nothing is looked up or stored: a salt has nothing to key
+    mode = ReuseMode(opts.reuse)
+    if mode is ReuseMode.NONE:  # nothing is looked up or stored: a salt has nothing to key
         if opts.semantic:
             raise InvalidPolicyError("semantic reuse is a blend option: use kvblend.reuse = \"blend\"")
         return ReusePolicy.none()
-    if opts.reuse == "exact":
+    if mode is ReuseMode.EXACT:
         if opts.semantic:
             raise InvalidPolicyError("semantic reuse is a blend option: use kvblend.reuse = \"blend\"")
         if opts.take_exact:

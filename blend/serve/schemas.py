@@ -29,10 +29,11 @@ from blend.defaults import (
     DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, MAX_SAMPLING_TEMPERATURE, MAX_SEED,
     REUSED_TEMPERATURE_RANGE,
 )
-from blend.policy import GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, SELECTOR_NAMES
+from blend.policy import GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, SELECTOR_NAMES, ReuseMode
 from blend.prompt import Role, Turn, is_unicode
 from blend.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS
 
+ReuseModeName = Literal[tuple(m.value for m in ReuseMode)]  # type: ignore[valid-type]
 Selector = Literal[SELECTOR_NAMES]  # type: ignore[valid-type]
 ProbePrecisionName = Literal[PROBE_PRECISION_NAMES]  # type: ignore[valid-type]
 GuardModeName = Literal[GUARD_MODE_NAMES]  # type: ignore[valid-type]
@@ -50,7 +51,7 @@ class KvblendOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    reuse: Literal["exact", "blend", "none"] = "exact"
+    reuse: ReuseModeName = ReuseMode.EXACT.value
     ratio: StrictFloat = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
     selector: Selector = DEFAULT_SELECTOR
     semantic: StrictBool = False

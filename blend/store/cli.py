@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, TextIO
 
+from blend.exit_codes import ExitCode
 from blend.keys import Namespace, key_hex
 from blend.store.base import EntryState, InspectableStore, store_tiers
 from blend.store.codec import EntryError
@@ -32,7 +33,7 @@ class StoreCommand(Enum):
     PRUNE = "prune"
 
 
-EXIT_UNREACHABLE = 3  # a tier could not be read: the check is incomplete
+EXIT_UNREACHABLE = ExitCode.UNREACHABLE  # a tier could not be read: the check is incomplete
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ def _verify(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> i
         out.write(f"checked {len(results)} entries, {verb} {n_deleted} corrupt{tail}\n")
     if unreachable:
         return EXIT_UNREACHABLE
-    return 1 if bad and (not args.delete or undeleted) else 0
+    return ExitCode.FAILED if bad and (not args.delete or undeleted) else ExitCode.OK
 
 
 def _clear(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
@@ -236,7 +237,7 @@ def _prune(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> in
     disks = [t for t in store_tiers(store) if isinstance(t, DiskStore)]
     if not disks:
         print("kvblend store prune: the store has no disk tier (Redis expires entries with ?ttl=)", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     down = _down_tiers(disks, "it is not pruned")
     rows = [(str(t.root), t.prune(args.max_bytes)) for t in disks if not any(t is d for d in down)]
     status = EXIT_UNREACHABLE if down else 0
@@ -267,7 +268,7 @@ def run_store_command(args: argparse.Namespace, out: TextIO | None = None) -> in
         store = open_store(args.store, with_memory=False)
     except StoreSpecError as e:
         print(f"kvblend store: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     cmd = StoreCommand(args.store_command)
     if cmd is StoreCommand.STATS:
         return _stats(store, args.json, out)
@@ -277,7 +278,7 @@ def run_store_command(args: argparse.Namespace, out: TextIO | None = None) -> in
         missing = [str(t.root) for t in store_tiers(store) if isinstance(t, DiskStore) and not os.path.lexists(t.root)]
         if missing:  # a mistyped path is not a clean store
             print(f"kvblend store: no disk store at {', '.join(missing)} (nothing to verify)", file=sys.stderr)
-            return 2
+            return ExitCode.USER_ERROR
         return _verify(store, args, out)
     if cmd is StoreCommand.PRUNE:
         return _prune(store, args, out)
