@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
-    args.flag_names = flag_names(parser)  # errors name the flag a user typed, not a Python field
+    args.parser = parser  # an error names the flag a user typed, not a Python field (cli_messages)
     try:
         with sigterm_unwinds():  # finally blocks run and queued store writes are flushed at exit
             return int(args.func(args) or 0)
@@ -199,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return EXIT_BROKEN_PIPE
     except (KVBlendError, ValueError, OSError) as e:  # OSError, ValueError: the store/eval/retrieval layers'
-        print(f"kvblend: error: {in_flag_words(str(e), args.flag_names)}", file=sys.stderr)
+        print(f"kvblend: error: {in_flag_words(str(e), flag_names(parser))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("kvblend: interrupted", file=sys.stderr)

@@ -39,7 +39,7 @@ def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
     stack = [parser]
     while stack:
         p = stack.pop()
-        for action in p._actions:
+        for action in getattr(p, "_actions", ()):
             if isinstance(action, argparse._SubParsersAction):
                 stack.extend(action.choices.values())
                 continue

@@ -106,6 +106,19 @@ class _Prefilled:
     check_rows: tuple[int, ...] = ()  # a blend's document rows recomputed above each check layer
 
 
+def _report(done: "_Prefilled", policy: ReusePolicy, blended: bool, refused: str, timings: Timings) -> ReuseReport:
+    """The request's report. ``blended``: a blend ran (not refused), so its selector, the share it recomputed
+    (0 where nothing was re-positioned: every document exact, or the hot prefix), its first-token gap and
+    its rows per check layer are reported."""
+    ratio = _report_ratio(done, policy) if blended else None
+    return ReuseReport(
+        policy=policy.describe(), segments=done.segments, selector=policy.selector if blended else "",
+        ratio=ratio, spent=done.spent if done.spent is not None else ratio, deviation=done.deviation,
+        gate=refused, timings=timings, first_token_margin=done.margin if blended else None, guard=done.guard,
+        check_rows=done.check_rows if blended else (),
+    )
+
+
 def _keep_first_pass_misses(first: Sequence[SegmentReport], redo: Sequence[SegmentReport]
                             ) -> tuple[SegmentReport, ...]:
     """A guarded request's report rows: the recompute's, except that a segment the first pass missed
@@ -411,18 +424,9 @@ class Engine:
         ttft = time.perf_counter() - t0
         # a blend that ran (not refused): its selector, the share it recomputed (0 where nothing was
         # re-positioned: every document exact, or the hot prefix) and its first-token gap
-        blend_fields = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS and not refused
-        ratio = _report_ratio(done, policy) if blend_fields else None
-        report = ReuseReport(
-            policy=policy.describe(), segments=done.segments,
-            selector=policy.selector if blend_fields else "",
-            ratio=ratio, spent=done.spent if done.spent is not None else ratio,
-            deviation=done.deviation, gate=refused,
-            timings=Timings(lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s),
-            first_token_margin=done.margin if blend_fields else None, guard=done.guard,
-            check_rows=done.check_rows if blend_fields else (),
-        )
-        return done.logits, cache, report
+        blended = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS and not refused
+        return done.logits, cache, _report(done, policy, blended, refused, Timings(
+            lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s))
 
     def _run(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool, refused: str,
              kinds: frozenset[SegmentKind]) -> tuple["_Prefilled", KVCache]:

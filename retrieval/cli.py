@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import blend
-from blend.cli_messages import in_flag_words
+from blend.cli_messages import flag_names, in_flag_words
 from blend.exit_codes import ExitCode
 from blend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_DEMO_TOP_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_RATIO, kvblend_home
 from blend.errors import KVBlendError
@@ -52,7 +52,8 @@ def _guard(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
         return fn(args)
     except USER_ERRORS as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        msg = in_flag_words(msg, getattr(args, "flag_names", {}))  # the flag a user typed
+        parser = getattr(args, "parser", None)
+        msg = in_flag_words(msg, flag_names(parser)) if parser is not None else msg  # the flag a user typed
         print(f"kvblend: error: {shown(msg)}", file=sys.stderr)  # an index's recorded names may hold escapes
         return ExitCode.USER_ERROR
     except KeyboardInterrupt:
