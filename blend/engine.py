@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
 import torch
+import transformers
 
 from blend.blending import BlendResume, prefill_blend, widen_blend
 from blend.cpu_features import cpu_kernel_class, warn_if_emulated
@@ -195,8 +196,10 @@ def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.devic
         dtype=cfg.dtype,
         kv_dtype=cfg.kv_dtype or cfg.dtype,
         device_class=device_class,
-        backend=(f"kvblend-layers/torch-{torch.__version__}/sdpa/{gemm.value}/{attention_label()}/"
-                 f"{fp32_precision_label()}"),
+        # transformers' version too: its rotary module makes the RoPE tables (blend.rope), so a release that
+        # changes their arithmetic (YaRN, llama3 scaling) must not be served the KV the old tables made
+        backend=(f"kvblend-layers/torch-{torch.__version__}/transformers-{transformers.__version__}/sdpa/"
+                 f"{gemm.value}/{attention_label()}/{fp32_precision_label()}"),
         rope=rope_config_json(config),
     )
 

@@ -171,3 +171,11 @@ def test_onednn_fpmath_mode_is_in_the_device_class(monkeypatch):
     plain = cpu_kernel_class()
     monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
     assert cpu_kernel_class() != plain
+
+
+def test_the_engines_provenance_names_the_library_that_makes_its_rope_tables(tiny_engine):
+    """The RoPE tables come from transformers' rotary module: a transformers release that changed their
+    arithmetic kept the keys, and served KV made with the old tables."""
+    import transformers
+
+    assert f"/transformers-{transformers.__version__}/" in tiny_engine.provenance.backend
