@@ -149,6 +149,32 @@ class Method:
             "guard_mode": self.guard_mode,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], name: str = "") -> "Method":
+        """The method a :meth:`to_dict` JSON describes (a spec written before an option existed lacks it:
+        the default).
+
+        Args:
+            d: the JSON object.
+            name: the method's name (specs do not hold it).
+
+        Returns:
+            The method.
+
+        Raises:
+            MethodError: an unknown kind.
+        """
+        try:
+            kind = MethodKind(d.get("kind"))
+        except ValueError:
+            raise MethodError(f"unknown method kind {d.get('kind')!r:.40}") from None
+        cand, guard = d.get("candidates"), d.get("guard")
+        return cls(name=name, kind=kind, ratio=d.get("ratio"), selector=d.get("selector"),
+                   check_layers=tuple(d.get("check_layers") or ()), auto=bool(d.get("auto")),
+                   auto_target=d.get("auto_target"), probe_precision=d.get("probe_precision"),
+                   guard=None if guard is None else tuple(guard), candidates=None if cand == "off" else cand,
+                   candidates_off=cand == "off", temperature=d.get("temperature"), guard_mode=d.get("guard_mode"))
+
 
 _BLEND = re.compile(r"^blend@([^:]+)((?::[^:]+)*)$")
 PROBE_PRECISIONS = PROBE_PRECISION_NAMES

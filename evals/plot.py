@@ -33,7 +33,7 @@ def series(methods: dict[str, dict[str, Any]]) -> dict[str, list[tuple[float, st
     out: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for name, agg in methods.items():
         spec = agg.get("spec") or {}
-        if spec.get("kind") != "blend":
+        if spec.get("kind") != MethodKind.BLEND.value:
             continue
         out[_series_label(spec)].append((float(spec.get("ratio") or 0.0), name))
     return {k: sorted(v) for k, v in sorted(out.items())}
@@ -43,15 +43,7 @@ def _series_label(spec: dict[str, Any]) -> str:
     """A blend spec's line label, :meth:`Method.series`'s: the selector, check layers and every other option
     (auto, probe, cand, temp, guard), so methods that differ in any of them are separate lines (specs written
     before an option existed lack it: the default)."""
-    cand = spec.get("candidates")
-    guard = spec.get("guard")
-    return Method(
-        name="", kind=MethodKind.BLEND, selector=spec.get("selector"),
-        check_layers=tuple(spec.get("check_layers") or ()), auto=bool(spec.get("auto")),
-        auto_target=spec.get("auto_target"), probe_precision=spec.get("probe_precision"),
-        guard=None if guard is None else tuple(guard), candidates=None if cand == "off" else cand,
-        candidates_off=cand == "off", temperature=spec.get("temperature"),
-    ).series()
+    return Method.from_dict(spec).series()
 
 
 def draw_methods(ax: Any, methods: dict[str, dict[str, Any]], field: str, labels: Container[str] | None = None, style: str = "-",

@@ -66,7 +66,7 @@ from blend import safeio
 from blend.evals import answer_survival as S
 from blend.evals import guard_curve as G
 from blend.evals.data import SYNTHETIC_PREFIX
-from blend.evals.methods import REFERENCE
+from blend.evals.methods import REFERENCE, MethodKind
 from blend.evals.splits import TUNING, VALIDATION
 
 AGG_NUMBERS = (
@@ -336,7 +336,7 @@ def best_by_budget(methods: dict[str, dict[str, Any]]) -> list[BudgetBest]:
     groups: dict[tuple[float, tuple[int, ...], str], dict[str, dict[str, Any]]] = {}
     for name, agg in methods.items():
         spec = agg.get("spec") or {}
-        if spec.get("kind") != "blend" or spec.get("ratio") is None or spec.get("auto"):
+        if spec.get("kind") != MethodKind.BLEND.value or spec.get("ratio") is None or spec.get("auto"):
             continue
         # rivals differ in the selector alone: a guard, a temperature or other candidates spend or compute
         # differently, so such variants of one selector are never compared here as if they were selectors
@@ -494,7 +494,7 @@ def worst_items(results: dict[str, Any], k: int = WORST_ITEMS) -> list[dict[str,
         Their item rows.
     """
     methods = results["methods"]
-    blend = [n for n, a in methods.items() if (a.get("spec") or {}).get("kind") == "blend"]
+    blend = [n for n, a in methods.items() if (a.get("spec") or {}).get("kind") == MethodKind.BLEND.value]
     judged = blend or [n for n in methods if n != REFERENCE]
 
     def badness(row: dict[str, Any]) -> float:

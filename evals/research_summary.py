@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from blend.evals import metrics as M
+from blend.evals.methods import MethodKind
 from blend.evals.report import range_split
 from blend.evals.splits import ItemRangeError, parse_item_range
 
@@ -53,10 +54,11 @@ def rows_from_results(path: Path, selectors: tuple[str, ...] = ("combo", "v", "k
         kl, top1, share = {}, {}, {}
         for name, m in item["methods"].items():
             spec = res["methods"][name].get("spec") or {}
-            if spec.get("kind") == "blend" and spec.get("selector") in selectors and not spec.get("check_layers"):
+            if (spec.get("kind") == MethodKind.BLEND.value and spec.get("selector") in selectors
+                    and not spec.get("check_layers")):
                 key = f"{name.partition(':')[2]}@{spec['ratio']:g}"  # the selector and any options after it
                 kl[key], top1[key], share[key] = m["kl"], m["top1"], spec["ratio"]
-            elif spec.get("kind") == "reuse":
+            elif spec.get("kind") == MethodKind.REUSE.value:
                 kl["reuse@0"], top1["reuse@0"], share["reuse@0"] = m["kl"], m["top1"], 0.0
         out.append({"index": item["index"], "kl": kl, "top1": top1, "share": share})
     return out

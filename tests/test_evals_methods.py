@@ -99,3 +99,21 @@ def test_auto_target_in_a_method_spec():
                 "blend@0.3:auto:auto=0.1"):
         with pytest.raises(MethodError):
             parse_method(bad)
+
+
+def test_a_method_round_trips_through_its_json_and_plots_under_its_own_series():
+    """The plot rebuilt a method from its JSON by hand and dropped its guard mode: a `gmode=widen` blend was drawn
+    on the same line as the default one."""
+    import dataclasses
+
+    from blend.evals.methods import Method, parse_methods
+    from blend.evals.plot import series
+
+    for spec in ("blend@0.15:probe:guard=0.7@0.3:gmode=widen", "blend@0.3:v:check=1,2", "reuse", "full",
+                 "blend@0.15:probe:cand=off:temp=1.05", "blend@0.3:auto=0.04:probe=bf16"):
+        m = next(x for x in parse_methods(spec) if x.name == spec)
+        assert Method.from_dict(m.to_dict(), name=m.name) == dataclasses.replace(m, canonical="")  # (not in the JSON)
+    two = [m for m in parse_methods("blend@0.15:probe:guard=0.7@0.3,blend@0.15:probe:guard=0.7@0.3:gmode=widen")
+           if m.kind.value == "blend"]
+    lines = series({m.name: {"spec": m.to_dict()} for m in two})
+    assert len(lines) == 2
