@@ -19,6 +19,7 @@ The store is a cache, so an unreachable server is a miss, never an error::
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Callable, Iterator, TypeVar
@@ -55,6 +56,7 @@ from blend.store.codec import (
 )
 from blend.store.record_logs import MAX_LOG_BYTES
 
+REFUSAL_LOG_S = 600  # a refusal (a full server) is logged again after this long, once per cause
 log = logging.getLogger(__name__)
 
 LOG_PAGE = 1024  # records per LRANGE page of a record-log read
@@ -153,7 +155,8 @@ class RedisStore:
         self._down_until = 0.0  # time.monotonic() before which the server is skipped
         self._outage = False
         self._failed_calls = 0  # calls that failed or were skipped since the last check_reachable()
-        self._refusals: set[tuple[str, str]] = set()  # (call, error kind) the server refused, logged once each
+        # (call, error kind) the server refused -> when it was last logged: once per cause every REFUSAL_LOG_S
+        self._refusals: dict[tuple[str, str], float] = {}
 
     # -- availability ---------------------------------------------------------
 
@@ -176,13 +179,15 @@ class RedisStore:
             raise
         except redis.ResponseError as e:  # the server answered with an error: not an outage
             cause = (what, str(e).split(" ", 1)[0])  # e.g. ("put", "OOM"): at maxmemory every put is refused
+            now = time.monotonic()
             with self._lock:
                 self._stats.extra["refused_calls"] = self._stats.extra.get("refused_calls", 0) + 1
-                first = cause not in self._refusals
-                self._refusals.add(cause)
-            if first:  # once per cause: a full server would log one line per chunk
-                log.warning("redis store %s: %s failed: %s (later calls refused the same way are counted in "
-                            "refused_calls, not logged)", self.url, what, e)
+                first = now - self._refusals.get(cause, -math.inf) >= REFUSAL_LOG_S
+                if first:
+                    self._refusals[cause] = now
+            if first:  # once per cause and period: a full server would log one line per chunk
+                log.warning("redis store %s: %s failed: %s (calls refused the same way in the next %d s are "
+                            "counted in refused_calls, not logged)", self.url, what, e, REFUSAL_LOG_S)
             else:
                 log.debug("redis store %s: %s failed: %s", self.url, what, e)
             return default
