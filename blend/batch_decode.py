@@ -172,6 +172,8 @@ class BatchDecodeRows:
         qs = torch.zeros(s, hq, d, dtype=q_rot.dtype, device=q_rot.device)  # (S', Hq, D)
         qs[p.slot_of] = q_rot.transpose(0, 1)  # query head h reads KV head h // (Hq / Hkv)
         keys = k.reshape(s * hkv, p.rows, d).transpose(1, 2)  # (S' Hkv, D, R) still a view
+        # in the cache dtype: torch's CPU bmm has no float32 output, so a bf16/fp16 pool rounds its scores
+        # before the fp32 softmax (README: within bf16's own noise; the per-sequence route keeps them fp32)
         scores = torch.bmm(qs.view(s * hkv, hq // hkv, d), keys)  # (S' Hkv, G, R)
         scores = scores.view(s, hq, p.rows) * self.scale + p.mask  # (S', Hq, R)
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(s * hkv, hq // hkv, p.rows)  # (S' Hkv, G, R)
