@@ -617,3 +617,19 @@ def test_a_stream_whose_last_chunk_cannot_be_built_ends_with_an_error_not_a_cut(
         r = client.post("/v1/chat/completions", json={**chat(), "stream": True, "max_tokens": 2})
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and "internal error: RuntimeError" in json.loads(events[-2])["error"]["message"]
+
+
+def test_a_follow_up_is_measured_as_the_prompt_builder_takes_its_texts(engine):
+    """The conversation pre-check counted the texts as sent: padding the prompt builder strips refused a
+    follow-up over a document the first turn had taken. A message's text parts are joined by a newline
+    (as vLLM joins them), not glued into one word."""
+    doc = "The ferry is named Marigold." + " \n" * (engine.dims.max_positions + 10)
+    first = ChatCompletionRequest(messages=[{"role": "user", "content": "Which ferry?"}], documents=[doc])
+    follow = ChatCompletionRequest(messages=[{"role": "user", "content": "Which ferry?"},
+                                             {"role": "assistant", "content": "Marigold."},
+                                             {"role": "user", "content": "Where to?"}], documents=[doc])
+    assert len(_prepare(engine, first).prompt) < 400
+    assert len(_prepare(engine, follow).prompt) < 400  # was a 400: "the conversation's texts alone are ..."
+    parts = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "Who built"},
+                                                                         {"type": "text", "text": "it?"}]}])
+    assert parts.messages[0].text() == "Who built\nit?"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from blend.control_text import unmark
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.generation import stop_strings
 from blend.policy import GuardMode, ProbePrecision, ReuseMode, ReusePolicy
@@ -154,7 +155,8 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
     server_limit = limits.max_prompt_tokens
     if history:  # laying out a conversation re-renders it once per turn: refuse one that cannot fit before
         # paying for that (its texts alone, tokenized once, already exceed the limit)
-        least = sum(len(engine.tokenizer(t, add_special_tokens=False)["input_ids"])
+        # each text as the prompt builder takes it (markers removed, stripped): padding never reaches the model
+        least = sum(len(engine.tokenizer(unmark(t).strip(), add_special_tokens=False)["input_ids"])
                     for t in (question, *docs, *(turn.text for turn in history)))
         # in the order of the checks after the layout: the server's limit (413), then the model's context (400)
         if server_limit is not None and server_limit < context and least > server_limit:

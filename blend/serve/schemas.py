@@ -90,7 +90,7 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)  # as vLLM's chat code joins a message's text parts
 
 
 def document_text_of(doc: Union[Document, str]) -> str:
