@@ -1,6 +1,7 @@
 """The blend quality gate: checks, recording, fallback and force."""
 
 import json
+import time
 
 import pytest
 
@@ -83,11 +84,15 @@ def test_kl_is_zero_for_equal_and_positive_otherwise():
 def test_the_gates_first_run_is_reported_apart_from_the_requests_ttft(home):
     eng = Engine.load("tiny-llama")
     prompt = eng.build_prompt("Which?", make_docs(3))
+    t0 = time.perf_counter()
     first = eng.generate(prompt, ReusePolicy.blend(), max_new_tokens=1)
+    wall = time.perf_counter() - t0
     t = first.report.timings
     assert first.report.gate_ran and t.gate_s > 0.0
     assert first.report.to_dict()["gate_ran"] is True and first.report.to_dict()["timings"]["gate_s"] == t.gate_s
-    assert t.ttft_s < t.gate_s and first.ttft_s < t.gate_s  # the gate's seconds are not the request's
+    # the gate's seconds are not the request's: its TTFT is the call's time less (about) the gate's, however
+    # loaded the machine is (a TTFT that included them would be the whole call's)
+    assert t.ttft_s <= wall - 0.5 * t.gate_s and first.ttft_s <= wall - 0.5 * t.gate_s
     again = eng.generate(prompt, ReusePolicy.blend(), max_new_tokens=1)
     assert not again.report.gate_ran and again.report.timings.gate_s == 0.0
 
