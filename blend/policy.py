@@ -257,6 +257,15 @@ class ReusePolicy:
         return cls(mode=ReuseMode.NONE)
 
     @classmethod
+    def one_pass(cls) -> "ReusePolicy":
+        """Full prefill in one causal pass over the whole prompt, nothing looked up or stored: the fastest
+        full prefill, the reference every benchmark's ratio divides by. :meth:`none` runs the exact path's
+        segment-by-segment schedule instead (bit-identical to exact reuse), which reads the weights once per
+        segment: 1.5x this at ~600 tokens, 1.1x at ~3k on the 2-core dev box (BENCHMARKS.md, session 22).
+        Within float rounding of :meth:`none`."""
+        return cls(mode=ReuseMode.EXACT, prefix_limit=0)
+
+    @classmethod
     def exact(cls, prefix_limit: int | None = None, cache_salt: str = "") -> "ReusePolicy":
         """Exact prefix reuse (the default)."""
         return cls(mode=ReuseMode.EXACT, prefix_limit=prefix_limit, cache_salt=cache_salt)

@@ -47,7 +47,7 @@ def _items(spec: str) -> list[int]:
 
 def _methods(ratios: list[float]) -> dict[str, tuple[str, ReusePolicy]]:
     """name -> (dtype, policy); the fp32 full prefill is the reference and always first."""
-    out = {"fp32 full": ("float32", ReusePolicy.none()), "bf16 full": ("bfloat16", ReusePolicy.none()),
+    out = {"fp32 full": ("float32", ReusePolicy.one_pass()), "bf16 full": ("bfloat16", ReusePolicy.one_pass()),
            "bf16 reuse": ("bfloat16", ReusePolicy.blend(ratio=0.0, guard_margin=None))}
     for r in ratios:
         out[f"bf16 blend@{r:g}"] = ("bfloat16", ReusePolicy.blend(ratio=r))

@@ -120,7 +120,7 @@ def run_quality(engine, items: list[Item], args, vocab: list[str], spare: list[s
 
     ratio = args.ratio
     policies = {
-        "full": ReusePolicy.none(),
+        "full": ReusePolicy.one_pass(),
         "semantic": ReusePolicy.blend(ratio=ratio, semantic=True),
         "fresh": ReusePolicy.blend(ratio=ratio),
         "stale": ReusePolicy.blend(ratio=ratio),

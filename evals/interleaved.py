@@ -86,18 +86,18 @@ def interleaved_ab(engine: Engine, prompts: Sequence[Prompt], policy: ReusePolic
     for p in prompts:  # warm-up: chunks stored; every mode's logits kept
         if full_per_mode:
             set_mode(modes[0])
-        res.reference.append(engine.generate(p, ReusePolicy.none(), max_new_tokens=1).first_logits)
+        res.reference.append(engine.generate(p, ReusePolicy.one_pass(), max_new_tokens=1).first_logits)
         for m in modes:
             set_mode(m)
             res.logits[m].append(engine.generate(p, policy, max_new_tokens=1).first_logits)
     for rep in range(repeats):
         order = list(modes) if rep % 2 == 0 else list(reversed(modes))
         for p in prompts:
-            full = None if full_per_mode else engine.generate(p, ReusePolicy.none(), max_new_tokens=1).ttft_s
+            full = None if full_per_mode else engine.generate(p, ReusePolicy.one_pass(), max_new_tokens=1).ttft_s
             for m in order:
                 set_mode(m)
                 if full_per_mode:
-                    full = engine.generate(p, ReusePolicy.none(), max_new_tokens=1).ttft_s
+                    full = engine.generate(p, ReusePolicy.one_pass(), max_new_tokens=1).ttft_s
                     res.full_s[m].append(full)
                 res.ratios[m].append(engine.generate(p, policy, max_new_tokens=1).ttft_s / full)
     set_mode(modes[-1])

@@ -91,7 +91,7 @@ class Method:
     def policy(self) -> Any:
         """The engine's :class:`blend.policy.ReusePolicy` for this method."""
         if self.kind is MethodKind.FULL:
-            return ReusePolicy.none()
+            return ReusePolicy.one_pass()  # the fastest full prefill: every ratio's reference
         if self.kind is MethodKind.PREFIX:
             return ReusePolicy.exact(prefix_limit=1)
         if self.kind is MethodKind.REUSE:

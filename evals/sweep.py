@@ -93,7 +93,7 @@ def reference_logits(engine: Engine, prompt, cache_dir: Path) -> torch.Tensor:
                 return t
         except Exception:  # noqa: BLE001 - an unreadable cache file is recomputed
             pass
-    logits, _, _ = engine.prefill(prompt, ReusePolicy.none())
+    logits, _, _ = engine.prefill(prompt, ReusePolicy.one_pass())
     cache_dir.mkdir(parents=True, exist_ok=True)
     with safeio.atomic_file(path) as f:
         torch.save(logits.clone(), f)
@@ -113,7 +113,7 @@ def warm_up(engine: Engine, prompt, policies: list[ReusePolicy], time_full: bool
     first blend of each probe precision) and a cold first full prefill. A gate refusal is not
     judged here: the timed request that follows reports it."""
     if time_full:
-        engine.prefill(prompt, ReusePolicy.none())
+        engine.prefill(prompt, ReusePolicy.one_pass())
     for policy in policies:
         engine.prefill(prompt, policy)
 
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                 warm_up(engine, prompt, policies, args.time_full)
             full_ms = None
             if args.time_full:
-                full_ms = request_ms(engine.prefill(prompt, ReusePolicy.none())[2])
+                full_ms = request_ms(engine.prefill(prompt, ReusePolicy.one_pass())[2])
             for m, policy in zip(methods, policies):
                 logits, _, report = engine.prefill(prompt, policy)
                 ms = request_ms(report)

@@ -3,6 +3,7 @@
 import torch
 
 from blend.evals.interleaved import interleaved_ab
+from blend.policy import ReusePolicy
 from conftest import make_docs, unguarded_blend
 
 
@@ -32,7 +33,7 @@ def test_a_full_prefill_per_mode_divides_each_mode_by_its_own(tiny_engine, monke
 
     def generate(self, prompt, policy=None, **kw):  # records which mode each full prefill ran in
         ans = real(self, prompt, policy, **kw)
-        if policy is not None and policy.mode.value == "none":
+        if policy is not None and policy == ReusePolicy.one_pass():  # the full prefill every ratio divides by
             seen.append(mode[0])
         return ans
 

@@ -19,7 +19,7 @@ def test_the_reference_is_computed_once_and_a_corrupt_file_is_recomputed(tiny_en
     first = reference_logits(tiny_engine, prompt, tmp_path)
     files = list(tmp_path.glob("*.pt"))
     assert len(files) == 1
-    want, _, _ = tiny_engine.prefill(prompt, ReusePolicy.none())
+    want, _, _ = tiny_engine.prefill(prompt, ReusePolicy.one_pass())
     assert torch.equal(first, want)
     assert torch.equal(reference_logits(tiny_engine, prompt, tmp_path), first)  # read back
     files[0].write_bytes(b"not a tensor")
@@ -163,8 +163,8 @@ def test_a_timed_sweep_takes_each_requests_own_ttft_after_an_untimed_warm_up(tin
     rows = [json.loads(ln) for ln in (tmp_path / "o" / "rows.jsonl").read_text().splitlines()]
     modes = [m for m, _ in calls]
     # item 0: reference, warm-up (full, both blends), timed (full, both blends); item 1: no warm-up
-    assert modes == ["none", "none", "blend", "blend", "none", "blend", "blend",
-                     "none", "none", "blend", "blend"]
+    assert modes == ["exact", "exact", "blend", "blend", "exact", "blend", "blend",  # the full prefill is one pass:
+                     "exact", "exact", "blend", "blend"]  # an exact policy with nothing to look up
     assert gate_runs == [2]  # the gate ran in the first warm-up blend, before anything was timed
     timed = {0: calls[4:7], 1: calls[8:11]}
     for r in rows:
