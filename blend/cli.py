@@ -34,7 +34,7 @@ from blend.options import (
     add_engine_arguments, add_policy_arguments, engine_from_args, policy_from_args, read_document,
 )
 from blend.exit_codes import ExitCode
-from blend.termination import EXIT_TERMINATED, Terminated, sigterm_unwinds
+from blend.termination import Terminated, sigterm_unwinds
 
 EXIT_USER_ERROR = ExitCode.USER_ERROR
 EXIT_BROKEN_PIPE = ExitCode.BROKEN_PIPE  # as a tool the signal ended: the reader of our output left
@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.func(args) or 0)
     except Terminated:
         print("kvblend: terminated", file=sys.stderr)
-        return EXIT_TERMINATED
+        return ExitCode.TERMINATED
     except BrokenPipeError:  # the reader left (`kvblend store ls | head`): not an error of ours
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit

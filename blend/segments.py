@@ -538,6 +538,11 @@ class SegmentCache:
             out.append(ChunkKV(found.entry, ReuseClass.EXACT, key_hex(key), "exact prefix hit"))
         return out, waited
 
+    def chunk_fits(self, preamble: Segment, ids: Sequence[int]) -> bool:
+        """Whether a chunk of ``ids`` fits the model's context after ``preamble`` (one that does not gets no
+        canonical KV: no prompt holding it could be answered)."""
+        return len(preamble) + len(ids) <= self.model.dims.max_positions
+
     def precompute_chunks(self, texts: Sequence[str], preamble: Segment, salt: str = "") -> int:
         """Compute and store canonical chunk KV (each chunk alone after the preamble).
 
@@ -553,7 +558,7 @@ class SegmentCache:
         written, too_long = 0, 0
         for text in texts:
             ids = document_ids(self.model.loaded.tokenizer, text)  # as build_prompt lays it out (idempotent)
-            if len(preamble) + len(ids) > self.model.dims.max_positions:
+            if not self.chunk_fits(preamble, ids):
                 too_long += 1
                 continue
             key = self.canonical_key(preamble.token_ids, ids, salt)

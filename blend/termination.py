@@ -5,7 +5,7 @@ Python's default SIGTERM ends the process at once: no ``finally`` block and no
 without a word (``docker stop`` of an ingest, a supervisor's stop). Under
 :func:`sigterm_unwinds` the signal raises :class:`Terminated` in the main
 thread instead: an ingest commits what it finished, the store's queued writes
-are flushed at exit, and the command exits with :data:`EXIT_TERMINATED`.
+are flushed at exit, and the command exits with ``ExitCode.TERMINATED``.
 (``kvblend serve`` is stopped by uvicorn's own handlers, which drain requests
 and run the app's shutdown.)
 """
@@ -17,9 +17,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from blend.exit_codes import ExitCode
-
-EXIT_TERMINATED = ExitCode.TERMINATED  # as a tool the signal ended
 
 
 class Terminated(BaseException):

@@ -20,7 +20,7 @@ from blend.evals.methods import DEFAULT_METHODS, MethodError, parse_methods
 from blend.evals.plot import write_pareto
 from blend.progress import Progress
 from blend.exit_codes import ExitCode
-from blend.termination import EXIT_TERMINATED, Terminated
+from blend.termination import Terminated
 from blend.evals.report import markdown, write_json, write_markdown
 
 
@@ -175,7 +175,7 @@ def run_eval(
     except (KeyboardInterrupt, Terminated) as e:
         print(f"kvblend eval: {'terminated' if isinstance(e, Terminated) else 'interrupted'}: the items done are "
               f"in {out / 'rows.jsonl'}; the same command with --resume goes on from there", file=sys.stderr)
-        return EXIT_TERMINATED if isinstance(e, Terminated) else ExitCode.INTERRUPTED
+        return ExitCode.TERMINATED if isinstance(e, Terminated) else ExitCode.INTERRUPTED
     write_json(results, out / "results.json")
     write_markdown(results, out / "results.md")
     write_pareto(results, out / "pareto.png")

@@ -97,8 +97,7 @@ class Catalog:
         self._refs: dict[str, int] = {}
         self._where: dict[str, tuple[str, ChunkRef]] | None = None  # chunk id -> first occurrence
         self.settings_changed = False  # opened with another index kind or threshold than stored: commit to keep them
-        self.kv_intent: dict[str, str] = read_kv_intent(root)  # chunk id -> text, noted since the last commit
-        self._queue_intents()
+        self.kv_intent: dict[str, str] = {}  # chunk id -> text, noted since the last commit (read by open)
 
     # ---- open / commit -------------------------------------------------
 
@@ -122,6 +121,14 @@ class Catalog:
             RetrievalError: missing index (and no meta), corrupt files, or an embedder mismatch.
         """
         root = Path(root).expanduser().resolve()
+        cat = cls._open_state(root, meta)
+        cat.kv_intent = read_kv_intent(root)  # a killed run's: queued for collection, once, on the state opened
+        cat._queue_intents()
+        return cat
+
+    @classmethod
+    def _open_state(cls, root: Path, meta: IndexMeta | None) -> "Catalog":
+        """The committed state of ``root`` (an empty one where none is committed yet; see :meth:`open`)."""
         if not cls.exists(root):
             if meta is None:
                 raise RetrievalError(f"{root}: no index here (run `kvblend ingest PATH... --index {root}` first)")
@@ -165,7 +172,6 @@ class Catalog:
         if set(self.vectors.ids.tolist()) != slots or self.vectors.ntotal != len(self.records):
             raise RetrievalError(f"{gen / 'ids.npy'}: {self.vectors.ntotal} vector ids disagree with the "
                                  f"{len(self.records)} chunk slots of chunks.jsonl")
-        self._queue_intents()
         return self
 
     def _recount(self) -> None:

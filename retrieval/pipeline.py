@@ -177,18 +177,24 @@ class EngineKVWriter:
         Returns:
             One flag per text.
         """
+        return [not self.engine.store.contains(Namespace.CANONICAL, key) for key, _ in self._keys(texts)]
+
+    def _keys(self, texts: list[str]) -> list[tuple[StoreKey, bool]]:
+        """Each chunk's canonical key (what :meth:`Engine.precompute_chunks` stores it under) and whether it
+        fits the context after the preamble."""
         preamble = preamble_segment(self.engine.tokenizer, self.system)
-        return [not self.engine.store.contains(Namespace.CANONICAL, _chunk_key(self.engine, preamble, t))
-                for t in texts]
+        out = []
+        for text in texts:
+            ids = document_ids(self.engine.tokenizer, text)
+            out.append((self.engine.segments.canonical_key(preamble.token_ids, ids),
+                        self.engine.segments.chunk_fits(preamble, ids)))
+        return out
 
     def __call__(self, texts: list[str]) -> int:
         last = store_tiers(self.engine.store)[-1]
-        preamble = preamble_segment(self.engine.tokenizer, self.system)
-        ids = [document_ids(self.engine.tokenizer, t) for t in texts]
-        keys = [self.engine.segments.canonical_key(preamble.token_ids, i) for i in ids]
         # a chunk longer than the context after the preamble gets no KV (no prompt holding it can be answered):
         # not a store failure, so it never keeps the index from recording its signature
-        fits = [len(preamble) + len(i) <= self.engine.dims.max_positions for i in ids]
+        keys, fits = zip(*self._keys(texts)) if texts else ((), ())
         store, ns = self.engine.store, Namespace.CANONICAL
         for key in keys:
             # missing or damaged in the most persistent tier while the chain still holds the key (an emptied
