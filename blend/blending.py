@@ -50,7 +50,7 @@ from blend.kvcache import KVCache, KVEntry
 from blend.model import ModelRunner
 from blend.policy import BudgetMode, GuardMode, ReusePolicy
 from blend.probe import top
-from blend.probe_pass import ProbeResult, probe_gemm_dtype, run_probe, run_probe_first
+from blend.probe_pass import ProbeResult, attention_dtype, probe_gemm_dtype, run_probe, run_probe_first
 from blend.prompt import Prompt, SegmentKind
 from blend.report import DeviationStats, ReuseClass, SegmentReport
 from blend.rope import apply_rope
@@ -406,6 +406,9 @@ class BlendRows:
         self.probe: ProbeResult | None = None
         pol = checker.policy  # the probe's settings, the same wherever it runs
         self.probe_dtype = probe_gemm_dtype(pol.probe_precision, model.dtype, model.device)
+        # the recomputed rows' attention above the first check layer (at and below it every row is still
+        # judged in the engine's dtype, so the precision never changes which rows are recomputed)
+        self.attention_dtype = attention_dtype(pol.attention_precision, model.dtype)
         self.probe_entropy = pol.budget is BudgetMode.AUTO  # only the adaptive budget reads it
         self.ratio: float | None = None
         # each check layer at the checker's policy's ratio (a widened pass's differs from its plan's)
@@ -485,21 +488,24 @@ class BlendRows:
         if active.numel() == 0:  # a context-only blend that recomputes no row: layers only re-position
             return q.new_zeros(0, q.shape[0] * q.shape[2])  # (0, Hq D)
         k_all, v_all = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
-        rows = self._active_queries(active)
+        dtype = self.attention_dtype if plan.checks and layer > plan.checks[0].layer else q.dtype
+        rows = self._active_queries(active, dtype)
         q_rot = apply_rope(q, rows.cos, rows.sin)  # (Hq, A, D)
+        if dtype != q.dtype:  # bf16 attention (AttentionPrecision.BF16): the cache itself keeps its dtype
+            q_rot, k_all, v_all = q_rot.to(dtype), k_all.to(dtype), v_all.to(dtype)
         attn = sparse_query_attention(q_rot, rows.pos, k_all, v_all, self.k_pos, self.scale,
-                                      plan=rows.attention)  # (Hq, A, D)
+                                      plan=rows.attention).to(q.dtype)  # (Hq, A, D)
         return attn.transpose(0, 1).reshape(q.shape[1], -1)  # (A, Hq D)
 
-    def _active_queries(self, active: torch.Tensor) -> "_ActiveQueries":
+    def _active_queries(self, active: torch.Tensor, dtype: torch.dtype) -> "_ActiveQueries":
         """What the active rows' attention reads besides q, K and V: the same at every layer between
-        two check layers, so made when ``active`` changes, not at every layer."""
-        if self._queries is None or self._queries.active is not active:
+        two check layers, so made when ``active`` (or the attention's dtype) changes, not at every layer."""
+        if self._queries is None or self._queries.active is not active or self._queries.dtype != dtype:
             plan, dims = self.plan, self.model.dims
             pos = plan.pos[active]  # (A,)
-            blocks = plan_query_blocks(pos, self.k_pos, dims.num_heads, dims.num_kv_heads, dtype=self.model.dtype) \
+            blocks = plan_query_blocks(pos, self.k_pos, dims.num_heads, dims.num_kv_heads, dtype=dtype) \
                 if pos.device.type == "cpu" else None
-            self._queries = _ActiveQueries(active, pos, plan.cos[active], plan.sin[active], blocks)
+            self._queries = _ActiveQueries(active, dtype, pos, plan.cos[active], plan.sin[active], blocks)
         return self._queries
 
 
@@ -508,6 +514,7 @@ class _ActiveQueries:
     """The active rows of a blended pass, as their attention reads them."""
 
     active: torch.Tensor  # (A,) the rows (relative to e) these were made for
+    dtype: torch.dtype  # the attention's dtype they were made for (the CPU plan's route depends on it)
     pos: torch.Tensor  # (A,) their positions
     cos: torch.Tensor  # (A, R) RoPE tables at those positions
     sin: torch.Tensor  # (A, R)

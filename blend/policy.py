@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from blend.defaults import (
-    DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_MODE,
+    DEFAULT_ATTENTION_PRECISION, DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_MODE,
     DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO,
     DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, MAX_SEED, REUSED_TEMPERATURE_RANGE,
 )
@@ -39,7 +39,8 @@ class BudgetMode(Enum):
 
 class ProbePrecision(Enum):
     """The dtype of the query probe's GEMMs. The probe's numbers only rank rows: the blend's
-    own pass (the KV and logits the answer uses) always runs in the engine's dtype."""
+    own pass (the KV and logits the answer uses) runs in the engine's dtype (its attention above
+    the first check layer in :class:`AttentionPrecision`'s)."""
 
     COMPUTE = "compute"  # the engine's compute dtype
     BF16 = "bf16"  # bfloat16 weights and activations at the GEMMs; attention and norms in the compute dtype
@@ -47,6 +48,20 @@ class ProbePrecision(Enum):
 
 
 PROBE_PRECISION_NAMES = tuple(p.value for p in ProbePrecision)
+
+
+class AttentionPrecision(Enum):
+    """The dtype the recomputed rows' attention reads q, K and V in above a blend's first check layer
+    (the flash kernel keeps its softmax and sums in float32). Below it, the check layer, the probe,
+    the KV the cache keeps and decoding stay in the engine's dtype, so the rows a blend recomputes are
+    the same either way; only the numbers of the layers above move (by bf16 rounding)."""
+
+    COMPUTE = "compute"  # the engine's compute dtype
+    BF16 = "bf16"  # bfloat16 q, K, V at the attention (a float32 engine's cache is cast per layer)
+    AUTO = "auto"  # BF16 for a float32 engine on a CPU with native bf16 (AVX-512 BF16 or AMX), else COMPUTE
+
+
+ATTENTION_PRECISION_NAMES = tuple(p.value for p in AttentionPrecision)
 
 
 class GuardMode(Enum):
@@ -98,6 +113,9 @@ class ReusePolicy:
         cache_salt: mixed into every store key the request derives (exact, canonical):
             requests with different salts share no KV; "" = no salt.
         probe_precision: dtype of the query probe's GEMMs (:class:`ProbePrecision`).
+        attention_precision: blend: dtype of the recomputed rows' attention above the first check
+            layer (:class:`AttentionPrecision`); ``bf16`` trades bf16 rounding there for a ~2.5x
+            faster attention on CPUs with AMX (BENCHMARKS.md, "bf16 attention for the recomputed rows").
         guard_margin: near-tie guard (on by default): when the blend's first-token distribution has
             its top two tokens within this many nats, the request is blended again at
             ``guard_ratio`` (the report says so; TTFT counts both passes). None: off.
@@ -150,6 +168,7 @@ class ReusePolicy:
     guard_mode: GuardMode = GuardMode(DEFAULT_GUARD_MODE)
     reused_temperature: float = DEFAULT_REUSED_TEMPERATURE
     take_exact: bool = False
+    attention_precision: AttentionPrecision = AttentionPrecision(DEFAULT_ATTENTION_PRECISION)
 
     def __post_init__(self) -> None:
         def bad_ratio(r: float) -> bool:
@@ -229,6 +248,13 @@ class ReusePolicy:
             raise InvalidPolicyError(f"guard_mode must be a GuardMode, got {self.guard_mode!r:.60}")
         if not isinstance(self.probe_precision, ProbePrecision):
             raise InvalidPolicyError(f"probe_precision must be a ProbePrecision, got {self.probe_precision!r}")
+        if not isinstance(self.attention_precision, AttentionPrecision):
+            raise InvalidPolicyError(f"attention_precision must be an AttentionPrecision, "
+                                     f"got {self.attention_precision!r:.60}")
+        if (self.attention_precision is not AttentionPrecision(DEFAULT_ATTENTION_PRECISION)
+                and self.mode is not ReuseMode.BLEND):
+            raise InvalidPolicyError("attention_precision is a blend option (other modes compute every row "
+                                     "in the engine's dtype)")
         if not isinstance(self.cache_salt, str):
             raise InvalidPolicyError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
         if not is_unicode(self.cache_salt):  # part of every store key, as UTF-8
@@ -367,4 +393,6 @@ class ReusePolicy:
         seed = f":seed={self.seed}" if self.selector == "random" else ""
         semantic = ":semantic" if self.semantic else ""
         exact = ":take-exact" if self.take_exact else ""
-        return f"blend@{what}:{self.selector}{seed}:check={checks}{probe}{cand}{temp}{guard}{semantic}{exact}"
+        attn = f":attn={self.attention_precision.value}" \
+            if self.attention_precision is not AttentionPrecision(DEFAULT_ATTENTION_PRECISION) else ""
+        return f"blend@{what}:{self.selector}{seed}:check={checks}{probe}{cand}{temp}{attn}{guard}{semantic}{exact}"

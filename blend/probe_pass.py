@@ -32,7 +32,7 @@ from blend.cpu_features import native_on_cpu, this_cpu_flags
 from blend.kernels import attention_probs, hidden_keys
 from blend.kvcache import KVCache
 from blend.model import ModelRunner, layer_attention_only
-from blend.policy import ProbePrecision
+from blend.policy import AttentionPrecision, ProbePrecision
 from blend.probe import entropy
 from blend.rope import apply_rope
 
@@ -40,9 +40,25 @@ if TYPE_CHECKING:
     from blend.blending import BlendPlan
 
 
+def bf16_pays(compute: torch.dtype, device: torch.device | None = None,
+              flags: frozenset[str] | None = None) -> bool:
+    """Whether an AUTO precision picks bf16: a float32 engine on a CPU with native bf16 arithmetic
+    (AVX-512 BF16 or AMX: there bf16 GEMMs and attention run ~2.5-3x faster; elsewhere bf16 would be
+    emulated and slower).
+
+    Args:
+        compute: the engine's compute dtype.
+        device: the engine's device (None: a CPU).
+        flags: CPU flags (default: this machine's).
+    """
+    if compute != torch.float32 or (device is not None and device.type != "cpu"):
+        return False
+    return bool(native_on_cpu(torch.bfloat16, this_cpu_flags() if flags is None else flags))
+
+
 def resolve_probe_precision(precision: ProbePrecision, compute: torch.dtype, device: torch.device | None = None,
                             flags: frozenset[str] | None = None) -> ProbePrecision:
-    """What ``precision`` means on this engine: AUTO becomes BF16 or COMPUTE.
+    """What ``precision`` means on this engine: AUTO becomes BF16 or COMPUTE (:func:`bf16_pays`).
 
     Args:
         precision: the policy's :class:`ProbePrecision`.
@@ -51,16 +67,29 @@ def resolve_probe_precision(precision: ProbePrecision, compute: torch.dtype, dev
         flags: CPU flags for AUTO (default: this machine's).
 
     Returns:
-        BF16 for AUTO when a float32 engine runs on a CPU with native bf16 arithmetic (AVX-512 BF16
-        or AMX: there the probe's GEMMs run ~3x faster; elsewhere bf16 would be emulated and slower),
-        COMPUTE for AUTO otherwise; any other precision unchanged.
+        The precision, AUTO resolved.
     """
     if precision is not ProbePrecision.AUTO:
         return precision
-    if compute != torch.float32 or (device is not None and device.type != "cpu"):
-        return ProbePrecision.COMPUTE
-    native = native_on_cpu(torch.bfloat16, this_cpu_flags() if flags is None else flags)
-    return ProbePrecision.BF16 if native else ProbePrecision.COMPUTE
+    return ProbePrecision.BF16 if bf16_pays(compute, device, flags) else ProbePrecision.COMPUTE
+
+
+def resolve_attention_precision(precision: AttentionPrecision, compute: torch.dtype,
+                                device: torch.device | None = None,
+                                flags: frozenset[str] | None = None) -> AttentionPrecision:
+    """What a blend's ``attention_precision`` means on this engine: AUTO becomes BF16 or COMPUTE
+    (:func:`bf16_pays`); BF16 on a bf16 engine is COMPUTE (nothing to cast). Args as for
+    :func:`resolve_probe_precision`."""
+    if precision is AttentionPrecision.AUTO:
+        return AttentionPrecision.BF16 if bf16_pays(compute, device, flags) else AttentionPrecision.COMPUTE
+    if precision is AttentionPrecision.BF16 and compute == torch.bfloat16:
+        return AttentionPrecision.COMPUTE
+    return precision
+
+
+def attention_dtype(precision: AttentionPrecision, compute: torch.dtype) -> torch.dtype:
+    """The dtype a blend's recomputed rows attend in above its first check layer (``precision`` resolved)."""
+    return torch.bfloat16 if precision is AttentionPrecision.BF16 else compute
 
 
 def probe_gemm_dtype(precision: ProbePrecision, compute: torch.dtype, device: torch.device | None = None,

@@ -390,9 +390,9 @@ def test_attention_plan_is_made_once_per_active_row_set(tiny_engine, monkeypatch
     assert len(made) == len(pol.check_layers) + 1 < tiny_engine.runner.dims.num_layers
     assert made[0] > made[-1]  # the rows the check layer kept are fewer
 
-    def per_layer(self, active):
+    def per_layer(self, active, dtype):
         plan = self.plan
-        return B._ActiveQueries(active, plan.pos[active], plan.cos[active], plan.sin[active], None)
+        return B._ActiveQueries(active, dtype, plan.pos[active], plan.cos[active], plan.sin[active], None)
 
     monkeypatch.setattr(B.BlendRows, "_active_queries", per_layer)
     assert torch.equal(tiny_engine.generate(prompt, pol, max_new_tokens=1).first_logits, planned.first_logits)

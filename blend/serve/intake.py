@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from blend.control_text import unmark
+from blend.defaults import DEFAULT_ATTENTION_PRECISION
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.generation import stop_strings
-from blend.policy import GuardMode, ProbePrecision, ReuseMode, ReusePolicy
+from blend.policy import AttentionPrecision, GuardMode, ProbePrecision, ReuseMode, ReusePolicy
 from blend.prompt import Prompt
 from blend.sampling import GenerationConfig, InvalidSettingError
 from blend.serve.config import ServeConfig
@@ -66,21 +67,22 @@ def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False) -> Reu
         InvalidPolicyError: options that contradict each other.
     """
     mode = ReuseMode(opts.reuse)
+    if mode is not ReuseMode.BLEND:  # a blend option under another mode is refused, not dropped
+        blend_only = {"semantic reuse": opts.semantic, "take_exact": opts.take_exact,
+                      "attention_precision": opts.attention_precision != DEFAULT_ATTENTION_PRECISION}
+        for name, given in blend_only.items():
+            if given:
+                raise InvalidPolicyError(f"{name} is a blend option: use kvblend.reuse = \"blend\"")
     if mode is ReuseMode.NONE:  # nothing is looked up or stored: a salt has nothing to key
-        if opts.semantic:
-            raise InvalidPolicyError("semantic reuse is a blend option: use kvblend.reuse = \"blend\"")
         return ReusePolicy.none()
     if mode is ReuseMode.EXACT:
-        if opts.semantic:
-            raise InvalidPolicyError("semantic reuse is a blend option: use kvblend.reuse = \"blend\"")
-        if opts.take_exact:
-            raise InvalidPolicyError("take_exact is a blend option: use kvblend.reuse = \"blend\"")
         return ReusePolicy.exact(cache_salt=salt)
     return ReusePolicy.blend(ratio=opts.ratio, selector=opts.selector, semantic=opts.semantic, cache_salt=salt,
                              guard_margin=opts.guard_margin, guard_ratio=opts.guard_ratio,
                              guard_mode=GuardMode(opts.guard_mode),
                              candidates=opts.candidates, probe_precision=ProbePrecision(opts.probe_precision),
                              reused_temperature=opts.reused_temperature,
+                             attention_precision=AttentionPrecision(opts.attention_precision),
                              take_exact=take_exact if opts.take_exact is None else opts.take_exact)
 
 
