@@ -219,7 +219,7 @@ def document_text(doc: str) -> str:
 
 def preamble_segment(tokenizer, system: str | None) -> Segment:
     """The preamble: chat head with the system prompt and the user turn's opening."""
-    head, _ = _template_parts(tokenizer, _user(tokenizer, system or DEFAULT_SYSTEM))
+    head, _ = _template_parts(tokenizer, _user(tokenizer, DEFAULT_SYSTEM if system is None else system))
     return _segment(tokenizer, SegmentKind.PREAMBLE, head)
 
 
@@ -231,7 +231,7 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
         tokenizer: the model's tokenizer (with a chat template, ideally).
         question: the user's question (non-empty).
         documents: document texts in prompt order (may be empty).
-        system: system prompt; default :data:`DEFAULT_SYSTEM`.
+        system: system prompt; None: :data:`DEFAULT_SYSTEM` ("" is an empty system prompt, not the default).
         history: earlier turns of the conversation, oldest first (may be empty); the
             documents open its first user turn (which reads "Question: ..." as a single
             question does) and the question segment carries the rest.
@@ -266,7 +266,7 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
             raise InvalidRequestError(f"history turn {i + 1} ({turn.role.value}) is empty")
     # (user text spelling a control token is marked, so it reads as text: see blend.control_text)
     history = tuple(Turn(t.role, _user(tokenizer, t.text)) for t in history)
-    system = _user(tokenizer, system or DEFAULT_SYSTEM)
+    system = _user(tokenizer, DEFAULT_SYSTEM if system is None else system)  # "": an empty one, as asked
     question = _user(tokenizer, question)
     if history:
         # head: the single-question preamble, or a conversation opening with assistant turns' own

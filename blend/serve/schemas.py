@@ -111,7 +111,7 @@ def conversation(messages: list[ChatMessage]) -> tuple[str | None, tuple[Turn, .
     history, in order.
 
     Returns:
-        (system or None, history turns oldest first, question).
+        (system prompt, or None without a system message; history turns oldest first; question).
 
     Raises:
         ValueError: no user message, or the last message is not the user's.
@@ -120,7 +120,9 @@ def conversation(messages: list[ChatMessage]) -> tuple[str | None, tuple[Turn, .
     if not messages or messages[-1].role != "user":
         raise ValueError("the last message must be the user's question (earlier user and assistant "
                          "turns are its history; system messages set the system prompt)")
-    system = "\n\n".join(m.text() for m in messages if m.role in ("system", "developer")) or None
+    # no system message: the engine's default instructions; an empty one: an empty system prompt (as asked)
+    system_parts = [m.text() for m in messages if m.role in ("system", "developer")]
+    system = "\n\n".join(system_parts) if system_parts else None
     history = tuple(Turn(Role(m.role), m.text()) for m in turns[:-1])
     return system, history, turns[-1].text()
 

@@ -1,0 +1,22 @@
+"""An explicit empty system prompt is empty; only a missing one gets the default instructions."""
+
+from blend.prompt import DEFAULT_SYSTEM
+from blend.serve.schemas import ChatMessage, conversation
+
+
+def test_an_empty_system_message_is_not_the_default(tiny_engine):
+    default = tiny_engine.build_prompt("Which?", ["A doc."])
+    named = tiny_engine.build_prompt("Which?", ["A doc."], system=DEFAULT_SYSTEM)
+    empty = tiny_engine.build_prompt("Which?", ["A doc."], system="")
+    assert default.preamble.token_ids == named.preamble.token_ids
+    assert empty.preamble.token_ids != default.preamble.token_ids
+    assert "helpful assistant" not in tiny_engine.tokenizer.decode(list(empty.preamble.token_ids))
+    assert empty.documents[0].token_ids == default.documents[0].token_ids  # only the preamble moves
+
+
+def test_the_server_reads_an_empty_system_message_as_asked():
+    user = ChatMessage(role="user", content="q?")
+    assert conversation([user])[0] is None  # no system message: the engine's default
+    assert conversation([ChatMessage(role="system", content=""), user])[0] == ""
+    assert conversation([ChatMessage(role="system", content="a"), ChatMessage(role="developer", content="b"),
+                         user])[0] == "a\n\nb"
