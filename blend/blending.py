@@ -47,10 +47,10 @@ from blend.kernels import (
     BlockPlan, kv_deviation, plan_query_blocks, query_attention_mass, rope_rows, sparse_query_attention,
 )
 from blend.kvcache import KVCache, KVEntry
-from blend.model import ModelRunner
+from blend.model import LayerWeights, ModelRunner
 from blend.policy import BudgetMode, GuardMode, ReusePolicy
 from blend.probe import top
-from blend.probe_pass import ProbeResult, attention_dtype, probe_gemm_dtype, run_probe, run_probe_first
+from blend.probe_pass import ProbeResult, probe_gemm_dtype, recompute_dtype, run_probe, run_probe_first
 from blend.prompt import Prompt, SegmentKind
 from blend.report import DeviationStats, ReuseClass, SegmentReport
 from blend.rope import apply_rope
@@ -408,7 +408,7 @@ class BlendRows:
         self.probe_dtype = probe_gemm_dtype(pol.probe_precision, model.dtype, model.device)
         # the recomputed rows' attention above the first check layer (at and below it every row is still
         # judged in the engine's dtype, so the precision never changes which rows are recomputed)
-        self.attention_dtype = attention_dtype(pol.attention_precision, model.dtype)
+        self.attention_dtype = recompute_dtype(pol.attention_precision, model.dtype)
         self.probe_entropy = pol.budget is BudgetMode.AUTO  # only the adaptive budget reads it
         self.ratio: float | None = None
         # each check layer at the checker's policy's ratio (a widened pass's differs from its plan's)
@@ -491,7 +491,7 @@ class BlendRows:
         dtype = self.attention_dtype if plan.checks and layer > plan.checks[0].layer else q.dtype
         rows = self._active_queries(active, dtype)
         q_rot = apply_rope(q, rows.cos, rows.sin)  # (Hq, A, D)
-        if dtype != q.dtype:  # bf16 attention (AttentionPrecision.BF16): the cache itself keeps its dtype
+        if dtype != q.dtype:  # bf16 attention (RecomputePrecision.BF16): the cache itself keeps its dtype
             q_rot, k_all, v_all = q_rot.to(dtype), k_all.to(dtype), v_all.to(dtype)
         attn = sparse_query_attention(q_rot, rows.pos, k_all, v_all, self.k_pos, self.scale,
                                       plan=rows.attention).to(q.dtype)  # (Hq, A, D)
@@ -572,13 +572,33 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     skip_q = not question and bool(plan.checks)  # with no check layer the question runs whole
     rows = BlendRows(plan, cache, Checker(plan, policy, model.dims.scale), model, policy.needs_probe,
                      question=not skip_q)
-    h = model.run_layers(model.embed(plan.ids[rows.active]), rows)  # (A, C)
+    h = model.run_layers(model.embed(plan.ids[rows.active]), rows, layers=pass_layers(model, plan, policy))  # (A, C)
     cache.advance(plan.nb if skip_q else plan.n)
     context = _Context(prompt, tuple(chunks), n_exact, tuple(reports))
     out = _finish(model, context, plan, rows, None if skip_q else h, lookup_s)
     if skip_q or not policy.guarded or rows.check_input is None or policy.guard_mode is GuardMode.RESTART:
         return out
     return replace(out, resume=BlendResume(plan, policy, rows.check_input, context, cache.length))
+
+
+def pass_layers(model: ModelRunner, plan: BlendPlan, policy: ReusePolicy) -> list[LayerWeights] | None:
+    """The weights a blended pass runs its layers on.
+
+    Args:
+        model: the model runner.
+        plan: the pass's plan (its first check layer).
+        policy: its policy (``linear_precision`` resolved).
+
+    Returns:
+        None (the engine's own weights) unless ``linear_precision`` asks for another dtype and the plan has
+        a check layer: then the engine's layers up to the first check layer and a copy in that dtype above
+        it (:meth:`ModelRunner.layers_in`, made once per engine and dtype; the probe's bf16 copy).
+    """
+    dtype = recompute_dtype(policy.linear_precision, model.dtype)
+    if dtype == model.dtype or not plan.checks:
+        return None
+    first = plan.checks[0].layer
+    return [*model.layers[: first + 1], *model.layers_in(dtype)[first + 1:]]
 
 
 def widen_blend(model: ModelRunner, resume: BlendResume, cache: KVCache, ratio: float) -> BlendOutcome:
@@ -606,7 +626,7 @@ def widen_blend(model: ModelRunner, resume: BlendResume, cache: KVCache, ratio: 
     policy = resume.policy.at_guard_ratio(ratio)
     rows = BlendRows(plan, cache, Checker(plan, policy, model.dims.scale), model, policy.needs_probe,
                      widen=at)
-    h = model.run_layers(at.h, rows, start=at.layer)  # (A', C)
+    h = model.run_layers(at.h, rows, start=at.layer, layers=pass_layers(model, plan, policy))  # (A', C)
     share = rows.first_selected.numel() / max(plan.budget_base, 1)  # every row the first pass kept is kept
     return replace(_finish(model, resume.context, plan, rows, h, 0.0), ratio=share)
 

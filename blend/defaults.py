@@ -67,11 +67,14 @@ DEFAULT_VLLM_GUARD_MARGIN: float | None = None
 # and max KL were within 0.0008 of the fp32 probe's (two-hop p90 at 0.30: 0.0019 lower), top-1 equal; the
 # probe phase 17-36% cheaper (BENCHMARKS.md, "The query probe in bf16 by default ...")
 DEFAULT_PROBE_PRECISION = "auto"
-# the recomputed rows' attention above a blend's first check layer (blend.policy.AttentionPrecision): "compute"
-# (the engine's dtype), "bf16" or "auto" (bf16 for a float32 engine on a CPU with native bf16). Opt-in: on this
-# AMX Xeon the attention runs ~2.5x faster per pair in bf16, but the answer's numbers move by bf16 rounding
-# (issue 18 asks the default's KL to stay within 1e-6); BENCHMARKS.md, "bf16 attention for the recomputed rows".
+# the recomputed rows' attention and linear layers above a blend's first check layer
+# (blend.policy.RecomputePrecision): "compute" (the engine's dtype), "bf16" or "auto" (bf16 for a float32 engine
+# on a CPU with native bf16). Opt-in: on the 2-core AMX Xeon bf16 attention took blend@0.15 from 0.235x to 0.187x
+# of a full prefill (median, validation 30-99) at mean KL 0.0298 against 0.0294, and bf16 linear layers on top
+# take it further; but the answer's numbers move by bf16 rounding (issue 18 asks the default's KL to stay
+# within 1e-6 of before); BENCHMARKS.md, "bf16 for the recomputed rows".
 DEFAULT_ATTENTION_PRECISION = "compute"
+DEFAULT_LINEAR_PRECISION = "compute"
 # probe selectors: None = the layers up to the check for every document row; F = the probe runs first
 # and only the F x budget rows the question attends to most are computed up to the check (candidates).
 # 2: the smallest of 1.5 / 2 / 3 that keeps synthetic two-hop no worse than V deviation at 0.15 and

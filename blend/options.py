@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from blend import safeio
 from blend.defaults import (
-    DEFAULT_ATTENTION_PRECISION, DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE, DEFAULT_GEMM, DEFAULT_GUARD_MARGIN,
-    DEFAULT_GUARD_MODE, DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL,
-    DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, DTYPE_NAMES, GEMM_CHOICES,
-    MAX_DOCUMENT_BYTES, REUSED_TEMPERATURE_RANGE,
+    DEFAULT_ATTENTION_PRECISION, DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_DTYPE,
+    DEFAULT_GEMM, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_MODE, DEFAULT_GUARD_RATIO, DEFAULT_LINEAR_PRECISION,
+    DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO,
+    DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, DTYPE_NAMES, GEMM_CHOICES, MAX_DOCUMENT_BYTES,
+    REUSED_TEMPERATURE_RANGE,
 )
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.policy import (
-    ATTENTION_PRECISION_NAMES, GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, SELECTOR_NAMES, AttentionPrecision,
-    BudgetMode, GuardMode, ProbePrecision, ReuseMode, ReusePolicy,
+    GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, RECOMPUTE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode, GuardMode,
+    ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy,
 )
 
 if TYPE_CHECKING:
@@ -160,10 +161,14 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-precision", default=DEFAULT_PROBE_PRECISION, choices=PROBE_PRECISION_NAMES,
                    help="blend, probe selectors: dtype of the query probe's GEMMs (its numbers only rank rows): "
                         "compute, bf16, or auto (bf16 on a CPU with native bf16, else compute; default: %(default)s)")
-    p.add_argument("--attention-precision", default=DEFAULT_ATTENTION_PRECISION, choices=ATTENTION_PRECISION_NAMES,
+    p.add_argument("--attention-precision", default=DEFAULT_ATTENTION_PRECISION, choices=RECOMPUTE_PRECISION_NAMES,
                    help="blend: dtype of the recomputed rows' attention above the first check layer: compute, "
                         "bf16 (~2.5x faster attention on CPUs with AMX; the answer's numbers move by bf16 "
                         "rounding), or auto (bf16 on a CPU with native bf16, else compute; default: %(default)s)")
+    p.add_argument("--linear-precision", default=DEFAULT_LINEAR_PRECISION, choices=RECOMPUTE_PRECISION_NAMES,
+                   help="blend: dtype of the recomputed rows' linear layers (QKV, output, MLP) above the first check "
+                        "layer: compute, bf16 (on a bf16 copy of the weights: ~3x faster GEMMs with AMX; the "
+                        "answer's numbers move by bf16 rounding), or auto (default: %(default)s)")
     p.add_argument("--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS,
                    help="blend: compute fully below this length")
     p.add_argument("--force-blend", action="store_true", help="blend even if the model's quality gate failed")
@@ -183,6 +188,7 @@ BLEND_OPTION_DEFAULTS = (
     ("guard_ratio", DEFAULT_GUARD_RATIO), ("guard_mode", DEFAULT_GUARD_MODE), ("candidates", DEFAULT_CANDIDATES),
     ("reused_temperature", DEFAULT_REUSED_TEMPERATURE), ("probe_precision", DEFAULT_PROBE_PRECISION),
     ("take_exact", False), ("attention_precision", DEFAULT_ATTENTION_PRECISION),
+    ("linear_precision", DEFAULT_LINEAR_PRECISION),
 )
 
 
@@ -217,7 +223,8 @@ def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
         reused_temperature=getattr(args, "reused_temperature", DEFAULT_REUSED_TEMPERATURE),
         probe_precision=ProbePrecision(getattr(args, "probe_precision", DEFAULT_PROBE_PRECISION)),
         take_exact=getattr(args, "take_exact", False),
-        attention_precision=AttentionPrecision(getattr(args, "attention_precision", DEFAULT_ATTENTION_PRECISION)),
+        attention_precision=RecomputePrecision(getattr(args, "attention_precision", DEFAULT_ATTENTION_PRECISION)),
+        linear_precision=RecomputePrecision(getattr(args, "linear_precision", DEFAULT_LINEAR_PRECISION)),
     )
 
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from blend.defaults import (
-    DEFAULT_ATTENTION_PRECISION, DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_MODE,
-    DEFAULT_GUARD_RATIO, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO,
-    DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, MAX_SEED, REUSED_TEMPERATURE_RANGE,
+    DEFAULT_ATTENTION_PRECISION, DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN,
+    DEFAULT_GUARD_MODE, DEFAULT_GUARD_RATIO, DEFAULT_LINEAR_PRECISION, DEFAULT_MAX_RATIO, DEFAULT_MIN_PROMPT_TOKENS,
+    DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, MAX_SEED,
+    REUSED_TEMPERATURE_RANGE,
 )
 from blend.errors import InvalidPolicyError
 from blend.numeric import finite_real, integral, shown
@@ -40,7 +41,7 @@ class BudgetMode(Enum):
 class ProbePrecision(Enum):
     """The dtype of the query probe's GEMMs. The probe's numbers only rank rows: the blend's
     own pass (the KV and logits the answer uses) runs in the engine's dtype (its attention above
-    the first check layer in :class:`AttentionPrecision`'s)."""
+    the first check layer in :class:`RecomputePrecision`'s)."""
 
     COMPUTE = "compute"  # the engine's compute dtype
     BF16 = "bf16"  # bfloat16 weights and activations at the GEMMs; attention and norms in the compute dtype
@@ -50,18 +51,21 @@ class ProbePrecision(Enum):
 PROBE_PRECISION_NAMES = tuple(p.value for p in ProbePrecision)
 
 
-class AttentionPrecision(Enum):
-    """The dtype the recomputed rows' attention reads q, K and V in above a blend's first check layer
-    (the flash kernel keeps its softmax and sums in float32). Below it, the check layer, the probe,
-    the KV the cache keeps and decoding stay in the engine's dtype, so the rows a blend recomputes are
-    the same either way; only the numbers of the layers above move (by bf16 rounding)."""
+class RecomputePrecision(Enum):
+    """The dtype of part of a blend's work on its recomputed rows above the first check layer: their
+    attention (``ReusePolicy.attention_precision``: q, K and V read in it; the flash kernel keeps its
+    softmax and sums in float32) or their linear layers (``linear_precision``: QKV, output and MLP GEMMs
+    on a bf16 copy of the weights; the residual stream stays in the engine's dtype). Below that layer,
+    the check layer, the probe, the KV the cache keeps, the LM head and decoding stay in the engine's
+    dtype, so the rows a blend recomputes are the same either way; only the numbers of the layers above
+    move (by bf16 rounding)."""
 
     COMPUTE = "compute"  # the engine's compute dtype
-    BF16 = "bf16"  # bfloat16 q, K, V at the attention (a float32 engine's cache is cast per layer)
+    BF16 = "bf16"  # bfloat16 (a float32 engine's cache is cast per layer for the attention)
     AUTO = "auto"  # BF16 for a float32 engine on a CPU with native bf16 (AVX-512 BF16 or AMX), else COMPUTE
 
 
-ATTENTION_PRECISION_NAMES = tuple(p.value for p in AttentionPrecision)
+RECOMPUTE_PRECISION_NAMES = tuple(p.value for p in RecomputePrecision)
 
 
 class GuardMode(Enum):
@@ -114,8 +118,10 @@ class ReusePolicy:
             requests with different salts share no KV; "" = no salt.
         probe_precision: dtype of the query probe's GEMMs (:class:`ProbePrecision`).
         attention_precision: blend: dtype of the recomputed rows' attention above the first check
-            layer (:class:`AttentionPrecision`); ``bf16`` trades bf16 rounding there for a ~2.5x
-            faster attention on CPUs with AMX (BENCHMARKS.md, "bf16 attention for the recomputed rows").
+            layer (:class:`RecomputePrecision`); ``bf16`` trades bf16 rounding there for a ~2.5x
+            faster attention on CPUs with AMX (BENCHMARKS.md, "bf16 for the recomputed rows").
+        linear_precision: blend: dtype of the recomputed rows' linear layers above the first check
+            layer (:class:`RecomputePrecision`); ``bf16`` runs them on a bf16 copy of the weights.
         guard_margin: near-tie guard (on by default): when the blend's first-token distribution has
             its top two tokens within this many nats, the request is blended again at
             ``guard_ratio`` (the report says so; TTFT counts both passes). None: off.
@@ -168,7 +174,8 @@ class ReusePolicy:
     guard_mode: GuardMode = GuardMode(DEFAULT_GUARD_MODE)
     reused_temperature: float = DEFAULT_REUSED_TEMPERATURE
     take_exact: bool = False
-    attention_precision: AttentionPrecision = AttentionPrecision(DEFAULT_ATTENTION_PRECISION)
+    attention_precision: RecomputePrecision = RecomputePrecision(DEFAULT_ATTENTION_PRECISION)
+    linear_precision: RecomputePrecision = RecomputePrecision(DEFAULT_LINEAR_PRECISION)
 
     def __post_init__(self) -> None:
         def bad_ratio(r: float) -> bool:
@@ -248,13 +255,14 @@ class ReusePolicy:
             raise InvalidPolicyError(f"guard_mode must be a GuardMode, got {self.guard_mode!r:.60}")
         if not isinstance(self.probe_precision, ProbePrecision):
             raise InvalidPolicyError(f"probe_precision must be a ProbePrecision, got {self.probe_precision!r}")
-        if not isinstance(self.attention_precision, AttentionPrecision):
-            raise InvalidPolicyError(f"attention_precision must be an AttentionPrecision, "
-                                     f"got {self.attention_precision!r:.60}")
-        if (self.attention_precision is not AttentionPrecision(DEFAULT_ATTENTION_PRECISION)
-                and self.mode is not ReuseMode.BLEND):
-            raise InvalidPolicyError("attention_precision is a blend option (other modes compute every row "
-                                     "in the engine's dtype)")
+        for name, default in (("attention_precision", DEFAULT_ATTENTION_PRECISION),
+                              ("linear_precision", DEFAULT_LINEAR_PRECISION)):
+            value = getattr(self, name)
+            if not isinstance(value, RecomputePrecision):
+                raise InvalidPolicyError(f"{name} must be a RecomputePrecision, got {value!r:.60}")
+            if value is not RecomputePrecision(default) and self.mode is not ReuseMode.BLEND:
+                raise InvalidPolicyError(f"{name} is a blend option (other modes compute every row in the "
+                                         f"engine's dtype)")
         if not isinstance(self.cache_salt, str):
             raise InvalidPolicyError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
         if not is_unicode(self.cache_salt):  # part of every store key, as UTF-8
@@ -394,5 +402,7 @@ class ReusePolicy:
         semantic = ":semantic" if self.semantic else ""
         exact = ":take-exact" if self.take_exact else ""
         attn = f":attn={self.attention_precision.value}" \
-            if self.attention_precision is not AttentionPrecision(DEFAULT_ATTENTION_PRECISION) else ""
+            if self.attention_precision is not RecomputePrecision(DEFAULT_ATTENTION_PRECISION) else ""
+        attn += f":lin={self.linear_precision.value}" \
+            if self.linear_precision is not RecomputePrecision(DEFAULT_LINEAR_PRECISION) else ""
         return f"blend@{what}:{self.selector}{seed}:check={checks}{probe}{cand}{temp}{attn}{guard}{semantic}{exact}"

@@ -32,7 +32,7 @@ from blend.cpu_features import native_on_cpu, this_cpu_flags
 from blend.kernels import attention_probs, hidden_keys
 from blend.kvcache import KVCache
 from blend.model import ModelRunner, layer_attention_only
-from blend.policy import AttentionPrecision, ProbePrecision
+from blend.policy import RecomputePrecision, ProbePrecision
 from blend.probe import entropy
 from blend.rope import apply_rope
 
@@ -74,22 +74,23 @@ def resolve_probe_precision(precision: ProbePrecision, compute: torch.dtype, dev
     return ProbePrecision.BF16 if bf16_pays(compute, device, flags) else ProbePrecision.COMPUTE
 
 
-def resolve_attention_precision(precision: AttentionPrecision, compute: torch.dtype,
+def resolve_recompute_precision(precision: RecomputePrecision, compute: torch.dtype,
                                 device: torch.device | None = None,
-                                flags: frozenset[str] | None = None) -> AttentionPrecision:
-    """What a blend's ``attention_precision`` means on this engine: AUTO becomes BF16 or COMPUTE
-    (:func:`bf16_pays`); BF16 on a bf16 engine is COMPUTE (nothing to cast). Args as for
+                                flags: frozenset[str] | None = None) -> RecomputePrecision:
+    """What a blend's ``attention_precision`` or ``linear_precision`` means on this engine: AUTO becomes
+    BF16 or COMPUTE (:func:`bf16_pays`); BF16 on a bf16 engine is COMPUTE (nothing to cast). Args as for
     :func:`resolve_probe_precision`."""
-    if precision is AttentionPrecision.AUTO:
-        return AttentionPrecision.BF16 if bf16_pays(compute, device, flags) else AttentionPrecision.COMPUTE
-    if precision is AttentionPrecision.BF16 and compute == torch.bfloat16:
-        return AttentionPrecision.COMPUTE
+    if precision is RecomputePrecision.AUTO:
+        return RecomputePrecision.BF16 if bf16_pays(compute, device, flags) else RecomputePrecision.COMPUTE
+    if precision is RecomputePrecision.BF16 and compute == torch.bfloat16:
+        return RecomputePrecision.COMPUTE
     return precision
 
 
-def attention_dtype(precision: AttentionPrecision, compute: torch.dtype) -> torch.dtype:
-    """The dtype a blend's recomputed rows attend in above its first check layer (``precision`` resolved)."""
-    return torch.bfloat16 if precision is AttentionPrecision.BF16 else compute
+def recompute_dtype(precision: RecomputePrecision, compute: torch.dtype) -> torch.dtype:
+    """The dtype a blend's recomputed rows attend in (or run their linear layers in) above its first check
+    layer (``precision`` resolved)."""
+    return torch.bfloat16 if precision is RecomputePrecision.BF16 else compute
 
 
 def probe_gemm_dtype(precision: ProbePrecision, compute: torch.dtype, device: torch.device | None = None,

@@ -7,7 +7,7 @@ belong to the check list)::
     prefix                       exact prefix reuse: only the preamble is shared
     reuse                        full KV reuse (blend at ratio 0, no near-tie guard)
     blend@R[:SELECTOR][:check=L1,L2,...][:auto[=T]][:probe=bf16|compute|auto][:cand=F|cand=off][:temp=T]
-          [:guard=M@G|guard=off][:gmode=restart|widen][:attn=compute|bf16|auto]
+          [:guard=M@G|guard=off][:gmode=restart|widen][:attn=P][:lin=P]
                                  selective recompute of a fraction R in [0, 1]; with ``auto``
                                  the budget is chosen per prompt (adaptive), R is its cap;
                                  ``probe=`` the dtype of the query probe's GEMMs; ``guard=``
@@ -18,8 +18,9 @@ belong to the check list)::
                                  (``cand=off``: every row, the behaviour before candidates);
                                  ``temp=T`` the reused rows' attention temperature (1: off);
                                  ``gmode=`` how the guard's second pass runs (``GuardMode``);
-                                 ``attn=`` the dtype of the recomputed rows' attention above the
-                                 first check layer (``AttentionPrecision``)
+                                 ``attn=`` / ``lin=`` the dtype (compute, bf16, auto) of the
+                                 recomputed rows' attention / linear layers above the first
+                                 check layer (``RecomputePrecision``)
 
 e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.
 """
@@ -33,8 +34,8 @@ from enum import Enum
 from typing import Any, Callable
 
 from blend.policy import (
-    ATTENTION_PRECISION_NAMES, GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, SELECTOR_NAMES, AttentionPrecision,
-    BudgetMode, GuardMode, ProbePrecision, ReusePolicy,
+    GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, RECOMPUTE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode, GuardMode,
+    ProbePrecision, RecomputePrecision, ReusePolicy,
 )
 # the shipped default selector at three budgets, against CacheBlend's V deviation at the middle one
 DEFAULT_METHODS = "full,prefix,reuse,blend@0.05:probe,blend@0.15:probe,blend@0.3:probe,blend@0.15:combo,blend@0.15:v"
@@ -74,7 +75,8 @@ class Method:
         auto_target: ``auto=T``: the adaptive budget's stopping target (None: the default).
         probe_precision: ``ProbePrecision`` value of the query probe's GEMMs (None: the default).
         guard: the near-tie guard as (margin, ratio); (None, None) switches it off; None: the default.
-        attention_precision: ``AttentionPrecision`` value of the recomputed rows' attention (None: the default).
+        attention_precision: ``RecomputePrecision`` value of the recomputed rows' attention (None: the default).
+        linear_precision: the same for their linear layers.
     """
 
     name: str
@@ -91,7 +93,8 @@ class Method:
     candidates_off: bool = False  # cand=off: every row up to the check layer
     temperature: float | None = None  # temp=T: the reused rows' attention temperature (None: the default)
     guard_mode: str | None = None  # gmode=: a GuardMode value (None: the default)
-    attention_precision: str | None = None  # attn=: an AttentionPrecision value (None: the default)
+    attention_precision: str | None = None  # attn=: a RecomputePrecision value (None: the default)
+    linear_precision: str | None = None  # lin=: a RecomputePrecision value (None: the default)
 
     def policy(self) -> Any:
         """The engine's :class:`blend.policy.ReusePolicy` for this method."""
@@ -119,7 +122,9 @@ class Method:
         if self.guard_mode is not None:
             kwargs["guard_mode"] = GuardMode(self.guard_mode)
         if self.attention_precision is not None:
-            kwargs["attention_precision"] = AttentionPrecision(self.attention_precision)
+            kwargs["attention_precision"] = RecomputePrecision(self.attention_precision)
+        if self.linear_precision is not None:
+            kwargs["linear_precision"] = RecomputePrecision(self.linear_precision)
         if self.guard is not None:
             kwargs["guard_margin"] = self.guard[0]
             if self.guard[1] is not None:
@@ -139,6 +144,7 @@ class Method:
         label += f" guard={_fmt_guard(self.guard)}" if self.guard is not None else ""
         label += f" gmode={self.guard_mode}" if self.guard_mode is not None else ""
         label += f" attn={self.attention_precision}" if self.attention_precision is not None else ""
+        label += f" lin={self.linear_precision}" if self.linear_precision is not None else ""
         return f"{label} check={','.join(map(str, self.check_layers))}" if self.check_layers else label
 
     def to_dict(self) -> dict[str, Any]:
@@ -156,6 +162,7 @@ class Method:
             "temperature": self.temperature,
             "guard_mode": self.guard_mode,
             "attention_precision": self.attention_precision,
+            "linear_precision": self.linear_precision,
         }
 
     @classmethod
@@ -183,7 +190,7 @@ class Method:
                    auto_target=d.get("auto_target"), probe_precision=d.get("probe_precision"),
                    guard=None if guard is None else tuple(guard), candidates=None if cand == "off" else cand,
                    candidates_off=cand == "off", temperature=d.get("temperature"), guard_mode=d.get("guard_mode"),
-                   attention_precision=d.get("attention_precision"))
+                   attention_precision=d.get("attention_precision"), linear_precision=d.get("linear_precision"))
 
 
 _BLEND = re.compile(r"^blend@([^:]+)((?::[^:]+)*)$")
@@ -283,11 +290,14 @@ def parse_method(spec: str) -> Method:
     temp: float | None = None
     gmode: str | None = None
     attn: str | None = None
+    lin: str | None = None
     for part in [p for p in m.group(2).split(":") if p]:
         if part.startswith("gmode="):
             gmode = _parse_choice(spec, part, GUARD_MODE_NAMES, gmode)
         elif part.startswith("attn="):
-            attn = _parse_choice(spec, part, ATTENTION_PRECISION_NAMES, attn)
+            attn = _parse_choice(spec, part, RECOMPUTE_PRECISION_NAMES, attn)
+        elif part.startswith("lin="):
+            lin = _parse_choice(spec, part, RECOMPUTE_PRECISION_NAMES, lin)
         elif part.startswith("temp="):
             if temp is not None:
                 raise MethodError(f"method '{spec}': temp= given twice")
@@ -348,10 +358,12 @@ def parse_method(spec: str) -> Method:
         canonical += f":gmode={gmode}"
     if attn is not None:
         canonical += f":attn={attn}"
+    if lin is not None:
+        canonical += f":lin={lin}"
     return Method(
         name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks,
         auto=auto, auto_target=auto_target, probe_precision=probe, guard=guard, candidates=cand, candidates_off=cand_off,
-        temperature=temp, guard_mode=gmode, attention_precision=attn,
+        temperature=temp, guard_mode=gmode, attention_precision=attn, linear_precision=lin,
     )
 
 

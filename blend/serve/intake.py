@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from blend.control_text import unmark
-from blend.defaults import DEFAULT_ATTENTION_PRECISION
+from blend.defaults import DEFAULT_ATTENTION_PRECISION, DEFAULT_LINEAR_PRECISION
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.generation import stop_strings
-from blend.policy import AttentionPrecision, GuardMode, ProbePrecision, ReuseMode, ReusePolicy
+from blend.policy import RecomputePrecision, GuardMode, ProbePrecision, ReuseMode, ReusePolicy
 from blend.prompt import Prompt
 from blend.sampling import GenerationConfig, InvalidSettingError
 from blend.serve.config import ServeConfig
@@ -69,7 +69,8 @@ def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False) -> Reu
     mode = ReuseMode(opts.reuse)
     if mode is not ReuseMode.BLEND:  # a blend option under another mode is refused, not dropped
         blend_only = {"semantic reuse": opts.semantic, "take_exact": opts.take_exact,
-                      "attention_precision": opts.attention_precision != DEFAULT_ATTENTION_PRECISION}
+                      "attention_precision": opts.attention_precision != DEFAULT_ATTENTION_PRECISION,
+                      "linear_precision": opts.linear_precision != DEFAULT_LINEAR_PRECISION}
         for name, given in blend_only.items():
             if given:
                 raise InvalidPolicyError(f"{name} is a blend option: use kvblend.reuse = \"blend\"")
@@ -82,7 +83,8 @@ def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False) -> Reu
                              guard_mode=GuardMode(opts.guard_mode),
                              candidates=opts.candidates, probe_precision=ProbePrecision(opts.probe_precision),
                              reused_temperature=opts.reused_temperature,
-                             attention_precision=AttentionPrecision(opts.attention_precision),
+                             attention_precision=RecomputePrecision(opts.attention_precision),
+                             linear_precision=RecomputePrecision(opts.linear_precision),
                              take_exact=take_exact if opts.take_exact is None else opts.take_exact)
 
 

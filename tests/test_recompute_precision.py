@@ -1,0 +1,143 @@
+"""A blend's recomputed rows may attend, and run their linear layers, in bf16 above the first check layer
+(RecomputePrecision, opt-in: ``attention_precision``, ``linear_precision``)."""
+
+import pytest
+import torch
+
+from blend.errors import InvalidPolicyError
+from blend.policy import RecomputePrecision as AP
+from dataclasses import replace
+
+from blend.policy import GuardMode, ReuseMode, ReusePolicy
+from conftest import make_docs, unguarded_blend
+
+
+def _offsets(ans):
+    return [s.recomputed_offsets for s in ans.report.segments]
+
+
+def test_bf16_attention_moves_the_numbers_not_the_rows(tiny_engine):
+    """Opt-in bf16 attention: the same rows recomputed (selection runs at the check layer, below the
+    layers it touches), the first-token logits within bf16 rounding of the compute-dtype blend but not
+    equal to them (so the cast ran), the report names it, and the default is unchanged."""
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    base = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe"), max_new_tokens=1)
+    again = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe", attention_precision=AP.COMPUTE),
+                                 max_new_tokens=1)
+    bf16 = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe", attention_precision=AP.BF16),
+                                max_new_tokens=1)
+    assert torch.equal(base.first_logits, again.first_logits)  # COMPUTE is the default
+    assert _offsets(bf16) == _offsets(base) and bf16.report.recomputed_tokens == base.report.recomputed_tokens
+    assert bf16.report.recomputed_tokens > 0
+    diff = (bf16.first_logits - base.first_logits).abs().max().item()
+    assert 0 < diff < 0.05 * base.first_logits.abs().max().item()
+    assert ":attn=bf16" in bf16.report.policy and ":attn" not in base.report.policy
+
+
+def test_bf16_attention_leaves_the_check_layer_and_below_alone(tiny_engine, monkeypatch):
+    """Only layers above the first check layer attend in bf16; the cache keeps the engine's dtype."""
+    import blend.blending as blending
+
+    seen = []
+    real = blending.sparse_query_attention
+
+    def spy(q, q_pos, k, v, k_pos, scale, plan=None):
+        seen.append(q.dtype)
+        assert k.dtype == v.dtype == q.dtype
+        return real(q, q_pos, k, v, k_pos, scale, plan=plan)
+
+    monkeypatch.setattr(blending, "sparse_query_attention", spy)
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(3))
+    policy = unguarded_blend(0.3, "v", check_layers=(1,), attention_precision=AP.BF16)
+    ans = tiny_engine.generate(prompt, policy, max_new_tokens=1, keep_cache=True)
+    layers = tiny_engine.dims.num_layers
+    assert seen[:2] == [torch.float32] * 2  # layers 0 and 1 (the check layer): every row in float32
+    assert seen[2:] == [torch.bfloat16] * (layers - 2)
+    assert ans.cache.k[0].dtype == torch.float32
+
+
+def test_auto_attention_precision_resolves_per_engine(tiny_engine):
+    from blend.cpu_features import this_cpu_flags
+    from blend.probe_pass import recompute_dtype, resolve_recompute_precision
+
+    cpu, f32, bf16 = torch.device("cpu"), torch.float32, torch.bfloat16
+    amx, avx2 = frozenset({"amx_bf16"}), frozenset({"avx2", "fma"})
+    assert resolve_recompute_precision(AP.AUTO, f32, cpu, amx) is AP.BF16
+    assert resolve_recompute_precision(AP.AUTO, f32, cpu, avx2) is AP.COMPUTE
+    assert resolve_recompute_precision(AP.AUTO, f32, torch.device("cuda"), amx) is AP.COMPUTE
+    assert resolve_recompute_precision(AP.BF16, bf16, cpu, amx) is AP.COMPUTE  # nothing to cast
+    assert resolve_recompute_precision(AP.BF16, f32, cpu, avx2) is AP.BF16  # asked for outright: obeyed
+    assert recompute_dtype(AP.BF16, f32) == bf16 and recompute_dtype(AP.COMPUTE, f32) == f32
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(3))
+    here = resolve_recompute_precision(AP.AUTO, f32, cpu, this_cpu_flags())
+    auto = tiny_engine.generate(prompt, unguarded_blend(0.3, "v", attention_precision=AP.AUTO), max_new_tokens=1)
+    same = tiny_engine.generate(prompt, unguarded_blend(0.3, "v", attention_precision=here), max_new_tokens=1)
+    assert "auto" not in auto.report.policy and torch.equal(auto.first_logits, same.first_logits)
+
+
+@pytest.mark.parametrize("field, flag, key", [("attention_precision", "--attention-precision", "attn"),
+                                               ("linear_precision", "--linear-precision", "lin")])
+def test_recompute_precisions_are_blend_options_everywhere(field, flag, key):
+    from blend.cli import build_parser
+    from blend.evals.methods import MethodError, parse_method
+    from blend.options import policy_from_args
+    from blend.serve.intake import policy_for
+    from blend.serve.schemas import KvblendOptions
+
+    with pytest.raises(InvalidPolicyError, match="blend option"):
+        ReusePolicy(mode=ReuseMode.EXACT, **{field: AP.BF16})
+    with pytest.raises(InvalidPolicyError, match="RecomputePrecision"):
+        ReusePolicy.blend(**{field: "bf16"})
+    base = ["ask", "q", "--doc", "d"]
+    for value in ("compute", "bf16", "auto"):
+        args = build_parser("ask").parse_args(base + ["--reuse", "blend", flag, value])
+        assert getattr(policy_from_args(args), field) is AP(value)
+        assert getattr(policy_for(KvblendOptions(reuse="blend", **{field: value}), ""), field) is AP(value)
+        assert getattr(parse_method(f"blend@0.15:{key}={value}").policy(), field) is AP(value)
+    with pytest.raises(InvalidPolicyError, match=f"{flag} only applies"):
+        policy_from_args(build_parser("ask").parse_args(base + [flag, "bf16"]))
+    for mode in ("exact", "none"):
+        with pytest.raises(InvalidPolicyError, match=f"{field} is a blend option"):
+            policy_for(KvblendOptions(reuse=mode, **{field: "bf16"}), "")
+    with pytest.raises(ValueError):
+        KvblendOptions(reuse="blend", **{field: "fp8"})
+    with pytest.raises(MethodError):
+        parse_method(f"blend@0.15:{key}=fp8")
+    m = parse_method(f"blend@0.15:probe:{key}=bf16")
+    assert m.canonical.endswith(f":{key}=bf16") and f"{key}=bf16" in m.series()
+    assert type(m).from_dict(m.to_dict(), m.name).policy() == m.policy()
+    assert f":{key}=bf16" in m.policy().describe()
+
+
+def test_bf16_linear_layers_move_the_numbers_not_the_rows(tiny_engine):
+    """linear_precision bf16: the layers above the first check layer run on the engine's bf16 copy of the
+    weights, the ones up to it on its own; the same rows recomputed, logits within bf16 rounding but not
+    equal, and the guard's widened second pass takes the same weights."""
+    from types import SimpleNamespace
+
+    from blend.blending import pass_layers
+
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
+    base = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe"), max_new_tokens=1)
+    lin = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe", linear_precision=AP.BF16), max_new_tokens=1)
+    both = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe", linear_precision=AP.BF16,
+                                                        attention_precision=AP.BF16), max_new_tokens=1)
+    assert _offsets(lin) == _offsets(base) == _offsets(both)
+    for ans in (lin, both):
+        diff = (ans.first_logits - base.first_logits).abs().max().item()
+        assert 0 < diff < 0.05 * base.first_logits.abs().max().item()
+    assert not torch.equal(lin.first_logits, both.first_logits)
+    assert ":lin=bf16" in lin.report.policy and ":attn" not in lin.report.policy
+    runner = tiny_engine.runner
+    policy = unguarded_blend(0.3, "v", check_layers=(1,), linear_precision=AP.BF16)
+    plan = SimpleNamespace(checks=(SimpleNamespace(layer=1),))  # all pass_layers reads of a plan
+    layers = pass_layers(runner, plan, policy)
+    assert [w.w_down.dtype for w in layers] == [torch.float32] * 2 + [torch.bfloat16] * (len(runner.layers) - 2)
+    assert layers[:2] == list(runner.layers[:2])
+    assert pass_layers(runner, plan, unguarded_blend(0.3, "v", check_layers=(1,))) is None
+    widened = ReusePolicy.blend(0.3, "probe", linear_precision=AP.BF16, guard_margin=1e9, guard_ratio=0.6,
+                                guard_mode=GuardMode.WIDEN)  # the guard always fires, going on from the check
+    ans = tiny_engine.generate(prompt, widened, max_new_tokens=1)
+    plain = tiny_engine.generate(prompt, replace(widened, linear_precision=AP.COMPUTE), max_new_tokens=1)
+    assert "widen" in ans.report.guard and _offsets(ans) == _offsets(plain)
+    assert not torch.equal(ans.first_logits, plain.first_logits)
