@@ -291,9 +291,7 @@ def plan_blend(model: ModelRunner, prompt: Prompt, blended: list[ChunkKV], n_exa
         lo += n_c
     ids = torch.tensor([t for doc in prompt.documents[n_exact:] for t in doc.token_ids] + list(q.token_ids),
                        dtype=torch.long, device=dev)  # (n,)
-    # an adaptive budget or a threshold decides at the check layer whatever the fixed ratio says
-    full_reuse = policy.first_ratio == 0.0 and policy.threshold is None and policy.budget is BudgetMode.FIXED
-    checks = () if full_reuse else tuple(
+    checks = () if policy.full_reuse else tuple(
         CheckSpec(layer, i, policy.ratio_at(i)) for i, layer in enumerate(policy.check_layers))
     return BlendPlan(
         e=e, chunks=tuple(KVEntry(c.kv.k.to(dev), c.kv.v.to(dev)) for c in blended), starts=starts,
@@ -406,7 +404,7 @@ class BlendRows:
         self.probe: ProbeResult | None = None
         pol = checker.policy  # the probe's settings, the same wherever it runs
         self.probe_dtype = probe_gemm_dtype(pol.probe_precision, model.dtype, model.device)
-        # the recomputed rows' attention above the first check layer (at and below it every row is still
+        # the recomputed rows' attention above the last check layer (at and below it every row is still
         # judged in the engine's dtype, so the precision never changes which rows are recomputed)
         self.attention_dtype = recompute_dtype(pol.attention_precision, model.dtype)
         self.probe_entropy = pol.budget is BudgetMode.AUTO  # only the adaptive budget reads it
@@ -488,7 +486,7 @@ class BlendRows:
         if active.numel() == 0:  # a context-only blend that recomputes no row: layers only re-position
             return q.new_zeros(0, q.shape[0] * q.shape[2])  # (0, Hq D)
         k_all, v_all = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
-        dtype = self.attention_dtype if plan.checks and layer > plan.checks[0].layer else q.dtype
+        dtype = self.attention_dtype if plan.checks and layer > plan.checks[-1].layer else q.dtype
         rows = self._active_queries(active, dtype)
         q_rot = apply_rope(q, rows.cos, rows.sin)  # (Hq, A, D)
         if dtype != q.dtype:  # bf16 attention (RecomputePrecision.BF16): the cache itself keeps its dtype
@@ -591,14 +589,15 @@ def pass_layers(model: ModelRunner, plan: BlendPlan, policy: ReusePolicy) -> lis
 
     Returns:
         None (the engine's own weights) unless ``linear_precision`` asks for another dtype and the plan has
-        a check layer: then the engine's layers up to the first check layer and a copy in that dtype above
-        it (:meth:`ModelRunner.layers_in`, made once per engine and dtype; the probe's bf16 copy).
+        a check layer: then the engine's layers up to its last check layer (every selection reads only
+        those) and a copy in that dtype above it (:meth:`ModelRunner.layers_in`, made once per engine and
+        dtype; the probe's bf16 copy).
     """
     dtype = recompute_dtype(policy.linear_precision, model.dtype)
     if dtype == model.dtype or not plan.checks:
         return None
-    first = plan.checks[0].layer
-    return [*model.layers[: first + 1], *model.layers_in(dtype)[first + 1:]]
+    last = plan.checks[-1].layer
+    return [*model.layers[: last + 1], *model.layers_in(dtype)[last + 1:]]
 
 
 def widen_blend(model: ModelRunner, resume: BlendResume, cache: KVCache, ratio: float) -> BlendOutcome:

@@ -67,7 +67,7 @@ DEFAULT_VLLM_GUARD_MARGIN: float | None = None
 # and max KL were within 0.0008 of the fp32 probe's (two-hop p90 at 0.30: 0.0019 lower), top-1 equal; the
 # probe phase 17-36% cheaper (BENCHMARKS.md, "The query probe in bf16 by default ...")
 DEFAULT_PROBE_PRECISION = "auto"
-# the recomputed rows' attention and linear layers above a blend's first check layer
+# the recomputed rows' attention and linear layers above a blend's last check layer
 # (blend.policy.RecomputePrecision): "compute" (the engine's dtype), "bf16" or "auto" (bf16 for a float32 engine
 # on a CPU with native bf16). Opt-in: on the 2-core AMX Xeon bf16 attention took blend@0.15 from 0.235x to 0.187x
 # of a full prefill (median, validation 30-99) at mean KL 0.0298 against 0.0294, and bf16 linear layers on top

@@ -36,7 +36,7 @@ from blend.model import ModelRunner
 from blend.models import LoadedModel, load_model
 from blend.policy import ProbePrecision, ReuseMode, ReusePolicy
 from blend.probe import top2_margin
-from blend.probe_pass import probe_gemm_dtype, resolve_recompute_precision, resolve_probe_precision
+from blend.probe_pass import probe_gemm_dtype, resolve_precisions
 from blend.prompt import Prompt, Segment, SegmentKind, Turn, build_prompt, preamble_segment
 from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport, Timings
 from blend.rope import rope_config_json
@@ -417,11 +417,7 @@ class Engine:
             raise PromptTooLongError(f"prompt of {len(prompt)} tokens plus {extra_capacity} new tokens exceeds "
                                      f"the model's context of {limit}")
         if policy.mode is ReuseMode.BLEND:  # the report says what ran: AUTO becomes bf16 or compute
-            runner = self.runner
-            policy = replace(policy, probe_precision=resolve_probe_precision(
-                policy.probe_precision, runner.dtype, runner.device), **{
-                name: resolve_recompute_precision(getattr(policy, name), runner.dtype, runner.device)
-                for name in ("attention_precision", "linear_precision")})
+            policy = resolve_precisions(policy, self.runner.dtype, self.runner.device)
         refused, kinds, gate_s = self._refusal(prompt, policy)
         cache = self.runner.new_cache(len(prompt) + extra_capacity)
         t0 = time.perf_counter()

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 from functools import lru_cache
+import threading
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -430,15 +431,26 @@ class ModelRunner:
                                     "factor) are not supported: transformers' attention for this architecture "
                                     "rotates the whole head")
         self._gemm_copies: dict[torch.dtype, list[LayerWeights]] = {}  # dtype -> layers (lazy)
+        self._copies_lock = threading.Lock()  # one build per dtype when concurrent requests first need it
         self.kv_pool = KVBufferPool()  # every cache's K/V buffers, recycled between requests
 
     def layers_in(self, dtype: torch.dtype) -> list[LayerWeights]:
         """The layers with their GEMM matrices (and the Q/K/V bias the GEMM adds) in ``dtype`` (norms
-        stay in the compute dtype; activations are cast at each GEMM): a lower-precision copy for
-        passes whose numbers only rank rows (the blend's query probe), made once. The compute dtype
-        returns the layers."""
+        stay in the compute dtype; activations are cast at each GEMM): a lower-precision copy for the
+        blend's query probe and, under ``linear_precision``, its recomputed rows above the last check
+        layer; made once, under a lock (concurrent requests that first need it wait for one build). The
+        compute dtype returns the layers."""
         if dtype == self.dtype:
             return self.layers
+        copies = self._gemm_copies.get(dtype)
+        if copies is not None:
+            return copies
+        with self._copies_lock:
+            return self._build_copies(dtype)
+
+    def _build_copies(self, dtype: torch.dtype) -> list[LayerWeights]:
+        """:meth:`layers_in`'s copy for ``dtype``, built unless another thread built it first (the caller
+        holds the lock)."""
         if dtype not in self._gemm_copies:
             copies = [replace(w, w_qkv=dense(w.w_qkv).to(dtype), w_o=dense(w.w_o).to(dtype),
                               w_gate_up=dense(w.w_gate_up).to(dtype), w_down=dense(w.w_down).to(dtype),

@@ -162,13 +162,15 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
                    help="blend, probe selectors: dtype of the query probe's GEMMs (its numbers only rank rows): "
                         "compute, bf16, or auto (bf16 on a CPU with native bf16, else compute; default: %(default)s)")
     p.add_argument("--attention-precision", default=DEFAULT_ATTENTION_PRECISION, choices=RECOMPUTE_PRECISION_NAMES,
-                   help="blend: dtype of the recomputed rows' attention above the first check layer: compute, "
+                   help="blend: dtype of the recomputed rows' attention above the last check layer: compute, "
                         "bf16 (~2.5x faster attention on CPUs with AMX; the answer's numbers move by bf16 "
-                        "rounding), or auto (bf16 on a CPU with native bf16, else compute; default: %(default)s)")
+                        "rounding), or auto (bf16 for a float32 engine on a CPU with native bf16, else compute; "
+                        "default: %(default)s)")
     p.add_argument("--linear-precision", default=DEFAULT_LINEAR_PRECISION, choices=RECOMPUTE_PRECISION_NAMES,
-                   help="blend: dtype of the recomputed rows' linear layers (QKV, output, MLP) above the first check "
+                   help="blend: dtype of the recomputed rows' linear layers (QKV, output, MLP) above the last check "
                         "layer: compute, bf16 (on a bf16 copy of the weights: ~3x faster GEMMs with AMX; the "
-                        "answer's numbers move by bf16 rounding), or auto (default: %(default)s)")
+                        "answer's numbers move by bf16 rounding), or auto (as for --attention-precision; default: "
+                        "%(default)s)")
     p.add_argument("--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS,
                    help="blend: compute fully below this length")
     p.add_argument("--force-blend", action="store_true", help="blend even if the model's quality gate failed")

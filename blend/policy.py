@@ -40,8 +40,8 @@ class BudgetMode(Enum):
 
 class ProbePrecision(Enum):
     """The dtype of the query probe's GEMMs. The probe's numbers only rank rows: the blend's
-    own pass (the KV and logits the answer uses) runs in the engine's dtype (its attention above
-    the first check layer in :class:`RecomputePrecision`'s)."""
+    own pass (the KV and logits the answer uses) runs in the engine's dtype (its attention and linear
+    layers above the last check layer in :class:`RecomputePrecision`'s)."""
 
     COMPUTE = "compute"  # the engine's compute dtype
     BF16 = "bf16"  # bfloat16 weights and activations at the GEMMs; attention and norms in the compute dtype
@@ -52,7 +52,7 @@ PROBE_PRECISION_NAMES = tuple(p.value for p in ProbePrecision)
 
 
 class RecomputePrecision(Enum):
-    """The dtype of part of a blend's work on its recomputed rows above the first check layer: their
+    """The dtype of part of a blend's work on its recomputed rows above its last check layer: their
     attention (``ReusePolicy.attention_precision``: q, K and V read in it; the flash kernel keeps its
     softmax and sums in float32) or their linear layers (``linear_precision``: QKV, output and MLP GEMMs
     on a bf16 copy of the weights; the residual stream stays in the engine's dtype). Below that layer,
@@ -117,10 +117,10 @@ class ReusePolicy:
         cache_salt: mixed into every store key the request derives (exact, canonical):
             requests with different salts share no KV; "" = no salt.
         probe_precision: dtype of the query probe's GEMMs (:class:`ProbePrecision`).
-        attention_precision: blend: dtype of the recomputed rows' attention above the first check
+        attention_precision: blend: dtype of the recomputed rows' attention above the last check
             layer (:class:`RecomputePrecision`); ``bf16`` trades bf16 rounding there for a ~2.5x
             faster attention on CPUs with AMX (BENCHMARKS.md, "bf16 for the recomputed rows").
-        linear_precision: blend: dtype of the recomputed rows' linear layers above the first check
+        linear_precision: blend: dtype of the recomputed rows' linear layers above the last check
             layer (:class:`RecomputePrecision`); ``bf16`` runs them on a bf16 copy of the weights.
         guard_margin: near-tie guard (on by default): when the blend's first-token distribution has
             its top two tokens within this many nats, the request is blended again at
@@ -360,6 +360,13 @@ class ReusePolicy:
     def ratio_at(self, i: int) -> float:
         """Recompute ratio at the i-th check layer."""
         return self.ratio if self.layer_ratios is None else self.layer_ratios[i]
+
+    @property
+    def full_reuse(self) -> bool:
+        """A blend that recomputes no document row: a fixed ratio of 0 at the first check layer (an adaptive
+        budget or a threshold decides at the check layer whatever the ratio says). Its pass has no check
+        layer: every document row is re-positioned, only the question is computed."""
+        return self.first_ratio == 0.0 and self.threshold is None and self.budget is BudgetMode.FIXED
 
     @property
     def first_ratio(self) -> float:

@@ -23,7 +23,7 @@ Rows are relative to e, the first re-positioned row::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +32,7 @@ from blend.cpu_features import native_on_cpu, this_cpu_flags
 from blend.kernels import attention_probs, hidden_keys
 from blend.kvcache import KVCache
 from blend.model import ModelRunner, layer_attention_only
-from blend.policy import RecomputePrecision, ProbePrecision
+from blend.policy import ProbePrecision, RecomputePrecision, ReusePolicy
 from blend.probe import entropy
 from blend.rope import apply_rope
 
@@ -87,8 +87,29 @@ def resolve_recompute_precision(precision: RecomputePrecision, compute: torch.dt
     return precision
 
 
+def resolve_precisions(policy: ReusePolicy, compute: torch.dtype, device: torch.device | None = None,
+                       flags: frozenset[str] | None = None) -> ReusePolicy:
+    """A blend policy with every precision it names resolved for this engine, so that the report says
+    what ran: AUTO becomes BF16 or COMPUTE (:func:`resolve_probe_precision`,
+    :func:`resolve_recompute_precision`), and the recomputed rows' precisions are COMPUTE under full
+    reuse, which recomputes no document row above a check layer.
+
+    Args:
+        policy: a blend policy.
+        compute, device, flags: as for :func:`resolve_probe_precision`.
+
+    Returns:
+        The policy with its precisions resolved.
+    """
+    recompute = {name: RecomputePrecision.COMPUTE if policy.full_reuse
+                 else resolve_recompute_precision(getattr(policy, name), compute, device, flags)
+                 for name in ("attention_precision", "linear_precision")}
+    return replace(policy, probe_precision=resolve_probe_precision(policy.probe_precision, compute, device, flags),
+                   **recompute)
+
+
 def recompute_dtype(precision: RecomputePrecision, compute: torch.dtype) -> torch.dtype:
-    """The dtype a blend's recomputed rows attend in (or run their linear layers in) above its first check
+    """The dtype a blend's recomputed rows attend in (or run their linear layers in) above its last check
     layer (``precision`` resolved)."""
     return torch.bfloat16 if precision is RecomputePrecision.BF16 else compute
 

@@ -141,3 +141,76 @@ def test_bf16_linear_layers_move_the_numbers_not_the_rows(tiny_engine):
     plain = tiny_engine.generate(prompt, replace(widened, linear_precision=AP.COMPUTE), max_new_tokens=1)
     assert "widen" in ans.report.guard and _offsets(ans) == _offsets(plain)
     assert not torch.equal(ans.first_logits, plain.first_logits)
+
+
+@pytest.mark.parametrize("selector, kw", [("v", dict(threshold=0.5, max_ratio=0.5)),
+                                          ("v", dict(layer_ratios=(0.5, 0.2))),
+                                          ("probe", dict(ratio=0.3))])
+def test_every_check_layer_selects_the_same_rows_under_bf16(tiny_engine, monkeypatch, selector, kw):
+    """With several check layers, bf16 starts above the last one: a later check layer reads K/V that
+    only float32 layers produced, so every check keeps the same rows (starting above the first one
+    changed a later check's rows, and a threshold's counts)."""
+    import blend.blending as blending
+
+    kept = []
+    real = blending.Checker.select
+
+    def spy(self, check, active, *args, **kwargs):
+        sel = real(self, check, active, *args, **kwargs)
+        kept.append((check.layer, active[sel.keep].tolist()))
+        return sel
+
+    monkeypatch.setattr(blending.Checker, "select", spy)
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(6, words=40))
+    checks = (1, 3) if selector == "v" else (1, 2)
+    runs = {}
+    for name, extra in (("fp32", {}), ("attn", dict(attention_precision=AP.BF16)),
+                        ("lin", dict(linear_precision=AP.BF16))):
+        kept.clear()
+        ans = tiny_engine.generate(prompt, unguarded_blend(selector=selector, check_layers=checks, **kw, **extra),
+                                   max_new_tokens=1)
+        runs[name] = (list(kept), ans.report.check_rows)
+    assert len(runs["fp32"][0]) == len(checks)
+    assert runs["attn"] == runs["fp32"] == runs["lin"]
+
+
+def test_full_reuse_reports_float32_for_the_rows_it_never_recomputes(tiny_engine):
+    """Ratio 0 recomputes no document row above a check layer: the report does not name bf16 there."""
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(3))
+    both = dict(attention_precision=AP.BF16, linear_precision=AP.BF16)
+    reuse = tiny_engine.generate(prompt, unguarded_blend(0.0, "v", **both), max_new_tokens=1)
+    plain = tiny_engine.generate(prompt, unguarded_blend(0.0, "v"), max_new_tokens=1)
+    assert ":attn" not in reuse.report.policy and ":lin" not in reuse.report.policy
+    assert torch.equal(reuse.first_logits, plain.first_logits)
+
+
+def test_the_bf16_weight_copy_is_built_once_under_concurrent_first_use(tiny_engine_factory, monkeypatch):
+    import threading
+    import time
+
+    import blend.model as model_module
+
+    runner = tiny_engine_factory().runner
+    calls = []
+    real = model_module.dense
+
+    def slow_dense(w):
+        calls.append(1)
+        time.sleep(0.002)  # a real model's copy takes seconds: the window two first requests race in
+        return real(w)
+
+    monkeypatch.setattr(model_module, "dense", slow_dense)
+    start = threading.Barrier(4)
+    got = []
+
+    def first_use():
+        start.wait()
+        got.append(runner.layers_in(torch.float16))
+
+    threads = [threading.Thread(target=first_use) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 4 * len(runner.layers)  # one build: four matrices per layer
+    assert all(g is got[0] for g in got)

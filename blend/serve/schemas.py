@@ -61,7 +61,7 @@ class KvblendOptions(BaseModel):
     guard_mode: GuardModeName = DEFAULT_GUARD_MODE  # how the guard's recompute runs (blend.policy.GuardMode)
     candidates: StrictFloat | None = Field(DEFAULT_CANDIDATES, ge=1.0)  # probe selectors: candidate factor
     probe_precision: ProbePrecisionName = DEFAULT_PROBE_PRECISION  # the probe's GEMM dtype
-    # blend: dtype of the recomputed rows' attention above the first check layer (blend.policy.RecomputePrecision)
+    # blend: dtype of the recomputed rows' attention above the last check layer (blend.policy.RecomputePrecision)
     attention_precision: RecomputePrecisionName = DEFAULT_ATTENTION_PRECISION
     linear_precision: RecomputePrecisionName = DEFAULT_LINEAR_PRECISION  # blend: their linear layers' dtype
     reused_temperature: StrictFloat = Field(DEFAULT_REUSED_TEMPERATURE, ge=REUSED_TEMPERATURE_RANGE[0],
