@@ -242,34 +242,9 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, "invalid request: " + "; ".join(parts), param=params[0] if params else None)
 
 
-def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics | None = None) -> FastAPI:
-    """The server's ASGI app over ``engine`` (its scheduler starts and stops with the app).
-
-    Args:
-        engine: the engine (wrap its store in a FlightStore for single-flight).
-        config: server settings.
-        metrics: metrics to export (default: new ones over the engine's store).
-
-    Returns:
-        The FastAPI app; ``app.state.scheduler`` is its scheduler.
-    """
-    config = config or ServeConfig()
-    metrics = metrics or ServeMetrics(engine.store, engine.runner.kv_pool)
-    scheduler = Scheduler(engine, config.scheduler, metrics)
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        scheduler.start()
-        try:
-            yield
-        finally:
-            scheduler.close()
-            engine.segments.flush()  # pending background store writes land before the process ends
-
-    app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.scheduler = scheduler
-    app.state.metrics = metrics
-    app.add_middleware(Guard, config=config, metrics=metrics)
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error the API raises, FastAPI's validation and routing errors and unexpected exceptions
+    as OpenAI-style JSON error bodies."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -290,13 +265,22 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
         log.exception("unhandled error")
         return _json_error(500, f"internal error: {type(exc).__name__}", ErrorType.SERVER)
 
-    async def stored() -> None:
+
+class _Answers:
+    """The completion endpoints' work over one engine and its scheduler."""
+
+    def __init__(self, engine, config: ServeConfig, scheduler: Scheduler) -> None:
+        self.engine, self.config, self.scheduler = engine, config, scheduler
+
+    async def stored(self) -> None:
         """A request is done once what it stored is in every tier (write-behind): its answer waits
         for the background writes, off the event loop, and only when some are pending."""
-        if not engine.segments.flush(0):
-            await run_in_threadpool(engine.segments.flush)
+        if not self.engine.segments.flush(0):
+            await run_in_threadpool(self.engine.segments.flush)
 
-    async def answer(request: Request, body, endpoint: Endpoint) -> Response:
+    async def answer(self, request: Request, body, endpoint: Endpoint) -> Response:
+        """A completion request: its job through the scheduler, then its JSON body or its event stream."""
+        engine, config, scheduler = self.engine, self.config, self.scheduler
         # tokenizing a small request beats a thread hop; a conversation renders its template once per earlier
         # turn, so it never blocks the event loop
         if (body.text_chars() <= config.inline_prepare_chars
@@ -325,13 +309,13 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
             if first.kind is EventKind.FAILED:
                 raise _error_for(first.error)
             if job.stream:
-                return _TicketStream(_events(first, queue, ticket, head, job), ticket)
+                return _TicketStream(self._events(first, queue, ticket, head, job), ticket)
             ev = first
             while ev.kind not in (EventKind.DONE, EventKind.FAILED):
                 ev = await watch.next()
             if ev.kind is EventKind.FAILED:
                 raise _error_for(ev.error)
-            await stored()
+            await self.stored()
             c = ev.completion
             ext = kvblend_extension(c, job.prompt, engine.tokenizer, job.return_tokens)
             return JSONResponse(full_body(head, c, ext, LogprobFormat(endpoint, engine.tokenizer, job.logprobs)))
@@ -343,7 +327,9 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
         finally:
             watch.close()
 
-    async def _events(first: Event, queue: asyncio.Queue, ticket: Ticket, head: ResponseHead, job: Job):
+    async def _events(self, first: Event, queue: asyncio.Queue, ticket: Ticket, head: ResponseHead, job: Job):
+        """A streamed answer's server-sent events after its first one."""
+        engine = self.engine
         lp = LogprobFormat(head.endpoint, engine.tokenizer, job.logprobs)
         try:
             usage = job.include_usage  # every chunk before the usage chunk says "usage": null
@@ -354,7 +340,7 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
                     yield text_chunk(head, ev.text, logprobs=lp.format(ev.logprobs), include_usage=usage)
                 elif ev.kind is EventKind.DONE:
                     try:
-                        await stored()
+                        await self.stored()
                         c = ev.completion
                         last = final_chunk(head, c, kvblend_extension(c, job.prompt, engine.tokenizer,
                                                                       job.return_tokens),
@@ -375,14 +361,9 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
         finally:
             ticket.cancel()  # a no-op when finished; stops the request when the client left
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return await answer(request, body, Endpoint.CHAT)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await answer(request, body, Endpoint.COMPLETIONS)
-
+def _add_info_routes(app: FastAPI, config: ServeConfig, scheduler: Scheduler, metrics: ServeMetrics) -> None:
+    """The model list, one model, health, Prometheus metrics and the playground page."""
     created = int(time.time())
     model_object = {"id": config.model_id, "object": "model", "created": created, "owned_by": "kvblend"}
 
@@ -417,4 +398,46 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
     async def playground() -> HTMLResponse:
         return HTMLResponse(page, headers=page_headers)
 
+
+def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics | None = None) -> FastAPI:
+    """The server's ASGI app over ``engine`` (its scheduler starts and stops with the app).
+
+    Args:
+        engine: the engine (wrap its store in a FlightStore for single-flight).
+        config: server settings.
+        metrics: metrics to export (default: new ones over the engine's store).
+
+    Returns:
+        The FastAPI app; ``app.state.scheduler`` is its scheduler.
+    """
+    config = config or ServeConfig()
+    metrics = metrics or ServeMetrics(engine.store, engine.runner.kv_pool)
+    scheduler = Scheduler(engine, config.scheduler, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.close()
+            engine.segments.flush()  # pending background store writes land before the process ends
+
+    app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+    app.add_middleware(Guard, config=config, metrics=metrics)
+
+    _add_error_handlers(app)
+    answers = _Answers(engine, config, scheduler)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await answers.answer(request, body, Endpoint.CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await answers.answer(request, body, Endpoint.COMPLETIONS)
+
+    _add_info_routes(app, config, scheduler, metrics)
     return app
