@@ -37,7 +37,7 @@ from blend.probe import entropy
 from blend.rope import apply_rope
 
 if TYPE_CHECKING:
-    from blend.blending import BlendPlan
+    from blend.blend_plan import BlendPlan
 
 
 def bf16_pays(compute: torch.dtype, device: torch.device | None = None,

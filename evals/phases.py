@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+import blend.blend_plan as blend_plan
 import blend.blending as blending
 import blend.model as model
 import blend.probe_pass as probe_pass
@@ -193,8 +194,8 @@ class PhaseClock(AbstractContextManager):
             (blending.Checker, "select", Phase.CHECK),
             (blending, "run_probe", Phase.CHECK),
             (blending, "run_probe_first", Phase.CHECK),
-            (blending, "rope_rows", Phase.ROPE),
-            (blending.BlendPlan, "prepare", Phase.ROPE),
+            (blend_plan, "rope_rows", Phase.ROPE),
+            (blend_plan.BlendPlan, "prepare", Phase.ROPE),
             (blending, "apply_rope", Phase.ROPE),
             (model, "apply_rope", Phase.ROPE),
             (model, "project_qkv", Phase.PROJECTIONS),

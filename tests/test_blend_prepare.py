@@ -2,7 +2,7 @@
 
 import torch
 
-from blend.blending import plan_blend
+from blend.blend_plan import plan_blend
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
 from blend.segments import ChunkKV
@@ -10,7 +10,7 @@ from conftest import make_docs
 
 
 def test_repositioning_layers_at_once_gives_the_per_layer_bits(tiny_engine, monkeypatch):
-    import blend.blending as B
+    import blend.blend_plan as B
 
     monkeypatch.setattr(B, "PREPARE_GROUP_BYTES", 1 << 30)  # every layer in one group
     prompt = tiny_engine.build_prompt("Which one?", make_docs(3, words=30))

@@ -6,6 +6,7 @@ import json
 
 import torch
 
+import blend.blend_plan as blend_plan
 import blend.blending as blending
 import blend.model as model
 from blend.evals.phases import Phase, PhaseClock, Work, causal_pairs, visible_pairs, work_floor
@@ -18,10 +19,10 @@ def test_the_clock_times_a_blend_by_phase_and_restores_what_it_wrapped(tiny_engi
     policy = ReusePolicy.blend(ratio=0.3)
     tiny_engine.precompute(prompt, policy)
     plain = tiny_engine.generate(prompt, policy, max_new_tokens=1)
-    originals = (model.layer_forward, model.mlp_block, blending.rope_rows, blending.run_probe)
+    originals = (model.layer_forward, model.mlp_block, blend_plan.rope_rows, blending.run_probe)
     with PhaseClock(policy.check_layers[0]) as clock:
         clocked = tiny_engine.generate(prompt, policy, max_new_tokens=1)
-    assert (model.layer_forward, model.mlp_block, blending.rope_rows, blending.run_probe) == originals
+    assert (model.layer_forward, model.mlp_block, blend_plan.rope_rows, blending.run_probe) == originals
     assert torch.equal(plain.first_logits, clocked.first_logits)  # timing changes no number
     phases = clock.times.with_remainder(clocked.ttft_s)
     for p in (Phase.LOOKUP, Phase.EARLY_LAYERS, Phase.CHECK, Phase.ROPE, Phase.ATTENTION, Phase.MLP, Phase.LOGITS):
