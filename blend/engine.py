@@ -608,7 +608,8 @@ class Engine:
             Bytes of KV written (0 when everything was already stored).
         """
         self._check_fp32_precision()
-        return self.segments.precompute_chunks(texts, preamble or preamble_segment(self.tokenizer, system), salt)
+        head = preamble if preamble is not None else preamble_segment(self.tokenizer, system)  # (a Segment has len)
+        return self.segments.precompute_chunks(texts, head, salt)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

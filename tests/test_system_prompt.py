@@ -20,3 +20,23 @@ def test_the_server_reads_an_empty_system_message_as_asked():
     assert conversation([ChatMessage(role="system", content=""), user])[0] == ""
     assert conversation([ChatMessage(role="system", content="a"), ChatMessage(role="developer", content="b"),
                          user])[0] == "a\n\nb"
+
+
+def test_an_empty_preamble_is_refused_not_crashed_on(tiny_engine, monkeypatch):
+    """A template that renders nothing before the user's turn leaves an empty system prompt's preamble
+    without a token: a clear request error (400 on the server), not a crash in attention; precompute with
+    such a preamble is not silently given the default one."""
+    import pytest
+
+    from blend.errors import InvalidRequestError
+    from blend.prompt import preamble_segment
+
+    monkeypatch.setattr(tiny_engine.tokenizer, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                        raising=False)
+    with pytest.raises(InvalidRequestError, match="system prompt is empty"):
+        tiny_engine.build_prompt("Which?", ["A doc."], system="")
+    with pytest.raises(InvalidRequestError, match="system prompt is empty"):
+        preamble_segment(tiny_engine.tokenizer, "")
+    with pytest.raises(InvalidRequestError, match="system prompt is empty"):
+        tiny_engine.precompute_chunks(["A doc."], system="")
+    assert len(tiny_engine.build_prompt("Which?", ["A doc."]).preamble) > 0  # the default still works
