@@ -34,9 +34,11 @@ from blend.kernels import attention_label
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.models import LoadedModel, load_model
-from blend.policy import ProbePrecision, ReuseMode, ReusePolicy
+from blend.policy import ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy
 from blend.probe import top2_margin
-from blend.probe_pass import probe_gemm_dtype, resolve_precisions
+from blend.probe_pass import (
+    probe_gemm_dtype, recompute_dtype, resolve_precisions, resolve_recompute_precision,
+)
 from blend.prompt import Prompt, Segment, SegmentKind, Turn, build_prompt, preamble_segment
 from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport, Timings
 from blend.rope import rope_config_json
@@ -258,20 +260,26 @@ class Engine:
         """Another engine over the same weights with its own store (and no gate unless given)."""
         return Engine(self.runner, self.config, store, gate)
 
-    def prepare_blend(self, precision: ProbePrecision = ProbePrecision(DEFAULT_PROBE_PRECISION)) -> torch.dtype:
+    def prepare_blend(self, precision: ProbePrecision = ProbePrecision(DEFAULT_PROBE_PRECISION),
+                      linear: RecomputePrecision = RecomputePrecision.COMPUTE) -> torch.dtype:
         """Make what a blend request needs before the first one arrives: the query probe's
-        lower-precision copy of the layers' GEMM matrices, and with semantic reuse the donor index read
-        from its log (each built once, on first use otherwise, which the first blend request would pay: a
-        full donor log takes seconds to replay). A server calls this at start-up.
+        lower-precision copy of the layers' GEMM matrices (and the recomputed rows' under ``linear``),
+        and with semantic reuse the donor index read from its log (each built once, on first use
+        otherwise, which the first blend request would pay: a full donor log takes seconds to replay).
+        A server calls this at start-up.
 
         Args:
             precision: the probe precision requests will use (default: the engine's default).
+            linear: the ``linear_precision`` requests will use.
 
         Returns:
             The dtype the probe's GEMMs run in on this engine.
         """
-        dtype = probe_gemm_dtype(precision, self.runner.dtype, self.runner.device)
-        self.runner.layers_in(dtype)
+        runner = self.runner
+        dtype = probe_gemm_dtype(precision, runner.dtype, runner.device)
+        runner.layers_in(dtype)
+        linear = resolve_recompute_precision(linear, runner.dtype, runner.device)
+        runner.layers_in(recompute_dtype(linear, runner.dtype))
         if self.segments.donors.enabled:
             len(self.segments.donors.index)  # attaches the index to its log (once)
         return dtype

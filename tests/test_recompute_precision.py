@@ -214,3 +214,33 @@ def test_the_bf16_weight_copy_is_built_once_under_concurrent_first_use(tiny_engi
         t.join()
     assert len(calls) == 4 * len(runner.layers)  # one build: four matrices per layer
     assert all(g is got[0] for g in got)
+
+
+def test_the_server_sets_defaults_for_requests_that_name_none(tiny_engine):
+    """`kvblend serve --attention-precision/--linear-precision`: blend requests naming neither get the
+    server's; a request's own value wins (compute included); start-up builds the bf16 weight copy."""
+    from blend.serve.cli import build_parser, config_from_args
+    from blend.serve.config import ServeConfig
+    from blend.serve.intake import policy_for
+    from blend.serve.schemas import KvblendOptions
+
+    cfg = config_from_args(build_parser().parse_args(["--attention-precision", "bf16", "--linear-precision", "auto"]))
+    assert (cfg.attention_precision, cfg.linear_precision) == ("bf16", "auto")
+    assert (ServeConfig().attention_precision, ServeConfig().linear_precision) == ("compute", "compute")
+    with pytest.raises(ValueError, match="attention_precision"):
+        ServeConfig(attention_precision="fp8")
+    server = (cfg.attention_precision, cfg.linear_precision)
+    named_none = policy_for(KvblendOptions(reuse="blend"), "", precisions=server)
+    assert (named_none.attention_precision, named_none.linear_precision) == (AP.BF16, AP.AUTO)
+    own = policy_for(KvblendOptions(reuse="blend", attention_precision="compute"), "", precisions=server)
+    assert (own.attention_precision, own.linear_precision) == (AP.COMPUTE, AP.AUTO)
+    assert policy_for(KvblendOptions(reuse="exact"), "", precisions=server) == ReusePolicy.exact()
+    assert policy_for(KvblendOptions(reuse="exact", linear_precision="compute"), "") == ReusePolicy.exact()
+    from blend.policy import ProbePrecision
+
+    runner = tiny_engine.runner
+    assert not runner.has_layers_in(torch.bfloat16)
+    tiny_engine.prepare_blend(ProbePrecision.COMPUTE)  # the probe in float32: no copy
+    assert not runner.has_layers_in(torch.bfloat16)
+    tiny_engine.prepare_blend(ProbePrecision.COMPUTE, linear=AP.BF16)
+    assert runner.has_layers_in(torch.bfloat16)

@@ -17,7 +17,9 @@ from typing import Sequence
 import uvicorn
 
 from blend.batch_decode import DecodeBatching
-from blend.defaults import DEFAULT_LOG_LEVEL, DTYPE_NAMES, LOG_LEVELS
+from blend.defaults import (
+    DEFAULT_ATTENTION_PRECISION, DEFAULT_LINEAR_PRECISION, DEFAULT_LOG_LEVEL, DTYPE_NAMES, LOG_LEVELS,
+)
 from blend.engine import Engine
 from blend.serve.app import create_app
 from blend.serve.config import (
@@ -28,6 +30,7 @@ from blend.serve.connection import uvicorn_options
 from blend.serve.shutdown import DrainingServer
 from blend.serve.flight import FlightStore
 from blend.options import add_store_argument
+from blend.policy import RECOMPUTE_PRECISION_NAMES, RecomputePrecision
 from blend.store.spec import open_store
 
 _DEFAULT = ServeConfig()
@@ -85,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute the exact KV of a document order on an idle prefill worker once N blends saw "
                         "it, so later blends of that order are exact (bit-identical to a full prefill); "
                         "0: off (default)")
+    p.add_argument("--attention-precision", default=DEFAULT_ATTENTION_PRECISION, choices=RECOMPUTE_PRECISION_NAMES,
+                   help="blend requests that name no kvblend.attention_precision: dtype of the recomputed rows' "
+                        "attention above the last check layer (compute, bf16, auto: bf16 on a CPU with native "
+                        "bf16; default: %(default)s)")
+    p.add_argument("--linear-precision", default=DEFAULT_LINEAR_PRECISION, choices=RECOMPUTE_PRECISION_NAMES,
+                   help="the same for their linear layers (kvblend.linear_precision; default: %(default)s)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="decode in fixed 16-row GEMM tiles: concurrent answers bit-identical to one-at-a-time "
                         "(slower on CPU)")
@@ -130,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                       default_max_tokens=args.default_max_tokens, body_timeout_s=args.body_timeout,
                       head_timeout_s=args.header_timeout, max_connections=args.max_connections,
                       graceful_shutdown_s=args.graceful_shutdown),
+        attention_precision=args.attention_precision, linear_precision=args.linear_precision,
         scheduler=SchedulerConfig(
             max_concurrency=args.max_concurrency, max_queue=args.max_queue, prefill_workers=args.prefill_workers,
             batching=DecodeBatching.INVARIANT if args.batch_invariant else DecodeBatching.THROUGHPUT,
@@ -151,7 +161,8 @@ def build_engine(config: ServeConfig) -> Engine:
     store = FlightStore(open_store(config.store))
     engine = Engine.load(config.model, dtype=config.dtype, store=store,
                          experimental_semantic=config.experimental_semantic)
-    engine.prepare_blend()  # the probe's bf16 weight copy now, not on the first blend request
+    # the probe's bf16 weight copy (and the recomputed rows', under --linear-precision) now, not on the first blend
+    engine.prepare_blend(linear=RecomputePrecision(config.linear_precision))
     return engine
 
 

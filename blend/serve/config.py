@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from blend.defaults import DEFAULT_DTYPE, DEFAULT_GRACEFUL_SHUTDOWN_S, DEFAULT_MODEL
+from blend.defaults import (
+    DEFAULT_ATTENTION_PRECISION, DEFAULT_DTYPE, DEFAULT_GRACEFUL_SHUTDOWN_S, DEFAULT_LINEAR_PRECISION, DEFAULT_MODEL,
+)
 from blend.batch_decode import DecodeBatching
+from blend.policy import RECOMPUTE_PRECISION_NAMES
 
 API_KEY_ENV = "KVBLEND_API_KEY"
 LOOP_SHARE_WINDOW_S = 10.0  # the decode loop's prefill share is measured over its last this many seconds
@@ -160,10 +163,20 @@ class ServeConfig:
     inline_prepare_messages: int = 2  # ... and only with at most this many messages (no conversation history)
     limits: Limits = field(default_factory=Limits)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # blend requests that name no kvblend.attention_precision / linear_precision get these
+    # (blend.policy.RecomputePrecision values; "compute": float32 above the check layer, as without them)
+    attention_precision: str = DEFAULT_ATTENTION_PRECISION
+    linear_precision: str = DEFAULT_LINEAR_PRECISION
     # the names a request's Host header may carry (None: any). `kvblend serve` on loopback without an API key
     # answers only loopback names (LOOPBACK_NAMES): a web page whose own name an attacker points at 127.0.0.1
     # (DNS rebinding) is then refused, where it could read every answer as same-origin
     allowed_hosts: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("attention_precision", "linear_precision"):
+            if getattr(self, name) not in RECOMPUTE_PRECISION_NAMES:
+                raise ValueError(f"{name} must be one of {', '.join(RECOMPUTE_PRECISION_NAMES)}, "
+                                 f"got {getattr(self, name)!r:.40}")
 
     @property
     def model_id(self) -> str:

@@ -51,7 +51,8 @@ class Job:
         return self.config.logprobs is not None
 
 
-def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False) -> ReusePolicy:
+def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False,
+               precisions: tuple[str, str] = (DEFAULT_ATTENTION_PRECISION, DEFAULT_LINEAR_PRECISION)) -> ReusePolicy:
     """The request's reuse policy (same gates as the CLI: blend and semantic are opt-ins).
 
     Args:
@@ -59,6 +60,8 @@ def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False) -> Reu
         salt: its cache salt.
         take_exact: a blend's ``take_exact`` where the request names none (the server's: on when it
             refines, whose exact KV a blend would not take otherwise).
+        precisions: a blend's ``attention_precision`` and ``linear_precision`` where the request names
+            none (the server's defaults).
 
     Returns:
         The policy.
@@ -69,8 +72,8 @@ def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False) -> Reu
     mode = ReuseMode(opts.reuse)
     if mode is not ReuseMode.BLEND:  # a blend option under another mode is refused, not dropped
         blend_only = {"semantic reuse": opts.semantic, "take_exact": opts.take_exact,
-                      "attention_precision": opts.attention_precision != DEFAULT_ATTENTION_PRECISION,
-                      "linear_precision": opts.linear_precision != DEFAULT_LINEAR_PRECISION}
+                      "attention_precision": opts.attention_precision not in (None, DEFAULT_ATTENTION_PRECISION),
+                      "linear_precision": opts.linear_precision not in (None, DEFAULT_LINEAR_PRECISION)}
         for name, given in blend_only.items():
             if given:
                 raise InvalidPolicyError(f"{name} is a blend option: use kvblend.reuse = \"blend\"")
@@ -83,8 +86,8 @@ def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False) -> Reu
                              guard_mode=GuardMode(opts.guard_mode),
                              candidates=opts.candidates, probe_precision=ProbePrecision(opts.probe_precision),
                              reused_temperature=opts.reused_temperature,
-                             attention_precision=RecomputePrecision(opts.attention_precision),
-                             linear_precision=RecomputePrecision(opts.linear_precision),
+                             attention_precision=RecomputePrecision(opts.attention_precision or precisions[0]),
+                             linear_precision=RecomputePrecision(opts.linear_precision or precisions[1]),
                              take_exact=take_exact if opts.take_exact is None else opts.take_exact)
 
 
@@ -127,7 +130,8 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
         raise ApiError(400, "semantic reuse is experimental: start the server with --experimental-semantic",
                        param="kvblend.semantic")
     try:
-        policy = policy_for(opts, body.cache_salt or "", take_exact=cfg.scheduler.refine_after is not None)
+        policy = policy_for(opts, body.cache_salt or "", take_exact=cfg.scheduler.refine_after is not None,
+                            precisions=(cfg.attention_precision, cfg.linear_precision))
     except InvalidPolicyError as e:
         raise ApiError(400, str(e), param="kvblend") from None
     try:

@@ -25,9 +25,9 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from blend.defaults import (
-    DEFAULT_ATTENTION_PRECISION, DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_MODE, DEFAULT_GUARD_RATIO,
-    DEFAULT_LINEAR_PRECISION, DEFAULT_PROBE_PRECISION, DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR,
-    MAX_SAMPLING_TEMPERATURE, MAX_SEED, REUSED_TEMPERATURE_RANGE,
+    DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_MODE, DEFAULT_GUARD_RATIO, DEFAULT_PROBE_PRECISION,
+    DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, MAX_SAMPLING_TEMPERATURE, MAX_SEED,
+    REUSED_TEMPERATURE_RANGE,
 )
 from blend.policy import GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, RECOMPUTE_PRECISION_NAMES, SELECTOR_NAMES, ReuseMode
 from blend.prompt import Role, Turn, is_unicode
@@ -61,9 +61,10 @@ class KvblendOptions(BaseModel):
     guard_mode: GuardModeName = DEFAULT_GUARD_MODE  # how the guard's recompute runs (blend.policy.GuardMode)
     candidates: StrictFloat | None = Field(DEFAULT_CANDIDATES, ge=1.0)  # probe selectors: candidate factor
     probe_precision: ProbePrecisionName = DEFAULT_PROBE_PRECISION  # the probe's GEMM dtype
-    # blend: dtype of the recomputed rows' attention above the last check layer (blend.policy.RecomputePrecision)
-    attention_precision: RecomputePrecisionName = DEFAULT_ATTENTION_PRECISION
-    linear_precision: RecomputePrecisionName = DEFAULT_LINEAR_PRECISION  # blend: their linear layers' dtype
+    # blend: dtype of the recomputed rows' attention and linear layers above the last check layer
+    # (blend.policy.RecomputePrecision); None: the server's default (`kvblend serve --attention-precision`)
+    attention_precision: RecomputePrecisionName | None = None
+    linear_precision: RecomputePrecisionName | None = None
     reused_temperature: StrictFloat = Field(DEFAULT_REUSED_TEMPERATURE, ge=REUSED_TEMPERATURE_RANGE[0],
                                       le=REUSED_TEMPERATURE_RANGE[1], allow_inf_nan=False)  # reused rows' attention
     # blend: load documents this order's exact path stored (None: the server's default, on with --refine-after)
