@@ -60,6 +60,12 @@ class BlendPlan:
     def n(self) -> int:
         return int(self.pos.shape[0])
 
+    @property
+    def last_check(self) -> int | None:
+        """The last check layer (None under full reuse): above it no selection reads anything, so only there
+        may the recomputed rows run in another precision (``attention_precision``, ``linear_precision``)."""
+        return self.checks[-1].layer if self.checks else None
+
     def always(self) -> torch.Tensor:
         """(F + Nq,) rows recomputed whatever the selector says: forced rows and the question."""
         return torch.cat([torch.nonzero(self.forced).flatten(), torch.arange(self.nb, self.n)])

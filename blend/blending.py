@@ -295,7 +295,8 @@ class BlendRows:
         if active.numel() == 0:  # a context-only blend that recomputes no row: layers only re-position
             return q.new_zeros(0, q.shape[0] * q.shape[2])  # (0, Hq D)
         k_all, v_all = self.cache.view(layer, plan.e + plan.n)  # (Hkv, T, D)
-        dtype = self.attention_dtype if plan.checks and layer > plan.checks[-1].layer else q.dtype
+        last = plan.last_check
+        dtype = self.attention_dtype if last is not None and layer > last else q.dtype
         rows = self._active_queries(active, dtype)
         q_rot = apply_rope(q, rows.cos, rows.sin)  # (Hq, A, D)
         if dtype != q.dtype:  # bf16 attention (RecomputePrecision.BF16): the cache itself keeps its dtype
@@ -393,7 +394,7 @@ def pass_layers(model: ModelRunner, plan: BlendPlan, policy: ReusePolicy) -> lis
 
     Args:
         model: the model runner.
-        plan: the pass's plan (its first check layer).
+        plan: the pass's plan (its last check layer).
         policy: its policy (``linear_precision`` resolved).
 
     Returns:
@@ -402,10 +403,9 @@ def pass_layers(model: ModelRunner, plan: BlendPlan, policy: ReusePolicy) -> lis
         those) and a copy in that dtype above it (:meth:`ModelRunner.layers_in`, made once per engine and
         dtype; the probe's bf16 copy).
     """
-    dtype = recompute_dtype(policy.linear_precision, model.dtype)
-    if dtype == model.dtype or not plan.checks:
+    dtype, last = recompute_dtype(policy.linear_precision, model.dtype), plan.last_check
+    if dtype == model.dtype or last is None:
         return None
-    last = plan.checks[-1].layer
     return [*model.layers[: last + 1], *model.layers_in(dtype)[last + 1:]]
 
 

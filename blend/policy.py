@@ -66,6 +66,9 @@ class RecomputePrecision(Enum):
 
 
 RECOMPUTE_PRECISION_NAMES = tuple(p.value for p in RecomputePrecision)
+# the policy's RecomputePrecision fields and their defaults
+RECOMPUTE_PRECISION_FIELDS = (("attention_precision", DEFAULT_ATTENTION_PRECISION),
+                              ("linear_precision", DEFAULT_LINEAR_PRECISION))
 
 
 class GuardMode(Enum):
@@ -255,8 +258,7 @@ class ReusePolicy:
             raise InvalidPolicyError(f"guard_mode must be a GuardMode, got {self.guard_mode!r:.60}")
         if not isinstance(self.probe_precision, ProbePrecision):
             raise InvalidPolicyError(f"probe_precision must be a ProbePrecision, got {self.probe_precision!r}")
-        for name, default in (("attention_precision", DEFAULT_ATTENTION_PRECISION),
-                              ("linear_precision", DEFAULT_LINEAR_PRECISION)):
+        for name, default in RECOMPUTE_PRECISION_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, RecomputePrecision):
                 raise InvalidPolicyError(f"{name} must be a RecomputePrecision, got {value!r:.60}")

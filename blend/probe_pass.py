@@ -32,7 +32,7 @@ from blend.cpu_features import native_on_cpu, this_cpu_flags
 from blend.kernels import attention_probs, hidden_keys
 from blend.kvcache import KVCache
 from blend.model import ModelRunner, layer_attention_only
-from blend.policy import ProbePrecision, RecomputePrecision, ReusePolicy
+from blend.policy import RECOMPUTE_PRECISION_FIELDS, ProbePrecision, RecomputePrecision, ReusePolicy
 from blend.probe import entropy
 from blend.rope import apply_rope
 
@@ -103,7 +103,7 @@ def resolve_precisions(policy: ReusePolicy, compute: torch.dtype, device: torch.
     """
     recompute = {name: RecomputePrecision.COMPUTE if policy.full_reuse
                  else resolve_recompute_precision(getattr(policy, name), compute, device, flags)
-                 for name in ("attention_precision", "linear_precision")}
+                 for name, _ in RECOMPUTE_PRECISION_FIELDS}
     return replace(policy, probe_precision=resolve_probe_precision(policy.probe_precision, compute, device, flags),
                    **recompute)
 

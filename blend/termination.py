@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-
 class Terminated(BaseException):
     """SIGTERM arrived (a BaseException, as KeyboardInterrupt is: ``except Exception`` never swallows it)."""
 

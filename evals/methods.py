@@ -19,7 +19,7 @@ belong to the check list)::
                                  ``temp=T`` the reused rows' attention temperature (1: off);
                                  ``gmode=`` how the guard's second pass runs (``GuardMode``);
                                  ``attn=`` / ``lin=`` the dtype (compute, bf16, auto) of the
-                                 recomputed rows' attention / linear layers above the first
+                                 recomputed rows' attention / linear layers above the last
                                  check layer (``RecomputePrecision``)
 
 e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.

@@ -130,7 +130,7 @@ def test_bf16_linear_layers_move_the_numbers_not_the_rows(tiny_engine):
     assert ":lin=bf16" in lin.report.policy and ":attn" not in lin.report.policy
     runner = tiny_engine.runner
     policy = unguarded_blend(0.3, "v", check_layers=(1,), linear_precision=AP.BF16)
-    plan = SimpleNamespace(checks=(SimpleNamespace(layer=1),))  # all pass_layers reads of a plan
+    plan = SimpleNamespace(last_check=1)  # all pass_layers reads of a plan
     layers = pass_layers(runner, plan, policy)
     assert [w.w_down.dtype for w in layers] == [torch.float32] * 2 + [torch.bfloat16] * (len(runner.layers) - 2)
     assert layers[:2] == list(runner.layers[:2])

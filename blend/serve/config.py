@@ -9,7 +9,7 @@ from blend.defaults import (
     DEFAULT_ATTENTION_PRECISION, DEFAULT_DTYPE, DEFAULT_GRACEFUL_SHUTDOWN_S, DEFAULT_LINEAR_PRECISION, DEFAULT_MODEL,
 )
 from blend.batch_decode import DecodeBatching
-from blend.policy import RECOMPUTE_PRECISION_NAMES
+from blend.policy import RECOMPUTE_PRECISION_FIELDS, RECOMPUTE_PRECISION_NAMES
 
 API_KEY_ENV = "KVBLEND_API_KEY"
 LOOP_SHARE_WINDOW_S = 10.0  # the decode loop's prefill share is measured over its last this many seconds
@@ -173,7 +173,7 @@ class ServeConfig:
     allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("attention_precision", "linear_precision"):
+        for name, _ in RECOMPUTE_PRECISION_FIELDS:
             if getattr(self, name) not in RECOMPUTE_PRECISION_NAMES:
                 raise ValueError(f"{name} must be one of {', '.join(RECOMPUTE_PRECISION_NAMES)}, "
                                  f"got {getattr(self, name)!r:.40}")

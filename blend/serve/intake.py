@@ -12,7 +12,9 @@ from blend.control_text import unmark
 from blend.defaults import DEFAULT_ATTENTION_PRECISION, DEFAULT_LINEAR_PRECISION
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.generation import stop_strings
-from blend.policy import RecomputePrecision, GuardMode, ProbePrecision, ReuseMode, ReusePolicy
+from blend.policy import (
+    RECOMPUTE_PRECISION_FIELDS, GuardMode, ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy,
+)
 from blend.prompt import Prompt
 from blend.sampling import GenerationConfig, InvalidSettingError
 from blend.serve.config import ServeConfig
@@ -72,8 +74,8 @@ def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False,
     mode = ReuseMode(opts.reuse)
     if mode is not ReuseMode.BLEND:  # a blend option under another mode is refused, not dropped
         blend_only = {"semantic reuse": opts.semantic, "take_exact": opts.take_exact,
-                      "attention_precision": opts.attention_precision not in (None, DEFAULT_ATTENTION_PRECISION),
-                      "linear_precision": opts.linear_precision not in (None, DEFAULT_LINEAR_PRECISION)}
+                      **{name: getattr(opts, name) not in (None, default)
+                         for name, default in RECOMPUTE_PRECISION_FIELDS}}
         for name, given in blend_only.items():
             if given:
                 raise InvalidPolicyError(f"{name} is a blend option: use kvblend.reuse = \"blend\"")
