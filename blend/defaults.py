@@ -146,6 +146,9 @@ DEFAULT_MEMORY_BUDGET = 2 << 30
 # retrieval: chunk size, and the index size where an AUTO index becomes approximate (HNSW)
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_APPROX_THRESHOLD = 20_000
+# ingest: new chunks between commits of the index; chunk texts per KV-writer call
+DEFAULT_COMMIT_EVERY = 512
+DEFAULT_KV_BATCH = 16
 # the quality gate's bounds for blended reuse (per model): mean first-token KL(full || blend) at most, and
 # first-token top-1 agreement at least
 GATE_KL_BOUND = 0.25

@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from blend.retrieval.embedder import Embedder
     from blend.retrieval.index import IndexKind, VectorIndex
     from blend.retrieval.ingest import ingest
+    from blend.retrieval.ingest_options import IngestOptions
 
     tok, fp, engine, tok_name = _tokenizer(args.model)
     emb = Embedder.load()
@@ -93,15 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         vi.search(vecs[:8], 5)
         t_index = time.perf_counter() - t
         t = time.perf_counter()
-        ingest([corpus], Path(tmp) / "idx", tokenizer=tok, tokenizer_fp=fp, embedder=emb, config=cfg,
-               progress=False, stream=io.StringIO())
+        ingest([corpus], Path(tmp) / "idx", tokenizer=tok, tokenizer_fp=fp, embedder=emb,
+               options=IngestOptions(config=cfg, progress=False, stream=io.StringIO()))
         t_e2e = time.perf_counter() - t
         t = time.perf_counter()
         Catalog.open(Path(tmp) / "idx").commit()
         t_commit = time.perf_counter() - t
         t = time.perf_counter()
-        again = ingest([corpus], Path(tmp) / "idx", tokenizer=tok, tokenizer_fp=fp, embedder=emb, config=cfg,
-                       progress=False, stream=io.StringIO())
+        again = ingest([corpus], Path(tmp) / "idx", tokenizer=tok, tokenizer_fp=fp, embedder=emb,
+                       options=IngestOptions(config=cfg, progress=False, stream=io.StringIO()))
         t_reingest = time.perf_counter() - t
         assert again.chunks_added == 0
         res.update(chunks=n, tokens=ntok, files=len(files))

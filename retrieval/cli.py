@@ -35,7 +35,8 @@ from blend.retrieval.embedder import Embedder
 from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
 from blend.retrieval.catalog import Catalog
 from blend.retrieval.ingest import ingest, nothing_to_ingest, print_issues
-from blend.retrieval.pipeline import RAG, engine_kv_deleter, engine_kv_signature, engine_kv_writer
+from blend.retrieval.ingest_options import IngestOptions
+from blend.retrieval.pipeline import RAG, engine_kv_sync
 from blend.store.spec import default_spec, redacted_spec
 from blend.terminal_text import shown
 
@@ -110,14 +111,11 @@ def _ingest(args: argparse.Namespace) -> int:
         raise RetrievalError(nothing_to_ingest(issues))  # (an existing index may still lose files that went)
     config = ChunkerConfig(target_tokens=args.chunk_tokens, overlap_tokens=args.overlap)
     engine = engine_from_args(args)
-    summary = ingest(
-        args.paths, args.index, tokenizer=engine.tokenizer, embedder=Embedder.load(),
-        tokenizer_fp=engine.provenance.tokenizer_sha256, config=config,
-        kv_writer=None if args.no_kv else engine_kv_writer(engine, args.system),
-        kv_deleter=engine_kv_deleter(engine, args.system), kv_signature=engine_kv_signature(engine, args.system),
-        refresh_kv=args.refresh_kv, kind=IndexKind(args.index_kind),
-        threshold=args.approx_threshold, progress=not args.quiet,
-    )
+    summary = ingest(args.paths, args.index, tokenizer=engine.tokenizer, embedder=Embedder.load(),
+                     tokenizer_fp=engine.provenance.tokenizer_sha256,
+                     kv=engine_kv_sync(engine, args.system, write=not args.no_kv, refresh=args.refresh_kv),
+                     options=IngestOptions(config=config, kind=IndexKind(args.index_kind),
+                                           threshold=args.approx_threshold, progress=not args.quiet))
     print_issues(summary.issues)
     print(f"ingest: {summary.format()}")
     return ExitCode.FAILED if summary.issues or summary.kv_unsaved else ExitCode.OK
@@ -181,8 +179,7 @@ def _demo(args: argparse.Namespace) -> int:
     embedder = Embedder.load()
     print(f"demo: loaded model and embedder in {time.perf_counter() - t0:.1f} s")
     summary = ingest([demo_dir()], index, tokenizer=engine.tokenizer, embedder=embedder,
-                     tokenizer_fp=engine.provenance.tokenizer_sha256, kv_writer=engine_kv_writer(engine),
-                     kv_deleter=engine_kv_deleter(engine), kv_signature=engine_kv_signature(engine))
+                     tokenizer_fp=engine.provenance.tokenizer_sha256, kv=engine_kv_sync(engine))
     print_issues(summary.issues)
     print(f"ingest: {summary.format()}")
     questions = json.loads((demo_dir() / "questions.json").read_text())["questions"]

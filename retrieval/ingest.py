@@ -4,12 +4,14 @@ Idempotent and resumable: a file whose bytes, tokenizer and chunking are
 unchanged is skipped; a changed file replaces only its own chunks (chunk ids
 still present are kept with their vectors and KV); an indexed file deleted from a
 folder given again (or named again) leaves the index with its chunks; progress is committed
-atomically every ``commit_every`` new chunks and when an exception stops the
-run, so re-running after an interruption continues where it stopped and
-never duplicates a chunk.
+atomically every ``commit_every`` new chunks
+(:class:`~blend.retrieval.ingest_options.IngestOptions`) and when an exception
+stops the run, so re-running after an interruption continues where it stopped
+and never duplicates a chunk.
 
-The engine is not imported here: KV is written through ``kv_writer`` (a batch
-of chunk texts -> bytes of KV written) and deleted through ``kv_deleter``.
+The engine is not imported here: KV is written and deleted through a
+:class:`~blend.retrieval.ingest_options.KVSync` (a writer: a batch of chunk texts
+-> bytes of KV written; a deleter: (chunk id, text) -> deleted).
 """
 
 from __future__ import annotations
@@ -29,84 +31,8 @@ from blend.retrieval.index_files import ChunkRecord, ChunkRef, FileEntry, IndexM
 from blend.retrieval.chunker import CHUNKER_VERSION, ChunkerConfig, chunk_text, tokenizer_fingerprint
 from blend.retrieval.corpus import CorpusIssue, IssueKind, RetrievalError, expand_paths, read_file
 from blend.retrieval.embedder import Embedder
-from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
-from blend.progress import Progress
+from blend.retrieval.ingest_options import IngestOptions, IngestSummary, KVSync, KVWriter
 from blend.terminal_text import shown
-
-KVWriter = Callable[[list[str]], int]
-KVDeleter = Callable[[str, str], bool]
-
-
-@dataclass(frozen=True)
-class IngestSummary:
-    """What one ingest run did.
-
-    Attributes:
-        files_seen: files found under the given paths.
-        files_ingested: files (re)chunked and indexed this run.
-        files_unchanged: files skipped because nothing changed.
-        files_failed: files with no usable document (see ``issues``).
-        documents: documents read from ingested files.
-        chunks_added: chunks new to the index.
-        chunks_removed: chunks no file references any more.
-        chunks_total: chunks in the index after the run.
-        tokens_added: tokens of the added chunks.
-        kv_bytes: bytes of KV written by ``kv_writer``.
-        gc_collected: unreachable chunks whose KV was deleted.
-        gc_pending: unreachable chunks whose KV still awaits deletion.
-        seconds: wall time.
-        files_removed: indexed files that no longer exist (under a folder given again, or named
-            again), removed with their chunks.
-        kv_checked: chunks already in the index whose KV this run made sure of again, because the
-            engine's KV signature differs from the one the index recorded (or ``refresh_kv``).
-        kv_unsaved: chunks whose KV did not reach the store (its writes failed: see the log); the index
-            then does not record the engine's KV signature, so the next run writes them again.
-        issues: problems found, each naming its file and line.
-        removed_ids: ids of the removed chunks.
-    """
-
-    files_seen: int
-    files_ingested: int
-    files_unchanged: int
-    files_failed: int
-    documents: int
-    chunks_added: int
-    chunks_removed: int
-    chunks_total: int
-    tokens_added: int
-    kv_bytes: int
-    gc_collected: int
-    gc_pending: int
-    seconds: float
-    issues: tuple[CorpusIssue, ...] = field(default_factory=tuple)
-    removed_ids: tuple[str, ...] = field(default_factory=tuple)
-    kv_checked: int = 0
-    files_removed: int = 0
-    kv_unsaved: int = 0
-
-    def format(self) -> str:
-        """A short human summary (issues are listed by the caller)."""
-        tail = f"; KV of {self.gc_pending} removed chunks awaits collection" if self.gc_pending else ""
-        if self.files_removed:
-            tail += f"; {self.files_removed} deleted files removed"
-        if self.kv_checked:
-            tail += f"; KV of {self.kv_checked} indexed chunks checked for the current engine"
-        if self.kv_unsaved:
-            tail += f"; KV of {self.kv_unsaved} chunks NOT stored (the store's writes failed; run again)"
-        return (
-            f"{self.files_seen} files: {self.files_ingested} ingested, {self.files_unchanged} unchanged, "
-            f"{self.files_failed} failed; {self.chunks_added} chunks added, {self.chunks_removed} removed, "
-            f"{self.chunks_total} in index; {self.tokens_added} tokens; KV {_fmt_bytes(self.kv_bytes)}; "
-            f"{self.seconds:.1f} s{tail}"
-        )
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
 
 
 def chunking_signature(tokenizer_fp: str, config: ChunkerConfig) -> str:
@@ -156,6 +82,21 @@ class _Lock:
         os.close(self._fd)
 
 
+@dataclass
+class _Tally:
+    """What a run did so far (the summary's counts)."""
+
+    ingested: int = 0
+    unchanged: int = 0
+    failed: int = 0
+    documents: int = 0
+    added: int = 0
+    tokens: int = 0
+    kv_bytes: int = 0
+    removed: list[str] = field(default_factory=list)  # ids of the chunks that left the index
+    added_ids: set[str] = field(default_factory=set)  # chunks whose KV this run wrote
+
+
 def ingest(
     paths: Iterable[str | os.PathLike[str]],
     index_dir: str | os.PathLike[str],
@@ -163,17 +104,8 @@ def ingest(
     tokenizer: Any,
     embedder: Embedder,
     tokenizer_fp: str | None = None,
-    config: ChunkerConfig = ChunkerConfig(),
-    kv_writer: KVWriter | None = None,
-    kv_deleter: KVDeleter | None = None,
-    kv_signature: str | None = None,
-    refresh_kv: bool = False,
-    kind: IndexKind = IndexKind.AUTO,
-    threshold: int = DEFAULT_APPROX_THRESHOLD,
-    commit_every: int = 512,
-    kv_batch: int = 16,
-    progress: bool = True,
-    stream: TextIO | None = None,
+    kv: KVSync = KVSync(),
+    options: IngestOptions = IngestOptions(),
 ) -> IngestSummary:
     """Ingest files into an index folder (created if absent).
 
@@ -183,148 +115,175 @@ def ingest(
         tokenizer: the model's tokenizer, used for chunking.
         embedder: the sentence embedder.
         tokenizer_fp: the tokenizer's fingerprint (default: computed from it).
-        config: chunk sizes and overlap.
-        kv_writer: batch of new chunk texts -> bytes of KV written (None: no KV).
-        kv_deleter: (chunk id, text) -> True once that chunk's KV is deleted.
-        kv_signature: what ``kv_writer`` keys chunk KV under (``engine_kv_signature``). When it
-            differs from the one the index recorded (a new model revision, dtype, GEMM backend,
-            torch, system prompt...), every indexed chunk goes through ``kv_writer`` again (it
-            skips chunks whose KV is stored), so unchanged files do not leave their chunks without
-            KV under the new keys. None: not checked.
-        refresh_kv: pass every indexed chunk through ``kv_writer`` whatever the signature says
-            (e.g. after the store was emptied).
-        kind: index kind (AUTO: exact below ``threshold`` vectors, HNSW above).
-        threshold: size at which AUTO becomes approximate.
-        commit_every: commit after this many new chunks.
-        kv_batch: chunk texts per ``kv_writer`` call.
-        progress: draw a progress bar.
-        stream: where the bar goes (default stderr).
+        kv: how chunk KV is written, deleted and checked (default: none of it).
+        options: chunking, index kind, commits and progress.
 
     Returns:
         The run's :class:`IngestSummary`.
+
+    Raises:
+        RetrievalError: the index path is a file, the threshold is negative, nothing to ingest, or another
+            ingest holds the index.
     """
     t0 = time.perf_counter()
     root = Path(index_dir).expanduser().resolve()
     if os.path.exists(root) and not os.path.isdir(root):
         raise RetrievalError(f"{root} is a file, not an index folder")
-    if threshold < 0:
-        raise RetrievalError(f"the approximate-index threshold must be >= 0 vectors, got {threshold}")
+    if options.threshold < 0:
+        raise RetrievalError(f"the approximate-index threshold must be >= 0 vectors, got {options.threshold}")
     paths = list(paths)  # read twice: expanded, then matched against the indexed files
     files, issues = expand_paths(paths, skip=[root])  # an index inside the corpus folder is not corpus
     if not files and not Catalog.exists(root):  # before the tokenizer is touched: the CLI checks this first
         raise RetrievalError(nothing_to_ingest(issues))
     fp = tokenizer_fp or tokenizer_fingerprint(tokenizer)
-    signature = chunking_signature(fp, config)
     lock = _Lock(root)
     try:
-        meta = IndexMeta(embedder.info.name, embedder.info.fingerprint, embedder.dim, kind.value, threshold)
-        cat = Catalog.open(root, meta)
-        stats = dict(ingested=0, unchanged=0, failed=0, docs=0, added=0, tokens=0, kv=0)
-        removed_all: list[str] = []
-        added_ids: set[str] = set()  # chunks whose KV this run wrote
+        meta = IndexMeta(embedder.info.name, embedder.info.fingerprint, embedder.dim, options.kind.value,
+                         options.threshold)
+        run = _Run(Catalog.open(root, meta), tokenizer, fp, embedder, kv, options, issues)
         # a run killed before its commit left noted chunks' KV: this run's commit queues it for collection
-        dirty, since_commit = not Catalog.exists(root) or cat.settings_changed or bool(cat.kv_intent), 0
-        gone = vanished_files(cat.files, paths)
+        run.dirty = not Catalog.exists(root) or run.cat.settings_changed or bool(run.cat.kv_intent)
+        gone = vanished_files(run.cat.files, paths)
         if not files and not gone:  # (an index whose corpus was emptied still loses the files that went)
             raise RetrievalError(nothing_to_ingest(issues))
         for path in gone:  # deleted since it was indexed: its chunks go
-            removed_all += cat.remove_file(path)
-        dirty = dirty or bool(gone)
-        bar = Progress(len(files), desc="ingest", unit="files", stream=stream if stream is not None else sys.stderr,
-                       enabled=progress)
-        try:
-            for path in files:
-                bar.update(0, note=os.path.basename(path))
-                fr = read_file(path)
-                issues.extend(fr.issues)
-                if not fr.documents:
-                    stats["failed"] += 1
-                    if path in cat.files and _no_longer_holds(cat, path, fr):
-                        removed_all += cat.remove_file(path)  # its old chunks are not what it holds: they go
-                        dirty = True
-                    bar.update(1)
-                    continue
-                if cat.is_current(path, fr.sha256, signature):
-                    stats["unchanged"] += 1
-                    bar.update(1)
-                    continue
-                refs: list[ChunkRef] = []
-                fresh: dict[str, ChunkRecord] = {}
-                for doc in fr.documents:
-                    stats["docs"] += 1
-                    for ch in chunk_text(doc.text, tokenizer, fp, config):
-                        refs.append(ChunkRef(ch.chunk_id, doc.line, ch.start, ch.end))
-                        if ch.chunk_id not in cat.records and ch.chunk_id not in fresh:
-                            fresh[ch.chunk_id] = ChunkRecord(ch.chunk_id, -1, ch.text, ch.n_tokens)
-                new = list(fresh.values())
-                vecs = embedder.embed([r.text for r in new]) if new else None  # (M, D)
-                if kv_writer is not None:
-                    # before the KV, so it is never orphaned: the chunks whose KV this run writes (a writer that
-                    # says which are stored already keeps another index's KV out of a killed run's collection)
-                    missing = getattr(kv_writer, "missing", None)
-                    todo = missing([r.text for r in new]) if (missing is not None and new) else [True] * len(new)
-                    cat.note_kv_intent({r.chunk_id: r.text for r, m in zip(new, todo) if m})
-                    stats["kv"] += _write_kv(kv_writer, [r.text for r in new], kv_batch)
-                if new and (kv_writer is None or getattr(kv_writer, "unsaved", 0)) and cat.meta.kv_signature:
-                    # chunks go in without their KV (--no-kv, or store writes that failed): the signature no
-                    # longer says every chunk's KV is stored, so the next run with a writer checks them all.
-                    # Cleared in the commit that adds them: an interrupt or a kill after that commit keeps it
-                    cat.record_kv_signature("")
-                entry = FileEntry(path, fr.sha256, signature, tuple(refs))
-                removed_all += cat.replace_file(entry, [(r, vecs[i]) for i, r in enumerate(new)])
-                stats["ingested"] += 1
-                stats["added"] += len(new)
-                added_ids.update(r.chunk_id for r in new)
-                stats["tokens"] += sum(r.n_tokens for r in new)
-                dirty = True
-                since_commit += len(new)
-                bar.update(1, note=f"{os.path.basename(path)} +{len(new)} chunks")
-                if since_commit >= commit_every:
-                    cat.commit()
-                    dirty, since_commit = False, 0
-        finally:
-            if dirty and not cat.interrupted:  # everything finished so far is consistent: keep it, even on an
-                cat.commit()  # interrupt (a change cut half-way is not: the last commit stays, the rerun redoes it)
-            bar.close()
-        checked = 0
-        stale = kv_signature is not None and kv_signature != cat.meta.kv_signature
-        if kv_writer is not None and (refresh_kv or stale):
-            checked, written = _refresh_kv(cat, kv_writer, skip=added_ids, batch=kv_batch, progress=progress,
-                                           stream=stream)
-            stats["kv"] += written
-            if kv_signature is not None and not getattr(kv_writer, "unsaved", 0):
-                # recorded only once every chunk's KV is in the store: otherwise the next run tries again
-                cat.record_kv_signature(kv_signature)
-            cat.commit()
-        collected = 0
-        if kv_deleter is not None and cat.pending_gc:
-            collected = cat.collect_garbage(kv_deleter)
-            cat.commit()
-            finish = getattr(kv_deleter, "finish", None)  # e.g. purge the deleted chunks from the donor logs
-            if finish is not None:
-                finish()
+            run.tally.removed += run.cat.remove_file(path)
+        run.dirty = run.dirty or bool(gone)
+        run.files(files)
+        checked = run.sync_kv()
+        collected = run.collect()
+        t, cat = run.tally, run.cat
         return IngestSummary(
-            files_seen=len(files),
-            files_removed=len(gone),
-            files_ingested=stats["ingested"],
-            files_unchanged=stats["unchanged"],
-            files_failed=stats["failed"],
-            documents=stats["docs"],
-            chunks_added=stats["added"],
-            chunks_removed=len(removed_all),
-            chunks_total=len(cat.records),
-            tokens_added=stats["tokens"],
-            kv_bytes=stats["kv"],
-            gc_collected=collected,
-            gc_pending=len(cat.pending_gc),
-            seconds=time.perf_counter() - t0,
-            issues=tuple(issues),
-            removed_ids=tuple(removed_all),
-            kv_checked=checked,
-            kv_unsaved=int(getattr(kv_writer, "unsaved", 0)),
+            files_seen=len(files), files_removed=len(gone), files_ingested=t.ingested, files_unchanged=t.unchanged,
+            files_failed=t.failed, documents=t.documents, chunks_added=t.added, chunks_removed=len(t.removed),
+            chunks_total=len(cat.records), tokens_added=t.tokens, kv_bytes=t.kv_bytes, gc_collected=collected,
+            gc_pending=len(cat.pending_gc), seconds=time.perf_counter() - t0, issues=tuple(issues),
+            removed_ids=tuple(t.removed), kv_checked=checked, kv_unsaved=kv.unsaved,
         )
     finally:
         lock.release()
+
+
+class _Run:
+    """One ingest run over an open catalog: its files, then the KV check, then the collection.
+
+    Args:
+        cat: the index's catalog (the run holds its lock).
+        tokenizer, fp: the model's tokenizer and its fingerprint.
+        embedder: the sentence embedder.
+        kv: the run's KV handling.
+        options: the run's options.
+        issues: where problems found are appended.
+    """
+
+    def __init__(self, cat: Catalog, tokenizer: Any, fp: str, embedder: Embedder, kv: KVSync,
+                 options: IngestOptions, issues: list[CorpusIssue]) -> None:
+        self.cat, self.tokenizer, self.fp, self.embedder = cat, tokenizer, fp, embedder
+        self.kv, self.options, self.issues = kv, options, issues
+        self.signature = chunking_signature(fp, options.config)
+        self.tally = _Tally()
+        self.dirty = False  # the catalog holds changes its last commit does not
+        self.since_commit = 0  # new chunks since the last commit
+
+    def files(self, files: list[str]) -> None:
+        """Ingest each file, committing every ``commit_every`` new chunks and when the loop ends or an
+        exception stops it."""
+        bar = self.options.bar(len(files), "ingest", "files")
+        try:
+            for path in files:
+                bar.update(0, note=os.path.basename(path))
+                added = self.file(path)
+                bar.update(1, note=None if added is None else f"{os.path.basename(path)} +{added} chunks")
+                if self.since_commit >= self.options.commit_every:
+                    self.cat.commit()
+                    self.dirty, self.since_commit = False, 0
+        finally:
+            if self.dirty and not self.cat.interrupted:  # everything finished so far is consistent: keep it, even
+                self.cat.commit()  # on an interrupt (a change cut half-way is not: the last commit stays, the rerun
+            bar.close()  # redoes it)
+
+    def file(self, path: str) -> int | None:
+        """Read, chunk, embed and index one file (and write its new chunks' KV).
+
+        Returns:
+            The chunks it added; None where the file was not ingested (no document, or unchanged).
+        """
+        cat, t = self.cat, self.tally
+        fr = read_file(path)
+        self.issues.extend(fr.issues)
+        if not fr.documents:
+            t.failed += 1
+            if path in cat.files and _no_longer_holds(cat, path, fr):
+                t.removed += cat.remove_file(path)  # its old chunks are not what it holds: they go
+                self.dirty = True
+            return None
+        if cat.is_current(path, fr.sha256, self.signature):
+            t.unchanged += 1
+            return None
+        refs: list[ChunkRef] = []
+        fresh: dict[str, ChunkRecord] = {}
+        for doc in fr.documents:
+            t.documents += 1
+            for ch in chunk_text(doc.text, self.tokenizer, self.fp, self.options.config):
+                refs.append(ChunkRef(ch.chunk_id, doc.line, ch.start, ch.end))
+                if ch.chunk_id not in cat.records and ch.chunk_id not in fresh:
+                    fresh[ch.chunk_id] = ChunkRecord(ch.chunk_id, -1, ch.text, ch.n_tokens)
+        new = list(fresh.values())
+        vecs = self.embedder.embed([r.text for r in new]) if new else None  # (M, D)
+        self._write_new_kv(new)
+        entry = FileEntry(path, fr.sha256, self.signature, tuple(refs))
+        t.removed += cat.replace_file(entry, [(r, vecs[i]) for i, r in enumerate(new)])
+        t.ingested += 1
+        t.added += len(new)
+        t.added_ids.update(r.chunk_id for r in new)
+        t.tokens += sum(r.n_tokens for r in new)
+        self.dirty = True
+        self.since_commit += len(new)
+        return len(new)
+
+    def _write_new_kv(self, new: list[ChunkRecord]) -> None:
+        """Write the KV of a file's new chunks (noted in the intent log first) and keep the recorded KV
+        signature honest about chunks that go in without it."""
+        writer, cat = self.kv.writer, self.cat
+        if writer is not None:
+            # before the KV, so it is never orphaned: the chunks whose KV this run writes (a writer that
+            # says which are stored already keeps another index's KV out of a killed run's collection)
+            missing = getattr(writer, "missing", None)
+            todo = missing([r.text for r in new]) if (missing is not None and new) else [True] * len(new)
+            cat.note_kv_intent({r.chunk_id: r.text for r, m in zip(new, todo) if m})
+            self.tally.kv_bytes += _write_kv(writer, [r.text for r in new], self.kv.batch)
+        if new and (writer is None or self.kv.unsaved) and cat.meta.kv_signature:
+            # chunks go in without their KV (--no-kv, or store writes that failed): the signature no
+            # longer says every chunk's KV is stored, so the next run with a writer checks them all.
+            # Cleared in the commit that adds them: an interrupt or a kill after that commit keeps it
+            cat.record_kv_signature("")
+
+    def sync_kv(self) -> int:
+        """Pass every indexed chunk through the writer where the engine's KV signature changed (or a refresh
+        is asked); returns the chunks passed."""
+        kv, cat = self.kv, self.cat
+        stale = kv.signature is not None and kv.signature != cat.meta.kv_signature
+        if kv.writer is None or not (kv.refresh or stale):
+            return 0
+        checked, written = _refresh_kv(cat, kv.writer, self.tally.added_ids, kv.batch, self.options)
+        self.tally.kv_bytes += written
+        if kv.signature is not None and not kv.unsaved:
+            # recorded only once every chunk's KV is in the store: otherwise the next run tries again
+            cat.record_kv_signature(kv.signature)
+        cat.commit()
+        return checked
+
+    def collect(self) -> int:
+        """Delete the KV of chunks no file references any more; returns the chunks collected."""
+        deleter, cat = self.kv.deleter, self.cat
+        if deleter is None or not cat.pending_gc:
+            return 0
+        collected = cat.collect_garbage(deleter)
+        cat.commit()
+        finish = getattr(deleter, "finish", None)  # e.g. purge the deleted chunks from the donor logs
+        if finish is not None:
+            finish()
+        return collected
 
 
 def nothing_to_ingest(issues) -> str:
@@ -342,14 +301,13 @@ def _no_longer_holds(cat: Catalog, path: str, fr) -> bool:
     return bool(fr.sha256) and fr.sha256 != cat.files[path].sha256  # read ("" when it could not be)
 
 
-def _refresh_kv(cat: Catalog, kv_writer: KVWriter, skip: set[str], batch: int, progress: bool,
-                stream: TextIO | None) -> tuple[int, int]:
+def _refresh_kv(cat: Catalog, kv_writer: KVWriter, skip: set[str], batch: int,
+                options: IngestOptions) -> tuple[int, int]:
     """Pass every indexed chunk not in ``skip`` through ``kv_writer``; (chunks passed, bytes written)."""
     texts = [r.text for cid, r in sorted(cat.records.items()) if cid not in skip]
     if not texts:  # every chunk was written by this run (a new index): no bar of nothing
         return 0, 0
-    bar = Progress(len(texts), desc="chunk KV", unit="chunks", stream=stream if stream is not None else sys.stderr,
-                   enabled=progress)
+    bar = options.bar(len(texts), "chunk KV", "chunks")
     try:
         return len(texts), _write_kv(kv_writer, texts, batch, bar.update)
     finally:

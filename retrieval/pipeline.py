@@ -25,6 +25,7 @@ from blend.retrieval.catalog import Catalog
 from blend.retrieval.chunker import chunk_id
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.embedder import Embedder
+from blend.retrieval.ingest_options import KVSync
 from blend.store.base import EntryState, store_tiers
 
 if TYPE_CHECKING:  # the engine is imported lazily: retrieval works without it
@@ -232,6 +233,27 @@ def engine_kv_writer(engine: "Engine", system: str | None = None) -> EngineKVWri
 def _chunk_key(engine: "Engine", preamble: Segment, text: str) -> StoreKey:
     """The canonical key :meth:`Engine.precompute_chunks` stores a chunk's KV under."""
     return engine.segments.canonical_key(preamble.token_ids, document_ids(engine.tokenizer, text))
+
+
+def engine_kv_sync(engine: "Engine", system: str | None = None, write: bool = True,
+                   refresh: bool = False) -> KVSync:
+    """How :func:`~blend.retrieval.ingest.ingest` keeps an index's chunk KV in step with an engine: written
+    (:func:`engine_kv_writer`), deleted with their chunks (:func:`engine_kv_deleter`) and checked against
+    the engine's keys (:func:`engine_kv_signature`), all after ``system``'s preamble.
+
+    Args:
+        engine: the engine whose store holds the chunks' canonical KV.
+        system: the system prompt the chunks will be asked under.
+        write: write new chunks' KV (False: they go in without it, as ``kvblend ingest --no-kv``; removed
+            chunks' KV is still deleted).
+        refresh: pass every indexed chunk through the writer (e.g. after the store was emptied).
+
+    Returns:
+        The ingest's :class:`~blend.retrieval.ingest_options.KVSync`.
+    """
+    return KVSync(writer=engine_kv_writer(engine, system) if write else None,
+                  deleter=engine_kv_deleter(engine, system), signature=engine_kv_signature(engine, system),
+                  refresh=refresh)
 
 
 def engine_kv_signature(engine: "Engine", system: str | None = None) -> str:

@@ -23,6 +23,7 @@ from blend.retrieval.catalog import Catalog
 from blend.retrieval.chunker import ChunkerConfig
 from blend.retrieval.corpus import RetrievalError, read_file
 from blend.retrieval.ingest import ingest
+from blend.retrieval.ingest_options import IngestOptions
 from blend.retrieval.testing import HashEmbedder, word_tokenizer
 from _fuzz_util import FUZZ, bounded, json_values, mutate_bytes, mutate_json
 
@@ -43,7 +44,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
     for name, text in DOCS.items():
         (corpus / name).write_text(text)
     ingest([corpus], root / "idx", tokenizer=word_tokenizer(DOCS.values()), embedder=HashEmbedder(),
-           config=ChunkerConfig(target_tokens=8), stream=io.StringIO())
+           options=IngestOptions(config=ChunkerConfig(target_tokens=8), stream=io.StringIO()))
     cat = Catalog.open(root / "idx")
     gen = cat.root / (cat.root / "CURRENT").read_text().strip()
     (gen / "gc.json").write_text(json.dumps({"0" * 64: "an unreachable chunk"}))  # something to mutate

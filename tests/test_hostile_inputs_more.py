@@ -540,17 +540,20 @@ def test_donor_index_saves_do_not_share_a_temp_name(tmp_path, atomic_paths):
 
 def test_catalog_current_is_written_atomically(tmp_path, monkeypatch, atomic_paths):
     from blend.retrieval.ingest import ingest
+    from blend.retrieval.ingest_options import IngestOptions
     from blend.retrieval.testing import HashEmbedder, word_tokenizer
 
     doc = tmp_path / "a.txt"
     doc.write_text("a perfectly fine document about cats.")
     idx = tmp_path / "idx"
-    ingest([str(doc)], str(idx), tokenizer=word_tokenizer(["cats"]), embedder=HashEmbedder(), progress=False)
+    ingest([str(doc)], str(idx), tokenizer=word_tokenizer(["cats"]), embedder=HashEmbedder(),
+           options=IngestOptions(progress=False))
     assert str(idx / "CURRENT") in atomic_paths
     doc.write_text("another document about dogs.")
     real = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b, **kw: (_ for _ in ()).throw(OSError("disk full"))
                         if os.path.basename(b) == "CURRENT" else real(a, b, **kw))
     with pytest.raises(OSError):
-        ingest([str(doc)], str(idx), tokenizer=word_tokenizer(["dogs"]), embedder=HashEmbedder(), progress=False)
+        ingest([str(doc)], str(idx), tokenizer=word_tokenizer(["dogs"]), embedder=HashEmbedder(),
+               options=IngestOptions(progress=False))
     assert not [p for p in os.listdir(idx) if "CURRENT" in p and p != "CURRENT"]

@@ -21,6 +21,7 @@ from blend.retrieval.chunker import ChunkerConfig
 from blend.retrieval.corpus import IssueKind, RetrievalError, expand_paths, read_file
 from blend.retrieval.index import IndexKind, VectorIndex
 from blend.retrieval.ingest import ingest
+from blend.retrieval.ingest_options import IngestOptions
 from blend.retrieval.testing import HashEmbedder, word_tokenizer
 
 TEXT = "The ferry leaves at noon. It carries forty people. The captain is named Bruno."
@@ -33,8 +34,8 @@ def tok():
 
 
 def _run(paths: list[Any], index: Path, tok: Any) -> Any:
-    return ingest(paths, index, tokenizer=tok, embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=8),
-                  stream=io.StringIO())
+    return ingest(paths, index, tokenizer=tok, embedder=HashEmbedder(),
+                  options=IngestOptions(config=ChunkerConfig(target_tokens=8), stream=io.StringIO()))
 
 
 def _within(fn: Callable[[], Any], fifo: Path) -> Any:

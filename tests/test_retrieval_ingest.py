@@ -13,6 +13,7 @@ from blend.retrieval.catalog import Catalog
 from blend.retrieval.chunker import ChunkerConfig
 from blend.retrieval.corpus import IssueKind, RetrievalError
 from blend.retrieval.ingest import ingest
+from blend.retrieval.ingest_options import IngestOptions, KVSync
 from blend.retrieval.testing import FakeKV, HashEmbedder, word_tokenizer
 
 DOCS = {
@@ -39,10 +40,11 @@ def tok():
     return word_tokenizer(list(DOCS.values()) + ["The baker starts at four. Bread is ready at seven. The mill grinds rye."])
 
 
-def _run(paths, index, tok, kv=None, emb=None, **kw):
-    return ingest(paths, index, tokenizer=tok, embedder=emb or HashEmbedder(), config=CFG,
-                  kv_writer=kv.write if kv else None, kv_deleter=kv.delete if kv else None,
-                  stream=io.StringIO(), **kw)
+def _run(paths, index, tok, kv=None, emb=None, signature=None, refresh=False, **options):
+    return ingest(paths, index, tokenizer=tok, embedder=emb or HashEmbedder(),
+                  kv=KVSync(writer=kv.write if kv else None, deleter=kv.delete if kv else None, signature=signature,
+                            refresh=refresh),
+                  options=IngestOptions(**{"config": CFG, "stream": io.StringIO(), **options}))
 
 
 def test_reingest_unchanged_adds_nothing(corpus, tmp_path, tok) -> None:
@@ -177,7 +179,8 @@ def test_progress_bar_reports_rate_and_eta(corpus, tmp_path, tok) -> None:
     from blend.progress import Progress
 
     out = io.StringIO()
-    ingest([corpus], tmp_path / "idx", tokenizer=tok, embedder=HashEmbedder(), config=CFG, stream=out)
+    ingest([corpus], tmp_path / "idx", tokenizer=tok, embedder=HashEmbedder(),
+           options=IngestOptions(config=CFG, stream=out))
     last = out.getvalue().strip().splitlines()[-1]
     assert "4/4 files" in last and "left" in last and "/s" in last
     bar = Progress(10, desc="x", unit="chunks", stream=io.StringIO(), min_interval_s=0)
@@ -189,33 +192,33 @@ def test_changed_kv_signature_rewrites_every_indexed_chunk(corpus, tmp_path, tok
     """A new engine provenance (model revision, dtype, GEMM backend...) keys chunk KV anew: unchanged
     files must not leave their chunks without KV under the new keys."""
     kv = FakeKV()
-    s1 = _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    s1 = _run([corpus], tmp_path / "idx", tok, kv, signature="engine-a")
     assert s1.kv_checked == 0  # everything was written as it was indexed
     assert Catalog.open(tmp_path / "idx").meta.kv_signature == "engine-a"
     texts = {r.text for r in Catalog.open(tmp_path / "idx").records.values()}
     calls = len(kv.calls)
-    s2 = _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    s2 = _run([corpus], tmp_path / "idx", tok, kv, signature="engine-a")
     assert len(kv.calls) == calls and s2.kv_checked == 0  # same keys: nothing to check
 
     kv_b = FakeKV()  # the new engine's keys: nothing of its own stored yet
-    s3 = _run([corpus], tmp_path / "idx", tok, kv_b, kv_signature="engine-b")
+    s3 = _run([corpus], tmp_path / "idx", tok, kv_b, signature="engine-b")
     assert s3.files_unchanged == 4 and s3.chunks_added == 0
     assert set(kv_b.entries) == texts and s3.kv_checked == len(texts) and s3.kv_bytes == sum(kv_b.entries.values())
     assert "checked for the current engine" in s3.format()
     assert Catalog.open(tmp_path / "idx").meta.kv_signature == "engine-b"
     calls = len(kv_b.calls)
-    _run([corpus], tmp_path / "idx", tok, kv_b, kv_signature="engine-b")
+    _run([corpus], tmp_path / "idx", tok, kv_b, signature="engine-b")
     assert len(kv_b.calls) == calls
 
 
 def test_refresh_kv_refills_an_emptied_store_and_new_chunks_are_written_once(corpus, tmp_path, tok) -> None:
     kv = FakeKV()
-    _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    _run([corpus], tmp_path / "idx", tok, kv, signature="engine-a")
     texts = {r.text for r in Catalog.open(tmp_path / "idx").records.values()}
     kv.entries.clear()  # the store was emptied; the signature still matches
     before = len(kv.calls)
     (corpus / "e.txt").write_text("The bell rings at dusk. Nobody knows who rings it.")
-    s = _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a", refresh_kv=True)
+    s = _run([corpus], tmp_path / "idx", tok, kv, signature="engine-a", refresh=True)
     records = Catalog.open(tmp_path / "idx").records
     assert s.chunks_added >= 1 and len(records) == len(texts) + s.chunks_added
     assert s.kv_checked == len(texts)  # the new file's chunks, written as indexed, are not passed twice
@@ -225,27 +228,27 @@ def test_refresh_kv_refills_an_emptied_store_and_new_chunks_are_written_once(cor
 
 
 def test_no_kv_writer_records_no_signature_and_a_failed_refresh_is_retried(corpus, tmp_path, tok) -> None:
-    _run([corpus], tmp_path / "idx", tok, None, kv_signature="engine-a")
+    _run([corpus], tmp_path / "idx", tok, None, signature="engine-a")
     assert Catalog.open(tmp_path / "idx").meta.kv_signature == ""  # nothing was made sure of
     kv = FakeKV(fail_on_call=1)
     with pytest.raises(RuntimeError):
-        _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+        _run([corpus], tmp_path / "idx", tok, kv, signature="engine-a")
     assert Catalog.open(tmp_path / "idx").meta.kv_signature == ""  # not recorded: the next run tries again
     kv.fail_on_call = None
-    s = _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    s = _run([corpus], tmp_path / "idx", tok, kv, signature="engine-a")
     assert s.kv_checked == len(Catalog.open(tmp_path / "idx").records)
     assert set(kv.entries) == {r.text for r in Catalog.open(tmp_path / "idx").records.values()}
 
 
 def test_index_written_before_the_kv_signature_opens_and_is_refreshed(corpus, tmp_path, tok) -> None:
     kv = FakeKV()
-    _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    _run([corpus], tmp_path / "idx", tok, kv, signature="engine-a")
     gen = tmp_path / "idx" / (tmp_path / "idx" / "CURRENT").read_text()
     meta = json.loads((gen / "meta.json").read_text())
     del meta["kv_signature"]  # meta.json as older releases wrote it
     (gen / "meta.json").write_text(json.dumps(meta))
     assert Catalog.open(tmp_path / "idx").meta.kv_signature == ""
-    s = _run([corpus], tmp_path / "idx", tok, FakeKV(), kv_signature="engine-a")
+    s = _run([corpus], tmp_path / "idx", tok, FakeKV(), signature="engine-a")
     assert s.kv_checked == s.chunks_total > 0
     meta["kv_signature"] = 7  # a wrong type is still a clear error
     (gen.parent / (tmp_path / "idx" / "CURRENT").read_text() / "meta.json").write_text(json.dumps(meta))
@@ -413,19 +416,20 @@ def test_chunks_added_without_their_kv_are_stored_by_the_next_run_that_can(corpu
     run whose store writes failed): every request computed them, and "run again" did nothing."""
     kv = FakeKV()
     (corpus / "c.txt").unlink()
-    _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    _run([corpus], tmp_path / "idx", tok, kv, signature="engine-a")
     (corpus / "c.txt").write_text(DOCS["c.txt"])
-    _run([corpus], tmp_path / "idx", tok, None, kv_signature="engine-a")  # --no-kv
+    _run([corpus], tmp_path / "idx", tok, None, signature="engine-a")  # --no-kv
     assert not any("library" in t for t in kv.entries)
-    _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")  # a normal run
+    _run([corpus], tmp_path / "idx", tok, kv, signature="engine-a")  # a normal run
     assert any("library" in t for t in kv.entries)
 
 
 def test_a_first_ingest_draws_no_empty_chunk_kv_bar(corpus, tmp_path, tok) -> None:
     """Every fresh index drew "chunk KV [####] 0/0 chunks": the refresh had nothing this run had not written."""
     out = io.StringIO()
-    ingest([corpus], tmp_path / "idx", tokenizer=tok, embedder=HashEmbedder(), config=CFG, kv_writer=FakeKV().write,
-           kv_signature="engine-a", stream=out, progress=True)
+    ingest([corpus], tmp_path / "idx", tokenizer=tok, embedder=HashEmbedder(),
+           kv=KVSync(writer=FakeKV().write, signature="engine-a"),
+           options=IngestOptions(config=CFG, stream=out, progress=True))
     assert "ingest" in out.getvalue() and "chunk KV" not in out.getvalue()
 
 
@@ -434,7 +438,7 @@ def test_chunks_added_without_kv_clear_the_signature_in_their_own_commit(corpus,
     before a kill) but cleared the KV signature only after its loop: the next ingest with a writer found
     the signature current and left those chunks without KV for good."""
     kv = FakeKV()
-    _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    _run([corpus], tmp_path / "idx", tok, kv, signature="engine-a")
     assert Catalog.open(tmp_path / "idx").meta.kv_signature == "engine-a"
     (corpus / "e.txt").write_text("The bell tower has nine bells.")
     (corpus / "f.txt").write_text("The harbour freezes in January.")
@@ -446,11 +450,11 @@ def test_chunks_added_without_kv_clear_the_signature_in_their_own_commit(corpus,
             return super().embed(texts)
 
     with pytest.raises(KeyboardInterrupt):
-        _run([corpus], tmp_path / "idx", tok, None, Interrupting(), kv_signature="engine-a", commit_every=1)
+        _run([corpus], tmp_path / "idx", tok, None, Interrupting(), signature="engine-a", commit_every=1)
     cat = Catalog.open(tmp_path / "idx")
     without = [r.text for r in cat.records.values() if r.text not in kv.entries]
     assert without and cat.meta.kv_signature == ""  # committed chunks without KV: nothing made sure of
-    _run([corpus], tmp_path / "idx", tok, kv, kv_signature="engine-a")
+    _run([corpus], tmp_path / "idx", tok, kv, signature="engine-a")
     assert all(t in kv.entries for t in without)  # the next run with a writer gave them their KV
     assert Catalog.open(tmp_path / "idx").meta.kv_signature == "engine-a"
 
@@ -510,15 +514,15 @@ def test_a_killed_runs_collection_never_takes_kv_it_did_not_write(corpus, tmp_pa
     other = tmp_path / "other"
     other.mkdir()
     (other / "b.txt").write_text(shared)
-    ingest([other], tmp_path / "idx-b", tokenizer=tok, embedder=HashEmbedder(), config=CFG, kv_writer=kv,
-           kv_deleter=kv.delete, stream=io.StringIO())  # index B stores the chunk's KV
+    ingest([other], tmp_path / "idx-b", tokenizer=tok, embedder=HashEmbedder(),  # index B stores the chunk's KV
+           kv=KVSync(writer=kv, deleter=kv.delete), options=IngestOptions(config=CFG, stream=io.StringIO()))
     assert shared in kv.entries
     (corpus / "e.txt").write_text(shared)
     with monkeypatch.context() as m:
         m.setattr(Catalog, "commit", lambda self: None)  # index A's run, killed before its commit
-        ingest([corpus], tmp_path / "idx-a", tokenizer=tok, embedder=HashEmbedder(), config=CFG, kv_writer=kv,
-               kv_deleter=kv.delete, stream=io.StringIO())
+        ingest([corpus], tmp_path / "idx-a", tokenizer=tok, embedder=HashEmbedder(),
+               kv=KVSync(writer=kv, deleter=kv.delete), options=IngestOptions(config=CFG, stream=io.StringIO()))
     (corpus / "e.txt").unlink()
-    ingest([corpus], tmp_path / "idx-a", tokenizer=tok, embedder=HashEmbedder(), config=CFG, kv_writer=kv,
-           kv_deleter=kv.delete, stream=io.StringIO())
+    ingest([corpus], tmp_path / "idx-a", tokenizer=tok, embedder=HashEmbedder(),
+           kv=KVSync(writer=kv, deleter=kv.delete), options=IngestOptions(config=CFG, stream=io.StringIO()))
     assert shared in kv.entries  # B's chunk keeps its KV

@@ -17,8 +17,9 @@ from blend.store.base import EntryState  # noqa: E402
 from blend.retrieval.catalog import Catalog  # noqa: E402
 from blend.retrieval.chunker import ChunkerConfig  # noqa: E402
 from blend.retrieval.ingest import ingest  # noqa: E402
+from blend.retrieval.ingest_options import IngestOptions, KVSync  # noqa: E402
 from blend.retrieval.pipeline import (  # noqa: E402
-    RAG, Retrieved, engine_kv_deleter, engine_kv_signature, engine_kv_writer, order_documents,
+    RAG, Retrieved, engine_kv_deleter, engine_kv_signature, engine_kv_sync, engine_kv_writer, order_documents,
 )
 from blend.retrieval.testing import HashEmbedder  # noqa: E402
 
@@ -44,8 +45,8 @@ def index(tmp_path: Path, engine) -> tuple[Path, Path]:
         (d / k).write_text(v)
     idx = tmp_path / "idx"
     ingest([d], idx, tokenizer=engine.tokenizer, tokenizer_fp=engine.provenance.tokenizer_sha256,
-           embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=64), kv_writer=engine_kv_writer(engine),
-           kv_deleter=engine_kv_deleter(engine), stream=io.StringIO())
+           embedder=HashEmbedder(), kv=KVSync(writer=engine_kv_writer(engine), deleter=engine_kv_deleter(engine)),
+           options=IngestOptions(config=ChunkerConfig(target_tokens=64), stream=io.StringIO()))
     return d, idx
 
 
@@ -92,8 +93,8 @@ def test_changed_file_deletes_old_chunk_kv_from_engine_store(index, engine) -> N
     assert engine.store.contains(Namespace.CANONICAL, key(DOCS["pump.txt"]))
     (d / "pump.txt").write_text("The pump weighs five kilograms.")
     s = ingest([d], idx, tokenizer=engine.tokenizer, tokenizer_fp=engine.provenance.tokenizer_sha256,
-               embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=64), kv_writer=engine_kv_writer(engine),
-               kv_deleter=engine_kv_deleter(engine), stream=io.StringIO())
+               embedder=HashEmbedder(), kv=KVSync(writer=engine_kv_writer(engine), deleter=engine_kv_deleter(engine)),
+               options=IngestOptions(config=ChunkerConfig(target_tokens=64), stream=io.StringIO()))
     assert s.chunks_removed == 1 and s.gc_collected == 1 and s.files_unchanged == 2
     assert not engine.store.contains(Namespace.CANONICAL, key(DOCS["pump.txt"]))
     assert engine.store.contains(Namespace.CANONICAL, key("The pump weighs five kilograms."))
@@ -119,12 +120,14 @@ def test_engine_with_other_provenance_gets_every_chunk_kv_on_reingest(index, eng
             e.provenance, pre, tokenize_segment(e.tokenizer, document_text(t)))) for t in texts)
 
     ingest([d], idx, tokenizer=engine.tokenizer, tokenizer_fp=engine.provenance.tokenizer_sha256,
-           embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=64), kv_writer=engine_kv_writer(engine),
-           kv_deleter=engine_kv_deleter(engine), kv_signature=engine_kv_signature(engine), stream=io.StringIO())
+           embedder=HashEmbedder(),
+           kv=engine_kv_sync(engine),
+           options=IngestOptions(config=ChunkerConfig(target_tokens=64), stream=io.StringIO()))
     assert held(engine) and not held(other)
     s = ingest([d], idx, tokenizer=other.tokenizer, tokenizer_fp=other.provenance.tokenizer_sha256,
-               embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=64), kv_writer=engine_kv_writer(other),
-               kv_deleter=engine_kv_deleter(other), kv_signature=engine_kv_signature(other), stream=io.StringIO())
+               embedder=HashEmbedder(),
+               kv=engine_kv_sync(other),
+               options=IngestOptions(config=ChunkerConfig(target_tokens=64), stream=io.StringIO()))
     assert s.files_unchanged == 3 and s.kv_checked == len(texts) and s.kv_bytes > 0
     assert held(other)
     assert Catalog.open(idx).meta.kv_signature == engine_kv_signature(other)
@@ -147,14 +150,15 @@ def test_an_ingest_whose_kv_writes_fail_says_so_and_records_no_kv_signature(tmp_
 
     broken.tiers[-1].put = refuse  # the chain logs a tier's failed put and goes on
     eng = engine_mod.Engine.load("tiny-llama", store=broken)
-    kw = dict(embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=64), stream=io.StringIO())
+    kw = dict(embedder=HashEmbedder(),
+              options=IngestOptions(config=ChunkerConfig(target_tokens=64), stream=io.StringIO()))
     s = ingest([d], tmp_path / "idx", tokenizer=eng.tokenizer, tokenizer_fp=eng.provenance.tokenizer_sha256,
-               kv_writer=engine_kv_writer(eng), kv_signature=engine_kv_signature(eng), **kw)
+               kv=KVSync(writer=engine_kv_writer(eng), signature=engine_kv_signature(eng)), **kw)
     assert s.kv_unsaved == s.chunks_total > 0 and "NOT stored" in s.format()
     assert Catalog.open(tmp_path / "idx").meta.kv_signature != engine_kv_signature(eng)
     good = engine_mod.Engine.load("tiny-llama", store=MemoryStore())  # the store works again: written now
     again = ingest([d], tmp_path / "idx", tokenizer=good.tokenizer, tokenizer_fp=good.provenance.tokenizer_sha256,
-                   kv_writer=engine_kv_writer(good), kv_signature=engine_kv_signature(good), **kw)
+                   kv=KVSync(writer=engine_kv_writer(good), signature=engine_kv_signature(good)), **kw)
     assert again.kv_unsaved == 0 and again.kv_checked == again.chunks_total and again.kv_bytes > 0
     assert Catalog.open(tmp_path / "idx").meta.kv_signature == engine_kv_signature(good)
 
@@ -328,8 +332,9 @@ def test_a_deleted_documents_chunks_stop_being_semantic_donors(tmp_path) -> None
 
     def run():
         return ingest([d], tmp_path / "idx", tokenizer=eng.tokenizer, tokenizer_fp=eng.provenance.tokenizer_sha256,
-                      embedder=HashEmbedder(), config=ChunkerConfig(target_tokens=64), kv_writer=engine_kv_writer(eng),
-                      kv_deleter=engine_kv_deleter(eng), stream=io.StringIO())
+                      embedder=HashEmbedder(),
+                      kv=KVSync(writer=engine_kv_writer(eng), deleter=engine_kv_deleter(eng)),
+                      options=IngestOptions(config=ChunkerConfig(target_tokens=64), stream=io.StringIO()))
 
     run()
     pre = preamble_segment(eng.tokenizer, None).token_ids
@@ -406,8 +411,8 @@ def test_a_reingest_that_changes_chunk_ids_but_not_texts_keeps_their_kv(tmp_path
 
     def run(fp):
         return ingest([d], tmp_path / "idx", tokenizer=eng.tokenizer, tokenizer_fp=fp, embedder=HashEmbedder(),
-                      config=ChunkerConfig(target_tokens=64), kv_writer=engine_kv_writer(eng),
-                      kv_deleter=engine_kv_deleter(eng), kv_signature=engine_kv_signature(eng), stream=io.StringIO())
+                      kv=engine_kv_sync(eng),
+                      options=IngestOptions(config=ChunkerConfig(target_tokens=64), stream=io.StringIO()))
 
     run(eng.provenance.tokenizer_sha256)
     s = run("0" * 64)
