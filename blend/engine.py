@@ -12,57 +12,36 @@ end of the prefill.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
 import torch
-import transformers
 
-from blend.blending import BlendResume, prefill_blend, widen_blend
-from blend.cpu_features import cpu_kernel_class, warn_if_emulated
-from blend.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_GEMM, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, \
-    DEFAULT_PROBE_PRECISION
+from blend.blending import prefill_blend, widen_blend
+from blend.cpu_features import warn_if_emulated
+from blend.defaults import DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_PROBE_PRECISION
+from blend.engine_setup import EngineConfig, build_provenance, eos_ids, fp32_precision_label, torch_dtype
 from blend.errors import InvalidPolicyError, InvalidRequestError, PromptTooLongError
 from blend.gate import GateVerdict, QualityGate
-from blend.gemm import GemmBackend, pick_gemm_backend
+from blend.gemm import pick_gemm_backend
 from blend.generation import logits_sha256
-from blend.keys import Namespace, Provenance, key_hex
-from blend.kernels import attention_label
+from blend.keys import key_hex
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
-from blend.models import LoadedModel, load_model
+from blend.models import load_model
 from blend.policy import ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy
+from blend.prefilled import Prefilled, build_report, keep_first_pass_misses, report_ratio, with_forced
 from blend.probe import top2_margin
-from blend.probe_pass import (
-    probe_gemm_dtype, recompute_dtype, resolve_precisions, resolve_recompute_precision,
-)
+from blend.probe_pass import probe_gemm_dtype, recompute_dtype, resolve_precisions, resolve_recompute_precision
 from blend.prompt import Prompt, Segment, SegmentKind, Turn, build_prompt, preamble_segment
-from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport, Timings
-from blend.rope import rope_config_json
+from blend.report import ReuseClass, ReuseReport, SegmentReport, Timings
 from blend.segments import SegmentCache, prefix_namespaces
 from blend.store.base import KVStore
 from blend.store.memory import MemoryStore
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BLENDED_KINDS = frozenset({SegmentKind.DOCUMENT})  # what a refused blend reports as fallback
 _STORED_KINDS = frozenset({SegmentKind.PREAMBLE, SegmentKind.DOCUMENT})  # what any reuse would have read
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine-wide settings (per-request state goes in the policy and arguments)."""
-
-    model: str = DEFAULT_MODEL
-    dtype: str = DEFAULT_DTYPE
-    kv_dtype: str | None = None  # storage dtype of KV; None = dtype
-    device: str = DEFAULT_DEVICE
-    gemm: str = DEFAULT_GEMM  # linear layers' backend: auto | torch | onednn (blend/gemm.py)
-    experimental_semantic: bool = False
-    quality_gate: bool = True  # run/consult `kvblend check` before the first blend
-    overlap_loading: bool = True  # fetch chunk KV in background threads while computing
 
 
 @dataclass
@@ -92,118 +71,11 @@ class BlendGate(Protocol):
     def verdict(self, engine: "Engine") -> GateVerdict: ...
 
 
-@dataclass(frozen=True)
-class _Prefilled:
-    """One prefill mode's result: logits and the rows of the report."""
-
-    logits: torch.Tensor  # (V,) float32
-    segments: tuple[SegmentReport, ...]
-    lookup_s: float = 0.0
-    deviation: DeviationStats | None = None
-    ratio: float | None = None  # the share an adaptive budget or a threshold selected, or the guard's
-    spent: float | None = None  # a guarded request: its first blend's share plus the recompute's
-    margin: float | None = None  # the blend's first-token top-2 gap (nats), before any guard
-    guard: str = ""  # why the near-tie guard recomputed the request ("" if it did not)
-    approximate: bool = False  # a blend kept re-positioned KV of some document rows (the guard's condition)
-    resume: BlendResume | None = None  # a blend the guard may widen (see blending.widen_blend)
-    check_rows: tuple[int, ...] = ()  # a blend's document rows recomputed above each check layer
-
-
-def _report(done: "_Prefilled", policy: ReusePolicy, blended: bool, refused: str, timings: Timings) -> ReuseReport:
-    """The request's report. ``blended``: a blend ran (not refused), so its selector, the share it recomputed
-    (0 where nothing was re-positioned: every document exact, or the hot prefix), its first-token gap and
-    its rows per check layer are reported."""
-    ratio = _report_ratio(done, policy) if blended else None
-    return ReuseReport(
-        policy=policy.describe(), segments=done.segments, selector=policy.selector if blended else "",
-        ratio=ratio, spent=done.spent if done.spent is not None else ratio, deviation=done.deviation,
-        gate=refused, timings=timings, first_token_margin=done.margin if blended else None, guard=done.guard,
-        check_rows=done.check_rows if blended else (),
-    )
-
-
-def _keep_first_pass_misses(first: Sequence[SegmentReport], redo: Sequence[SegmentReport]
-                            ) -> tuple[SegmentReport, ...]:
-    """A guarded request's report rows: the recompute's, except that a segment the first pass missed
-    (computed or rejected) says so, though the recompute then found the entry that pass stored.
-
-    Args:
-        first: the first (blended) pass's rows; redo: the guard's recompute's, in the same order.
-
-    Returns:
-        One row per segment.
-    """
-    missed = (ReuseClass.COMPUTED, ReuseClass.REJECTED)
-    return tuple(replace(r, reuse_class=f.reuse_class, note=f.note)
-                 if f.kind is r.kind and f.reuse_class in missed and r.reuse_class not in missed else r
-                 for f, r in zip(first, redo, strict=True))
-
-
 # The guard's exact recompute reuses the preamble and the first document: both sit where their
 # stored KV was computed (the first document's canonical chunk is its exact KV there). The rest is
 # computed in one pass and not stored: exact-prefix entries would make every later blend of this order
 # (another policy's, an evaluation's other methods) an exact hit.
 GUARD_PREFIX_SEGMENTS = 2
-
-
-def _report_ratio(done: "_Prefilled", policy: ReusePolicy) -> float:
-    """The share a blend that ran recomputed: what its selection chose (an adaptive budget's, a threshold's, a
-    capped one's), else the policy's ratio; with forced rows, the rows recomputed (:func:`_with_forced`)."""
-    return _with_forced(done.segments, done.ratio if done.ratio is not None else policy.first_ratio)
-
-
-def _with_forced(segments: Sequence[SegmentReport], ratio: float) -> float:
-    """``ratio``, or where a semantic document's rows were forced (recomputed at every layer on top of the
-    selection) the rows the pass recomputed over the document rows."""
-    docs = [s for s in segments if s.kind is SegmentKind.DOCUMENT]
-    if not any(s.forced for s in docs):
-        return ratio
-    return sum(s.recomputed for s in docs) / max(sum(s.tokens for s in docs), 1)
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise InvalidRequestError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def fp32_precision_label() -> str:
-    """torch's process-wide float32 matmul precision ("highest" by default; "high"/"medium" let float32
-    GEMMs and attention run in TF32 or bf16): it changes the numbers of every KV row, so it is part of
-    the provenance, and a request refuses to run once it has changed since the engine was built."""
-    mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
-    onednn = getattr(mkldnn, "fp32_precision", "na")
-    onednn = "ieee" if onednn in ("none", "ieee") else onednn  # both full float32 ("highest" sets "ieee")
-    return f"fp32mm-{torch.get_float32_matmul_precision()}-{onednn}"
-
-
-def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.device,
-                     gemm: GemmBackend = GemmBackend.TORCH) -> Provenance:
-    """Every field that changes the KV this engine produces (the linear layers' backend included)."""
-    config = loaded.model.config
-    fields = config.to_dict()
-    fields.pop("_name_or_path", None)  # where the checkpoint was read from: the same weights at another path
-    arch = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        device_class = f"cuda:sm{major}{minor}"
-    elif device.type == "cpu":
-        device_class = cpu_kernel_class()  # the ISA the kernels dispatch on
-    else:
-        device_class = device.type
-    return Provenance(
-        model_arch=f"{config.model_type}:{arch}",
-        weights_sha256=loaded.weights_sha256,
-        tokenizer_sha256=loaded.tokenizer_sha256,
-        dtype=cfg.dtype,
-        kv_dtype=cfg.kv_dtype or cfg.dtype,
-        device_class=device_class,
-        # transformers' version too: its rotary module makes the RoPE tables (blend.rope), so a release that
-        # changes their arithmetic (YaRN, llama3 scaling) must not be served the KV the old tables made
-        backend=(f"kvblend-layers/torch-{torch.__version__}/transformers-{transformers.__version__}/sdpa/"
-                 f"{gemm.value}/{attention_label()}/{fp32_precision_label()}"),
-        rope=rope_config_json(config),
-    )
 
 
 class Engine:
@@ -218,14 +90,14 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, config: EngineConfig, store: KVStore | None = None,
                  gate: BlendGate | None = None) -> None:
-        if _dtype(config.dtype) != runner.dtype:  # the provenance names config.dtype: it must be what runs
+        if torch_dtype(config.dtype) != runner.dtype:  # the provenance names config.dtype: it must be what runs
             raise InvalidRequestError(f"engine config dtype {config.dtype} but the model runs in "
                                       f"{str(runner.dtype).removeprefix('torch.')}")
         self.config = config
         self.runner = runner
         self.device = runner.device
         self.dtype = runner.dtype
-        self.kv_dtype = _dtype(config.kv_dtype or config.dtype)
+        self.kv_dtype = torch_dtype(config.kv_dtype or config.dtype)
         self.tokenizer = runner.loaded.tokenizer
         self.model_name = runner.loaded.name
         self.provenance = build_provenance(runner.loaded, config, self.device, runner.gemm)
@@ -233,7 +105,7 @@ class Engine:
         self.segments = SegmentCache(runner, store if store is not None else MemoryStore(), self.provenance,
                                      self.kv_dtype, config.overlap_loading, config.experimental_semantic)
         self.gate = gate
-        self.eos_ids = _eos_ids(runner.loaded.model, self.tokenizer)
+        self.eos_ids = eos_ids(runner.loaded.model, self.tokenizer)
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, store: KVStore | None = None,
@@ -247,7 +119,7 @@ class Engine:
             **config: other :class:`EngineConfig` fields.
         """
         cfg = EngineConfig(model=model, dtype=dtype, **config)
-        compute, device = _dtype(dtype), torch.device(cfg.device)
+        compute, device = torch_dtype(dtype), torch.device(cfg.device)
         warn_if_emulated(compute, device)
         try:
             gemm = pick_gemm_backend(cfg.gemm, device, compute)
@@ -354,13 +226,13 @@ class Engine:
         return verdict.refused, _BLENDED_KINDS, verdict.ran_s
 
     def _prefill_unreused(self, prompt: Prompt, cache: KVCache, refused: str = "",
-                          kinds: frozenset[SegmentKind] = frozenset()) -> _Prefilled:
+                          kinds: frozenset[SegmentKind] = frozenset()) -> Prefilled:
         """No reuse (asked for, or refused): the exact schedule with the store off, so it is
         bit-identical to an exact run; one pass where dynamic NTK makes KV length-dependent.
         Segments of ``kinds`` are reported as fallback when reuse was ``refused``."""
         if self._length_dependent(prompt):
             logits, rows = self.segments.compute_rest(cache, prompt.segments)
-            done = _Prefilled(logits, rows)
+            done = Prefilled(logits, rows)
         else:
             done = self._prefill_segments(prompt, None, False, cache)
         if not refused:
@@ -370,7 +242,7 @@ class Engine:
         return replace(done, segments=rows)
 
     def _prefill_segments(self, prompt: Prompt, prefix_limit: int | None, use_store: bool,
-                          cache: KVCache, salt: str = "") -> _Prefilled:
+                          cache: KVCache, salt: str = "") -> Prefilled:
         """Segment by segment: each segment but the question is looked up, else computed and
         stored (exact reuse); without the store, the same schedule computes every segment."""
         cacheable = prompt.segments[:-1]
@@ -382,7 +254,7 @@ class Engine:
             if hot is not None:  # a prefix found stored again: attached, not loaded (the same rows)
                 logits, tail, _ = self.segments.compute_question(cache, cacheable, prompt.question, True, salt,
                                                                  attached=True)
-                return _Prefilled(logits, (*hot, *tail), 0.0)
+                return Prefilled(logits, (*hot, *tail), 0.0)
         keys = (self.segments.prefix_keys(cacheable, salt) if use_store
                 else [(ns, None) for ns in prefix_namespaces(cacheable)])
         rows, lookup_s, start = [], 0.0, cache.length
@@ -395,11 +267,11 @@ class Engine:
             logits, tail, waited = self.segments.compute_question(cache, cacheable, prompt.question, use_store, salt)
             if use_store:
                 self.segments.remember_hot(cache, cacheable, prompt.question, (*rows, *tail), salt)
-            return _Prefilled(logits, (*rows, *tail), lookup_s + waited)
+            return Prefilled(logits, (*rows, *tail), lookup_s + waited)
         # Everything after the reusable prefix (the question included) is one block:
         # one causal pass is cheaper than segment-by-segment masked attention.
         logits, tail = self.segments.compute_rest(cache, prompt.segments[len(cacheable):])
-        return _Prefilled(logits, (*rows, *tail), lookup_s)
+        return Prefilled(logits, (*rows, *tail), lookup_s)
 
     def prefill(self, prompt: Prompt, policy: ReusePolicy, extra_capacity: int = 0, question: bool = True
                 ) -> tuple[torch.Tensor | None, KVCache, ReuseReport]:
@@ -435,11 +307,11 @@ class Engine:
         # a blend that ran (not refused): its selector, the share it recomputed (0 where nothing was
         # re-positioned: every document exact, or the hot prefix) and its first-token gap
         blended = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS and not refused
-        return done.logits, cache, _report(done, policy, blended, refused, Timings(
+        return done.logits, cache, build_report(done, policy, blended, refused, Timings(
             lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s))
 
     def _run(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool, refused: str,
-             kinds: frozenset[SegmentKind]) -> tuple["_Prefilled", KVCache]:
+             kinds: frozenset[SegmentKind]) -> tuple["Prefilled", KVCache]:
         """The prefill ``policy`` asks for (or the one a refusal leaves); returns it and its cache."""
         self._check_fp32_precision()
         if refused or policy.mode is ReuseMode.NONE:
@@ -453,14 +325,14 @@ class Engine:
             return replace(done, margin=top2_margin(done.logits), ratio=0.0), cache  # nothing recomputed
         return self._guard(prompt, policy, self._blend(prompt, policy, cache, question), cache)
 
-    def _blend(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool = True) -> "_Prefilled":
+    def _blend(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool = True) -> "Prefilled":
         """A blended prefill into ``cache`` (see :func:`~blend.blending.prefill_blend`)."""
         out = prefill_blend(self.runner, self.segments, prompt, policy, cache, question=question)
-        return _Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio,
+        return Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio,
                           approximate=out.approximate, resume=out.resume, check_rows=out.check_rows)
 
-    def _guard(self, prompt: Prompt, policy: ReusePolicy, done: "_Prefilled", cache: KVCache
-               ) -> tuple["_Prefilled", KVCache]:
+    def _guard(self, prompt: Prompt, policy: ReusePolicy, done: "Prefilled", cache: KVCache
+               ) -> tuple["Prefilled", KVCache]:
         """The near-tie guard: a blend whose first token is a near tie is recomputed.
 
         Returns:
@@ -475,7 +347,7 @@ class Engine:
             return replace(done, margin=margin, resume=None), cache
         # what the blend spent: the share an adaptive budget or a threshold selected, or the fixed ratio
         # (forced rows counted)
-        spent = _report_ratio(done, policy)
+        spent = report_ratio(done, policy)
         target = policy.guard_ratio_for(spent)
         why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {target:g}"
         if done.resume is not None and policy.guard_widens(target):  # on from the first pass's check layer
@@ -485,7 +357,7 @@ class Engine:
                 why += f", its candidates only {out.ratio:.3g} of the document rows"
             why += ")"
             return replace(done, logits=out.logits, segments=out.segments, deviation=out.deviation,
-                           ratio=out.ratio, spent=spent + _with_forced(out.segments, out.ratio), margin=margin,
+                           ratio=out.ratio, spent=spent + with_forced(out.segments, out.ratio), margin=margin,
                            guard=why, approximate=out.approximate, resume=None, check_rows=out.check_rows), cache
         with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later
             again = self.runner.new_cache(cache.capacity)
@@ -494,9 +366,9 @@ class Engine:
             redo = self._prefill_segments(prompt, GUARD_PREFIX_SEGMENTS, True, again, policy.cache_salt)
         else:  # a fixed ratio: the recompute reports no chosen share of its own
             redo = self._blend(prompt, policy.at_guard_ratio(target), again)
-        segments = _keep_first_pass_misses(done.segments, redo.segments)
+        segments = keep_first_pass_misses(done.segments, redo.segments)
         return replace(redo, segments=segments, lookup_s=done.lookup_s + redo.lookup_s, ratio=target,
-                       spent=spent + _with_forced(segments, target), margin=margin, guard=why, resume=None), again
+                       spent=spent + with_forced(segments, target), margin=margin, guard=why, resume=None), again
 
     # ---- answers --------------------------------------------------------------------------
 
@@ -618,26 +490,3 @@ class Engine:
         self._check_fp32_precision()
         head = preamble if preamble is not None else preamble_segment(self.tokenizer, system)  # (a Segment has len)
         return self.segments.precompute_chunks(texts, head, salt)
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    """The tokens that end an answer: the model config's, its ``generation_config.json``'s (instruct
-    checkpoints list their end-of-turn token there, e.g. Qwen2.5's ``<|im_end|>`` and ``<|endoftext|>``)
-    and the tokenizer's.
-
-    Args:
-        model: the transformers model.
-        tokenizer: its tokenizer.
-
-    Returns:
-        The token ids.
-    """
-    ids: set[int] = set()
-    for source in (model.config, getattr(model, "generation_config", None)):
-        eos = getattr(source, "eos_token_id", None)
-        for e in eos if isinstance(eos, (list, tuple)) else [eos]:
-            if e is not None:
-                ids.add(int(e))
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids

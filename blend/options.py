@@ -237,7 +237,7 @@ def load_engine(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, store: A
         model: model name or path.
         dtype: compute dtype.
         store: spec string (``memory``, ``disk:PATH``, ...), a store, or None (the default spec).
-        **config: other :class:`~blend.engine.EngineConfig` fields.
+        **config: other :class:`~blend.engine_setup.EngineConfig` fields.
 
     Returns:
         The engine.

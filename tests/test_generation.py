@@ -190,9 +190,9 @@ def test_the_eos_set_takes_the_generation_configs_end_of_turn_tokens_too():
     config.json: without it an answer ran on past <|im_end|> to max_tokens."""
     from types import SimpleNamespace
 
-    from blend.engine import _eos_ids
+    from blend.engine_setup import eos_ids
     model = SimpleNamespace(config=SimpleNamespace(eos_token_id=151643),
                             generation_config=SimpleNamespace(eos_token_id=[151645, 151643]))
-    assert _eos_ids(model, SimpleNamespace(eos_token_id=151643)) == {151643, 151645}
+    assert eos_ids(model, SimpleNamespace(eos_token_id=151643)) == {151643, 151645}
     bare = SimpleNamespace(config=SimpleNamespace(eos_token_id=None))
-    assert _eos_ids(bare, SimpleNamespace(eos_token_id=2)) == {2}
+    assert eos_ids(bare, SimpleNamespace(eos_token_id=2)) == {2}

@@ -133,7 +133,8 @@ def test_an_engines_provenance_names_the_dtype_its_runner_computes_in(tiny_engin
     import pytest
     import torch
 
-    from blend.engine import Engine, EngineConfig
+    from blend.engine import Engine
+    from blend.engine_setup import EngineConfig
     from blend.errors import InvalidRequestError
     from blend.model import ModelRunner
 
@@ -148,7 +149,7 @@ def test_the_float32_matmul_precision_is_in_the_key_and_a_change_after_loading_i
     other KV under the same keys (0.016 off) before it was part of the provenance."""
     import torch
 
-    from blend.engine import fp32_precision_label
+    from blend.engine_setup import fp32_precision_label
     from blend.errors import InvalidRequestError
     before = tiny_engine_factory()
     saved = torch.get_float32_matmul_precision(), torch.backends.mkldnn.matmul.fp32_precision

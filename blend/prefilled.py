@@ -1,0 +1,75 @@
+"""One prefill's result and the request's report built from it (the guard's rows and shares included)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import torch
+
+from blend.blending import BlendResume
+from blend.policy import ReusePolicy
+from blend.prompt import SegmentKind
+from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport, Timings
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """One prefill mode's result: logits and the rows of the report."""
+
+    logits: torch.Tensor  # (V,) float32
+    segments: tuple[SegmentReport, ...]
+    lookup_s: float = 0.0
+    deviation: DeviationStats | None = None
+    ratio: float | None = None  # the share an adaptive budget or a threshold selected, or the guard's
+    spent: float | None = None  # a guarded request: its first blend's share plus the recompute's
+    margin: float | None = None  # the blend's first-token top-2 gap (nats), before any guard
+    guard: str = ""  # why the near-tie guard recomputed the request ("" if it did not)
+    approximate: bool = False  # a blend kept re-positioned KV of some document rows (the guard's condition)
+    resume: BlendResume | None = None  # a blend the guard may widen (see blending.widen_blend)
+    check_rows: tuple[int, ...] = ()  # a blend's document rows recomputed above each check layer
+
+
+def build_report(done: "Prefilled", policy: ReusePolicy, blended: bool, refused: str, timings: Timings) -> ReuseReport:
+    """The request's report. ``blended``: a blend ran (not refused), so its selector, the share it recomputed
+    (0 where nothing was re-positioned: every document exact, or the hot prefix), its first-token gap and
+    its rows per check layer are reported."""
+    ratio = report_ratio(done, policy) if blended else None
+    return ReuseReport(
+        policy=policy.describe(), segments=done.segments, selector=policy.selector if blended else "",
+        ratio=ratio, spent=done.spent if done.spent is not None else ratio, deviation=done.deviation,
+        gate=refused, timings=timings, first_token_margin=done.margin if blended else None, guard=done.guard,
+        check_rows=done.check_rows if blended else (),
+    )
+
+
+def keep_first_pass_misses(first: Sequence[SegmentReport], redo: Sequence[SegmentReport]
+                            ) -> tuple[SegmentReport, ...]:
+    """A guarded request's report rows: the recompute's, except that a segment the first pass missed
+    (computed or rejected) says so, though the recompute then found the entry that pass stored.
+
+    Args:
+        first: the first (blended) pass's rows; redo: the guard's recompute's, in the same order.
+
+    Returns:
+        One row per segment.
+    """
+    missed = (ReuseClass.COMPUTED, ReuseClass.REJECTED)
+    return tuple(replace(r, reuse_class=f.reuse_class, note=f.note)
+                 if f.kind is r.kind and f.reuse_class in missed and r.reuse_class not in missed else r
+                 for f, r in zip(first, redo, strict=True))
+
+
+def report_ratio(done: "Prefilled", policy: ReusePolicy) -> float:
+    """The share a blend that ran recomputed: what its selection chose (an adaptive budget's, a threshold's, a
+    capped one's), else the policy's ratio; with forced rows, the rows recomputed (:func:`_with_forced`)."""
+    return with_forced(done.segments, done.ratio if done.ratio is not None else policy.first_ratio)
+
+
+def with_forced(segments: Sequence[SegmentReport], ratio: float) -> float:
+    """``ratio``, or where a semantic document's rows were forced (recomputed at every layer on top of the
+    selection) the rows the pass recomputed over the document rows."""
+    docs = [s for s in segments if s.kind is SegmentKind.DOCUMENT]
+    if not any(s.forced for s in docs):
+        return ratio
+    return sum(s.recomputed for s in docs) / max(sum(s.tokens for s in docs), 1)
