@@ -20,7 +20,8 @@ from blend.engine import Engine
 from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
 from blend.serve.config import SchedulerConfig
-from blend.serve.scheduler import EventKind, Scheduler
+from blend.serve.jobs import EventKind
+from blend.serve.scheduler import Scheduler
 
 
 def burst(engine: Engine, prompts: list, policy: ReusePolicy, allowed: bool, n: int) -> tuple[float, float, float]:

@@ -18,7 +18,8 @@ from blend.serve.app import create_app
 from blend.serve.config import SchedulerConfig, ServeConfig
 from blend.serve.connection import uvicorn_options
 from blend.serve.flight import FlightStore
-from blend.serve.scheduler import EventKind, Scheduler
+from blend.serve.jobs import EventKind
+from blend.serve.scheduler import Scheduler
 from blend.serve.shutdown import DrainingServer
 from blend.store.memory import MemoryStore
 

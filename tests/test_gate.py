@@ -196,7 +196,8 @@ def test_the_servers_first_blend_reports_the_gates_run_apart_from_its_ttft(home)
     had not run, and the request's TTFT held the whole run."""
     from blend.sampling import GenerationConfig
     from blend.serve.config import SchedulerConfig
-    from blend.serve.scheduler import EventKind, Scheduler
+    from blend.serve.jobs import EventKind
+    from blend.serve.scheduler import Scheduler
 
     eng = Engine.load("tiny-llama")
     sched = Scheduler(eng, SchedulerConfig(max_concurrency=1))

@@ -18,7 +18,8 @@ from blend.prompt import SegmentKind
 from blend.report import ReuseClass
 from blend.sampling import GenerationConfig
 from blend.serve.config import SchedulerConfig
-from blend.serve.scheduler import EventKind, Scheduler
+from blend.serve.jobs import EventKind
+from blend.serve.scheduler import Scheduler
 from conftest import make_docs, unguarded_blend
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

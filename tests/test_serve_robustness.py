@@ -37,7 +37,8 @@ from blend.serve.connection import uvicorn_options
 from blend.serve.intake import ApiError, prepare
 from blend.serve.metrics import ServeMetrics
 from blend.serve.protocol import Endpoint
-from blend.serve.scheduler import Ending, EventKind, QueueFullError, Scheduler, _Job
+from blend.serve.jobs import Ending, EventKind, Job, QueueFullError
+from blend.serve.scheduler import Scheduler
 from blend.serve.schemas import ChatCompletionRequest, CompletionRequest
 from conftest import make_docs
 
@@ -292,7 +293,7 @@ def test_endings_are_counted_exactly_from_many_threads(engine):
 
     def retire(ending: Ending) -> None:
         for i in range(per):
-            job = _Job(i, prompt, ReusePolicy.none(), GenerationConfig(), lambda ev: None, 0.0)
+            job = Job(i, prompt, ReusePolicy.none(), GenerationConfig(), lambda ev: None, 0.0)
             assert sched._retire(job, ending, 1.0) and not sched._retire(job, ending, 1.0)
 
     threads = [threading.Thread(target=retire, args=(e,)) for e in endings]
@@ -414,7 +415,7 @@ def test_requests_a_stopping_server_cannot_finish_get_a_503_not_a_500(engine):
     scheduler stopped, get 503 (another replica may answer), where both got "internal error: RuntimeError"."""
     from starlette.testclient import TestClient
 
-    from blend.serve.scheduler import ShuttingDownError
+    from blend.serve.jobs import ShuttingDownError
 
     app = create_app(engine, ServeConfig(model=TINY, scheduler=SchedulerConfig(max_concurrency=1),
                                          limits=Limits(max_tokens=4000)))

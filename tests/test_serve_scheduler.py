@@ -27,7 +27,9 @@ from blend.keys import Namespace
 from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
 from blend.serve.config import SchedulerConfig
-from blend.serve.scheduler import EventKind, QueueFullError, Scheduler, ShareState
+from blend.serve.decode_share import ShareState
+from blend.serve.jobs import EventKind, QueueFullError
+from blend.serve.scheduler import Scheduler
 from blend.store.memory import MemoryStore
 from conftest import make_docs
 
@@ -357,7 +359,7 @@ def test_with_a_prefill_share_the_decode_loop_prefills_beside_a_decoding_batch(m
 
 
 def test_the_loop_time_window_measures_the_prefill_share():
-    from blend.serve.scheduler import LoopTime
+    from blend.serve.decode_share import LoopTime
 
     for bad in ({"decode_loop_prefill_share": 0.0}, {"decode_loop_prefill_share": 1.5},
                 {"decode_loop_prefill_share": 0.5, "decode_loop_prefills": False}):

@@ -43,7 +43,8 @@ from blend.serve.protocol import (
     text_chunk, usage_chunk,
 )
 from blend.serve.intake import ApiError, Job, prepare
-from blend.serve.scheduler import Event, EventKind, QueueFullError, Scheduler, ShuttingDownError, Ticket
+from blend.serve.jobs import Event, EventKind, QueueFullError, ShuttingDownError, Ticket
+from blend.serve.scheduler import Scheduler
 from blend.serve.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)

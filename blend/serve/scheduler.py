@@ -21,7 +21,7 @@ or paging happens at admission; see :mod:`blend.batch_decode` for the step.
 
 Decode shares. A prefill worker with nothing to prefill would leave its core
 idle while the decode loop's GEMMs run on one. So a large enough step hands
-part of its sequences to an idle worker (a :class:`_DecodeShare`), runs the
+part of its sequences to an idle worker (a :class:`DecodeShare`), runs the
 rest itself, and joins the two row blocks::
 
     decode loop:  post share (rows m..B) ─► decode rows 0..m ─► share taken? wait : run it here ─► cat
@@ -43,7 +43,7 @@ finishes meanwhile waits for the decode loop's prefill to end before its
 second token (its first one was sent already). With
 ``decode_loop_prefill_share`` the decode loop does so with sequences to decode
 as well, while prefills took less than that share of its recent time
-(:class:`LoopTime`): under a queue both cores prefill, and the batch's streams
+(:class:`~blend.serve.decode_share.LoopTime`): under a queue both cores prefill, and the batch's streams
 pause while the loop prefills.
 
 Threads: each prefill worker and the decode loop run torch with their own
@@ -61,7 +61,7 @@ for waiting requests before every segment.
 
 Capacity: at most ``max_concurrency`` requests prefill or decode at once; up
 to ``max_queue`` more wait; a request beyond that is refused
-(:class:`QueueFullError`, the server's 429 with Retry-After).
+(:class:`~blend.serve.jobs.QueueFullError`, the server's 429 with Retry-After).
 """
 
 from __future__ import annotations
@@ -73,9 +73,7 @@ import threading
 import time
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
-from enum import Enum
-from typing import Callable
+from dataclasses import replace
 
 import torch
 
@@ -84,139 +82,18 @@ from blend.decode_pool import DecodePool, PoolSlotCache
 from blend.errors import KVBlendError
 from blend.generation import Completion, TokenStream, Usage
 from blend.kvcache import KVCache
-from blend.logprobs import TokenLogprob
 from blend.policy import ReuseMode, ReusePolicy
 from blend.prefix_fill import PrefixFill
 from blend.prompt import Prompt
-from blend.report import ReuseReport
 from blend.sampling import GenerationConfig
 from blend.serve.config import LOOP_SHARE_WINDOW_S, SchedulerConfig
+from blend.serve.decode_share import DecodeShare, LoopTime, ShareState, run_share
 from blend.serve.flight import FlightStore, request_keys
+from blend.serve.jobs import Ending, Event, EventKind, Job, QueueFullError, ShuttingDownError, Sink, Ticket
 from blend.serve.metrics import ServeMetrics
 from blend.serve.refine import RefineQueue
 
 log = logging.getLogger(__name__)
-
-
-class QueueFullError(KVBlendError):
-    """Every slot and queue place is taken; retry after ``retry_after_s``."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class ShuttingDownError(RuntimeError):
-    """The scheduler stopped (or is stopping) before the request could finish: the server's 503."""
-
-    def __init__(self, message: str = "server shutting down") -> None:
-        super().__init__(message)
-
-
-class EventKind(Enum):
-    STARTED = "started"  # prefill done: report, TTFT and the first text
-    TEXT = "text"  # more text
-    DONE = "done"  # finished: the completion
-    FAILED = "failed"  # the request failed (error)
-
-
-@dataclass(frozen=True)
-class Event:
-    kind: EventKind
-    text: str = ""
-    report: ReuseReport | None = None
-    ttft_s: float = 0.0
-    completion: Completion | None = None
-    error: BaseException | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()  # answer tokens decided since the last event (streams' chunks)
-
-
-Sink = Callable[[Event], None]  # must not block: called from the scheduler's threads
-
-
-@dataclass(eq=False)
-class _Job:
-    id: int
-    prompt: Prompt
-    policy: ReusePolicy
-    config: GenerationConfig
-    sink: Sink
-    submitted: float
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    stream: TokenStream | None = None
-    cache: KVCache | None = None
-    first_logits: torch.Tensor | None = None
-    report: ReuseReport | None = None
-    ttft_s: float = 0.0
-    retired: bool = False
-
-
-class Ending(Enum):
-    """How a request left the scheduler (which counter it adds to)."""
-
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-class ShareState(Enum):
-    PENDING = "pending"  # posted, nobody runs it yet
-    TAKEN = "taken"  # a prefill worker (or the decode loop itself) runs it
-    RETURNED = "returned"  # a worker stopped between layers for a prefill: the decode loop finishes it
-    DONE = "done"  # logits or error set
-
-
-@dataclass(eq=False)
-class _DecodeShare:
-    """Rows of one decode step that an idle prefill worker runs on its own core."""
-
-    step: DecodeStep  # the share's sequences, run layer by layer
-    state: ShareState = ShareState.PENDING
-    by_worker: bool = False
-    logits: torch.Tensor | None = None  # (b, V) once DONE, unless error
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-class Ticket:
-    """A submitted request's handle."""
-
-    def __init__(self, job: _Job, scheduler: "Scheduler") -> None:
-        self._job = job
-        self._scheduler = scheduler
-
-    @property
-    def id(self) -> int:
-        return self._job.id
-
-    def cancel(self) -> None:
-        """Stop the request (its client went away): a queued one leaves the queue now (its place is
-        free for the next request), a running one the batch at the next step."""
-        self._scheduler.cancel(self._job)
-
-
-class LoopTime:
-    """The decode loop's recent seconds, decode steps and prefills apart (a sliding window).
-
-    Args:
-        window_s: how far back events count.
-    """
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self._events: deque[tuple[float, float, bool]] = deque()  # (end, seconds, prefill)
-
-    def add(self, seconds: float, prefill: bool) -> None:
-        """Record one decode step or prefill that just ended."""
-        now = time.monotonic()
-        self._events.append((now, seconds, prefill))
-        while self._events and self._events[0][0] < now - self.window_s:
-            self._events.popleft()
-
-    def prefill_share(self) -> float:
-        """Prefill seconds over all seconds in the window (0.0 when empty)."""
-        total = sum(s for _, s, _ in self._events)
-        return sum(s for _, s, p in self._events if p) / total if total > 0 else 0.0
 
 
 class Scheduler:
@@ -235,12 +112,12 @@ class Scheduler:
         store = engine.store
         self.flight = store if isinstance(store, FlightStore) and self.config.single_flight else None
         self._cond = threading.Condition()
-        self._waiting: deque[_Job] = deque()
-        self._incoming: list[_Job] = []
+        self._waiting: deque[Job] = deque()
+        self._incoming: list[Job] = []
         self._active = 0
         self._running = False
         self._draining = False  # stopping: no new request is taken (drain)
-        self._prefilling_jobs: set[_Job] = set()  # requests whose prefill runs now (close fails them at once)
+        self._prefilling_jobs: set[Job] = set()  # requests whose prefill runs now (close fails them at once)
         self._closing = threading.Lock()  # one close at a time (a shutdown deadline's and the lifespan's)
         self._threads: list[threading.Thread] = []
         self._ids = itertools.count(1)
@@ -249,7 +126,7 @@ class Scheduler:
         self._gate_lock = threading.Lock()
         self._prefilling = 0  # prefills running now (the decode loop takes every core when 0)
         self._idle_workers = 0  # prefill workers waiting for work (they may take a decode share)
-        self._share: _DecodeShare | None = None  # the decode step's posted share, if any
+        self._share: DecodeShare | None = None  # the decode step's posted share, if any
         self._decode_threads: int | None = None
         self._e2e_ewma_s = 1.0
         self.completed = 0
@@ -339,7 +216,7 @@ class Scheduler:
         with self._cond:
             self._cond.notify_all()
 
-    def cancel(self, job: _Job) -> None:
+    def cancel(self, job: Job) -> None:
         """Cancel a request: if it still waits for a prefill it leaves the queue now and is retired
         as cancelled (no event: its client is gone); otherwise its thread drops it at the next check.
 
@@ -405,11 +282,11 @@ class Scheduler:
                 raise QueueFullError(
                     f"server busy: {self._active} requests running and {len(self._waiting)} queued "
                     f"(max_concurrency={cfg.max_concurrency}, max_queue={cfg.max_queue})", self.retry_after_s())
-            job = _Job(next(self._ids), prompt, policy, config, sink, time.perf_counter())
+            job = Job(next(self._ids), prompt, policy, config, sink, time.perf_counter())
             self._waiting.append(job)
             self._gauges()
             self._cond.notify_all()
-        return Ticket(job, self)
+        return Ticket(job, self.cancel)
 
     # ---- prefill --------------------------------------------------------------------------
 
@@ -492,7 +369,7 @@ class Scheduler:
                 self.metrics.refined_orders.inc()
         self.refine.put_back(fill, computed, failed)
 
-    def _take_job(self) -> _Job:
+    def _take_job(self) -> Job:
         """The next waiting request, now active (the caller holds ``_cond`` and saw a prefill due)."""
         job = self._waiting.popleft()
         self._active += 1
@@ -500,7 +377,7 @@ class Scheduler:
         self._cond.notify_all()  # a busy worker now: the decode loop may take the next one
         return job
 
-    def _run_prefill(self, job: _Job) -> None:
+    def _run_prefill(self, job: Job) -> None:
         with self._cond:
             self._prefilling_jobs.add(job)
         try:
@@ -511,7 +388,7 @@ class Scheduler:
             with self._cond:
                 self._prefilling_jobs.discard(job)
 
-    def _prefill(self, job: _Job) -> None:
+    def _prefill(self, job: Job) -> None:
         if job.cancelled.is_set():
             self._retire(job, Ending.CANCELLED)
             return
@@ -564,7 +441,7 @@ class Scheduler:
 
     def _decode_loop(self) -> None:
         self._threads_setup()
-        batch: list[_Job] = []  # changed in place, so that a failed iteration knows whom to fail
+        batch: list[Job] = []  # changed in place, so that a failed iteration knows whom to fail
         while True:
             try:
                 if not self._decode_iteration(batch):
@@ -575,7 +452,7 @@ class Scheduler:
                     self._fail(job, e)
                 batch.clear()
 
-    def _decode_iteration(self, batch: list[_Job]) -> bool:
+    def _decode_iteration(self, batch: list[Job]) -> bool:
         """Wait for work, then run one prefill or one decode step (``batch`` is updated in place).
 
         Returns:
@@ -617,7 +494,7 @@ class Scheduler:
             self._loop_time.add(time.perf_counter() - t0, prefill=False)
         return True
 
-    def _pool_joined(self, batch: list[_Job], joining: list[_Job]) -> None:
+    def _pool_joined(self, batch: list[Job], joining: list[Job]) -> None:
         """Move the caches of requests that just joined the batch into free pool slots, and keep
         the batch in slot order, so a step's halves (decode shares) read disjoint slot ranges."""
         pool = self.pool
@@ -633,7 +510,7 @@ class Scheduler:
         batch[:] = [j for j in batch if not j.retired]
         batch.sort(key=lambda j: j.cache.slot if isinstance(j.cache, PoolSlotCache) else pool.slots)
 
-    def _step(self, batch: list[_Job]) -> list[_Job]:
+    def _step(self, batch: list[Job]) -> list[Job]:
         """One batched decode step; returns the jobs still decoding."""
         self._decode_threads_now()
         caches, tokens = [j.cache for j in batch], [j.stream.next_input for j in batch]
@@ -665,7 +542,7 @@ class Scheduler:
                 self._fail(job, e)
         return still
 
-    def _advance(self, job: _Job, logits: torch.Tensor) -> bool:
+    def _advance(self, job: Job, logits: torch.Tensor) -> bool:
         """Sample one request's next token from its logits row (V,) and send what it adds.
 
         Returns:
@@ -712,7 +589,7 @@ class Scheduler:
             return (b // INVARIANT_TILE // 2) * INVARIANT_TILE
         return b // 2
 
-    def _offer_share(self, caches: list[KVCache], tokens: list[int]) -> _DecodeShare | None:
+    def _offer_share(self, caches: list[KVCache], tokens: list[int]) -> DecodeShare | None:
         """Post the tail of this step's sequences for an idle prefill worker, if there is one."""
         n = self._share_rows(len(caches))
         if n == 0:
@@ -720,30 +597,17 @@ class Scheduler:
         with self._cond:
             if self._idle_workers == 0 or self._prefill_due():  # no free core, or it is about to prefill
                 return None
-            share = self._share = _DecodeShare(DecodeStep(self.engine.runner, caches[-n:], tokens[-n:],
+            share = self._share = DecodeShare(DecodeStep(self.engine.runner, caches[-n:], tokens[-n:],
                                                           self.config.batching))
             self._cond.notify_all()
         return share
 
-    def _run_share(self, share: _DecodeShare, yield_to_prefill: bool) -> None:
+    def _run_share(self, share: DecodeShare, yield_to_prefill: bool) -> None:
         """Run a share's layers on this thread; never raises. A worker (``yield_to_prefill``)
         stops between layers when a request waits for a prefill and hands the rest back."""
-        try:
-            step = share.step
-            while not step.done:
-                if yield_to_prefill and self._prefill_due():
-                    share.state = ShareState.RETURNED
-                    return
-                step.advance()
-            share.logits = step.finish()  # (b, V)
-            share.state = ShareState.DONE
-        except BaseException as e:  # noqa: BLE001 - handed to the decode loop, which fails the batch
-            share.error = e
-            share.state = ShareState.DONE
-        finally:
-            share.done.set()
+        run_share(share, self._prefill_due if yield_to_prefill else None)
 
-    def _collect_share(self, share: _DecodeShare) -> torch.Tensor:
+    def _collect_share(self, share: DecodeShare) -> torch.Tensor:
         """The share's logits (b, V): run it here if no worker took it, else wait for the worker
         (and finish what it handed back)."""
         with self._cond:
@@ -765,7 +629,7 @@ class Scheduler:
             return share.step.finish()
         return share.logits
 
-    def _abandon_share(self, share: _DecodeShare) -> None:
+    def _abandon_share(self, share: DecodeShare) -> None:
         """The step failed: drop its share, and wait for a worker still running it (no thread may
         touch the batch's caches once its requests have failed)."""
         with self._cond:
@@ -777,7 +641,7 @@ class Scheduler:
 
     # ---- endings --------------------------------------------------------------------------
 
-    def _complete(self, job: _Job) -> None:
+    def _complete(self, job: Job) -> None:
         s, report = job.stream, job.report
         e2e = time.perf_counter() - job.submitted
         completion = Completion(
@@ -793,13 +657,13 @@ class Scheduler:
         self._emit(job, Event(EventKind.DONE, completion=completion, logprobs=s.take_logprobs()))
 
     @staticmethod
-    def _emit(job: _Job, event: Event) -> None:
+    def _emit(job: Job, event: Event) -> None:
         try:
             job.sink(event)
         except Exception:  # noqa: BLE001 - a consumer's bug must not stop the scheduler
             log.exception("request %d: event sink failed", job.id)
 
-    def _fail(self, job: _Job, error: BaseException) -> None:
+    def _fail(self, job: Job, error: BaseException) -> None:
         if not self._retire(job, Ending.FAILED):  # it already ended; nothing more to tell its client
             log.error("request %d: error after it ended: %s", job.id, error)
             return
@@ -807,7 +671,7 @@ class Scheduler:
             log.error("request %d failed: %s: %s", job.id, type(error).__name__, error)
         self._emit(job, Event(EventKind.FAILED, error=error))
 
-    def _retire(self, job: _Job, ending: Ending, e2e_s: float | None = None) -> bool:
+    def _retire(self, job: Job, ending: Ending, e2e_s: float | None = None) -> bool:
         """Free an active request's slot and KV and count how it ended (under the lock: several
         threads retire requests).
 
