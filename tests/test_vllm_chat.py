@@ -63,6 +63,19 @@ def test_a_chat_may_ask_for_the_near_tie_guard():
     assert on["cache_salt"] != rw["cache_salt"]  # guarded and unguarded blocks never share vLLM's prefix cache
 
 
+def test_a_chat_may_ask_for_bf16_recomputed_rows():
+    from blend.policy import RecomputePrecision
+
+    plain = chat_to_completion(chat_body(), TOK)
+    entry = {"mode": "blend", "attention_precision": "bf16", "linear_precision": "bf16"}
+    fast = chat_to_completion(chat_body(kv_transfer_params={PARAMS_KEY: entry}), TOK)
+    p = parse_blend_params(fast["kv_transfer_params"], len(fast["prompt"]))
+    assert p.attention_precision is p.linear_precision is RecomputePrecision.BF16
+    assert salt_allows_blend(fast["cache_salt"], p, fast["prompt"]) and fast["cache_salt"] != plain["cache_salt"]
+    with pytest.raises(InvalidRequestError, match="attention_precision"):
+        chat_to_completion(chat_body(kv_transfer_params={PARAMS_KEY: {"attention_precision": "fp8"}}), TOK)
+
+
 def test_a_conversation_keeps_its_turns_and_the_documents_spans():
     turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"},
              {"role": "assistant", "content": "France."}, {"role": "user", "content": "Where is Rome?"}]

@@ -69,6 +69,36 @@ def test_the_near_tie_guard_is_opt_in_inside_vllm():
     assert parse_blend_params(blend_request(list(range(40)), spans, guard_margin=0.7), 40).guard_margin == 0.7
 
 
+def test_a_blend_may_name_its_recompute_precisions_and_they_salt_its_blocks():
+    """The opt-in bf16 arithmetic for the recomputed rows (blend.policy.RecomputePrecision) reaches the
+    connector's blend; blocks made with it never share vLLM's prefix cache with fp32 ones, and a blend
+    that names none keeps the salt it had before the fields."""
+    from blend.policy import RecomputePrecision
+
+    ids, spans = list(range(40)), [(5, 12), (12, 30)]
+    plain = blend_request(ids, spans)
+    assert "attention_precision" not in plain[PARAMS_KEY] and "linear_precision" not in plain[PARAMS_KEY]
+    p = parse_blend_params(plain, 40)
+    assert p.attention_precision is p.linear_precision is RecomputePrecision.COMPUTE and p.precision_tag == ""
+    fast = blend_request(ids, spans, attention_precision="bf16", linear_precision="auto")
+    q = parse_blend_params(fast, 40)
+    assert (q.attention_precision, q.linear_precision) == (RecomputePrecision.BF16, RecomputePrecision.AUTO)
+    assert salt_allows_blend(blend_salt(fast, ids), q, ids)
+    assert not salt_allows_blend(blend_salt(plain, ids), q, ids) and not salt_allows_blend(blend_salt(fast, ids), p, ids)
+    attn_only = parse_blend_params(blend_request(ids, spans, attention_precision="bf16"), 40)
+    assert not salt_allows_blend(blend_salt(fast, ids), attn_only, ids)  # each field salts
+    named = parse_blend_params({PARAMS_KEY: {"documents": [list(s) for s in spans], "attention_precision": "compute",
+                                             "linear_precision": "compute"}}, 40)
+    assert salt_allows_blend(blend_salt(plain, ids), named, ids)  # the defaults named: the same blocks
+
+
+@pytest.mark.parametrize("field", ["attention_precision", "linear_precision"])
+@pytest.mark.parametrize("value", ["fp16", "BF16", "", None, 1, True, ["bf16"]])
+def test_a_recompute_precision_outside_its_names_is_refused(field, value):
+    with pytest.raises(InvalidRequestError, match=field):
+        parse_blend_params({PARAMS_KEY: {"documents": [[1, 3]], field: value}}, 10)
+
+
 def test_vllm_kv_never_aliases_kvblend_kv():
     """Same tokens, same weights: a vLLM-computed block and a kvblend segment get different keys,
     and any field of the vLLM record (backend, block size, dtype) changes every key."""

@@ -200,6 +200,27 @@ def test_the_near_tie_guard_runs_inside_vllm_as_in_kvblend(llm, shared):
     assert "first_token_margin" not in rep_off[PARAMS_KEY] and "guard" not in rep_off[PARAMS_KEY]
 
 
+def test_bf16_recomputed_rows_inside_vllm_are_kvblends_own(llm, shared):
+    """The opt-in bf16 attention and linear layers for the recomputed rows reach the connector's blend:
+    vLLM's first-token KL equals kvblend's own blend under the same precisions within 1e-3, and the
+    report's policy names them."""
+    from blend.policy import RecomputePrecision
+
+    prompt = _prompt(shared, 4, order=(1, 3, 0, 4, 2))
+    ids, spans = prompt.token_ids, prompt_spans([len(s) for s in prompt.segments])
+    full, _ = _ask(llm, ids, salt="bf16-ref")
+    got, rep = _ask(llm, ids, params=blend_request(ids, spans, ratio=0.15, attention_precision="bf16",
+                                                   linear_precision="bf16"))
+    own, _, own_rep = shared.engine.prefill(prompt, ReusePolicy.blend(
+        0.15, force=True, guard_margin=None, attention_precision=RecomputePrecision.BF16,
+        linear_precision=RecomputePrecision.BF16))
+    ref, _, _ = shared.engine.prefill(prompt, ReusePolicy.none())
+    kl_vllm, kl_own = kl_divergence(full, got), kl_divergence(ref, own)
+    assert abs(kl_vllm - kl_own) <= 1e-3, (kl_vllm, kl_own)
+    r = rep[PARAMS_KEY]
+    assert ":attn=bf16:lin=bf16" in r["policy"] and r["recomputed_tokens"] == own_rep.recomputed_tokens
+
+
 def test_a_corrupt_or_mismatched_entry_is_never_injected(llm, shared):
     """Stored blocks are replaced by a wrong-provenance entry, a wrong-shape one and a NaN one: each
     request recomputes from the bad block (its output equals the cold one), says why, and the bad

@@ -17,7 +17,9 @@ completion is turned back into a chat completion (or chunk, when streaming).
     {"messages": [{"role": "system", ...}?, earlier user/assistant turns?, {"role": "user", "content": QUESTION}],
      "documents": [{"text": ..., "title"?: ...} | "text", ...],
      "kv_transfer_params": {"kvblend": {"mode": "blend", "ratio": 0.15, "selector": "probe",
-                                        "guard_margin"?: 0.7 | null}},
+                                        "guard_margin"?: 0.7 | null,
+                                        "attention_precision"?: "compute" | "bf16" | "auto",
+                                        "linear_precision"?: "compute" | "bf16" | "auto"}},
      "cache_salt"?: TENANT, ...sampling fields as in any chat request}
 """
 
@@ -33,6 +35,7 @@ from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR, DEFAULT_VLLM_GUARD_M
 from blend.errors import InvalidRequestError
 from blend.integrations.vllm.plan import PARAMS_KEY, blend_request, blend_salt, prompt_spans
 from blend.logprobs import token_bytes
+from blend.policy import RECOMPUTE_PRECISION_FIELDS
 from blend.prompt import build_prompt
 from blend.sampling import MAX_TOP_LOGPROBS
 from blend.serve.schemas import ChatMessage, Document, conversation, document_text_of, logprob_alternatives
@@ -51,7 +54,8 @@ REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, ...]] = {
 CONSUMED = frozenset({"messages", "documents", "max_completion_tokens", "kv_transfer_params", "cache_salt",
                       "max_tokens", "parallel_tool_calls", "include_reasoning", "logprobs", "top_logprobs",
                       *REFUSED_UNLESS_DEFAULT})
-ENTRY_KEYS = frozenset({"mode", "ratio", "selector", "guard_margin"})  # a chat request's kvblend entry
+ENTRY_KEYS = frozenset({"mode", "ratio", "selector", "guard_margin",  # a chat request's kvblend entry
+                        *(name for name, _ in RECOMPUTE_PRECISION_FIELDS)})
 _MESSAGES = TypeAdapter(list[ChatMessage])
 _DOCUMENTS = TypeAdapter(list[Document | str])
 
@@ -128,8 +132,9 @@ def chat_to_completion(body: dict[str, Any], tokenizer) -> dict[str, Any]:
         params[PARAMS_KEY] = blend_request(ids, prompt_spans([len(s) for s in prompt.segments]),
                                            ratio=entry.get("ratio", DEFAULT_RATIO),
                                            selector=entry.get("selector", DEFAULT_SELECTOR),
-                                           guard_margin=entry.get("guard_margin",
-                                                                  DEFAULT_VLLM_GUARD_MARGIN))[PARAMS_KEY]
+                                           guard_margin=entry.get("guard_margin", DEFAULT_VLLM_GUARD_MARGIN),
+                                           **{name: entry.get(name, default)
+                                              for name, default in RECOMPUTE_PRECISION_FIELDS})[PARAMS_KEY]
         salt = blend_salt(params, ids, tenant or "")
     out = {k: v for k, v in body.items() if k not in CONSUMED}
     # max_completion_tokens where set (not null), else max_tokens (OpenAI's precedence)

@@ -255,7 +255,9 @@ class SharedEngine:
             The filled cache and the reuse report (as a JSON-able dict).
         """
         policy = ReusePolicy.blend(ratio=params.ratio, selector=params.selector, force=self.cfg.force,
-                                   guard_margin=params.guard_margin, cache_salt=salt)
+                                   guard_margin=params.guard_margin, cache_salt=salt,
+                                   attention_precision=params.attention_precision,
+                                   linear_precision=params.linear_precision)
         with self._lock, torch.inference_mode():
             # vLLM computes the question itself; without the guard kvblend stops the question's rows
             # after the check layer, with it kvblend computes them too, to see the first token's gap

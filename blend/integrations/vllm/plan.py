@@ -18,8 +18,14 @@ Two kinds of claim on a vLLM request's prompt (vLLM computes the rest):
 
     {"kvblend": {"mode": "blend", "ratio": 0.15, "selector": "probe",
                  "guard_margin": 0.7,                       # optional near-tie guard; default null (off)
+                 "attention_precision": "bf16",             # optional: compute (default) | bf16 | auto
+                 "linear_precision": "bf16",                # optional: compute (default) | bf16 | auto
                  "documents": [[s1, e1], [s2, e2], ...]}}   # token spans, contiguous,
                                                             # preamble before s1, question after the last e
+
+``attention_precision`` / ``linear_precision`` are kvblend's opt-in bf16 arithmetic for the recomputed
+rows above the blend's last check layer (:class:`~blend.policy.RecomputePrecision`), as in
+``kvblend serve``'s ``kvblend`` request fields; a blend under either salts its blocks apart.
 
 With ``guard_margin`` (opt-in here, unlike kvblend's own default: see
 :data:`~blend.defaults.DEFAULT_VLLM_GUARD_MARGIN`) the near-tie guard runs as in
@@ -38,14 +44,17 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Sequence
 
-from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR, DEFAULT_VLLM_GUARD_MARGIN
+from blend.defaults import (
+    DEFAULT_ATTENTION_PRECISION, DEFAULT_LINEAR_PRECISION, DEFAULT_RATIO, DEFAULT_SELECTOR, DEFAULT_VLLM_GUARD_MARGIN,
+)
 from blend.errors import InvalidRequestError
 from blend.keys import Provenance, StoreKey, exact_chain, token_digest
 from blend.numeric import finite_real, shown
-from blend.policy import SELECTOR_NAMES
+from blend.policy import RECOMPUTE_PRECISION_FIELDS, SELECTOR_NAMES, RecomputePrecision
 
 PARAMS_KEY = "kvblend"  # our entry in a request's kv_transfer_params
-BLEND_ENTRY_KEYS = frozenset({"mode", "ratio", "selector", "guard_margin", "documents"})  # what that entry may hold
+BLEND_ENTRY_KEYS = frozenset({"mode", "ratio", "selector", "guard_margin", "documents",  # what that entry may hold
+                              *(name for name, _ in RECOMPUTE_PRECISION_FIELDS)})
 BLEND_SALT_MARK = "kvblend-blend"  # a blended request's cache_salt carries this (see blend_salt)
 VLLM_KV_LAYOUT = "k-after-rope"  # what a vLLM-provenance entry's K holds
 
@@ -66,11 +75,22 @@ class BlendParams:
     selector: str
     spans: tuple[tuple[int, int], ...]  # document token spans [start, end), contiguous
     guard_margin: float | None = DEFAULT_VLLM_GUARD_MARGIN  # near-tie guard (nats); None: off
+    attention_precision: RecomputePrecision = RecomputePrecision(DEFAULT_ATTENTION_PRECISION)
+    linear_precision: RecomputePrecision = RecomputePrecision(DEFAULT_LINEAR_PRECISION)
 
     @property
     def guard_tag(self) -> str:
         """The guard as a salt reads it ("off" or the margin, every digit: 0.7 and 0.70000001 differ)."""
         return "off" if self.guard_margin is None else repr(float(self.guard_margin))
+
+    @property
+    def precision_tag(self) -> str:
+        """The recompute precisions as a salt reads them: "" at the defaults (so the salts of blends
+        that name none are what they were before the fields), else ``:attn=...:lin=...``."""
+        if (self.attention_precision is RecomputePrecision(DEFAULT_ATTENTION_PRECISION)
+                and self.linear_precision is RecomputePrecision(DEFAULT_LINEAR_PRECISION)):
+            return ""
+        return f":attn={self.attention_precision.value}:lin={self.linear_precision.value}"
 
     @property
     def question_start(self) -> int:
@@ -187,12 +207,26 @@ def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams 
             raise InvalidRequestError("document spans must be contiguous and in order")
     if spans[-1][1] >= num_prompt:
         raise InvalidRequestError("the question after the last document is empty")
-    return BlendParams(ratio, str(selector), tuple(spans), guard)
+    precisions = {name: _precision(p.get(name, default), name) for name, default in RECOMPUTE_PRECISION_FIELDS}
+    return BlendParams(ratio, str(selector), tuple(spans), guard, **precisions)
+
+
+def _precision(value: Any, name: str) -> RecomputePrecision:
+    """A request's recompute precision by name (compute, bf16 or auto).
+
+    Raises:
+        InvalidRequestError: anything else.
+    """
+    names = [m.value for m in RecomputePrecision]
+    if not isinstance(value, str) or value not in names:
+        raise InvalidRequestError(f"kvblend {name} must be one of {', '.join(names)}, got {shown(value)}")
+    return RecomputePrecision(value)
 
 
 def blend_request(prompt_token_ids: Sequence[int], doc_spans: Sequence[tuple[int, int]], ratio: float = DEFAULT_RATIO,
-                  selector: str = DEFAULT_SELECTOR, guard_margin: float | None = DEFAULT_VLLM_GUARD_MARGIN
-                  ) -> dict[str, Any]:
+                  selector: str = DEFAULT_SELECTOR, guard_margin: float | None = DEFAULT_VLLM_GUARD_MARGIN,
+                  attention_precision: str = DEFAULT_ATTENTION_PRECISION,
+                  linear_precision: str = DEFAULT_LINEAR_PRECISION) -> dict[str, Any]:
     """The ``kv_transfer_params`` that ask the connector to blend a prompt's documents.
 
     Args:
@@ -202,12 +236,19 @@ def blend_request(prompt_token_ids: Sequence[int], doc_spans: Sequence[tuple[int
         selector: kvblend selector.
         guard_margin: the near-tie guard's margin in nats (None, the default here: off), as in kvblend's
             own policy.
+        attention_precision, linear_precision: the recomputed rows' attention and linear layers above the
+            last check layer: "compute" (the engine's dtype, the default), "bf16" or "auto"
+            (:class:`~blend.policy.RecomputePrecision`); named in the entry only where not the default.
 
     Returns:
         A dict to pass as ``kv_transfer_params`` (validated here).
     """
-    params = {PARAMS_KEY: {"mode": "blend", "ratio": ratio, "selector": selector, "guard_margin": guard_margin,
-                           "documents": [[int(s), int(e)] for s, e in doc_spans]}}
+    entry = {"mode": "blend", "ratio": ratio, "selector": selector, "guard_margin": guard_margin,
+             "documents": [[int(s), int(e)] for s, e in doc_spans]}
+    for (name, default), value in zip(RECOMPUTE_PRECISION_FIELDS, (attention_precision, linear_precision)):
+        if value != default:
+            entry[name] = value
+    params = {PARAMS_KEY: entry}
     parse_blend_params(params, len(prompt_token_ids))
     return params
 
@@ -245,7 +286,8 @@ def _blend_suffix(params: BlendParams, prompt_token_ids: Sequence[int]) -> str:
     digest = token_digest(prompt_token_ids).hex()[:24]
     # the document spans too: the same tokens cut into other documents blend differently
     spans = hashlib.sha256(json.dumps(params.spans).encode()).hexdigest()[:12]
-    return f"{BLEND_SALT_MARK}:{params.ratio!r}:{params.selector}:{params.guard_tag}:{spans}:{digest}"
+    return (f"{BLEND_SALT_MARK}:{params.ratio!r}:{params.selector}:{params.guard_tag}{params.precision_tag}:"
+            f"{spans}:{digest}")
 
 
 def salt_allows_blend(salt: str | None, params: BlendParams, prompt_token_ids: Sequence[int]) -> bool:
