@@ -100,8 +100,8 @@ class Engine:
         self.kv_dtype = torch_dtype(config.kv_dtype or config.dtype)
         self.tokenizer = runner.loaded.tokenizer
         self.model_name = runner.loaded.name
-        self.provenance = build_provenance(runner.loaded, config, self.device, runner.gemm)
-        self._fp32_precision = fp32_precision_label()  # what the provenance records
+        self._fp32_precision = fp32_precision_label()  # what the provenance records, read once
+        self.provenance = build_provenance(runner.loaded, config, self.device, runner.gemm, self._fp32_precision)
         self.segments = SegmentCache(runner, store if store is not None else MemoryStore(), self.provenance,
                                      self.kv_dtype, config.overlap_loading, config.experimental_semantic)
         self.gate = gate

@@ -37,7 +37,13 @@ class EngineConfig:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a dtype name (:data:`DTYPES`).
+    """The torch dtype of a dtype name.
+
+    Args:
+        name: a key of :data:`DTYPES` ("float32", "bfloat16", "float16").
+
+    Returns:
+        Its torch dtype.
 
     Raises:
         InvalidRequestError: an unknown name.
@@ -50,16 +56,32 @@ def torch_dtype(name: str) -> torch.dtype:
 def fp32_precision_label() -> str:
     """torch's process-wide float32 matmul precision ("highest" by default; "high"/"medium" let float32
     GEMMs and attention run in TF32 or bf16): it changes the numbers of every KV row, so it is part of
-    the provenance, and a request refuses to run once it has changed since the engine was built."""
+    the provenance, and a request refuses to run once it has changed since the engine was built.
+
+    Returns:
+        e.g. ``fp32mm-highest-ieee``.
+    """
     mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
     onednn = getattr(mkldnn, "fp32_precision", "na")
     onednn = "ieee" if onednn in ("none", "ieee") else onednn  # both full float32 ("highest" sets "ieee")
     return f"fp32mm-{torch.get_float32_matmul_precision()}-{onednn}"
 
 
-def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.device,
-                     gemm: GemmBackend = GemmBackend.TORCH) -> Provenance:
-    """Every field that changes the KV this engine produces (the linear layers' backend included)."""
+def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.device, gemm: GemmBackend,
+                     fp32_label: str) -> Provenance:
+    """Every field that changes the KV this engine produces (the linear layers' backend included).
+
+    Args:
+        loaded: the model, its weights' and tokenizer's digests.
+        cfg: the engine's settings (dtype and KV dtype).
+        device: where it runs (its kernel class is recorded).
+        gemm: the linear layers' backend.
+        fp32_label: :func:`fp32_precision_label` as the engine read it (the one reading its requests
+            compare with).
+
+    Returns:
+        The engine's provenance.
+    """
     config = loaded.model.config
     fields = config.to_dict()
     fields.pop("_name_or_path", None)  # where the checkpoint was read from: the same weights at another path
@@ -81,7 +103,7 @@ def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.devic
         # transformers' version too: its rotary module makes the RoPE tables (blend.rope), so a release that
         # changes their arithmetic (YaRN, llama3 scaling) must not be served the KV the old tables made
         backend=(f"kvblend-layers/torch-{torch.__version__}/transformers-{transformers.__version__}/sdpa/"
-                 f"{gemm.value}/{attention_label()}/{fp32_precision_label()}"),
+                 f"{gemm.value}/{attention_label()}/{fp32_label}"),
         rope=rope_config_json(config),
     )
 

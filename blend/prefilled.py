@@ -30,10 +30,21 @@ class Prefilled:
     check_rows: tuple[int, ...] = ()  # a blend's document rows recomputed above each check layer
 
 
-def build_report(done: "Prefilled", policy: ReusePolicy, blended: bool, refused: str, timings: Timings) -> ReuseReport:
-    """The request's report. ``blended``: a blend ran (not refused), so its selector, the share it recomputed
-    (0 where nothing was re-positioned: every document exact, or the hot prefix), its first-token gap and
-    its rows per check layer are reported."""
+def build_report(done: Prefilled, policy: ReusePolicy, blended: bool, refused: str, timings: Timings) -> ReuseReport:
+    """The request's report.
+
+    Args:
+        done: the prefill that answers the request.
+        policy: the request's policy.
+        blended: a blend ran (not refused), so its selector, the share it recomputed (0 where nothing was
+            re-positioned: every document exact, or the hot prefix), its first-token gap and its rows per
+            check layer are reported.
+        refused: why the policy's reuse was refused ("" if it was not).
+        timings: the request's timings.
+
+    Returns:
+        The :class:`~blend.report.ReuseReport`.
+    """
     ratio = report_ratio(done, policy) if blended else None
     return ReuseReport(
         policy=policy.describe(), segments=done.segments, selector=policy.selector if blended else "",
@@ -44,7 +55,7 @@ def build_report(done: "Prefilled", policy: ReusePolicy, blended: bool, refused:
 
 
 def keep_first_pass_misses(first: Sequence[SegmentReport], redo: Sequence[SegmentReport]
-                            ) -> tuple[SegmentReport, ...]:
+                           ) -> tuple[SegmentReport, ...]:
     """A guarded request's report rows: the recompute's, except that a segment the first pass missed
     (computed or rejected) says so, though the recompute then found the entry that pass stored.
 
@@ -60,15 +71,31 @@ def keep_first_pass_misses(first: Sequence[SegmentReport], redo: Sequence[Segmen
                  for f, r in zip(first, redo, strict=True))
 
 
-def report_ratio(done: "Prefilled", policy: ReusePolicy) -> float:
-    """The share a blend that ran recomputed: what its selection chose (an adaptive budget's, a threshold's, a
-    capped one's), else the policy's ratio; with forced rows, the rows recomputed (:func:`_with_forced`)."""
+def report_ratio(done: Prefilled, policy: ReusePolicy) -> float:
+    """The share a blend that ran recomputed.
+
+    Args:
+        done: the blend's prefill.
+        policy: its policy.
+
+    Returns:
+        What its selection chose (an adaptive budget's, a threshold's, a capped one's), else the policy's
+        ratio; with forced rows, the rows recomputed (:func:`with_forced`).
+    """
     return with_forced(done.segments, done.ratio if done.ratio is not None else policy.first_ratio)
 
 
 def with_forced(segments: Sequence[SegmentReport], ratio: float) -> float:
-    """``ratio``, or where a semantic document's rows were forced (recomputed at every layer on top of the
-    selection) the rows the pass recomputed over the document rows."""
+    """A blend's recomputed share, forced rows counted.
+
+    Args:
+        segments: the blend's report rows.
+        ratio: the share its selection chose.
+
+    Returns:
+        ``ratio``, or where a semantic document's rows were forced (recomputed at every layer on top of the
+        selection) the rows the pass recomputed over the document rows.
+    """
     docs = [s for s in segments if s.kind is SegmentKind.DOCUMENT]
     if not any(s.forced for s in docs):
         return ratio

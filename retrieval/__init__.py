@@ -17,7 +17,8 @@ from typing import Any
 
 _EXPORTS = {
     "RAG": "pipeline", "RagAnswer": "pipeline", "Retrieved": "pipeline", "ChunkReuse": "pipeline",
-    "ingest": "ingest", "IngestSummary": "ingest_options", "IngestOptions": "ingest_options", "KVSync": "ingest_options",
+    "ingest": "ingest",
+    "IngestSummary": "ingest_options", "IngestOptions": "ingest_options", "KVSync": "ingest_options",
     "ChunkerConfig": "chunker", "chunk_text": "chunker",
     "Embedder": "embedder",
     "Catalog": "catalog", "IndexKind": "index", "VectorIndex": "index",

@@ -194,7 +194,7 @@ class _Run:
                 bar.update(0, note=os.path.basename(path))
                 added = self.file(path)
                 bar.update(1, note=None if added is None else f"{os.path.basename(path)} +{added} chunks")
-                if self.since_commit >= self.options.commit_every:
+                if added is not None and self.since_commit >= self.options.commit_every:  # after an ingested file
                     self.cat.commit()
                     self.dirty, self.since_commit = False, 0
         finally:

@@ -30,14 +30,14 @@ class IngestSummary:
         chunks_removed: chunks no file references any more.
         chunks_total: chunks in the index after the run.
         tokens_added: tokens of the added chunks.
-        kv_bytes: bytes of KV written by ``kv_writer``.
+        kv_bytes: bytes of KV written by ``KVSync.writer``.
         gc_collected: unreachable chunks whose KV was deleted.
         gc_pending: unreachable chunks whose KV still awaits deletion.
         seconds: wall time.
         files_removed: indexed files that no longer exist (under a folder given again, or named
             again), removed with their chunks.
         kv_checked: chunks already in the index whose KV this run made sure of again, because the
-            engine's KV signature differs from the one the index recorded (or ``refresh_kv``).
+            engine's KV signature differs from the one the index recorded (or ``KVSync.refresh``).
         kv_unsaved: chunks whose KV did not reach the store (its writes failed: see the log); the index
             then does not record the engine's KV signature, so the next run writes them again.
         issues: problems found, each naming its file and line.
@@ -141,6 +141,15 @@ class IngestOptions:
     stream: TextIO | None = None
 
     def bar(self, total: int, desc: str, unit: str) -> Progress:
-        """A progress bar on ``stream`` (stderr by default), drawn when ``progress`` says so."""
+        """A progress bar on ``stream`` (stderr by default), drawn when ``progress`` says so.
+
+        Args:
+            total: units the run expects.
+            desc: the bar's label.
+            unit: what it counts.
+
+        Returns:
+            The bar (the caller closes it).
+        """
         return Progress(total, desc=desc, unit=unit, stream=self.stream if self.stream is not None else sys.stderr,
                         enabled=self.progress)

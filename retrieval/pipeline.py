@@ -154,7 +154,7 @@ def order_documents(docs: Sequence[Retrieved]) -> list[Retrieved]:
 
 
 class EngineKVWriter:
-    """A ``kv_writer`` for :func:`~blend.retrieval.ingest.ingest` backed by an engine: texts -> bytes of
+    """A :attr:`KVSync.writer <blend.retrieval.ingest_options.KVSync>` for :func:`~blend.retrieval.ingest.ingest` backed by an engine: texts -> bytes of
     KV written. A store write that fails is logged, never raised (the store is a cache), so after each
     batch it checks that every chunk's entry reached the store's last (most persistent) tier and counts
     those that did not in ``unsaved`` (an index must not record KV it does not have).
@@ -218,7 +218,7 @@ def _serves(tier, key: StoreKey) -> bool:
 
 
 def engine_kv_writer(engine: "Engine", system: str | None = None) -> EngineKVWriter:
-    """A ``kv_writer`` for :func:`~blend.retrieval.ingest.ingest` backed by an engine (:class:`EngineKVWriter`).
+    """A :attr:`KVSync.writer <blend.retrieval.ingest_options.KVSync>` for :func:`~blend.retrieval.ingest.ingest` backed by an engine (:class:`EngineKVWriter`).
 
     Args:
         engine: the engine whose store receives canonical chunk KV.
@@ -274,7 +274,7 @@ def engine_kv_signature(engine: "Engine", system: str | None = None) -> str:
 
 
 def engine_kv_deleter(engine: "Engine", system: str | None = None) -> "EngineKVDeleter":
-    """A ``kv_deleter`` that removes a chunk's canonical KV from the engine's store, and the chunk
+    """A :attr:`KVSync.deleter <blend.retrieval.ingest_options.KVSync>` that removes a chunk's canonical KV from the engine's store, and the chunk
     from the engine's semantic donors.
 
     The key is derived exactly as ``Engine.precompute_chunks`` derives it, i.e. as

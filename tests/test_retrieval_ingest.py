@@ -526,3 +526,17 @@ def test_a_killed_runs_collection_never_takes_kv_it_did_not_write(corpus, tmp_pa
     ingest([corpus], tmp_path / "idx-a", tokenizer=tok, embedder=HashEmbedder(),
            kv=KVSync(writer=kv, deleter=kv.delete), options=IngestOptions(config=CFG, stream=io.StringIO()))
     assert shared in kv.entries  # B's chunk keeps its KV
+
+
+def test_commit_every_zero_commits_after_ingested_files_only(corpus, tmp_path, tok, monkeypatch) -> None:
+    """commit_every <= 0 commits after every ingested file; an unchanged or failed file commits nothing
+    (the refactor into _Run once checked after every file: an unchanged re-run rewrote the index per file)."""
+    kv = FakeKV()
+    _run([corpus], tmp_path / "idx", tok, kv, commit_every=0)
+    generation = (tmp_path / "idx" / "CURRENT").read_text()
+    commits = []
+    real = Catalog.commit
+    monkeypatch.setattr(Catalog, "commit", lambda self: commits.append(1) or real(self))
+    s = _run([corpus], tmp_path / "idx", tok, kv, commit_every=0)
+    assert s.files_unchanged == s.files_seen > 1
+    assert commits == [] and (tmp_path / "idx" / "CURRENT").read_text() == generation

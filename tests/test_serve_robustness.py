@@ -37,7 +37,7 @@ from blend.serve.connection import uvicorn_options
 from blend.serve.intake import ApiError, prepare
 from blend.serve.metrics import ServeMetrics
 from blend.serve.protocol import Endpoint
-from blend.serve.jobs import Ending, EventKind, Job, QueueFullError
+from blend.serve.jobs import Ending, EventKind, QueueFullError, SchedulerJob
 from blend.serve.scheduler import Scheduler
 from blend.serve.schemas import ChatCompletionRequest, CompletionRequest
 from conftest import make_docs
@@ -293,7 +293,7 @@ def test_endings_are_counted_exactly_from_many_threads(engine):
 
     def retire(ending: Ending) -> None:
         for i in range(per):
-            job = Job(i, prompt, ReusePolicy.none(), GenerationConfig(), lambda ev: None, 0.0)
+            job = SchedulerJob(i, prompt, ReusePolicy.none(), GenerationConfig(), lambda ev: None, 0.0)
             assert sched._retire(job, ending, 1.0) and not sched._retire(job, ending, 1.0)
 
     threads = [threading.Thread(target=retire, args=(e,)) for e in endings]

@@ -46,7 +46,12 @@ class LoopTime:
         self._events: deque[tuple[float, float, bool]] = deque()  # (end, seconds, prefill)
 
     def add(self, seconds: float, prefill: bool) -> None:
-        """Record one decode step or prefill that just ended."""
+        """Record one decode step or prefill that just ended.
+
+        Args:
+            seconds: how long it took.
+            prefill: a prefill (not a decode step).
+        """
         now = time.monotonic()
         self._events.append((now, seconds, prefill))
         while self._events and self._events[0][0] < now - self.window_s:
@@ -56,8 +61,6 @@ class LoopTime:
         """Prefill seconds over all seconds in the window (0.0 when empty)."""
         total = sum(s for _, s, _ in self._events)
         return sum(s for _, s, p in self._events if p) / total if total > 0 else 0.0
-
-
 
 
 def run_share(share: DecodeShare, prefill_due: Callable[[], bool] | None = None) -> None:

@@ -57,7 +57,7 @@ Sink = Callable[[Event], None]  # must not block: called from the scheduler's th
 
 
 @dataclass(eq=False)
-class Job:
+class SchedulerJob:
     """One request inside the scheduler: what it asked, where its events go, and its state as it runs."""
 
     id: int
@@ -86,7 +86,11 @@ class Ending(Enum):
 class Ticket:
     """A submitted request's handle."""
 
-    def __init__(self, job: Job, cancel: Callable[[Job], None]) -> None:
+    def __init__(self, job: SchedulerJob, cancel: Callable[[SchedulerJob], None]) -> None:
+        """Args:
+            job: the request.
+            cancel: what :meth:`cancel` calls with it (the scheduler's ``cancel``).
+        """
         self._job = job
         self._cancel = cancel
 

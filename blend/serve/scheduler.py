@@ -89,7 +89,7 @@ from blend.sampling import GenerationConfig
 from blend.serve.config import LOOP_SHARE_WINDOW_S, SchedulerConfig
 from blend.serve.decode_share import DecodeShare, LoopTime, ShareState, run_share
 from blend.serve.flight import FlightStore, request_keys
-from blend.serve.jobs import Ending, Event, EventKind, Job, QueueFullError, ShuttingDownError, Sink, Ticket
+from blend.serve.jobs import Ending, Event, EventKind, QueueFullError, SchedulerJob, ShuttingDownError, Sink, Ticket
 from blend.serve.metrics import ServeMetrics
 from blend.serve.refine import RefineQueue
 
@@ -112,12 +112,12 @@ class Scheduler:
         store = engine.store
         self.flight = store if isinstance(store, FlightStore) and self.config.single_flight else None
         self._cond = threading.Condition()
-        self._waiting: deque[Job] = deque()
-        self._incoming: list[Job] = []
+        self._waiting: deque[SchedulerJob] = deque()
+        self._incoming: list[SchedulerJob] = []
         self._active = 0
         self._running = False
         self._draining = False  # stopping: no new request is taken (drain)
-        self._prefilling_jobs: set[Job] = set()  # requests whose prefill runs now (close fails them at once)
+        self._prefilling_jobs: set[SchedulerJob] = set()  # requests whose prefill runs now (close fails them at once)
         self._closing = threading.Lock()  # one close at a time (a shutdown deadline's and the lifespan's)
         self._threads: list[threading.Thread] = []
         self._ids = itertools.count(1)
@@ -216,7 +216,7 @@ class Scheduler:
         with self._cond:
             self._cond.notify_all()
 
-    def cancel(self, job: Job) -> None:
+    def cancel(self, job: SchedulerJob) -> None:
         """Cancel a request: if it still waits for a prefill it leaves the queue now and is retired
         as cancelled (no event: its client is gone); otherwise its thread drops it at the next check.
 
@@ -282,7 +282,7 @@ class Scheduler:
                 raise QueueFullError(
                     f"server busy: {self._active} requests running and {len(self._waiting)} queued "
                     f"(max_concurrency={cfg.max_concurrency}, max_queue={cfg.max_queue})", self.retry_after_s())
-            job = Job(next(self._ids), prompt, policy, config, sink, time.perf_counter())
+            job = SchedulerJob(next(self._ids), prompt, policy, config, sink, time.perf_counter())
             self._waiting.append(job)
             self._gauges()
             self._cond.notify_all()
@@ -369,7 +369,7 @@ class Scheduler:
                 self.metrics.refined_orders.inc()
         self.refine.put_back(fill, computed, failed)
 
-    def _take_job(self) -> Job:
+    def _take_job(self) -> SchedulerJob:
         """The next waiting request, now active (the caller holds ``_cond`` and saw a prefill due)."""
         job = self._waiting.popleft()
         self._active += 1
@@ -377,7 +377,7 @@ class Scheduler:
         self._cond.notify_all()  # a busy worker now: the decode loop may take the next one
         return job
 
-    def _run_prefill(self, job: Job) -> None:
+    def _run_prefill(self, job: SchedulerJob) -> None:
         with self._cond:
             self._prefilling_jobs.add(job)
         try:
@@ -388,7 +388,7 @@ class Scheduler:
             with self._cond:
                 self._prefilling_jobs.discard(job)
 
-    def _prefill(self, job: Job) -> None:
+    def _prefill(self, job: SchedulerJob) -> None:
         if job.cancelled.is_set():
             self._retire(job, Ending.CANCELLED)
             return
@@ -441,7 +441,7 @@ class Scheduler:
 
     def _decode_loop(self) -> None:
         self._threads_setup()
-        batch: list[Job] = []  # changed in place, so that a failed iteration knows whom to fail
+        batch: list[SchedulerJob] = []  # changed in place, so that a failed iteration knows whom to fail
         while True:
             try:
                 if not self._decode_iteration(batch):
@@ -452,7 +452,7 @@ class Scheduler:
                     self._fail(job, e)
                 batch.clear()
 
-    def _decode_iteration(self, batch: list[Job]) -> bool:
+    def _decode_iteration(self, batch: list[SchedulerJob]) -> bool:
         """Wait for work, then run one prefill or one decode step (``batch`` is updated in place).
 
         Returns:
@@ -494,7 +494,7 @@ class Scheduler:
             self._loop_time.add(time.perf_counter() - t0, prefill=False)
         return True
 
-    def _pool_joined(self, batch: list[Job], joining: list[Job]) -> None:
+    def _pool_joined(self, batch: list[SchedulerJob], joining: list[SchedulerJob]) -> None:
         """Move the caches of requests that just joined the batch into free pool slots, and keep
         the batch in slot order, so a step's halves (decode shares) read disjoint slot ranges."""
         pool = self.pool
@@ -510,7 +510,7 @@ class Scheduler:
         batch[:] = [j for j in batch if not j.retired]
         batch.sort(key=lambda j: j.cache.slot if isinstance(j.cache, PoolSlotCache) else pool.slots)
 
-    def _step(self, batch: list[Job]) -> list[Job]:
+    def _step(self, batch: list[SchedulerJob]) -> list[SchedulerJob]:
         """One batched decode step; returns the jobs still decoding."""
         self._decode_threads_now()
         caches, tokens = [j.cache for j in batch], [j.stream.next_input for j in batch]
@@ -542,7 +542,7 @@ class Scheduler:
                 self._fail(job, e)
         return still
 
-    def _advance(self, job: Job, logits: torch.Tensor) -> bool:
+    def _advance(self, job: SchedulerJob, logits: torch.Tensor) -> bool:
         """Sample one request's next token from its logits row (V,) and send what it adds.
 
         Returns:
@@ -641,7 +641,7 @@ class Scheduler:
 
     # ---- endings --------------------------------------------------------------------------
 
-    def _complete(self, job: Job) -> None:
+    def _complete(self, job: SchedulerJob) -> None:
         s, report = job.stream, job.report
         e2e = time.perf_counter() - job.submitted
         completion = Completion(
@@ -657,13 +657,13 @@ class Scheduler:
         self._emit(job, Event(EventKind.DONE, completion=completion, logprobs=s.take_logprobs()))
 
     @staticmethod
-    def _emit(job: Job, event: Event) -> None:
+    def _emit(job: SchedulerJob, event: Event) -> None:
         try:
             job.sink(event)
         except Exception:  # noqa: BLE001 - a consumer's bug must not stop the scheduler
             log.exception("request %d: event sink failed", job.id)
 
-    def _fail(self, job: Job, error: BaseException) -> None:
+    def _fail(self, job: SchedulerJob, error: BaseException) -> None:
         if not self._retire(job, Ending.FAILED):  # it already ended; nothing more to tell its client
             log.error("request %d: error after it ended: %s", job.id, error)
             return
@@ -671,7 +671,7 @@ class Scheduler:
             log.error("request %d failed: %s: %s", job.id, type(error).__name__, error)
         self._emit(job, Event(EventKind.FAILED, error=error))
 
-    def _retire(self, job: Job, ending: Ending, e2e_s: float | None = None) -> bool:
+    def _retire(self, job: SchedulerJob, ending: Ending, e2e_s: float | None = None) -> bool:
         """Free an active request's slot and KV and count how it ended (under the lock: several
         threads retire requests).
 
