@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 
 from _eval_rows import item_json, item_row, method_row
-from blend.evals.cli import configure_parser, run_eval
+from blend.evals.cli import config_from_args, configure_parser, run_eval
+from blend.evals.data import load_items
+from blend.evals.harness import ResumeError, run_harness
+from blend.evals.methods import parse_methods
+from blend.evals.report import SchemaError, markdown, validate_results
 from blend.evals.rows import ITEM_FIELDS_SINCE, METHOD_FIELDS_SINCE, ItemRow, MethodRow, RowError
 from test_evals_harness import _fake_factory
 
@@ -162,3 +166,60 @@ def test_absent_names_only_none_fields_that_may_be_null():
         method_row(kl=None, absent=frozenset({"kl"}))  # not a field written since
     with pytest.raises(ValueError, match="absent"):
         method_row(same_tokens=None, absent=frozenset({"same_tokens"}))  # never null: None alone says it
+
+
+def test_resume_over_rows_from_before_the_later_fields_keeps_them_as_they_were(tmp_path):
+    """A run whose rows predate item_sha256, ref_margin, same_tokens, first_token_margin, guarded, ttft_ref_s
+    and threads resumes: its rows are rewritten byte for byte, the data is not checked against a digest it
+    lacks, and results.json validates (same_tokens as null would not)."""
+    assert _run(tmp_path) == 0
+    rows_path = tmp_path / "out" / "rows.jsonl"
+    old = []
+    for line in _lines(rows_path):
+        d = json.loads(line)
+        for f in ITEM_FIELDS_SINCE:
+            del d[f]
+        for m in d["methods"].values():
+            for f in METHOD_FIELDS_SINCE:
+                del m[f]
+        old.append(json.dumps(d))
+    rows_path.write_text("\n".join(old) + "\n")
+    assert _run(tmp_path, "--resume") == 0
+    assert _lines(rows_path) == old
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    validate_results(res)
+    assert "same_tokens" not in res["items"][0]["methods"]["full"]
+    assert "How long the answer stays" not in markdown(res)
+    assert res["methods"]["reuse"]["threads"] == []  # unrecorded
+
+
+def test_resume_refuses_a_line_that_is_json_but_not_a_row_naming_it(tmp_path, capsys):
+    assert _run(tmp_path) == 0
+    rows_path = tmp_path / "out" / "rows.jsonl"
+    lines = _lines(rows_path)
+    bad = json.loads(lines[1])
+    bad["methods"]["reuse"]["kl"] = "high"
+    for damaged in ([lines[0], json.dumps(bad), lines[2]], [lines[0], lines[1], json.dumps(bad)]):
+        text = "\n".join(damaged) + "\n"  # in the middle, or last and complete (not a torn write): kept, refused
+        rows_path.write_text(text)
+        assert _run(tmp_path, "--resume") == 2
+        err = capsys.readouterr().err
+        assert "is not a row" in err and "kl: not a finite number" in err and rows_path.read_text() == text
+    cfg = config_from_args(_args(tmp_path))  # the harness itself raises its own error, never RowError
+    with pytest.raises(ResumeError, match="line 3"):
+        run_harness(None, load_items("synthetic:single", 3, 3), parse_methods(",".join(cfg.methods)), cfg,
+                    tmp_path / "out", resume=True)
+
+
+def test_the_validator_refuses_an_item_its_readers_could_not_parse():
+    from test_evals_report import make_results
+
+    res = make_results()
+    validate_results(res)
+    res["items"][1]["methods"]["reuse"]["verdict"] = "fine"
+    with pytest.raises(SchemaError, match=r"results.items\[1\]: row.methods\['reuse'\]: unknown field\(s\) verdict"):
+        validate_results(res)
+    res = make_results()
+    del res["items"][0]["full_answer"]
+    with pytest.raises(SchemaError, match="full_answer: missing"):
+        validate_results(res)
