@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from blend import safeio
 from blend.evals.metrics import bootstrap_ci
 from blend.evals.methods import REFERENCE
+from blend.evals.rows import ItemRow
 
 # the answer lengths (tokens) results.md shows a share for; the plot draws every k up to the longest answer
 SURVIVAL_TOKENS = (1, 2, 4, 8, 16, 32)
@@ -55,15 +56,15 @@ def same_through(same: int, length: int, ref_length: int, k: int) -> bool:
     return (same == length == ref_length) or same >= k
 
 
-def _outcomes(rows: Sequence[dict[str, Any]], method: str) -> list[tuple[int, int, int]]:
+def _outcomes(rows: Sequence[ItemRow], method: str) -> list[tuple[int, int, int]]:
     """Each scored item's (tokens in common with full's, the answer's tokens, full's answer's tokens); items
     whose ``method`` row lacks ``same_tokens`` (written before it existed) are left out."""
     got = []
     for r in rows:
-        m, ref = r["methods"].get(method), r["methods"].get(REFERENCE)
-        if m is None or ref is None or m.get("same_tokens") is None:
+        m, ref = r.methods.get(method), r.methods.get(REFERENCE)
+        if m is None or ref is None or m.same_tokens is None:
             continue
-        got.append((int(m["same_tokens"]), int(m["answer_tokens"]), int(ref["answer_tokens"])))
+        got.append((m.same_tokens, m.answer_tokens, ref.answer_tokens))
     return got
 
 
@@ -72,11 +73,12 @@ def _shares(got: Sequence[tuple[int, int, int]], ks: Sequence[int]) -> tuple[flo
     return tuple(sum(same_through(s, a, b, k) for s, a, b in got) / len(got) for k in ks)
 
 
-def survival(rows: Sequence[dict[str, Any]], method: str, ks: Sequence[int] = SURVIVAL_TOKENS) -> Survival | None:
+def survival(rows: Sequence[ItemRow], method: str, ks: Sequence[int] = SURVIVAL_TOKENS) -> Survival | None:
     """A method's survival over a run's item rows.
 
     Args:
-        rows: results.json's ``items`` (or rows.jsonl's rows).
+        rows: a run's item rows (results.json's ``items``, or rows.jsonl's lines, read by
+            :meth:`ItemRow.from_json`).
         method: a method name in them.
         ks: the answer lengths to give a share for.
 
@@ -91,7 +93,7 @@ def survival(rows: Sequence[dict[str, Any]], method: str, ks: Sequence[int] = SU
                     float(statistics.median(s for s, _, _ in got)), bootstrap_ci(whole_each))
 
 
-def curve_points(rows: Sequence[dict[str, Any]], method: str, longest: int) -> list[float]:
+def curve_points(rows: Sequence[ItemRow], method: str, longest: int) -> list[float]:
     """The share for every k in 1..``longest`` (the plot's curve; no CI, so no bootstrap)."""
     got = _outcomes(rows, method)
     return list(_shares(got, range(1, longest + 1))) if got else []
@@ -112,9 +114,17 @@ def table_lines(survivals: Sequence[Survival]) -> list[str]:
     return lines
 
 
-def markdown_lines(results: dict[str, Any], order: Sequence[str]) -> list[str]:
-    """results.md's section: every method but full, in ``order``; none where no row records the field."""
-    survivals = [s for s in (survival(results["items"], n) for n in order if n != REFERENCE) if s is not None]
+def markdown_lines(rows: Sequence[ItemRow], order: Sequence[str]) -> list[str]:
+    """results.md's section: every method but full, in ``order``; none where no row records the field.
+
+    Args:
+        rows: the run's item rows.
+        order: method names, in the table's order.
+
+    Returns:
+        Markdown lines (a blank line first), or none.
+    """
+    survivals = [s for s in (survival(rows, n) for n in order if n != REFERENCE) if s is not None]
     if not survivals:
         return []
     return ["", "## How long the answer stays full prefill's: share of items whose first k answer tokens are full's",
@@ -132,8 +142,8 @@ def write_plot(results: dict[str, Any], path: Path) -> Path | None:
     Returns:
         ``path``, or None when there was nothing to draw.
     """
-    rows = results["items"]
-    longest = max((int(m["answer_tokens"]) for r in rows for m in r["methods"].values()), default=0)
+    rows = [ItemRow.from_json(r) for r in results["items"]]
+    longest = max((m.answer_tokens for r in rows for m in r.methods.values()), default=0)
     names = [n for n in results["methods"] if n != REFERENCE]
     curves = {n: curve_points(rows, n, max(longest, 1)) for n in names}
     curves = {n: c for n, c in curves.items() if c}

@@ -20,12 +20,13 @@ import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from blend import safeio
 from blend.defaults import DEFAULT_GUARD_MARGIN
 from blend.evals import metrics as M
 from blend.evals.methods import Method, MethodError, MethodKind, parse_method
+from blend.evals.rows import ItemRow, MethodRow, RowError
 
 # what two rows of one item may differ by in their first pass's gap and still be the same first pass
 # (the eval's JSON keeps floats exactly; a run resumed on another host could round differently)
@@ -115,41 +116,40 @@ def guard_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def read_rows(run: Path) -> list[dict[str, Any]]:
+def read_rows(run: Path) -> list[ItemRow]:
     """The items of a ``kvblend eval`` output folder (``rows.jsonl``), one row per item, in item order.
 
     A ``--resume`` that adds methods appends a merged row for each item it extends, so an item can have
     several lines: the last one holds every method (what the run's ``results.json`` keeps).
 
     Raises:
-        CurveError: no rows file, or a line that is not an item row (a JSON object with an index and methods).
+        CurveError: no rows file, or a line that is not an item row (:meth:`ItemRow.from_json`).
     """
     path = run / "rows.jsonl"
     if not path.is_file():
         raise CurveError(f"{path} not found (a kvblend eval --out folder holds it)")
-    rows: dict[int, dict[str, Any]] = {}
+    rows: dict[int, ItemRow] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = ItemRow.from_json(json.loads(line))
         except json.JSONDecodeError as e:
             raise CurveError(f"{path}:{n}: not JSON ({e.msg})") from e
-        if (not isinstance(row, dict) or not isinstance(row.get("methods"), dict)
-                or type(row.get("index")) is not int):
-            raise CurveError(f"{path}:{n}: not an item row")
-        rows[row["index"]] = row  # a later line of the same item supersedes an earlier one
+        except RowError as e:
+            raise CurveError(f"{path}:{n}: not an item row ({e})") from e
+        rows[row.index] = row  # a later line of the same item supersedes an earlier one
     return [rows[i] for i in sorted(rows)]
 
 
-def _pair(row: dict[str, Any], guarded: str, off: str, top: float) -> tuple[dict[str, Any], dict[str, Any], float]:
+def _pair(row: ItemRow, guarded: str, off: str, top: float) -> tuple[MethodRow, MethodRow, float]:
     """One item's guarded and unguarded rows and its first pass's gap (checked to be the same pass)."""
-    ms = row["methods"]
-    where = f"item {row.get('index')}"
+    ms = row.methods
+    where = f"item {row.index}"
     if guarded not in ms or off not in ms:
         raise CurveError(f"{where}: the run lacks {guarded!r} or {off!r}")
     g, o = ms[guarded], ms[off]
-    gap_g, gap_o = g.get("first_token_margin"), o.get("first_token_margin")
+    gap_g, gap_o = g.first_token_margin, o.first_token_margin
     if gap_g is None or gap_o is None:
         raise CurveError(f"{where}: no first_token_margin (a run from before kvblend eval recorded it)")
     if abs(gap_g - gap_o) > MARGIN_TOLERANCE:
@@ -157,12 +157,12 @@ def _pair(row: dict[str, Any], guarded: str, off: str, top: float) -> tuple[dict
                          "--off must be --guarded with the guard off")
     # under M the guard may still not fire (a blend that recomputed every row has nothing to guard, and its
     # guarded row is then the unguarded computation); at or over M it never does
-    if g.get("guarded") and gap_g >= top:
+    if g.guarded and gap_g >= top:
         raise CurveError(f"{where}: {guarded!r} fired at gap {gap_g:.6g}, over its margin: not that method")
     return g, o, float(gap_o)
 
 
-def curve(rows: Sequence[dict[str, Any]], guarded: str, off: str, margins: Sequence[float]) -> list[CurvePoint]:
+def curve(rows: Sequence[ItemRow], guarded: str, off: str, margins: Sequence[float]) -> list[CurvePoint]:
     """The guard's outcome at each margin, from each item's guarded and unguarded rows.
 
     Args:
@@ -187,14 +187,14 @@ def curve(rows: Sequence[dict[str, Any]], guarded: str, off: str, margins: Seque
     points = []
     for m in margins:
         chosen = [g if gap < m else o for g, o, gap in pairs]
-        kl = [c["kl"] for c in chosen]
+        kl = [c.kl for c in chosen]
         if any(v is None for v in kl):  # inf or NaN in the run (null in its rows): no mean or max to draw
             raise CurveError(f"a KL at margin {m:g} is not finite (null in the rows): the curve cannot be drawn")
-        ttft = [c.get("ttft_ratio") for c in chosen]
+        ttft = [c.ttft_ratio for c in chosen]
         points.append(CurvePoint(
-            margin=float(m), guarded=sum(gap < m and bool(g.get("guarded")) for g, _, gap in pairs) / len(pairs),
+            margin=float(m), guarded=sum(gap < m and bool(g.guarded) for g, _, gap in pairs) / len(pairs),
             kl_mean=M.mean(kl), kl_p90=M.percentile(kl, 90), kl_max=max(kl),
-            top1=M.mean([c["top1"] for c in chosen]),
+            top1=M.mean([c.top1 for c in chosen]),
             ttft_median=M.median(ttft), ttft_mean=M.mean(ttft), ttft_p90=M.percentile(ttft, 90)))
     return points
 

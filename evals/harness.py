@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -43,6 +42,7 @@ from blend.evals.aggregate import aggregate
 from blend.evals.data import Item
 from blend.evals.environment import describe_environment, provenance_dict
 from blend.evals.methods import REFERENCE, Method, MethodKind
+from blend.evals.rows import ItemRow, MethodRow, RowError
 from blend.probe import top2_margin
 from blend.progress import Progress
 
@@ -100,17 +100,6 @@ def rotated(seq: Sequence[Method], shift: int) -> list[Method]:
     return list(seq[k:]) + list(seq[:k])
 
 
-def _clean(x: Any) -> Any:
-    """JSON-safe copy: non-finite floats become None."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
 def evaluate_item(
     engine: Any,
     item: Item,
@@ -119,7 +108,7 @@ def evaluate_item(
     policies: dict[str, Any],
     config: EvalConfig,
     warm_up: bool,
-) -> dict[str, Any]:
+) -> ItemRow:
     """Run every method on one item and score it.
 
     Args:
@@ -132,7 +121,7 @@ def evaluate_item(
         warm_up: run untimed warm-up rounds first.
 
     Returns:
-        The item's row: ``{index, id, question, answers, prompt_tokens, full_answer, methods: {name: row}}``.
+        The item's row, one :class:`MethodRow` per method; non-finite numbers are None (as its JSON holds them).
     """
     prompt = engine.build_prompt(item.question, item.document_texts(), config.system)
     for m in methods:
@@ -170,7 +159,7 @@ def evaluate_item(
     full_tf = tf_rows.get(REFERENCE)
     full_ttft = M.median(samples[REFERENCE])
     threads = timing_threads()
-    rows: dict[str, Any] = {}
+    rows: dict[str, MethodRow] = {}
     for m in methods:
         ans = answers[m.name]
         kl = M.kl_divergence(full.first_logits, ans.first_logits)
@@ -182,48 +171,46 @@ def evaluate_item(
             tf_agree, tf_kl = top1, kl
         rep = ans.report
         ttft = M.median(samples[m.name])
-        rows[m.name] = {
-            "prediction": ans.text,
-            "answer_tokens": len(ans.token_ids),
+        rows[m.name] = MethodRow(
+            prediction=ans.text,
+            answer_tokens=len(ans.token_ids),
             **_gold_scores(ans.text, item.answers),
-            "agreement": M.answers_agree(ans.text, full.text),
+            agreement=M.answers_agree(ans.text, full.text),
             # leading answer tokens that are full prefill's own (evals/answer_survival.py)
-            "same_tokens": M.common_prefix(cont, [int(t) for t in ans.token_ids]),  # cont: full's answer ids
-            "kl": kl,
-            "top1": top1,
-            "tf_agreement": tf_agree,
-            "tf_kl": tf_kl,
-            "ttft_s": ttft,
-            "ttft_samples": samples[m.name],
-            "ttft_ratio": (ttft / full_ttft) if ttft is not None and full_ttft else None,
-            "ttft_ref_s": full_ttft,  # full prefill's TTFT beside it: what ttft_ratio divides by
-            "threads": threads,  # intra-op threads the times were measured with
+            same_tokens=M.common_prefix(cont, [int(t) for t in ans.token_ids]),  # cont: full's answer ids
+            kl=kl,
+            top1=top1,
+            tf_agreement=tf_agree,
+            tf_kl=tf_kl,
+            ttft_s=ttft,
+            ttft_samples=tuple(samples[m.name]),
+            ttft_ratio=(ttft / full_ttft) if ttft is not None and full_ttft else None,
+            ttft_ref_s=full_ttft,  # full prefill's TTFT beside it: what ttft_ratio divides by
+            threads=threads,  # intra-op threads the times were measured with
             # the blend's own first-token top-2 gap (nats; before any guard) and whether the guard fired:
             # with a guarded method and the same blend unguarded, every smaller margin's outcome follows
             # (evals/guard_curve.py)
-            "first_token_margin": getattr(rep, "first_token_margin", None),  # engine-like objects may lack them
-            "guarded": bool(getattr(rep, "guard", "")),
-            "recomputed_tokens": int(rep.recomputed_tokens),
-            "reused_tokens": int(rep.reused_tokens),
-            "prompt_tokens": int(rep.prompt_tokens),
-            "recomputed_frac": int(rep.recomputed_tokens) / max(int(rep.prompt_tokens), 1),
+            first_token_margin=getattr(rep, "first_token_margin", None),  # engine-like objects may lack them
+            guarded=bool(getattr(rep, "guard", "")),
+            recomputed_tokens=int(rep.recomputed_tokens),
+            reused_tokens=int(rep.reused_tokens),
+            prompt_tokens=int(rep.prompt_tokens),
+            recomputed_frac=int(rep.recomputed_tokens) / max(int(rep.prompt_tokens), 1),
             # rows with fresh KV above the check layer: computed (not reused) plus recomputed
-            "computed_frac": (int(rep.prompt_tokens) - int(rep.reused_tokens) + int(rep.recomputed_tokens))
+            computed_frac=(int(rep.prompt_tokens) - int(rep.reused_tokens) + int(rep.recomputed_tokens))
             / max(int(rep.prompt_tokens), 1),
-        }
-    return _clean(
-        {
-            "index": index,
-            "id": item.id,
-            "question": item.question,
-            "item_sha256": item_digest(item),  # what --resume checks the data against
-            "answers": list(item.answers),
-            "prompt_tokens": len(prompt.token_ids),
-            "full_answer": full.text,
-            "ref_margin": top2_margin(full.first_logits),  # full's own first-token top-2 gap (nats)
-            "methods": rows,
-        }
-    )
+        )
+    return ItemRow(
+        index=index,
+        id=item.id,
+        question=item.question,
+        item_sha256=item_digest(item),  # what --resume checks the data against
+        answers=tuple(item.answers),
+        prompt_tokens=len(prompt.token_ids),
+        full_answer=full.text,
+        ref_margin=top2_margin(full.first_logits),  # full's own first-token top-2 gap (nats)
+        methods=rows,
+    ).finite()  # JSON has no NaN or infinity: such a number is None, in memory as in rows.jsonl
 
 
 def item_digest(item: Item) -> str:
@@ -243,23 +230,24 @@ def timing_threads() -> int | None:
     return int(torch.get_num_threads())
 
 
-def _merge(old: dict[str, Any], new: dict[str, Any], index: int) -> dict[str, Any]:
+def _merge(old: ItemRow, new: ItemRow, index: int) -> ItemRow:
     """An item's row with the methods a resumed run added (their TTFT ratios are against the
     full prefill timed beside them; quality is deterministic, so full's answer must not change)."""
-    if new["full_answer"] != old["full_answer"]:
+    if new.full_answer != old.full_answer:
         raise ResumeError(
-            f"--resume: item {index}: full prefill now answers {new['full_answer']!r}, before "
-            f"{old['full_answer']!r}; the quality rows would not be comparable (start a fresh --out)"
+            f"--resume: item {index}: full prefill now answers {new.full_answer!r}, before "
+            f"{old.full_answer!r}; the quality rows would not be comparable (start a fresh --out)"
         )
-    merged = {**old, "methods": dict(old["methods"])}
-    for name, row in new["methods"].items():
-        if name not in old["methods"]:
-            merged["methods"][name] = row
-    return merged
+    methods = dict(old.methods)
+    for name, row in new.methods.items():
+        if name not in old.methods:
+            methods[name] = row
+    return dataclasses.replace(old, methods=methods)
 
 
 def _gold_scores(prediction: str, answers: tuple[str, ...]) -> dict[str, float | None]:
-    """F1, EM, Rouge-L and contains against the gold answers (null each when the item has none)."""
+    """F1, EM, Rouge-L and contains against the gold answers (null each when the item has none), as
+    :class:`MethodRow` arguments."""
     if not answers:
         return {"f1": None, "em": None, "rouge_l": None, "contains": None}
     return {"f1": M.best_over(M.token_f1, prediction, answers), "em": M.best_over(M.exact_match, prediction, answers),
@@ -274,7 +262,7 @@ def _release(answer: Any) -> None:
         release()
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
+def _read_rows(path: Path) -> list[ItemRow]:
     """The rows of ``rows.jsonl``; a last line cut short by an interruption is dropped (that item is redone).
 
     Raises:
@@ -297,9 +285,11 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
                 break  # torn by the interruption: the last write never finished
             raise ResumeError(f"--resume: line {n + 1} of {path} is not a row (not JSON); "
                               "repair or remove it, or start a fresh --out") from None
-        if not isinstance(row, dict):
-            raise ResumeError(f"--resume: line {n + 1} of {path} is not a row (not an object)")
-        rows.append(row)
+        try:
+            rows.append(ItemRow.from_json(row))
+        except RowError as e:
+            raise ResumeError(f"--resume: line {n + 1} of {path} is not a row ({e}); "
+                              "repair or remove it, or start a fresh --out") from None
     return rows
 
 
@@ -315,7 +305,7 @@ def _ranges(indices: Sequence[int]) -> str:
 
 
 def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bool,
-                first_index: int = 0) -> dict[int, dict[str, Any]]:
+                first_index: int = 0) -> dict[int, ItemRow]:
     """Create the output folder; on --resume, load the rows already done.
 
     Args:
@@ -334,7 +324,7 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
     """
     out.mkdir(parents=True, exist_ok=True)
     run_path, rows_path = out / RUN_FILE, out / ROWS_FILE
-    done: dict[int, dict[str, Any]] = {}
+    done: dict[int, ItemRow] = {}
     if resume and run_path.exists():
         try:
             done = _resumed_rows(out, config, items, first_index)
@@ -344,7 +334,8 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
             raise ResumeError(f"--resume: {out} holds a damaged {RUN_FILE} or {ROWS_FILE} "
                               f"({type(e).__name__}: {str(e)[:80]}); start a fresh --out") from None
         # Rewrite without a cut-off last line, so appends start on a fresh line.
-        safeio.atomic_write_bytes(rows_path, "".join(json.dumps(done[i]) + "\n" for i in sorted(done)).encode())
+        safeio.atomic_write_bytes(rows_path,
+                                  "".join(json.dumps(done[i].to_json()) + "\n" for i in sorted(done)).encode())
     else:
         if resume and rows_path.is_file() and rows_path.stat().st_size:  # nothing says what they were run with
             raise ResumeError(f"--resume: {out} holds {ROWS_FILE} but no {RUN_FILE} (its settings); "
@@ -358,11 +349,11 @@ def prepare_out(out: Path, config: EvalConfig, items: Sequence[Item], resume: bo
     return done
 
 
-def _resumed_rows(out: Path, config: EvalConfig, items: Sequence[Item], first_index: int) -> dict[int, dict[str, Any]]:
+def _resumed_rows(out: Path, config: EvalConfig, items: Sequence[Item], first_index: int) -> dict[int, ItemRow]:
     """The rows a resumed run keeps (see :func:`prepare_out`); a malformed field raises whatever parsing it
     raised (the caller names the damage)."""
     run_path, rows_path = out / RUN_FILE, out / ROWS_FILE
-    done: dict[int, dict[str, Any]] = {}
+    done: dict[int, ItemRow] = {}
     old = json.loads(safeio.read_regular(run_path, MAX_RUN_FILE_BYTES).decode("utf-8"))
     # fields free to differ are ignored on both sides (folders written before a field became free)
     old_id = {k: v for k, v in old.get("identity", {}).items() if k not in _RESUME_FREE}
@@ -373,14 +364,14 @@ def _resumed_rows(out: Path, config: EvalConfig, items: Sequence[Item], first_in
         raise ResumeError(f"--resume: {out} was written with different settings ({', '.join(diff)})")
     outside = set()
     for row in _read_rows(rows_path):
-        i = int(row["index"])
+        i = row.index
         if not first_index <= i < first_index + len(items):
             outside.add(i)
             continue
         it = items[i - first_index]
-        if row.get("id") != it.id or row.get("question") != it.question:
-            raise ResumeError(f"--resume: item {i} in {rows_path} does not match the data (id {row.get('id')!r})")
-        if "item_sha256" in row and row["item_sha256"] != item_digest(it):  # rows from before the field: unchecked
+        if row.id != it.id or row.question != it.question:
+            raise ResumeError(f"--resume: item {i} in {rows_path} does not match the data (id {row.id!r})")
+        if row.item_sha256 is not None and row.item_sha256 != item_digest(it):  # rows from before it: unchecked
             raise ResumeError(f"--resume: item {i} in {rows_path} was computed on other passages or answers "
                               "than the data now holds (start a fresh --out)")
         done[i] = row  # a later line for the same item (methods added) supersedes an earlier one
@@ -388,7 +379,7 @@ def _resumed_rows(out: Path, config: EvalConfig, items: Sequence[Item], first_in
         raise ResumeError(f"--resume: {rows_path} holds items outside this run's range "
                           f"({_ranges(sorted(outside))}); resume with a range that covers them, "
                           "or use another --out")
-    dropped = sorted({n for r in done.values() for n in r["methods"]} - set(config.methods))
+    dropped = sorted({n for r in done.values() for n in r.methods} - set(config.methods))
     if dropped:
         raise ResumeError(f"--resume: {out} holds methods this run does not list ({', '.join(dropped)}); "
                           "a resumed run may add methods, not drop them")
@@ -428,7 +419,7 @@ def run_harness(
     policy_of = policy_of or (lambda m: m.policy())
     policies = {m.name: policy_of(m) for m in methods}
     done = prepare_out(out, config, items, resume, first_index)
-    missing = {i: [m for m in methods if m.name not in row["methods"]] for i, row in done.items()}
+    missing = {i: [m for m in methods if m.name not in row.methods] for i, row in done.items()}
     if progress is not None:
         progress.skip(sum(not todo for todo in missing.values()))  # items with nothing to add
     warm = False
@@ -443,7 +434,7 @@ def run_harness(
             warm = True
             if i in done:
                 row = _merge(done[i], row, i)
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row.to_json()) + "\n")
             f.flush()
             done[i] = row
             if progress is not None:
@@ -462,5 +453,5 @@ def run_harness(
         **describe_environment(engine_device=getattr(engine, "device", None)),
         "reference": REFERENCE,
         "methods": aggregate(rows, methods, n_boot=config.bootstrap, seed=config.seed),
-        "items": rows,
+        "items": [r.to_json() for r in rows],
     }

@@ -34,19 +34,14 @@ results.json, schema_version 1::
           "spec":                 {kind, ratio, selector, check_layers}
         }                                    # every number may be null when undefined (n = 0)
       },
-      "items": [                             # one per item, by index
-        {"index": int, "id": str, "question": str, "answers": [str], "prompt_tokens": int,
-         "full_answer": str, "ref_margin": float,   # full's own first-token top-2 gap, nats
-                                                    # (absent in items written before it existed)
-         "methods": {"<name>": {prediction, answer_tokens, f1, em, rouge_l, contains, agreement, kl, top1,
-                                tf_agreement, tf_kl, ttft_s, ttft_samples: [float], ttft_ratio,
-                                recomputed_tokens, reused_tokens, prompt_tokens, recomputed_frac,
-                                computed_frac, ttft_ref_s, threads}}}
-                                # ttft_ref_s: full's TTFT timed beside this method (the ratio's
-                                # denominator; after --resume, not necessarily the full row's ttft_s);
-                                # ttft_ref_s and threads are absent in rows written before they existed;
-                                # same_tokens (int): leading answer tokens that are full's own
-                                # (evals/answer_survival.py), absent before 2026-12-06 (17)
+      "items": [                             # one per item, by index: the rows of rows.jsonl,
+        {"index": int, "id": str, "question": str, "item_sha256": str, "answers": [str],
+         "prompt_tokens": int, "full_answer": str, "ref_margin": float,
+         "methods": {"<name>": {prediction, answer_tokens, f1, ..., computed_frac}}}
+                                # every field, and those absent in rows written before they existed:
+                                # blend.evals.rows (ItemRow, MethodRow); ttft_ref_s: full's TTFT timed
+                                # beside this method (the ratio's denominator; after --resume, not
+                                # necessarily the full row's ttft_s)
       ]
     }
 
@@ -60,13 +55,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from blend import safeio
 from blend.evals import answer_survival as S
 from blend.evals import guard_curve as G
 from blend.evals.data import SYNTHETIC_PREFIX
 from blend.evals.methods import REFERENCE, MethodKind
+from blend.evals.rows import ItemRow, RowError
 from blend.evals.splits import TUNING, VALIDATION
 
 AGG_NUMBERS = (
@@ -135,9 +131,9 @@ def range_split(first: int, last: int, data: str | None = None) -> str:
     return a if a == b else "mixed"
 
 
-def _items_line(results: dict[str, Any]) -> str:
+def _items_line(results: dict[str, Any], rows: list[ItemRow]) -> str:
     """results.md's item range and split, e.g. ``items 0-29 (30 items), tuning split``."""
-    idx = sorted(int(r["index"]) for r in results["items"])
+    idx = sorted(r.index for r in rows)
     if not idx:
         return "0 items"
     first, last = idx[0], idx[-1]
@@ -243,6 +239,10 @@ def validate_results(obj: Any) -> None:
                 raise SchemaError(f"{w}.ttft_ref_s: not a finite number/null")
             if r.get("threads") is not None and (not isinstance(r["threads"], int) or r["threads"] < 1):
                 raise SchemaError(f"{w}.threads: must be a positive integer or null")
+        try:  # what the readers of results.md parse it as (the checks above name the common faults)
+            ItemRow.from_json(row)
+        except RowError as e:
+            raise SchemaError(f"results.items[{i}]: {e}") from None
     for name, agg in obj["methods"].items():
         if agg["n"] != sum(1 for row in obj["items"] if name in row["methods"]):
             raise SchemaError(f"results.methods[{name!r}].n: does not match the item rows")
@@ -382,11 +382,10 @@ def _cell(agg: dict[str, Any], field: str, fmt: str) -> str:
     return s
 
 
-def _repeats_line(results: dict[str, Any]) -> str:
+def _repeats_line(results: dict[str, Any], rows: list[ItemRow]) -> str:
     """TTFT samples per item and method: the config's repeats, or the range the rows hold where a resumed
     run measured its items with another ``--repeats``."""
-    counts = {len(r["ttft_samples"]) for it in results["items"] for r in it["methods"].values()
-              if isinstance(r.get("ttft_samples"), list)}
+    counts = {len(r.ttft_samples) for it in rows for r in it.methods.values()}
     if len(counts) > 1:
         return f"{min(counts)}-{max(counts)} (a resumed run changed --repeats)"
     return str(counts.pop() if counts else results["config"]["repeats"])
@@ -404,13 +403,14 @@ def markdown(results: dict[str, Any]) -> str:
     """
     cfg, model = results["config"], results["model"]
     methods = results["methods"]
+    rows = [ItemRow.from_json(r) for r in results["items"]]
     order = sorted(methods, key=lambda n: sort_key(n, methods[n]))
     best = best_per_column(methods)
     lines = [
         f"# kvblend eval: {cfg['data']}",
         "",
-        f"model `{model['name']}` ({model['dtype']}), {_items_line(results)}, {cfg['passages']} passages, "
-        f"max {cfg['max_new_tokens']} new tokens, TTFT median of {_repeats_line(results)} per item.",
+        f"model `{model['name']}` ({model['dtype']}), {_items_line(results, rows)}, {cfg['passages']} passages, "
+        f"max {cfg['max_new_tokens']} new tokens, TTFT median of {_repeats_line(results, rows)} per item.",
         f"Machine: {results['machine'].get('platform')}, accelerator {results['machine'].get('accelerator')}.",
         "",
         "Sorted by KL(full ‖ method) of the first answer token. **Bold**: best in column "
@@ -430,22 +430,22 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _thread_lines(methods, order)
     lines += _budget_lines(methods)
     lines += _tail_lines(methods, order)
-    lines += _worst_lines(results, order)
-    lines += _flip_lines(results, order)
-    lines += S.markdown_lines(results, order)
-    lines += _guard_lines(results)
+    lines += _worst_lines(methods, rows, order)
+    lines += _flip_lines(rows, order)
+    lines += S.markdown_lines(rows, order)
+    lines += _guard_lines(list(methods), rows)
     return "\n".join(lines) + "\n"
 
 
-def _guard_lines(results: dict[str, Any]) -> list[str]:
+def _guard_lines(names: list[str], rows: list[ItemRow]) -> list[str]:
     """For each guarded blend run beside the same blend with ``guard=off``: the guard's outcome at every
     margin up to its own (:mod:`blend.evals.guard_curve`; rows from before the eval recorded first-token
     gaps give none)."""
     lines: list[str] = []
-    for guarded, off in G.guard_pairs(list(results["methods"])):
-        rows = [r for r in results["items"] if guarded in r["methods"] and off in r["methods"]]
+    for guarded, off in G.guard_pairs(names):
+        both = [r for r in rows if guarded in r.methods and off in r.methods]
         try:
-            points = G.curve(rows, guarded, off, G.default_margins(G.guard_margin_of(guarded)))
+            points = G.curve(both, guarded, off, G.default_margins(G.guard_margin_of(guarded)))
         except G.CurveError as e:
             lines += ["", f"(No guard margin table for `{guarded}` against `{off}`: {e}.)"]
             continue
@@ -482,65 +482,64 @@ def _tail_lines(methods: dict[str, dict[str, Any]], order: list[str]) -> list[st
     return lines
 
 
-def worst_items(results: dict[str, Any], k: int = WORST_ITEMS) -> list[dict[str, Any]]:
+def worst_items(methods: dict[str, dict[str, Any]], rows: Sequence[ItemRow], k: int = WORST_ITEMS) -> list[ItemRow]:
     """The ``k`` items with the highest mean KL over the blend methods (over every non-reference method
     when there is no blend method), worst first.
 
     Args:
-        results: a results object.
+        methods: the ``methods`` object of results.json (each with its ``spec``).
+        rows: the run's item rows.
         k: how many.
 
     Returns:
         Their item rows.
     """
-    methods = results["methods"]
     blend = [n for n, a in methods.items() if (a.get("spec") or {}).get("kind") == MethodKind.BLEND.value]
     judged = blend or [n for n in methods if n != REFERENCE]
 
-    def badness(row: dict[str, Any]) -> float:
-        got = [row["methods"][n] for n in judged if n in row["methods"] and "kl" in row["methods"][n]]
-        if any(g["kl"] is None or not math.isfinite(g["kl"]) for g in got):
+    def badness(row: ItemRow) -> float:
+        got = [row.methods[n].kl for n in judged if n in row.methods]
+        if any(g is None or not math.isfinite(g) for g in got):
             return math.inf  # an infinite or NaN KL (null in the rows) is the worst there is
-        vals = [g["kl"] for g in got]
-        return sum(vals) / len(vals) if vals else -1.0
+        return sum(got) / len(got) if got else -1.0
 
-    return sorted(results["items"], key=lambda r: (-badness(r), r["index"]))[:k]
+    return sorted(rows, key=lambda r: (-badness(r), r.index))[:k]
 
 
-def _worst_lines(results: dict[str, Any], order: list[str]) -> list[str]:
-    rows = worst_items(results)
+def _worst_lines(methods: dict[str, dict[str, Any]], rows: list[ItemRow], order: list[str]) -> list[str]:
+    worst = worst_items(methods, rows)
     shown = [n for n in order if n != REFERENCE]
-    if not rows or not shown:
+    if not worst or not shown:
         return []
-    lines = ["", f"## The {len(rows)} worst items (highest mean KL over the blend methods): KL under each method", "",
+    lines = ["", f"## The {len(worst)} worst items (highest mean KL over the blend methods): KL under each method", "",
              "| item | id | " + " | ".join(f"`{n}`" for n in shown) + " |",
              "|---|---|" + "---|" * len(shown)]
-    for r in rows:
+    for r in worst:
         cells = []
         for n in shown:
-            v = r["methods"].get(n, {}).get("kl")
+            v = r.methods[n].kl if n in r.methods else None
             cells.append("–" if v is None else f"{v:.4f}")
-        lines.append(f"| {r['index']} | {r['id']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r.index} | {r.id} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _flip_lines(results: dict[str, Any], order: list[str]) -> list[str]:
+def _flip_lines(rows: list[ItemRow], order: list[str]) -> list[str]:
     """Each method's first-token flips, with full prefill's own top-2 gap on those items: a flip where
     that gap is tiny (a near tie) says less about the method than one where full was sure."""
-    rows = []
+    lines = []
     for name in (n for n in order if n != REFERENCE):
-        flips = [r for r in results["items"] if (r["methods"].get(name) or {}).get("top1") == 0.0]
+        flips = [r for r in rows if name in r.methods and r.methods[name].top1 == 0.0]
         if not flips:
             continue
-        gaps = [r.get("ref_margin") for r in flips]
+        gaps = [r.ref_margin for r in flips]
         ties = sum(1 for g in gaps if g is not None and g < NEAR_TIE_NATS)
-        items = ", ".join(f"{r['index']} ({'?' if g is None else f'{g:.2f}'})" for r, g in zip(flips, gaps))
-        rows.append(f"| `{name}` | {len(flips)} | {ties} | {items} |")
-    if not rows:
+        items = ", ".join(f"{r.index} ({'?' if g is None else f'{g:.2f}'})" for r, g in zip(flips, gaps))
+        lines.append(f"| `{name}` | {len(flips)} | {ties} | {items} |")
+    if not lines:
         return []
     return ["", "## First-token flips: item (full prefill's own top-2 gap, nats)", "",
             f"A near tie: full's gap under {NEAR_TIE_NATS} nats.", "",
-            "| method | flips | near ties | items |", "|---|---|---|---|", *rows]
+            "| method | flips | near ties | items |", "|---|---|---|---|", *lines]
 
 
 def _thread_lines(methods: dict[str, dict[str, Any]], order: list[str]) -> list[str]:

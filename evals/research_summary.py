@@ -19,6 +19,7 @@ import numpy as np
 from blend.evals import metrics as M
 from blend.evals.methods import MethodKind
 from blend.evals.report import range_split
+from blend.evals.rows import ItemRow
 from blend.evals.splits import ItemRangeError, parse_item_range
 
 
@@ -50,17 +51,17 @@ def rows_from_results(path: Path, selectors: tuple[str, ...] = ("combo", "v", "k
     methods never share a row."""
     res = json.loads(path.read_text())
     out = []
-    for item in res["items"]:
+    for item in (ItemRow.from_json(r) for r in res["items"]):
         kl, top1, share = {}, {}, {}
-        for name, m in item["methods"].items():
+        for name, m in item.methods.items():
             spec = res["methods"][name].get("spec") or {}
             if (spec.get("kind") == MethodKind.BLEND.value and spec.get("selector") in selectors
                     and not spec.get("check_layers")):
                 key = f"{name.partition(':')[2]}@{spec['ratio']:g}"  # the selector and any options after it
-                kl[key], top1[key], share[key] = m["kl"], m["top1"], spec["ratio"]
+                kl[key], top1[key], share[key] = m.kl, m.top1, spec["ratio"]
             elif spec.get("kind") == MethodKind.REUSE.value:
-                kl["reuse@0"], top1["reuse@0"], share["reuse@0"] = m["kl"], m["top1"], 0.0
-        out.append({"index": item["index"], "kl": kl, "top1": top1, "share": share})
+                kl["reuse@0"], top1["reuse@0"], share["reuse@0"] = m.kl, m.top1, 0.0
+        out.append({"index": item.index, "kl": kl, "top1": top1, "share": share})
     return out
 
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import pytest
 
+from _eval_rows import item_row, method_row
 from blend.evals import answer_survival as S
 from blend.evals import metrics as M
+from blend.evals.rows import ItemRow
 
 B = "blend@0.15"
 
 
-def row(index: int, ref_len: int, same: int | None, length: int) -> dict:
-    m = {"answer_tokens": length}
-    if same is not None:
-        m["same_tokens"] = same
-    return {"index": index, "methods": {"full": {"answer_tokens": ref_len, "same_tokens": ref_len}, B: m}}
+def row(index: int, ref_len: int, same: int | None, length: int) -> ItemRow:
+    """An item whose blend row shares ``same`` leading tokens with full's (None: a row from before the field)."""
+    return item_row(index, {"full": method_row(answer_tokens=ref_len, same_tokens=ref_len),
+                            B: method_row(answer_tokens=length, same_tokens=same)})
 
 
 def test_common_prefix_counts_the_leading_tokens_two_answers_share():

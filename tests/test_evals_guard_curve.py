@@ -7,22 +7,31 @@ import json
 
 import pytest
 
+from _eval_rows import item_json, item_row
 from blend.evals import guard_curve as G
+from blend.evals.rows import ItemRow
 
 GUARDED, OFF = "blend@0.15:probe:guard=2@0.3", "blend@0.15:probe:guard=off"
 
 
 def item(index: int, gap: float, fired_kl: float, off_kl: float, fired_top1: float = 1.0, off_top1: float = 1.0,
          fired_ttft: float = 0.6, off_ttft: float = 0.2) -> dict:
+    """An item row's JSON (as rows.jsonl holds it)."""
     fired = gap < 2.0
-    return {"index": index, "methods": {
+    return item_json(index, {
         GUARDED: {"first_token_margin": gap, "guarded": fired, "kl": fired_kl if fired else off_kl,
                   "top1": fired_top1 if fired else off_top1, "ttft_ratio": fired_ttft if fired else off_ttft},
         OFF: {"first_token_margin": gap, "guarded": False, "kl": off_kl, "top1": off_top1, "ttft_ratio": off_ttft},
-    }}
+    })
 
 
-ROWS = [item(0, 0.1, 0.01, 0.30, 1.0, 0.0), item(1, 0.5, 0.02, 0.04), item(2, 1.5, 0.03, 0.05), item(3, 3.0, 0.0, 0.07)]
+def typed(rows: list[dict]) -> list[ItemRow]:
+    return [ItemRow.from_json(r) for r in rows]
+
+
+ROWS_JSON = [item(0, 0.1, 0.01, 0.30, 1.0, 0.0), item(1, 0.5, 0.02, 0.04), item(2, 1.5, 0.03, 0.05),
+             item(3, 3.0, 0.0, 0.07)]
+ROWS = typed(ROWS_JSON)
 
 
 def test_each_margin_takes_the_guarded_row_under_it_and_the_unguarded_row_over_it():
@@ -43,23 +52,23 @@ def test_runs_that_cannot_give_the_curve_say_why():
     other = [item(0, 0.1, 0.01, 0.3)]
     other[0]["methods"][OFF]["first_token_margin"] = 0.9
     with pytest.raises(G.CurveError, match="first passes differ"):
-        G.curve(other, GUARDED, OFF, [0.5])
+        G.curve(typed(other), GUARDED, OFF, [0.5])
     old = [item(0, 0.1, 0.01, 0.3)]
     del old[0]["methods"][GUARDED]["first_token_margin"]
     with pytest.raises(G.CurveError, match="no first_token_margin"):
-        G.curve(old, GUARDED, OFF, [0.5])
+        G.curve(typed(old), GUARDED, OFF, [0.5])
     with pytest.raises(G.CurveError, match="lacks"):
-        G.curve([{"index": 0, "methods": {}}], GUARDED, OFF, [0.5])
+        G.curve([item_row(0, {})], GUARDED, OFF, [0.5])
     with pytest.raises(G.CurveError, match="no items"):
         G.curve([], GUARDED, OFF, [0.5])
     wrong = [item(0, 2.5, 0.01, 0.3)]
     wrong[0]["methods"][GUARDED]["guarded"] = True
     with pytest.raises(G.CurveError, match="over its margin"):
-        G.curve(wrong, GUARDED, OFF, [0.5])
+        G.curve(typed(wrong), GUARDED, OFF, [0.5])
 
 
 def test_the_command_writes_a_table_and_a_plot(tmp_path, capsys):
-    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS_JSON) + "\n")
     assert G.main(["--run", str(tmp_path), "--guarded", GUARDED, "--off", OFF, "--margins", "0,1,2"]) == 0
     md = (tmp_path / "guard_curve.md").read_text()
     assert "| 1 | 0.500 | 0.0375 |" in md and (tmp_path / "guard_curve.png").stat().st_size > 0
@@ -72,14 +81,18 @@ def test_the_command_writes_a_table_and_a_plot(tmp_path, capsys):
 
 def test_a_resumed_runs_later_line_of_an_item_supersedes_the_earlier_one(tmp_path):
     # a --resume that adds a method appends a merged row per item: the curve counts each item once, from it
-    first = [{"index": r["index"], "methods": {OFF: r["methods"][OFF]}} for r in ROWS]
-    lines = first + ROWS[::-1]  # every item twice, the merged rows last (in another order)
+    first = [{**r, "methods": {OFF: r["methods"][OFF]}} for r in ROWS_JSON]
+    lines = first + ROWS_JSON[::-1]  # every item twice, the merged rows last (in another order)
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     rows = G.read_rows(tmp_path)
-    assert [r["index"] for r in rows] == [0, 1, 2, 3] and rows == ROWS
+    assert [r.index for r in rows] == [0, 1, 2, 3] and rows == ROWS
     assert G.curve(rows, GUARDED, OFF, [1.0]) == G.curve(ROWS, GUARDED, OFF, [1.0])
     (tmp_path / "rows.jsonl").write_text(json.dumps({"methods": {}}) + "\n")  # no index: not an item row
     with pytest.raises(G.CurveError, match="not an item row"):
+        G.read_rows(tmp_path)
+    bad = {**ROWS_JSON[0], "methods": {OFF: {**ROWS_JSON[0]["methods"][OFF], "kl": "0.1"}}}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(bad) + "\n")  # a field of the wrong type, named
+    with pytest.raises(G.CurveError, match=r"rows.jsonl:1: not an item row .*\.kl: not a finite number"):
         G.read_rows(tmp_path)
 
 
@@ -94,10 +107,11 @@ def test_an_eval_row_records_the_first_passs_gap_and_whether_the_guard_fired(tin
     row = evaluate_item(tiny_engine, Item("x", "Which word?", docs, ("w1",)), 0, methods, policies,
                         EvalConfig("x", 1, 4, tuple(m.name for m in methods), "tiny", "float32", max_new_tokens=2, repeats=1,
                                    warmup=0), False)
-    g, o = row["methods"][GUARDED], row["methods"][OFF]
-    assert g["first_token_margin"] == o["first_token_margin"] is not None
-    assert g["guarded"] == (g["first_token_margin"] < 2.0) and o["guarded"] is False
-    assert row["methods"]["full"]["first_token_margin"] is None and row["methods"]["full"]["guarded"] is False
+    g, o = row.methods[GUARDED], row.methods[OFF]
+    assert g.first_token_margin == o.first_token_margin is not None
+    assert g.guarded == (g.first_token_margin < 2.0) and o.guarded is False
+    assert row.methods["full"].first_token_margin is None and row.methods["full"].guarded is False
+    assert ItemRow.from_json(json.loads(json.dumps(row.to_json()))) == row  # what rows.jsonl reads back
 
 
 def test_a_run_pairs_each_guarded_blend_with_the_same_blend_unguarded():
@@ -112,14 +126,14 @@ def test_a_run_pairs_each_guarded_blend_with_the_same_blend_unguarded():
 def test_results_md_shows_the_guard_by_margin_where_a_run_allows_it():
     from blend.evals.report import _guard_lines
 
-    results = {"methods": {"full": {}, GUARDED: {}, OFF: {}}, "items": ROWS}
-    md = "\n".join(_guard_lines(results))
+    names = ["full", GUARDED, OFF]
+    md = "\n".join(_guard_lines(names, ROWS))
     assert f"## The near-tie guard by margin: `{GUARDED}` against `{OFF}`" in md and "| 1 | 0.500 | 0.0375 |" in md
-    old = [{"index": r["index"], "methods": {k: {f: v for f, v in m.items() if f != "first_token_margin"}
-                                             for k, m in r["methods"].items()}} for r in ROWS]
-    md = "\n".join(_guard_lines({"methods": results["methods"], "items": old}))
+    old = typed([{**r, "methods": {k: {f: v for f, v in m.items() if f != "first_token_margin"}
+                                   for k, m in r["methods"].items()}} for r in ROWS_JSON])
+    md = "\n".join(_guard_lines(names, old))
     assert "No guard margin table" in md and "no first_token_margin" in md
-    assert _guard_lines({"methods": {"full": {}, OFF: {}}, "items": ROWS}) == []
+    assert _guard_lines(["full", OFF], ROWS) == []
 
 
 def test_the_guarded_share_counts_items_the_guard_re_ran_not_gaps_under_the_margin():
@@ -128,6 +142,6 @@ def test_the_guarded_share_counts_items_the_guard_re_ran_not_gaps_under_the_marg
     never = [item(i, 0.1 * (i + 1), 0.02, 0.02) for i in range(4)]
     for r in never:
         r["methods"][GUARDED]["guarded"] = False
-    (p,) = G.curve(never, GUARDED, OFF, [1.0])
+    (p,) = G.curve(typed(never), GUARDED, OFF, [1.0])
     assert p.guarded == 0.0
     assert G.curve(ROWS, GUARDED, OFF, [1.0])[0].guarded == 0.5  # where it fired, as before

@@ -17,6 +17,7 @@ from blend.evals.harness import EvalConfig, ResumeError, run_harness
 from blend.evals.methods import MethodKind, parse_methods
 from blend.evals import answer_survival as S
 from blend.evals.report import SchemaError, markdown, validate_results
+from blend.evals.rows import ItemRow
 
 V = 48
 
@@ -408,7 +409,7 @@ def test_a_tiny_model_run_shows_the_table_and_draws_the_curve(tiny_runs):
         b, f = r["methods"]["blend@1.0"], r["methods"]["full"]
         assert b["same_tokens"] == b["answer_tokens"] == f["answer_tokens"] == f["same_tokens"]
         assert 0 <= r["methods"]["reuse"]["same_tokens"] <= r["methods"]["reuse"]["answer_tokens"]
-    assert S.survival(res["items"], "blend@1.0").whole == 1.0
+    assert S.survival([ItemRow.from_json(r) for r in res["items"]], "blend@1.0").whole == 1.0
     md = markdown(res)
     assert "## How long the answer stays full prefill's" in md and "| `blend@1.0` | 3 | 1.000" in md
     assert (out / "answer_survival.png").read_bytes()[:4] == b"\x89PNG"

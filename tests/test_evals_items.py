@@ -11,6 +11,8 @@ from blend.evals.data import load_items
 from blend.evals.splits import ItemRangeError, parse_item_range
 from blend.evals.methods import parse_method
 from blend.evals.report import SchemaError, markdown, validate_results, worst_items
+from blend.evals.rows import ItemRow
+from _eval_rows import item_row, method_row
 from test_evals_harness import FakeEngine, _strip_timings
 
 METHODS = "full,reuse,blend@0.5:v,blend@0.2:k"
@@ -77,7 +79,8 @@ def test_items_range_past_the_data_is_a_clear_error(tmp_path, capsys):
 
 def _rows(kls, top1s=None):
     top1s = top1s or [1.0] * len(kls)
-    return [{"methods": {"m": {"kl": k, "top1": t, "tf_agreement": 0.5, "f1": 0.0}}} for k, t in zip(kls, top1s)]
+    return [item_row(i, {"m": method_row(kl=k, top1=t, tf_agreement=0.5, f1=0.0)})
+            for i, (k, t) in enumerate(zip(kls, top1s))]
 
 
 def test_aggregate_reports_the_kl_tail():
@@ -95,14 +98,14 @@ def test_aggregate_reports_the_kl_tail():
 def test_results_md_shows_the_tail_and_the_worst_items(tmp_path):
     assert run_eval(_args(tmp_path, "--items", "0-6"), _factory([]), policy_of=lambda m: m) == 0
     res = json.loads((tmp_path / "out" / "results.json").read_text())
-    worst = worst_items(res, 5)
+    worst = worst_items(res["methods"], [ItemRow.from_json(r) for r in res["items"]], 5)
     assert len(worst) == 5
 
     def mean_blend_kl(row):
         return (row["methods"]["blend@0.5:v"]["kl"] + row["methods"]["blend@0.2:k"]["kl"]) / 2
 
     ranked = sorted(res["items"], key=lambda r: -mean_blend_kl(r))
-    assert [r["index"] for r in worst] == [r["index"] for r in ranked[:5]]
+    assert [r.index for r in worst] == [r["index"] for r in ranked[:5]]
     md = markdown(res)
     assert "## Tail of KL" in md and "## The 5 worst items" in md
     tail = md.split("## Tail of KL")[1].split("## The 5")[0]
@@ -110,8 +113,8 @@ def test_results_md_shows_the_tail_and_the_worst_items(tmp_path):
     line = next(ln for ln in tail.splitlines() if ln.startswith("| `blend@0.2:k`"))
     assert f"{agg['kl_max']:.4f}" in line and f"{agg['kl_p90']:.4f}" in line
     worst_block = md.split("## The 5 worst items")[1]
-    first = next(ln for ln in worst_block.splitlines() if ln.startswith(f"| {worst[0]['index']} |"))
-    assert f"{worst[0]['methods']['reuse']['kl']:.4f}" in first
+    first = next(ln for ln in worst_block.splitlines() if ln.startswith(f"| {worst[0].index} |"))
+    assert f"{worst[0].methods['reuse'].kl:.4f}" in first
 
 
 def test_validator_rejects_a_bad_tail_field(tmp_path):

@@ -121,8 +121,9 @@ def test_a_nan_logit_makes_kl_nan_not_zero():
 
 def test_non_finite_kls_make_the_kl_summary_null_not_better():
     """inf/NaN KLs are null in the rows; dropping them made a method whose logits broke look better."""
+    from _eval_rows import item_row, method_row
     from blend.evals.aggregate import aggregate_method
-    rows = [{"methods": {"m": {"kl": k, "top1": 1.0}}} for k in (0.01, 0.02, None)]
+    rows = [item_row(i, {"m": method_row(kl=k, top1=1.0)}) for i, k in enumerate((0.01, 0.02, None))]
     out = aggregate_method("m", rows, None, n_boot=10, seed=0)
     assert out["kl_nonfinite"] == 1 and out["kl"] is None and out["kl_max"] is None and out["n"] == 3
     fine = aggregate_method("m", rows[:2], None, n_boot=10, seed=0)
@@ -131,8 +132,9 @@ def test_non_finite_kls_make_the_kl_summary_null_not_better():
 
 def test_a_non_finite_teacher_forced_kl_makes_its_mean_null_too():
     """tf_kl's mean dropped non-finite items silently, where kl's summary is nulled."""
+    from _eval_rows import item_row, method_row
     from blend.evals.aggregate import aggregate_method
-    rows = [{"methods": {"m": {"kl": 0.01, "tf_kl": k, "top1": 1.0}}} for k in (0.01, 0.03, None)]
+    rows = [item_row(i, {"m": method_row(kl=0.01, tf_kl=k, top1=1.0)}) for i, k in enumerate((0.01, 0.03, None))]
     out = aggregate_method("m", rows, None, n_boot=10, seed=0)
     assert out["tf_kl"] is None and out["tf_kl_nonfinite"] == 1 and out["kl"] == 0.01
     fine = aggregate_method("m", rows[:2], None, n_boot=10, seed=0)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from _eval_rows import item_json
 from blend.evals import research_summary
 
 
@@ -36,7 +37,7 @@ def test_harness_methods_that_differ_beyond_selector_and_ratio_keep_their_own_ro
     names = {"blend@0.15:v": 0.1, "blend@0.15:v:guard=off": 0.4, "blend@0.3:v:auto": 0.2, "blend@0.3:v": 0.3}
     spec = {n: parse_method(n).to_dict() for n in names}
     res = {"methods": {n: {"spec": spec[n]} for n in names},
-           "items": [{"index": 30, "methods": {n: {"kl": kl, "top1": 1.0} for n, kl in names.items()}}]}
+           "items": [item_json(30, {n: {"kl": kl, "top1": 1.0} for n, kl in names.items()})]}
     path = tmp_path / "results.json"
     path.write_text(json.dumps(res))
     (row,) = research_summary.rows_from_results(path)

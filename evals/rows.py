@@ -1,0 +1,299 @@
+"""The rows of ``kvblend eval``: one :class:`ItemRow` per item, holding one :class:`MethodRow` per method.
+
+The harness writes each item's row as one JSON line of ``rows.jsonl`` (and results.json keeps them under
+``items``); ``--resume``, results.md, the survival and guard-margin tables read them back. A row's JSON::
+
+    {"index", "id", "question", "item_sha256", "answers": [str], "prompt_tokens", "full_answer", "ref_margin",
+     "methods": {"<name>": {prediction, answer_tokens, f1, em, rouge_l, contains, agreement, same_tokens, kl,
+                            top1, tf_agreement, tf_kl, ttft_s, ttft_samples: [float], ttft_ratio, ttft_ref_s,
+                            threads, first_token_margin, guarded, recomputed_tokens, reused_tokens,
+                            prompt_tokens, recomputed_frac, computed_frac}}}
+
+Keys in that order; a number that is not finite is null (JSON has no NaN), and so is a score with nothing
+to score against (F1 of an item without gold answers). Fields added after the first runs are absent from
+the rows written before them (:data:`ITEM_FIELDS_SINCE`, :data:`METHOD_FIELDS_SINCE`): such a row reads
+back with them None, and :meth:`ItemRow.to_json` writes it back as it was, without them (a ``--resume``
+rewrites ``rows.jsonl``; results.json's validator and ``--resume`` check those fields where present, and
+``item_sha256`` or ``same_tokens`` as null would fail them). Where null is itself a value a field is written
+with (``first_token_margin`` of a method that does not blend), the row's ``absent`` says which were absent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable
+
+# Fields a row may lack: written since (date, and issue where known); absent in rows written before
+# (docs/results holds both).
+METHOD_FIELDS_SINCE = {
+    "ttft_ref_s": "2026-11-30",
+    "threads": "2026-11-30",
+    "same_tokens": "2026-12-06 (17)",
+    "first_token_margin": "2026-12-06",
+    "guarded": "2026-12-06",
+}
+ITEM_FIELDS_SINCE = {
+    "ref_margin": "2026-12-04",
+    "item_sha256": "2026-12-06",
+}
+
+
+class RowError(ValueError):
+    """A JSON value that is not an eval row (not an object, a field missing, unknown or of the wrong type)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodRow:
+    """One method on one item (fields in the order rows.jsonl writes them).
+
+    Attributes:
+        prediction: the method's answer text.
+        answer_tokens: its length in tokens.
+        f1: token F1 against the gold answers, best over them (None: the item has none).
+        em: exact match, likewise.
+        rouge_l: Rouge-L, likewise.
+        contains: 1.0 where the answer contains a gold answer, likewise.
+        agreement: 1.0 where the normalised answer equals full prefill's.
+        same_tokens: leading answer tokens that are full prefill's own (None: a row from before the field,
+            written without it).
+        kl: KL(full || method) of the first answer token, nats (None: not finite).
+        top1: 1.0 where the first token's argmax is full's.
+        tf_agreement: share of full's answer tokens predicted, teacher-forced along full's answer.
+        tf_kl: mean KL along full's answer, teacher-forced.
+        ttft_s: median TTFT over the item's samples, seconds.
+        ttft_samples: the TTFT samples, seconds.
+        ttft_ratio: ``ttft_s`` over the full prefill TTFT timed beside it.
+        ttft_ref_s: that full prefill TTFT (the ratio's denominator).
+        threads: intra-op threads the times were measured with.
+        first_token_margin: the blend's own first-token top-2 gap before any guard, nats (None for methods
+            that do not blend, and in rows from before the field).
+        guarded: whether the near-tie guard fired (None: a row from before the field, written without it).
+        recomputed_tokens: reused rows recomputed.
+        reused_tokens: rows whose KV was reused.
+        prompt_tokens: the prompt's tokens.
+        recomputed_frac: ``recomputed_tokens / prompt_tokens``.
+        computed_frac: rows with fresh KV above the check layer over ``prompt_tokens``.
+        absent: those of ``ttft_ref_s``, ``threads`` and ``first_token_margin`` (fields written since, that
+            may be null) the JSON row lacked: None here, left out again by :meth:`to_json`; empty for rows the
+            harness builds.
+    """
+
+    prediction: str
+    answer_tokens: int
+    f1: float | None
+    em: float | None
+    rouge_l: float | None
+    contains: float | None
+    agreement: float | None
+    same_tokens: int | None = None
+    kl: float | None
+    top1: float | None
+    tf_agreement: float | None
+    tf_kl: float | None
+    ttft_s: float | None
+    ttft_samples: tuple[float | None, ...]
+    ttft_ratio: float | None
+    ttft_ref_s: float | None = None
+    threads: int | None = None
+    first_token_margin: float | None = None
+    guarded: bool | None = None
+    recomputed_tokens: int
+    reused_tokens: int
+    prompt_tokens: int
+    recomputed_frac: float | None
+    computed_frac: float | None
+    absent: frozenset[str] = field(default=frozenset(), repr=False)
+
+    def __post_init__(self) -> None:
+        _check_absent(self, _METHOD_TYPES, METHOD_FIELDS_SINCE)
+
+    def to_json(self) -> dict[str, Any]:
+        """The row's JSON object: its fields in order (tuples as lists), without those the row lacks."""
+        return _to_json(self, _METHOD_TYPES, METHOD_FIELDS_SINCE)
+
+    @classmethod
+    def from_json(cls, d: Any) -> MethodRow:
+        """Parse a method row (a decoded JSON object).
+
+        Args:
+            d: the decoded value.
+
+        Returns:
+            The row; fields of :data:`METHOD_FIELDS_SINCE` it lacks are None (see ``absent``).
+
+        Raises:
+            RowError: ``d`` is not an object, lacks a field, holds an unknown one or one of the wrong type.
+        """
+        return cls(**_parse(d, _METHOD_TYPES, METHOD_FIELDS_SINCE, "method row"))
+
+    def finite(self) -> MethodRow:
+        """This row with every non-finite number (NaN, infinity) None: what its JSON holds."""
+        return replace(self, **_finite_fields(self))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ItemRow:
+    """One item: what it asked and every method's row (fields in the order rows.jsonl writes them).
+
+    Attributes:
+        index: the item's index in the data.
+        id: the item's id.
+        question: its question.
+        item_sha256: SHA-256 of its question, passages and gold answers (what ``--resume`` checks the data
+            against; None: a row from before the field, written without it).
+        answers: its gold answers (may be empty).
+        prompt_tokens: the prompt's tokens.
+        full_answer: full prefill's answer text.
+        ref_margin: full prefill's own first-token top-2 gap, nats (None: not finite, or a row from before
+            the field).
+        methods: ``{method name: its row}``, in the order they were written.
+        absent: ``{"ref_margin"}`` where the JSON row lacked it (a field written since, that may be null):
+            None here, left out again by :meth:`to_json`; empty for rows the harness builds.
+    """
+
+    index: int
+    id: str
+    question: str
+    item_sha256: str | None = None
+    answers: tuple[str, ...]
+    prompt_tokens: int
+    full_answer: str
+    ref_margin: float | None = None
+    methods: dict[str, MethodRow]
+    absent: frozenset[str] = field(default=frozenset(), repr=False)
+
+    def __post_init__(self) -> None:
+        _check_absent(self, _ITEM_TYPES, ITEM_FIELDS_SINCE)
+
+    def to_json(self) -> dict[str, Any]:
+        """The row's JSON object (one line of rows.jsonl once dumped): its fields in order (tuples as lists),
+        without those the row lacks, ``methods`` as ``{name: MethodRow.to_json()}``."""
+        d = _to_json(self, _ITEM_TYPES, ITEM_FIELDS_SINCE)
+        d["methods"] = {name: m.to_json() for name, m in self.methods.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> ItemRow:
+        """Parse an item row (a decoded rows.jsonl line, or an item of results.json).
+
+        Args:
+            d: the decoded value.
+
+        Returns:
+            The row; fields of :data:`ITEM_FIELDS_SINCE` (and of its methods, :data:`METHOD_FIELDS_SINCE`)
+            it lacks are None (see ``absent``).
+
+        Raises:
+            RowError: ``d`` (or a method row in it) is not an object, lacks a field, holds an unknown one or
+                one of the wrong type; the message names the field.
+        """
+        kw = _parse(d, _ITEM_TYPES, ITEM_FIELDS_SINCE, "row")
+        methods = {name: MethodRow(**_parse(m, _METHOD_TYPES, METHOD_FIELDS_SINCE, f"row.methods[{name!r}]"))
+                   for name, m in kw["methods"].items()}
+        return cls(**{**kw, "methods": methods})
+
+    def finite(self) -> ItemRow:
+        """This row with every non-finite number (NaN, infinity) None, its methods' too: what its JSON holds."""
+        return replace(self, **_finite_fields(self), methods={n: m.finite() for n, m in self.methods.items()})
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    """A finite JSON number (an int or a float, never a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda x: x is None or check(x)
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda x: isinstance(x, list) and all(check(v) for v in x)
+
+
+# field -> (check of its JSON value, what the message calls a value that fails it), in the order written
+_Types = dict[str, tuple[Callable[[Any], bool], str]]
+_STR, _INT, _NUM = (lambda x: isinstance(x, str)), _is_int, _optional(_is_number)
+_METHOD_TYPES: _Types = {
+    "prediction": (_STR, "a string"), "answer_tokens": (_INT, "an integer"),
+    **{f: (_NUM, "a finite number or null") for f in ("f1", "em", "rouge_l", "contains", "agreement")},
+    "same_tokens": (_INT, "an integer"),
+    **{f: (_NUM, "a finite number or null") for f in ("kl", "top1", "tf_agreement", "tf_kl", "ttft_s")},
+    "ttft_samples": (_list_of(_NUM), "a list of numbers or nulls"), "ttft_ratio": (_NUM, "a finite number or null"),
+    "ttft_ref_s": (_NUM, "a finite number or null"), "threads": (_optional(_is_int), "an integer or null"),
+    "first_token_margin": (_NUM, "a finite number or null"), "guarded": (lambda x: isinstance(x, bool), "a boolean"),
+    **{f: (_INT, "an integer") for f in ("recomputed_tokens", "reused_tokens", "prompt_tokens")},
+    **{f: (_NUM, "a finite number or null") for f in ("recomputed_frac", "computed_frac")},
+}
+_ITEM_TYPES: _Types = {
+    "index": (_INT, "an integer"), "id": (_STR, "a string"), "question": (_STR, "a string"),
+    "item_sha256": (_STR, "a string"), "answers": (_list_of(_STR), "a list of strings"),
+    "prompt_tokens": (_INT, "an integer"), "full_answer": (_STR, "a string"),
+    "ref_margin": (_NUM, "a finite number or null"),
+    "methods": (lambda x: isinstance(x, dict) and all(isinstance(k, str) for k in x), "an object"),
+}
+
+
+def _nullable(types: _Types, name: str) -> bool:
+    """Whether a field's JSON may hold null (then null and absent differ, and ``absent`` tells them apart)."""
+    return types[name][0](None)
+
+
+def _parse(d: Any, types: _Types, since: dict[str, str], where: str) -> dict[str, Any]:
+    """Constructor arguments from a JSON object checked against ``types`` (lists become tuples); errors
+    name the field under ``where``."""
+    if not isinstance(d, dict):
+        raise RowError(f"{where}: not an object ({type(d).__name__})")
+    unknown = sorted(str(k) for k in d if k not in types)
+    if unknown:
+        raise RowError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    kw: dict[str, Any] = {}
+    absent = []
+    for name, (check, what) in types.items():
+        if name not in d:
+            if name not in since:
+                raise RowError(f"{where}.{name}: missing")
+            kw[name] = None
+            if _nullable(types, name):
+                absent.append(name)
+            continue
+        if not check(d[name]):
+            raise RowError(f"{where}.{name}: not {what}")
+        kw[name] = tuple(d[name]) if isinstance(d[name], list) else d[name]
+    return {**kw, "absent": frozenset(absent)}
+
+
+def _check_absent(row: Any, types: _Types, since: dict[str, str]) -> None:
+    """``absent`` names only fields written since, that may be null, each of them None here."""
+    bad = sorted(n for n in row.absent if n not in since or not _nullable(types, n) or getattr(row, n) is not None)
+    if bad:
+        raise ValueError(f"{type(row).__name__}.absent: {bad} are not None fields it may lack")
+
+
+def _to_json(row: Any, types: _Types, since: dict[str, str]) -> dict[str, Any]:
+    """A row's fields in order, but ``absent`` ones and those written since that cannot be null and are None."""
+    out = {}
+    for f in fields(row):
+        v = getattr(row, f.name)
+        lacks = f.name in row.absent or (v is None and f.name in since and not _nullable(types, f.name))
+        if f.name == "absent" or lacks:
+            continue
+        out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, tuple):
+        return tuple(_finite(x) for x in v)
+    return v
+
+
+def _finite_fields(row: Any) -> dict[str, Any]:
+    """Every float (or tuple of floats) field of ``row`` with non-finite values as None."""
+    return {f.name: _finite(getattr(row, f.name)) for f in fields(row) if f.name not in ("absent", "methods")}
