@@ -17,7 +17,10 @@ prefill as the reference (ratios and KL are taken inside one process):
   the same with kvblend's own guard margin (``--guard on|off`` runs only one of the two);
   ``--attention both`` adds ``kvblend-blend@R:torch-attention``, the blend with its sparse-query
   attention on torch's kernels (``KVBLEND_KERNELS=torch``, set per request: vLLM's worker runs in
-  this process) instead of vLLM's CPU attention kernel, which the connector uses by default.
+  this process) instead of vLLM's CPU attention kernel, which the connector uses by default;
+  ``--precision both`` adds ``kvblend-blend@R:attn=bf16:lin=bf16``, the blend with the opt-in bf16
+  attention and linear layers for its recomputed rows (``attention_precision`` / ``linear_precision``
+  in the request's ``kvblend`` entry).
 
 Per mode: TTFT median (one request of one output token, no log-probs: its end-to-end time),
 ratio to ``full`` per item and repeat (median), first-token KL to ``full``
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                          "default), or both (interleaved)")
     ap.add_argument("--attention", choices=("auto", "both"), default="auto",
                     help="both: also blend with torch's attention kernels (interleaved) instead of vLLM's")
+    ap.add_argument("--precision", choices=("compute", "both"), default="compute",
+                    help="both: also blend with bf16 attention and linear layers for the recomputed rows (interleaved)")
     ap.add_argument("--concurrent", type=int, default=4, help="0: skip the concurrent round")
     ap.add_argument("--out", required=True)
     ap.add_argument("--replot", action="store_true", help="only redraw DIR/vllm.png")
@@ -176,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     torch_attention = f"{blend_mode}:torch-attention"
     if args.attention == "both":
         blends.append(torch_attention)
+    bf16 = f"{blend_mode}:attn=bf16:lin=bf16"
+    if args.precision == "both":
+        blends.append(bf16)
     modes = ["prefix-cache"] if args.engine == "vllm" else ["kvblend-exact", *blends]
     rows: list[dict] = []
     salt_n = 0
@@ -193,9 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "full":
             return ids, None, fresh_salt()
         if mode.startswith("kvblend-blend"):
-            guard = {"guard_margin": DEFAULT_GUARD_MARGIN} if mode == guarded else {}  # else the connector's default
+            extra = {"guard_margin": DEFAULT_GUARD_MARGIN} if mode == guarded else {}  # else the connector's default
+            if mode == bf16:
+                extra = {"attention_precision": "bf16", "linear_precision": "bf16"}
             spans = prompt_spans([len(s) for s in prompt.segments])
-            return ids, blend_request(ids, spans, ratio=args.ratio, **guard), None
+            return ids, blend_request(ids, spans, ratio=args.ratio, **extra), None
         return ids, None, None
 
     for n, it in enumerate(items):

@@ -128,16 +128,22 @@ def read_rows(run: Path) -> list[ItemRow]:
     path = run / "rows.jsonl"
     if not path.is_file():
         raise CurveError(f"{path} not found (a kvblend eval --out folder holds it)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CurveError(f"{path}: cannot read it as text ({type(e).__name__})") from None
     rows: dict[int, ItemRow] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = ItemRow.from_json(json.loads(line))
         except json.JSONDecodeError as e:
             raise CurveError(f"{path}:{n}: not JSON ({e.msg})") from e
+        except RecursionError:
+            raise CurveError(f"{path}:{n}: not JSON (nested too deeply)") from None
         except RowError as e:
-            raise CurveError(f"{path}:{n}: not an item row ({e})") from e
+            raise CurveError(f"{path}:{n}: not an item row ({str(e)[:200]})") from e
         rows[row.index] = row  # a later line of the same item supersedes an earlier one
     return [rows[i] for i in sorted(rows)]
 

@@ -64,6 +64,7 @@ from blend.evals.data import SYNTHETIC_PREFIX
 from blend.evals.methods import REFERENCE, MethodKind
 from blend.evals.rows import ItemRow, RowError
 from blend.evals.splits import TUNING, VALIDATION
+from blend.numeric import finite_real
 
 AGG_NUMBERS = (
     "f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_median_s", "ttft_p90_s",
@@ -154,7 +155,7 @@ class SchemaError(ValueError):
 
 
 def _num(x: Any) -> bool:
-    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x))
+    return x is None or (isinstance(x, (int, float)) and finite_real(x))  # (10**400 is no float)
 
 
 def _ci_ok(x: Any) -> bool:
@@ -222,6 +223,8 @@ def validate_results(obj: Any) -> None:
             raise SchemaError(f"{where}.methods: has {sorted(row['methods'])}, expected {sorted(names)}")
         for name, r in row["methods"].items():
             w = f"{where}.methods[{name!r}]"
+            if not isinstance(r, dict):
+                raise SchemaError(f"{w}: must be an object")
             if not isinstance(r.get("prediction"), str):
                 raise SchemaError(f"{w}.prediction: missing or not a string")
             for f in ROW_NUMBERS:

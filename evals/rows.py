@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
+from blend.numeric import finite_real
+
 # Fields a row may lack: written since (date, and issue where known); absent in rows written before
 # (docs/results holds both).
 METHOD_FIELDS_SINCE = {
@@ -202,9 +204,14 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_count(x: Any) -> bool:
+    """A count or an index: an integer >= 0."""
+    return _is_int(x) and x >= 0
+
+
 def _is_number(x: Any) -> bool:
-    """A finite JSON number (an int or a float, never a bool)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite JSON number (an int or a float, never a bool; an int too large for a float is not)."""
+    return isinstance(x, (int, float)) and finite_real(x)
 
 
 def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
@@ -217,22 +224,23 @@ def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 # field -> (check of its JSON value, what the message calls a value that fails it), in the order written
 _Types = dict[str, tuple[Callable[[Any], bool], str]]
-_STR, _INT, _NUM = (lambda x: isinstance(x, str)), _is_int, _optional(_is_number)
+_STR, _INT, _NUM = (lambda x: isinstance(x, str)), _is_count, _optional(_is_number)
 _METHOD_TYPES: _Types = {
-    "prediction": (_STR, "a string"), "answer_tokens": (_INT, "an integer"),
+    "prediction": (_STR, "a string"), "answer_tokens": (_INT, "a non-negative integer"),
     **{f: (_NUM, "a finite number or null") for f in ("f1", "em", "rouge_l", "contains", "agreement")},
-    "same_tokens": (_INT, "an integer"),
+    "same_tokens": (_INT, "a non-negative integer"),
     **{f: (_NUM, "a finite number or null") for f in ("kl", "top1", "tf_agreement", "tf_kl", "ttft_s")},
     "ttft_samples": (_list_of(_NUM), "a list of numbers or nulls"), "ttft_ratio": (_NUM, "a finite number or null"),
-    "ttft_ref_s": (_NUM, "a finite number or null"), "threads": (_optional(_is_int), "an integer or null"),
+    "ttft_ref_s": (_NUM, "a finite number or null"),
+    "threads": (_optional(lambda x: _is_count(x) and x >= 1), "a positive integer or null"),
     "first_token_margin": (_NUM, "a finite number or null"), "guarded": (lambda x: isinstance(x, bool), "a boolean"),
-    **{f: (_INT, "an integer") for f in ("recomputed_tokens", "reused_tokens", "prompt_tokens")},
+    **{f: (_INT, "a non-negative integer") for f in ("recomputed_tokens", "reused_tokens", "prompt_tokens")},
     **{f: (_NUM, "a finite number or null") for f in ("recomputed_frac", "computed_frac")},
 }
 _ITEM_TYPES: _Types = {
-    "index": (_INT, "an integer"), "id": (_STR, "a string"), "question": (_STR, "a string"),
+    "index": (_INT, "a non-negative integer"), "id": (_STR, "a string"), "question": (_STR, "a string"),
     "item_sha256": (_STR, "a string"), "answers": (_list_of(_STR), "a list of strings"),
-    "prompt_tokens": (_INT, "an integer"), "full_answer": (_STR, "a string"),
+    "prompt_tokens": (_INT, "a non-negative integer"), "full_answer": (_STR, "a string"),
     "ref_margin": (_NUM, "a finite number or null"),
     "methods": (lambda x: isinstance(x, dict) and all(isinstance(k, str) for k in x), "an object"),
 }

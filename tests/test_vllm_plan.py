@@ -84,16 +84,21 @@ def test_a_blend_may_name_its_recompute_precisions_and_they_salt_its_blocks():
     q = parse_blend_params(fast, 40)
     assert (q.attention_precision, q.linear_precision) == (RecomputePrecision.BF16, RecomputePrecision.AUTO)
     assert salt_allows_blend(blend_salt(fast, ids), q, ids)
-    assert not salt_allows_blend(blend_salt(plain, ids), q, ids) and not salt_allows_blend(blend_salt(fast, ids), p, ids)
+    assert not salt_allows_blend(blend_salt(plain, ids), q, ids)
+    assert not salt_allows_blend(blend_salt(fast, ids), p, ids)
     attn_only = parse_blend_params(blend_request(ids, spans, attention_precision="bf16"), 40)
     assert not salt_allows_blend(blend_salt(fast, ids), attn_only, ids)  # each field salts
     named = parse_blend_params({PARAMS_KEY: {"documents": [list(s) for s in spans], "attention_precision": "compute",
                                              "linear_precision": "compute"}}, 40)
     assert salt_allows_blend(blend_salt(plain, ids), named, ids)  # the defaults named: the same blocks
+    null = parse_blend_params({PARAMS_KEY: {"documents": [list(s) for s in spans], "attention_precision": None}}, 40)
+    assert null.attention_precision is RecomputePrecision.COMPUTE  # null: not named, as in kvblend serve
+    as_enum = blend_request(ids, spans, attention_precision=RecomputePrecision.BF16, linear_precision="auto")
+    assert as_enum == fast
 
 
 @pytest.mark.parametrize("field", ["attention_precision", "linear_precision"])
-@pytest.mark.parametrize("value", ["fp16", "BF16", "", None, 1, True, ["bf16"]])
+@pytest.mark.parametrize("value", ["fp16", "BF16", "", "bf16:x|y", 1, True, ["bf16"], {"bf16": 1}])
 def test_a_recompute_precision_outside_its_names_is_refused(field, value):
     with pytest.raises(InvalidRequestError, match=field):
         parse_blend_params({PARAMS_KEY: {"documents": [[1, 3]], field: value}}, 10)

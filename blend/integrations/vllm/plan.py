@@ -207,7 +207,9 @@ def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams 
             raise InvalidRequestError("document spans must be contiguous and in order")
     if spans[-1][1] >= num_prompt:
         raise InvalidRequestError("the question after the last document is empty")
-    precisions = {name: _precision(p.get(name, default), name) for name, default in RECOMPUTE_PRECISION_FIELDS}
+    # a null precision is one not named, as in kvblend serve's intake
+    precisions = {name: _precision(default if p.get(name) is None else p[name], name)
+                  for name, default in RECOMPUTE_PRECISION_FIELDS}
     return BlendParams(ratio, str(selector), tuple(spans), guard, **precisions)
 
 
@@ -225,8 +227,8 @@ def _precision(value: Any, name: str) -> RecomputePrecision:
 
 def blend_request(prompt_token_ids: Sequence[int], doc_spans: Sequence[tuple[int, int]], ratio: float = DEFAULT_RATIO,
                   selector: str = DEFAULT_SELECTOR, guard_margin: float | None = DEFAULT_VLLM_GUARD_MARGIN,
-                  attention_precision: str = DEFAULT_ATTENTION_PRECISION,
-                  linear_precision: str = DEFAULT_LINEAR_PRECISION) -> dict[str, Any]:
+                  attention_precision: str | RecomputePrecision = DEFAULT_ATTENTION_PRECISION,
+                  linear_precision: str | RecomputePrecision = DEFAULT_LINEAR_PRECISION) -> dict[str, Any]:
     """The ``kv_transfer_params`` that ask the connector to blend a prompt's documents.
 
     Args:
@@ -238,14 +240,19 @@ def blend_request(prompt_token_ids: Sequence[int], doc_spans: Sequence[tuple[int
             own policy.
         attention_precision, linear_precision: the recomputed rows' attention and linear layers above the
             last check layer: "compute" (the engine's dtype, the default), "bf16" or "auto"
-            (:class:`~blend.policy.RecomputePrecision`); named in the entry only where not the default.
+            (:class:`~blend.policy.RecomputePrecision`, or its name); named in the entry only where not
+            the default.
 
     Returns:
         A dict to pass as ``kv_transfer_params`` (validated here).
+
+    Raises:
+        InvalidRequestError: a parameter the connector would refuse.
     """
     entry = {"mode": "blend", "ratio": ratio, "selector": selector, "guard_margin": guard_margin,
              "documents": [[int(s), int(e)] for s, e in doc_spans]}
     for (name, default), value in zip(RECOMPUTE_PRECISION_FIELDS, (attention_precision, linear_precision)):
+        value = value.value if isinstance(value, RecomputePrecision) else value
         if value != default:
             entry[name] = value
     params = {PARAMS_KEY: entry}

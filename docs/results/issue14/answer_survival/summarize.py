@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import matplotlib
@@ -19,21 +20,22 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from blend.evals import answer_survival as S  # noqa: E402
+from blend.evals.rows import ItemRow  # noqa: E402
 
 run, floor_path, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 out.mkdir(parents=True, exist_ok=True)
-rows = [json.loads(x) for x in (run / "rows.jsonl").read_text().splitlines() if x.strip()]
+rows = [ItemRow.from_json(json.loads(x)) for x in (run / "rows.jsonl").read_text().splitlines() if x.strip()]
 floor = [json.loads(x) for x in floor_path.read_text().splitlines() if x.strip()]
-# the floor as rows of the same shape: full's answer and bf16's
-floor_rows = [{"index": f["index"], "methods": {"full": {"answer_tokens": len(f["full_tokens"])},
-                                                "bf16 full prefill": {"answer_tokens": len(f["bf16_tokens"]),
-                                                                      "same_tokens": f["same_tokens"]}}}
-              for f in floor]
-shared = sorted({r["index"] for r in rows} & {f["index"] for f in floor})
-rows = [r for r in rows if r["index"] in shared]
-floor_rows = [r for r in floor_rows if r["index"] in shared]
+# the floor as rows of the shape answer_survival reads (index; per method answer_tokens, same_tokens)
+floor_rows = [SimpleNamespace(index=f["index"], methods={
+    "full": SimpleNamespace(answer_tokens=len(f["full_tokens"]), same_tokens=None),
+    "bf16 full prefill": SimpleNamespace(answer_tokens=len(f["bf16_tokens"]), same_tokens=f["same_tokens"])})
+    for f in floor]
+shared = sorted({r.index for r in rows} & {f["index"] for f in floor})
+rows = [r for r in rows if r.index in shared]
+floor_rows = [r for r in floor_rows if r.index in shared]
 floor_by = {f["index"]: f for f in floor}
-methods = [m for m in rows[0]["methods"] if m != "full"]
+methods = [m for m in rows[0].methods if m != "full"]
 survivals = [S.survival(rows, m) for m in methods] + [S.survival(floor_rows, "bf16 full prefill")]
 
 
@@ -47,16 +49,16 @@ lines = [f"# How long the answer stays full prefill's ({len(shared)} items, {sha
          "| method | first-token KL mean | top-1 | TF agreement | TF KL mean | normalised answer agreement |",
          "|---|---|---|---|---|---|"]
 for m in methods:
-    r = [x["methods"][m] for x in rows]
-    lines.append(f"| `{m}` | {mean([x['kl'] for x in r]):.4f} | {mean([x['top1'] for x in r]):.3f} | "
-                 f"{mean([x['tf_agreement'] for x in r]):.3f} | {mean([x['tf_kl'] for x in r]):.4f} | "
-                 f"{mean([x['agreement'] for x in r]):.3f} |")
+    r = [x.methods[m] for x in rows]
+    lines.append(f"| `{m}` | {mean([x.kl for x in r]):.4f} | {mean([x.top1 for x in r]):.3f} | "
+                 f"{mean([x.tf_agreement for x in r]):.3f} | {mean([x.tf_kl for x in r]):.4f} | "
+                 f"{mean([x.agreement for x in r]):.3f} |")
 lines.append(f"| bf16 full prefill | {mean([floor_by[i]['kl'] for i in shared]):.4f} | "
              f"{mean([floor_by[i]['top1'] for i in shared]):.3f} | | | |")
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 
-longest = max(int(m["answer_tokens"]) for r in rows for m in r["methods"].values())
+longest = max(int(m.answer_tokens) for r in rows for m in r.methods.values())
 fig, ax = plt.subplots(figsize=(7.5, 4.2))
 for m in methods:
     c = S.curve_points(rows, m, longest)
