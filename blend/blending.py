@@ -47,7 +47,8 @@ from blend.kernels import (
     BlockPlan, kv_deviation, plan_query_blocks, query_attention_mass, sparse_query_attention,
 )
 from blend.kvcache import KVCache, KVEntry
-from blend.model import LayerWeights, ModelRunner
+from blend.layer_weights import LayerWeights
+from blend.model import ModelRunner
 from blend.policy import BudgetMode, GuardMode, ReusePolicy
 from blend.probe import top
 from blend.probe_pass import ProbeResult, probe_gemm_dtype, recompute_dtype, run_probe, run_probe_first

@@ -1,0 +1,121 @@
+"""A model's shape and one decoder layer's weights, read once from a transformers model.
+
+:func:`dims_of` reads the config into :class:`ModelDims` (the context it serves included: a sliding
+window or dynamic-NTK RoPE change it); :func:`extract_layer` copies a layer's weights into a
+:class:`LayerWeights`, q/k/v and gate/up fused into single GEMMs, refusing projections whose weight alone
+does not say what they compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blend.errors import UnknownModelError
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """Weights of one decoder layer in the engine's dtype and device."""
+
+    input_norm: torch.Tensor  # (C,)
+    post_norm: torch.Tensor  # (C,)
+    w_qkv: torch.Tensor  # ((Hq + 2 Hkv) D, C)
+    b_qkv: torch.Tensor | None  # ((Hq + 2 Hkv) D,)  Qwen2 has q/k/v biases
+    w_o: torch.Tensor  # (C, Hq D)
+    w_gate_up: torch.Tensor  # (2 I, C)
+    w_down: torch.Tensor  # (C, I)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Static shape facts the steps need."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    eps: float
+    act: str
+    vocab: int
+    max_positions: int
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+def dims_of(config) -> ModelDims:
+    """Read the model config into :class:`ModelDims`."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelDims(
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        eps=config.rms_norm_eps,
+        act=config.hidden_act,
+        vocab=config.vocab_size,
+        max_positions=context_length(config),
+    )
+
+
+def sliding_window(config) -> int | None:
+    """The attention window of a config that uses one (Mistral's ``sliding_window``; Qwen2's where
+    ``use_sliding_window`` turns it on), else None."""
+    window = getattr(config, "sliding_window", None)
+    qwen2_off = getattr(config, "model_type", "") == "qwen2" and not getattr(config, "use_sliding_window", False)
+    if not window or qwen2_off:
+        return None
+    return int(window)
+
+
+def context_length(config) -> int:
+    """Longest sequence the model serves: ``max_position_embeddings``, times the
+    factor for dynamic-NTK RoPE (which rescales past the trained length by design), at most a
+    sliding attention window: the engine attends to every earlier key, which is the windowed
+    model's attention only while a sequence fits in its window."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    n = int(config.max_position_embeddings)
+    if isinstance(rope, dict) and "dynamic" in str(rope.get("rope_type", rope.get("type", ""))):
+        n = int(n * float(rope.get("factor", 1.0)))
+    window = sliding_window(config)
+    return n if window is None else min(n, window)
+
+
+def extract_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> LayerWeights:
+    """Copy one transformers decoder layer's weights into a :class:`LayerWeights`."""
+    att, mlp = layer.self_attn, layer.mlp
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(device=device, dtype=dtype).contiguous()
+
+    linears = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    odd = sorted({type(m).__name__ for m in linears if type(m) is not torch.nn.Linear})
+    if odd:  # a quantized or adapted projection computes more than its .weight: refused, never read raw
+        raise UnknownModelError(f"projection layers of type {', '.join(odd)} are not supported (torch Linear only)")
+    extra = [name for name, m in (("o_proj", att.o_proj), ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj),
+                                  ("down_proj", mlp.down_proj)) if getattr(m, "bias", None) is not None]
+    if extra:  # only the q/k/v biases are carried (Qwen2's): refuse rather than drop these
+        raise UnknownModelError(f"biases on {', '.join(extra)} are not supported (a config with attention_bias or "
+                                "mlp_bias); only q/k/v biases are")
+    biases = [p.bias for p in (att.q_proj, att.k_proj, att.v_proj)]
+    b_qkv = None
+    if any(b is not None for b in biases):
+        b_qkv = cast(torch.cat([b if b is not None else torch.zeros(p.out_features)
+                                for b, p in zip(biases, (att.q_proj, att.k_proj, att.v_proj))]))
+    return LayerWeights(
+        input_norm=cast(layer.input_layernorm.weight),
+        post_norm=cast(layer.post_attention_layernorm.weight),
+        w_qkv=cast(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+        b_qkv=b_qkv,
+        w_o=cast(att.o_proj.weight),
+        w_gate_up=cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+        w_down=cast(mlp.down_proj.weight),
+    )
