@@ -191,7 +191,7 @@ class ItemRow:
                 one of the wrong type; the message names the field.
         """
         kw = _parse(d, _ITEM_TYPES, ITEM_FIELDS_SINCE, "row")
-        methods = {name: MethodRow(**_parse(m, _METHOD_TYPES, METHOD_FIELDS_SINCE, f"row.methods[{name!r}]"))
+        methods = {name: MethodRow(**_parse(m, _METHOD_TYPES, METHOD_FIELDS_SINCE, f"row.methods[{name[:40]!r}]"))
                    for name, m in kw["methods"].items()}
         return cls(**{**kw, "methods": methods})
 
@@ -257,8 +257,10 @@ def _parse(d: Any, types: _Types, since: dict[str, str], where: str) -> dict[str
     if not isinstance(d, dict):
         raise RowError(f"{where}: not an object ({type(d).__name__})")
     unknown = sorted(str(k) for k in d if k not in types)
-    if unknown:
-        raise RowError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    if unknown:  # named briefly: the keys come from the file (a crafted one may hold thousands, or long ones)
+        shown = ", ".join(k if len(k) <= 40 else k[:40] + "..." for k in unknown[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise RowError(f"{where}: unknown field(s) {shown}{more}")
     kw: dict[str, Any] = {}
     absent = []
     for name, (check, what) in types.items():

@@ -84,3 +84,17 @@ def test_the_documented_answer_survival_summary_still_runs(tmp_path):
                            str(here / "bf16_floor_30-99.jsonl"), str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-400:]
+
+
+def test_a_row_error_names_unknown_fields_briefly():
+    """Unknown keys and method names come from the file: the message stays short whatever they hold."""
+    d = item_json(0, {"full": {}})
+    d.update({f"x{i}" * 50: 0 for i in range(10_000)})
+    with pytest.raises(RowError) as err:
+        ItemRow.from_json(d)
+    assert len(str(err.value)) < 400 and "and 9995 more" in str(err.value)
+    d = item_json(0, {"full": {}})
+    d["methods"]["m" * 10_000] = {"kl": 0}
+    with pytest.raises(RowError) as err:
+        ItemRow.from_json(d)
+    assert len(str(err.value)) < 400
