@@ -36,6 +36,8 @@ class ShuttingDownError(RuntimeError):
 
 
 class EventKind(Enum):
+    """What an :class:`Event` tells a request's client."""
+
     STARTED = "started"  # prefill done: report, TTFT and the first text
     TEXT = "text"  # more text
     DONE = "done"  # finished: the completion
@@ -44,6 +46,9 @@ class EventKind(Enum):
 
 @dataclass(frozen=True)
 class Event:
+    """One thing a request's sink receives: its first text with the report and TTFT, more text, its
+    completion, or its error (which fields are set follows ``kind``)."""
+
     kind: EventKind
     text: str = ""
     report: ReuseReport | None = None
