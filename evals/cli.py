@@ -21,7 +21,8 @@ from blend.evals.plot import write_pareto
 from blend.progress import Progress
 from blend.exit_codes import ExitCode
 from blend.termination import Terminated
-from blend.evals.report import markdown, write_json, write_markdown
+from blend.evals.report import markdown, write_markdown
+from blend.evals.results_schema import write_json
 
 
 

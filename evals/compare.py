@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from blend.evals.plot import draw_methods, series
-from blend.evals.report import SchemaError, best_by_budget, validate_results
+from blend.evals.report import best_by_budget
+from blend.evals.results_schema import SchemaError, validate_results
 from blend import safeio
 
 LINESTYLES = ("-", "--", ":", "-.")

@@ -62,31 +62,11 @@ from blend.evals import answer_survival as S
 from blend.evals import guard_curve as G
 from blend.evals.data import SYNTHETIC_PREFIX
 from blend.evals.methods import REFERENCE, MethodKind
-from blend.evals.rows import ItemRow, RowError
+from blend.evals.rows import ItemRow
 from blend.evals.splits import TUNING, VALIDATION
-from blend.numeric import finite_real
 
-AGG_NUMBERS = (
-    "f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_median_s", "ttft_p90_s",
-    "ttft_ratio", "ttft_ratio_mean", "recomputed_frac", "computed_frac", "recomputed_tokens", "prompt_tokens",
-)
-# Written since issue 14 (absent from older results.json; checked when present).
-TAIL_NUMBERS = ("kl_median", "kl_p90", "kl_max")
-TAIL_CIS = ("kl_ci", "kl_median_ci", "top1_ci", "tf_agreement_ci")
 WORST_ITEMS = 5  # results.md lists this many worst items with their KL under each method
 NEAR_TIE_NATS = 0.1  # a first-token flip where full's own top-2 gap is under this is called a near tie
-ROW_NUMBERS = (
-    "f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_s", "ttft_ratio",
-    "recomputed_frac", "computed_frac",
-)
-ROW_INTS = ("answer_tokens", "recomputed_tokens", "reused_tokens", "prompt_tokens")
-ROW_INTS_SINCE = ("same_tokens",)  # written since 2026-12-06 (17); checked when present
-TOP_LEVEL = {
-    "schema_version": int, "config": dict, "model": dict, "versions": dict, "machine": dict,
-    "reference": str, "methods": dict, "items": list,
-}
-# Metrics in [0, 1].
-UNIT = ("f1", "em", "rouge_l", "contains", "agreement", "top1", "tf_agreement", "recomputed_frac", "computed_frac")
 
 
 SPLIT_DATA = "musique_dev"  # the data set whose item indices TUNING / VALIDATION name
@@ -148,113 +128,6 @@ def _items_line(results: dict[str, Any], rows: list[ItemRow]) -> str:
         text += f" (spans more than one of {SPLIT_DATA}'s splits: tuning {TUNING[0]}-{TUNING[1]}, " \
                 f"validation {VALIDATION[0]}-{VALIDATION[1]}; report them apart)"
     return text
-
-
-class SchemaError(ValueError):
-    """results.json does not follow the documented schema."""
-
-
-def _num(x: Any) -> bool:
-    return x is None or (isinstance(x, (int, float)) and finite_real(x))  # (10**400 is no float)
-
-
-def _ci_ok(x: Any) -> bool:
-    return x is None or (isinstance(x, list) and len(x) == 2 and all(_num(v) and v is not None for v in x)
-                         and x[0] <= x[1])
-
-
-def validate_results(obj: Any) -> None:
-    """Check a results object against the schema in this module's docstring.
-
-    Args:
-        obj: the decoded results.json.
-
-    Raises:
-        SchemaError: naming the first offending path.
-    """
-    if not isinstance(obj, dict):
-        raise SchemaError("results: must be an object")
-    for key, typ in TOP_LEVEL.items():
-        if key not in obj:
-            raise SchemaError(f"results.{key}: missing")
-        if not isinstance(obj[key], typ) or isinstance(obj[key], bool):
-            raise SchemaError(f"results.{key}: must be {typ.__name__}, got {type(obj[key]).__name__}")
-    if obj["schema_version"] != 1:
-        raise SchemaError(f"results.schema_version: unknown version {obj['schema_version']}")
-    for key in ("name", "dtype", "provenance"):
-        if key not in obj["model"]:
-            raise SchemaError(f"results.model.{key}: missing")
-    names = list(obj["methods"])
-    if REFERENCE not in names:
-        raise SchemaError("results.methods: the reference 'full' is missing")
-    for name, agg in obj["methods"].items():
-        where = f"results.methods[{name!r}]"
-        if not isinstance(agg, dict):
-            raise SchemaError(f"{where}: must be an object")
-        for f in AGG_NUMBERS:
-            if f not in agg or not _num(agg[f]):
-                raise SchemaError(f"{where}.{f}: missing or not a finite number/null")
-        for f in UNIT:
-            if agg[f] is not None and not 0.0 <= agg[f] <= 1.0:
-                raise SchemaError(f"{where}.{f}: {agg[f]} outside [0, 1]")
-        if agg["kl"] is not None and agg["kl"] < 0:
-            raise SchemaError(f"{where}.kl: negative")
-        for f in ("f1_ci", "ttft_ratio_ci"):
-            if f not in agg or not _ci_ok(agg[f]):
-                raise SchemaError(f"{where}.{f}: must be [low, high] or null")
-        for f in TAIL_NUMBERS:
-            if f in agg and not _num(agg[f]):
-                raise SchemaError(f"{where}.{f}: not a finite number/null")
-        for f in TAIL_CIS:
-            if f in agg and not _ci_ok(agg[f]):
-                raise SchemaError(f"{where}.{f}: must be [low, high] or null")
-        if not isinstance(agg.get("n"), int) or agg["n"] < 0:
-            raise SchemaError(f"{where}.n: must be a non-negative integer")
-    for i, row in enumerate(obj["items"]):
-        where = f"results.items[{i}]"
-        if not isinstance(row, dict):
-            raise SchemaError(f"{where}: must be an object")
-        for f, typ in (("index", int), ("id", str), ("question", str), ("answers", list), ("methods", dict)):
-            if not isinstance(row.get(f), typ):
-                raise SchemaError(f"{where}.{f}: missing or not {typ.__name__}")
-        if "ref_margin" in row and not _num(row["ref_margin"]):
-            raise SchemaError(f"{where}.ref_margin: not a finite number/null")
-        if set(row["methods"]) != set(names):
-            raise SchemaError(f"{where}.methods: has {sorted(row['methods'])}, expected {sorted(names)}")
-        for name, r in row["methods"].items():
-            w = f"{where}.methods[{name!r}]"
-            if not isinstance(r, dict):
-                raise SchemaError(f"{w}: must be an object")
-            if not isinstance(r.get("prediction"), str):
-                raise SchemaError(f"{w}.prediction: missing or not a string")
-            for f in ROW_NUMBERS:
-                if f not in r or not _num(r[f]):
-                    raise SchemaError(f"{w}.{f}: missing or not a finite number/null")
-            for f in ROW_INTS:
-                if not isinstance(r.get(f), int):
-                    raise SchemaError(f"{w}.{f}: missing or not an integer")
-            for f in ROW_INTS_SINCE:
-                if f in r and (not isinstance(r[f], int) or isinstance(r[f], bool) or r[f] < 0):
-                    raise SchemaError(f"{w}.{f}: not a non-negative integer")
-            if not isinstance(r.get("ttft_samples"), list) or not all(_num(v) for v in r["ttft_samples"]):
-                raise SchemaError(f"{w}.ttft_samples: must be a list of numbers")
-            if "ttft_ref_s" in r and not _num(r["ttft_ref_s"]):
-                raise SchemaError(f"{w}.ttft_ref_s: not a finite number/null")
-            if r.get("threads") is not None and (not isinstance(r["threads"], int) or r["threads"] < 1):
-                raise SchemaError(f"{w}.threads: must be a positive integer or null")
-        try:  # what the readers of results.md parse it as (the checks above name the common faults)
-            ItemRow.from_json(row)
-        except RowError as e:
-            raise SchemaError(f"results.items[{i}]: {e}") from None
-    for name, agg in obj["methods"].items():
-        if agg["n"] != sum(1 for row in obj["items"] if name in row["methods"]):
-            raise SchemaError(f"results.methods[{name!r}].n: does not match the item rows")
-
-
-def write_json(results: dict[str, Any], path: Path) -> None:
-    """Validate and write results.json (atomically)."""
-    validate_results(results)
-    safeio.atomic_write_text(path, json.dumps(results, indent=1, sort_keys=False) + "\n")
 
 
 # Markdown table: (header, field, format, better: "high" | "low" | None, vs-reference metric).

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from blend.evals.compare import Run, comparison_table, load_run, main, write_comparison
-from blend.evals.report import SchemaError
+from blend.evals.results_schema import SchemaError
 from test_evals_report import make_results
 
 

@@ -16,7 +16,8 @@ from blend.evals.data import load_items
 from blend.evals.harness import EvalConfig, ResumeError, run_harness
 from blend.evals.methods import MethodKind, parse_methods
 from blend.evals import answer_survival as S
-from blend.evals.report import SchemaError, markdown, validate_results
+from blend.evals.report import markdown
+from blend.evals.results_schema import SchemaError, validate_results
 from blend.evals.rows import ItemRow
 
 V = 48

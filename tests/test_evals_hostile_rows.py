@@ -14,7 +14,7 @@ import pytest
 from _eval_rows import item_json
 from blend.evals import guard_curve as G
 from blend.evals.compare import main as compare_main
-from blend.evals.report import SchemaError, validate_results
+from blend.evals.results_schema import SchemaError, validate_results
 from blend.evals.rows import ItemRow, RowError
 from test_evals_guard_curve import GUARDED, OFF, ROWS_JSON
 from test_evals_report import make_results

@@ -10,7 +10,8 @@ from blend.evals.cli import configure_parser, run_eval
 from blend.evals.data import load_items
 from blend.evals.splits import ItemRangeError, parse_item_range
 from blend.evals.methods import parse_method
-from blend.evals.report import SchemaError, markdown, validate_results, worst_items
+from blend.evals.report import markdown, worst_items
+from blend.evals.results_schema import SchemaError, validate_results
 from blend.evals.rows import ItemRow
 from _eval_rows import item_row, method_row
 from test_evals_harness import FakeEngine, _strip_timings

@@ -7,7 +7,8 @@ import pytest
 
 from blend.evals.plot import series, write_pareto
 from blend.progress import Progress, format_duration
-from blend.evals.report import SchemaError, best_per_column, markdown, validate_results
+from blend.evals.report import best_per_column, markdown
+from blend.evals.results_schema import SchemaError, validate_results
 
 ROW_KEYS = ("f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_s", "ttft_ratio",
             "recomputed_frac", "computed_frac")

@@ -16,7 +16,8 @@ from blend.evals.cli import config_from_args, configure_parser, run_eval
 from blend.evals.data import load_items
 from blend.evals.harness import ResumeError, run_harness
 from blend.evals.methods import parse_methods
-from blend.evals.report import SchemaError, markdown, validate_results
+from blend.evals.report import markdown
+from blend.evals.results_schema import SchemaError, validate_results
 from blend.evals.rows import ITEM_FIELDS_SINCE, METHOD_FIELDS_SINCE, ItemRow, MethodRow, RowError
 from test_evals_harness import _fake_factory
 
