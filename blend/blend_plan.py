@@ -19,7 +19,7 @@ from blend.kvcache import KVCache, KVEntry
 from blend.model import ModelRunner
 from blend.policy import ReusePolicy
 from blend.prompt import Prompt
-from blend.segments import ChunkKV
+from blend.segment_values import ChunkKV
 
 # rows of K and V :meth:`BlendPlan.prepare` re-positions (or tempers) in one go: several layers of a short
 # prompt's documents (per-call overhead), about one layer of a long one's (its rows stay in the CPU's cache

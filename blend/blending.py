@@ -55,7 +55,8 @@ from blend.probe_pass import ProbeResult, probe_gemm_dtype, recompute_dtype, run
 from blend.prompt import Prompt, SegmentKind
 from blend.report import DeviationStats, ReuseClass, SegmentReport
 from blend.rope import apply_rope
-from blend.segments import ChunkKV, PendingChunk, SegmentCache
+from blend.segment_values import ChunkKV, PendingChunk
+from blend.segments import SegmentCache
 from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_auto, select_threshold
 
 

@@ -36,7 +36,8 @@ from blend.probe import top2_margin
 from blend.probe_pass import probe_gemm_dtype, recompute_dtype, resolve_precisions, resolve_recompute_precision
 from blend.prompt import Prompt, Segment, SegmentKind, Turn, build_prompt, preamble_segment
 from blend.report import ReuseClass, ReuseReport, SegmentReport, Timings
-from blend.segments import SegmentCache, prefix_namespaces
+from blend.segment_values import prefix_namespaces
+from blend.segments import SegmentCache
 from blend.store.base import KVStore
 from blend.store.memory import MemoryStore
 

@@ -5,7 +5,7 @@ import torch
 from blend.blend_plan import plan_blend
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
-from blend.segments import ChunkKV
+from blend.segment_values import ChunkKV
 from conftest import make_docs
 
 

@@ -306,7 +306,7 @@ def test_an_exact_entry_of_the_earlier_form_is_never_reached(tiny_engine_factory
 
 def test_a_blend_never_re_positions_k_after_rope(tiny_engine):
     from blend.blend_plan import plan_blend
-    from blend.segments import ChunkKV
+    from blend.segment_values import ChunkKV
 
     runner = tiny_engine.runner
     prompt = tiny_engine.build_prompt("Why?", make_docs(2))
