@@ -5,7 +5,7 @@ Only reached when both the engine (``experimental_semantic``) and the policy
 misses. Steps, for the new document N and a donor D (a stored canonical chunk
 after the same preamble)::
 
-    discovery   MinHash over SHINGLE-token shingles (blend.donors): estimated
+    discovery   MinHash over SHINGLE-token shingles (blend.minhash, blend.donors): estimated
                 Jaccard >= MIN_SIMILARITY, best MAX_CANDIDATES
     alignment   difflib over token ids, donor -> new:
 

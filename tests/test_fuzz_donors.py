@@ -14,7 +14,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from blend.donors import Donor, DonorIndex, DonorRecordError, minhash, parse_record
+from blend.donors import Donor, DonorIndex, DonorRecordError, parse_record
+from blend.minhash import minhash
 from blend.keys import StoreKey
 from blend.store.disk import DiskStore
 from _fuzz_util import FUZZ, bounded, json_values, mutate_bytes, mutate_json

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from blend.donors import DonorIndex, jaccard_estimate, minhash
+from blend.donors import DonorIndex
+from blend.minhash import jaccard_estimate, minhash
 from blend.errors import InvalidPolicyError
 from blend.keys import Namespace, StoreKey, canonical_key, key_hex
 from blend.policy import ReusePolicy
@@ -289,7 +290,7 @@ def test_a_donor_entry_of_another_shape_is_dropped_and_the_next_donor_seeds(sem_
 
 def test_minhash_is_deterministic_across_processes_and_estimates_jaccard(tmp_path):
     ids = list(range(1000, 1300))
-    code = "from blend.donors import minhash; print(minhash(list(range(1000, 1300))).tolist())"
+    code = "from blend.minhash import minhash; print(minhash(list(range(1000, 1300))).tolist())"
     env = {**os.environ, "PYTHONHASHSEED": "123"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == str(minhash(ids).tolist())
