@@ -3,7 +3,7 @@
 The store holds KV, not token ids, so semantic reuse keeps its own small
 index of the canonical chunks it may borrow from. Each entry records the
 chunk's canonical store key, the digest of the preamble it was computed after,
-its token ids and a MinHash signature of its token shingles::
+its token ids and a MinHash signature of its token shingles (:mod:`blend.minhash`)::
 
     token ids   t0 t1 t2 t3 t4 t5 t6 ...
     shingles    [t0..t4] [t1..t5] [t2..t6] ...      (SHINGLE consecutive ids)

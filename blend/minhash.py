@@ -31,6 +31,10 @@ _SEEDS = _mix(np.arange(NUM_HASHES, dtype=np.uint64) + np.uint64(_SEED_BASE))  #
 def shingle_hashes(token_ids: Sequence[int], shingle: int = SHINGLE) -> np.ndarray:
     """One uint64 per window of ``shingle`` consecutive token ids (the whole chunk if shorter).
 
+    Args:
+        token_ids: the chunk's tokens.
+        shingle: ids per window.
+
     Returns:
         (S,) uint64, S = max(1, n - shingle + 1); empty for an empty chunk.
     """
@@ -48,6 +52,10 @@ def shingle_hashes(token_ids: Sequence[int], shingle: int = SHINGLE) -> np.ndarr
 def minhash(token_ids: Sequence[int], shingle: int = SHINGLE) -> np.ndarray:
     """MinHash signature of a chunk's shingle set.
 
+    Args:
+        token_ids: the chunk's tokens.
+        shingle: ids per shingle.
+
     Returns:
         (NUM_HASHES,) uint64; all-ones for an empty chunk (similar to nothing).
     """
@@ -60,5 +68,12 @@ def minhash(token_ids: Sequence[int], shingle: int = SHINGLE) -> np.ndarray:
 
 
 def jaccard_estimate(a: np.ndarray, b: np.ndarray) -> float:
-    """Estimated Jaccard similarity of two signatures (share of equal minima)."""
+    """Estimated Jaccard similarity of two signatures.
+
+    Args:
+        a, b: (NUM_HASHES,) signatures from :func:`minhash`.
+
+    Returns:
+        The share of equal minima, in [0, 1].
+    """
     return float(np.mean(a == b))

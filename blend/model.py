@@ -1,7 +1,7 @@
 """The engine's own forward over a transformers model's weights.
 
 The engine never calls the transformers modules' forward: it reads their
-weights once (fusing q/k/v and gate/up into single GEMMs) and runs ONE
+weights once (fusing q/k/v and gate/up into single GEMMs: :mod:`blend.layer_weights`) and runs ONE
 per-layer function, :func:`layer_forward`, for every kind of pass:
 
     layer_forward(w, dims, layer, h, rows)

@@ -34,7 +34,7 @@ class Found:
 
 @dataclass(frozen=True)
 class Appended:
-    """What :meth:`SegmentCache.append_exact` did with one prefix segment."""
+    """What :meth:`~blend.segments.SegmentCache.append_exact` did with one prefix segment."""
 
     reuse_class: ReuseClass  # EXACT (loaded), COMPUTED (miss) or REJECTED (found unusable, computed)
     note: str
@@ -77,7 +77,7 @@ class PendingChunk:
 
 
 def prefix_namespaces(segments: Sequence[Segment]) -> list[Namespace]:
-    """Where each segment of a prompt's prefix is stored (:meth:`SegmentCache.prefix_keys`, without
+    """Where each segment of a prompt's prefix is stored (:meth:`~blend.segments.SegmentCache.prefix_keys`, without
     keys): the first document right after the preamble under CANONICAL, every other segment under
     EXACT. A schedule without the store computes each segment in its namespace's form too, so turning
     the store off changes no bit (with a lower storage dtype the two forms round differently)."""

@@ -209,7 +209,7 @@ def _word_grams(text: str, n: int = 8) -> set[tuple[str, ...]]:
 
 def run_discovery(engine, all_items: list[Item], items: list[Item], args, vocab, spare) -> str:
     """MinHash vs MiniLM: does the best-scoring stored passage = the edited passage's original?"""
-    from blend.donors import minhash
+    from blend.minhash import minhash
     from blend.semantic import MIN_SIMILARITY
 
     tok = engine.tokenizer

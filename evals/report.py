@@ -1,4 +1,5 @@
-"""results.json (schema below), its validator, and results.md.
+"""results.md, and results.json's schema (below; its fields and validator are
+:mod:`blend.evals.results_schema`).
 
 results.json, schema_version 1::
 

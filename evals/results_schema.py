@@ -15,12 +15,12 @@ from typing import Any
 
 from blend import safeio
 from blend.evals.methods import REFERENCE
-from blend.evals.rows import ItemRow, RowError
+from blend.evals.rows import ItemRow, RowError, brief, brief_list
 from blend.numeric import finite_real
 
 AGG_NUMBERS = (
-    "f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_median_s", "ttft_p90_s",
-    "ttft_ratio", "ttft_ratio_mean", "recomputed_frac", "computed_frac", "recomputed_tokens", "prompt_tokens",
+    "f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_median_s",
+    "ttft_p90_s", "ttft_ratio", "ttft_ratio_mean", "recomputed_frac", "computed_frac", "recomputed_tokens", "prompt_tokens",
 )
 # Written since issue 14 (absent from older results.json; checked when present).
 TAIL_NUMBERS = ("kl_median", "kl_p90", "kl_max")
@@ -53,7 +53,7 @@ def _ci_ok(x: Any) -> bool:
 
 
 def validate_results(obj: Any) -> None:
-    """Check a results object against the schema in this module's docstring.
+    """Check a results object against the schema (:mod:`blend.evals.report`'s docstring lays it out).
 
     Args:
         obj: the decoded results.json.
@@ -77,7 +77,7 @@ def validate_results(obj: Any) -> None:
     if REFERENCE not in names:
         raise SchemaError("results.methods: the reference 'full' is missing")
     for name, agg in obj["methods"].items():
-        where = f"results.methods[{name!r}]"
+        where = f"results.methods[{brief(name)}]"  # names come from the file: shown briefly
         if not isinstance(agg, dict):
             raise SchemaError(f"{where}: must be an object")
         for f in AGG_NUMBERS:
@@ -109,9 +109,10 @@ def validate_results(obj: Any) -> None:
         if "ref_margin" in row and not _num(row["ref_margin"]):
             raise SchemaError(f"{where}.ref_margin: not a finite number/null")
         if set(row["methods"]) != set(names):
-            raise SchemaError(f"{where}.methods: has {sorted(row['methods'])}, expected {sorted(names)}")
+            lacks, extra = sorted(set(names) - set(row["methods"])), sorted(set(row["methods"]) - set(names))
+            raise SchemaError(f"{where}.methods: lacks [{brief_list(lacks)}], has unexpected [{brief_list(extra)}]")
         for name, r in row["methods"].items():
-            w = f"{where}.methods[{name!r}]"
+            w = f"{where}.methods[{brief(name)}]"
             if not isinstance(r, dict):
                 raise SchemaError(f"{w}: must be an object")
             if not isinstance(r.get("prediction"), str):
@@ -137,10 +138,19 @@ def validate_results(obj: Any) -> None:
             raise SchemaError(f"results.items[{i}]: {e}") from None
     for name, agg in obj["methods"].items():
         if agg["n"] != sum(1 for row in obj["items"] if name in row["methods"]):
-            raise SchemaError(f"results.methods[{name!r}].n: does not match the item rows")
+            raise SchemaError(f"results.methods[{brief(name)}].n: does not match the item rows")
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:
-    """Validate and write results.json (atomically)."""
+    """Validate and write results.json (atomically).
+
+    Args:
+        results: the results object.
+        path: where it goes.
+
+    Raises:
+        SchemaError: the object is not a valid results object (nothing is written).
+        OSError: the write failed.
+    """
     validate_results(results)
     safeio.atomic_write_text(path, json.dumps(results, indent=1, sort_keys=False) + "\n")

@@ -41,6 +41,34 @@ ITEM_FIELDS_SINCE = {
 }
 
 
+def brief(name: str, width: int = 40) -> str:
+    """A name read from a file as an error message shows it: quoted and escaped (``repr``), cut at ``width``.
+
+    Args:
+        name: the name (a key of the file's JSON).
+        width: characters kept.
+
+    Returns:
+        e.g. ``'mystery'`` or ``'xxxx...'``.
+    """
+    return repr(name if len(name) <= width else name[:width] + "...")
+
+
+def brief_list(names: list[str], count: int = 5, width: int = 40) -> str:
+    """At most ``count`` names, each :func:`brief`, and how many more there are.
+
+    Args:
+        names: the names, in the order to show them.
+        count: names shown.
+        width: characters kept of each.
+
+    Returns:
+        e.g. ``'a', 'b' and 3 more``.
+    """
+    shown = ", ".join(brief(str(k), width) for k in names[:count])
+    return shown + (f" and {len(names) - count} more" if len(names) > count else "")
+
+
 class RowError(ValueError):
     """A JSON value that is not an eval row (not an object, a field missing, unknown or of the wrong type)."""
 
@@ -191,7 +219,7 @@ class ItemRow:
                 one of the wrong type; the message names the field.
         """
         kw = _parse(d, _ITEM_TYPES, ITEM_FIELDS_SINCE, "row")
-        methods = {name: MethodRow(**_parse(m, _METHOD_TYPES, METHOD_FIELDS_SINCE, f"row.methods[{name[:40]!r}]"))
+        methods = {name: MethodRow(**_parse(m, _METHOD_TYPES, METHOD_FIELDS_SINCE, f"row.methods[{brief(name)}]"))
                    for name, m in kw["methods"].items()}
         return cls(**{**kw, "methods": methods})
 
@@ -258,9 +286,7 @@ def _parse(d: Any, types: _Types, since: dict[str, str], where: str) -> dict[str
         raise RowError(f"{where}: not an object ({type(d).__name__})")
     unknown = sorted(str(k) for k in d if k not in types)
     if unknown:  # named briefly: the keys come from the file (a crafted one may hold thousands, or long ones)
-        shown = ", ".join(k if len(k) <= 40 else k[:40] + "..." for k in unknown[:5])
-        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        raise RowError(f"{where}: unknown field(s) {shown}{more}")
+        raise RowError(f"{where}: unknown field(s) {brief_list(unknown)}")
     kw: dict[str, Any] = {}
     absent = []
     for name, (check, what) in types.items():

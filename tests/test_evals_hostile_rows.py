@@ -98,3 +98,21 @@ def test_a_row_error_names_unknown_fields_briefly():
     with pytest.raises(RowError) as err:
         ItemRow.from_json(d)
     assert len(str(err.value)) < 400
+
+
+def test_results_json_validation_names_methods_briefly(tmp_path):
+    """The validator names methods itself before it parses the items: a crafted file's long or many method
+    names make a short message, here and through `compare`."""
+    res = make_results()
+    res["methods"]["m" * 10_000] = res["methods"]["reuse"]
+    with pytest.raises(SchemaError) as err:
+        validate_results(res)
+    assert len(str(err.value)) < 400
+    res = make_results()
+    for i in range(1000):
+        res["items"][0]["methods"][f"extra-{i}"] = res["items"][0]["methods"]["reuse"]
+    with pytest.raises(SchemaError) as err:
+        validate_results(res)
+    assert len(str(err.value)) < 400 and "and 995 more" in str(err.value)
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    assert compare_main([str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2

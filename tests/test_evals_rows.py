@@ -114,7 +114,7 @@ def test_every_committed_eval_row_reads_back_and_writes_the_same_bytes():
 @pytest.mark.parametrize("mutate,needle", [
     (lambda d: [d], "row: not an object (list)"),
     (lambda d: (d.pop("full_answer"), d)[1], "row.full_answer: missing"),
-    (lambda d: d.update(extra=1) or d, "row: unknown field(s) extra"),
+    (lambda d: d.update(extra=1) or d, "row: unknown field(s) 'extra'"),
     (lambda d: d.update(index="3") or d, "row.index: not a non-negative integer"),
     (lambda d: d.update(index=True) or d, "row.index: not a non-negative integer"),
     (lambda d: d.update(index=3.0) or d, "row.index: not a non-negative integer"),
@@ -136,7 +136,7 @@ def test_every_committed_eval_row_reads_back_and_writes_the_same_bytes():
     (lambda d: d["methods"]["full"].update(threads="4") or d, "threads: not a positive integer or null"),
     (lambda d: d["methods"]["full"].update(ttft_samples=[0.1, "x"]) or d, "ttft_samples: not a list of numbers"),
     (lambda d: d["methods"]["full"].update(ttft_samples=0.1) or d, "ttft_samples: not a list of numbers"),
-    (lambda d: d["methods"]["full"].update(mystery=0) or d, "row.methods['full']: unknown field(s) mystery"),
+    (lambda d: d["methods"]["full"].update(mystery=0) or d, "row.methods['full']: unknown field(s) 'mystery'"),
 ])
 def test_anything_that_is_not_a_row_is_one_row_error_naming_the_field(mutate, needle):
     d = mutate(item_json(0, {"full": {}}))
@@ -221,7 +221,7 @@ def test_the_validator_refuses_an_item_its_readers_could_not_parse():
     res = make_results()
     validate_results(res)
     res["items"][1]["methods"]["reuse"]["verdict"] = "fine"
-    with pytest.raises(SchemaError, match=r"results.items\[1\]: row.methods\['reuse'\]: unknown field\(s\) verdict"):
+    with pytest.raises(SchemaError, match=r"results.items\[1\]: row.methods\['reuse'\]: unknown field\(s\) 'verdict'"):
         validate_results(res)
     res = make_results()
     del res["items"][0]["full_answer"]
