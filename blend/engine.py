@@ -312,7 +312,7 @@ class Engine:
             lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s))
 
     def _run(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool, refused: str,
-             kinds: frozenset[SegmentKind]) -> tuple["Prefilled", KVCache]:
+             kinds: frozenset[SegmentKind]) -> tuple[Prefilled, KVCache]:
         """The prefill ``policy`` asks for (or the one a refusal leaves); returns it and its cache."""
         self._check_fp32_precision()
         if refused or policy.mode is ReuseMode.NONE:
@@ -326,14 +326,14 @@ class Engine:
             return replace(done, margin=top2_margin(done.logits), ratio=0.0), cache  # nothing recomputed
         return self._guard(prompt, policy, self._blend(prompt, policy, cache, question), cache)
 
-    def _blend(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool = True) -> "Prefilled":
+    def _blend(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool = True) -> Prefilled:
         """A blended prefill into ``cache`` (see :func:`~blend.blending.prefill_blend`)."""
         out = prefill_blend(self.runner, self.segments, prompt, policy, cache, question=question)
         return Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio,
                           approximate=out.approximate, resume=out.resume, check_rows=out.check_rows)
 
-    def _guard(self, prompt: Prompt, policy: ReusePolicy, done: "Prefilled", cache: KVCache
-               ) -> tuple["Prefilled", KVCache]:
+    def _guard(self, prompt: Prompt, policy: ReusePolicy, done: Prefilled, cache: KVCache
+               ) -> tuple[Prefilled, KVCache]:
         """The near-tie guard: a blend whose first token is a near tie is recomputed.
 
         Returns:

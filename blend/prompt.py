@@ -220,12 +220,13 @@ def document_text(doc: str) -> str:
 def preamble_segment(tokenizer, system: str | None) -> Segment:
     """The preamble: chat head with the system prompt and the user turn's opening."""
     head, _ = _template_parts(tokenizer, _user(tokenizer, DEFAULT_SYSTEM if system is None else system))
-    return _nonempty_preamble(_segment(tokenizer, SegmentKind.PREAMBLE, head))
+    return _preamble(tokenizer, head)
 
 
-def _nonempty_preamble(segment: Segment) -> Segment:
-    """The preamble, refused when it holds no token (an empty system prompt under a chat template that
-    puts nothing before the user's turn): every request's KV starts from it."""
+def _preamble(tokenizer, head: str) -> Segment:
+    """The preamble segment of ``head``, refused when it holds no token (an empty system prompt under a chat
+    template that puts nothing before the user's turn): every request's KV starts from it."""
+    segment = _segment(tokenizer, SegmentKind.PREAMBLE, head)
     if not segment.token_ids:
         raise InvalidRequestError("the system prompt is empty and the chat template puts nothing before the "
                                   "user's turn: give a non-empty system prompt (or none, for the default)")
@@ -283,12 +284,10 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
         head, rest = _conversation_parts(tokenizer, system, history, question)
         ids = _ids(tokenizer, rest)
         ends = _turn_ends(tokenizer, system, history, head, ids)
-        return Prompt((_nonempty_preamble(_segment(tokenizer, SegmentKind.PREAMBLE, head)),
-                       *_document_segments(tokenizer, documents),
+        return Prompt((_preamble(tokenizer, head), *_document_segments(tokenizer, documents),
                        Segment(SegmentKind.QUESTION, ids, unmark(rest), ends)))
     head, tail = _template_parts(tokenizer, system)
-    segs = [_nonempty_preamble(_segment(tokenizer, SegmentKind.PREAMBLE, head)),
-            *_document_segments(tokenizer, documents)]
+    segs = [_preamble(tokenizer, head), *_document_segments(tokenizer, documents)]
     segs.append(_segment(tokenizer, SegmentKind.QUESTION, f"Question: {question}{tail}"))
     return Prompt(tuple(segs))
 

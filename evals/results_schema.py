@@ -20,7 +20,8 @@ from blend.numeric import finite_real
 
 AGG_NUMBERS = (
     "f1", "em", "rouge_l", "contains", "agreement", "kl", "top1", "tf_agreement", "tf_kl", "ttft_median_s",
-    "ttft_p90_s", "ttft_ratio", "ttft_ratio_mean", "recomputed_frac", "computed_frac", "recomputed_tokens", "prompt_tokens",
+    "ttft_p90_s", "ttft_ratio", "ttft_ratio_mean", "recomputed_frac", "computed_frac", "recomputed_tokens",
+    "prompt_tokens",
 )
 # Written since issue 14 (absent from older results.json; checked when present).
 TAIL_NUMBERS = ("kl_median", "kl_p90", "kl_max")

@@ -50,7 +50,7 @@ from blend.defaults import (
 from blend.errors import InvalidRequestError
 from blend.keys import Provenance, StoreKey, exact_chain, token_digest
 from blend.numeric import finite_real, shown
-from blend.policy import RECOMPUTE_PRECISION_FIELDS, SELECTOR_NAMES, RecomputePrecision
+from blend.policy import RECOMPUTE_PRECISION_FIELDS, RECOMPUTE_PRECISION_NAMES, SELECTOR_NAMES, RecomputePrecision
 
 PARAMS_KEY = "kvblend"  # our entry in a request's kv_transfer_params
 BLEND_ENTRY_KEYS = frozenset({"mode", "ratio", "selector", "guard_margin", "documents",  # what that entry may hold
@@ -219,9 +219,9 @@ def _precision(value: Any, name: str) -> RecomputePrecision:
     Raises:
         InvalidRequestError: anything else.
     """
-    names = [m.value for m in RecomputePrecision]
-    if not isinstance(value, str) or value not in names:
-        raise InvalidRequestError(f"kvblend {name} must be one of {', '.join(names)}, got {shown(value)}")
+    if not isinstance(value, str) or value not in RECOMPUTE_PRECISION_NAMES:
+        raise InvalidRequestError(f"kvblend {name} must be one of {', '.join(RECOMPUTE_PRECISION_NAMES)}, "
+                                  f"got {shown(value)}")
     return RecomputePrecision(value)
 
 
