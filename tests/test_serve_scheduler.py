@@ -27,7 +27,7 @@ from blend.keys import Namespace
 from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
 from blend.serve.config import SchedulerConfig
-from blend.serve.decode_share import ShareState
+from blend.serve.decode_share import ShareState, run_share, share_rows
 from blend.serve.jobs import EventKind, QueueFullError
 from blend.serve.scheduler import Scheduler
 from blend.store.memory import MemoryStore
@@ -118,12 +118,13 @@ def _prefilled(engine, n: int):
 def test_share_sizes_keep_each_modes_promise():
     engine = tiny_serve_engine()
     through = Scheduler(engine, SchedulerConfig(share_decode_min_batch=4))
-    assert [through._share_rows(b) for b in (1, 3, 4, 5, 16)] == [0, 0, 2, 2, 8]  # halves
+    assert [through.shares.rows(b) for b in (1, 3, 4, 5, 16)] == [0, 0, 2, 2, 8]  # halves
     inv = Scheduler(engine, SchedulerConfig(share_decode_min_batch=4, batching=DecodeBatching.INVARIANT))
     # whole 16-row tiles only (rows padded to tiles keep their numbers wherever they run)
-    assert [inv._share_rows(b) for b in (4, 16, 31, 32, 40, 64)] == [0, 0, 0, 16, 16, 32]
-    assert Scheduler(engine, SchedulerConfig(share_decode_min_batch=None))._share_rows(16) == 0
-    assert Scheduler(engine, SchedulerConfig(torch_threads=1, idle_decode_threads=2))._share_rows(16) == 0
+    assert [inv.shares.rows(b) for b in (4, 16, 31, 32, 40, 64)] == [0, 0, 0, 16, 16, 32]
+    assert Scheduler(engine, SchedulerConfig(share_decode_min_batch=None)).shares.rows(16) == 0
+    assert Scheduler(engine, SchedulerConfig(torch_threads=1, idle_decode_threads=2)).shares.rows(16) == 0
+    assert share_rows(SchedulerConfig(share_decode_min_batch=4), 16, exclusive=True) == 0  # dynamic RoPE: never
     with pytest.raises(ValueError, match="share_decode_min_batch"):
         SchedulerConfig(share_decode_min_batch=1)
 
@@ -133,14 +134,14 @@ def test_a_share_no_worker_takes_runs_on_the_decode_loop():
     sched = Scheduler(engine, SchedulerConfig(share_decode_min_batch=2))  # not started: no worker will come
     caches, toks = _prefilled(engine, 5)
     ref_caches, _ = _prefilled(engine, 5)
-    assert sched._offer_share(caches, toks) is None  # no idle worker: nothing is posted
+    assert sched.shares.offer(caches, toks, sched._worker_free) is None  # no idle worker: nothing is posted
     sched._idle_workers = 1
-    share = sched._offer_share(caches, toks)
+    share = sched.shares.offer(caches, toks, sched._worker_free)
     assert share is not None and share.step.b == 2 and share.step.caches == caches[3:]
-    got = sched._collect_share(share)  # nobody took it: the decode loop runs it itself
+    got = sched.shares.collect(share)  # nobody took it: the decode loop runs it itself
     assert torch.equal(got, decode_batch(engine.runner, ref_caches[3:], toks[3:]))
-    assert sched.shared_steps == 0 and sched._share is None
-    assert sched._offer_share(caches[:1], toks[:1]) is None  # below the minimum batch
+    assert sched.shared_steps == 0 and sched.shares.posted is None
+    assert sched.shares.offer(caches[:1], toks[:1], sched._worker_free) is None  # below the minimum batch
 
 
 def test_a_failed_step_drops_its_posted_share():
@@ -148,11 +149,11 @@ def test_a_failed_step_drops_its_posted_share():
     sched = Scheduler(engine, SchedulerConfig(share_decode_min_batch=2))
     caches, toks = _prefilled(engine, 4)
     sched._idle_workers = 1
-    share = sched._offer_share(caches, toks)
+    share = sched.shares.offer(caches, toks, sched._worker_free)
     lengths = [c.length for c in caches]
-    sched._abandon_share(share)  # the decode loop's own rows failed before anyone took the share
+    sched.shares.abandon(share)  # the decode loop's own rows failed before anyone took the share
     assert share.done.is_set() and share.state is ShareState.DONE and share.logits is None
-    assert sched._share is None and not sched._share_pending()
+    assert sched.shares.posted is None and not sched.shares.pending()
     assert [c.length for c in caches] == lengths  # nothing ran on the failed batch's caches
 
 
@@ -162,7 +163,7 @@ def test_a_worker_hands_a_share_back_between_layers_when_a_prefill_arrives():
     caches, toks = _prefilled(engine, 4)
     ref_caches, _ = _prefilled(engine, 4)
     sched._idle_workers = 1
-    share = sched._offer_share(caches, toks)
+    share = sched.shares.offer(caches, toks, sched._worker_free)
     share.state, share.by_worker = ShareState.TAKEN, True  # as a worker takes it
     advance = share.step.advance
 
@@ -172,10 +173,10 @@ def test_a_worker_hands_a_share_back_between_layers_when_a_prefill_arrives():
         return more
 
     share.step.advance = then_a_request_arrives
-    sched._run_share(share, yield_to_prefill=True)  # the worker's side
+    run_share(share, sched._prefill_due)  # the worker's side
     assert share.state is ShareState.RETURNED and share.step.layer == 1  # stopped after one layer
     sched._waiting.clear()
-    got = sched._collect_share(share)  # the decode loop finishes the other layers
+    got = sched.shares.collect(share)  # the decode loop finishes the other layers
     assert torch.equal(got, decode_batch(engine.runner, ref_caches[2:], toks[2:]))  # the same bits
     assert sched.returned_shares == 1 and sched.shared_steps == 1
     assert [c.length for c in caches[2:]] == [c.length for c in ref_caches[2:]]
@@ -446,3 +447,31 @@ def test_a_request_still_prefilling_when_the_scheduler_closes_fails_and_does_not
     time.sleep(0.2)
     sched.close()
     assert col.last(0).kind is EventKind.FAILED
+
+
+def test_the_decode_loops_thread_count_follows_prefills_and_its_mode():
+    from blend.serve.loop_threads import LoopThreads
+
+    before = torch.get_num_threads()
+    try:
+        loop = LoopThreads(SchedulerConfig(torch_threads=1, idle_decode_threads=2))
+        loop.setup()
+        assert (loop.current, torch.get_num_threads()) == (1, 1)
+        loop.for_decode(prefilling=0)  # no prefill running: every core
+        assert (loop.current, torch.get_num_threads()) == (2, 2)
+        loop.for_decode(prefilling=1)  # a worker prefills: the loop's own share
+        assert (loop.current, torch.get_num_threads()) == (1, 1)
+        loop.for_decode(prefilling=0)
+        loop.for_prefill()  # a prefill's numbers depend on its thread count: the workers' count
+        assert (loop.current, torch.get_num_threads()) == (1, 1)
+        fixed = LoopThreads(SchedulerConfig(torch_threads=1))  # no idle count: decode steps never change it
+        fixed.setup()
+        fixed.for_decode(prefilling=0)
+        assert fixed.current == 1
+        untouched = LoopThreads(SchedulerConfig())  # torch's default count, never set
+        untouched.setup()
+        untouched.for_decode(prefilling=0)
+        untouched.for_prefill()
+        assert untouched.current is None
+    finally:
+        torch.set_num_threads(before)

@@ -77,19 +77,19 @@ from dataclasses import replace
 
 import torch
 
-from blend.batch_decode import INVARIANT_TILE, DecodeBatching, DecodeStep, decode_batch
+from blend.batch_decode import DecodeBatching, decode_batch
 from blend.decode_pool import DecodePool, PoolSlotCache
 from blend.errors import KVBlendError
-from blend.generation import Completion, TokenStream, Usage
-from blend.kvcache import KVCache
+from blend.generation import TokenStream
 from blend.policy import ReuseMode, ReusePolicy
 from blend.prefix_fill import PrefixFill
 from blend.prompt import Prompt
 from blend.sampling import GenerationConfig
 from blend.serve.config import LOOP_SHARE_WINDOW_S, SchedulerConfig
-from blend.serve.decode_share import DecodeShare, LoopTime, ShareState, run_share
+from blend.serve.decode_share import LoopTime, ShareDesk, run_share
 from blend.serve.flight import FlightStore, request_keys
 from blend.serve.jobs import Ending, Event, EventKind, QueueFullError, SchedulerJob, ShuttingDownError, Sink, Ticket
+from blend.serve.loop_threads import LoopThreads, set_worker_threads
 from blend.serve.metrics import ServeMetrics
 from blend.serve.refine import RefineQueue
 
@@ -126,15 +126,13 @@ class Scheduler:
         self._gate_lock = threading.Lock()
         self._prefilling = 0  # prefills running now (the decode loop takes every core when 0)
         self._idle_workers = 0  # prefill workers waiting for work (they may take a decode share)
-        self._share: DecodeShare | None = None  # the decode step's posted share, if any
-        self._decode_threads: int | None = None
+        self.shares = ShareDesk(self._cond, engine.runner, self.config, self._exclusive is not None, metrics)
+        self._loop_threads = LoopThreads(self.config)  # the decode loop's thread count
         self._e2e_ewma_s = 1.0
         self.completed = 0
         self.cancelled = 0
         self.failed = 0
         self.steps = 0
-        self.shared_steps = 0  # decode steps whose share a prefill worker ran (in whole or in part)
-        self.returned_shares = 0  # shares a worker handed back between layers for a prefill
         self.decode_loop_prefills = 0  # prefills the decode loop ran (idle, or within its prefill share)
         self._loop_time = LoopTime(LOOP_SHARE_WINDOW_S)  # the decode loop's recent decode / prefill seconds
         self.pool = self._make_pool()  # decoding sequences' caches (None: each keeps its own)
@@ -255,6 +253,16 @@ class Scheduler:
     def active(self) -> int:
         return self._active
 
+    @property
+    def shared_steps(self) -> int:
+        """Decode steps whose share a prefill worker ran (in whole or in part)."""
+        return self.shares.shared_steps
+
+    @property
+    def returned_shares(self) -> int:
+        """Shares a worker handed back between layers for a prefill."""
+        return self.shares.returned
+
     def _gauges(self) -> None:
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self._waiting))
@@ -290,52 +298,26 @@ class Scheduler:
 
     # ---- prefill --------------------------------------------------------------------------
 
-    def _threads_setup(self) -> None:
-        if self.config.torch_threads is not None:  # per thread: each OpenMP caller keeps its own count
-            torch.set_num_threads(self.config.torch_threads)
-            self._decode_threads = self.config.torch_threads
-
-    def _decode_loop_threads(self, want: int) -> None:
-        """Set the decode loop's intra-op thread count (a no-op when it already has it)."""
-        if want != self._decode_threads:
-            torch.set_num_threads(want)
-            self._decode_threads = want
-
-    def _prefill_threads(self) -> None:
-        """The decode loop before it runs a prefill: a prefill's numbers depend on its thread
-        count, so it gets the workers' count (not ``idle_decode_threads``)."""
-        if self.config.torch_threads is not None:
-            self._decode_loop_threads(self.config.torch_threads)
-
-    def _decode_threads_now(self) -> None:
-        """The decode loop's share: every core while no prefill runs (THROUGHPUT mode), else its own."""
-        cfg = self.config
-        if (cfg.torch_threads is None or cfg.idle_decode_threads is None
-                or cfg.batching is not DecodeBatching.THROUGHPUT):
-            return
-        self._decode_loop_threads(cfg.idle_decode_threads if self._prefilling == 0 else cfg.torch_threads)
-
     def _prefill_loop(self) -> None:
-        self._threads_setup()
+        set_worker_threads(self.config)
         while True:
             share = job = fill = None
             with self._cond:
                 self._idle_workers += 1
-                self._cond.wait_for(lambda: not self._running or self._share_pending() or self._prefill_due()
+                self._cond.wait_for(lambda: not self._running or self.shares.pending() or self._prefill_due()
                                     or self._refine_due())
                 self._idle_workers -= 1
                 if not self._running:
                     return
                 if self._prefill_due():  # prefills first
                     job = self._take_job()
-                elif self._share_pending():  # then the decode step's share
-                    share = self._share
-                    share.state, share.by_worker = ShareState.TAKEN, True
+                elif self.shares.pending():  # then the decode step's share
+                    share = self.shares.take()
                 else:  # then one segment of an order's exact KV
                     fill = self.refine.take()
             try:
-                if share is not None:
-                    self._run_share(share, yield_to_prefill=True)
+                if share is not None:  # a worker stops between layers when a request waits for a prefill
+                    run_share(share, self._prefill_due)
                 elif job is not None:
                     self._run_prefill(job)
                 elif fill is not None:
@@ -440,7 +422,7 @@ class Scheduler:
     # ---- decode ---------------------------------------------------------------------------
 
     def _decode_loop(self) -> None:
-        self._threads_setup()
+        self._loop_threads.setup()
         batch: list[SchedulerJob] = []  # changed in place, so that a failed iteration knows whom to fail
         while True:
             try:
@@ -476,7 +458,7 @@ class Scheduler:
             self._pool_joined(batch, joining)
         if job is not None:  # nothing to decode (or within its share) and every worker busy: prefill here
             self.decode_loop_prefills += 1
-            self._prefill_threads()
+            self._loop_threads.for_prefill()
             t0 = time.perf_counter()
             self._run_prefill(job)
             self._loop_time.add(time.perf_counter() - t0, prefill=True)
@@ -512,19 +494,19 @@ class Scheduler:
 
     def _step(self, batch: list[SchedulerJob]) -> list[SchedulerJob]:
         """One batched decode step; returns the jobs still decoding."""
-        self._decode_threads_now()
+        self._loop_threads.for_decode(self._prefilling)
         caches, tokens = [j.cache for j in batch], [j.stream.next_input for j in batch]
         share = None
         try:
-            share = self._offer_share(caches, tokens)
+            share = self.shares.offer(caches, tokens, self._worker_free)
             own = len(caches) - (share.step.b if share is not None else 0)
             with self._exclusive or nullcontext():
                 logits = decode_batch(self.engine.runner, caches[:own], tokens[:own], self.config.batching)  # (m, V)
             if share is not None:
-                logits = torch.cat([logits, self._collect_share(share)])  # (B, V)
+                logits = torch.cat([logits, self.shares.collect(share)])  # (B, V)
         except BaseException as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             if share is not None:
-                self._abandon_share(share)
+                self.shares.abandon(share)
             log.exception("decode step failed")
             for job in batch:
                 self._fail(job, e)
@@ -559,10 +541,7 @@ class Scheduler:
             return False
         return True
 
-    # ---- decode shares ---------------------------------------------------------------------
-
-    def _share_pending(self) -> bool:
-        return self._share is not None and self._share.state is ShareState.PENDING
+    # ---- what may run now (read under ``_cond``; a worker running a share also asks between layers) ----
 
     def _prefill_due(self) -> bool:
         """A request waits for a prefill and a slot is free for it."""
@@ -579,82 +558,19 @@ class Scheduler:
         share = self.config.decode_loop_prefill_share
         return share is not None and self._loop_time.prefill_share() < share
 
-    def _share_rows(self, b: int) -> int:
-        """How many of a b-row step's sequences to hand to a worker (0: none)."""
-        cfg = self.config
-        if (cfg.share_decode_min_batch is None or b < cfg.share_decode_min_batch
-                or cfg.idle_decode_threads is not None or self._exclusive is not None):
-            return 0
-        if cfg.batching is DecodeBatching.INVARIANT:  # whole tiles only: every row keeps its numbers
-            return (b // INVARIANT_TILE // 2) * INVARIANT_TILE
-        return b // 2
-
-    def _offer_share(self, caches: list[KVCache], tokens: list[int]) -> DecodeShare | None:
-        """Post the tail of this step's sequences for an idle prefill worker, if there is one."""
-        n = self._share_rows(len(caches))
-        if n == 0:
-            return None
-        with self._cond:
-            if self._idle_workers == 0 or self._prefill_due():  # no free core, or it is about to prefill
-                return None
-            share = self._share = DecodeShare(DecodeStep(self.engine.runner, caches[-n:], tokens[-n:],
-                                                          self.config.batching))
-            self._cond.notify_all()
-        return share
-
-    def _run_share(self, share: DecodeShare, yield_to_prefill: bool) -> None:
-        """Run a share's layers on this thread; never raises. A worker (``yield_to_prefill``)
-        stops between layers when a request waits for a prefill and hands the rest back."""
-        run_share(share, self._prefill_due if yield_to_prefill else None)
-
-    def _collect_share(self, share: DecodeShare) -> torch.Tensor:
-        """The share's logits (b, V): run it here if no worker took it, else wait for the worker
-        (and finish what it handed back)."""
-        with self._cond:
-            mine = share.state is ShareState.PENDING
-            if mine:
-                share.state = ShareState.TAKEN
-            self._share = None
-        if mine:
-            self._run_share(share, yield_to_prefill=False)
-        share.done.wait()
-        if share.error is not None:
-            raise share.error
-        if share.by_worker:
-            self.shared_steps += 1
-            if self.metrics is not None:
-                self.metrics.shared_steps.inc()
-        if share.state is ShareState.RETURNED:
-            self.returned_shares += 1
-            return share.step.finish()
-        return share.logits
-
-    def _abandon_share(self, share: DecodeShare) -> None:
-        """The step failed: drop its share, and wait for a worker still running it (no thread may
-        touch the batch's caches once its requests have failed)."""
-        with self._cond:
-            if share.state is ShareState.PENDING:
-                share.state = ShareState.DONE
-                share.done.set()
-            self._share = None
-        share.done.wait()
+    def _worker_free(self) -> bool:
+        """A prefill worker is idle and no waiting request is about to take it: a share may be posted."""
+        return self._idle_workers > 0 and not self._prefill_due()
 
     # ---- endings --------------------------------------------------------------------------
 
     def _complete(self, job: SchedulerJob) -> None:
-        s, report = job.stream, job.report
         e2e = time.perf_counter() - job.submitted
-        completion = Completion(
-            text=s.text, token_ids=list(s.tokens), prompt_token_ids=job.prompt.token_ids,
-            finish_reason=s.finish_reason, first_logits=job.first_logits, steps_sha256=s.steps_sha256,
-            ttft_s=job.ttft_s, e2e_s=e2e, report=report,
-            usage=Usage(len(job.prompt), s.generated, report.reused_tokens), seed=s.sampler.seed,
-            logprobs=s.answer_logprobs,
-        )
+        completion = job.completion(e2e)
         if self.metrics is not None:
             self.metrics.on_finish(e2e)
         self._retire(job, Ending.COMPLETED, e2e)
-        self._emit(job, Event(EventKind.DONE, completion=completion, logprobs=s.take_logprobs()))
+        self._emit(job, Event(EventKind.DONE, completion=completion, logprobs=job.stream.take_logprobs()))
 
     @staticmethod
     def _emit(job: SchedulerJob, event: Event) -> None:
