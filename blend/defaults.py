@@ -127,7 +127,7 @@ DEFAULT_MAX_DONORS = 1 << 14
 # a donor-log purge (a deleted document's tokens leaving the log) rewrites it by compare-and-swap: this many
 # tries while other processes keep appending
 DEFAULT_PURGE_TRIES = 3
-# disk tier byte budget (blend.store.disk): a process's tally counts only its own puts between scans of the
+# disk tier byte budget (blend.store.disk_budget): a process's tally counts only its own puts between scans of the
 # folder, so the folder (every process's files) is recounted at least this often (seconds) on a put
 DEFAULT_DISK_RESCAN_S = 10.0
 # an interrupted write's temp file (a writer killed mid-put) no byte has reached for this long is removed by the

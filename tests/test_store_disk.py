@@ -535,7 +535,7 @@ def test_a_shard_swapped_for_a_link_after_its_listing_is_not_followed_by_prune(t
     store = DiskStore(tmp_path / "store")
     for i in range(3):
         store.put(NS, key_for(PROV, i), rand_entry(PROV, T=8))
-    rows = store._entries_by_age()  # listed ...
+    rows = store._budget.entries_by_age()  # listed ...
     shard = rows[0][2].parent
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -544,7 +544,7 @@ def test_a_shard_swapped_for_a_link_after_its_listing_is_not_followed_by_prune(t
             (victim / path.name).write_text("precious")
     shutil.rmtree(shard)
     shard.symlink_to(victim, target_is_directory=True)  # ... then swapped
-    store._prune_rows(rows, 0)
+    store._budget.prune_rows(rows, 0)
     assert all(f.read_text() == "precious" for f in victim.iterdir()) and any(victim.iterdir())
     # delete checks the folder first: the swap lands after that check
     store._leads_inside = lambda folder: True

@@ -1,10 +1,6 @@
 """Local disk tier: one safetensors file per entry, written atomically.
 
-Layout under ``root``::
-
-    root/<namespace>/<key hex[:2]>/<key hex>.safetensors     entries (see codec.py)
-    root/<namespace>/<key hex[:2]>/.<key hex>.<random>.tmp   a write in progress
-    root/logs/<name>.jsonl                                   record logs (e.g. semantic donors; record_logs.py)
+Files lie as ``disk_layout.py`` describes (entries, temp files of writes in progress, record logs).
 
 A put writes a private temporary file in the entry's directory, fsyncs it,
 renames it over the entry (``os.replace`` is atomic on POSIX) and fsyncs the
@@ -12,44 +8,24 @@ directory (best effort; with ``fsync=False`` neither): a reader sees
 the old file or the new one, a writer killed mid-write leaves only a ``.tmp``
 that is never read, and two writers of one key leave one complete file.
 
-Reads are bounded and open only regular files: an entry (or record log) is
-opened with ``O_NOFOLLOW | O_NONBLOCK`` and must be a regular file inside the
-store (a FIFO, device, directory or symbolic link at an entry's path is a
-rejected lookup, never waited on or followed); the header is read first and
-the file's size checked against the header's claim and ``max_entry_bytes``
-before the tensors are read (see ``codec.check_size``).
-
-With a byte budget the tier is an LRU on disk: a hit refreshes the entry's
-mtime, and a put that takes the tier over budget removes the least recently
-used entries (oldest mtime first, every namespace) until it is back under
-``low_water`` of the budget. Every process sharing the folder adds its puts'
-bytes to one shared tally (``root/budget.tally``: 8 bytes, updated under
-``flock``); a process's estimate is its last scan's total plus what the tally
-grew by since, so it sees the others' writes too. The folder (every process's
-files) is scanned again when the estimate says over budget, before anything
-is removed, and at least every ``rescan_s`` on a put. An entry larger than ``low_water`` of the budget is not
-stored (its own prune would remove it, after every other entry); a path that
-cannot be removed is skipped. A reader that loses a file to a concurrent prune
-sees a miss.
+Reads are bounded and open only regular files (``disk_read.py``). A byte budget makes the tier an LRU
+on disk, shared by every process using the folder (``disk_budget.py``).
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
-import stat
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from blend import safeio
 from blend.defaults import DEFAULT_DISK_RESCAN_S, DEFAULT_STALE_TEMP_S, DEFAULT_TOUCH_INTERVAL_S
 from blend.keys import Namespace, StoreKey, key_hex
-from blend.safeio import UnsafeFileError, pread_exact
+from blend.safeio import pread_exact
 from blend.store.base import (
     ABSENT,
     EntryInfo,
@@ -75,62 +51,12 @@ from blend.store.codec import (
     encode_parts,
     header_length,
 )
+from blend.store.disk_budget import LOW_WATER, DiskBudget, PruneResult
+from blend.store.disk_layout import SUFFIX, entry_files, leads_inside, sweep_temp, temp_files
+from blend.store.disk_read import open_regular, read_entry
 
 MAX_TOUCHED_KEYS = 1 << 16  # keys whose last recency update is remembered (the rate limit's memory)
 log = logging.getLogger(__name__)
-
-SUFFIX = ".safetensors"
-TMP_SUFFIX = safeio.TMP_SUFFIX  # abandoned temp files (a crash mid-put) are swept by this suffix
-LOW_WATER = 0.9  # a prune frees down to this fraction of the budget
-TALLY_FILE = "budget.tally"  # bytes put by every process sharing the folder (8 bytes, little-endian, flock)
-
-
-@dataclass(frozen=True)
-class PruneResult:
-    """What a prune removed and what is left."""
-
-    removed: int
-    freed_bytes: int
-    kept_bytes: int
-
-
-def open_regular(path: Path, flags: int = os.O_RDONLY) -> int:
-    """``safeio.open_regular`` with a non-regular file as a NOT_A_BLOB :class:`EntryError`.
-
-    Raises:
-        FileNotFoundError, EntryError, OSError.
-    """
-    try:
-        return safeio.open_regular(path, flags)
-    except UnsafeFileError as e:
-        raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.name}: {e}") from None
-
-
-def _read_entry(path: Path, max_bytes: int) -> bytearray:
-    """The blob in one writable buffer, read only after its header's size claim was checked.
-
-    Raises:
-        FileNotFoundError: absent.
-        EntryError: not a regular file, bad header, size differs from the claim or over ``max_bytes``.
-        OSError: unreadable.
-    """
-    fd = open_regular(path)
-    try:
-        size = os.fstat(fd).st_size
-        head = pread_exact(fd, 8, 0)
-        head += pread_exact(fd, header_length(head) - 8, 8)
-        hdr, _, start = decode_header(head)
-        want = check_size(hdr, start, size, max_bytes)
-        buf = bytearray(want)
-        view, got = memoryview(buf), 0
-        while got < want:
-            n = os.preadv(fd, [view[got:]], got)
-            if not n:
-                raise EntryError(EntryErrorKind.TRUNCATED, f"file shrank to {got} bytes while read")
-            got += n
-        return buf
-    finally:
-        os.close(fd)
 
 
 def _size(parts: list[memoryview | bytes]) -> int:
@@ -168,10 +94,7 @@ class DiskStore:
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self.rescan_s = rescan_s
-        self._approx_bytes: int | None = None  # bytes on disk as of the last scan plus every process's puts
-        self._scan_total = 0  # bytes on disk at the last scan (after its prune)
-        self._tally_at_scan = 0  # the shared tally (:meth:`_tally`) when that scan began
-        self._scanned_at = 0.0  # time.monotonic() of that scan
+        self._budget = DiskBudget(self.root)  # the folder's byte count between scans, and its prune
         self._logs = DiskRecordLogs(self.root / "logs")
         self._put_failures: set[tuple[str, int | None]] = set()  # causes of failed writes already logged
         self._touched: OrderedDict[tuple[Namespace, StoreKey], float] = OrderedDict()  # last recency update
@@ -187,30 +110,19 @@ class DiskStore:
 
     def _leads_inside(self, folder: Path) -> bool:
         """Whether ``folder`` resolves inside the store (not through a symlinked folder to elsewhere)."""
-        root = os.path.realpath(self.root)
-        return os.path.commonpath([root, os.path.realpath(folder)]) == root
+        return leads_inside(self.root, folder)
 
     def _inside(self, path: Path) -> None:
         """Raise EntryError if ``path``'s folder resolves outside the store (a symlinked folder)."""
         if not self._leads_inside(path.parent):
             raise EntryError(EntryErrorKind.NOT_A_BLOB, f"{path.parent} leads outside the store")
 
-    def _shards(self, ns: Namespace) -> Iterator[Path]:
-        """The namespace's two-hex-digit folders that resolve inside the store: listing, pruning and
-        clearing never follow a symlinked folder out of it (they would delete files that are not the store's)."""
-        base = self.root / ns.value
-        if not base.is_dir() or not self._leads_inside(base / "x"):
-            return
-        for d in base.glob("??"):
-            if d.is_dir() and not d.is_symlink() and self._leads_inside(d / "x"):
-                yield d
-
     def _load(self, ns: Namespace, key: StoreKey) -> KVEntry | None:
         """Decoded entry, None if absent; raises EntryError if unusable."""
         path = self.path(ns, key)
         self._inside(path)
         try:
-            buf = _read_entry(path, self.max_entry_bytes)
+            buf = read_entry(path, self.max_entry_bytes)
         except FileNotFoundError:
             return None
         return decode(buf, ns, key, self.max_entry_bytes)
@@ -316,67 +228,9 @@ class DiskStore:
     def _after_put(self, size: int) -> None:
         if self.budget_bytes is None:
             return
-        tally = self._tally(size)  # every process's puts, this one's included
-        with self._lock:
-            if self._approx_bytes is None or time.monotonic() - self._scanned_at >= self.rescan_s:
-                recount = True  # the first put, or a scan too old to trust
-            else:
-                # the last scan plus every process's puts since (an overwrite adds bytes it did not add, a
-                # removal elsewhere is not subtracted: the estimate errs high, and only a scan prunes)
-                grown = tally - self._tally_at_scan if tally is not None else size
-                self._approx_bytes = self._scan_total + max(grown, size)
-                recount = self._approx_bytes > self.budget_bytes
-        if recount:
-            self._recount(self.budget_bytes)
-
-    def _tally(self, add: int = 0) -> int | None:
-        """The shared tally of bytes put into this folder by every process, after adding ``add`` (None: it
-        cannot be kept here, e.g. a read-only or odd file; the process then counts only its own puts)."""
-        try:
-            fd = safeio.open_regular(self.root / TALLY_FILE, os.O_RDWR | os.O_CREAT, mode=0o600)
-        except OSError as e:  # safeio.UnsafeFileError too: a link or FIFO planted at its path
-            log.debug("disk store: no shared budget tally: %s", e)
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            raw = os.pread(fd, 8, 0)
-            value = int.from_bytes(raw, "little") if len(raw) == 8 else 0
-            value = (value + add) % (1 << 63)  # wraps after 8 EiB put: a difference across it is a rescan
-            if add:
-                os.pwrite(fd, value.to_bytes(8, "little"), 0)
-            return value
-        except OSError as e:
-            log.debug("disk store: cannot update the shared budget tally: %s", e)
-            return None
-        finally:
-            os.close(fd)  # (closing drops the lock)
-
-    def _recount(self, budget: int) -> None:
-        """Scan the folder (includes the file just written, and other processes' files); prune down to
-        the low-water mark only if the scan is over ``budget``. Killed writers' stale temp files go first:
-        they are bytes on disk that no entry count sees."""
-        self.sweep_temp(DEFAULT_STALE_TEMP_S)
-        tally = self._tally()  # read before the listing: a put landing during it is counted again (errs high)
-        with self._lock:
-            self._tally_at_scan = tally if tally is not None else 0
-        rows = self._entries_by_age()
-        if sum(size for _, size, _ in rows) > budget:
-            self._prune_rows(rows, int(budget * LOW_WATER))
-        else:
-            self._prune_rows(rows, budget)  # removes nothing: records the scan
-
-    def _entries_by_age(self) -> list[tuple[float, int, Path]]:
-        """(mtime, size, path) of every entry file, least recently used first."""
-        rows = []
-        for ns in Namespace:
-            for p in self._files(ns):
-                try:
-                    st = p.lstat()  # a link's own size: its target is not the store's
-                except FileNotFoundError:
-                    continue
-                rows.append((st.st_mtime, st.st_size, p))
-        rows.sort(key=lambda r: (r[0], str(r[2])))
-        return rows
+        pruned = self._budget.after_put(size, self.budget_bytes, self.rescan_s)
+        if pruned is not None:
+            self._count("evictions", pruned.removed)
 
     def prune(self, max_bytes: int) -> PruneResult:
         """Remove least recently used entries until the entry files total at most ``max_bytes``.
@@ -387,36 +241,9 @@ class DiskStore:
         Returns:
             How many entries were removed, the bytes freed and the bytes kept.
         """
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.sweep_temp(DEFAULT_STALE_TEMP_S)  # killed writers' leftovers (see _recount)
-        return self._prune_rows(self._entries_by_age(), max_bytes)
-
-    def _prune_rows(self, rows: list[tuple[float, int, Path]], max_bytes: int) -> PruneResult:
-        """:meth:`prune` over a scan's ``rows`` (:meth:`_entries_by_age`); records the scan's total."""
-        scanned_at = time.monotonic()
-        total = sum(size for _, size, _ in rows)
-        removed = freed = 0
-        for _, size, path in rows:
-            if total <= max_bytes:
-                break
-            try:
-                safeio.unlink_beneath(self.root, path)  # never through a folder swapped for a link meanwhile
-            except FileNotFoundError:
-                pass  # another process pruned it first: it is gone either way
-            except OSError as e:  # a directory at an entry's path, no permission: it stays, the next one goes
-                log.warning("disk store: cannot remove %s while pruning: %s", path, e)
-                continue
-            else:
-                removed += 1
-                freed += size
-            total -= size
-        with self._lock:
-            self._approx_bytes, self._scan_total, self._scanned_at = total, total, scanned_at
-            self._stats.evictions += removed
-        if removed:
-            log.info("disk store: pruned %d entries (%d bytes) under %s", removed, freed, self.root)
-        return PruneResult(removed, freed, total)
+        pruned = self._budget.prune(max_bytes)
+        self._count("evictions", pruned.removed)
+        return pruned
 
     # ---- record logs (RecordLog; kept in record_logs.py) ----------------------------------
 
@@ -457,8 +284,8 @@ class DiskStore:
             return False
 
     def _files(self, ns: Namespace) -> Iterator[Path]:
-        for shard in self._shards(ns):
-            yield from shard.glob(f"*{SUFFIX}")
+        """The namespace's entry files (see :func:`disk_layout.entry_files`)."""
+        return entry_files(self.root, ns)
 
     def keys(self, ns: Namespace) -> Iterator[StoreKey]:
         for p in self._files(ns):
@@ -471,33 +298,12 @@ class DiskStore:
 
     def temp_files(self, older_than_s: float = 0.0) -> list[Path]:
         """Leftovers of interrupted writes (never read as entries)."""
-        now = time.time()
-        found = []
-        for ns in Namespace:
-            for shard in self._shards(ns):
-                for p in shard.glob(f".*{TMP_SUFFIX}"):
-                    try:
-                        if now - p.lstat().st_mtime >= older_than_s:
-                            found.append(p)
-                    except FileNotFoundError:
-                        continue
-        return found
+        return temp_files(self.root, older_than_s)
 
     def sweep_temp(self, older_than_s: float = DEFAULT_STALE_TEMP_S) -> int:
         """Remove interrupted writes no byte has reached for ``older_than_s`` (the default: a write in
         progress touches its file with every block, so only killed writers' leftovers go); returns how many."""
-        n = 0
-        for p in self.temp_files(older_than_s):
-            try:
-                if not stat.S_ISREG(p.lstat().st_mode):  # a directory or link under a temp name: not ours
-                    continue
-                safeio.unlink_beneath(self.root, p)
-                n += 1
-            except FileNotFoundError:
-                pass
-            except OSError as e:  # another user's file in a shared folder: it stays, the sweep goes on
-                log.warning("disk store: cannot remove the stale temp file %s: %s", p, e)
-        return n
+        return sweep_temp(self.root, older_than_s)
 
     def counters(self) -> StoreStats:
         with self._lock:
