@@ -308,6 +308,11 @@ class Engine:
         # a blend that ran (not refused): its selector, the share it recomputed (0 where nothing was
         # re-positioned: every document exact, or the hot prefix) and its first-token gap
         blended = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS and not refused
+        if policy.mode is ReuseMode.BLEND and not done.check_rows:
+            # no pass with a check layer answers (every document exact, a hot prefix, a refusal, the guard's
+            # exact path): nothing ran above a check layer, so nothing ran in another precision
+            policy = replace(policy, attention_precision=RecomputePrecision.COMPUTE,
+                             linear_precision=RecomputePrecision.COMPUTE)
         return done.logits, cache, build_report(done, policy, blended, refused, Timings(
             lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s))
 

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from blend.errors import InvalidPolicyError
+from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.policy import RecomputePrecision as AP
 from dataclasses import replace
 
@@ -244,3 +244,50 @@ def test_the_server_sets_defaults_for_requests_that_name_none(tiny_engine):
     assert not runner.has_layers_in(torch.bfloat16)
     tiny_engine.prepare_blend(ProbePrecision.COMPUTE, linear=AP.BF16)
     assert runner.has_layers_in(torch.bfloat16)
+
+
+_BOTH_BF16 = dict(attention_precision=AP.BF16, linear_precision=AP.BF16)
+
+
+def _blend(**kw):
+    return ReusePolicy.blend(0.3, "v", guard_margin=None, **kw)
+
+
+def test_an_exact_only_blend_does_not_report_bf16(tiny_engine):
+    """A blend that re-positions nothing (one document; or take_exact finding every document exact, as
+    a refining server's blends do) runs the exact path in float32: its report must not name bf16, as full
+    reuse's does not (resolve_precisions)."""
+    one = tiny_engine.build_prompt("Which one?", make_docs(1))
+    a = tiny_engine.generate(one, _blend(**_BOTH_BF16), max_new_tokens=1)
+    b = tiny_engine.generate(one, _blend(), max_new_tokens=1)
+    assert torch.equal(a.first_logits, b.first_logits)  # nothing ran in bf16
+    assert ":attn" not in a.report.policy and ":lin" not in a.report.policy, a.report.policy
+
+    three = tiny_engine.build_prompt("Which two?", make_docs(3))
+    exact = tiny_engine.generate(three, ReusePolicy.exact(), max_new_tokens=1)  # stores this order's exact KV
+    taken = tiny_engine.generate(three, _blend(take_exact=True, **_BOTH_BF16), max_new_tokens=1)
+    assert torch.equal(taken.first_logits, exact.first_logits)  # the exact path, bit for bit
+    assert ":attn" not in taken.report.policy and ":lin" not in taken.report.policy, taken.report.policy
+
+
+@pytest.mark.parametrize("value", ["bf16", "fp8", 7])
+def test_the_vllm_entry_refuses_precisions_outside_a_blend(value):
+    """kvblend serve refuses a precision under reuse exact/none; the vLLM entry under mode exact
+    accepted any value (even an unknown one) and dropped it."""
+    from blend.integrations.vllm.plan import PARAMS_KEY, parse_blend_params
+
+    with pytest.raises(InvalidRequestError):
+        parse_blend_params({PARAMS_KEY: {"mode": "exact", "attention_precision": value}}, 10)
+    assert parse_blend_params({PARAMS_KEY: {"mode": "exact", "linear_precision": None}}, 10) is None  # null: unnamed
+    assert parse_blend_params({PARAMS_KEY: {"mode": "exact", "linear_precision": "compute"}}, 10) is None
+
+
+def test_the_vllm_chat_rewrite_refuses_a_precision_under_mode_exact():
+    from test_vllm_chat import TOK, chat_body
+
+    from blend.integrations.vllm.chat import chat_to_completion
+    from blend.integrations.vllm.plan import PARAMS_KEY
+
+    with pytest.raises(InvalidRequestError):
+        chat_to_completion(chat_body(kv_transfer_params={PARAMS_KEY: {"mode": "exact", "attention_precision": "fp8"}}),
+                           TOK)

@@ -33,7 +33,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from blend.defaults import DEFAULT_RATIO, DEFAULT_SELECTOR, DEFAULT_VLLM_GUARD_MARGIN
 from blend.errors import InvalidRequestError
-from blend.integrations.vllm.plan import PARAMS_KEY, blend_request, blend_salt, prompt_spans
+from blend.integrations.vllm.plan import PARAMS_KEY, blend_request, blend_salt, parse_blend_params, prompt_spans
 from blend.logprobs import token_bytes
 from blend.policy import RECOMPUTE_PRECISION_FIELDS
 from blend.prompt import build_prompt
@@ -136,6 +136,8 @@ def chat_to_completion(body: dict[str, Any], tokenizer) -> dict[str, Any]:
                                            **{name: entry.get(name, default)
                                               for name, default in RECOMPUTE_PRECISION_FIELDS})[PARAMS_KEY]
         salt = blend_salt(params, ids, tenant or "")
+    else:
+        parse_blend_params(params, len(ids))  # an exact entry's values are checked too (a blend option refused)
     out = {k: v for k, v in body.items() if k not in CONSUMED}
     # max_completion_tokens where set (not null), else max_tokens (OpenAI's precedence)
     budget = body.get("max_completion_tokens")

@@ -178,7 +178,10 @@ def parse_blend_params(kv_transfer_params: Any, num_prompt: int) -> BlendParams 
         raise InvalidRequestError(f"unknown key(s) in kv_transfer_params[{PARAMS_KEY!r}]: "
                                   f"{', '.join(map(repr, unknown))} (known: {', '.join(sorted(BLEND_ENTRY_KEYS))})")
     mode = p.get("mode", "blend")
-    if mode == "exact":
+    if mode == "exact":  # a precision is a blend option: refused here, not dropped (as kvblend serve does)
+        for name, default in RECOMPUTE_PRECISION_FIELDS:
+            if p.get(name) is not None and _precision(p[name], name) is not RecomputePrecision(default):
+                raise InvalidRequestError(f"kvblend {name} is a blend option (mode 'exact' loads vLLM's own KV)")
         return None
     if mode != "blend":
         raise InvalidRequestError(f"kvblend mode must be 'blend' or 'exact', got {shown(mode)}")
