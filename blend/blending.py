@@ -28,9 +28,9 @@ and MLP; the others read their cached, re-positioned rows):
 Ratio 0 without a threshold skips the check entirely: only the question is
 computed, over the cached KV of every document (plain full KV reuse).
 
-:func:`prefill_blend` reads top to bottom: plan -> fetch -> layer loop (the
-model's one ``layer_forward``; the check layer selects) -> finish. The engine
-has already decided that blending is allowed (gate, length, validity).
+:func:`prefill_blend` reads top to bottom: plan -> fetch (:mod:`blend.blend_fetch`) ->
+layer loop (the model's one ``layer_forward``; the check layer selects) -> finish. The
+engine has already decided that blending is allowed (gate, length, validity).
 """
 
 from __future__ import annotations
@@ -41,12 +41,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from blend.blend_fetch import fetch_documents, start_fetch
 from blend.blend_plan import BlendPlan, CheckSpec, plan_blend
 from blend.keys import key_hex
 from blend.kernels import (
     BlockPlan, kv_deviation, plan_query_blocks, query_attention_mass, sparse_query_attention,
 )
-from blend.kvcache import KVCache, KVEntry
+from blend.kvcache import KVCache
 from blend.layer_weights import LayerWeights
 from blend.model import ModelRunner
 from blend.policy import BudgetMode, GuardMode, ReusePolicy
@@ -55,7 +56,7 @@ from blend.probe_pass import ProbeResult, probe_gemm_dtype, recompute_dtype, run
 from blend.prompt import Prompt, SegmentKind
 from blend.report import DeviationStats, ReuseClass, SegmentReport
 from blend.rope import apply_rope
-from blend.segment_values import ChunkKV, PendingChunk
+from blend.segment_values import ChunkKV
 from blend.segments import SegmentCache
 from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_auto, select_threshold
 
@@ -362,10 +363,10 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
         First-token logits (None without the question) and the rows of the report.
     """
     salt = policy.cache_salt
-    pending = segments.start_fetch(prompt, salt)  # chunk loads overlap the preamble and earlier chunks
+    pending = start_fetch(segments, prompt, salt)  # chunk loads overlap the preamble and earlier chunks
     pre_key = segments.exact_keys([prompt.preamble], salt)[0]
     pre = segments.append_exact(cache, prompt.preamble, pre_key)
-    chunks, n_exact, waited = _fetch_documents(segments, prompt, pending, policy)
+    chunks, n_exact, waited = fetch_documents(segments, prompt, pending, policy)
     lookup_s = pre.lookup_s + waited
     t_load = time.perf_counter()
     model.load_many(cache, [c.kv for c in chunks[:n_exact]])  # one rotation per layer over them all
@@ -454,33 +455,6 @@ def _finish(model: ModelRunner, context: _Context, plan: BlendPlan, rows: BlendR
     kept = plan.nb - int((rows.active < plan.nb).sum())
     return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio, approximate=kept > 0,
                         check_rows=tuple(rows.check_rows))
-
-
-def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list[PendingChunk], policy: ReusePolicy
-                     ) -> tuple[list[ChunkKV], int, float]:
-    """Every document's KV, the exact ones first.
-
-    Doc 1 sits at its canonical position: its own KV is exact there. With ``policy.take_exact``, so are
-    the documents after it whose exact-prefix entries this order's exact path stored before (their keys
-    commit to every token before them). The rest are canonical chunks, to re-position.
-
-    Returns:
-        One :class:`ChunkKV` per document, how many lead the prompt exactly, and the store seconds.
-    """
-    # canonical KV this request computes, by key: a later copy of the same text takes it
-    computed: dict[bytes, tuple[int, KVEntry]] = {}
-    chunks, waited = segments.fetch_chunks(prompt, pending[:1], policy.semantic, policy.cache_salt,
-                                           computed=computed)
-    n_exact = 1 if chunks and chunks[0].own_kv else 0
-    if n_exact and policy.take_exact:  # opt-in: the answer then depends on what the store holds
-        run, w = segments.exact_run(prompt, policy.cache_salt)
-        chunks, n_exact, waited = chunks + run, n_exact + len(run), waited + w
-        for p in pending[1:len(chunks)]:  # canonical lookups of documents the run took: not needed
-            if p.future is not None:
-                p.future.cancel()  # a lookup still queued never runs (one already running just finishes)
-    rest, w = segments.fetch_chunks(prompt, pending[len(chunks):], policy.semantic, policy.cache_salt,
-                                    start=len(chunks), computed=computed)
-    return chunks + rest, n_exact, waited + w
 
 
 def _doc_reports(prompt: Prompt, chunks: list[ChunkKV], selected: torch.Tensor, n_exact: int) -> list[SegmentReport]:
