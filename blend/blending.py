@@ -51,6 +51,7 @@ from blend.kvcache import KVCache
 from blend.layer_weights import LayerWeights
 from blend.model import ModelRunner
 from blend.policy import BudgetMode, GuardMode, ReusePolicy
+from blend.prefix_cache import remember_hot
 from blend.probe import top
 from blend.probe_pass import ProbeResult, probe_gemm_dtype, recompute_dtype, run_probe, run_probe_first
 from blend.prompt import Prompt, SegmentKind
@@ -340,7 +341,7 @@ def _exact_outcome(segments: SegmentCache, prompt: Prompt, cache: KVCache, repor
     """A blend whose every document was exact at its place: the question computed as the exact path
     computes it; a prefix found stored in full is remembered as hot (its second use)."""
     logits, tail, waited = segments.compute_question(cache, prompt.segments[:-1], prompt.question, True, salt)
-    segments.remember_hot(cache, prompt.segments[:-1], prompt.question, (*reports, *tail), salt)
+    remember_hot(segments, cache, prompt.segments[:-1], prompt.question, (*reports, *tail), salt)
     return BlendOutcome(logits, (*reports, *tail), None, lookup_s + waited, ratio=0.0)  # nothing re-positioned
 
 

@@ -12,11 +12,12 @@ never touches a request's report:
     compute_canonical               that chunk computed, stored and offered as a donor (a blend's miss)
     compute_question                the question after an exact prefix: a conversation's earlier
                                     turns loaded (or computed and stored), the rest computed
-    attach_hot / remember_hot       a hot prefix (blend.prefix_cache) attached instead of loaded
     precompute_chunks               store canonical KV ahead of requests
 
 A blended request's documents are fetched through these by :mod:`blend.blend_fetch`
-(keyed and looked up in the background, hit / donor / computed, the exact-prefix run).
+(keyed and looked up in the background, hit / donor / computed, the exact-prefix run); a
+hot prefix (its rows kept in ``hot``) is attached instead of loaded, and remembered, by
+:mod:`blend.prefix_cache`.
 
 A segment computed here leaves exactly the rows a later load will see: with a
 lower storage dtype, the cache continues from the rounded rows (cold == warm).
@@ -307,8 +308,8 @@ class SegmentCache:
             question: the question segment.
             use_store: look up and store (exact reuse); False computes the same schedule.
             salt: the request's cache salt.
-            attached: the cache already holds the earlier turns (a hot prefix, :meth:`attach_hot`,
-                which reports them): only the last part is computed.
+            attached: the cache already holds the earlier turns (a hot prefix,
+                :func:`blend.prefix_cache.attach_hot`, which reports them): only the last part is computed.
 
         Returns:
             First-token logits (V,) float32, one report row per part computed or loaded here, the
@@ -335,52 +336,6 @@ class SegmentCache:
             self.store.put(Namespace.EXACT, key, self._stored_form(cache.entry(start, cache.length)))
         rows.append(SegmentReport(last.kind, ReuseClass.COMPUTED, len(last), start, key_hex(key) if key else ""))
         return self.model.logits(h[-1:])[0], tuple(rows), waited
-
-    def _hot_keys(self, prefix: Sequence[Segment], question: Segment, salt: str
-                  ) -> tuple[list[Segment], list[StoreKey], int]:
-        """The segments a hot prefix covers (``prefix`` and the question's earlier turns), their keys
-        as the store holds them (the last one keys the hot prefix) and its rows."""
-        segs = [*prefix, *question.parts()[:-1]]
-        return segs, [k for _, k in self.prefix_keys(segs, salt)], sum(len(s) for s in segs)
-
-    def attach_hot(self, cache: KVCache, prefix: Sequence[Segment], question: Segment, salt: str = ""
-                   ) -> tuple[SegmentReport, ...] | None:
-        """Attach the hot prefix of ``prefix`` and the question's earlier turns to an empty cache.
-
-        Returns:
-            EXACT report rows for the segments it covers (keys as the store holds them), or None
-            when this prefix is not hot (nothing attached).
-        """
-        if not prefix or not self.hot.budget_bytes:
-            return None
-        segs, keys, n = self._hot_keys(prefix, question, salt)
-        hot = self.hot.get(keys[-1], n)
-        if hot is None:
-            return None
-        cache.attach_prefix(hot)
-        rows, start = [], 0
-        for seg, k in zip(segs, keys):
-            rows.append(SegmentReport(seg.kind, ReuseClass.EXACT, len(seg), start, key_hex(k)))
-            start += len(seg)
-        return tuple(rows)
-
-    def is_hot(self, prefix: Sequence[Segment], question: Segment, salt: str = "") -> bool:
-        """Whether :meth:`attach_hot` would attach a prefix (nothing attached or counted here)."""
-        if not prefix or not self.hot.budget_bytes:
-            return False
-        _, keys, n = self._hot_keys(prefix, question, salt)
-        return self.hot.holds(keys[-1], n)
-
-    def remember_hot(self, cache: KVCache, prefix: Sequence[Segment], question: Segment,
-                     rows: Sequence[SegmentReport], salt: str = "") -> None:
-        """Keep the rows of ``prefix`` and the question's earlier turns as a hot prefix (views of
-        ``cache``'s rows, which become read-only) when the request found every one of them stored
-        (``rows``: its report rows, the question's last part last): their second use."""
-        if not prefix or not self.hot.budget_bytes or any(r.reuse_class is not ReuseClass.EXACT for r in rows[:-1]):
-            return
-        _, keys, n = self._hot_keys(prefix, question, salt)
-        if keys[-1] not in self.hot:
-            self.hot.put(keys[-1], cache.share(n))  # views of this request's rows: no copy
 
     def register_donor(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], key: StoreKey | None = None,
                        salt: str = "") -> bool:
