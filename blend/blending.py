@@ -43,6 +43,7 @@ import torch
 
 from blend.blend_fetch import fetch_documents, start_fetch
 from blend.blend_plan import BlendPlan, CheckSpec, plan_blend
+from blend.blend_values import BlendContext, BlendOutcome, BlendResume, CheckInput
 from blend.keys import key_hex
 from blend.kernels import (
     BlockPlan, kv_deviation, plan_query_blocks, query_attention_mass, sparse_query_attention,
@@ -60,59 +61,6 @@ from blend.rope import apply_rope
 from blend.segment_values import ChunkKV
 from blend.segments import SegmentCache
 from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_auto, select_threshold
-
-
-@dataclass(frozen=True)
-class BlendOutcome:
-    """What a blended prefill produced (the engine turns it into the report)."""
-
-    logits: torch.Tensor | None  # (V,) float32 first-token logits (None: the question was left to the caller)
-    segments: tuple[SegmentReport, ...]
-    deviation: DeviationStats | None
-    lookup_s: float  # store lookups and loads
-    ratio: float | None = None  # the share an adaptive budget or a threshold selected (None: the policy's ratio)
-    # whether any document row kept KV computed elsewhere (re-positioned chunk KV not recomputed): the same
-    # on a cold request, whose chunks were computed canonically just before, as on a warm one
-    approximate: bool = False
-    # what a second pass over this cache needs (a guarded policy whose guard may widen it), else None
-    resume: "BlendResume | None" = None
-    check_rows: tuple[int, ...] = ()  # document rows recomputed above each check layer, in order
-
-
-@dataclass(frozen=True)
-class CheckInput:
-    """A blended pass's rows entering its first check layer: where a second selection (the near-tie
-    guard's, :func:`widen_blend`) starts again without redoing the probe or the layers below."""
-
-    layer: int  # the first check layer
-    active: torch.Tensor  # (A,) sorted rows relative to e active there: candidates, forced rows, the question
-    h: torch.Tensor  # (A, C) their hidden rows entering that layer
-    probe: ProbeResult | None  # the query probe's result (the same for any later selection)
-    selected: torch.Tensor  # (S,) sorted document rows the pass kept there (recomputed above it)
-
-
-@dataclass(frozen=True)
-class _Context:
-    """What a blended request fetched, for its report: the prompt, each document's KV (the exact ones
-    first) and the rows before the documents'."""
-
-    prompt: Prompt
-    chunks: tuple[ChunkKV, ...]
-    n_exact: int  # documents loaded as an exact prefix
-    head: tuple[SegmentReport, ...]  # the preamble's report row
-
-
-@dataclass(frozen=True)
-class BlendResume:
-    """A finished blend that a second pass may widen: its plan (the cache's re-positioned rows stay
-    valid), its policy, its first check layer's input and what its report needs."""
-
-    plan: "BlendPlan"
-    policy: ReusePolicy
-    at: CheckInput
-    context: _Context
-    # the cache's length when the pass finished: a widened pass refuses a cache that has grown since
-    length: int
 
 
 @dataclass(frozen=True)
@@ -386,7 +334,7 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
                      question=not skip_q)
     h = model.run_layers(model.embed(plan.ids[rows.active]), rows, layers=pass_layers(model, plan, policy))  # (A, C)
     cache.advance(plan.nb if skip_q else plan.n)
-    context = _Context(prompt, tuple(chunks), n_exact, tuple(reports))
+    context = BlendContext(prompt, tuple(chunks), n_exact, tuple(reports))
     out = _finish(model, context, plan, rows, None if skip_q else h, lookup_s)
     if skip_q or not policy.guarded or rows.check_input is None or policy.guard_mode is GuardMode.RESTART:
         return out
@@ -443,7 +391,7 @@ def widen_blend(model: ModelRunner, resume: BlendResume, cache: KVCache, ratio: 
     return replace(_finish(model, resume.context, plan, rows, h, 0.0), ratio=share)
 
 
-def _finish(model: ModelRunner, context: _Context, plan: BlendPlan, rows: BlendRows, h: torch.Tensor | None,
+def _finish(model: ModelRunner, context: BlendContext, plan: BlendPlan, rows: BlendRows, h: torch.Tensor | None,
             lookup_s: float) -> BlendOutcome:
     """A blended pass's outcome: first-token logits from the last row of ``h`` (None: the question
     was left to the caller) and the report's rows."""
