@@ -42,14 +42,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from blend.blend_fetch import fetch_documents, start_fetch
-from blend.blend_plan import BlendPlan, CheckSpec, plan_blend
+from blend.blend_plan import BlendPlan, CheckSpec, pass_layers, plan_blend
 from blend.blend_values import BlendContext, BlendOutcome, BlendResume, CheckInput
 from blend.keys import key_hex
 from blend.kernels import (
     BlockPlan, kv_deviation, plan_query_blocks, query_attention_mass, sparse_query_attention,
 )
 from blend.kvcache import KVCache
-from blend.layer_weights import LayerWeights
 from blend.model import ModelRunner
 from blend.policy import BudgetMode, GuardMode, ReusePolicy
 from blend.prefix_cache import remember_hot
@@ -339,26 +338,6 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
     if skip_q or not policy.guarded or rows.check_input is None or policy.guard_mode is GuardMode.RESTART:
         return out
     return replace(out, resume=BlendResume(plan, policy, rows.check_input, context, cache.length))
-
-
-def pass_layers(model: ModelRunner, plan: BlendPlan, policy: ReusePolicy) -> list[LayerWeights] | None:
-    """The weights a blended pass runs its layers on.
-
-    Args:
-        model: the model runner.
-        plan: the pass's plan (its last check layer).
-        policy: its policy (``linear_precision`` resolved).
-
-    Returns:
-        None (the engine's own weights) unless ``linear_precision`` asks for another dtype and the plan has
-        a check layer: then the engine's layers up to its last check layer (every selection reads only
-        those) and a copy in that dtype above it (:meth:`ModelRunner.layers_in`, made once per engine and
-        dtype; the probe's bf16 copy).
-    """
-    dtype, last = recompute_dtype(policy.linear_precision, model.dtype), plan.last_check
-    if dtype == model.dtype or last is None:
-        return None
-    return [*model.layers[: last + 1], *model.layers_in(dtype)[last + 1:]]
 
 
 def widen_blend(model: ModelRunner, resume: BlendResume, cache: KVCache, ratio: float) -> BlendOutcome:
