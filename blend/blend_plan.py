@@ -4,7 +4,8 @@ The documents after the exact prefix and the question take rows [e, T) of the
 cache (n = nb document rows + the question's rows); each document's canonical KV
 (K before RoPE) is rotated to its place layer by layer as the pass reaches it
 (:meth:`BlendPlan.prepare`), and the check layers the policy asks for are fixed
-here (none under full reuse). :mod:`blend.blending` runs the pass over it.
+here (none under full reuse), as are the weights the pass's layers run on
+(:func:`pass_layers`). :mod:`blend.blending` runs the pass over it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 
 from blend.kernels import rope_rows
 from blend.kvcache import KVCache, KVEntry
+from blend.layer_weights import LayerWeights
 from blend.model import ModelRunner
 from blend.policy import ReusePolicy
+from blend.probe_pass import recompute_dtype
 from blend.prompt import Prompt
 from blend.segment_values import ChunkKV
 
@@ -216,3 +219,23 @@ def plan_blend(model: ModelRunner, prompt: Prompt, blended: list[ChunkKV], n_exa
         offset=torch.cat([torch.arange(n_c) for n_c in lens]),
         forced=forced, nb=nb, budget_base=sum(len(doc) for doc in prompt.documents), checks=checks,
     )
+
+
+def pass_layers(model: ModelRunner, plan: BlendPlan, policy: ReusePolicy) -> list[LayerWeights] | None:
+    """The weights a blended pass runs its layers on.
+
+    Args:
+        model: the model runner.
+        plan: the pass's plan (its last check layer).
+        policy: its policy (``linear_precision`` resolved).
+
+    Returns:
+        None (the engine's own weights) unless ``linear_precision`` asks for another dtype and the plan has
+        a check layer: then the engine's layers up to its last check layer (every selection reads only
+        those) and a copy in that dtype above it (:meth:`ModelRunner.layers_in`, made once per engine and
+        dtype; the probe's bf16 copy).
+    """
+    dtype, last = recompute_dtype(policy.linear_precision, model.dtype), plan.last_check
+    if dtype == model.dtype or last is None:
+        return None
+    return [*model.layers[: last + 1], *model.layers_in(dtype)[last + 1:]]

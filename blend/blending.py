@@ -28,9 +28,9 @@ and MLP; the others read their cached, re-positioned rows):
 Ratio 0 without a threshold skips the check entirely: only the question is
 computed, over the cached KV of every document (plain full KV reuse).
 
-:func:`prefill_blend` reads top to bottom: plan -> fetch -> layer loop (the
-model's one ``layer_forward``; the check layer selects) -> finish. The engine
-has already decided that blending is allowed (gate, length, validity).
+:func:`prefill_blend` reads top to bottom: plan -> fetch (:mod:`blend.blend_fetch`) ->
+layer loop (the model's one ``layer_forward``; the check layer selects) -> finish. The
+engine has already decided that blending is allowed (gate, length, validity).
 """
 
 from __future__ import annotations
@@ -41,76 +41,25 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from blend.blend_plan import BlendPlan, CheckSpec, plan_blend
+from blend.blend_fetch import fetch_documents, start_fetch
+from blend.blend_plan import BlendPlan, CheckSpec, pass_layers, plan_blend
+from blend.blend_values import BlendContext, BlendOutcome, BlendResume, CheckInput
 from blend.keys import key_hex
 from blend.kernels import (
     BlockPlan, kv_deviation, plan_query_blocks, query_attention_mass, sparse_query_attention,
 )
-from blend.kvcache import KVCache, KVEntry
-from blend.layer_weights import LayerWeights
+from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.policy import BudgetMode, GuardMode, ReusePolicy
+from blend.prefix_cache import remember_hot
 from blend.probe import top
 from blend.probe_pass import ProbeResult, probe_gemm_dtype, recompute_dtype, run_probe, run_probe_first
 from blend.prompt import Prompt, SegmentKind
 from blend.report import DeviationStats, ReuseClass, SegmentReport
 from blend.rope import apply_rope
-from blend.segment_values import ChunkKV, PendingChunk
+from blend.segment_values import ChunkKV
 from blend.segments import SegmentCache
 from blend.selectors import NEEDS_QUERY_ATTENTION, SelectionInputs, select, select_auto, select_threshold
-
-
-@dataclass(frozen=True)
-class BlendOutcome:
-    """What a blended prefill produced (the engine turns it into the report)."""
-
-    logits: torch.Tensor | None  # (V,) float32 first-token logits (None: the question was left to the caller)
-    segments: tuple[SegmentReport, ...]
-    deviation: DeviationStats | None
-    lookup_s: float  # store lookups and loads
-    ratio: float | None = None  # the share an adaptive budget or a threshold selected (None: the policy's ratio)
-    # whether any document row kept KV computed elsewhere (re-positioned chunk KV not recomputed): the same
-    # on a cold request, whose chunks were computed canonically just before, as on a warm one
-    approximate: bool = False
-    # what a second pass over this cache needs (a guarded policy whose guard may widen it), else None
-    resume: "BlendResume | None" = None
-    check_rows: tuple[int, ...] = ()  # document rows recomputed above each check layer, in order
-
-
-@dataclass(frozen=True)
-class CheckInput:
-    """A blended pass's rows entering its first check layer: where a second selection (the near-tie
-    guard's, :func:`widen_blend`) starts again without redoing the probe or the layers below."""
-
-    layer: int  # the first check layer
-    active: torch.Tensor  # (A,) sorted rows relative to e active there: candidates, forced rows, the question
-    h: torch.Tensor  # (A, C) their hidden rows entering that layer
-    probe: ProbeResult | None  # the query probe's result (the same for any later selection)
-    selected: torch.Tensor  # (S,) sorted document rows the pass kept there (recomputed above it)
-
-
-@dataclass(frozen=True)
-class _Context:
-    """What a blended request fetched, for its report: the prompt, each document's KV (the exact ones
-    first) and the rows before the documents'."""
-
-    prompt: Prompt
-    chunks: tuple[ChunkKV, ...]
-    n_exact: int  # documents loaded as an exact prefix
-    head: tuple[SegmentReport, ...]  # the preamble's report row
-
-
-@dataclass(frozen=True)
-class BlendResume:
-    """A finished blend that a second pass may widen: its plan (the cache's re-positioned rows stay
-    valid), its policy, its first check layer's input and what its report needs."""
-
-    plan: "BlendPlan"
-    policy: ReusePolicy
-    at: CheckInput
-    context: _Context
-    # the cache's length when the pass finished: a widened pass refuses a cache that has grown since
-    length: int
 
 
 @dataclass(frozen=True)
@@ -339,7 +288,7 @@ def _exact_outcome(segments: SegmentCache, prompt: Prompt, cache: KVCache, repor
     """A blend whose every document was exact at its place: the question computed as the exact path
     computes it; a prefix found stored in full is remembered as hot (its second use)."""
     logits, tail, waited = segments.compute_question(cache, prompt.segments[:-1], prompt.question, True, salt)
-    segments.remember_hot(cache, prompt.segments[:-1], prompt.question, (*reports, *tail), salt)
+    remember_hot(segments, cache, prompt.segments[:-1], prompt.question, (*reports, *tail), salt)
     return BlendOutcome(logits, (*reports, *tail), None, lookup_s + waited, ratio=0.0)  # nothing re-positioned
 
 
@@ -362,10 +311,10 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
         First-token logits (None without the question) and the rows of the report.
     """
     salt = policy.cache_salt
-    pending = segments.start_fetch(prompt, salt)  # chunk loads overlap the preamble and earlier chunks
+    pending = start_fetch(segments, prompt, salt)  # chunk loads overlap the preamble and earlier chunks
     pre_key = segments.exact_keys([prompt.preamble], salt)[0]
     pre = segments.append_exact(cache, prompt.preamble, pre_key)
-    chunks, n_exact, waited = _fetch_documents(segments, prompt, pending, policy)
+    chunks, n_exact, waited = fetch_documents(segments, prompt, pending, policy)
     lookup_s = pre.lookup_s + waited
     t_load = time.perf_counter()
     model.load_many(cache, [c.kv for c in chunks[:n_exact]])  # one rotation per layer over them all
@@ -384,31 +333,11 @@ def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, po
                      question=not skip_q)
     h = model.run_layers(model.embed(plan.ids[rows.active]), rows, layers=pass_layers(model, plan, policy))  # (A, C)
     cache.advance(plan.nb if skip_q else plan.n)
-    context = _Context(prompt, tuple(chunks), n_exact, tuple(reports))
+    context = BlendContext(prompt, tuple(chunks), n_exact, tuple(reports))
     out = _finish(model, context, plan, rows, None if skip_q else h, lookup_s)
     if skip_q or not policy.guarded or rows.check_input is None or policy.guard_mode is GuardMode.RESTART:
         return out
     return replace(out, resume=BlendResume(plan, policy, rows.check_input, context, cache.length))
-
-
-def pass_layers(model: ModelRunner, plan: BlendPlan, policy: ReusePolicy) -> list[LayerWeights] | None:
-    """The weights a blended pass runs its layers on.
-
-    Args:
-        model: the model runner.
-        plan: the pass's plan (its last check layer).
-        policy: its policy (``linear_precision`` resolved).
-
-    Returns:
-        None (the engine's own weights) unless ``linear_precision`` asks for another dtype and the plan has
-        a check layer: then the engine's layers up to its last check layer (every selection reads only
-        those) and a copy in that dtype above it (:meth:`ModelRunner.layers_in`, made once per engine and
-        dtype; the probe's bf16 copy).
-    """
-    dtype, last = recompute_dtype(policy.linear_precision, model.dtype), plan.last_check
-    if dtype == model.dtype or last is None:
-        return None
-    return [*model.layers[: last + 1], *model.layers_in(dtype)[last + 1:]]
 
 
 def widen_blend(model: ModelRunner, resume: BlendResume, cache: KVCache, ratio: float) -> BlendOutcome:
@@ -441,7 +370,7 @@ def widen_blend(model: ModelRunner, resume: BlendResume, cache: KVCache, ratio: 
     return replace(_finish(model, resume.context, plan, rows, h, 0.0), ratio=share)
 
 
-def _finish(model: ModelRunner, context: _Context, plan: BlendPlan, rows: BlendRows, h: torch.Tensor | None,
+def _finish(model: ModelRunner, context: BlendContext, plan: BlendPlan, rows: BlendRows, h: torch.Tensor | None,
             lookup_s: float) -> BlendOutcome:
     """A blended pass's outcome: first-token logits from the last row of ``h`` (None: the question
     was left to the caller) and the report's rows."""
@@ -454,33 +383,6 @@ def _finish(model: ModelRunner, context: _Context, plan: BlendPlan, rows: BlendR
     kept = plan.nb - int((rows.active < plan.nb).sum())
     return BlendOutcome(logits, tuple(reports), rows.deviation, lookup_s, rows.ratio, approximate=kept > 0,
                         check_rows=tuple(rows.check_rows))
-
-
-def _fetch_documents(segments: SegmentCache, prompt: Prompt, pending: list[PendingChunk], policy: ReusePolicy
-                     ) -> tuple[list[ChunkKV], int, float]:
-    """Every document's KV, the exact ones first.
-
-    Doc 1 sits at its canonical position: its own KV is exact there. With ``policy.take_exact``, so are
-    the documents after it whose exact-prefix entries this order's exact path stored before (their keys
-    commit to every token before them). The rest are canonical chunks, to re-position.
-
-    Returns:
-        One :class:`ChunkKV` per document, how many lead the prompt exactly, and the store seconds.
-    """
-    # canonical KV this request computes, by key: a later copy of the same text takes it
-    computed: dict[bytes, tuple[int, KVEntry]] = {}
-    chunks, waited = segments.fetch_chunks(prompt, pending[:1], policy.semantic, policy.cache_salt,
-                                           computed=computed)
-    n_exact = 1 if chunks and chunks[0].own_kv else 0
-    if n_exact and policy.take_exact:  # opt-in: the answer then depends on what the store holds
-        run, w = segments.exact_run(prompt, policy.cache_salt)
-        chunks, n_exact, waited = chunks + run, n_exact + len(run), waited + w
-        for p in pending[1:len(chunks)]:  # canonical lookups of documents the run took: not needed
-            if p.future is not None:
-                p.future.cancel()  # a lookup still queued never runs (one already running just finishes)
-    rest, w = segments.fetch_chunks(prompt, pending[len(chunks):], policy.semantic, policy.cache_salt,
-                                    start=len(chunks), computed=computed)
-    return chunks + rest, n_exact, waited + w
 
 
 def _doc_reports(prompt: Prompt, chunks: list[ChunkKV], selected: torch.Tensor, n_exact: int) -> list[SegmentReport]:

@@ -32,6 +32,7 @@ from blend.model import ModelRunner
 from blend.models import load_model
 from blend.policy import ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy
 from blend.prefilled import Prefilled, build_report, keep_first_pass_misses, report_ratio, with_forced
+from blend.prefix_cache import attach_hot, is_hot, remember_hot
 from blend.probe import top2_margin
 from blend.probe_pass import probe_gemm_dtype, recompute_dtype, resolve_precisions, resolve_recompute_precision
 from blend.prompt import Prompt, Segment, SegmentKind, Turn, build_prompt, preamble_segment
@@ -251,7 +252,7 @@ class Engine:
             cacheable = cacheable[:prefix_limit]
         whole = len(cacheable) == len(prompt.segments) - 1  # the whole prefix: a conversation's turns too
         if use_store and whole:
-            hot = self.segments.attach_hot(cache, cacheable, prompt.question, salt)
+            hot = attach_hot(self.segments, cache, cacheable, prompt.question, salt)
             if hot is not None:  # a prefix found stored again: attached, not loaded (the same rows)
                 logits, tail, _ = self.segments.compute_question(cache, cacheable, prompt.question, True, salt,
                                                                  attached=True)
@@ -267,7 +268,7 @@ class Engine:
         if whole:
             logits, tail, waited = self.segments.compute_question(cache, cacheable, prompt.question, use_store, salt)
             if use_store:
-                self.segments.remember_hot(cache, cacheable, prompt.question, (*rows, *tail), salt)
+                remember_hot(self.segments, cache, cacheable, prompt.question, (*rows, *tail), salt)
             return Prefilled(logits, (*rows, *tail), lookup_s + waited)
         # Everything after the reusable prefix (the question included) is one block:
         # one causal pass is cheaper than segment-by-segment masked attention.
@@ -324,7 +325,7 @@ class Engine:
             return self._prefill_unreused(prompt, cache, refused, kinds), cache
         if policy.mode is ReuseMode.EXACT:
             return self._prefill_segments(prompt, policy.prefix_limit, True, cache, policy.cache_salt), cache
-        if policy.take_exact and self.segments.is_hot(prompt.segments[:-1], prompt.question, policy.cache_salt):
+        if policy.take_exact and is_hot(self.segments, prompt.segments[:-1], prompt.question, policy.cache_salt):
             # every document exact at its place, found stored again: the exact path (what a blend of an
             # all-exact prompt computes), the hot prefix attached; its gap reported as the loaded one's
             done = self._prefill_segments(prompt, None, True, cache, policy.cache_salt)

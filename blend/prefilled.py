@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from blend.blending import BlendResume
+from blend.blend_values import BlendResume
 from blend.policy import ReusePolicy
 from blend.prompt import SegmentKind
 from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport, Timings

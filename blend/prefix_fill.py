@@ -3,7 +3,7 @@
 A blend re-positions canonical chunk KV and recomputes a few rows of it. The exact KV
 of the same documents in the same order (what a full prefill computes) is what turns a
 later request with that order into the exact path: a ``take_exact`` blend takes the exact prefix
-it finds (:meth:`blend.segments.SegmentCache.exact_run`), bit for bit what a full prefill
+it finds (:func:`blend.blend_fetch.exact_run`), bit for bit what a full prefill
 gives, at an exact hit's cost. Computing it is a prefill of the whole prefix, too long
 to run while requests wait, so :class:`PrefixFill` cuts it at segment boundaries::
 

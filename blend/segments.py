@@ -9,14 +9,15 @@ never touches a request's report:
     lookup                          a store lookup -> :class:`~blend.segment_values.Found` (hit / miss / rejected)
     append_exact                    load a prefix segment into a cache, or compute and store it
     canonical_kv                    a chunk computed alone right after the preamble
-    fetch_chunks                    documents' canonical KV for a blended request
-                                    (hit, donor, or computed and stored), as :class:`~blend.segment_values.ChunkKV`
-    exact_run                       the documents after the first whose exact-prefix KV a blend
-                                    finds stored (this order computed before by the exact path)
+    compute_canonical               that chunk computed, stored and offered as a donor (a blend's miss)
     compute_question                the question after an exact prefix: a conversation's earlier
                                     turns loaded (or computed and stored), the rest computed
-    attach_hot / remember_hot       a hot prefix (blend.prefix_cache) attached instead of loaded
     precompute_chunks               store canonical KV ahead of requests
+
+A blended request's documents are fetched through these by :mod:`blend.blend_fetch`
+(keyed and looked up in the background, hit / donor / computed, the exact-prefix run); a
+hot prefix (its rows kept in ``hot``) is attached instead of loaded, and remembered, by
+:mod:`blend.prefix_cache`.
 
 A segment computed here leaves exactly the rows a later load will see: with a
 lower storage dtype, the cache continues from the rounded rows (cold == warm).
@@ -40,9 +41,9 @@ from blend.keys import Namespace, Provenance, StoreKey, canonical_key, exact_cha
 from blend.kvcache import KVCache, KVEntry
 from blend.prefix_cache import PrefixCache
 from blend.model import ModelRunner
-from blend.prompt import Prompt, Segment, document_ids
+from blend.prompt import Segment, document_ids
 from blend.report import ReuseClass, SegmentReport
-from blend.segment_values import Appended, ChunkKV, Found, PendingChunk, prefix_namespaces
+from blend.segment_values import Appended, Found, prefix_namespaces
 from blend.semantic import Donors
 from blend.store.base import KVStore, Lookup, LookupStatus, flush_writes
 from blend.store.prefetch import Prefetcher
@@ -254,6 +255,24 @@ class SegmentCache:
         self.append_exact(cache, preamble, self.exact_keys([preamble], salt)[0])
         return self._compute(cache, ids, Namespace.CANONICAL)
 
+    def compute_canonical(self, preamble: Segment, ids: Sequence[int], key: StoreKey, salt: str = "") -> KVEntry:
+        """A chunk's canonical KV (:meth:`canonical_kv`), stored under ``key`` and offered as a donor: what a
+        blend does with a document the store lacks (:func:`blend.blend_fetch.fetch_chunks`).
+
+        Args:
+            preamble: the preamble segment.
+            ids: the chunk's token ids.
+            key: the chunk's canonical key (under ``salt``).
+            salt: the request's cache salt.
+
+        Returns:
+            The chunk's KV (K before RoPE), exactly as a later load will see it.
+        """
+        kv = self.canonical_kv(preamble, ids, salt)
+        self.store.put(Namespace.CANONICAL, key, self._stored_form(kv))
+        self.register_donor(preamble.token_ids, ids, key, salt)
+        return kv
+
     def compute_rest(self, cache: KVCache, segs: Sequence[Segment]) -> tuple[torch.Tensor, tuple[SegmentReport, ...]]:
         """Compute the remaining segments in one causal pass, storing nothing.
 
@@ -289,8 +308,8 @@ class SegmentCache:
             question: the question segment.
             use_store: look up and store (exact reuse); False computes the same schedule.
             salt: the request's cache salt.
-            attached: the cache already holds the earlier turns (a hot prefix, :meth:`attach_hot`,
-                which reports them): only the last part is computed.
+            attached: the cache already holds the earlier turns (a hot prefix,
+                :func:`blend.prefix_cache.attach_hot`, which reports them): only the last part is computed.
 
         Returns:
             First-token logits (V,) float32, one report row per part computed or loaded here, the
@@ -318,52 +337,6 @@ class SegmentCache:
         rows.append(SegmentReport(last.kind, ReuseClass.COMPUTED, len(last), start, key_hex(key) if key else ""))
         return self.model.logits(h[-1:])[0], tuple(rows), waited
 
-    def _hot_keys(self, prefix: Sequence[Segment], question: Segment, salt: str
-                  ) -> tuple[list[Segment], list[StoreKey], int]:
-        """The segments a hot prefix covers (``prefix`` and the question's earlier turns), their keys
-        as the store holds them (the last one keys the hot prefix) and its rows."""
-        segs = [*prefix, *question.parts()[:-1]]
-        return segs, [k for _, k in self.prefix_keys(segs, salt)], sum(len(s) for s in segs)
-
-    def attach_hot(self, cache: KVCache, prefix: Sequence[Segment], question: Segment, salt: str = ""
-                   ) -> tuple[SegmentReport, ...] | None:
-        """Attach the hot prefix of ``prefix`` and the question's earlier turns to an empty cache.
-
-        Returns:
-            EXACT report rows for the segments it covers (keys as the store holds them), or None
-            when this prefix is not hot (nothing attached).
-        """
-        if not prefix or not self.hot.budget_bytes:
-            return None
-        segs, keys, n = self._hot_keys(prefix, question, salt)
-        hot = self.hot.get(keys[-1], n)
-        if hot is None:
-            return None
-        cache.attach_prefix(hot)
-        rows, start = [], 0
-        for seg, k in zip(segs, keys):
-            rows.append(SegmentReport(seg.kind, ReuseClass.EXACT, len(seg), start, key_hex(k)))
-            start += len(seg)
-        return tuple(rows)
-
-    def is_hot(self, prefix: Sequence[Segment], question: Segment, salt: str = "") -> bool:
-        """Whether :meth:`attach_hot` would attach a prefix (nothing attached or counted here)."""
-        if not prefix or not self.hot.budget_bytes:
-            return False
-        _, keys, n = self._hot_keys(prefix, question, salt)
-        return self.hot.holds(keys[-1], n)
-
-    def remember_hot(self, cache: KVCache, prefix: Sequence[Segment], question: Segment,
-                     rows: Sequence[SegmentReport], salt: str = "") -> None:
-        """Keep the rows of ``prefix`` and the question's earlier turns as a hot prefix (views of
-        ``cache``'s rows, which become read-only) when the request found every one of them stored
-        (``rows``: its report rows, the question's last part last): their second use."""
-        if not prefix or not self.hot.budget_bytes or any(r.reuse_class is not ReuseClass.EXACT for r in rows[:-1]):
-            return
-        _, keys, n = self._hot_keys(prefix, question, salt)
-        if keys[-1] not in self.hot:
-            self.hot.put(keys[-1], cache.share(n))  # views of this request's rows: no copy
-
     def register_donor(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], key: StoreKey | None = None,
                        salt: str = "") -> bool:
         """Offer a stored canonical chunk as a semantic donor (a no-op unless enabled).
@@ -375,99 +348,6 @@ class SegmentCache:
             return False
         key = key if key is not None else self.canonical_key(preamble_ids, doc_ids)
         return self.donors.register(key, preamble_ids, doc_ids)
-
-    # ---- blended requests ---------------------------------------------------------------
-
-    def start_fetch(self, prompt: Prompt, salt: str = "") -> list[PendingChunk]:
-        """Key every document (under the request's cache salt) and start its lookup in the
-        background (overlapped loading)."""
-        out = []
-        for doc in prompt.documents:
-            key = self.canonical_key(prompt.preamble.token_ids, doc.token_ids, salt)
-            fut = (self.prefetcher.submit(Namespace.CANONICAL, key, self.provenance_json)
-                   if self.overlap_loading else None)
-            out.append(PendingChunk(key, fut))
-        return out
-
-    def fetch_chunks(self, prompt: Prompt, pending: Sequence[PendingChunk], semantic: bool, salt: str = "",
-                     start: int = 0, computed: dict[bytes, tuple[int, KVEntry]] | None = None
-                     ) -> tuple[list[ChunkKV], float]:
-        """Canonical KV of documents: a hit is loaded; a miss or rejection is computed and stored.
-
-        Args:
-            prompt: the request.
-            pending: :meth:`start_fetch`'s result for documents ``start``, ``start + 1``, ...
-            semantic: a miss may be seeded from a donor (experimental opt-in).
-            salt: the request's cache salt (the keys in ``pending`` were derived under it).
-            start: index of the first document fetched (document 0 is EXACT at its canonical position).
-            computed: canonical KV this request computed before this call, by key: (document index, KV). A
-                document of the same text takes it (not computed again); this call's computations are added.
-
-        Returns:
-            One :class:`ChunkKV` per document fetched, and the seconds spent on the store
-            (lookups and the donor search).
-        """
-        out, waited = [], 0.0
-        pre_ids = prompt.preamble.token_ids
-        done = {} if computed is None else computed  # key -> (document, KV) computed by this request
-        for i, (doc, p) in enumerate(zip(prompt.documents[start:], pending), start=start):
-            first = done.get(bytes(p.key))
-            if first is not None:  # the same text again: its canonical KV is the one just computed
-                if p.future is not None:
-                    p.future.cancel()  # its lookup started before that KV was stored: not needed
-                out.append(ChunkKV(first[1], ReuseClass.COMPUTED, key_hex(p.key),
-                                   f"the same text as document {first[0]}: computed once for both"))
-                continue
-            found = self.lookup(Namespace.CANONICAL, p.key, len(doc), p.future)
-            waited += found.seconds
-            if found.entry is not None:
-                self.register_donor(pre_ids, doc.token_ids, p.key, salt)
-                cls = ReuseClass.EXACT if i == 0 else ReuseClass.BLENDED
-                out.append(ChunkKV(found.entry, cls, key_hex(p.key)))
-                continue
-            if not found.rejected and semantic:
-                t0 = time.perf_counter()
-                # a donor entry of another shape (a corrupt store) is dropped; the next donor is tried
-                donated = self.donors.donor_kv(pre_ids, doc.token_ids, p.key, self.shape_problem)
-                waited += time.perf_counter() - t0
-                if donated is not None:
-                    out.append(ChunkKV(donated.kv, ReuseClass.SEMANTIC, key_hex(p.key), donated.note, donated.forced))
-                    continue
-            kv = self.canonical_kv(prompt.preamble, doc.token_ids, salt)
-            self.store.put(Namespace.CANONICAL, p.key, self._stored_form(kv))
-            self.register_donor(pre_ids, doc.token_ids, p.key, salt)
-            done[bytes(p.key)] = (i, kv)
-            if found.rejected:
-                out.append(ChunkKV(kv, ReuseClass.REJECTED, key_hex(p.key), found.rejected + "; recomputed"))
-            else:
-                out.append(ChunkKV(kv, ReuseClass.COMPUTED, key_hex(p.key), "miss: computed canonically, then reused"))
-        return out, waited
-
-    def exact_run(self, prompt: Prompt, salt: str = "") -> tuple[list[ChunkKV], float]:
-        """The documents after the first whose exact KV is stored, in prompt order, up to the first miss.
-
-        An exact-prefix entry's key commits to every token before it (preamble and earlier
-        documents) and to the provenance, so a blend that finds one holds that document's
-        exact KV at exactly this position: nothing to re-position or recompute. Such entries
-        exist where this prompt's document order was computed before by the exact path (an
-        exact request, ``precompute`` under an exact policy; a near-tie guard's recompute stores none).
-
-        Args:
-            prompt: the request (its first document must already be exact in the cache).
-            salt: the request's cache salt.
-
-        Returns:
-            One EXACT :class:`ChunkKV` per document 2, 3, ... that hit, and the seconds spent on the store.
-        """
-        keys = self.prefix_keys([prompt.preamble, *prompt.documents], salt)
-        out, waited = [], 0.0
-        for doc, (ns, key) in zip(prompt.documents[1:], keys[2:]):
-            found = self.lookup(ns, key, len(doc))
-            waited += found.seconds
-            if found.entry is None:  # a miss or an unusable entry ends the run: the rest is blended
-                break
-            out.append(ChunkKV(found.entry, ReuseClass.EXACT, key_hex(key), "exact prefix hit"))
-        return out, waited
 
     def chunk_fits(self, preamble: Segment, ids: Sequence[int]) -> bool:
         """Whether a chunk of ``ids`` fits the model's context after ``preamble`` (one that does not gets no

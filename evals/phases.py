@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+import blend.blend_fetch as blend_fetch
 import blend.blend_plan as blend_plan
 import blend.blending as blending
 import blend.model as model
@@ -188,7 +189,7 @@ class PhaseClock(AbstractContextManager):
                         lambda w, dims, layer, h, rows: layer < self.check_layer)
         for owner, name, phase in [
             (segments.SegmentCache, "lookup", Phase.LOOKUP),
-            (segments.SegmentCache, "fetch_chunks", Phase.LOOKUP),
+            (blend_fetch, "fetch_chunks", Phase.LOOKUP),
             (model.ModelRunner, "load", Phase.LOOKUP),
             (model.ModelRunner, "load_many", Phase.LOOKUP),  # stored runs (exact prefixes, exact documents)
             (blending.Checker, "select", Phase.CHECK),

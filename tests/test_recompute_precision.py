@@ -115,7 +115,7 @@ def test_bf16_linear_layers_move_the_numbers_not_the_rows(tiny_engine):
     equal, and the guard's widened second pass takes the same weights."""
     from types import SimpleNamespace
 
-    from blend.blending import pass_layers
+    from blend.blend_plan import pass_layers
 
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
     base = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe"), max_new_tokens=1)
