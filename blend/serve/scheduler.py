@@ -21,7 +21,7 @@ or paging happens at admission; see :mod:`blend.batch_decode` for the step.
 
 Decode shares. A prefill worker with nothing to prefill would leave its core
 idle while the decode loop's GEMMs run on one. So a large enough step hands
-part of its sequences to an idle worker (a :class:`DecodeShare`), runs the
+part of its sequences to an idle worker (a :class:`~blend.serve.decode_share.DecodeShare`), runs the
 rest itself, and joins the two row blocks::
 
     decode loop:  post share (rows m..B) ─► decode rows 0..m ─► share taken? wait : run it here ─► cat
