@@ -36,7 +36,8 @@ from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
 from blend.retrieval.catalog import Catalog
 from blend.retrieval.ingest import ingest, nothing_to_ingest, print_issues
 from blend.retrieval.ingest_options import IngestOptions
-from blend.retrieval.pipeline import RAG, engine_kv_sync
+from blend.retrieval.engine_kv import engine_kv_sync
+from blend.retrieval.pipeline import RAG
 from blend.store.spec import default_spec, redacted_spec
 from blend.terminal_text import shown
 

@@ -90,7 +90,7 @@ def _fmt_bytes(n: int) -> str:
 
 @dataclass(frozen=True)
 class KVSync:
-    """How an ingest keeps chunk KV in step with its index (:func:`~blend.retrieval.pipeline.engine_kv_sync`
+    """How an ingest keeps chunk KV in step with its index (:func:`~blend.retrieval.engine_kv.engine_kv_sync`
     builds one over an engine).
 
     Attributes:

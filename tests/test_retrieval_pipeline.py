@@ -18,9 +18,10 @@ from blend.retrieval.catalog import Catalog  # noqa: E402
 from blend.retrieval.chunker import ChunkerConfig  # noqa: E402
 from blend.retrieval.ingest import ingest  # noqa: E402
 from blend.retrieval.ingest_options import IngestOptions, KVSync  # noqa: E402
-from blend.retrieval.pipeline import (  # noqa: E402
-    RAG, Retrieved, engine_kv_deleter, engine_kv_signature, engine_kv_sync, engine_kv_writer, order_documents,
+from blend.retrieval.engine_kv import (  # noqa: E402
+    engine_kv_deleter, engine_kv_signature, engine_kv_sync, engine_kv_writer,
 )
+from blend.retrieval.pipeline import RAG, Retrieved, order_documents  # noqa: E402
 from blend.retrieval.testing import HashEmbedder  # noqa: E402
 
 DOCS = {
@@ -400,7 +401,7 @@ def test_a_reingest_that_changes_chunk_ids_but_not_texts_keeps_their_kv(tmp_path
     """A new tokenizer fingerprint gives every chunk a new id; the old ids went to garbage collection with
     the same texts, and KV (keyed by text) that the live chunks use was deleted."""
     from blend.prompt import preamble_segment
-    from blend.retrieval.pipeline import _chunk_key
+    from blend.retrieval.engine_kv import canonical_chunk_key
     from blend.store.memory import MemoryStore
 
     eng = engine_mod.Engine.load("tiny-llama", store=MemoryStore())
@@ -419,7 +420,7 @@ def test_a_reingest_that_changes_chunk_ids_but_not_texts_keeps_their_kv(tmp_path
     assert s.gc_collected == s.chunks_total > 0  # the old ids leave the index
     pre = preamble_segment(eng.tokenizer, None)
     texts = [r.text for r in Catalog.open(tmp_path / "idx").records.values()]
-    assert all(eng.store.contains(Namespace.CANONICAL, _chunk_key(eng, pre, t)) for t in texts)
+    assert all(eng.store.contains(Namespace.CANONICAL, canonical_chunk_key(eng, pre, t)) for t in texts)
 
 
 def test_a_delete_during_a_redis_outage_is_not_reported_done(tmp_path) -> None:
@@ -448,7 +449,7 @@ def test_a_kv_refresh_repairs_what_the_last_tier_lacks(tmp_path, damage: str) ->
     """precompute took any tier's key as stored: under an emptied last tier every refresh wrote nothing and
     counted the chunks unsaved (ingest exited 1 forever); a truncated file was reported saved."""
     from blend.prompt import preamble_segment
-    from blend.retrieval.pipeline import _chunk_key
+    from blend.retrieval.engine_kv import canonical_chunk_key
     from blend.store.disk import DiskStore
     from blend.store.tiered import TieredStore
 
@@ -460,7 +461,7 @@ def test_a_kv_refresh_repairs_what_the_last_tier_lacks(tmp_path, damage: str) ->
     writer = engine_kv_writer(eng)
     assert writer(texts) > 0 and writer.unsaved == 0
     pre = preamble_segment(eng.tokenizer, None)
-    keys = [_chunk_key(eng, pre, t) for t in texts]
+    keys = [canonical_chunk_key(eng, pre, t) for t in texts]
     if damage == "emptied last tier":
         last.clear()
     else:

@@ -528,7 +528,7 @@ def test_deleting_a_donor_another_process_registered_since_this_one_read_the_log
                                                                                            tiny_engine_factory):
     """A semantic engine forgot (and logged the removal of) only the donors in its own memory: one another
     process registered after this one read the log stayed live there, tokens included, after the purge."""
-    from blend.retrieval.pipeline import engine_kv_deleter
+    from blend.retrieval.engine_kv import engine_kv_deleter
     from blend.store.disk import DiskStore
 
     secret = "The vault code of the northern tower is 7 4 1 9, known only to the keeper of the lantern."
