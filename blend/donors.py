@@ -22,7 +22,7 @@ the same donors. Forgetting a donor (its KV was evicted) appends a removal
 record, so the next process does not offer it again; a later registration of
 the same key brings it back. Records are replayed in order; a log whose lines
 are mostly dead, or that holds more than the ``max_donors`` most recent donors
-(or :data:`LOG_KEEP_BYTES` of them), is compacted to those when a process
+(or :data:`~blend.donor_records.LOG_KEEP_BYTES` of them), is compacted to those when a process
 attaches to it and as it grows (compare-and-swap, so a concurrent append is
 never lost): donors whose KV a byte budget evicted would otherwise stay for
 ever, until the log passed the size a tier reads at all. Replay computes
@@ -34,10 +34,9 @@ Lookups are a vectorised scan over the signatures of the chunks that share the
 request's preamble (a few microseconds per thousand chunks); banded LSH would
 replace the scan at millions of chunks.
 
-A log line is untrusted bytes: :func:`parse_record` returns a registration or a
-removal, or raises :class:`DonorRecordError`, and nothing else; token ids must be
-whole numbers in ``[0, 2**63)``, keys 32-byte hex. MinHash works over blocks of
-shingles, so a long line costs time in proportion, never a (H, S) matrix.
+Records, their parsing (untrusted bytes: :func:`~blend.donor_records.parse_record` raises only
+:class:`~blend.donor_records.DonorRecordError`) and replay live in :mod:`blend.donor_records`; this module
+holds the in-memory index, which appends to the logs and compacts them.
 """
 
 from __future__ import annotations
@@ -46,220 +45,24 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from blend import safeio
-from blend.defaults import DEFAULT_MAX_DONORS, DEFAULT_PURGE_TRIES
+from blend.defaults import DEFAULT_MAX_DONORS
+from blend.donor_records import (
+    CompactableLog, Donor, DonorRecordError, RecordLog, donor_from_row, donor_row, encode_record, newest_registrations,
+    removal_row, replay_records,
+)
 from blend.keys import StoreKey, token_digest
 from blend.minhash import NUM_HASHES, SHINGLE, minhash
 
 log = logging.getLogger(__name__)
 
 COMPACT_MIN_LINES = 64  # a log is compacted at attach when it has this many lines and over half are dead
-# a compaction keeps at most this many bytes of records (the most recent donors): a quarter of what a tier
-# reads at all (blend.store.record_logs.MAX_LOG_BYTES), leaving room for the appends until the next one
-LOG_KEEP_BYTES = 64 << 20
-MAX_TOKEN_ID = (1 << 32) - 1  # store keys hash token ids as uint32 (keys.token_digest)
-MAX_DONOR_TOKENS = 1 << 18  # tokens of one donor: a longer record is refused before any work on it
 MAX_SAVED_BYTES = 1 << 30  # the largest saved index DonorIndex.load reads
-
-
-@dataclass(frozen=True)
-class Donor:
-    """A stored canonical chunk that may lend its KV.
-
-    Attributes:
-        key: its canonical store key.
-        preamble: token digest of the preamble it was computed after.
-        token_ids: its token ids (for alignment).
-        signature: (NUM_HASHES,) uint64 MinHash signature.
-    """
-
-    key: StoreKey
-    preamble: bytes
-    token_ids: tuple[int, ...]
-    signature: np.ndarray
-
-
-@runtime_checkable
-class RecordLog(Protocol):
-    """An append-only log of small records kept by a persistent store tier."""
-
-    def append_record(self, log: str, line: bytes) -> None:
-        """Append one record (no newline inside) to the log named ``log``."""
-
-    def read_records(self, log: str) -> list[bytes]:
-        """Every record of ``log`` in append order (empty if there is none)."""
-
-
-@runtime_checkable
-class CompactableLog(Protocol):
-    """A record log that can be rewritten atomically (disk and Redis tiers)."""
-
-    def rewrite_records(self, log: str, expected: list[bytes], lines: list[bytes]) -> bool:
-        """Replace the log with ``lines`` only if it still holds exactly ``expected``."""
-
-
-def _donor_row(d: Donor | _Registration) -> dict:
-    """A donor as JSON (the signature is recomputed on reading, so it is always consistent)."""
-    return {"key": d.key.hex(), "preamble": d.preamble.hex(), "tokens": list(d.token_ids)}
-
-
-def _record(row: dict) -> bytes:
-    """One log record: compact JSON, no newline."""
-    return json.dumps(row, separators=(",", ":")).encode()
-
-
-def removal_record(key: StoreKey) -> bytes:
-    """The donor-log line that removes ``key``."""
-    return _record(_removal_row(key))
-
-
-def _removal_row(key: StoreKey) -> dict:
-    """The record that forgets a donor (replayed in order with the registrations)."""
-    return {"remove": bytes(key).hex()}
-
-
-class DonorRecordError(ValueError):
-    """A donor-log line (or saved index) that is not a registration or removal record."""
-
-
-def _digest32(x: Any, what: str) -> bytes:
-    """32 bytes from exactly 64 hex digits (``bytes.fromhex`` alone skips ASCII whitespace, so 64
-    characters with spaces among them would give a shorter key)."""
-    if not isinstance(x, str) or len(x) != 64:
-        raise DonorRecordError(f"{what} must be 64 hex digits")
-    try:
-        raw = bytes.fromhex(x)
-    except ValueError:
-        raise DonorRecordError(f"{what} must be 64 hex digits") from None
-    if len(raw) != 32:
-        raise DonorRecordError(f"{what} must be 64 hex digits")
-    return raw
-
-
-@dataclass(frozen=True)
-class _Registration:
-    """A registration record, checked but without its signature (replaying a log computes signatures only
-    for the donors it keeps: MinHash costs ~0.3 ms per 400-token line)."""
-
-    key: bytes
-    preamble: bytes
-    token_ids: tuple[int, ...]
-
-    def donor(self) -> Donor:
-        return Donor(StoreKey(self.key), self.preamble, self.token_ids, minhash(self.token_ids))
-
-    def record(self) -> bytes:
-        return _record(_donor_row(self))  # the line a Donor of these fields is written as
-
-
-def _registration_from_row(r: Any) -> _Registration:
-    if not isinstance(r, dict) or set(r) != {"key", "preamble", "tokens"}:
-        raise DonorRecordError("a registration is an object with key, preamble and tokens")
-    tokens = r["tokens"]
-    if isinstance(tokens, list) and len(tokens) > MAX_DONOR_TOKENS:
-        raise DonorRecordError(f"a donor holds at most {MAX_DONOR_TOKENS} tokens")
-    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):
-        raise DonorRecordError(f"tokens must be a list of whole numbers in [0, {MAX_TOKEN_ID}]")
-    key, pre = _digest32(r["key"], "key"), _digest32(r["preamble"], "preamble")
-    return _Registration(key, pre, tuple(tokens))
-
-
-def _donor_from_row(r: Any) -> Donor:
-    return _registration_from_row(r).donor()
-
-
-def _parse(line: bytes) -> _Registration | StoreKey:
-    """:func:`parse_record` without the registration's signature."""
-    try:
-        row = json.loads(line)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise DonorRecordError(f"not JSON ({type(e).__name__})") from None
-    if isinstance(row, dict) and set(row) == {"remove"}:
-        return StoreKey(_digest32(row["remove"], "removed key"))
-    return _registration_from_row(row)
-
-
-def parse_record(line: bytes) -> Donor | StoreKey:
-    """One donor-log line: a registration (the :class:`Donor`) or a removal (the key it removes).
-
-    Args:
-        line: the raw record, as read from a log.
-
-    Returns:
-        The donor registered, or the key of a removal record.
-
-    Raises:
-        DonorRecordError: for any line that is neither (and for nothing else).
-    """
-    rec = _parse(line)
-    return rec.donor() if isinstance(rec, _Registration) else rec
-
-
-def _replay(lines: Sequence[bytes]) -> tuple[list[_Registration], int]:
-    """Replay a record log in order.
-
-    Returns:
-        (the live registrations, least recently registered first; unreadable lines skipped).
-    """
-    state: dict[bytes, _Registration | None] = {}  # key -> registration, None once removed
-    bad = 0
-    for line in lines:
-        try:
-            rec = _parse(line)
-        except DonorRecordError as e:
-            bad += 1
-            log.debug("donor log: skipped a bad line: %s", e)
-            continue
-        if isinstance(rec, _Registration):
-            state.pop(rec.key, None)  # registered again: the most recent now
-            state[rec.key] = rec
-        else:
-            state[bytes(rec)] = None
-    return [r for r in state.values() if r is not None], bad
-
-
-def _newest(live: list[_Registration], max_donors: int) -> list[_Registration]:
-    """The most recent registrations of ``live`` (oldest first) that a log keeps: at most ``max_donors``,
-    and at most :data:`LOG_KEEP_BYTES` of records (a log past MAX_LOG_BYTES is not read at all)."""
-    kept, size, max_bytes = [], 0, LOG_KEEP_BYTES
-    for r in reversed(live[-max_donors:]):
-        size += len(r.record()) + 1
-        if size > max_bytes:
-            break
-        kept.append(r)
-    return kept[::-1]
-
-
-def purge_log(sink: RecordLog, name: str, max_donors: int = DEFAULT_MAX_DONORS) -> bool:
-    """Rewrite ``sink``'s donor log to one line per live donor, whatever its share of dead lines: a
-    deleted document's tokens must leave the disk or Redis now, not at some later compaction.
-
-    Args:
-        sink: a persistent tier's record log.
-        name: the log's name.
-        max_donors: the most donors the log keeps (the most recent; see :func:`_newest`).
-
-    Returns:
-        True if the log holds no removed or repeated donor afterwards (False: it cannot be rewritten, or
-        other processes kept appending through every try).
-    """
-    for _ in range(DEFAULT_PURGE_TRIES):
-        lines = sink.read_records(name)
-        live, _ = _replay(lines)
-        rows = [r.record() for r in _newest(live, max_donors)]
-        if rows == lines:  # nothing dead in it (an empty or absent log too)
-            return True
-        if not isinstance(sink, CompactableLog):
-            return False
-        if sink.rewrite_records(name, lines, rows):
-            return True
-    return False
 
 
 class DonorIndex:
@@ -302,11 +105,11 @@ class DonorIndex:
             if bytes(key) in self._keys:
                 return False
             self._insert(donor)
-            self._append(_donor_row(donor))
+            self._append(donor_row(donor))
         return True
 
     def _append(self, row: dict) -> None:
-        line = _record(row)
+        line = encode_record(row)
         for sink in self._logs:
             sink.append_record(self._log_name, line)
         self._appended += 1
@@ -319,15 +122,15 @@ class DonorIndex:
 
     def _compact(self, sink: RecordLog, lines: list[bytes], donors: bool = True) -> list[Donor]:
         """Rewrite ``sink``'s log to one line per live donor, the ``max_donors`` most recent within
-        :data:`LOG_KEEP_BYTES`, if over half its lines are dead or it holds more than those (and nobody
-        appended since ``lines`` were read).
+        :data:`~blend.donor_records.LOG_KEEP_BYTES`, if over half its lines are dead or it holds more than
+        those (and nobody appended since ``lines`` were read).
 
         Returns:
             The donors kept (verified), signatures computed; none with ``donors=False`` (a periodic
             compaction: only the log is rewritten, from the records as they are).
         """
-        live, bad = _replay(lines)
-        kept = _newest(live, self.max_donors)
+        live, bad = replay_records(lines)
+        kept = newest_registrations(live, self.max_donors)
         trimmed = len(kept) < len(live)
         out: list[Donor] = []
         if donors:
@@ -339,7 +142,7 @@ class DonorIndex:
                 log.warning("donor log %s: skipped %d unreadable line(s)", self._log_name, bad)
         if isinstance(sink, CompactableLog) and (trimmed or (len(lines) >= COMPACT_MIN_LINES
                                                              and len(lines) > 2 * len(kept))):
-            rows = [_record(_donor_row(d)) for d in out] if donors else [r.record() for r in kept]
+            rows = [encode_record(donor_row(d)) for d in out] if donors else [r.record() for r in kept]
             if sink.rewrite_records(self._log_name, lines, rows):
                 log.info("donor log %s: compacted %d lines to %d", self._log_name, len(lines), len(rows))
         return out
@@ -415,7 +218,7 @@ class DonorIndex:
             if present:
                 self._drop(bytes(key), self._order[bytes(key)])
             if present or record_absent:
-                self._append(_removal_row(key))
+                self._append(removal_row(key))
             return present
 
     def candidates(self, preamble_ids: Sequence[int], token_ids: Sequence[int], min_similarity: float,
@@ -452,7 +255,7 @@ class DonorIndex:
     def save(self, path: str | Path) -> None:
         """Write the index as JSON (atomic: temp file + rename)."""
         with self._lock:
-            rows = [_donor_row(d) for donors in self._by_pre.values() for d in donors]
+            rows = [donor_row(d) for donors in self._by_pre.values() for d in donors]
         # a private temp file per save (concurrent saves never share one), fsynced, then renamed
         safeio.atomic_write_text(path, json.dumps({"shingle": SHINGLE, "num_hashes": NUM_HASHES, "donors": rows}))
 
@@ -472,7 +275,7 @@ class DonorIndex:
         idx = cls()
         for i, r in enumerate(data["donors"]):
             try:
-                donor = _donor_from_row(r)
+                donor = donor_from_row(r)
             except DonorRecordError as e:
                 raise DonorRecordError(f"{path}: donor {i}: {e}") from None
             if bytes(donor.key) not in idx._keys:

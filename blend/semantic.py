@@ -41,7 +41,8 @@ import torch
 from blend.defaults import (
     SEMANTIC_FORCE_WINDOW, SEMANTIC_MAX_CANDIDATES, SEMANTIC_MIN_ALIGNED, SEMANTIC_MIN_SIMILARITY,
 )
-from blend.donors import Donor, DonorIndex, RecordLog, purge_log, removal_record
+from blend.donor_records import Donor, RecordLog, purge_log, removal_record
+from blend.donors import DonorIndex
 from blend.keys import Namespace, StoreKey, canonical_key_of, key_hex, provenance_digest, token_digest
 from blend.kvcache import KVEntry
 from blend.store.base import KVStore, LookupStatus, store_tiers

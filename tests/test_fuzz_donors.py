@@ -1,6 +1,6 @@
 """Fuzz: donor-log lines through the real record parser, a replaying index and the disk log reader.
 
-Property: ``donors.parse_record`` returns a Donor or a removed key, or raises
+Property: ``donor_records.parse_record`` returns a Donor or a removed key, or raises
 ``DonorRecordError``; attaching to a log of any lines never raises and loads
 exactly the lines that parse; all within the per-example bounds."""
 
@@ -14,7 +14,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from blend.donors import Donor, DonorIndex, DonorRecordError, parse_record
+from blend.donor_records import Donor, DonorRecordError, parse_record
+from blend.donors import DonorIndex
 from blend.minhash import minhash
 from blend.keys import StoreKey
 from blend.store.disk import DiskStore

@@ -465,7 +465,8 @@ def test_bad_removal_records_are_skipped():
 
 
 def test_a_log_of_mostly_dead_lines_is_compacted_as_it_grows_and_on_attach(tmp_path):
-    from blend.donors import COMPACT_MIN_LINES, removal_record
+    from blend.donor_records import removal_record
+    from blend.donors import COMPACT_MIN_LINES
     from blend.store.disk import DiskStore
 
     disk = DiskStore(tmp_path)
@@ -509,7 +510,7 @@ def test_a_donor_line_with_a_token_id_past_uint32_is_skipped_and_semantic_reuse_
     raised OverflowError out of the index's first use, and again at every later request."""
     import json as _json
 
-    from blend.donors import MAX_DONOR_TOKENS, DonorRecordError, parse_record
+    from blend.donor_records import MAX_DONOR_TOKENS, DonorRecordError, parse_record
     from blend.semantic import Donors, donor_log_name
     from blend.store.disk import DiskStore
     prov = _json.dumps({"model": "x"})
@@ -551,6 +552,7 @@ def test_a_compaction_keeps_the_most_recent_donors_within_the_cap_and_signs_only
     """Donors whose KV the store's budget evicted stayed live lines for ever: the log grew with every chunk
     ever seen until it passed the size a tier reads at all, and then no process loaded any donor. And every
     line was MinHashed on replay, the ones that would not be kept too."""
+    import blend.donor_records as R
     import blend.donors as D
     from blend.store.disk import DiskStore
 
@@ -563,24 +565,24 @@ def test_a_compaction_keeps_the_most_recent_donors_within_the_cap_and_signs_only
     # memory capped; the log trimmed as it grows (to the 10 most recent at each periodic compaction)
     assert len(first) == 10 and 10 < len(disk.read_records("donors-t")) <= D.COMPACT_MIN_LINES + 10
     signed = []
-    real = D.minhash
-    monkeypatch.setattr(D, "minhash", lambda t, *a: signed.append(1) or real(t, *a))
+    real = R.minhash  # a replay signs its donors in donor_records (Registration.donor)
+    monkeypatch.setattr(R, "minhash", lambda t, *a: signed.append(1) or real(t, *a))
     second = DonorIndex(max_donors=10)
     assert second.attach_log([disk], "donors-t") == 10
     assert len(signed) == 10  # the kept donors only, not every line replayed
-    assert [bytes(k) for k in keys[-10:]] == [bytes(r.key) for r in D._replay(disk.read_records("donors-t"))[0]]
+    assert [bytes(k) for k in keys[-10:]] == [bytes(r.key) for r in R.replay_records(disk.read_records("donors-t"))[0]]
     assert all(k in second for k in keys[-10:]) and keys[0] not in second
     first.add(keys[0], [1], list(range(40)))  # registered again: now the most recent
     third = DonorIndex(max_donors=10)
     third.attach_log([disk], "donors-t")
     assert keys[0] in third and keys[90] not in third  # the least recent left
-    monkeypatch.setattr(D, "LOG_KEEP_BYTES", 3 * len(disk.read_records("donors-t")[0]) + 3)
-    assert D.purge_log(disk, "donors-t", max_donors=10)  # the byte bound as well
+    monkeypatch.setattr(R, "LOG_KEEP_BYTES", 3 * len(disk.read_records("donors-t")[0]) + 3)
+    assert R.purge_log(disk, "donors-t", max_donors=10)  # the byte bound as well
     assert len(disk.read_records("donors-t")) == 3
 
 
 def test_the_kept_log_is_well_under_what_a_tier_reads():
-    from blend.donors import LOG_KEEP_BYTES
+    from blend.donor_records import LOG_KEEP_BYTES
     from blend.store.record_logs import MAX_LOG_BYTES
 
     assert 4 * LOG_KEEP_BYTES <= MAX_LOG_BYTES
