@@ -10,7 +10,7 @@ compactions of :class:`blend.donors.DonorIndex`, the index that appends to the l
 
 A log line is untrusted bytes: :func:`parse_record` returns a registration or a
 removal, or raises :class:`DonorRecordError`, and nothing else; token ids must be
-whole numbers in ``[0, 2**63)``, keys 32-byte hex. MinHash works over blocks of
+whole numbers in ``[0, 2**32)`` (``MAX_TOKEN_ID``), keys 32-byte hex. MinHash works over blocks of
 shingles, so a long line costs time in proportion, never a (H, S) matrix.
 """
 
