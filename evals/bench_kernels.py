@@ -235,7 +235,7 @@ def timing_rows(t: int, ratio: float, dtype: torch.dtype, device: torch.device, 
     }
     # chunked prefill: the last S = 7T/8 rows computed after T/8 cached rows (the exact path's
     # segments, prefix mode's tail, a blend check layer before selection)
-    from blend.kernels.reference import causal_suffix_attention
+    from blend.kernels.suffix_attention import causal_suffix_attention
 
     n_pre = t // 8
     suf = torch.arange(n_pre, t, device=device)

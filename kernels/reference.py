@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .checks import AttentionShape, check_attention, check_deviation, check_rope_mix, check_rope_mix_out, nondecreasing
-from .onednn_attention import blocks_onednn, suffix_onednn, use_onednn, use_onednn_suffix
+from .onednn_attention import blocks_onednn, use_onednn
+from .suffix_attention import FLASH_CPU, causal_suffix_attention, flash, merge_by_lse
 
 
 def _rotate_into_fp32(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -209,104 +210,6 @@ def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: to
     return out.to(q.dtype), probs
 
 
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-# Below this many grouped query rows (g x S) the prefix attention reads K/V in place (GQA as
-# more query rows per KV head) instead of repeating it per query head; the CPU flash op
-# switches to larger query tiles at 768 rows, where the repeat is the cheaper layout again.
-GROUPED_PREFIX_MAX_ROWS = 768
-
-
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's CPU flash op -> (out, lse), its operands' last dim made dense first: called directly (not
-    through SDPA, which does this itself) the op reads a (B, H, N, D) operand whose D stride is not 1 as
-    if it were (wrong numbers, no error; found 2026-12-05 with K/V stored dim-major). No copy otherwise."""
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return _FLASH_CPU(q, k, v, **kw)
-
-
-def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of the last S key rows' queries: keys [0, T-S) all visible, the last S causal.
-
-    This is chunked prefill (a segment appended after cached context). An
-    explicit (S, T) mask makes SDPA compute the whole rectangle; instead the
-    visible prefix and the causal square run as two fused CPU flash calls whose
-    outputs merge by their log-sum-exp (for few queries under GQA, the prefix call
-    reads K/V in place: the query heads of a KV head become its query rows)::
-
-        keys       [ prefix P, no mask ][ own S rows, causal ]
-        out  =  (o_p * exp(lse_p - m) + o_s * exp(lse_s - m)) / (exp(lse_p - m) + exp(lse_s - m))
-
-    Args:
-        q: (Hq, S, D) queries after RoPE, sitting at the positions of k's last S rows.
-        k, v: (Hkv, T, D), T >= S, Hq % Hkv == 0; keys after RoPE.
-        scale: softmax scale.
-
-    Returns:
-        (Hq, S, D) in q's dtype.
-    """
-    p = k.shape[1] - q.shape[1]
-    if p > 0 and use_onednn_suffix(q, k.shape[1]):  # one masked GEMM per query block (onednn_attention)
-        return suffix_onednn(q, k, v, scale)
-    if p == 0:  # no cached prefix: plain causal attention
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=float(scale),
-                                              enable_gqa=q.shape[0] != k.shape[0])[0]
-    return causal_suffix_attention_parts(q, k[:, :p], v[:, :p], k[:, p:], v[:, p:], scale)
-
-
-def causal_suffix_attention_parts(q: torch.Tensor, k_pre: torch.Tensor, v_pre: torch.Tensor, k_own: torch.Tensor,
-                                  v_own: torch.Tensor, scale: float) -> torch.Tensor:
-    """:func:`causal_suffix_attention` with the visible prefix and the queries' own rows in two tensors
-    (the same program: the contiguous form calls this with its two slices), so a prefix held
-    elsewhere (a cache's shared, read-only prefix) is attended in place, without a copy.
-
-    Args:
-        q: (Hq, S, D) queries after RoPE, at the positions of ``k_own``'s rows.
-        k_pre, v_pre: (Hkv, P, D), P >= 1, every row visible to every query.
-        k_own, v_own: (Hkv, S, D), causal among the queries.
-        scale: softmax scale.
-
-    Returns:
-        (Hq, S, D) in q's dtype.
-    """
-    hq, s, _ = q.shape
-    hkv = k_pre.shape[0]
-    gqa = hq != hkv
-    if use_onednn_suffix(q, k_pre.shape[1] + s):  # the same program as the contiguous form's, over a copy
-        return suffix_onednn(q, torch.cat([k_pre, k_own], dim=1), torch.cat([v_pre, v_own], dim=1), scale)
-    if _FLASH_CPU is None or q.device.type != "cpu":
-        k, v = torch.cat([k_pre, k_own], dim=1), torch.cat([v_pre, v_own], dim=1)  # (Hkv, T, D)
-        p, t = k_pre.shape[1], k.shape[1]
-        pos = torch.arange(t, device=q.device)
-        visible = pos[None, :] <= pos[p:, None]  # (S, T)
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=float(scale),
-                                              enable_gqa=gqa)[0]
-    g = hq // hkv
-    if gqa and g * s < GROUPED_PREFIX_MAX_ROWS:
-        # the prefix needs no mask, so the g query heads of a KV head are g x S query rows of it:
-        # no copy of the (long) prefix K/V; the causal square repeats its own S rows only
-        qg = q.reshape(hkv, g * s, q.shape[2])  # (Hkv, g S, D): query head h reads KV head h // g
-        o_p, lse_p = _flash(qg[None], k_pre[None], v_pre[None], scale=float(scale))  # (1,Hkv,gS,D)
-        o_p, lse_p = o_p.reshape(1, hq, s, -1), lse_p.reshape(1, hq, s)  # (1, Hq, S, D), (1, Hq, S)
-        ks = k_own.repeat_interleave(g, dim=0)  # (Hq, S, D)
-        vs = v_own.repeat_interleave(g, dim=0)  # (Hq, S, D)
-        o_s, lse_s = _flash(q[None], ks[None], vs[None], is_causal=True, scale=float(scale))
-    else:
-        if gqa:  # the CPU flash op wants equal head counts
-            k_pre, v_pre = k_pre.repeat_interleave(g, dim=0), v_pre.repeat_interleave(g, dim=0)  # (Hq, P, D)
-            k_own, v_own = k_own.repeat_interleave(g, dim=0), v_own.repeat_interleave(g, dim=0)  # (Hq, S, D)
-        o_p, lse_p = _flash(q[None], k_pre[None], v_pre[None], scale=float(scale))  # (1,Hq,S,D) (1,Hq,S)
-        o_s, lse_s = _flash(q[None], k_own[None], v_own[None], is_causal=True, scale=float(scale))
-    return _merge_by_lse(o_p, lse_p, o_s, lse_s)[0].to(q.dtype)  # (Hq, S, D)
-
-
-def _merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
-    """Attention over two disjoint key sets merged into attention over both, from each part's output
-    (..., S, D) and log-sum-exp (..., S); float32. A part whose row saw no key has lse -inf (weight 0)."""
-    m = torch.maximum(lse1, lse2)  # (..., S)
-    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)  # (..., S) each
-    return (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
-
-
 # sparse_query_attention_blocked: query blocks of ~BLOCK_ROWS queries (BLOCKS_MIN to BLOCKS_MAX of them);
 # a block whose shared key prefix is at least SPLIT_MIN_PREFIX keys attends to it without a mask
 # (a second call and a merge cost less than masking that many keys; below it they cost more: a
@@ -402,7 +305,7 @@ def plan_query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, q_heads: int, kv
     onednn = use_onednn(t, q_pos.device, dtype)
     blocks = blocks or default_blocks(s, t, onednn)
     sizes = dict(q_pos=q_pos, k_pos=k_pos, q_heads=q_heads, kv_heads=kv_heads)
-    if (_FLASH_CPU is None or q_pos.device.type != "cpu" or s < 2 * blocks or t == 0
+    if (FLASH_CPU is None or q_pos.device.type != "cpu" or s < 2 * blocks or t == 0
             or not (nondecreasing(q_pos) and nondecreasing(k_pos))):
         return BlockPlan(AttentionRoute.REFERENCE, **sizes)
     if _is_suffix(q_pos, k_pos):
@@ -452,12 +355,12 @@ def _blocks_flash(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, scale: f
         qg = qf[:, a:b].reshape(hkv, g * (b - a), d)  # (Hkv, g Sb, D): query head h reads KV head h // g
         parts = []
         if lo > 0:  # (1, Hkv, g Sb, D), (1, Hkv, g Sb)
-            parts.append(_flash(qg[None], kf[None, :, :lo], vf[None, :, :lo], scale=float(scale)))
+            parts.append(flash(qg[None], kf[None, :, :lo], vf[None, :, :lo], scale=float(scale)))
         if blk.mask is not None:
-            o, lse = _flash(qg[None], kf[None, :, lo:tb], vf[None, :, lo:tb], attn_mask=blk.mask,
+            o, lse = flash(qg[None], kf[None, :, lo:tb], vf[None, :, lo:tb], attn_mask=blk.mask,
                                 scale=float(scale))
             parts.append((o, lse.masked_fill(blk.none, float("-inf"))))
-        o = _merge_by_lse(*parts[0], *parts[1]) if len(parts) == 2 else parts[0][0]  # (1, Hkv, g Sb, D)
+        o = merge_by_lse(*parts[0], *parts[1]) if len(parts) == 2 else parts[0][0]  # (1, Hkv, g Sb, D)
         out[:, a:b] = o[0].reshape(hq, b - a, d)
 
 

@@ -6,6 +6,7 @@ import torch
 
 import blend.kernels.onednn_attention as O
 import blend.kernels.reference as R
+import blend.kernels.suffix_attention as S
 from blend.gemm import onednn_available
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
@@ -29,7 +30,7 @@ def onednn_calls(attention_route, monkeypatch):
             return fn(*a, **kw)
         return wrapped
 
-    monkeypatch.setattr(R, "suffix_onednn", count("suffix", R.suffix_onednn))
+    monkeypatch.setattr(S, "suffix_onednn", count("suffix", S.suffix_onednn))
     monkeypatch.setattr(R, "blocks_onednn", count("blocks", R.blocks_onednn))
     return calls
 

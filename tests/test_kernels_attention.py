@@ -110,11 +110,18 @@ def test_blocked_cpu_path_runs_the_flash_op_in_the_inputs_dtype(dtype, monkeypat
     """A bf16 / fp16 engine's blend attends as its prefill does: the flash op on its own K/V (no float32
     copy of them per layer), both parts of a block with a long shared prefix, merged in float32."""
     import blend.kernels.reference as R
+    import blend.kernels.suffix_attention as S
 
     attention_route("flash")
     seen = []
-    real = R._flash
-    monkeypatch.setattr(R, "_flash", lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or real(q, k, v, **kw))
+    real = S.flash
+
+    def spy(q, k, v, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(S, "flash", spy)
+    monkeypatch.setattr(R, "flash", spy)
     t = R.SPLIT_MIN_PREFIX + 400
     gen = torch.Generator().manual_seed(12)
     rows = torch.sort(torch.randperm(t - 64, generator=gen)[:150] + 64).values
@@ -165,7 +172,7 @@ def test_cpu_dispatch_uses_the_blocked_path(monkeypatch):
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("s", [45, 300])  # 3 x 300 rows: past GROUPED_PREFIX_MAX_ROWS, K/V repeated per head
 def test_causal_suffix_attention_matches_masked_reference(dtype, prefix, group, s):
-    from blend.kernels.reference import GROUPED_PREFIX_MAX_ROWS, causal_suffix_attention
+    from blend.kernels.suffix_attention import GROUPED_PREFIX_MAX_ROWS, causal_suffix_attention
 
     assert 3 * 45 < GROUPED_PREFIX_MAX_ROWS <= 3 * 300
     t = prefix + s
@@ -379,7 +386,7 @@ def test_chunked_prefill_on_onednn_matches_the_flash_op_and_reads_an_attached_pr
     """A segment after cached rows (the exact path's chunked prefill) on oneDNN's GEMMs: within float32
     rounding of the flash op's prefix-and-square program, and the same bits whether the cached rows
     are the front of one tensor or a separate (attached) one."""
-    from blend.kernels.reference import causal_suffix_attention, causal_suffix_attention_parts
+    from blend.kernels.suffix_attention import causal_suffix_attention, causal_suffix_attention_parts
 
     gen = torch.Generator().manual_seed(p + s)
     t, d = p + s, 32
