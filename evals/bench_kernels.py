@@ -247,7 +247,7 @@ def timing_rows(t: int, ratio: float, dtype: torch.dtype, device: torch.device, 
     if t <= 8192:  # explicit (Hq, S, T) scores: 1.5 GB at 16k
         groups["sparse_query_attention"].append(("matmul + masked softmax", lambda: matmul_softmax(*att)))
     if vllm:
-        from blend.kernels.reference import sparse_query_attention_blocked
+        from blend.kernels.query_blocks import sparse_query_attention_blocked
         from blend.kernels.vllm_cpu import sparse_query_attention_vllm
 
         groups["sparse_query_attention"] += [
