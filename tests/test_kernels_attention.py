@@ -198,7 +198,7 @@ def test_blocked_path_takes_the_suffix_route_when_every_row_is_active(monkeypatc
 def test_attention_probs_masks_only_what_some_query_cannot_see(where):
     """The probe's attention with probabilities: bit-identical to masking every column, and the
     probabilities agree with the reference attention's output."""
-    from blend.kernels.reference import attention_probs
+    from blend.kernels.probabilities import attention_probs
 
     gen = torch.Generator().manual_seed(3)
     t, s, hkv, g, d = 120, 9, 2, 3, 16
