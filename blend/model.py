@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from blend.gemm import GemmBackend, dense, linear, pack, packs_natively
-from blend.kernels.reference import causal_suffix_attention, causal_suffix_attention_parts
+from blend.kernels.suffix_attention import causal_suffix_attention, causal_suffix_attention_parts
 from blend.kvcache import KVCache, KVEntry
 from blend.kvpool import KVBufferPool
 from blend.layer_weights import LayerWeights, ModelDims, dims_of, extract_layer

@@ -235,7 +235,7 @@ def timing_rows(t: int, ratio: float, dtype: torch.dtype, device: torch.device, 
     }
     # chunked prefill: the last S = 7T/8 rows computed after T/8 cached rows (the exact path's
     # segments, prefix mode's tail, a blend check layer before selection)
-    from blend.kernels.reference import causal_suffix_attention
+    from blend.kernels.suffix_attention import causal_suffix_attention
 
     n_pre = t // 8
     suf = torch.arange(n_pre, t, device=device)
@@ -247,7 +247,7 @@ def timing_rows(t: int, ratio: float, dtype: torch.dtype, device: torch.device, 
     if t <= 8192:  # explicit (Hq, S, T) scores: 1.5 GB at 16k
         groups["sparse_query_attention"].append(("matmul + masked softmax", lambda: matmul_softmax(*att)))
     if vllm:
-        from blend.kernels.reference import sparse_query_attention_blocked
+        from blend.kernels.query_blocks import sparse_query_attention_blocked
         from blend.kernels.vllm_cpu import sparse_query_attention_vllm
 
         groups["sparse_query_attention"] += [

@@ -41,18 +41,9 @@ else:
         sparse_query_attention,
     )
     from .onednn_attention import attention_label
-    from .reference import (
-        BlockPlan,
-        HiddenKeys,
-        attention_probs,
-        hidden_keys,
-        kv_deviation_ref,
-        plan_query_blocks,
-        query_attention_mass,
-        rope_mix_ref,
-        sparse_query_attention_blocked,
-        sparse_query_attention_ref,
-    )
+    from .probabilities import HiddenKeys, attention_probs, hidden_keys, query_attention_mass
+    from .query_blocks import BlockPlan, plan_query_blocks, sparse_query_attention_blocked
+    from .reference import kv_deviation_ref, rope_mix_ref, sparse_query_attention_ref
     from .tolerances import TOL, Tol
 
     __all__ = [

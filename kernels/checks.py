@@ -20,6 +20,19 @@ def nondecreasing(x: torch.Tensor) -> bool:
     return x.numel() < 2 or bool((x[1:] >= x[:-1]).all())
 
 
+def same_positions(made: torch.Tensor, given: torch.Tensor) -> bool:
+    """Positions a plan was made from and a call's: the same tensor (a caller reusing its plan) costs
+    nothing; other tensors are compared.
+
+    Args:
+        made: the positions a plan (or a mask) was made from; given: a call's.
+
+    Returns:
+        Whether they are the same positions.
+    """
+    return made is given or (made.shape == given.shape and bool(torch.equal(made, given)))
+
+
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)

@@ -29,10 +29,8 @@ import torch
 
 from . import vllm_cpu
 from .env import env_choice
-from .reference import (
-    BlockPlan, kv_deviation_ref, rope_mix_ref, rope_rows_ref, sparse_query_attention_blocked,
-    sparse_query_attention_ref,
-)
+from .query_blocks import BlockPlan, sparse_query_attention_blocked
+from .reference import kv_deviation_ref, rope_mix_ref, rope_rows_ref, sparse_query_attention_ref
 
 ENV_VAR = "KVBLEND_KERNELS"
 
@@ -233,7 +231,7 @@ def sparse_query_attention(
         v: (Hkv, T, D) values, same dtype as ``q``.
         k_pos: (T,) int64 absolute positions of the keys.
         scale: softmax scale (usually ``D ** -0.5``).
-        plan: the CPU path's :class:`~blend.kernels.reference.BlockPlan` for these positions, made once
+        plan: the CPU path's :class:`~blend.kernels.query_blocks.BlockPlan` for these positions, made once
             by a caller that attends at the same positions layer after layer (other backends ignore it).
 
     Returns:

@@ -12,7 +12,7 @@ heads of a KV head as its rows) runs here as, per KV head::
     P = softmax(S) in place          one pass per row, in cache
     O = P V[:tb]                     oneDNN GEMM over a contiguous V^T copy    (g Sb, D)
 
-- :func:`blocks_onednn`: the blend's blocks (``reference.sparse_query_attention_blocked``'s plan), from
+- :func:`blocks_onednn`: the blend's blocks (``query_blocks.sparse_query_attention_blocked``'s plan), from
   :data:`ONEDNN_MIN_KEYS` keys.
 - :func:`suffix_onednn`: chunked prefill (a segment after cached rows: the full prefill's later segments,
   the exact path, the blend's check layer), from :data:`SUFFIX_MIN_KEYS` keys and
@@ -45,7 +45,7 @@ from blend.gemm import onednn_available
 from .env import env_choice
 
 if TYPE_CHECKING:
-    from .reference import BlockPlan
+    from .query_blocks import BlockPlan
 
 ENV_VAR = "KVBLEND_ATTENTION_GEMM"
 ONEDNN_MIN_KEYS = 2048  # keys from which a blend's blocked call runs on oneDNN's GEMMs (kernel-level: 1.03-1.13x

@@ -33,7 +33,8 @@ from functools import lru_cache
 import torch
 
 from .checks import check_attention, nondecreasing
-from .reference import sparse_query_attention_blocked, sparse_query_attention_ref
+from .query_blocks import sparse_query_attention_blocked
+from .reference import sparse_query_attention_ref
 from .tolerances import TOL
 
 log = logging.getLogger(__name__)

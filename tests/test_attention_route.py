@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import blend.kernels.onednn_attention as O
-import blend.kernels.reference as R
+import blend.kernels.query_blocks as Q
+import blend.kernels.suffix_attention as S
 from blend.gemm import onednn_available
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
@@ -29,8 +30,8 @@ def onednn_calls(attention_route, monkeypatch):
             return fn(*a, **kw)
         return wrapped
 
-    monkeypatch.setattr(R, "suffix_onednn", count("suffix", R.suffix_onednn))
-    monkeypatch.setattr(R, "blocks_onednn", count("blocks", R.blocks_onednn))
+    monkeypatch.setattr(S, "suffix_onednn", count("suffix", S.suffix_onednn))
+    monkeypatch.setattr(Q, "blocks_onednn", count("blocks", Q.blocks_onednn))
     return calls
 
 

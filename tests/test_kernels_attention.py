@@ -109,20 +109,27 @@ def test_blocked_cpu_path_matches_reference(dtype, group, blocks):
 def test_blocked_cpu_path_runs_the_flash_op_in_the_inputs_dtype(dtype, monkeypatch, attention_route):
     """A bf16 / fp16 engine's blend attends as its prefill does: the flash op on its own K/V (no float32
     copy of them per layer), both parts of a block with a long shared prefix, merged in float32."""
-    import blend.kernels.reference as R
+    import blend.kernels.query_blocks as Q
+    import blend.kernels.suffix_attention as S
 
     attention_route("flash")
     seen = []
-    real = R._flash
-    monkeypatch.setattr(R, "_flash", lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or real(q, k, v, **kw))
-    t = R.SPLIT_MIN_PREFIX + 400
+    real = S.flash
+
+    def spy(q, k, v, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(S, "flash", spy)
+    monkeypatch.setattr(Q, "flash", spy)
+    t = Q.SPLIT_MIN_PREFIX + 400
     gen = torch.Generator().manual_seed(12)
     rows = torch.sort(torch.randperm(t - 64, generator=gen)[:150] + 64).values
     inp = make_attention_inputs(2, 3, t, 64, rows, dtype)
     # four blocks: some with a long shared prefix
-    plan = R.plan_query_blocks(inp.q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0], blocks=4)
-    assert plan.route is R.AttentionRoute.BLOCKS and any(b.lo >= R.SPLIT_MIN_PREFIX for b in plan.blocks)
-    got = R.sparse_query_attention_blocked(*inp.args(), plan=plan)
+    plan = Q.plan_query_blocks(inp.q_pos, inp.k_pos, inp.q.shape[0], inp.k.shape[0], blocks=4)
+    assert plan.route is Q.AttentionRoute.BLOCKS and any(b.lo >= Q.SPLIT_MIN_PREFIX for b in plan.blocks)
+    got = Q.sparse_query_attention_blocked(*inp.args(), plan=plan)
     assert seen and all(d == (dtype,) * 3 for d in seen)
     assert len(seen) > len(plan.blocks)  # two parts for some block
     assert got.dtype == dtype and got.shape == inp.q.shape
@@ -165,7 +172,7 @@ def test_cpu_dispatch_uses_the_blocked_path(monkeypatch):
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("s", [45, 300])  # 3 x 300 rows: past GROUPED_PREFIX_MAX_ROWS, K/V repeated per head
 def test_causal_suffix_attention_matches_masked_reference(dtype, prefix, group, s):
-    from blend.kernels.reference import GROUPED_PREFIX_MAX_ROWS, causal_suffix_attention
+    from blend.kernels.suffix_attention import GROUPED_PREFIX_MAX_ROWS, causal_suffix_attention
 
     assert 3 * 45 < GROUPED_PREFIX_MAX_ROWS <= 3 * 300
     t = prefix + s
@@ -175,14 +182,14 @@ def test_causal_suffix_attention_matches_masked_reference(dtype, prefix, group, 
 
 
 def test_blocked_path_takes_the_suffix_route_when_every_row_is_active(monkeypatch):
-    import blend.kernels.reference as R
+    import blend.kernels.query_blocks as Q
 
     seen = []
-    real = R.causal_suffix_attention
-    monkeypatch.setattr(R, "causal_suffix_attention", lambda *a: seen.append(1) or real(*a))
+    real = Q.causal_suffix_attention
+    monkeypatch.setattr(Q, "causal_suffix_attention", lambda *a: seen.append(1) or real(*a))
     t = 300
     inp = make_attention_inputs(3, 3, t, 64, torch.arange(100, t), torch.float32)
-    got = R.sparse_query_attention_blocked(*inp.args())
+    got = Q.sparse_query_attention_blocked(*inp.args())
     assert seen == [1]
     assert_close_tol(got, sparse_query_attention_ref(*inp.args()))
 
@@ -191,7 +198,7 @@ def test_blocked_path_takes_the_suffix_route_when_every_row_is_active(monkeypatc
 def test_attention_probs_masks_only_what_some_query_cannot_see(where):
     """The probe's attention with probabilities: bit-identical to masking every column, and the
     probabilities agree with the reference attention's output."""
-    from blend.kernels.reference import attention_probs
+    from blend.kernels.probabilities import attention_probs
 
     gen = torch.Generator().manual_seed(3)
     t, s, hkv, g, d = 120, 9, 2, 3, 16
@@ -214,7 +221,7 @@ def test_a_plan_made_once_gives_the_same_bits_at_every_call(case):
     """A blend makes the blocked attention's plan once per active row set and reuses it layer after
     layer: with new q, K and V at the same positions, the planned call equals the unplanned one."""
     from blend.kernels import plan_query_blocks, sparse_query_attention_blocked
-    from blend.kernels.reference import SPLIT_MIN_PREFIX, AttentionRoute
+    from blend.kernels.query_blocks import SPLIT_MIN_PREFIX, AttentionRoute
 
     t = {"short prefix": 300}.get(case, SPLIT_MIN_PREFIX + 400)
     gen = torch.Generator().manual_seed(7)
@@ -245,7 +252,7 @@ def test_a_plan_made_once_gives_the_same_bits_at_every_call(case):
 def test_default_blocks_grow_with_the_keys_on_the_flash_route():
     """Larger query tiles run the flash op faster per pair; longer keys make them worth their larger masked
     spans. The shapes of a default blend's attention after its check layer (SmolLM2, 5 and 10 passages)."""
-    from blend.kernels.reference import default_blocks
+    from blend.kernels.query_blocks import default_blocks
 
     assert default_blocks(949, 6227, onednn=False) == 3  # ~6k tokens: was 14
     assert default_blocks(1875, 6227, onednn=False) == 6
@@ -296,7 +303,7 @@ def test_onednn_blocks_match_the_flash_route_and_the_reference(case, attention_r
     """The same blocks as oneDNN GEMMs: within float32 rounding of the flash route (another summation
     order), every query of every block written, blind queries zero, any K/V layout."""
     from blend.kernels import plan_query_blocks, sparse_query_attention_blocked
-    from blend.kernels.reference import SPLIT_MIN_PREFIX
+    from blend.kernels.query_blocks import SPLIT_MIN_PREFIX
 
     attention_route("onednn", ONEDNN_MIN_KEYS=256)
     t = 300 if case == "short prefix" else SPLIT_MIN_PREFIX + 400
@@ -379,7 +386,7 @@ def test_chunked_prefill_on_onednn_matches_the_flash_op_and_reads_an_attached_pr
     """A segment after cached rows (the exact path's chunked prefill) on oneDNN's GEMMs: within float32
     rounding of the flash op's prefix-and-square program, and the same bits whether the cached rows
     are the front of one tensor or a separate (attached) one."""
-    from blend.kernels.reference import causal_suffix_attention, causal_suffix_attention_parts
+    from blend.kernels.suffix_attention import causal_suffix_attention, causal_suffix_attention_parts
 
     gen = torch.Generator().manual_seed(p + s)
     t, d = p + s, 32

@@ -1,7 +1,7 @@
 # Micro-benchmark of block sizes and split thresholds for sparse_query_attention_blocked against the previous
 # version (argv[1]: that commit's kernels/reference.py with absolute imports); PYTHONPATH=. python ... OLD.py
 import time, torch, statistics, sys, importlib.util
-import blend.kernels.reference as R
+import blend.kernels.query_blocks as Q
 spec = importlib.util.spec_from_file_location("old_reference", sys.argv[1])
 old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
 torch.manual_seed(0)
@@ -12,8 +12,8 @@ def case(T, nq):
     return torch.randn(hq, len(q_pos), D), q_pos, torch.randn(hkv, T, D), torch.randn(hkv, T, D), torch.arange(T)
 def variant(rows, bmin, bmax, split):
     def f(*a):
-        R.BLOCK_ROWS, R.BLOCKS_MIN, R.BLOCKS_MAX, R.SPLIT_MIN_PREFIX = rows, bmin, bmax, split
-        return R.sparse_query_attention_blocked(*a, 0.125)
+        Q.BLOCK_ROWS, Q.BLOCKS_MIN, Q.BLOCKS_MAX, Q.SPLIT_MIN_PREFIX = rows, bmin, bmax, split
+        return Q.sparse_query_attention_blocked(*a, 0.125)
     return f
 V = {"old": lambda *a: old.sparse_query_attention_blocked(*a, 0.125),
      "split64 4-16 all": variant(64, 4, 16, 1), "split64 4-16 >=512": variant(64, 4, 16, 512),

@@ -7,7 +7,9 @@
 import os, statistics, time
 import torch
 import blend.kernels.onednn_attention as O
+import blend.kernels.query_blocks as Q
 import blend.kernels.reference as R
+import blend.kernels.suffix_attention as S
 from blend.kernels.onednn_attention import ENV_VAR, attention_gemm_policy, suffix_onednn
 
 torch.manual_seed(0)
@@ -31,11 +33,11 @@ def blend_case(t, nq=80):
     min_keys, O.ONEDNN_MIN_KEYS = O.ONEDNN_MIN_KEYS, 0  # the oneDNN route below its threshold too
     for mode in ("flash", "onednn"):
         os.environ[ENV_VAR] = mode; attention_gemm_policy.cache_clear()
-        plans[mode] = R.plan_query_blocks(q_pos, args[4], HQ, HKV)
+        plans[mode] = Q.plan_query_blocks(q_pos, args[4], HQ, HKV)
     os.environ[ENV_VAR], O.ONEDNN_MIN_KEYS = "auto", min_keys; attention_gemm_policy.cache_clear()
     ref = R.sparse_query_attention_ref(*args)
-    diff = max((R.sparse_query_attention_blocked(*args, plan=p) - ref).abs().max().item() for p in plans.values())
-    ts = timed({m: (lambda p=p: R.sparse_query_attention_blocked(*args, plan=p)) for m, p in plans.items()})
+    diff = max((Q.sparse_query_attention_blocked(*args, plan=p) - ref).abs().max().item() for p in plans.values())
+    ts = timed({m: (lambda p=p: Q.sparse_query_attention_blocked(*args, plan=p)) for m, p in plans.items()})
     gf = sum(4 * HQ * (b.b - b.a) * b.tb * D for b in plans["flash"].blocks) / 1e9  # computed pairs (masked too)
     print(f"blend blocks  T={t:5d} queries={len(q_pos):4d}  flash {ts['flash']*1e3:7.2f} ms  onednn {ts['onednn']*1e3:7.2f} ms"
           f"  ratio {ts['onednn']/ts['flash']:.3f}  ({gf/ts['flash']:.0f} vs {gf/ts['onednn']:.0f} GFLOP/s; max |diff| {diff:.1e})",
@@ -48,7 +50,7 @@ def suffix_case(p, s):
     t = p + s
     q, k, v = torch.randn(HQ, s, D), torch.randn(HKV, t, D), torch.randn(HKV, t, D)
     os.environ[ENV_VAR] = "flash"; attention_gemm_policy.cache_clear()
-    flash = lambda: R.causal_suffix_attention(q, k, v, 0.125)
+    flash = lambda: S.causal_suffix_attention(q, k, v, 0.125)
     onednn = lambda: suffix_onednn(q, k, v, 0.125)
     diff = (flash() - onednn()).abs().max().item()
     ts = timed({"flash": flash, "onednn": onednn}, rounds=11)

@@ -22,11 +22,12 @@ import torch
 import torch.nn.functional as F
 
 import blend.blending as blending
-import blend.kernels.reference as ref
+import blend.kernels.query_blocks as query_blocks
 from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.bench_phases import SIZES, size_prompts
 from blend.evals.methods import parse_methods
+from blend.kernels.suffix_attention import flash
 from blend.store.memory import MemoryStore
 
 REPEATS = 7
@@ -72,7 +73,7 @@ def staircase(q, k, v, q_pos, k_pos, scale, cuts: int):
     hq, s, d = q.shape
     hkv = k.shape[0]
     g = hq // hkv
-    plan = ref.plan_query_blocks(q_pos, k_pos, hq, hkv)
+    plan = query_blocks.plan_query_blocks(q_pos, k_pos, hq, hkv)
     blocks = plan.blocks
     picks = sorted({blocks[round(i * len(blocks) / (cuts + 1))].lo for i in range(1, cuts + 1)} - {0})
     q4 = q.view(hkv, g, s, d)
@@ -81,7 +82,7 @@ def staircase(q, k, v, q_pos, k_pos, scale, cuts: int):
     for c in picks:
         s0 = next(b.a for b in blocks if b.lo >= c)
         qs = q4[:, :, s0:].reshape(hkv, g * (s - s0), d)
-        o, lse = ref._flash(qs[None], k[None, :, prev:c], v[None, :, prev:c], scale=scale)
+        o, lse = flash(qs[None], k[None, :, prev:c], v[None, :, prev:c], scale=scale)
         o, lse = o[0].view(hkv, g, s - s0, d), lse[0].view(hkv, g, s - s0)
         if acc_o is None:
             acc_o, acc_l, acc_start = o, lse, s0
@@ -99,14 +100,14 @@ def staircase(q, k, v, q_pos, k_pos, scale, cuts: int):
         if cb:
             sl = slice(b.a - acc_start, b.b - acc_start)
             parts.append((acc_o[:, :, sl].reshape(1, hkv, -1, d), acc_l[:, :, sl].reshape(1, hkv, -1)))
-        lo = b.lo if b.lo - cb >= ref.SPLIT_MIN_PREFIX else cb
+        lo = b.lo if b.lo - cb >= query_blocks.SPLIT_MIN_PREFIX else cb
         if lo > cb:
-            parts.append(ref._flash(qb[None], k[None, :, cb:lo], v[None, :, cb:lo], scale=scale))
+            parts.append(flash(qb[None], k[None, :, cb:lo], v[None, :, cb:lo], scale=scale))
         if b.tb > lo:
             vis = k_pos[None, lo:b.tb] <= q_pos[b.a:b.b, None]
             mask = torch.zeros(vis.shape).masked_fill_(~vis, float("-inf")).repeat(g, 1)[None, None]
             none = (torch.searchsorted(k_pos, q_pos[b.a:b.b], right=True) == lo).repeat(g)
-            o, lse = ref._flash(qb[None], k[None, :, lo:b.tb], v[None, :, lo:b.tb], attn_mask=mask, scale=scale)
+            o, lse = flash(qb[None], k[None, :, lo:b.tb], v[None, :, lo:b.tb], attn_mask=mask, scale=scale)
             parts.append((o, lse.masked_fill(none, float("-inf"))))
         o, lse = parts[0]
         for o2, l2 in parts[1:]:
@@ -122,15 +123,15 @@ def main() -> None:
         s, t = q_pos.numel(), k_pos.numel()
         q, k, v = torch.randn(9, s, 64), torch.randn(3, t, 64), torch.randn(3, t, 64)
         qf = torch.randn(9, t, 64)
-        default = ref.plan_query_blocks(q_pos, k_pos, 9, 3)
-        want = ref.sparse_query_attention_blocked(q, q_pos, k, v, k_pos, 0.125, plan=default)
+        default = query_blocks.plan_query_blocks(q_pos, k_pos, 9, 3)
+        want = query_blocks.sparse_query_attention_blocked(q, q_pos, k, v, k_pos, 0.125, plan=default)
         pairs = int(torch.searchsorted(k_pos, q_pos, right=True).sum())
         full_pairs = t * (t + 1) // 2
         runs = {"engine's plan (%d blocks)" % len(default.blocks):
-                lambda: ref.sparse_query_attention_blocked(q, q_pos, k, v, k_pos, 0.125, plan=default)}
+                lambda: query_blocks.sparse_query_attention_blocked(q, q_pos, k, v, k_pos, 0.125, plan=default)}
         for n in (3, 6):
-            p = ref.plan_query_blocks(q_pos, k_pos, 9, 3, n)
-            runs[f"{n} blocks"] = lambda p=p: ref.sparse_query_attention_blocked(q, q_pos, k, v, k_pos, 0.125, plan=p)
+            p = query_blocks.plan_query_blocks(q_pos, k_pos, 9, 3, n)
+            runs[f"{n} blocks"] = lambda p=p: query_blocks.sparse_query_attention_blocked(q, q_pos, k, v, k_pos, 0.125, plan=p)
         for c in (2, 4, 6):
             runs[f"staircase, {c} cuts"] = lambda c=c: staircase(q, k, v, q_pos, k_pos, 0.125, c)
         runs["full prefill, causal"] = lambda: F.scaled_dot_product_attention(
@@ -152,7 +153,7 @@ def main() -> None:
     k, v = torch.randn(1, 3, 4096, 64), torch.randn(1, 3, 4096, 64)
     for rows in (204, 384, 768, 1024, 2847):
         q = torch.randn(1, 3, rows, 64)
-        sec = median_s(lambda: ref._flash(q, k, v, scale=0.125))
+        sec = median_s(lambda: flash(q, k, v, scale=0.125))
         print(f"  {rows:5d} rows: {sec * 1e9 / (rows * 4096):.2f} ns per grouped row and key")
 
 

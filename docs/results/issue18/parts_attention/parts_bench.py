@@ -3,16 +3,16 @@
     OMP_NUM_THREADS=2 .venv/bin/python docs/results/issue18/parts_attention/parts_bench.py
 """
 import time, torch
-from blend.kernels.reference import _flash
+from blend.kernels.suffix_attention import flash
 torch.manual_seed(0)
 hkv, g, s, d = 3, 3, 25, 64
 q = torch.randn(hkv, g * s, d)
 bounds = [0, 29, 619, 1220, 1803, 2439, 3045]
 K = torch.randn(hkv, 3045, d); V = torch.randn(hkv, 3045, d)
 def one():
-    return _flash(q[None], K[None], V[None], scale=0.125)
+    return flash(q[None], K[None], V[None], scale=0.125)
 def parts():
-    outs = [_flash(q[None], K[None, :, a:b], V[None, :, a:b], scale=0.125) for a, b in zip(bounds, bounds[1:])]
+    outs = [flash(q[None], K[None, :, a:b], V[None, :, a:b], scale=0.125) for a, b in zip(bounds, bounds[1:])]
     lse = torch.stack([l for _, l in outs]); o = torch.stack([o for o, _ in outs])
     m = lse.max(0).values; w = torch.exp(lse - m)
     return (o * w[..., None]).sum(0) / w.sum(0)[..., None]

@@ -13,19 +13,19 @@ import time
 
 import torch
 
-import blend.kernels.reference as ref
+import blend.kernels.query_blocks as blocks
 from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.bench_phases import SIZES, size_prompts
 from blend.evals.methods import parse_methods
 from blend.store.memory import MemoryStore
 
-NEW = ref.default_blocks
+NEW = blocks.default_blocks
 
 
 def before(queries: int, keys: int, onednn: bool) -> int:
     """The rule before: one block per 64 queries, 4 to 16, on either route."""
-    return min(ref.BLOCKS_MAX, max(ref.BLOCKS_MIN, queries // ref.BLOCK_ROWS))
+    return min(blocks.BLOCKS_MAX, max(blocks.BLOCKS_MIN, queries // blocks.BLOCK_ROWS))
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
             engine.precompute(p, blend)
             logits = {}
             for rule, fn in (("before", before), ("now", NEW)):  # warm-up
-                ref.default_blocks = fn
+                blocks.default_blocks = fn
                 logits[rule] = engine.generate(p, blend, max_new_tokens=1).first_logits
             same_logits += int(torch.equal(logits["before"], logits["now"]))
             engine.generate(p, full, max_new_tokens=1)
@@ -53,9 +53,9 @@ def main() -> None:
                 t_full = engine.generate(p, full, max_new_tokens=1).ttft_s
                 order = (("before", before), ("now", NEW)) if r % 2 == 0 else (("now", NEW), ("before", before))
                 for rule, fn in order:
-                    ref.default_blocks = fn
+                    blocks.default_blocks = fn
                     ratios[rule].append(engine.generate(p, blend, max_new_tokens=1).ttft_s / t_full)
-        ref.default_blocks = NEW
+        blocks.default_blocks = NEW
         b, n = statistics.median(ratios["before"]), statistics.median(ratios["now"])
         paired = statistics.median(x / y for x, y in zip(ratios["now"], ratios["before"]))
         print(f"{size:>4}: blend@0.15 / full prefill: before {b:.4f}x, now {n:.4f}x; paired now/before {paired:.3f} "

@@ -1,5 +1,6 @@
 import torch, time
-from blend.kernels.reference import plan_query_blocks, sparse_query_attention_blocked, _blocks_flash, _FLASH_CPU
+from blend.kernels.query_blocks import plan_query_blocks, sparse_query_attention_blocked, _blocks_flash
+from blend.kernels.suffix_attention import FLASH_CPU
 torch.manual_seed(0)
 T=3051; Hq, Hkv, D = 9, 3, 64
 k_pos=torch.arange(T)
