@@ -114,7 +114,7 @@ def table_lines(survivals: Sequence[Survival]) -> list[str]:
     return lines
 
 
-def markdown_lines(rows: Sequence[ItemRow], order: Sequence[str]) -> list[str]:
+def markdown_lines(rows: Sequence[ItemRow], order: Sequence[str], max_new_tokens: int | None = None) -> list[str]:
     """results.md's section: every method but full, in ``order``; none where no row records the field.
 
     Args:
@@ -124,7 +124,9 @@ def markdown_lines(rows: Sequence[ItemRow], order: Sequence[str]) -> list[str]:
     Returns:
         Markdown lines (a blank line first), or none.
     """
-    survivals = [s for s in (survival(rows, n) for n in order if n != REFERENCE) if s is not None]
+    # a share past the decoding budget would count answers cut at the budget as full's for tokens never decoded
+    ks = [k for k in SURVIVAL_TOKENS if max_new_tokens is None or k <= max_new_tokens] or [1]
+    survivals = [s for s in (survival(rows, n, ks) for n in order if n != REFERENCE) if s is not None]
     if not survivals:
         return []
     return ["", "## How long the answer stays full prefill's: share of items whose first k answer tokens are full's",

@@ -30,6 +30,7 @@ from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.metrics import kl_cells, kl_divergence, top1_agree
+from blend.evals.report import split_of  # tuning 0-29, validation 30-99, other past them
 from blend.evals.splits import parse_item_range
 from blend.policy import ReusePolicy
 from blend.store.memory import MemoryStore
@@ -97,7 +98,6 @@ def run(model: str, data: str, items: list[int], passages: int, ratios: list[flo
             "repeats": repeats, "gemm": {dt: e.runner.gemm.value for dt, e in engines.items()}}
 
 
-TUNING_ITEMS = 30  # musique_dev items 0-29 are the tuning split, 30-99 validation
 
 
 def summarise(res: dict) -> str:
@@ -106,8 +106,7 @@ def summarise(res: dict) -> str:
     lines = [f"bf16 vs fp32 on CPU: first-token KL(fp32 full || method), {res['passages']} passages, "
              f"{res['threads']} torch threads{f', linear layers: {gemm}' if gemm else ''}; TTFT ratio to the same "
              f"round's fp32 full prefill, median over {res.get('repeats', 1)} rounds per item, then over items.", ""]
-    splits = [("tuning", [r for r in res["rows"] if r["index"] < TUNING_ITEMS]),
-              ("validation", [r for r in res["rows"] if r["index"] >= TUNING_ITEMS])]
+    splits = [(s, [r for r in res["rows"] if split_of(r["index"]) == s]) for s in ("tuning", "validation", "other")]
     for split, rows in splits:
         if not rows:
             continue

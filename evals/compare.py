@@ -64,6 +64,18 @@ def load_run(path: Path, label: str | None = None) -> Run:
     return Run(label or f"{results['config'].get('passages')} passages", results)
 
 
+def mismatches(runs: Sequence[Run]) -> list[str]:
+    """What makes the runs' aggregates incomparable: other models, or other items (index and id)."""
+    out = []
+    models = {r.results["model"]["name"] for r in runs}
+    if len(models) > 1:
+        out.append(f"models differ: {sorted(models)}")
+    items = [{(i["index"], i["id"]) for i in r.results["items"]} for r in runs]
+    if any(s != items[0] for s in items[1:]):
+        out.append("item sets differ: " + "; ".join(f"{r.label}: {len(s)} items" for r, s in zip(runs, items)))
+    return out
+
+
 def comparison_table(runs: Sequence[Run]) -> str:
     """Markdown: per run and budget, the lowest-KL selector, its KL and TTFT ratio.
 
@@ -145,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         runs = [load_run(path, lab) for path, lab in zip(args.runs, labels)]
+        for problem in mismatches(runs):  # aggregates over other items are not a like-for-like comparison
+            print(f"compare: warning: {problem}", file=sys.stderr)
         write_comparison(runs, args.out, args.fields.split(","),
                          args.selectors.split(",") if args.selectors else None, args.xmax)
     except (OSError, ValueError, SchemaError) as e:

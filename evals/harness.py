@@ -55,7 +55,7 @@ SCHEMA_VERSION = 1
 # Config fields that may differ between an interrupted run and its --resume
 # (they change timings or the amount of work, never an item's quality row).
 # ``methods`` may grow: a resumed run adds the new methods to the items done.
-_RESUME_FREE = ("limit", "store", "repeats", "warmup", "bootstrap", "methods")
+_RESUME_FREE = ("limit", "items", "store", "repeats", "warmup", "bootstrap", "methods")
 
 
 class ResumeError(ValueError):

@@ -213,7 +213,11 @@ def median(values: Sequence[float | None]) -> float | None:
 
 
 def kl_cells(values: Sequence[float]) -> str:
-    """Markdown cells ``mean | median | p90 | max`` of per-item KLs (the tail beside the mean)."""
+    """Markdown cells ``mean | median | p90 | max`` of per-item KLs (the tail beside the mean); an inf or NaN
+    KL makes every cell "–" with the count (dropping it would flatter the method, as in aggregate.py)."""
+    bad = len(values) - len(finite(values))
+    if bad:
+        return f"– | – | – | – ({bad} not finite)"
     return f"{mean(values):.4f} | {median(values):.4f} | {percentile(values, 90):.4f} | {max(values):.4f}"
 
 

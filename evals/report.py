@@ -309,7 +309,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _tail_lines(methods, order)
     lines += _worst_lines(methods, rows, order)
     lines += _flip_lines(rows, order)
-    lines += S.markdown_lines(rows, order)
+    lines += S.markdown_lines(rows, order, cfg.get("max_new_tokens"))
     lines += _guard_lines(list(methods), rows)
     return "\n".join(lines) + "\n"
 

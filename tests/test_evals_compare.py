@@ -57,3 +57,19 @@ def test_errors_are_clear(tmp_path, capsys):
         load_run(five)
     with pytest.raises(ValueError, match="at most 4 runs"):
         write_comparison([Run("r", broken)] * 5, tmp_path / "y.png")
+
+
+def test_compare_flags_runs_over_other_items(tmp_path):
+    import argparse
+
+    from blend.evals.cli import configure_parser, run_eval
+    from blend.evals.compare import mismatches
+    from test_evals_items import _factory
+
+    for out, items in (("a", "0-1"), ("b", "5-7")):
+        argv = ["--data", "synthetic:single", "--passages", "3", "--methods", "full,blend@0.5:v,blend@0.5:k",
+                "--out", str(tmp_path / out), "--max-new-tokens", "4", "--no-progress", "--bootstrap", "50",
+                "--repeats", "1", "--items", items]
+        assert run_eval(configure_parser(argparse.ArgumentParser()).parse_args(argv), _factory([]),
+                        policy_of=lambda m: m) == 0
+    assert mismatches([load_run(tmp_path / "a"), load_run(tmp_path / "b")])  # absent before: silently compared

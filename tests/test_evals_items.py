@@ -165,3 +165,27 @@ def test_load_item_range_is_the_range_of_the_whole_set(tmp_path):
     assert load_item_range("synthetic:two-hop", range(33, 36), 5) == whole[33:36]
     with pytest.raises(ValueError, match="step 1"):
         load_item_range(str(path), range(0, 6, 2), None)
+
+
+def _budget_args(out, *extra):
+    argv = ["--data", "synthetic:single", "--passages", "3", "--methods", "full,reuse", "--out", str(out),
+            "--max-new-tokens", "4", "--no-progress", "--bootstrap", "50", "--repeats", "1", *extra]
+    return configure_parser(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_an_items_run_can_be_extended_by_resume_as_a_limit_run_can(tmp_path):
+    # --limit 2 then --resume --limit 4 works; --items 2-3 then --resume --items 2-5 is refused
+    # ("written with different settings (items)") although every kept row lies in the new range
+    assert run_eval(_budget_args(tmp_path / "o", "--items", "2-3"), _factory([]), policy_of=lambda m: m) == 0
+    assert run_eval(_budget_args(tmp_path / "o", "--items", "2-5", "--resume"), _factory([]), policy_of=lambda m: m) == 0
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert [r["index"] for r in res["items"]] == [2, 3, 4, 5]
+
+
+def test_survival_does_not_claim_tokens_past_the_decoding_budget(tmp_path):
+    # --max-new-tokens 4: every answer is cut at 4 tokens, so nothing is known about tokens 5..32, yet
+    # results.md reports "first 8 | first 16 | first 32" shares (1.000 where the 4 tokens match)
+    assert run_eval(_budget_args(tmp_path / "o", "--limit", "3"), _factory([]), policy_of=lambda m: m) == 0
+    md = (tmp_path / "o" / "results.md").read_text()
+    header = next(ln for ln in md.splitlines() if ln.startswith("| method | n | first 1"))
+    assert "first 8" not in header and "first 32" not in header, header

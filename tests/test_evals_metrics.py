@@ -139,3 +139,16 @@ def test_a_non_finite_teacher_forced_kl_makes_its_mean_null_too():
     assert out["tf_kl"] is None and out["tf_kl_nonfinite"] == 1 and out["kl"] == 0.01
     fine = aggregate_method("m", rows[:2], None, n_boot=10, seed=0)
     assert abs(fine["tf_kl"] - 0.02) < 1e-12 and fine["tf_kl_nonfinite"] == 0
+
+
+def test_kl_cells_does_not_depend_on_where_a_nan_sits():
+    assert M.kl_cells([0.1, math.nan, 0.2]) == M.kl_cells([math.nan, 0.1, 0.2]) == "– | – | – | – (1 not finite)"
+    assert M.kl_cells([0.1, 0.2]).startswith("0.1500 | ")
+
+
+def test_bench_bf16_does_not_call_items_past_99_validation():
+    from blend.evals import bench_bf16
+
+    row = {"index": 150, "tokens": 10, "methods": {"fp32 full": {"kl": 0.0, "top1": 1.0, "ttft_s": 1.0, "ratio": 1.0}}}
+    md = bench_bf16.summarise({"rows": [row], "methods": ["fp32 full"], "threads": 1, "passages": 5})
+    assert "validation" not in md
