@@ -355,12 +355,14 @@ class Engine:
         # what the blend spent: the share an adaptive budget or a threshold selected, or the fixed ratio
         # (forced rows counted)
         spent = report_ratio(done, policy)
-        target = policy.guard_ratio_for(spent)
+        base = sum(s.tokens for s in done.segments if s.kind is SegmentKind.DOCUMENT)  # the budget's rows
+        target = policy.guard_ratio_for(spent, base)
         why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {target:g}"
         if done.resume is not None and policy.guard_widens(target):  # on from the first pass's check layer
             out = widen_blend(self.runner, done.resume, cache, target)
             why += f" ({policy.guard_mode.value}: from check layer {done.resume.at.layer}"
-            if round(out.ratio, 3) != round(target, 3):  # the candidates, sized before rounding, held fewer rows
+            rows = sum(s.recomputed for s in out.segments if s.kind is SegmentKind.DOCUMENT)
+            if rows < round(target * base):  # the candidates, sized before rounding, held fewer rows
                 why += f", its candidates only {out.ratio:.3g} of the document rows"
             why += ")"
             return replace(done, logits=out.logits, segments=out.segments, deviation=out.deviation,
@@ -371,11 +373,12 @@ class Engine:
         if target >= 1.0:  # the exact path: preamble and first document reused (both exact
             # there, the blend just fetched them), the rest computed, nothing else stored
             redo = self._prefill_segments(prompt, GUARD_PREFIX_SEGMENTS, True, again, policy.cache_salt)
-        else:  # a fixed ratio: the recompute reports no chosen share of its own
+        else:  # a fixed ratio: the recompute reports a share of its own only where it had fewer rows
             redo = self._blend(prompt, policy.at_guard_ratio(target), again)
+        share = target if redo.ratio is None else redo.ratio  # what the recompute recomputed
         segments = keep_first_pass_misses(done.segments, redo.segments)
-        return replace(redo, segments=segments, lookup_s=done.lookup_s + redo.lookup_s, ratio=target,
-                       spent=spent + with_forced(segments, target), margin=margin, guard=why, resume=None), again
+        return replace(redo, segments=segments, lookup_s=done.lookup_s + redo.lookup_s, ratio=share,
+                       spent=spent + with_forced(segments, share), margin=margin, guard=why, resume=None), again
 
     # ---- answers --------------------------------------------------------------------------
 

@@ -330,17 +330,24 @@ class ReusePolicy:
         """Whether a near-tie first token sends this blend back for recompute."""
         return self.mode is ReuseMode.BLEND and self.guard_margin is not None
 
-    def guard_ratio_for(self, ratio: float) -> float:
+    def guard_ratio_for(self, ratio: float, rows: int | None = None) -> float:
         """The ratio a guarded request is recomputed at, after a blend that ran at ``ratio``.
 
         Args:
             ratio: the share the first blend recomputed (an adaptive budget's choice included).
+            rows: the document rows both shares count (the blend's budget base); where given, the guard
+                ratio must recompute more rows than the blend did (round(share x rows), as the check layer
+                counts them), not only a larger share: 0.2998 and 0.3 of 824 rows are both 247 rows.
 
         Returns:
             ``guard_ratio`` when it recomputes more than the blend did, else 1.0 (the exact path):
             a guard never answers a near tie with the same or a smaller budget.
         """
-        return self.guard_ratio if self.guard_ratio > ratio else 1.0
+        if rows:
+            more = round(self.guard_ratio * rows) > round(ratio * rows)
+        else:
+            more = self.guard_ratio > ratio
+        return self.guard_ratio if more else 1.0
 
     @property
     def candidate_share(self) -> float:

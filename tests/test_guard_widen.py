@@ -175,3 +175,52 @@ def test_a_threshold_or_adaptive_blend_widens_from_candidates_that_cover_its_cap
     first = tiny_engine.generate(prompt, replace(auto, guard_margin=None), max_new_tokens=1).report.ratio
     assert "(widen:" in redo.report.guard and redo.report.ratio >= first
     assert redo.report.spent == pytest.approx(first + redo.report.ratio)
+
+
+def test_a_restarted_guard_reports_the_share_its_redo_recomputed(tiny_engine):
+    """Bug 1: the guard's restart blend may hold fewer free rows than round(guard_ratio x base) (the first
+    document, exact, counts in the base); the Checker then reports the share recomputed, but _guard
+    overwrites it with the target: report.ratio 0.3 and spent 0.45 for a redo that recomputed 0.234."""
+    d = make_docs(3, words=60, seed=1)
+    prompt = tiny_engine.build_prompt("What is the answer?", [d[0] + " " + d[1], d[2][:250]])
+    docs = sum(len(x) for x in prompt.documents)
+    blended = sum(len(x) for x in prompt.documents[1:])
+    assert round(0.15 * docs) < blended < round(0.3 * docs)  # the first pass is approximate, the redo is not
+    ans = tiny_engine.generate(prompt, ReusePolicy.blend(0.15, guard_margin=1e9), max_new_tokens=1)
+    rep = ans.report
+    assert rep.guard and rep.recomputed_tokens == blended  # the redo recomputed every blended row
+    share = rep.recomputed_tokens / docs
+    assert rep.ratio == share, (rep.ratio, share)  # fails: 0.3
+    assert abs(rep.spent - (0.15 + share)) < 1e-9, rep.spent  # fails: 0.45
+
+
+def test_the_guard_never_reruns_an_adaptive_blend_at_the_same_rows(tiny_engine):
+    """Bug 2: guard_ratio_for compares shares; an adaptive budget at its cap (max_ratio 0.3, README's
+    configuration) recomputes floor(0.3 x base) rows = 0.2998 < 0.3, so the guard 'recomputes at 0.3':
+    round(0.3 x base) rows, the same rows, the same logits bit for bit, the near tie untouched, spent doubled.
+    The docs promise: a guard never answers a near tie with the same budget (exact path instead)."""
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(5, words=30, seed=3)[:4])
+    base = sum(len(x) for x in prompt.documents)
+    assert int(0.3 * base) == round(0.3 * base) and 0.3 * base != int(0.3 * base)
+    first = tiny_engine.generate(prompt, ReusePolicy.blend(budget=BudgetMode.AUTO, max_ratio=0.3, auto_target=0.0,
+                                                           guard_margin=None), max_new_tokens=1)
+    guarded = tiny_engine.generate(prompt, ReusePolicy.blend(budget=BudgetMode.AUTO, max_ratio=0.3, auto_target=0.0,
+                                                             guard_margin=1e9), max_new_tokens=1)
+    assert first.report.recomputed_tokens == int(0.3 * base)  # at its cap
+    assert guarded.report.guard
+    # fails: the redo recomputed the very rows of the first pass and answers with its logits
+    assert not torch.equal(guarded.first_logits, first.first_logits), "the guard re-ran the same blend"
+    assert guarded.report.ratio == 1.0  # fails: 0.3 (should have taken the exact path)
+
+
+def test_a_widened_guard_that_got_its_rows_adds_no_shortfall_note(tiny_engine):
+    """Bug 3: the widen note compares shares rounded to 3 digits: 248 of 825 rows (= round(0.3 x 825), the
+    guard's whole budget) is 0.3006 -> 0.301 != 0.3, so the report says 'its candidates only 0.301 of the
+    document rows' although they held every row the guard ratio asks (and a 1-row shortfall at a large
+    base, 0.29967 -> 0.3, goes unmentioned)."""
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(4, words=30, seed=5))
+    base = sum(len(x) for x in prompt.documents)
+    wid = tiny_engine.generate(prompt, ReusePolicy.blend(guard_margin=1e9, guard_mode=GuardMode.WIDEN),
+                               max_new_tokens=1)
+    assert wid.report.recomputed_tokens == round(0.3 * base)  # every row the guard ratio asks
+    assert wid.report.guard.endswith("(widen: from check layer 1)"), wid.report.guard
