@@ -139,7 +139,8 @@ DEFAULT_TOUCH_INTERVAL_S = 1.0
 # denormal temperature overflows float32 to inf, whose softmax is NaN (vLLM's _SAMPLING_EPS is the same).
 MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_SAMPLING_TEMPERATURE = 2.0  # OpenAI's range: [0, 2]
-MAX_SEED = 2**63  # sampling and the random selector's seeds lie in [0, MAX_SEED)
+MAX_SEED = 2**63  # sampling and the random selector's seeds lie below it; the selector's from 0
+MIN_SAMPLING_SEED = -(2**63)  # sampling seeds from here: OpenAI's seed is any signed 64-bit integer
 
 # store: bytes of KV the in-process (memory) tier holds
 DEFAULT_MEMORY_BUDGET = 2 << 30

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blend.defaults import DEFAULT_MAX_NEW_TOKENS, MAX_SAMPLING_TEMPERATURE, MAX_SEED, MIN_SAMPLING_TEMPERATURE
+from blend.defaults import (DEFAULT_MAX_NEW_TOKENS, MAX_SAMPLING_TEMPERATURE, MAX_SEED, MIN_SAMPLING_SEED,
+                            MIN_SAMPLING_TEMPERATURE)
 from blend.errors import InvalidRequestError
 from blend.numeric import finite_real
 
@@ -55,7 +56,8 @@ class GenerationConfig:
         max_tokens: generated tokens at most (>= 1).
         temperature: 0 = greedy (as is any below MIN_SAMPLING_TEMPERATURE); otherwise logits are
             divided by it (<= 2).
-        top_p: nucleus sampling: the smallest set of tokens whose probability reaches it (0 < p <= 1).
+        top_p: nucleus sampling: the smallest set of tokens whose probability reaches it (0 <= p <= 1;
+            the most likely token is always kept, so 0 keeps only it).
         top_k: keep only the k most likely tokens (0 = off).
         seed: sampling seed; None draws one (answers then differ run to run).
         stop: strings that end the answer; the answer's text stops before the first one.
@@ -88,13 +90,13 @@ class GenerationConfig:
             raise InvalidSettingError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _finite(self.temperature) or not 0.0 <= self.temperature <= MAX_SAMPLING_TEMPERATURE:
             raise InvalidSettingError("temperature", f"temperature must be in [0, 2], got {self.temperature!r}")
-        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidSettingError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _finite(self.top_p) or not 0.0 <= self.top_p <= 1.0:
+            raise InvalidSettingError("top_p", f"top_p must be in [0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidSettingError("top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < MAX_SEED):
-            raise InvalidSettingError("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+                                      or not MIN_SAMPLING_SEED <= self.seed < MAX_SEED):
+            raise InvalidSettingError("seed", f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if isinstance(self.stop, str) or not isinstance(self.stop, tuple):
             raise InvalidSettingError("stop", "stop must be a tuple of strings")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -165,7 +167,7 @@ class Sampler:
     def __init__(self, config: GenerationConfig) -> None:
         self.config = config
         self.seed = config.seed if config.seed is not None else secrets.randbits(63)
-        self._gen = torch.Generator().manual_seed(self.seed)
+        self._gen = torch.Generator().manual_seed(self.seed)  # a negative seed as its unsigned 64-bit twin (torch)
 
     def __call__(self, logits: torch.Tensor, counts: dict[int, int] | None = None) -> int:
         """Next token from next-token logits (V,) float32, given the answer's token counts so far."""
@@ -220,7 +222,8 @@ def sample(logits: torch.Tensor, config: GenerationConfig, generator: torch.Gene
     if config.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)  # (V,) each
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the more likely tokens
-        drop = before >= config.top_p  # keeps the smallest prefix reaching top_p (never the first token)
+        drop = before >= config.top_p  # keeps the smallest prefix reaching top_p
+        drop[0] = False  # and always the most likely token (top_p 0 keeps only it)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_p)  # (V,)
     return int(torch.multinomial(probs, 1, generator=generator))

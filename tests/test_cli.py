@@ -207,7 +207,7 @@ def test_setting_errors_name_the_flag_a_user_typed(capsys):
     from blend.serve.cli import build_parser as serve_parser
 
     names = flag_names(build_parser(None))
-    assert in_flag_words("top_p must be in (0, 1], got 2.0", names) == "--top-p must be in (0, 1], got 2.0"
+    assert in_flag_words("top_p must be in [0, 1], got 2.0", names) == "--top-p must be in [0, 1], got 2.0"
     assert in_flag_words("overlap_tokens must be in [0, target_tokens)", names) == "--overlap must be in [0, --chunk-tokens)"
     assert in_flag_words("no index here; a store_command or plain words stay", names) == \
         "no index here; a store_command or plain words stay"  # only names a flag sets are rewritten

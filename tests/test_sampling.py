@@ -66,7 +66,7 @@ def test_sample_uses_only_the_given_generator():
 
 @pytest.mark.parametrize("kw, message", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"), ({"seed": -1}, "seed"), ({"stop": ("",)}, "stop"),
+    ({"top_p": -0.1}, "top_p"), ({"top_k": -1}, "top_k"), ({"seed": -(2**63) - 1}, "seed"), ({"stop": ("",)}, "stop"),
     ({"stop": ("a",) * 5}, "stop"), ({"stop": "abc"}, "stop"), ({"max_tokens": True}, "max_tokens"),
 ])
 def test_bad_settings_are_clear_errors(kw, message):
@@ -151,3 +151,15 @@ def test_logprob_token_texts_keep_a_sentencepiece_words_leading_space():
     assert comp["tokens"] == [" Paris", " is", " big", "\ufffd"] and comp["text_offset"] == [0, 5, 8, 12]
     chat = LogprobFormat(Endpoint.CHAT, tok, True).format(entries)
     assert [bytes(e["bytes"]) for e in chat["content"]] == [b" Paris", b" is", b" big", b"\xe2"]
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token_and_any_signed_64_bit_seed_samples():
+    """OpenAI's top_p may be 0 and its seed any signed 64-bit integer (tools send -1)."""
+    logits = torch.tensor([0.5, 2.0, 1.9, -1.0])
+    only = GenerationConfig(temperature=1.0, top_p=0.0, seed=-1)
+    assert {Sampler(only)(logits) for _ in range(5)} == {1}  # the argmax, never a draw past it
+    for seed in (-1, -(2**63), 2**63 - 1):
+        a, b = Sampler(GenerationConfig(temperature=1.0, seed=seed)), Sampler(GenerationConfig(temperature=1.0, seed=seed))
+        assert [a(logits) for _ in range(8)] == [b(logits) for _ in range(8)]  # the same seed, the same draws
+    wide = GenerationConfig(temperature=1.0, top_p=0.5, seed=3)  # a top_p > 0 keeps what it kept before
+    assert {Sampler(wide)(logits) for _ in range(3)} <= {1, 2}

@@ -640,3 +640,18 @@ def test_on_loopback_without_a_key_only_loopback_host_names_are_answered(one_tor
     assert default_allowed_hosts("127.0.0.1", "key", None) is None  # a key guards it: any name
     assert default_allowed_hosts("0.0.0.0", None, None) is None and default_allowed_hosts("127.0.0.1", None, "*") is None
     assert [host_name(h) for h in ("[::1]:8000", "LocalHost:80", "::1", "a.b")] == ["::1", "localhost", "::1", "a.b"]
+
+
+def test_openai_edge_values_of_seed_and_top_p_are_accepted(srv):
+    """OpenAI's seed is any signed 64-bit integer (tools send -1) and its top_p may be 0 (the most likely token);
+    both were 400s. Out of range stays a 400."""
+    for extra in ({"seed": -1, "temperature": 0.8}, {"seed": -(2**63), "temperature": 0.8},
+                  {"top_p": 0.0, "temperature": 0.8, "seed": 5}):
+        r = post(srv, chat(max_tokens=2, **extra))
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["kvblend"]["seed"] == extra["seed"]
+    greedy = post(srv, chat(max_tokens=3, temperature=0.0)).json()["choices"][0]["message"]["content"]
+    top0 = post(srv, chat(max_tokens=3, temperature=0.9, top_p=0.0, seed=11)).json()["choices"][0]["message"]["content"]
+    assert top0 == greedy  # top_p 0 keeps only the most likely token at every step
+    assert post(srv, chat(seed=-(2**63) - 1)).status_code == 400
+    assert post(srv, chat(top_p=-0.01)).status_code == 400

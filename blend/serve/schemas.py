@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from blend.defaults import (
     DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_MODE, DEFAULT_GUARD_RATIO, DEFAULT_PROBE_PRECISION,
-    DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, MAX_SAMPLING_TEMPERATURE, MAX_SEED,
+    DEFAULT_RATIO, DEFAULT_REUSED_TEMPERATURE, DEFAULT_SELECTOR, MAX_SAMPLING_TEMPERATURE, MAX_SEED, MIN_SAMPLING_SEED,
     REUSED_TEMPERATURE_RANGE,
 )
 from blend.policy import GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, RECOMPUTE_PRECISION_NAMES, SELECTOR_NAMES, ReuseMode
@@ -161,9 +161,9 @@ class _Common(BaseModel):
     kvblend: KvblendOptions | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: StrictFloat | None = Field(None, ge=0.0, le=MAX_SAMPLING_TEMPERATURE)
-    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)  # 0: the most likely token only
     top_k: StrictInt | None = Field(None, ge=-1)  # -1 or 0: off (vLLM's convention)
-    seed: StrictInt | None = Field(None, ge=0, lt=MAX_SEED)
+    seed: StrictInt | None = Field(None, ge=MIN_SAMPLING_SEED, lt=MAX_SEED)  # any signed 64-bit integer (OpenAI)
     stop: Union[str, list[str], None] = None
     stream: StrictBool | None = None  # null or absent: one JSON body
     stream_options: StreamOptions | None = None
