@@ -475,3 +475,22 @@ def test_the_decode_loops_thread_count_follows_prefills_and_its_mode():
         assert untouched.current is None
     finally:
         torch.set_num_threads(before)
+
+
+def test_close_retires_the_decoding_requests_and_gives_their_slots_back(make_scheduler):
+    """close() told decoding requests they failed but never retired them: their pool slots stayed taken,
+    ``active`` stayed up and ``failed`` did not count them."""
+    engine = tiny_serve_engine()
+    sched = make_scheduler(engine, prefill_workers=1, torch_threads=1, max_concurrency=4)
+    col = Collector()
+    for i in range(3):
+        sched.submit(engine.build_prompt(f"q{i}?", make_docs(1, seed=i)), ReusePolicy.exact(),
+                     GenerationConfig(max_tokens=3000, ignore_eos=True), col.sink(i))
+    wait_until(lambda: sched.steps > 20 and sched.pool.free_slots == 1)  # three sequences decode from slots
+    sched.close()
+    col.wait(3)
+    assert [col.last(i).kind for i in range(3)] == [EventKind.FAILED] * 3
+    assert sum(1 for i in range(3) for _, ev in col.events[i] if ev.kind is EventKind.FAILED) == 3  # one each
+    assert sched.active == 0  # was 3
+    assert sched.failed == 3  # was 0
+    assert sched.pool.free_slots == sched.pool.slots  # was 1 of 4

@@ -195,9 +195,13 @@ class Scheduler:
             self._fail(job, ShuttingDownError())
         with self._cond:
             self._running = False
-            left = list(self._waiting) + list(self._incoming)
+            waiting, incoming = list(self._waiting), list(self._incoming)
             self._waiting.clear()
             self._incoming.clear()
+            for job in waiting:
+                job.retired = True  # never active: no slot to give back
+                self.failed += 1
+            self._gauges()
             self._cond.notify_all()
         if self.flight is not None:  # a prefill waiting on another request's chunk stops waiting
             self.flight.wake()
@@ -205,10 +209,12 @@ class Scheduler:
             t.join(timeout)
         self._threads.clear()
         with self._cond:  # a prefill that was running finished into the batch's queue after the snapshot
-            left += list(self._incoming)
+            incoming += list(self._incoming)
             self._incoming.clear()
-        for job in left:
+        for job in waiting:
             self._emit(job, Event(EventKind.FAILED, error=ShuttingDownError()))
+        for job in incoming:  # prefilled, active: retired (cache freed, counted); one failed already: no 2nd event
+            self._fail(job, ShuttingDownError())
 
     def wake(self) -> None:
         with self._cond:
@@ -440,20 +446,22 @@ class Scheduler:
         Returns:
             False once the scheduler stops (the batch's requests failed).
         """
-        job = None
+        job, joining = None, []
         with self._cond:
             self._cond.wait_for(lambda: not self._running or self._incoming or batch
                                 or self._decode_loop_prefill_due())
-            if not self._running:
-                for job in batch:
-                    self._emit(job, Event(EventKind.FAILED, error=ShuttingDownError()))
-                batch.clear()
-                return False
-            joining = list(self._incoming)
-            batch.extend(joining)
-            self._incoming.clear()
-            if self._decode_loop_prefill_due() and (not batch or self._loop_share_allows()):
-                job = self._take_job()
+            stopping = not self._running
+            if not stopping:
+                joining = list(self._incoming)
+                batch.extend(joining)
+                self._incoming.clear()
+                if self._decode_loop_prefill_due() and (not batch or self._loop_share_allows()):
+                    job = self._take_job()
+        if stopping:  # retired (slot back to the pool, counted), not only told: _fail takes the lock itself
+            for job in batch:
+                self._fail(job, ShuttingDownError())
+            batch.clear()
+            return False
         if joining:  # before a prefill this iteration may run: the next iteration no longer knows them
             self._pool_joined(batch, joining)
         if job is not None:  # nothing to decode (or within its share) and every worker busy: prefill here
