@@ -43,6 +43,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from blend import safeio
+from blend.prompt import is_unicode
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.index import ApproxParams, IndexKind, VectorIndex
 from blend.retrieval.index_files import (  # the records are defined there, beside their readers
@@ -134,8 +135,9 @@ class Catalog:
                 raise RetrievalError(f"{root}: no index here (run `kvblend ingest PATH... --index {root}` first)")
             return cls(root, meta)
         for attempt in range(OPEN_RETRIES + 1):
-            gen = read_generation(root)
+            gen = None  # CURRENT may name a generation a commit removed before it was checked
             try:
+                gen = read_generation(root)
                 return cls._open_generation(root, gen, meta)
             except RetrievalError:  # a commit removed this generation while it was read: read the new one
                 if attempt == OPEN_RETRIES or read_generation(root) == gen:
@@ -211,8 +213,11 @@ class Catalog:
                 os.fsync(fh.fileno())
         safeio.fsync_dir(tmp)  # the generation's file names
         target = self.root / name
-        if target.exists():
-            shutil.rmtree(target)
+        if os.path.lexists(target):  # a killed commit's folder; or a file or link of nobody's making
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
         os.replace(tmp, target)
         # CURRENT: a private temp file, fsynced, renamed, then the index folder fsynced (which also
         # makes the generation's rename above durable); the temp file is removed on failure
@@ -245,6 +250,7 @@ class Catalog:
             return
         self.root.mkdir(parents=True, exist_ok=True)
         with safeio.append_text(self.root / INTENT_FILE) as f:
+            f.write("\n")  # a line a killed run cut short must not swallow this batch's first one
             for cid, text in fresh.items():
                 f.write(json.dumps({cid: text}, ensure_ascii=False) + "\n")
         self.kv_intent.update(fresh)
@@ -415,6 +421,6 @@ def read_kv_intent(root: Path) -> dict[str, str]:
             continue
         if isinstance(row, dict) and len(row) == 1:
             (cid, text), = row.items()
-            if isinstance(text, str):
+            if isinstance(text, str) and is_unicode(cid) and is_unicode(text):  # no lone surrogate (unwritable)
                 out[cid] = text
     return out

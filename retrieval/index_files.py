@@ -206,6 +206,8 @@ def _manifest(d: Any, path: Path) -> tuple[dict[str, FileEntry], int]:
             refs = tuple(_chunk_ref(c) for c in fe["chunks"])
         except ValueError as e:
             raise _bad(path, f"entry of {p[:80]!r}: {e}") from None
+        if not all(is_unicode(s) for s in (p, fe["sha256"], fe["signature"])):  # the next commit could not write it
+            raise _bad(path, f"entry of {p[:80]!r}: a path or digest is not valid Unicode (a lone surrogate)")
         out[p] = FileEntry(p, fe["sha256"], fe["signature"], refs)
     return out, d["next_slot"]
 
@@ -213,6 +215,8 @@ def _manifest(d: Any, path: Path) -> tuple[dict[str, FileEntry], int]:
 def _gc_list(d: Any, path: Path) -> dict[str, str]:
     if not isinstance(d, dict) or not all(isinstance(v, str) for v in d.values()):
         raise _bad(path, "the pending-GC list must be an object of chunk id -> text")
+    if not all(is_unicode(k) and is_unicode(v) for k, v in d.items()):  # the next commit could not write it
+        raise _bad(path, "a chunk id or text is not valid Unicode (a lone surrogate)")
     return d
 
 

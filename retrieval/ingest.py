@@ -55,7 +55,11 @@ def vanished_files(indexed: Iterable[str], paths: Iterable[str | os.PathLike[str
     """
     roots = [Path(p).expanduser().resolve() for p in paths]
     dirs = [r for r in roots if r.is_dir()]
+    # a named path that no longer is a file: gone, or a link whose target went; matched under the name
+    # expand_paths indexed it by (its folder resolved, the link itself not followed) as well as resolved
     named = {str(r) for r in roots if not os.path.lexists(r)}
+    named |= {str(q.absolute().parent.resolve() / q.name)
+              for q in (Path(p).expanduser() for p in paths) if not q.exists()}
     # no longer a file: deleted, replaced by a folder, or a link whose target is gone (a corpus link to a file
     # is read through, so its target going is the file going)
     return sorted(p for p in indexed if not os.path.isfile(p)
