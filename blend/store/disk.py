@@ -216,12 +216,14 @@ class DiskStore:
             self._touched.move_to_end((ns, key))
             while len(self._touched) > MAX_TOUCHED_KEYS:
                 self._touched.popitem(last=False)
-        self._touch(self.path(ns, key))
+        path = self.path(ns, key)
+        if self._leads_inside(path.parent):  # never a folder linked out of the store
+            self._touch(path)
 
     @staticmethod
     def _touch(path: Path) -> None:
         try:
-            os.utime(path, None)  # mtime = now: most recently used
+            os.utime(path, None, follow_symlinks=False)  # mtime = now: most recently used (never a link's target)
         except OSError:
             pass  # removed meanwhile, or a read-only store: recency is best effort
 

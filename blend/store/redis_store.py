@@ -102,6 +102,9 @@ def redacted_url(url: str) -> str:
         return "redis://<unparsable url>"
 
 
+_HEX_DIGITS = frozenset(b"0123456789abcdef")  # key_hex's digits (bytes iterate as ints)
+
+
 def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
@@ -378,18 +381,18 @@ class RedisStore:
         return bool(self._call("delete", lambda: self._client.delete(self.rkey(ns, key)), 0))
 
     def _rkeys(self, ns: Namespace) -> list[bytes]:
+        """The namespace's entry keys: exactly ``<prefix>:<ns>:`` and 64 lowercase hex digits (the glob also
+        matches another deployment's keys whose prefix extends this one's, e.g. ``team:exact:exact:<hex>``)."""
+        head = f"{self.prefix}:{ns.value}:".encode()  # bytes: a non-ASCII prefix is longer in bytes than in characters
         pattern = _glob_escape(f"{self.prefix}:{ns.value}:") + "*"
-        return self._call("scan", lambda: list(self._client.scan_iter(match=pattern, count=1000)), [])
+        found = self._call("scan", lambda: list(self._client.scan_iter(match=pattern, count=1000)), [])
+        return [rk for rk in found if len(rk) == len(head) + 64 and rk.startswith(head)
+                and all(c in _HEX_DIGITS for c in rk[len(head):])]
 
     def keys(self, ns: Namespace) -> Iterator[StoreKey]:
-        head = len(f"{self.prefix}:{ns.value}:")
+        head = len(f"{self.prefix}:{ns.value}:".encode())
         for rk in self._rkeys(ns):
-            try:
-                raw = bytes.fromhex(rk[head:].decode())
-            except ValueError:
-                continue
-            if len(raw) == 32:
-                yield StoreKey(raw)
+            yield StoreKey(bytes.fromhex(rk[head:].decode()))
 
     def counters(self) -> StoreStats:
         with self._lock:

@@ -158,7 +158,9 @@ class TieredStore:
 
     def delete(self, ns: Namespace, key: StoreKey) -> bool:
         self.flush()  # a pending write of this key must not land after the delete
-        return any([t.delete(ns, key) for t in self.tiers])  # list: delete from all
+        # slowest first (as write-through puts): a lookup that misses a faster tier already deleted finds no
+        # lower copy left to promote back into it
+        return any([t.delete(ns, key) for t in reversed(self.tiers)])  # list: delete from all
 
     def keys(self, ns: Namespace) -> Iterator[StoreKey]:
         seen: set[bytes] = set()
@@ -220,4 +222,4 @@ class TieredStore:
 
     def clear(self, ns: Namespace | None = None) -> int:
         self.flush()  # nothing pending may land after the clear
-        return max(t.clear(ns) for t in self.tiers)
+        return max([t.clear(ns) for t in reversed(self.tiers)])  # slowest first, as delete
