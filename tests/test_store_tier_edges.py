@@ -1,4 +1,5 @@
-"""Store edges: Redis key listing under prefixes (non-ASCII, one extending another), delete order across tiers, touch and links."""
+"""Store edges: Redis key listing under prefixes (non-ASCII, one extending another), delete order across
+tiers, touch and links."""
 
 from __future__ import annotations
 
