@@ -31,7 +31,8 @@ from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.models import load_model
 from blend.policy import ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy
-from blend.prefilled import Prefilled, build_report, keep_first_pass_misses, report_ratio, with_forced
+from blend.prefilled import (Prefilled, build_report, document_rows, keep_first_pass_misses, report_ratio,
+                             with_forced)
 from blend.prefix_cache import attach_hot, is_hot, remember_hot
 from blend.probe import top2_margin
 from blend.probe_pass import probe_gemm_dtype, recompute_dtype, resolve_precisions, resolve_recompute_precision
@@ -355,13 +356,13 @@ class Engine:
         # what the blend spent: the share an adaptive budget or a threshold selected, or the fixed ratio
         # (forced rows counted)
         spent = report_ratio(done, policy)
-        base = sum(s.tokens for s in done.segments if s.kind is SegmentKind.DOCUMENT)  # the budget's rows
+        _, base = document_rows(done.segments)  # the budget's rows
         target = policy.guard_ratio_for(spent, base)
         why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {target:g}"
         if done.resume is not None and policy.guard_widens(target):  # on from the first pass's check layer
             out = widen_blend(self.runner, done.resume, cache, target)
             why += f" ({policy.guard_mode.value}: from check layer {done.resume.at.layer}"
-            rows = sum(s.recomputed for s in out.segments if s.kind is SegmentKind.DOCUMENT)
+            rows, _ = document_rows(out.segments)
             if rows < round(target * base):  # the candidates, sized before rounding, held fewer rows
                 why += f", its candidates only {out.ratio:.3g} of the document rows"
             why += ")"

@@ -208,6 +208,28 @@ class TokenStream:
             final = final.rstrip(REPLACEMENT)
         return self._emit(final)
 
+    def completion(self, prompt: Prompt, first_logits: torch.Tensor, report: ReuseReport, ttft_s: float,
+                   e2e_s: float) -> Completion:
+        """The finished answer of this stream (the API's generation and the server's requests alike).
+
+        Args:
+            prompt: what was answered.
+            first_logits: (V,) float32, the logits that chose the first token.
+            report: the prefill's reuse report.
+            ttft_s: time to the first token.
+            e2e_s: time to the last token.
+
+        Returns:
+            The completion: text, token ids, finish reason, timings, report, usage and logprobs.
+        """
+        return Completion(
+            text=self.text, token_ids=list(self.tokens), prompt_token_ids=prompt.token_ids,
+            finish_reason=self.finish_reason, first_logits=first_logits, steps_sha256=self.steps_sha256,
+            ttft_s=ttft_s, e2e_s=e2e_s, report=report,
+            usage=Usage(len(prompt), self.generated, report.reused_tokens), seed=self.sampler.seed,
+            logprobs=self.answer_logprobs,
+        )
+
 
 @dataclass
 class Completion:
@@ -274,14 +296,7 @@ class Generation:
             if delta:
                 yield delta
         self.engine.segments.flush()  # done means stored in every tier (write-behind)
-        s = self.stream
-        self._completion = Completion(
-            text=s.text, token_ids=list(s.tokens), prompt_token_ids=self.prompt.token_ids,
-            finish_reason=s.finish_reason, first_logits=first, steps_sha256=s.steps_sha256, ttft_s=ttft,
-            e2e_s=time.perf_counter() - t0, report=report,
-            usage=Usage(len(self.prompt), s.generated, report.reused_tokens), seed=s.sampler.seed,
-            logprobs=s.answer_logprobs,
-        )
+        self._completion = self.stream.completion(self.prompt, first, report, ttft, time.perf_counter() - t0)
 
     def _decode(self, cache: KVCache) -> torch.Tensor:
         return decode_batch(self.engine.runner, [cache], [self.stream.next_input], self.batching)[0]

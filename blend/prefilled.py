@@ -96,7 +96,20 @@ def with_forced(segments: Sequence[SegmentReport], ratio: float) -> float:
         ``ratio``, or where a semantic document's rows were forced (recomputed at every layer on top of the
         selection) the rows the pass recomputed over the document rows.
     """
-    docs = [s for s in segments if s.kind is SegmentKind.DOCUMENT]
-    if not any(s.forced for s in docs):
+    if not any(s.forced for s in segments if s.kind is SegmentKind.DOCUMENT):
         return ratio
-    return sum(s.recomputed for s in docs) / max(sum(s.tokens for s in docs), 1)
+    recomputed, rows = document_rows(segments)
+    return recomputed / max(rows, 1)
+
+
+def document_rows(segments: Sequence[SegmentReport]) -> tuple[int, int]:
+    """A blend's document rows: those it recomputed, and all of them (the budget's base).
+
+    Args:
+        segments: the blend's report rows.
+
+    Returns:
+        (recomputed rows, document rows).
+    """
+    docs = [s for s in segments if s.kind is SegmentKind.DOCUMENT]
+    return sum(s.recomputed for s in docs), sum(s.tokens for s in docs)

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from blend.errors import KVBlendError
-from blend.generation import Completion, TokenStream, Usage
+from blend.generation import Completion, TokenStream
 from blend.kvcache import KVCache
 from blend.logprobs import TokenLogprob
 from blend.policy import ReusePolicy
@@ -78,24 +78,6 @@ class SchedulerJob:
     report: ReuseReport | None = None
     ttft_s: float = 0.0
     retired: bool = False
-
-    def completion(self, e2e_s: float) -> Completion:
-        """What the request's client gets once its stream finished.
-
-        Args:
-            e2e_s: seconds from submission to the last token.
-
-        Returns:
-            The completion: text, token ids, finish reason, timings, report, usage and logprobs.
-        """
-        s, report = self.stream, self.report
-        return Completion(
-            text=s.text, token_ids=list(s.tokens), prompt_token_ids=self.prompt.token_ids,
-            finish_reason=s.finish_reason, first_logits=self.first_logits, steps_sha256=s.steps_sha256,
-            ttft_s=self.ttft_s, e2e_s=e2e_s, report=report,
-            usage=Usage(len(self.prompt), s.generated, report.reused_tokens), seed=s.sampler.seed,
-            logprobs=s.answer_logprobs,
-        )
 
 
 class Ending(Enum):

@@ -574,7 +574,7 @@ class Scheduler:
 
     def _complete(self, job: SchedulerJob) -> None:
         e2e = time.perf_counter() - job.submitted
-        completion = job.completion(e2e)
+        completion = job.stream.completion(job.prompt, job.first_logits, job.report, job.ttft_s, e2e)
         if self.metrics is not None:
             self.metrics.on_finish(e2e)
         self._retire(job, Ending.COMPLETED, e2e)
