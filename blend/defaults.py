@@ -124,6 +124,9 @@ DEFAULT_WRITE_BEHIND_PENDING = 32
 # semantic reuse's donor index (blend.donors): donors held in memory per engine (each keeps its token ids and
 # a MinHash signature, ~5-20 KB); past it the oldest registration leaves memory (the donor log keeps it)
 DEFAULT_MAX_DONORS = 1 << 14
+# ... and their tokens held in memory at most (a token id kept in a tuple costs ~37 bytes: 2**23 tokens ~ 0.3 GB,
+# 16,384 donors of 512 tokens); donors of a few thousand tokens each held GBs under the count alone
+DEFAULT_MAX_DONOR_TOKENS = 1 << 23
 # a donor-log purge (a deleted document's tokens leaving the log) rewrites it by compare-and-swap: this many
 # tries while other processes keep appending
 DEFAULT_PURGE_TRIES = 3

@@ -23,7 +23,7 @@ record, so the next process does not offer it again; a later registration of
 the same key brings it back. Records are replayed in order; a log whose lines
 are mostly dead, or that holds more than the ``max_donors`` most recent donors
 (or :data:`~blend.donor_records.LOG_KEEP_BYTES` of them), is compacted to those when a process
-attaches to it and as it grows (compare-and-swap, so a concurrent append is
+attaches to it and as it grows, by lines and by bytes appended (compare-and-swap, so a concurrent append is
 never lost): donors whose KV a byte budget evicted would otherwise stay for
 ever, until the log passed the size a tier reads at all. Replay computes
 signatures only for the donors it keeps. A torn or corrupt
@@ -51,7 +51,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from blend import safeio
-from blend.defaults import DEFAULT_MAX_DONORS
+from blend.defaults import DEFAULT_MAX_DONOR_TOKENS, DEFAULT_MAX_DONORS
 from blend.donor_records import (
     CompactableLog, Donor, DonorRecordError, RecordLog, donor_from_row, donor_row, encode_record, newest_registrations,
     removal_row, replay_records,
@@ -62,29 +62,38 @@ from blend.minhash import NUM_HASHES, SHINGLE, minhash
 log = logging.getLogger(__name__)
 
 COMPACT_MIN_LINES = 64  # a log is compacted at attach when it has this many lines and over half are dead
+# a growing log is compacted once this process appended this many bytes to it, whatever the count of lines: a
+# compaction leaves at most LOG_KEEP_BYTES, so the log stays well under what a tier reads at all (MAX_LOG_BYTES)
+COMPACT_APPEND_BYTES = 32 << 20
 MAX_SAVED_BYTES = 1 << 30  # the largest saved index DonorIndex.load reads
 
 
 class DonorIndex:
     """Near-duplicate search over registered canonical chunks, per preamble.
 
+    Memory holds at most ``max_donors`` donors and ``max_tokens`` of their tokens, the most recently
+    registered (the log keeps the others).
+
     Thread-safe: a serving engine's requests (prefill workers, the decode loop) register, look up
     and forget donors at once. One lock covers the index and its log appends, so a lookup never
     pairs one donor list with another list's signatures and the log's order is the index's.
     """
 
-    def __init__(self, max_donors: int = DEFAULT_MAX_DONORS) -> None:
-        if max_donors < 1:
-            raise ValueError(f"max_donors must be >= 1, got {max_donors}")
+    def __init__(self, max_donors: int = DEFAULT_MAX_DONORS, max_tokens: int = DEFAULT_MAX_DONOR_TOKENS) -> None:
+        if max_donors < 1 or max_tokens < 1:
+            raise ValueError(f"max_donors and max_tokens must be >= 1, got {max_donors} and {max_tokens}")
         self.max_donors = max_donors  # held in memory; past it the oldest registration leaves (not the log)
+        self.max_tokens = max_tokens  # their tokens held in memory, likewise (the newest donor always stays)
+        self._tokens = 0  # tokens of the donors held
         self._by_pre: dict[bytes, list[Donor]] = {}
         self._keys: set[bytes] = set()
-        self._order: OrderedDict[bytes, bytes] = OrderedDict()  # key -> its preamble, oldest first
+        self._order: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()  # key -> (preamble, tokens), oldest first
         self._matrix: dict[bytes, np.ndarray] = {}  # (N, H) signatures, rebuilt after changes
         self._logs: list[RecordLog] = []  # where new registrations are appended
         self._log_name = ""
         self._verify: Callable[[Donor], bool] | None = None
         self._appended = 0  # lines this index appended since the logs were last read whole
+        self._appended_bytes = 0  # and their bytes
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
@@ -113,10 +122,13 @@ class DonorIndex:
         for sink in self._logs:
             sink.append_record(self._log_name, line)
         self._appended += 1
-        if self._logs and self._appended >= max(COMPACT_MIN_LINES, len(self._keys)):
+        self._appended_bytes += len(line) + 1
+        if self._logs and (self._appended >= max(COMPACT_MIN_LINES, len(self._keys))
+                           or self._appended_bytes >= COMPACT_APPEND_BYTES):
             # a long-running process: compact as the log grows, not only when a process attaches (a log
-            # past MAX_LOG_BYTES is not read at all, and a new process would start with no donors)
-            self._appended = 0
+            # past MAX_LOG_BYTES is not read at all, and a new process would start with no donors); by bytes
+            # too: 16,384 lines of 2k-token donors passed that cap before the count called a compaction
+            self._appended = self._appended_bytes = 0
             for sink in self._logs:
                 self._compact(sink, sink.read_records(self._log_name), donors=False)
 
@@ -150,16 +162,19 @@ class DonorIndex:
     def _insert(self, donor: Donor) -> None:
         self._by_pre.setdefault(donor.preamble, []).append(donor)
         self._keys.add(bytes(donor.key))
-        self._order[bytes(donor.key)] = donor.preamble
+        self._order[bytes(donor.key)] = (donor.preamble, len(donor.token_ids))
+        self._tokens += len(donor.token_ids)
         self._matrix.pop(donor.preamble, None)
-        while len(self._order) > self.max_donors:  # the oldest registration leaves memory (the log keeps it)
-            old, pre = self._order.popitem(last=False)
-            self._drop(old, pre)
+        # the oldest registration leaves memory (the log keeps it)
+        while len(self._order) > self.max_donors or (self._tokens > self.max_tokens and len(self._order) > 1):
+            old = next(iter(self._order))
+            self._drop(old, self._order[old][0])
 
     def _drop(self, key: bytes, pre: bytes) -> None:
         """Forget ``key`` (registered under preamble ``pre``) in memory only."""
         self._keys.discard(key)
-        self._order.pop(key, None)
+        _, tokens = self._order.pop(key, (b"", 0))
+        self._tokens -= tokens
         kept = [d for d in self._by_pre.get(pre, []) if bytes(d.key) != key]
         if kept:
             self._by_pre[pre] = kept
@@ -216,7 +231,7 @@ class DonorIndex:
         with self._lock:
             present = bytes(key) in self._keys
             if present:
-                self._drop(bytes(key), self._order[bytes(key)])
+                self._drop(bytes(key), self._order[bytes(key)][0])
             if present or record_absent:
                 self._append(removal_row(key))
             return present

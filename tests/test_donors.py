@@ -186,3 +186,47 @@ def test_the_index_holds_at_most_max_donors_the_oldest_leaving_memory_only(tmp_p
     assert len(disk.read_records("donors-t")) == 3  # the log keeps every registration
     with pytest.raises(ValueError):
         DonorIndex(max_donors=0)
+
+
+def test_the_index_holds_at_most_max_tokens_of_donors_the_oldest_leaving_memory_only(tmp_path):
+    """The count alone bounded memory at 16,384 donors of any length: a token id costs ~37 bytes in memory,
+    so documents of a few thousand tokens held GBs. The tokens held are bounded too; the log keeps them."""
+    disk = DiskStore(tmp_path)
+    idx = DonorIndex(max_tokens=250)
+    idx.attach_log([disk], "donors-t")
+    keys = [StoreKey(bytes([i + 1]) * 32) for i in range(4)]
+    for i, k in enumerate(keys[:3]):
+        idx.add(k, PRE, list(range(1000 * i, 1000 * i + 100)))
+    assert len(idx) == 2 and keys[0] not in idx and keys[1] in idx and keys[2] in idx  # 300 tokens > 250
+    assert idx.remove(keys[1]) and len(idx) == 1  # a removal frees its tokens: room for one more again
+    idx.add(keys[3], PRE, list(range(5000, 5100)))
+    assert keys[2] in idx and keys[3] in idx
+    assert len(disk.read_records("donors-t")) == 5  # the log keeps every registration (and the removal)
+    big = DonorIndex(max_tokens=10)
+    assert big.add(A, PRE, TOKENS_A) and A in big  # one donor over the bound alone stays: the newest
+    big.add(B, PRE, TOKENS_B)
+    assert A not in big and B in big
+    with pytest.raises(ValueError):
+        DonorIndex(max_tokens=0)
+
+
+def test_a_log_of_long_donors_is_compacted_before_it_passes_what_a_tier_reads(tmp_path, monkeypatch):
+    """The growing log was compacted after as many appended lines as donors held (up to 16,384): lines of
+    2k-token donors (~12 KB each) passed the 256 MiB a tier reads before that, the compaction then read
+    nothing, the log grew for ever, and every new process loaded no donor. Scaled down here."""
+    import blend.donor_records as R
+    import blend.store.record_logs as RL
+
+    monkeypatch.setattr(RL, "MAX_LOG_BYTES", 200_000)
+    monkeypatch.setattr(R, "LOG_KEEP_BYTES", 50_000)
+    monkeypatch.setattr(donors_mod, "COMPACT_APPEND_BYTES", 50_000, raising=False)
+    disk = DiskStore(tmp_path)
+    idx = DonorIndex(max_donors=1000)
+    idx.attach_log([disk], "donors-t")
+    for i in range(300):  # ~2.8 KB lines
+        idx.add(StoreKey(i.to_bytes(32, "big")), PRE, list(range(i * 1000, i * 1000 + 500)))
+        assert (tmp_path / "logs" / "donors-t.jsonl").stat().st_size <= RL.MAX_LOG_BYTES
+    fresh = DonorIndex(max_donors=1000)
+    loaded = fresh.attach_log([disk], "donors-t")
+    assert loaded >= 10  # the most recent donors within what a compaction keeps (lines of ~3.5 KB)
+    assert StoreKey((299).to_bytes(32, "big")) in fresh

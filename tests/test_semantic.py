@@ -583,9 +583,12 @@ def test_a_compaction_keeps_the_most_recent_donors_within_the_cap_and_signs_only
 
 def test_the_kept_log_is_well_under_what_a_tier_reads():
     from blend.donor_records import LOG_KEEP_BYTES
+    from blend.donors import COMPACT_APPEND_BYTES
     from blend.store.record_logs import MAX_LOG_BYTES
 
     assert 4 * LOG_KEEP_BYTES <= MAX_LOG_BYTES
+    # what a compaction keeps, plus what this process appends before the next one: half the cap at most
+    assert 2 * (LOG_KEEP_BYTES + COMPACT_APPEND_BYTES) <= MAX_LOG_BYTES
 
 
 def test_the_alignment_bound_follows_the_matchers_work_not_the_lengths():
