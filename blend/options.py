@@ -201,6 +201,10 @@ def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
         # semantic reuse is never dropped without a word (the server and ReusePolicy refuse it too);
         # --force-blend outside a blend forces nothing and is let through
         raise InvalidPolicyError(f"--semantic only applies with --reuse blend (got --reuse {mode.value})")
+    if getattr(args, "semantic", False) and not getattr(args, "experimental_semantic", False):
+        # refused before the model loads, in the command line's words (the engine's refusal names
+        # EngineConfig's field, which the flag rewrite made "EngineConfig(--experimental-semantic=True)")
+        raise InvalidPolicyError("semantic reuse is experimental: --semantic needs --experimental-semantic as well")
     if mode is not ReuseMode.BLEND:  # a blend setting under another mode is never dropped without a word either
         for name, default in BLEND_OPTION_DEFAULTS:
             if getattr(args, name, default) != default:

@@ -242,3 +242,23 @@ def test_usage_errors_are_one_line_and_settings_are_checked_before_any_work(caps
     with pytest.raises(SystemExit):
         serve_main(["--torch-threads", "0"])
     assert "--torch-threads and --idle-decode-threads must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["ask", "chat"])
+def test_semantic_without_the_engine_flag_is_refused_before_the_model_loads(docs, monkeypatch, capsys, command):
+    """`--reuse blend --semantic` without `--experimental-semantic` loaded the model (seconds; `chat` then
+    refused every question it read) and printed the engine's words with the field rewritten into a flag:
+    "enable it in the engine (EngineConfig(--experimental-semantic=True) or --experimental-semantic)"."""
+    import blend.chat_cli as CC
+    import blend.cli as C
+
+    def no_load(args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(C, "engine_from_args", no_load)
+    monkeypatch.setattr(CC, "engine_from_args", no_load)
+    argv = [command, *(["q"] if command == "ask" else []), "--doc", docs[0], "--model", "tiny-llama",
+            "--store", "memory", "--reuse", "blend", "--semantic"]
+    assert C.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--semantic needs --experimental-semantic" in err and "EngineConfig" not in err
