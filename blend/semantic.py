@@ -191,8 +191,15 @@ class Donors:
     def use_index(self, index: DonorIndex) -> None:
         """Replace the index (e.g. :meth:`DonorIndex.load` of one saved beside a disk store). Its rows
         are untrusted: :meth:`donor_kv` uses a donor only where its key is this engine's canonical key
-        of the donor's own preamble and tokens, and drops any other."""
-        self._index = index
+        of the donor's own preamble and tokens, and drops any other.
+
+        On an engine with semantic reuse the index is attached to the store's donor log as the first use's
+        is (its donors are added): this engine's registrations and removals (a deleted document's) keep
+        reaching the log, where other processes read them."""
+        if self.enabled:
+            index.attach_log(store_tiers(self.store), self.log_name, self._is_canonical)
+        with self._first_use:
+            self._index = index
 
     def register(self, key: StoreKey, preamble_ids: Sequence[int], doc_ids: Sequence[int]) -> bool:
         """Offer a stored canonical chunk as a donor (call after it is stored or found).

@@ -230,3 +230,27 @@ def test_a_log_of_long_donors_is_compacted_before_it_passes_what_a_tier_reads(tm
     loaded = fresh.attach_log([disk], "donors-t")
     assert loaded >= 10  # the most recent donors within what a compaction keeps (lines of ~3.5 KB)
     assert StoreKey((299).to_bytes(32, "big")) in fresh
+
+
+def test_an_index_handed_in_keeps_logging_registrations_and_removals(tmp_path):
+    """use_index (a saved index loaded beside the store) swapped in an index attached to no log: from then on
+    this engine's registrations never reached the donor log, and a deleted document's removal was not logged
+    either, so its donor (tokens included) stayed live for every other process, even after a purge."""
+    import json
+
+    prov = json.dumps({"model": "x"})
+    digest = provenance_digest(prov)
+    key_of = lambda ids: StoreKey(canonical_key_of(digest, token_digest(PRE), token_digest(ids)))  # noqa: E731
+    tokens_c = list(range(900, 980))
+    disk = DiskStore(tmp_path / "s")
+    donors = Donors(disk, prov, enabled=True)
+    assert donors.register(key_of(TOKENS_A), PRE, TOKENS_A)  # logged by the index attached on first use
+    saved = DonorIndex()
+    saved.add(key_of(TOKENS_B), PRE, TOKENS_B)
+    saved.save(tmp_path / "index.json")
+    donors.use_index(DonorIndex.load(tmp_path / "index.json"))
+    donors.forget(key_of(TOKENS_A))  # its document was deleted
+    assert donors.register(key_of(tokens_c), PRE, tokens_c)
+    assert donors.purge_logs()
+    fresh = Donors(disk, prov, enabled=True).index  # another process over the same store
+    assert key_of(TOKENS_A) not in fresh and key_of(tokens_c) in fresh
