@@ -205,6 +205,10 @@ class Engine:
         Returns:
             (reason or "", the segment kinds reported as fallback, seconds the quality gate ran).
         """
+        if policy.semantic and not self.config.experimental_semantic:  # whatever the prompt's length
+            raise InvalidPolicyError(
+                "semantic reuse is experimental: enable it in the engine (EngineConfig(experimental_semantic=True) "
+                "or --experimental-semantic) as well as in the policy")
         if policy.mode is not ReuseMode.NONE and self._length_dependent(prompt):
             name = "LongRoPE" if self.runner.rope.rope_type == "longrope" else "dynamic-NTK RoPE"
             return (f"{name} changes past "
@@ -216,10 +220,6 @@ class Engine:
         n = self.dims.num_layers
         if policy.check_layers[-1] >= n:
             raise InvalidPolicyError(f"check layers {policy.check_layers} outside the model's {n} layers (0..{n - 1})")
-        if policy.semantic and not self.config.experimental_semantic:
-            raise InvalidPolicyError(
-                "semantic reuse is experimental: enable it in the engine (EngineConfig(experimental_semantic=True) "
-                "or --experimental-semantic) as well as in the policy")
         if len(prompt) < policy.min_prompt_tokens:
             return (f"prompt of {len(prompt)} tokens < min_prompt_tokens={policy.min_prompt_tokens}",
                     _BLENDED_KINDS, 0.0)

@@ -68,6 +68,17 @@ def test_semantic_policy_needs_the_engine_flag(tiny_engine):
         ReusePolicy.exact().__class__(semantic=True)  # semantic outside blend mode
 
 
+def test_semantic_policy_needs_the_engine_flag_whatever_the_prompts_length(tiny_engine_factory):
+    """A dynamic-NTK model past its trained length refuses reuse for that prompt: a semantic policy on an
+    engine without the flag was answered (every segment 'fallback') there, and refused only below it."""
+    eng = tiny_engine_factory("tiny-llama-rope-dynamic")
+    past = eng.runner.rope.length_dependent_after
+    prompt = eng.build_prompt("Which?", make_docs(2, words=60))  # byte-level: ~900 tokens
+    assert len(prompt) > past
+    with pytest.raises(InvalidPolicyError, match="experimental"):
+        eng.generate(prompt, unguarded_blend(semantic=True), max_new_tokens=1)
+
+
 def test_without_the_opt_in_a_near_duplicate_never_reuses_donor_kv(sem_engine):
     docs = make_docs(3)
     store_originals(sem_engine, docs)
