@@ -67,6 +67,22 @@ def fp32_precision_label() -> str:
     return f"fp32mm-{torch.get_float32_matmul_precision()}-{onednn}"
 
 
+def model_arch(config) -> str:
+    """A model config's architecture tag: its ``model_type`` and a digest of every field (the RoPE's, the
+    norms' epsilons, ...) but the folder it was read from.
+
+    Args:
+        config: a transformers ``PretrainedConfig`` (kvblend's model's, or the one vLLM runs).
+
+    Returns:
+        e.g. ``llama:b97a67a8bda082a8`` (:attr:`~blend.keys.Provenance.model_arch`).
+    """
+    fields = config.to_dict()
+    fields.pop("_name_or_path", None)  # where the checkpoint was read from: the same weights at another path
+    arch = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"{config.model_type}:{arch}"
+
+
 def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.device, gemm: GemmBackend,
                      fp32_label: str) -> Provenance:
     """Every field that changes the KV this engine produces (the linear layers' backend included).
@@ -83,9 +99,6 @@ def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.devic
         The engine's provenance.
     """
     config = loaded.model.config
-    fields = config.to_dict()
-    fields.pop("_name_or_path", None)  # where the checkpoint was read from: the same weights at another path
-    arch = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         device_class = f"cuda:sm{major}{minor}"
@@ -94,7 +107,7 @@ def build_provenance(loaded: LoadedModel, cfg: EngineConfig, device: torch.devic
     else:
         device_class = device.type
     return Provenance(
-        model_arch=f"{config.model_type}:{arch}",
+        model_arch=model_arch(config),
         weights_sha256=loaded.weights_sha256,
         tokenizer_sha256=loaded.tokenizer_sha256,
         dtype=cfg.dtype,

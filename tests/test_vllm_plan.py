@@ -306,3 +306,21 @@ def test_the_connectors_extra_config_defaults_and_values():
     got = parse_extra_config({"store": "disk:/kv", "force": True, "on_load_error": "fail",
                               "memory_budget_bytes": 1 << 20})
     assert got == ExtraConfig("disk:/kv", True, OnLoadError.FAIL, 1 << 20)
+
+
+def test_the_connector_never_blends_under_a_model_config_kvblend_does_not_run():
+    """vLLM applies hf_overrides (a RoPE theta, a norm epsilon) to the model it runs; kvblend's engine reads
+    config.json from disk. Exact blocks are vLLM's own KV under keys that carry vLLM's config, but a blend is
+    kvblend's KV: it was injected into a vLLM running another model config. The shared engine refuses it."""
+    from blend.errors import KVBlendError
+    from blend.integrations.vllm.engines import ConnectorConfig, SharedEngine
+
+    cfg = ConnectorConfig(model="tiny-llama", dtype="float32", backend="test", force=True)
+    ours = SharedEngine(cfg, 4).engine.provenance.model_arch
+    params = parse_blend_params(blend_request(list(range(40)), [(5, 12), (12, 30)], guard_margin=None), 40)
+    other = SharedEngine(dataclasses.replace(cfg, model_arch=ours + "-overridden"), 4)
+    assert "another model config" in other.blend_refusal
+    with pytest.raises(KVBlendError, match="another model config"):
+        other.blend(list(range(40)), params)
+    same = SharedEngine(dataclasses.replace(cfg, model_arch=ours), 4)
+    assert same.blend_refusal == "" and same.blend(list(range(40)), params)[1]["classes"]

@@ -479,11 +479,13 @@ def test_blocks_from_a_failed_load_on_are_never_saved(shared):
     ids = list(range(600, 624))
     keys = block_keys(shared.vllm_prov, ids, 4, "tainted")
     c = object.__new__(KVBlendConnector)
-    c.shared, c.block_size, c._stats, c._load_errors, c._tainted = shared, 4, KVBlendStats(), set(), set()
+    c.shared, c.block_size, c._stats, c._load_errors, c._failed = shared, 4, KVBlendStats(), set(), set()
     blocks = (11, 12, 13, 14, 15, 16)
     c._fail(LoadSpec("r", ClaimKind.EXACT, tuple(ids), blocks, 0, 12, tuple(keys[:3])), 4)  # block 12 failed
     assert c.get_block_ids_with_load_errors() == {12, 13}
-    meta = KVBlendMeta(saves=[SaveSpec("r", tuple(zip(blocks[:1] + blocks[3:], keys[:1] + keys[3:])))])
+    # blocks 14-16 were computed after the claim, over it; block 11 (another request's save) is before the failure
+    meta = KVBlendMeta(saves=[SaveSpec("r", tuple(zip(blocks[3:], keys[3:])), blocks[:3]),
+                              SaveSpec("s", ((11, keys[0]),))])
 
     class Layout:
         def read(self, kv, block):
@@ -494,7 +496,7 @@ def test_blocks_from_a_failed_load_on_are_never_saved(shared):
     c.wait_for_save()
     saved = [k for k in keys if shared.store.contains(Namespace.EXACT, k)]
     assert saved == [keys[0]]  # block 11, before the failure; 14-16 were computed over it
-    assert c._stats.data["unsaved_after_load_error"] == 3 and not c._tainted
+    assert c._stats.data["unsaved_after_load_error"] == 3 and not c._failed
 
 
 def test_tensor_or_pipeline_parallel_vllm_is_refused():
@@ -529,3 +531,19 @@ def test_one_checkpoint_in_two_folders_gives_one_backend_digest(tmp_path):
 
     assert backend(src) == backend(dst)
     assert backend(src) != backend(src, hf_overrides={"rope_theta": 50000.0})  # what changes the KV still counts
+
+
+def test_the_model_config_vllm_runs_is_kvblends_unless_overridden(shared):
+    """The connector names the model config vLLM runs: kvblend's own without hf_overrides (blends run), another
+    with them (kvblend's engine reads config.json from disk: its blends are refused, see test_vllm_plan)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from blend.integrations.vllm.engines import ConnectorConfig
+
+    def arch(**kw):
+        cfg = EngineArgs(model=str(convert_gguf(SMOLLM2)), dtype="float32", enforce_eager=True, max_model_len=4096,
+                         **kw)
+        return ConnectorConfig.from_vllm(cfg.create_engine_config(), {}).model_arch
+
+    assert arch() == shared.engine.provenance.model_arch and shared.blend_refusal == ""
+    assert arch(hf_overrides={"rope_theta": 50000.0}) != shared.engine.provenance.model_arch

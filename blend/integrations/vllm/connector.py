@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from blend.errors import KVBlendError
+from blend.integrations.vllm.checks import skip_reason, unusable
 from blend.integrations.vllm.engines import ConnectorConfig, SharedEngine, shared_engine
 from blend.integrations.vllm.layout import BlockLayout, calibrate
 from blend.integrations.vllm.metrics import KVBlendPromMetrics, KVBlendStats
@@ -83,7 +84,10 @@ class SaveSpec:
     """Blocks vLLM computed that are whole and not yet in the store."""
 
     req_id: str
-    blocks: tuple[tuple[int, StoreKey], ...]  # (block id, key)
+    blocks: tuple[tuple[int, StoreKey], ...]  # (block id, key), in prompt order
+    # the request's blocks before the first saved one: its KV attended over them (vLLM's prefix cache may
+    # share them with another request, whose load of one may fail in this very step)
+    context: tuple[int, ...] = ()
 
 
 @dataclass
@@ -118,21 +122,9 @@ class _ReqState:
     claim: tuple[ClaimKind, int, int] | None = None  # kind, start, end of a claim awaiting its load
     blend: BlendParams | None = None
     salt: str = ""  # the tenant salt of kvblend's own keys (plan.tenant_salt)
-    adapter: bool = False  # a LoRA request: its KV is not the base model's, so it neither loads nor saves
+    # why its KV is not what the token ids alone give ('' if it is): then it neither loads nor saves
+    skipped: str = ""
     report: dict = field(default_factory=dict)
-
-
-def _unusable(got, want: tuple[int, ...]) -> str:
-    """Why a stored block cannot be injected ('' if it can): not a hit, the wrong (L, Hkv, B, D) shape,
-    or non-finite values (the store's own checks cover provenance and dtype)."""
-    entry = got.entry
-    if got.status is not LookupStatus.HIT or entry is None:
-        return f"{got.status.value} {got.reason}".strip()
-    if tuple(entry.k.shape) != want:
-        return f"shape {tuple(entry.k.shape)}, want {want}"
-    if not bool(torch.isfinite(entry.k).all() and torch.isfinite(entry.v).all()):
-        return "non-finite values"
-    return ""
 
 
 class KVBlendConnector(KVConnectorBase_V1):
@@ -159,9 +151,10 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._names: list[str] = []  # their layer names, same order
         self._layout: BlockLayout | None = None
         self._load_errors: set[int] = set()
-        # blocks of this step's requests from a failed load on: the forward computes them over unloaded KV
-        # (vLLM recomputes after the step), so they are never saved
-        self._tainted: set[int] = set()
+        # blocks whose load failed in this step: the forward computes every later block of a request holding one
+        # (the loading request's, or another's sharing it through vLLM's prefix cache) over unloaded KV, and
+        # vLLM recomputes after the step, so those are never saved
+        self._failed: set[int] = set()
         self._reports: dict[str, dict] = {}
         self._stats = KVBlendStats()  # worker side: counters since vLLM last collected them
 
@@ -173,7 +166,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             toks = tuple(request.prompt_token_ids or ())
             salt = request.cache_salt or ""
             st = _ReqState(toks, block_keys(self.shared.vllm_prov, toks, self.block_size, salt),
-                           adapter=getattr(request, "lora_request", None) is not None)
+                           skipped=skip_reason(request))
             self._reqs[request.request_id] = st
         return st
 
@@ -181,8 +174,12 @@ class KVBlendConnector(KVConnectorBase_V1):
         st = self._state(request)
         n = len(st.token_ids)
         st.claim = None
-        if st.adapter:  # the store holds the base model's KV (its provenance names no adapter): no reuse either way
-            st.report = {"skipped": "LoRA request: kvblend neither loads nor saves its KV"}
+        # a fresh admission (the first, or after a preemption): its report says what this one gets, never what
+        # an earlier load did (a load error there, fields a blend set)
+        st.report = {}
+        self.shared.take_report(request.request_id)
+        if st.skipped:
+            st.report = {"skipped": st.skipped}
             return 0, False
         try:
             st.blend = parse_blend_params(request.kv_transfer_params, n)
@@ -193,6 +190,9 @@ class KVBlendConnector(KVConnectorBase_V1):
                                                                                           st.token_ids):
             st.report = {"error": "blend refused: with vLLM's prefix cache on, a blended request needs the "
                                   "cache_salt of blend_salt() (approximate blocks must not enter the prefix cache)"}
+            st.blend = None
+        if st.blend is not None and self.shared.blend_refusal:  # vLLM runs another model config than kvblend
+            st.report = {"error": self.shared.blend_refusal}
             st.blend = None
         if st.blend is not None or BLEND_SALT_MARK in (request.cache_salt or ""):
             # blended blocks (this step's claim, or vLLM's prefix cache under a blend salt): never saved
@@ -219,6 +219,11 @@ class KVBlendConnector(KVConnectorBase_V1):
         st = self._state(request)
         if num_external_tokens <= 0:
             st.claim = None
+        elif st.claim is not None and st.claim[1] + num_external_tokens < st.claim[2]:
+            # vLLM took fewer tokens than claimed (it may cut a claim to whole blocks): load only those, and say so
+            kind, start, _ = st.claim
+            st.claim = (kind, start, start + num_external_tokens)
+            st.report["claimed_tokens"] = num_external_tokens
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KVBlendMeta()
@@ -255,14 +260,14 @@ class KVBlendConnector(KVConnectorBase_V1):
                 st.blended = True
             else:
                 st.saved = max(st.saved, end // b)
-        if st.blended or st.adapter:  # approximate KV, or an adapter's: never saved
+        if st.blended or st.skipped:  # approximate KV, or not the token ids' own: never saved
             return
         if num_computed < st.saved * b:  # vLLM recomputes from here (a failed load): save those blocks again
             st.saved = num_computed // b
         whole = min(num_computed + num_scheduled, len(st.token_ids)) // b  # prompt blocks whole after this step
         todo = [(st.block_ids[i], st.keys[i]) for i in range(st.saved, min(whole, len(st.block_ids), len(st.keys)))]
         if todo:
-            meta.saves.append(SaveSpec(req_id, tuple(todo)))
+            meta.saves.append(SaveSpec(req_id, tuple(todo), tuple(st.block_ids[: st.saved])))
             st.saved = whole
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
@@ -290,6 +295,10 @@ class KVBlendConnector(KVConnectorBase_V1):
 
         self._names = sorted(kv_caches, key=index)
         self._kv = [kv_caches[n] for n in self._names]
+        for name, kv in zip(self._names, self._kv):  # (num_blocks, Hkv, B, 2D): block ids and keys count B tokens
+            if kv.dim() != 4 or kv.shape[2] != self.block_size:
+                raise KVBlendError(f"KV cache {name!r} has shape {tuple(kv.shape)}, not (blocks, heads, "
+                                   f"{self.block_size}, 2 x head dim): vLLM's kernel blocks are not its blocks")
         if len(self._kv) != self.shared.engine.dims.num_layers:
             raise KVBlendError(f"vLLM has {len(self._kv)} KV caches, kvblend's model {self.shared.engine.dims.num_layers}"
                                " layers: not the same model")
@@ -341,8 +350,9 @@ class KVBlendConnector(KVConnectorBase_V1):
 
     def _fail(self, spec: LoadSpec, from_token: int) -> None:
         b = self.block_size
-        self._load_errors.update(spec.block_ids[from_token // b: -(-spec.end // b)])
-        self._tainted.update(spec.block_ids[from_token // b:])  # and every later block of the request
+        failed = spec.block_ids[from_token // b: -(-spec.end // b)]
+        self._load_errors.update(failed)
+        self._failed.update(failed)
 
     def _load_exact(self, spec: LoadSpec) -> dict:
         b = self.block_size
@@ -352,7 +362,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         rep: dict = {}
         for i in range(spec.start // b, spec.end // b):
             got = self.shared.store.get(Namespace.EXACT, spec.keys[i], prov)
-            why = _unusable(got, want)
+            why = unusable(got, want)
             if why:  # never injected: this block and the rest of the claim are recomputed by vLLM
                 if got.status is not LookupStatus.MISS:  # drop the bad entry: the recomputed block replaces it
                     self.shared.store.delete(Namespace.EXACT, spec.keys[i])
@@ -373,7 +383,10 @@ class KVBlendConnector(KVConnectorBase_V1):
 
         def rows(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             k, v = cache.view(layer, spec.end)  # (Hkv, end, D) K after RoPE
-            return k[:, spec.start:], v[:, spec.start:]
+            k, v = k[:, spec.start:], v[:, spec.start:]  # (Hkv, end - start, D)
+            if not bool(torch.isfinite(k).all() and torch.isfinite(v).all()):  # never injected: vLLM recomputes
+                raise KVBlendError(f"non-finite values in the blended KV of layer {layer}")
+            return k, v
 
         self._write(spec.block_ids, spec.start, spec.end, rows)  # the last block may be partial
         return report
@@ -393,14 +406,16 @@ class KVBlendConnector(KVConnectorBase_V1):
         return  # whole blocks are read back after the forward, in wait_for_save
 
     def wait_for_save(self):
-        tainted, self._tainted = self._tainted, set()
+        failed, self._failed = self._failed, set()
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         if not isinstance(meta, KVBlendMeta) or not meta.saves or self._layout is None:
             return
         store, prov = self.shared.store, self.shared.vllm_prov_json
         for spec in meta.saves:
+            over_hole = not failed.isdisjoint(spec.context)
             for block, key in spec.blocks:
-                if block in tainted:  # computed over a block that failed to load: vLLM recomputes it
+                over_hole = over_hole or block in failed
+                if over_hole:  # computed over (or in) a block that failed to load: vLLM recomputes it
                     self._stats.add("unsaved_after_load_error")
                     continue
                 if store.contains(Namespace.EXACT, key):

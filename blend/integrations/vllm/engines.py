@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from blend.errors import InvalidRequestError
+from blend.errors import InvalidRequestError, KVBlendError
 from blend.integrations.vllm.plan import BlendParams, vllm_provenance
 from blend.keys import Provenance
 from blend.kvcache import KVCache
@@ -106,6 +106,9 @@ class ConnectorConfig:
         force: blend even if kvblend's quality gate has not passed for this model.
         recompute_on_load_error: set vLLM's ``kv_load_failure_policy`` to ``recompute`` (a block that
             fails to load is recomputed, the request goes on); False leaves vLLM's policy as configured.
+        model_arch: :func:`~blend.engine_setup.model_arch` of the model config vLLM runs (``hf_overrides``
+            applied), "" where unknown; kvblend's engine reads config.json from disk, and its blended KV is
+            injected only where the two agree.
     """
 
     model: str
@@ -117,6 +120,7 @@ class ConnectorConfig:
     prefix_caching: bool = True  # vLLM's own prefix cache is on (blends then need their salt)
     device: str = "cpu"  # where kvblend's engine runs: vLLM's device
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET  # the in-process tier of the store
+    model_arch: str = ""  # the model config vLLM runs (see above)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, extra: dict) -> "ConnectorConfig":
@@ -134,6 +138,8 @@ class ConnectorConfig:
         """
         import vllm
 
+        from blend.engine_setup import model_arch
+
         ex = parse_extra_config(extra)
         mc = vllm_config.model_config
         dtype = dtype_name(mc.dtype)
@@ -144,11 +150,12 @@ class ConnectorConfig:
         if quant:  # kvblend's engine blends with the checkpoint's own weights, and its keys name no quantization
             raise InvalidRequestError(f"kvblend's connector needs an unquantized model, got quantization={quant!r}")
         backend = f"vllm-{vllm.__version__}/{vllm_config.device_config.device_type}/{vllm_numerics(vllm_config)}"
+        hf = getattr(mc, "hf_config", None)
         return cls(model=str(mc.model), dtype=dtype, backend=backend, store=ex.store, force=ex.force,
                    recompute_on_load_error=ex.on_load_error is OnLoadError.RECOMPUTE,
                    prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True)),
                    device=str(vllm_config.device_config.device_type),
-                   memory_budget_bytes=ex.memory_budget_bytes)
+                   memory_budget_bytes=ex.memory_budget_bytes, model_arch=model_arch(hf) if hf is not None else "")
 
 
 def _model_hash(mc: Any) -> str:
@@ -215,6 +222,12 @@ class SharedEngine:
                                   device=cfg.device)
         self.vllm_prov: Provenance = vllm_provenance(self.engine.provenance, cfg.backend, block_size, cfg.dtype)
         self.vllm_prov_json = self.vllm_prov.canonical_json()
+        # kvblend's engine runs config.json as it is on disk; vLLM may run it changed (hf_overrides: RoPE theta,
+        # norms...). Exact blocks are vLLM's own KV (their keys carry vLLM's config); a blend is kvblend's KV
+        ours = self.engine.provenance.model_arch
+        self.blend_refusal = "" if cfg.model_arch in ("", ours) else (
+            f"blend refused: vLLM runs another model config ({cfg.model_arch}) than the checkpoint's config.json "
+            f"that kvblend's engine runs ({ours}), e.g. hf_overrides; the request runs plain")
         self._lock = threading.Lock()  # one blend at a time per process (the engine's caches)
         # request id -> what its load got (worker -> scheduler, in process); bounded: with the worker in another
         # process (a multiprocess executor) nothing here ever takes them
@@ -253,7 +266,12 @@ class SharedEngine:
 
         Returns:
             The filled cache and the reuse report (as a JSON-able dict).
+
+        Raises:
+            KVBlendError: vLLM runs another model config than kvblend's engine (:attr:`blend_refusal`).
         """
+        if self.blend_refusal:  # the scheduler refuses such blends first; never KV of another model config
+            raise KVBlendError(self.blend_refusal)
         policy = ReusePolicy.blend(ratio=params.ratio, selector=params.selector, force=self.cfg.force,
                                    guard_margin=params.guard_margin, cache_salt=salt,
                                    attention_precision=params.attention_precision,

@@ -1,0 +1,242 @@
+"""KVBlendConnector's scheduler and worker sides over fake vLLM steps (vLLM imported, no model run).
+
+The connector is built by its own ``__init__`` from a minimal vLLM config, with kvblend's engine replaced by
+:class:`FakeShared` (a memory store and the provenance of vLLM's blocks), so each test drives the calls vLLM
+makes (lookup, allocation, metadata, load, save, finish) in seconds.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from blend.errors import KVBlendError  # noqa: E402
+from blend.integrations.vllm import connector as connector_module  # noqa: E402
+from blend.integrations.vllm.connector import KVBlendConnector, KVBlendWorkerMeta  # noqa: E402
+from blend.integrations.vllm.engines import ConnectorConfig  # noqa: E402
+from blend.integrations.vllm.layout import standard_layout  # noqa: E402
+from blend.integrations.vllm.plan import PARAMS_KEY, block_keys, blend_request, vllm_provenance  # noqa: E402
+from blend.keys import Namespace, Provenance  # noqa: E402
+from blend.kvcache import KVEntry  # noqa: E402
+from blend.store.memory import MemoryStore  # noqa: E402
+
+B = 4  # tokens per block
+BLOCKS = 16  # blocks in the fake paged cache
+PROV = vllm_provenance(Provenance("llama:x", "w", "t", "float32", "float32", "cpu", "kvblend-layers", "{}"),
+                       "vllm-test/cpu", B, "float32")
+
+
+class FakeShared:
+    """What the connector reads of :class:`~blend.integrations.vllm.engines.SharedEngine` (one layer, one head,
+    head dim 1); ``blend`` answers with :attr:`blend_rows` (L, Hkv, T, D) for K and V."""
+
+    def __init__(self) -> None:
+        self.vllm_prov, self.vllm_prov_json = PROV, PROV.canonical_json()
+        self.store = MemoryStore()
+        self.engine = SimpleNamespace(dims=SimpleNamespace(num_layers=1))
+        self.blend_refusal = ""
+        self.blend_rows: torch.Tensor | None = None
+        self._reports: dict[str, dict] = {}
+
+    def post_report(self, req_id: str, report: dict) -> None:
+        self._reports[req_id] = report
+
+    def take_report(self, req_id: str) -> dict:
+        return self._reports.pop(req_id, {})
+
+    def blend(self, token_ids, params, salt=""):
+        rows = self.blend_rows
+        cache = SimpleNamespace(view=lambda layer, end: (rows[layer][:, :end], rows[layer][:, :end]))
+        return cache, {"reused_tokens": 0, "recomputed_tokens": 0}
+
+
+@pytest.fixture
+def conn(monkeypatch):
+    """One connector playing both roles (as in one process), over a fake (1 layer, 1 head, B, 2) paged cache."""
+    shared = FakeShared()
+    monkeypatch.setattr(connector_module, "shared_engine", lambda cfg, block_size: shared)
+    monkeypatch.setattr(connector_module.ConnectorConfig, "from_vllm", classmethod(
+        lambda cls, vllm_config, extra: ConnectorConfig(model="m", dtype="float32", backend="test",
+                                                        prefix_caching=False)))
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+                          cache_config=SimpleNamespace(block_size=B),
+                          kv_transfer_config=SimpleNamespace(kv_connector_extra_config={},
+                                                             kv_load_failure_policy="fail"))
+    c = KVBlendConnector(cfg, KVConnectorRole.WORKER, None)
+    c.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(BLOCKS, 1, B, 2)})
+    c._layout = standard_layout(1, B, 1)  # what calibrating vLLM's CPU writer gives for this shape
+    return c
+
+
+def _request(req_id, ids, params=None, **extra):
+    fields = dict(request_id=req_id, prompt_token_ids=list(ids), cache_salt=None, kv_transfer_params=params,
+                  lora_request=None, prompt_embeds=None, mm_features=None)
+    return SimpleNamespace(**{**fields, **extra})
+
+
+def _step(new=(), cached=(), scheduled=None):
+    """A scheduler output: new (req_id, block ids, computed), cached (req_id, new blocks, computed, resumed)."""
+    cached = list(cached)
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=n) for r, b, n in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, *_ in cached], new_block_ids=[(b,) if b is not None else None for _, b, _, _ in cached],
+            num_computed_tokens=[n for _, _, n, _ in cached],
+            resumed_req_ids={r for r, _, _, resumed in cached if resumed}),
+        num_scheduled_tokens=scheduled or {})
+
+
+def _store(shared: FakeShared, key, value: float = 1.0) -> None:
+    rows = torch.full((1, 1, B, 1), value)  # (L, Hkv, B, D)
+    shared.store.put(Namespace.EXACT, key, KVEntry(rows, rows.clone(), shared.vllm_prov_json))
+
+
+def _admit(c, req, num_computed: int = 0) -> int:
+    """vLLM's lookup and allocation of a waiting request: the tokens it loads."""
+    got, _ = c.get_num_new_matched_tokens(req, num_computed)
+    c.update_state_after_alloc(req, None, got)
+    return got
+
+
+def _run(c, meta) -> None:
+    """One worker step: loads before the forward, saves after it (as vLLM's runner calls them)."""
+    c.bind_connector_metadata(meta)
+    c.start_load_kv(None)
+    c.wait_for_save()
+    c.clear_connector_metadata()
+
+
+def _worker_output(c) -> SimpleNamespace:
+    return SimpleNamespace(kv_connector_worker_meta=c.build_connector_worker_meta())
+
+
+def test_a_block_computed_over_another_requests_failed_load_is_not_saved(conn):
+    """vLLM's prefix cache shares A's claimed blocks with B in the same step. A's load of them fails, so B's forward
+    attends over a hole (vLLM recomputes B after the step): B's blocks of that step were saved as exact KV, and
+    every later request loaded that wrong KV from the store, as a hit."""
+    prefix = list(range(100, 108))  # two blocks, stored
+    keys = block_keys(PROV, prefix, B)
+    _store(conn.shared, keys[0])
+    _store(conn.shared, keys[1], float("nan"))  # fails its check at load time
+    a, b = _request("a", prefix + [7]), _request("b", prefix + list(range(200, 209)))
+    assert _admit(conn, a) == 8
+    assert _admit(conn, b, 8) == 0  # b's local prefix: a's blocks 1 and 2 (vLLM's prefix cache)
+    meta = conn.build_connector_meta(_step(new=[("a", [1, 2, 3], 8), ("b", [1, 2, 5, 6, 7], 8)],
+                                           scheduled={"a": 1, "b": 9}))
+    (save,) = meta.saves  # b's whole blocks, its local prefix's too (stored ones are skipped)
+    assert [blk for blk, _ in save.blocks] == [1, 2, 5, 6]
+    _run(conn, meta)
+    assert conn.get_block_ids_with_load_errors() == {2}
+    b_keys = block_keys(PROV, b.prompt_token_ids, B)
+    assert not any(conn.shared.store.contains(Namespace.EXACT, k) for k in b_keys[2:])
+    # vLLM recomputes from the failed block: the next step saves b's blocks, now computed over a's real KV
+    meta = conn.build_connector_meta(_step(cached=[("a", None, 4, False), ("b", None, 8, False)],
+                                           scheduled={"a": 5, "b": 9}))
+    _run(conn, meta)
+    assert all(conn.shared.store.contains(Namespace.EXACT, k) for k in b_keys)
+
+
+@pytest.mark.parametrize("extra", [{"prompt_embeds": torch.zeros(9, 8)},
+                                   {"mm_features": [SimpleNamespace(identifier="image-1")]}])
+def test_requests_whose_kv_is_not_their_token_ids_own_neither_claim_nor_save(conn, extra):
+    """The store's keys name token ids only: prompt embeddings (or a mixed prompt's embedded rows) and media
+    behind placeholder ids give other KV for the same ids. Such a request loaded the blocks of plain requests with
+    those ids, and saved its own under their keys."""
+    ids = list(range(300, 309))
+    for key in block_keys(PROV, ids, B):
+        _store(conn.shared, key)
+    plain = _request("plain", ids)
+    assert _admit(conn, plain) == 8  # a plain request claims the stored blocks
+    req = _request("embeds", ids, **extra)
+    assert _admit(conn, req) == 0
+    fresh = list(range(400, 409))  # nothing stored for these ids: it would have saved them
+    other = _request("other", fresh, **extra)
+    assert _admit(conn, other) == 0
+    meta = conn.build_connector_meta(_step(new=[("embeds", [1, 2, 3], 0), ("other", [4, 5, 6], 0)],
+                                           scheduled={"embeds": 9, "other": 9}))
+    assert not meta.loads and not meta.saves
+    assert "neither loads nor saves" in conn.request_finished(req, [])[1][PARAMS_KEY]["skipped"]
+
+
+def test_a_claim_vllm_cuts_short_loads_and_reports_only_what_vllm_took(conn):
+    """vLLM may take fewer external tokens than claimed (it cuts a claim to whole blocks under bounded replay): the
+    connector loaded and reported the whole claim, past what vLLM counts as computed."""
+    ids = list(range(500, 513))
+    for key in block_keys(PROV, ids, B):
+        _store(conn.shared, key)
+    req = _request("cut", ids)
+    got, _ = conn.get_num_new_matched_tokens(req, 0)
+    assert got == 12
+    conn.update_state_after_alloc(req, None, 8)  # vLLM took two blocks of three
+    meta = conn.build_connector_meta(_step(new=[("cut", [1, 2, 3, 4], 8)], scheduled={"cut": 5}))
+    (load,) = meta.loads
+    assert (load.start, load.end) == (0, 8)
+    assert [blk for blk, _ in meta.saves[0].blocks] == [3]  # the third block is vLLM's to compute, then stored
+    _run(conn, meta)
+    conn.update_connector_output(_worker_output(conn))
+    rep = conn.request_finished(req, [])[1][PARAMS_KEY]
+    assert rep["claimed_tokens"] == 8 and rep["loaded_blocks"] == 2
+
+
+def test_non_finite_blended_kv_is_never_injected(conn):
+    """A blend whose KV holds a NaN (a non-finite chunk in the store, an overflow) was written into vLLM's blocks
+    unchecked; stored blocks were checked. Now the claim is a load error and vLLM recomputes it."""
+    ids = list(range(600, 620))
+    params = blend_request(ids, [(2, 6), (6, 10)], ratio=0.15)  # the question starts at 10
+    rows = torch.ones(1, 1, 10, 1)  # (L, Hkv, T, D)
+    rows[0, 0, 7, 0] = float("nan")
+    conn.shared.blend_rows = rows
+    req = _request("nan", ids, params)
+    assert _admit(conn, req) == 10
+    meta = conn.build_connector_meta(_step(new=[("nan", [1, 2, 3, 4, 5], 10)], scheduled={"nan": 10}))
+    _run(conn, meta)
+    assert conn.get_block_ids_with_load_errors() == {1, 2, 3}  # the blocks of rows 0..9
+    assert not torch.isnan(conn._kv[0]).any()
+    conn.update_connector_output(_worker_output(conn))
+    assert "non-finite" in conn.request_finished(req, [])[1][PARAMS_KEY]["error"]
+
+
+def test_a_readmitted_request_reports_its_last_load_not_an_earlier_error(conn):
+    """A request whose first load failed at a bad block, then preempted and admitted again with a clean load,
+    finished with the first load's error beside the second's counts."""
+    ids = list(range(700, 709))
+    keys = block_keys(PROV, ids, B)
+    _store(conn.shared, keys[0])
+    _store(conn.shared, keys[1], float("nan"))
+    req = _request("again", ids)
+    assert _admit(conn, req) == 8
+    _run(conn, conn.build_connector_meta(_step(new=[("again", [1, 2, 3], 8)], scheduled={"again": 1})))
+    assert conn.get_block_ids_with_load_errors() == {2}
+    conn.update_connector_output(_worker_output(conn))
+    _store(conn.shared, keys[1])  # vLLM recomputed block 1 and it was stored again
+    assert _admit(conn, req) == 8  # preempted, admitted again
+    _run(conn, conn.build_connector_meta(_step(cached=[("again", [7, 8, 9], 8, True)], scheduled={"again": 1})))
+    assert conn.get_block_ids_with_load_errors() == set()
+    conn.update_connector_output(_worker_output(conn))
+    rep = conn.request_finished(req, [])[1][PARAMS_KEY]
+    assert rep["loaded_blocks"] == 2 and "error" not in rep
+
+
+def test_a_blend_under_another_model_config_runs_plain(conn):
+    """vLLM runs its model config with hf_overrides applied (e.g. another RoPE theta); kvblend's engine runs
+    config.json as it is on disk, so its blended KV is of another model: the blend is refused, the request plain."""
+    ids = list(range(800, 820))
+    conn.shared.blend_refusal = "blend refused: vLLM runs another model config"
+    req = _request("overridden", ids, blend_request(ids, [(2, 6), (6, 10)], ratio=0.15))
+    assert _admit(conn, req) == 0
+    meta = conn.build_connector_meta(_step(new=[("overridden", [1, 2, 3, 4, 5], 0)], scheduled={"overridden": 20}))
+    assert not meta.loads and meta.saves  # a plain request: vLLM computes it, its blocks are stored
+    assert "another model config" in conn.request_finished(req, [])[1][PARAMS_KEY]["error"]
+
+
+def test_kv_caches_whose_blocks_are_not_the_schedulers_blocks_are_refused(conn):
+    """vLLM may split its blocks into smaller kernel blocks (the tensor's block dimension): the connector's block
+    ids and keys count the scheduler's block size, so every load and save would land in the wrong rows."""
+    with pytest.raises(KVBlendError, match="kernel blocks"):
+        conn.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(2 * BLOCKS, 1, B // 2, 2)})
