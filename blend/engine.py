@@ -220,6 +220,8 @@ class Engine:
             raise InvalidPolicyError(
                 "semantic reuse is experimental: enable it in the engine (EngineConfig(experimental_semantic=True) "
                 "or --experimental-semantic) as well as in the policy")
+        if len(prompt.segments) < 2:  # a lone question (bos_prompt): nothing to blend, no preamble to key
+            return "a prompt of one segment has no document to blend", _BLENDED_KINDS, 0.0
         if len(prompt) < policy.min_prompt_tokens:
             return (f"prompt of {len(prompt)} tokens < min_prompt_tokens={policy.min_prompt_tokens}",
                     _BLENDED_KINDS, 0.0)
