@@ -33,6 +33,29 @@ def test_clear_leaves_a_deployment_whose_prefix_extends_this_one(redis_url: str)
         theirs.clear()
 
 
+@pytest.mark.parametrize("suffix", [":log", ":log:x", "2", ":x"])
+def test_clear_leaves_the_entries_and_logs_of_a_deployment_whose_prefix_extends_this_one(redis_url: str,
+                                                                                       suffix: str) -> None:
+    """clear(None) deleted every key matching ``<prefix>:log:*``: all of deployment ``<prefix>:log``'s
+    entries and record logs."""
+    base = unique_prefix()
+    mine, theirs = RedisStore(redis_url, prefix=base), RedisStore(redis_url, prefix=base + suffix)
+    try:
+        theirs.put(Namespace.CANONICAL, key_for(PROV, 0), rand_entry(PROV))
+        theirs.append_record("donors-0123", b"their line")
+        mine.put(Namespace.CANONICAL, key_for(PROV, 1), rand_entry(PROV))
+        mine.append_record("donors-0123", b"my line")
+        assert mine.clear() == 1
+        assert mine.read_records("donors-0123") == [] and mine.stats().entries == 0
+        assert theirs.get(Namespace.CANONICAL, key_for(PROV, 0), J).status is LookupStatus.HIT
+        assert theirs.read_records("donors-0123") == [b"their line"]
+        with pytest.raises(ValueError, match="bad record log name"):
+            mine.append_record("log:donors-0123", b"a name that would read as another deployment's key")
+    finally:
+        theirs.clear()
+        mine.clear()
+
+
 def test_keys_under_a_non_ascii_prefix(redis_url: str) -> None:
     s = RedisStore(redis_url, prefix=unique_prefix() + "-équipe")
     try:
