@@ -153,6 +153,9 @@ DEFAULT_APPROX_THRESHOLD = 20_000
 # ingest: new chunks between commits of the index; chunk texts per KV-writer call
 DEFAULT_COMMIT_EVERY = 512
 DEFAULT_KV_BATCH = 16
+# an index registered in a store's registry whose folder is not visible (deleted, or on another machine) and
+# that no ingest registered again for this long leaves the registry (it pins no KV here in any case)
+DEFAULT_REGISTRY_STALE_S = 30 * 24 * 3600.0
 # the quality gate's bounds for blended reuse (per model): mean first-token KL(full || blend) at most, and
 # first-token top-1 agreement at least
 GATE_KL_BOUND = 0.25

@@ -220,6 +220,8 @@ class Engine:
         n = self.dims.num_layers
         if policy.check_layers[-1] >= n:
             raise InvalidPolicyError(f"check layers {policy.check_layers} outside the model's {n} layers (0..{n - 1})")
+        if len(prompt.segments) < 2:  # a lone question (bos_prompt): nothing to blend, no preamble to key
+            return "a prompt of one segment has no document to blend", _BLENDED_KINDS, 0.0
         if len(prompt) < policy.min_prompt_tokens:
             return (f"prompt of {len(prompt)} tokens < min_prompt_tokens={policy.min_prompt_tokens}",
                     _BLENDED_KINDS, 0.0)

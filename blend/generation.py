@@ -15,7 +15,9 @@ Stop rules, checked on every sampled token:
 
 Streamed text never shows what a later token could take back: a trailing
 incomplete UTF-8 sequence (decoded as U+FFFD) and a trailing partial match of
-a stop string are held back until resolved.
+a stop string are held back until resolved. An answer that ends inside a
+character ends with its U+FFFD (the text is ``decode(token_ids)``, cut at a
+stop string), in the stream, the response body and the Python API alike.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ class TokenStream:
         full = self._text.push(tok)
         cut = self._stop_index(full)
         if cut is not None:
-            return self._finish(FinishReason.STOP, full[:cut], complete=True)
+            return self._finish(FinishReason.STOP, full[:cut])
         if len(self.tokens) >= cfg.max_tokens:
             return self._finish(FinishReason.LENGTH, full)
         return self._emit(full[: self._safe_end(full)])
@@ -199,13 +201,14 @@ class TokenStream:
         delta, self.text = upto[len(self.text):], upto
         return delta
 
-    def _finish(self, reason: FinishReason, final: str, complete: bool = False) -> str:
-        """End the answer at ``final``. Trailing U+FFFDs are an incomplete multi-byte character the answer
-        ends inside (dropped) unless ``complete``: text cut before a stop string, which later bytes followed,
-        so its U+FFFDs are invalid bytes already decoded (kept, as the answer's tokens read)."""
+    def _finish(self, reason: FinishReason, final: str) -> str:
+        """End the answer at ``final`` and return what of it was not streamed yet.
+
+        A trailing U+FFFD stays: the answer's last tokens are bytes of a character it ended inside
+        (max_tokens, EOS, the context's end), and the text reads as ``decode(token_ids)`` does (as
+        transformers' TextStreamer flushes it, and as ``Engine.generate`` answers). Dropping it left
+        tokens counted in usage and listed in logprobs (text_offset past the end) with no text."""
         self.finish_reason = reason
-        if not complete and final.endswith(REPLACEMENT):
-            final = final.rstrip(REPLACEMENT)
         return self._emit(final)
 
     def completion(self, prompt: Prompt, first_logits: torch.Tensor, report: ReuseReport, ttft_s: float,

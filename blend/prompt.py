@@ -292,6 +292,27 @@ def build_prompt(tokenizer, question: str, documents: Sequence[str], system: str
     return Prompt(tuple(segs))
 
 
+def bos_prompt(tokenizer) -> Prompt:
+    """The prompt of an empty completions prompt (``"prompt": ""``): the BOS token alone, as one
+    question segment, which OpenAI-compatible servers generate from. Nothing in it is reused (a
+    blend of it is refused: there is no document to blend).
+
+    Args:
+        tokenizer: the model's tokenizer.
+
+    Returns:
+        A one-segment prompt of the BOS token.
+
+    Raises:
+        InvalidRequestError: the tokenizer has no BOS token (nothing to generate from).
+    """
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        raise InvalidRequestError("the prompt is empty and this model's tokenizer has no BOS token to generate "
+                                  "from: give a non-empty prompt")
+    return Prompt((Segment(SegmentKind.QUESTION, (int(bos),), ""),))
+
+
 def is_unicode(text: str) -> bool:
     """Whether ``text`` encodes to UTF-8.
 

@@ -348,11 +348,15 @@ class Catalog:
             self.pending_gc[cid] = self.records.pop(cid).text
         self.vectors.remove(slots)
 
-    def collect_garbage(self, delete_fn: Callable[[str, str], bool]) -> int:
+    def collect_garbage(self, delete_fn: Callable[[str, str], bool], held_elsewhere: frozenset[str] = frozenset()
+                        ) -> int:
         """Delete the KV of unreachable chunks and forget them once deleted.
 
         Args:
             delete_fn: (chunk id, chunk text) -> True when its KV is gone (or was never stored).
+            held_elsewhere: texts another index over the store still references: their KV is kept and they
+                stay pending (a later collection deletes it once no index references them: the other index
+                dropped them, or its folder was deleted).
 
         Returns:
             Number of chunks collected (call :meth:`commit` to persist).
@@ -360,7 +364,8 @@ class Catalog:
         # KV is keyed by the text, not the chunk id: an unreachable id whose text a live chunk still holds (ids
         # change when the tokenizer's fingerprint does) has nothing of its own to delete
         live = {rec.text for rec in self.records.values()}
-        done = [cid for cid, text in sorted(self.pending_gc.items()) if text in live or delete_fn(cid, text)]
+        done = [cid for cid, text in sorted(self.pending_gc.items())
+                if text not in held_elsewhere and (text in live or delete_fn(cid, text))]
         for cid in done:
             del self.pending_gc[cid]
         return len(done)

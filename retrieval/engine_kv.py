@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from blend.keys import Namespace, StoreKey, key_hex
 from blend.prompt import Segment, document_ids, preamble_segment
 from blend.retrieval.ingest_options import KVSync
+from blend.retrieval.registry import IndexRegistry
 from blend.store.base import EntryState, store_tiers
 
 if TYPE_CHECKING:  # the engine is imported lazily: retrieval works without it
@@ -116,8 +117,9 @@ def canonical_chunk_key(engine: "Engine", preamble: Segment, text: str) -> Store
 def engine_kv_sync(engine: "Engine", system: str | None = None, write: bool = True,
                    refresh: bool = False) -> KVSync:
     """How :func:`~blend.retrieval.ingest.ingest` keeps an index's chunk KV in step with an engine: written
-    (:func:`engine_kv_writer`), deleted with their chunks (:func:`engine_kv_deleter`) and checked against
-    the engine's keys (:func:`engine_kv_signature`), all after ``system``'s preamble.
+    (:func:`engine_kv_writer`), deleted with their chunks (:func:`engine_kv_deleter`) unless another index
+    over the store still references them (:class:`~blend.retrieval.registry.IndexRegistry`), and checked
+    against the engine's keys (:func:`engine_kv_signature`), all after ``system``'s preamble.
 
     Args:
         engine: the engine whose store holds the chunks' canonical KV.
@@ -131,7 +133,7 @@ def engine_kv_sync(engine: "Engine", system: str | None = None, write: bool = Tr
     """
     return KVSync(writer=engine_kv_writer(engine, system) if write else None,
                   deleter=engine_kv_deleter(engine, system), signature=engine_kv_signature(engine, system),
-                  refresh=refresh)
+                  refresh=refresh, references=IndexRegistry(store_tiers(engine.store)))
 
 
 def engine_kv_signature(engine: "Engine", system: str | None = None) -> str:

@@ -144,6 +144,8 @@ def ingest(
     try:
         meta = IndexMeta(embedder.info.name, embedder.info.fingerprint, embedder.dim, options.kind.value,
                          options.threshold)
+        if kv.references is not None:  # before any KV is written: another index's collection sees this one
+            kv.references.register(root)
         run = _Run(Catalog.open(root, meta), tokenizer, fp, embedder, kv, options, issues)
         # a run killed before its commit left noted chunks' KV: this run's commit queues it for collection
         run.dirty = not Catalog.exists(root) or run.cat.settings_changed or bool(run.cat.kv_intent)
@@ -282,7 +284,10 @@ class _Run:
         deleter, cat = self.kv.deleter, self.cat
         if deleter is None or not cat.pending_gc:
             return 0
-        collected = cat.collect_garbage(deleter)
+        refs = self.kv.references
+        held = (frozenset(refs.held_elsewhere(cat.root, self.kv.signature, set(cat.pending_gc.values())))
+                if refs is not None else frozenset())
+        collected = cat.collect_garbage(deleter, held)
         cat.commit()
         finish = getattr(deleter, "finish", None)  # e.g. purge the deleted chunks from the donor logs
         if finish is not None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, TextIO
+from typing import Callable, Protocol, TextIO
 
 from blend.defaults import DEFAULT_APPROX_THRESHOLD, DEFAULT_COMMIT_EVERY, DEFAULT_KV_BATCH
 from blend.progress import Progress
@@ -14,6 +15,16 @@ from blend.retrieval.index import IndexKind
 
 KVWriter = Callable[[list[str]], int]
 KVDeleter = Callable[[str, str], bool]
+
+
+class KVReferences(Protocol):
+    """The indexes sharing a store (:class:`~blend.retrieval.registry.IndexRegistry`)."""
+
+    def register(self, root: str | os.PathLike[str]) -> None:
+        """Record that ``root`` is an index over the store."""
+
+    def held_elsewhere(self, root: str | os.PathLike[str], signature: str | None, texts: set[str]) -> set[str]:
+        """Which of ``texts`` another live index over the store still references."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,8 @@ class KVSync:
         refresh: pass every indexed chunk through ``writer`` whatever the signature says (e.g. after the
             store was emptied).
         batch: chunk texts per ``writer`` call.
+        references: the other indexes over the store: the run registers its index there, and a collection
+            leaves the KV of chunks another index still references (None: every removed chunk's KV goes).
     """
 
     writer: KVWriter | None = None
@@ -113,6 +126,7 @@ class KVSync:
     signature: str | None = None
     refresh: bool = False
     batch: int = DEFAULT_KV_BATCH
+    references: KVReferences | None = None
 
     @property
     def unsaved(self) -> int:

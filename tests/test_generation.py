@@ -56,8 +56,8 @@ def test_invalid_bytes_before_a_stop_string_stay_in_the_answer():
     incomplete character (they were dropped, so the answer lost them)."""
     s, deltas = run(b"\xe6\xf0C rest", stop=("C",))
     assert s.finish_reason is FinishReason.STOP and s.text == "\ufffd\ufffd" == "".join(deltas)
-    s, _ = run(b"ab\xe6", max_tokens=3)  # the answer ends inside a character: dropped, as before
-    assert s.finish_reason is FinishReason.LENGTH and s.text == "ab"
+    s, _ = run(b"ab\xe6", max_tokens=3)  # the answer ends inside a character: its U+FFFD too
+    assert s.finish_reason is FinishReason.LENGTH and s.text == "ab\ufffd"
 
 
 def test_the_earliest_of_several_stop_strings_wins():

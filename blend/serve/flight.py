@@ -34,7 +34,7 @@ def request_keys(engine, prompt: Prompt, policy: ReusePolicy) -> list[FlightKey]
     """The store keys a prefill of ``prompt`` under ``policy`` looks up (and stores on a miss),
     derived by the engine's own segment cache."""
     segments, salt = engine.segments, policy.cache_salt
-    if policy.mode is ReuseMode.NONE:
+    if policy.mode is ReuseMode.NONE or len(prompt.segments) < 2:  # one segment: the question, never stored
         return []
     if policy.mode is ReuseMode.EXACT:
         cacheable = prompt.segments[:-1]

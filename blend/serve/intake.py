@@ -15,7 +15,7 @@ from blend.generation import stop_strings
 from blend.policy import (
     RECOMPUTE_PRECISION_FIELDS, GuardMode, ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy,
 )
-from blend.prompt import Prompt
+from blend.prompt import Prompt, bos_prompt
 from blend.sampling import GenerationConfig, InvalidSettingError
 from blend.serve.config import ServeConfig
 from blend.serve.protocol import Endpoint, ErrorType
@@ -176,7 +176,13 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
             raise ApiError(400, f"the conversation's texts alone are {least} tokens: no room in the model's "
                            f"context of {context} tokens", param=prompt_param, code="context_length_exceeded")
     try:
-        prompt = engine.build_prompt(question, docs, system, history)
+        if endpoint is Endpoint.COMPLETIONS and question == "":  # OpenAI's empty prompt: generate from BOS
+            if docs:
+                raise InvalidRequestError("the prompt is empty: documents are laid out before a question, so "
+                                          "give one (an empty prompt generates from the BOS token alone)")
+            prompt = bos_prompt(engine.tokenizer)
+        else:
+            prompt = engine.build_prompt(question, docs, system, history)
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=prompt_param) from None
     if server_limit is not None and server_limit < context and len(prompt) > server_limit:

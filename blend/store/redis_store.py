@@ -217,12 +217,13 @@ class RedisStore:
 
     def append_record(self, log_name: str, line: bytes) -> None:
         """Append one record to the list ``<prefix>:log:<name>`` (RPUSH; no TTL: logs are tiny)."""
-        self._call("append_record", lambda: self._client.rpush(f"{self.prefix}:log:{log_name}".encode(), line), None)
+        name = self._log_key(log_name)
+        self._call("append_record", lambda: self._client.rpush(name, line), None)
 
     def rewrite_records(self, log_name: str, expected: list[bytes], lines: list[bytes]) -> bool:
         """Replace the list with ``lines`` if it still holds exactly ``expected``
         (WATCH + MULTI: a concurrent RPUSH aborts the swap). Returns whether it was replaced."""
-        name = f"{self.prefix}:log:{log_name}".encode()
+        name = self._log_key(log_name)
 
         def swap() -> bool:
             with self._client.pipeline(transaction=True) as pipe:
@@ -245,7 +246,7 @@ class RedisStore:
         """Every record of the list (empty when absent or the server is down; empty,
         with a warning, when the list holds more than ``MAX_LOG_BYTES``: it is read
         in pages, and the server's own size figure is checked before the first)."""
-        name = f"{self.prefix}:log:{log_name}".encode()
+        name = self._log_key(log_name)
 
         def bounded() -> list[bytes]:
             try:
@@ -272,6 +273,26 @@ class RedisStore:
             log.warning("redis store %s: log %s holds %d bytes, over %d; not read", self.url, log_name,
                         e.size, MAX_LOG_BYTES)
             return []
+
+    def _log_key(self, log_name: str) -> bytes:
+        """``<prefix>:log:<name>``; a name holds no colon, so no other deployment's key reads as one of
+        this store's logs (``clear`` tells them apart by that: see :meth:`_log_rkeys`).
+
+        Raises:
+            ValueError: a name with a colon (or an empty one).
+        """
+        if not log_name or ":" in log_name:
+            raise ValueError(f"bad record log name {log_name!r} (a plain name without ':')")
+        return f"{self.prefix}:log:{log_name}".encode()
+
+    def _log_rkeys(self) -> list[bytes]:
+        """This store's record logs: ``<prefix>:log:`` then a name without a colon. The glob also matches
+        every key of a deployment whose prefix extends ``<prefix>:log`` (``kvb:log:exact:<hex>``,
+        ``kvb:log:log:<name>``, ``kvb:log:x:...``): each holds a colon past ``<prefix>:log:``."""
+        head = f"{self.prefix}:log:".encode()
+        pattern = _glob_escape(f"{self.prefix}:log:") + "*"
+        found = self._call("scan", lambda: list(self._client.scan_iter(match=pattern, count=1000)), [])
+        return [rk for rk in found if rk.startswith(head) and len(rk) > len(head) and b":" not in rk[len(head):]]
 
     def rkey(self, ns: Namespace, key: StoreKey) -> bytes:
         """The Redis key of (ns, key)."""
@@ -461,8 +482,7 @@ class RedisStore:
                 batch = rks[i : i + 1000]
                 n += int(self._call("clear", lambda b=batch: self._client.delete(*b), 0))
         if ns is None:  # everything: the record logs too (they only point at entries)
-            pattern = _glob_escape(f"{self.prefix}:log:") + "*"
-            logs = self._call("scan", lambda: list(self._client.scan_iter(match=pattern, count=1000)), [])
+            logs = self._log_rkeys()
             if logs:
                 self._call("clear", lambda: self._client.delete(*logs), 0)
         return n

@@ -11,12 +11,25 @@ A ``REJECTED`` entry in one tier does not stop the search: a lower tier may
 hold a valid copy, which is then promoted over the bad one. If no tier hits,
 the lookup is ``REJECTED`` when some tier rejected (the engine reports the
 segment as ``rejected`` and computes it) and ``MISS`` otherwise.
+
+A delete never races a promotion back into a tier: a lookup notes its key's
+stripe's delete count before it searches, and copies a lower tier's hit upward
+only under the stripe's lock and only if no delete of the stripe finished
+since; a delete holds that lock across every tier and counts itself at the
+end::
+
+    lookup:  note n ── miss memory ── hit disk ─────────── lock: n unchanged? copy up
+    delete:                   lock ── disk, memory ── n+1 ── unlock
+
+(a promotion that loses the race is skipped: the entry is served from the
+lower tier this once, and the next lookup promotes it).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from contextlib import ExitStack
 from typing import Iterator, Sequence
 
 from blend.defaults import DEFAULT_WRITE_BEHIND, DEFAULT_WRITE_BEHIND_PENDING
@@ -38,6 +51,8 @@ from blend.store.write_behind import BackgroundWriter
 
 log = logging.getLogger(__name__)
 
+DELETE_STRIPES = 64  # locks (and delete counts) that promotions and deletes of keys share, by first key byte
+
 
 class TieredStore:
     """Tiers ordered fastest first; hits in a lower tier are copied upward.
@@ -58,19 +73,26 @@ class TieredStore:
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self.writer = BackgroundWriter(self.name, max_pending) if write_behind and len(self.tiers) > 1 else None
+        self._stripe_locks = [threading.Lock() for _ in range(DELETE_STRIPES)]
+        self._deletes = [0] * DELETE_STRIPES  # deletes (and clears) finished, per stripe
 
     def _count(self, field: str) -> None:
         with self._lock:
             setattr(self._stats, field, getattr(self._stats, field) + 1)
 
+    @staticmethod
+    def _stripe(key: StoreKey) -> int:
+        return key[0] % DELETE_STRIPES if key else 0  # keys are sha256 digests: their bytes spread evenly
+
     def get(self, ns: Namespace, key: StoreKey, provenance: str) -> Lookup:
         rejected: Lookup | None = None
+        seen = self._deletes[self._stripe(key)]  # before any tier is read (see the module's diagram)
         for i, tier in enumerate(self.tiers):
             found = tier.get(ns, key, provenance)
             if found.status is LookupStatus.HIT:
                 assert found.entry is not None
                 if i:
-                    self._promote(ns, key, found.entry, self.tiers[:i])
+                    self._promote(ns, key, found.entry, self.tiers[:i], seen)
                     with self._lock:
                         self._stats.extra["promotions"] = self._stats.extra.get("promotions", 0) + 1
                 self._touch_below(ns, key, self.tiers[i + 1:])
@@ -84,19 +106,30 @@ class TieredStore:
         self._count("misses")
         return Lookup(LookupStatus.MISS, tier=self.name)
 
-    def _promote(self, ns: Namespace, key: StoreKey, entry: KVEntry, upper: list[InspectableStore]) -> None:
+    def _promote(self, ns: Namespace, key: StoreKey, entry: KVEntry, upper: list[InspectableStore],
+                 seen: int) -> None:
         """Copy a lower tier's hit into the tiers above it: the first at once; with write-behind, the
         persistent ones between in the background (a Redis hit's fsynced disk write stays off the
-        request's time to first token)."""
-        self._put_one(upper[0], ns, key, entry)
+        request's time to first token). ``seen``: the key's stripe's delete count when the lookup began."""
+        self._copy_unless_deleted(ns, key, entry, upper[:1], seen)
         middle = upper[1:]
         if not middle:
             return
         if self.writer is None:
-            for tier in middle:
-                self._put_one(tier, ns, key, entry)
+            self._copy_unless_deleted(ns, key, entry, middle, seen)
         else:
-            self.writer.submit(lambda: [self._put_one(t, ns, key, entry) for t in middle])
+            self.writer.submit(lambda: self._copy_unless_deleted(ns, key, entry, middle, seen))
+
+    def _copy_unless_deleted(self, ns: Namespace, key: StoreKey, entry: KVEntry, tiers: list[InspectableStore],
+                             seen: int) -> None:
+        """Put ``entry`` into ``tiers`` unless a delete of its stripe finished after the lookup began (it may
+        have deleted this key after the lookup read it: the copy would bring it back)."""
+        stripe = self._stripe(key)
+        with self._stripe_locks[stripe]:
+            if self._deletes[stripe] != seen:
+                return
+            for tier in tiers:
+                self._put_one(tier, ns, key, entry)
 
     def _touch_below(self, ns: Namespace, key: StoreKey, lower: list[InspectableStore]) -> None:
         """A hit counts as a use in the tiers below it that keep recency (the disk tier's LRU order):
@@ -157,10 +190,13 @@ class TieredStore:
         return any(t.contains(ns, key) for t in self.tiers)
 
     def delete(self, ns: Namespace, key: StoreKey) -> bool:
-        self.flush()  # a pending write of this key must not land after the delete
-        # slowest first (as write-through puts): a lookup that misses a faster tier already deleted finds no
-        # lower copy left to promote back into it
-        return any([t.delete(ns, key) for t in reversed(self.tiers)])  # list: delete from all
+        self.flush()  # a pending write of this key must not land after the delete (outside the lock: a
+        # queued promotion takes it)
+        stripe = self._stripe(key)
+        with self._stripe_locks[stripe]:  # no promotion of the key lands between the tiers' deletes
+            gone = any([t.delete(ns, key) for t in reversed(self.tiers)])  # list: delete from all, slowest first
+            self._deletes[stripe] += 1  # a lookup that began before now does not promote what it read
+        return gone
 
     def keys(self, ns: Namespace) -> Iterator[StoreKey]:
         seen: set[bytes] = set()
@@ -222,4 +258,10 @@ class TieredStore:
 
     def clear(self, ns: Namespace | None = None) -> int:
         self.flush()  # nothing pending may land after the clear
-        return max([t.clear(ns) for t in reversed(self.tiers)])  # slowest first, as delete
+        with ExitStack() as held:  # every stripe, in order: no promotion lands during or after the clear
+            for lock in self._stripe_locks:
+                held.enter_context(lock)
+            n = max([t.clear(ns) for t in reversed(self.tiers)])  # slowest first, as delete
+            for stripe in range(DELETE_STRIPES):
+                self._deletes[stripe] += 1
+        return n
