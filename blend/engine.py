@@ -7,7 +7,8 @@ timing starts; then the prefill runs in the mode the policy names (full,
 exact prefix segments through the :class:`~blend.segments.SegmentCache`, or
 blended canonical chunks through :mod:`blend.blending`); then greedy
 decoding runs over the resulting KV cache. The report is built once, at the
-end of the prefill.
+end of the prefill. The prefill paths themselves (unreused, exact segments, blended, and
+the near-tie guard's recompute) are in :mod:`blend.prefill_paths`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Protocol, Sequence
 
 import torch
 
-from blend.blending import prefill_blend, widen_blend
 from blend.cpu_features import warn_if_emulated
 from blend.defaults import DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_PROBE_PRECISION
 from blend.engine_setup import EngineConfig, build_provenance, eos_ids, fp32_precision_label, torch_dtype
@@ -26,19 +26,17 @@ from blend.errors import InvalidPolicyError, InvalidRequestError, PromptTooLongE
 from blend.gate import GateVerdict, QualityGate
 from blend.gemm import pick_gemm_backend
 from blend.generation import logits_sha256
-from blend.keys import key_hex
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.models import load_model
 from blend.policy import ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy
-from blend.prefilled import (Prefilled, build_report, document_rows, keep_first_pass_misses, report_ratio,
-                             with_forced)
-from blend.prefix_cache import attach_hot, is_hot, remember_hot
+from blend.prefill_paths import guard, length_dependent, prefill_blended, prefill_segments, prefill_unreused
+from blend.prefilled import Prefilled, build_report
+from blend.prefix_cache import is_hot
 from blend.probe import top2_margin
 from blend.probe_pass import probe_gemm_dtype, recompute_dtype, resolve_precisions, resolve_recompute_precision
 from blend.prompt import Prompt, Segment, SegmentKind, Turn, build_prompt, preamble_segment
-from blend.report import ReuseClass, ReuseReport, SegmentReport, Timings
-from blend.segment_values import prefix_namespaces
+from blend.report import ReuseReport, Timings
 from blend.segments import SegmentCache
 from blend.store.base import KVStore
 from blend.store.memory import MemoryStore
@@ -72,13 +70,6 @@ class BlendGate(Protocol):
     """What the engine asks before blending (see :class:`blend.gate.QualityGate`)."""
 
     def verdict(self, engine: "Engine") -> GateVerdict: ...
-
-
-# The guard's exact recompute reuses the preamble and the first document: both sit where their
-# stored KV was computed (the first document's canonical chunk is its exact KV there). The rest is
-# computed in one pass and not stored: exact-prefix entries would make every later blend of this order
-# (another policy's, an evaluation's other methods) an exact hit.
-GUARD_PREFIX_SEGMENTS = 2
 
 
 class Engine:
@@ -193,12 +184,6 @@ class Engine:
 
     # ---- prefill --------------------------------------------------------------------------
 
-    def _length_dependent(self, prompt: Prompt) -> bool:
-        """Dynamic-NTK RoPE past its trained length: every row's KV depends on the prompt's
-        length, so the prompt is computed in one pass (and nothing is reused or stored)."""
-        past = self.runner.rope.length_dependent_after
-        return past is not None and len(prompt) > past
-
     def _refusal(self, prompt: Prompt, policy: ReusePolicy) -> tuple[str, frozenset[SegmentKind], float]:
         """Whether the policy's reuse is refused for this prompt, before anything is timed.
 
@@ -209,7 +194,7 @@ class Engine:
             raise InvalidPolicyError(
                 "semantic reuse is experimental: enable it in the engine (EngineConfig(experimental_semantic=True) "
                 "or --experimental-semantic) as well as in the policy")
-        if policy.mode is not ReuseMode.NONE and self._length_dependent(prompt):
+        if policy.mode is not ReuseMode.NONE and length_dependent(self.runner.rope, prompt):
             name = "LongRoPE" if self.runner.rope.rope_type == "longrope" else "dynamic-NTK RoPE"
             return (f"{name} changes past "
                     f"{self.runner.rope.length_dependent_after} positions: KV "
@@ -229,54 +214,6 @@ class Engine:
             return "", _BLENDED_KINDS, 0.0
         verdict = self.gate.verdict(self)
         return verdict.refused, _BLENDED_KINDS, verdict.ran_s
-
-    def _prefill_unreused(self, prompt: Prompt, cache: KVCache, refused: str = "",
-                          kinds: frozenset[SegmentKind] = frozenset()) -> Prefilled:
-        """No reuse (asked for, or refused): the exact schedule with the store off, so it is
-        bit-identical to an exact run; one pass where dynamic NTK makes KV length-dependent.
-        Segments of ``kinds`` are reported as fallback when reuse was ``refused``."""
-        if self._length_dependent(prompt):
-            logits, rows = self.segments.compute_rest(cache, prompt.segments)
-            done = Prefilled(logits, rows)
-        else:
-            done = self._prefill_segments(prompt, None, False, cache)
-        if not refused:
-            return done
-        rows = tuple(replace(r, reuse_class=ReuseClass.FALLBACK, note=refused) if r.kind in kinds else r
-                     for r in done.segments)
-        return replace(done, segments=rows)
-
-    def _prefill_segments(self, prompt: Prompt, prefix_limit: int | None, use_store: bool,
-                          cache: KVCache, salt: str = "") -> Prefilled:
-        """Segment by segment: each segment but the question is looked up, else computed and
-        stored (exact reuse); without the store, the same schedule computes every segment."""
-        cacheable = prompt.segments[:-1]
-        if prefix_limit is not None:
-            cacheable = cacheable[:prefix_limit]
-        whole = len(cacheable) == len(prompt.segments) - 1  # the whole prefix: a conversation's turns too
-        if use_store and whole:
-            hot = attach_hot(self.segments, cache, cacheable, prompt.question, salt)
-            if hot is not None:  # a prefix found stored again: attached, not loaded (the same rows)
-                logits, tail, _ = self.segments.compute_question(cache, cacheable, prompt.question, True, salt,
-                                                                 attached=True)
-                return Prefilled(logits, (*hot, *tail), 0.0)
-        keys = (self.segments.prefix_keys(cacheable, salt) if use_store
-                else [(ns, None) for ns in prefix_namespaces(cacheable)])
-        rows, lookup_s, start = [], 0.0, cache.length
-        for seg, (_, key), done in zip(cacheable, keys, self.segments.append_run(cache, cacheable, keys)):
-            rows.append(SegmentReport(seg.kind, done.reuse_class, len(seg), start, key_hex(key) if key else "",
-                                      note=done.note))
-            lookup_s += done.lookup_s
-            start += len(seg)
-        if whole:
-            logits, tail, waited = self.segments.compute_question(cache, cacheable, prompt.question, use_store, salt)
-            if use_store:
-                remember_hot(self.segments, cache, cacheable, prompt.question, (*rows, *tail), salt)
-            return Prefilled(logits, (*rows, *tail), lookup_s + waited)
-        # Everything after the reusable prefix (the question included) is one block:
-        # one causal pass is cheaper than segment-by-segment masked attention.
-        logits, tail = self.segments.compute_rest(cache, prompt.segments[len(cacheable):])
-        return Prefilled(logits, (*rows, *tail), lookup_s)
 
     def prefill(self, prompt: Prompt, policy: ReusePolicy, extra_capacity: int = 0, question: bool = True
                 ) -> tuple[torch.Tensor | None, KVCache, ReuseReport]:
@@ -325,63 +262,16 @@ class Engine:
         """The prefill ``policy`` asks for (or the one a refusal leaves); returns it and its cache."""
         self._check_fp32_precision()
         if refused or policy.mode is ReuseMode.NONE:
-            return self._prefill_unreused(prompt, cache, refused, kinds), cache
+            return prefill_unreused(self.runner, self.segments, prompt, cache, refused, kinds), cache
         if policy.mode is ReuseMode.EXACT:
-            return self._prefill_segments(prompt, policy.prefix_limit, True, cache, policy.cache_salt), cache
+            return prefill_segments(self.segments, prompt, policy.prefix_limit, True, cache, policy.cache_salt), cache
         if policy.take_exact and is_hot(self.segments, prompt.segments[:-1], prompt.question, policy.cache_salt):
             # every document exact at its place, found stored again: the exact path (what a blend of an
             # all-exact prompt computes), the hot prefix attached; its gap reported as the loaded one's
-            done = self._prefill_segments(prompt, None, True, cache, policy.cache_salt)
+            done = prefill_segments(self.segments, prompt, None, True, cache, policy.cache_salt)
             return replace(done, margin=top2_margin(done.logits), ratio=0.0), cache  # nothing recomputed
-        return self._guard(prompt, policy, self._blend(prompt, policy, cache, question), cache)
-
-    def _blend(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool = True) -> Prefilled:
-        """A blended prefill into ``cache`` (see :func:`~blend.blending.prefill_blend`)."""
-        out = prefill_blend(self.runner, self.segments, prompt, policy, cache, question=question)
-        return Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio,
-                          approximate=out.approximate, resume=out.resume, check_rows=out.check_rows)
-
-    def _guard(self, prompt: Prompt, policy: ReusePolicy, done: Prefilled, cache: KVCache
-               ) -> tuple[Prefilled, KVCache]:
-        """The near-tie guard: a blend whose first token is a near tie is recomputed.
-
-        Returns:
-            The result to answer from (``done`` with its first-token gap, or the recompute's) and its cache.
-        """
-        if done.logits is None:  # the caller computes the question (and so its first token) itself
-            return done, cache
-        margin = top2_margin(done.logits)
-        # decided by what the blend computed, not by where its KV came from: a cold request (chunks computed
-        # canonically, then blended) guards exactly where the warm one does, so cold == warm holds
-        if not policy.guarded or not done.approximate or margin >= policy.guard_margin:
-            return replace(done, margin=margin, resume=None), cache
-        # what the blend spent: the share an adaptive budget or a threshold selected, or the fixed ratio
-        # (forced rows counted)
-        spent = report_ratio(done, policy)
-        _, base = document_rows(done.segments)  # the budget's rows
-        target = policy.guard_ratio_for(spent, base)
-        why = f"first-token gap {margin:.3g} < {policy.guard_margin:g} nats: recomputed at ratio {target:g}"
-        if done.resume is not None and policy.guard_widens(target):  # on from the first pass's check layer
-            out = widen_blend(self.runner, done.resume, cache, target)
-            why += f" ({policy.guard_mode.value}: from check layer {done.resume.at.layer}"
-            rows, _ = document_rows(out.segments)
-            if rows < round(target * base):  # the candidates, sized before rounding, held fewer rows
-                why += f", its candidates only {out.ratio:.3g} of the document rows"
-            why += ")"
-            return replace(done, logits=out.logits, segments=out.segments, deviation=out.deviation,
-                           ratio=out.ratio, spent=spent + with_forced(out.segments, out.ratio), margin=margin,
-                           guard=why, approximate=out.approximate, resume=None, check_rows=out.check_rows), cache
-        with torch.inference_mode(False):  # a normal tensor, as the first cache: decoding writes it later
-            again = self.runner.new_cache(cache.capacity)
-        if target >= 1.0:  # the exact path: preamble and first document reused (both exact
-            # there, the blend just fetched them), the rest computed, nothing else stored
-            redo = self._prefill_segments(prompt, GUARD_PREFIX_SEGMENTS, True, again, policy.cache_salt)
-        else:  # a fixed ratio: the recompute reports a share of its own only where it had fewer rows
-            redo = self._blend(prompt, policy.at_guard_ratio(target), again)
-        share = target if redo.ratio is None else redo.ratio  # what the recompute recomputed
-        segments = keep_first_pass_misses(done.segments, redo.segments)
-        return replace(redo, segments=segments, lookup_s=done.lookup_s + redo.lookup_s, ratio=share,
-                       spent=spent + with_forced(segments, share), margin=margin, guard=why, resume=None), again
+        done = prefill_blended(self.runner, self.segments, prompt, policy, cache, question)
+        return guard(self.runner, self.segments, prompt, policy, done, cache)
 
     # ---- answers --------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ Shapes: hidden rows are (S, C) with no batch dim; heads are head-major
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from enum import Enum
 from functools import lru_cache
 import threading
@@ -38,11 +38,12 @@ from transformers.activations import ACT2FN
 from blend.gemm import GemmBackend, dense, linear, pack, packs_natively
 from blend.kernels.suffix_attention import causal_suffix_attention, causal_suffix_attention_parts
 from blend.kvcache import KVCache, KVEntry
+from blend.kv_load import load_entries
 from blend.kvpool import KVBufferPool
 from blend.layer_weights import LayerWeights, ModelDims, dims_of, extract_layer
 from blend.errors import UnknownModelError
 from blend.models import LoadedModel
-from blend.rope import RopeTables, apply_rope, apply_rope_into
+from blend.rope import RopeTables, apply_rope
 
 
 # ---- the steps of one layer -------------------------------------------------------------
@@ -253,50 +254,6 @@ class AppendRows:
         return None if self.kept is None else KVEntry(torch.stack(self.kept[0]), torch.stack(self.kept[1]))
 
 
-# a stored segment of at least this many rows is rotated straight from its entry into the cache when loaded;
-# consecutive shorter ones are joined first and rotated together (fewer ops: many short documents paid ~6 per
-# segment and layer). Straight from the entry saves the joined copy's write and read: a 5 x 600-row prefix
-# (fp32, two threads, AMX Xeon) loaded in 25 ms instead of 32.
-LOAD_DIRECT_MIN_ROWS = 128
-
-
-@dataclass(frozen=True)
-class LoadRun:
-    """Consecutive stored segments rotated together: entries [first, last), rows [start, stop) of the load."""
-
-    first: int
-    last: int
-    start: int
-    stop: int
-
-
-def load_runs(lengths: Sequence[int], min_rows: int, alone: Sequence[bool] | None = None) -> list[LoadRun]:
-    """Split segments of these row counts into runs for :meth:`ModelRunner.load_many`: each segment of at
-    least ``min_rows`` rows alone, each maximal stretch of shorter ones together.
-
-    Args:
-        lengths: rows of each segment, in order (at least one).
-        min_rows: the shortest segment rotated on its own.
-        alone: per segment, whether it makes a run of its own whatever its length (an entry with K
-            already rotated: copied, never joined); None: none does.
-
-    Returns:
-        the runs, in order, covering every segment and row once.
-    """
-    runs: list[LoadRun] = []
-    row, joining = 0, False  # joining: the last run is a stretch of short segments
-    for j, n in enumerate(lengths):
-        short = n < min_rows and not (alone is not None and alone[j])
-        if short and joining:
-            last = runs[-1]
-            runs[-1] = LoadRun(last.first, j + 1, last.start, row + n)
-        else:
-            runs.append(LoadRun(j, j + 1, row, row + n))
-        joining = short
-        row += n
-    return runs
-
-
 class ModelRunner:
     """Weights, RoPE tables and the layer loop of a loaded transformers model.
 
@@ -420,53 +377,14 @@ class ModelRunner:
         self.load_many(cache, (seg,))
 
     def load_many(self, cache: KVCache, segs: Sequence[KVEntry]) -> None:
-        """Append stored segments, in order, at the next positions.
-
-        Per layer, one concatenation of V straight into the cache. K before RoPE is rotated straight
-        from each stored segment into the cache (one pass over its rows); runs of short segments are
-        joined first and rotated together (:func:`load_runs`), since a prefix of many short documents
-        paid ~6 ops per segment and layer. The same numbers as loading each in turn (RoPE is
-        elementwise per position, and the tables are indexed by position). An entry whose K is
-        already rotated (``rotated``: an EXACT entry, computed at exactly these positions) is copied.
+        """Append stored segments, in order, at the next positions, K rotated there (see
+        :func:`blend.kv_load.load_entries`: the same numbers as loading each in turn).
 
         Args:
             cache: the request's cache (the segments go at its end).
             segs: stored entries, (L, Hkv, S_j, D) K and V each; none: nothing happens.
         """
-        if not segs:
-            return
-        start = cache.length
-        runs = load_runs([int(e.k.shape[2]) for e in segs], LOAD_DIRECT_MIN_ROWS, [e.rotated for e in segs])
-        s = runs[-1].stop
-        pos = torch.arange(start, start + s, device=self.device)  # (S,)
-        cache.set_positions(start, pos)
-        if not all(e.rotated for e in segs):  # some K before RoPE: the tables at these positions
-            cos, sin = self.rope(pos)  # (S, R) float32
-            cos, sin = cos.to(self.dtype), sin.to(self.dtype)  # once, not per run and layer (apply_rope_into casts)
-        joined = max((r.stop - r.start for r in runs if r.last - r.first > 1), default=0)
-        d = self.dims
-        scratch = (torch.empty(d.num_kv_heads * joined * d.head_dim, dtype=self.dtype, device=self.device)
-                   if joined else None)  # (Hkv * rows of the longest joined run * D,) reused across runs and layers
-        for i in range(d.num_layers):
-            k_rows, v_rows = cache.rows(i, start, start + s)  # (Hkv, S, D) views of the cache
-            vs = [e.v[i].to(device=self.device, dtype=self.dtype) for e in segs]  # (Hkv, S_j, D) each
-            if len(vs) == 1:
-                v_rows.copy_(vs[0])
-            else:
-                torch.cat(vs, dim=1, out=v_rows)  # straight into the cache
-            for r in runs:
-                if segs[r.first].rotated:  # K after RoPE at these positions: a copy
-                    k_rows[:, r.start:r.stop].copy_(segs[r.first].k[i])
-                    continue
-                ks = [e.k[i].to(device=self.device, dtype=self.dtype) for e in segs[r.first:r.last]]  # (Hkv, S_j, D)
-                if len(ks) == 1:
-                    k = ks[0]
-                else:
-                    n = r.stop - r.start
-                    k = torch.cat(ks, dim=1, out=scratch[: d.num_kv_heads * n * d.head_dim].view(
-                        d.num_kv_heads, n, d.head_dim))  # (Hkv, n, D)
-                apply_rope_into(k_rows[:, r.start:r.stop], k, cos[r.start:r.stop], sin[r.start:r.stop])
-        cache.advance(s)
+        load_entries(cache, segs, self.rope, self.dims, self.dtype, self.device)
 
     def decode_step(self, cache: KVCache, token: int) -> torch.Tensor:
         """Feed one token; return next-token logits (V,) float32."""

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blend import model as model_mod
+from blend import kv_load
 from blend.engine import Engine
 from blend.keys import Namespace, key_hex
 from blend.kvcache import KVEntry
@@ -207,7 +207,7 @@ def test_load_many_equals_loading_each_in_turn(tiny_engine, stored, min_rows, mo
     """Joined runs of short segments and long segments rotated straight from their entries (min_rows 1:
     each alone; 5: 7 and 30 alone, 1 and 2 joined; 1000: all joined) give the numbers of one load per
     segment; so does an entry with K already rotated in the middle of short ones (copied, never joined)."""
-    monkeypatch.setattr(model_mod, "LOAD_DIRECT_MIN_ROWS", min_rows)
+    monkeypatch.setattr(kv_load, "LOAD_DIRECT_MIN_ROWS", min_rows)
     runner = tiny_engine.runner
     L, H, D = runner.dims.num_layers, runner.dims.num_kv_heads, runner.dims.head_dim
     gen = torch.Generator().manual_seed(0)
@@ -233,8 +233,8 @@ def test_load_many_equals_loading_each_in_turn(tiny_engine, stored, min_rows, mo
 def test_load_runs_cover_every_segment_once_and_join_only_short_ones(segments, min_rows):
     lengths, alone = [n for n, _ in segments], [a for _, a in segments]
     joinable = [n < min_rows and not a for n, a in segments]
-    runs = model_mod.load_runs(lengths, min_rows, alone)
-    assert model_mod.load_runs(lengths, min_rows) == model_mod.load_runs(lengths, min_rows, [False] * len(lengths))
+    runs = kv_load.load_runs(lengths, min_rows, alone)
+    assert kv_load.load_runs(lengths, min_rows) == kv_load.load_runs(lengths, min_rows, [False] * len(lengths))
     assert runs[0].first == 0 and runs[0].start == 0
     assert runs[-1].last == len(lengths) and runs[-1].stop == sum(lengths)
     for a, b in zip(runs, runs[1:]):
@@ -267,13 +267,13 @@ def test_exact_entries_hold_k_after_rope_and_load_as_a_copy(tiny_engine_factory,
             else:
                 assert not torch.equal(stored.k[layer].to(k_rows.dtype), k_rows)  # before RoPE
     rotated = []
-    real_rope = model_mod.apply_rope_into
+    real_rope = kv_load.apply_rope_into
 
     def counting(out, x, cos, sin):
         rotated.append(int(x.shape[-2]))
         real_rope(out, x, cos, sin)
 
-    monkeypatch.setattr(model_mod, "apply_rope_into", counting)
+    monkeypatch.setattr(kv_load, "apply_rope_into", counting)
     eng.segments.hot.budget_bytes = 0  # every warm request loads from the store
     warm = eng.generate(prompt, max_new_tokens=3, stop_at_newline=False)
     assert classes(warm) == [ReuseClass.EXACT] * 4 + [ReuseClass.COMPUTED]

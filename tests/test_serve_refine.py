@@ -125,8 +125,8 @@ def test_a_waiting_request_comes_before_refinement():
     blend = unguarded_blend(ratio=0.2, take_exact=True)
     assert sched.refine.saw(prompt, blend, engine.prefill(prompt, blend)[2])
     assert sched._refine_due()
-    sched._waiting.append(object())  # a request now waits for its prefill
-    assert sched._prefill_due() and not sched._refine_due()
+    sched.book.waiting.append(object())  # a request now waits for its prefill
+    assert sched.book.prefill_due() and not sched._refine_due()
 
 
 def test_a_failing_fill_is_dropped_and_serving_goes_on(make_scheduler, monkeypatch):

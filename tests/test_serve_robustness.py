@@ -34,9 +34,11 @@ from blend.serve import scheduler as scheduler_module
 from blend.serve.app import create_app
 from blend.serve.config import Limits, SchedulerConfig, ServeConfig
 from blend.serve.connection import uvicorn_options
+from blend.serve.decode_loop import DecodeLoop
 from blend.serve.intake import ApiError, prepare
 from blend.serve.metrics import ServeMetrics
 from blend.serve.protocol import Endpoint
+from blend.serve.request_book import RequestBook
 from blend.serve.jobs import Ending, EventKind, QueueFullError, SchedulerJob
 from blend.serve.scheduler import Scheduler
 from blend.serve.schemas import ChatCompletionRequest, CompletionRequest
@@ -98,7 +100,7 @@ def test_a_failure_in_the_decode_loop_fails_its_requests_and_the_loop_keeps_serv
     if where == "pool_adopt":
         sched.pool.adopt = _fail_once(sched.pool.adopt, RuntimeError("adopt broke"))
     elif where == "step":
-        sched._step = _fail_once(sched._step, RuntimeError("step broke"))
+        sched.decoder.step = _fail_once(sched.decoder.step, RuntimeError("step broke"))
     col = Collector()
     prompt = engine.build_prompt("q?", make_docs(1))
     seed = BAD_SEED if where == "sample" else 1
@@ -158,7 +160,7 @@ def test_health_is_503_when_a_scheduler_thread_died(engine, monkeypatch):
     def die(self, batch):
         raise SystemExit  # not an Exception: the loop's guard lets it end the thread
 
-    monkeypatch.setattr(Scheduler, "_decode_iteration", die)
+    monkeypatch.setattr(DecodeLoop, "_iteration", die)
     with running_server(engine, ServeConfig(model=TINY)) as running:
         wait_until(lambda: running.scheduler.dead_threads(), timeout=10)
         r = httpx.get(running.url + "/health")
@@ -288,13 +290,13 @@ def test_streamed_chunks_carry_usage_null_when_usage_is_asked_for(srv, include_u
 def test_endings_are_counted_exactly_from_many_threads(engine):
     sched = Scheduler(engine, SchedulerConfig(decode_pool_tokens=None))  # not started: only its books
     per, endings = 500, [Ending.COMPLETED, Ending.FAILED, Ending.CANCELLED] * 2
-    sched._active = per * len(endings)
+    sched.book.active = per * len(endings)
     prompt = engine.build_prompt("q?", [])
 
     def retire(ending: Ending) -> None:
         for i in range(per):
             job = SchedulerJob(i, prompt, ReusePolicy.none(), GenerationConfig(), lambda ev: None, 0.0)
-            assert sched._retire(job, ending, 1.0) and not sched._retire(job, ending, 1.0)
+            assert sched.book.retire(job, ending, 1.0) and not sched.book.retire(job, ending, 1.0)
 
     threads = [threading.Thread(target=retire, args=(e,)) for e in endings]
     for t in threads:
@@ -302,7 +304,7 @@ def test_endings_are_counted_exactly_from_many_threads(engine):
     for t in threads:
         t.join()
     assert (sched.completed, sched.failed, sched.cancelled, sched.active) == (2 * per, 2 * per, 2 * per, 0)
-    assert sched._e2e_ewma_s == pytest.approx(1.0)
+    assert sched.book.e2e_ewma_s == pytest.approx(1.0)
 
 
 # ---- 8. one default, one place -----------------------------------------------------------------------
@@ -437,14 +439,14 @@ def test_a_stopping_server_answers_queued_requests_at_once_and_ends_running_stre
     """uvicorn cancels the handlers still running when its grace period ends and only then runs the app's
     shutdown: a stream was cut without an error event or [DONE], and a queued request waited out the whole
     period for uvicorn's plain-text 500. Now the queued one gets a 503 at once and the stream its error."""
-    real_emit = Scheduler._emit
+    real_emit = RequestBook.emit
 
     def slow_text(job, event):  # decoding slower than the grace period (2 s in the tests' servers)
         if event.kind is EventKind.TEXT:
             time.sleep(0.005)
         real_emit(job, event)
 
-    monkeypatch.setattr(Scheduler, "_emit", staticmethod(slow_text))
+    monkeypatch.setattr(RequestBook, "emit", staticmethod(slow_text))
     config = ServeConfig(model=TINY, scheduler=SchedulerConfig(max_concurrency=1), limits=Limits(max_tokens=4000))
     with running_server(tiny_serve_engine(), config) as srv:
         lines: list[str] = []

@@ -134,22 +134,22 @@ def test_a_share_no_worker_takes_runs_on_the_decode_loop():
     sched = Scheduler(engine, SchedulerConfig(share_decode_min_batch=2))  # not started: no worker will come
     caches, toks = _prefilled(engine, 5)
     ref_caches, _ = _prefilled(engine, 5)
-    assert sched.shares.offer(caches, toks, sched._worker_free) is None  # no idle worker: nothing is posted
-    sched._idle_workers = 1
-    share = sched.shares.offer(caches, toks, sched._worker_free)
+    assert sched.shares.offer(caches, toks, sched.book.worker_free) is None  # no idle worker: nothing is posted
+    sched.book.idle_workers = 1
+    share = sched.shares.offer(caches, toks, sched.book.worker_free)
     assert share is not None and share.step.b == 2 and share.step.caches == caches[3:]
     got = sched.shares.collect(share)  # nobody took it: the decode loop runs it itself
     assert torch.equal(got, decode_batch(engine.runner, ref_caches[3:], toks[3:]))
     assert sched.shared_steps == 0 and sched.shares.posted is None
-    assert sched.shares.offer(caches[:1], toks[:1], sched._worker_free) is None  # below the minimum batch
+    assert sched.shares.offer(caches[:1], toks[:1], sched.book.worker_free) is None  # below the minimum batch
 
 
 def test_a_failed_step_drops_its_posted_share():
     engine = tiny_serve_engine()
     sched = Scheduler(engine, SchedulerConfig(share_decode_min_batch=2))
     caches, toks = _prefilled(engine, 4)
-    sched._idle_workers = 1
-    share = sched.shares.offer(caches, toks, sched._worker_free)
+    sched.book.idle_workers = 1
+    share = sched.shares.offer(caches, toks, sched.book.worker_free)
     lengths = [c.length for c in caches]
     sched.shares.abandon(share)  # the decode loop's own rows failed before anyone took the share
     assert share.done.is_set() and share.state is ShareState.DONE and share.logits is None
@@ -162,20 +162,20 @@ def test_a_worker_hands_a_share_back_between_layers_when_a_prefill_arrives():
     sched = Scheduler(engine, SchedulerConfig(share_decode_min_batch=2))
     caches, toks = _prefilled(engine, 4)
     ref_caches, _ = _prefilled(engine, 4)
-    sched._idle_workers = 1
-    share = sched.shares.offer(caches, toks, sched._worker_free)
+    sched.book.idle_workers = 1
+    share = sched.shares.offer(caches, toks, sched.book.worker_free)
     share.state, share.by_worker = ShareState.TAKEN, True  # as a worker takes it
     advance = share.step.advance
 
     def then_a_request_arrives():
         more = advance()
-        sched._waiting.append(object())  # a request now waits for its prefill
+        sched.book.waiting.append(object())  # a request now waits for its prefill
         return more
 
     share.step.advance = then_a_request_arrives
-    run_share(share, sched._prefill_due)  # the worker's side
+    run_share(share, sched.book.prefill_due)  # the worker's side
     assert share.state is ShareState.RETURNED and share.step.layer == 1  # stopped after one layer
-    sched._waiting.clear()
+    sched.book.waiting.clear()
     got = sched.shares.collect(share)  # the decode loop finishes the other layers
     assert torch.equal(got, decode_batch(engine.runner, ref_caches[2:], toks[2:]))  # the same bits
     assert sched.returned_shares == 1 and sched.shared_steps == 1

@@ -1,5 +1,5 @@
 """Decode shares: rows of one decode step that an idle prefill worker runs on its own core (see
-:mod:`blend.serve.scheduler`), the desk where the decode loop posts them, and the decode loop's recent
+:mod:`blend.serve.decode_loop`), the desk where the decode loop posts them, and the decode loop's recent
 time, decode steps and prefills apart."""
 
 from __future__ import annotations
