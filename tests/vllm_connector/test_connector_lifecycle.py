@@ -15,13 +15,18 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
+)
 
-from blend.errors import KVBlendError  # noqa: E402
+from blend.errors import InvalidRequestError, KVBlendError  # noqa: E402
 from blend.integrations.vllm import connector as connector_module  # noqa: E402
-from blend.integrations.vllm.connector import KVBlendConnector, KVBlendWorkerMeta  # noqa: E402
-from blend.integrations.vllm.engines import ConnectorConfig  # noqa: E402
+from blend.integrations.vllm.connector import KVBlendConnector, KVBlendMeta, LoadSpec  # noqa: E402
+from blend.integrations.vllm.engines import ConnectorConfig, OnLoadError, ReportBox, parse_extra_config  # noqa: E402
 from blend.integrations.vllm.layout import standard_layout  # noqa: E402
-from blend.integrations.vllm.plan import PARAMS_KEY, block_keys, blend_request, vllm_provenance  # noqa: E402
+from blend.integrations.vllm.plan import (  # noqa: E402
+    PARAMS_KEY, ClaimKind, block_keys, blend_request, vllm_provenance,
+)
 from blend.keys import Namespace, Provenance  # noqa: E402
 from blend.kvcache import KVEntry  # noqa: E402
 from blend.store.memory import MemoryStore  # noqa: E402
@@ -42,13 +47,7 @@ class FakeShared:
         self.engine = SimpleNamespace(dims=SimpleNamespace(num_layers=1))
         self.blend_refusal = ""
         self.blend_rows: torch.Tensor | None = None
-        self._reports: dict[str, dict] = {}
-
-    def post_report(self, req_id: str, report: dict) -> None:
-        self._reports[req_id] = report
-
-    def take_report(self, req_id: str) -> dict:
-        return self._reports.pop(req_id, {})
+        self.reports = ReportBox()
 
     def blend(self, token_ids, params, salt=""):
         rows = self.blend_rows
@@ -56,22 +55,44 @@ class FakeShared:
         return cache, {"reused_tokens": 0, "recomputed_tokens": 0}
 
 
-@pytest.fixture
-def conn(monkeypatch):
-    """One connector playing both roles (as in one process), over a fake (1 layer, 1 head, B, 2) paged cache."""
-    shared = FakeShared()
-    monkeypatch.setattr(connector_module, "shared_engine", lambda cfg, block_size: shared)
-    monkeypatch.setattr(connector_module.ConnectorConfig, "from_vllm", classmethod(
-        lambda cls, vllm_config, extra: ConnectorConfig(model="m", dtype="float32", backend="test",
-                                                        prefix_caching=False)))
+LAYER = "model.layers.0.self_attn.attn"
+
+
+def _group(spec=None, layers=(LAYER,)) -> KVCacheGroupSpec:
+    return KVCacheGroupSpec(list(layers), spec or FullAttentionSpec(block_size=B, num_kv_heads=1, head_size=1,
+                                                                    dtype=torch.float32))
+
+
+def _connector(role, shared, groups=None, load_failure_policy="fail", on_load_error="recompute"):
+    """The connector built by its own ``__init__`` over ``shared``, with vLLM's KV cache config of ``groups``
+    (one full-attention group by default) and the given load-failure settings."""
     cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
                           cache_config=SimpleNamespace(block_size=B),
-                          kv_transfer_config=SimpleNamespace(kv_connector_extra_config={},
-                                                             kv_load_failure_policy="fail"))
-    c = KVBlendConnector(cfg, KVConnectorRole.WORKER, None)
-    c.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(BLOCKS, 1, B, 2)})
+                          kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"on_load_error": on_load_error},
+                                                             kv_load_failure_policy=load_failure_policy))
+    kv_cache_config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups or [_group()])
+    c = KVBlendConnector(cfg, role, kv_cache_config)
+    c.register_kv_caches({LAYER: torch.zeros(BLOCKS, 1, B, 2)})
     c._layout = standard_layout(1, B, 1)  # what calibrating vLLM's CPU writer gives for this shape
     return c
+
+
+@pytest.fixture
+def shared(monkeypatch):
+    """kvblend's side of the connector (fake), and ConnectorConfig read from the extra config alone."""
+    fake = FakeShared()
+    monkeypatch.setattr(connector_module, "shared_engine", lambda cfg, block_size: fake)
+    monkeypatch.setattr(connector_module.ConnectorConfig, "from_vllm", classmethod(
+        lambda cls, vllm_config, extra: ConnectorConfig(
+            model="m", dtype="float32", backend="test", prefix_caching=False,
+            recompute_on_load_error=parse_extra_config(extra).on_load_error is OnLoadError.RECOMPUTE)))
+    return fake
+
+
+@pytest.fixture
+def conn(shared):
+    """One connector playing both roles (as in one process), over a fake (1 layer, 1 head, B, 2) paged cache."""
+    return _connector(KVConnectorRole.SCHEDULER, shared)
 
 
 def _request(req_id, ids, params=None, **extra):
@@ -239,4 +260,64 @@ def test_kv_caches_whose_blocks_are_not_the_schedulers_blocks_are_refused(conn):
     """vLLM may split its blocks into smaller kernel blocks (the tensor's block dimension): the connector's block
     ids and keys count the scheduler's block size, so every load and save would land in the wrong rows."""
     with pytest.raises(KVBlendError, match="kernel blocks"):
-        conn.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(2 * BLOCKS, 1, B // 2, 2)})
+        conn.register_kv_caches({LAYER: torch.zeros(2 * BLOCKS, 1, B // 2, 2)})
+
+
+def test_on_load_error_fail_beside_vllms_recompute_policy_is_refused_at_start_up(shared):
+    """``"on_load_error": "fail"`` left vLLM's kv_load_failure_policy as given, so beside an explicit "recompute"
+    (vLLM's default is "fail") a block that failed to load was recomputed: the setting did not do what it says."""
+    with pytest.raises(InvalidRequestError, match="on_load_error.*fail.*kv_load_failure_policy.*recompute"):
+        _connector(KVConnectorRole.SCHEDULER, shared, load_failure_policy="recompute", on_load_error="fail")
+    assert _connector(KVConnectorRole.SCHEDULER, shared, on_load_error="fail")._kv_transfer_config \
+        .kv_load_failure_policy == "fail"
+    assert _connector(KVConnectorRole.SCHEDULER, shared)._kv_transfer_config.kv_load_failure_policy == "recompute"
+
+
+@pytest.mark.parametrize("groups", [
+    [_group(), _group(SlidingWindowSpec(block_size=B, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                                        sliding_window=8), ["model.layers.1.self_attn.attn"])],
+    [_group(SlidingWindowSpec(block_size=B, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=8))],
+], ids=["hybrid", "sliding-window"])
+def test_kv_caches_of_several_groups_or_a_sliding_window_are_refused_at_start_up(shared, groups):
+    """Each KV cache group has its own block table; the connector read and wrote every layer through the first
+    group's block ids, and a sliding-window group swaps blocks that left the window for vLLM's null block: loads
+    and saves landed in other requests' blocks. The connector now refuses such a cache when vLLM builds it."""
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(KVBlendError, match="one KV cache group of full attention, vLLM has"):
+            _connector(role, shared, groups)
+
+
+def _stored_load(shared, req_id: str, ids: list[int]) -> KVBlendMeta:
+    """A step that loads the two stored blocks of ``ids`` into blocks 1 and 2 (as a scheduler elsewhere sends)."""
+    keys = block_keys(PROV, ids, B)
+    for key in keys:
+        _store(shared, key)
+    return KVBlendMeta(loads=[LoadSpec(req_id, ClaimKind.EXACT, tuple(ids), (1, 2, 3), 0, 8, tuple(keys[:2]))])
+
+
+def test_a_worker_in_a_process_of_its_own_keeps_no_load_reports(shared):
+    """With the worker in a process of its own (``--distributed-executor-backend mp``), no scheduler there takes
+    the reports it posted for one in its process: each stayed, up to 4096 of them. The step's worker metadata is
+    the one way they reach that scheduler."""
+    worker = _connector(KVConnectorRole.WORKER, shared)
+    _run(worker, _stored_load(shared, "solo", list(range(900, 909))))
+    assert len(shared.reports) == 0
+    assert worker.build_connector_worker_meta().reports["solo"]["loaded_blocks"] == 2
+
+
+def test_the_report_of_a_request_that_ends_before_its_step_output_is_taken_once(conn):
+    """In one process, a request that finishes in the step that loaded it takes the worker's report when vLLM
+    finishes it (before that step's worker metadata arrives). One aborted after it was scheduled and before its load
+    ran (async scheduling) took nothing, and the report its load posted later stayed in the process."""
+    ids = list(range(1000, 1009))
+    for key in block_keys(PROV, ids, B):
+        _store(conn.shared, key)
+    one, aborted = _request("one-token", ids), _request("aborted", ids)
+    assert _admit(conn, one) == 8 and _admit(conn, aborted) == 8
+    meta = conn.build_connector_meta(_step(new=[("one-token", [1, 2, 3], 0), ("aborted", [4, 5, 6], 0)],
+                                           scheduled={"one-token": 9, "aborted": 9}))
+    assert conn.request_finished(aborted, [])[1][PARAMS_KEY] == {"claim": "exact", "claimed_tokens": 8}
+    _run(conn, meta)
+    assert conn.request_finished(one, [])[1][PARAMS_KEY]["loaded_blocks"] == 2  # finished in its load step
+    conn.update_connector_output(_worker_output(conn))  # the step's output comes after both finished
+    assert len(conn.shared.reports) == 0

@@ -72,8 +72,8 @@ def _document_texts(raw: Any) -> list[str]:
     try:
         docs = _DOCUMENTS.validate_python(raw)
     except ValidationError as e:
-        raise InvalidRequestError(f"documents: a list of strings or {{'text', 'title'?}} objects ({e.errors()[0]['msg']})"
-                                  ) from None
+        raise InvalidRequestError(f"documents: a list of strings or {{'text', 'title'?}} objects "
+                                  f"({e.errors()[0]['msg']})") from None
     out = []
     for i, d in enumerate(docs):
         text = document_text_of(d)

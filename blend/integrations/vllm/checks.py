@@ -1,5 +1,6 @@
 """What the connector checks before it touches KV: whether a request's KV is its token ids' own, and whether a
-stored block may be injected. No vLLM import."""
+stored block may be injected, and whether vLLM's KV cache is one the connector can address. No vLLM import at
+module level."""
 
 from __future__ import annotations
 
@@ -47,4 +48,27 @@ def unusable(got: Lookup, want: tuple[int, ...]) -> str:
         return f"shape {tuple(entry.k.shape)}, want {want}"
     if not bool(torch.isfinite(entry.k).all() and torch.isfinite(entry.v).all()):
         return "non-finite values"
+    return ""
+
+
+def kv_cache_refusal(kv_cache_config: Any) -> str:
+    """Why the connector cannot serve vLLM's KV cache ('' if it can). It keeps one block table per request and
+    writes and reads every layer through it, so vLLM must hold one KV cache group, of full attention: with
+    several (a hybrid or sliding-window model) each group has its own block ids and the first group's would be
+    used for every layer; a sliding-window group swaps blocks that left the window for vLLM's shared null block.
+
+    Args:
+        kv_cache_config: vLLM's ``KVCacheConfig`` (its ``kv_cache_groups``).
+
+    Returns:
+        The reason, for the start-up error; '' for one group of full attention.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = list(kv_cache_config.kv_cache_groups)
+    kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
+    spec = groups[0].kv_cache_spec if len(groups) == 1 else None
+    if spec is None or not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
+        return (f"kvblend's connector needs one KV cache group of full attention, vLLM has {len(groups)} "
+                f"({kinds}): a sliding-window, hybrid or MLA model's KV cache is not supported")
     return ""

@@ -39,8 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from blend.errors import KVBlendError
-from blend.integrations.vllm.checks import skip_reason, unusable
-from blend.integrations.vllm.engines import ConnectorConfig, SharedEngine, shared_engine
+from blend.integrations.vllm.checks import kv_cache_refusal, skip_reason, unusable
+from blend.integrations.vllm.engines import ConnectorConfig, SharedEngine, load_failure_policy, shared_engine
 from blend.integrations.vllm.layout import BlockLayout, calibrate
 from blend.integrations.vllm.metrics import KVBlendPromMetrics, KVBlendStats
 from blend.integrations.vllm.plan import (
@@ -141,11 +141,16 @@ class KVBlendConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = int(vllm_config.cache_config.block_size)
         self.cfg = ConnectorConfig.from_vllm(vllm_config, extra)
+        # by default a store entry that fails its checks is a miss: vLLM recomputes its blocks instead of failing
+        # the request (vLLM's default policy); its scheduler reads this after building us
+        ktc = self._kv_transfer_config
+        ktc.kv_load_failure_policy = load_failure_policy(self.cfg, ktc.kv_load_failure_policy)
+        why = kv_cache_refusal(kv_cache_config) if kv_cache_config is not None else ""  # vLLM always passes one
+        if why:
+            raise KVBlendError(why)
         self.shared: SharedEngine = shared_engine(self.cfg, self.block_size)
-        if self.cfg.recompute_on_load_error and self._kv_transfer_config.kv_load_failure_policy != "recompute":
-            # a store entry that fails its checks is a miss: vLLM recomputes its blocks instead of
-            # failing the request (vLLM's default policy); the scheduler reads this after building us
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        if role == KVConnectorRole.SCHEDULER:  # keep this process's worker reports for us
+            self.shared.reports.attach_scheduler()
         self._reqs: dict[str, _ReqState] = {}  # scheduler side
         self._kv: list[torch.Tensor] = []  # worker side: each layer's paged cache, in layer order
         self._names: list[str] = []  # their layer names, same order
@@ -177,7 +182,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         # a fresh admission (the first, or after a preemption): its report says what this one gets, never what
         # an earlier load did (a load error there, fields a blend set)
         st.report = {}
-        self.shared.take_report(request.request_id)
+        self.shared.reports.take(request.request_id)
         if st.skipped:
             st.report = {"skipped": st.skipped}
             return 0, False
@@ -274,6 +279,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         wm = connector_output.kv_connector_worker_meta
         if isinstance(wm, KVBlendWorkerMeta):
             for req_id, rep in wm.reports.items():
+                self.shared.reports.discard(req_id, rep)  # its in-process copy (a finished request's included)
                 if req_id in self._reqs:
                     self._reqs[req_id].report.update(rep)
 
@@ -281,7 +287,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        report = {**st.report, **self.shared.take_report(request.request_id)}
+        report = {**st.report, **self.shared.reports.take(request.request_id)}
         return False, ({PARAMS_KEY: report} if report else None)
 
     # ---- worker side -----------------------------------------------------------------------
@@ -299,9 +305,10 @@ class KVBlendConnector(KVConnectorBase_V1):
             if kv.dim() != 4 or kv.shape[2] != self.block_size:
                 raise KVBlendError(f"KV cache {name!r} has shape {tuple(kv.shape)}, not (blocks, heads, "
                                    f"{self.block_size}, 2 x head dim): vLLM's kernel blocks are not its blocks")
-        if len(self._kv) != self.shared.engine.dims.num_layers:
-            raise KVBlendError(f"vLLM has {len(self._kv)} KV caches, kvblend's model {self.shared.engine.dims.num_layers}"
-                               " layers: not the same model")
+        layers = self.shared.engine.dims.num_layers
+        if len(self._kv) != layers:
+            raise KVBlendError(f"vLLM has {len(self._kv)} KV caches, kvblend's model {layers} layers: "
+                               "not the same model")
 
     def _calibrate(self, forward_context: "ForwardContext") -> None:
         from vllm import _custom_ops as ops
@@ -330,23 +337,12 @@ class KVBlendConnector(KVConnectorBase_V1):
                 self._fail(spec, spec.start)
                 rep = {"error": f"load failed: {e}"}
             rep["load_s"] = round(time.perf_counter() - t0, 6)
-            self._count(spec, rep)
+            self._stats.count_load(spec.kind is ClaimKind.EXACT, rep, self.block_size)
             rep = {"claim": spec.kind.value, "claimed_tokens": spec.end - spec.start, **rep}
             # a scheduler in this process reads it before this step's output is built (a request may
-            # finish in the step that loaded it); one in another process gets it in the worker meta
-            self.shared.post_report(spec.req_id, rep)
+            # finish in the step that loaded it); every scheduler gets it in the worker meta
+            self.shared.reports.post(spec.req_id, rep)
             self._reports[spec.req_id] = rep
-
-    def _count(self, spec: LoadSpec, rep: dict) -> None:
-        if "error" in rep:
-            self._stats.add("load_errors")
-        if spec.kind is ClaimKind.EXACT:
-            self._stats.add("exact_requests")
-            self._stats.add("exact_tokens", rep.get("loaded_blocks", 0) * self.block_size)
-        elif "error" not in rep:
-            self._stats.add("blend_requests")
-            self._stats.add("blend_reused_tokens", rep.get("reused_tokens", 0))
-            self._stats.add("blend_recomputed_tokens", rep.get("recomputed_tokens", 0))
 
     def _fail(self, spec: LoadSpec, from_token: int) -> None:
         b = self.block_size

@@ -32,14 +32,14 @@ from blend.prompt import Prompt, Segment, SegmentKind
 from blend.store.codec import dtype_name
 from blend.store.spec import DEFAULT_MEMORY_BUDGET
 
-MAX_POSTED_REPORTS = 4096  # load reports a worker keeps for a scheduler in its own process
+MAX_POSTED_REPORTS = 4096  # load reports a worker keeps for the scheduler in its own process (ReportBox)
 
 
 class OnLoadError(Enum):
     """``kv_connector_extra_config["on_load_error"]``: what vLLM does with a block that fails to load."""
 
     RECOMPUTE = "recompute"  # the connector sets vLLM's kv_load_failure_policy to recompute
-    FAIL = "fail"  # vLLM's policy as configured
+    FAIL = "fail"  # vLLM's policy must be "fail" (its default): the request fails with an error
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,8 @@ class ConnectorConfig:
         store: kvblend store spec (``memory``, ``disk:PATH``, ``redis://...``, or a chain).
         force: blend even if kvblend's quality gate has not passed for this model.
         recompute_on_load_error: set vLLM's ``kv_load_failure_policy`` to ``recompute`` (a block that
-            fails to load is recomputed, the request goes on); False leaves vLLM's policy as configured.
+            fails to load is recomputed, the request goes on); False needs vLLM's policy to be ``fail``
+            (:func:`load_failure_policy`).
         model_arch: :func:`~blend.engine_setup.model_arch` of the model config vLLM runs (``hf_overrides``
             applied), "" where unknown; kvblend's engine reads config.json from disk, and its blended KV is
             injected only where the two agree.
@@ -158,6 +159,31 @@ class ConnectorConfig:
                    memory_budget_bytes=ex.memory_budget_bytes, model_arch=model_arch(hf) if hf is not None else "")
 
 
+def load_failure_policy(cfg: ConnectorConfig, configured: str) -> str:
+    """The ``kv_load_failure_policy`` vLLM's scheduler must run under the connector's ``on_load_error`` (the
+    scheduler reads it from the config once it has built its connector, so the connector may set it).
+
+    Args:
+        cfg: the connector's config.
+        configured: vLLM's ``kv_transfer_config.kv_load_failure_policy`` as given (``fail`` by default).
+
+    Returns:
+        ``recompute`` or ``fail``.
+
+    Raises:
+        InvalidRequestError: ``"on_load_error": "fail"`` beside vLLM's ``recompute``, which is never vLLM's
+            default, so both were asked for: vLLM would recompute the blocks kvblend was told to fail on.
+    """
+    if cfg.recompute_on_load_error:
+        return "recompute"
+    if configured != OnLoadError.FAIL.value:
+        raise InvalidRequestError(
+            f'kv_connector_extra_config "on_load_error": "fail" contradicts kv_transfer_config '
+            f'"kv_load_failure_policy": {configured!r} (vLLM would recompute a block that fails to load, not fail '
+            f'the request): set one of them to the other\'s value')
+    return OnLoadError.FAIL.value
+
+
 def _model_hash(mc: Any) -> str:
     """vLLM's model-config hash without the checkpoint's folder in it (``model``: its path). The KV's
     provenance already names the weights by content, so replicas that load one checkpoint from different
@@ -202,6 +228,50 @@ def vllm_numerics(vllm_config: Any) -> str:
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
+class ReportBox:
+    """Load reports a worker hands to the scheduler of its own process, for a request that finishes in the
+    step that loaded it: vLLM finishes it (``request_finished``) before it hands the scheduler that step's
+    worker metadata, which carries the same report. Holds reports only while a scheduler-role connector
+    lives in this process (:meth:`attach_scheduler`); the scheduler takes each one when the request
+    finishes, or discards it when the step's worker metadata brings it (an aborted request's included).
+    """
+
+    def __init__(self) -> None:
+        self._reports: OrderedDict[str, dict] = OrderedDict()  # request id -> what its load got
+        self._lock = threading.Lock()
+        self._scheduler_here = False
+
+    def attach_scheduler(self) -> None:
+        """A scheduler-role connector lives in this process: keep the worker's reports for it."""
+        self._scheduler_here = True
+
+    def post(self, req_id: str, report: dict) -> None:
+        """The worker's record of a request's load; dropped where no scheduler in this process takes it
+        (the worker in a process of its own: the step's worker metadata carries it)."""
+        if not self._scheduler_here:
+            return
+        with self._lock:
+            self._reports[req_id] = report
+            while len(self._reports) > MAX_POSTED_REPORTS:  # a safety bound: every report is taken or discarded
+                self._reports.popitem(last=False)
+
+    def take(self, req_id: str) -> dict:
+        """The posted record of a request's load ({} if none was posted in this process)."""
+        with self._lock:
+            return self._reports.pop(req_id, {})
+
+    def discard(self, req_id: str, report: dict) -> None:
+        """Forget a posted report that the step's worker metadata brought (left alone if the worker has
+        posted a newer one for the request since)."""
+        with self._lock:
+            if self._reports.get(req_id) == report:
+                del self._reports[req_id]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._reports)
+
+
 class SharedEngine:
     """A kvblend engine over vLLM's weights, its store, and the provenance of vLLM's own KV.
 
@@ -229,22 +299,7 @@ class SharedEngine:
             f"blend refused: vLLM runs another model config ({cfg.model_arch}) than the checkpoint's config.json "
             f"that kvblend's engine runs ({ours}), e.g. hf_overrides; the request runs plain")
         self._lock = threading.Lock()  # one blend at a time per process (the engine's caches)
-        # request id -> what its load got (worker -> scheduler, in process); bounded: with the worker in another
-        # process (a multiprocess executor) nothing here ever takes them
-        self._reports: OrderedDict[str, dict] = OrderedDict()
-        self._reports_lock = threading.Lock()
-
-    def post_report(self, req_id: str, report: dict) -> None:
-        """The worker's record of a request's load, for a scheduler in this process."""
-        with self._reports_lock:
-            self._reports[req_id] = report
-            while len(self._reports) > MAX_POSTED_REPORTS:
-                self._reports.popitem(last=False)  # the oldest: its scheduler is elsewhere, or long gone
-
-    def take_report(self, req_id: str) -> dict:
-        """The posted record of a request's load ({} if none reached this process)."""
-        with self._reports_lock:
-            return self._reports.pop(req_id, {})
+        self.reports = ReportBox()  # worker -> scheduler, in process
 
     def prompt_of(self, token_ids: Sequence[int], params: BlendParams) -> Prompt:
         """kvblend's segmented prompt of a vLLM request: preamble, the named documents, the question."""

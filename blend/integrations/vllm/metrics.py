@@ -37,6 +37,24 @@ class KVBlendStats(KVConnectorStats):
             raise KeyError(name)
         self.data[name] = self.data.get(name, 0) + value
 
+    def count_load(self, exact: bool, report: dict, block_size: int) -> None:
+        """Count one claim's load from its report.
+
+        Args:
+            exact: an exact claim (stored blocks), else a blend.
+            report: what the load got (``loaded_blocks``, ``reused_tokens``, ``recomputed_tokens``, ``error``).
+            block_size: vLLM's tokens per block.
+        """
+        if "error" in report:
+            self.add("load_errors")
+        if exact:
+            self.add("exact_requests")
+            self.add("exact_tokens", report.get("loaded_blocks", 0) * block_size)
+        elif "error" not in report:
+            self.add("blend_requests")
+            self.add("blend_reused_tokens", report.get("reused_tokens", 0))
+            self.add("blend_recomputed_tokens", report.get("recomputed_tokens", 0))
+
     def reset(self):
         self.data = {}
 
