@@ -4,7 +4,7 @@ Layout of an index folder::
 
     DIR/CURRENT            name of the live generation (replaced atomically)
     DIR/kv-intent.jsonl    chunks whose KV an ingest writes before the commit that adds them (appended;
-                           removed by that commit)
+                           removed by that commit; kv_intent.py)
     DIR/gen-000007/        meta.json, chunks.jsonl, files.json, gc.json,
                            ids.npy, vectors.npy, faiss.index, faiss.kind (kind and sha256 of faiss.index)
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -43,7 +42,6 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from blend import safeio
-from blend.prompt import is_unicode
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.index import ApproxParams, IndexKind, VectorIndex
 from blend.retrieval.index_files import (  # the records are defined there, beside their readers
@@ -58,13 +56,9 @@ from blend.retrieval.index_files import (  # the records are defined there, besi
     read_manifest,
     read_meta,
 )
+from blend.retrieval.kv_intent import append_kv_intent, read_kv_intent, remove_kv_intent
 
 OPEN_RETRIES = 3  # generations a reader moves on to when a commit removes the one it is reading
-INTENT_FILE = "kv-intent.jsonl"  # chunks whose KV is written before the commit that adds them
-MAX_INTENT_BYTES = 1 << 30  # a longer intent log is not read (its chunks' KV stays until a store prune)
-
-log = logging.getLogger(__name__)
-
 __all__ = ["FORMAT_VERSION", "Catalog", "ChunkRecord", "ChunkRef", "FileEntry", "IndexMeta", "SearchHit"]
 
 
@@ -225,10 +219,8 @@ class Catalog:
         for p in self.root.iterdir():  # earlier generations and abandoned temp folders
             if p.name != name and (p.name.startswith("gen-") or p.name.startswith(".gen-")) and p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
-        if self.kv_intent or os.path.lexists(self.root / INTENT_FILE):  # every noted chunk is held or queued now
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.root / INTENT_FILE)
-            self.kv_intent = {}
+        remove_kv_intent(self.root)  # every noted chunk is held or queued now
+        self.kv_intent = {}
 
     def _queue_intents(self) -> None:
         """Queue for garbage collection every noted chunk this state does not hold (its KV was written by
@@ -249,10 +241,7 @@ class Catalog:
         if not fresh:
             return
         self.root.mkdir(parents=True, exist_ok=True)
-        with safeio.append_text(self.root / INTENT_FILE) as f:
-            f.write("\n")  # a line a killed run cut short must not swallow this batch's first one
-            for cid, text in fresh.items():
-                f.write(json.dumps({cid: text}, ensure_ascii=False) + "\n")
+        append_kv_intent(self.root, fresh)
         self.kv_intent.update(fresh)
 
     # ---- mutation ------------------------------------------------------
@@ -404,28 +393,3 @@ class Catalog:
             out.append(hits)
         return out
 
-
-def read_kv_intent(root: Path) -> dict[str, str]:
-    """The intent log of an index folder (chunk id -> text; empty when there is none). It is this
-    process's own crash artefact, so a line cut by a kill, or any line that is not one id and its text,
-    is skipped, and an unreadable or oversized log is ignored with a warning (its chunks' KV then stays
-    until the store prunes it); it never stops an index from opening."""
-    path = Path(root) / INTENT_FILE
-    if not os.path.lexists(path):
-        return {}
-    try:
-        raw = safeio.read_regular(path, MAX_INTENT_BYTES)
-    except OSError as e:
-        log.warning("%s: not read (%s); KV it noted is left to the store's pruning", path, e)
-        return {}
-    out: dict[str, str] = {}
-    for line in raw.decode("utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and len(row) == 1:
-            (cid, text), = row.items()
-            if isinstance(text, str) and is_unicode(cid) and is_unicode(text):  # no lone surrogate (unwritable)
-                out[cid] = text
-    return out

@@ -8,7 +8,7 @@ The index keeps its own copy of ids and vectors, so it can always be rebuilt
 (HNSW cannot remove ids in place; IVF needs training data; AUTO switches
 kind as it grows). On disk the ``.npy`` files are read only after their header's
 shape and dtype were checked against the file's size, the expected dtype and a
-cap; the faiss file is handed to faiss only if its sha256 equals the one saved
+cap (``npy_file.py``); the faiss file is handed to faiss only if its sha256 equals the one saved
 beside it (faiss's reader is not written for hostile bytes), else it is rebuilt. Search order is deterministic: score descending, then id
 ascending; a tie at the k-th place is resolved by fetching more candidates
 until the boundary score is strictly passed.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -30,6 +29,7 @@ from blend import safeio
 from blend.defaults import DEFAULT_APPROX_THRESHOLD
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.faiss_layout import Layout, LayoutError, check_layout
+from blend.retrieval.npy_file import load_npy
 
 MAX_INDEX_FILE_BYTES = 8 << 30  # the largest index file read (vectors of ~5M chunks at dim 384)
 MAX_DIM = 1 << 16  # the largest embedding dimension an index may claim
@@ -281,8 +281,8 @@ class VectorIndex:
         """
         d = Path(folder)
         self = cls(dim, kind, params)
-        self._ids = load_npy(d / "ids.npy", np.dtype("<i8"), (None,))  # (N,)
-        self._vecs = load_npy(d / "vectors.npy", np.dtype("<f4"), (None, dim))  # (N, D)
+        self._ids = load_npy(d / "ids.npy", np.dtype("<i8"), (None,), MAX_INDEX_FILE_BYTES)  # (N,)
+        self._vecs = load_npy(d / "vectors.npy", np.dtype("<f4"), (None, dim), MAX_INDEX_FILE_BYTES)  # (N, D)
         if len(self._vecs) != len(self._ids) or len(np.unique(self._ids)) != len(self._ids):
             raise RetrievalError(f"{d / 'ids.npy'}: {len(self._ids)} ids (unique: {len(np.unique(self._ids))}) "
                                  f"for {len(self._vecs)} vectors")
@@ -338,79 +338,3 @@ def _is_kind(index: faiss.Index, kind: IndexKind) -> bool:
     inner = faiss.downcast_index(index.index)
     return isinstance(inner, faiss.IndexHNSWFlat if kind is IndexKind.HNSW else faiss.IndexFlatIP)
 
-
-def load_npy(path: Path, dtype: np.dtype, shape: tuple[int | None, ...]) -> np.ndarray:
-    """An ``.npy`` array read only after its header was checked (no pickles, no allocation from a claim).
-
-    Args:
-        path: the file.
-        dtype: the exact dtype it must hold.
-        shape: the shape it must have; ``None`` matches any length.
-
-    Returns:
-        The array (C order, ``dtype``).
-
-    Raises:
-        RetrievalError: naming ``path``: missing, irregular, over MAX_INDEX_FILE_BYTES,
-            not an .npy, another dtype or shape, or a size that disagrees with its header.
-    """
-    try:
-        fd = safeio.open_regular(path)
-    except OSError as e:  # FileNotFoundError, safeio.UnsafeFileError, ...
-        raise RetrievalError(f"{path}: unreadable ({e})") from None
-    try:
-        size = os.fstat(fd).st_size
-        head = safeio.pread_exact(fd, 12, 0)
-        start, descr, fortran, got_shape = _npy_header(head, safeio.pread_exact(fd, _NPY_MAX_HEADER, 0))
-        if descr != dtype.str or fortran or len(got_shape) != len(shape) or any(
-                w is not None and g != w for g, w in zip(got_shape, shape)):
-            raise RetrievalError(f"{path}: holds {descr} {'(Fortran order) ' if fortran else ''}{got_shape}, "
-                                 f"expected {dtype.str} {tuple('N' if w is None else w for w in shape)}")
-        n = int(np.prod(got_shape, dtype=object)) * dtype.itemsize
-        if n > MAX_INDEX_FILE_BYTES or start + n != size:
-            raise RetrievalError(f"{path}: header claims {n} data bytes, the file holds {size - start} "
-                                 f"(cap {MAX_INDEX_FILE_BYTES})")
-        data = safeio.pread_exact(fd, n, start)
-    except ValueError as e:
-        raise RetrievalError(f"{path}: not a readable .npy file ({e})") from None
-    finally:
-        os.close(fd)
-    if len(data) != n:
-        raise RetrievalError(f"{path}: shrank while read")
-    return np.frombuffer(data, dtype=dtype).reshape(got_shape).copy()
-
-
-_NPY_MAGIC = b"\x93NUMPY"
-_NPY_MAX_HEADER = 4096  # np.save writes ~128 bytes
-_NPY_HEADER = re.compile(
-    r"\{'descr': '([<>|=][a-zA-Z][0-9]{1,2})', 'fortran_order': (True|False), "
-    r"'shape': \(((?:[0-9]{1,19}, )*(?:[0-9]{1,19},?)?)\), \} *\n"
-)
-
-
-def _npy_header(head: bytes, prefix: bytes) -> tuple[int, str, bool, tuple[int, ...]]:
-    """(data offset, dtype string, Fortran order, shape) of an ``.npy`` file as ``np.save`` writes it.
-
-    A strict pattern, not numpy's reader: numpy evaluates the header as a Python
-    literal and raises a wide range of exceptions on damaged input.
-
-    Raises:
-        ValueError: anything else.
-    """
-    if len(head) < 10 or head[:6] != _NPY_MAGIC or head[6:8] not in (b"\x01\x00", b"\x02\x00", b"\x03\x00"):
-        raise ValueError("no .npy magic")
-    if head[6] == 1:
-        hlen, start = int.from_bytes(head[8:10], "little"), 10
-    else:
-        hlen, start = int.from_bytes(head[8:12], "little"), 12
-    if hlen > _NPY_MAX_HEADER - start or len(prefix) < start + hlen:
-        raise ValueError(f"header of {hlen} bytes")
-    try:
-        text = prefix[start : start + hlen].decode("latin-1" if head[6] < 3 else "utf-8")
-    except UnicodeDecodeError:
-        raise ValueError("header is not text") from None
-    m = _NPY_HEADER.fullmatch(text)
-    if m is None:
-        raise ValueError("header is not {'descr', 'fortran_order', 'shape'} as np.save writes it")
-    dims = tuple(int(d) for d in m.group(3).replace(",", " ").split())
-    return start + hlen, m.group(1), m.group(2) == "True", dims

@@ -41,7 +41,8 @@ from typing import Callable, Sequence
 
 from blend.defaults import DEFAULT_REGISTRY_STALE_S
 from blend.donor_records import CompactableLog, RecordLog
-from blend.retrieval.catalog import OPEN_RETRIES, Catalog, read_kv_intent
+from blend.retrieval.catalog import OPEN_RETRIES, Catalog
+from blend.retrieval.kv_intent import read_kv_intent
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.index_files import read_chunk_table, read_generation, read_meta
 

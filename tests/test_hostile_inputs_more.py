@@ -411,7 +411,7 @@ def _small():
 def test_redis_fetch_reads_at_most_the_checked_size(then):
     small = _small()
     r = RedisStore("redis://127.0.0.1:1/0")
-    r._client = fake = _SwappingRedis(small, then)
+    r._link.client = fake = _SwappingRedis(small, then)
     got = r.get(Namespace.EXACT, KEY, json.dumps({"kv_dtype": "float32"}))
     assert fake.ranges and all(b - a + 1 <= len(small) + 1 for a, b in fake.ranges)
     want = {None: LookupStatus.HIT, b"": LookupStatus.MISS}.get(then, LookupStatus.REJECTED)
@@ -421,7 +421,7 @@ def test_redis_fetch_reads_at_most_the_checked_size(then):
 def test_redis_fetch_rejects_a_same_prefix_value_that_grew():
     small = _small()
     r = RedisStore("redis://127.0.0.1:1/0")
-    r._client = _SwappingRedis(small, small + b"\0" * 64)
+    r._link.client = _SwappingRedis(small, small + b"\0" * 64)
     assert r.get(Namespace.EXACT, KEY, json.dumps({"kv_dtype": "float32"})).status is LookupStatus.REJECTED
 
 

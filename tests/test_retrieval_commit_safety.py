@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import blend.retrieval.index_files as index_files
-from blend.retrieval.catalog import INTENT_FILE, Catalog, read_kv_intent
+from blend.retrieval.catalog import Catalog
+from blend.retrieval.kv_intent import INTENT_FILE, read_kv_intent
 from blend.retrieval.chunker import ChunkerConfig
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.ingest import ingest

@@ -480,7 +480,7 @@ def test_kv_a_killed_ingest_wrote_is_collected_even_when_its_files_changed(corpu
 
 
 def test_the_intent_log_is_read_leniently(tmp_path) -> None:
-    from blend.retrieval.catalog import INTENT_FILE, read_kv_intent
+    from blend.retrieval.kv_intent import INTENT_FILE, read_kv_intent
 
     (tmp_path / INTENT_FILE).write_text('{"a": "text a"}\n{"b": 3}\nnot json\n{"c": "t", "d": "u"}\n{"e": "cut')
     assert read_kv_intent(tmp_path) == {"a": "text a"}

@@ -17,7 +17,7 @@ from blend.keys import Namespace, StoreKey
 from blend.store.base import LookupStatus
 from blend.store.codec import encode
 from blend.store.memory import MemoryStore
-import blend.store.redis_store as redis_store
+import blend.store.redis_logs as redis_logs
 from blend.store.redis_store import RedisStore
 from blend.store.tiered import TieredStore
 from _store_util import NS, RedisServer, key_for, make_prov, other_prov, own_redis_server, rand_entry
@@ -237,17 +237,17 @@ def test_record_log_rewrite_is_compare_and_swap(store: RedisStore) -> None:
 
 def test_record_log_reads_in_pages_and_refuses_an_oversized_list(
         store: RedisStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(redis_store, "LOG_PAGE", 3)
+    monkeypatch.setattr(redis_logs, "LOG_PAGE", 3)
     lines = [f"record {i}".encode() for i in range(10)]
     for ln in lines:
         store.append_record("donors", ln)
     assert store.read_records("donors") == lines  # four pages, in order
-    monkeypatch.setattr(redis_store, "MAX_LOG_BYTES", 40)  # the ten records hold 80 bytes
-    monkeypatch.setattr(redis_store, "LOG_OVERHEAD_BYTES", 1 << 30)  # let the paged count decide
+    monkeypatch.setattr(redis_logs, "MAX_LOG_BYTES", 40)  # the ten records hold 80 bytes
+    monkeypatch.setattr(redis_logs, "LOG_OVERHEAD_BYTES", 1 << 30)  # let the paged count decide
     with caplog.at_level(logging.WARNING, logger="blend.store.redis_store"):
         assert store.read_records("donors") == []
     assert "over 40; not read" in caplog.text
-    monkeypatch.setattr(redis_store, "LOG_OVERHEAD_BYTES", 0)  # now the server's size figure refuses it
+    monkeypatch.setattr(redis_logs, "LOG_OVERHEAD_BYTES", 0)  # now the server's size figure refuses it
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="blend.store.redis_store"):
         assert store.read_records("donors") == []
@@ -280,7 +280,7 @@ def test_a_put_the_server_refuses_is_counted_not_raised(caplog) -> None:
 
 
 def test_a_redis_password_never_reaches_logs_or_messages(caplog) -> None:
-    from blend.store.redis_store import redacted_url
+    from blend.store.redis_link import redacted_url
     from blend.store.spec import StoreSpecError, parse_store_spec, redacted_spec
 
     assert redacted_url("redis://alice:S3cretPass@h:6379/0") == "redis://alice:***@h:6379/0"

@@ -9,25 +9,16 @@ Reads are bounded: a lookup first fetches the value's length and its first
 the header's claim and ``max_entry_bytes``, and only then GETs the value (a
 second round trip), so a hostile value is rejected before it is allocated.
 
-The store is a cache, so an unreachable server is a miss, never an error::
-
-    up ──(connection error / timeout)──► down: warn once, every call returns
-     ▲                                   MISS / no-op without touching the network
-     └────(first call after retry_after_s succeeds: log "reachable again")
+The store is a cache, so an unreachable server is a miss, never an error: the
+connection and its outage handling are in ``redis_link.py``, the record logs
+in ``redis_logs.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
-import time
-from typing import Callable, Iterator, TypeVar
-from urllib.parse import urlsplit, urlunsplit
-
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+from typing import Iterator
 
 from blend.keys import Namespace, StoreKey, key_hex
 from blend.store.base import (
@@ -54,59 +45,13 @@ from blend.store.codec import (
     encode_parts,
     header_length,
 )
-from blend.store.record_logs import MAX_LOG_BYTES
+from blend.store.redis_link import RedisLink
+from blend.store.redis_logs import RedisRecordLogs
 
-REFUSAL_LOG_S = 600  # a refusal (a full server) is logged again after this long, once per cause
 log = logging.getLogger(__name__)
-
-LOG_PAGE = 1024  # records per LRANGE page of a record-log read
-LOG_OVERHEAD_BYTES = 1 << 20  # the server's per-list bookkeeping on top of the records' bytes
-
-
-class OversizedLogError(Exception):
-    """A record log larger than ``MAX_LOG_BYTES`` (it is not read)."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__(f"record log of {size} bytes")
-        self.size = size
-
-
-T = TypeVar("T")
 HEADER_PROBE = 4096  # bytes fetched with the length; a real header is ~1 KB
 
-
-def redacted_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``: the ``user:PASS@`` part and a ``?password=`` argument
-    (redis-py logs in with either).
-
-    Args:
-        url: a Redis URL.
-
-    Returns:
-        The URL as logs and messages may show it.
-    """
-    try:
-        parts = urlsplit(url)
-        out = url
-        if parts.password is not None:
-            host = parts.hostname or ""
-            host = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets
-            netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
-            out = urlunsplit(parts._replace(netloc=netloc))
-        if parts.query:  # the rest of the URL as written (urlunsplit would respell unix:///path as unix:/path)
-            query = "&".join(f"{pair.partition('=')[0]}=***" if pair.partition("=")[0].lower() == "password"
-                             else pair for pair in parts.query.split("&"))
-            out = out.replace("?" + parts.query, "?" + query, 1)
-        return out
-    except ValueError:  # a port that is not a number, brackets: show nothing of it rather than a secret
-        return "redis://<unparsable url>"
-
-
 _HEX_DIGITS = frozenset(b"0123456789abcdef")  # key_hex's digits (bytes iterate as ints)
-
-
-def _glob_escape(s: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
 class RedisStore:
@@ -138,161 +83,37 @@ class RedisStore:
     ) -> None:
         if ttl_s is not None and ttl_s < 1:  # Redis refuses SET ... EX 0 (and below): every put would fail
             raise ValueError(f"ttl_s must be at least 1 second (or None: no expiry), got {ttl_s}")
-        self.url = redacted_url(url)  # what logs and messages show: the password never leaves the process
         self.max_entry_bytes = max_entry_bytes
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s
-        self._client = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=connect_timeout_s,
-            socket_timeout=socket_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-            health_check_interval=0,
-            protocol=2,  # RESP2: no HELLO handshake, so Redis < 6 and other Redis-compatible servers work
-            socket_read_size=1 << 20,  # entries are tens of MB: fewer, larger reads
-        )
         self._stats = StoreStats()
         self._lock = threading.Lock()
-        self._down_until = 0.0  # time.monotonic() before which the server is skipped
-        self._outage = False
-        self._failed_calls = 0  # calls that failed or were skipped since the last check_reachable()
-        # (call, error kind) the server refused -> when it was last logged: once per cause every REFUSAL_LOG_S
-        self._refusals: dict[tuple[str, str], float] = {}
-
-    # -- availability ---------------------------------------------------------
+        self._link = RedisLink(url, self._stats, self._lock, connect_timeout_s=connect_timeout_s,
+                               socket_timeout_s=socket_timeout_s, retry_after_s=retry_after_s)
+        self.url = self._link.url  # what logs and messages show: the password never leaves the process
+        self._logs = RedisRecordLogs(self._link, prefix)
 
     @property
     def available(self) -> bool:
         """False while in the back-off window after a failure."""
-        with self._lock:
-            return time.monotonic() >= self._down_until
+        return self._link.available
 
-    def _call(self, what: str, fn: Callable[[], T], default: T) -> T:
-        """Run ``fn`` against the server; on an outage warn once and return ``default``."""
-        if not self.available:
-            with self._lock:
-                self._stats.extra["skipped_calls"] = self._stats.extra.get("skipped_calls", 0) + 1
-                self._failed_calls += 1
-            return default
-        try:
-            result = fn()
-        except OversizedLogError:  # the server answered; the data is refused, not the server
-            raise
-        except redis.ResponseError as e:  # the server answered with an error: not an outage
-            cause = (what, str(e).split(" ", 1)[0])  # e.g. ("put", "OOM"): at maxmemory every put is refused
-            now = time.monotonic()
-            with self._lock:
-                self._stats.extra["refused_calls"] = self._stats.extra.get("refused_calls", 0) + 1
-                first = now - self._refusals.get(cause, -math.inf) >= REFUSAL_LOG_S
-                if first:
-                    self._refusals[cause] = now
-            if first:  # once per cause and period: a full server would log one line per chunk
-                log.warning("redis store %s: %s failed: %s (calls refused the same way in the next %d s are "
-                            "counted in refused_calls, not logged)", self.url, what, e, REFUSAL_LOG_S)
-            else:
-                log.debug("redis store %s: %s failed: %s", self.url, what, e)
-            return default
-        except Exception as e:  # noqa: BLE001 -- connection loss, timeouts, or a server redis-py cannot parse
-            with self._lock:
-                self._down_until = time.monotonic() + self.retry_after_s
-                self._failed_calls += 1
-                first = not self._outage
-                self._outage = True
-                self._stats.extra["outages"] = self._stats.extra.get("outages", 0) + (1 if first else 0)
-            if first:
-                log.warning(
-                    "redis store %s unreachable during %s (%s: %s); serving misses, retrying every %.1fs",
-                    self.url, what, type(e).__name__, e, self.retry_after_s,
-                )
-            return default
-        with self._lock:
-            recovered, self._outage = self._outage, False
-        if recovered:
-            log.warning("redis store %s reachable again", self.url)
-        return result
-
-    # -- KVStore --------------------------------------------------------------
+    # -- record logs (RecordLog; kept in redis_logs.py) ----------------------
 
     def append_record(self, log_name: str, line: bytes) -> None:
-        """Append one record to the list ``<prefix>:log:<name>`` (RPUSH; no TTL: logs are tiny)."""
-        name = self._log_key(log_name)
-        self._call("append_record", lambda: self._client.rpush(name, line), None)
+        """Append one record to the log ``log_name`` (see :meth:`RedisRecordLogs.append`)."""
+        self._logs.append(log_name, line)
 
     def rewrite_records(self, log_name: str, expected: list[bytes], lines: list[bytes]) -> bool:
-        """Replace the list with ``lines`` if it still holds exactly ``expected``
-        (WATCH + MULTI: a concurrent RPUSH aborts the swap). Returns whether it was replaced."""
-        name = self._log_key(log_name)
-
-        def swap() -> bool:
-            with self._client.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(name)
-                    if [bytes(x) for x in pipe.lrange(name, 0, -1)] != list(expected):
-                        return False
-                    pipe.multi()
-                    pipe.delete(name)
-                    if lines:
-                        pipe.rpush(name, *lines)
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    return False
-
-        return bool(self._call("rewrite_records", swap, False))
+        """Replace the log's records if it still holds ``expected`` (see :meth:`RedisRecordLogs.rewrite`)."""
+        return self._logs.rewrite(log_name, expected, lines)
 
     def read_records(self, log_name: str) -> list[bytes]:
-        """Every record of the list (empty when absent or the server is down; empty,
-        with a warning, when the list holds more than ``MAX_LOG_BYTES``: it is read
-        in pages, and the server's own size figure is checked before the first)."""
-        name = self._log_key(log_name)
+        """Every record of the log, bounded (see :meth:`RedisRecordLogs.read`)."""
+        return self._logs.read(log_name)
 
-        def bounded() -> list[bytes]:
-            try:
-                size = self._client.memory_usage(name, samples=0) or 0  # bytes the key holds (0 when absent)
-            except redis.ResponseError:  # a Redis-compatible server without MEMORY: the pages still bound it
-                size = 0
-            if size > MAX_LOG_BYTES + LOG_OVERHEAD_BYTES:
-                raise OversizedLogError(size)
-            lines: list[bytes] = []
-            total, start = 0, 0
-            while True:
-                page = [bytes(x) for x in self._client.lrange(name, start, start + LOG_PAGE - 1)]
-                total += sum(len(x) for x in page)
-                if total > MAX_LOG_BYTES:  # grew after the size check
-                    raise OversizedLogError(total)
-                lines += page
-                if len(page) < LOG_PAGE:
-                    return lines
-                start += LOG_PAGE
-
-        try:
-            return self._call("read_records", bounded, [])
-        except OversizedLogError as e:
-            log.warning("redis store %s: log %s holds %d bytes, over %d; not read", self.url, log_name,
-                        e.size, MAX_LOG_BYTES)
-            return []
-
-    def _log_key(self, log_name: str) -> bytes:
-        """``<prefix>:log:<name>``; a name holds no colon, so no other deployment's key reads as one of
-        this store's logs (``clear`` tells them apart by that: see :meth:`_log_rkeys`).
-
-        Raises:
-            ValueError: a name with a colon (or an empty one).
-        """
-        if not log_name or ":" in log_name:
-            raise ValueError(f"bad record log name {log_name!r} (a plain name without ':')")
-        return f"{self.prefix}:log:{log_name}".encode()
-
-    def _log_rkeys(self) -> list[bytes]:
-        """This store's record logs: ``<prefix>:log:`` then a name without a colon. The glob also matches
-        every key of a deployment whose prefix extends ``<prefix>:log`` (``kvb:log:exact:<hex>``,
-        ``kvb:log:log:<name>``, ``kvb:log:x:...``): each holds a colon past ``<prefix>:log:``."""
-        head = f"{self.prefix}:log:".encode()
-        pattern = _glob_escape(f"{self.prefix}:log:") + "*"
-        found = self._call("scan", lambda: list(self._client.scan_iter(match=pattern, count=1000)), [])
-        return [rk for rk in found if rk.startswith(head) and len(rk) > len(head) and b":" not in rk[len(head):]]
+    # -- KVStore --------------------------------------------------------------
 
     def rkey(self, ns: Namespace, key: StoreKey) -> bytes:
         """The Redis key of (ns, key)."""
@@ -309,13 +130,13 @@ class RedisStore:
             EntryError: not a string value, or a header that does not parse.
         """
         def probe() -> list:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._link.client.pipeline(transaction=False)
             pipe.exists(rk)
             pipe.strlen(rk)
             pipe.getrange(rk, 0, HEADER_PROBE - 1)
             return pipe.execute(raise_on_error=False)
 
-        got = self._call(what, probe, None)
+        got = self._link.call(what, probe, None)
         if got is None or not got[0]:
             return None
         if isinstance(got[1], Exception) or isinstance(got[2], Exception):  # e.g. WRONGTYPE: a list at the key
@@ -323,7 +144,7 @@ class RedisStore:
         size, head = int(got[1]), bytes(got[2])
         start = header_length(head)
         if start > len(head) and size >= start:  # a header longer than the probe (never written by put)
-            head += bytes(self._call(what, lambda: self._client.getrange(rk, len(head), start - 1), b"") or b"")
+            head += bytes(self._link.call(what, lambda: self._link.client.getrange(rk, len(head), start - 1), b"") or b"")
         return size, head[:start]
 
     def _fetch(self, ns: Namespace, key: StoreKey) -> bytes | None:
@@ -345,7 +166,7 @@ class RedisStore:
         # bounded: GETRANGE of at most want + 1 bytes, never a GET of whatever the value became since
         # the probe (another writer may SET a larger one between the round trips); one byte more than
         # claimed tells a value that grew from the one probed
-        blob = self._call("get", lambda: self._client.getrange(rk, 0, want), None)
+        blob = self._link.call("get", lambda: self._link.client.getrange(rk, 0, want), None)
         if blob is None:
             return None  # the server went down
         if not isinstance(blob, (bytes, bytearray, memoryview)):
@@ -384,7 +205,7 @@ class RedisStore:
                         entry.nbytes, self.max_entry_bytes)
             return
         blob = b"".join(encode_parts(ns, key, entry))
-        ok = self._call("put", lambda: self._client.set(self.rkey(ns, key), blob, ex=self.ttl_s), None)
+        ok = self._link.call("put", lambda: self._link.client.set(self.rkey(ns, key), blob, ex=self.ttl_s), None)
         if ok:
             self._count("puts")
         else:
@@ -393,20 +214,19 @@ class RedisStore:
 
     def put_raw(self, ns: Namespace, key: StoreKey, blob: bytes) -> None:
         """Store arbitrary bytes under (ns, key): for tests and repair tools only."""
-        self._call("put", lambda: self._client.set(self.rkey(ns, key), blob, ex=self.ttl_s), None)
+        self._link.call("put", lambda: self._link.client.set(self.rkey(ns, key), blob, ex=self.ttl_s), None)
 
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
-        return bool(self._call("exists", lambda: self._client.exists(self.rkey(ns, key)), 0))
+        return bool(self._link.call("exists", lambda: self._link.client.exists(self.rkey(ns, key)), 0))
 
     def delete(self, ns: Namespace, key: StoreKey) -> bool:
-        return bool(self._call("delete", lambda: self._client.delete(self.rkey(ns, key)), 0))
+        return bool(self._link.call("delete", lambda: self._link.client.delete(self.rkey(ns, key)), 0))
 
     def _rkeys(self, ns: Namespace) -> list[bytes]:
         """The namespace's entry keys: exactly ``<prefix>:<ns>:`` and 64 lowercase hex digits (the glob also
         matches another deployment's keys whose prefix extends this one's, e.g. ``team:exact:exact:<hex>``)."""
         head = f"{self.prefix}:{ns.value}:".encode()  # bytes: a non-ASCII prefix is longer in bytes than in characters
-        pattern = _glob_escape(f"{self.prefix}:{ns.value}:") + "*"
-        found = self._call("scan", lambda: list(self._client.scan_iter(match=pattern, count=1000)), [])
+        found = self._link.scan(f"{self.prefix}:{ns.value}:")
         return [rk for rk in found if len(rk) == len(head) + 64 and rk.startswith(head)
                 and all(c in _HEX_DIGITS for c in rk[len(head):])]
 
@@ -430,13 +250,13 @@ class RedisStore:
                 continue
 
             def sizes(rks: list[bytes] = rks) -> list[int]:
-                pipe = self._client.pipeline(transaction=False)
+                pipe = self._link.client.pipeline(transaction=False)
                 for rk in rks:
                     pipe.strlen(rk)
                 # a key holding another type (WRONGTYPE) answers with an error: skip it, not the namespace
                 return [n for n in pipe.execute(raise_on_error=False) if isinstance(n, int)]
 
-            lengths = self._call("stats", sizes, [])
+            lengths = self._link.call("stats", sizes, [])
             s.entries += sum(1 for n in lengths if n)
             s.bytes += sum(lengths)
         s.extra["available"] = float(self.available)
@@ -464,15 +284,7 @@ class RedisStore:
 
     def check_reachable(self) -> str:
         """'' if the server answers PING and no call failed since the last check, else why not."""
-        with self._lock:
-            failed, self._failed_calls = self._failed_calls, 0
-        try:
-            self._client.ping()
-        except Exception as e:  # noqa: BLE001 -- any failure to talk to the server
-            return f"{self.url} unreachable ({type(e).__name__}: {e})"
-        if failed:
-            return f"{self.url}: {failed} call(s) failed or were skipped during the run (the server was down)"
-        return ""
+        return self._link.check_reachable()
 
     def clear(self, ns: Namespace | None = None) -> int:
         n = 0
@@ -480,12 +292,10 @@ class RedisStore:
             rks = self._rkeys(space)
             for i in range(0, len(rks), 1000):
                 batch = rks[i : i + 1000]
-                n += int(self._call("clear", lambda b=batch: self._client.delete(*b), 0))
+                n += int(self._link.call("clear", lambda b=batch: self._link.client.delete(*b), 0))
         if ns is None:  # everything: the record logs too (they only point at entries)
-            logs = self._log_rkeys()
-            if logs:
-                self._call("clear", lambda: self._client.delete(*logs), 0)
+            self._logs.clear()
         return n
 
     def close(self) -> None:
-        self._client.close()
+        self._link.close()

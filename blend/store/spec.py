@@ -25,7 +25,8 @@ from blend.defaults import DEFAULT_MEMORY_BUDGET, DEFAULT_WRITE_BEHIND, kvblend_
 from blend.store.base import InspectableStore
 from blend.store.disk import DiskStore
 from blend.store.memory import MemoryStore
-from blend.store.redis_store import RedisStore, redacted_url
+from blend.store.redis_link import redacted_url
+from blend.store.redis_store import RedisStore
 from blend.store.tiered import TieredStore
 
 _REDIS_OPTIONS = ("prefix", "ttl")

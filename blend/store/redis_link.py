@@ -1,0 +1,193 @@
+"""The Redis tier's connection: a redis-py client behind an outage state machine.
+
+The store is a cache, so an unreachable server is a miss, never an error::
+
+    up ──(connection error / timeout)──► down: warn once, every call returns
+     ▲                                   MISS / no-op without touching the network
+     └────(first call after retry_after_s succeeds: log "reachable again")
+
+A server that answers with an error (e.g. ``OOM`` at maxmemory) is not down:
+the call is refused, counted in ``refused_calls`` and logged once per cause
+every ``REFUSAL_LOG_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Callable, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from blend.store.base import StoreStats
+
+REFUSAL_LOG_S = 600  # a refusal (a full server) is logged again after this long, once per cause
+log = logging.getLogger("blend.store.redis_store")  # the Redis tier logs under one name, whichever module speaks
+
+T = TypeVar("T")
+
+
+class RefusedData(Exception):
+    """The server answered, but the caller refuses what it sent (e.g. a record log over its cap).
+
+    Raised inside a call, it passes through :meth:`RedisLink.call` untouched: it is neither an
+    outage nor a refusal by the server.
+    """
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``: the ``user:PASS@`` part and a ``?password=`` argument
+    (redis-py logs in with either).
+
+    Args:
+        url: a Redis URL.
+
+    Returns:
+        The URL as logs and messages may show it.
+    """
+    try:
+        parts = urlsplit(url)
+        out = url
+        if parts.password is not None:
+            host = parts.hostname or ""
+            host = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets
+            netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
+            out = urlunsplit(parts._replace(netloc=netloc))
+        if parts.query:  # the rest of the URL as written (urlunsplit would respell unix:///path as unix:/path)
+            query = "&".join(f"{pair.partition('=')[0]}=***" if pair.partition("=")[0].lower() == "password"
+                             else pair for pair in parts.query.split("&"))
+            out = out.replace("?" + parts.query, "?" + query, 1)
+        return out
+    except ValueError:  # a port that is not a number, brackets: show nothing of it rather than a secret
+        return "redis://<unparsable url>"
+
+
+class RedisLink:
+    """A client that a connection failure takes offline for ``retry_after_s``.
+
+    Args:
+        url: ``redis://HOST:PORT/DB`` (any URL redis-py accepts).
+        stats: the tier's counters; the link adds ``skipped_calls``, ``refused_calls`` and
+            ``outages`` to their ``extra``.
+        lock: the lock that guards ``stats`` (the tier's own).
+        connect_timeout_s: TCP connect timeout; a dead host costs at most this.
+        socket_timeout_s: per-read/write timeout on an established connection.
+        retry_after_s: after a failure, calls skip the server for this long.
+    """
+
+    def __init__(self, url: str, stats: StoreStats, lock: threading.Lock, *, connect_timeout_s: float,
+                 socket_timeout_s: float, retry_after_s: float) -> None:
+        self.url = redacted_url(url)  # what logs and messages show: the password never leaves the process
+        self.retry_after_s = retry_after_s
+        self.client = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+            protocol=2,  # RESP2: no HELLO handshake, so Redis < 6 and other Redis-compatible servers work
+            socket_read_size=1 << 20,  # entries are tens of MB: fewer, larger reads
+        )
+        self._stats = stats
+        self._lock = lock
+        self._down_until = 0.0  # time.monotonic() before which the server is skipped
+        self._outage = False
+        self._failed_calls = 0  # calls that failed or were skipped since the last check_reachable()
+        # (call, error kind) the server refused -> when it was last logged: once per cause every REFUSAL_LOG_S
+        self._refusals: dict[tuple[str, str], float] = {}
+
+    @property
+    def available(self) -> bool:
+        """False while in the back-off window after a failure."""
+        with self._lock:
+            return time.monotonic() >= self._down_until
+
+    def call(self, what: str, fn: Callable[[], T], default: T) -> T:
+        """Run ``fn`` against the server; on an outage warn once and return ``default``.
+
+        Args:
+            what: the operation, as logs name it (``get``, ``put``, ``scan``...).
+            fn: the call; it uses :attr:`client`.
+            default: the result when the server is down or refuses the call.
+
+        Returns:
+            ``fn()``'s result, or ``default``.
+
+        Raises:
+            RefusedData: whatever ``fn`` raised of it.
+        """
+        if not self.available:
+            with self._lock:
+                self._stats.extra["skipped_calls"] = self._stats.extra.get("skipped_calls", 0) + 1
+                self._failed_calls += 1
+            return default
+        try:
+            result = fn()
+        except RefusedData:  # the server answered; the data is refused, not the server
+            raise
+        except redis.ResponseError as e:  # the server answered with an error: not an outage
+            cause = (what, str(e).split(" ", 1)[0])  # e.g. ("put", "OOM"): at maxmemory every put is refused
+            now = time.monotonic()
+            with self._lock:
+                self._stats.extra["refused_calls"] = self._stats.extra.get("refused_calls", 0) + 1
+                first = now - self._refusals.get(cause, -math.inf) >= REFUSAL_LOG_S
+                if first:
+                    self._refusals[cause] = now
+            if first:  # once per cause and period: a full server would log one line per chunk
+                log.warning("redis store %s: %s failed: %s (calls refused the same way in the next %d s are "
+                            "counted in refused_calls, not logged)", self.url, what, e, REFUSAL_LOG_S)
+            else:
+                log.debug("redis store %s: %s failed: %s", self.url, what, e)
+            return default
+        except Exception as e:  # noqa: BLE001 -- connection loss, timeouts, or a server redis-py cannot parse
+            with self._lock:
+                self._down_until = time.monotonic() + self.retry_after_s
+                self._failed_calls += 1
+                first = not self._outage
+                self._outage = True
+                self._stats.extra["outages"] = self._stats.extra.get("outages", 0) + (1 if first else 0)
+            if first:
+                log.warning(
+                    "redis store %s unreachable during %s (%s: %s); serving misses, retrying every %.1fs",
+                    self.url, what, type(e).__name__, e, self.retry_after_s,
+                )
+            return default
+        with self._lock:
+            recovered, self._outage = self._outage, False
+        if recovered:
+            log.warning("redis store %s reachable again", self.url)
+        return result
+
+    def scan(self, head: str) -> list[bytes]:
+        """Every key that starts with ``head`` (SCAN; a glob, so the caller still checks what it found).
+
+        Args:
+            head: the keys' leading text, matched literally (glob characters are escaped).
+
+        Returns:
+            The keys found; empty when the server is down.
+        """
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in head) + "*"
+        return self.call("scan", lambda: list(self.client.scan_iter(match=pattern, count=1000)), [])
+
+    def check_reachable(self) -> str:
+        """'' if the server answers PING and no call failed since the last check, else why not."""
+        with self._lock:
+            failed, self._failed_calls = self._failed_calls, 0
+        try:
+            self.client.ping()
+        except Exception as e:  # noqa: BLE001 -- any failure to talk to the server
+            return f"{self.url} unreachable ({type(e).__name__}: {e})"
+        if failed:
+            return f"{self.url}: {failed} call(s) failed or were skipped during the run (the server was down)"
+        return ""
+
+    def close(self) -> None:
+        """Close the client's connections."""
+        self.client.close()

@@ -1,0 +1,132 @@
+"""Record logs in Redis: one list per log, ``<prefix>:log:<name>``, one record per element.
+
+Appends are an RPUSH (atomic, so concurrent appenders interleave whole
+records); a rewrite (compaction) is a compare-and-swap under WATCH + MULTI, so
+a concurrent append aborts it and no record is lost. A log is untrusted data:
+none larger than ``MAX_LOG_BYTES`` is read (the server's size figure is
+checked first, then the list is read in pages). Failures are logged, never
+raised: the logs only point at entries of a cache. The disk tier's logs are
+in ``record_logs.py``.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from blend.store.record_logs import MAX_LOG_BYTES
+from blend.store.redis_link import RedisLink, RefusedData, log
+
+LOG_PAGE = 1024  # records per LRANGE page of a record-log read
+LOG_OVERHEAD_BYTES = 1 << 20  # the server's per-list bookkeeping on top of the records' bytes
+
+
+class OversizedLogError(RefusedData):
+    """A record log larger than ``MAX_LOG_BYTES`` (it is not read)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"record log of {size} bytes")
+        self.size = size
+
+
+class RedisRecordLogs:
+    """The record logs of one Redis store.
+
+    Args:
+        link: the store's connection (its outage handling covers the logs too).
+        prefix: the store's key prefix.
+    """
+
+    def __init__(self, link: RedisLink, prefix: str) -> None:
+        self.link = link
+        self.prefix = prefix
+
+    def key(self, name: str) -> bytes:
+        """``<prefix>:log:<name>``; a name holds no colon, so no other deployment's key reads as one of
+        this store's logs (``clear`` tells them apart by that: see :meth:`keys`).
+
+        Args:
+            name: the log's name.
+
+        Returns:
+            The list's Redis key.
+
+        Raises:
+            ValueError: a name with a colon (or an empty one).
+        """
+        if not name or ":" in name:
+            raise ValueError(f"bad record log name {name!r} (a plain name without ':')")
+        return f"{self.prefix}:log:{name}".encode()
+
+    def keys(self) -> list[bytes]:
+        """This store's record logs: ``<prefix>:log:`` then a name without a colon. The glob also matches
+        every key of a deployment whose prefix extends ``<prefix>:log`` (``kvb:log:exact:<hex>``,
+        ``kvb:log:log:<name>``, ``kvb:log:x:...``): each holds a colon past ``<prefix>:log:``."""
+        head = f"{self.prefix}:log:".encode()
+        found = self.link.scan(f"{self.prefix}:log:")
+        return [rk for rk in found if rk.startswith(head) and len(rk) > len(head) and b":" not in rk[len(head):]]
+
+    def append(self, name: str, line: bytes) -> None:
+        """Append one record to the list ``<prefix>:log:<name>`` (RPUSH; no TTL: logs are tiny)."""
+        rk = self.key(name)
+        self.link.call("append_record", lambda: self.link.client.rpush(rk, line), None)
+
+    def rewrite(self, name: str, expected: list[bytes], lines: list[bytes]) -> bool:
+        """Replace the list with ``lines`` if it still holds exactly ``expected``
+        (WATCH + MULTI: a concurrent RPUSH aborts the swap). Returns whether it was replaced."""
+        rk = self.key(name)
+
+        def swap() -> bool:
+            with self.link.client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(rk)
+                    if [bytes(x) for x in pipe.lrange(rk, 0, -1)] != list(expected):
+                        return False
+                    pipe.multi()
+                    pipe.delete(rk)
+                    if lines:
+                        pipe.rpush(rk, *lines)
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    return False
+
+        return bool(self.link.call("rewrite_records", swap, False))
+
+    def read(self, name: str) -> list[bytes]:
+        """Every record of the list (empty when absent or the server is down; empty,
+        with a warning, when the list holds more than ``MAX_LOG_BYTES``: it is read
+        in pages, and the server's own size figure is checked before the first)."""
+        rk = self.key(name)
+        client = self.link.client
+
+        def bounded() -> list[bytes]:
+            try:
+                size = client.memory_usage(rk, samples=0) or 0  # bytes the key holds (0 when absent)
+            except redis.ResponseError:  # a Redis-compatible server without MEMORY: the pages still bound it
+                size = 0
+            if size > MAX_LOG_BYTES + LOG_OVERHEAD_BYTES:
+                raise OversizedLogError(size)
+            lines: list[bytes] = []
+            total, start = 0, 0
+            while True:
+                page = [bytes(x) for x in client.lrange(rk, start, start + LOG_PAGE - 1)]
+                total += sum(len(x) for x in page)
+                if total > MAX_LOG_BYTES:  # grew after the size check
+                    raise OversizedLogError(total)
+                lines += page
+                if len(page) < LOG_PAGE:
+                    return lines
+                start += LOG_PAGE
+
+        try:
+            return self.link.call("read_records", bounded, [])
+        except OversizedLogError as e:
+            log.warning("redis store %s: log %s holds %d bytes, over %d; not read", self.link.url, name,
+                        e.size, MAX_LOG_BYTES)
+            return []
+
+    def clear(self) -> None:
+        """Delete every record log of this store."""
+        logs = self.keys()
+        if logs:
+            self.link.call("clear", lambda: self.link.client.delete(*logs), 0)

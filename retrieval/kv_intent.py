@@ -1,0 +1,83 @@
+"""The intent log of an index folder: ``DIR/kv-intent.jsonl``, chunks whose KV is written before the
+commit that adds them.
+
+An ingest appends ``{chunk id: text}`` lines before it writes their KV
+(:func:`append_kv_intent`); the commit that adds them removes the log
+(:func:`remove_kv_intent`). A run killed in between leaves the log behind, and
+the next open queues every noted chunk the index does not hold for garbage
+collection, so its KV is never orphaned. The log is this process's own crash
+artefact: :func:`read_kv_intent` is lenient (see there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from blend import safeio
+from blend.prompt import is_unicode
+
+INTENT_FILE = "kv-intent.jsonl"  # chunks whose KV is written before the commit that adds them
+MAX_INTENT_BYTES = 1 << 30  # a longer intent log is not read (its chunks' KV stays until a store prune)
+
+log = logging.getLogger("blend.retrieval.catalog")  # the index folder's logger (the catalog's)
+
+
+def append_kv_intent(root: Path, chunks: dict[str, str]) -> None:
+    """Append chunks to the intent log (not fsynced: it outlives a killed process, not a power loss).
+
+    Args:
+        root: the index folder (it exists).
+        chunks: chunk id -> text.
+    """
+    with safeio.append_text(root / INTENT_FILE) as f:
+        f.write("\n")  # a line a killed run cut short must not swallow this batch's first one
+        for cid, text in chunks.items():
+            f.write(json.dumps({cid: text}, ensure_ascii=False) + "\n")
+
+
+def remove_kv_intent(root: Path) -> None:
+    """Remove the intent log, if there is one (every noted chunk is held or queued for collection now).
+
+    Args:
+        root: the index folder.
+    """
+    if os.path.lexists(root / INTENT_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(root / INTENT_FILE)
+
+
+def read_kv_intent(root: Path) -> dict[str, str]:
+    """The intent log of an index folder (chunk id -> text; empty when there is none). It is this
+    process's own crash artefact, so a line cut by a kill, or any line that is not one id and its text,
+    is skipped, and an unreadable or oversized log is ignored with a warning (its chunks' KV then stays
+    until the store prunes it); it never stops an index from opening.
+
+    Args:
+        root: the index folder.
+
+    Returns:
+        chunk id -> text, of every well-formed line.
+    """
+    path = Path(root) / INTENT_FILE
+    if not os.path.lexists(path):
+        return {}
+    try:
+        raw = safeio.read_regular(path, MAX_INTENT_BYTES)
+    except OSError as e:
+        log.warning("%s: not read (%s); KV it noted is left to the store's pruning", path, e)
+        return {}
+    out: dict[str, str] = {}
+    for line in raw.decode("utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and len(row) == 1:
+            (cid, text), = row.items()
+            if isinstance(text, str) and is_unicode(cid) and is_unicode(text):  # no lone surrogate (unwritable)
+                out[cid] = text
+    return out
