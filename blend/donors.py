@@ -100,6 +100,12 @@ class DonorIndex:
         with self._lock:
             return len(self._keys)
 
+    @property
+    def logged(self) -> bool:
+        """Whether the index appends to a persistent tier's log (other processes read what it records)."""
+        with self._lock:
+            return bool(self._logs)
+
     def __contains__(self, key: StoreKey) -> bool:
         with self._lock:
             return bytes(key) in self._keys

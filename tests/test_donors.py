@@ -19,14 +19,17 @@ from blend import donors as donors_mod
 from blend.donors import DonorIndex
 from blend.keys import Namespace, StoreKey, canonical_key_of, provenance_digest, token_digest
 from blend.kvcache import KVEntry
+from blend.report import ReuseClass
 from blend.semantic import Donors
 from blend.store.disk import DiskStore
 from blend.store.memory import MemoryStore
+from conftest import make_docs, unguarded_blend
 
 PRE = [1, 2, 3]
 A, B = StoreKey(b"\xaa" * 32), StoreKey(b"\xbb" * 32)
 TOKENS_A = list(range(100, 180))
 TOKENS_B = list(range(500, 580))
+SEM0 = unguarded_blend(ratio=0.0, semantic=True)
 
 
 def run_meanwhile(fn: Callable[[], object], threads: list[threading.Thread], wait_s: float = 0.5) -> None:
@@ -254,3 +257,84 @@ def test_an_index_handed_in_keeps_logging_registrations_and_removals(tmp_path):
     assert donors.purge_logs()
     fresh = Donors(disk, prov, enabled=True).index  # another process over the same store
     assert key_of(TOKENS_A) not in fresh and key_of(tokens_c) in fresh
+
+
+# ---- a donor's KV missing: definite misses only, and only once the miss has lasted -------------------------
+
+def _semantic_setup(engine):
+    """Store two documents' canonical KV (registered as donors) and a near-duplicate of the second.
+
+    Returns:
+        (the second document's canonical key, the prompt with its near-duplicate).
+    """
+    from blend.keys import canonical_key
+    from test_semantic import edit_middle  # the one near-duplicate recipe
+
+    docs = make_docs(2)
+    engine.precompute_chunks(docs)  # registers them (the engine's hook)
+    orig = engine.build_prompt("Which?", docs)
+    key = canonical_key(engine.provenance, orig.preamble.token_ids, orig.documents[1].token_ids)
+    return key, engine.build_prompt("Which?", [docs[0], edit_middle(docs[1])[0]])
+
+
+def _removals(disk: DiskStore, name: str) -> list[bytes]:
+    return [ln for ln in disk.read_records(name) if ln.startswith(b'{"remove"')]
+
+
+def test_a_donor_whose_kv_a_tier_cannot_look_up_is_skipped_never_removed_for_every_process(tmp_path,
+                                                                                         tiny_engine_factory):
+    """During a Redis outage a donor's KV (gone from the faster tiers) looked missing: the donor was dropped
+    and its removal written to the shared donor log, so every process lost it for good. A tier that cannot
+    answer only skips the donor for this request; the log and this process keep it."""
+    from _store_util import free_port
+    from blend.store.redis_store import RedisStore
+    from blend.store.tiered import TieredStore
+
+    mem, disk = MemoryStore(), DiskStore(tmp_path)
+    down = RedisStore(f"redis://127.0.0.1:{free_port()}", connect_timeout_s=0.05)  # nothing listens there
+    eng = tiny_engine_factory(experimental_semantic=True, store=TieredStore([mem, disk, down], write_behind=False))
+    key, edited = _semantic_setup(eng)
+    mem.delete(Namespace.CANONICAL, key)
+    disk.delete(Namespace.CANONICAL, key)  # only Redis could hold it now, and it does not answer
+    ans = eng.generate(edited, SEM0, max_new_tokens=1)
+    assert ans.report.segments[2].reuse_class is ReuseClass.COMPUTED  # skipped for this request ...
+    assert key in eng.segments.donors.index  # ... kept here ...
+    assert _removals(disk, eng.segments.donors.log_name) == []  # ... and for every other process
+    assert key in tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path)).segments.donors.index
+
+
+def test_a_donor_logged_before_its_kv_lands_is_removed_only_once_the_miss_has_lasted(tmp_path, tiny_engine_factory,
+                                                                                   monkeypatch):
+    """A process logs a registration before its write-behind put reaches the shared tiers; another that read
+    the log meanwhile found no KV and logged a removal at once, cancelling the donor for every process
+    while its KV was landing. A definite miss only skips the donor until it has lasted absent_grace_s."""
+    import blend.semantic as S
+    from blend.keys import canonical_key
+
+    writer = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    key, edited = _semantic_setup(writer)
+    stored = writer.store.get(Namespace.CANONICAL, key, writer.provenance_json).entry
+    writer.store.delete(Namespace.CANONICAL, key)  # as if its put were still in the writer's queue
+    reader = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    assert key in reader.segments.donors.index
+    own = canonical_key(reader.provenance, edited.preamble.token_ids, edited.documents[1].token_ids)
+
+    def ask() -> ReuseClass:
+        got = reader.generate(edited, SEM0, max_new_tokens=1).report.segments[2].reuse_class
+        reader.store.delete(Namespace.CANONICAL, own)  # computed and stored: the next ask looks for a donor again
+        return got
+
+    now = [1000.0]
+    monkeypatch.setattr(S.time, "monotonic", lambda: now[0])
+    assert ask() is ReuseClass.COMPUTED
+    assert key in reader.segments.donors.index and _removals(DiskStore(tmp_path), writer.segments.donors.log_name) == []
+    writer.store.put(Namespace.CANONICAL, key, stored)  # the write lands
+    now[0] += 10
+    assert ask() is ReuseClass.SEMANTIC
+    # evicted for real: skipped at the first look, forgotten (and logged) at a look absent_grace_s later
+    writer.store.delete(Namespace.CANONICAL, key)
+    assert ask() is ReuseClass.COMPUTED and key in reader.segments.donors.index
+    now[0] += reader.segments.donors.absent_grace_s
+    assert ask() is ReuseClass.COMPUTED and key not in reader.segments.donors.index
+    assert len(_removals(DiskStore(tmp_path), writer.segments.donors.log_name)) == 1
+

@@ -36,6 +36,7 @@ from blend.store.base import (
     KVEntry,
     Lookup,
     LookupStatus,
+    Presence,
     StoreStats,
     Verdict,
     check_entry,
@@ -376,6 +377,11 @@ class RedisStore:
 
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
         return bool(self._call("exists", lambda: self._client.exists(self.rkey(ns, key)), 0))
+
+    def presence(self, ns: Namespace, key: StoreKey) -> Presence:
+        """PRESENT or ABSENT as the server answers; UNKNOWN while it is down (``contains`` says False then)."""
+        found = self._call("exists", lambda: self._client.exists(self.rkey(ns, key)), None)
+        return Presence.UNKNOWN if found is None else Presence.PRESENT if found else Presence.ABSENT
 
     def delete(self, ns: Namespace, key: StoreKey) -> bool:
         return bool(self._call("delete", lambda: self._client.delete(self.rkey(ns, key)), 0))
