@@ -338,3 +338,34 @@ def test_a_donor_logged_before_its_kv_lands_is_removed_only_once_the_miss_has_la
     assert ask() is ReuseClass.COMPUTED and key not in reader.segments.donors.index
     assert len(_removals(DiskStore(tmp_path), writer.segments.donors.log_name)) == 1
 
+
+# ---- a log already past what a tier reads ---------------------------------------------------------------
+
+def test_a_donor_log_past_what_a_tier_reads_is_trimmed_to_its_newest_donors_and_loads(tmp_path, monkeypatch, caplog):
+    """A log over the 256 MiB a tier reads (from before compactions bounded it, or grown by many processes
+    appending) was never read nor compacted again: every process loaded no donor, for good. Its newest
+    records (the last OVERSIZED_KEEP_BYTES, from the first whole line) replace it, with a warning, and load.
+    Scaled down here."""
+    import logging
+
+    import blend.store.record_logs as RL
+    from blend.donor_records import Registration, removal_record
+
+    monkeypatch.setattr(RL, "MAX_LOG_BYTES", 20_000)
+    monkeypatch.setattr(RL, "OVERSIZED_KEEP_BYTES", 5_000)
+    keys = [StoreKey(i.to_bytes(32, "big")) for i in range(100)]
+    rows = [Registration(k, token_digest(PRE), tuple(range(i * 100, i * 100 + 40))).record()
+            for i, k in enumerate(keys)]
+    rows.append(removal_record(keys[-1]))  # the newest record: a removal, kept with the rest of the tail
+    path = tmp_path / "logs" / "donors-t.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(b"".join(r + b"\n" for r in rows))
+    assert path.stat().st_size > RL.MAX_LOG_BYTES
+    fresh = DonorIndex()
+    with caplog.at_level(logging.WARNING):
+        loaded = fresh.attach_log([DiskStore(tmp_path)], "donors-t")
+    assert "older records were dropped" in caplog.text and "unreadable" not in caplog.text  # no torn first line
+    assert 10 < loaded < 99 and keys[-2] in fresh and keys[-1] not in fresh and keys[0] not in fresh
+    assert path.stat().st_size <= RL.OVERSIZED_KEEP_BYTES  # the log is back under the cap, for every process
+    assert DonorIndex().attach_log([DiskStore(tmp_path)], "donors-t") == loaded  # read as it is now, whole
+

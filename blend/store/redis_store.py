@@ -56,21 +56,10 @@ from blend.store.codec import (
     header_length,
 )
 from blend.store.record_logs import MAX_LOG_BYTES
+from blend.store.redis_logs import OversizedLogError, read_log, rewrite_log, trim_log
 
 REFUSAL_LOG_S = 600  # a refusal (a full server) is logged again after this long, once per cause
 log = logging.getLogger(__name__)
-
-LOG_PAGE = 1024  # records per LRANGE page of a record-log read
-LOG_OVERHEAD_BYTES = 1 << 20  # the server's per-list bookkeeping on top of the records' bytes
-
-
-class OversizedLogError(Exception):
-    """A record log larger than ``MAX_LOG_BYTES`` (it is not read)."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__(f"record log of {size} bytes")
-        self.size = size
-
 
 T = TypeVar("T")
 HEADER_PROBE = 4096  # bytes fetched with the length; a real header is ~1 KB
@@ -218,61 +207,30 @@ class RedisStore:
 
     def append_record(self, log_name: str, line: bytes) -> None:
         """Append one record to the list ``<prefix>:log:<name>`` (RPUSH; no TTL: logs are tiny)."""
-        self._call("append_record", lambda: self._client.rpush(f"{self.prefix}:log:{log_name}".encode(), line), None)
+        self._call("append_record", lambda: self._client.rpush(self._log_key(log_name), line), None)
+
+    def _log_key(self, log_name: str) -> bytes:
+        return f"{self.prefix}:log:{log_name}".encode()
 
     def rewrite_records(self, log_name: str, expected: list[bytes], lines: list[bytes]) -> bool:
         """Replace the list with ``lines`` if it still holds exactly ``expected``
         (WATCH + MULTI: a concurrent RPUSH aborts the swap). Returns whether it was replaced."""
-        name = f"{self.prefix}:log:{log_name}".encode()
-
-        def swap() -> bool:
-            with self._client.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(name)
-                    if [bytes(x) for x in pipe.lrange(name, 0, -1)] != list(expected):
-                        return False
-                    pipe.multi()
-                    pipe.delete(name)
-                    if lines:
-                        pipe.rpush(name, *lines)
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    return False
-
-        return bool(self._call("rewrite_records", swap, False))
+        name = self._log_key(log_name)
+        return bool(self._call("rewrite_records", lambda: rewrite_log(self._client, name, expected, lines), False))
 
     def read_records(self, log_name: str) -> list[bytes]:
-        """Every record of the list (empty when absent or the server is down; empty,
-        with a warning, when the list holds more than ``MAX_LOG_BYTES``: it is read
-        in pages, and the server's own size figure is checked before the first)."""
-        name = f"{self.prefix}:log:{log_name}".encode()
-
-        def bounded() -> list[bytes]:
-            try:
-                size = self._client.memory_usage(name, samples=0) or 0  # bytes the key holds (0 when absent)
-            except redis.ResponseError:  # a Redis-compatible server without MEMORY: the pages still bound it
-                size = 0
-            if size > MAX_LOG_BYTES + LOG_OVERHEAD_BYTES:
-                raise OversizedLogError(size)
-            lines: list[bytes] = []
-            total, start = 0, 0
-            while True:
-                page = [bytes(x) for x in self._client.lrange(name, start, start + LOG_PAGE - 1)]
-                total += sum(len(x) for x in page)
-                if total > MAX_LOG_BYTES:  # grew after the size check
-                    raise OversizedLogError(total)
-                lines += page
-                if len(page) < LOG_PAGE:
-                    return lines
-                start += LOG_PAGE
-
+        """Every record of the list (empty when absent or the server is down; see
+        :func:`blend.store.redis_logs.read_log`). A list holding more than ``MAX_LOG_BYTES`` is trimmed to
+        its newest records (:func:`blend.store.redis_logs.trim_log`), with a warning that older records
+        were dropped, and those are returned."""
+        name = self._log_key(log_name)
         try:
-            return self._call("read_records", bounded, [])
+            return self._call("read_records", lambda: read_log(self._client, name), [])
         except OversizedLogError as e:
-            log.warning("redis store %s: log %s holds %d bytes, over %d; not read", self.url, log_name,
-                        e.size, MAX_LOG_BYTES)
-            return []
+            kept = self._call("read_records", lambda: trim_log(self._client, name), [])
+            log.warning("redis store %s: log %s holds %d bytes, over %d: kept its newest %d records; older records "
+                        "were dropped", self.url, log_name, e.size, MAX_LOG_BYTES, len(kept))
+            return kept
 
     def rkey(self, ns: Namespace, key: StoreKey) -> bytes:
         """The Redis key of (ns, key)."""
