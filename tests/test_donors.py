@@ -369,3 +369,35 @@ def test_a_donor_log_past_what_a_tier_reads_is_trimmed_to_its_newest_donors_and_
     assert path.stat().st_size <= RL.OVERSIZED_KEEP_BYTES  # the log is back under the cap, for every process
     assert DonorIndex().attach_log([DiskStore(tmp_path)], "donors-t") == loaded  # read as it is now, whole
 
+
+# ---- a saved index is read within what an index holds -------------------------------------------------
+
+def test_loading_a_saved_index_of_more_donors_than_an_index_holds_stops_before_any_signature(tmp_path, monkeypatch):
+    """DonorIndex.load read up to 1 GiB, built every row and computed every row's signature before the caps
+    dropped the extras: a crafted near-1 GiB file cost 10-20 GB. It reads no more than an index of the caps
+    can hold, parses row by row, and stops at the first row past them with a DonorRecordError."""
+    import json
+
+    import blend.donor_records as R
+    from blend.defaults import DEFAULT_MAX_DONORS
+    from blend.donor_records import DonorRecordError, saved_index_max_bytes
+
+    signed = []
+    real = R.minhash
+    monkeypatch.setattr(R, "minhash", lambda ids: signed.append(1) or real(ids))
+    row = lambda i: {"key": i.to_bytes(32, "big").hex(), "preamble": "00" * 32, "tokens": [i % 50_000]}  # noqa: E731
+    path = tmp_path / "donors.json"
+    rows = [row(i) for i in range(DEFAULT_MAX_DONORS + 1)]  # one more than an index holds
+    path.write_text(json.dumps({"shingle": 5, "num_hashes": 64, "donors": rows}))
+    with pytest.raises(DonorRecordError, match="holds more than an index does") as e:
+        DonorIndex.load(path)
+    assert str(path) in str(e.value) and signed == []
+    with open(path, "r+b") as f:  # a file larger than such an index's bytes is not read at all
+        f.truncate(saved_index_max_bytes(DEFAULT_MAX_DONORS, 1 << 23) + 1)
+    with pytest.raises(DonorRecordError, match="FileTooLargeError"):
+        DonorIndex.load(path)
+    small = tmp_path / "small.json"  # within the caps, whitespace and field order as any JSON writer's
+    small.write_text('{ "donors" : [ %s ,\n %s ] , "shingle": 5 }' % (json.dumps(row(1)), json.dumps(row(2))))
+    assert len(DonorIndex.load(small)) == 2 and len(signed) == 2
+    with pytest.raises(DonorRecordError, match="holds more than"):
+        DonorIndex.load(small, max_donors=1)
