@@ -209,6 +209,30 @@ def test_cli_ingest_and_ask(tmp_path, capsys) -> None:
     assert rc == 0 and "ferry.txt" in out
 
 
+@pytest.mark.parametrize("semantic", [False, True])
+def test_cli_ingest_experimental_semantic_registers_each_chunk_as_a_donor(tmp_path, semantic: bool) -> None:
+    """`kvblend ingest` had no --experimental-semantic: ingested chunks became donors only after a semantic
+    engine hit each of them, so a near-duplicate of a chunk never asked about was computed in full. With the
+    flag each chunk whose KV the ingest precomputes is registered (in the store's donor log), as a semantic
+    engine does on first use; without it nothing is (the default is unchanged)."""
+    from blend.retrieval.cli import run_ingest
+    from blend.store.disk import DiskStore
+
+    d = tmp_path / "docs"
+    d.mkdir()
+    for k, v in DOCS.items():
+        (d / k).write_text(v)
+    flag = ["--experimental-semantic"] if semantic else []
+    assert run_ingest(_cli(["ingest", str(d), "--index", str(tmp_path / "idx"), "--model", "tiny-llama",
+                            "--store", f"disk:{tmp_path / 'kv'}", "--quiet", *flag])) == 0
+    chunks = list(DiskStore(tmp_path / "kv").keys(Namespace.CANONICAL))
+    later = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), experimental_semantic=True,
+                                   quality_gate=False)  # another process, reading the donor log
+    assert len(chunks) == len(DOCS)
+    assert len(later.segments.donors.index) == (len(chunks) if semantic else 0)
+    assert all(k in later.segments.donors.index for k in chunks) == semantic
+
+
 def test_cli_ask_notes_chunk_kv_precomputed_by_another_engine(tmp_path, capsys) -> None:
     from blend.retrieval.cli import ask_over_index, run_ingest
 
@@ -348,7 +372,7 @@ def test_a_deleted_documents_chunks_stop_being_semantic_donors(tmp_path) -> None
 
 
 def test_an_ingest_without_semantic_reuse_still_removes_a_deleted_chunks_donor(tmp_path) -> None:
-    """`kvblend ingest` has no --experimental-semantic: its engine's donors are off, and deleting a chunk
+    """`kvblend ingest` without --experimental-semantic: its engine's donors are off, and deleting a chunk
     left its registration live in the donor log beside the store for the processes that enable it."""
     from blend.keys import canonical_key
     from blend.prompt import document_text, preamble_segment, tokenize_segment
