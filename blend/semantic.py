@@ -61,6 +61,13 @@ MAX_CANDIDATES = SEMANTIC_MAX_CANDIDATES  # donors aligned per miss (alignment i
 MAX_ALIGN_PAIRS = 1 << 21
 
 
+def _has_records(tier: RecordLog, name: str) -> bool:
+    """Whether ``tier`` holds a log ``name`` with records (its ``has_records``, a stat or one round trip,
+    where it has one; else by reading the log)."""
+    has = getattr(tier, "has_records", None)
+    return bool(has(name)) if has is not None else bool(tier.read_records(name))
+
+
 def donor_log_name(provenance_json: str) -> str:
     """The record log of one provenance's donors (its keys only resolve under it)."""
     return "donors-" + provenance_digest(provenance_json).hex()[:16]
@@ -179,7 +186,6 @@ class Donors:
         self.log_name = donor_log_name(provenance_json)
         self._index: DonorIndex | None = None
         self._first_use = threading.Lock()
-        self._logs_holding: list[RecordLog] | None = None  # disabled: the tiers whose donor log has lines
 
     @property
     def index(self) -> DonorIndex:
@@ -225,8 +231,9 @@ class Donors:
         """Stop offering a chunk as a donor (its KV was deleted on purpose, e.g. its document was).
 
         On an engine without semantic reuse (``kvblend ingest`` deleting a file's chunks) nothing is
-        loaded: a removal record still goes to the persistent tiers' donor log where one exists, so
-        the processes that do enable semantic reuse stop offering the chunk too.
+        loaded: a removal record still goes to the persistent tiers' donor log where one exists (looked
+        for at each call: a log another process created since counts), so the processes that do enable
+        semantic reuse stop offering the chunk too.
 
         Returns:
             True if it was registered in this process's memory (on an engine with semantic reuse the removal
@@ -235,10 +242,9 @@ class Donors:
         if self.enabled:  # recorded even where this process does not hold it (another registered it since
             # this one read the log, or memory's cap dropped it): the log must not keep it live
             return self.index.remove(key, record_absent=True)
-        if self._logs_holding is None:  # read once: an ingest may forget many chunks
-            self._logs_holding = [t for t in self._log_tiers() if t.read_records(self.log_name)]
-        for tier in self._logs_holding:
-            tier.append_record(self.log_name, removal_record(key))
+        for tier in self._log_tiers():
+            if _has_records(tier, self.log_name):  # a stat or one round trip: never a read of the log
+                tier.append_record(self.log_name, removal_record(key))
         return False
 
     def purge_logs(self) -> bool:

@@ -391,6 +391,30 @@ def test_an_ingest_without_semantic_reuse_still_removes_a_deleted_chunks_donor(t
     assert key not in later.segments.donors.index
 
 
+def test_an_engine_without_semantic_reuse_logs_removals_to_a_donor_log_created_after_its_first(tmp_path) -> None:
+    """An engine without semantic reuse looked for donor logs once, at its first deletion: a log that a
+    semantic process created afterwards got no removal record from it, so a chunk it deleted then stayed a
+    live donor (tokens included) for every process. The logs are looked for at each removal (one stat)."""
+    from blend.keys import canonical_key
+    from blend.prompt import document_text, preamble_segment, tokenize_segment
+    from blend.store.disk import DiskStore
+
+    secret = "The vault code of the northern tower is 7 4 1 9, known only to the keeper of the lantern."
+    plain = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), quality_gate=False)
+    deleter = engine_kv_deleter(plain)
+    assert deleter("early", "A chunk deleted before any process enabled semantic reuse.")
+    assert not (tmp_path / "kv" / "logs").exists()  # no log yet: none is made for a removal
+    semantic = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), experimental_semantic=True,
+                                      quality_gate=False)
+    semantic.precompute_chunks([secret])  # creates the donor log
+    assert deleter("cid", secret)
+    later = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), experimental_semantic=True,
+                                   quality_gate=False)
+    key = canonical_key(later.provenance, preamble_segment(later.tokenizer, None).token_ids,
+                        tokenize_segment(later.tokenizer, document_text(secret)))
+    assert key not in later.segments.donors.index
+
+
 @pytest.mark.parametrize("semantic", [False, True])
 def test_a_deleted_chunks_tokens_leave_the_donor_log_on_disk_at_once(tmp_path, semantic: bool) -> None:
     """A removal record only cancelled the registration: the deleted document's tokens stayed readable in

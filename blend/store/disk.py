@@ -263,6 +263,10 @@ class DiskStore:
         """See :meth:`DiskRecordLogs.read` (complete lines; bounded; never a FIFO)."""
         return self._logs.read(log_name)
 
+    def has_records(self, log_name: str) -> bool:
+        """See :meth:`DiskRecordLogs.has` (a stat, never a read)."""
+        return self._logs.has(log_name)
+
     def presence(self, ns: Namespace, key: StoreKey) -> Presence:
         """PRESENT if an entry file is there, ABSENT if nothing is (or no regular file, as ``contains``),
         UNKNOWN if the folder cannot be looked into (EACCES, EIO: ``contains`` says False then too)."""

@@ -163,6 +163,22 @@ class DiskRecordLogs:
             os.close(fd)
         return lines
 
+    def has(self, name: str) -> bool:
+        """Whether the log exists with anything in it (one stat: cheap enough before every append).
+
+        Args:
+            name: the log's name.
+
+        Returns:
+            False if absent or empty; True otherwise, an unreadable one included (an append reports that).
+        """
+        try:
+            return os.stat(self.path(name)).st_size > 0
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError:
+            return True
+
     def clear(self) -> None:
         """Remove every log (and a compaction's temp file left by a crash)."""
         if not self.folder.is_dir() or not self._own_folder():

@@ -232,6 +232,10 @@ class RedisStore:
                         "were dropped", self.url, log_name, e.size, MAX_LOG_BYTES, len(kept))
             return kept
 
+    def has_records(self, log_name: str) -> bool:
+        """Whether the list ``<prefix>:log:<name>`` exists (False while the server is down)."""
+        return bool(self._call("has_records", lambda: self._client.exists(self._log_key(log_name)), 0))
+
     def rkey(self, ns: Namespace, key: StoreKey) -> bytes:
         """The Redis key of (ns, key)."""
         return f"{self.prefix}:{ns.value}:{key_hex(key)}".encode()
