@@ -127,6 +127,10 @@ DEFAULT_MAX_DONORS = 1 << 14
 # ... and their tokens held in memory at most (a token id kept in a tuple costs ~37 bytes: 2**23 tokens ~ 0.3 GB,
 # 16,384 donors of 512 tokens); donors of a few thousand tokens each held GBs under the count alone
 DEFAULT_MAX_DONOR_TOKENS = 1 << 23
+# a donor whose KV the store definitely lacks is only skipped until it has lacked it this long (seconds, from the
+# first such look): another process logs a registration before its write-behind put reaches the shared tiers, and
+# a removal logged in between would cancel that donor for every process (blend.semantic.Donors)
+DEFAULT_DONOR_ABSENT_GRACE_S = 60.0
 # a donor-log purge (a deleted document's tokens leaving the log) rewrites it by compare-and-swap: this many
 # tries while other processes keep appending
 DEFAULT_PURGE_TRIES = 3

@@ -11,13 +11,16 @@ compactions of :class:`blend.donors.DonorIndex`, the index that appends to the l
 A log line is untrusted bytes: :func:`parse_record` returns a registration or a
 removal, or raises :class:`DonorRecordError`, and nothing else; token ids must be
 whole numbers in ``[0, 2**32)`` (``MAX_TOKEN_ID``), keys 32-byte hex. MinHash works over blocks of
-shingles, so a long line costs time in proportion, never a (H, S) matrix.
+shingles, so a long line costs time in proportion, never a (H, S) matrix. A saved index
+(:func:`parse_saved_index`, for :meth:`blend.donors.DonorIndex.load`) is parsed row by row and refused at
+the first row past the index's caps, before any signature is computed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -34,6 +37,10 @@ log = logging.getLogger("blend.donors")  # the donor index's one logger, whereve
 LOG_KEEP_BYTES = 64 << 20
 MAX_TOKEN_ID = (1 << 32) - 1  # store keys hash token ids as uint32 (keys.token_digest)
 MAX_DONOR_TOKENS = 1 << 18  # tokens of one donor: a longer record is refused before any work on it
+# a saved index's bytes (DonorIndex.save writes json.dumps' ", " separators): per token at most 10 digits and ", ";
+# per donor its key, preamble and field names; any other top-level field at most SAVED_FIELD_BYTES
+SAVED_TOKEN_BYTES, SAVED_ROW_BYTES, SAVED_FIELD_BYTES = 12, 256, 1024
+_SPACE = re.compile(r"[ \t\n\r]*")
 
 
 @dataclass(frozen=True)
@@ -280,3 +287,102 @@ def purge_log(sink: RecordLog, name: str, max_donors: int = DEFAULT_MAX_DONORS) 
         if sink.rewrite_records(name, lines, rows):
             return True
     return False
+
+
+def saved_index_max_bytes(max_donors: int, max_tokens: int) -> int:
+    """The most bytes a saved index of at most ``max_donors`` donors and ``max_tokens`` tokens can hold
+    (:meth:`blend.donors.DonorIndex.load` reads no more).
+
+    Args:
+        max_donors: the index's donor cap.
+        max_tokens: its token cap.
+
+    Returns:
+        A byte count.
+    """
+    return max_tokens * SAVED_TOKEN_BYTES + max_donors * SAVED_ROW_BYTES + 4 * SAVED_FIELD_BYTES
+
+
+def parse_saved_index(text: str, max_donors: int, max_tokens: int) -> list[Registration]:
+    """The registrations of a saved index (``{"donors": [row, ...], ...}``), parsed row by row and stopped at
+    the first row past the caps: a file of more donors or tokens than an index holds costs no more than the
+    caps (json.loads of the whole would build every row first, and the index computed every signature).
+
+    Args:
+        text: the file's text (untrusted).
+        max_donors: the most rows accepted.
+        max_tokens: the most tokens accepted over all rows (a single row may hold more, as in an index).
+
+    Returns:
+        The registrations in file order (signatures not computed).
+
+    Raises:
+        DonorRecordError: not a saved index, a bad row (naming it), or more than the caps.
+    """
+    dec = json.JSONDecoder()
+    pos = _skip(text, 0)
+    if not text.startswith("{", pos):
+        raise DonorRecordError("not a saved donor index (no list of donors)")
+    pos, rows = _skip(text, pos + 1), None
+    while not text.startswith("}", pos):
+        field, pos = _decode(dec, text, pos, "a field name")
+        pos = _skip(text, pos)
+        if not isinstance(field, str) or not text.startswith(":", pos):
+            raise DonorRecordError("not a saved donor index (not a JSON object)")
+        pos = _skip(text, pos + 1)
+        if field == "donors" and text.startswith("[", pos):
+            if rows is not None:
+                raise DonorRecordError("a saved donor index with two lists of donors")
+            rows, pos = _rows(text, pos + 1, max_donors, max_tokens)
+        else:  # shingle, num_hashes: small values
+            _, end = _decode(dec, text[pos:pos + SAVED_FIELD_BYTES], 0, f"field {field[:40]!r}")
+            pos += end
+        pos = _skip(text, pos)
+        if text.startswith(",", pos):
+            pos = _skip(text, pos + 1)
+        elif not text.startswith("}", pos):
+            raise DonorRecordError("not a saved donor index (not a JSON object)")
+    if _skip(text, pos + 1) != len(text):
+        raise DonorRecordError("not a saved donor index (text after its object)")
+    if rows is None:
+        raise DonorRecordError("not a saved donor index (no list of donors)")
+    return rows
+
+
+def _skip(text: str, pos: int) -> int:
+    """The first position at or after ``pos`` that is not JSON whitespace."""
+    return _SPACE.match(text, pos).end()
+
+
+def _decode(dec: json.JSONDecoder, text: str, pos: int, what: str) -> tuple[Any, int]:
+    try:
+        return dec.raw_decode(text, pos)
+    except (ValueError, RecursionError) as e:
+        raise DonorRecordError(f"not a saved donor index ({what}: {type(e).__name__})") from None
+
+
+def _rows(text: str, pos: int, max_donors: int, max_tokens: int) -> tuple[list[Registration], int]:
+    """The rows of the donors list from ``pos`` (after its ``[``), and the position after its ``]``. A valid
+    row is an object whose strings are hex: it ends at its first ``}``, so each is parsed alone."""
+    out: list[Registration] = []
+    tokens, pos = 0, _skip(text, pos)
+    while not text.startswith("]", pos):
+        i = len(out)
+        end = text.find("}", pos) + 1
+        if not text.startswith("{", pos) or not end:
+            raise DonorRecordError(f"donor {i}: a registration is an object with key, preamble and tokens")
+        try:
+            reg = _registration_from_row(json.loads(text[pos:end]))
+        except (ValueError, RecursionError) as e:  # DonorRecordError is a ValueError
+            raise DonorRecordError(f"donor {i}: {e if isinstance(e, DonorRecordError) else 'not a registration'}"
+                                   ) from None
+        tokens += len(reg.token_ids)
+        if i >= max_donors or (tokens > max_tokens and i):
+            raise DonorRecordError(f"holds more than an index does ({max_donors} donors, {max_tokens} tokens)")
+        out.append(reg)
+        pos = _skip(text, end)
+        if text.startswith(",", pos):
+            pos = _skip(text, pos + 1)
+        elif not text.startswith("]", pos):
+            raise DonorRecordError(f"donor {i}: not followed by ',' or ']'")
+    return out, pos + 1

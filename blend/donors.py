@@ -53,8 +53,8 @@ import numpy as np
 from blend import safeio
 from blend.defaults import DEFAULT_MAX_DONOR_TOKENS, DEFAULT_MAX_DONORS
 from blend.donor_records import (
-    CompactableLog, Donor, DonorRecordError, RecordLog, donor_from_row, donor_row, encode_record, newest_registrations,
-    removal_row, replay_records,
+    CompactableLog, Donor, DonorRecordError, RecordLog, donor_row, encode_record, newest_registrations,
+    parse_saved_index, removal_row, replay_records, saved_index_max_bytes,
 )
 from blend.keys import StoreKey, token_digest
 from blend.minhash import NUM_HASHES, SHINGLE, minhash
@@ -65,7 +65,6 @@ COMPACT_MIN_LINES = 64  # a log is compacted at attach when it has this many lin
 # a growing log is compacted once this process appended this many bytes to it, whatever the count of lines: a
 # compaction leaves at most LOG_KEEP_BYTES, so the log stays well under what a tier reads at all (MAX_LOG_BYTES)
 COMPACT_APPEND_BYTES = 32 << 20
-MAX_SAVED_BYTES = 1 << 30  # the largest saved index DonorIndex.load reads
 
 
 class DonorIndex:
@@ -99,6 +98,12 @@ class DonorIndex:
     def __len__(self) -> int:
         with self._lock:
             return len(self._keys)
+
+    @property
+    def logged(self) -> bool:
+        """Whether the index appends to a persistent tier's log (other processes read what it records)."""
+        with self._lock:
+            return bool(self._logs)
 
     def __contains__(self, key: StoreKey) -> bool:
         with self._lock:
@@ -275,24 +280,29 @@ class DonorIndex:
         safeio.atomic_write_text(path, json.dumps({"shingle": SHINGLE, "num_hashes": NUM_HASHES, "donors": rows}))
 
     @classmethod
-    def load(cls, path: str | Path) -> "DonorIndex":
+    def load(cls, path: str | Path, max_donors: int = DEFAULT_MAX_DONORS,
+             max_tokens: int = DEFAULT_MAX_DONOR_TOKENS) -> "DonorIndex":
         """Read an index written by :meth:`save` (signatures are recomputed, so always consistent).
 
+        Args:
+            path: the saved file.
+            max_donors: the index's donor cap: a file of more donors is refused.
+            max_tokens: its token cap, likewise (a file larger than such an index's bytes is not read at all,
+                and parsing stops at the first row past a cap, before any signature is computed).
+
         Raises:
-            DonorRecordError: naming ``path``: unreadable, not a saved index, or a bad donor row.
+            DonorRecordError: naming ``path``: unreadable, not a saved index, a bad donor row, or more donors or
+                tokens than the caps.
         """
         try:
-            data = json.loads(safeio.read_regular(path, MAX_SAVED_BYTES, follow_symlinks=True))
-        except (OSError, ValueError, RecursionError) as e:  # safeio.UnsafeFileError is an OSError
+            data = safeio.read_regular(path, saved_index_max_bytes(max_donors, max_tokens), follow_symlinks=True)
+            regs = parse_saved_index(data.decode(), max_donors, max_tokens)
+        except (OSError, UnicodeDecodeError) as e:  # safeio.UnsafeFileError (FileTooLargeError) is an OSError
             raise DonorRecordError(f"{path}: unreadable donor index ({type(e).__name__}: {str(e)[:80]})") from None
-        if not isinstance(data, dict) or not isinstance(data.get("donors"), list):
-            raise DonorRecordError(f"{path}: not a saved donor index (no list of donors)")
-        idx = cls()
-        for i, r in enumerate(data["donors"]):
-            try:
-                donor = donor_from_row(r)
-            except DonorRecordError as e:
-                raise DonorRecordError(f"{path}: donor {i}: {e}") from None
-            if bytes(donor.key) not in idx._keys:
-                idx._insert(donor)
+        except DonorRecordError as e:
+            raise DonorRecordError(f"{path}: {e}") from None
+        idx = cls(max_donors, max_tokens)
+        for reg in regs:
+            if reg.key not in idx._keys:
+                idx._insert(reg.donor())
         return idx

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import difflib
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -39,13 +40,14 @@ from typing import Callable, Sequence
 import torch
 
 from blend.defaults import (
-    SEMANTIC_FORCE_WINDOW, SEMANTIC_MAX_CANDIDATES, SEMANTIC_MIN_ALIGNED, SEMANTIC_MIN_SIMILARITY,
+    DEFAULT_DONOR_ABSENT_GRACE_S, SEMANTIC_FORCE_WINDOW, SEMANTIC_MAX_CANDIDATES, SEMANTIC_MIN_ALIGNED,
+    SEMANTIC_MIN_SIMILARITY,
 )
 from blend.donor_records import Donor, RecordLog, purge_log, removal_record
 from blend.donors import DonorIndex
 from blend.keys import Namespace, StoreKey, canonical_key_of, key_hex, provenance_digest, token_digest
 from blend.kvcache import KVEntry
-from blend.store.base import KVStore, LookupStatus, store_tiers
+from blend.store.base import KVStore, LookupStatus, Presence, presence, store_tiers
 
 FORCE_WINDOW = SEMANTIC_FORCE_WINDOW  # tokens recomputed on each side of every edit (their left context changed most)
 MIN_SIMILARITY = SEMANTIC_MIN_SIMILARITY  # estimated shingle Jaccard a donor needs (5-gram shingles)
@@ -57,6 +59,13 @@ MAX_CANDIDATES = SEMANTIC_MAX_CANDIDATES  # donors aligned per miss (alignment i
 # reaches n^2 / 3 (4k tokens: 5.3M, 0.6 s), where a candidate past what is left is skipped and the document
 # computed (at this bound ~0.3 s at most)
 MAX_ALIGN_PAIRS = 1 << 21
+
+
+def _has_records(tier: RecordLog, name: str) -> bool:
+    """Whether ``tier`` holds a log ``name`` with records (its ``has_records``, a stat or one round trip,
+    where it has one; else by reading the log)."""
+    has = getattr(tier, "has_records", None)
+    return bool(has(name)) if has is not None else bool(tier.read_records(name))
 
 
 def donor_log_name(provenance_json: str) -> str:
@@ -155,19 +164,28 @@ class Donors:
     (disk, Redis), so a new process over the same store finds the same donors.
     Disabled unless the engine enabled ``experimental_semantic``.
 
+    A donor whose KV is gone is forgotten, and its removal logged for every process, only when the
+    store is known to lack it (:func:`blend.store.base.presence`): a tier that cannot answer (a Redis
+    outage, an unreadable folder) only skips it for this request. Where the index has a log, the
+    absence must also last ``absent_grace_s`` from the first look that found it: another process logs
+    a registration before its write-behind put reaches the shared tiers.
+
     Args:
         store: the engine's store (canonical entries live there).
         provenance_json: the engine's provenance (selects the record log).
         enabled: the engine's experimental flag.
     """
 
-    def __init__(self, store: KVStore, provenance_json: str, enabled: bool) -> None:
+    def __init__(self, store: KVStore, provenance_json: str, enabled: bool,
+                 absent_grace_s: float = DEFAULT_DONOR_ABSENT_GRACE_S) -> None:
         self.store, self.provenance_json, self.enabled = store, provenance_json, enabled
+        self.absent_grace_s = absent_grace_s
+        self._absent_since: dict[bytes, float] = {}  # donor key -> when its KV was first found absent (monotonic)
+        self._absent_lock = threading.Lock()
         self._prov_digest = provenance_digest(provenance_json)  # what canonical keys are derived under
         self.log_name = donor_log_name(provenance_json)
         self._index: DonorIndex | None = None
         self._first_use = threading.Lock()
-        self._logs_holding: list[RecordLog] | None = None  # disabled: the tiers whose donor log has lines
 
     @property
     def index(self) -> DonorIndex:
@@ -213,8 +231,9 @@ class Donors:
         """Stop offering a chunk as a donor (its KV was deleted on purpose, e.g. its document was).
 
         On an engine without semantic reuse (``kvblend ingest`` deleting a file's chunks) nothing is
-        loaded: a removal record still goes to the persistent tiers' donor log where one exists, so
-        the processes that do enable semantic reuse stop offering the chunk too.
+        loaded: a removal record still goes to the persistent tiers' donor log where one exists (looked
+        for at each call: a log another process created since counts), so the processes that do enable
+        semantic reuse stop offering the chunk too.
 
         Returns:
             True if it was registered in this process's memory (on an engine with semantic reuse the removal
@@ -223,10 +242,9 @@ class Donors:
         if self.enabled:  # recorded even where this process does not hold it (another registered it since
             # this one read the log, or memory's cap dropped it): the log must not keep it live
             return self.index.remove(key, record_absent=True)
-        if self._logs_holding is None:  # read once: an ingest may forget many chunks
-            self._logs_holding = [t for t in self._log_tiers() if t.read_records(self.log_name)]
-        for tier in self._logs_holding:
-            tier.append_record(self.log_name, removal_record(key))
+        for tier in self._log_tiers():
+            if _has_records(tier, self.log_name):  # a stat or one round trip: never a read of the log
+                tier.append_record(self.log_name, removal_record(key))
         return False
 
     def purge_logs(self) -> bool:
@@ -244,6 +262,34 @@ class Donors:
     def _log_tiers(self) -> list[RecordLog]:
         """The store's tiers that keep record logs (the persistent ones)."""
         return [t for t in store_tiers(self.store) if isinstance(t, RecordLog)]
+
+    def _kv_present(self, key: StoreKey) -> bool:
+        """Whether a donor's KV is in the store; one known to be absent is forgotten (:meth:`_absent`).
+
+        Returns:
+            True only if some tier holds it (False too where a tier could not answer: skipped, not forgotten).
+        """
+        state = presence(self.store, Namespace.CANONICAL, key)
+        if state is Presence.ABSENT:
+            self._absent(key)
+        elif state is Presence.PRESENT:
+            with self._absent_lock:
+                self._absent_since.pop(bytes(key), None)
+        return state is Presence.PRESENT
+
+    def _absent(self, key: StoreKey) -> None:
+        """A donor whose KV the store definitely lacks: forgotten here and in the log once the absence has
+        lasted :attr:`absent_grace_s` (at once where the index has no log: no other process reads it)."""
+        now = time.monotonic()
+        with self._absent_lock:
+            first = self._absent_since.setdefault(bytes(key), now)
+            if len(self._absent_since) > 2 * self.index.max_donors:  # donors that left memory since
+                self._absent_since = {k: t for k, t in self._absent_since.items() if StoreKey(k) in self.index}
+            gone = now - first >= self.absent_grace_s or not self.index.logged
+            if gone:
+                self._absent_since.pop(bytes(key), None)
+        if gone:
+            self.index.remove(key)
 
     def donor_kv(self, preamble_ids: Sequence[int], doc_ids: Sequence[int], own_key: StoreKey,
                  unusable: Callable[[KVEntry], str] | None = None) -> DonorKV | None:
@@ -277,8 +323,7 @@ class Donors:
             cells = match_pairs(donor.token_ids, doc_ids)
             if cells > cells_left:  # aligning it could cost more than computing the document
                 continue
-            if not self.store.contains(Namespace.CANONICAL, donor.key):  # evicted: never aligned for nothing
-                self.index.remove(donor.key)
+            if not self._kv_present(donor.key):  # evicted (or not known to be there): never aligned for nothing
                 continue
             cells_left -= cells
             a = align(donor.token_ids, doc_ids)
@@ -287,9 +332,12 @@ class Donors:
         scored.sort(key=lambda s: (-s[0], -s[1]))  # stable: best aligned, then most similar
         for frac, sim, donor, a in scored[:MAX_CANDIDATES]:
             found = self.store.get(Namespace.CANONICAL, donor.key, self.provenance_json)
+            if found.status is LookupStatus.MISS:  # deleted since, or a tier that failed to answer
+                self._kv_present(donor.key)
+                continue
             if (found.status is not LookupStatus.HIT or found.entry.num_tokens != len(donor.token_ids)
                     or (unusable is not None and unusable(found.entry))):
-                self.index.remove(donor.key)  # evicted or unusable: stop offering it
+                self.index.remove(donor.key)  # stored but unusable: stop offering it
                 continue
             dk, dv = found.entry.k, found.entry.v  # (L, Hkv, Td, D)
             shape = (dk.shape[0], dk.shape[1], len(doc_ids), dk.shape[3])

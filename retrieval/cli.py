@@ -81,6 +81,10 @@ def add_ingest_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--refresh-kv", action="store_true",
                    help="make sure every indexed chunk's KV is in the store (e.g. after emptying it); "
                         "done anyway when the engine's KV keys changed since the last ingest")
+    p.add_argument("--experimental-semantic", action="store_true",
+                   help="also register each chunk it precomputes KV for as a semantic donor (in the store's donor "
+                        "log), as a semantic engine does on first use, so `ask --semantic` finds near-duplicates "
+                        "of chunks never asked about (default: off)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_ingest)
     return p

@@ -19,14 +19,17 @@ from blend import donors as donors_mod
 from blend.donors import DonorIndex
 from blend.keys import Namespace, StoreKey, canonical_key_of, provenance_digest, token_digest
 from blend.kvcache import KVEntry
+from blend.report import ReuseClass
 from blend.semantic import Donors
 from blend.store.disk import DiskStore
 from blend.store.memory import MemoryStore
+from conftest import make_docs, unguarded_blend
 
 PRE = [1, 2, 3]
 A, B = StoreKey(b"\xaa" * 32), StoreKey(b"\xbb" * 32)
 TOKENS_A = list(range(100, 180))
 TOKENS_B = list(range(500, 580))
+SEM0 = unguarded_blend(ratio=0.0, semantic=True)
 
 
 def run_meanwhile(fn: Callable[[], object], threads: list[threading.Thread], wait_s: float = 0.5) -> None:
@@ -254,3 +257,147 @@ def test_an_index_handed_in_keeps_logging_registrations_and_removals(tmp_path):
     assert donors.purge_logs()
     fresh = Donors(disk, prov, enabled=True).index  # another process over the same store
     assert key_of(TOKENS_A) not in fresh and key_of(tokens_c) in fresh
+
+
+# ---- a donor's KV missing: definite misses only, and only once the miss has lasted -------------------------
+
+def _semantic_setup(engine):
+    """Store two documents' canonical KV (registered as donors) and a near-duplicate of the second.
+
+    Returns:
+        (the second document's canonical key, the prompt with its near-duplicate).
+    """
+    from blend.keys import canonical_key
+    from test_semantic import edit_middle  # the one near-duplicate recipe
+
+    docs = make_docs(2)
+    engine.precompute_chunks(docs)  # registers them (the engine's hook)
+    orig = engine.build_prompt("Which?", docs)
+    key = canonical_key(engine.provenance, orig.preamble.token_ids, orig.documents[1].token_ids)
+    return key, engine.build_prompt("Which?", [docs[0], edit_middle(docs[1])[0]])
+
+
+def _removals(disk: DiskStore, name: str) -> list[bytes]:
+    return [ln for ln in disk.read_records(name) if ln.startswith(b'{"remove"')]
+
+
+def test_a_donor_whose_kv_a_tier_cannot_look_up_is_skipped_never_removed_for_every_process(tmp_path,
+                                                                                         tiny_engine_factory):
+    """During a Redis outage a donor's KV (gone from the faster tiers) looked missing: the donor was dropped
+    and its removal written to the shared donor log, so every process lost it for good. A tier that cannot
+    answer only skips the donor for this request; the log and this process keep it."""
+    from _store_util import free_port
+    from blend.store.redis_store import RedisStore
+    from blend.store.tiered import TieredStore
+
+    mem, disk = MemoryStore(), DiskStore(tmp_path)
+    down = RedisStore(f"redis://127.0.0.1:{free_port()}", connect_timeout_s=0.05)  # nothing listens there
+    eng = tiny_engine_factory(experimental_semantic=True, store=TieredStore([mem, disk, down], write_behind=False))
+    key, edited = _semantic_setup(eng)
+    mem.delete(Namespace.CANONICAL, key)
+    disk.delete(Namespace.CANONICAL, key)  # only Redis could hold it now, and it does not answer
+    ans = eng.generate(edited, SEM0, max_new_tokens=1)
+    assert ans.report.segments[2].reuse_class is ReuseClass.COMPUTED  # skipped for this request ...
+    assert key in eng.segments.donors.index  # ... kept here ...
+    assert _removals(disk, eng.segments.donors.log_name) == []  # ... and for every other process
+    assert key in tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path)).segments.donors.index
+
+
+def test_a_donor_logged_before_its_kv_lands_is_removed_only_once_the_miss_has_lasted(tmp_path, tiny_engine_factory,
+                                                                                   monkeypatch):
+    """A process logs a registration before its write-behind put reaches the shared tiers; another that read
+    the log meanwhile found no KV and logged a removal at once, cancelling the donor for every process
+    while its KV was landing. A definite miss only skips the donor until it has lasted absent_grace_s."""
+    import blend.semantic as S
+    from blend.keys import canonical_key
+
+    writer = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    key, edited = _semantic_setup(writer)
+    stored = writer.store.get(Namespace.CANONICAL, key, writer.provenance_json).entry
+    writer.store.delete(Namespace.CANONICAL, key)  # as if its put were still in the writer's queue
+    reader = tiny_engine_factory(experimental_semantic=True, store=DiskStore(tmp_path))
+    assert key in reader.segments.donors.index
+    own = canonical_key(reader.provenance, edited.preamble.token_ids, edited.documents[1].token_ids)
+
+    def ask() -> ReuseClass:
+        got = reader.generate(edited, SEM0, max_new_tokens=1).report.segments[2].reuse_class
+        reader.store.delete(Namespace.CANONICAL, own)  # computed and stored: the next ask looks for a donor again
+        return got
+
+    now = [1000.0]
+    monkeypatch.setattr(S.time, "monotonic", lambda: now[0])
+    assert ask() is ReuseClass.COMPUTED
+    assert key in reader.segments.donors.index and _removals(DiskStore(tmp_path), writer.segments.donors.log_name) == []
+    writer.store.put(Namespace.CANONICAL, key, stored)  # the write lands
+    now[0] += 10
+    assert ask() is ReuseClass.SEMANTIC
+    # evicted for real: skipped at the first look, forgotten (and logged) at a look absent_grace_s later
+    writer.store.delete(Namespace.CANONICAL, key)
+    assert ask() is ReuseClass.COMPUTED and key in reader.segments.donors.index
+    now[0] += reader.segments.donors.absent_grace_s
+    assert ask() is ReuseClass.COMPUTED and key not in reader.segments.donors.index
+    assert len(_removals(DiskStore(tmp_path), writer.segments.donors.log_name)) == 1
+
+
+# ---- a log already past what a tier reads ---------------------------------------------------------------
+
+def test_a_donor_log_past_what_a_tier_reads_is_trimmed_to_its_newest_donors_and_loads(tmp_path, monkeypatch, caplog):
+    """A log over the 256 MiB a tier reads (from before compactions bounded it, or grown by many processes
+    appending) was never read nor compacted again: every process loaded no donor, for good. Its newest
+    records (the last OVERSIZED_KEEP_BYTES, from the first whole line) replace it, with a warning, and load.
+    Scaled down here."""
+    import logging
+
+    import blend.store.record_logs as RL
+    from blend.donor_records import Registration, removal_record
+
+    monkeypatch.setattr(RL, "MAX_LOG_BYTES", 20_000)
+    monkeypatch.setattr(RL, "OVERSIZED_KEEP_BYTES", 5_000)
+    keys = [StoreKey(i.to_bytes(32, "big")) for i in range(100)]
+    rows = [Registration(k, token_digest(PRE), tuple(range(i * 100, i * 100 + 40))).record()
+            for i, k in enumerate(keys)]
+    rows.append(removal_record(keys[-1]))  # the newest record: a removal, kept with the rest of the tail
+    path = tmp_path / "logs" / "donors-t.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(b"".join(r + b"\n" for r in rows))
+    assert path.stat().st_size > RL.MAX_LOG_BYTES
+    fresh = DonorIndex()
+    with caplog.at_level(logging.WARNING):
+        loaded = fresh.attach_log([DiskStore(tmp_path)], "donors-t")
+    assert "older records were dropped" in caplog.text and "unreadable" not in caplog.text  # no torn first line
+    assert 10 < loaded < 99 and keys[-2] in fresh and keys[-1] not in fresh and keys[0] not in fresh
+    assert path.stat().st_size <= RL.OVERSIZED_KEEP_BYTES  # the log is back under the cap, for every process
+    assert DonorIndex().attach_log([DiskStore(tmp_path)], "donors-t") == loaded  # read as it is now, whole
+
+
+# ---- a saved index is read within what an index holds -------------------------------------------------
+
+def test_loading_a_saved_index_of_more_donors_than_an_index_holds_stops_before_any_signature(tmp_path, monkeypatch):
+    """DonorIndex.load read up to 1 GiB, built every row and computed every row's signature before the caps
+    dropped the extras: a crafted near-1 GiB file cost 10-20 GB. It reads no more than an index of the caps
+    can hold, parses row by row, and stops at the first row past them with a DonorRecordError."""
+    import json
+
+    import blend.donor_records as R
+    from blend.defaults import DEFAULT_MAX_DONORS
+    from blend.donor_records import DonorRecordError, saved_index_max_bytes
+
+    signed = []
+    real = R.minhash
+    monkeypatch.setattr(R, "minhash", lambda ids: signed.append(1) or real(ids))
+    row = lambda i: {"key": i.to_bytes(32, "big").hex(), "preamble": "00" * 32, "tokens": [i % 50_000]}  # noqa: E731
+    path = tmp_path / "donors.json"
+    rows = [row(i) for i in range(DEFAULT_MAX_DONORS + 1)]  # one more than an index holds
+    path.write_text(json.dumps({"shingle": 5, "num_hashes": 64, "donors": rows}))
+    with pytest.raises(DonorRecordError, match="holds more than an index does") as e:
+        DonorIndex.load(path)
+    assert str(path) in str(e.value) and signed == []
+    with open(path, "r+b") as f:  # a file larger than such an index's bytes is not read at all
+        f.truncate(saved_index_max_bytes(DEFAULT_MAX_DONORS, 1 << 23) + 1)
+    with pytest.raises(DonorRecordError, match="FileTooLargeError"):
+        DonorIndex.load(path)
+    small = tmp_path / "small.json"  # within the caps, whitespace and field order as any JSON writer's
+    small.write_text('{ "donors" : [ %s ,\n %s ] , "shingle": 5 }' % (json.dumps(row(1)), json.dumps(row(2))))
+    assert len(DonorIndex.load(small)) == 2 and len(signed) == 2
+    with pytest.raises(DonorRecordError, match="holds more than"):
+        DonorIndex.load(small, max_donors=1)

@@ -209,6 +209,30 @@ def test_cli_ingest_and_ask(tmp_path, capsys) -> None:
     assert rc == 0 and "ferry.txt" in out
 
 
+@pytest.mark.parametrize("semantic", [False, True])
+def test_cli_ingest_experimental_semantic_registers_each_chunk_as_a_donor(tmp_path, semantic: bool) -> None:
+    """`kvblend ingest` had no --experimental-semantic: ingested chunks became donors only after a semantic
+    engine hit each of them, so a near-duplicate of a chunk never asked about was computed in full. With the
+    flag each chunk whose KV the ingest precomputes is registered (in the store's donor log), as a semantic
+    engine does on first use; without it nothing is (the default is unchanged)."""
+    from blend.retrieval.cli import run_ingest
+    from blend.store.disk import DiskStore
+
+    d = tmp_path / "docs"
+    d.mkdir()
+    for k, v in DOCS.items():
+        (d / k).write_text(v)
+    flag = ["--experimental-semantic"] if semantic else []
+    assert run_ingest(_cli(["ingest", str(d), "--index", str(tmp_path / "idx"), "--model", "tiny-llama",
+                            "--store", f"disk:{tmp_path / 'kv'}", "--quiet", *flag])) == 0
+    chunks = list(DiskStore(tmp_path / "kv").keys(Namespace.CANONICAL))
+    later = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), experimental_semantic=True,
+                                   quality_gate=False)  # another process, reading the donor log
+    assert len(chunks) == len(DOCS)
+    assert len(later.segments.donors.index) == (len(chunks) if semantic else 0)
+    assert all(k in later.segments.donors.index for k in chunks) == semantic
+
+
 def test_cli_ask_notes_chunk_kv_precomputed_by_another_engine(tmp_path, capsys) -> None:
     from blend.retrieval.cli import ask_over_index, run_ingest
 
@@ -348,7 +372,7 @@ def test_a_deleted_documents_chunks_stop_being_semantic_donors(tmp_path) -> None
 
 
 def test_an_ingest_without_semantic_reuse_still_removes_a_deleted_chunks_donor(tmp_path) -> None:
-    """`kvblend ingest` has no --experimental-semantic: its engine's donors are off, and deleting a chunk
+    """`kvblend ingest` without --experimental-semantic: its engine's donors are off, and deleting a chunk
     left its registration live in the donor log beside the store for the processes that enable it."""
     from blend.keys import canonical_key
     from blend.prompt import document_text, preamble_segment, tokenize_segment
@@ -360,6 +384,30 @@ def test_an_ingest_without_semantic_reuse_still_removes_a_deleted_chunks_donor(t
     semantic.precompute_chunks([secret])
     plain = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), quality_gate=False)
     assert engine_kv_deleter(plain)("cid", secret)
+    later = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), experimental_semantic=True,
+                                   quality_gate=False)
+    key = canonical_key(later.provenance, preamble_segment(later.tokenizer, None).token_ids,
+                        tokenize_segment(later.tokenizer, document_text(secret)))
+    assert key not in later.segments.donors.index
+
+
+def test_an_engine_without_semantic_reuse_logs_removals_to_a_donor_log_created_after_its_first(tmp_path) -> None:
+    """An engine without semantic reuse looked for donor logs once, at its first deletion: a log that a
+    semantic process created afterwards got no removal record from it, so a chunk it deleted then stayed a
+    live donor (tokens included) for every process. The logs are looked for at each removal (one stat)."""
+    from blend.keys import canonical_key
+    from blend.prompt import document_text, preamble_segment, tokenize_segment
+    from blend.store.disk import DiskStore
+
+    secret = "The vault code of the northern tower is 7 4 1 9, known only to the keeper of the lantern."
+    plain = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), quality_gate=False)
+    deleter = engine_kv_deleter(plain)
+    assert deleter("early", "A chunk deleted before any process enabled semantic reuse.")
+    assert not (tmp_path / "kv" / "logs").exists()  # no log yet: none is made for a removal
+    semantic = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), experimental_semantic=True,
+                                      quality_gate=False)
+    semantic.precompute_chunks([secret])  # creates the donor log
+    assert deleter("cid", secret)
     later = engine_mod.Engine.load("tiny-llama", store=DiskStore(tmp_path / "kv"), experimental_semantic=True,
                                    quality_gate=False)
     key = canonical_key(later.provenance, preamble_segment(later.tokenizer, None).token_ids,

@@ -441,6 +441,7 @@ def test_a_forgotten_donor_stays_forgotten_in_a_new_process_until_registered_aga
     pre, doc1 = orig.preamble.token_ids, orig.documents[1].token_ids
     key = canonical_key(first.provenance, pre, doc1)
     first.store.delete(Namespace.CANONICAL, key)  # evicted: the next semantic lookup forgets it
+    first.segments.donors.absent_grace_s = 0  # at the first look (see test_donors.py for the grace)
     edited = [docs[0], edit_middle(docs[1])[0]]
     first.generate(first.build_prompt("Which?", edited), SEM0, max_new_tokens=1)
     assert key not in first.segments.donors.index

@@ -235,24 +235,28 @@ def test_record_log_rewrite_is_compare_and_swap(store: RedisStore) -> None:
     assert store.read_records("donors-x") == []
 
 
-def test_record_log_reads_in_pages_and_refuses_an_oversized_list(
+def test_record_log_reads_in_pages_and_trims_an_oversized_list_to_its_newest_records(
         store: RedisStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A list over MAX_LOG_BYTES was never read (nor compacted) again: every process loaded no donor, for
+    good. Its newest records within OVERSIZED_KEEP_BYTES are kept (the list trimmed to them) and read."""
     monkeypatch.setattr(redis_logs, "LOG_PAGE", 3)
     lines = [f"record {i}".encode() for i in range(10)]
     for ln in lines:
         store.append_record("donors", ln)
     assert store.read_records("donors") == lines  # four pages, in order
     monkeypatch.setattr(redis_logs, "MAX_LOG_BYTES", 40)  # the ten records hold 80 bytes
+    monkeypatch.setattr(redis_logs, "OVERSIZED_KEEP_BYTES", 20)  # two and a half records
     monkeypatch.setattr(redis_logs, "LOG_OVERHEAD_BYTES", 1 << 30)  # let the paged count decide
     with caplog.at_level(logging.WARNING, logger="blend.store.redis_store"):
-        assert store.read_records("donors") == []
-    assert "over 40; not read" in caplog.text
-    monkeypatch.setattr(redis_logs, "LOG_OVERHEAD_BYTES", 0)  # now the server's size figure refuses it
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="blend.store.redis_store"):
-        assert store.read_records("donors") == []
-    assert "not read" in caplog.text
-    assert store.available  # a refused log is not an outage
+        assert store.read_records("donors") == lines[-2:]
+    assert "older records were dropped" in caplog.text
+    monkeypatch.setattr(redis_logs, "MAX_LOG_BYTES", 10)
+    monkeypatch.setattr(redis_logs, "OVERSIZED_KEEP_BYTES", 8)  # one record
+    monkeypatch.setattr(redis_logs, "LOG_OVERHEAD_BYTES", 0)  # now the server's size figure says it is too big
+    assert store.read_records("donors") == lines[-1:]
+    monkeypatch.setattr(redis_logs, "MAX_LOG_BYTES", 1 << 20)
+    assert store.read_records("donors") == lines[-1:]  # the list itself was trimmed
+    assert store.available  # an oversized log is not an outage
 
 
 def test_a_put_the_server_refuses_is_counted_not_raised(caplog) -> None:

@@ -38,6 +38,14 @@ class Lookup:
     tier: str = ""
 
 
+class Presence(Enum):
+    """Whether a store holds a key, as far as it can tell (:func:`presence`)."""
+
+    PRESENT = "present"
+    ABSENT = "absent"  # a definite answer: every tier was asked and holds nothing there
+    UNKNOWN = "unknown"  # some tier could not be asked (a Redis outage, an unreadable folder)
+
+
 @dataclass
 class StoreStats:
     entries: int = 0
@@ -205,6 +213,30 @@ def store_tiers(store: KVStore) -> list:
         The tiers; the last is the most persistent.
     """
     return list(getattr(store, "tiers", [store]))
+
+
+def presence(store: KVStore, ns: Namespace, key: StoreKey) -> Presence:
+    """Whether ``store`` holds ``key``, telling a definite absence from a tier that could not answer
+    (``contains`` is False for both: a tier is a cache, so an outage reads as a miss).
+
+    Args:
+        store: any store; each of its tiers (:func:`store_tiers`) answers with its ``presence`` method
+            where it has one (the disk and Redis tiers), else with ``contains`` (an in-process tier's
+            answer is always definite).
+        ns: the namespace.
+        key: the key.
+
+    Returns:
+        PRESENT if any tier holds it; else UNKNOWN if any tier could not answer; else ABSENT.
+    """
+    unknown = False
+    for tier in store_tiers(store):
+        ask = getattr(tier, "presence", None)
+        got = ask(ns, key) if ask is not None else (Presence.PRESENT if tier.contains(ns, key) else Presence.ABSENT)
+        if got is Presence.PRESENT:
+            return got
+        unknown = unknown or got is Presence.UNKNOWN
+    return Presence.UNKNOWN if unknown else Presence.ABSENT
 
 
 def check_entry(entry: KVEntry, provenance: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +33,7 @@ from blend.store.base import (
     KVEntry,
     Lookup,
     LookupStatus,
+    Presence,
     StoreStats,
     Verdict,
     check_entry,
@@ -260,6 +262,23 @@ class DiskStore:
     def read_records(self, log_name: str) -> list[bytes]:
         """See :meth:`DiskRecordLogs.read` (complete lines; bounded; never a FIFO)."""
         return self._logs.read(log_name)
+
+    def has_records(self, log_name: str) -> bool:
+        """See :meth:`DiskRecordLogs.has` (a stat, never a read)."""
+        return self._logs.has(log_name)
+
+    def presence(self, ns: Namespace, key: StoreKey) -> Presence:
+        """PRESENT if an entry file is there, ABSENT if nothing is (or no regular file, as ``contains``),
+        UNKNOWN if the folder cannot be looked into (EACCES, EIO: ``contains`` says False then too)."""
+        path = self.path(ns, key)
+        try:
+            st = os.stat(path)  # as contains (is_file) looks: a link to a file counts
+        except (FileNotFoundError, NotADirectoryError):
+            return Presence.ABSENT
+        except OSError as e:
+            log.warning("disk store: cannot look for %s: %s", path, e)
+            return Presence.UNKNOWN
+        return Presence.PRESENT if stat.S_ISREG(st.st_mode) else Presence.ABSENT
 
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
         path = self.path(ns, key)

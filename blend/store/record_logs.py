@@ -7,9 +7,13 @@ the caller read (compare-and-swap), writes a temp file and renames it over the
 log, so a reader sees the old log or the new one and no append is lost.
 
 A log is untrusted bytes: only a regular file is opened (a FIFO or link at a
-log's path is refused, never waited on), none larger than ``MAX_LOG_BYTES`` is
-read, and a torn last line is dropped. Failures are logged, never raised: the
-logs only point at entries of a cache.
+log's path is refused, never waited on), and a torn last line is dropped. A log
+larger than ``MAX_LOG_BYTES`` (written before compactions bounded it, or grown
+by many appenders between them) is never read whole: its last
+``OVERSIZED_KEEP_BYTES``, from the first whole line, replace it, with a warning
+that older records were dropped. Records are self-contained, and a later record
+only overrides earlier ones, so the newest records replay as they did. Failures
+are logged, never raised: the logs only point at entries of a cache.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from blend import safeio
 
 log = logging.getLogger(__name__)
 
-MAX_LOG_BYTES = 256 << 20  # a record log larger than this is not read (a donor line is ~2 KB)
+MAX_LOG_BYTES = 256 << 20  # a record log larger than this is not read whole (a donor line is ~2 KB)
+OVERSIZED_KEEP_BYTES = 64 << 20  # of a log over MAX_LOG_BYTES, the newest records within this many bytes are kept
 
 
 class DiskRecordLogs:
@@ -110,15 +115,69 @@ class DiskRecordLogs:
             os.close(fd)
 
     def read(self, name: str) -> list[bytes]:
-        """Complete lines of the log (empty, with a warning, if unreadable, irregular or oversized)."""
+        """Complete lines of the log (empty, with a warning, if unreadable or irregular; an oversized log is
+        trimmed to its newest records first, see :meth:`_trim`)."""
         try:
             data = safeio.read_regular(self.path(name), MAX_LOG_BYTES)
         except FileNotFoundError:
             return []
-        except OSError as e:  # safeio.UnsafeFileError too: a FIFO, a link or an oversized log
+        except safeio.FileTooLargeError:
+            return self._trim(name)
+        except OSError as e:  # safeio.UnsafeFileError too: a FIFO or a link
             log.warning("disk store: cannot read log %s: %s", name, e)
             return []
         return complete_lines(data)
+
+    def _trim(self, name: str) -> list[bytes]:
+        """Replace an oversized log by its last ``OVERSIZED_KEEP_BYTES`` from the first whole line (under the
+        exclusive lock; memory bounded by that, never the log's size).
+
+        Returns:
+            The records kept (also when the log cannot be rewritten: they are read all the same).
+        """
+        try:
+            path = self.path(name)
+            fd = _open_current(path, os.O_RDWR, fcntl.LOCK_EX)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            log.warning("disk store: cannot read log %s: %s", name, e)
+            return []
+        lines: list[bytes] = []
+        try:
+            size = os.fstat(fd).st_size
+            if size <= MAX_LOG_BYTES:  # another process trimmed it while this one waited for the lock
+                return complete_lines(safeio.pread_exact(fd, size, 0))
+            start = size - OVERSIZED_KEEP_BYTES
+            tail = safeio.pread_exact(fd, size - start + 1, start - 1)  # a byte before: is the first line whole?
+            first, last = tail.find(b"\n") + 1, tail.rfind(b"\n") + 1  # 0, 0 when there is no newline at all
+            kept = tail[first:last] if first else b""
+            lines = complete_lines(kept)
+            log.warning("disk store: log %s held %d bytes, over %d: kept its newest %d records (%d bytes); older "
+                        "records were dropped", path, size, MAX_LOG_BYTES, len(lines), len(kept))
+            with safeio.atomic_file_beneath(self.folder.parent, path) as f:
+                f.write(kept)
+        except OSError as e:
+            log.warning("disk store: cannot trim log %s: %s", path, e)
+        finally:
+            os.close(fd)
+        return lines
+
+    def has(self, name: str) -> bool:
+        """Whether the log exists with anything in it (one stat: cheap enough before every append).
+
+        Args:
+            name: the log's name.
+
+        Returns:
+            False if absent or empty; True otherwise, an unreadable one included (an append reports that).
+        """
+        try:
+            return os.stat(self.path(name)).st_size > 0
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError:
+            return True
 
     def clear(self) -> None:
         """Remove every log (and a compaction's temp file left by a crash)."""

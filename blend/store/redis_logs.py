@@ -3,9 +3,13 @@
 Appends are an RPUSH (atomic, so concurrent appenders interleave whole
 records); a rewrite (compaction) is a compare-and-swap under WATCH + MULTI, so
 a concurrent append aborts it and no record is lost. A log is untrusted data:
-none larger than ``MAX_LOG_BYTES`` is read (the server's size figure is
-checked first, then the list is read in pages). Failures are logged, never
-raised: the logs only point at entries of a cache. The disk tier's logs are
+none larger than ``MAX_LOG_BYTES`` is read whole (the server's size figure is
+checked first, then the list is read in pages). Such a list (written before
+compactions bounded it, or grown by many appenders between them) is trimmed to
+its newest records within ``OVERSIZED_KEEP_BYTES`` (:func:`trim_log`): records
+are self-contained and a later record only overrides earlier ones, so the newest
+replay as they did. Failures are logged, never raised: the logs only point at
+entries of a cache. The disk tier's logs are
 in ``record_logs.py``.
 """
 
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import redis
 
-from blend.store.record_logs import MAX_LOG_BYTES
+from blend.store.record_logs import MAX_LOG_BYTES, OVERSIZED_KEEP_BYTES
 from blend.store.redis_link import RedisLink, RefusedData, log
 
 LOG_PAGE = 1024  # records per LRANGE page of a record-log read
@@ -21,7 +25,7 @@ LOG_OVERHEAD_BYTES = 1 << 20  # the server's per-list bookkeeping on top of the 
 
 
 class OversizedLogError(RefusedData):
-    """A record log larger than ``MAX_LOG_BYTES`` (it is not read)."""
+    """A record log larger than ``MAX_LOG_BYTES`` (it is not read whole: only its newest records)."""
 
     def __init__(self, size: int) -> None:
         super().__init__(f"record log of {size} bytes")
@@ -93,9 +97,10 @@ class RedisRecordLogs:
         return bool(self.link.call("rewrite_records", swap, False))
 
     def read(self, name: str) -> list[bytes]:
-        """Every record of the list (empty when absent or the server is down; empty,
-        with a warning, when the list holds more than ``MAX_LOG_BYTES``: it is read
-        in pages, and the server's own size figure is checked before the first)."""
+        """Every record of the list (empty when absent or the server is down: it is read in pages, and
+        the server's own size figure is checked before the first). A list holding more than
+        ``MAX_LOG_BYTES`` is trimmed to its newest records (:func:`trim_log`), with a warning that older
+        records were dropped, and those are returned."""
         rk = self.key(name)
         client = self.link.client
 
@@ -121,12 +126,56 @@ class RedisRecordLogs:
         try:
             return self.link.call("read_records", bounded, [])
         except OversizedLogError as e:
-            log.warning("redis store %s: log %s holds %d bytes, over %d; not read", self.link.url, name,
-                        e.size, MAX_LOG_BYTES)
-            return []
+            kept = self.link.call("read_records", lambda: trim_log(client, rk), [])
+            log.warning("redis store %s: log %s holds %d bytes, over %d: kept its newest %d records; older records "
+                        "were dropped", self.link.url, name, e.size, MAX_LOG_BYTES, len(kept))
+            return kept
+
+    def has(self, name: str) -> bool:
+        """Whether the list ``<prefix>:log:<name>`` exists (False while the server is down)."""
+        rk = self.key(name)
+        return bool(self.link.call("has_records", lambda: self.link.client.exists(rk), 0))
 
     def clear(self) -> None:
         """Delete every record log of this store."""
         logs = self.keys()
         if logs:
             self.link.call("clear", lambda: self.link.client.delete(*logs), 0)
+
+
+def trim_log(client: redis.Redis, name: bytes) -> list[bytes]:
+    """The newest records of the list ``name`` within ``OVERSIZED_KEEP_BYTES``, read from its end in pages,
+    and the list trimmed to them (WATCH + MULTI: an append meanwhile leaves it as it is, for the next read).
+
+    Args:
+        client: the server.
+        name: the list's key.
+
+    Returns:
+        Those records, oldest first.
+    """
+    kept: list[bytes] = []
+    with client.pipeline(transaction=True) as pipe:
+        try:
+            pipe.watch(name)  # from here until multi() the pipeline's commands run at once
+            total, end, full = 0, -1, False
+            while not full:
+                page = [bytes(x) for x in pipe.lrange(name, end - LOG_PAGE + 1, end)]
+                for line in reversed(page):
+                    total += len(line)
+                    if total > OVERSIZED_KEEP_BYTES:
+                        full = True
+                        break
+                    kept.append(line)
+                full = full or len(page) < LOG_PAGE
+                end -= LOG_PAGE
+            kept.reverse()
+            pipe.multi()
+            if kept:
+                pipe.ltrim(name, -len(kept), -1)
+            else:
+                pipe.delete(name)
+            pipe.execute()
+        except redis.WatchError:
+            pass
+    return kept

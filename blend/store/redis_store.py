@@ -27,6 +27,7 @@ from blend.store.base import (
     KVEntry,
     Lookup,
     LookupStatus,
+    Presence,
     StoreStats,
     Verdict,
     check_entry,
@@ -112,6 +113,10 @@ class RedisStore:
     def read_records(self, log_name: str) -> list[bytes]:
         """Every record of the log, bounded (see :meth:`RedisRecordLogs.read`)."""
         return self._logs.read(log_name)
+
+    def has_records(self, log_name: str) -> bool:
+        """Whether the log exists (False while the server is down; see :meth:`RedisRecordLogs.has`)."""
+        return self._logs.has(log_name)
 
     # -- KVStore --------------------------------------------------------------
 
@@ -218,6 +223,11 @@ class RedisStore:
 
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
         return bool(self._link.call("exists", lambda: self._link.client.exists(self.rkey(ns, key)), 0))
+
+    def presence(self, ns: Namespace, key: StoreKey) -> Presence:
+        """PRESENT or ABSENT as the server answers; UNKNOWN while it is down (``contains`` says False then)."""
+        found = self._link.call("exists", lambda: self._link.client.exists(self.rkey(ns, key)), None)
+        return Presence.UNKNOWN if found is None else Presence.PRESENT if found else Presence.ABSENT
 
     def delete(self, ns: Namespace, key: StoreKey) -> bool:
         return bool(self._link.call("delete", lambda: self._link.client.delete(self.rkey(ns, key)), 0))
