@@ -95,9 +95,9 @@ def run_ask(args: argparse.Namespace) -> int:
         raise InvalidRequestError("give at least one --doc FILE (or --index DIR)")
     docs = [read_document(p) for p in args.doc]
     policy = policy_from_args(args)
+    config = generation_config_from_args(args)  # sampling options, refused before the model loads
     engine = engine_from_args(args)
     prompt = engine.build_prompt(args.question, docs, args.system)
-    config = generation_config_from_args(args)  # sampling options; the text answer is streamed
     if args.json:
         print(json.dumps(answer_json(engine, generate_answer(engine, prompt, policy, config))))
     else:
