@@ -149,3 +149,15 @@ def test_the_guards_second_pass_of_an_adaptive_budget_is_a_fixed_budget():
     auto = ReusePolicy.blend(selector="probe", budget=BudgetMode.AUTO, max_ratio=0.2, auto_target=0.01)
     again = auto.at_guard_ratio(0.3)
     assert (again.budget, again.ratio, again.guard_margin) == (BudgetMode.FIXED, 0.3, None)
+
+
+def test_a_numpy_ratio_runs_and_its_report_is_json(tiny_engine):
+    """np.float32(0.15) is a valid ratio; the report carried it as report.ratio, and json.dumps of
+    report.to_dict() raised TypeError (float32 is not JSON serializable)."""
+    import json
+
+    prompt = tiny_engine.build_prompt("Which?", ["Alpha beta gamma.", "Delta epsilon zeta."])
+    for policy in (ReusePolicy.blend(np.float32(0.15), guard_margin=None), ReusePolicy.blend(np.float32(0.15))):
+        report = tiny_engine.generate(prompt, policy, max_new_tokens=1).report
+        assert type(report.ratio) is float and type(report.spent) is float
+        assert json.loads(json.dumps(report.to_dict()))["ratio"] == report.ratio
