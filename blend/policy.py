@@ -85,9 +85,8 @@ class GuardMode(Enum):
 
 GUARD_MODE_NAMES = tuple(m.value for m in GuardMode)
 
-# settings only a blend reads: on an exact or no-reuse policy, one away from its default would be ignored, so it
-# is refused (``semantic``, ``take_exact`` and the recompute precisions have messages of their own; ``force`` only
-# permits, and forces nothing outside a blend)
+# settings only a blend reads, refused away from their defaults elsewhere (semantic, take_exact and the precisions
+# have messages of their own; force only permits, and forces nothing outside a blend)
 BLEND_ONLY_FIELDS = ("ratio", "selector", "check_layers", "layer_ratios", "min_prompt_tokens", "threshold", "max_ratio",
                      "seed", "budget", "auto_target", "probe_precision", "guard_margin", "guard_ratio", "candidates",
                      "guard_mode", "reused_temperature")
@@ -311,13 +310,8 @@ class ReusePolicy:
         self._check_budget_settings()
 
     def _check_budget_settings(self) -> None:
-        """Each budget reads its own settings; one set for another budget would be ignored, so it is refused.
-
-        A fixed ratio is its own budget (``max_ratio`` caps only an adaptive budget or a threshold);
-        an adaptive budget or a threshold picks each prompt's share itself, up to ``max_ratio``, so
-        ``ratio`` is left at its default there (or given as that cap); ``auto_target`` is the adaptive
-        budget's alone.
-        """
+        """Each budget reads its own settings (a fixed ``ratio`` or ``layer_ratios``; an adaptive budget's or a
+        threshold's cap ``max_ratio``; the adaptive budget's ``auto_target``): one set for another is refused."""
         per_prompt = self.budget is BudgetMode.AUTO or self.threshold is not None
         rule = "an adaptive budget" if self.budget is BudgetMode.AUTO else "a threshold"
         if per_prompt and self.ratio not in (POLICY_DEFAULTS["ratio"], self.max_ratio):
@@ -325,6 +319,9 @@ class ReusePolicy:
                 f"ratio={self.ratio:g} is a fixed budget: {rule} picks each prompt's share itself, up to "
                 f"max_ratio={self.max_ratio:g}, and would ignore it (to cap the share at {self.ratio:g}, set "
                 f"max_ratio={self.ratio:g} instead)")
+        if self.layer_ratios is not None and self.ratio not in (POLICY_DEFAULTS["ratio"], self.layer_ratios[0]):
+            raise InvalidPolicyError(f"ratio={self.ratio:g} beside layer_ratios {tuple(self.layer_ratios)}: the first "
+                                     f"check layer recomputes layer_ratios[0] and would ignore it")
         if not per_prompt and self.max_ratio != POLICY_DEFAULTS["max_ratio"]:
             raise InvalidPolicyError(
                 f"max_ratio caps an adaptive budget or a threshold; a fixed ratio ({self.ratio:g}) is its own "

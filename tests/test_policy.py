@@ -135,6 +135,13 @@ def test_a_fixed_ratio_beside_an_adaptive_budget_or_a_threshold_is_refused(kw):
     assert ReusePolicy.blend(selector="probe", max_ratio=0.3, **kw).max_ratio == 0.3
 
 
+def test_a_ratio_beside_other_layer_ratios_is_refused():
+    """The first check layer recomputes layer_ratios[0]: blend(0.3, layer_ratios=(0.1,)) recomputed 0.1."""
+    with pytest.raises(InvalidPolicyError, match=r"ratio=0.3 beside layer_ratios \(0.1,\)"):
+        ReusePolicy.blend(0.3, layer_ratios=(0.1,))
+    assert ReusePolicy.blend(layer_ratios=(0.1,)).first_ratio == ReusePolicy.blend(0.1, layer_ratios=(0.1,)).first_ratio
+
+
 def test_a_cap_or_a_target_on_a_fixed_budget_is_refused():
     """A fixed ratio is its own budget: blend(0.4, max_ratio=0.3) recomputed 0.4."""
     with pytest.raises(InvalidPolicyError, match="max_ratio caps an adaptive budget or a threshold"):
