@@ -42,12 +42,13 @@ def add_chat_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_chat)
 
 
-def turn_summary(report) -> str:
-    """One line: TTFT, reused and computed tokens, and how many earlier turns were loaded."""
-    turns = [s for s in report.segments if s.kind is SegmentKind.TURN]
-    loaded = sum(1 for s in turns if s.reuse_class is ReuseClass.EXACT)
+def turn_summary(report, earlier: int) -> str:
+    """One line: TTFT, reused and computed tokens, and how many of the ``earlier`` turns (question and
+    answer pairs) were loaded. A blend computes them inside its question segment (only the exact path
+    keeps a segment per turn), so their count comes from the conversation, not from the report."""
+    loaded = sum(1 for s in report.segments if s.kind is SegmentKind.TURN and s.reuse_class is ReuseClass.EXACT)
     return (f"[ttft {report.timings.ttft_s * 1000:.0f} ms | reused {report.reused_tokens} of {report.prompt_tokens} "
-            f"tokens | earlier turns loaded {loaded} of {len(turns)} | {report.policy}]")
+            f"tokens | earlier turns loaded {loaded} of {earlier} | {report.policy}]")
 
 
 def run_chat(args: argparse.Namespace, lines: TextIO | None = None, out: TextIO | None = None,
@@ -102,6 +103,6 @@ def run_chat(args: argparse.Namespace, lines: TextIO | None = None, out: TextIO 
             print(f"kvblend: error: {e}{hint}", file=err)  # as every other user error: not in the answers
             refused += 1
             continue
-        print(turn_summary(ans.report), file=out)
+        print(turn_summary(ans.report, len(history) // 2), file=out)
         history += [Turn(Role.USER, question), Turn(Role.ASSISTANT, ans.text.strip())]  # "" if it ended at once
     return ExitCode.USER_ERROR if refused else ExitCode.OK

@@ -90,3 +90,11 @@ def test_a_bad_sampling_flag_is_refused_before_the_model_loads(doc_args, monkeyp
     question = ["q"] if command == "ask" else []
     assert blend.cli.main([command, *question, *doc_args, "--model", "tiny-llama", "--temperature", "5"]) == 2
     assert "temperature must be in [0, 2]" in capsys.readouterr().err
+
+
+def test_a_blended_follow_up_counts_the_earlier_turns_it_computed(doc_args):
+    """A blend computes earlier turns inside its question segment (no turn segments in its report): its
+    summary said 'earlier turns loaded 0 of 0' on a conversation's third question."""
+    text = chat(doc_args, "where is the quay?\nand the lamp?\nwho lit it?\n", "--reuse", "blend", "--force-blend")
+    summaries = [ln for ln in text.splitlines() if ln.startswith("[ttft ")]
+    assert [s.split(" | ")[2] for s in summaries] == [f"earlier turns loaded 0 of {n}" for n in range(3)]
