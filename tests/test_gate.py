@@ -306,3 +306,19 @@ def test_a_count_of_calibration_prompts_the_gate_cannot_run_is_refused(home, ite
     eng = Engine.load("tiny-llama", quality_gate=False)
     with pytest.raises(InvalidRequestError, match="items must be 1 to 6"):
         gate.run_gate(eng, items=items, progress=False)
+
+
+def test_a_check_whose_blend_was_refused_fails_instead_of_passing_on_full_prefill(home):
+    """A dynamic-NTK model past its original length (512 here) computes every calibration prompt (1.2-1.6k
+    tokens) in one pass, blends included: the RoPE, ratio-1 and fidelity checks compared full prefill with
+    itself and the gate passed, letting shorter prompts blend on a verdict that measured no blend."""
+    eng = Engine.load("tiny-llama-rope-dynamic", quality_gate=False)
+    result = gate.run_gate(eng, items=1, progress=False)
+    by = {c.name: c for c in result.checks}
+    assert by[gate.CheckName.REFERENCE].passed and not result.passed
+    for name in (gate.CheckName.ROPE, gate.CheckName.RATIO_ONE, gate.CheckName.FIDELITY_KL,
+                 gate.CheckName.FIDELITY_TOP1):
+        assert not by[name].passed and "not measured, the blend was refused (dynamic-NTK" in by[name].detail
+    gate.record(eng, result)
+    again = gate.load_record(eng)  # NaN figures are written and read back as failed checks
+    assert again is not None and not again.passed
