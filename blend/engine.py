@@ -251,9 +251,10 @@ class Engine:
         blended = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS and not refused
         if policy.mode is ReuseMode.BLEND and not done.check_rows:
             # no pass with a check layer answers (every document exact, a hot prefix, a refusal, the guard's
-            # exact path): nothing ran above a check layer, so nothing ran in another precision
+            # exact path, full reuse): nothing ran above a check layer, so nothing ran in another precision
+            # and no reused row was tempered (the temperature applies above the first check layer only)
             policy = replace(policy, attention_precision=RecomputePrecision.COMPUTE,
-                             linear_precision=RecomputePrecision.COMPUTE)
+                             linear_precision=RecomputePrecision.COMPUTE, reused_temperature=1.0)
         return done.logits, cache, build_report(done, policy, blended, refused, Timings(
             lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s))
 

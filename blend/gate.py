@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import sys
 import threading
 import time
@@ -31,19 +32,26 @@ from typing import TYPE_CHECKING
 import torch
 
 from blend import safeio
-from blend.calibration import calibration_items
+from blend.calibration import QUESTIONS, calibration_items
 from blend.divergence import kl_divergence, top1_agree
 from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_RATIO, GATE_KL_BOUND, GATE_TOP1_BOUND, kvblend_home
+from blend.errors import InvalidRequestError
+from blend.numeric import integral, shown
 from blend.kernels.tolerances import TOL, Tol
 from blend.policy import ReusePolicy
 from blend.store.memory import MemoryStore
 
 if TYPE_CHECKING:  # the engine receives a gate; the gate only calls the engine's public methods
     from blend.engine import Engine
+    from blend.report import ReuseReport
 
 log = logging.getLogger(__name__)
 
 GATE_RATIO = DEFAULT_RATIO
+# the RoPE check's full reuse: every document row re-positioned, none recomputed. Unguarded: under the default
+# near-tie guard a near tie (nearly every prompt of a tiny random model) was blended again at 0.3, and the check
+# compared that pass's cache, whose candidate rows (60% of the documents) were computed fresh, not re-positioned
+ROPE_POLICY = ReusePolicy.blend(ratio=0.0, force=True, guard_margin=None)
 KL_BOUND = GATE_KL_BOUND  # mean first-token KL(full || blend@GATE_RATIO) at most this
 TOP1_BOUND = GATE_TOP1_BOUND  # first-token top-1 agreement at least this
 
@@ -56,6 +64,21 @@ class CheckName(Enum):
     FIDELITY_TOP1 = "fidelity-top1"
 
 
+AT_LEAST = frozenset({CheckName.FIDELITY_TOP1})  # checks whose figure must reach the bound; the others stay under it
+
+
+def passes(name: CheckName, figure: float, bound: float) -> bool:
+    """Whether a check's figure is within its bound (False for NaN)."""
+    return figure >= bound if name in AT_LEAST else figure <= bound
+
+
+def check_bounds(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> dict[CheckName, float]:
+    """Each check's bound for an engine computing in ``dtype`` and keeping KV in ``kv_dtype``."""
+    tol = gate_tol(dtype, kv_dtype)
+    return {CheckName.REFERENCE: tol.logits, CheckName.ROPE: tol.rope, CheckName.RATIO_ONE: tol.logits,
+            CheckName.FIDELITY_KL: KL_BOUND, CheckName.FIDELITY_TOP1: TOP1_BOUND}
+
+
 @dataclass(frozen=True)
 class CheckResult:
     name: CheckName
@@ -63,6 +86,11 @@ class CheckResult:
     figure: float
     bound: float
     detail: str
+
+    @classmethod
+    def judged(cls, name: CheckName, figure: float, bound: float, detail: str) -> "CheckResult":
+        """The check's result, passed as :func:`passes` judges its figure against its bound."""
+        return cls(name, passes(name, figure, bound), figure, bound, detail)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "name": self.name.value}
@@ -127,6 +155,9 @@ class GateResult:
                 figure, bound = float(c["figure"]), float(c["bound"])
             except OverflowError:
                 raise GateRecordError(f"check {name.value}: figure or bound out of range") from None
+            if c["passed"] is not passes(name, figure, bound):  # "passed": true beside a failing (or NaN) figure
+                raise GateRecordError(f"check {name.value}: passed {c['passed']} disagrees with its figure "
+                                      f"{figure!r:.20} and bound {bound!r:.20}")
             checks.append(CheckResult(name, c["passed"], figure, bound, c["detail"]))
         names = [c.name for c in checks]
         if sorted(n.value for n in names) != sorted(n.value for n in CheckName):
@@ -148,11 +179,23 @@ def run_gate(engine: "Engine", items: int = DEFAULT_GATE_ITEMS, progress: bool =
     Returns:
         The gate result (not yet recorded).
     """
+    check_items(items)
     eng = engine.with_store(MemoryStore())  # same weights; the gate never touches the user's store
     try:
         return _run_checks(engine, eng, items, progress)
     finally:
         eng.close()
+
+
+def check_items(items: object, name: str = "items") -> None:
+    """Refuse a count of calibration prompts the fidelity check cannot run (1 to six).
+
+    Raises:
+        InvalidRequestError: naming ``name`` (the CLI passes its flag).
+    """
+    n = len(QUESTIONS)
+    if not integral(items) or not 1 <= items <= n:
+        raise InvalidRequestError(f"{name} must be 1 to {n} (calibration prompts), got {shown(items)}")
 
 
 def gate_tol(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> Tol:
@@ -168,6 +211,7 @@ _COARSENESS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # ulps of
 
 def _run_checks(engine: "Engine", eng: "Engine", items: int, progress: bool) -> GateResult:
     tol = gate_tol(engine.dtype, engine.kv_dtype)
+    bound = check_bounds(engine.dtype, engine.kv_dtype)
     say = (lambda m: print(f"kvblend check [{engine.model_name}]: {m}", file=sys.stderr, flush=True)) \
         if progress else (lambda m: None)
     cal = calibration_items(items)
@@ -180,38 +224,49 @@ def _run_checks(engine: "Engine", eng: "Engine", items: int, progress: bool) -> 
         ref = hf(torch.tensor([first.token_ids])).logits[0, -1].float()
     full = eng.generate(first, ReusePolicy.none(), max_new_tokens=1)
     diff = beyond(full.first_logits.cpu(), ref, tol.gate_rtol, per_row=True)
-    checks.append(CheckResult(CheckName.REFERENCE, diff <= tol.logits, diff, tol.logits,
-                              "max |logits - transformers logits|" + _relative(tol, "max |logit|")))
+    checks.append(CheckResult.judged(CheckName.REFERENCE, diff, bound[CheckName.REFERENCE],
+                                     "max |logits - transformers logits|" + _relative(tol, "max |logit|")))
 
     say("RoPE re-positioning")
     _, full_cache, _ = eng.prefill(first, ReusePolicy.none())
-    _, reuse_cache, _ = eng.prefill(first, ReusePolicy.blend(ratio=0.0, force=True))
+    _, reuse_cache, reuse = eng.prefill(first, ROPE_POLICY)
     n = len(first)
     rope_diff = beyond(reuse_cache.k[0][:, :n], full_cache.k[0][:, :n], tol.gate_rtol, per_row=True)
-    checks.append(CheckResult(CheckName.ROPE, rope_diff <= tol.rope, rope_diff, tol.rope,
-                              "max |layer-0 K re-positioned - K of full prefill|"
-                              + _relative(tol, "max |K| of the head's row")))
+    checks.append(_measured(CheckName.ROPE, rope_diff, bound[CheckName.ROPE],
+                            "max |layer-0 K re-positioned - K of full prefill|"
+                            + _relative(tol, "max |K| of the head's row"), [reuse]))
 
     say("ratio 1.0 against full prefill")
     one = eng.generate(first, ReusePolicy.blend(ratio=1.0, force=True), max_new_tokens=1)
     d1 = beyond(one.first_logits, full.first_logits, tol.gate_rtol, per_row=True)
-    checks.append(CheckResult(CheckName.RATIO_ONE, d1 <= tol.logits, d1, tol.logits,
-                              "max |logits(blend@1.0) - logits(full)|" + _relative(tol, "max |logit|")))
+    checks.append(_measured(CheckName.RATIO_ONE, d1, bound[CheckName.RATIO_ONE],
+                            "max |logits(blend@1.0) - logits(full)|" + _relative(tol, "max |logit|"), [one.report]))
 
-    kls, agree = [], []
+    kls, agree, blends = [], [], []
     for i, item in enumerate(cal):
         say(f"fidelity {i + 1}/{len(cal)}")
         prompt = eng.build_prompt(item.question, item.documents)
         f = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=1).first_logits
-        b = eng.generate(prompt, ReusePolicy.blend(ratio=GATE_RATIO, force=True), max_new_tokens=1).first_logits
-        kls.append(kl_divergence(f, b))  # what the evals measure the bounds with
-        agree.append(top1_agree(f, b))
-    kl, top1 = sum(kls) / len(kls), sum(agree) / len(agree)
-    checks.append(CheckResult(CheckName.FIDELITY_KL, kl <= KL_BOUND, kl, KL_BOUND,
-                              f"mean first-token KL(full || blend@{GATE_RATIO}) over {len(cal)} prompts"))
-    checks.append(CheckResult(CheckName.FIDELITY_TOP1, top1 >= TOP1_BOUND, top1, TOP1_BOUND,
-                              f"first-token top-1 agreement of blend@{GATE_RATIO} with full prefill"))
+        blends.append(eng.generate(prompt, ReusePolicy.blend(ratio=GATE_RATIO, force=True), max_new_tokens=1))
+        kls.append(kl_divergence(f, blends[-1].first_logits))  # what the evals measure the bounds with
+        agree.append(top1_agree(f, blends[-1].first_logits))
+    kl, top1, reports = sum(kls) / len(kls), sum(agree) / len(agree), [b.report for b in blends]
+    checks.append(_measured(CheckName.FIDELITY_KL, kl, bound[CheckName.FIDELITY_KL],
+                            f"mean first-token KL(full || blend@{GATE_RATIO}) over {len(cal)} prompts", reports))
+    checks.append(_measured(CheckName.FIDELITY_TOP1, top1, bound[CheckName.FIDELITY_TOP1],
+                            f"first-token top-1 agreement of blend@{GATE_RATIO} with full prefill", reports))
     return GateResult(engine.model_name, engine.provenance.digest().hex(), tuple(checks))
+
+
+def _measured(name: CheckName, figure: float, bound: float, detail: str, blends: list["ReuseReport"]
+              ) -> CheckResult:
+    """A check's result over the reports of the blends it ran. A blend the engine refused (a dynamic-NTK
+    model past its original length, where a calibration prompt is computed in one pass) measured nothing:
+    the check fails, its figure NaN, rather than passing on full prefill compared with itself."""
+    refused = next((r.gate for r in blends if r.gate), "")
+    if refused:
+        return CheckResult.judged(name, math.nan, bound, f"{detail}: not measured, the blend was refused ({refused})")
+    return CheckResult.judged(name, figure, bound, detail)
 
 
 def beyond(actual: torch.Tensor, expected: torch.Tensor, rtol: float, per_row: bool = False) -> float:
@@ -248,7 +303,8 @@ def gate_fingerprint(items: int = DEFAULT_GATE_ITEMS, dtype: torch.dtype = torch
     """
     tol = gate_tol(dtype, kv_dtype)
     prompts = [[c.question, list(c.documents)] for c in calibration_items(items)]  # the text, not only the count
-    cfg = {"policy": ReusePolicy.blend(ratio=GATE_RATIO, force=True).describe(), "items": items, "prompts": prompts,
+    cfg = {"policy": ReusePolicy.blend(ratio=GATE_RATIO, force=True).describe(), "rope": ROPE_POLICY.describe(),
+           "items": items, "prompts": prompts,
            "kl_bound": KL_BOUND, "top1_bound": TOP1_BOUND,
            "mechanical": [tol.logits, tol.rope, tol.gate_rtol]}
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
@@ -280,6 +336,10 @@ def load_record(engine: "Engine") -> GateResult | None:
         want = engine.provenance.digest().hex()
         if result.provenance_sha256 != want:
             raise GateRecordError(f"recorded for provenance {result.provenance_sha256[:16]!r}.., not {want[:16]}..")
+        bounds = check_bounds(engine.dtype, engine.kv_dtype)
+        for c in result.checks:  # a verdict against another bound is not this gate's verdict
+            if c.bound != bounds[c.name]:
+                raise GateRecordError(f"check {c.name.value} measured against {c.bound!r:.20}, not {bounds[c.name]!r}")
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, GateRecordError
         log.warning("quality gate: ignoring the malformed record %s (%s: %s); the gate runs again",
                     path, type(e).__name__, str(e)[:120])

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 
 from blend.defaults import (
@@ -84,6 +84,12 @@ class GuardMode(Enum):
 
 
 GUARD_MODE_NAMES = tuple(m.value for m in GuardMode)
+
+# settings only a blend reads, refused away from their defaults elsewhere (semantic, take_exact and the precisions
+# have messages of their own; force only permits, and forces nothing outside a blend)
+BLEND_ONLY_FIELDS = ("ratio", "selector", "check_layers", "layer_ratios", "min_prompt_tokens", "threshold", "max_ratio",
+                     "seed", "budget", "auto_target", "probe_precision", "guard_margin", "guard_ratio", "candidates",
+                     "guard_mode", "reused_temperature")
 
 
 class ReuseMode(Enum):
@@ -246,10 +252,10 @@ class ReusePolicy:
             # would be dropped without a word
             raise InvalidPolicyError("layer_ratios are fixed shares per check layer: not with an adaptive "
                                      "budget or a threshold")
-        if self.mode is ReuseMode.BLEND:
-            self._check_blend_rules()
         if self.prefix_limit is not None and self.prefix_limit < 0:
             raise InvalidPolicyError("prefix_limit must be >= 0")
+        if self.mode is ReuseMode.BLEND:
+            self._check_blend_rules()
         if self.semantic and self.mode is not ReuseMode.BLEND:
             raise InvalidPolicyError("semantic reuse is a blend option: use ReusePolicy.blend(..., semantic=True)")
         if self.take_exact and self.mode is not ReuseMode.BLEND:
@@ -271,6 +277,18 @@ class ReusePolicy:
             raise InvalidPolicyError("cache_salt must be valid Unicode text (it holds a lone surrogate)")
         if self.semantic and self.cache_salt:  # donors are shared across salts: that would leak KV
             raise InvalidPolicyError("semantic reuse cannot be combined with a cache_salt")
+        if self.mode is not ReuseMode.BLEND:
+            self._check_no_blend_settings()
+
+    def _check_no_blend_settings(self) -> None:
+        """An exact or no-reuse policy: a blend setting away from its default is refused, not ignored."""
+        for name in BLEND_ONLY_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, list):  # check_layers=[1] is the default (1,)
+                value = tuple(value)
+            if value != POLICY_DEFAULTS[name]:
+                raise InvalidPolicyError(f"{name} is a blend setting: it would be ignored under mode "
+                                         f"{self.mode.value!r} (use ReusePolicy.blend(...))")
 
     def _check_blend_rules(self) -> None:
         """Combinations a blend would run without doing what they say: refused."""
@@ -286,6 +304,31 @@ class ReusePolicy:
                                      f"selector {self.selector!r} would be ignored")
         if self.budget is BudgetMode.AUTO and self.threshold is not None:
             raise InvalidPolicyError("an adaptive budget and a threshold are two stopping rules: give one")
+        if self.prefix_limit is not None:
+            raise InvalidPolicyError("prefix_limit is an exact-reuse setting: a blend looks up every document "
+                                     "(use ReusePolicy.exact(prefix_limit=...))")
+        self._check_budget_settings()
+
+    def _check_budget_settings(self) -> None:
+        """Each budget reads its own settings (a fixed ``ratio`` or ``layer_ratios``; an adaptive budget's or a
+        threshold's cap ``max_ratio``; the adaptive budget's ``auto_target``): one set for another is refused."""
+        per_prompt = self.budget is BudgetMode.AUTO or self.threshold is not None
+        rule = "an adaptive budget" if self.budget is BudgetMode.AUTO else "a threshold"
+        if per_prompt and self.ratio not in (POLICY_DEFAULTS["ratio"], self.max_ratio):
+            raise InvalidPolicyError(
+                f"ratio={self.ratio:g} is a fixed budget: {rule} picks each prompt's share itself, up to "
+                f"max_ratio={self.max_ratio:g}, and would ignore it (to cap the share at {self.ratio:g}, set "
+                f"max_ratio={self.ratio:g} instead)")
+        if self.layer_ratios is not None and self.ratio not in (POLICY_DEFAULTS["ratio"], self.layer_ratios[0]):
+            raise InvalidPolicyError(f"ratio={self.ratio:g} beside layer_ratios {tuple(self.layer_ratios)}: the first "
+                                     f"check layer recomputes layer_ratios[0] and would ignore it")
+        if not per_prompt and self.max_ratio != POLICY_DEFAULTS["max_ratio"]:
+            raise InvalidPolicyError(
+                f"max_ratio caps an adaptive budget or a threshold; a fixed ratio ({self.ratio:g}) is its own "
+                f"budget and would ignore max_ratio={self.max_ratio:g}")
+        if self.budget is not BudgetMode.AUTO and self.auto_target != POLICY_DEFAULTS["auto_target"]:
+            raise InvalidPolicyError(f"auto_target is the adaptive budget's stopping target (budget auto); "
+                                     f"a {self.budget.value} budget would ignore it")
 
     @classmethod
     def none(cls) -> "ReusePolicy":
@@ -393,8 +436,9 @@ class ReusePolicy:
         Returns:
             The second pass's policy.
         """
-        return replace(self, ratio=ratio, layer_ratios=None, budget=BudgetMode.FIXED, threshold=None,
-                       guard_margin=None)
+        return replace(self, ratio=ratio, layer_ratios=None, budget=BudgetMode.FIXED, threshold=None,  # a fixed
+                       max_ratio=POLICY_DEFAULTS["max_ratio"], auto_target=POLICY_DEFAULTS["auto_target"],  # budget
+                       guard_margin=None)  # reads neither the cap nor the target
 
     def _ratios(self) -> str:
         """The fixed ratio, or the explicit per-check-layer ratios, as :meth:`describe` shows them."""
@@ -422,3 +466,7 @@ class ReusePolicy:
         attn += f":lin={self.linear_precision.value}" \
             if self.linear_precision is not RecomputePrecision(DEFAULT_LINEAR_PRECISION) else ""
         return f"blend@{what}:{self.selector}{seed}:check={checks}{probe}{cand}{temp}{attn}{guard}{semantic}{exact}"
+
+
+# every field's default, as the dataclass declares it (the blend-only and per-budget checks compare with these)
+POLICY_DEFAULTS = {f.name: f.default for f in fields(ReusePolicy)}

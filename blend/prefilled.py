@@ -45,10 +45,12 @@ def build_report(done: Prefilled, policy: ReusePolicy, blended: bool, refused: s
     Returns:
         The :class:`~blend.report.ReuseReport`.
     """
-    ratio = report_ratio(done, policy) if blended else None
+    # Python floats: a policy may carry numpy's (np.float32 is valid there), which json cannot write
+    ratio = float(report_ratio(done, policy)) if blended else None
+    spent = float(done.spent) if done.spent is not None else ratio
     return ReuseReport(
         policy=policy.describe(), segments=done.segments, selector=policy.selector if blended else "",
-        ratio=ratio, spent=done.spent if done.spent is not None else ratio, deviation=done.deviation,
+        ratio=ratio, spent=spent, deviation=done.deviation,
         gate=refused, timings=timings, first_token_margin=done.margin if blended else None, guard=done.guard,
         check_rows=done.check_rows if blended else (),
     )

@@ -134,13 +134,13 @@ def ask_over_index(args: argparse.Namespace) -> int:
 def _ask(args: argparse.Namespace) -> int:
     rag = RAG.open(args.index, system=args.system)  # a missing index fails before any model loads
     policy = policy_from_args(args)
+    config = generation_config_from_args(args)  # --temperature, --top-p, --seed, --stop, --multiline: before the load
     extra = [read_document(p) for p in args.doc]  # --doc beside --index: after the retrieved chunks
     rag = RAG(rag.catalog, None, engine_from_args(args), system=rag.system)
     if rag.kv_stale():
         print(f"kvblend: note: {args.index}'s chunk KV was precomputed by another engine or system prompt; "
               f"its chunks are computed per request until `kvblend ingest` runs again with this one",
               file=sys.stderr)
-    config = generation_config_from_args(args)  # --temperature, --top-p, --seed, --stop, --multiline
     if args.json:
         ans = rag.ask(args.question, top_k=args.top_k, policy=policy, extra_documents=extra, config=config)
         print(json.dumps({

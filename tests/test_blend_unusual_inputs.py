@@ -1,5 +1,5 @@
 """Blends on unusual but legitimate requests: budgets that select nothing or everything, gradual
-filtering that narrows later, an adaptive budget beside a zero fixed ratio, chunk texts with extra
+filtering that narrows later, an adaptive budget given its cap as the ratio too, chunk texts with extra
 whitespace, and an all-exact blend found hot. Each test failed before its fix."""
 
 import json
@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from blend.errors import InvalidPolicyError
 from blend.policy import BudgetMode, ReusePolicy
 from blend.report import ReuseClass
 from conftest import make_docs, unguarded_blend
@@ -43,11 +44,13 @@ def test_a_later_check_layer_that_drops_rows_counts_as_approximate_for_the_guard
 def test_the_adaptive_budget_runs_whatever_the_fixed_ratio_says(tiny_engine):
     prompt = tiny_engine.build_prompt("Which?", make_docs(4))
     kw = dict(budget=BudgetMode.AUTO, auto_target=0.0, max_ratio=0.3)  # target 0: the cap, max_ratio's rows
-    zero = tiny_engine.generate(prompt, unguarded_blend(ratio=0.0, **kw), max_new_tokens=1)
+    with pytest.raises(InvalidPolicyError, match="set max_ratio=0 instead"):  # a fixed ratio is refused, not ignored
+        unguarded_blend(ratio=0.0, **kw)
+    capped = tiny_engine.generate(prompt, unguarded_blend(ratio=0.3, **kw), max_new_tokens=1)  # the cap, said twice
     default = tiny_engine.generate(prompt, unguarded_blend(**kw), max_new_tokens=1)
-    assert zero.report.recomputed_tokens == default.report.recomputed_tokens > 0
-    assert zero.report.ratio == default.report.ratio > 0
-    assert torch.equal(zero.first_logits, default.first_logits)
+    assert capped.report.recomputed_tokens == default.report.recomputed_tokens > 0
+    assert capped.report.ratio == default.report.ratio > 0
+    assert torch.equal(capped.first_logits, default.first_logits)
 
 
 @pytest.mark.parametrize("text", ["abc def ghi\n\n\n", "  abc def ghi\n\n", "abc def ghi \n\n"])

@@ -89,6 +89,11 @@ def test_cold_equals_warm_across_processes_in_redis(docs, tmp_path, redis_url):
      "--ratio only applies with --reuse blend (got --reuse exact)"),
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "none", "--guard-margin", "off"],
      "--guard-margin only applies with --reuse blend"),
+    # a budget setting the blend's budget never reads: refused (--budget auto --ratio 0.3 capped at 0.5, silently)
+    (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--budget", "auto", "--ratio", "0.3"],
+     "set --max-ratio=0.3 instead"),
+    (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--max-ratio", "0.3"],
+     "--max-ratio caps an adaptive budget or a threshold"),
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--min-prompt-tokens", "-5"],
      "--min-prompt-tokens must be an integer >= 0"),  # the flag, not the policy's field (min_prompt_tokens)
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--max-new-tokens", "0"],

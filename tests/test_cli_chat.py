@@ -47,3 +47,54 @@ def test_a_chat_needs_documents(doc_args):
     args = build_parser("chat").parse_args(["chat", "--model", "tiny-llama", "--store", "memory"])
     with pytest.raises(InvalidRequestError, match="--doc"):
         run_chat(args, io.StringIO("q\n"), io.StringIO())
+
+
+def test_a_refused_question_goes_to_stderr_the_chat_goes_on_and_the_exit_status_says_so(doc_args):
+    """A question over the model's context was printed as 'kvblend: error: ...' among the answers on stdout,
+    and the chat exited 0 even when every question of a piped conversation was refused."""
+    args = build_parser("chat").parse_args(["chat", *doc_args, "--model", "tiny-llama", "--store", "memory",
+                                            "--max-new-tokens", "2"])
+    out, err = io.StringIO(), io.StringIO()
+    rc = run_chat(args, io.StringIO("word " * 5000 + "\nwhere is the quay?\n"), out, err)
+    assert rc == 2
+    assert "exceeds the model's context" in err.getvalue() and "kvblend: error" not in out.getvalue()
+    assert len([ln for ln in out.getvalue().splitlines() if ln.startswith("[ttft ")]) == 1  # the next one answered
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_end_of_input_at_an_interactive_prompt_ends_the_prompts_line(doc_args):
+    """Ctrl-D at '> ' left the shell's next prompt on the same line."""
+    args = build_parser("chat").parse_args(["chat", *doc_args, "--model", "tiny-llama", "--store", "memory",
+                                            "--max-new-tokens", "2"])
+    out = io.StringIO()
+    assert run_chat(args, _Terminal("where is the quay?\n"), out, io.StringIO()) == 0
+    assert out.getvalue().startswith("> answer: ") and out.getvalue().endswith("]\n> \n")
+
+
+@pytest.mark.parametrize("command", ["ask", "chat"])
+def test_a_bad_sampling_flag_is_refused_before_the_model_loads(doc_args, monkeypatch, capsys, command):
+    """--temperature 5 loaded the model first (~20 s for SmolLM2's first run) and only then was refused."""
+    import blend.chat_cli
+    import blend.cli
+
+    def no_load(args):
+        raise AssertionError("the engine loaded before the sampling flags were checked")
+
+    monkeypatch.setattr(blend.cli, "engine_from_args", no_load)
+    monkeypatch.setattr(blend.chat_cli, "engine_from_args", no_load)
+    monkeypatch.setattr("sys.stdin", io.StringIO("q\n"))
+    question = ["q"] if command == "ask" else []
+    assert blend.cli.main([command, *question, *doc_args, "--model", "tiny-llama", "--temperature", "5"]) == 2
+    assert "temperature must be in [0, 2]" in capsys.readouterr().err
+
+
+def test_a_blended_follow_up_counts_the_earlier_turns_it_computed(doc_args):
+    """A blend computes earlier turns inside its question segment (no turn segments in its report): its
+    summary said 'earlier turns loaded 0 of 0' on a conversation's third question."""
+    text = chat(doc_args, "where is the quay?\nand the lamp?\nwho lit it?\n", "--reuse", "blend", "--force-blend")
+    summaries = [ln for ln in text.splitlines() if ln.startswith("[ttft ")]
+    assert [s.split(" | ")[2] for s in summaries] == [f"earlier turns loaded 0 of {n}" for n in range(3)]

@@ -8,7 +8,8 @@ import pytest
 from blend import gate
 from blend.divergence import kl_divergence
 from blend.engine import Engine
-from blend.policy import ReusePolicy
+from blend.errors import InvalidRequestError
+from blend.policy import ReuseMode, ReusePolicy
 from blend.report import ReuseClass
 from conftest import make_docs
 
@@ -48,8 +49,11 @@ def test_the_gates_transformers_forward_holds_the_rope_tables_lock(home):
 
 def test_failed_gate_falls_back_unless_forced(home):
     eng = Engine.load("tiny-llama")
+    bounds = gate.check_bounds(eng.dtype, eng.kv_dtype)
+    figures = {n: 1.0 if n in gate.AT_LEAST else 0.0 for n in gate.CheckName} | {gate.CheckName.FIDELITY_KL: 3.0}
     failing = gate.GateResult(eng.model_name, eng.provenance.digest().hex(), tuple(  # a record holds every check
-        gate.CheckResult(n, n is not gate.CheckName.FIDELITY_KL, 3.0, gate.KL_BOUND, "test") for n in gate.CheckName))
+        gate.CheckResult.judged(n, figures[n], bounds[n], "test") for n in gate.CheckName))
+    assert not failing.passed
     gate.record(eng, failing)
     prompt = eng.build_prompt("Which?", make_docs(3))
     ans = eng.generate(prompt, ReusePolicy.blend(), max_new_tokens=1)
@@ -276,3 +280,45 @@ def test_a_record_that_cannot_be_written_warns_and_the_verdict_still_holds(home,
     assert first.refused == "" and runs == [1]
     assert "could not record" in caplog.text and str(gate.gate_path(eng)) in caplog.text
     assert g.verdict(eng).refused == "" and runs == [1]  # measured once per process, not per request
+
+
+def test_the_rope_check_compares_full_reuse_whatever_the_guard_says(home, monkeypatch):
+    """Every document row re-positioned, none recomputed: under the default near-tie guard the check's first
+    prompt (a near tie on a tiny model) was blended again at 0.3, and the check compared that pass's cache,
+    whose candidate rows were computed fresh, not re-positioned."""
+    eng = Engine.load("tiny-llama", quality_gate=False)
+    seen, real = [], Engine.prefill
+
+    def spy(self, prompt, policy, *a, **kw):
+        out = real(self, prompt, policy, *a, **kw)
+        seen.append((policy, out[2]))
+        return out
+
+    monkeypatch.setattr(Engine, "prefill", spy)
+    gate.run_gate(eng, items=1, progress=False)
+    rope = [report for policy, report in seen if policy.mode is ReuseMode.BLEND and policy.ratio == 0.0]
+    assert len(rope) == 1 and rope[0].guard == "" and rope[0].recomputed_tokens == 0 and rope[0].ratio == 0.0
+
+
+@pytest.mark.parametrize("items", [0, 7, -1, True, 2.0])
+def test_a_count_of_calibration_prompts_the_gate_cannot_run_is_refused(home, items):
+    """run_gate(items=0) failed with an IndexError deep in the checks; 7 ran six and recorded them as seven."""
+    eng = Engine.load("tiny-llama", quality_gate=False)
+    with pytest.raises(InvalidRequestError, match="items must be 1 to 6"):
+        gate.run_gate(eng, items=items, progress=False)
+
+
+def test_a_check_whose_blend_was_refused_fails_instead_of_passing_on_full_prefill(home):
+    """A dynamic-NTK model past its original length (512 here) computes every calibration prompt (1.2-1.6k
+    tokens) in one pass, blends included: the RoPE, ratio-1 and fidelity checks compared full prefill with
+    itself and the gate passed, letting shorter prompts blend on a verdict that measured no blend."""
+    eng = Engine.load("tiny-llama-rope-dynamic", quality_gate=False)
+    result = gate.run_gate(eng, items=1, progress=False)
+    by = {c.name: c for c in result.checks}
+    assert by[gate.CheckName.REFERENCE].passed and not result.passed
+    for name in (gate.CheckName.ROPE, gate.CheckName.RATIO_ONE, gate.CheckName.FIDELITY_KL,
+                 gate.CheckName.FIDELITY_TOP1):
+        assert not by[name].passed and "not measured, the blend was refused (dynamic-NTK" in by[name].detail
+    gate.record(eng, result)
+    again = gate.load_record(eng)  # NaN figures are written and read back as failed checks
+    assert again is not None and not again.passed

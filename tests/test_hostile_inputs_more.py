@@ -232,12 +232,23 @@ def fake_engine(tmp_path, monkeypatch):
     return types.SimpleNamespace(provenance=PROV, dtype=torch.float32, kv_dtype=None, model_name="m")
 
 
+def _figure(name, bound, passed):
+    """A figure within the check's bound (passed) or past it."""
+    return (bound + 0.1 if passed else bound - 0.1) if name in gate.AT_LEAST else (bound / 2 if passed else bound * 2)
+
+
 def _record(passed=True, **over):
+    bounds = gate.check_bounds(torch.float32)  # the fake engine's
     d = {"model": "m", "provenance_sha256": PROV.digest().hex(), "passed": passed,
-         "checks": [{"name": n.value, "passed": passed, "figure": 0.1, "bound": 0.2, "detail": ""}
-                    for n in gate.CheckName]}
+         "checks": [{"name": n.value, "passed": passed, "figure": _figure(n, bounds[n], passed), "bound": bounds[n],
+                     "detail": ""} for n in gate.CheckName]}
     d.update(over)
     return d
+
+
+def _with_check(name, **fields):
+    """A passing record whose ``name`` check has ``fields`` instead."""
+    return {**_record(), "checks": [{**c, **fields} if c["name"] == name.value else c for c in _record()["checks"]]}
 
 
 def _write(eng, text):
@@ -265,6 +276,12 @@ def test_a_well_formed_record_loads(fake_engine):
     json.dumps(_record(provenance_sha256="0" * 64)),
     json.dumps(_record(passed="yes")),
     json.dumps({**_record(), "checks": [{**c, "figure": HUGE} for c in _record()["checks"]]}),
+    # "passed": true beside a figure past its bound (or NaN), or against another bound than this engine's
+    json.dumps(_with_check(gate.CheckName.FIDELITY_KL, figure=3.0)),
+    json.dumps(_with_check(gate.CheckName.FIDELITY_TOP1, figure=0.1)),
+    json.dumps(_with_check(gate.CheckName.REFERENCE, figure=float("nan"))),
+    json.dumps(_with_check(gate.CheckName.FIDELITY_KL, figure=3.0, bound=5.0)),
+    json.dumps(_with_check(gate.CheckName.ROPE, bound=1.0)),
     "[]", "", "\xff", "null", '{"checks": {}}',
 ], ids=lambda t: t[:24])
 def test_a_bad_record_is_no_record(fake_engine, text, caplog):

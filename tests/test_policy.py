@@ -100,3 +100,71 @@ def test_an_adaptive_budget_takes_only_the_probe_selector_and_no_threshold():
     with pytest.raises(InvalidPolicyError, match="two stopping rules"):
         ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, threshold=0.2)
     assert ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO).budget is BudgetMode.AUTO
+
+
+@pytest.mark.parametrize("mode", [ReuseMode.EXACT, ReuseMode.NONE])
+@pytest.mark.parametrize("setting", [dict(ratio=0.5), dict(selector="v"), dict(check_layers=(2,)), dict(threshold=0.1),
+                                     dict(max_ratio=0.3), dict(budget=BudgetMode.AUTO), dict(guard_margin=None),
+                                     dict(guard_ratio=1.0), dict(candidates=None), dict(reused_temperature=1.0),
+                                     dict(min_prompt_tokens=10), dict(seed=3), dict(auto_target=0.01)])
+def test_a_blend_setting_on_an_exact_or_no_reuse_policy_is_refused_not_ignored(mode, setting):
+    name = next(iter(setting))
+    with pytest.raises(InvalidPolicyError, match=f"{name} is a blend setting"):
+        ReusePolicy(mode=mode, **setting)
+
+
+def test_exact_and_no_reuse_policies_keep_their_defaults_and_may_carry_force():
+    for policy in (ReusePolicy.exact(), ReusePolicy.none(), ReusePolicy.one_pass(), ReusePolicy.exact(prefix_limit=1),
+                   ReusePolicy(mode=ReuseMode.EXACT, check_layers=[1], force=True)):
+        assert policy.mode is not ReuseMode.BLEND
+
+
+def test_a_prefix_limit_on_a_blend_is_refused():
+    """A blend looks up every document: the limit would be dropped without a word."""
+    with pytest.raises(InvalidPolicyError, match="prefix_limit is an exact-reuse setting"):
+        ReusePolicy.blend(prefix_limit=1)
+
+
+@pytest.mark.parametrize("kw", [dict(budget=BudgetMode.AUTO), dict(threshold=0.2)])
+def test_a_fixed_ratio_beside_an_adaptive_budget_or_a_threshold_is_refused(kw):
+    """Both pick each prompt's share up to max_ratio (0.5 by default): blend(0.3, budget=auto) recomputed up
+    to 0.5 and reported nothing about the 0.3."""
+    with pytest.raises(InvalidPolicyError, match=r"ratio=0.3 is a fixed budget.*set max_ratio=0.3 instead"):
+        ReusePolicy.blend(0.3, "probe", **kw)
+    assert ReusePolicy.blend(0.3, "probe", max_ratio=0.3, **kw).max_ratio == 0.3  # the cap, given twice
+    assert ReusePolicy.blend(selector="probe", max_ratio=0.3, **kw).max_ratio == 0.3
+
+
+def test_a_ratio_beside_other_layer_ratios_is_refused():
+    """The first check layer recomputes layer_ratios[0]: blend(0.3, layer_ratios=(0.1,)) recomputed 0.1."""
+    with pytest.raises(InvalidPolicyError, match=r"ratio=0.3 beside layer_ratios \(0.1,\)"):
+        ReusePolicy.blend(0.3, layer_ratios=(0.1,))
+    assert ReusePolicy.blend(layer_ratios=(0.1,)).first_ratio == ReusePolicy.blend(0.1, layer_ratios=(0.1,)).first_ratio
+
+
+def test_a_cap_or_a_target_on_a_fixed_budget_is_refused():
+    """A fixed ratio is its own budget: blend(0.4, max_ratio=0.3) recomputed 0.4."""
+    with pytest.raises(InvalidPolicyError, match="max_ratio caps an adaptive budget or a threshold"):
+        ReusePolicy.blend(0.4, max_ratio=0.3)
+    with pytest.raises(InvalidPolicyError, match="auto_target is the adaptive budget's"):
+        ReusePolicy.blend(0.15, auto_target=0.01)
+    with pytest.raises(InvalidPolicyError, match="auto_target is the adaptive budget's"):
+        ReusePolicy.blend(0.15, threshold=0.1, auto_target=0.01)
+
+
+def test_the_guards_second_pass_of_an_adaptive_budget_is_a_fixed_budget():
+    auto = ReusePolicy.blend(selector="probe", budget=BudgetMode.AUTO, max_ratio=0.2, auto_target=0.01)
+    again = auto.at_guard_ratio(0.3)
+    assert (again.budget, again.ratio, again.guard_margin) == (BudgetMode.FIXED, 0.3, None)
+
+
+def test_a_numpy_ratio_runs_and_its_report_is_json(tiny_engine):
+    """np.float32(0.15) is a valid ratio; the report carried it as report.ratio, and json.dumps of
+    report.to_dict() raised TypeError (float32 is not JSON serializable)."""
+    import json
+
+    prompt = tiny_engine.build_prompt("Which?", ["Alpha beta gamma.", "Delta epsilon zeta."])
+    for policy in (ReusePolicy.blend(np.float32(0.15), guard_margin=None), ReusePolicy.blend(np.float32(0.15))):
+        report = tiny_engine.generate(prompt, policy, max_new_tokens=1).report
+        assert type(report.ratio) is float and type(report.spent) is float
+        assert json.loads(json.dumps(report.to_dict()))["ratio"] == report.ratio

@@ -553,3 +553,17 @@ def test_a_chunk_longer_than_the_context_gets_no_kv_and_does_not_count_as_unsave
     writer = engine_kv_writer(eng)
     assert writer([long, "a short chunk."]) > 0  # the short one is written
     assert len(list(eng.store.keys(Namespace.CANONICAL))) == 1 and writer.unsaved == 0
+
+
+def test_cli_ask_over_an_index_refuses_a_bad_sampling_flag_before_the_model_loads(index, monkeypatch, capsys) -> None:
+    """--temperature 5 with --index loaded the model first and only then was refused."""
+    import blend.retrieval.cli as rcli
+    from blend.cli import main
+
+    def no_load(args):
+        raise AssertionError("the engine loaded before the sampling flags were checked")
+
+    monkeypatch.setattr(rcli, "engine_from_args", no_load)
+    _, idx = index
+    assert main(["ask", "q", "--index", str(idx), "--model", "tiny-llama", "--temperature", "5"]) == 2
+    assert "temperature must be in [0, 2]" in capsys.readouterr().err

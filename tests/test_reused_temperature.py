@@ -98,3 +98,15 @@ def test_the_temperatures_a_request_may_set_give_finite_logits_in_every_dtype(ti
     eng.generate(prompt, unguarded_blend(ratio=0.25), max_new_tokens=1)  # stores the chunks
     ans = eng.generate(prompt, unguarded_blend(ratio=0.25, reused_temperature=t), max_new_tokens=1)
     assert torch.isfinite(ans.first_logits).all()
+
+
+def test_the_report_of_a_blend_that_tempered_nothing_names_no_temperature(tiny_engine):
+    """Full reuse (ratio 0) has no check layer, above which the temperature applies: its logits are those of
+    T = 1, and its report said ':temp=1.05' all the same."""
+    prompt = tiny_engine.build_prompt("Which?", make_docs(3))
+    reuse = tiny_engine.generate(prompt, unguarded_blend(0.0), max_new_tokens=1)
+    plain = tiny_engine.generate(prompt, unguarded_blend(0.0, reused_temperature=1.0), max_new_tokens=1)
+    assert torch.equal(reuse.first_logits, plain.first_logits)  # nothing was tempered
+    assert ":temp=" not in reuse.report.policy and reuse.report.policy == plain.report.policy
+    blend = tiny_engine.generate(prompt, unguarded_blend(0.15), max_new_tokens=1)
+    assert ":temp=1.05" in blend.report.policy  # a blend with a check layer tempers its reused rows

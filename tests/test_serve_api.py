@@ -259,6 +259,10 @@ def test_logprobs_are_the_python_apis_in_openais_shapes_streamed_or_not(srv, cli
     (chat(kvblend={"reuse": "blend", "selector": "best"}), 400, "kvblend.selector"),
     (chat(kvblend={"reuse": "blend", "guard_margin": -1}), 400, "kvblend.guard_margin"),
     (chat(kvblend={"reuse": "blend", "semantic": True}), 400, "--experimental-semantic"),
+    # a blend setting beside exact or no reuse: refused, not dropped (ratio 0.3 under "exact" answered as exact)
+    (chat(kvblend={"reuse": "exact", "ratio": 0.3}), 400, "ratio is a blend option"),
+    (chat(kvblend={"reuse": "none", "guard_margin": None}), 400, "guard_margin is a blend option"),
+    (chat(kvblend={"reuse": "exact", "selector": "v"}), 400, "selector is a blend option"),
     (chat(documents=["a"] * 5), 413, "at most 4"),
     (chat(documents=["word " * 700]), 413, "exceeds the limit of 3000"),
     (chat(documents=["word " * 500], max_tokens=2000), 400, "context of 4096"),

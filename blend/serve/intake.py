@@ -21,6 +21,11 @@ from blend.serve.config import ServeConfig
 from blend.serve.protocol import Endpoint, ErrorType
 from blend.serve.schemas import ChatCompletionRequest, CompletionRequest, KvblendOptions
 
+# the ``kvblend`` options only a blend reads, set away from their defaults under reuse "exact" or "none": refused
+# (``ratio: 0.3`` beside ``reuse: "exact"`` was dropped without a word)
+BLEND_SETTINGS = ("ratio", "selector", "guard_margin", "guard_ratio", "guard_mode", "candidates", "probe_precision",
+                  "reused_temperature")
+
 
 class ApiError(Exception):
     """A request refused with an HTTP status and an OpenAI-style error body."""
@@ -75,7 +80,9 @@ def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False,
     if mode is not ReuseMode.BLEND:  # a blend option under another mode is refused, not dropped
         blend_only = {"semantic reuse": opts.semantic, "take_exact": opts.take_exact,
                       **{name: getattr(opts, name) not in (None, default)
-                         for name, default in RECOMPUTE_PRECISION_FIELDS}}
+                         for name, default in RECOMPUTE_PRECISION_FIELDS},
+                      **{name: getattr(opts, name) != KvblendOptions.model_fields[name].default
+                         for name in BLEND_SETTINGS}}
         for name, given in blend_only.items():
             if given:
                 raise InvalidPolicyError(f"{name} is a blend option: use kvblend.reuse = \"blend\"")
