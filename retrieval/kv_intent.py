@@ -6,7 +6,8 @@ An ingest appends ``{chunk id: text}`` lines before it writes their KV
 (:func:`remove_kv_intent`). A run killed in between leaves the log behind, and
 the next open queues every noted chunk the index does not hold for garbage
 collection, so its KV is never orphaned. The log is this process's own crash
-artefact: :func:`read_kv_intent` is lenient (see there).
+artefact: :func:`read_kv_intent` is lenient (see there); another index's collection reads it with
+:func:`read_kv_intent_strict`, which tells an absent log from one it could not read.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from blend import safeio
 from blend.prompt import is_unicode
+from blend.retrieval.corpus import RetrievalError
 
 INTENT_FILE = "kv-intent.jsonl"  # chunks whose KV is written before the commit that adds them
 MAX_INTENT_BYTES = 1 << 30  # a longer intent log is not read (its chunks' KV stays until a store prune)
@@ -62,19 +64,40 @@ def read_kv_intent(root: Path) -> dict[str, str]:
     Returns:
         chunk id -> text, of every well-formed line.
     """
-    path = Path(root) / INTENT_FILE
-    if not os.path.lexists(path):
+    try:
+        return read_kv_intent_strict(root)
+    except RetrievalError as e:
+        log.warning("%s; KV it noted is left to the store's pruning", e)
         return {}
+
+
+def read_kv_intent_strict(root: Path) -> dict[str, str]:
+    """:func:`read_kv_intent`, but a log that is there and cannot be read (a link, a FIFO, oversized,
+    unreadable) is an error, not empty: another index's collection must then keep what it may hold.
+
+    Args:
+        root: an index folder.
+
+    Returns:
+        Chunk id -> text of every well-formed line (empty when there is no log).
+
+    Raises:
+        RetrievalError: the log is there but was not read.
+    """
+    path = Path(root) / INTENT_FILE
     try:
         raw = safeio.read_regular(path, MAX_INTENT_BYTES)
-    except OSError as e:
-        log.warning("%s: not read (%s); KV it noted is left to the store's pruning", path, e)
+    except FileNotFoundError:
         return {}
+    except OSError as e:  # safeio.UnsafeFileError too: a FIFO, a link, an oversized log
+        raise RetrievalError(f"{path}: not read ({e})") from None
     out: dict[str, str] = {}
-    for line in raw.decode("utf-8", errors="replace").splitlines():
+    # lines end at b"\n" only: a text may hold U+2028, U+0085 ... (JSON leaves them unescaped), at which
+    # str.splitlines would cut its line and lose the chunk
+    for line in raw.split(b"\n"):
         try:
-            row = json.loads(line)
-        except ValueError:
+            row = json.loads(line.decode("utf-8"))
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; nesting too deep
             continue
         if isinstance(row, dict) and len(row) == 1:
             (cid, text), = row.items()

@@ -17,7 +17,9 @@ The registry is a record log of the store's persistent tiers (``kv-indexes``: on
 ``{"root", "seen"}`` per ingest run; a disk tier's ``logs/`` folder, a Redis list), so every process
 over the store reads it. A reference is read from the other index's own files when it is needed, never
 kept as a count that could go stale: an index folder deleted without a collection (``rm -r``) pins
-nothing from then on. Its registry line goes once it is also older than ``DEFAULT_REGISTRY_STALE_S``
+nothing from then on. An index whose files are there but cannot be read (damaged, a link or FIFO where a
+file should be, oversized, unreadable) may reference anything: it keeps every text being collected until
+it can be read again, or is deleted. Its registry line goes once it is also older than ``DEFAULT_REGISTRY_STALE_S``
 (a folder on another machine is not visible here either: it pins nothing on this machine, and its line
 stays that long for the machines that see it).
 
@@ -30,10 +32,12 @@ very moment of the collection, whose KV it found stored (so it noted no intent),
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,12 +45,15 @@ from typing import Callable, Sequence
 
 from blend.defaults import DEFAULT_REGISTRY_STALE_S
 from blend.donor_records import CompactableLog, RecordLog
-from blend.retrieval.catalog import OPEN_RETRIES, Catalog
-from blend.retrieval.kv_intent import read_kv_intent
+from blend.prompt import is_unicode
+from blend.retrieval.catalog import OPEN_RETRIES
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.index_files import read_chunk_table, read_generation, read_meta
+from blend.retrieval.kv_intent import read_kv_intent_strict
 
 REGISTRY_LOG = "kv-indexes"  # the record log of the indexes over a store
+# a path nothing can be at (any other failure to look at one may hide an index: its references are kept)
+_GONE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG})
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +120,9 @@ class IndexRegistry:
         return [Registration(r, s) for r, s in sorted(latest.items()) if not self._retired(r, s)]
 
     def _retired(self, root: str, seen: float) -> bool:
-        """A folder not visible here (deleted, or on another machine) that no ingest registered for a while."""
-        return seen < self.clock() - self.stale_s and not os.path.isdir(root)
+        """A folder not visible here (deleted, or on another machine) that no ingest registered for a while
+        (one that cannot be looked at, e.g. behind a folder without search permission, is not retired)."""
+        return seen < self.clock() - self.stale_s and _is_folder(root) is False
 
     def held_elsewhere(self, root: str | os.PathLike[str], signature: str | None, texts: set[str]) -> set[str]:
         """Which of ``texts`` another registered index still references under this engine's keys.
@@ -130,9 +138,16 @@ class IndexRegistry:
         own = str(Path(root).expanduser().resolve())
         held: set[str] = set()
         for reg in self.registered():
-            if reg.root == own or not texts - held or not os.path.isdir(reg.root):
+            if reg.root == own or not texts - held:
                 continue
-            refs = index_references(Path(reg.root), texts)
+            state = _is_folder(reg.root)
+            if state is None:  # there may be an index there: keep whatever it may reference
+                log.warning("index %s: cannot be looked at; it keeps the chunk KV being collected", reg.root)
+                refs = IndexReferences("", frozenset(texts))
+            elif not state:
+                continue
+            else:
+                refs = index_references(Path(reg.root), texts)
             if signature is None or refs.signature in ("", signature):
                 held |= refs.texts
         return held
@@ -147,10 +162,18 @@ def index_references(root: Path, texts: set[str]) -> IndexReferences:
         texts: the texts asked about.
 
     Returns:
-        Its signature and the texts of ``texts`` it holds (none, with a warning, when its files are damaged).
+        Its signature and the texts of ``texts`` it holds; all of ``texts`` with an unknown signature (and a
+        warning) when its files are there but cannot be read (damaged, a link or FIFO, oversized,
+        unreadable): what it references is then unknown, so its KV stays (fail safe).
     """
-    held = set(read_kv_intent(root).values()) & texts
-    if not Catalog.exists(root):
+    try:
+        held = set(read_kv_intent_strict(root).values()) & texts
+    except RetrievalError as e:
+        return _unknown(root, e, texts)
+    current = _is_file(root / "CURRENT")
+    if current is None:
+        return _unknown(root, "CURRENT cannot be looked at", texts)
+    if not current:
         return IndexReferences("", frozenset(held))
     for attempt in range(OPEN_RETRIES + 1):
         gen = None  # a commit of that index may remove the generation being read: read the new one
@@ -161,9 +184,14 @@ def index_references(root: Path, texts: set[str]) -> IndexReferences:
             return IndexReferences(signature, frozenset(held))
         except RetrievalError as e:
             if attempt == OPEN_RETRIES or _generation(root) == gen:
-                log.warning("index %s: not read (%s); it keeps no chunk KV from collection", root, e)
-                return IndexReferences("", frozenset(held))
+                return _unknown(root, e, texts)
     raise AssertionError("unreachable")
+
+
+def _unknown(root: Path, why: object, texts: set[str]) -> IndexReferences:
+    """What an index whose files cannot be read references: maybe any of ``texts``, under any signature."""
+    log.warning("index %s: not read (%s); it keeps the chunk KV being collected", root, why)
+    return IndexReferences("", frozenset(texts))
 
 
 def _generation(root: Path) -> Path | None:
@@ -173,18 +201,47 @@ def _generation(root: Path) -> Path | None:
         return None
 
 
+def _is_folder(root: str) -> bool | None:
+    """Whether ``root`` is a folder (following links); None when that cannot be told (a permission error,
+    an I/O error: an index may be there)."""
+    try:
+        return stat.S_ISDIR(os.stat(root).st_mode)
+    except OSError as e:
+        return False if e.errno in _GONE else None
+    except ValueError:  # a NUL or a lone surrogate in it: no folder has that name
+        return False
+
+
+def _is_file(path: Path) -> bool | None:
+    """Whether anything is at ``path`` (a link not followed); None when that cannot be told."""
+    try:
+        os.lstat(path)
+        return True
+    except OSError as e:
+        return False if e.errno in _GONE else None
+    except ValueError:
+        return False
+
+
 def _parse(lines: list[bytes]) -> dict[str, float]:
     """The latest ``seen`` per folder of a registry log's lines (a line that is not one is skipped)."""
     out: dict[str, float] = {}
     for line in lines:
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; nesting too deep
             continue
         if not isinstance(row, dict):
             continue
         root, seen = row.get("root"), row.get("seen")
-        if (isinstance(root, str) and os.path.isabs(root) and isinstance(seen, (int, float))
-                and not isinstance(seen, bool) and math.isfinite(seen)):
-            out[root] = max(float(seen), out.get(root, float(seen)))
+        if not (isinstance(root, str) and os.path.isabs(root) and is_unicode(root)):  # rewritable as UTF-8
+            continue
+        if type(seen) not in (int, float):  # (not a bool)
+            continue
+        try:
+            seen = float(seen)
+        except OverflowError:  # a whole number past a float's range
+            continue
+        if math.isfinite(seen):
+            out[root] = max(seen, out.get(root, seen))
     return out

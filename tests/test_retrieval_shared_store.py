@@ -5,6 +5,8 @@ deleted without a collection pins nothing."""
 from __future__ import annotations
 
 import io
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from blend.retrieval.chunker import ChunkerConfig
 from blend.retrieval.engine_kv import canonical_chunk_key, engine_kv_sync
 from blend.retrieval.ingest import ingest
 from blend.retrieval.ingest_options import IngestOptions
+from blend.retrieval.kv_intent import INTENT_FILE
 from blend.retrieval.registry import REGISTRY_LOG, IndexRegistry
 from blend.retrieval.testing import HashEmbedder
 from blend.store.disk import DiskStore
@@ -130,3 +133,66 @@ def test_the_registry_lives_in_a_redis_tier_too(redis_url, tmp_path):
         assert [r.root for r in IndexRegistry([redis]).registered()] == [str(a), str(b)]
     finally:
         redis.clear()
+
+
+def _chunk_table(index: Path) -> Path:
+    return index / (index / "CURRENT").read_text().strip() / "chunks.jsonl"
+
+
+@pytest.mark.parametrize("damage", ["garbage", "fifo", "link"])
+def test_another_index_whose_files_cannot_be_read_keeps_the_kv(engine, tmp_path, damage):
+    # a damaged index referenced nothing: A's collection deleted the KV of a chunk B still holds (fail safe:
+    # what an index that cannot be read references is unknown, so its KV stays until it is read or deleted)
+    docs_a = corpus(tmp_path / "docs-a", shared=SHARED, own=OWN_A)
+    docs_b = corpus(tmp_path / "docs-b", shared=SHARED, own=OWN_B)
+    run(engine, docs_a, tmp_path / "idx-a")
+    run(engine, docs_b, tmp_path / "idx-b")
+    table = _chunk_table(tmp_path / "idx-b")
+    table.unlink()
+    if damage == "garbage":
+        table.write_bytes(b"\x00not a chunk table\n")
+    elif damage == "fifo":
+        os.mkfifo(table)
+    else:
+        table.symlink_to("/dev/zero")
+    (docs_a / "shared.txt").unlink()
+    s = run(engine, docs_a, tmp_path / "idx-a")
+    assert (s.gc_collected, s.gc_pending) == (0, 1) and stored(engine, SHARED)
+    shutil.rmtree(tmp_path / "idx-b")  # deleted: it references nothing any more
+    s = run(engine, docs_a, tmp_path / "idx-a")
+    assert (s.gc_collected, s.gc_pending) == (1, 0) and not stored(engine, SHARED)
+
+
+def test_an_unreadable_intent_log_of_another_index_keeps_the_kv(engine, tmp_path):
+    # B's ingest (killed, or running now) noted the shared chunk in its intent log, which is not a regular
+    # file: it was read as empty and A's collection deleted the KV B is writing
+    docs_a = corpus(tmp_path / "docs-a", shared=SHARED, own=OWN_A)
+    docs_b = corpus(tmp_path / "docs-b", own=OWN_B)
+    run(engine, docs_a, tmp_path / "idx-a")
+    run(engine, docs_b, tmp_path / "idx-b")
+    noted = tmp_path / "noted.jsonl"
+    noted.write_text(json.dumps({"0" * 64: SHARED}) + "\n")
+    (tmp_path / "idx-b" / INTENT_FILE).symlink_to(noted)
+    (docs_a / "shared.txt").unlink()
+    s = run(engine, docs_a, tmp_path / "idx-a")
+    assert (s.gc_collected, s.gc_pending) == (0, 1) and stored(engine, SHARED)
+
+
+def test_a_registered_folder_that_cannot_be_looked_at_keeps_the_kv(tmp_path, monkeypatch):
+    # os.path.isdir is False on a permission error: an index behind a folder this user cannot search
+    # referenced nothing (and its registration went after the stale time)
+    hidden = tmp_path / "hidden" / "idx"
+    now = [1000.0]
+    reg = IndexRegistry([DiskStore(tmp_path / "store", fsync=False)], stale_s=10.0, clock=lambda: now[0])
+    reg.register(hidden)
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if os.fspath(path).startswith(str(tmp_path / "hidden")):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert reg.held_elsewhere(tmp_path / "idx-a", "sig", {"a text"}) == {"a text"}
+    now[0] += 100
+    assert [r.root for r in reg.registered()] == [str(hidden)]  # never retired while it cannot be looked at
