@@ -41,11 +41,10 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 from blend.defaults import DEFAULT_REGISTRY_STALE_S
 from blend.donor_records import CompactableLog, RecordLog
-from blend.prompt import is_unicode
 from blend.retrieval.catalog import OPEN_RETRIES
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.index_files import read_chunk_table, read_generation, read_meta
@@ -56,6 +55,14 @@ REGISTRY_LOG = "kv-indexes"  # the record log of the indexes over a store
 _GONE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG})
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class CheckedLog(Protocol):
+    """A record log that tells an absent log from one it could not read (disk and Redis tiers)."""
+
+    def read_records_checked(self, log: str) -> list[bytes] | None:
+        """Every record of ``log`` (empty if there is none); None when it is there but was not read."""
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,7 @@ class IndexRegistry:
         Args:
             root: the index folder.
         """
-        line = json.dumps({"root": str(Path(root).expanduser().resolve()), "seen": self.clock()},
-                          ensure_ascii=False).encode("utf-8")
+        line = _row(str(Path(root).expanduser().resolve()), self.clock())
         for tier in self.tiers:
             tier.append_record(REGISTRY_LOG, line)
 
@@ -104,20 +110,29 @@ class IndexRegistry:
         no index here from each tier's log.
 
         Returns:
-            The registrations, by folder.
+            The registrations, by folder (those of the logs that could be read).
         """
+        return self._read()[0]
+
+    def _read(self) -> tuple[list[Registration], bool]:
+        """(:meth:`registered`, whether every tier's log was read: False when one is there but could not
+        be, e.g. a FIFO or link at its path, oversized, or its Redis server down)."""
         latest: dict[str, float] = {}
+        complete = True
         for tier in self.tiers:
-            lines = tier.read_records(REGISTRY_LOG)
+            lines = (tier.read_records_checked(REGISTRY_LOG) if isinstance(tier, CheckedLog)
+                     else tier.read_records(REGISTRY_LOG))
+            if lines is None:
+                complete = False
+                continue
             mine = _parse(lines)
             for root, seen in mine.items():
                 latest[root] = max(seen, latest.get(root, seen))
             keep = {r: s for r, s in mine.items() if not self._retired(r, s)}
-            rows = [json.dumps({"root": r, "seen": s}, ensure_ascii=False).encode("utf-8")
-                    for r, s in sorted(keep.items())]
+            rows = [_row(r, s) for r, s in sorted(keep.items())]
             if len(rows) < len(lines) and isinstance(tier, CompactableLog):  # duplicates or retired lines
                 tier.rewrite_records(REGISTRY_LOG, lines, rows)  # (a concurrent append keeps the old log)
-        return [Registration(r, s) for r, s in sorted(latest.items()) if not self._retired(r, s)]
+        return [Registration(r, s) for r, s in sorted(latest.items()) if not self._retired(r, s)], complete
 
     def _retired(self, root: str, seen: float) -> bool:
         """A folder not visible here (deleted, or on another machine) that no ingest registered for a while
@@ -136,8 +151,12 @@ class IndexRegistry:
             The texts whose KV must stay.
         """
         own = str(Path(root).expanduser().resolve())
+        registrations, complete = self._read()
+        if not complete:  # an index registered only there may reference any of them
+            log.warning("the index registry of the store could not be read; the chunk KV being collected stays")
+            return set(texts)
         held: set[str] = set()
-        for reg in self.registered():
+        for reg in registrations:
             if reg.root == own or not texts - held:
                 continue
             state = _is_folder(reg.root)
@@ -194,6 +213,15 @@ def _unknown(root: Path, why: object, texts: set[str]) -> IndexReferences:
     return IndexReferences("", frozenset(texts))
 
 
+def _is_path(root: str) -> bool:
+    """Whether ``root`` names a path of this file system (a lone surrogate that is no escaped byte does not)."""
+    try:
+        os.fsencode(root)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _generation(root: Path) -> Path | None:
     try:
         return read_generation(root)
@@ -223,6 +251,11 @@ def _is_file(path: Path) -> bool | None:
         return False
 
 
+def _row(root: str, seen: float) -> bytes:
+    """A registry line (ASCII: a folder name that is not UTF-8 is kept as its escaped surrogates)."""
+    return json.dumps({"root": root, "seen": seen}).encode("ascii")
+
+
 def _parse(lines: list[bytes]) -> dict[str, float]:
     """The latest ``seen`` per folder of a registry log's lines (a line that is not one is skipped)."""
     out: dict[str, float] = {}
@@ -234,7 +267,7 @@ def _parse(lines: list[bytes]) -> dict[str, float]:
         if not isinstance(row, dict):
             continue
         root, seen = row.get("root"), row.get("seen")
-        if not (isinstance(root, str) and os.path.isabs(root) and is_unicode(root)):  # rewritable as UTF-8
+        if not (isinstance(root, str) and os.path.isabs(root) and _is_path(root)):
             continue
         if type(seen) not in (int, float):  # (not a bool)
             continue

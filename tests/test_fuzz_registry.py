@@ -81,7 +81,7 @@ def test_a_registry_log_of_any_lines_gives_registrations(lines: list[bytes]) -> 
         again = IndexRegistry([log], clock=lambda: 2e9).registered()  # over the compacted log
     assert regs == again
     for r in regs:
-        assert os.path.isabs(r.root) and r.root.encode("utf-8") and isinstance(r.seen, float)
+        assert os.path.isabs(r.root) and os.fsencode(r.root) and isinstance(r.seen, float)
 
 
 @FUZZ

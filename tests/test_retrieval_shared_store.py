@@ -196,3 +196,42 @@ def test_a_registered_folder_that_cannot_be_looked_at_keeps_the_kv(tmp_path, mon
     assert reg.held_elsewhere(tmp_path / "idx-a", "sig", {"a text"}) == {"a text"}
     now[0] += 100
     assert [r.root for r in reg.registered()] == [str(hidden)]  # never retired while it cannot be looked at
+
+
+@pytest.mark.parametrize("damage", ["fifo", "link", "oversized"])
+def test_a_registry_log_that_cannot_be_read_keeps_the_kv(tmp_path, monkeypatch, damage):
+    # a registry log that is there but was not read (a FIFO or link at its path, oversized) was read as no
+    # registration: a collection then deleted the KV of every other index's chunks
+    import blend.store.record_logs as record_logs
+
+    disk = DiskStore(tmp_path / "store", fsync=False)
+    other = tmp_path / "idx-b"
+    other.mkdir()
+    IndexRegistry([disk]).register(other)
+    path = tmp_path / "store" / "logs" / f"{REGISTRY_LOG}.jsonl"
+    if damage == "oversized":
+        monkeypatch.setattr(record_logs, "MAX_LOG_BYTES", 8)
+    else:
+        path.unlink()
+        os.mkfifo(path) if damage == "fifo" else path.symlink_to(tmp_path / "elsewhere.jsonl")
+    assert IndexRegistry([disk]).held_elsewhere(tmp_path / "idx-a", "sig", {"a", "b"}) == {"a", "b"}
+    assert IndexRegistry([disk]).registered() == []  # what it lists: nothing it could read
+
+
+def test_a_redis_registry_that_cannot_be_read_keeps_the_kv(tmp_path):
+    from blend.store.redis_store import RedisStore
+
+    down = RedisStore("redis://127.0.0.1:1/0", prefix="kvb-down", connect_timeout_s=0.2, socket_timeout_s=0.2)
+    assert IndexRegistry([down]).held_elsewhere(tmp_path / "idx-a", "sig", {"a"}) == {"a"}
+
+
+def test_an_index_folder_whose_name_is_not_utf8_registers_and_is_referenced(engine, tmp_path):
+    # register() encoded the folder's name as UTF-8: an --index path of other bytes (Latin-1 'café', read
+    # as surrogate escapes) crashed every ingest with UnicodeEncodeError
+    docs_a = corpus(tmp_path / "docs-a", shared=SHARED, own=OWN_A)
+    docs_b = corpus(tmp_path / "docs-b", shared=SHARED, own=OWN_B)
+    run(engine, docs_a, tmp_path / "idx-a")
+    run(engine, docs_b, Path(os.fsdecode(bytes(tmp_path / "caf") + b"\xe9")))
+    (docs_a / "shared.txt").unlink()
+    s = run(engine, docs_a, tmp_path / "idx-a")
+    assert (s.gc_collected, s.gc_pending) == (0, 1) and stored(engine, SHARED)

@@ -263,6 +263,10 @@ class DiskStore:
         """See :meth:`DiskRecordLogs.read` (complete lines; bounded; never a FIFO)."""
         return self._logs.read(log_name)
 
+    def read_records_checked(self, log_name: str) -> list[bytes] | None:
+        """See :meth:`DiskRecordLogs.read_checked` (None: the log is there but was not read)."""
+        return self._logs.read_checked(log_name)
+
     def has_records(self, log_name: str) -> bool:
         """See :meth:`DiskRecordLogs.has` (a stat, never a read)."""
         return self._logs.has(log_name)

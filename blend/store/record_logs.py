@@ -118,13 +118,29 @@ class DiskRecordLogs:
         """Complete lines of the log (empty, with a warning, if unreadable or irregular; an oversized log is
         trimmed to its newest records first, see :meth:`_trim`)."""
         try:
-            data = safeio.read_regular(self.path(name), MAX_LOG_BYTES)
-        except FileNotFoundError:
-            return []
+            return self._read(name)
         except safeio.FileTooLargeError:
             return self._trim(name)
         except OSError as e:  # safeio.UnsafeFileError too: a FIFO or a link
             log.warning("disk store: cannot read log %s: %s", name, e)
+            return []
+
+    def read_checked(self, name: str) -> list[bytes] | None:
+        """:meth:`read`, telling an absent log (empty) from one that is there but was not read whole (None,
+        with a warning: a FIFO, a link, unreadable; or oversized: trimmed now, its older records dropped)."""
+        try:
+            return self._read(name)
+        except safeio.FileTooLargeError:
+            self._trim(name)
+            return None
+        except OSError as e:  # safeio.UnsafeFileError too: a FIFO or a link
+            log.warning("disk store: cannot read log %s: %s", name, e)
+            return None
+
+    def _read(self, name: str) -> list[bytes]:
+        try:
+            data = safeio.read_regular(self.path(name), MAX_LOG_BYTES)
+        except FileNotFoundError:
             return []
         return complete_lines(data)
 

@@ -101,6 +101,16 @@ class RedisRecordLogs:
         the server's own size figure is checked before the first). A list holding more than
         ``MAX_LOG_BYTES`` is trimmed to its newest records (:func:`trim_log`), with a warning that older
         records were dropped, and those are returned."""
+        return self._read(name)[0]
+
+    def read_checked(self, name: str) -> list[bytes] | None:
+        """:meth:`read`, but None when the list was not read whole: the server is down or refused the call,
+        or the list was oversized (trimmed now, its older records dropped)."""
+        lines, whole = self._read(name)
+        return lines if whole else None
+
+    def _read(self, name: str) -> tuple[list[bytes], bool]:
+        """(:meth:`read`'s records, whether they are the whole list)."""
         rk = self.key(name)
         client = self.link.client
 
@@ -124,12 +134,13 @@ class RedisRecordLogs:
                 start += LOG_PAGE
 
         try:
-            return self.link.call("read_records", bounded, [])
+            got = self.link.call("read_records", bounded, None)
         except OversizedLogError as e:
             kept = self.link.call("read_records", lambda: trim_log(client, rk), [])
             log.warning("redis store %s: log %s holds %d bytes, over %d: kept its newest %d records; older records "
                         "were dropped", self.link.url, name, e.size, MAX_LOG_BYTES, len(kept))
-            return kept
+            return kept, False
+        return ([], False) if got is None else (got, True)
 
     def has(self, name: str) -> bool:
         """Whether the list ``<prefix>:log:<name>`` exists (False while the server is down)."""

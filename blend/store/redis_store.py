@@ -114,6 +114,10 @@ class RedisStore:
         """Every record of the log, bounded (see :meth:`RedisRecordLogs.read`)."""
         return self._logs.read(log_name)
 
+    def read_records_checked(self, log_name: str) -> list[bytes] | None:
+        """See :meth:`RedisRecordLogs.read_checked` (None: the list was not read whole)."""
+        return self._logs.read_checked(log_name)
+
     def has_records(self, log_name: str) -> bool:
         """Whether the log exists (False while the server is down; see :meth:`RedisRecordLogs.has`)."""
         return self._logs.has(log_name)
