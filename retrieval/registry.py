@@ -6,9 +6,9 @@ dropped, it asks the store's registry which other indexes still reference them::
 
     ingest of A:  register A ──► ... ──► collect: for every other registered index B,
                                           B references text T  <=>  B's folder is an index here, T is in
-                                          B's committed chunk table or B's intent log (an ingest of B
-                                          writing T's KV now), and B's KV signature is A's or unknown
-                                          ("": B's KV may be keyed as A's)
+                                          B's intent log (an ingest of B writing T's KV now, under any
+                                          signature), or T is in B's committed chunk table and B's KV
+                                          signature is A's or unknown ("": B's KV may be keyed as A's)
                                           -> T's KV stays and T stays pending in A: a later collection
                                              (A's, or B's once B drops T) deletes it when no index
                                              references T any more
@@ -78,7 +78,10 @@ class IndexReferences:
     """What another index references: its recorded KV signature and the chunk texts asked about it holds."""
 
     signature: str  # "" when unknown (no committed generation, or its chunks went in without KV)
-    texts: frozenset[str]
+    texts: frozenset[str]  # held in its committed chunk table, under ``signature``
+    # in its intent log: an ingest writing their KV now, under its engine's signature, which the committed
+    # one need not be (a run under another system prompt records its signature only when it commits)
+    intended: frozenset[str] = frozenset()
 
 
 class IndexRegistry:
@@ -162,11 +165,12 @@ class IndexRegistry:
             state = _is_folder(reg.root)
             if state is None:  # there may be an index there: keep whatever it may reference
                 log.warning("index %s: cannot be looked at; it keeps the chunk KV being collected", reg.root)
-                refs = IndexReferences("", frozenset(texts))
+                refs = IndexReferences("", frozenset(texts), frozenset(texts))
             elif not state:
                 continue
             else:
                 refs = index_references(Path(reg.root), texts)
+            held |= refs.intended
             if signature is None or refs.signature in ("", signature):
                 held |= refs.texts
         return held
@@ -181,26 +185,26 @@ def index_references(root: Path, texts: set[str]) -> IndexReferences:
         texts: the texts asked about.
 
     Returns:
-        Its signature and the texts of ``texts`` it holds; all of ``texts`` with an unknown signature (and a
-        warning) when its files are there but cannot be read (damaged, a link or FIFO, oversized,
+        Its signature, the texts of ``texts`` its chunk table holds and those its intent log notes; all of
+        ``texts`` (both) with an unknown signature (and a warning) when its files are there but cannot be read (damaged, a link or FIFO, oversized,
         unreadable): what it references is then unknown, so its KV stays (fail safe).
     """
     try:
-        held = set(read_kv_intent_strict(root).values()) & texts
+        intended = frozenset(set(read_kv_intent_strict(root).values()) & texts)
     except RetrievalError as e:
         return _unknown(root, e, texts)
     current = _is_file(root / "CURRENT")
     if current is None:
         return _unknown(root, "CURRENT cannot be looked at", texts)
     if not current:
-        return IndexReferences("", frozenset(held))
+        return IndexReferences("", frozenset(), intended)
     for attempt in range(OPEN_RETRIES + 1):
         gen = None  # a commit of that index may remove the generation being read: read the new one
         try:
             gen = read_generation(root)
             signature = read_meta(gen / "meta.json").kv_signature
-            held |= {r.text for r in read_chunk_table(gen / "chunks.jsonl").values()} & texts
-            return IndexReferences(signature, frozenset(held))
+            held = {r.text for r in read_chunk_table(gen / "chunks.jsonl").values()} & texts
+            return IndexReferences(signature, frozenset(held), intended)
         except RetrievalError as e:
             if attempt == OPEN_RETRIES or _generation(root) == gen:
                 return _unknown(root, e, texts)
@@ -210,7 +214,7 @@ def index_references(root: Path, texts: set[str]) -> IndexReferences:
 def _unknown(root: Path, why: object, texts: set[str]) -> IndexReferences:
     """What an index whose files cannot be read references: maybe any of ``texts``, under any signature."""
     log.warning("index %s: not read (%s); it keeps the chunk KV being collected", root, why)
-    return IndexReferences("", frozenset(texts))
+    return IndexReferences("", frozenset(texts), frozenset(texts))
 
 
 def _is_path(root: str) -> bool:

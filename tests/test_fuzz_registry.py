@@ -146,15 +146,16 @@ def other(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, set[str]]:
     return root / "idx", texts
 
 
-def _readable(root: Path) -> tuple[str, set[str]] | None:
-    """(signature, texts) of ``root`` read by the strict readers one by one; None when any refuses."""
+def _readable(root: Path) -> tuple[str, set[str], set[str]] | None:
+    """(signature, table texts, intended texts) of ``root`` read by the strict readers one by one; None when
+    any refuses."""
     try:
-        held = set(read_kv_intent_strict(root).values())
+        intended = set(read_kv_intent_strict(root).values())
         if not os.path.lexists(root / "CURRENT"):
-            return "", held
+            return "", set(), intended
         gen = read_generation(root)
-        return read_meta(gen / "meta.json").kv_signature, held | {
-            r.text for r in read_chunk_table(gen / "chunks.jsonl").values()}
+        return (read_meta(gen / "meta.json").kv_signature,
+                {r.text for r in read_chunk_table(gen / "chunks.jsonl").values()}, intended)
     except RetrievalError:
         return None
 
@@ -194,7 +195,21 @@ def test_another_index_is_read_as_it_is_or_keeps_every_text(other: tuple[Path, s
             root.parent / "collector", SIGNATURE, asked)
     read = _readable(root)
     if read is None:  # cannot be read: every text keeps its KV
-        assert (refs.signature, refs.texts) == ("", asked) and held == asked
+        assert (refs.signature, refs.texts, refs.intended) == ("", asked, asked) and held == asked
     else:
-        assert (refs.signature, set(refs.texts)) == (read[0], read[1] & asked)
-        assert held == (set(refs.texts) if refs.signature in ("", SIGNATURE) else set())
+        assert (refs.signature, set(refs.texts), set(refs.intended)) == (read[0], read[1] & asked, read[2] & asked)
+        assert held == set(refs.intended) | (set(refs.texts) if refs.signature in ("", SIGNATURE) else set())
+
+
+def test_a_text_another_index_is_writing_under_another_signature_keeps_its_kv(tmp_path: Path) -> None:
+    # the intent log counted only under the other index's committed signature: a run of B under A's engine
+    # (B's meta still naming its earlier one) wrote a new chunk's KV under A's keys, and A's collection
+    # deleted it before B's commit
+    other = tmp_path / "idx-b"
+    cat = Catalog.open(other, _meta())
+    cat.record_kv_signature("sig-earlier")
+    cat.commit()
+    Catalog.open(other).note_kv_intent({"a" * 64: "a text B is adding"})
+    reg = IndexRegistry([ListLog([])])
+    reg.register(other)
+    assert reg.held_elsewhere(tmp_path / "idx-a", "sig-a", {"a text B is adding", "x"}) == {"a text B is adding"}
