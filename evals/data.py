@@ -124,7 +124,9 @@ def _decode(path: Path) -> list[tuple[Any, str]]:
             raise DataError(f"{path}: invalid JSON: {type(e).__name__}: {str(e)[:200]}") from None
         return [(r, "") for r in data]
     out = []
-    for lineno, line in enumerate(raw.splitlines(), start=1):
+    # lines end at "\n" only: str.splitlines also cuts at U+2028, U+2029, U+0085 ..., which a passage's text may
+    # hold unescaped (json.dumps(ensure_ascii=False) writes them so), and the record was refused as bad JSON
+    for lineno, line in enumerate(raw.split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -31,6 +31,17 @@ def test_json_and_jsonl_load_the_same(tmp_path):
     assert a[1].answers == ("b", "c") and a[0].document_texts() == ["T\nbody", "other"]
 
 
+@pytest.mark.parametrize("sep", ["\u2028", "\u2029", "\x85"])
+def test_a_jsonl_passage_holding_a_unicode_line_break_loads(tmp_path, sep):
+    # str.splitlines cut the line at the separator (json.dumps(ensure_ascii=False) leaves it unescaped): a
+    # valid file was refused as invalid JSON
+    rec = dict(GOOD, ctxs=[{"title": "T", "text": f"one{sep}two"}], question=f"q{sep}?")
+    text = json.dumps(rec, ensure_ascii=False) + "\r\n" + json.dumps(GOOD, ensure_ascii=False) + "\n"
+    items = load_file(_write(tmp_path, text, "u.jsonl"))
+    assert items[0].question == f"q{sep}?" and items[0].document_texts() == [f"T\none{sep}two"]
+    assert (items[1].question, items[1].documents) == (GOOD["question"], load_file(_write(tmp_path, [GOOD]))[0].documents)
+
+
 @pytest.mark.parametrize(
     "bad, needle",
     [
