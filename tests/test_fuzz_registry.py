@@ -213,3 +213,17 @@ def test_a_text_another_index_is_writing_under_another_signature_keeps_its_kv(tm
     reg = IndexRegistry([ListLog([])])
     reg.register(other)
     assert reg.held_elsewhere(tmp_path / "idx-a", "sig-a", {"a text B is adding", "x"}) == {"a text B is adding"}
+
+
+@FUZZ
+@given(content=st.binary(max_size=400) | registry_lines.map(lambda lines: b"\n".join(lines)))
+def test_a_disk_registry_file_of_any_bytes(tmp_path_factory: pytest.TempPathFactory, content: bytes) -> None:
+    disk = DiskStore(tmp_path_factory.mktemp("store"), fsync=False)
+    (disk.root / "logs").mkdir()
+    (disk.root / "logs" / f"{REGISTRY_LOG}.jsonl").write_bytes(content)
+    with bounded():
+        regs = IndexRegistry([disk], clock=lambda: 2e9).registered()
+        held = IndexRegistry([disk], clock=lambda: 2e9).held_elsewhere(disk.root / "idx", None, {"t"})
+    assert all(os.path.isabs(r.root) for r in regs) and held <= {"t"}
+    IndexRegistry([disk]).register(disk.root / "idx")  # the log stays appendable and readable
+    assert str((disk.root / "idx").resolve()) in {r.root for r in IndexRegistry([disk]).registered()}
