@@ -45,8 +45,8 @@ from blend.engine import Engine
 from blend.evals.data import load_item_range
 from blend.evals.methods import MethodKind, Method, parse_method, split_specs
 from blend.evals.metrics import kl_cells, kl_divergence, mean, median, percentile, top1_agree
-from blend.evals.report import NEAR_TIE_NATS, has_splits, split_of
-from blend.evals.splits import parse_item_range
+from blend.evals.report import NEAR_TIE_NATS
+from blend.evals.splits import has_splits, parse_item_range, split_of
 from blend.policy import ReusePolicy
 from blend.probe import top2_margin
 from blend.report import ReuseReport
