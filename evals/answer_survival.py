@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from blend import safeio
 from blend.evals.metrics import bootstrap_ci
 from blend.evals.methods import REFERENCE
+from blend.evals.plot import run_title
 from blend.evals.rows import ItemRow
 
 # the answer lengths (tokens) results.md shows a share for; the plot draws every k up to the longest answer
@@ -162,6 +163,7 @@ def write_plot(results: dict[str, Any], path: Path) -> Path | None:
     ax.set_xlabel("answer tokens k")
     ax.set_ylabel("share of answers whose first k tokens are full's")
     ax.set_ylim(0, 1.02)
+    ax.set_title(run_title(results), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -30,8 +30,7 @@ from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.metrics import kl_cells, kl_divergence, top1_agree
-from blend.evals.report import split_of  # tuning 0-29, validation 30-99, other past them
-from blend.evals.splits import parse_item_range
+from blend.evals.splits import parse_item_range, split_of  # tuning 0-29, validation 30-99, other past them
 from blend.policy import ReusePolicy
 from blend.store.memory import MemoryStore
 from blend import safeio

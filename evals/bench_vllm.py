@@ -66,19 +66,32 @@ def _orders(n_docs: int, k: int, seed: int) -> list[list[int]]:
 
 def plot(out: Path) -> Path | None:
     """Bar chart of the TTFT ratio to full prefill per mode, one and N concurrent requests, from
-    every ``<engine>.json`` in ``out`` (either run may be missing). Returns the PNG's path."""
+    every ``<engine>.json`` in ``out`` (either run may be missing). Returns the PNG's path.
+
+    The concurrent bars and their legend take N from the runs' own ``clients``; a mode without a
+    concurrent round (``--concurrent 0``) gets no second bar. The title names the runs' items and
+    their median prompt length.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     bars: list[tuple[str, float, float | None]] = []  # label, ratio at 1, ratio at N
+    clients: set[int] = set()
+    items: set[str] = set()
+    data: set[str] = set()
+    tokens: list[int] = []
     for engine, label in (("vllm", "vLLM"), ("kvblend", "vLLM + kvblend")):
         f = out / f"{engine}.json"
         if not f.exists():
             continue
         d = json.loads(f.read_text())
         conc = {c["mode"]: c["ratio"] for c in d.get("concurrent", [])}
+        clients.update(int(c["clients"]) for c in d.get("concurrent", []) if "clients" in c)
+        items.add(str(d.get("env", {}).get("items", "?")))
+        data.add(Path(str(d.get("env", {}).get("data", DEFAULT_EVAL_DATA))).stem)  # older runs: the default
+        tokens += [r["tokens"] for r in d["rows"] if "tokens" in r]
         for mode in dict.fromkeys(r["mode"] for r in d["rows"] if r["mode"] != "full"):
             one = statistics.median(r["ratio"] for r in d["rows"] if r["mode"] == mode)
             bars.append((f"{label}\n{mode}", one, conc.get(mode)))
@@ -86,13 +99,18 @@ def plot(out: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 3.6))
     x = range(len(bars))
-    ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="1 request")
-    ax.bar([i + 0.2 for i in x], [b[2] or 0 for b in bars], 0.4, label="4 concurrent")
+    ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="1 request (median)")
+    both = [(i + 0.2, b[2]) for i, b in zip(x, bars) if b[2] is not None]
+    if both:
+        n = "/".join(str(c) for c in sorted(clients)) or "N"
+        ax.bar([p for p, _ in both], [r for _, r in both], 0.4, label=f"{n} concurrent (the batch's wall time)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(0.35, color="red", lw=0.8, ls="--", label="target 0.35x")
     ax.set_xticks(list(x), [b[0] for b in bars], fontsize=8)
     ax.set_ylabel("TTFT / vLLM full prefill")
-    ax.set_title("Reordered documents (musique, 5 passages, ~3k tokens)", fontsize=9)
+    size = f", median {statistics.median(tokens):.0f} tokens" if tokens else ""
+    ax.set_title(f"Reordered documents ({', '.join(sorted(data))}, 5 passages, items {', '.join(sorted(items))}{size})",
+                 fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "vllm.png"
@@ -248,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(torch_threads=torch.get_num_threads(), engine=args.engine, items=args.items, repeats=args.repeats,
+    env = dict(torch_threads=torch.get_num_threads(), engine=args.engine, data=args.data, items=args.items,
+               repeats=args.repeats,
                omp_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
     safeio.atomic_write_text(out / f"{args.engine}.json",
                              json.dumps(dict(env=env, rows=rows, concurrent=conc), indent=1))

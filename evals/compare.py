@@ -24,11 +24,12 @@ from typing import Any, Sequence
 from blend.evals.plot import draw_methods, series
 from blend.evals.report import best_by_budget
 from blend.evals.results_schema import SchemaError, validate_results
+from blend.evals.splits import items_caption
 from blend import safeio
 
 LINESTYLES = ("-", "--", ":", "-.")
-FIELDS = {"kl": "KL(full || method), first token", "tf_agreement": "teacher-forced agreement with full",
-          "f1": "F1 vs gold", "agreement": "answer agreement with full", "top1": "top-1 agreement with full"}
+FIELDS = {"kl": "mean KL(full || method), first token (nats)", "tf_agreement": "teacher-forced agreement with full",
+          "f1": "mean F1 vs gold", "agreement": "share of answers equal to full's", "top1": "top-1 agreement with full"}
 
 
 @dataclass(frozen=True)
@@ -127,18 +128,23 @@ def write_comparison(runs: Sequence[Run], path: Path, fields: Sequence[str] = ("
                          suffix=f", {run.label}", ref_alpha=1.0 if style == "-" else 0.5, ref_size=60)
         if xmax is not None:
             ax.set_xlim(0.0, xmax)
-        ax.set_xlabel("TTFT / full prefill TTFT (same item, same process)")
+        ax.set_xlabel("TTFT / full prefill TTFT (same item, same process; median over items)")
         ax.set_title(FIELDS[field])
         ax.grid(alpha=0.3)
     handles, names = axes[0][0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, names, loc="lower center", ncol=min(len(names), 4), fontsize=8)
     model = runs[0].results["model"]["name"] if runs else ""
-    fig.suptitle(f"{model}: " + " vs ".join(r.label for r in runs), fontsize=10)
+    fig.suptitle(f"{model}: " + " vs ".join(f"{r.label} ({_items(r)})" for r in runs), fontsize=10)
     rows = -(-len(handles) // 4) if handles else 0
     fig.tight_layout(rect=(0, min(0.4, 0.045 * rows + 0.02), 1, 0.95))
     safeio.save_figure(fig, path, dpi=110)
     plt.close(fig)
+
+
+def _items(run: Run) -> str:
+    """A run's item range and split (``items 30-99 (70 items), validation split``)."""
+    return items_caption(run.results.get("config", {}).get("data"), [int(i["index"]) for i in run.results["items"]])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,8 +25,10 @@ from typing import Sequence
 from blend import safeio
 from blend.defaults import DEFAULT_GUARD_MARGIN
 from blend.evals import metrics as M
+from blend.evals.harness import MAX_RUN_FILE_BYTES, RUN_FILE
 from blend.evals.methods import Method, MethodError, MethodKind, parse_method
 from blend.evals.rows import ItemRow, MethodRow, RowError
+from blend.evals.splits import items_caption
 
 # what two rows of one item may differ by in their first pass's gap and still be the same first pass
 # (the eval's JSON keeps floats exactly; a run resumed on another host could round differently)
@@ -114,6 +116,26 @@ def guard_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
         if off is not None:
             pairs.append((n, off))
     return pairs
+
+
+def run_caption(run: Path, rows: Sequence[ItemRow]) -> str:
+    """The run's items and their split as results.md names them (``items 30-99 (70 items), validation split``),
+    the data read from the run's ``run.json``; without a readable one, the item count alone.
+
+    Args:
+        run: a ``kvblend eval`` output folder.
+        rows: its item rows.
+
+    Returns:
+        The caption.
+    """
+    try:
+        data = json.loads(safeio.read_regular(run / RUN_FILE, MAX_RUN_FILE_BYTES).decode("utf-8"))["identity"]["data"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # no run.json, or not a run's settings
+        data = None
+    if not isinstance(data, str):
+        return f"{len(rows)} items"
+    return items_caption(data, [r.index for r in rows])
 
 
 def read_rows(run: Path) -> list[ItemRow]:
@@ -220,16 +242,17 @@ def table_lines(points: Sequence[CurvePoint]) -> list[str]:
     return lines
 
 
-def write_markdown(points: Sequence[CurvePoint], items: int, guarded: str, off: str, path: Path) -> None:
-    """``guard_curve.md``: a row per margin."""
-    lines = [f"# The near-tie guard by margin ({items} items)", "",
+def write_markdown(points: Sequence[CurvePoint], items: str, guarded: str, off: str, path: Path) -> None:
+    """``guard_curve.md``: a row per margin, under a title naming ``items`` (:func:`run_caption`)."""
+    lines = [f"# The near-tie guard by margin ({items})", "",
              f"Guarded `{guarded}`, unguarded `{off}`: at margin m an item is the guarded row where its first",
              "pass's top-2 gap is under m, else the unguarded row.", "", *table_lines(points)]
     safeio.atomic_write_text(path, "\n".join(lines) + "\n")
 
 
-def write_plot(points: Sequence[CurvePoint], path: Path) -> None:
-    """``guard_curve.png``: top-1 and mean KL against mean TTFT ratio, each point labelled by its margin."""
+def write_plot(points: Sequence[CurvePoint], path: Path, items: str = "") -> None:
+    """``guard_curve.png``: top-1 and mean KL against mean TTFT ratio, each point labelled by its margin, under
+    a title naming ``items`` (:func:`run_caption`) where given."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,7 +261,7 @@ def write_plot(points: Sequence[CurvePoint], path: Path) -> None:
     pts = [p for p in points if p.ttft_mean is not None]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, field, label in ((axes[0], "top1", "top-1 agreement with full prefill"),
-                             (axes[1], "kl_mean", "mean first-token KL")):
+                             (axes[1], "kl_mean", "mean first-token KL (nats)")):
         xs, ys = [p.ttft_mean for p in pts], [getattr(p, field) for p in pts]
         ax.plot(xs, ys, "o-")
         labels: dict[tuple[float, float], list[str]] = {}  # margins that guard the same items share a point
@@ -249,7 +272,7 @@ def write_plot(points: Sequence[CurvePoint], path: Path) -> None:
         ax.set_xlabel("mean TTFT / full prefill")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    fig.suptitle("near-tie guard: points labelled by margin (nats)")
+    fig.suptitle("near-tie guard: points labelled by margin (nats)" + (f"\n{items}" if items else ""), fontsize=10)
     fig.tight_layout()
     safeio.save_figure(fig, path, dpi=120)
     plt.close(fig)
@@ -273,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out or args.run)
     out.mkdir(parents=True, exist_ok=True)
-    write_markdown(points, len(rows), args.guarded, args.off, out / "guard_curve.md")
-    write_plot(points, out / "guard_curve.png")
+    items = run_caption(Path(args.run), rows)
+    write_markdown(points, items, args.guarded, args.off, out / "guard_curve.md")
+    write_plot(points, out / "guard_curve.png", items)
     print((out / "guard_curve.md").read_text())
     return 0
 

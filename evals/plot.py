@@ -15,8 +15,11 @@ from typing import Any, Container
 
 from blend import safeio
 from blend.evals.methods import Method, MethodKind
+from blend.evals.splits import items_caption
 
-PANELS = (("f1", "F1 vs gold"), ("agreement", "answer agreement with full"), ("kl", "KL(full || method)"))
+PANELS = (("f1", "mean F1 vs gold"), ("agreement", "share of answers equal to full's"),
+          ("kl", "mean KL(full || method), first token (nats)"))
+X_LABEL = "TTFT / full prefill TTFT (median over items)"
 REFERENCE_STYLE = {"full": ("*", "black"), "reuse": ("X", "tab:red"), "prefix": ("s", "tab:gray")}
 
 
@@ -80,7 +83,8 @@ def draw_methods(ax: Any, methods: dict[str, dict[str, Any]], field: str, labels
     for name, (marker, color) in REFERENCE_STYLE.items():
         agg = methods.get(name)
         if agg and agg.get("ttft_ratio") is not None and agg.get(field) is not None:
-            ax.scatter([agg["ttft_ratio"]], [agg[field]], marker=marker, color=color, s=ref_size, zorder=3,
+            ax.scatter([agg["ttft_ratio"]], [agg[field]], marker=marker, color=color, s=ref_size,
+                       zorder=4 if name == "full" else 3,  # prefix sits at ~1.0x too: full's star stays on top
                        alpha=ref_alpha, label=name + suffix)
 
 
@@ -100,14 +104,29 @@ def write_pareto(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5.2 * len(PANELS), 4.2), squeeze=False)
     for ax, (field, title) in zip(axes[0], PANELS):
         draw_methods(ax, methods, field)
-        ax.set_xlabel("TTFT / full prefill TTFT")
+        ax.set_xlabel(X_LABEL)
         ax.set_title(title)
         ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8)
     cfg = results.get("config", {})
-    fig.suptitle(f"{results['model']['name']} on {cfg.get('data')} ({len(results['items'])} items)", fontsize=10)
+    fig.suptitle(run_title(results), fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
     safeio.save_figure(fig, path, dpi=110)
     plt.close(fig)
+
+
+def run_title(results: dict[str, Any]) -> str:
+    """A run's figure title: the model, the data, and which items of it in which split (tuning and validation
+    numbers must not be read as each other's).
+
+    Args:
+        results: a results object.
+
+    Returns:
+        e.g. ``smollm2-135m on musique_dev.json, items 30-99 (70 items), validation split``.
+    """
+    data = results.get("config", {}).get("data")
+    return (f"{results['model']['name']} on {data}, "
+            f"{items_caption(data, [int(r['index']) for r in results['items']])}")

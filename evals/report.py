@@ -61,67 +61,21 @@ from typing import Any, Sequence
 from blend import safeio
 from blend.evals import answer_survival as S
 from blend.evals import guard_curve as G
-from blend.evals.data import SYNTHETIC_PREFIX
 from blend.evals.methods import REFERENCE, MethodKind
 from blend.evals.rows import ItemRow
-from blend.evals.splits import TUNING, VALIDATION
+from blend.evals.splits import SPLIT_DATA, TUNING, VALIDATION, items_caption, range_split
 
 WORST_ITEMS = 5  # results.md lists this many worst items with their KL under each method
 NEAR_TIE_NATS = 0.1  # a first-token flip where full's own top-2 gap is under this is called a near tie
 
 
-SPLIT_DATA = "musique_dev"  # the data set whose item indices TUNING / VALIDATION name
-
-
-def split_of(item: int) -> str:
-    """``tuning``, ``validation`` or ``other`` for a musique_dev item index."""
-    if TUNING[0] <= item <= TUNING[1]:
-        return "tuning"
-    return "validation" if VALIDATION[0] <= item <= VALIDATION[1] else "other"
-
-
-def has_splits(data: str | None) -> bool:
-    """Whether ``data``'s item indices are musique_dev's, which :data:`TUNING` / :data:`VALIDATION` name.
-
-    Args:
-        data: the data (``--data``); None: musique_dev indices assumed (research rows).
-
-    Returns:
-        False for a built-in synthetic set or any other file.
-    """
-    if data is None:
-        return True
-    return not data.startswith(SYNTHETIC_PREFIX) and SPLIT_DATA in Path(data).name.lower()
-
-
-def range_split(first: int, last: int, data: str | None = None) -> str:
-    """The split an item range ``first``-``last`` (inclusive) of ``data`` belongs to.
-
-    Args:
-        first: the range's first item index.
-        last: its last.
-        data: the data (``--data``); None: musique_dev indices assumed (research rows).
-
-    Returns:
-        ``tuning`` (within 0-29) or ``validation`` (within 30-99) for musique_dev, ``mixed`` where the
-        range spans more than one of tuning / validation / beyond, ``other`` where it lies wholly past
-        them or the data is another file, ``synthetic`` for a built-in synthetic set.
-    """
-    if not has_splits(data):
-        return "synthetic" if data.startswith(SYNTHETIC_PREFIX) else "other"
-    a, b = split_of(first), split_of(last)
-    return a if a == b else "mixed"
-
-
 def _items_line(results: dict[str, Any], rows: list[ItemRow]) -> str:
     """results.md's item range and split, e.g. ``items 0-29 (30 items), tuning split``."""
     idx = sorted(r.index for r in rows)
+    text = items_caption(results["config"].get("data"), idx)
     if not idx:
-        return "0 items"
-    first, last = idx[0], idx[-1]
-    gaps = "" if last - first + 1 == len(idx) else f", {last - first + 1 - len(idx)} missing"
-    split = range_split(first, last, results["config"].get("data"))
-    text = f"items {first}-{last} ({len(idx)} items{gaps}), {split} split"
+        return text
+    split = range_split(idx[0], idx[-1], results["config"].get("data"))
     if split == "tuning":
         text += f" (the selectors were tuned on {SPLIT_DATA} {TUNING[0]}-{TUNING[1]}; validation is " \
                 f"--items {VALIDATION[0]}-{VALIDATION[1]})"

@@ -18,9 +18,8 @@ import numpy as np
 
 from blend.evals import metrics as M
 from blend.evals.methods import MethodKind
-from blend.evals.report import range_split
 from blend.evals.rows import ItemRow
-from blend.evals.splits import ItemRangeError, parse_item_range
+from blend.evals.splits import ItemRangeError, parse_item_range, range_split
 
 
 def load_rows(paths: list[Path], items: str | None = None) -> list[dict]:

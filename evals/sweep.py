@@ -45,8 +45,8 @@ from blend.engine import Engine
 from blend.evals.data import load_item_range
 from blend.evals.methods import MethodKind, Method, parse_method, split_specs
 from blend.evals.metrics import kl_cells, kl_divergence, mean, median, percentile, top1_agree
-from blend.evals.report import NEAR_TIE_NATS, has_splits, split_of
-from blend.evals.splits import parse_item_range
+from blend.evals.report import NEAR_TIE_NATS
+from blend.evals.splits import has_splits, items_caption, parse_item_range, split_of
 from blend.policy import ReusePolicy
 from blend.probe import top2_margin
 from blend.report import ReuseReport
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         if args.plot:
             setup = setups[0] if len(setups) == 1 else args.model
-            title = f"{setup}, {args.data}, items {items[0]}-{items[-1]} ({len(items)})"
+            title = f"{setup}, {args.data}, {items_caption(args.data, items)}"  # the split too, as documented
             write_budget_plot(rows, [m for m in methods if m.kind is MethodKind.BLEND], out / "budget.png", title)
             if all(r.full_ms for r in rows):
                 write_items_plot(rows, [m.name for m in methods], out / "items.png", title)

@@ -42,6 +42,23 @@ def test_plot_and_command(tmp_path, capsys):
     assert "| 5p | 0.3 |" in printed and "| 10p | 0.3 |" in printed and str(out) in printed
 
 
+def test_the_plot_names_each_runs_items_and_split_and_its_aggregates(tmp_path, monkeypatch):
+    """The title named the runs by label only: two runs over different splits read as one comparison."""
+    from blend import safeio
+
+    tuning, validation = make_results(), make_results()
+    for res, first in ((tuning, 0), (validation, 30)):
+        res["config"]["data"] = "../shared/data/musique_dev.json"
+        res["items"] = [dict(res["items"][0], index=first + i, id=str(first + i)) for i in range(2)]
+    figures = []
+    monkeypatch.setattr(safeio, "save_figure", lambda fig, path, **kw: figures.append(fig))
+    write_comparison([Run("a", tuning), Run("b", validation)], tmp_path / "c.png", fields=("kl",))
+    title = figures[0].get_suptitle()
+    assert "a (items 0-1 (2 items), tuning split)" in title and "b (items 30-31 (2 items), validation split)" in title
+    ax = figures[0].axes[0]
+    assert ax.get_title() == "mean KL(full || method), first token (nats)" and "median over items" in ax.get_xlabel()
+
+
 def test_errors_are_clear(tmp_path, capsys):
     five, _ = _two_runs(tmp_path)
     assert main([str(five), "--out", str(tmp_path / "x.png"), "--labels", "a,b"]) == 2

@@ -145,3 +145,22 @@ def test_the_guarded_share_counts_items_the_guard_re_ran_not_gaps_under_the_marg
     (p,) = G.curve(typed(never), GUARDED, OFF, [1.0])
     assert p.guarded == 0.0
     assert G.curve(ROWS, GUARDED, OFF, [1.0])[0].guarded == 0.5  # where it fired, as before
+
+
+def test_the_table_and_plot_name_the_runs_items_and_split(tmp_path, monkeypatch):
+    """guard_curve.md and .png said "4 items", not which: margins read off tuning items looked like
+    validation's (README: "Those margins come from validation")."""
+    from blend import safeio
+
+    rows = [dict(r, index=30 + i) for i, r in enumerate(ROWS_JSON)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "run.json").write_text(json.dumps({"identity": {"data": "../shared/data/musique_dev.json"}}))
+    figures = []
+    monkeypatch.setattr(safeio, "save_figure", lambda fig, path, **kw: figures.append(fig))
+    assert G.main(["--run", str(tmp_path), "--guarded", GUARDED, "--off", OFF, "--margins", "0,1,2"]) == 0
+    caption = "items 30-33 (4 items), validation split"
+    assert (tmp_path / "guard_curve.md").read_text().startswith(f"# The near-tie guard by margin ({caption})")
+    assert caption in figures[0].get_suptitle()
+    (tmp_path / "run.json").write_text("[not a run")  # unreadable settings: the count alone, no guessed split
+    assert G.main(["--run", str(tmp_path), "--guarded", GUARDED, "--off", OFF, "--margins", "0,1,2"]) == 0
+    assert (tmp_path / "guard_curve.md").read_text().startswith("# The near-tie guard by margin (4 items)")

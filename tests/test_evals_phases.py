@@ -141,3 +141,21 @@ def test_pair_counts_and_the_work_floor():
     assert visible_pairs(torch.tensor([-1]), k_pos) == 0
     assert work_floor(1.0, 1.0, 0.6) == 1.0
     assert abs(work_floor(0.25, 0.15, 0.6) - (0.25 * 0.6 + 0.15 * 0.4)) < 1e-12
+
+
+def test_the_phases_plot_labels_each_bar_legibly_and_shows_a_floor_over_the_methods_ttft(tmp_path, monkeypatch):
+    """phases.png printed `blend@0.15:attn=bf16:lin=bf16` on one line under each bar, so neighbouring labels ran
+    into each other; and a floor over 110% of a bar's TTFT (a bf16 method beats the fp32 full prefill's
+    speed) fell outside the axes, so such bars looked as if they had no floor."""
+    from blend import safeio
+    from blend.evals.bench_phases import PhaseRow, write_plot
+
+    phases = {ph.value: 0.01 for ph in Phase}
+    rows = [PhaseRow("3k", "full", 3000, 1.0, 1.0, phases),
+            PhaseRow("3k", "blend@0.15:attn=bf16:lin=bf16", 3000, 0.12, 0.12, phases, floor=0.2)]
+    figures = []
+    monkeypatch.setattr(safeio, "save_figure", lambda fig, path, **kw: figures.append(fig))
+    write_plot(rows, tmp_path / "phases.png")
+    ax = figures[0].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["3k\nfull", "3k\nblend@0.15\nattn=bf16\nlin=bf16"]
+    assert ax.get_ylim()[1] > 100 * 0.2 / 0.12  # the floor line (167% of its TTFT) is inside the axes

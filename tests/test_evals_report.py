@@ -137,6 +137,40 @@ def test_pareto_series_and_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+def _drawn(monkeypatch, draw, res, tmp_path):
+    """The matplotlib figure ``draw(res, path)`` saves (kept open for reading its text)."""
+    from blend import safeio
+
+    figures = []
+    monkeypatch.setattr(safeio, "save_figure", lambda fig, path, **kw: figures.append(fig))
+    draw(res, tmp_path / "figure.png")
+    (fig,) = figures
+    return fig
+
+
+def test_the_run_figures_name_the_items_and_split_and_what_each_axis_aggregates(monkeypatch, tmp_path):
+    """pareto.png and answer_survival.png named neither the item range nor its split (results.md did), so a
+    figure of tuning items read as validation's; pareto's axes did not say median TTFT ratio, mean KL."""
+    from blend.evals.answer_survival import write_plot
+
+    res = make_results()
+    res["config"]["data"] = "../shared/data/musique_dev.json"
+    res["items"] = [dict(res["items"][0], index=i, id=str(i)) for i in (30, 31, 32)]
+    for it in res["items"]:
+        for r in it["methods"].values():
+            r.update(same_tokens=1, answer_tokens=1)
+    pareto = _drawn(monkeypatch, write_pareto, res, tmp_path)
+    caption = "m on ../shared/data/musique_dev.json, items 30-32 (3 items), validation split"
+    assert pareto.get_suptitle() == caption
+    titles = [ax.get_title() for ax in pareto.axes]
+    assert titles == ["mean F1 vs gold", "share of answers equal to full's", "mean KL(full || method), first token (nats)"]
+    assert {ax.get_xlabel() for ax in pareto.axes} == {"TTFT / full prefill TTFT (median over items)"}
+    survival = _drawn(monkeypatch, write_plot, res, tmp_path)
+    assert survival.axes[0].get_title() == caption
+    res["items"] = [dict(res["items"][0], index=i, id=str(i)) for i in (0, 1)]
+    assert "items 0-1 (2 items), tuning split" in _drawn(monkeypatch, write_pareto, res, tmp_path).get_suptitle()
+
+
 def test_progress_eta_with_fake_clock():
     t = [100.0]
     buf = io.StringIO()

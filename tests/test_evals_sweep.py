@@ -232,3 +232,16 @@ def test_a_summary_from_rows_names_the_setup_the_rows_ran_with(tmp_path):
     assert main(["--from-rows", str(rows), "--methods", "blend@0.15", "--out", str(out)]) in (0, None)
     head = (out / "summary.md").read_text().splitlines()[0]
     assert "10 passages, smollm2-135m float32" in head and "5 passages" not in head
+
+
+def test_the_sweep_figures_name_the_split_of_their_items(tmp_path, monkeypatch):
+    """budget.png's title, documented as "data, split, items", named the data and items but no split."""
+    from blend import safeio
+
+    rows = [SweepRow(i, m, 0.1, 1.0, 10.0, 0.1, 100) for i in (0, 1) for m in ("blend@0.15:probe", "blend@0.15:v")]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(asdict(r)) for r in rows) + "\n")
+    figures = []
+    monkeypatch.setattr(safeio, "save_figure", lambda fig, path, **kw: figures.append(fig))
+    assert main(["--methods", "blend@0.15:probe,blend@0.15:v", "--from-rows", str(tmp_path / "a.jsonl"),
+                 "--data", "../shared/data/musique_dev.json", "--out", str(tmp_path / "s"), "--plot"]) == 0
+    assert "items 0-1 (2 items), tuning split" in figures[0].get_suptitle()

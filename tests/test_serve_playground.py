@@ -30,8 +30,12 @@ def chromium_path() -> str | None:
 
 
 @contextlib.contextmanager
-def playground_page():
+def playground_page(console: list[str] | None = None):
     """A tiny model's server and a headless Chromium page open on its playground (skips without chromium).
+
+    Args:
+        console: where to collect, from before the page loads, its console errors, script errors and
+            responses of 400 or more (a missing resource such as /favicon.ico is such a console error).
 
     Yields:
         (the running server, the page).
@@ -45,14 +49,20 @@ def playground_page():
         browser = pw.chromium.launch(executable_path=exe, headless=True, args=["--no-sandbox"])
         try:
             page = browser.new_page()
+            if console is not None:
+                page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+                page.on("pageerror", lambda e: console.append(f"script error: {e}"))
+                page.on("response", lambda r: console.append(f"{r.status} {r.url}") if r.status >= 400 else None)
             page.goto(srv.url + "/")
+            page.wait_for_load_state("networkidle")
             yield srv, page
         finally:
             browser.close()
 
 
 def test_playground_streams_an_answer_and_highlights_recomputed_tokens(one_torch_thread):
-    with playground_page() as (srv, page):
+    console: list[str] = []  # the page loads and answers without a console error (a /favicon.ico 404 was one)
+    with playground_page(console) as (srv, page):
         blocked = []  # the page runs under its Content-Security-Policy: nothing of its own may be refused
         page.on("console", lambda m: blocked.append(m.text) if "Content Security Policy" in m.text else None)
         page.reload()
@@ -111,6 +121,7 @@ def test_playground_streams_an_answer_and_highlights_recomputed_tokens(one_torch
     assert sum(map(len, shown)) > 0
     assert texts_shown == [d.strip() + "\n\n" for d in DOCS]  # every token of every document is shown
     assert blocked == []
+    assert console == []
 
 
 def test_the_playground_page_cannot_be_framed_and_runs_only_its_own_script(one_torch_thread):
