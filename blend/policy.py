@@ -22,7 +22,7 @@ from blend.defaults import (
 from blend.errors import InvalidPolicyError
 from blend.numeric import finite_real, integral, shown
 from blend.policy_rules import (
-    check_blend_rules, check_no_blend_settings, field_defaults,
+    check_blend_rules, check_guard_and_probe_settings, check_no_blend_settings, field_defaults,
 )
 from blend.policy_types import (
     GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, PROBE_SELECTORS, RECOMPUTE_PRECISION_FIELDS, RECOMPUTE_PRECISION_NAMES,
@@ -63,7 +63,8 @@ class ReusePolicy:
         auto_target: the adaptive budget's stopping target.
         cache_salt: mixed into every store key the request derives (exact, canonical):
             requests with different salts share no KV; "" = no salt.
-        probe_precision: dtype of the query probe's GEMMs (:class:`ProbePrecision`).
+        probe_precision: dtype of the query probe's GEMMs (:class:`ProbePrecision`); probe selectors only
+            (refused away from its default with another selector, which never runs the probe).
         attention_precision: blend: dtype of the recomputed rows' attention above the last check
             layer (:class:`RecomputePrecision`); ``bf16`` trades bf16 rounding there for a ~2.5x
             faster attention on CPUs with AMX (BENCHMARKS.md, "bf16 for the recomputed rows").
@@ -77,10 +78,11 @@ class ReusePolicy:
             rounding of exact reuse, ~1e-6; storing it would turn later blends of this order, another
             policy's included, into exact hits). A guard ratio at
             or below the ratio the blend ran at takes the exact path (see :meth:`guard_ratio_for`).
+            Refused away from its default while the guard is off (``guard_margin`` None), as is guard_mode.
         guard_mode: how a guard ratio below 1 is computed (:class:`GuardMode`): from the start, or
             going on from the first pass's check layer where its candidates cover the guard ratio
             (cheaper; its selection only ranks the first pass's candidates).
-        candidates: probe selectors only (others ignore it): None
+        candidates: probe selectors only (refused away from its default with another selector): None
             computes the layers up to the first check for every document row (each row's V deviation is
             measured); a factor F >= 1 runs the query probe first, over the re-positioned cached KV of every
             layer, and computes those layers only for the F x budget rows the question attends to most (the
@@ -216,6 +218,7 @@ class ReusePolicy:
             raise InvalidPolicyError("semantic reuse cannot be combined with a cache_salt")
         if self.mode is not ReuseMode.BLEND:  # settings the request's path never reads (blend.policy_rules)
             check_no_blend_settings(self)
+        check_guard_and_probe_settings(self)
 
     @classmethod
     def none(cls) -> "ReusePolicy":
@@ -323,9 +326,11 @@ class ReusePolicy:
         Returns:
             The second pass's policy.
         """
-        return replace(self, ratio=ratio, layer_ratios=None, budget=BudgetMode.FIXED, threshold=None,  # a fixed
-                       max_ratio=POLICY_DEFAULTS["max_ratio"], auto_target=POLICY_DEFAULTS["auto_target"],  # budget
-                       guard_margin=None)  # reads neither the cap nor the target
+        # a fixed budget reads neither the cap nor the target, and an unguarded pass none of the guard's settings
+        d = POLICY_DEFAULTS
+        return replace(self, ratio=ratio, layer_ratios=None, budget=BudgetMode.FIXED, threshold=None,
+                       max_ratio=d["max_ratio"], auto_target=d["auto_target"],
+                       guard_margin=None, guard_ratio=d["guard_ratio"], guard_mode=d["guard_mode"])
 
     def _ratios(self) -> str:
         """The fixed ratio, or the explicit per-check-layer ratios, as :meth:`describe` shows them."""

@@ -6,7 +6,9 @@ a 400 in the server, exit 2 in the CLI), not dropped without a word:
 - under ``exact`` or ``none``, every blend setting away from its default;
 - in a blend: ``prefix_limit``; a fixed ratio beside an adaptive budget, a threshold or other
   ``layer_ratios``; ``max_ratio`` beside a fixed ratio; ``auto_target`` beside any budget but ``auto``;
-  a selector other than ``probe`` under the adaptive budget; a K/V-deviation ranking at check layer 0.
+  a selector other than ``probe`` under the adaptive budget; a K/V-deviation ranking at check layer 0;
+- the near-tie guard's ``guard_ratio`` and ``guard_mode`` while the guard is off (``guard_margin`` None);
+- the query probe's ``candidates`` and ``probe_precision`` with a selector that never runs the probe.
 
 Each setting is compared with the dataclass's own default, so the rules and the fields cannot drift.
 The policy checks each value on its own (types, ranges) before these rules run.
@@ -19,7 +21,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from blend.errors import InvalidPolicyError
-from blend.policy_types import DEVIATION_SELECTORS, BudgetMode
+from blend.policy_types import DEVIATION_SELECTORS, PROBE_SELECTORS, BudgetMode, ReuseMode
 
 if TYPE_CHECKING:
     from blend.policy import ReusePolicy
@@ -29,6 +31,10 @@ if TYPE_CHECKING:
 BLEND_ONLY_FIELDS = ("ratio", "selector", "check_layers", "layer_ratios", "min_prompt_tokens", "threshold", "max_ratio",
                      "seed", "budget", "auto_target", "probe_precision", "guard_margin", "guard_ratio", "candidates",
                      "guard_mode", "reused_temperature")
+# settings only the near-tie guard reads (a guarded blend's second pass): refused while the guard is off
+GUARD_FIELDS = ("guard_ratio", "guard_mode")
+# settings only the query probe reads (the selectors in PROBE_SELECTORS; the adaptive budget needs one)
+PROBE_FIELDS = ("candidates", "probe_precision")
 
 
 @lru_cache(maxsize=None)
@@ -108,3 +114,27 @@ def _check_budget_settings(p: "ReusePolicy") -> None:
         raise InvalidPolicyError(f"auto_target is the adaptive budget's stopping target (budget auto); "
                                  f"a {p.budget.value} budget would ignore it")
 
+
+def check_guard_and_probe_settings(p: "ReusePolicy") -> None:
+    """A blend: the near-tie guard's settings while it is off, and the query probe's with a selector that never
+    runs it, are refused (each would be ignored).
+
+    Args:
+        p: a blend policy whose values (``guard_mode`` and ``probe_precision`` enums included) were each checked.
+
+    Raises:
+        InvalidPolicyError: naming the first such setting.
+    """
+    if p.mode is not ReuseMode.BLEND:
+        return
+    if p.guard_margin is None:
+        for name in GUARD_FIELDS:
+            if _changed(p, name):
+                raise InvalidPolicyError(f"{name} is a setting of the near-tie guard, which is off (guard_margin "
+                                         f"off): it would be ignored (give guard_margin to guard the blend)")
+    if p.selector not in PROBE_SELECTORS:  # (the adaptive budget needs the probe selector: checked before)
+        for name in PROBE_FIELDS:
+            if _changed(p, name):
+                raise InvalidPolicyError(f"{name} is a setting of the query probe, which selector {p.selector!r} "
+                                         f"never runs (only {' and '.join(PROBE_SELECTORS)} do): it would be "
+                                         f"ignored")
