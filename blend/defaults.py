@@ -142,6 +142,15 @@ DEFAULT_DISK_RESCAN_S = 10.0
 DEFAULT_STALE_TEMP_S = 600.0
 # a disk entry's recency (its mtime, the budget's LRU order) is updated at most this often per key (seconds)
 DEFAULT_TOUCH_INTERVAL_S = 1.0
+# sampling defaults (blend.sampling.GenerationConfig, the Python API's; `kvblend ask` / `chat` flags; the server
+# where a request names none): greedy, no nucleus or top-k cut, no penalties. Only the server's temperature
+# differs, by design: OpenAI's 1.0 where a request names none (clients written for OpenAI expect sampling), while
+# the Python API and the command line answer greedily (the engine's historical, reproducible answers).
+DEFAULT_TEMPERATURE = 0.0
+DEFAULT_SERVE_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_SAMPLING_TOP_K = 0  # top-k sampling off (DEFAULT_TOP_K is `ask --index`'s retrieval depth)
+DEFAULT_PENALTY = 0.0  # presence and frequency penalties
 # sampling: a temperature below this decodes greedily (its limit as T -> 0). Dividing logits by a
 # denormal temperature overflows float32 to inf, whose softmax is NaN (vLLM's _SAMPLING_EPS is the same).
 MIN_SAMPLING_TEMPERATURE = 1e-5

@@ -6,7 +6,8 @@
 options apply with ``--index`` (answers over an index decode through the same stream).
 
 The answer is printed as it is decoded; the reuse report follows it.
-Defaults reproduce the engine's historical answers: greedy, single line.
+Defaults reproduce the engine's historical answers: greedy, single line (the sampling defaults come
+from :mod:`blend.defaults`, as the Python API's and the server's do).
 Like ``blend.cli``, this module imports torch only when a command runs (so
 ``kvblend --help`` stays fast).
 """
@@ -18,6 +19,8 @@ import itertools
 import sys
 from typing import TYPE_CHECKING, Iterator, TextIO
 
+from blend.defaults import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+
 if TYPE_CHECKING:
     from blend.generation import Completion
     from blend.policy import ReusePolicy
@@ -27,8 +30,9 @@ if TYPE_CHECKING:
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     """--temperature, --top-p, --seed, --stop, --multiline."""
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                   help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="nucleus sampling (default: %(default)s: off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same answer)")
     p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     p.add_argument("--multiline", action="store_true", help="do not stop at the first newline")

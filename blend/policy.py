@@ -11,8 +11,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from enum import Enum
+from dataclasses import dataclass, replace
 
 from blend.defaults import (
     DEFAULT_ATTENTION_PRECISION, DEFAULT_AUTO_TARGET, DEFAULT_CANDIDATES, DEFAULT_CHECK_LAYERS, DEFAULT_GUARD_MARGIN,
@@ -22,80 +21,19 @@ from blend.defaults import (
 )
 from blend.errors import InvalidPolicyError
 from blend.numeric import finite_real, integral, shown
+from blend.policy_rules import (
+    check_blend_rules, check_guard_and_probe_settings, check_no_blend_settings, field_defaults,
+)
+from blend.policy_types import (
+    GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, PROBE_SELECTORS, RECOMPUTE_PRECISION_FIELDS, RECOMPUTE_PRECISION_NAMES,
+    SELECTOR_NAMES, BudgetMode, GuardMode, ProbePrecision, RecomputePrecision, ReuseMode,
+)
 from blend.prompt import is_unicode
 
-SELECTOR_NAMES = ("v", "k", "kv", "lead", "query", "random", "combo", "split", "probe", "probe_attn")
-PROBE_SELECTORS = ("probe", "probe_attn")  # selectors that need the query probe (issue 14)
-# selectors that rank by fresh-vs-cached K/V deviation: meaningless at check layer 0, where a row's K/V
-# depend on its token alone, so fresh and cached rows are the same numbers and every score is 0
-DEVIATION_SELECTORS = ("v", "k", "kv", "combo", "split", "probe")
-
-
-class BudgetMode(Enum):
-    """How many rows a blend recomputes: a fixed ratio, or per prompt up to max_ratio (issue 14)."""
-
-    FIXED = "fixed"
-    AUTO = "auto"
-
-
-class ProbePrecision(Enum):
-    """The dtype of the query probe's GEMMs. The probe's numbers only rank rows: the blend's
-    own pass (the KV and logits the answer uses) runs in the engine's dtype (its attention and linear
-    layers above the last check layer in :class:`RecomputePrecision`'s)."""
-
-    COMPUTE = "compute"  # the engine's compute dtype
-    BF16 = "bf16"  # bfloat16 weights and activations at the GEMMs; attention and norms in the compute dtype
-    AUTO = "auto"  # BF16 for a float32 engine on a CPU with native bf16 (AVX-512 BF16 or AMX), else COMPUTE
-
-
-PROBE_PRECISION_NAMES = tuple(p.value for p in ProbePrecision)
-
-
-class RecomputePrecision(Enum):
-    """The dtype of part of a blend's work on its recomputed rows above its last check layer: their
-    attention (``ReusePolicy.attention_precision``: q, K and V read in it; the flash kernel keeps its
-    softmax and sums in float32) or their linear layers (``linear_precision``: QKV, output and MLP GEMMs
-    on a bf16 copy of the weights; the residual stream stays in the engine's dtype). Below that layer,
-    the check layer, the probe, the KV the cache keeps, the LM head and decoding stay in the engine's
-    dtype, so the rows a blend recomputes are the same either way; only the numbers of the layers above
-    move (by bf16 rounding)."""
-
-    COMPUTE = "compute"  # the engine's compute dtype
-    BF16 = "bf16"  # bfloat16 (a float32 engine's cache is cast per layer for the attention)
-    AUTO = "auto"  # BF16 for a float32 engine on a CPU with native bf16 (AVX-512 BF16 or AMX), else COMPUTE
-
-
-RECOMPUTE_PRECISION_NAMES = tuple(p.value for p in RecomputePrecision)
-# the policy's RecomputePrecision fields and their defaults
-RECOMPUTE_PRECISION_FIELDS = (("attention_precision", DEFAULT_ATTENTION_PRECISION),
-                              ("linear_precision", DEFAULT_LINEAR_PRECISION))
-
-
-class GuardMode(Enum):
-    """How the near-tie guard's second pass (a blend at ``guard_ratio`` < 1) is computed."""
-
-    # a second blend from the start: fetch, re-position, probe, candidates, check, every layer
-    RESTART = "restart"
-    # the first pass's rows entering its first check layer go on at the guard ratio: the rows the
-    # selector keeps there among the first pass's candidates (every row the first pass recomputed
-    # among them) through the layers above. (Recomputing only the rows the first pass had not, keeping
-    # its KV for the rest, measured no better than no guard in KL: BENCHMARKS.md, 2026-12-06 (15).)
-    WIDEN = "widen"
-
-
-GUARD_MODE_NAMES = tuple(m.value for m in GuardMode)
-
-# settings only a blend reads, refused away from their defaults elsewhere (semantic, take_exact and the precisions
-# have messages of their own; force only permits, and forces nothing outside a blend)
-BLEND_ONLY_FIELDS = ("ratio", "selector", "check_layers", "layer_ratios", "min_prompt_tokens", "threshold", "max_ratio",
-                     "seed", "budget", "auto_target", "probe_precision", "guard_margin", "guard_ratio", "candidates",
-                     "guard_mode", "reused_temperature")
-
-
-class ReuseMode(Enum):
-    NONE = "none"
-    EXACT = "exact"
-    BLEND = "blend"
+# the policy's vocabulary lives in blend.policy_types; importers take it from here with the policy
+__all__ = ["GUARD_MODE_NAMES", "POLICY_DEFAULTS", "PROBE_PRECISION_NAMES", "PROBE_SELECTORS",
+           "RECOMPUTE_PRECISION_FIELDS", "RECOMPUTE_PRECISION_NAMES", "SELECTOR_NAMES", "BudgetMode", "GuardMode",
+           "ProbePrecision", "RecomputePrecision", "ReuseMode", "ReusePolicy"]
 
 
 @dataclass(frozen=True)
@@ -125,7 +63,8 @@ class ReusePolicy:
         auto_target: the adaptive budget's stopping target.
         cache_salt: mixed into every store key the request derives (exact, canonical):
             requests with different salts share no KV; "" = no salt.
-        probe_precision: dtype of the query probe's GEMMs (:class:`ProbePrecision`).
+        probe_precision: dtype of the query probe's GEMMs (:class:`ProbePrecision`); probe selectors only
+            (refused away from its default with another selector, which never runs the probe).
         attention_precision: blend: dtype of the recomputed rows' attention above the last check
             layer (:class:`RecomputePrecision`); ``bf16`` trades bf16 rounding there for a ~2.5x
             faster attention on CPUs with AMX (BENCHMARKS.md, "bf16 for the recomputed rows").
@@ -139,16 +78,16 @@ class ReusePolicy:
             rounding of exact reuse, ~1e-6; storing it would turn later blends of this order, another
             policy's included, into exact hits). A guard ratio at
             or below the ratio the blend ran at takes the exact path (see :meth:`guard_ratio_for`).
+            Refused away from its default while the guard is off (``guard_margin`` None), as is guard_mode.
         guard_mode: how a guard ratio below 1 is computed (:class:`GuardMode`): from the start, or
             going on from the first pass's check layer where its candidates cover the guard ratio
             (cheaper; its selection only ranks the first pass's candidates).
-        candidates: probe selectors only (others ignore it): None computes the layers up to the
-            first check for every document row (each row's V deviation is measured); a factor
-            F >= 1 runs the query probe
-            first, over the re-positioned cached KV of every layer, and computes those layers only
-            for the F x budget rows the question attends to most (the candidates the selector then
-            ranks by probe x V deviation): layer 0's cached KV is exact, so a candidate's rows are
-            the same numbers either way, and the rest never needed computing.
+        candidates: probe selectors only (refused away from its default with another selector): None
+            computes the layers up to the first check for every document row (each row's V deviation is
+            measured); a factor F >= 1 runs the query probe first, over the re-positioned cached KV of every
+            layer, and computes those layers only for the F x budget rows the question attends to most (the
+            candidates the selector then ranks by probe x V deviation): layer 0's cached KV is exact, so a
+            candidate's rows are the same numbers either way, and the rest never needed computing.
         reused_temperature: blend: attention temperature T of the reused (not recomputed) document
             rows at the layers above the first check layer, for every query of the prefill and of
             decoding: their attention logits are divided by T (their K is stored divided by T in the
@@ -255,7 +194,7 @@ class ReusePolicy:
         if self.prefix_limit is not None and self.prefix_limit < 0:
             raise InvalidPolicyError("prefix_limit must be >= 0")
         if self.mode is ReuseMode.BLEND:
-            self._check_blend_rules()
+            check_blend_rules(self)
         if self.semantic and self.mode is not ReuseMode.BLEND:
             raise InvalidPolicyError("semantic reuse is a blend option: use ReusePolicy.blend(..., semantic=True)")
         if self.take_exact and self.mode is not ReuseMode.BLEND:
@@ -277,58 +216,9 @@ class ReusePolicy:
             raise InvalidPolicyError("cache_salt must be valid Unicode text (it holds a lone surrogate)")
         if self.semantic and self.cache_salt:  # donors are shared across salts: that would leak KV
             raise InvalidPolicyError("semantic reuse cannot be combined with a cache_salt")
-        if self.mode is not ReuseMode.BLEND:
-            self._check_no_blend_settings()
-
-    def _check_no_blend_settings(self) -> None:
-        """An exact or no-reuse policy: a blend setting away from its default is refused, not ignored."""
-        for name in BLEND_ONLY_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, list):  # check_layers=[1] is the default (1,)
-                value = tuple(value)
-            if value != POLICY_DEFAULTS[name]:
-                raise InvalidPolicyError(f"{name} is a blend setting: it would be ignored under mode "
-                                         f"{self.mode.value!r} (use ReusePolicy.blend(...))")
-
-    def _check_blend_rules(self) -> None:
-        """Combinations a blend would run without doing what they say: refused."""
-        ranks_deviation = (self.selector in DEVIATION_SELECTORS or self.budget is BudgetMode.AUTO
-                           or self.threshold is not None)
-        if 0 in self.check_layers and ranks_deviation:
-            raise InvalidPolicyError(
-                "check layer 0 cannot rank by K/V deviation: layer 0's K/V depend on the token alone, so fresh "
-                "and cached rows are equal there and every deviation is 0; use a check layer >= 1, or the "
-                "probe_attn, query, lead or random selector at a fixed ratio")
-        if self.budget is BudgetMode.AUTO and self.selector != "probe":
-            raise InvalidPolicyError(f"the adaptive budget ranks rows by the probe score (selector probe); "
-                                     f"selector {self.selector!r} would be ignored")
-        if self.budget is BudgetMode.AUTO and self.threshold is not None:
-            raise InvalidPolicyError("an adaptive budget and a threshold are two stopping rules: give one")
-        if self.prefix_limit is not None:
-            raise InvalidPolicyError("prefix_limit is an exact-reuse setting: a blend looks up every document "
-                                     "(use ReusePolicy.exact(prefix_limit=...))")
-        self._check_budget_settings()
-
-    def _check_budget_settings(self) -> None:
-        """Each budget reads its own settings (a fixed ``ratio`` or ``layer_ratios``; an adaptive budget's or a
-        threshold's cap ``max_ratio``; the adaptive budget's ``auto_target``): one set for another is refused."""
-        per_prompt = self.budget is BudgetMode.AUTO or self.threshold is not None
-        rule = "an adaptive budget" if self.budget is BudgetMode.AUTO else "a threshold"
-        if per_prompt and self.ratio not in (POLICY_DEFAULTS["ratio"], self.max_ratio):
-            raise InvalidPolicyError(
-                f"ratio={self.ratio:g} is a fixed budget: {rule} picks each prompt's share itself, up to "
-                f"max_ratio={self.max_ratio:g}, and would ignore it (to cap the share at {self.ratio:g}, set "
-                f"max_ratio={self.ratio:g} instead)")
-        if self.layer_ratios is not None and self.ratio not in (POLICY_DEFAULTS["ratio"], self.layer_ratios[0]):
-            raise InvalidPolicyError(f"ratio={self.ratio:g} beside layer_ratios {tuple(self.layer_ratios)}: the first "
-                                     f"check layer recomputes layer_ratios[0] and would ignore it")
-        if not per_prompt and self.max_ratio != POLICY_DEFAULTS["max_ratio"]:
-            raise InvalidPolicyError(
-                f"max_ratio caps an adaptive budget or a threshold; a fixed ratio ({self.ratio:g}) is its own "
-                f"budget and would ignore max_ratio={self.max_ratio:g}")
-        if self.budget is not BudgetMode.AUTO and self.auto_target != POLICY_DEFAULTS["auto_target"]:
-            raise InvalidPolicyError(f"auto_target is the adaptive budget's stopping target (budget auto); "
-                                     f"a {self.budget.value} budget would ignore it")
+        if self.mode is not ReuseMode.BLEND:  # settings the request's path never reads (blend.policy_rules)
+            check_no_blend_settings(self)
+        check_guard_and_probe_settings(self)
 
     @classmethod
     def none(cls) -> "ReusePolicy":
@@ -436,9 +326,11 @@ class ReusePolicy:
         Returns:
             The second pass's policy.
         """
-        return replace(self, ratio=ratio, layer_ratios=None, budget=BudgetMode.FIXED, threshold=None,  # a fixed
-                       max_ratio=POLICY_DEFAULTS["max_ratio"], auto_target=POLICY_DEFAULTS["auto_target"],  # budget
-                       guard_margin=None)  # reads neither the cap nor the target
+        # a fixed budget reads neither the cap nor the target, and an unguarded pass none of the guard's settings
+        d = POLICY_DEFAULTS
+        return replace(self, ratio=ratio, layer_ratios=None, budget=BudgetMode.FIXED, threshold=None,
+                       max_ratio=d["max_ratio"], auto_target=d["auto_target"],
+                       guard_margin=None, guard_ratio=d["guard_ratio"], guard_mode=d["guard_mode"])
 
     def _ratios(self) -> str:
         """The fixed ratio, or the explicit per-check-layer ratios, as :meth:`describe` shows them."""
@@ -468,5 +360,5 @@ class ReusePolicy:
         return f"blend@{what}:{self.selector}{seed}:check={checks}{probe}{cand}{temp}{attn}{guard}{semantic}{exact}"
 
 
-# every field's default, as the dataclass declares it (the blend-only and per-budget checks compare with these)
-POLICY_DEFAULTS = {f.name: f.default for f in fields(ReusePolicy)}
+# every field's default, as the dataclass declares it (blend.policy_rules compares settings with these)
+POLICY_DEFAULTS = field_defaults(ReusePolicy)

@@ -92,7 +92,8 @@ def resolve_precisions(policy: ReusePolicy, compute: torch.dtype, device: torch.
     """A blend policy with every precision it names resolved for this engine, so that the report says
     what ran: AUTO becomes BF16 or COMPUTE (:func:`resolve_probe_precision`,
     :func:`resolve_recompute_precision`), and the recomputed rows' precisions are COMPUTE under full
-    reuse, which recomputes no document row above a check layer.
+    reuse, which recomputes no document row above a check layer. A policy that runs no probe keeps its
+    probe precision as it is.
 
     Args:
         policy: a blend policy.
@@ -104,6 +105,8 @@ def resolve_precisions(policy: ReusePolicy, compute: torch.dtype, device: torch.
     recompute = {name: RecomputePrecision.COMPUTE if policy.full_reuse
                  else resolve_recompute_precision(getattr(policy, name), compute, device, flags)
                  for name, _ in RECOMPUTE_PRECISION_FIELDS}
+    if not policy.needs_probe:  # no probe runs: its precision stays the default (ReusePolicy refuses another)
+        return replace(policy, **recompute)
     return replace(policy, probe_precision=resolve_probe_precision(policy.probe_precision, compute, device, flags),
                    **recompute)
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blend.defaults import (DEFAULT_MAX_NEW_TOKENS, MAX_SAMPLING_TEMPERATURE, MAX_SEED, MIN_SAMPLING_SEED,
+from blend.defaults import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_PENALTY, DEFAULT_SAMPLING_TOP_K, DEFAULT_TEMPERATURE,
+                            DEFAULT_TOP_P, MAX_SAMPLING_TEMPERATURE, MAX_SEED, MIN_SAMPLING_SEED,
                             MIN_SAMPLING_TEMPERATURE)
 from blend.errors import InvalidRequestError
 from blend.numeric import finite_real
@@ -73,16 +74,16 @@ class GenerationConfig:
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    top_k: int = DEFAULT_SAMPLING_TOP_K
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_at_newline: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = DEFAULT_PENALTY
+    frequency_penalty: float = DEFAULT_PENALTY
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ belong to the check list)::
                                  the budget is chosen per prompt (adaptive), R is its cap;
                                  ``probe=`` the dtype of the query probe's GEMMs; ``guard=``
                                  the near-tie guard (the blend's first-token top-2 gap < M
-                                 nats: recomputed at ratio G, default 1.0), ``guard=off`` none;
+                                 nats: recomputed at ratio G, default the engine's 0.3), ``guard=off`` none;
                                  ``cand=F`` (probe selectors) the probe runs first and only F x
                                  budget candidate rows are computed up to the check layer
                                  (``cand=off``: every row, the behaviour before candidates);
@@ -20,7 +20,10 @@ belong to the check list)::
                                  ``gmode=`` how the guard's second pass runs (``GuardMode``);
                                  ``attn=`` / ``lin=`` the dtype (compute, bf16, auto) of the
                                  recomputed rows' attention / linear layers above the last
-                                 check layer (``RecomputePrecision``)
+                                 check layer (``RecomputePrecision``). A part the blend would
+                                 not read is refused, as ReusePolicy refuses it: ``gmode=``
+                                 with ``guard=off``; ``cand=`` or ``probe=`` with a selector
+                                 that runs no probe (only probe and probe_attn do)
 
 e.g. ``blend@0.15:v``, ``blend@0.1:query``, ``blend@0.15:v:check=1,2``.
 """
@@ -33,9 +36,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
+from blend.defaults import DEFAULT_SELECTOR
+from blend.errors import InvalidPolicyError
 from blend.policy import (
-    GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, RECOMPUTE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode, GuardMode,
-    ProbePrecision, RecomputePrecision, ReusePolicy,
+    GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, PROBE_SELECTORS, RECOMPUTE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode,
+    GuardMode, ProbePrecision, RecomputePrecision, ReusePolicy,
 )
 # the shipped default selector at three budgets, against CacheBlend's V deviation at the middle one
 DEFAULT_METHODS = "full,prefix,reuse,blend@0.05:probe,blend@0.15:probe,blend@0.3:probe,blend@0.15:combo,blend@0.15:v"
@@ -360,11 +365,38 @@ def parse_method(spec: str) -> Method:
         canonical += f":attn={attn}"
     if lin is not None:
         canonical += f":lin={lin}"
-    return Method(
+    method = Method(
         name=s, kind=MethodKind.BLEND, canonical=canonical, ratio=ratio, selector=selector, check_layers=checks,
         auto=auto, auto_target=auto_target, probe_precision=probe, guard=guard, candidates=cand, candidates_off=cand_off,
         temperature=temp, guard_mode=gmode, attention_precision=attn, linear_precision=lin,
     )
+    _check_read(method)
+    return method
+
+
+def _check_read(method: Method) -> None:
+    """Refuse a blend spec naming a setting its blend never reads, as :class:`ReusePolicy` refuses it (the
+    spec names and labels its results by every part, so a part that changes nothing is refused even at its
+    default): ``gmode=`` beside ``guard=off``, ``cand=`` or ``probe=`` beside a selector that runs no probe,
+    and whatever else the policy refuses (e.g. ``auto`` beside a selector other than ``probe``).
+
+    Raises:
+        MethodError: naming the spec and the setting.
+    """
+    spec = method.name
+    if method.guard_mode is not None and method.guard == (None, None):
+        raise MethodError(f"method '{spec}': gmode= says how the near-tie guard recomputes a near tie, and "
+                          f"guard=off turns the guard off: it would be ignored (drop one)")
+    selector = method.selector or DEFAULT_SELECTOR
+    probe_parts = [p for p, given in (("cand=", method.candidates is not None or method.candidates_off),
+                                      ("probe=", method.probe_precision is not None)) if given]
+    if probe_parts and selector not in PROBE_SELECTORS:
+        raise MethodError(f"method '{spec}': {' and '.join(probe_parts)} set the query probe, which selector "
+                          f"'{selector}' never runs (only {' and '.join(PROBE_SELECTORS)} do): it would be ignored")
+    try:
+        method.policy()
+    except InvalidPolicyError as e:
+        raise MethodError(f"method '{spec}': {e}") from None
 
 
 def split_specs(text: str) -> list[str]:

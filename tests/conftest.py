@@ -5,13 +5,14 @@ so it is set here, before anything imports the kernels.
 """
 
 import os
+from dataclasses import replace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("KVBLEND_HOME", os.path.join(os.path.dirname(__file__), "..", ".kvblend"))
 
 import pytest  # noqa: E402
 
-from blend.policy import ReusePolicy  # noqa: E402
+from blend.policy import POLICY_DEFAULTS, ReusePolicy  # noqa: E402
 from blend.tiny import make_docs  # noqa: E402,F401  (test modules import it from here)
 
 
@@ -30,6 +31,13 @@ def unguarded_blend(*args, **kw):
     selection, bits): a tiny random model's first token is nearly always a near tie, so under the default
     guard those requests would be blended again at the guard's ratio. The guard has its own tests."""
     return ReusePolicy.blend(*args, guard_margin=None, **kw)
+
+
+def unguarded(policy: ReusePolicy) -> ReusePolicy:
+    """``policy`` with the near-tie guard off: its margin None, and its ratio and mode (which a policy without
+    a guard refuses away from their defaults) back at their defaults."""
+    return replace(policy, guard_margin=None, guard_ratio=POLICY_DEFAULTS["guard_ratio"],
+                   guard_mode=POLICY_DEFAULTS["guard_mode"])
 
 
 TINY_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-llama-rope-llama3", "tiny-llama-rope-linear", "tiny-llama-rope-dynamic"]

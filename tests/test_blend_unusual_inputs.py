@@ -15,7 +15,7 @@ from conftest import make_docs, unguarded_blend
 
 @pytest.mark.parametrize("policy", [
     unguarded_blend(ratio=1e-4, selector="v"),  # round(1e-4 x ~800 document tokens) = 0 rows
-    unguarded_blend(ratio=1e-4, selector="v", candidates=None),
+    unguarded_blend(ratio=1e-4, candidates=None),  # the probe selector, every row computed up to the check
     unguarded_blend(threshold=1e9),  # no row deviates that much
     unguarded_blend(budget=BudgetMode.AUTO, auto_target=1e9),  # the target is met with no row
 ], ids=["ratio", "ratio-no-candidates", "threshold", "auto"])

@@ -94,6 +94,15 @@ def test_cold_equals_warm_across_processes_in_redis(docs, tmp_path, redis_url):
      "set --max-ratio=0.3 instead"),
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--max-ratio", "0.3"],
      "--max-ratio caps an adaptive budget or a threshold"),
+    # the guard's settings with the guard off, the probe's beside a selector without it: refused, not ignored
+    (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--guard-margin", "off",
+      "--guard-ratio", "0.5"], "--guard-ratio is a setting of the near-tie guard, which is off (--guard-margin off)"),
+    (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--guard-margin", "off",
+      "--guard-mode", "widen"], "--guard-mode is a setting of the near-tie guard"),
+    (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--selector", "v",
+      "--candidates", "off"], "candidates is a setting of the query probe, which selector 'v' never runs"),
+    (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--selector", "v",
+      "--probe-precision", "bf16"], "--probe-precision is a setting of the query probe"),
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--min-prompt-tokens", "-5"],
      "--min-prompt-tokens must be an integer >= 0"),  # the flag, not the policy's field (min_prompt_tokens)
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--max-new-tokens", "0"],

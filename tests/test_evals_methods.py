@@ -1,10 +1,12 @@
 """Method spec parsing."""
 
+import re
+
 import pytest
 
 from blend.defaults import DEFAULT_AUTO_TARGET
 from blend.evals.methods import MethodError, MethodKind, parse_method, parse_methods, split_specs
-from blend.policy import BudgetMode
+from blend.policy import BudgetMode, GuardMode, ProbePrecision
 
 
 def test_parse_simple_methods():
@@ -117,3 +119,37 @@ def test_a_method_round_trips_through_its_json_and_plots_under_its_own_series():
            if m.kind.value == "blend"]
     lines = series({m.name: {"spec": m.to_dict()} for m in two})
     assert len(lines) == 2
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("blend@0.15:probe:guard=off:gmode=widen", "gmode= says how the near-tie guard recomputes"),
+    ("blend@0.15:guard=off:gmode=restart", "guard=off turns the guard off"),  # explicit, even at its default
+    ("blend@0.15:v:cand=4", "cand= set the query probe, which selector 'v' never runs"),
+    ("blend@0.15:combo:cand=off", "selector 'combo' never runs"),
+    ("blend@0.15:k:probe=bf16", "probe= set the query probe"),
+    ("blend@0.15:lead:cand=2:probe=auto", "cand= and probe= set the query probe"),
+    # whatever else the policy refuses is refused when the spec is parsed, not when its run starts
+    ("blend@0.3:v:auto", "the adaptive budget ranks rows by the probe score"),
+])
+def test_a_spec_part_the_blend_would_not_read_is_refused(spec, needle):
+    """blend@0.15:probe:guard=off:gmode=widen ran unguarded and was labelled gmode=widen in the results;
+    blend@0.15:v:cand=4 ran the v selector exactly as without cand=4."""
+    with pytest.raises(MethodError, match=re.escape(f"method '{spec}': ")) as e:
+        parse_method(spec)
+    assert needle in str(e.value)
+    with pytest.raises(MethodError, match=re.escape(needle)):  # a --methods list: the same error
+        parse_methods(f"full,{spec}")
+
+
+def test_the_probe_and_guard_parts_stay_with_what_reads_them():
+    """Beside the guard, or beside a selector that runs the probe (the default selector, probe, included),
+    each part reaches the policy."""
+    assert parse_method("blend@0.15:probe:guard=off").policy().guarded is False
+    widen = parse_method("blend@0.15:guard=0.7@0.5:gmode=widen").policy()
+    assert (widen.guard_ratio, widen.guard_mode) == (0.5, GuardMode.WIDEN)
+    assert parse_method("blend@0.15:cand=off").policy().candidates is None
+    attn = parse_method("blend@0.15:probe_attn:cand=3:probe=bf16").policy()
+    assert (attn.candidates, attn.probe_precision) == (3.0, ProbePrecision.BF16)
+    auto = parse_method("blend@0.3:probe:auto:cand=2").policy()
+    assert (auto.budget, auto.max_ratio, auto.candidates) == (BudgetMode.AUTO, 0.3, 2.0)
+    assert parse_method("blend@0.15:v:guard=off").policy().selector == "v"

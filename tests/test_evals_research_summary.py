@@ -34,7 +34,7 @@ def test_harness_methods_that_differ_beyond_selector_and_ratio_keep_their_own_ro
     """``blend@0.15:v`` and ``blend@0.15:v:guard=off`` are two methods: neither may overwrite the other."""
     from blend.evals.methods import parse_method
 
-    names = {"blend@0.15:v": 0.1, "blend@0.15:v:guard=off": 0.4, "blend@0.3:v:auto": 0.2, "blend@0.3:v": 0.3}
+    names = {"blend@0.15:v": 0.1, "blend@0.15:v:guard=off": 0.4, "blend@0.3:v:temp=1.1": 0.2, "blend@0.3:v": 0.3}
     spec = {n: parse_method(n).to_dict() for n in names}
     res = {"methods": {n: {"spec": spec[n]} for n in names},
            "items": [item_json(30, {n: {"kl": kl, "top1": 1.0} for n, kl in names.items()})]}

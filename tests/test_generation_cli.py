@@ -2,14 +2,24 @@
 
 import io
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from _sampling_surfaces import surfaces
 from _serve_util import one_torch_thread  # noqa: F401 - module fixture
 from blend.cli import main
+from blend.defaults import (
+    DEFAULT_MAX_NEW_TOKENS, DEFAULT_PENALTY, DEFAULT_SAMPLING_TOP_K, DEFAULT_SERVE_TEMPERATURE, DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+)
 from blend.generation_cli import stream_answer
 from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
+from blend.serve.schemas import ChatCompletionRequest, CompletionRequest
 from conftest import make_docs, write_docs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -67,3 +77,47 @@ def test_the_answer_is_printed_as_it_is_decoded(tiny_engine):
                          GenerationConfig(max_tokens=16, temperature=0.9, seed=2), out)
     assert out.getvalue() == f"answer: {done.text.lstrip()}\n"
     assert len([w for w in out.writes if w]) >= 4  # piece by piece, not once at the end
+
+
+# the sampling settings every surface fills in where nothing is asked (max_tokens and stop_at_newline differ by
+# design: the server's own budget, and the command line's single-line answers)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "logprobs", "presence_penalty",
+                   "frequency_penalty", "logit_bias")
+
+
+def test_the_sampling_defaults_of_the_cli_the_server_and_the_python_api_agree(tiny_engine):
+    """Greedy, no top-p or top-k cut, no penalties, no seed, no stop string on every surface; the server's
+    temperature alone is OpenAI's 1.0 where a request names none (blend.defaults says why)."""
+    got = surfaces(tiny_engine)
+    api = got["api"]
+    assert (api.temperature, api.top_p, api.top_k, api.presence_penalty, api.frequency_penalty) == (
+        DEFAULT_TEMPERATURE, DEFAULT_TOP_P, DEFAULT_SAMPLING_TOP_K, DEFAULT_PENALTY, DEFAULT_PENALTY)
+    for name in SAMPLING_FIELDS:
+        want = getattr(api, name)
+        assert getattr(got["ask"], name) == getattr(got["chat"], name) == want, name
+        assert getattr(got["server"], name) == (DEFAULT_SERVE_TEMPERATURE if name == "temperature" else want), name
+    assert got["ask"].max_tokens == got["chat"].max_tokens == api.max_tokens == DEFAULT_MAX_NEW_TOKENS
+    for schema in (ChatCompletionRequest, CompletionRequest):  # the server's schema: null, i.e. the defaults above
+        for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty"):
+            assert schema.model_fields[name].default is None, (schema.__name__, name)
+
+
+def test_every_surface_reads_its_sampling_defaults_from_blend_defaults(tmp_path):
+    """Change the defaults in blend.defaults (before anything reads them) and every surface follows: the CLI's
+    --temperature 0.0 and --top-p 1.0 were literals of their own, free to drift from the API's and the server's."""
+    code = (
+        "import blend.defaults as D\n"
+        "D.DEFAULT_TEMPERATURE, D.DEFAULT_SERVE_TEMPERATURE, D.DEFAULT_TOP_P = 0.5, 0.75, 0.9\n"
+        "D.DEFAULT_SAMPLING_TOP_K, D.DEFAULT_PENALTY = 7, 0.25\n"
+        "from blend.engine import Engine\n"
+        "from _sampling_surfaces import surfaces\n"
+        "for name, c in surfaces(Engine.load('tiny-llama', quality_gate=False)).items():\n"
+        "    print(name, c.temperature, c.top_p, c.top_k, c.presence_penalty, c.frequency_penalty)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    assert rows == {"api": "0.5 0.9 7 0.25 0.25", "ask": "0.5 0.9 7 0.25 0.25", "chat": "0.5 0.9 7 0.25 0.25",
+                    "server": "0.75 0.9 7 0.25 0.25"}

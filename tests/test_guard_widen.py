@@ -9,11 +9,10 @@ candidates and keeps every row it recomputed.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
-from conftest import make_docs, unguarded_blend
+from conftest import make_docs, unguarded, unguarded_blend
 
 from blend.errors import InvalidPolicyError
 from blend.policy import GUARD_MODE_NAMES, BudgetMode, GuardMode, ReusePolicy
@@ -38,9 +37,10 @@ def test_widen_without_candidates_is_the_blend_at_the_guard_ratio(tiny_engine, s
     the guard ratio computes: the first token's logits, the whole answer and the rows recomputed (a
     top-k of the same scores keeps the 0.15 selection inside the 0.3 one)."""
     prompt = tiny_engine.build_prompt("Which one?", make_docs(4))
-    at = tiny_engine.generate(prompt, unguarded_blend(0.3, selector, candidates=None), max_new_tokens=6,
+    every_row = {"candidates": None} if selector == "probe" else {}  # (other selectors run no probe at all)
+    at = tiny_engine.generate(prompt, unguarded_blend(0.3, selector, **every_row), max_new_tokens=6,
                               stop_at_newline=False)
-    w = tiny_engine.generate(prompt, guarded(GuardMode.WIDEN, selector=selector, candidates=None),
+    w = tiny_engine.generate(prompt, guarded(GuardMode.WIDEN, selector=selector, **every_row),
                              max_new_tokens=6, stop_at_newline=False)
     assert "(widen: from check layer 1)" in w.report.guard
     assert torch.equal(w.first_logits, at.first_logits) and w.token_ids == at.token_ids
@@ -172,7 +172,7 @@ def test_a_threshold_or_adaptive_blend_widens_from_candidates_that_cover_its_cap
     auto = ReusePolicy.blend(0.15, "probe", budget=BudgetMode.AUTO, max_ratio=0.2, auto_target=1e9,
                              guard_margin=1e9, guard_ratio=0.4, guard_mode=GuardMode.WIDEN)
     redo = tiny_engine.generate(prompt, auto, max_new_tokens=1)
-    first = tiny_engine.generate(prompt, replace(auto, guard_margin=None), max_new_tokens=1).report.ratio
+    first = tiny_engine.generate(prompt, unguarded(auto), max_new_tokens=1).report.ratio
     assert "(widen:" in redo.report.guard and redo.report.ratio >= first
     assert redo.report.spent == pytest.approx(first + redo.report.ratio)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from blend.errors import InvalidPolicyError
-from blend.policy import BudgetMode, ReuseMode, ReusePolicy
+from blend.policy import BudgetMode, GuardMode, ProbePrecision, ReuseMode, ReusePolicy
 
 
 @pytest.mark.parametrize("mode", ["exact", "none", "blend", None, 1])
@@ -156,6 +156,45 @@ def test_the_guards_second_pass_of_an_adaptive_budget_is_a_fixed_budget():
     auto = ReusePolicy.blend(selector="probe", budget=BudgetMode.AUTO, max_ratio=0.2, auto_target=0.01)
     again = auto.at_guard_ratio(0.3)
     assert (again.budget, again.ratio, again.guard_margin) == (BudgetMode.FIXED, 0.3, None)
+
+
+@pytest.mark.parametrize("setting", [dict(guard_ratio=0.5), dict(guard_ratio=1.0), dict(guard_mode=GuardMode.WIDEN)])
+def test_a_guard_setting_without_the_guard_is_refused(setting):
+    """guard_ratio and guard_mode only say how a near tie is recomputed: with the guard off (guard_margin None)
+    blend(guard_margin=None, guard_ratio=0.5) ran unguarded and said nothing about the 0.5."""
+    name = next(iter(setting))
+    with pytest.raises(InvalidPolicyError, match=f"{name} is a setting of the near-tie guard, which is off"):
+        ReusePolicy.blend(0.15, guard_margin=None, **setting)
+    assert getattr(ReusePolicy.blend(0.15, guard_margin=0.7, **setting), name) == setting[name]  # guarded: read
+    assert ReusePolicy.blend(0.15, guard_margin=None).guarded is False  # the defaults, unguarded
+
+
+@pytest.mark.parametrize("selector", ["v", "k", "kv", "lead", "query", "random", "combo", "split"])
+@pytest.mark.parametrize("setting", [dict(candidates=None), dict(candidates=4.0),
+                                     dict(probe_precision=ProbePrecision.BF16),
+                                     dict(probe_precision=ProbePrecision.COMPUTE)])
+def test_a_probe_setting_with_a_selector_that_runs_no_probe_is_refused(selector, setting):
+    """candidates and probe_precision are the query probe's: selector v with candidates=None or
+    probe_precision=bf16 ran exactly as without them."""
+    name = next(iter(setting))
+    with pytest.raises(InvalidPolicyError, match=f"{name} is a setting of the query probe, which selector "
+                                                 f"'{selector}' never runs"):
+        ReusePolicy.blend(0.15, selector, **setting)
+    assert ReusePolicy.blend(0.15, selector).candidate_share == 1.0  # the defaults stay allowed
+
+
+@pytest.mark.parametrize("selector", ["probe", "probe_attn"])
+def test_the_probe_selectors_take_the_probe_settings(selector):
+    p = ReusePolicy.blend(0.15, selector, candidates=None, probe_precision=ProbePrecision.BF16)
+    assert p.needs_probe and p.candidates is None and p.probe_precision is ProbePrecision.BF16
+
+
+def test_the_guards_second_pass_drops_the_guards_own_settings():
+    """The second pass is unguarded: it keeps no guard ratio or mode it would refuse (and never read)."""
+    p = ReusePolicy.blend(0.15, guard_margin=1e9, guard_ratio=0.4, guard_mode=GuardMode.WIDEN)
+    again = p.at_guard_ratio(0.4)
+    assert (again.guard_margin, again.guard_ratio, again.guard_mode) == (None, 0.3, GuardMode.RESTART)
+    assert again == ReusePolicy.blend(0.4, guard_margin=None)
 
 
 def test_a_numpy_ratio_runs_and_its_report_is_json(tiny_engine):

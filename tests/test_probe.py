@@ -10,7 +10,7 @@ from blend import probe as P
 from blend.policy import BudgetMode, GuardMode, ReusePolicy
 from blend.report import ReuseClass
 from blend.selectors import SelectionInputs, select, select_auto
-from conftest import make_docs, unguarded_blend
+from conftest import make_docs, unguarded, unguarded_blend
 
 
 @pytest.fixture
@@ -332,7 +332,7 @@ def test_a_guard_ratio_at_or_below_the_blends_takes_the_exact_path(tiny_engine):
     at = tiny_engine.generate(prompt, unguarded_blend(0.4, "probe"), max_new_tokens=1)
     assert redo.report.ratio == 0.4 and torch.equal(redo.first_logits, at.first_logits)
     # what it spent counts both passes: the budget's own choice, then the guard's 0.4
-    first = tiny_engine.generate(prompt, replace(auto, guard_margin=None), max_new_tokens=1).report.ratio
+    first = tiny_engine.generate(prompt, unguarded(auto), max_new_tokens=1).report.ratio
     assert redo.report.spent == pytest.approx(first + 0.4) and redo.report.to_dict()["spent"] == redo.report.spent
     assert at.report.spent == at.report.ratio == 0.4  # unguarded: the one pass
     assert tiny_engine.generate(prompt, ReusePolicy.exact(), max_new_tokens=1).report.spent is None
@@ -362,7 +362,7 @@ def test_explicit_layer_ratios_are_what_a_blend_runs_reports_and_guards_from(tin
                             guard_ratio=0.3, guard_mode=mode)
     flat = tiny_engine.generate(prompt, unguarded_blend(0.3, "probe", check_layers=(1, 2)), max_new_tokens=1)
     assert torch.equal(tiny_engine.generate(prompt, two, max_new_tokens=1).first_logits, flat.first_logits)
-    assert two.at_guard_ratio(0.3) == unguarded_blend(0.3, "probe", check_layers=(1, 2), guard_mode=mode)
+    assert two.at_guard_ratio(0.3) == unguarded_blend(0.3, "probe", check_layers=(1, 2))  # the guard's mode reset
     assert told.report.policy.startswith("blend@0.1:") and ReusePolicy.blend(layer_ratios=(0.15,)).describe() \
         .startswith("blend@0.15:") and "blend@0.15,0.1:" in two.describe()
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from blend.defaults import (
     DEFAULT_ATTENTION_PRECISION, DEFAULT_DTYPE, DEFAULT_GRACEFUL_SHUTDOWN_S, DEFAULT_LINEAR_PRECISION, DEFAULT_MODEL,
+    DEFAULT_SERVE_TEMPERATURE,
 )
 from blend.batch_decode import DecodeBatching
 from blend.policy import RECOMPUTE_PRECISION_FIELDS, RECOMPUTE_PRECISION_NAMES
@@ -158,7 +159,7 @@ class ServeConfig:
     api_key: str | None = None  # None: no auth (or $KVBLEND_API_KEY, see resolve_api_key)
     experimental_semantic: bool = False
     served_model_name: str | None = None  # the id /v1/models reports; default the model argument
-    default_temperature: float = 1.0  # when a request names none (OpenAI's default)
+    default_temperature: float = DEFAULT_SERVE_TEMPERATURE  # when a request names none (OpenAI's default)
     inline_prepare_chars: int = 16_384  # smaller requests are tokenized on the event loop (no thread hop)
     inline_prepare_messages: int = 2  # ... and only with at most this many messages (no conversation history)
     limits: Limits = field(default_factory=Limits)

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from blend.control_text import unmark
-from blend.defaults import DEFAULT_ATTENTION_PRECISION, DEFAULT_LINEAR_PRECISION
+from blend.defaults import (
+    DEFAULT_ATTENTION_PRECISION, DEFAULT_LINEAR_PRECISION, DEFAULT_PENALTY, DEFAULT_SAMPLING_TOP_K, DEFAULT_TOP_P,
+)
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.generation import stop_strings
 from blend.policy import (
@@ -155,15 +157,16 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
     if asked is not None and asked > limits.max_tokens:
         raise ApiError(400, f"{budget_param}={asked} exceeds this server's limit of {limits.max_tokens}",
                        param=budget_param)
-    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else DEFAULT_SAMPLING_TOP_K  # vLLM's -1: off
     try:
         gen = GenerationConfig(
             max_tokens=asked or min(limits.default_max_tokens, limits.max_tokens),
             temperature=cfg.default_temperature if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
+            top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
             stop=stop_strings(body.stop), stop_at_newline=opts.stop_at_newline, ignore_eos=bool(body.ignore_eos),
-            logprobs=logprobs, presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
+            logprobs=logprobs,
+            presence_penalty=DEFAULT_PENALTY if body.presence_penalty is None else body.presence_penalty,
+            frequency_penalty=DEFAULT_PENALTY if body.frequency_penalty is None else body.frequency_penalty,
             logit_bias=logit_bias,
         )
     except InvalidRequestError as e:
