@@ -168,3 +168,24 @@ def test_playground_shows_errors_and_non_ascii_documents_as_written(one_torch_th
     assert second_error == ""
     assert texts_shown == [d.strip() + "\n\n" for d in NON_ASCII_DOCS]
     assert all("\ufffd" not in t for t in texts_shown)
+
+
+def test_the_playground_asks_with_reuse_exact_or_none_after_its_ratio_or_selector_changed(one_torch_thread):
+    """The page sent its ratio and selector whatever the Reuse menu said; since the server refuses blend settings
+    under reuse "exact" or "none" (a 400 'ratio is a blend option'), picking exact or none after touching the ratio
+    or the selector answered nothing but that error. Only a blend sends them (and the page greys them out)."""
+    with playground_page() as (_, page):
+        page.fill("#max-tokens", "4")
+        page.fill("#ratio", "0.3")
+        page.select_option("#selector", "v")
+        answers = {}
+        for reuse in ("exact", "none", "blend"):
+            page.select_option("#reuse", reuse)
+            page.click("#ask")
+            page.wait_for_selector("body[data-done='1']", timeout=60_000)
+            answers[reuse] = (page.inner_text("#error"), page.inner_text("#stats"),
+                              page.is_disabled("#ratio"), page.is_disabled("#selector"))
+    assert answers["exact"][0] == "" and answers["none"][0] == "" and answers["blend"][0] == ""
+    assert " · exact · " in answers["exact"][1] and " · none · " in answers["none"][1]
+    assert "blend@0.3:v" in answers["blend"][1]  # a blend still sends both
+    assert answers["exact"][2:] == answers["none"][2:] == (True, True) and answers["blend"][2:] == (False, False)
