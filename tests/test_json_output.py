@@ -87,3 +87,38 @@ def test_cli_check_json_writes_null_for_a_check_that_measured_nan(monkeypatch, c
     assert C.main(["check", "--model", "tiny-llama", "--json"]) == 1  # NaN fails its check
     out = strict_loads(capsys.readouterr().out)
     assert out["passed"] is False and out["checks"][0]["figure"] is None
+
+
+@pytest.mark.parametrize("mode", ["json", "sse"])
+def test_the_vllm_chat_rewrite_sends_strict_json(mode) -> None:
+    """The documents middleware re-encodes vLLM's completions answer as a chat answer: a non-finite figure in
+    what it re-encodes (kvblend's report, a logprob) went out as NaN/-Infinity."""
+    import asyncio
+
+    from blend.integrations.vllm.middleware import _ChatSend
+
+    sent: list[dict] = []
+
+    async def send(msg: dict) -> None:
+        sent.append(msg)
+
+    body = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "text": "hi", "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            "kv_transfer_params": {"kvblend": {"load_s": math.nan}}, "metrics": {"ttft": math.inf}}
+    raw = json.dumps(body).encode()  # as Python's json writes them: NaN, Infinity
+    ctype = b"application/json" if mode == "json" else b"text/event-stream"
+    payload = raw if mode == "json" else b"data: " + raw + b"\n\ndata: [DONE]\n\n"
+
+    async def run() -> None:
+        chat = _ChatSend(send)
+        await chat({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype)]})
+        await chat({"type": "http.response.body", "body": payload, "more_body": False})
+
+    asyncio.run(run())
+    out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    text = out if mode == "json" else out.split("\n\n")[0][len("data: "):]
+    got = strict_loads(text)
+    assert got["object"].startswith("chat.completion") and got["metrics"]["ttft"] is None
+    if mode == "json":
+        assert got["kv_transfer_params"]["kvblend"]["load_s"] is None
