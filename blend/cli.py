@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 from typing import Callable, Sequence
 
+from blend import json_text
 from blend.cli_messages import OneLineParser, flag_names, in_flag_words
 from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K
 from blend.errors import InvalidRequestError, KVBlendError
@@ -99,7 +99,7 @@ def run_ask(args: argparse.Namespace) -> int:
     engine = engine_from_args(args)
     prompt = engine.build_prompt(args.question, docs, args.system)
     if args.json:
-        print(json.dumps(answer_json(engine, generate_answer(engine, prompt, policy, config))))
+        print(json_text.dumps(answer_json(engine, generate_answer(engine, prompt, policy, config))))
     else:
         print_report(stream_answer(engine, prompt, policy, config), with_answer=False)
     return 0
@@ -118,7 +118,7 @@ def run_check(args: argparse.Namespace) -> int:
         print(f"kvblend: warning: could not record the gate's result ({e}); it is shown below but later "
               "processes will run the gate again", file=sys.stderr)
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json_text.dumps(result.to_dict()))
     else:
         for c in result.checks:
             cmp = ">=" if c.name in AT_LEAST else "<="

@@ -131,6 +131,11 @@ def read_regular(path: str | os.PathLike[str], max_bytes: int, follow_symlinks: 
         size = os.fstat(fd).st_size
         if size > max_bytes:
             raise FileTooLargeError(f"{size} bytes, over the cap of {max_bytes}", path)
+        if size < 1 << 24:  # one read of the file and a byte more (pread_exact's pieces take 16 MiB buffers)
+            data = os.pread(fd, size + 1, 0)
+            if len(data) <= size:  # as fstat saw it (or shorter: it shrank meanwhile)
+                return data
+            return (data + pread_exact(fd, max_bytes + 1 - len(data), len(data)))[:max_bytes]  # it grew meanwhile
         return pread_exact(fd, max_bytes + 1, 0)[:max_bytes]
     finally:
         os.close(fd)

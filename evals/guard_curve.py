@@ -27,7 +27,7 @@ from blend.defaults import DEFAULT_GUARD_MARGIN
 from blend.evals import metrics as M
 from blend.evals.harness import MAX_RUN_FILE_BYTES, RUN_FILE
 from blend.evals.methods import Method, MethodError, MethodKind, parse_method
-from blend.evals.rows import ItemRow, MethodRow, RowError
+from blend.evals.rows import ItemRow, MethodRow, RowError, jsonl_lines
 from blend.evals.splits import items_caption
 
 # what two rows of one item may differ by in their first pass's gap and still be the same first pass
@@ -155,9 +155,7 @@ def read_rows(run: Path) -> list[ItemRow]:
     except (OSError, UnicodeDecodeError) as e:
         raise CurveError(f"{path}: cannot read it as text ({type(e).__name__})") from None
     rows: dict[int, ItemRow] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in jsonl_lines(text):  # split at "\n" only (not at a U+2028 in a string)
         try:
             row = ItemRow.from_json(json.loads(line))
         except json.JSONDecodeError as e:

@@ -42,12 +42,11 @@ from blend.evals.aggregate import aggregate
 from blend.evals.data import Item
 from blend.evals.environment import describe_environment, provenance_dict
 from blend.evals.methods import REFERENCE, Method, MethodKind
-from blend.evals.rows import ItemRow, MethodRow, RowError
+from blend.evals.rows import MAX_ROWS_BYTES, ItemRow, MethodRow, RowError, jsonl_lines
 from blend.probe import top2_margin
 from blend.progress import Progress
 
 ROWS_FILE = "rows.jsonl"
-MAX_ROWS_BYTES = 1 << 30  # the largest rows file --resume reads (a run of 10k items is ~100 MB)
 RUN_FILE = "run.json"
 MAX_RUN_FILE_BYTES = 1 << 20  # a run.json larger than this is not a run's settings
 SCHEMA_VERSION = 1
@@ -275,7 +274,7 @@ def _read_rows(path: Path) -> list[ItemRow]:
         text = safeio.read_regular(path, MAX_ROWS_BYTES).decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ResumeError(f"--resume: cannot read {path} ({type(e).__name__}); start a fresh --out") from None
-    lines = [ln for ln in text.splitlines() if ln.strip()]
+    lines = [ln for _, ln in jsonl_lines(text)]  # split at "\n" only (not at a U+2028 in a string)
     rows = []
     for n, line in enumerate(lines):
         try:

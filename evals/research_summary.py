@@ -12,24 +12,72 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from blend import safeio
 from blend.evals import metrics as M
 from blend.evals.methods import MethodKind
-from blend.evals.rows import ItemRow
+from blend.evals.rows import (
+    MAX_ROWS_BYTES, FieldTypes, ItemRow, RowError, brief, brief_list, check_fields, is_count, is_number, read_jsonl,
+)
 from blend.evals.splits import ItemRangeError, parse_item_range, range_split
 
 
+_FIGURES = ("kl", "top1", "share")  # a research row's {variant: figure} maps
+# a research row's fields read here (it holds others too: id, prompt_tokens, residual, ...; kept unchecked)
+RESEARCH_ROW_TYPES: FieldTypes = {
+    "index": (is_count, "a non-negative integer"),
+    **{f: (lambda x: isinstance(x, dict) and all(is_number(v) for v in x.values()),
+           "an object of finite numbers") for f in _FIGURES},
+}
+
+
+def research_row(d: Any, where: str) -> dict:
+    """A research JSONL row, checked: ``index``, and ``kl``, ``top1``, ``share`` maps of finite numbers, the
+    last two holding every variant of ``kl``.
+
+    Args:
+        d: the decoded line.
+        where: ``PATH:LINE``, for the message.
+
+    Returns:
+        The row (a dict, as the research tool wrote it).
+
+    Raises:
+        RowError: naming ``where`` and the field.
+    """
+    row = check_fields(d, RESEARCH_ROW_TYPES, where, others=True)
+    for f in ("top1", "share"):
+        lacks = [k for k in row["kl"] if k not in row[f]]
+        if lacks:
+            raise RowError(f"{where}.{f}: lacks variant(s) {brief_list(lacks)} of kl")
+    return row
+
+
 def load_rows(paths: list[Path], items: str | None = None) -> list[dict]:
-    """Rows of several files (research JSONL, or a harness results.json) merged by item index."""
+    """Rows of several files (research JSONL, or a harness results.json) merged by item index.
+
+    Args:
+        paths: the files (``.json``: a harness results.json; else research JSONL).
+        items: keep the rows of this item range (``A-B``) only.
+
+    Returns:
+        One row per item, in item order.
+
+    Raises:
+        RowError: a file that cannot be read, or a row that is not one (the message names the file, and the
+            line of a JSONL file).
+    """
     rows: dict[int, dict] = {}
     for p in paths:
         if p.suffix == ".json":
             new = rows_from_results(p)
         else:
-            new = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+            new = [research_row(value, where) for where, value in read_jsonl(p)]
         for r in new:
             old = rows.get(r["index"])
             if old is None:
@@ -47,13 +95,26 @@ def rows_from_results(path: Path, selectors: tuple[str, ...] = ("combo", "v", "k
     """Research-style rows from a harness results.json (``blend@R:S`` -> ``S@R``), e.g. the baselines
     of docs/results/musique5 (the lab replays the engine bit for bit, so these compare directly).
     A method with more options keeps them (``blend@R:S:guard=off`` -> ``S:guard=off@R``), so two
-    methods never share a row."""
-    res = json.loads(path.read_text())
+    methods never share a row. A method whose KL or top-1 is null on an item (not finite) is left out of
+    that item's row (the summary counts its items, ``n``).
+
+    Raises:
+        RowError: the file cannot be read, is not JSON, or is not a results object as far as read here (its
+            items, :class:`~blend.evals.rows.ItemRow` JSON, and the specs of their methods); the message
+            names the file.
+    """
+    res = _read_results(path)
     out = []
-    for item in (ItemRow.from_json(r) for r in res["items"]):
+    for i, d in enumerate(res["items"]):
+        try:
+            item = ItemRow.from_json(d)
+        except RowError as e:
+            raise RowError(f"{path}: results.items[{i}]: {e}") from None
         kl, top1, share = {}, {}, {}
         for name, m in item.methods.items():
-            spec = res["methods"][name].get("spec") or {}
+            spec = _spec(path, res["methods"], name)
+            if m.kl is None or m.top1 is None:
+                continue
             if (spec.get("kind") == MethodKind.BLEND.value and spec.get("selector") in selectors
                     and not spec.get("check_layers")):
                 key = f"{name.partition(':')[2]}@{spec['ratio']:g}"  # the selector and any options after it
@@ -62,6 +123,40 @@ def rows_from_results(path: Path, selectors: tuple[str, ...] = ("combo", "v", "k
                 kl["reuse@0"], top1["reuse@0"], share["reuse@0"] = m.kl, m.top1, 0.0
         out.append({"index": item.index, "kl": kl, "top1": top1, "share": share})
     return out
+
+
+def _read_results(path: Path) -> dict[str, Any]:
+    """A results.json's object, with its ``items`` a list and its ``methods`` an object.
+
+    Raises:
+        RowError: naming the file.
+    """
+    try:
+        res = json.loads(safeio.read_regular(path, MAX_ROWS_BYTES, follow_symlinks=True).decode("utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise RowError(f"{path}: cannot read it ({type(e).__name__}: {str(e)[:200]})") from None
+    except (ValueError, RecursionError) as e:  # not JSON (an integer of too many digits, nesting too deep)
+        raise RowError(f"{path}: not JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(res, dict) or not isinstance(res.get("items"), list) or not isinstance(res.get("methods"), dict):
+        raise RowError(f"{path}: not a results object (no items list or methods object)")
+    return res
+
+
+def _spec(path: Path, methods: dict[str, Any], name: str) -> dict[str, Any]:
+    """The spec of method ``name`` in a results object's ``methods`` ({} where it has none).
+
+    Raises:
+        RowError: the method is not there, or its spec is not an object (a blend's without a finite ratio).
+    """
+    where = f"{path}: results.methods[{brief(name)}]"
+    if not isinstance(methods.get(name), dict):
+        raise RowError(f"{where}: missing or not an object")
+    spec = methods[name].get("spec") or {}
+    if not isinstance(spec, dict):
+        raise RowError(f"{where}.spec: not an object")
+    if spec.get("kind") == MethodKind.BLEND.value and not is_number(spec.get("ratio")):
+        raise RowError(f"{where}.spec.ratio: not a finite number")
+    return spec
 
 
 def summarise(rows: list[dict], common_only: bool = True) -> list[dict]:
@@ -105,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = parse_item_range(a.items)
     except ItemRangeError as e:
         p.error(str(e))
-    rows = load_rows(a.rows, a.items)
+    try:
+        rows = load_rows(a.rows, a.items)
+    except RowError as e:
+        print(f"research_summary: error: {e}", file=sys.stderr)
+        return 2
     stats = summarise(rows, common_only=not a.all)
     if a.only:
         keep = a.only.split(",")

@@ -20,11 +20,16 @@ with (``first_token_margin`` of a method that does not blend), the row's ``absen
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
+from blend import safeio
 from blend.numeric import finite_real
+
+MAX_ROWS_BYTES = 1 << 30  # the largest rows file a reader reads (a run of 10k items is ~100 MB)
 
 # Fields a row may lack: written since (date, and issue where known); absent in rows written before
 # (docs/results holds both).
@@ -71,6 +76,125 @@ def brief_list(names: list[str], count: int = 5, width: int = 40) -> str:
 
 class RowError(ValueError):
     """A JSON value that is not an eval row (not an object, a field missing, unknown or of the wrong type)."""
+
+
+def is_int(x: Any) -> bool:
+    """An integer (never a bool)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_count(x: Any) -> bool:
+    """A count or an index: an integer >= 0."""
+    return is_int(x) and x >= 0
+
+
+def is_number(x: Any) -> bool:
+    """A finite JSON number (an int or a float, never a bool; an int too large for a float is not)."""
+    return isinstance(x, (int, float)) and finite_real(x)
+
+
+def is_real(x: Any) -> bool:
+    """A JSON number that Python's ``json`` may have written: a float (NaN and infinity too, which it writes as
+    ``NaN``/``Infinity``) or an int a float holds (not 10**400); never a bool."""
+    return isinstance(x, float) or (is_int(x) and finite_real(x))
+
+
+def is_str(x: Any) -> bool:
+    """A string."""
+    return isinstance(x, str)
+
+
+def or_null(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """``check``, or null."""
+    return lambda x: x is None or check(x)
+
+
+def list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """A list whose every item passes ``check``."""
+    return lambda x: isinstance(x, list) and all(check(v) for v in x)
+
+
+# field -> (check of its JSON value, what the message calls a value that fails it), in the order written
+FieldTypes = dict[str, tuple[Callable[[Any], bool], str]]
+
+
+def jsonl_lines(text: str) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of a JSON Lines text with their 1-based line numbers.
+
+    Lines end at "\\n" only (a "\\r" before it is JSON whitespace): ``str.splitlines`` also ends them at
+    U+2028, U+2029, U+0085, "\\x1c"-"\\x1e", "\\v" and "\\f", which a JSON string may hold unescaped
+    (``json.dumps(..., ensure_ascii=False)`` writes them so), cutting such a row in two.
+
+    Args:
+        text: the file's text.
+
+    Returns:
+        An iterator of (line number, line).
+    """
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.strip(" \t\r"):  # JSON's whitespace
+            yield n, line
+
+
+def read_jsonl(path: Path, max_bytes: int = MAX_ROWS_BYTES) -> Iterator[tuple[str, Any]]:
+    """The decoded values of a JSON Lines file, each with where it was read (``PATH:LINE``), for the
+    messages of the row checks that follow.
+
+    Args:
+        path: the file (a regular file, or a link to one).
+        max_bytes: the largest file read.
+
+    Returns:
+        An iterator of (``"PATH:LINE"``, value), blank lines skipped.
+
+    Raises:
+        RowError: the file cannot be read (absent, not a regular file, larger than ``max_bytes``, not UTF-8)
+            or a line is not JSON; the message names the file and the line.
+    """
+    try:
+        text = safeio.read_regular(path, max_bytes, follow_symlinks=True).decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RowError(f"{path}: cannot read it ({type(e).__name__}: {str(e)[:200]})") from None
+    for n, line in jsonl_lines(text):
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RowError(f"{path}:{n}: not JSON ({e.msg}, column {e.colno})") from None
+        except (ValueError, RecursionError) as e:  # an integer of too many digits; nesting too deep
+            raise RowError(f"{path}:{n}: not JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        yield f"{path}:{n}", value
+
+
+def check_fields(d: Any, types: FieldTypes, where: str,
+                 optional: frozenset[str] | set[str] = frozenset(), others: bool = False) -> dict[str, Any]:
+    """The fields of a JSON object, each checked against its type.
+
+    Args:
+        d: the decoded value.
+        types: field -> (check of its JSON value, what a message calls a value that passes it), in order.
+        where: what a message names the object by (``PATH:LINE``, ``row.methods['x']``).
+        optional: fields it may lack.
+        others: whether fields not in ``types`` are allowed (kept unchecked); else they are refused.
+
+    Returns:
+        The fields ``d`` holds, as they are (lists stay lists).
+
+    Raises:
+        RowError: ``d`` is not an object, holds an unknown field (unless ``others``), lacks one not in
+            ``optional``, or holds one whose value fails its check; the message names it under ``where``.
+    """
+    if not isinstance(d, dict):
+        raise RowError(f"{where}: not an object ({type(d).__name__})")
+    unknown = [] if others else sorted(str(k) for k in d if k not in types)
+    if unknown:  # named briefly: the keys come from the file (a crafted one may hold thousands, or long ones)
+        raise RowError(f"{where}: unknown field(s) {brief_list(unknown)}")
+    for name, (check, what) in types.items():
+        if name not in d:
+            if name not in optional:
+                raise RowError(f"{where}.{name}: missing")
+        elif not check(d[name]):
+            raise RowError(f"{where}.{name}: not {what}")
+    return dict(d)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,89 +352,57 @@ class ItemRow:
         return replace(self, **_finite_fields(self), methods={n: m.finite() for n, m in self.methods.items()})
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_count(x: Any) -> bool:
-    """A count or an index: an integer >= 0."""
-    return _is_int(x) and x >= 0
-
-
-def _is_number(x: Any) -> bool:
-    """A finite JSON number (an int or a float, never a bool; an int too large for a float is not)."""
-    return isinstance(x, (int, float)) and finite_real(x)
-
-
-def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda x: x is None or check(x)
-
-
-def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda x: isinstance(x, list) and all(check(v) for v in x)
-
-
-# field -> (check of its JSON value, what the message calls a value that fails it), in the order written
-_Types = dict[str, tuple[Callable[[Any], bool], str]]
-_STR, _INT, _NUM = (lambda x: isinstance(x, str)), _is_count, _optional(_is_number)
-_METHOD_TYPES: _Types = {
+_STR, _INT, _NUM = is_str, is_count, or_null(is_number)
+_METHOD_TYPES: FieldTypes = {
     "prediction": (_STR, "a string"), "answer_tokens": (_INT, "a non-negative integer"),
     **{f: (_NUM, "a finite number or null") for f in ("f1", "em", "rouge_l", "contains", "agreement")},
     "same_tokens": (_INT, "a non-negative integer"),
     **{f: (_NUM, "a finite number or null") for f in ("kl", "top1", "tf_agreement", "tf_kl", "ttft_s")},
-    "ttft_samples": (_list_of(_NUM), "a list of numbers or nulls"), "ttft_ratio": (_NUM, "a finite number or null"),
+    "ttft_samples": (list_of(_NUM), "a list of numbers or nulls"), "ttft_ratio": (_NUM, "a finite number or null"),
     "ttft_ref_s": (_NUM, "a finite number or null"),
-    "threads": (_optional(lambda x: _is_count(x) and x >= 1), "a positive integer or null"),
+    "threads": (or_null(lambda x: is_count(x) and x >= 1), "a positive integer or null"),
     "first_token_margin": (_NUM, "a finite number or null"), "guarded": (lambda x: isinstance(x, bool), "a boolean"),
     **{f: (_INT, "a non-negative integer") for f in ("recomputed_tokens", "reused_tokens", "prompt_tokens")},
     **{f: (_NUM, "a finite number or null") for f in ("recomputed_frac", "computed_frac")},
 }
-_ITEM_TYPES: _Types = {
+_ITEM_TYPES: FieldTypes = {
     "index": (_INT, "a non-negative integer"), "id": (_STR, "a string"), "question": (_STR, "a string"),
-    "item_sha256": (_STR, "a string"), "answers": (_list_of(_STR), "a list of strings"),
+    "item_sha256": (_STR, "a string"), "answers": (list_of(_STR), "a list of strings"),
     "prompt_tokens": (_INT, "a non-negative integer"), "full_answer": (_STR, "a string"),
     "ref_margin": (_NUM, "a finite number or null"),
     "methods": (lambda x: isinstance(x, dict) and all(isinstance(k, str) for k in x), "an object"),
 }
 
 
-def _nullable(types: _Types, name: str) -> bool:
+def _nullable(types: FieldTypes, name: str) -> bool:
     """Whether a field's JSON may hold null (then null and absent differ, and ``absent`` tells them apart)."""
     return types[name][0](None)
 
 
-def _parse(d: Any, types: _Types, since: dict[str, str], where: str) -> dict[str, Any]:
+def _parse(d: Any, types: FieldTypes, since: dict[str, str], where: str) -> dict[str, Any]:
     """Constructor arguments from a JSON object checked against ``types`` (lists become tuples); errors
     name the field under ``where``."""
-    if not isinstance(d, dict):
-        raise RowError(f"{where}: not an object ({type(d).__name__})")
-    unknown = sorted(str(k) for k in d if k not in types)
-    if unknown:  # named briefly: the keys come from the file (a crafted one may hold thousands, or long ones)
-        raise RowError(f"{where}: unknown field(s) {brief_list(unknown)}")
+    d = check_fields(d, types, where, optional=set(since))
     kw: dict[str, Any] = {}
     absent = []
-    for name, (check, what) in types.items():
+    for name in types:
         if name not in d:
-            if name not in since:
-                raise RowError(f"{where}.{name}: missing")
             kw[name] = None
             if _nullable(types, name):
                 absent.append(name)
             continue
-        if not check(d[name]):
-            raise RowError(f"{where}.{name}: not {what}")
         kw[name] = tuple(d[name]) if isinstance(d[name], list) else d[name]
     return {**kw, "absent": frozenset(absent)}
 
 
-def _check_absent(row: Any, types: _Types, since: dict[str, str]) -> None:
+def _check_absent(row: Any, types: FieldTypes, since: dict[str, str]) -> None:
     """``absent`` names only fields written since, that may be null, each of them None here."""
     bad = sorted(n for n in row.absent if n not in since or not _nullable(types, n) or getattr(row, n) is not None)
     if bad:
         raise ValueError(f"{type(row).__name__}.absent: {bad} are not None fields it may lack")
 
 
-def _to_json(row: Any, types: _Types, since: dict[str, str]) -> dict[str, Any]:
+def _to_json(row: Any, types: FieldTypes, since: dict[str, str]) -> dict[str, Any]:
     """A row's fields in order, but ``absent`` ones and those written since that cannot be null and are None."""
     out = {}
     for f in fields(row):

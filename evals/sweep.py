@@ -34,7 +34,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +46,9 @@ from blend.evals.data import load_item_range
 from blend.evals.methods import MethodKind, Method, parse_method, split_specs
 from blend.evals.metrics import kl_cells, kl_divergence, mean, median, percentile, top1_agree
 from blend.evals.report import NEAR_TIE_NATS
+from blend.evals.rows import (
+    FieldTypes, RowError, check_fields, is_count, is_real, is_str, or_null, read_jsonl,
+)
 from blend.evals.splits import has_splits, items_caption, parse_item_range, split_of
 from blend.policy import ReusePolicy
 from blend.probe import top2_margin
@@ -125,12 +128,39 @@ def first_of_budget(method: str, methods: list[str]) -> str:
     return next(m for m in methods if (parse_method(m).kind, parse_method(m).ratio) == (spec.kind, spec.ratio))
 
 
+_REAL, _REAL_OR_NULL = (is_real, "a number"), (or_null(is_real), "a number or null")
+# SweepRow's fields as rows.jsonl holds them (its kl, top1 and ms as json.dumps writes them: NaN too)
+SWEEP_ROW_TYPES: FieldTypes = {
+    "item": (is_count, "a non-negative integer"), "method": (is_str, "a string"), "kl": _REAL, "top1": _REAL,
+    "ms": _REAL, "share": _REAL_OR_NULL, "prompt_tokens": (is_count, "a non-negative integer"),
+    "ref_margin": _REAL_OR_NULL, "margin": _REAL_OR_NULL, "guarded": (lambda x: isinstance(x, bool), "a boolean"),
+    "full_ms": _REAL_OR_NULL, "spent": _REAL_OR_NULL, "setup": (or_null(is_str), "a string or null"),
+    "probe_margin": _REAL_OR_NULL,
+}
+SWEEP_ROW_RETIRED = frozenset({"probe_margin"})  # written by the first near-tie guard's sweeps; read and dropped
+SWEEP_ROW_SINCE = frozenset(f.name for f in fields(SweepRow) if f.default is not MISSING)  # older rows lack them
+
+
 def read_rows(paths: list[Path]) -> list[SweepRow]:
     """Rows that earlier sweeps wrote (rows.jsonl files), in file order; a later row of the same item and
-    method (a rerun) supersedes an earlier one, so no item counts twice."""
+    method (a rerun) supersedes an earlier one, so no item counts twice.
+
+    Args:
+        paths: the rows files.
+
+    Returns:
+        The rows.
+
+    Raises:
+        RowError: a file that cannot be read, or a line that is not a sweep row (not JSON, a field missing,
+            unknown or of the wrong type); the message names the file and the line.
+    """
     rows: dict[tuple[int, str], SweepRow] = {}
-    for row in (SweepRow(**json.loads(line)) for p in paths for line in p.read_text().splitlines() if line.strip()):
-        rows[(row.item, row.method)] = row
+    for p in paths:
+        for where, value in read_jsonl(p):
+            got = check_fields(value, SWEEP_ROW_TYPES, where, optional=SWEEP_ROW_SINCE | SWEEP_ROW_RETIRED)
+            row = SweepRow(**{k: v for k, v in got.items() if k not in SWEEP_ROW_RETIRED})
+            rows[(row.item, row.method)] = row
     return list(rows.values())
 
 
@@ -286,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
 
     methods = [parse_method(s) for s in split_specs(args.methods)]
     if args.from_rows:
-        rows = read_rows([Path(p) for p in args.from_rows.split(",")])
+        try:
+            rows = read_rows([Path(p) for p in args.from_rows.split(",")])
+        except RowError as e:
+            print(f"sweep: {e}", file=sys.stderr)
+            return 2
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         items = sorted({r.item for r in rows})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import blend
+from blend import json_text
 from blend.cli_messages import flag_names, in_flag_words
 from blend.exit_codes import ExitCode
 from blend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_DEMO_TOP_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_RATIO, kvblend_home
@@ -143,7 +145,7 @@ def _ask(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if args.json:
         ans = rag.ask(args.question, top_k=args.top_k, policy=policy, extra_documents=extra, config=config)
-        print(json.dumps({
+        print(json_text.dumps({  # a --doc document's score (NaN: it was not retrieved) is null
             "answer": ans.answer, "ttft_s": ans.ttft_s, "policy": ans.policy, "finish_reason": ans.finish_reason,
             "seed": ans.seed, "retrieved": [r.__dict__ for r in ans.retrieved],
             "reuse": [c.__dict__ for c in ans.reuse], "report": ans.report,
@@ -162,7 +164,8 @@ def _print_chunks(ans: Any, indent: str = "  ") -> None:
     for r, c in zip(ans.retrieved, ans.reuse):
         where = os.path.basename(r.source.split(":")[0]) + (":" + r.source.split(":")[1] if r.source.count(":") else "")
         where = shown(where)  # an index records any path string: escape sequences are shown escaped
-        print(f"{indent}[{r.score:.3f}] {shown(r.chunk_id[:12])} {where:<18} {c.reuse_class:<9} "
+        score = f"{r.score:.3f}" if math.isfinite(r.score) else "  -  "  # a --doc document has none
+        print(f"{indent}[{score}] {shown(r.chunk_id[:12])} {where:<18} {c.reuse_class:<9} "
               f"{c.tokens} tok, {c.recomputed} recomputed")
 
 

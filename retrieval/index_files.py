@@ -25,6 +25,7 @@ from blend import safeio
 from blend.prompt import is_unicode
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.index import MAX_DIM, MAX_INDEX_FILE_BYTES, IndexKind
+from blend.retrieval.line_reader import lines_of
 
 FORMAT_VERSION = 1
 GENERATION = re.compile(r"gen-[0-9]{6,18}")  # the only names CURRENT may hold (commits count up from gen-000001)
@@ -164,24 +165,65 @@ def _index_meta(d: Any, path: Path) -> IndexMeta:
 
 
 def read_chunk_table(path: Path) -> dict[str, ChunkRecord]:
-    names = {f.name for f in fields(ChunkRecord)}
     records: dict[str, ChunkRecord] = {}
     for lineno, raw in enumerate(_read(path).split(b"\n"), start=1):
         if not raw.strip():
             continue
-        try:
-            row = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise _bad(path, f"line {lineno}: corrupt chunk row ({type(e).__name__})") from None
-        if (not isinstance(row, dict) or set(row) != names or not isinstance(row["chunk_id"], str)
-                or not isinstance(row["text"], str) or not _is_count(row["slot"]) or not _is_count(row["n_tokens"])):
-            raise _bad(path, f"line {lineno}: corrupt chunk row (want {sorted(names)} of the right types)")
-        if not is_unicode(row["text"]) or not is_unicode(row["chunk_id"]):  # JSON escapes allow lone surrogates
-            raise _bad(path, f"line {lineno}: a chunk's text or id is not valid Unicode (a lone surrogate)")
-        if row["chunk_id"] in records:
-            raise _bad(path, f"line {lineno}: chunk {row['chunk_id'][:16]!r} appears twice")
-        records[row["chunk_id"]] = ChunkRecord(**row)
+        rec = _chunk_row(path, lineno, raw)
+        if rec.chunk_id in records:
+            raise _bad(path, f"line {lineno}: chunk {rec.chunk_id[:16]!r} appears twice")
+        records[rec.chunk_id] = rec
     return records
+
+
+def chunk_texts_held(path: Path, texts: set[str]) -> set[str]:
+    """Which of ``texts`` a chunk table holds, read a line at a time (another index's table, which a
+    collection asks about a few texts: memory is bounded by the longest of them, not by the table).
+
+    Every line that could hold one of ``texts`` is checked as :func:`read_chunk_table` checks it; a line
+    too long to hold any (:func:`~blend.retrieval.line_reader.row_bound`) is passed over unread, and a
+    chunk id that appears twice is not looked for (both would keep a table's own catalog from opening;
+    neither changes which texts it references).
+
+    Args:
+        path: the chunk table (``chunks.jsonl`` of a generation).
+        texts: the texts asked about.
+
+    Returns:
+        Those of ``texts`` its rows hold.
+
+    Raises:
+        RetrievalError: missing, not a regular file, unreadable, over ``MAX_INDEX_FILE_BYTES``, or a line
+            that could hold one of ``texts`` is not a chunk row.
+    """
+    held: set[str] = set()
+    try:
+        for lineno, raw in lines_of(path, MAX_INDEX_FILE_BYTES, texts):
+            text = _chunk_row(path, lineno, raw).text
+            if text in texts:
+                held.add(text)
+    except FileNotFoundError:
+        raise RetrievalError(f"{path}: missing from the index") from None
+    except OSError as e:  # safeio.UnsafeFileError too: a FIFO, a link, an oversized file
+        raise RetrievalError(f"{path}: unreadable ({e})") from None
+    return held
+
+
+_ROW_FIELDS = frozenset(f.name for f in fields(ChunkRecord))
+
+
+def _chunk_row(path: Path, lineno: int, raw: bytes) -> ChunkRecord:
+    """One line of a chunk table, checked (RetrievalError naming the line otherwise)."""
+    try:
+        row = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise _bad(path, f"line {lineno}: corrupt chunk row ({type(e).__name__})") from None
+    if (not isinstance(row, dict) or set(row) != _ROW_FIELDS or not isinstance(row["chunk_id"], str)
+            or not isinstance(row["text"], str) or not _is_count(row["slot"]) or not _is_count(row["n_tokens"])):
+        raise _bad(path, f"line {lineno}: corrupt chunk row (want {sorted(_ROW_FIELDS)} of the right types)")
+    if not is_unicode(row["text"]) or not is_unicode(row["chunk_id"]):  # JSON escapes allow lone surrogates
+        raise _bad(path, f"line {lineno}: a chunk's text or id is not valid Unicode (a lone surrogate)")
+    return ChunkRecord(**row)
 
 
 def _chunk_ref(c: Any) -> ChunkRef:

@@ -7,7 +7,8 @@ An ingest appends ``{chunk id: text}`` lines before it writes their KV
 the next open queues every noted chunk the index does not hold for garbage
 collection, so its KV is never orphaned. The log is this process's own crash
 artefact: :func:`read_kv_intent` is lenient (see there); another index's collection reads it with
-:func:`read_kv_intent_strict`, which tells an absent log from one it could not read.
+:func:`intended_texts`, which tells an absent log from one it could not read (as
+:func:`read_kv_intent_strict` does) and keeps only the texts asked about.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from blend import safeio
 from blend.prompt import is_unicode
 from blend.retrieval.corpus import RetrievalError
+from blend.retrieval.line_reader import lines_of
 
 INTENT_FILE = "kv-intent.jsonl"  # chunks whose KV is written before the commit that adds them
 MAX_INTENT_BYTES = 1 << 30  # a longer intent log is not read (its chunks' KV stays until a store prune)
@@ -95,12 +97,47 @@ def read_kv_intent_strict(root: Path) -> dict[str, str]:
     # lines end at b"\n" only: a text may hold U+2028, U+0085 ... (JSON leaves them unescaped), at which
     # str.splitlines would cut its line and lose the chunk
     for line in raw.split(b"\n"):
-        try:
-            row = json.loads(line.decode("utf-8"))
-        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; nesting too deep
-            continue
-        if isinstance(row, dict) and len(row) == 1:
-            (cid, text), = row.items()
-            if isinstance(text, str) and is_unicode(cid) and is_unicode(text):  # no lone surrogate (unwritable)
-                out[cid] = text
+        if (row := _intent_row(line)) is not None:
+            out[row[0]] = row[1]
     return out
+
+
+def intended_texts(root: Path, texts: set[str]) -> set[str]:
+    """Which of ``texts`` the intent log of another index notes, read a line at a time (memory bounded by
+    the longest of ``texts``, not by the log; a line too long to note any is passed over, as
+    :func:`read_kv_intent_strict` skips a line that is no row).
+
+    Args:
+        root: an index folder.
+        texts: the texts asked about.
+
+    Returns:
+        Those of ``texts`` it notes (none when there is no log).
+
+    Raises:
+        RetrievalError: the log is there but was not read (a link, a FIFO, oversized, unreadable).
+    """
+    path = Path(root) / INTENT_FILE
+    held: set[str] = set()
+    try:
+        for _, line in lines_of(path, MAX_INTENT_BYTES, texts):
+            if (row := _intent_row(line)) is not None and row[1] in texts:
+                held.add(row[1])
+    except FileNotFoundError:
+        return set()
+    except OSError as e:  # safeio.UnsafeFileError too
+        raise RetrievalError(f"{path}: not read ({e})") from None
+    return held
+
+
+def _intent_row(line: bytes) -> tuple[str, str] | None:
+    """(chunk id, text) of an intent log line; None for a line that is not one."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; nesting too deep
+        return None
+    if isinstance(row, dict) and len(row) == 1:
+        (cid, text), = row.items()
+        if isinstance(text, str) and is_unicode(cid) and is_unicode(text):  # no lone surrogate (unwritable)
+            return cid, text
+    return None

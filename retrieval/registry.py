@@ -47,8 +47,8 @@ from blend.defaults import DEFAULT_REGISTRY_STALE_S
 from blend.donor_records import CompactableLog, RecordLog
 from blend.retrieval.catalog import OPEN_RETRIES
 from blend.retrieval.corpus import RetrievalError
-from blend.retrieval.index_files import read_chunk_table, read_generation, read_meta
-from blend.retrieval.kv_intent import read_kv_intent_strict
+from blend.retrieval.index_files import chunk_texts_held, read_generation, read_meta
+from blend.retrieval.kv_intent import intended_texts
 
 REGISTRY_LOG = "kv-indexes"  # the record log of the indexes over a store
 # a path nothing can be at (any other failure to look at one may hide an index: its references are kept)
@@ -177,8 +177,10 @@ class IndexRegistry:
 
 
 def index_references(root: Path, texts: set[str]) -> IndexReferences:
-    """Which of ``texts`` the index at ``root`` references: its committed chunk table's and its intent log's
-    (read as :meth:`Catalog.open` reads them, without its vectors).
+    """Which of ``texts`` the index at ``root`` references: its committed chunk table's and its intent log's,
+    checked as :meth:`Catalog.open` checks them but read a line at a time, keeping only the texts asked about
+    (memory is bounded by the longest of ``texts``, not by that index's files: see :mod:`line_reader
+    <blend.retrieval.line_reader>`).
 
     Args:
         root: an index folder.
@@ -186,11 +188,12 @@ def index_references(root: Path, texts: set[str]) -> IndexReferences:
 
     Returns:
         Its signature, the texts of ``texts`` its chunk table holds and those its intent log notes; all of
-        ``texts`` (both) with an unknown signature (and a warning) when its files are there but cannot be read (damaged, a link or FIFO, oversized,
-        unreadable): what it references is then unknown, so its KV stays (fail safe).
+        ``texts`` (both) with an unknown signature (and a warning) when its files are there but cannot be
+        read (damaged, a link or FIFO, oversized, unreadable): what it references is then unknown, so its KV
+        stays (fail safe).
     """
     try:
-        intended = frozenset(set(read_kv_intent_strict(root).values()) & texts)
+        intended = frozenset(intended_texts(root, texts))
     except RetrievalError as e:
         return _unknown(root, e, texts)
     current = _is_file(root / "CURRENT")
@@ -203,7 +206,7 @@ def index_references(root: Path, texts: set[str]) -> IndexReferences:
         try:
             gen = read_generation(root)
             signature = read_meta(gen / "meta.json").kv_signature
-            held = {r.text for r in read_chunk_table(gen / "chunks.jsonl").values()} & texts
+            held = chunk_texts_held(gen / "chunks.jsonl", texts)  # a line at a time: not the whole table
             return IndexReferences(signature, frozenset(held), intended)
         except RetrievalError as e:
             if attempt == OPEN_RETRIES or _generation(root) == gen:

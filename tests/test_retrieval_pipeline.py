@@ -23,6 +23,7 @@ from blend.retrieval.engine_kv import (  # noqa: E402
 )
 from blend.retrieval.pipeline import RAG, Retrieved, order_documents  # noqa: E402
 from blend.retrieval.testing import HashEmbedder  # noqa: E402
+from _json_util import strict_loads  # noqa: E402
 
 DOCS = {
     "keeper.txt": "The lighthouse keeper is Orla. She polishes the lens every morning.",
@@ -265,9 +266,10 @@ def test_cli_ask_over_an_index_with_doc_uses_both_retrieved_chunks_then_the_doc(
     capsys.readouterr()
     rc = ask_over_index(_cli(["ask", "Who keeps the lighthouse?", "--index", str(tmp_path / "idx"), "--top-k", "2",
                               "--doc", str(extra), "--json"]))
-    out = json.loads(capsys.readouterr().out)
+    out = strict_loads(capsys.readouterr().out)  # printed `"score": NaN` for the --doc file: not JSON
     assert rc == 0
     assert [r["source"] for r in out["retrieved"]][-1] == "caller"  # the --doc file, after the retrieved chunks
+    assert out["retrieved"][-1]["score"] is None and all(isinstance(r["score"], float) for r in out["retrieved"][:2])
     assert len(out["retrieved"]) == 3 and all(r["source"] != "caller" for r in out["retrieved"][:2])
     assert out["retrieved"][-1]["text"] == extra.read_text()
 

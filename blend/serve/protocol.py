@@ -11,12 +11,12 @@ scheduler) and the answer's token ids. In a stream it is in the final chunk
 from __future__ import annotations
 
 import codecs
-import json
 import time
 import uuid
 from dataclasses import dataclass
 from enum import Enum
 
+from blend import json_text
 from blend.detokenize import REPLACEMENT, IncrementalText
 from blend.generation import Completion
 from blend.logprobs import TokenLogprob, token_bytes
@@ -169,14 +169,15 @@ def _first_per_text(pairs) -> dict[str, float]:
 
 
 def full_body(head: ResponseHead, c: Completion, ext: dict, logprobs: LogprobFormat) -> dict:
-    """A non-streamed response."""
+    """A non-streamed response (non-finite floats written as null)."""
     lp = logprobs.format(c.logprobs)
     if head.endpoint is Endpoint.CHAT:
         choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
                   "finish_reason": c.finish_reason.value, "logprobs": lp}
     else:
         choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason.value, "logprobs": lp}
-    return {**head.base(chunk=False), "choices": [choice], "usage": c.usage.to_dict(), "kvblend": ext}
+    body = {**head.base(chunk=False), "choices": [choice], "usage": c.usage.to_dict(), "kvblend": ext}
+    return json_text.finite(body)  # a NaN figure or logprob is null (JSONResponse refuses NaN: a 500)
 
 
 def _choice(head: ResponseHead, text: str | None, finish: str | None, first: bool = False,
@@ -193,7 +194,7 @@ def _choice(head: ResponseHead, text: str | None, finish: str | None, first: boo
 
 def sse(data: dict | str) -> str:
     """One server-sent event."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    payload = data if isinstance(data, str) else json_text.dumps(data, separators=(",", ":"))  # NaN: null
     return f"data: {payload}\n\n"
 
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, TextIO
 
+from blend import json_text
 from blend.exit_codes import ExitCode
 from blend.keys import Namespace, key_hex
 from blend.store.base import EntryState, InspectableStore, store_tiers
@@ -121,7 +122,7 @@ def _stats(store: InspectableStore, as_json: bool, out: TextIO) -> int:
     status = _unreachable(store, "its figures are not real")
     rows = [(t.name, t.stats()) for t in store_tiers(store)]
     if as_json:
-        json.dump({name: asdict(s) for name, s in rows}, out, indent=1)
+        out.write(json_text.dumps({name: asdict(s) for name, s in rows}, indent=1))
         out.write("\n")
         return status
     out.write(f"{'tier':<8} {'entries':>8} {'MiB':>10} {'hits':>6} {'misses':>6} {'rejected':>8}  extra\n")
@@ -161,7 +162,7 @@ def _ls(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> int:
                                model=_model_of(info.provenance))
                 rows.append(row)
     if args.json:
-        json.dump(rows, out, indent=1)
+        out.write(json_text.dumps(rows, indent=1))
         out.write("\n")
         return status
     for r in rows:
@@ -201,9 +202,9 @@ def _verify(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> i
             unreachable.append((tier.name, why_down))
     bad = [(t, r) for t, r in results if not r.ok]
     if args.json:
-        json.dump({"checked": len(results), "corrupt": [{"tier": t, **asdict(r)} for t, r in bad],
-                   "deleted": bool(args.delete), "unreachable": [t for t, _ in unreachable],
-                   **({"undeleted": undeleted} if undeleted else {})}, out, indent=1)
+        out.write(json_text.dumps({"checked": len(results), "corrupt": [{"tier": t, **asdict(r)} for t, r in bad],
+                                   "deleted": bool(args.delete), "unreachable": [t for t, _ in unreachable],
+                                   **({"undeleted": undeleted} if undeleted else {})}, indent=1))
         out.write("\n")
     else:
         for t, r in bad:
@@ -226,7 +227,7 @@ def _clear(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> in
     ns = getattr(args, "namespace", None)
     n = store.clear(Namespace(ns) if ns else None)
     if args.json:
-        json.dump({"deleted": n}, out)
+        out.write(json_text.dumps({"deleted": n}))
         out.write("\n")
     else:
         out.write(f"deleted {n} entries\n")
@@ -242,7 +243,7 @@ def _prune(store: InspectableStore, args: argparse.Namespace, out: TextIO) -> in
     rows = [(str(t.root), t.prune(args.max_bytes)) for t in disks if not any(t is d for d in down)]
     status = EXIT_UNREACHABLE if down else 0
     if args.json:
-        json.dump([{"root": root, **asdict(r)} for root, r in rows], out, indent=1)
+        out.write(json_text.dumps([{"root": root, **asdict(r)} for root, r in rows], indent=1))
         out.write("\n")
     else:
         for root, r in rows:

@@ -321,3 +321,50 @@ def test_the_report_of_a_request_that_ends_before_its_step_output_is_taken_once(
     assert conn.request_finished(one, [])[1][PARAMS_KEY]["loaded_blocks"] == 2  # finished in its load step
     conn.update_connector_output(_worker_output(conn))  # the step's output comes after both finished
     assert len(conn.shared.reports) == 0
+
+
+def _readmitted_before_its_load_ran(conn, req_id: str, ids: list[int]):
+    """Async scheduling: ``req_id`` is admitted (its second block stored corrupt) and scheduled, then preempted and
+    admitted again before the worker ran that first step. Returns the request and both steps' metadata."""
+    keys = block_keys(PROV, ids, B)
+    _store(conn.shared, keys[0])
+    _store(conn.shared, keys[1], float("nan"))
+    req = _request(req_id, ids)
+    assert _admit(conn, req) == 8
+    first = conn.build_connector_meta(_step(new=[(req_id, [1, 2, 3], 8)], scheduled={req_id: 1}))
+    assert _admit(conn, req) == 8  # preempted and admitted again: the scheduler runs a step ahead of the worker
+    second = conn.build_connector_meta(_step(cached=[(req_id, [7, 8, 9], 8, True)], scheduled={req_id: 1}))
+    assert [s.admission for s in first.loads + second.loads] == [1, 2]
+    return req, first, second
+
+
+def test_a_load_report_of_an_earlier_admission_arriving_late_is_dropped(conn):
+    """Under async scheduling a step's output arrives after the scheduler planned the next step: a request preempted
+    and admitted again in between had its first admission's load report (a load error) merged into the report of
+    the second, whose load was clean."""
+    req, first, second = _readmitted_before_its_load_ran(conn, "late", list(range(1100, 1109)))
+    _run(conn, first)  # the first admission's load: block 1 is corrupt
+    assert conn.get_block_ids_with_load_errors() == {2}
+    first_out = _worker_output(conn)
+    assert first_out.kv_connector_worker_meta.admissions == {"late": 1}
+    assert "error" in first_out.kv_connector_worker_meta.reports["late"]
+    _store(conn.shared, block_keys(PROV, req.prompt_token_ids, B)[1])  # vLLM recomputed the block; it was stored
+    _run(conn, second)
+    assert conn.get_block_ids_with_load_errors() == set()
+    second_out = _worker_output(conn)
+    conn.update_connector_output(first_out)  # arrives after the second admission was planned
+    conn.update_connector_output(second_out)
+    rep = conn.request_finished(req, [])[1][PARAMS_KEY]
+    assert rep["loaded_blocks"] == 2 and "error" not in rep
+    assert len(conn.shared.reports) == 0
+
+
+def test_a_request_ended_after_readmission_takes_no_report_of_its_earlier_admission(conn):
+    """In one process, a request aborted after it was admitted again (before its second load ran) took the report
+    the first admission's load posted after the re-admission: its load error."""
+    req, first, _ = _readmitted_before_its_load_ran(conn, "aborted-again", list(range(1200, 1209)))
+    _run(conn, first)  # posts the first admission's report (the re-admission has cleared the box before it)
+    first_out = _worker_output(conn)
+    assert conn.request_finished(req, [])[1][PARAMS_KEY] == {"claim": "exact", "claimed_tokens": 8}
+    conn.update_connector_output(first_out)
+    assert len(conn.shared.reports) == 0

@@ -77,6 +77,7 @@ class LoadSpec:
     keys: tuple[StoreKey, ...] = ()  # exact: key of every block up to ``end``
     blend: BlendParams | None = None
     salt: str = ""  # blend: the request's tenant salt (kvblend's chunk keys)
+    admission: int = 0  # which admission of the request claimed it (_ReqState.admission), echoed in the report
 
 
 @dataclass(frozen=True)
@@ -100,13 +101,15 @@ class KVBlendMeta(KVConnectorMetadata):
 
 @dataclass
 class KVBlendWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one step: what each loading request got."""
+    """Worker -> scheduler, one step: what each loading request got, and for which of its admissions."""
 
     reports: dict[str, dict] = field(default_factory=dict)
+    admissions: dict[str, int] = field(default_factory=dict)  # request id -> its LoadSpec.admission
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         if isinstance(other, KVBlendWorkerMeta):
             self.reports.update(other.reports)
+            self.admissions.update(other.admissions)
         return self
 
 
@@ -125,6 +128,8 @@ class _ReqState:
     # why its KV is not what the token ids alone give ('' if it is): then it neither loads nor saves
     skipped: str = ""
     report: dict = field(default_factory=dict)
+    admission: int = 0  # admissions so far (a preemption's too): a load that reports late, under async
+    # scheduling, after the request was admitted again, is of an earlier admission and does not report to it
 
 
 class KVBlendConnector(KVConnectorBase_V1):
@@ -161,6 +166,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         # vLLM recomputes after the step, so those are never saved
         self._failed: set[int] = set()
         self._reports: dict[str, dict] = {}
+        self._admissions: dict[str, int] = {}  # request id -> the admission its reported load was for
         self._stats = KVBlendStats()  # worker side: counters since vLLM last collected them
 
     # ---- scheduler side --------------------------------------------------------------------
@@ -180,8 +186,9 @@ class KVBlendConnector(KVConnectorBase_V1):
         n = len(st.token_ids)
         st.claim = None
         # a fresh admission (the first, or after a preemption): its report says what this one gets, never what
-        # an earlier load did (a load error there, fields a blend set)
+        # an earlier load did (a load error there, fields a blend set), even one that reports later
         st.report = {}
+        st.admission += 1
         self.shared.reports.take(request.request_id)
         if st.skipped:
             st.report = {"skipped": st.skipped}
@@ -260,7 +267,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             kind, start, end = st.claim
             st.claim = None
             meta.loads.append(LoadSpec(req_id, kind, st.token_ids, tuple(st.block_ids), start, end,
-                                       tuple(st.keys[: end // b]), st.blend, st.salt))
+                                       tuple(st.keys[: end // b]), st.blend, st.salt, st.admission))
             if kind is ClaimKind.BLEND:
                 st.blended = True
             else:
@@ -279,15 +286,17 @@ class KVBlendConnector(KVConnectorBase_V1):
         wm = connector_output.kv_connector_worker_meta
         if isinstance(wm, KVBlendWorkerMeta):
             for req_id, rep in wm.reports.items():
-                self.shared.reports.discard(req_id, rep)  # its in-process copy (a finished request's included)
-                if req_id in self._reqs:
-                    self._reqs[req_id].report.update(rep)
+                admission = wm.admissions.get(req_id)
+                self.shared.reports.discard(req_id, rep, admission)  # its in-process copy (a finished request's too)
+                st = self._reqs.get(req_id)
+                if st is not None and admission == st.admission:  # not a load of an earlier admission
+                    st.report.update(rep)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        report = {**st.report, **self.shared.reports.take(request.request_id)}
+        report = {**st.report, **self.shared.reports.take(request.request_id, st.admission)}
         return False, ({PARAMS_KEY: report} if report else None)
 
     # ---- worker side -----------------------------------------------------------------------
@@ -341,8 +350,8 @@ class KVBlendConnector(KVConnectorBase_V1):
             rep = {"claim": spec.kind.value, "claimed_tokens": spec.end - spec.start, **rep}
             # a scheduler in this process reads it before this step's output is built (a request may
             # finish in the step that loaded it); every scheduler gets it in the worker meta
-            self.shared.reports.post(spec.req_id, rep)
-            self._reports[spec.req_id] = rep
+            self.shared.reports.post(spec.req_id, rep, spec.admission)
+            self._reports[spec.req_id], self._admissions[spec.req_id] = rep, spec.admission
 
     def _fail(self, spec: LoadSpec, from_token: int) -> None:
         b = self.block_size
@@ -441,5 +450,5 @@ class KVBlendConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._reports:
             return None
-        out, self._reports = KVBlendWorkerMeta(self._reports), {}
+        out, self._reports, self._admissions = KVBlendWorkerMeta(self._reports, self._admissions), {}, {}
         return out

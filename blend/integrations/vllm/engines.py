@@ -237,7 +237,8 @@ class ReportBox:
     """
 
     def __init__(self) -> None:
-        self._reports: OrderedDict[str, dict] = OrderedDict()  # request id -> what its load got
+        # request id -> (the admission it was loaded for: LoadSpec.admission, what its load got)
+        self._reports: OrderedDict[str, tuple[int, dict]] = OrderedDict()
         self._lock = threading.Lock()
         self._scheduler_here = False
 
@@ -245,26 +246,35 @@ class ReportBox:
         """A scheduler-role connector lives in this process: keep the worker's reports for it."""
         self._scheduler_here = True
 
-    def post(self, req_id: str, report: dict) -> None:
-        """The worker's record of a request's load; dropped where no scheduler in this process takes it
-        (the worker in a process of its own: the step's worker metadata carries it)."""
+    def post(self, req_id: str, report: dict, admission: int) -> None:
+        """The worker's record of a request's load for one of its admissions; dropped where no scheduler in
+        this process takes it (the worker in a process of its own: the step's worker metadata carries it)."""
         if not self._scheduler_here:
             return
         with self._lock:
-            self._reports[req_id] = report
+            self._reports[req_id] = (admission, report)
             while len(self._reports) > MAX_POSTED_REPORTS:  # a safety bound: every report is taken or discarded
                 self._reports.popitem(last=False)
 
-    def take(self, req_id: str) -> dict:
-        """The posted record of a request's load ({} if none was posted in this process)."""
-        with self._lock:
-            return self._reports.pop(req_id, {})
+    def take(self, req_id: str, admission: int | None = None) -> dict:
+        """Remove the posted record of a request's load.
 
-    def discard(self, req_id: str, report: dict) -> None:
+        Args:
+            req_id: the request.
+            admission: return it only if it is of this admission (None: any).
+
+        Returns:
+            The report ({} if none was posted in this process, or one of another admission).
+        """
+        with self._lock:
+            got, report = self._reports.pop(req_id, (None, {}))
+        return report if admission is None or got == admission else {}
+
+    def discard(self, req_id: str, report: dict, admission: int | None) -> None:
         """Forget a posted report that the step's worker metadata brought (left alone if the worker has
         posted a newer one for the request since)."""
         with self._lock:
-            if self._reports.get(req_id) == report:
+            if self._reports.get(req_id) == (admission, report):
                 del self._reports[req_id]
 
     def __len__(self) -> int:

@@ -39,6 +39,7 @@ import threading
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from blend import json_text
 from blend.errors import InvalidRequestError
 from blend.integrations.vllm.chat import CHAT_PATH, COMPLETIONS_PATH, ChunkConverter, TokenNamer, \
     chat_to_completion, completion_to_chat, is_kvblend_chat
@@ -285,7 +286,7 @@ class _ChatSend:
             if more:
                 return
             try:
-                out = json.dumps(completion_to_chat(json.loads(self.buf), self.top_logprobs, self.namer)).encode()
+                out = json_text.dumps(completion_to_chat(json.loads(self.buf), self.top_logprobs, self.namer)).encode()
             except (ValueError, TypeError, AttributeError):
                 out = self.buf  # not a completion body: as vLLM sent it
             headers = [(k, v) for k, v in self.start.get("headers", []) if k.lower() != b"content-length"]
@@ -313,7 +314,7 @@ class _ChatSend:
                             params = self.report()  # caught before vLLM yielded its final chunk
                             if params is not None:
                                 out["kv_transfer_params"], self.reported = params, True
-                        line = b"data: " + json.dumps(out).encode()
+                        line = b"data: " + json_text.dumps(out).encode()  # a NaN: null (valid JSON)
                 except (ValueError, TypeError, AttributeError):
                     pass
             lines.append(line)
