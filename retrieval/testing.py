@@ -9,8 +9,10 @@ counts are predictable (one word or punctuation mark = one token).
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
-from typing import Iterable
+from pathlib import Path
+from typing import Iterable, Mapping
 
 
 def word_tokenizer(corpus: Iterable[str] = ()) -> object:
@@ -96,3 +98,28 @@ class HashEmbedder:
                 out[r, int.from_bytes(hashlib.sha256(w.strip(".,!?").encode()).digest()[:4], "little") % self.dim] += 1.0
         norms = np.linalg.norm(out, axis=1, keepdims=True)  # (N, 1)
         return out / np.maximum(norms, 1e-9)
+
+
+def tiny_index(root: Path, docs: Mapping[str, str], target_tokens: int = 8) -> Path:
+    """Write ``docs`` as files under ``root/corpus`` and ingest them into the index ``root/idx`` with the
+    word tokenizer and :class:`HashEmbedder` (no model), quietly.
+
+    Args:
+        root: an empty folder.
+        docs: file name -> text.
+        target_tokens: the chunker's target chunk length.
+
+    Returns:
+        The index folder.
+    """
+    from blend.retrieval.chunker import ChunkerConfig
+    from blend.retrieval.ingest import ingest
+    from blend.retrieval.ingest_options import IngestOptions
+
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for name, text in docs.items():
+        (corpus / name).write_text(text)
+    ingest([corpus], root / "idx", tokenizer=word_tokenizer(docs.values()), embedder=HashEmbedder(),
+           options=IngestOptions(config=ChunkerConfig(target_tokens=target_tokens), stream=io.StringIO()))
+    return root / "idx"

@@ -20,11 +20,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from blend.retrieval.catalog import Catalog
-from blend.retrieval.chunker import ChunkerConfig
 from blend.retrieval.corpus import RetrievalError, read_file
-from blend.retrieval.ingest import ingest
-from blend.retrieval.ingest_options import IngestOptions
-from blend.retrieval.testing import HashEmbedder, word_tokenizer
+from blend.retrieval.testing import HashEmbedder, tiny_index
 from _fuzz_util import FUZZ, bounded, json_values, mutate_bytes, mutate_json
 
 DOCS = {
@@ -39,12 +36,7 @@ QUERY = HashEmbedder().embed(["who is the captain of the ferry", "honey"])  # (2
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
     root = tmp_path_factory.mktemp("base")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for name, text in DOCS.items():
-        (corpus / name).write_text(text)
-    ingest([corpus], root / "idx", tokenizer=word_tokenizer(DOCS.values()), embedder=HashEmbedder(),
-           options=IngestOptions(config=ChunkerConfig(target_tokens=8), stream=io.StringIO()))
+    tiny_index(root, DOCS)
     cat = Catalog.open(root / "idx")
     gen = cat.root / (cat.root / "CURRENT").read_text().strip()
     (gen / "gc.json").write_text(json.dumps({"0" * 64: "an unreachable chunk"}))  # something to mutate

@@ -9,7 +9,6 @@ references every text being collected (its KV stays: fail safe), within the per-
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -22,14 +21,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from blend.retrieval.catalog import Catalog
-from blend.retrieval.chunker import ChunkerConfig
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.index_files import read_chunk_table, read_generation, read_meta
 from blend.retrieval.ingest import ingest
-from blend.retrieval.ingest_options import IngestOptions
 from blend.retrieval.kv_intent import INTENT_FILE, read_kv_intent, read_kv_intent_strict
 from blend.retrieval.registry import REGISTRY_LOG, IndexRegistry, index_references
-from blend.retrieval.testing import HashEmbedder, word_tokenizer
+from blend.retrieval.testing import HashEmbedder, tiny_index
 from blend.store.disk import DiskStore
 from _fuzz_util import FUZZ, bounded, json_values, mutate_bytes
 
@@ -132,12 +129,7 @@ SIGNATURE = "sig-b"
 def other(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, set[str]]:
     """An index with a recorded KV signature and an intent log; the texts of its chunks."""
     root = tmp_path_factory.mktemp("other")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for name, text in DOCS.items():
-        (corpus / name).write_text(text)
-    ingest([corpus], root / "idx", tokenizer=word_tokenizer(DOCS.values()), embedder=HashEmbedder(),
-           options=IngestOptions(config=ChunkerConfig(target_tokens=8), stream=io.StringIO()))
+    tiny_index(root, DOCS)
     cat = Catalog.open(root / "idx")
     cat.record_kv_signature(SIGNATURE)
     cat.commit()

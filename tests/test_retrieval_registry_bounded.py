@@ -5,7 +5,6 @@ allocate that much). Files that cannot be read still keep every text being colle
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -17,13 +16,10 @@ import pytest
 from blend import safeio
 from blend.retrieval import index_files, kv_intent
 from blend.retrieval.catalog import Catalog
-from blend.retrieval.chunker import ChunkerConfig
-from blend.retrieval.ingest import ingest
-from blend.retrieval.ingest_options import IngestOptions
 from blend.retrieval.kv_intent import INTENT_FILE
 from blend.retrieval.line_reader import bounded_lines, row_bound
 from blend.retrieval.registry import index_references
-from blend.retrieval.testing import HashEmbedder, word_tokenizer
+from blend.retrieval.testing import tiny_index
 
 DOCS = {"a.txt": "Anna keeps bees on the hill. The hives face south.", "b.txt": "The ferry leaves at noon."}
 BIG = 16 << 20  # bytes of rows the collection does not ask about
@@ -33,12 +29,7 @@ PEAK = 4 << 20  # what reading them may allocate at once
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, set[str]]:
     root = tmp_path_factory.mktemp("other")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for name, text in DOCS.items():
-        (corpus / name).write_text(text)
-    ingest([corpus], root / "idx", tokenizer=word_tokenizer(DOCS.values()), embedder=HashEmbedder(),
-           options=IngestOptions(config=ChunkerConfig(target_tokens=8), stream=io.StringIO()))
+    tiny_index(root, DOCS)
     return root / "idx", {r.text for r in Catalog.open(root / "idx").records.values()}
 
 
