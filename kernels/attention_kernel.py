@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention
-from .launch import interpreting, next_pow2
+from .launch import next_pow2, require_runnable
 
 _LOG2E = 1.4426950408889634
 _POS_PAD = 2**62  # position given to padded key slots: after every real query
@@ -85,9 +85,9 @@ def _sparse_attn_kernel(
              out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def _blocks(d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for head dim ``d``."""
-    if interpreting():  # few, fat program instances: each one costs ~0.5 ms in the interpreter
+def _blocks(d: int, interp: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for head dim ``d`` (``interp``: the kernel is interpreted)."""
+    if interp:  # few, fat program instances: each one costs ~0.5 ms in the interpreter
         return 16, 32, 4, 1
     if d <= 64:
         return 64, 64, 4, 3
@@ -111,17 +111,14 @@ def sparse_query_attention_triton(
     are padded to BLOCK_D with masks (minimum 16, the smallest ``tl.dot`` tile).
     """
     shp = check_attention(q, q_pos, k, v, k_pos, scale)
-    if not (q.is_cuda or (q.device.type == "cpu" and interpreting())):
-        raise ValueError(
-            f"the Triton attention kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {q.device}"
-        )
+    interp = require_runnable(_sparse_attn_kernel, q, "attention")
     out = torch.empty((shp.q_heads, shp.queries, shp.head_dim), dtype=q.dtype, device=q.device)  # (Hq, S, D)
     if out.numel() == 0:
         return out
     if shp.keys == 0:
         return out.zero_()
-    block_m, block_n, warps, stages = _blocks(shp.head_dim)
-    dot_fp32 = interpreting() or q.dtype == torch.float32  # interpreter: no bf16/fp16 dot; fp32: no TF32
+    block_m, block_n, warps, stages = _blocks(shp.head_dim, interp)
+    dot_fp32 = interp or q.dtype == torch.float32  # interpreter: no bf16/fp16 dot; fp32: no TF32
     grid = (triton.cdiv(shp.queries, block_m), shp.q_heads)
     _sparse_attn_kernel[grid](
         q, q_pos.contiguous(), k, v, k_pos.contiguous(), out,

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_deviation
-from .launch import interpreting, next_pow2
+from .launch import next_pow2, require_runnable
 
 
 @triton.jit
@@ -44,17 +44,14 @@ def kv_deviation_triton(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tens
     Any strides are accepted; the two inputs may have different float dtypes.
     """
     check_deviation(fresh, cached)
-    if not (fresh.is_cuda or (fresh.device.type == "cpu" and interpreting())):
-        raise ValueError(
-            f"the Triton kv_deviation kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {fresh.device}"
-        )
+    interp = require_runnable(_kv_deviation_kernel, fresh, "kv_deviation")
     h, s, d = fresh.shape
     out = torch.empty((s,), dtype=torch.float32, device=fresh.device)  # (S,)
     if s == 0:
         return out
     if h == 0 or d == 0:
         return out.zero_()
-    block_s = 64 if interpreting() else 32
+    block_s = 64 if interp else 32
     block_d = min(next_pow2(d), 128)
     _kv_deviation_kernel[(triton.cdiv(s, block_s),)](
         fresh, cached, out, h, s, d,

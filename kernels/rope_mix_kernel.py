@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_rope_mix, check_rope_mix_out
-from .launch import interpreting, next_pow2
+from .launch import next_pow2, require_runnable
 
 
 @triton.jit
@@ -86,13 +86,6 @@ def _rope_mix_kernel(
     tl.store(ov + dc[None, :], xv.to(ov_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _check_device(t: torch.Tensor) -> None:
-    if not (t.is_cuda or (t.device.type == "cpu" and interpreting())):
-        raise ValueError(
-            f"the Triton rope_mix kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {t.device}"
-        )
-
-
 def rope_mix_triton(
     cached_k: torch.Tensor,
     cached_v: torch.Tensor,
@@ -110,7 +103,7 @@ def rope_mix_triton(
     may be unsorted; duplicates raise ValueError.
     """
     shp = check_rope_mix(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices)
-    _check_device(cached_k)
+    interp = require_runnable(_rope_mix_kernel, cached_k, "rope_mix")
     hkv, t, d, r = shp.heads, shp.rows, shp.head_dim, shp.rot_dim
     check_rope_mix_out(out, cached_k, cached_v)
     if out is None:
@@ -122,7 +115,7 @@ def rope_mix_triton(
         return out_k, out_v
     src = torch.full((t,), -1, dtype=torch.int64, device=cached_k.device)  # (T,)
     src[fresh_idx] = torch.arange(shp.fresh, dtype=torch.int64, device=cached_k.device)
-    block_t = 32 if interpreting() else 16
+    block_t = 32 if interp else 16
     has_pass = r < d
     grid = (triton.cdiv(t, block_t), hkv)
     _rope_mix_kernel[grid](

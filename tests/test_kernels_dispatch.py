@@ -123,6 +123,36 @@ def test_public_functions_route_by_policy(monkeypatch, policy, expect_triton):
     assert triton_calls == (3 if expect_triton else 0)
 
 
+@pytest.mark.parametrize("interpret", [None, "false"])
+def test_triton_launchers_refuse_cpu_tensors_for_compiled_kernels(interpret):
+    """Kernels compiled for a GPU (TRITON_INTERPRET unset, or a value Triton reads as off, which the
+    launchers once read as on and handed CPU tensors to: "RuntimeError: 0 active drivers") refuse
+    CPU tensors with an error that names the variable."""
+    code = (
+        "import torch\n"
+        "import blend.kernels as K\n"
+        "x = torch.randn(1, 4, 16)\n"
+        "calls = [lambda: K.sparse_query_attention(x, torch.arange(4), x, x, torch.arange(4), 0.25),\n"
+        "         lambda: K.kv_deviation(x, x),\n"
+        "         lambda: K.rope_mix(x, x, torch.ones(4, 16), torch.zeros(4, 16), torch.tensor([1]), x[:, :1], x[:, :1])]\n"
+        "for call in calls:\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ValueError as e:\n"
+        "        assert 'TRITON_INTERPRET' in str(e) and 'cpu' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('ran a compiled kernel on CPU tensors')\n"
+        "print('ok')\n"
+    )
+    env = {ENV_VAR: "triton"} if interpret is None else {ENV_VAR: "triton", "TRITON_INTERPRET": interpret}
+    full_env = {**os.environ, **env}
+    if interpret is None:
+        full_env.pop("TRITON_INTERPRET", None)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "ok"
+
+
 def test_triton_launcher_refuses_cpu_without_interpreter(monkeypatch):
     from blend.kernels.attention_kernel import sparse_query_attention_triton
 
