@@ -402,3 +402,18 @@ def test_chunked_prefill_on_onednn_matches_the_flash_op_and_reads_an_attached_pr
     assert_close_tol(whole, flash)
     want = sparse_query_attention_ref(q, torch.arange(p, t), k, v, torch.arange(t), d ** -0.5)
     assert_close_tol(whole, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("hkv,group,t,s,d", [
+    (1, 7, 1, 1, 96),  # one key, one query, GQA 7
+    (2, 3, 5, 20, 80),  # fewer keys than a query block; queries repeat key positions
+    (1, 1, 33, 17, 64),  # BLOCK_N + 1 keys, BLOCK_M + 1 queries (interpreted blocks 16 x 32)
+    (4, 2, 31, 15, 128),  # BLOCK_N - 1 keys, BLOCK_M - 1 queries
+])
+def test_attention_kernel_odd_sizes_around_the_blocks(triton_backend, dtype, hkv, group, t, s, d):
+    """Sizes a real model sends that the cases above miss: a single query or key, keys shorter than a
+    query block, counts one off a block, GQA 7, head dims 80/96."""
+    gen = torch.Generator().manual_seed(t + s)
+    rows = torch.randint(0, t, (s,), generator=gen)  # unsorted, with repeats when s > t
+    _check(make_attention_inputs(hkv, group, t, d, rows, dtype), dtype)
