@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from blend.retrieval.chunker import ChunkerConfig
+from blend.retrieval.ingest import ingest
+from blend.retrieval.ingest_options import IngestOptions
+
 
 def word_tokenizer(corpus: Iterable[str] = ()) -> object:
     """A ``transformers`` fast tokenizer with one token per word or punctuation mark.
@@ -112,10 +116,6 @@ def tiny_index(root: Path, docs: Mapping[str, str], target_tokens: int = 8) -> P
     Returns:
         The index folder.
     """
-    from blend.retrieval.chunker import ChunkerConfig
-    from blend.retrieval.ingest import ingest
-    from blend.retrieval.ingest_options import IngestOptions
-
     corpus = root / "corpus"
     corpus.mkdir()
     for name, text in docs.items():

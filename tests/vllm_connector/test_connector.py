@@ -28,6 +28,7 @@ from blend.keys import Namespace  # noqa: E402
 from blend.kvcache import KVEntry  # noqa: E402
 from blend.models import SMOLLM2, convert_gguf  # noqa: E402
 from blend.policy import ReusePolicy  # noqa: E402
+from _scheduler_steps import scheduler_step  # noqa: E402
 
 pytestmark = pytest.mark.real
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "musique_dev.json")
@@ -337,19 +338,6 @@ def _request(req_id, ids, params=None, lora=None):
                            lora_request=lora)
 
 
-def _step(new=(), cached=(), scheduled=None):
-    from types import SimpleNamespace
-
-    cached = list(cached)
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=n) for r, b, n in new],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[r for r, *_ in cached], new_block_ids=[(b,) if b is not None else None for _, b, _, _ in cached],
-            num_computed_tokens=[n for _, _, n, _ in cached],
-            resumed_req_ids={r for r, _, _, resumed in cached if resumed}),
-        num_scheduled_tokens=scheduled or {})
-
-
 def test_bookkeeping_saves_whole_blocks_once_claims_stored_ones_and_survives_preemption(shared):
     """Saves: each whole prompt block once, as chunked prefill completes it. A claim loads into the
     request's blocks. A preempted request resumed with new blocks re-claims and loads into those."""
@@ -359,9 +347,9 @@ def test_bookkeeping_saves_whole_blocks_once_claims_stored_ones_and_survives_pre
     ids = list(range(100, 118))  # 18 tokens: 4 whole blocks of 4, the last token never claimed
     req = _request("a", ids)
     assert c.get_num_new_matched_tokens(req, 0) == (0, False)  # nothing stored yet
-    m = c.build_connector_meta(_step(new=[("a", [7, 8, 9, 10, 11], 0)], scheduled={"a": 10}))
+    m = c.build_connector_meta(scheduler_step(new=[("a", [7, 8, 9, 10, 11], 0)], scheduled={"a": 10}))
     assert not m.loads and [b for b, _ in m.saves[0].blocks] == [7, 8]  # 10 tokens done: two whole blocks
-    m = c.build_connector_meta(_step(cached=[("a", None, 10, False)], scheduled={"a": 8}))
+    m = c.build_connector_meta(scheduler_step(cached=[("a", None, 10, False)], scheduled={"a": 8}))
     assert [b for b, _ in m.saves[0].blocks] == [9, 10]  # the rest, never block 7 or 8 again
     for spec in (m.saves[0],):  # pretend the worker stored them
         for _, key in spec.blocks:
@@ -376,12 +364,12 @@ def test_bookkeeping_saves_whole_blocks_once_claims_stored_ones_and_survives_pre
         shared.store.put(Namespace.EXACT, key, KVEntry(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1),
                                                        shared.vllm_prov_json))
     assert c.get_num_new_matched_tokens(b, 0) == (16, False)  # four stored blocks; 18 tokens: 16 claimed
-    m = c.build_connector_meta(_step(new=[("b", [1, 2, 3, 4, 5], 16)], scheduled={"b": 2}))
+    m = c.build_connector_meta(scheduler_step(new=[("b", [1, 2, 3, 4, 5], 16)], scheduled={"b": 2}))
     (load,) = m.loads
     assert load.kind is ClaimKind.EXACT and (load.start, load.end) == (0, 16) and load.block_ids == (1, 2, 3, 4, 5)
     # preempted, then resumed with other blocks: vLLM asks again, the claim loads into the new blocks
     assert c.get_num_new_matched_tokens(b, 0) == (16, False)
-    m = c.build_connector_meta(_step(cached=[("b", [20, 21, 22, 23, 24], 16, True)], scheduled={"b": 2}))
+    m = c.build_connector_meta(scheduler_step(cached=[("b", [20, 21, 22, 23, 24], 16, True)], scheduled={"b": 2}))
     (load,) = m.loads
     assert load.block_ids == (20, 21, 22, 23, 24) and not m.saves
     assert c.request_finished(b, [])[1]["kvblend"]["claim"] == "exact"
@@ -435,7 +423,7 @@ def test_a_lora_request_neither_claims_stored_kv_nor_saves_its_own(shared):
     ids = list(range(300, 318))
     base = _request("base", ids)
     c.get_num_new_matched_tokens(base, 0)
-    m = c.build_connector_meta(_step(new=[("base", [1, 2, 3, 4, 5], 0)], scheduled={"base": 18}))
+    m = c.build_connector_meta(scheduler_step(new=[("base", [1, 2, 3, 4, 5], 0)], scheduled={"base": 18}))
     for spec in m.saves:  # pretend the worker stored the base model's blocks
         for _, key in spec.blocks:
             shared.store.put(Namespace.EXACT, key, KVEntry(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1),
@@ -443,7 +431,7 @@ def test_a_lora_request_neither_claims_stored_kv_nor_saves_its_own(shared):
     assert c.get_num_new_matched_tokens(_request("base2", ids), 0)[0] > 0  # the base model would claim them
     lora = _request("lora", ids, lora=SimpleNamespace(lora_name="adapter", lora_int_id=1))
     assert c.get_num_new_matched_tokens(lora, 0) == (0, False)
-    m = c.build_connector_meta(_step(new=[("lora", [6, 7, 8, 9, 10], 0)], scheduled={"lora": 18}))
+    m = c.build_connector_meta(scheduler_step(new=[("lora", [6, 7, 8, 9, 10], 0)], scheduled={"lora": 18}))
     assert not m.loads and not m.saves
     assert "LoRA" in c._reqs["lora"].report["skipped"]
     spans = prompt_spans([6, 6, 6])
@@ -460,12 +448,12 @@ def test_a_blend_request_never_saves_its_blocks_even_when_it_claims_none(shared)
     params = blend_request(ids, [(2, 6), (6, 10)], ratio=0.15)  # the question starts at 10
     req = _request("covered", ids, params=params)
     assert c.get_num_new_matched_tokens(req, 12) == (0, False)  # the local prefix reaches past the question
-    m = c.build_connector_meta(_step(new=[("covered", [1, 2, 3, 4, 5], 12)], scheduled={"covered": 6}))
+    m = c.build_connector_meta(scheduler_step(new=[("covered", [1, 2, 3, 4, 5], 12)], scheduled={"covered": 6}))
     assert not m.loads and not m.saves
     salted = _request("salted", ids)
     salted.cache_salt = "tenant|kvblend-blend:whatever"  # a blend's salt, no entry: vLLM's blocks may be blended
     c.get_num_new_matched_tokens(salted, 0)
-    m = c.build_connector_meta(_step(new=[("salted", [6, 7, 8, 9, 10], 0)], scheduled={"salted": 18}))
+    m = c.build_connector_meta(scheduler_step(new=[("salted", [6, 7, 8, 9, 10], 0)], scheduled={"salted": 18}))
     assert not m.saves
 
 

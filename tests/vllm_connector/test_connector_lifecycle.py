@@ -30,6 +30,7 @@ from blend.integrations.vllm.plan import (  # noqa: E402
 from blend.keys import Namespace, Provenance  # noqa: E402
 from blend.kvcache import KVEntry  # noqa: E402
 from blend.store.memory import MemoryStore  # noqa: E402
+from _scheduler_steps import scheduler_step  # noqa: E402
 
 B = 4  # tokens per block
 BLOCKS = 16  # blocks in the fake paged cache
@@ -101,18 +102,6 @@ def _request(req_id, ids, params=None, **extra):
     return SimpleNamespace(**{**fields, **extra})
 
 
-def _step(new=(), cached=(), scheduled=None):
-    """A scheduler output: new (req_id, block ids, computed), cached (req_id, new blocks, computed, resumed)."""
-    cached = list(cached)
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=n) for r, b, n in new],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[r for r, *_ in cached], new_block_ids=[(b,) if b is not None else None for _, b, _, _ in cached],
-            num_computed_tokens=[n for _, _, n, _ in cached],
-            resumed_req_ids={r for r, _, _, resumed in cached if resumed}),
-        num_scheduled_tokens=scheduled or {})
-
-
 def _store(shared: FakeShared, key, value: float = 1.0) -> None:
     rows = torch.full((1, 1, B, 1), value)  # (L, Hkv, B, D)
     shared.store.put(Namespace.EXACT, key, KVEntry(rows, rows.clone(), shared.vllm_prov_json))
@@ -148,7 +137,7 @@ def test_a_block_computed_over_another_requests_failed_load_is_not_saved(conn):
     a, b = _request("a", prefix + [7]), _request("b", prefix + list(range(200, 209)))
     assert _admit(conn, a) == 8
     assert _admit(conn, b, 8) == 0  # b's local prefix: a's blocks 1 and 2 (vLLM's prefix cache)
-    meta = conn.build_connector_meta(_step(new=[("a", [1, 2, 3], 8), ("b", [1, 2, 5, 6, 7], 8)],
+    meta = conn.build_connector_meta(scheduler_step(new=[("a", [1, 2, 3], 8), ("b", [1, 2, 5, 6, 7], 8)],
                                            scheduled={"a": 1, "b": 9}))
     (save,) = meta.saves  # b's whole blocks, its local prefix's too (stored ones are skipped)
     assert [blk for blk, _ in save.blocks] == [1, 2, 5, 6]
@@ -157,7 +146,7 @@ def test_a_block_computed_over_another_requests_failed_load_is_not_saved(conn):
     b_keys = block_keys(PROV, b.prompt_token_ids, B)
     assert not any(conn.shared.store.contains(Namespace.EXACT, k) for k in b_keys[2:])
     # vLLM recomputes from the failed block: the next step saves b's blocks, now computed over a's real KV
-    meta = conn.build_connector_meta(_step(cached=[("a", None, 4, False), ("b", None, 8, False)],
+    meta = conn.build_connector_meta(scheduler_step(cached=[("a", None, 4, False), ("b", None, 8, False)],
                                            scheduled={"a": 5, "b": 9}))
     _run(conn, meta)
     assert all(conn.shared.store.contains(Namespace.EXACT, k) for k in b_keys)
@@ -179,7 +168,7 @@ def test_requests_whose_kv_is_not_their_token_ids_own_neither_claim_nor_save(con
     fresh = list(range(400, 409))  # nothing stored for these ids: it would have saved them
     other = _request("other", fresh, **extra)
     assert _admit(conn, other) == 0
-    meta = conn.build_connector_meta(_step(new=[("embeds", [1, 2, 3], 0), ("other", [4, 5, 6], 0)],
+    meta = conn.build_connector_meta(scheduler_step(new=[("embeds", [1, 2, 3], 0), ("other", [4, 5, 6], 0)],
                                            scheduled={"embeds": 9, "other": 9}))
     assert not meta.loads and not meta.saves
     assert "neither loads nor saves" in conn.request_finished(req, [])[1][PARAMS_KEY]["skipped"]
@@ -195,7 +184,7 @@ def test_a_claim_vllm_cuts_short_loads_and_reports_only_what_vllm_took(conn):
     got, _ = conn.get_num_new_matched_tokens(req, 0)
     assert got == 12
     conn.update_state_after_alloc(req, None, 8)  # vLLM took two blocks of three
-    meta = conn.build_connector_meta(_step(new=[("cut", [1, 2, 3, 4], 8)], scheduled={"cut": 5}))
+    meta = conn.build_connector_meta(scheduler_step(new=[("cut", [1, 2, 3, 4], 8)], scheduled={"cut": 5}))
     (load,) = meta.loads
     assert (load.start, load.end) == (0, 8)
     assert [blk for blk, _ in meta.saves[0].blocks] == [3]  # the third block is vLLM's to compute, then stored
@@ -215,7 +204,7 @@ def test_non_finite_blended_kv_is_never_injected(conn):
     conn.shared.blend_rows = rows
     req = _request("nan", ids, params)
     assert _admit(conn, req) == 10
-    meta = conn.build_connector_meta(_step(new=[("nan", [1, 2, 3, 4, 5], 10)], scheduled={"nan": 10}))
+    meta = conn.build_connector_meta(scheduler_step(new=[("nan", [1, 2, 3, 4, 5], 10)], scheduled={"nan": 10}))
     _run(conn, meta)
     assert conn.get_block_ids_with_load_errors() == {1, 2, 3}  # the blocks of rows 0..9
     assert not torch.isnan(conn._kv[0]).any()
@@ -232,12 +221,12 @@ def test_a_readmitted_request_reports_its_last_load_not_an_earlier_error(conn):
     _store(conn.shared, keys[1], float("nan"))
     req = _request("again", ids)
     assert _admit(conn, req) == 8
-    _run(conn, conn.build_connector_meta(_step(new=[("again", [1, 2, 3], 8)], scheduled={"again": 1})))
+    _run(conn, conn.build_connector_meta(scheduler_step(new=[("again", [1, 2, 3], 8)], scheduled={"again": 1})))
     assert conn.get_block_ids_with_load_errors() == {2}
     conn.update_connector_output(_worker_output(conn))
     _store(conn.shared, keys[1])  # vLLM recomputed block 1 and it was stored again
     assert _admit(conn, req) == 8  # preempted, admitted again
-    _run(conn, conn.build_connector_meta(_step(cached=[("again", [7, 8, 9], 8, True)], scheduled={"again": 1})))
+    _run(conn, conn.build_connector_meta(scheduler_step(cached=[("again", [7, 8, 9], 8, True)], scheduled={"again": 1})))
     assert conn.get_block_ids_with_load_errors() == set()
     conn.update_connector_output(_worker_output(conn))
     rep = conn.request_finished(req, [])[1][PARAMS_KEY]
@@ -251,7 +240,7 @@ def test_a_blend_under_another_model_config_runs_plain(conn):
     conn.shared.blend_refusal = "blend refused: vLLM runs another model config"
     req = _request("overridden", ids, blend_request(ids, [(2, 6), (6, 10)], ratio=0.15))
     assert _admit(conn, req) == 0
-    meta = conn.build_connector_meta(_step(new=[("overridden", [1, 2, 3, 4, 5], 0)], scheduled={"overridden": 20}))
+    meta = conn.build_connector_meta(scheduler_step(new=[("overridden", [1, 2, 3, 4, 5], 0)], scheduled={"overridden": 20}))
     assert not meta.loads and meta.saves  # a plain request: vLLM computes it, its blocks are stored
     assert "another model config" in conn.request_finished(req, [])[1][PARAMS_KEY]["error"]
 
@@ -314,7 +303,7 @@ def test_the_report_of_a_request_that_ends_before_its_step_output_is_taken_once(
         _store(conn.shared, key)
     one, aborted = _request("one-token", ids), _request("aborted", ids)
     assert _admit(conn, one) == 8 and _admit(conn, aborted) == 8
-    meta = conn.build_connector_meta(_step(new=[("one-token", [1, 2, 3], 0), ("aborted", [4, 5, 6], 0)],
+    meta = conn.build_connector_meta(scheduler_step(new=[("one-token", [1, 2, 3], 0), ("aborted", [4, 5, 6], 0)],
                                            scheduled={"one-token": 9, "aborted": 9}))
     assert conn.request_finished(aborted, [])[1][PARAMS_KEY] == {"claim": "exact", "claimed_tokens": 8}
     _run(conn, meta)
@@ -331,9 +320,9 @@ def _readmitted_before_its_load_ran(conn, req_id: str, ids: list[int]):
     _store(conn.shared, keys[1], float("nan"))
     req = _request(req_id, ids)
     assert _admit(conn, req) == 8
-    first = conn.build_connector_meta(_step(new=[(req_id, [1, 2, 3], 8)], scheduled={req_id: 1}))
+    first = conn.build_connector_meta(scheduler_step(new=[(req_id, [1, 2, 3], 8)], scheduled={req_id: 1}))
     assert _admit(conn, req) == 8  # preempted and admitted again: the scheduler runs a step ahead of the worker
-    second = conn.build_connector_meta(_step(cached=[(req_id, [7, 8, 9], 8, True)], scheduled={req_id: 1}))
+    second = conn.build_connector_meta(scheduler_step(cached=[(req_id, [7, 8, 9], 8, True)], scheduled={req_id: 1}))
     assert [s.admission for s in first.loads + second.loads] == [1, 2]
     return req, first, second
 
