@@ -53,12 +53,12 @@ from blend.retrieval.index_files import (  # the records are defined there, besi
     read_chunk_table,
     read_gc_list,
     read_generation,
+    read_live_generation,
     read_manifest,
     read_meta,
 )
 from blend.retrieval.kv_intent import append_kv_intent, read_kv_intent, remove_kv_intent
 
-OPEN_RETRIES = 3  # generations a reader moves on to when a commit removes the one it is reading
 __all__ = ["FORMAT_VERSION", "Catalog", "ChunkRecord", "ChunkRef", "FileEntry", "IndexMeta", "SearchHit"]
 
 
@@ -128,15 +128,7 @@ class Catalog:
             if meta is None:
                 raise RetrievalError(f"{root}: no index here (run `kvblend ingest PATH... --index {root}` first)")
             return cls(root, meta)
-        for attempt in range(OPEN_RETRIES + 1):
-            gen = None  # CURRENT may name a generation a commit removed before it was checked
-            try:
-                gen = read_generation(root)
-                return cls._open_generation(root, gen, meta)
-            except RetrievalError:  # a commit removed this generation while it was read: read the new one
-                if attempt == OPEN_RETRIES or read_generation(root) == gen:
-                    raise
-        raise AssertionError("unreachable")
+        return read_live_generation(root, lambda gen: cls._open_generation(root, gen, meta))
 
     @classmethod
     def _open_generation(cls, root: Path, gen: Path, meta: IndexMeta | None) -> "Catalog":

@@ -19,7 +19,7 @@ import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from blend import safeio
 from blend.prompt import is_unicode
@@ -28,6 +28,8 @@ from blend.retrieval.index import MAX_DIM, MAX_INDEX_FILE_BYTES, IndexKind
 from blend.retrieval.line_reader import lines_of
 
 FORMAT_VERSION = 1
+OPEN_RETRIES = 3  # generations a reader moves on to when a commit removes the one it is reading
+T = TypeVar("T")
 GENERATION = re.compile(r"gen-[0-9]{6,18}")  # the only names CURRENT may hold (commits count up from gen-000001)
 MAX_SLOT = 1 << 62  # chunk slots are faiss vector ids (int64): a manifest's next slot stays well inside them
 
@@ -136,6 +138,32 @@ def read_generation(root: Path) -> Path:
         raise RetrievalError(f"{cur}: names {name}, which is not a folder of the index")
     return gen
 
+
+
+def read_live_generation(root: Path, read: Callable[[Path], T]) -> T:
+    """``read`` of the generation ``CURRENT`` names; when it fails because a commit removed that generation
+    while it was read (``CURRENT`` names another by then), the new one is read, up to ``OPEN_RETRIES`` times.
+
+    Args:
+        root: an index folder.
+        read: reads one generation folder; raises RetrievalError on what it cannot read.
+
+    Returns:
+        What ``read`` returned.
+
+    Raises:
+        RetrievalError: ``read``'s, where ``CURRENT`` still names the generation it failed on (or after the
+            retries), or ``read_generation``'s.
+    """
+    for attempt in range(OPEN_RETRIES + 1):
+        gen = None  # CURRENT may name a generation a commit removed before it was checked
+        try:
+            gen = read_generation(root)
+            return read(gen)
+        except RetrievalError:  # a commit removed this generation while it was read: read the new one
+            if attempt == OPEN_RETRIES or read_generation(root) == gen:
+                raise
+    raise AssertionError("unreachable")
 
 def _bad(path: Path, what: str) -> RetrievalError:
     return RetrievalError(f"{path}: {what}")

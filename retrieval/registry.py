@@ -45,9 +45,8 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 
 from blend.defaults import DEFAULT_REGISTRY_STALE_S
 from blend.donor_records import CompactableLog, RecordLog
-from blend.retrieval.catalog import OPEN_RETRIES
 from blend.retrieval.corpus import RetrievalError
-from blend.retrieval.index_files import chunk_texts_held, read_generation, read_meta
+from blend.retrieval.index_files import chunk_texts_held, read_live_generation, read_meta
 from blend.retrieval.kv_intent import intended_texts
 
 REGISTRY_LOG = "kv-indexes"  # the record log of the indexes over a store
@@ -201,17 +200,16 @@ def index_references(root: Path, texts: set[str]) -> IndexReferences:
         return _unknown(root, "CURRENT cannot be looked at", texts)
     if not current:
         return IndexReferences("", frozenset(), intended)
-    for attempt in range(OPEN_RETRIES + 1):
-        gen = None  # a commit of that index may remove the generation being read: read the new one
-        try:
-            gen = read_generation(root)
-            signature = read_meta(gen / "meta.json").kv_signature
-            held = chunk_texts_held(gen / "chunks.jsonl", texts)  # a line at a time: not the whole table
-            return IndexReferences(signature, frozenset(held), intended)
-        except RetrievalError as e:
-            if attempt == OPEN_RETRIES or _generation(root) == gen:
-                return _unknown(root, e, texts)
-    raise AssertionError("unreachable")
+
+    def read(gen: Path) -> IndexReferences:
+        signature = read_meta(gen / "meta.json").kv_signature
+        held = chunk_texts_held(gen / "chunks.jsonl", texts)  # a line at a time: not the whole table
+        return IndexReferences(signature, frozenset(held), intended)
+
+    try:  # a commit of that index may remove the generation being read: the new one is read
+        return read_live_generation(root, read)
+    except RetrievalError as e:
+        return _unknown(root, e, texts)
 
 
 def _unknown(root: Path, why: object, texts: set[str]) -> IndexReferences:
@@ -227,13 +225,6 @@ def _is_path(root: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _generation(root: Path) -> Path | None:
-    try:
-        return read_generation(root)
-    except RetrievalError:
-        return None
 
 
 def _is_folder(root: str) -> bool | None:
