@@ -12,8 +12,9 @@
 
 Unknown top-level fields (OpenAI's ``user``, ``metadata`` ...) are ignored,
 as OpenAI-compatible servers do; fields that would change the answer and that
-kvblend cannot honour (``tools``, ``functions``, a JSON ``response_format``)
-are refused rather than ignored; unknown fields inside ``kvblend`` or a
+kvblend cannot honour (``tools``, ``functions``, a JSON ``response_format``,
+vLLM's ``guided_*`` and the others of :data:`UNDECLARED_NEUTRAL`) are refused
+rather than ignored; unknown fields inside ``kvblend`` or a
 document are errors, since a misspelt reuse option must not silently fall
 back to a default.
 """
@@ -148,12 +149,27 @@ VLLM_NEUTRAL: dict[str, tuple] = {
     "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "use_beam_search": (None, False),
 }
+# fields this schema does not declare that would change the answer (or ask for output kvblend does not make),
+# and the values that ask for nothing: vLLM's constrained decoding, token filters and prompt options, OpenAI's
+# audio output, web search and forced function call. Any other value is refused (they were dropped unread:
+# guided_choice ["yes", "no"] answered free text)
+UNDECLARED_NEUTRAL: dict[str, tuple] = {
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False), "logits_processors": (None, []),
+}
+CHAT_UNDECLARED_NEUTRAL: dict[str, tuple] = {  # chat's own (completions declares its echo)
+    "echo": (None, False), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
+    "reasoning_effort": (None,), "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
+    "web_search_options": (None,),
+}
 
 
 class _Common(BaseModel):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints (undeclared ones are kept, unvalidated, for :meth:`refused_field`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     documents: list[Union[Document, str]] | None = None
@@ -238,7 +254,12 @@ class _Common(BaseModel):
         for name, neutral in VLLM_NEUTRAL.items():
             if getattr(self, name) not in neutral:
                 return name
-        return None
+        return self._undeclared_refused(UNDECLARED_NEUTRAL)
+
+    def _undeclared_refused(self, neutral: dict[str, tuple]) -> str | None:
+        """The first undeclared field of ``neutral`` the request sets to another value, or None."""
+        extra = self.model_extra or {}
+        return next((name for name, values in neutral.items() if extra.get(name) not in values), None)
 
     def logit_bias_pairs(self, vocab: int) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs.
@@ -284,6 +305,10 @@ class ChatCompletionRequest(_Common):
             ValueError: ``top_logprobs`` without ``logprobs: true`` (see :func:`logprob_alternatives`).
         """
         return logprob_alternatives(self.logprobs, self.top_logprobs)
+
+    def refused_field(self) -> str | None:
+        """A field set to something kvblend cannot honour (it would change the answer), or None."""
+        return super().refused_field() or self._undeclared_refused(CHAT_UNDECLARED_NEUTRAL)
 
     def conversation(self) -> tuple[str | None, tuple[Turn, ...], str]:
         """The system prompt, the earlier turns and the question (see :func:`conversation`).
