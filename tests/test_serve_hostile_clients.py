@@ -92,3 +92,26 @@ def test_those_fields_at_values_that_ask_for_nothing_are_accepted(app_client):
     assert app_client.post("/v1/chat/completions", json=chat(user="u", metadata={"k": "v"}, store=False,
                                                                prediction={"type": "content", "content": "x"},
                                                                parallel_tool_calls=True, priority=0)).status_code == 200
+
+
+# ---- bodies that are not JSON: a 400 that says why ---------------------------------------------------------------
+
+@pytest.mark.parametrize("content, headers, needle", [
+    (json.dumps(chat()).encode(), {"content-type": "text/plain"}, "Content-Type: application/json' (got 'text/plain')"),
+    (json.dumps(chat()).encode(), {"content-type": "application/x-www-form-urlencoded"}, "(got 'application/x-www"),
+    (json.dumps(chat()).encode(), {}, "no Content-Type was sent"),
+    (b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+     {"content-type": "application/json"}, "not valid UTF-8 (byte 0xff at offset 66)"),
+    (b"[" * 50_000 + b"]" * 50_000, {"content-type": "application/json"}, "nested too deeply"),
+    (b"[1, 2]", {"content-type": "application/json"}, "the request body must be a JSON object"),
+    (b"", {"content-type": "application/json"}, "must be a JSON object (it is empty)"),
+])
+def test_a_body_that_is_not_a_json_object_gets_a_400_saying_why(app_client, content, headers, needle):
+    """Each was a 400 that named no cause: "body: Input should be a valid dictionary or object to extract
+    fields from" for JSON sent as text/plain, form-encoded (``curl -d`` without a header) or with no
+    Content-Type, "There was an error parsing the body" for bytes that are not UTF-8 or nest too deeply."""
+    r = app_client.post("/v1/chat/completions", content=content, headers=headers)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+    assert app_client.post("/v1/chat/completions", json=chat()).status_code == 200  # JSON stays the way in

@@ -19,7 +19,6 @@ import asyncio
 import base64
 import hashlib
 import hmac
-import logging
 import re
 import time
 from contextlib import asynccontextmanager
@@ -27,16 +26,14 @@ from pathlib import Path
 from typing import AsyncGenerator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from blend.errors import KVBlendError
 from blend.serve.asgi import read_body, replay_body
 from blend.serve.config import ServeConfig, host_name
+from blend.serve.http_errors import add_error_handlers, error_for, json_error
 from blend.serve.metrics import ServeMetrics
 from blend.serve.protocol import (
     DONE, Endpoint, ErrorType, LogprobFormat, ResponseHead, error_body, final_chunk, full_body, kvblend_extension, sse,
@@ -47,18 +44,12 @@ from blend.serve.jobs import Event, EventKind, QueueFullError, ShuttingDownError
 from blend.serve.scheduler import Scheduler
 from blend.serve.schemas import ChatCompletionRequest, CompletionRequest
 
-log = logging.getLogger(__name__)
 
 PLAYGROUND = Path(__file__).with_name("static") / "playground.html"
 KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/")
 BODY_PATHS = ("/v1/chat/completions", "/v1/completions")  # the only routes that read a body
 MODEL_PATH = "/v1/models/"  # a model's own path: counted under one label, whatever the id
 STATUS_CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it
-
-
-def _json_error(status: int, message: str, kind: ErrorType, param: str | None = None, code: str | None = None,
-                headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
 class Guard:
@@ -93,23 +84,23 @@ class Guard:
             await send(message)
 
         if self.hosts is not None and host_name(_header(scope, b"host")) not in self.hosts:
-            await _json_error(400, "this server does not answer for that Host name (see --allowed-hosts)",
-                              ErrorType.INVALID_REQUEST, code="host_not_allowed")(scope, receive, counting_send)
+            await json_error(400, "this server does not answer for that Host name (see --allowed-hosts)",
+                             ErrorType.INVALID_REQUEST, code="host_not_allowed")(scope, receive, counting_send)
             return
         if self.key is not None and path.startswith("/v1/") and not self._authorized(scope):
-            await _json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                              ErrorType.AUTHENTICATION, code="invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})(scope, receive, counting_send)
+            await json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                             ErrorType.AUTHENTICATION, code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, counting_send)
             return
         if scope["method"] in ("POST", "PUT", "PATCH") and path in BODY_PATHS:  # any other route: never buffered
             try:
                 replay = await asyncio.wait_for(self._read_body(scope, receive), self.body_timeout_s)
             except asyncio.TimeoutError:
-                await _json_error(408, f"request body not received within {self.body_timeout_s:g} s",
-                                  ErrorType.INVALID_REQUEST)(scope, receive, counting_send)
+                await json_error(408, f"request body not received within {self.body_timeout_s:g} s",
+                                 ErrorType.INVALID_REQUEST)(scope, receive, counting_send)
                 return
             if replay is None:
-                await _json_error(413, f"request body exceeds {self.max_body} bytes", ErrorType.TOO_LARGE)(
+                await json_error(413, f"request body exceeds {self.max_body} bytes", ErrorType.TOO_LARGE)(
                     scope, receive, counting_send)
                 return
             receive = replay
@@ -222,51 +213,6 @@ def playground_headers(page: str) -> dict[str, str]:
     }
 
 
-def _error_for(error: BaseException) -> ApiError:
-    if isinstance(error, KVBlendError):  # the request asked for something the engine refuses
-        return ApiError(400, str(error))
-    if isinstance(error, ShuttingDownError):  # not the request's fault, nor a bug: another replica may answer
-        return ApiError(503, str(error), ErrorType.SERVER, code="shutting_down")
-    log.error("request failed: %s: %s", type(error).__name__, error)
-    return ApiError(500, f"internal error: {type(error).__name__}", ErrorType.SERVER)
-
-
-def _validation_error(exc: RequestValidationError) -> ApiError:
-    """One 400 naming every offending field (``param``: the first)."""
-    parts, params = [], []
-    for err in exc.errors():
-        if err.get("type") == "json_invalid":
-            return ApiError(400, f"malformed JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        params.append(loc or None)
-        parts.append(f"{loc or 'body'}: {err.get('msg')}")
-    return ApiError(400, "invalid request: " + "; ".join(parts), param=params[0] if params else None)
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    """Every error the API raises, FastAPI's validation and routing errors and unexpected exceptions
-    as OpenAI-style JSON error bodies."""
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return _json_error(exc.status, exc.message, exc.kind, exc.param, exc.code, exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = _validation_error(exc)
-        return _json_error(err.status, err.message, err.kind, err.param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = ErrorType.NOT_FOUND if exc.status_code == 404 else ErrorType.INVALID_REQUEST
-        return _json_error(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _bug(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return _json_error(500, f"internal error: {type(exc).__name__}", ErrorType.SERVER)
-
-
 class _Answers:
     """The completion endpoints' work over one engine and its scheduler."""
 
@@ -303,19 +249,19 @@ class _Answers:
             raise ApiError(429, str(e), ErrorType.RATE_LIMIT, code="queue_full",
                            headers={"Retry-After": str(e.retry_after_s)}) from None
         except ShuttingDownError as e:
-            raise _error_for(e) from None
+            raise error_for(e) from None
         watch = _Watch(request, queue, ticket)
         try:
             first = await watch.next()
             if first.kind is EventKind.FAILED:
-                raise _error_for(first.error)
+                raise error_for(first.error)
             if job.stream:
                 return _TicketStream(self._events(first, queue, ticket, head, job), ticket)
             ev = first
             while ev.kind not in (EventKind.DONE, EventKind.FAILED):
                 ev = await watch.next()
             if ev.kind is EventKind.FAILED:
-                raise _error_for(ev.error)
+                raise error_for(ev.error)
             await self.stored()
             c = ev.completion
             ext = kvblend_extension(c, job.prompt, engine.tokenizer, job.return_tokens)
@@ -347,7 +293,7 @@ class _Answers:
                                                                       job.return_tokens),
                                            lp.format(ev.logprobs), include_usage=usage)
                     except Exception as e:  # the last chunk could not be built: the client is told, not cut off
-                        err = _error_for(e)
+                        err = error_for(e)
                         yield sse(error_body(err.message, err.kind, err.param, err.code))
                         break
                     yield last
@@ -355,7 +301,7 @@ class _Answers:
                         yield usage_chunk(head, c)
                     break
                 elif ev.kind is EventKind.FAILED:  # headers are sent: the error goes in the stream
-                    err = _error_for(ev.error)
+                    err = error_for(ev.error)
                     yield sse(error_body(err.message, err.kind, err.param, err.code))
                     break
             yield DONE
@@ -429,7 +375,7 @@ def create_app(engine, config: ServeConfig | None = None, metrics: ServeMetrics 
     app.state.metrics = metrics
     app.add_middleware(Guard, config=config, metrics=metrics)
 
-    _add_error_handlers(app)
+    add_error_handlers(app)
     answers = _Answers(engine, config, scheduler)
 
     @app.post("/v1/chat/completions")
