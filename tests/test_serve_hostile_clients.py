@@ -115,3 +115,119 @@ def test_a_body_that_is_not_a_json_object_gets_a_400_saying_why(app_client, cont
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error"
     assert app_client.post("/v1/chat/completions", json=chat()).status_code == 200  # JSON stays the way in
+
+
+# ---- a client that leaves before its first token --------------------------------------------------------------
+
+@pytest.mark.parametrize("max_tokens", [1, 40])
+def test_a_request_whose_client_leaves_during_its_prefill_is_not_answered_and_counts_as_cancelled(
+        make_scheduler, max_tokens):
+    """A prefill cannot be interrupted; after it, a request whose client had left was sent its first
+    token and went on into a decode-pool slot (its KV copied there) until the decode loop's next
+    iteration retired it, and a one-token answer was counted completed. It is retired at once now."""
+    engine = tiny_serve_engine()
+    held = HeldPrefill(engine)
+    sched = make_scheduler(engine, max_concurrency=2)
+    held.hold = True
+    events = []
+    config = GenerationConfig(max_tokens=max_tokens, ignore_eos=True)
+    ticket = sched.submit(engine.build_prompt("q?", DOCS), ReusePolicy.exact(), config, events.append)
+    assert held.entered.wait(30)
+    ticket.cancel()  # its client went away
+    held.release.set()
+    wait_until(lambda: sched.active == 0)
+    assert (sched.cancelled, sched.completed, sched.failed) == (1, 0, 0)
+    assert events == []  # nobody to tell
+    assert sched.pool.free_slots == sched.pool.slots and sched.flight.claimed() == 0
+
+
+def _gauge(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[-1])
+
+
+def _raw_request(url: str, body: dict) -> socket.socket:
+    """A connection that sent one chat request (and reads nothing)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.connect((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_during_its_prefill_frees_its_slot_claims_and_gauges(stream):
+    engine = tiny_serve_engine()
+    held = HeldPrefill(engine)
+    config = ServeConfig(model=TINY, scheduler=SchedulerConfig(max_concurrency=2))
+    with running_server(engine, config) as srv:
+        sched = srv.scheduler
+        held.hold = True
+        sock = _raw_request(srv.url, {**chat(max_tokens=30, ignore_eos=True, stream=stream), "documents": DOCS})
+        assert held.entered.wait(30)
+        assert sched.flight.claimed() > 0 and _gauge(srv.url, "kvblend_active_requests") == 1
+        sock.close()  # before its first token (a stream has not even its headers)
+        wait_until(lambda: all(job.cancelled.is_set() for job in list(sched.book.prefilling_jobs)))
+        held.release.set()
+        wait_until(lambda: sched.active == 0)
+        assert (sched.cancelled, sched.completed) == (1, 0)
+        assert sched.flight.claimed() == 0 and sched.pool.free_slots == sched.pool.slots
+        assert _gauge(srv.url, "kvblend_active_requests") == 0 and _gauge(srv.url, "kvblend_queue_depth") == 0
+        held.hold = False
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat(), "documents": DOCS}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+# ---- a client that stops reading its stream -----------------------------------------------------------------
+
+def _scope(body: bytes) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+
+def test_a_client_that_stops_reading_its_stream_holds_up_no_other_request():
+    """Backpressure is per connection: a stream whose client reads nothing more (its next write waits to drain,
+    for ever, and it never disconnects) keeps decoding to its end, which frees its slot and KV, and another
+    request is answered meanwhile. (Run through the ASGI app: a socket's buffers would take megabytes.)"""
+    app = create_app(tiny_serve_engine(), ServeConfig(model=TINY, limits=Limits(max_tokens=2000)))
+    sched = app.state.scheduler
+    sched.start()
+
+    async def run() -> None:
+        body = json.dumps(chat(max_tokens=300, ignore_eos=True, stream=True)).encode()
+        requested, stalled = False, asyncio.Event()
+
+        async def receive() -> dict:
+            nonlocal requested
+            if not requested:
+                requested = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # connected, silent
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                stalled.set()
+                await asyncio.Event().wait()  # the first chunk's write never drains
+
+        slow = asyncio.ensure_future(app(_scope(body), receive, send))
+        await asyncio.wait_for(stalled.wait(), 30)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+            r = await client.post("/v1/chat/completions", json=chat(max_tokens=50, ignore_eos=True), timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 50
+        for _ in range(3000):  # the stalled stream's request decodes on to its end
+            if sched.completed == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert (sched.completed, sched.cancelled, sched.active) == (2, 0, 0)
+        assert sched.pool.free_slots == sched.pool.slots and not slow.done()  # its writer still waits
+        slow.cancel()
+
+    try:
+        asyncio.run(run())
+    finally:
+        sched.close()

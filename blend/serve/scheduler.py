@@ -323,6 +323,9 @@ class Scheduler:
                 self.flight.release(job.id)
         if job.retired:  # failed while it prefilled (the scheduler closed): its client has its answer
             return
+        if job.cancelled.is_set():  # its client left while it prefilled: nobody to answer; its KV is freed now,
+            book.retire(job, Ending.CANCELLED)  # not copied into a decode-pool slot first (nor a 1-token answer done)
+            return
         job.ttft_s = time.perf_counter() - job.submitted - gate_s
         if gate_s:  # the engine found the verdict this run recorded: the run was this request's
             report = replace(report, timings=replace(report.timings, gate_s=gate_s))
