@@ -12,6 +12,10 @@ and nothing is assumed when they are not).
 
 Fully-masked rows: ``m`` stays -inf; exponentials are taken against a finite
 stand-in (0), so they contribute exactly 0 and the row's output is 0, not NaN.
+
+Offsets: each tile's base (head, first query row, first key row) is computed in int64, so q/K/V
+views of a larger buffer (a token-major multi-layer KV cache: token stride L*2*Hkv*D) work past
+2**31 elements; offsets inside a tile stay int32 (the launcher checks that they fit).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention
-from .launch import next_pow2, require_runnable
+from .launch import next_pow2, require_int32_tiles, require_runnable
 
 _LOG2E = 1.4426950408889634
 _POS_PAD = 2**62  # position given to padded key slots: after every real query
@@ -38,12 +42,16 @@ def _sparse_attn_kernel(
     pid_m = tl.program_id(0)
     hq = tl.program_id(1).to(tl.int64)
     hkv = hq // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    m0 = pid_m.to(tl.int64) * BLOCK_M  # the tile's first query row, for 64-bit base offsets
+    tile_m = tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows within a tile: int32 offsets
+    tile_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    offs_m = pid_m * BLOCK_M + tile_m  # (BLOCK_M,) query indices, int32 (< S)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     m_ok = offs_m < S
     d_ok = offs_d < D
 
-    q = tl.load(q_ptr + hq * s_q_h + offs_m[:, None] * s_q_s + offs_d[None, :] * s_q_d,
+    q_tile = q_ptr + hq * s_q_h + m0 * s_q_s
+    q = tl.load(q_tile + tile_m[:, None] * s_q_s + offs_d[None, :] * s_q_d,
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -56,13 +64,16 @@ def _sparse_attn_kernel(
     k_base = k_ptr + hkv * s_k_h
     v_base = v_ptr + hkv * s_v_h
     for n0 in range(0, T, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        offs_n = n0 + tile_n  # (BLOCK_N,)
         n_ok = offs_n < T
         k_pos = tl.load(kpos_ptr + offs_n, mask=n_ok, other=POS_PAD)  # (BLOCK_N,)
         if tl.min(k_pos, axis=0) <= last_q:
             kv_m = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + offs_n[:, None] * s_k_t + offs_d[None, :] * s_k_d, mask=kv_m, other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * s_v_t + offs_d[None, :] * s_v_d, mask=kv_m, other=0.0)
+            n64 = tl.cast(n0, tl.int64)  # the loop counter is int32
+            k = tl.load(k_base + n64 * s_k_t + tile_n[:, None] * s_k_t + offs_d[None, :] * s_k_d,
+                        mask=kv_m, other=0.0)
+            v = tl.load(v_base + n64 * s_v_t + tile_n[:, None] * s_v_t + offs_d[None, :] * s_v_d,
+                        mask=kv_m, other=0.0)
             if DOT_FP32:
                 qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # (BLOCK_M, BLOCK_N)
             else:
@@ -81,7 +92,7 @@ def _sparse_attn_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(o_ptr + hq * s_o_h + offs_m[:, None] * s_o_s + offs_d[None, :],
+    tl.store(o_ptr + hq * s_o_h + m0 * s_o_s + tile_m[:, None] * s_o_s + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
@@ -118,13 +129,17 @@ def sparse_query_attention_triton(
     if shp.keys == 0:
         return out.zero_()
     block_m, block_n, warps, stages = _blocks(shp.head_dim, interp)
+    block_d = max(16, next_pow2(shp.head_dim))
+    require_int32_tiles("attention", "q", q, (1, block_m, block_d))
+    require_int32_tiles("attention", "k", k, (1, block_n, block_d))
+    require_int32_tiles("attention", "v", v, (1, block_n, block_d))
     dot_fp32 = interp or q.dtype == torch.float32  # interpreter: no bf16/fp16 dot; fp32: no TF32
     grid = (triton.cdiv(shp.queries, block_m), shp.q_heads)
     _sparse_attn_kernel[grid](
         q, q_pos.contiguous(), k, v, k_pos.contiguous(), out,
         shp.queries, shp.keys, shp.head_dim, shp.q_heads // shp.kv_heads, float(scale) * _LOG2E,
         *q.stride(), *k.stride(), *v.stride(), out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(shp.head_dim)),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_FP32=dot_fp32, POS_PAD=_POS_PAD,
         num_warps=warps, num_stages=stages,
     )

@@ -1,7 +1,9 @@
 """Triton kernel for ``kv_deviation``: per-token L2 norm of (fresh - cached) over heads and dims.
 
 One program reduces BLOCK_S tokens over all H heads and D dims (fp32 sums of
-squares), then writes their square roots: (H, S, D) x 2 -> (S,).
+squares), then writes their square roots: (H, S, D) x 2 -> (S,). Each head's and
+token block's base offset is 64-bit (views of a buffer past 2**31 elements);
+offsets inside a tile stay int32.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_deviation
-from .launch import next_pow2, require_runnable
+from .launch import next_pow2, require_int32_tiles, require_runnable
 
 
 @triton.jit
@@ -22,12 +24,17 @@ def _kv_deviation_kernel(
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    toks = pid * BLOCK_S + tl.arange(0, BLOCK_S)  # (BLOCK_S,)
+    s0 = pid.to(tl.int64) * BLOCK_S  # the block's first token, for 64-bit base offsets
+    tile = tl.arange(0, BLOCK_S)  # (BLOCK_S,)
+    toks = pid * BLOCK_S + tile  # (BLOCK_S,) token indices, int32 (< S)
     tok_ok = toks < S
+    f_blk = f_ptr + s0 * s_f_s
+    c_blk = c_ptr + s0 * s_c_s
     acc = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
     for h in range(0, H):
-        f_row = f_ptr + h * s_f_h + toks[:, None] * s_f_s  # (BLOCK_S, 1)
-        c_row = c_ptr + h * s_c_h + toks[:, None] * s_c_s
+        h64 = tl.cast(h, tl.int64)  # the loop counter is int32
+        f_row = f_blk + h64 * s_f_h + tile[:, None] * s_f_s  # (BLOCK_S, 1)
+        c_row = c_blk + h64 * s_c_h + tile[:, None] * s_c_s
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)  # (BLOCK_D,)
             m = tok_ok[:, None] & (cols < D)[None, :]
@@ -53,6 +60,8 @@ def kv_deviation_triton(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tens
         return out.zero_()
     block_s = 64 if interp else 32
     block_d = min(next_pow2(d), 128)
+    require_int32_tiles("kv_deviation", "fresh", fresh, (1, block_s, d))
+    require_int32_tiles("kv_deviation", "cached", cached, (1, block_s, d))
     _kv_deviation_kernel[(triton.cdiv(s, block_s),)](
         fresh, cached, out, h, s, d,
         *fresh.stride(), *cached.stride(),

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 
 import torch
 
 INTERPRET_ENV = "TRITON_INTERPRET"
+INT32_MAX = 2**31 - 1  # the largest offset a kernel's 32-bit in-tile arithmetic holds
 
 
 def interpreted(kernel: object) -> bool:
@@ -70,3 +72,29 @@ def require_runnable(kernel: object, t: torch.Tensor, what: str) -> bool:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def require_int32_tiles(what: str, name: str, t: torch.Tensor, tile: Sequence[int]) -> None:
+    """Refuse a tensor whose strides make one tile's offsets overflow 32 bits.
+
+    The kernels compute each tile's base offset (its head, its first row) in 64 bits and the offsets
+    inside a tile in 32 bits; a tile's largest in-tile offset is ``sum((min(tile[i], size[i]) - 1) *
+    stride[i])``. Only a row stride of tens of millions of elements breaks this (a tile of 64 rows at a
+    stride over 2**25), so such views are refused rather than given 64-bit offsets everywhere.
+
+    Args:
+        what: the kernel's name, for the message; name: the argument's.
+        t: the argument; tile: the extent of one tile along each of its dims (1 where the base moves).
+
+    Raises:
+        ValueError: the tile's offsets do not fit int32.
+    """
+    if t.numel() == 0:
+        return
+    span = sum((min(b, n) - 1) * s for b, n, s in zip(tile, t.shape, t.stride()))
+    if span > INT32_MAX:
+        raise ValueError(
+            f"the Triton {what} kernel cannot address {name} of shape {tuple(t.shape)} and strides {t.stride()}: "
+            f"one tile spans {span} elements, past its 32-bit in-tile offsets; pass a more compact view "
+            f"(e.g. .contiguous())"
+        )

@@ -9,6 +9,10 @@ place and written once: no separate gather/scatter passes, and the order of
     row t:   src[t] = -1  ->  x = cached[h, t]          (reused row)
              src[t] =  i  ->  x = fresh[h, i]           (recomputed row)
     K dims:  [0, R/2) | [R/2, R) rotated at row t's new position | [R, D) passed through
+
+Offsets: each tile's head and first row are 64-bit base offsets (views of a larger buffer, e.g.
+``out`` as rows of a token-major multi-layer KV cache past 2**31 elements), fresh rows are
+addressed through the int64 source map; offsets inside a tile stay int32.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import triton
 import triton.language as tl
 
 from .checks import check_rope_mix, check_rope_mix_out
-from .launch import next_pow2, require_runnable
+from .launch import next_pow2, require_int32_tiles, require_runnable
 
 
 @triton.jit
-def _load_mixed(c_ptr, s_c_t, s_c_d, f_ptr, s_f_s, s_f_d, rows, src, is_cached, is_fresh, cols, col_ok):
-    """(BLOCK_T, BLOCK_C) fp32 tile: cached rows from c_ptr, fresh rows from f_ptr."""
-    c = tl.load(c_ptr + rows[:, None] * s_c_t + cols[None, :] * s_c_d,
+def _load_mixed(c_ptr, s_c_t, s_c_d, f_ptr, s_f_s, s_f_d, tile, src, is_cached, is_fresh, cols, col_ok):
+    """(BLOCK_T, BLOCK_C) fp32 tile: cached rows from c_ptr (the tile's first row; ``tile`` the rows
+    within it), fresh rows from f_ptr (the head's row 0; ``src`` int64 rows)."""
+    c = tl.load(c_ptr + tile[:, None] * s_c_t + cols[None, :] * s_c_d,
                 mask=is_cached[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     f = tl.load(f_ptr + src[:, None] * s_f_s + cols[None, :] * s_f_d,
                 mask=is_fresh[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
@@ -44,30 +49,34 @@ def _rope_mix_kernel(
 ):
     pid_t = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
+    t0 = pid_t.to(tl.int64) * BLOCK_T  # the tile's first row, for 64-bit base offsets
+    tile = tl.arange(0, BLOCK_T)  # (BLOCK_T,) rows within the tile: int32 offsets
+    rows = pid_t * BLOCK_T + tile  # (BLOCK_T,) row indices, int32 (< T)
     row_ok = rows < T
-    src = tl.load(src_ptr + rows, mask=row_ok, other=-1)  # (BLOCK_T,) fresh row or -1
+    src = tl.load(src_ptr + rows, mask=row_ok, other=-1)  # (BLOCK_T,) int64 fresh row or -1
     is_fresh = row_ok & (src >= 0)
     is_cached = row_ok & (src < 0)
     src = tl.where(is_fresh, src, 0)
 
-    ck = ck_ptr + h * s_ck_h
-    cv = cv_ptr + h * s_cv_h
+    ck = ck_ptr + h * s_ck_h + t0 * s_ck_t
+    cv = cv_ptr + h * s_cv_h + t0 * s_cv_t
     fk = fk_ptr + h * s_fk_h
     fv = fv_ptr + h * s_fv_h
-    ok = ok_ptr + h * s_o_h + rows[:, None] * s_o_t  # (BLOCK_T, 1) row starts
-    ov = ov_ptr + h * s_o_h + rows[:, None] * s_o_t
+    ok = ok_ptr + h * s_o_h + t0 * s_o_t + tile[:, None] * s_o_t  # (BLOCK_T, 1) row starts
+    ov = ov_ptr + h * s_o_h + t0 * s_o_t + tile[:, None] * s_o_t
+    cos_t = cos_ptr + t0 * s_cos_t + tile[:, None] * s_cos_t  # (BLOCK_T, 1)
+    sin_t = sin_ptr + t0 * s_sin_t + tile[:, None] * s_sin_t
 
     # K, rotated dims: x1 = x[:R/2], x2 = x[R/2:R]; out = (x1*c1 - x2*s1, x2*c2 + x1*s2)
     hc = tl.arange(0, BLOCK_HALF)  # (BLOCK_HALF,)
     h_ok = hc < HALF
-    x1 = _load_mixed(ck, s_ck_t, s_ck_d, fk, s_fk_s, s_fk_d, rows, src, is_cached, is_fresh, hc, h_ok)
-    x2 = _load_mixed(ck, s_ck_t, s_ck_d, fk, s_fk_s, s_fk_d, rows, src, is_cached, is_fresh, HALF + hc, h_ok)
+    x1 = _load_mixed(ck, s_ck_t, s_ck_d, fk, s_fk_s, s_fk_d, tile, src, is_cached, is_fresh, hc, h_ok)
+    x2 = _load_mixed(ck, s_ck_t, s_ck_d, fk, s_fk_s, s_fk_d, tile, src, is_cached, is_fresh, HALF + hc, h_ok)
     tm = row_ok[:, None] & h_ok[None, :]  # (BLOCK_T, BLOCK_HALF)
-    c1 = tl.load(cos_ptr + rows[:, None] * s_cos_t + hc[None, :] * s_cos_r, mask=tm, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + rows[:, None] * s_cos_t + (HALF + hc)[None, :] * s_cos_r, mask=tm, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + rows[:, None] * s_sin_t + hc[None, :] * s_sin_r, mask=tm, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + rows[:, None] * s_sin_t + (HALF + hc)[None, :] * s_sin_r, mask=tm, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_t + hc[None, :] * s_cos_r, mask=tm, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_t + (HALF + hc)[None, :] * s_cos_r, mask=tm, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_t + hc[None, :] * s_sin_r, mask=tm, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_t + (HALF + hc)[None, :] * s_sin_r, mask=tm, other=0.0).to(tl.float32)
     out_ty = ok_ptr.dtype.element_ty
     tl.store(ok + hc[None, :], (x1 * c1 - x2 * s1).to(out_ty), mask=tm)
     tl.store(ok + (HALF + hc)[None, :], (x2 * c2 + x1 * s2).to(out_ty), mask=tm)
@@ -76,13 +85,13 @@ def _rope_mix_kernel(
     if HAS_PASS:
         pc = 2 * HALF + tl.arange(0, BLOCK_PASS)
         p_ok = pc < D
-        xp = _load_mixed(ck, s_ck_t, s_ck_d, fk, s_fk_s, s_fk_d, rows, src, is_cached, is_fresh, pc, p_ok)
+        xp = _load_mixed(ck, s_ck_t, s_ck_d, fk, s_fk_s, s_fk_d, tile, src, is_cached, is_fresh, pc, p_ok)
         tl.store(ok + pc[None, :], xp.to(out_ty), mask=row_ok[:, None] & p_ok[None, :])
 
     # V: mix only
     dc = tl.arange(0, BLOCK_D)
     d_ok = dc < D
-    xv = _load_mixed(cv, s_cv_t, s_cv_d, fv, s_fv_s, s_fv_d, rows, src, is_cached, is_fresh, dc, d_ok)
+    xv = _load_mixed(cv, s_cv_t, s_cv_d, fv, s_fv_s, s_fv_d, tile, src, is_cached, is_fresh, dc, d_ok)
     tl.store(ov + dc[None, :], xv.to(ov_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -116,6 +125,11 @@ def rope_mix_triton(
     src = torch.full((t,), -1, dtype=torch.int64, device=cached_k.device)  # (T,)
     src[fresh_idx] = torch.arange(shp.fresh, dtype=torch.int64, device=cached_k.device)
     block_t = 32 if interp else 16
+    for name, x, tile in (("cached_k", cached_k, (1, block_t, d)), ("cached_v", cached_v, (1, block_t, d)),
+                          ("fresh_k", fresh_k, (1, 1, d)), ("fresh_v", fresh_v, (1, 1, d)),
+                          ("cos", cos, (block_t, r)), ("sin", sin, (block_t, r)),
+                          ("k_out", out_k, (1, block_t, d)), ("v_out", out_v, (1, block_t, d))):
+        require_int32_tiles("rope_mix", name, x, tile)
     has_pass = r < d
     grid = (triton.cdiv(t, block_t), hkv)
     _rope_mix_kernel[grid](

@@ -5,11 +5,16 @@ Layouts let every test feed the same values through non-contiguous views:
     CONTIGUOUS    (H, T, D) as allocated
     TOKEN_MAJOR   allocated (T, H, D), viewed (H, T, D)   (the layout of a (B, T, H, D) projection)
     DIM_STRIDED   allocated (H, D, T), viewed (H, T, D)   (head dim not unit-stride)
+
+Far views (:func:`far_views`) put the same values where a kernel's element offsets pass 2**31, the
+range of 32-bit arithmetic, without committing gigabytes: see there.
 """
 
 from __future__ import annotations
 
 import enum
+import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,3 +114,71 @@ def assert_close_tol(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.
     """``torch.testing.assert_close`` with ``TOL[dtype]`` (dtype defaults to ``expected.dtype``)."""
     tol = TOL[dtype or expected.dtype]
     torch.testing.assert_close(actual, expected, atol=tol.atol, rtol=tol.rtol)
+
+
+INT32_LIMIT = 2**31  # element offsets at or past this wrap in 32-bit arithmetic
+
+
+def sparse_buffer(numel: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A 1-D tensor of ``numel`` elements whose memory is committed only where it is written or read.
+
+    On CPU it lies in an anonymous ``mmap`` of its own (4 KiB pages: torch's allocator may ask for
+    2 MiB pages, which would make every touched row of a far view cost 2 MiB); elsewhere it is
+    ``torch.empty`` (on a GPU the whole size is allocated).
+
+    Args:
+        numel: elements; dtype, device: the tensor's.
+
+    Returns:
+        (numel,) uninitialised (zeros on CPU) tensor.
+
+    Raises:
+        MemoryError, OSError: the address space cannot be reserved (strict overcommit, small machine).
+    """
+    if torch.device(device).type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, numel * itemsize), dtype=dtype)  # keeps the mapping alive
+
+
+def far_views(xs: Sequence[torch.Tensor], row_dim: int, first_far: int) -> list[torch.Tensor]:
+    """Copies of the (A, B, D) tensors ``xs`` as views of one sparse buffer in which index ``first_far``
+    of dim ``row_dim`` and every later one lie at least 2**31 elements past the view's start: where a
+    kernel that multiplies a 32-bit row index by the row stride wraps around.
+
+    Each row (an index of ``row_dim``) holds the other dim's entries of every x side by side, the way a
+    token row of a multi-layer, token-major KV cache (T, L, 2, Hkv, D) holds its layers' K and V::
+
+        row_dim=1 (token-major), x of shape (H, T, D):   element [h, t, d] at base + i*H*D + t*stride + h*D + d
+        row_dim=0 (head-major),  x of shape (H, S, D):   element [h, s, d] at base + i*S*D + h*stride + s*D + d
+
+    The views start ``base`` (about 2**31) elements into the buffer, so a wrapped (negative) 32-bit
+    offset still lands inside it: a kernel without 64-bit offsets reads or writes the wrong rows of
+    this buffer (a wrong answer, not a crash or stray write). The buffer is ~2**32 elements virtual;
+    only the pages of the rows touched are committed (on CPU).
+
+    Args:
+        xs: tensors of one shape, dtype and device; row_dim: 0 or 1; first_far: the first far row index.
+
+    Returns:
+        The views, in the order of ``xs``, holding their values.
+
+    Raises:
+        MemoryError, OSError: as :func:`sparse_buffer`.
+    """
+    x0 = xs[0]
+    rows, other, d = x0.shape[row_dim], x0.shape[1 - row_dim], x0.shape[2]
+    width = other * d  # one x's elements in one row
+    stride = -(-INT32_LIMIT // first_far)  # first_far * stride >= 2**31 > (first_far - 1) * stride
+    if len(xs) * width > stride or (first_far - 1) * stride >= INT32_LIMIT:
+        raise ValueError(f"rows of {len(xs)} x {width} elements do not fit a {stride}-element row stride")
+    base = 2 * INT32_LIMIT - first_far * stride  # row first_far wrapped to 32 bits lands at element 0
+    buf = sparse_buffer(base + (rows - 1) * stride + len(xs) * width, x0.dtype, x0.device)
+    strides = [0, 0, 1]
+    strides[row_dim], strides[1 - row_dim] = stride, d
+    views = []
+    for i, x in enumerate(xs):
+        view = buf.as_strided(tuple(x.shape), tuple(strides), base + i * width)
+        view.copy_(x)
+        views.append(view)
+    return views
