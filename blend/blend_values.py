@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from blend.blend_plan import BlendPlan
-from blend.policy import ReusePolicy
+from blend.policy import ReuseMode, ReusePolicy
 from blend.probe_pass import ProbeResult
 from blend.prompt import Prompt
 from blend.report import DeviationStats, SegmentReport
@@ -31,6 +31,8 @@ class BlendOutcome:
     # what a second pass over this cache needs (a guarded policy whose guard may widen it), else None
     resume: "BlendResume | None" = None
     check_rows: tuple[int, ...] = ()  # document rows recomputed above each check layer, in order
+    # BLEND; EXACT where no document was re-positioned (every one exact at its place): the exact path ran
+    applied: ReuseMode = ReuseMode.BLEND
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from blend.kernels import (
 )
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
-from blend.policy import BudgetMode, GuardMode, ReusePolicy
+from blend.policy import BudgetMode, GuardMode, ReuseMode, ReusePolicy
 from blend.prefix_cache import remember_hot
 from blend.probe import top
 from blend.probe_pass import ProbeResult, probe_gemm_dtype, recompute_dtype, run_probe, run_probe_first
@@ -289,7 +289,7 @@ def _exact_outcome(segments: SegmentCache, prompt: Prompt, cache: KVCache, repor
     computes it; a prefix found stored in full is remembered as hot (its second use)."""
     logits, tail, waited = segments.compute_question(cache, prompt.segments[:-1], prompt.question, True, salt)
     remember_hot(segments, cache, prompt.segments[:-1], prompt.question, (*reports, *tail), salt)
-    return BlendOutcome(logits, (*reports, *tail), None, lookup_s + waited, ratio=0.0)  # nothing re-positioned
+    return BlendOutcome(logits, (*reports, *tail), None, lookup_s + waited, ratio=0.0, applied=ReuseMode.EXACT)
 
 
 def prefill_blend(model: ModelRunner, segments: SegmentCache, prompt: Prompt, policy: ReusePolicy,

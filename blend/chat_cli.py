@@ -48,7 +48,7 @@ def turn_summary(report, earlier: int) -> str:
     keeps a segment per turn), so their count comes from the conversation, not from the report."""
     loaded = sum(1 for s in report.segments if s.kind is SegmentKind.TURN and s.reuse_class is ReuseClass.EXACT)
     return (f"[ttft {report.timings.ttft_s * 1000:.0f} ms | reused {report.reused_tokens} of {report.prompt_tokens} "
-            f"tokens | earlier turns loaded {loaded} of {earlier} | {report.policy}]")
+            f"tokens | earlier turns loaded {loaded} of {earlier} | {report.policy}, ran {report.applied.value}]")
 
 
 def run_chat(args: argparse.Namespace, lines: TextIO | None = None, out: TextIO | None = None,

@@ -68,7 +68,8 @@ def print_report(ans, out=sys.stdout, with_answer: bool = True) -> None:
     r = ans.report
     if with_answer:
         print(f"answer: {ans.text}", file=out)
-    print(f"ttft: {ans.ttft_s * 1000:.1f} ms   policy: {r.policy}   prompt tokens: {r.prompt_tokens}   "
+    print(f"ttft: {ans.ttft_s * 1000:.1f} ms   policy: {r.policy}   ran: {r.applied.value}   "
+          f"prompt tokens: {r.prompt_tokens}   "
           f"reused: {r.reused_tokens}   recomputed: {r.recomputed_tokens}", file=out)
     for s in r.segments:
         extra = f" recomputed={s.recomputed}" if s.recomputed else ""

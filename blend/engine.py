@@ -2,7 +2,7 @@
 
 One request runs in three phases. The engine first decides whether the
 policy's reuse is allowed at all (dynamic-NTK RoPE past its trained length,
-the blend's minimum length, the quality gate) and refuses it before any
+the blend's minimum length, the quality gate: :mod:`blend.refusals`) and refuses it before any
 timing starts; then the prefill runs in the mode the policy names (full,
 exact prefix segments through the :class:`~blend.segments.SegmentCache`, or
 blended canonical chunks through :mod:`blend.blending`); then greedy
@@ -22,7 +22,7 @@ import torch
 from blend.cpu_features import warn_if_emulated
 from blend.defaults import DEFAULT_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_PROBE_PRECISION
 from blend.engine_setup import EngineConfig, build_provenance, eos_ids, fp32_precision_label, torch_dtype
-from blend.errors import InvalidPolicyError, InvalidRequestError, PromptTooLongError
+from blend.errors import InvalidRequestError, PromptTooLongError
 from blend.gate import GateVerdict, QualityGate
 from blend.gemm import pick_gemm_backend
 from blend.generation import logits_sha256
@@ -30,19 +30,17 @@ from blend.kvcache import KVCache
 from blend.model import ModelRunner
 from blend.models import load_model
 from blend.policy import ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy
-from blend.prefill_paths import guard, length_dependent, prefill_blended, prefill_segments, prefill_unreused
+from blend.prefill_paths import guard, prefill_blended, prefill_segments, prefill_unreused
 from blend.prefilled import Prefilled, build_report
 from blend.prefix_cache import is_hot
 from blend.probe import top2_margin
 from blend.probe_pass import probe_gemm_dtype, recompute_dtype, resolve_precisions, resolve_recompute_precision
-from blend.prompt import Prompt, Segment, SegmentKind, Turn, build_prompt, preamble_segment
+from blend.prompt import Prompt, Segment, Turn, build_prompt, preamble_segment
+from blend.refusals import Refusal, refusal_for
 from blend.report import ReuseReport, Timings
 from blend.segments import SegmentCache
 from blend.store.base import KVStore
 from blend.store.memory import MemoryStore
-
-_BLENDED_KINDS = frozenset({SegmentKind.DOCUMENT})  # what a refused blend reports as fallback
-_STORED_KINDS = frozenset({SegmentKind.PREAMBLE, SegmentKind.DOCUMENT})  # what any reuse would have read
 
 
 @dataclass
@@ -184,37 +182,6 @@ class Engine:
 
     # ---- prefill --------------------------------------------------------------------------
 
-    def _refusal(self, prompt: Prompt, policy: ReusePolicy) -> tuple[str, frozenset[SegmentKind], float]:
-        """Whether the policy's reuse is refused for this prompt, before anything is timed.
-
-        Returns:
-            (reason or "", the segment kinds reported as fallback, seconds the quality gate ran).
-        """
-        if policy.semantic and not self.config.experimental_semantic:  # whatever the prompt's length
-            raise InvalidPolicyError(
-                "semantic reuse is experimental: enable it in the engine (EngineConfig(experimental_semantic=True) "
-                "or --experimental-semantic) as well as in the policy")
-        if policy.mode is not ReuseMode.NONE and length_dependent(self.runner.rope, prompt):
-            name = "LongRoPE" if self.runner.rope.rope_type == "longrope" else "dynamic-NTK RoPE"
-            return (f"{name} changes past "
-                    f"{self.runner.rope.length_dependent_after} positions: KV "
-                    f"depends on the request's length ({len(prompt)}), so nothing is reused or stored"), \
-                _STORED_KINDS, 0.0
-        if policy.mode is not ReuseMode.BLEND:
-            return "", _BLENDED_KINDS, 0.0
-        n = self.dims.num_layers
-        if policy.check_layers[-1] >= n:
-            raise InvalidPolicyError(f"check layers {policy.check_layers} outside the model's {n} layers (0..{n - 1})")
-        if len(prompt.segments) < 2:  # a lone question (bos_prompt): nothing to blend, no preamble to key
-            return "a prompt of one segment has no document to blend", _BLENDED_KINDS, 0.0
-        if len(prompt) < policy.min_prompt_tokens:
-            return (f"prompt of {len(prompt)} tokens < min_prompt_tokens={policy.min_prompt_tokens}",
-                    _BLENDED_KINDS, 0.0)
-        if policy.force or self.gate is None:
-            return "", _BLENDED_KINDS, 0.0
-        verdict = self.gate.verdict(self)
-        return verdict.refused, _BLENDED_KINDS, verdict.ran_s
-
     def prefill(self, prompt: Prompt, policy: ReusePolicy, extra_capacity: int = 0, question: bool = True
                 ) -> tuple[torch.Tensor | None, KVCache, ReuseReport]:
         """Run the prompt under ``policy``.
@@ -240,30 +207,31 @@ class Engine:
                                      f"the model's context of {limit}")
         if policy.mode is ReuseMode.BLEND:  # the report says what ran: AUTO becomes bf16 or compute
             policy = resolve_precisions(policy, self.runner.dtype, self.runner.device)
-        refused, kinds, gate_s = self._refusal(prompt, policy)
+        refusal = refusal_for(self, prompt, policy)
         cache = self.runner.new_cache(len(prompt) + extra_capacity)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            done, cache = self._run(prompt, policy, cache, question, refused, kinds)
+            done, cache = self._run(prompt, policy, cache, question, refusal)
         ttft = time.perf_counter() - t0
         # a blend that ran (not refused): its selector, the share it recomputed (0 where nothing was
         # re-positioned: every document exact, or the hot prefix) and its first-token gap
-        blended = policy.mode is ReuseMode.BLEND and kinds is _BLENDED_KINDS and not refused
-        if policy.mode is ReuseMode.BLEND and not done.check_rows:
-            # no pass with a check layer answers (every document exact, a hot prefix, a refusal, the guard's
-            # exact path, full reuse): nothing ran above a check layer, so nothing ran in another precision
-            # and no reused row was tempered (the temperature applies above the first check layer only)
+        blended = policy.mode is ReuseMode.BLEND and not refusal.reason
+        if blended and not done.check_rows:
+            # no pass with a check layer answers (every document exact, a hot prefix, the guard's exact path,
+            # full reuse): nothing ran above a check layer, so nothing ran in another precision and no reused
+            # row was tempered (the temperature applies above the first check layer only). A refused blend's
+            # policy is reported as asked: its report's ``applied`` says that it ran none of it
             policy = replace(policy, attention_precision=RecomputePrecision.COMPUTE,
                              linear_precision=RecomputePrecision.COMPUTE, reused_temperature=1.0)
-        return done.logits, cache, build_report(done, policy, blended, refused, Timings(
-            lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=gate_s))
+        return done.logits, cache, build_report(done, policy, blended, refusal.reason, Timings(
+            lookup_s=done.lookup_s, compute_s=ttft - done.lookup_s, ttft_s=ttft, gate_s=refusal.gate_s))
 
-    def _run(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool, refused: str,
-             kinds: frozenset[SegmentKind]) -> tuple[Prefilled, KVCache]:
+    def _run(self, prompt: Prompt, policy: ReusePolicy, cache: KVCache, question: bool, refusal: Refusal
+             ) -> tuple[Prefilled, KVCache]:
         """The prefill ``policy`` asks for (or the one a refusal leaves); returns it and its cache."""
         self._check_fp32_precision()
-        if refused or policy.mode is ReuseMode.NONE:
-            return prefill_unreused(self.runner, self.segments, prompt, cache, refused, kinds), cache
+        if refusal.reason or policy.mode is ReuseMode.NONE:
+            return prefill_unreused(self.runner, self.segments, prompt, cache, refusal.reason, refusal.kinds), cache
         if policy.mode is ReuseMode.EXACT:
             return prefill_segments(self.segments, prompt, policy.prefix_limit, True, cache, policy.cache_salt), cache
         if policy.take_exact and is_hot(self.segments, prompt.segments[:-1], prompt.question, policy.cache_salt):

@@ -14,24 +14,28 @@ import math
 from typing import Any
 
 
-def finite(obj: Any) -> Any:
+def finite(obj: Any, keep_tuples: bool = False) -> Any:
     """``obj`` with every non-finite float, at any depth of dicts, lists and tuples, replaced by None.
 
     Args:
         obj: a JSON-able value (dicts, lists, tuples, strings, numbers, bools, None).
+        keep_tuples: a tuple that held such a float is copied as a tuple (a frozen dataclass's field, as
+            the eval rows keep them), not as the list JSON writes.
 
     Returns:
         The same value when it holds no non-finite float (not copied); else a copy with those
-        floats as None (tuples become lists, as JSON writes them).
+        floats as None (tuples become lists, as JSON writes them, unless ``keep_tuples``).
     """
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        items = {k: finite(v) for k, v in obj.items()}
+        items = {k: finite(v, keep_tuples) for k, v in obj.items()}
         return obj if all(items[k] is v for k, v in obj.items()) else items
     if isinstance(obj, (list, tuple)):
-        seq = [finite(v) for v in obj]
-        return obj if all(a is b for a, b in zip(seq, obj)) else seq
+        seq = [finite(v, keep_tuples) for v in obj]
+        if all(a is b for a, b in zip(seq, obj)):
+            return obj
+        return tuple(seq) if keep_tuples and isinstance(obj, tuple) else seq
     return obj
 
 

@@ -10,18 +10,21 @@ a 400 in the server, exit 2 in the CLI), not dropped without a word:
 - the near-tie guard's ``guard_ratio`` and ``guard_mode`` while the guard is off (``guard_margin`` None);
 - the query probe's ``candidates`` and ``probe_precision`` with a selector that never runs the probe.
 
-Each setting is compared with the dataclass's own default, so the rules and the fields cannot drift.
+Each setting is compared with the dataclass's own default, so the rules and the fields cannot drift; kvblend
+serve refuses its blend options under exact or none with the same list and comparison (:data:`BLEND_OPTIONS`,
+:func:`setting_changed`), so the server and the policy cannot drift either.
 The policy checks each value on its own (types, ranges) before these rules run.
 """
 
 from __future__ import annotations
 
 from dataclasses import fields
+from enum import Enum
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from blend.errors import InvalidPolicyError
-from blend.policy_types import DEVIATION_SELECTORS, PROBE_SELECTORS, BudgetMode, ReuseMode
+from blend.policy_types import DEVIATION_SELECTORS, PROBE_SELECTORS, RECOMPUTE_PRECISION_FIELDS, BudgetMode, ReuseMode
 
 if TYPE_CHECKING:
     from blend.policy import ReusePolicy
@@ -31,6 +34,10 @@ if TYPE_CHECKING:
 BLEND_ONLY_FIELDS = ("ratio", "selector", "check_layers", "layer_ratios", "min_prompt_tokens", "threshold", "max_ratio",
                      "seed", "budget", "auto_target", "probe_precision", "guard_margin", "guard_ratio", "candidates",
                      "guard_mode", "reused_temperature")
+# every setting only a blend reads, each refused away from its default under exact or none: BLEND_ONLY_FIELDS here,
+# semantic, take_exact and the precisions by ReusePolicy. A surface that takes settings by name before it builds
+# a policy (kvblend serve's ``kvblend`` options) refuses the same ones with this list (setting_changed)
+BLEND_OPTIONS = (*BLEND_ONLY_FIELDS, "semantic", "take_exact", *(name for name, _ in RECOMPUTE_PRECISION_FIELDS))
 # settings only the near-tie guard reads (a guarded blend's second pass): refused while the guard is off
 GUARD_FIELDS = ("guard_ratio", "guard_mode")
 # settings only the query probe reads (the selectors in PROBE_SELECTORS; the adaptive budget needs one)
@@ -43,12 +50,29 @@ def field_defaults(cls: type) -> dict[str, Any]:
     return {f.name: f.default for f in fields(cls)}
 
 
-def _changed(p: "ReusePolicy", name: str) -> bool:
-    """Whether ``p``'s setting ``name`` is away from its default (a list of check layers compares as a tuple)."""
-    value = getattr(p, name)
-    if isinstance(value, list):  # check_layers=[1] is the default (1,)
+def setting_changed(name: str, value: Any, defaults: Mapping[str, Any]) -> bool:
+    """Whether ``value`` of the setting ``name`` is away from its default.
+
+    Args:
+        name: a :class:`~blend.policy.ReusePolicy` field.
+        value: its value; a list compares as a tuple (check_layers=[1] is the default (1,)), and an enum's
+            value as the enum (``"restart"`` is the default ``GuardMode.RESTART``, as a client names it).
+        defaults: every field's default (:func:`field_defaults`).
+
+    Returns:
+        True where the value differs from the default.
+    """
+    default = defaults[name]
+    if isinstance(value, list):
         value = tuple(value)
-    return value != field_defaults(type(p))[name]
+    if isinstance(default, Enum) and not isinstance(value, Enum):
+        default = default.value
+    return value != default
+
+
+def _changed(p: "ReusePolicy", name: str) -> bool:
+    """Whether ``p``'s setting ``name`` is away from its default."""
+    return setting_changed(name, getattr(p, name), field_defaults(type(p)))
 
 
 def check_no_blend_settings(p: "ReusePolicy") -> None:

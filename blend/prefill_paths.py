@@ -21,7 +21,7 @@ from blend.blending import prefill_blend, widen_blend
 from blend.keys import key_hex
 from blend.kvcache import KVCache
 from blend.model import ModelRunner
-from blend.policy import ReusePolicy
+from blend.policy import ReuseMode, ReusePolicy
 from blend.prefilled import Prefilled, document_rows, keep_first_pass_misses, report_ratio, with_forced
 from blend.prefix_cache import attach_hot, remember_hot
 from blend.probe import top2_margin
@@ -71,7 +71,7 @@ def prefill_unreused(runner: ModelRunner, segments: SegmentCache, prompt: Prompt
     """
     if length_dependent(runner.rope, prompt):
         logits, rows = segments.compute_rest(cache, prompt.segments)
-        done = Prefilled(logits, rows)
+        done = Prefilled(logits, rows, ReuseMode.NONE)
     else:
         done = prefill_segments(segments, prompt, None, False, cache)
     if not refused:
@@ -95,8 +95,9 @@ def prefill_segments(segments: SegmentCache, prompt: Prompt, prefix_limit: int |
         salt: the request's cache salt.
 
     Returns:
-        The prefill's logits, segment rows and lookup seconds.
+        The prefill's logits, segment rows and lookup seconds (applied: exact, or none without the store).
     """
+    applied = ReuseMode.EXACT if use_store else ReuseMode.NONE
     cacheable = prompt.segments[:-1]
     if prefix_limit is not None:
         cacheable = cacheable[:prefix_limit]
@@ -106,7 +107,7 @@ def prefill_segments(segments: SegmentCache, prompt: Prompt, prefix_limit: int |
         if hot is not None:  # a prefix found stored again: attached, not loaded (the same rows)
             logits, tail, _ = segments.compute_question(cache, cacheable, prompt.question, True, salt,
                                                         attached=True)
-            return Prefilled(logits, (*hot, *tail), 0.0)
+            return Prefilled(logits, (*hot, *tail), applied, 0.0)
     keys = (segments.prefix_keys(cacheable, salt) if use_store
             else [(ns, None) for ns in prefix_namespaces(cacheable)])
     rows, lookup_s, start = [], 0.0, cache.length
@@ -119,11 +120,11 @@ def prefill_segments(segments: SegmentCache, prompt: Prompt, prefix_limit: int |
         logits, tail, waited = segments.compute_question(cache, cacheable, prompt.question, use_store, salt)
         if use_store:
             remember_hot(segments, cache, cacheable, prompt.question, (*rows, *tail), salt)
-        return Prefilled(logits, (*rows, *tail), lookup_s + waited)
+        return Prefilled(logits, (*rows, *tail), applied, lookup_s + waited)
     # Everything after the reusable prefix (the question included) is one block:
     # one causal pass is cheaper than segment-by-segment masked attention.
     logits, tail = segments.compute_rest(cache, prompt.segments[len(cacheable):])
-    return Prefilled(logits, (*rows, *tail), lookup_s)
+    return Prefilled(logits, (*rows, *tail), applied, lookup_s)
 
 
 def prefill_blended(runner: ModelRunner, segments: SegmentCache, prompt: Prompt, policy: ReusePolicy, cache: KVCache,
@@ -141,7 +142,7 @@ def prefill_blended(runner: ModelRunner, segments: SegmentCache, prompt: Prompt,
         The blend as a :class:`~blend.prefilled.Prefilled` (its resume point kept for :func:`guard`).
     """
     out = prefill_blend(runner, segments, prompt, policy, cache, question=question)
-    return Prefilled(out.logits, out.segments, out.lookup_s, out.deviation, out.ratio,
+    return Prefilled(out.logits, out.segments, out.applied, out.lookup_s, out.deviation, out.ratio,
                      approximate=out.approximate, resume=out.resume, check_rows=out.check_rows)
 
 

@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from blend.blend_values import BlendResume
-from blend.policy import ReusePolicy
+from blend.policy import ReuseMode, ReusePolicy
 from blend.prompt import SegmentKind
 from blend.report import DeviationStats, ReuseClass, ReuseReport, SegmentReport, Timings
 
@@ -19,6 +19,7 @@ class Prefilled:
 
     logits: torch.Tensor  # (V,) float32
     segments: tuple[SegmentReport, ...]
+    applied: ReuseMode  # the reuse that produced the KV (see ReuseReport.applied)
     lookup_s: float = 0.0
     deviation: DeviationStats | None = None
     ratio: float | None = None  # the share an adaptive budget or a threshold selected, or the guard's
@@ -49,8 +50,8 @@ def build_report(done: Prefilled, policy: ReusePolicy, blended: bool, refused: s
     ratio = float(report_ratio(done, policy)) if blended else None
     spent = float(done.spent) if done.spent is not None else ratio
     return ReuseReport(
-        policy=policy.describe(), segments=done.segments, selector=policy.selector if blended else "",
-        ratio=ratio, spent=spent, deviation=done.deviation,
+        policy=policy.describe(), applied=done.applied, segments=done.segments,
+        selector=policy.selector if blended else "", ratio=ratio, spent=spent, deviation=done.deviation,
         gate=refused, timings=timings, first_token_margin=done.margin if blended else None, guard=done.guard,
         check_rows=done.check_rows if blended else (),
     )

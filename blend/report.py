@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
+from blend.policy_types import ReuseMode
 from blend.prompt import SegmentKind
 
 
@@ -76,9 +77,19 @@ class Timings:
 
 @dataclass(frozen=True)
 class ReuseReport:
-    """Built once by the engine when the prefill is done."""
+    """Built once by the engine when the prefill is done.
 
+    ``policy`` is what the request asked for and ``applied`` what produced its KV: a refused reuse
+    (``gate`` says why) ran ``none``, a blend with nothing to re-position (no document, or every
+    document exact at its place) ran the exact path, ``exact``.
+    """
+
+    # the request's policy (:meth:`~blend.policy.ReusePolicy.describe`), its ``auto`` precisions resolved; where
+    # reuse ran, a blend's precisions and temperature only where a pass above a check layer read them
     policy: str
+    # the reuse mode that produced the request's KV: ``none`` (nothing looked up or stored: asked for, or
+    # reuse refused), ``exact`` (the exact path, segment by segment) or ``blend`` (documents re-positioned)
+    applied: ReuseMode
     segments: tuple[SegmentReport, ...] = ()
     selector: str = ""
     ratio: float | None = None
@@ -122,6 +133,7 @@ class ReuseReport:
     def to_dict(self) -> dict:
         return {
             "policy": self.policy,
+            "applied": self.applied.value,
             "segments": [s.to_dict() for s in self.segments],
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,

@@ -21,12 +21,11 @@ with (``first_token_margin`` of a method that does not blend), the row's ``absen
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from blend import safeio
+from blend import json_text, safeio
 from blend.numeric import finite_real
 
 MAX_ROWS_BYTES = 1 << 30  # the largest rows file a reader reads (a run of 10k items is ~100 MB)
@@ -414,14 +413,7 @@ def _to_json(row: Any, types: FieldTypes, since: dict[str, str]) -> dict[str, An
     return out
 
 
-def _finite(v: Any) -> Any:
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, tuple):
-        return tuple(_finite(x) for x in v)
-    return v
-
-
 def _finite_fields(row: Any) -> dict[str, Any]:
-    """Every float (or tuple of floats) field of ``row`` with non-finite values as None."""
-    return {f.name: _finite(getattr(row, f.name)) for f in fields(row) if f.name not in ("absent", "methods")}
+    """Every float (or tuple of floats) field of ``row`` with non-finite values as None (tuples kept tuples)."""
+    return {f.name: json_text.finite(getattr(row, f.name), keep_tuples=True) for f in fields(row)
+            if f.name not in ("absent", "methods")}

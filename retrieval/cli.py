@@ -155,7 +155,8 @@ def _ask(args: argparse.Namespace) -> int:
     print_stream(g, sys.stdout, prefix="")  # the answer as it is decoded
     ans = g.result()
     seed = f"; seed {ans.seed}" if config.temperature > 0 else ""
-    print(f"  policy {ans.policy}; TTFT {ans.ttft_s * 1000:.1f} ms{seed}")
+    gate = f" ({ans.report['gate']})" if ans.report.get("gate") else ""  # why reuse was refused
+    print(f"  policy {ans.policy}; ran {ans.report.get('applied', '')}{gate}; TTFT {ans.ttft_s * 1000:.1f} ms{seed}")
     _print_chunks(ans)
     return 0
 

@@ -24,6 +24,17 @@ def test_dumps_writes_null_for_every_non_finite_float_and_leaves_the_rest() -> N
     assert json_text.finite(clean) is clean and json_text.dumps(clean) == json.dumps(clean)
 
 
+def test_finite_keeps_tuples_as_tuples_where_asked() -> None:
+    """The eval rows' frozen fields (``ttft_samples``) stay tuples; JSON's copy writes lists."""
+    row = (1.5, math.nan, (math.inf, 2.0))
+    assert json_text.finite(row) == [1.5, None, [None, 2.0]]
+    kept = json_text.finite(row, keep_tuples=True)
+    assert kept == (1.5, None, (None, 2.0)) and type(kept) is tuple and type(kept[2]) is tuple
+    assert json_text.finite({"a": [math.nan]}, keep_tuples=True) == {"a": [None]}  # a list stays a list
+    clean = (1.0, 2.0)
+    assert json_text.finite(clean, keep_tuples=True) is clean
+
+
 def _nan_completion(tiny_engine):
     """A real completion whose report and logprobs carry non-finite figures (a model that overflowed)."""
     from blend.generation import generate

@@ -207,3 +207,60 @@ def test_a_numpy_ratio_runs_and_its_report_is_json(tiny_engine):
         report = tiny_engine.generate(prompt, policy, max_new_tokens=1).report
         assert type(report.ratio) is float and type(report.spent) is float
         assert json.loads(json.dumps(report.to_dict()))["ratio"] == report.ratio
+
+
+# ---- the blend-only settings: one list for the policy and kvblend serve's options --------------------------------
+
+SERVE_ONLY_OPTIONS = {"reuse", "stop_at_newline", "return_tokens"}  # kvblend options that are no policy setting
+
+
+def test_every_kvblend_option_is_a_policy_blend_setting_or_a_serve_option():
+    """kvblend serve refuses its blend options under exact or none from the policy's own list: a new option
+    must be one of them (or named here as the server's), or it would be dropped without a word."""
+    from blend.policy import POLICY_DEFAULTS
+    from blend.policy_rules import BLEND_OPTIONS
+    from blend.serve.intake import BLEND_SETTINGS
+    from blend.serve.schemas import KvblendOptions
+
+    options = set(KvblendOptions.model_fields)
+    assert set(BLEND_SETTINGS) == options - SERVE_ONLY_OPTIONS and set(BLEND_SETTINGS) <= set(BLEND_OPTIONS)
+    assert set(BLEND_OPTIONS) <= set(POLICY_DEFAULTS)
+    for name in BLEND_SETTINGS:  # each option's own default is the policy's (None: the server's default)
+        default = KvblendOptions.model_fields[name].default
+        want = POLICY_DEFAULTS[name]
+        assert default is None or default == getattr(want, "value", want), name
+
+
+def _serve_value(value):
+    """A blend setting's value as kvblend serve's option takes it (an enum by its name)."""
+    return value.value if hasattr(value, "value") else value
+
+
+@pytest.mark.parametrize("mode", ["exact", "none"])
+@pytest.mark.parametrize("name, value", [
+    ("ratio", 0.3), ("ratio", 0.15), ("selector", "v"), ("selector", "probe"), ("semantic", True), ("semantic", False),
+    ("guard_margin", None), ("guard_margin", 0.7), ("guard_margin", 0.0), ("guard_ratio", 1.0), ("guard_ratio", 0.3),
+    ("guard_mode", GuardMode.WIDEN), ("guard_mode", GuardMode.RESTART), ("candidates", None), ("candidates", 2.0),
+    ("candidates", 3.0), ("probe_precision", ProbePrecision.BF16), ("probe_precision", ProbePrecision.AUTO),
+    ("reused_temperature", 1.0), ("reused_temperature", 1.05), ("take_exact", True), ("take_exact", False),
+    ("attention_precision", "bf16"), ("attention_precision", "compute"), ("linear_precision", "auto"),
+    ("linear_precision", "compute"),
+])
+def test_kvblend_serve_and_the_policy_refuse_the_same_blend_settings_under_exact_or_none(mode, name, value):
+    from blend.policy import RecomputePrecision
+    from blend.serve.intake import policy_for
+    from blend.serve.schemas import KvblendOptions
+
+    typed = RecomputePrecision(value) if name.endswith("_precision") and name != "probe_precision" else value
+    try:
+        ReusePolicy(mode=ReuseMode(mode), **{name: typed})
+        policy_refuses = False
+    except InvalidPolicyError:
+        policy_refuses = True
+    try:
+        policy_for(KvblendOptions(reuse=mode, **{name: _serve_value(value)}), "")
+        serve_refuses = False
+    except InvalidPolicyError as e:
+        serve_refuses = True
+        assert "is a blend option" in str(e)
+    assert serve_refuses == policy_refuses

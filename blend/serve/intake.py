@@ -14,19 +14,18 @@ from blend.defaults import (
 )
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.generation import stop_strings
-from blend.policy import (
-    RECOMPUTE_PRECISION_FIELDS, GuardMode, ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy,
-)
+from blend.policy import POLICY_DEFAULTS, GuardMode, ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy
+from blend.policy_rules import BLEND_OPTIONS, setting_changed
 from blend.prompt import Prompt, bos_prompt
 from blend.sampling import GenerationConfig, InvalidSettingError
 from blend.serve.config import ServeConfig
 from blend.serve.protocol import Endpoint, ErrorType
 from blend.serve.schemas import ChatCompletionRequest, CompletionRequest, KvblendOptions
 
-# the ``kvblend`` options only a blend reads, set away from their defaults under reuse "exact" or "none": refused
-# (``ratio: 0.3`` beside ``reuse: "exact"`` was dropped without a word)
-BLEND_SETTINGS = ("ratio", "selector", "guard_margin", "guard_ratio", "guard_mode", "candidates", "probe_precision",
-                  "reused_temperature")
+# the ``kvblend`` options only a blend reads (the policy's blend settings, blend.policy_rules.BLEND_OPTIONS), set away
+# from the policy's defaults under reuse "exact" or "none": refused (``ratio: 0.3`` beside ``reuse: "exact"`` was
+# dropped without a word). Where the option's own default is None, None is not a setting: the server's default
+BLEND_SETTINGS = tuple(name for name in KvblendOptions.model_fields if name in BLEND_OPTIONS)
 
 
 class ApiError(Exception):
@@ -80,14 +79,13 @@ def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False,
     """
     mode = ReuseMode(opts.reuse)
     if mode is not ReuseMode.BLEND:  # a blend option under another mode is refused, not dropped
-        blend_only = {"semantic reuse": opts.semantic, "take_exact": opts.take_exact,
-                      **{name: getattr(opts, name) not in (None, default)
-                         for name, default in RECOMPUTE_PRECISION_FIELDS},
-                      **{name: getattr(opts, name) != KvblendOptions.model_fields[name].default
-                         for name in BLEND_SETTINGS}}
-        for name, given in blend_only.items():
-            if given:
-                raise InvalidPolicyError(f"{name} is a blend option: use kvblend.reuse = \"blend\"")
+        for name in BLEND_SETTINGS:
+            value = getattr(opts, name)
+            if value is None and KvblendOptions.model_fields[name].default is None:
+                continue  # not given (a blend takes the server's default)
+            if setting_changed(name, value, POLICY_DEFAULTS):
+                label = "semantic reuse" if name == "semantic" else name
+                raise InvalidPolicyError(f"{label} is a blend option: use kvblend.reuse = \"blend\"")
     if mode is ReuseMode.NONE:  # nothing is looked up or stored: a salt has nothing to key
         return ReusePolicy.none()
     if mode is ReuseMode.EXACT:

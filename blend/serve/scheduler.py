@@ -50,9 +50,10 @@ import torch
 from blend.batch_decode import DecodeBatching
 from blend.decode_pool import DecodePool
 from blend.generation import TokenStream
-from blend.policy import ReuseMode, ReusePolicy
+from blend.policy import ReusePolicy
 from blend.prefix_fill import PrefixFill
 from blend.prompt import Prompt
+from blend.refusals import consults_gate
 from blend.sampling import GenerationConfig
 from blend.serve.config import SchedulerConfig
 from blend.serve.decode_loop import DecodeLoop
@@ -313,7 +314,7 @@ class Scheduler:
                     book.retire(job, Ending.CANCELLED)
                     return
             gate_s = 0.0  # the first blend request may run the quality gate (once): not its TTFT, said in its report
-            if job.policy.mode is ReuseMode.BLEND and engine.gate is not None and not job.policy.force:
+            if consults_gate(engine, job.prompt, job.policy):  # (not a blend with no document to blend)
                 with self._gate_lock:
                     gate_s = engine.gate.verdict(engine).ran_s
             with book.prefill_running(), self._exclusive or nullcontext():

@@ -347,8 +347,8 @@ class SharedEngine:
             _, cache, report = self.engine.prefill(self.prompt_of(token_ids, params), policy,
                                                    question=policy.guarded)
         rep = report.to_dict()
-        slim = {k: rep[k] for k in ("policy", "selector", "ratio", "spent", "gate", "guard", "first_token_margin")
-                if rep.get(k) not in (None, "")}
+        slim = {k: rep[k] for k in ("policy", "applied", "selector", "ratio", "spent", "gate", "guard",
+                                    "first_token_margin") if rep.get(k) not in (None, "")}
         slim.update(reused_tokens=report.reused_tokens, recomputed_tokens=report.recomputed_tokens,
                     classes=[s.reuse_class.value for s in report.segments],
                     blend_s=round(report.timings.ttft_s, 6))
