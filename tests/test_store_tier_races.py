@@ -354,3 +354,44 @@ def test_a_clear_held_in_a_slow_tier_stalls_no_put_of_another_namespace(write_be
     assert not stalled
     assert store.flush(WAIT_S) and where(store, k) == [True, True]
     store.close()
+
+
+# ---- lost writes -------------------------------------------------------------------------------------------
+
+
+class _HeldParts(list):
+    """An entry's encoded parts whose writing (into the temp file, before the rename) waits at a gate."""
+
+    gate: Gate
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        self.gate.entered.set()
+        assert self.gate.released.wait(WAIT_S)
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("cleared", [Namespace.EXACT, None])
+def test_a_disk_clear_never_removes_a_write_in_progress(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                        cleared: Namespace | None) -> None:
+    """The disk tier's clear removed every temp file, a write in progress's too (another namespace's, or
+    another process's): its rename then failed and the entry was lost. Only killed writers' leftovers go."""
+    from blend.store import disk as disk_module
+    from blend.store.disk import DiskStore
+
+    gate = Gate()
+    real = disk_module.encode_parts
+
+    def held(*args):  # type: ignore[no-untyped-def]
+        parts = _HeldParts(real(*args))
+        parts.gate = gate
+        return parts
+
+    monkeypatch.setattr(disk_module, "encode_parts", held)
+    disk, k = DiskStore(tmp_path, fsync=False), key_for(PROV, 0)
+    writer, _ = start(disk.put, NS, k, rand_entry(PROV))
+    assert gate.entered.wait(WAIT_S)  # its temp file is open
+    disk.clear(cleared)
+    gate.release()
+    writer.join(WAIT_S)
+    assert disk.get(NS, k, J).status is LookupStatus.HIT
+    assert disk.stats().extra.get("put_errors", 0) == 0
