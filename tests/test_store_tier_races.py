@@ -356,6 +356,29 @@ def test_a_clear_held_in_a_slow_tier_stalls_no_put_of_another_namespace(write_be
     store.close()
 
 
+@pytest.mark.parametrize("write_behind", [False, True])
+def test_a_write_that_failed_in_a_tier_never_holds_up_a_later_delete(write_behind: bool) -> None:
+    """A tier's put raising (not an OSError: a bug, a client library's own error) must still end the write's
+    turn, or every later delete of the key would wait for it forever."""
+
+    class Failing(SlowTier):
+        def put(self, ns, key, entry) -> None:  # type: ignore[no-untyped-def]
+            raise RuntimeError("tier bug")
+
+    store = TieredStore([MemoryStore(), Failing("failing")], write_behind=write_behind)
+    k = key_for(PROV, 0)
+    if write_behind:
+        store.put(NS, k, rand_entry(PROV))  # the failure is the writer's: logged and counted
+        assert store.flush(WAIT_S) and store.stats().extra["background_write_failures"] == 1
+    else:
+        with pytest.raises(RuntimeError):
+            store.put(NS, k, rand_entry(PROV))
+    deleter, gone = start(store.delete, NS, k)
+    deleter.join(WAIT_S)
+    assert not deleter.is_alive() and where(store, k) == [False, False]
+    store.close()
+
+
 # ---- lost writes -------------------------------------------------------------------------------------------
 
 

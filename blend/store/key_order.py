@@ -38,10 +38,12 @@ Why each promised outcome holds:
 - A clear is the same, over every key of its namespace (each stripe, in order): queued writes
   older than it are dropped, writes in I/O are waited out, puts of its namespace wait for it and
   lookups that began before it ended do not promote.
-- No deadlock: only deletes, clears and puts wait, and only for counters that writes already
-  admitted release when their I/O ends. A write never waits for anything once admitted (a queued
-  write starting is a check, not a wait), so the write-behind thread never blocks on a delete, and
-  a delete never waits for the write-behind queue to drain (its older writes of the key drop).
+- No deadlock: a delete or clear waits only for writes already admitted to finish their I/O, and
+  an admitted write waits for nothing here (a queued write starting is a check, not a wait; a put
+  handing its queued part to a full queue waits for the writer thread, which takes no lock across
+  a write and never waits here). A put waits only for deletes/clears, which wait only for admitted
+  writes: no cycle. So the write-behind thread never blocks on a delete, and a delete never waits
+  for the queue to drain (its key's older queued writes are dropped), only for its key's write in I/O.
 - Cold equals warm is untouched: this orders copies of entries, never changes one.
 
 The stripes are conservative: a delete of another key in the stripe that starts during a lookup
