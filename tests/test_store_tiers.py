@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from blend.keys import Namespace
 from blend.store.base import Lookup, LookupStatus
@@ -157,6 +158,27 @@ def test_prefetch_stream_keeps_order_and_overlaps() -> None:
         if g.entry is not None:
             assert g.entry.k.equal(rand_entry(PROV, seed=i).k)
     assert overlapped < 0.8 * sequential, (overlapped, sequential)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_prefetched_cuda_entry_is_not_reused_while_the_compute_stream_still_reads_it() -> None:
+    """A hit copied to the GPU on the prefetcher's side stream was allocated there; once the engine dropped it,
+    the allocator gave its memory to the next copy on that (pooled) stream at once, while kernels the engine
+    had queued on its own stream could still be reading it. The GPU is held busy (``_sleep``) before the read."""
+    store = MemoryStore()
+    keys = [key_for(PROV, i) for i in range(80)]
+    for i, k in enumerate(keys):
+        store.put(NS, k, rand_entry(PROV, T=256, seed=i))
+    with Prefetcher(store, max_workers=1, device="cuda") as pf:
+        first = pf.submit(NS, keys[0], J).result().entry
+        assert first is not None
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of this stream's time: the read below waits behind it
+        later = first.k * 1  # (L, Hkv, T, D) read on the compute stream after the sleep
+        del first
+        rest = [pf.submit(NS, k, J).result() for k in keys[1:]]  # copies on the pooled side streams meanwhile
+        torch.cuda.synchronize()
+    assert all(r.status is LookupStatus.HIT for r in rest)
+    assert torch.equal(later.cpu(), rand_entry(PROV, T=256, seed=0).k)
 
 
 

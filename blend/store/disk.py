@@ -398,7 +398,9 @@ class DiskStore:
                     pass
                 except OSError as e:  # a folder swapped for a link since it was listed: refused, never followed
                     log.warning("disk store: cannot remove %s: %s", p, e)
-        self.sweep_temp(0.0)
+        # killed writers' leftovers only: a write in progress (another namespace's, another process's) renames
+        # its temp file after this, and removing it lost that write
+        self.sweep_temp()
         if ns is None:  # everything: the record logs too (they only point at entries)
             self._logs.clear()
         return n

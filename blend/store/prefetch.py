@@ -5,7 +5,9 @@
 
 File reads, the blobs' checksum (XXH3 or sha256), Redis socket reads and torch copies all release
 the GIL, so a thread overlaps with torch compute in the main thread. On CUDA a
-worker copies hits to the device on its own stream, off the compute stream.
+worker copies hits to the device on its own stream, off the compute stream; the copies are then
+recorded on the stream of the thread that asked (the compute stream), so the caching allocator never
+hands their memory to a later copy while kernels queued there may still read it.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class Prefetcher:
         self.device = torch.device(device) if device is not None else None
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-prefetch")
 
-    def _fetch(self, ns: Namespace, key: StoreKey, provenance: str) -> Lookup:
+    def _fetch(self, ns: Namespace, key: StoreKey, provenance: str,
+               consumer: torch.cuda.Stream | None = None) -> Lookup:
         found = self.store.get(ns, key, provenance)
         if found.status is not LookupStatus.HIT or self.device is None or found.entry is None:
             return found
@@ -54,13 +57,19 @@ class Prefetcher:
                 k = e.k.pin_memory().to(self.device, non_blocking=True)  # (L, Hkv, T, D)
                 v = e.v.pin_memory().to(self.device, non_blocking=True)  # (L, Hkv, T, D)
             stream.synchronize()
+            if consumer is not None:  # allocated on the side stream, read on the consumer's: without this, once
+                k.record_stream(consumer)  # freed, their blocks went to the next copy on that (pooled) side stream
+                v.record_stream(consumer)  # while kernels queued on the consumer's stream still read them
         else:
             k, v = e.k.to(self.device), e.v.to(self.device)  # (L, Hkv, T, D)
         return Lookup(found.status, KVEntry(k, v, e.provenance), found.reason, found.tier)
 
     def submit(self, ns: Namespace, key: StoreKey, provenance: str) -> Future[Lookup]:
-        """Start a lookup; ``.result()`` gives the same Lookup ``store.get`` would."""
-        return self._pool.submit(self._fetch, ns, key, provenance)
+        """Start a lookup; ``.result()`` gives the same Lookup ``store.get`` would. On CUDA, its tensors are
+        safe to use on the stream current in the calling thread now."""
+        cuda = self.device is not None and self.device.type == "cuda"
+        consumer = torch.cuda.current_stream(self.device) if cuda else None
+        return self._pool.submit(self._fetch, ns, key, provenance, consumer)
 
     def stream(self, requests: Iterable[FetchRequest], depth: int = 2) -> Iterator[Lookup]:
         """Lookups in request order, keeping ``depth`` of them in flight ahead of the consumer.

@@ -12,24 +12,22 @@ hold a valid copy, which is then promoted over the bad one. If no tier hits,
 the lookup is ``REJECTED`` when some tier rejected (the engine reports the
 segment as ``rejected`` and computes it) and ``MISS`` otherwise.
 
-A delete never races a promotion back into a tier: a lookup notes its key's
-stripe's delete count before it searches, and copies a lower tier's hit upward
-only under the stripe's lock and only if no delete of the stripe finished
-since; a delete holds that lock across every tier and counts itself at the
-end::
+A delete never races a promotion back into a tier, and a put and a delete of one key
+end the same way in every tier (the one that started last wins): ``key_order.py`` orders
+them, with no lock held across a tier's I/O (a slow Redis delete stalls only that key)::
 
-    lookup:  note n ── miss memory ── hit disk ─────────── lock: n unchanged? copy up
-    delete:                   lock ── disk, memory ── n+1 ── unlock
+    lookup:  note seq ── miss memory ── hit disk ── admit: seq unchanged, key not being deleted? copy up
+    delete:                       seq+1 ── wait for the key's copies in I/O ── disk, memory ── seq+1
+    put:     (waits while its key is being deleted) ── memory ── queued: disk (dropped if a delete started since)
 
-(a promotion that loses the race is skipped: the entry is served from the
-lower tier this once, and the next lookup promotes it).
+(a promotion that loses the race is skipped: the entry is served from the lower tier this once, and
+the next lookup promotes it). The interleavings, one by one, are in ``key_order.py``'s docstring.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from contextlib import ExitStack
 from typing import Iterator, Sequence
 
 from blend.defaults import DEFAULT_WRITE_BEHIND, DEFAULT_WRITE_BEHIND_PENDING
@@ -47,11 +45,10 @@ from blend.store.base import (
     check_put,
     counters_of,
 )
-from blend.store.write_behind import BackgroundWriter
+from blend.store.key_order import KeyOrder, WriteTicket
+from blend.store.write_behind import BackgroundWriter, Write
 
 log = logging.getLogger(__name__)
-
-DELETE_STRIPES = 64  # locks (and delete counts) that promotions and deletes of keys share, by first key byte
 
 
 class TieredStore:
@@ -73,20 +70,15 @@ class TieredStore:
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self.writer = BackgroundWriter(self.name, max_pending) if write_behind and len(self.tiers) > 1 else None
-        self._stripe_locks = [threading.Lock() for _ in range(DELETE_STRIPES)]
-        self._deletes = [0] * DELETE_STRIPES  # deletes (and clears) finished, per stripe
+        self._order = KeyOrder()  # which of a write and a delete of a key lands last (key_order.py)
 
     def _count(self, field: str) -> None:
         with self._lock:
             setattr(self._stats, field, getattr(self._stats, field) + 1)
 
-    @staticmethod
-    def _stripe(key: StoreKey) -> int:
-        return key[0] % DELETE_STRIPES if key else 0  # keys are sha256 digests: their bytes spread evenly
-
     def get(self, ns: Namespace, key: StoreKey, provenance: str) -> Lookup:
         rejected: Lookup | None = None
-        seen = self._deletes[self._stripe(key)]  # before any tier is read (see the module's diagram)
+        seen = self._order.seen(key)  # before any tier is read (see the module's diagram)
         for i, tier in enumerate(self.tiers):
             found = tier.get(ns, key, provenance)
             if found.status is LookupStatus.HIT:
@@ -110,26 +102,44 @@ class TieredStore:
                  seen: int) -> None:
         """Copy a lower tier's hit into the tiers above it: the first at once; with write-behind, the
         persistent ones between in the background (a Redis hit's fsynced disk write stays off the
-        request's time to first token). ``seen``: the key's stripe's delete count when the lookup began."""
-        self._copy_unless_deleted(ns, key, entry, upper[:1], seen)
+        request's time to first token). Skipped if a delete of the key's stripe started or ended since
+        the lookup began (``seen``: its stripe's clock then): it may have deleted what the lookup read."""
         middle = upper[1:]
-        if not middle:
+        queued = bool(middle) and self.writer is not None
+        ticket = self._order.admit_promotion(ns, key, seen, queued)
+        if ticket is None:
             return
-        if self.writer is None:
-            self._copy_unless_deleted(ns, key, entry, middle, seen)
-        else:
-            self.writer.submit(lambda: self._copy_unless_deleted(ns, key, entry, middle, seen))
+        self._write(ticket, lambda: self._put_each(upper[:1] if queued else upper, ns, key, entry),
+                    (lambda: self._put_each(middle, ns, key, entry)) if queued else None)
 
-    def _copy_unless_deleted(self, ns: Namespace, key: StoreKey, entry: KVEntry, tiers: list[InspectableStore],
-                             seen: int) -> None:
-        """Put ``entry`` into ``tiers`` unless a delete of its stripe finished after the lookup began (it may
-        have deleted this key after the lookup read it: the copy would bring it back)."""
-        stripe = self._stripe(key)
-        with self._stripe_locks[stripe]:
-            if self._deletes[stripe] != seen:
-                return
-            for tier in tiers:
-                self._put_one(tier, ns, key, entry)
+    def _write(self, ticket: WriteTicket, inline: Write, behind: Write | None) -> None:
+        """Run an admitted write: ``inline`` now, then ``behind`` on the background writer (where the
+        ticket says it is queued). Its I/O runs outside every lock; the ticket tells deletes when it is over."""
+        try:
+            inline()
+        except BaseException:
+            if behind is not None:
+                self._order.cancel_queued(ticket)
+            raise
+        finally:
+            self._order.finish(ticket)
+        if behind is None:
+            return
+        assert self.writer is not None
+
+        def queued() -> None:
+            if not self._order.start_queued(ticket):
+                return  # a delete (or clear) of the key started after this write: it would bring the entry back
+            try:
+                behind()
+            finally:
+                self._order.finish(ticket)
+
+        try:
+            self.writer.submit(queued)
+        except BaseException:
+            self._order.cancel_queued(ticket)
+            raise
 
     def _touch_below(self, ns: Namespace, key: StoreKey, lower: list[InspectableStore]) -> None:
         """A hit counts as a use in the tiers below it that keep recency (the disk tier's LRU order):
@@ -147,6 +157,10 @@ class TieredStore:
         except OSError as e:  # tiers log their own failures; a cache write never fails a request
             log.warning("%s store: put failed: %s", tier.name, e)
 
+    def _put_each(self, tiers: Sequence[InspectableStore], ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
+        for tier in tiers:
+            self._put_one(tier, ns, key, entry)
+
     def put(self, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
         """Store ``entry`` in every tier.
 
@@ -158,17 +172,17 @@ class TieredStore:
         """
         check_put(entry)
         self._count("puts")
-        if self.writer is None:
-            self._put_below(ns, key, entry)
-            self._put_one(self.tiers[0], ns, key, entry)
+        behind = self.writer is not None
+        ticket = self._order.admit_put(ns, key, queued=behind)  # waits while a delete of the key is in flight
+        first = self.tiers[:1]
+        if behind:
+            self._write(ticket, lambda: self._put_each(first, ns, key, entry), lambda: self._put_below(ns, key, entry))
         else:
-            self._put_one(self.tiers[0], ns, key, entry)
-            self.writer.submit(lambda: self._put_below(ns, key, entry))
+            self._write(ticket, lambda: self._put_each([*reversed(self.tiers[1:]), *first], ns, key, entry), None)
 
     def _put_below(self, ns: Namespace, key: StoreKey, entry: KVEntry) -> None:
         """Every tier after the first, slowest first."""
-        for tier in reversed(self.tiers[1:]):
-            self._put_one(tier, ns, key, entry)
+        self._put_each(list(reversed(self.tiers[1:])), ns, key, entry)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the background writes submitted so far (True at once without write-behind).
@@ -190,13 +204,10 @@ class TieredStore:
         return any(t.contains(ns, key) for t in self.tiers)
 
     def delete(self, ns: Namespace, key: StoreKey) -> bool:
-        self.flush()  # a pending write of this key must not land after the delete (outside the lock: a
-        # queued promotion takes it)
-        stripe = self._stripe(key)
-        with self._stripe_locks[stripe]:  # no promotion of the key lands between the tiers' deletes
-            gone = any([t.delete(ns, key) for t in reversed(self.tiers)])  # list: delete from all, slowest first
-            self._deletes[stripe] += 1  # a lookup that began before now does not promote what it read
-        return gone
+        """Remove the key from every tier, slowest first; a write of it admitted before (a put, a promotion)
+        lands before the tiers' deletes or not at all. Waits for nothing but the key's own writes in I/O."""
+        with self._order.deleting(ns, key):
+            return any([t.delete(ns, key) for t in reversed(self.tiers)])  # list: delete from all
 
     def keys(self, ns: Namespace) -> Iterator[StoreKey]:
         seen: set[bytes] = set()
@@ -257,11 +268,7 @@ class TieredStore:
         return "; ".join(f"{t.name}: {why}" for t in self.tiers if (why := t.check_reachable()))
 
     def clear(self, ns: Namespace | None = None) -> int:
-        self.flush()  # nothing pending may land after the clear
-        with ExitStack() as held:  # every stripe, in order: no promotion lands during or after the clear
-            for lock in self._stripe_locks:
-                held.enter_context(lock)
-            n = max([t.clear(ns) for t in reversed(self.tiers)])  # slowest first, as delete
-            for stripe in range(DELETE_STRIPES):
-                self._deletes[stripe] += 1
-        return n
+        """As :meth:`delete`, for every key of ``ns`` (None: every namespace); returns the entries removed
+        from the tier that held the most. Puts of the namespace wait while it runs."""
+        with self._order.clearing(ns):
+            return max([t.clear(ns) for t in reversed(self.tiers)])  # slowest first, as delete
