@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention
-from .launch import next_pow2, require_int32_tiles, require_runnable
+from .launch import next_pow2, on_device, require_int32_tiles, require_runnable
 
 _LOG2E = 1.4426950408889634
 _POS_PAD = 2**62  # position given to padded key slots: after every real query
@@ -135,12 +135,13 @@ def sparse_query_attention_triton(
     require_int32_tiles("attention", "v", v, (1, block_n, block_d))
     dot_fp32 = interp or q.dtype == torch.float32  # interpreter: no bf16/fp16 dot; fp32: no TF32
     grid = (triton.cdiv(shp.queries, block_m), shp.q_heads)
-    _sparse_attn_kernel[grid](
-        q, q_pos.contiguous(), k, v, k_pos.contiguous(), out,
-        shp.queries, shp.keys, shp.head_dim, shp.q_heads // shp.kv_heads, float(scale) * _LOG2E,
-        *q.stride(), *k.stride(), *v.stride(), out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_FP32=dot_fp32, POS_PAD=_POS_PAD,
-        num_warps=warps, num_stages=stages,
-    )
+    with on_device(q):  # the tensors' GPU, not the current one
+        _sparse_attn_kernel[grid](
+            q, q_pos.contiguous(), k, v, k_pos.contiguous(), out,
+            shp.queries, shp.keys, shp.head_dim, shp.q_heads // shp.kv_heads, float(scale) * _LOG2E,
+            *q.stride(), *k.stride(), *v.stride(), out.stride(0), out.stride(1),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            DOT_FP32=dot_fp32, POS_PAD=_POS_PAD,
+            num_warps=warps, num_stages=stages,
+        )
     return out

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_deviation
-from .launch import next_pow2, require_int32_tiles, require_runnable
+from .launch import next_pow2, on_device, require_int32_tiles, require_runnable
 
 
 @triton.jit
@@ -62,9 +62,10 @@ def kv_deviation_triton(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tens
     block_d = min(next_pow2(d), 128)
     require_int32_tiles("kv_deviation", "fresh", fresh, (1, block_s, d))
     require_int32_tiles("kv_deviation", "cached", cached, (1, block_s, d))
-    _kv_deviation_kernel[(triton.cdiv(s, block_s),)](
-        fresh, cached, out, h, s, d,
-        *fresh.stride(), *cached.stride(),
-        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
-    )
+    with on_device(fresh):  # the tensors' GPU, not the current one
+        _kv_deviation_kernel[(triton.cdiv(s, block_s),)](
+            fresh, cached, out, h, s, d,
+            *fresh.stride(), *cached.stride(),
+            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+        )
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -67,6 +68,21 @@ def require_runnable(kernel: object, t: torch.Tensor, what: str) -> bool:
         f"the Triton {what} kernel needs CUDA tensors (or {INTERPRET_ENV}=1 on CPU, set before the kernels' "
         f"first use), got {t.device}"
     )
+
+
+def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The context a launch for ``t`` runs in: Triton launches on the *current* CUDA device, not the
+    tensors', so an engine on ``cuda:1`` while ``cuda:0`` is current would run its kernels on the wrong
+    GPU (reading addresses that are not that GPU's); this makes ``t``'s device current for the launch, as
+    vLLM's and SGLang's launchers do. CPU tensors (the interpreter): nothing.
+
+    Args:
+        t: the launch's main tensor (the checks have put every argument on its device).
+
+    Returns:
+        A context manager to launch under.
+    """
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def next_pow2(n: int) -> int:

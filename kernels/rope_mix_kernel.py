@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_rope_mix, check_rope_mix_out
-from .launch import next_pow2, require_int32_tiles, require_runnable
+from .launch import next_pow2, on_device, require_int32_tiles, require_runnable
 
 
 @triton.jit
@@ -132,15 +132,16 @@ def rope_mix_triton(
         require_int32_tiles("rope_mix", name, x, tile)
     has_pass = r < d
     grid = (triton.cdiv(t, block_t), hkv)
-    _rope_mix_kernel[grid](
-        cached_k, cached_v, cos, sin, src, fresh_k, fresh_v, out_k, out_v,
-        t, d, r // 2,
-        *cached_k.stride(), *cached_v.stride(),
-        *cos.stride(), *sin.stride(),
-        *fresh_k.stride(), *fresh_v.stride(),
-        out_k.stride(0), out_k.stride(1),
-        BLOCK_T=block_t, BLOCK_HALF=next_pow2(r // 2), BLOCK_PASS=next_pow2(d - r) if has_pass else 1,
-        BLOCK_D=next_pow2(d), HAS_PASS=has_pass,
-        num_warps=4,
-    )
+    with on_device(cached_k):  # the tensors' GPU, not the current one
+        _rope_mix_kernel[grid](
+            cached_k, cached_v, cos, sin, src, fresh_k, fresh_v, out_k, out_v,
+            t, d, r // 2,
+            *cached_k.stride(), *cached_v.stride(),
+            *cos.stride(), *sin.stride(),
+            *fresh_k.stride(), *fresh_v.stride(),
+            out_k.stride(0), out_k.stride(1),
+            BLOCK_T=block_t, BLOCK_HALF=next_pow2(r // 2), BLOCK_PASS=next_pow2(d - r) if has_pass else 1,
+            BLOCK_D=next_pow2(d), HAS_PASS=has_pass,
+            num_warps=4,
+        )
     return out_k, out_v

@@ -179,3 +179,16 @@ def test_a_bad_kernel_policy_names_the_variable_and_the_choices(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "cuda")
     with pytest.raises(ValueError, match=r"KVBLEND_KERNELS='cuda' is not one of auto\|torch\|triton\|vllm"):
         backend_policy()
+
+
+def test_a_launch_runs_on_its_tensors_gpu_not_the_current_one():
+    """Triton launches on the current CUDA device: a launch for tensors on cuda:1 must make cuda:1
+    current (an engine on a second GPU otherwise runs its kernels on the first); CPU launches change
+    nothing."""
+    import contextlib
+
+    from blend.kernels.launch import on_device
+
+    assert isinstance(on_device(_CPU), contextlib.nullcontext)
+    ctx = on_device(types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))
+    assert isinstance(ctx, torch.cuda.device) and ctx.idx == 1
