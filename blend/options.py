@@ -22,9 +22,10 @@ from blend.defaults import (
 )
 from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.policy import (
-    GUARD_MODE_NAMES, PROBE_PRECISION_NAMES, RECOMPUTE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode, GuardMode,
-    ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy,
+    GUARD_MODE_NAMES, POLICY_DEFAULTS, PROBE_PRECISION_NAMES, RECOMPUTE_PRECISION_NAMES, SELECTOR_NAMES, BudgetMode,
+    GuardMode, ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy,
 )
+from blend.policy_rules import BLEND_OPTIONS, setting_changed
 
 if TYPE_CHECKING:
     from blend.engine import Engine
@@ -182,16 +183,9 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
                    help="enable the experimental semantic-reuse path in the engine")
 
 
-# the blend options and their defaults: set under --reuse exact or none, they are refused, not ignored
-BLEND_OPTION_DEFAULTS = (
-    ("ratio", DEFAULT_RATIO), ("selector", DEFAULT_SELECTOR), ("check_layers", DEFAULT_CHECK_LAYERS),
-    ("threshold", None), ("max_ratio", DEFAULT_MAX_RATIO), ("min_prompt_tokens", DEFAULT_MIN_PROMPT_TOKENS),
-    ("budget", BudgetMode.FIXED.value), ("auto_target", DEFAULT_AUTO_TARGET), ("guard_margin", DEFAULT_GUARD_MARGIN),
-    ("guard_ratio", DEFAULT_GUARD_RATIO), ("guard_mode", DEFAULT_GUARD_MODE), ("candidates", DEFAULT_CANDIDATES),
-    ("reused_temperature", DEFAULT_REUSED_TEMPERATURE), ("probe_precision", DEFAULT_PROBE_PRECISION),
-    ("take_exact", False), ("attention_precision", DEFAULT_ATTENTION_PRECISION),
-    ("linear_precision", DEFAULT_LINEAR_PRECISION),
-)
+# blend settings whose names the command line does not take as the policy's: --semantic is refused above with a
+# message of its own, and --seed is the sampling seed (the policy's random-selector seed has no flag)
+_NOT_POLICY_FLAGS = frozenset({"semantic", "seed"})
 
 
 def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
@@ -206,8 +200,9 @@ def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
         # EngineConfig's field, which the flag rewrite made "EngineConfig(--experimental-semantic=True)")
         raise InvalidPolicyError("semantic reuse is experimental: --semantic needs --experimental-semantic as well")
     if mode is not ReuseMode.BLEND:  # a blend setting under another mode is never dropped without a word either
-        for name, default in BLEND_OPTION_DEFAULTS:
-            if getattr(args, name, default) != default:
+        for name in BLEND_OPTIONS:  # the policy's own list (blend.policy_rules), as the server's intake uses
+            if name not in _NOT_POLICY_FLAGS and hasattr(args, name) and setting_changed(name, getattr(args, name),
+                                                                                       POLICY_DEFAULTS):
                 raise InvalidPolicyError(f"--{name.replace('_', '-')} only applies with --reuse blend "
                                          f"(got --reuse {mode.value})")
     if mode is ReuseMode.NONE:

@@ -276,3 +276,24 @@ def test_semantic_without_the_engine_flag_is_refused_before_the_model_loads(docs
     assert C.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--semantic needs --experimental-semantic" in err and "EngineConfig" not in err
+
+
+@pytest.mark.parametrize("mode", ["exact", "none"])
+def test_every_blend_option_the_cli_takes_is_refused_outside_a_blend(mode):
+    """The CLI refuses blend settings under exact/none with the policy's own list (blend.policy_rules.BLEND_OPTIONS),
+    as the server does: an option added to the policy cannot be silently dropped by the CLI; at their defaults,
+    nothing is refused."""
+    from blend.cli import build_parser
+    from blend.errors import InvalidPolicyError
+    from blend.options import policy_from_args
+    from blend.policy_rules import BLEND_OPTIONS
+
+    args = build_parser("ask").parse_args(["ask", "q", "--reuse", mode])
+    assert policy_from_args(args).mode.value == mode  # every blend option at its CLI default: accepted
+    taken = [name for name in BLEND_OPTIONS if name not in ("semantic", "seed") and hasattr(args, name)]  # --seed: sampling
+    assert {"ratio", "selector", "guard_margin", "take_exact", "attention_precision"} <= set(taken)
+    for name in taken:
+        changed = build_parser("ask").parse_args(["ask", "q", "--reuse", mode])
+        setattr(changed, name, object())  # a value equal to no default
+        with pytest.raises(InvalidPolicyError, match=f"--{name.replace('_', '-')} only applies with --reuse blend"):
+            policy_from_args(changed)
