@@ -191,6 +191,7 @@ def evaluate_item(
             # (evals/guard_curve.py)
             first_token_margin=getattr(rep, "first_token_margin", None),  # engine-like objects may lack them
             guarded=bool(getattr(rep, "guard", "")),
+            applied=str(getattr(rep, "applied", "")),  # the path that ran: a refused blend's rows are not a blend's
             recomputed_tokens=int(rep.recomputed_tokens),
             reused_tokens=int(rep.reused_tokens),
             prompt_tokens=int(rep.prompt_tokens),

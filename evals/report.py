@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -259,6 +260,7 @@ def markdown(results: dict[str, Any]) -> str:
             cells.append(f"**{c}**" if name in best.get(field, set()) else c)
         lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {agg['n']} |")
     lines += _thread_lines(methods, order)
+    lines += _applied_lines(rows, order)
     lines += _budget_lines(methods)
     lines += _tail_lines(methods, order)
     lines += _worst_lines(methods, rows, order)
@@ -371,6 +373,21 @@ def _flip_lines(rows: list[ItemRow], order: list[str]) -> list[str]:
     return ["", "## First-token flips: item (full prefill's own top-2 gap, nats)", "",
             f"A near tie: full's gap under {NEAR_TIE_NATS} nats.", "",
             "| method | flips | near ties | items |", "|---|---|---|---|", *lines]
+
+
+def _applied_lines(rows: list[ItemRow], order: list[str]) -> list[str]:
+    """A warning naming each method that did not run the same path on every item (a blend refused, or with
+    nothing to blend, ran ``exact`` or ``none`` there: its figures mix a blend's rows with others')."""
+    lines = []
+    for name in order:
+        paths = Counter(r.methods[name].applied for r in rows if name in r.methods)
+        paths.pop(None, None)  # rows from before the field
+        if len(paths) > 1:
+            lines.append(f"`{name}`: " + ", ".join(f"{p or 'unrecorded'} on {n}" for p, n in sorted(paths.items())))
+    if not lines:
+        return []
+    return ["", "Methods that did not run the same path on every item (the reports' `applied`; figures mix "
+            "them): " + "; ".join(lines) + "."]
 
 
 def _thread_lines(methods: dict[str, dict[str, Any]], order: list[str]) -> list[str]:

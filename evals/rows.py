@@ -6,7 +6,7 @@ The harness writes each item's row as one JSON line of ``rows.jsonl`` (and resul
     {"index", "id", "question", "item_sha256", "answers": [str], "prompt_tokens", "full_answer", "ref_margin",
      "methods": {"<name>": {prediction, answer_tokens, f1, em, rouge_l, contains, agreement, same_tokens, kl,
                             top1, tf_agreement, tf_kl, ttft_s, ttft_samples: [float], ttft_ratio, ttft_ref_s,
-                            threads, first_token_margin, guarded, recomputed_tokens, reused_tokens,
+                            threads, first_token_margin, guarded, applied, recomputed_tokens, reused_tokens,
                             prompt_tokens, recomputed_frac, computed_frac}}}
 
 Keys in that order; a number that is not finite is null (JSON has no NaN), and so is a score with nothing
@@ -38,6 +38,7 @@ METHOD_FIELDS_SINCE = {
     "same_tokens": "2026-12-06 (17)",
     "first_token_margin": "2026-12-06",
     "guarded": "2026-12-06",
+    "applied": "2026-12-07 (27)",
 }
 ITEM_FIELDS_SINCE = {
     "ref_margin": "2026-12-04",
@@ -222,6 +223,9 @@ class MethodRow:
         first_token_margin: the blend's own first-token top-2 gap before any guard, nats (None for methods
             that do not blend, and in rows from before the field).
         guarded: whether the near-tie guard fired (None: a row from before the field, written without it).
+        applied: the path that produced the first token's KV, as the request's report says (``none``,
+            ``exact`` or ``blend``: a blend refused, or with nothing to blend, ran ``exact`` or ``none``);
+            None in rows from before the field.
         recomputed_tokens: reused rows recomputed.
         reused_tokens: rows whose KV was reused.
         prompt_tokens: the prompt's tokens.
@@ -251,6 +255,7 @@ class MethodRow:
     threads: int | None = None
     first_token_margin: float | None = None
     guarded: bool | None = None
+    applied: str | None = None
     recomputed_tokens: int
     reused_tokens: int
     prompt_tokens: int
@@ -361,6 +366,7 @@ _METHOD_TYPES: FieldTypes = {
     "ttft_ref_s": (_NUM, "a finite number or null"),
     "threads": (or_null(lambda x: is_count(x) and x >= 1), "a positive integer or null"),
     "first_token_margin": (_NUM, "a finite number or null"), "guarded": (lambda x: isinstance(x, bool), "a boolean"),
+    "applied": (_STR, "a string"),
     **{f: (_INT, "a non-negative integer") for f in ("recomputed_tokens", "reused_tokens", "prompt_tokens")},
     **{f: (_NUM, "a finite number or null") for f in ("recomputed_frac", "computed_frac")},
 }

@@ -9,7 +9,7 @@ from blend.evals.rows import ItemRow, MethodRow
 METHOD_DEFAULTS: dict[str, Any] = dict(
     prediction="x", answer_tokens=1, f1=0.0, em=0.0, rouge_l=0.0, contains=0.0, agreement=1.0, same_tokens=1,
     kl=0.0, top1=1.0, tf_agreement=1.0, tf_kl=0.0, ttft_s=0.1, ttft_samples=(0.1,), ttft_ratio=1.0, ttft_ref_s=0.1,
-    threads=1, first_token_margin=None, guarded=False, recomputed_tokens=0, reused_tokens=0, prompt_tokens=10,
+    threads=1, first_token_margin=None, guarded=False, applied="blend", recomputed_tokens=0, reused_tokens=0, prompt_tokens=10,
     recomputed_frac=0.0, computed_frac=1.0,
 )
 

@@ -260,3 +260,17 @@ def test_variants_of_one_selector_are_not_ranked_as_rival_selectors():
     methods["blend@0.15:v:guard=off"] = agg(0.05, selector="v")
     rows = best_by_budget(methods)
     assert len(rows) == 1 and rows[0].candidates == 2 and rows[0].by_kl == "blend@0.15:probe:guard=off"
+
+
+def test_markdown_names_a_method_that_did_not_run_the_same_path_on_every_item():
+    """A blend refused on some items (or with nothing to blend there) ran exact or none on them: results.md says
+    so, from the rows' ``applied``, since that method's figures mix a blend's rows with others'."""
+    res = make_results()
+    assert "same path" not in markdown(res)  # rows from before the field: nothing to say
+    for it in res["items"]:
+        for name, r in it["methods"].items():
+            r["applied"] = "none" if name == "full" else "blend"
+    assert "same path" not in markdown(res)
+    res["items"][1]["methods"]["blend@0.3:v"]["applied"] = "exact"
+    note = [ln for ln in markdown(res).splitlines() if "same path" in ln]
+    assert len(note) == 1 and "`blend@0.3:v`: blend on 1, exact on 1." in note[0]

@@ -26,7 +26,7 @@ ITEM_KEYS = ["index", "id", "question", "item_sha256", "answers", "prompt_tokens
              "methods"]
 METHOD_KEYS = ["prediction", "answer_tokens", "f1", "em", "rouge_l", "contains", "agreement", "same_tokens", "kl",
                "top1", "tf_agreement", "tf_kl", "ttft_s", "ttft_samples", "ttft_ratio", "ttft_ref_s", "threads",
-               "first_token_margin", "guarded", "recomputed_tokens", "reused_tokens", "prompt_tokens",
+               "first_token_margin", "guarded", "applied", "recomputed_tokens", "reused_tokens", "prompt_tokens",
                "recomputed_frac", "computed_frac"]
 
 
