@@ -49,16 +49,17 @@ def generation_config_from_args(args: argparse.Namespace) -> "GenerationConfig":
 
 
 def stream_answer(engine, prompt: "Prompt", policy: "ReusePolicy", config: "GenerationConfig",
-                  out: TextIO = sys.stdout) -> "Completion":
-    """Print ``answer: ...`` as the tokens come (leading whitespace dropped) and return the completion."""
+                  out: TextIO | None = None) -> "Completion":
+    """Print ``answer: ...`` as the tokens come (leading whitespace dropped; to ``out``, default the standard
+    output of the moment) and return the completion."""
     from blend.generation import stream
 
     g = stream(engine, prompt, policy, config)
-    print_stream(g, out)
+    print_stream(g, sys.stdout if out is None else out)
     return g.result()
 
 
-def print_stream(pieces: Iterator[str], out: TextIO = sys.stdout, prefix: str = "answer: ",
+def print_stream(pieces: Iterator[str], out: TextIO | None = None, prefix: str = "answer: ",
                  stop: Callable[[], bool] | None = None) -> str:
     """Write a streamed answer as its pieces come: ``prefix``, the text (leading whitespace dropped), a
     newline. Nothing is written when the first piece raises (a request refused when generation
@@ -69,13 +70,14 @@ def print_stream(pieces: Iterator[str], out: TextIO = sys.stdout, prefix: str = 
 
     Args:
         pieces: the answer's text pieces (a :class:`~blend.generation.Generation` or a RAG stream).
-        out: where to write.
+        out: where to write (default: the standard output of the moment).
         prefix: written before the first piece.
         stop: asked before each piece is written; True ends the answer there (a chat's Ctrl-C).
 
     Returns:
         The text written after ``prefix`` (what a reader saw of the answer), without the newline.
     """
+    out = sys.stdout if out is None else out
     stopped = stop if stop is not None else (lambda: False)
     first = next(pieces, "")  # a request refused when generation starts raises here, before any output
     if stopped():
