@@ -175,6 +175,8 @@ def run_chat(args: argparse.Namespace, lines: TextIO | None = None, out: TextIO 
     err = sys.stderr if err is None else err
     if not args.doc:
         raise InvalidRequestError("give at least one --doc FILE")
+    if lines is None:  # started with standard input closed (`<&-`): Python's sys.stdin is None
+        raise InvalidRequestError("standard input is closed: the chat reads its questions there, one per line")
     docs = [read_document(p) for p in args.doc]
     policy = policy_from_args(args)
     config = generation_config_from_args(args)  # a bad sampling flag is refused before the model loads

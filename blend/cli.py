@@ -147,13 +147,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     ask = sub.add_parser("ask", help="answer a question over documents")
-    ask.add_argument("question")
+    ask.add_argument("question", help="the question (one argument: quote it)")
     ask.add_argument("--doc", action="append", default=[], metavar="FILE",
                      help="a document (repeatable); with --index, placed after the retrieved chunks")
     ask.add_argument("--index", default=None, metavar="DIR", help="retrieve documents from an index")
-    ask.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
+    ask.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, metavar="K",
+                     help="with --index: how many chunks to retrieve (default: %(default)s)")
     ask.add_argument("--system", default=None, help="system prompt")
-    ask.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    ask.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                     help="the longest answer, in tokens (default: %(default)s)")
     ask.add_argument("--json", action="store_true", help="print one JSON object")
     add_sampling_arguments(ask)
     add_engine_arguments(ask)
@@ -199,7 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def printable_output() -> None:
     """Standard output and error write what their encoding cannot hold as escapes (``\\ufffd``), as Python's
     own stderr does: an answer or a file name in a non-UTF-8 terminal (``LANG=en_US.ISO-8859-1``,
-    ``PYTHONIOENCODING=ascii``) ended the command with a codec error, half printed."""
+    ``PYTHONIOENCODING=ascii``) ended the command with a codec error, half printed. A stream the command was
+    started without (``>&-``: Python's ``None``) discards what is written to it, as ``print`` does."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the process's own stdout from now on
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115
     for stream in (sys.stdout, sys.stderr):
         if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
             try:

@@ -345,3 +345,29 @@ def test_an_answer_a_terminal_cannot_encode_is_printed_escaped(tmp_path, monkeyp
     text = raw.getvalue().decode("ascii")
     assert rc == 0 and "\\ufffd" in text.splitlines()[0]  # this answer holds U+FFFD
     assert text.splitlines()[1].startswith("ttft: ")  # the report follows it
+
+
+def test_a_command_started_with_standard_output_closed_discards_its_output(docs, monkeypatch, capsys):
+    """`kvblend ask ... >&-` (Python's sys.stdout is None) died with AttributeError: 'NoneType' object has no
+    attribute 'write' (a traceback) once the answer streamed; what is printed now goes nowhere, as print's
+    output does, and the command's status is its own."""
+    from blend.cli import main
+
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["ask", "Which word?", "--doc", docs[0], "--model", "tiny-llama", "--store", "memory",
+                 "--max-new-tokens", "2"]) == 0
+    assert main(["store", "stats", "--store", "memory"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_ask_help_explains_its_own_arguments(capsys):
+    """`kvblend ask --help` listed QUESTION, --top-k and --max-new-tokens with no word on what they do (a
+    user could not tell --top-k, the retrieval depth, from top-k sampling)."""
+    from blend.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser("ask").parse_args(["ask", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "question the question" in text
+    assert "--top-k K with --index: how many chunks to retrieve" in text
+    assert "--max-new-tokens N the longest answer, in tokens" in text

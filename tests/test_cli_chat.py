@@ -127,3 +127,21 @@ def test_chat_help_says_how_to_stop_an_answer_and_end_the_chat(capsys):
     for words in ("/reset", "/exit", "Ctrl-C", "Ctrl-D", "stays in the conversation", "Exit status", "130"):
         assert words in text
     assert "--max-new-tokens N" in text and "the longest answer" in text
+
+
+def test_a_chat_started_with_standard_input_closed_is_refused_before_the_model_loads(doc_args, monkeypatch):
+    """`kvblend chat --doc F <&-` loaded the model, then died with AttributeError: 'NoneType' object has no
+    attribute 'isatty' (a traceback)."""
+    import sys
+
+    import blend.chat_cli
+    from blend.errors import InvalidRequestError
+
+    def no_load(args):
+        raise AssertionError("the engine loaded before standard input was checked")
+
+    monkeypatch.setattr(blend.chat_cli, "engine_from_args", no_load)
+    monkeypatch.setattr(sys, "stdin", None)
+    args = build_parser("chat").parse_args(["chat", *doc_args, "--model", "tiny-llama", "--store", "memory"])
+    with pytest.raises(InvalidRequestError, match="standard input is closed"):
+        run_chat(args)
