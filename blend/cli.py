@@ -23,7 +23,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TextIO
 
 from blend import json_text
 from blend.cli_messages import OneLineParser, flag_names, in_flag_words
@@ -63,8 +63,10 @@ def answer_json(engine, ans) -> dict:
     }
 
 
-def print_report(ans, out=sys.stdout, with_answer: bool = True) -> None:
-    """Human-readable answer (unless it was streamed already) and reuse report."""
+def print_report(ans, out: TextIO | None = None, with_answer: bool = True) -> None:
+    """Human-readable answer (unless it was streamed already) and reuse report (to ``out``, default the
+    standard output of the moment)."""
+    out = sys.stdout if out is None else out
     r = ans.report
     if with_answer:
         print(f"answer: {ans.text}", file=out)
@@ -146,13 +148,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     ask = sub.add_parser("ask", help="answer a question over documents")
-    ask.add_argument("question")
+    ask.add_argument("question", help="the question (one argument: quote it)")
     ask.add_argument("--doc", action="append", default=[], metavar="FILE",
                      help="a document (repeatable); with --index, placed after the retrieved chunks")
     ask.add_argument("--index", default=None, metavar="DIR", help="retrieve documents from an index")
-    ask.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
+    ask.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, metavar="K",
+                     help="with --index: how many chunks to retrieve (default: %(default)s)")
     ask.add_argument("--system", default=None, help="system prompt")
-    ask.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    ask.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                     help="the longest answer, in tokens (default: %(default)s)")
     ask.add_argument("--json", action="store_true", help="print one JSON object")
     add_sampling_arguments(ask)
     add_engine_arguments(ask)
@@ -181,6 +185,39 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvblend`` console script."""
+    printable_output()
+    try:
+        try:
+            return _run(argv)
+        finally:  # what is still buffered goes now, where a reader that left is seen: at interpreter exit
+            sys.stdout.flush()  # it printed "Exception ignored ... BrokenPipeError" and exited 120
+    except BrokenPipeError:  # the reader left (`kvblend store ls | head`): not an error of ours
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        except (OSError, ValueError):  # a stdout without a descriptor (captured): nothing to redirect
+            pass
+        return EXIT_BROKEN_PIPE
+
+
+def printable_output() -> None:
+    """Standard output and error write what their encoding cannot hold as escapes (``\\ufffd``), as Python's
+    own stderr does: an answer or a file name in a non-UTF-8 terminal (``LANG=en_US.ISO-8859-1``,
+    ``PYTHONIOENCODING=ascii``) ended the command with a codec error, half printed. A stream the command was
+    started without (``>&-``: Python's ``None``) discards what is written to it, as ``print`` does."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the process's own stdout from now on
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (OSError, ValueError):
+                pass
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    """Parse and run one command; every error a user can cause is one line on stderr and an exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
@@ -191,12 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Terminated:
         print("kvblend: terminated", file=sys.stderr)
         return ExitCode.TERMINATED
-    except BrokenPipeError:  # the reader left (`kvblend store ls | head`): not an error of ours
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
-        except (OSError, ValueError):  # a stdout without a descriptor (captured): nothing to redirect
-            pass
-        return EXIT_BROKEN_PIPE
+    except BrokenPipeError:
+        raise  # main's: not an OSError of the command's
     except (KVBlendError, ValueError, OSError) as e:  # OSError, ValueError: the store/eval/retrieval layers'
         print(f"kvblend: error: {in_flag_words(str(e), flag_names(parser))}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from typing import TYPE_CHECKING, Iterator, TextIO
+from typing import TYPE_CHECKING, Callable, Iterator, TextIO
 
 from blend.defaults import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from blend.termination import Terminated
 
 if TYPE_CHECKING:
     from blend.generation import Completion
@@ -48,35 +49,65 @@ def generation_config_from_args(args: argparse.Namespace) -> "GenerationConfig":
 
 
 def stream_answer(engine, prompt: "Prompt", policy: "ReusePolicy", config: "GenerationConfig",
-                  out: TextIO = sys.stdout) -> "Completion":
-    """Print ``answer: ...`` as the tokens come (leading whitespace dropped) and return the completion."""
+                  out: TextIO | None = None) -> "Completion":
+    """Print ``answer: ...`` as the tokens come (leading whitespace dropped; to ``out``, default the standard
+    output of the moment) and return the completion."""
     from blend.generation import stream
 
     g = stream(engine, prompt, policy, config)
-    print_stream(g, out)
+    print_stream(g, sys.stdout if out is None else out)
     return g.result()
 
 
-def print_stream(pieces: Iterator[str], out: TextIO = sys.stdout, prefix: str = "answer: ") -> None:
+def print_stream(pieces: Iterator[str], out: TextIO | None = None, prefix: str = "answer: ",
+                 stop: Callable[[], bool] | None = None) -> str:
     """Write a streamed answer as its pieces come: ``prefix``, the text (leading whitespace dropped), a
     newline. Nothing is written when the first piece raises (a request refused when generation
-    starts), so no half answer is left behind.
+    starts), so no half answer is left behind, nor when ``stop`` is already true when it comes.
+
+    An interrupt (Ctrl-C, SIGTERM) raised while the text is printed ends its line before it goes on, so
+    the command's ``kvblend: interrupted`` starts a line of its own.
 
     Args:
         pieces: the answer's text pieces (a :class:`~blend.generation.Generation` or a RAG stream).
-        out: where to write.
+        out: where to write (default: the standard output of the moment).
         prefix: written before the first piece.
+        stop: asked before each piece is written; True ends the answer there (a chat's Ctrl-C).
+
+    Returns:
+        The text written after ``prefix`` (what a reader saw of the answer), without the newline.
     """
+    out = sys.stdout if out is None else out
+    stopped = stop if stop is not None else (lambda: False)
     first = next(pieces, "")  # a request refused when generation starts raises here, before any output
+    if stopped():
+        return ""
     out.write(prefix)
-    started = False
-    for piece in itertools.chain([first], pieces):
-        if not started:
-            piece = piece.lstrip()
-            started = bool(piece)
-        out.write(piece)
-        out.flush()
+    shown: list[str] = []
+    try:
+        for piece in itertools.chain([first], pieces):
+            if stopped():
+                break
+            if not shown:
+                piece = piece.lstrip()
+            out.write(piece)
+            out.flush()
+            if piece:
+                shown.append(piece)
+    except (KeyboardInterrupt, Terminated):
+        _end_line(out)
+        raise
     out.write("\n")
+    return "".join(shown)
+
+
+def _end_line(out: TextIO) -> None:
+    """End a half-printed answer's line (best effort: the reader may have left)."""
+    try:
+        out.write("\n")
+        out.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def generate_answer(engine, prompt: "Prompt", policy: "ReusePolicy", config: "GenerationConfig") -> "Completion":

@@ -1,4 +1,4 @@
-"""SIGTERM unwinds a command as Ctrl-C does.
+"""SIGTERM unwinds a command as Ctrl-C does; Ctrl-C can ask a chat's answer to stop instead.
 
 Python's default SIGTERM ends the process at once: no ``finally`` block and no
 ``atexit`` hook runs, so a write-behind queue's pending store writes were lost
@@ -8,6 +8,10 @@ thread instead: an ingest commits what it finished, the store's queued writes
 are flushed at exit, and the command exits with ``ExitCode.TERMINATED``.
 (``kvblend serve`` is stopped by uvicorn's own handlers, which drain requests
 and run the app's shutdown.)
+
+Under :func:`ctrl_c_requests_stop` a first Ctrl-C only sets a flag that the
+work reads where it can stop cleanly (``kvblend chat`` ends the answer being
+printed and returns to its prompt); a second one raises ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -43,3 +47,53 @@ def sigterm_unwinds() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class StopRequest:
+    """What Ctrl-C asked of the work running under :func:`ctrl_c_requests_stop`.
+
+    Attributes:
+        requested: a first Ctrl-C arrived: the work stops at its next safe point (a chat's answer at its next
+            piece of text) instead of being interrupted wherever it was.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+
+
+@contextmanager
+def ctrl_c_requests_stop() -> Iterator[StopRequest]:
+    """Within the block, a first Ctrl-C (SIGINT) sets ``requested`` on the yielded :class:`StopRequest`
+    instead of raising; a second one raises ``KeyboardInterrupt`` as Python's default handler does (the
+    way out of work that reaches no safe point soon, such as a long prefill). llama.cpp's interactive
+    mode reads Ctrl-C the same way.
+
+    Raising ``KeyboardInterrupt`` at the first Ctrl-C would interrupt the engine anywhere: between a
+    write-behind queue's count of a write and its queueing (every later flush then waited forever), or
+    halfway through an LRU's bookkeeping. A flag, read where the caller can stop cleanly, cannot.
+
+    Outside the main thread, where SIGINT is ignored (a job started in the background), or where handlers
+    cannot be set, the block runs unchanged: nothing is ever requested.
+
+    Yields:
+        The block's stop request.
+    """
+    request = StopRequest()
+
+    def _first_requests_stop(signum, frame) -> None:
+        if request.requested:
+            raise KeyboardInterrupt
+        request.requested = True
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield request
+        return
+    try:
+        previous = signal.signal(signal.SIGINT, _first_requests_stop)
+    except (ValueError, OSError):
+        yield request
+        return
+    try:
+        yield request
+    finally:
+        signal.signal(signal.SIGINT, previous)

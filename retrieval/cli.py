@@ -51,7 +51,11 @@ def demo_dir() -> Path:
     return Path(blend.__file__).resolve().parent / "data" / "demo"
 
 
-def _guard(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+RESUMABLE = "kvblend: interrupted (finished files are saved; re-run to resume)"
+
+
+def _guard(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace,
+           interrupted: str = "kvblend: interrupted") -> int:
     try:
         return fn(args)
     except USER_ERRORS as e:
@@ -61,7 +65,7 @@ def _guard(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
         print(f"kvblend: error: {shown(msg)}", file=sys.stderr)  # an index's recorded names may hold escapes
         return ExitCode.USER_ERROR
     except KeyboardInterrupt:
-        print("kvblend: interrupted (finished files are saved; re-run to resume)", file=sys.stderr)
+        print(interrupted, file=sys.stderr)
         return ExitCode.INTERRUPTED
 
 
@@ -109,7 +113,7 @@ def add_demo_command(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_ingest(args: argparse.Namespace) -> int:
     """``kvblend ingest PATH... --index DIR [--store SPEC]``."""
-    return _guard(_ingest, args)
+    return _guard(_ingest, args, RESUMABLE)
 
 
 def _ingest(args: argparse.Namespace) -> int:
@@ -172,7 +176,7 @@ def _print_chunks(ans: Any, indent: str = "  ") -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """``kvblend demo``: ingest the bundled corpus, answer its questions, compare TTFT."""
-    return _guard(_demo, args)
+    return _guard(_demo, args, RESUMABLE)  # its ingest resumes as ingest's does
 
 
 def _demo(args: argparse.Namespace) -> int:

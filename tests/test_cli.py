@@ -297,3 +297,112 @@ def test_every_blend_option_the_cli_takes_is_refused_outside_a_blend(mode):
         setattr(changed, name, object())  # a value equal to no default
         with pytest.raises(InvalidPolicyError, match=f"--{name.replace('_', '-')} only applies with --reuse blend"):
             policy_from_args(changed)
+
+
+def _without_unbuffered_output() -> dict:
+    """The environment of a ``kvblend`` process whose stdout is block-buffered, as a shell's is (this
+    harness may set PYTHONUNBUFFERED, under which every print flushes at once)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def test_a_reader_gone_before_the_last_flush_is_exit_141_without_a_traceback(tmp_path):
+    """`kvblend ask --help | head -1` (or any command whose last lines are still buffered when its reader
+    leaves): the flush at interpreter exit failed, Python printed "Exception ignored in: <_io.TextIOWrapper
+    name='<stdout>'> BrokenPipeError" and the process exited 120."""
+    read, write = os.pipe()
+    os.close(read)  # the reader left before anything was written
+    try:
+        proc = subprocess.run([sys.executable, "-m", "blend.cli", "ask", "--help"], stdout=write,
+                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=_without_unbuffered_output(),
+                              timeout=120)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == b""
+
+
+def test_a_last_buffered_write_to_a_reader_that_left_is_exit_141(monkeypatch, capsys):
+    """The same in process: a command that returned with its output still buffered reported 0, and the
+    broken pipe surfaced only at exit."""
+    import blend.cli as C
+
+    class Gone(io.RawIOBase):
+        left = True
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:
+            if self.left:
+                raise BrokenPipeError(32, "Broken pipe")
+            return len(b)
+
+    raw = Gone()
+    stdout = io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    try:
+        assert C.main(["store", "stats", "--store", "memory"]) == C.EXIT_BROKEN_PIPE
+    finally:
+        raw.left = False  # what is still buffered goes nowhere at garbage collection
+        stdout.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_an_answer_a_terminal_cannot_encode_is_printed_escaped(tmp_path, monkeypatch):
+    """An answer (or a name) holding a character the output's encoding lacks (a Latin-1 terminal,
+    PYTHONIOENCODING=ascii) ended `kvblend ask` half printed: "kvblend: error: 'ascii' codec can't encode
+    characters", exit 2; `kvblend chat` lost its whole conversation the same way."""
+    from blend.cli import main
+
+    paths = []
+    for i, text in enumerate(make_docs(2, words=20, seed=3)):
+        (tmp_path / f"g{i}.txt").write_text(text)
+        paths += ["--doc", str(tmp_path / f"g{i}.txt")]
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii", errors="strict"))
+    rc = main(["ask", "Which word?", *paths, "--model", "tiny-llama", "--store", "memory", "--max-new-tokens", "12"])
+    sys.stdout.flush()
+    text = raw.getvalue().decode("ascii")
+    assert rc == 0 and "\\ufffd" in text.splitlines()[0]  # this answer holds U+FFFD
+    assert text.splitlines()[1].startswith("ttft: ")  # the report follows it
+
+
+def test_a_command_started_with_standard_output_closed_discards_its_output(docs, monkeypatch, capsys):
+    """`kvblend ask ... >&-` (Python's sys.stdout is None) died with AttributeError: 'NoneType' object has no
+    attribute 'write' (a traceback) once the answer streamed; what is printed now goes nowhere, as print's
+    output does, and the command's status is its own."""
+    from blend.cli import main
+
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["ask", "Which word?", "--doc", docs[0], "--model", "tiny-llama", "--store", "memory",
+                 "--max-new-tokens", "2"]) == 0
+    assert main(["store", "stats", "--store", "memory"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_ask_help_explains_its_own_arguments(capsys):
+    """`kvblend ask --help` listed QUESTION, --top-k and --max-new-tokens with no word on what they do (a
+    user could not tell --top-k, the retrieval depth, from top-k sampling)."""
+    from blend.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser("ask").parse_args(["ask", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "question the question" in text
+    assert "--top-k K with --index: how many chunks to retrieve" in text
+    assert "--max-new-tokens N the longest answer, in tokens" in text
+
+
+def test_ctrl_c_during_ask_over_an_index_says_interrupted_not_resume(tmp_path, monkeypatch, capsys):
+    """`kvblend ask --index` shared ingest's guard, so its Ctrl-C said 'finished files are saved; re-run to
+    resume': an ask saves nothing and has nothing to resume."""
+    import blend.retrieval.cli
+    from blend.cli import main
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(blend.retrieval.cli.RAG, "open", interrupted)
+    assert main(["ask", "q", "--index", str(tmp_path), "--model", "tiny-llama"]) == 130
+    assert capsys.readouterr().err == "kvblend: interrupted\n"

@@ -98,3 +98,50 @@ def test_a_blended_follow_up_counts_the_earlier_turns_it_computed(doc_args):
     text = chat(doc_args, "where is the quay?\nand the lamp?\nwho lit it?\n", "--reuse", "blend", "--force-blend")
     summaries = [ln for ln in text.splitlines() if ln.startswith("[ttft ")]
     assert [s.split(" | ")[2] for s in summaries] == [f"earlier turns loaded 0 of {n}" for n in range(3)]
+
+
+def test_a_line_that_is_not_utf8_is_refused_alone_and_the_chat_goes_on(doc_args, monkeypatch):
+    """Under a UTF-8 locale's strict decoder the first read of a piped chunk failed on one bad byte: no
+    question of it was answered and the chat ended ("'utf-8' codec can't decode byte 0xe9"). The refusal
+    also suggested /reset, which only helps a conversation that outgrew the context."""
+    import sys
+
+    args = build_parser("chat").parse_args(["chat", *doc_args, "--model", "tiny-llama", "--store", "memory",
+                                            "--max-new-tokens", "2"])
+    stdin = io.TextIOWrapper(io.BytesIO(b"where is the quay?\ncaf\xe9 au lait?\nand the lamp?\n"),
+                             encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    out, err = io.StringIO(), io.StringIO()
+    assert run_chat(args, None, out, err) == 2
+    assert len([ln for ln in out.getvalue().splitlines() if ln.startswith("[ttft ")]) == 2
+    assert "earlier turns loaded 0 of 1" in out.getvalue()  # the refused line left the conversation as it was
+    assert err.getvalue().count("kvblend: error:") == 1 and "not valid Unicode" in err.getvalue()
+    assert "/reset" not in err.getvalue()
+
+
+def test_chat_help_says_how_to_stop_an_answer_and_end_the_chat(capsys):
+    """`kvblend chat --help` listed flags only: nothing on /reset, /exit, Ctrl-C, Ctrl-D or the exit status."""
+    with pytest.raises(SystemExit):
+        build_parser("chat").parse_args(["chat", "--help"])
+    text = capsys.readouterr().out
+    for words in ("/reset", "/exit", "Ctrl-C", "Ctrl-D", "stays in the conversation", "Exit status", "130"):
+        assert words in text
+    assert "--max-new-tokens N" in text and "the longest answer" in text
+
+
+def test_a_chat_started_with_standard_input_closed_is_refused_before_the_model_loads(doc_args, monkeypatch):
+    """`kvblend chat --doc F <&-` loaded the model, then died with AttributeError: 'NoneType' object has no
+    attribute 'isatty' (a traceback)."""
+    import sys
+
+    import blend.chat_cli
+    from blend.errors import InvalidRequestError
+
+    def no_load(args):
+        raise AssertionError("the engine loaded before standard input was checked")
+
+    monkeypatch.setattr(blend.chat_cli, "engine_from_args", no_load)
+    monkeypatch.setattr(sys, "stdin", None)
+    args = build_parser("chat").parse_args(["chat", *doc_args, "--model", "tiny-llama", "--store", "memory"])
+    with pytest.raises(InvalidRequestError, match="standard input is closed"):
+        run_chat(args)

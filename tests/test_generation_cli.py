@@ -121,3 +121,28 @@ def test_every_surface_reads_its_sampling_defaults_from_blend_defaults(tmp_path)
     rows = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
     assert rows == {"api": "0.5 0.9 7 0.25 0.25", "ask": "0.5 0.9 7 0.25 0.25", "chat": "0.5 0.9 7 0.25 0.25",
                     "server": "0.75 0.9 7 0.25 0.25"}
+
+
+def test_an_interrupted_answer_ends_its_line_before_the_interrupt_is_reported():
+    """Ctrl-C during `kvblend ask` left the answer's line open: 'answer: some textkvblend: interrupted'."""
+    from blend.generation_cli import print_stream
+
+    def pieces():
+        yield " some"
+        yield " text"
+        raise KeyboardInterrupt
+
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        print_stream(pieces(), out)
+    assert out.getvalue() == "answer: some text\n"
+
+
+def test_a_stop_request_ends_the_printed_answer_where_it_is_and_says_what_was_shown():
+    from blend.generation_cli import print_stream
+
+    asked = iter([False, False, False, True])
+    out = io.StringIO()
+    assert print_stream(iter([" a", "b", "c", "d"]), out, stop=lambda: next(asked)) == "ab"
+    assert out.getvalue() == "answer: ab\n"
+    assert print_stream(iter(["x"]), io.StringIO(), stop=lambda: True) == ""  # stopped before any text: nothing

@@ -241,3 +241,54 @@ def test_two_concurrent_closes_both_return_after_the_pending_writes():
     for t in threads:
         t.join(5)
     assert returned == [True, True]
+
+
+def _sigint_after(seconds: float) -> threading.Timer:
+    """A Ctrl-C to this process (the main thread's KeyboardInterrupt) in ``seconds``."""
+    import os
+    import signal
+
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def test_ctrl_c_while_a_put_waits_for_room_leaves_flush_working():
+    """A submit interrupted while the full queue made it wait (Ctrl-C in a notebook or REPL during a prefill
+    on a slow disk) counted a write it never queued: every later flush waited for it forever."""
+    gate = threading.Event()
+    writer = BackgroundWriter("test", max_pending=1)
+    writer.submit(lambda: gate.wait(10))  # the writer thread holds this one
+    writer.submit(lambda: None)  # the queue's one place
+    timer = _sigint_after(0.3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            writer.submit(lambda: None)  # waits for room until Ctrl-C
+    finally:
+        timer.cancel()
+    gate.set()
+    assert writer.flush(timeout=5) is True and writer.pending() == 0
+    writer.close()
+
+
+def test_ctrl_c_while_the_exit_flush_waits_gives_the_writes_up_with_one_warning(caplog):
+    """A second Ctrl-C while a process finished its queued writes at exit printed Python's 'Exception ignored
+    in atexit callback' traceback. An entry is whole or absent either way (temp file, then rename)."""
+    import logging
+    import weakref
+
+    from blend.store.write_behind import _flush_at_exit
+
+    gate = threading.Event()
+    writer = BackgroundWriter("test", max_pending=4)
+    writer.submit(lambda: gate.wait(10))
+    timer = _sigint_after(0.3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="blend.store.write_behind"):
+            _flush_at_exit(weakref.ref(writer))  # returns: no KeyboardInterrupt out of an atexit hook
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt out of the exit flush (Python prints it as a traceback)")
+    finally:
+        timer.cancel()
+        gate.set()
+    assert "interrupted at exit: 1 queued store write(s) given up" in caplog.text

@@ -13,7 +13,8 @@ instead of adding to its time to first token::
 engine's request paths call it before a request finishes (its answer
 returned, its last chunk streamed), so once a request is done its chunks are
 in every tier, as with write-through, and another process or replica finds
-them. A process that exits with writes pending finishes them first (atexit).
+them. A process that exits with writes pending finishes them first (atexit;
+a Ctrl-C while it waits gives up the rest, with one warning).
 The queue is bounded: a producer faster than the disk waits for room rather
 than holding unbounded KV in memory. A failed write is logged and counted,
 never raised: the store is a cache, and a lost write is a later miss. The
@@ -71,7 +72,13 @@ class BackgroundWriter:
                     self._thread = threading.Thread(target=self._run, name=f"kvblend-{self.name}-writer",
                                                     daemon=True)
                     self._thread.start()
-                self._queue.put(write)  # before close's stop mark, which waits for this lock
+                try:
+                    self._queue.put(write)  # before close's stop mark, which waits for this lock
+                except BaseException:  # Ctrl-C while waiting for room: nothing was queued, so nothing is
+                    with self._cond:  # counted (a write counted and never queued held every later flush forever)
+                        self._submitted -= 1
+                        self._cond.notify_all()
+                    raise
                 return
         if not self._call(write):
             with self._cond:
@@ -140,5 +147,11 @@ def _lowest_priority() -> None:
 
 def _flush_at_exit(ref: "weakref.ref[BackgroundWriter]") -> None:
     writer = ref()
-    if writer is not None:
+    if writer is None:
+        return
+    try:
         writer.close()
+    except KeyboardInterrupt:  # a second Ctrl-C while the queued writes finish: they are given up (each write is
+        # a temp file renamed over its entry, so an entry is whole or absent; a temp file left is collected),
+        # told in one line instead of Python's "Exception ignored in atexit callback" traceback
+        log.warning("%s: interrupted at exit: %d queued store write(s) given up", writer.name, writer.pending())
