@@ -34,6 +34,7 @@ from blend.options import (
     add_engine_arguments, add_policy_arguments, engine_from_args, policy_from_args, read_document,
 )
 from blend.exit_codes import ExitCode
+from blend.terminal_text import for_output
 from blend.termination import Terminated, sigterm_unwinds
 
 EXIT_USER_ERROR = ExitCode.USER_ERROR
@@ -69,7 +70,7 @@ def print_report(ans, out: TextIO | None = None, with_answer: bool = True) -> No
     out = sys.stdout if out is None else out
     r = ans.report
     if with_answer:
-        print(f"answer: {ans.text}", file=out)
+        print(f"answer: {for_output(out)(ans.text)}", file=out)  # escape sequences escaped on a terminal
     print(f"ttft: {ans.ttft_s * 1000:.1f} ms   policy: {r.policy}   ran: {r.applied.value}   "
           f"prompt tokens: {r.prompt_tokens}   "
           f"reused: {r.reused_tokens}   recomputed: {r.recomputed_tokens}", file=out)

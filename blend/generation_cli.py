@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, TextIO
 
 from blend.defaults import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from blend.termination import Terminated
+from blend.terminal_text import for_output
 
 if TYPE_CHECKING:
     from blend.generation import Completion
@@ -83,6 +84,7 @@ def print_stream(pieces: Iterator[str], out: TextIO | None = None, prefix: str =
     if stopped():
         return ""
     out.write(prefix)
+    visible = for_output(out)  # a terminal gets control characters escaped; the returned text stays the model's
     shown: list[str] = []
     try:
         for piece in itertools.chain([first], pieces):
@@ -90,7 +92,7 @@ def print_stream(pieces: Iterator[str], out: TextIO | None = None, prefix: str =
                 break
             if not shown:
                 piece = piece.lstrip()
-            out.write(piece)
+            out.write(visible(piece))
             out.flush()
             if piece:
                 shown.append(piece)

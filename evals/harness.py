@@ -191,7 +191,7 @@ def evaluate_item(
             # (evals/guard_curve.py)
             first_token_margin=getattr(rep, "first_token_margin", None),  # engine-like objects may lack them
             guarded=bool(getattr(rep, "guard", "")),
-            applied=str(getattr(rep, "applied", "")),  # the path that ran: a refused blend's rows are not a blend's
+            applied=_applied(rep),  # the path that ran: a refused blend's rows are not a blend's
             recomputed_tokens=int(rep.recomputed_tokens),
             reused_tokens=int(rep.reused_tokens),
             prompt_tokens=int(rep.prompt_tokens),
@@ -211,6 +211,12 @@ def evaluate_item(
         ref_margin=top2_margin(full.first_logits),  # full's own first-token top-2 gap (nats)
         methods=rows,
     ).finite()  # JSON has no NaN or infinity: such a number is None, in memory as in rows.jsonl
+
+
+def _applied(report: Any) -> str:
+    """The report's ``applied`` mode by name ("" for an engine-like object's report without one)."""
+    mode = getattr(report, "applied", None)
+    return "" if mode is None else str(getattr(mode, "value", mode))
 
 
 def item_digest(item: Item) -> str:

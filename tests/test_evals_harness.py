@@ -334,6 +334,12 @@ def test_tiny_engine_end_to_end(tiny_runs):
     assert (b1["agreement"], b1["top1"], b1["tf_agreement"]) == (1.0, 1.0, 1.0)
     assert b1["kl"] < 1e-4
     assert res["methods"]["reuse"]["recomputed_frac"] == 0.0
+    # each row records the path its request ran (the report's applied): full is the one-pass exact mode, reuse and blends blend
+    applied = {name: {it["methods"][name]["applied"] for it in res["items"]} for name in res["methods"]}
+    assert applied["full"] == {"exact"} and applied["reuse"] == {"blend"}
+    for it in res["items"]:  # a guard ratio at or below the blend's own recomputes exactly (the tiny model's ties)
+        row = it["methods"]["blend@0.3:v"]
+        assert row["applied"] == ("exact" if row["guarded"] else "blend")
 
 
 def test_a_users_own_questions_without_gold_answers_are_measured_against_full_prefill(tmp_path):

@@ -38,3 +38,44 @@ def test_a_cli_error_naming_an_indexs_recorded_name_is_printed_escaped(capsys):
     assert _guard(fail, argparse.Namespace()) == 2
     err = capsys.readouterr().err
     assert "\x1b" not in err and "\x07" not in err and "another embedder" in err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_an_answer_keeps_newlines_and_tabs_and_escapes_every_other_control_character():
+    from blend.terminal_text import answer_shown
+
+    assert answer_shown("line one\n\tline two caf\u00e9") == "line one\n\tline two caf\u00e9"
+    got = answer_shown("ok " + ESC + "\x9b2J\x7f")  # C1 CSI and DEL too
+    assert not any(c in got for c in "\x1b\x07\x9b\x7f") and "SYSTEM COMPROMISED" in got and "\\x1b" in got
+
+
+def test_a_streamed_answer_reaches_a_terminal_escaped_and_a_pipe_as_the_model_wrote_it():
+    """A retrieved document can make the model repeat an escape sequence: on a terminal it is shown escaped
+    (even split across streamed pieces); a pipe or file gets the exact text; the returned text (what the
+    chat keeps in its history) is the model's own either way."""
+    from blend.generation_cli import print_stream
+
+    pieces = ["Sure: \x1b", "]0;owned\x07", "\x1b[2J done\n\tok"]
+    tty = _Terminal()
+    assert print_stream(iter(pieces), tty) == "".join(pieces)
+    assert not any(c in tty.getvalue() for c in "\x1b\x07") and "done\n\tok" in tty.getvalue()
+    pipe = io.StringIO()
+    print_stream(iter(pieces), pipe)
+    assert pipe.getvalue() == "answer: " + "".join(pieces) + "\n"
+
+
+def test_the_printed_report_shows_a_non_streamed_answer_escaped_on_a_terminal():
+    from types import SimpleNamespace
+
+    from blend.cli import print_report
+    from blend.policy_types import ReuseMode
+    from blend.report import ReuseReport
+
+    ans = SimpleNamespace(text="hi \x1b[2Jthere", ttft_s=0.01, report=ReuseReport(policy="exact", applied=ReuseMode.EXACT))
+    tty = _Terminal()
+    print_report(ans, tty)
+    assert "\x1b" not in tty.getvalue() and "hi \\x1b[2Jthere" in tty.getvalue()
