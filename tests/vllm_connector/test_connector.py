@@ -319,16 +319,11 @@ def test_counters_reach_prometheus_through_vllms_stats_path(llm, shared):
 
 def _scheduler_side(shared, block_size: int = 4):
     """A scheduler-role connector's bookkeeping over fake scheduler outputs (no forward runs)."""
-    from blend.integrations.vllm.connector import KVBlendConnector
+    from types import SimpleNamespace
 
-    c = object.__new__(KVBlendConnector)  # the bookkeeping only: no vLLM config needed
-    c.block_size, c.shared, c._reqs = block_size, shared, {}
+    from blend.integrations.vllm.scheduler_side import SchedulerSide
 
-    class Cfg:
-        prefix_caching = False
-
-    c.cfg = Cfg()
-    return c
+    return SchedulerSide(SimpleNamespace(prefix_caching=False), shared, block_size)
 
 
 def _request(req_id, ids, params=None, lora=None):
@@ -355,7 +350,7 @@ def test_bookkeeping_saves_whole_blocks_once_claims_stored_ones_and_survives_pre
         for _, key in spec.blocks:
             shared.store.put(Namespace.EXACT, key, KVEntry(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1),
                                                            shared.vllm_prov_json))
-    c.request_finished(req, [])
+    c.request_finished(req)
     b = _request("b", ids)
     assert c.get_num_new_matched_tokens(b, 0) == (0, False)  # block 0 of b's prefix was not stored above
     from blend.integrations.vllm.plan import block_keys
@@ -372,8 +367,8 @@ def test_bookkeeping_saves_whole_blocks_once_claims_stored_ones_and_survives_pre
     m = c.build_connector_meta(scheduler_step(cached=[("b", [20, 21, 22, 23, 24], 16, True)], scheduled={"b": 2}))
     (load,) = m.loads
     assert load.block_ids == (20, 21, 22, 23, 24) and not m.saves
-    assert c.request_finished(b, [])[1]["kvblend"]["claim"] == "exact"
-    assert "b" not in c._reqs
+    assert c.request_finished(b)[1]["kvblend"]["claim"] == "exact"
+    assert "b" not in c.requests
 
 
 CHILD_PREFIX = textwrap.dedent("""
@@ -433,7 +428,7 @@ def test_a_lora_request_neither_claims_stored_kv_nor_saves_its_own(shared):
     assert c.get_num_new_matched_tokens(lora, 0) == (0, False)
     m = c.build_connector_meta(scheduler_step(new=[("lora", [6, 7, 8, 9, 10], 0)], scheduled={"lora": 18}))
     assert not m.loads and not m.saves
-    assert "LoRA" in c._reqs["lora"].report["skipped"]
+    assert "LoRA" in c.requests["lora"].report["skipped"]
     spans = prompt_spans([6, 6, 6])
     blend = _request("lora-blend", ids, params=blend_request(ids, spans, ratio=0.15),
                      lora=SimpleNamespace(lora_name="adapter", lora_int_id=1))
@@ -460,17 +455,16 @@ def test_a_blend_request_never_saves_its_blocks_even_when_it_claims_none(shared)
 def test_blocks_from_a_failed_load_on_are_never_saved(shared):
     """vLLM runs the step's forward over a block that failed to load and recomputes only afterwards: the
     blocks the step computed after it hold KV over the hole, so the worker drops their saves."""
-    from blend.integrations.vllm.connector import KVBlendConnector, KVBlendMeta, LoadSpec, SaveSpec
-    from blend.integrations.vllm.metrics import KVBlendStats
     from blend.integrations.vllm.plan import ClaimKind, block_keys
+    from blend.integrations.vllm.step_meta import KVBlendMeta, LoadSpec, SaveSpec
+    from blend.integrations.vllm.worker_side import WorkerSide
 
     ids = list(range(600, 624))
     keys = block_keys(shared.vllm_prov, ids, 4, "tainted")
-    c = object.__new__(KVBlendConnector)
-    c.shared, c.block_size, c._stats, c._load_errors, c._failed = shared, 4, KVBlendStats(), set(), set()
+    w = WorkerSide(shared, 4)
     blocks = (11, 12, 13, 14, 15, 16)
-    c._fail(LoadSpec("r", ClaimKind.EXACT, tuple(ids), blocks, 0, 12, tuple(keys[:3])), 4)  # block 12 failed
-    assert c.get_block_ids_with_load_errors() == {12, 13}
+    w.fail(LoadSpec("r", ClaimKind.EXACT, tuple(ids), blocks, 0, 12, tuple(keys[:3])), 4)  # block 12 failed
+    assert w.take_load_errors() == {12, 13}
     # blocks 14-16 were computed after the claim, over it; block 11 (another request's save) is before the failure
     meta = KVBlendMeta(saves=[SaveSpec("r", tuple(zip(blocks[3:], keys[3:])), blocks[:3]),
                               SaveSpec("s", ((11, keys[0]),))])
@@ -479,12 +473,13 @@ def test_blocks_from_a_failed_load_on_are_never_saved(shared):
         def read(self, kv, block):
             return torch.zeros(1, 4, 1), torch.zeros(1, 4, 1)  # (Hkv, B, D)
 
-    c._layout, c._kv = Layout(), [None]
-    c._get_connector_metadata, c.has_connector_metadata = (lambda: meta), (lambda: True)
-    c.wait_for_save()
+    w.layout, w.kv = Layout(), [None]
+    w.wait_for_save(meta)
     saved = [k for k in keys if shared.store.contains(Namespace.EXACT, k)]
     assert saved == [keys[0]]  # block 11, before the failure; 14-16 were computed over it
-    assert c._stats.data["unsaved_after_load_error"] == 3 and not c._failed
+    assert w.take_stats().data["unsaved_after_load_error"] == 3
+    w.wait_for_save(None)  # the next step saves nothing over the old failure either
+    assert w.take_load_errors() == set() and w.take_stats() is None
 
 
 def test_tensor_or_pipeline_parallel_vllm_is_refused():

@@ -74,7 +74,7 @@ def _connector(role, shared, groups=None, load_failure_policy="fail", on_load_er
     kv_cache_config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups or [_group()])
     c = KVBlendConnector(cfg, role, kv_cache_config)
     c.register_kv_caches({LAYER: torch.zeros(BLOCKS, 1, B, 2)})
-    c._layout = standard_layout(1, B, 1)  # what calibrating vLLM's CPU writer gives for this shape
+    c.worker.layout = standard_layout(1, B, 1)  # what calibrating vLLM's CPU writer gives for this shape
     return c
 
 
@@ -207,7 +207,7 @@ def test_non_finite_blended_kv_is_never_injected(conn):
     meta = conn.build_connector_meta(scheduler_step(new=[("nan", [1, 2, 3, 4, 5], 10)], scheduled={"nan": 10}))
     _run(conn, meta)
     assert conn.get_block_ids_with_load_errors() == {1, 2, 3}  # the blocks of rows 0..9
-    assert not torch.isnan(conn._kv[0]).any()
+    assert not torch.isnan(conn.worker.kv[0]).any()
     conn.update_connector_output(_worker_output(conn))
     assert "non-finite" in conn.request_finished(req, [])[1][PARAMS_KEY]["error"]
 
