@@ -293,6 +293,45 @@ def test_a_second_vllm_process_over_the_same_redis_gets_hits(shared, prefix_cach
     assert max(abs(second["logprobs"][k] - first["logprobs"][k]) for k in first["logprobs"]) <= WARM_COLD_TOL
 
 
+CHILD_WORKER_PROCESS = textwrap.dedent("""
+    import json, os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    model, store, ids, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+    cfg = {"kv_connector": "KVBlendConnector", "kv_connector_module_path": "blend.integrations.vllm",
+           "kv_role": "kv_both", "kv_connector_extra_config": {"store": store, "force": True}}
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=4096, enable_prefix_caching=False,
+              kv_transfer_config=cfg, distributed_executor_backend="mp")
+    workers = llm.collective_rpc(lambda self: os.getpid())
+
+    def ask(extra=None):  # one token: the request ends in the step that loaded it
+        sp = SamplingParams(max_tokens=1, temperature=0, extra_args={"kv_transfer_params": extra} if extra else None)
+        return llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0].kv_transfer_params
+
+    cold, warm, blend = ask(), ask(), ask(params)
+    print("RESULT " + json.dumps({"workers": workers, "me": os.getpid(), "cold": cold, "warm": warm, "blend": blend}))
+""")
+
+
+def test_with_the_worker_in_a_process_of_its_own_a_one_token_request_gets_the_whole_report(shared, tmp_path):
+    """vLLM's mp executor runs the worker in a process of its own. A request that ends in the step that loaded it
+    (one token) came back with the scheduler's half of its report only (claim, claimed_tokens): no loaded_blocks,
+    no blend counts. Now the worker's half, sent in the step's worker metadata, completes it in both layouts."""
+    prompt = _prompt(shared, 7, order=(1, 0, 3, 2, 4))
+    ids = list(prompt.token_ids)
+    params = blend_request(ids, prompt_spans([len(s) for s in prompt.segments]), ratio=0.15)
+    res = _child(CHILD_WORKER_PROCESS, str(convert_gguf(SMOLLM2)), f"disk:{tmp_path / 'store'}", json.dumps(ids),
+                 json.dumps(params))
+    assert res["workers"] and res["me"] not in res["workers"]  # the worker runs in another process
+    assert (res["cold"] or {}).get(PARAMS_KEY, {}).get("claim") != "exact"
+    warm, blend = res["warm"][PARAMS_KEY], res["blend"][PARAMS_KEY]
+    assert warm["claim"] == "exact" and warm["loaded_blocks"] == (len(ids) - 1) // 128 and "load_s" in warm
+    assert blend["claim"] == "blend" and len(blend["classes"]) == len(prompt.segments) and "recomputed_tokens" in blend
+    assert not any(k in rep for rep in (warm, blend) for k in ("error", "worker_report"))
+
+
 def test_counters_reach_prometheus_through_vllms_stats_path(llm, shared):
     """The worker's counters go out as connector stats, aggregate, and land in vllm:kvblend_* counters."""
     import prometheus_client

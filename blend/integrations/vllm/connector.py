@@ -82,8 +82,6 @@ class KVBlendConnector(KVConnectorBase_V1):
         if why:
             raise KVBlendError(why)
         self.shared: SharedEngine = shared_engine(self.cfg, self.block_size)
-        if role == KVConnectorRole.SCHEDULER:  # keep this process's worker reports for us
-            self.shared.reports.attach_scheduler()
         self.scheduler = SchedulerSide(self.cfg, self.shared, self.block_size)
         self.worker = WorkerSide(self.shared, self.block_size)
 

@@ -4,6 +4,22 @@
 scheduler knows, from its first lookup to ``request_finished``, and answers
 the scheduler's calls of :class:`~blend.integrations.vllm.connector.KVBlendConnector`
 (its decisions are :mod:`blend.integrations.vllm.plan`'s pure functions).
+
+**How a request's report reaches its output.** The scheduler side writes what
+it decided (``claim``, ``claimed_tokens``, a refusal); the worker adds what its
+load got (``loaded_blocks``, ``load_s``, a blend's counts, classes and timings,
+a load error) in the step's :class:`~blend.integrations.vllm.step_meta.KVBlendWorkerMeta`,
+vLLM's one worker -> scheduler channel, which works alike whether the worker
+runs in the scheduler's process or in its own. A request that stops in the step
+that loaded it (one token) is finished, and its ``kv_transfer_params`` are put
+into that step's output, *before* vLLM hands the scheduler the step's worker
+metadata: vLLM's ``Scheduler.update_from_output`` finishes stopped requests,
+then calls ``update_connector_output``, and only then sends the outputs. So
+:meth:`SchedulerSide.request_finished` hands vLLM the report of such a request
+marked :data:`WORKER_REPORT_KEY` = :data:`WORKER_REPORT_MISSING`, keeps it, and
+:meth:`SchedulerSide.update_connector_output` completes that same dict (and
+drops the mark) in the same call, before the output leaves. A report whose
+worker part did not come in that call keeps the mark: never silently partial.
 No vLLM import at module level beyond the step metadata's base classes.
 """
 
@@ -30,6 +46,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvblend.vllm")
 
+# a report handed to vLLM before the worker's part of it arrived carries this key until that part comes
+WORKER_REPORT_KEY = "worker_report"
+WORKER_REPORT_MISSING = ("missing: the worker's report of this request's load (loaded_blocks, load_s, a blend's "
+                         "counts, a load error) did not reach the scheduler before the request's output was sent")
+
 
 @dataclass
 class RequestState:
@@ -48,6 +69,7 @@ class RequestState:
     report: dict = field(default_factory=dict)
     admission: int = 0  # admissions so far (a preemption's too): a load that reports late, under async
     # scheduling, after the request was admitted again, is of an earlier admission and does not report to it
+    loading: bool = False  # a load of this admission was sent to the worker and its report has not come yet
 
 
 class SchedulerSide:
@@ -64,6 +86,9 @@ class SchedulerSide:
         self.shared = shared
         self.block_size = block_size
         self.requests: dict[str, RequestState] = {}
+        # finished requests whose load report is still to come: request id -> (its admission, the report dict
+        # vLLM holds in the output being built); completed or given up by the next update_connector_output
+        self._awaiting: dict[str, tuple[int, dict]] = {}
 
     def _state(self, request: "Request") -> RequestState:
         st = self.requests.get(request.request_id)
@@ -92,7 +117,7 @@ class SchedulerSide:
         # an earlier load did (a load error there, fields a blend set), even one that reports later
         st.report = {}
         st.admission += 1
-        self.shared.reports.take(request.request_id)
+        st.loading = False
         if st.skipped:
             st.report = {"skipped": st.skipped}
             return 0, False
@@ -143,6 +168,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVBlendMeta:
         """The step's loads and saves, from vLLM's scheduler output."""
+        # a report still awaited now belongs to a request that ended between steps (aborted: vLLM sends it nowhere)
+        self._awaiting.clear()
         meta = KVBlendMeta()
         for new in scheduler_output.scheduled_new_reqs:
             st = self.requests.get(new.req_id)
@@ -174,6 +201,7 @@ class SchedulerSide:
             st.claim = None
             meta.loads.append(LoadSpec(req_id, kind, st.token_ids, tuple(st.block_ids), start, end,
                                        tuple(st.keys[: end // b]), st.blend, st.salt, st.admission))
+            st.loading = True
             if kind is ClaimKind.BLEND:
                 st.blended = True
             else:
@@ -189,24 +217,39 @@ class SchedulerSide:
             st.saved = whole
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        """The step's worker reports, into the reports of the requests (and admissions) they are for."""
+        """The step's worker reports, into the reports of the requests (and admissions) they are for, a finished
+        request's included: its report is in the output vLLM is building (see the module docstring)."""
         wm = connector_output.kv_connector_worker_meta
         if isinstance(wm, KVBlendWorkerMeta):
             for req_id, rep in wm.reports.items():
                 admission = wm.admissions.get(req_id)
-                self.shared.reports.discard(req_id, rep, admission)  # its in-process copy (a finished request's too)
                 st = self.requests.get(req_id)
-                if st is not None and admission == st.admission:  # not a load of an earlier admission
-                    st.report.update(rep)
+                if st is not None:
+                    if admission == st.admission:  # not a load of an earlier admission
+                        st.report.update(rep)
+                        st.loading = False
+                    continue
+                awaited = self._awaiting.get(req_id)
+                if awaited is not None and awaited[0] == admission:
+                    del self._awaiting[req_id]
+                    awaited[1].pop(WORKER_REPORT_KEY, None)
+                    awaited[1].update(rep)
+        # what did not come in this call would reach a report already sent: those stay marked missing
+        self._awaiting.clear()
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         """Forget a finished request; its report goes out in its ``kv_transfer_params``.
 
         Returns:
             (False: its blocks are freed at once, ``{"kvblend": report}`` or None where there is nothing to say).
+            A report whose load is not reported yet is marked :data:`WORKER_REPORT_KEY` and completed by the
+            step's :meth:`update_connector_output`.
         """
         st = self.requests.pop(request.request_id, None)
         if st is None:
             return False, None
-        report = {**st.report, **self.shared.reports.take(request.request_id, st.admission)}
+        report = dict(st.report)
+        if st.loading:
+            report[WORKER_REPORT_KEY] = WORKER_REPORT_MISSING
+            self._awaiting[request.request_id] = (st.admission, report)
         return False, ({PARAMS_KEY: report} if report else None)

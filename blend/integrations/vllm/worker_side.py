@@ -113,9 +113,7 @@ class WorkerSide:
             rep["load_s"] = round(time.perf_counter() - t0, 6)
             self.stats.count_load(spec.kind is ClaimKind.EXACT, rep, self.block_size)
             rep = {"claim": spec.kind.value, "claimed_tokens": spec.end - spec.start, **rep}
-            # a scheduler in this process reads it before this step's output is built (a request may
-            # finish in the step that loaded it); every scheduler gets it in the worker meta
-            self.shared.reports.post(spec.req_id, rep, spec.admission)
+            # to the scheduler in the step's worker metadata, wherever it runs (scheduler_side's docstring)
             self._reports[spec.req_id], self._admissions[spec.req_id] = rep, spec.admission
 
     def fail(self, spec: LoadSpec, from_token: int) -> None:
