@@ -255,6 +255,19 @@ def test_a_malformed_blend_request_runs_as_a_plain_request(llm, shared):
     assert float((got - full).abs().max()) <= 1e-3
 
 
+def test_a_request_with_prompt_logprobs_claims_nothing_it_did_not_load(llm, shared):
+    """vLLM reads no external KV for a request with prompt_logprobs (it takes none of the connector's claim): the
+    report said "claim": "exact" with every stored token, though nothing was loaded."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids = _prompt(shared, 8).token_ids
+    _ask(llm, ids, salt="declined")  # stores its blocks
+    prompt = TokensPrompt(prompt_token_ids=list(ids), cache_salt="declined")
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)[0]
+    assert out.kv_transfer_params[PARAMS_KEY] == {"declined_tokens": (len(ids) - 1) // 128 * 128}
+
+
 CHILD = textwrap.dedent("""
     import json, os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

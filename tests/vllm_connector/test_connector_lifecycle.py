@@ -201,6 +201,26 @@ def test_a_claim_vllm_cuts_short_loads_and_reports_only_what_vllm_took(conn):
     assert rep["claimed_tokens"] == 8 and rep["loaded_blocks"] == 2
 
 
+@pytest.mark.parametrize("blend", [False, True], ids=["exact", "blend"])
+def test_a_claim_vllm_declines_is_not_reported_as_claimed(conn, blend):
+    """vLLM may take none of a claim (it skips external KV for a request with prompt_logprobs, and a local partial
+    block reaching as far as the claim wins): nothing was loaded, yet the report said "claim": "exact" (or "blend")
+    with every claimed token. It now says how many tokens vLLM declined, and claims nothing."""
+    ids = list(range(550, 570))
+    for key in block_keys(PROV, ids, B):
+        _store(conn.shared, key)
+    conn.shared.blend_rows = torch.ones(1, 1, 10, 1)  # (L, Hkv, T, D)
+    req = _request("declined", ids, blend_request(ids, [(2, 6), (6, 10)], ratio=0.15) if blend else None)
+    got, _ = conn.get_num_new_matched_tokens(req, 0)
+    assert got == (10 if blend else 16)
+    conn.update_state_after_alloc(req, None, 0)  # vLLM: ext_tokens = 0
+    meta = conn.build_connector_meta(scheduler_step(new=[("declined", [1, 2, 3, 4, 5], 0)], scheduled={"declined": 20}))
+    assert not meta.loads
+    _run(conn, meta)
+    conn.update_connector_output(_worker_output(conn))
+    assert conn.request_finished(req, [])[1][PARAMS_KEY] == {"declined_tokens": got}
+
+
 def test_non_finite_blended_kv_is_never_injected(conn):
     """A blend whose KV holds a NaN (a non-finite chunk in the store, an overflow) was written into vLLM's blocks
     unchecked; stored blocks were checked. Now the claim is a load error and vLLM recomputes it."""

@@ -159,6 +159,12 @@ class SchedulerSide:
         """vLLM allocated the request's blocks and took ``num_external_tokens`` of its claim."""
         st = self._state(request)
         if num_external_tokens <= 0:
+            if st.claim is not None:  # vLLM took none of it (a request with prompt_logprobs skips external KV,
+                # a local partial block reaching as far): nothing is loaded, so the report claims nothing
+                _, start, end = st.claim
+                for k in ("claim", "claimed_tokens"):
+                    st.report.pop(k, None)
+                st.report["declined_tokens"] = end - start
             st.claim = None
         elif st.claim is not None and st.claim[1] + num_external_tokens < st.claim[2]:
             # vLLM took fewer tokens than claimed (it may cut a claim to whole blocks): load only those, and say so
