@@ -255,6 +255,19 @@ def test_a_malformed_blend_request_runs_as_a_plain_request(llm, shared):
     assert float((got - full).abs().max()) <= 1e-3
 
 
+def test_a_request_with_prompt_logprobs_claims_nothing_it_did_not_load(llm, shared):
+    """vLLM reads no external KV for a request with prompt_logprobs (it takes none of the connector's claim): the
+    report said "claim": "exact" with every stored token, though nothing was loaded."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids = _prompt(shared, 8).token_ids
+    _ask(llm, ids, salt="declined")  # stores its blocks
+    prompt = TokensPrompt(prompt_token_ids=list(ids), cache_salt="declined")
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)[0]
+    assert out.kv_transfer_params[PARAMS_KEY] == {"declined_tokens": (len(ids) - 1) // 128 * 128}
+
+
 CHILD = textwrap.dedent("""
     import json, os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -293,6 +306,45 @@ def test_a_second_vllm_process_over_the_same_redis_gets_hits(shared, prefix_cach
     assert max(abs(second["logprobs"][k] - first["logprobs"][k]) for k in first["logprobs"]) <= WARM_COLD_TOL
 
 
+CHILD_WORKER_PROCESS = textwrap.dedent("""
+    import json, os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    model, store, ids, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+    cfg = {"kv_connector": "KVBlendConnector", "kv_connector_module_path": "blend.integrations.vllm",
+           "kv_role": "kv_both", "kv_connector_extra_config": {"store": store, "force": True}}
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=4096, enable_prefix_caching=False,
+              kv_transfer_config=cfg, distributed_executor_backend="mp")
+    workers = llm.collective_rpc(lambda self: os.getpid())
+
+    def ask(extra=None):  # one token: the request ends in the step that loaded it
+        sp = SamplingParams(max_tokens=1, temperature=0, extra_args={"kv_transfer_params": extra} if extra else None)
+        return llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0].kv_transfer_params
+
+    cold, warm, blend = ask(), ask(), ask(params)
+    print("RESULT " + json.dumps({"workers": workers, "me": os.getpid(), "cold": cold, "warm": warm, "blend": blend}))
+""")
+
+
+def test_with_the_worker_in_a_process_of_its_own_a_one_token_request_gets_the_whole_report(shared, tmp_path):
+    """vLLM's mp executor runs the worker in a process of its own. A request that ends in the step that loaded it
+    (one token) came back with the scheduler's half of its report only (claim, claimed_tokens): no loaded_blocks,
+    no blend counts. Now the worker's half, sent in the step's worker metadata, completes it in both layouts."""
+    prompt = _prompt(shared, 7, order=(1, 0, 3, 2, 4))
+    ids = list(prompt.token_ids)
+    params = blend_request(ids, prompt_spans([len(s) for s in prompt.segments]), ratio=0.15)
+    res = _child(CHILD_WORKER_PROCESS, str(convert_gguf(SMOLLM2)), f"disk:{tmp_path / 'store'}", json.dumps(ids),
+                 json.dumps(params))
+    assert res["workers"] and res["me"] not in res["workers"]  # the worker runs in another process
+    assert (res["cold"] or {}).get(PARAMS_KEY, {}).get("claim") != "exact"
+    warm, blend = res["warm"][PARAMS_KEY], res["blend"][PARAMS_KEY]
+    assert warm["claim"] == "exact" and warm["loaded_blocks"] == (len(ids) - 1) // 128 and "load_s" in warm
+    assert blend["claim"] == "blend" and len(blend["classes"]) == len(prompt.segments) and "recomputed_tokens" in blend
+    assert not any(k in rep for rep in (warm, blend) for k in ("error", "worker_report"))
+
+
 def test_counters_reach_prometheus_through_vllms_stats_path(llm, shared):
     """The worker's counters go out as connector stats, aggregate, and land in vllm:kvblend_* counters."""
     import prometheus_client
@@ -319,16 +371,11 @@ def test_counters_reach_prometheus_through_vllms_stats_path(llm, shared):
 
 def _scheduler_side(shared, block_size: int = 4):
     """A scheduler-role connector's bookkeeping over fake scheduler outputs (no forward runs)."""
-    from blend.integrations.vllm.connector import KVBlendConnector
+    from types import SimpleNamespace
 
-    c = object.__new__(KVBlendConnector)  # the bookkeeping only: no vLLM config needed
-    c.block_size, c.shared, c._reqs = block_size, shared, {}
+    from blend.integrations.vllm.scheduler_side import SchedulerSide
 
-    class Cfg:
-        prefix_caching = False
-
-    c.cfg = Cfg()
-    return c
+    return SchedulerSide(SimpleNamespace(prefix_caching=False), shared, block_size)
 
 
 def _request(req_id, ids, params=None, lora=None):
@@ -355,7 +402,7 @@ def test_bookkeeping_saves_whole_blocks_once_claims_stored_ones_and_survives_pre
         for _, key in spec.blocks:
             shared.store.put(Namespace.EXACT, key, KVEntry(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1),
                                                            shared.vllm_prov_json))
-    c.request_finished(req, [])
+    c.request_finished(req)
     b = _request("b", ids)
     assert c.get_num_new_matched_tokens(b, 0) == (0, False)  # block 0 of b's prefix was not stored above
     from blend.integrations.vllm.plan import block_keys
@@ -372,8 +419,8 @@ def test_bookkeeping_saves_whole_blocks_once_claims_stored_ones_and_survives_pre
     m = c.build_connector_meta(scheduler_step(cached=[("b", [20, 21, 22, 23, 24], 16, True)], scheduled={"b": 2}))
     (load,) = m.loads
     assert load.block_ids == (20, 21, 22, 23, 24) and not m.saves
-    assert c.request_finished(b, [])[1]["kvblend"]["claim"] == "exact"
-    assert "b" not in c._reqs
+    assert c.request_finished(b)[1]["kvblend"]["claim"] == "exact"
+    assert "b" not in c.requests
 
 
 CHILD_PREFIX = textwrap.dedent("""
@@ -433,7 +480,7 @@ def test_a_lora_request_neither_claims_stored_kv_nor_saves_its_own(shared):
     assert c.get_num_new_matched_tokens(lora, 0) == (0, False)
     m = c.build_connector_meta(scheduler_step(new=[("lora", [6, 7, 8, 9, 10], 0)], scheduled={"lora": 18}))
     assert not m.loads and not m.saves
-    assert "LoRA" in c._reqs["lora"].report["skipped"]
+    assert "LoRA" in c.requests["lora"].report["skipped"]
     spans = prompt_spans([6, 6, 6])
     blend = _request("lora-blend", ids, params=blend_request(ids, spans, ratio=0.15),
                      lora=SimpleNamespace(lora_name="adapter", lora_int_id=1))
@@ -460,17 +507,16 @@ def test_a_blend_request_never_saves_its_blocks_even_when_it_claims_none(shared)
 def test_blocks_from_a_failed_load_on_are_never_saved(shared):
     """vLLM runs the step's forward over a block that failed to load and recomputes only afterwards: the
     blocks the step computed after it hold KV over the hole, so the worker drops their saves."""
-    from blend.integrations.vllm.connector import KVBlendConnector, KVBlendMeta, LoadSpec, SaveSpec
-    from blend.integrations.vllm.metrics import KVBlendStats
     from blend.integrations.vllm.plan import ClaimKind, block_keys
+    from blend.integrations.vllm.step_meta import KVBlendMeta, LoadSpec, SaveSpec
+    from blend.integrations.vllm.worker_side import WorkerSide
 
     ids = list(range(600, 624))
     keys = block_keys(shared.vllm_prov, ids, 4, "tainted")
-    c = object.__new__(KVBlendConnector)
-    c.shared, c.block_size, c._stats, c._load_errors, c._failed = shared, 4, KVBlendStats(), set(), set()
+    w = WorkerSide(shared, 4)
     blocks = (11, 12, 13, 14, 15, 16)
-    c._fail(LoadSpec("r", ClaimKind.EXACT, tuple(ids), blocks, 0, 12, tuple(keys[:3])), 4)  # block 12 failed
-    assert c.get_block_ids_with_load_errors() == {12, 13}
+    w.fail(LoadSpec("r", ClaimKind.EXACT, tuple(ids), blocks, 0, 12, tuple(keys[:3])), 4)  # block 12 failed
+    assert w.take_load_errors() == {12, 13}
     # blocks 14-16 were computed after the claim, over it; block 11 (another request's save) is before the failure
     meta = KVBlendMeta(saves=[SaveSpec("r", tuple(zip(blocks[3:], keys[3:])), blocks[:3]),
                               SaveSpec("s", ((11, keys[0]),))])
@@ -479,12 +525,13 @@ def test_blocks_from_a_failed_load_on_are_never_saved(shared):
         def read(self, kv, block):
             return torch.zeros(1, 4, 1), torch.zeros(1, 4, 1)  # (Hkv, B, D)
 
-    c._layout, c._kv = Layout(), [None]
-    c._get_connector_metadata, c.has_connector_metadata = (lambda: meta), (lambda: True)
-    c.wait_for_save()
+    w.layout, w.kv = Layout(), [None]
+    w.wait_for_save(meta)
     saved = [k for k in keys if shared.store.contains(Namespace.EXACT, k)]
     assert saved == [keys[0]]  # block 11, before the failure; 14-16 were computed over it
-    assert c._stats.data["unsaved_after_load_error"] == 3 and not c._failed
+    assert w.take_stats().data["unsaved_after_load_error"] == 3
+    w.wait_for_save(None)  # the next step saves nothing over the old failure either
+    assert w.take_load_errors() == set() and w.take_stats() is None
 
 
 def test_tensor_or_pipeline_parallel_vllm_is_refused():

@@ -7,6 +7,7 @@ makes (lookup, allocation, metadata, load, save, finish) in seconds.
 
 from __future__ import annotations
 
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -22,11 +23,12 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from blend.errors import InvalidRequestError, KVBlendError  # noqa: E402
 from blend.integrations.vllm import connector as connector_module  # noqa: E402
 from blend.integrations.vllm.connector import KVBlendConnector, KVBlendMeta, LoadSpec  # noqa: E402
-from blend.integrations.vllm.engines import ConnectorConfig, OnLoadError, ReportBox, parse_extra_config  # noqa: E402
+from blend.integrations.vllm.engines import ConnectorConfig, OnLoadError, parse_extra_config  # noqa: E402
 from blend.integrations.vllm.layout import standard_layout  # noqa: E402
 from blend.integrations.vllm.plan import (  # noqa: E402
     PARAMS_KEY, ClaimKind, block_keys, blend_request, vllm_provenance,
 )
+from blend.integrations.vllm.scheduler_side import WORKER_REPORT_KEY, WORKER_REPORT_MISSING  # noqa: E402
 from blend.keys import Namespace, Provenance  # noqa: E402
 from blend.kvcache import KVEntry  # noqa: E402
 from blend.store.memory import MemoryStore  # noqa: E402
@@ -48,7 +50,6 @@ class FakeShared:
         self.engine = SimpleNamespace(dims=SimpleNamespace(num_layers=1))
         self.blend_refusal = ""
         self.blend_rows: torch.Tensor | None = None
-        self.reports = ReportBox()
 
     def blend(self, token_ids, params, salt=""):
         rows = self.blend_rows
@@ -74,19 +75,25 @@ def _connector(role, shared, groups=None, load_failure_policy="fail", on_load_er
     kv_cache_config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups or [_group()])
     c = KVBlendConnector(cfg, role, kv_cache_config)
     c.register_kv_caches({LAYER: torch.zeros(BLOCKS, 1, B, 2)})
-    c._layout = standard_layout(1, B, 1)  # what calibrating vLLM's CPU writer gives for this shape
+    c.worker.layout = standard_layout(1, B, 1)  # what calibrating vLLM's CPU writer gives for this shape
     return c
 
 
-@pytest.fixture
-def shared(monkeypatch):
-    """kvblend's side of the connector (fake), and ConnectorConfig read from the extra config alone."""
-    fake = FakeShared()
-    monkeypatch.setattr(connector_module, "shared_engine", lambda cfg, block_size: fake)
+def _fake_kvblend(monkeypatch, engines) -> None:
+    """Connectors built from now on take kvblend's side from ``engines()`` (a fake per call), and ConnectorConfig
+    from the extra config alone."""
+    monkeypatch.setattr(connector_module, "shared_engine", lambda cfg, block_size: engines())
     monkeypatch.setattr(connector_module.ConnectorConfig, "from_vllm", classmethod(
         lambda cls, vllm_config, extra: ConnectorConfig(
             model="m", dtype="float32", backend="test", prefix_caching=False,
             recompute_on_load_error=parse_extra_config(extra).on_load_error is OnLoadError.RECOMPUTE)))
+
+
+@pytest.fixture
+def shared(monkeypatch):
+    """kvblend's side of the connector (fake), one per process: every connector built in the test shares it."""
+    fake = FakeShared()
+    _fake_kvblend(monkeypatch, lambda: fake)
     return fake
 
 
@@ -194,6 +201,26 @@ def test_a_claim_vllm_cuts_short_loads_and_reports_only_what_vllm_took(conn):
     assert rep["claimed_tokens"] == 8 and rep["loaded_blocks"] == 2
 
 
+@pytest.mark.parametrize("blend", [False, True], ids=["exact", "blend"])
+def test_a_claim_vllm_declines_is_not_reported_as_claimed(conn, blend):
+    """vLLM may take none of a claim (it skips external KV for a request with prompt_logprobs, and a local partial
+    block reaching as far as the claim wins): nothing was loaded, yet the report said "claim": "exact" (or "blend")
+    with every claimed token. It now says how many tokens vLLM declined, and claims nothing."""
+    ids = list(range(550, 570))
+    for key in block_keys(PROV, ids, B):
+        _store(conn.shared, key)
+    conn.shared.blend_rows = torch.ones(1, 1, 10, 1)  # (L, Hkv, T, D)
+    req = _request("declined", ids, blend_request(ids, [(2, 6), (6, 10)], ratio=0.15) if blend else None)
+    got, _ = conn.get_num_new_matched_tokens(req, 0)
+    assert got == (10 if blend else 16)
+    conn.update_state_after_alloc(req, None, 0)  # vLLM: ext_tokens = 0
+    meta = conn.build_connector_meta(scheduler_step(new=[("declined", [1, 2, 3, 4, 5], 0)], scheduled={"declined": 20}))
+    assert not meta.loads
+    _run(conn, meta)
+    conn.update_connector_output(_worker_output(conn))
+    assert conn.request_finished(req, [])[1][PARAMS_KEY] == {"declined_tokens": got}
+
+
 def test_non_finite_blended_kv_is_never_injected(conn):
     """A blend whose KV holds a NaN (a non-finite chunk in the store, an overflow) was written into vLLM's blocks
     unchecked; stored blocks were checked. Now the claim is a load error and vLLM recomputes it."""
@@ -207,7 +234,7 @@ def test_non_finite_blended_kv_is_never_injected(conn):
     meta = conn.build_connector_meta(scheduler_step(new=[("nan", [1, 2, 3, 4, 5], 10)], scheduled={"nan": 10}))
     _run(conn, meta)
     assert conn.get_block_ids_with_load_errors() == {1, 2, 3}  # the blocks of rows 0..9
-    assert not torch.isnan(conn._kv[0]).any()
+    assert not torch.isnan(conn.worker.kv[0]).any()
     conn.update_connector_output(_worker_output(conn))
     assert "non-finite" in conn.request_finished(req, [])[1][PARAMS_KEY]["error"]
 
@@ -284,20 +311,11 @@ def _stored_load(shared, req_id: str, ids: list[int]) -> KVBlendMeta:
     return KVBlendMeta(loads=[LoadSpec(req_id, ClaimKind.EXACT, tuple(ids), (1, 2, 3), 0, 8, tuple(keys[:2]))])
 
 
-def test_a_worker_in_a_process_of_its_own_keeps_no_load_reports(shared):
-    """With the worker in a process of its own (``--distributed-executor-backend mp``), no scheduler there takes
-    the reports it posted for one in its process: each stayed, up to 4096 of them. The step's worker metadata is
-    the one way they reach that scheduler."""
-    worker = _connector(KVConnectorRole.WORKER, shared)
-    _run(worker, _stored_load(shared, "solo", list(range(900, 909))))
-    assert len(shared.reports) == 0
-    assert worker.build_connector_worker_meta().reports["solo"]["loaded_blocks"] == 2
-
-
-def test_the_report_of_a_request_that_ends_before_its_step_output_is_taken_once(conn):
-    """In one process, a request that finishes in the step that loaded it takes the worker's report when vLLM
-    finishes it (before that step's worker metadata arrives). One aborted after it was scheduled and before its load
-    ran (async scheduling) took nothing, and the report its load posted later stayed in the process."""
+def test_the_report_of_a_request_that_ends_in_its_load_step_is_completed_before_its_output_leaves(conn):
+    """vLLM finishes a request that stops in the step that loaded it (one token) before it hands the scheduler that
+    step's worker metadata: the report it got back from request_finished is completed in place by that step's
+    update_connector_output, which vLLM calls before it sends the step's outputs. A request aborted before its load
+    ran is finished with the mark that the worker's part is missing (vLLM sends an aborted request no report)."""
     ids = list(range(1000, 1009))
     for key in block_keys(PROV, ids, B):
         _store(conn.shared, key)
@@ -305,11 +323,13 @@ def test_the_report_of_a_request_that_ends_before_its_step_output_is_taken_once(
     assert _admit(conn, one) == 8 and _admit(conn, aborted) == 8
     meta = conn.build_connector_meta(scheduler_step(new=[("one-token", [1, 2, 3], 0), ("aborted", [4, 5, 6], 0)],
                                            scheduled={"one-token": 9, "aborted": 9}))
-    assert conn.request_finished(aborted, [])[1][PARAMS_KEY] == {"claim": "exact", "claimed_tokens": 8}
+    gone = conn.request_finished(aborted, [])[1][PARAMS_KEY]
+    assert gone == {"claim": "exact", "claimed_tokens": 8, WORKER_REPORT_KEY: WORKER_REPORT_MISSING}
     _run(conn, meta)
-    assert conn.request_finished(one, [])[1][PARAMS_KEY]["loaded_blocks"] == 2  # finished in its load step
+    sent = conn.request_finished(one, [])[1][PARAMS_KEY]  # finished in its load step: what vLLM puts in its output
+    assert sent[WORKER_REPORT_KEY] == WORKER_REPORT_MISSING
     conn.update_connector_output(_worker_output(conn))  # the step's output comes after both finished
-    assert len(conn.shared.reports) == 0
+    assert sent["loaded_blocks"] == 2 and "load_s" in sent and WORKER_REPORT_KEY not in sent
 
 
 def _readmitted_before_its_load_ran(conn, req_id: str, ids: list[int]):
@@ -344,16 +364,77 @@ def test_a_load_report_of_an_earlier_admission_arriving_late_is_dropped(conn):
     conn.update_connector_output(first_out)  # arrives after the second admission was planned
     conn.update_connector_output(second_out)
     rep = conn.request_finished(req, [])[1][PARAMS_KEY]
-    assert rep["loaded_blocks"] == 2 and "error" not in rep
-    assert len(conn.shared.reports) == 0
+    assert rep["loaded_blocks"] == 2 and "error" not in rep and WORKER_REPORT_KEY not in rep
 
 
 def test_a_request_ended_after_readmission_takes_no_report_of_its_earlier_admission(conn):
-    """In one process, a request aborted after it was admitted again (before its second load ran) took the report
-    the first admission's load posted after the re-admission: its load error."""
+    """A request aborted after it was admitted again (before its second load ran) took the report the first
+    admission's load posted after the re-admission: its load error. Its report says only what the second admission
+    claimed, and that the worker's part of it never came."""
     req, first, _ = _readmitted_before_its_load_ran(conn, "aborted-again", list(range(1200, 1209)))
-    _run(conn, first)  # posts the first admission's report (the re-admission has cleared the box before it)
+    _run(conn, first)  # the first admission's load: its block 1 is corrupt
     first_out = _worker_output(conn)
-    assert conn.request_finished(req, [])[1][PARAMS_KEY] == {"claim": "exact", "claimed_tokens": 8}
+    rep = conn.request_finished(req, [])[1][PARAMS_KEY]
     conn.update_connector_output(first_out)
-    assert len(conn.shared.reports) == 0
+    assert rep == {"claim": "exact", "claimed_tokens": 8, WORKER_REPORT_KEY: WORKER_REPORT_MISSING}
+
+
+def _across(obj):
+    """``obj`` as the other process gets it: vLLM's executor sends the scheduler's output to a worker process, and
+    the worker's output back, pickled."""
+    return pickle.loads(pickle.dumps(obj))
+
+
+def test_a_one_step_request_gets_the_workers_report_with_the_worker_in_another_process(monkeypatch):
+    """With vLLM's worker in a process of its own (``--distributed-executor-backend mp``), a request that finished in
+    the step that loaded it (one token) got the scheduler's half of its report only: the worker's half reached the
+    scheduler's process in the step's worker metadata after vLLM had finished the request, and an in-process box
+    carried it only where both sides share a process. The scheduler now completes the report it handed vLLM when
+    that metadata comes, before vLLM sends the step's outputs."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    scheduler_process, worker_process = FakeShared(), FakeShared()  # a kvblend engine in each process ...
+    worker_process.store = scheduler_process.store  # ... over one store they share (disk or Redis)
+    engines = iter([scheduler_process, worker_process])
+    _fake_kvblend(monkeypatch, lambda: next(engines))
+    scheduler = _connector(KVConnectorRole.SCHEDULER, scheduler_process)
+    worker = _connector(KVConnectorRole.WORKER, worker_process)
+    exact_ids, blend_ids = list(range(1300, 1309)), list(range(1400, 1420))
+    for key in block_keys(PROV, exact_ids, B):
+        _store(scheduler_process, key)
+    worker_process.blend_rows = torch.ones(1, 1, 10, 1)  # (L, Hkv, T, D): the blend's KV before the question
+    exact = _request("exact", exact_ids)
+    blend = _request("blend", blend_ids, blend_request(blend_ids, [(2, 6), (6, 10)], ratio=0.15))
+    assert _admit(scheduler, exact) == 8 and _admit(scheduler, blend) == 10
+    meta = scheduler.build_connector_meta(scheduler_step(new=[("exact", [1, 2, 3], 8), ("blend", [4, 5, 6, 7, 8], 10)],
+                                                         scheduled={"exact": 1, "blend": 10}))
+    _run(worker, _across(meta))
+    output = _across(KVConnectorOutput(kv_connector_worker_meta=worker.build_connector_worker_meta()))
+    # vLLM's update_from_output: both stop at their first token and are finished, then the step's connector output
+    # is handed over, then the outputs (holding the reports request_finished returned) leave
+    sent = {r.request_id: scheduler.request_finished(r, [])[1][PARAMS_KEY] for r in (exact, blend)}
+    scheduler.update_connector_output(output)
+    assert sent["exact"]["claim"] == "exact" and sent["exact"]["loaded_blocks"] == 2 and "load_s" in sent["exact"]
+    assert sent["blend"]["claim"] == "blend" and sent["blend"]["reused_tokens"] == 0 and "load_s" in sent["blend"]
+    assert not any(WORKER_REPORT_KEY in rep or "error" in rep for rep in sent.values())
+    assert _across(sent) == sent  # what leaves for the client
+
+
+def test_a_report_whose_workers_part_did_not_come_in_time_says_so(monkeypatch):
+    """A finished request whose load report is not in the step's worker metadata (its load ran in a later step)
+    was sent with the scheduler's half only, silently; it says the worker's part is missing, and a later report is
+    not written into it (vLLM has sent it by then)."""
+    fake = FakeShared()
+    _fake_kvblend(monkeypatch, lambda: fake)
+    c = _connector(KVConnectorRole.SCHEDULER, fake)
+    ids = list(range(1500, 1509))
+    for key in block_keys(PROV, ids, B):
+        _store(fake, key)
+    req = _request("late", ids)
+    assert _admit(c, req) == 8
+    meta = c.build_connector_meta(scheduler_step(new=[("late", [1, 2, 3], 8)], scheduled={"late": 1}))
+    sent = c.request_finished(req, [])[1][PARAMS_KEY]
+    c.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None))  # a step that loaded nothing
+    _run(c, meta)
+    c.update_connector_output(_worker_output(c))
+    assert sent == {"claim": "exact", "claimed_tokens": 8, WORKER_REPORT_KEY: WORKER_REPORT_MISSING}

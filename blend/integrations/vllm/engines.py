@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Sequence
@@ -31,8 +30,6 @@ from blend.policy import ReusePolicy
 from blend.prompt import Prompt, Segment, SegmentKind
 from blend.store.codec import dtype_name
 from blend.store.spec import DEFAULT_MEMORY_BUDGET
-
-MAX_POSTED_REPORTS = 4096  # load reports a worker keeps for the scheduler in its own process (ReportBox)
 
 
 class OnLoadError(Enum):
@@ -228,60 +225,6 @@ def vllm_numerics(vllm_config: Any) -> str:
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
-class ReportBox:
-    """Load reports a worker hands to the scheduler of its own process, for a request that finishes in the
-    step that loaded it: vLLM finishes it (``request_finished``) before it hands the scheduler that step's
-    worker metadata, which carries the same report. Holds reports only while a scheduler-role connector
-    lives in this process (:meth:`attach_scheduler`); the scheduler takes each one when the request
-    finishes, or discards it when the step's worker metadata brings it (an aborted request's included).
-    """
-
-    def __init__(self) -> None:
-        # request id -> (the admission it was loaded for: LoadSpec.admission, what its load got)
-        self._reports: OrderedDict[str, tuple[int, dict]] = OrderedDict()
-        self._lock = threading.Lock()
-        self._scheduler_here = False
-
-    def attach_scheduler(self) -> None:
-        """A scheduler-role connector lives in this process: keep the worker's reports for it."""
-        self._scheduler_here = True
-
-    def post(self, req_id: str, report: dict, admission: int) -> None:
-        """The worker's record of a request's load for one of its admissions; dropped where no scheduler in
-        this process takes it (the worker in a process of its own: the step's worker metadata carries it)."""
-        if not self._scheduler_here:
-            return
-        with self._lock:
-            self._reports[req_id] = (admission, report)
-            while len(self._reports) > MAX_POSTED_REPORTS:  # a safety bound: every report is taken or discarded
-                self._reports.popitem(last=False)
-
-    def take(self, req_id: str, admission: int | None = None) -> dict:
-        """Remove the posted record of a request's load.
-
-        Args:
-            req_id: the request.
-            admission: return it only if it is of this admission (None: any).
-
-        Returns:
-            The report ({} if none was posted in this process, or one of another admission).
-        """
-        with self._lock:
-            got, report = self._reports.pop(req_id, (None, {}))
-        return report if admission is None or got == admission else {}
-
-    def discard(self, req_id: str, report: dict, admission: int | None) -> None:
-        """Forget a posted report that the step's worker metadata brought (left alone if the worker has
-        posted a newer one for the request since)."""
-        with self._lock:
-            if self._reports.get(req_id) == (admission, report):
-                del self._reports[req_id]
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._reports)
-
-
 class SharedEngine:
     """A kvblend engine over vLLM's weights, its store, and the provenance of vLLM's own KV.
 
@@ -309,7 +252,6 @@ class SharedEngine:
             f"blend refused: vLLM runs another model config ({cfg.model_arch}) than the checkpoint's config.json "
             f"that kvblend's engine runs ({ours}), e.g. hf_overrides; the request runs plain")
         self._lock = threading.Lock()  # one blend at a time per process (the engine's caches)
-        self.reports = ReportBox()  # worker -> scheduler, in process
 
     def prompt_of(self, token_ids: Sequence[int], params: BlendParams) -> Prompt:
         """kvblend's segmented prompt of a vLLM request: preamble, the named documents, the question."""
