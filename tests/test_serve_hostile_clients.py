@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 import threading
+from typing import Iterator, get_args, get_origin
 
 import httpx
 import pytest
@@ -19,7 +20,8 @@ from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
 from blend.serve.app import create_app
 from blend.serve.config import Limits, SchedulerConfig, ServeConfig
-from blend.serve.schemas import CHAT_UNDECLARED_NEUTRAL, UNDECLARED_NEUTRAL
+from blend.serve.schemas import CHAT_UNDECLARED_NEUTRAL, UNDECLARED_NEUTRAL, ChatCompletionRequest, CompletionRequest
+from pydantic import BaseModel
 from conftest import make_docs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -115,6 +117,61 @@ def test_a_body_that_is_not_a_json_object_gets_a_400_saying_why(app_client, cont
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error"
     assert app_client.post("/v1/chat/completions", json=chat()).status_code == 200  # JSON stays the way in
+
+
+# ---- numbers that are not finite: a 400 that says so -----------------------------------------------------------
+
+def _float_paths(annotation, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+    """Where a float sits in a field's type: the field itself, a dict's values (under key "5"), a nested model's
+    fields."""
+    if annotation is float:
+        yield path
+    elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        for name, field in annotation.model_fields.items():
+            yield from _float_paths(field.annotation, (*path, name))
+    elif get_origin(annotation) is dict:
+        yield from _float_paths(get_args(annotation)[1], (*path, "5"))
+    else:
+        for arg in get_args(annotation):
+            yield from _float_paths(arg, path)
+
+
+def _with(body: dict, path: tuple[str, ...], value) -> dict:
+    body = json.loads(json.dumps(body))
+    at = body
+    for key in path[:-1]:
+        at = at.setdefault(key, {})
+    at[path[-1]] = value
+    return body
+
+
+FLOAT_PATHS = {endpoint: sorted(set(_float_paths(model, ()))) for endpoint, model in
+               (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest))}
+
+
+@pytest.mark.parametrize("endpoint", sorted(FLOAT_PATHS))
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_every_number_field_refuses_nan_and_infinity_as_not_finite(app_client, endpoint, value):
+    """Python's JSON reads NaN, Infinity and -Infinity; a float field without its own finiteness check failed its
+    range check instead: "temperature": NaN was told "Input should be less than or equal to 2", Infinity in a
+    logit_bias "must be in [-100, 100], got inf", and a NaN min_p "is not supported"."""
+    paths = FLOAT_PATHS[endpoint]
+    assert {("temperature",), ("top_p",), ("presence_penalty",), ("frequency_penalty",), ("logit_bias", "5"),
+            ("min_p",), ("repetition_penalty",), ("kvblend", "ratio"), ("kvblend", "guard_margin"),
+            ("kvblend", "candidates"), ("kvblend", "reused_temperature")} <= set(paths)
+    base = chat() if endpoint == "/v1/chat/completions" else {"model": TINY, "prompt": "which river?", "max_tokens": 2}
+    for path in paths:
+        content = json.dumps(_with(base, path, float(value)))  # NaN / Infinity / -Infinity as JSON tokens
+        assert value in content
+        r = app_client.post(endpoint, content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] == ".".join(path), (path, err)
+        assert f"{'.'.join(path)}: Input should be a finite number" in err["message"], (path, err)
+    for name in ("seed", "max_tokens", "top_k"):  # integers: a float is not one
+        content = json.dumps({**base, name: float(value)})
+        r = app_client.post(endpoint, content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "Input should be a valid integer" in r.json()["error"]["message"], r.text
 
 
 # ---- a client that leaves before its first token --------------------------------------------------------------
