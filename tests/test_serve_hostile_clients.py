@@ -4,6 +4,7 @@ clients that leave before their first token, and clients that stop reading their
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import socket
 import threading
@@ -67,7 +68,7 @@ ASKING = {  # a value of each that asks for something
     "echo": True, "add_generation_prompt": False, "continue_final_message": True, "chat_template": "{{ 1 }}",
     "chat_template_kwargs": {"enable_thinking": False}, "mm_processor_kwargs": {"fps": 1}, "reasoning_effort": "low",
     "function_call": {"name": "lookup"}, "audio": {"voice": "alloy", "format": "wav"},
-    "modalities": ["text", "audio"], "web_search_options": {},
+    "modalities": ["text", "audio"], "web_search_options": {}, "verbosity": "low",
 }
 
 
@@ -94,6 +95,54 @@ def test_those_fields_at_values_that_ask_for_nothing_are_accepted(app_client):
     assert app_client.post("/v1/chat/completions", json=chat(user="u", metadata={"k": "v"}, store=False,
                                                                prediction={"type": "content", "content": "x"},
                                                                parallel_tool_calls=True, priority=0)).status_code == 200
+
+
+def test_verbosity_other_than_openais_default_is_refused(app_client):
+    """OpenAI's verbosity (low, medium, high) sets how long and detailed an answer its models write: it was
+    dropped unread, so "low" got the answer "high" would. Its default, "medium", asks for nothing."""
+    for value in ("low", "high"):
+        r = app_client.post("/v1/chat/completions", json=chat(verbosity=value))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "verbosity", r.text
+    assert app_client.post("/v1/chat/completions", json=chat(verbosity="medium")).status_code == 200
+
+
+def _answer(client, **kw) -> str:
+    r = client.post("/v1/chat/completions", json={**chat(max_tokens=12, ignore_eos=True), "documents": DOCS, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_spaces_between_special_tokens_changes_nothing_and_is_accepted_either_way(app_client):
+    """vLLM's option is about spaces around special tokens in the text; kvblend's text never holds one
+    (skip_special_tokens is true) and its decoding has no such option: both values give the same answer."""
+    plain = _answer(app_client)
+    assert _answer(app_client, spaces_between_special_tokens=False) == plain
+    assert _answer(app_client, spaces_between_special_tokens=True) == plain
+    r = app_client.post("/v1/chat/completions", json=chat(spaces_between_special_tokens="no"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "spaces_between_special_tokens"
+
+
+def test_add_special_tokens_true_is_refused_only_where_the_tokenizer_would_add_one(app_client):
+    """vLLM's add_special_tokens: true puts the tokenizer's special tokens (Llama's BOS) in front of the prompt;
+    it was dropped unread. The tiny model's tokenizer, like SmolLM2's and Qwen2's, adds none: both values give
+    the answer kvblend gives without it. One that adds a BOS refuses true and takes false."""
+    from tokenizers import processors
+
+    plain = _answer(app_client)
+    assert _answer(app_client, add_special_tokens=True) == _answer(app_client, add_special_tokens=False) == plain
+    engine = tiny_serve_engine()
+    tok = engine.tokenizer = copy.deepcopy(engine.tokenizer)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    assert tok("a")["input_ids"] == [tok.bos_token_id, *tok("a", add_special_tokens=False)["input_ids"]]
+    with TestClient(create_app(engine, ServeConfig(model=TINY))) as client:
+        for endpoint, body in (("/v1/chat/completions", chat()),
+                               ("/v1/completions", {"model": TINY, "prompt": "which river?", "max_tokens": 2})):
+            r = client.post(endpoint, json={**body, "add_special_tokens": True})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "add_special_tokens" and "BOS" in r.json()["error"]["message"]
+            assert client.post(endpoint, json={**body, "add_special_tokens": False}).status_code == 200
+            assert client.post(endpoint, json=body).status_code == 200
 
 
 # ---- bodies that are not JSON: a 400 that says why ---------------------------------------------------------------

@@ -168,6 +168,9 @@ CHAT_UNDECLARED_NEUTRAL: dict[str, tuple] = {  # chat's own (completions declare
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
     "reasoning_effort": (None,), "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
     "web_search_options": (None,),
+    # OpenAI's answer length and detail (its reasoning models write shorter or longer answers); "medium" is its
+    # default, so it asks for nothing
+    "verbosity": (None, "medium"),
 }
 
 
@@ -206,6 +209,14 @@ class _Common(BaseModel):
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     use_beam_search: StrictBool | None = None
+    # vLLM's: add the tokenizer's special tokens (a BOS) in front of the prompt. kvblend's prompt is its own
+    # layout of the chat template, tokenized with none added (vLLM's chat default, false): true is refused where
+    # the model's tokenizer would add one (intake), accepted where it adds none
+    add_special_tokens: StrictBool | None = None
+    # vLLM's: spaces around special tokens in the answer's text. It changes nothing kvblend writes: special tokens
+    # never reach the text (skip_special_tokens must be true), and transformers' decoding, kvblend's, has no
+    # such option (fast tokenizers never read it, as vLLM's fast detokenizer does not; 5.x's python ones neither)
+    spaces_between_special_tokens: StrictBool | None = None
 
     @field_validator("documents")
     @classmethod
