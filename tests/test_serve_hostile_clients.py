@@ -8,6 +8,7 @@ import copy
 import json
 import socket
 import threading
+import time
 from typing import Iterator, get_args, get_origin
 
 import httpx
@@ -252,10 +253,12 @@ def _gauge(url: str, name: str) -> float:
     return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[-1])
 
 
-def _raw_request(url: str, body: dict) -> socket.socket:
-    """A connection that sent one chat request (and reads nothing)."""
+def _raw_request(url: str, body: dict, rcvbuf: int | None = None) -> socket.socket:
+    """A connection that sent one chat request (and reads nothing), with a receive buffer of ``rcvbuf`` bytes."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket()
+    if rcvbuf is not None:  # before connecting: the window it offers follows it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect((host, int(port)))
     data = json.dumps(body).encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -337,3 +340,92 @@ def test_a_client_that_stops_reading_its_stream_holds_up_no_other_request():
         asyncio.run(run())
     finally:
         sched.close()
+
+
+WRITE_TIMEOUT_S = 1.0
+CHUNKED_END = b"\r\n0\r\n\r\n"  # the last chunk of a chunked (streamed) body
+
+
+@pytest.fixture
+def small_buffer_server():
+    """A server whose connections have small socket buffers (a few KB each way, with the client's receive buffer
+    set small too), so an answer of ~200 KB fills them: its write timeout is WRITE_TIMEOUT_S, its connection cap 2."""
+    config = ServeConfig(model=TINY, limits=Limits(max_tokens=400, write_timeout_s=WRITE_TIMEOUT_S, max_connections=2))
+    with running_server(tiny_serve_engine(), config) as srv:
+        listener = srv.server.servers[0].sockets[0]
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted connections inherit it
+        yield srv
+
+
+def _long_answer(stream: bool) -> dict:
+    """~1.4 KB per token with 20 alternatives each: 150 tokens are ~210 KB, past every buffer on the way."""
+    return chat(max_tokens=150, ignore_eos=True, stream=stream, logprobs=True, top_logprobs=20)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_stops_reading_is_cut_after_the_write_timeout_and_its_slot_freed(small_buffer_server, stream):
+    """A client that stopped reading but stayed connected kept its connection after its answer was decoded: the
+    stream's next write (or a finished response's close) waited for its socket to drain, for ever, so its slot under
+    --max-connections, its buffers and its queued text were held until it left, and enough such clients locked
+    everyone out. Once it takes no bytes for the write timeout, the connection is aborted and counted."""
+    srv = small_buffer_server
+    sched, connections = srv.scheduler, srv.server.server_state.connections
+    t0 = time.monotonic()
+    sock = _raw_request(srv.url, _long_answer(stream), rcvbuf=4096)
+    wait_until(lambda: sched.completed + sched.cancelled == 1)  # decoded to its end (or cut before, on a slow box)
+    decoded = time.monotonic()
+    wait_until(lambda: not connections, timeout=20)
+    closed = time.monotonic()
+    assert WRITE_TIMEOUT_S <= closed - t0  # not before the client had the whole timeout
+    assert closed - decoded <= 1.25 * WRITE_TIMEOUT_S + 1.0  # once nothing moves: the timeout (a quarter to notice)
+    assert _gauge(srv.url, "kvblend_write_timeouts_total") == 1
+    assert sched.active == 0 and sched.pool.free_slots == sched.pool.slots
+    got = b""
+    sock.settimeout(5)
+    try:
+        while chunk := sock.recv(1 << 16):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    sock.close()
+    assert got and not got.endswith(CHUNKED_END if stream else b"}")  # cut: the rest of its answer was dropped
+    r = httpx.post(srv.url + "/v1/chat/completions", json=chat(), timeout=30)  # its slot is free
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_slow_client_that_keeps_reading_gets_its_whole_answer(small_buffer_server, stream):
+    """The write timeout is between two takes, not for the whole answer: a client that reads in bursts, pausing
+    under the timeout each time but for far longer than it in all, is never cut. (A stream's writes pause and
+    resume as it reads; a whole JSON body is written at once and goes down a burst at a time.)"""
+    srv = small_buffer_server
+    body = {**_long_answer(stream), **({"stream_options": {"include_usage": True}} if stream else {})}
+    sock = _raw_request(srv.url, body, rcvbuf=4096)
+    got, paused, closed = b"", 0.0, False
+    sock.settimeout(5)
+
+    def whole() -> bool:
+        head, _, content = got.partition(b"\r\n\r\n")
+        if stream:
+            return got.endswith(CHUNKED_END)
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), None)
+        return length is not None and len(content) == length
+
+    while not (closed or whole()):
+        time.sleep(0.6 * WRITE_TIMEOUT_S)  # the server waits on it meanwhile (its buffers are full)
+        paused += 0.6 * WRITE_TIMEOUT_S
+        burst = len(got) + 48 * 1024  # then it takes 48 KB (about a quarter of the answer)
+        while len(got) < burst and not (closed or whole()):
+            chunk = sock.recv(burst - len(got))
+            closed = not chunk
+            got += chunk
+    sock.close()
+    assert got.startswith(b"HTTP/1.1 200") and whole(), got[-200:]
+    if stream:
+        assert got.endswith(b"data: [DONE]\n\n" + CHUNKED_END) and b'"completion_tokens":150,' in got
+    else:
+        assert json.loads(got.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] == 150
+    assert paused > 2 * WRITE_TIMEOUT_S  # it kept the server waiting longer than the timeout, in all
+    assert _gauge(srv.url, "kvblend_write_timeouts_total") == 0
+    assert srv.scheduler.completed == 1 and srv.scheduler.cancelled == 0
