@@ -1,5 +1,6 @@
-"""The server against ill-behaved clients: answer-changing fields it cannot honour, bodies that are not JSON,
-clients that leave before their first token, and clients that stop reading their stream (tiny model)."""
+"""The server against ill-behaved clients: answer-changing fields it cannot honour, numbers that are not finite,
+bodies that are not JSON, clients that leave before their first token (their prefill stops), and clients that
+stop reading their stream (tiny model)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,19 @@ from typing import Iterator, get_args, get_origin
 
 import httpx
 import pytest
+from pydantic import BaseModel
 from starlette.testclient import TestClient
 
+import blend.model
 from _serve_util import (  # noqa: F401 - fixtures
-    TINY, make_scheduler, one_torch_thread, running_server, tiny_serve_engine, wait_until,
+    TINY, Collector, make_scheduler, one_torch_thread, running_server, tiny_serve_engine, wait_until,
 )
 from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
 from blend.serve.app import create_app
 from blend.serve.config import Limits, SchedulerConfig, ServeConfig
+from blend.serve.jobs import EventKind
 from blend.serve.schemas import CHAT_UNDECLARED_NEUTRAL, UNDECLARED_NEUTRAL, ChatCompletionRequest, CompletionRequest
-from pydantic import BaseModel
 from conftest import make_docs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -229,9 +232,10 @@ def test_every_number_field_refuses_nan_and_infinity_as_not_finite(app_client, e
 @pytest.mark.parametrize("max_tokens", [1, 40])
 def test_a_request_whose_client_leaves_during_its_prefill_is_not_answered_and_counts_as_cancelled(
         make_scheduler, max_tokens):
-    """A prefill cannot be interrupted; after it, a request whose client had left was sent its first
-    token and went on into a decode-pool slot (its KV copied there) until the decode loop's next
-    iteration retired it, and a one-token answer was counted completed. It is retired at once now."""
+    """After its prefill, a request whose client had left was sent its first token and went on into a
+    decode-pool slot (its KV copied there) until the decode loop's next iteration retired it, and a
+    one-token answer was counted completed. It is retired at once now (its prefill, cancelled before its
+    first layer here, stops there)."""
     engine = tiny_serve_engine()
     held = HeldPrefill(engine)
     sched = make_scheduler(engine, max_concurrency=2)
@@ -246,6 +250,82 @@ def test_a_request_whose_client_leaves_during_its_prefill_is_not_answered_and_co
     assert (sched.cancelled, sched.completed, sched.failed) == (1, 0, 0)
     assert events == []  # nobody to tell
     assert sched.pool.free_slots == sched.pool.slots and sched.flight.claimed() == 0
+
+
+class SlowLayers:
+    """A hook on the model's layer function, which every prefill pass runs (the decode loop's batched step has
+    its own): counts the layers run, each taking ``delay_s`` longer (a long prefill on a tiny model)."""
+
+    def __init__(self, monkeypatch, delay_s: float = 0.0) -> None:
+        real = blend.model.layer_forward
+        self.calls, self.delay_s = 0, delay_s
+
+        def layer(*args, **kw):
+            self.calls += 1
+            time.sleep(self.delay_s)
+            return real(*args, **kw)
+
+        monkeypatch.setattr(blend.model, "layer_forward", layer)
+
+
+LONG_DOCS = make_docs(4, words=40, seed=9)
+
+
+def _answer_tokens(sched, prompt, policy) -> tuple[int, ...]:
+    got = Collector()
+    sched.submit(prompt, policy, GenerationConfig(max_tokens=8, ignore_eos=True), got.sink(0))
+    got.wait(1)
+    assert got.last(0).kind is EventKind.DONE
+    return tuple(got.last(0).completion.token_ids)
+
+
+@pytest.mark.parametrize("policy", [ReusePolicy.exact(), ReusePolicy.blend(ratio=0.3), ReusePolicy.none()],
+                         ids=["exact", "blend", "none"])
+def test_a_prefill_whose_client_leaves_stops_at_its_next_layer(make_scheduler, monkeypatch, policy):
+    """A running prefill was not interrupted when its client left: every layer of every segment still ran, for
+    nobody. The scheduler now runs it cancellable, and it stops before its next layer; nothing of it is left
+    half done: the same request asked again gets the answer of an engine that never saw it."""
+    layers = SlowLayers(monkeypatch)
+    reference = make_scheduler(tiny_serve_engine(), max_concurrency=2)
+    prompt = reference.engine.build_prompt("which river?", LONG_DOCS)
+    expected = _answer_tokens(reference, prompt, policy)
+    whole = layers.calls  # the layers one uninterrupted prefill runs (a few decode steps run no layer_forward)
+    assert whole >= 12
+    engine = tiny_serve_engine()
+    sched = make_scheduler(engine, max_concurrency=2)
+    layers.calls, layers.delay_s = 0, 0.05
+    events = []
+    ticket = sched.submit(engine.build_prompt("which river?", LONG_DOCS), policy,
+                          GenerationConfig(max_tokens=8, ignore_eos=True), events.append)
+    wait_until(lambda: layers.calls >= 2)
+    ticket.cancel()  # its client went away
+    at_cancel = layers.calls
+    wait_until(lambda: sched.active == 0)
+    assert layers.calls <= at_cancel + 1 < whole  # the layer running then finished; no other began
+    assert sched.interrupted_prefills == 1 and (sched.cancelled, sched.completed, sched.failed) == (1, 0, 0)
+    assert events == [] and sched.pool.free_slots == sched.pool.slots and sched.flight.claimed() == 0
+    layers.delay_s = 0.0
+    assert _answer_tokens(sched, prompt, policy) == expected  # what it stored (the segments it finished) is whole
+    assert sched.dead_threads() == []
+
+
+def test_a_client_that_leaves_during_a_long_prefill_stops_it_and_the_server_stays_healthy(monkeypatch):
+    layers = SlowLayers(monkeypatch, delay_s=0.05)
+    config = ServeConfig(model=TINY, scheduler=SchedulerConfig(max_concurrency=2))
+    with running_server(tiny_serve_engine(), config) as srv:
+        sched = srv.scheduler
+        sock = _raw_request(srv.url, {**chat(max_tokens=8, ignore_eos=True, stream=True), "documents": LONG_DOCS})
+        wait_until(lambda: layers.calls >= 2)
+        sock.close()  # before its first token: the prefill had ~24 layers to go
+        wait_until(lambda: sched.active == 0)
+        assert layers.calls <= 6 and sched.interrupted_prefills == 1 and sched.cancelled == 1
+        assert _gauge(srv.url, "kvblend_interrupted_prefills_total") == 1
+        assert _gauge(srv.url, "kvblend_active_requests") == 0 and sched.flight.claimed() == 0
+        layers.delay_s = 0.0
+        assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat(max_tokens=8, ignore_eos=True),
+                                                             "documents": LONG_DOCS}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
 
 
 def _gauge(url: str, name: str) -> float:
@@ -284,9 +364,10 @@ def test_a_client_that_leaves_during_its_prefill_frees_its_slot_claims_and_gauge
         assert (sched.cancelled, sched.completed) == (1, 0)
         assert sched.flight.claimed() == 0 and sched.pool.free_slots == sched.pool.slots
         assert _gauge(srv.url, "kvblend_active_requests") == 0 and _gauge(srv.url, "kvblend_queue_depth") == 0
-        held.hold = False
+        held.hold = False  # its prefill stopped before its first layer: it stored nothing
+        assert sched.interrupted_prefills == 1 and _gauge(srv.url, "kvblend_interrupted_prefills_total") == 1
         r = httpx.post(srv.url + "/v1/chat/completions", json={**chat(), "documents": DOCS}, timeout=30)
-        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 # ---- a client that stops reading its stream -----------------------------------------------------------------
