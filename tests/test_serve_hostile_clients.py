@@ -304,6 +304,9 @@ def test_a_prefill_whose_client_leaves_stops_at_its_next_layer(make_scheduler, m
     assert layers.calls <= at_cancel + 1 < whole  # the layer running then finished; no other began
     assert sched.interrupted_prefills == 1 and (sched.cancelled, sched.completed, sched.failed) == (1, 0, 0)
     assert events == [] and sched.pool.free_slots == sched.pool.slots and sched.flight.claimed() == 0
+    d, held = engine.dims, engine.runner.kv_pool.stats()
+    own_cache = 2 * d.num_layers * d.num_kv_heads * (len(prompt) + 8) * d.head_dim * engine.runner.dtype.itemsize
+    assert held.pending_bytes == 0 and held.free_bytes >= own_cache  # its cache went back to the pool
     layers.delay_s = 0.0
     assert _answer_tokens(sched, prompt, policy) == expected  # what it stored (the segments it finished) is whole
     assert sched.dead_threads() == []
