@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from blend.cancel import PrefillCancelled, cancel_flag
 from blend.gemm import GemmBackend, dense, linear, pack, packs_natively
 from blend.kernels.suffix_attention import causal_suffix_attention, causal_suffix_attention_parts
 from blend.kvcache import KVCache, KVEntry
@@ -337,9 +338,13 @@ class ModelRunner:
     def run_layers(self, h: torch.Tensor, rows: LayerRows, start: int = 0,
                    layers: list[LayerWeights] | None = None) -> torch.Tensor:
         """Layers ``start``.. over hidden rows h (A, C) (the input of layer ``start``);
-        returns the last layer's rows (A', C). ``layers``: other weights (:meth:`layers_in`)."""
+        returns the last layer's rows (A', C). ``layers``: other weights (:meth:`layers_in`).
+        Raises PrefillCancelled before a layer once its :func:`~blend.cancel.cancellable` flag is set."""
+        cancel = cancel_flag()
         for i, w in enumerate(self.layers if layers is None else layers):
             if i >= start:
+                if cancel is not None and cancel.is_set():
+                    raise PrefillCancelled
                 h = layer_forward(w, self.dims, i, h, rows)
         return h
 

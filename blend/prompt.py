@@ -169,6 +169,20 @@ def tokenize_segment(tokenizer, text: str) -> tuple[int, ...]:
     return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def adds_special_tokens(tokenizer) -> bool:
+    """Whether the tokenizer adds tokens of its own to a text it encodes with special tokens (a BOS in front, as
+    Llama's and Mistral's do; SmolLM2's and Qwen2's add none). The layout never asks for them: its special
+    tokens are the chat template's (see :func:`tokenize_segment`).
+
+    Args:
+        tokenizer: a transformers tokenizer.
+
+    Returns:
+        True if ``tokenizer(text)`` differs from ``tokenizer(text, add_special_tokens=False)``.
+    """
+    return list(tokenizer("a")["input_ids"]) != list(tokenizer("a", add_special_tokens=False)["input_ids"])
+
+
 def document_ids(tokenizer, doc: str) -> tuple[int, ...]:
     """Token ids of a document as :func:`build_prompt` lays it out (a control token's string in it is
     text, see :mod:`blend.control_text`).

@@ -49,7 +49,8 @@ def running_server(engine: Engine, config: ServeConfig | None = None) -> Iterato
     config = config or ServeConfig(model=TINY)
     app = create_app(engine, config)
     port = free_port()
-    options = {**uvicorn_options(config), "host": "127.0.0.1", "port": port, "timeout_graceful_shutdown": 2}
+    options = {**uvicorn_options(config, app.state.metrics), "host": "127.0.0.1", "port": port,
+               "timeout_graceful_shutdown": 2}
     server = DrainingServer(uvicorn.Config(app, log_level="warning", **options), app.state.scheduler)
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()

@@ -605,7 +605,7 @@ def test_a_body_still_arriving_after_its_request_was_answered_has_the_head_deadl
             assert got.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in got and after_s < 2.0
 
 
-@pytest.mark.parametrize("field", ["head_timeout_s", "body_timeout_s"])
+@pytest.mark.parametrize("field", ["head_timeout_s", "body_timeout_s", "write_timeout_s"])
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
 def test_a_timeout_must_be_positive(field, value):
     with pytest.raises(ValueError, match="timeouts must be > 0"):

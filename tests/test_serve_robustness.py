@@ -317,12 +317,13 @@ def test_defaults_come_from_blend_defaults():
     actions = {a.dest: a for a in cli.build_parser()._actions}
     assert tuple(actions["dtype"].choices) == DTYPE_NAMES
     assert actions["log_level"].default == DEFAULT_LOG_LEVEL and tuple(actions["log_level"].choices) == LOG_LEVELS
-    assert "**uvicorn_options(config)" in inspect.getsource(cli.main)  # the server's uvicorn settings
+    assert "**uvicorn_options(config, app.state.metrics)" in inspect.getsource(cli.main)  # its uvicorn settings
     options = uvicorn_options(ServeConfig())
     assert options["timeout_graceful_shutdown"] == DEFAULT_GRACEFUL_SHUTDOWN_S == 8
     assert options["limit_concurrency"] == Limits().max_connections
     assert options["http"].head_timeout_s == Limits().head_timeout_s
     assert actions["header_timeout"].default == Limits().head_timeout_s
+    assert options["http"].write_timeout_s == Limits().write_timeout_s == actions["write_timeout"].default
 
 
 # ---- 9. a stream whose client leaves stops its request then, not when the collector runs ---------------

@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--header-timeout", type=float, default=lim.head_timeout_s,
                    help="seconds a client has to send a request's line and headers once its connection is "
                         "ready for one (opened, or done with its last response); the connection ends after it")
+    p.add_argument("--write-timeout", type=float, default=lim.write_timeout_s, metavar="S",
+                   help="seconds a client may take none of its response's bytes while the server waits on it (a "
+                        "client that stopped reading); its connection is then closed. A slow client that keeps "
+                        "reading is never cut (default: %(default)s)")
     p.add_argument("--graceful-shutdown", type=float, default=lim.graceful_shutdown_s, metavar="S",
                    help="on SIGTERM or Ctrl-C: queued requests get a 503 at once, running ones this many seconds "
                         "to finish (then a 503, or an error event in their stream) (default: %(default)s)")
@@ -137,7 +141,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                       max_messages=args.max_messages,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
                       default_max_tokens=args.default_max_tokens, body_timeout_s=args.body_timeout,
-                      head_timeout_s=args.header_timeout, max_connections=args.max_connections,
+                      head_timeout_s=args.header_timeout, write_timeout_s=args.write_timeout,
+                      max_connections=args.max_connections,
                       graceful_shutdown_s=args.graceful_shutdown),
         attention_precision=args.attention_precision, linear_precision=args.linear_precision,
         scheduler=SchedulerConfig(
@@ -179,6 +184,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = create_app(engine, config)
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger(__name__).warning("serving on %s without an API key", config.host)
-    DrainingServer(uvicorn.Config(app, log_level=args.log_level, **uvicorn_options(config)),
+    DrainingServer(uvicorn.Config(app, log_level=args.log_level, **uvicorn_options(config, app.state.metrics)),
                    app.state.scheduler).run()
     return 0

@@ -28,6 +28,12 @@ class Limits:
     # for it (opened, or done with its last response); after it the connection ends (408 if part of a
     # head came). uvicorn has no such deadline: idle or trickling connections held --max-connections
     head_timeout_s: float = 15.0
+    # a client the server waits on to take its response's bytes (its socket's buffers full, or a finished
+    # response's last bytes still buffered) must take some this often; after it the connection is aborted and
+    # counted (kvblend_write_timeouts_total). A client that stopped reading but stayed connected held its
+    # connection, its buffers and its queued text until it left; one that keeps reading, however slowly, is never
+    # cut (the wait starts again whenever it takes bytes, as nginx's send_timeout)
+    write_timeout_s: float = 30.0
     # connections uvicorn holds at once; one more is answered 503 (each stalled connection holds a
     # descriptor and its buffers; streams and requests waiting for a slot count too)
     max_connections: int = 512
@@ -42,8 +48,8 @@ class Limits:
     default_max_tokens: int = 256  # when a request names none
 
     def __post_init__(self) -> None:
-        if not (self.body_timeout_s > 0 and self.head_timeout_s > 0):  # NaN and <= 0 refused
-            raise ValueError("body and header timeouts must be > 0 seconds")
+        if not (self.body_timeout_s > 0 and self.head_timeout_s > 0 and self.write_timeout_s > 0):  # NaN refused
+            raise ValueError("body, header and write timeouts must be > 0 seconds")
         if not self.graceful_shutdown_s >= 0:
             raise ValueError("the graceful shutdown must be >= 0 seconds")
         if self.max_connections < 1 or self.max_body_bytes < 1:

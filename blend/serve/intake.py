@@ -16,7 +16,7 @@ from blend.errors import InvalidPolicyError, InvalidRequestError
 from blend.generation import stop_strings
 from blend.policy import POLICY_DEFAULTS, GuardMode, ProbePrecision, RecomputePrecision, ReuseMode, ReusePolicy
 from blend.policy_rules import BLEND_OPTIONS, setting_changed
-from blend.prompt import Prompt, bos_prompt
+from blend.prompt import Prompt, adds_special_tokens, bos_prompt
 from blend.sampling import GenerationConfig, InvalidSettingError
 from blend.serve.config import ServeConfig
 from blend.serve.protocol import Endpoint, ErrorType
@@ -118,6 +118,11 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
                        "and kvblend does not implement it (no tool calls, constrained decoding, echo, several "
                        "candidates, or vLLM's min_p, min_tokens, repetition_penalty, stop_token_ids, ...)",
                        param=refused)
+    if body.add_special_tokens and adds_special_tokens(engine.tokenizer):
+        raise ApiError(400, "add_special_tokens: true is not supported by kvblend serve with this model: its "
+                       "tokenizer would add special tokens (a BOS) in front of the prompt, whose layout takes the "
+                       "chat template's own (send false, vLLM's chat default, or leave it out)",
+                       param="add_special_tokens")
     try:
         logprobs = body.logprob_alternatives()
     except ValueError as e:

@@ -14,6 +14,8 @@
     kvblend_decode_shared_steps_total            decode steps that ran part of their rows on an idle prefill worker
     kvblend_refined_orders_total / _segments_total   document orders (segments) an idle worker gave exact KV
     kvblend_refine_pending                       orders waiting for that
+    kvblend_write_timeouts_total                 connections closed: their client took no bytes for --write-timeout
+    kvblend_interrupted_prefills_total           prefills stopped between layers: their client left while they ran
 """
 
 from __future__ import annotations
@@ -111,6 +113,12 @@ class ServeMetrics:
                                         "for exact KV of blended document orders", registry=r)
         self.refine_pending = Gauge("kvblend_refine_pending", "document orders waiting for idle-time exact KV",
                                     registry=r)
+        self.write_timeouts = Counter("kvblend_write_timeouts", "connections closed because their client took "
+                                      "none of its response's bytes for the write timeout (it stopped reading)",
+                                      registry=r)
+        self.interrupted_prefills = Counter("kvblend_interrupted_prefills", "prefills stopped between layers "
+                                            "because their request was cancelled (its client left) while they ran",
+                                            registry=r)
         self.rate = Gauge("kvblend_output_tokens_per_second", f"generated tokens/s over the last {RATE_WINDOW_S:g} s",
                           registry=r)
         self.rate.set_function(self._tokens_per_s)
@@ -157,6 +165,9 @@ class ServeMetrics:
 
     def on_finish(self, e2e_s: float) -> None:
         self.e2e.observe(e2e_s)
+
+    def on_write_timeout(self) -> None:
+        self.write_timeouts.inc()
 
     def on_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

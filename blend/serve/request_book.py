@@ -59,6 +59,7 @@ class RequestBook:
         self.completed = 0
         self.cancelled = 0
         self.failed = 0
+        self.interrupted = 0  # prefills stopped between layers: their request was cancelled while they ran
         self._ids = itertools.count(1)
 
     # ---- admission ------------------------------------------------------------------------
@@ -221,6 +222,11 @@ class RequestBook:
         if not isinstance(error, KVBlendError):
             log.error("request %d failed: %s: %s", job.id, type(error).__name__, error)
         self.emit(job, Event(EventKind.FAILED, error=error))
+
+    def interrupted_prefill(self) -> None:
+        """Count a prefill its request's cancellation stopped (the request is retired apart)."""
+        with self.cond:
+            self.interrupted += 1
 
     def retire(self, job: SchedulerJob, ending: Ending, e2e_s: float | None = None) -> bool:
         """Free an active request's slot and KV and count how it ended (under the lock: several

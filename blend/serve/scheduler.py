@@ -48,6 +48,7 @@ from dataclasses import replace
 import torch
 
 from blend.batch_decode import DecodeBatching
+from blend.cancel import PrefillCancelled, cancellable
 from blend.decode_pool import DecodePool
 from blend.generation import TokenStream
 from blend.policy import ReusePolicy
@@ -138,7 +139,7 @@ class Scheduler:
         book = self.book
         with book.cond:
             prefilling = list(book.prefilling_jobs)
-        for job in prefilling:  # a prefill cannot be interrupted: its client gets the 503 now, not after it
+        for job in prefilling:  # its client gets the 503 now; its prefill stops at its next layer
             job.cancelled.set()
             book.fail(job, ShuttingDownError())
         waiting, incoming = book.stop()
@@ -196,6 +197,11 @@ class Scheduler:
     @property
     def cancelled(self) -> int:
         return self.book.cancelled
+
+    @property
+    def interrupted_prefills(self) -> int:
+        """Prefills stopped between layers because their request was cancelled while they ran."""
+        return self.book.interrupted
 
     @property
     def failed(self) -> int:
@@ -317,8 +323,13 @@ class Scheduler:
             if consults_gate(engine, job.prompt, job.policy):  # (not a blend with no document to blend)
                 with self._gate_lock:
                     gate_s = engine.gate.verdict(engine).ran_s
-            with book.prefill_running(), self._exclusive or nullcontext():
+            # a request cancelled while it prefills (its client left, the server closes) stops at the next layer
+            with book.prefill_running(), self._exclusive or nullcontext(), cancellable(job.cancelled):
                 first, cache, report = engine.prefill(job.prompt, job.policy, job.config.max_tokens)
+        except PrefillCancelled:  # its cache goes with it; the segments it finished are stored, complete
+            book.interrupted_prefill()  # (retired below, once its claims are released, as cancelled)
+            if self.metrics is not None:
+                self.metrics.interrupted_prefills.inc()
         finally:
             if self.flight is not None:
                 self.flight.release(job.id)

@@ -21,9 +21,11 @@ back to a default.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (
+    AllowInfNan, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator,
+)
 
 from blend.defaults import (
     DEFAULT_CANDIDATES, DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_MODE, DEFAULT_GUARD_RATIO, DEFAULT_PROBE_PRECISION,
@@ -39,6 +41,9 @@ Selector = Literal[SELECTOR_NAMES]  # type: ignore[valid-type]
 ProbePrecisionName = Literal[PROBE_PRECISION_NAMES]  # type: ignore[valid-type]
 RecomputePrecisionName = Literal[RECOMPUTE_PRECISION_NAMES]  # type: ignore[valid-type]
 GuardModeName = Literal[GUARD_MODE_NAMES]  # type: ignore[valid-type]
+# every number a request may carry: JSON as Python reads it takes NaN, Infinity and -Infinity, which failed a
+# range check instead ("temperature: NaN" was told "less than or equal to 2"); they are "not a finite number" now
+FiniteNumber = Annotated[StrictFloat, AllowInfNan(False)]
 
 
 class Document(BaseModel):
@@ -54,20 +59,20 @@ class KvblendOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reuse: ReuseModeName = ReuseMode.EXACT.value
-    ratio: StrictFloat = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
+    ratio: FiniteNumber = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
     selector: Selector = DEFAULT_SELECTOR
     semantic: StrictBool = False
-    guard_margin: StrictFloat | None = Field(DEFAULT_GUARD_MARGIN, ge=0.0)  # near-tie guard (nats); None: off
-    guard_ratio: StrictFloat = Field(DEFAULT_GUARD_RATIO, ge=0.0, le=1.0)
+    guard_margin: FiniteNumber | None = Field(DEFAULT_GUARD_MARGIN, ge=0.0)  # near-tie guard (nats); None: off
+    guard_ratio: FiniteNumber = Field(DEFAULT_GUARD_RATIO, ge=0.0, le=1.0)
     guard_mode: GuardModeName = DEFAULT_GUARD_MODE  # how the guard's recompute runs (blend.policy.GuardMode)
-    candidates: StrictFloat | None = Field(DEFAULT_CANDIDATES, ge=1.0)  # probe selectors: candidate factor
+    candidates: FiniteNumber | None = Field(DEFAULT_CANDIDATES, ge=1.0)  # probe selectors: candidate factor
     probe_precision: ProbePrecisionName = DEFAULT_PROBE_PRECISION  # the probe's GEMM dtype
     # blend: dtype of the recomputed rows' attention and linear layers above the last check layer
     # (blend.policy.RecomputePrecision); None: the server's default (`kvblend serve --attention-precision`)
     attention_precision: RecomputePrecisionName | None = None
     linear_precision: RecomputePrecisionName | None = None
-    reused_temperature: StrictFloat = Field(DEFAULT_REUSED_TEMPERATURE, ge=REUSED_TEMPERATURE_RANGE[0],
-                                      le=REUSED_TEMPERATURE_RANGE[1], allow_inf_nan=False)  # reused rows' attention
+    reused_temperature: FiniteNumber = Field(DEFAULT_REUSED_TEMPERATURE, ge=REUSED_TEMPERATURE_RANGE[0],
+                                            le=REUSED_TEMPERATURE_RANGE[1])  # reused rows' attention
     # blend: load documents this order's exact path stored (None: the server's default, on with --refine-after)
     take_exact: StrictBool | None = None
     stop_at_newline: StrictBool = False
@@ -163,6 +168,9 @@ CHAT_UNDECLARED_NEUTRAL: dict[str, tuple] = {  # chat's own (completions declare
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
     "reasoning_effort": (None,), "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
     "web_search_options": (None,),
+    # OpenAI's answer length and detail (its reasoning models write shorter or longer answers); "medium" is its
+    # default, so it asks for nothing
+    "verbosity": (None, "medium"),
 }
 
 
@@ -176,17 +184,17 @@ class _Common(BaseModel):
     cache_salt: str | None = Field(None, max_length=256)
     kvblend: KvblendOptions | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: StrictFloat | None = Field(None, ge=0.0, le=MAX_SAMPLING_TEMPERATURE)
-    top_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)  # 0: the most likely token only
+    temperature: FiniteNumber | None = Field(None, ge=0.0, le=MAX_SAMPLING_TEMPERATURE)
+    top_p: FiniteNumber | None = Field(None, ge=0.0, le=1.0)  # 0: the most likely token only
     top_k: StrictInt | None = Field(None, ge=-1)  # -1 or 0: off (vLLM's convention)
     seed: StrictInt | None = Field(None, ge=MIN_SAMPLING_SEED, lt=MAX_SEED)  # any signed 64-bit integer (OpenAI)
     stop: Union[str, list[str], None] = None
     stream: StrictBool | None = None  # null or absent: one JSON body
     stream_options: StreamOptions | None = None
     n: StrictInt | None = Field(None, ge=1, le=1)  # one answer per request
-    presence_penalty: StrictFloat | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)  # null: 0
-    frequency_penalty: StrictFloat | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)  # null: 0
-    logit_bias: dict[str, StrictFloat] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    presence_penalty: FiniteNumber | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)  # null: 0
+    frequency_penalty: FiniteNumber | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)  # null: 0
+    logit_bias: dict[str, FiniteNumber] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
     tools: list | None = None  # refused when non-empty: no tool calling
     functions: list | None = None  # refused when non-empty (OpenAI's older tools)
     tool_choice: Union[str, dict, None] = None  # refused unless "none" or unset
@@ -195,12 +203,20 @@ class _Common(BaseModel):
     # vLLM's other sampling fields: accepted at their neutral value, refused otherwise (never ignored)
     best_of: StrictInt | None = None  # n = 1
     min_tokens: StrictInt | None = None
-    min_p: StrictFloat | None = None
-    repetition_penalty: StrictFloat | None = None
+    min_p: FiniteNumber | None = None
+    repetition_penalty: FiniteNumber | None = None
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     use_beam_search: StrictBool | None = None
+    # vLLM's: add the tokenizer's special tokens (a BOS) in front of the prompt. kvblend's prompt is its own
+    # layout of the chat template, tokenized with none added (vLLM's chat default, false): true is refused where
+    # the model's tokenizer would add one (intake), accepted where it adds none
+    add_special_tokens: StrictBool | None = None
+    # vLLM's: spaces around special tokens in the answer's text. It changes nothing kvblend writes: special tokens
+    # never reach the text (skip_special_tokens must be true), and transformers' decoding, kvblend's, has no
+    # such option (fast tokenizers never read it, as vLLM's fast detokenizer does not; 5.x's python ones neither)
+    spaces_between_special_tokens: StrictBool | None = None
 
     @field_validator("documents")
     @classmethod
