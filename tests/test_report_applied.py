@@ -209,3 +209,14 @@ def test_exact_and_no_reuse_never_ask_the_gate(tiny_engine, mode):
     eng = gated(tiny_engine, gate)
     rep = eng.generate(eng.build_prompt("Which?", make_docs(2)), ReusePolicy(mode=mode), max_new_tokens=1).report
     assert gate.calls == 0 and rep.applied is mode and not rep.gate
+
+
+def test_the_chat_turn_line_names_what_ran_only_where_it_is_not_what_was_asked():
+    from blend.chat_cli import turn_summary
+    from blend.policy_types import ReuseMode
+    from blend.report import ReuseReport
+
+    assert turn_summary(ReuseReport(policy="exact", applied=ReuseMode.EXACT), 0).endswith("| exact]")
+    blend = "blend@0.15:probe:check=1"
+    assert turn_summary(ReuseReport(policy=blend, applied=ReuseMode.BLEND), 0).endswith(f"| {blend}]")
+    assert turn_summary(ReuseReport(policy=blend, applied=ReuseMode.EXACT), 0).endswith(f"| {blend}, ran exact]")
