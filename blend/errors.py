@@ -9,6 +9,11 @@ class UnknownModelError(KVBlendError):
     pass
 
 
+class CheckpointError(UnknownModelError):
+    """A checkpoint folder whose files cannot be read, or do not hold what its config describes
+    (a truncated or zeroed weight file, a tensor missing, a tokenizer file that is not JSON...)."""
+
+
 class InvalidRequestError(KVBlendError):
     pass
 

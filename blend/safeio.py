@@ -159,6 +159,23 @@ def fsync_dir(folder: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def fsync_files(folder: str | os.PathLike[str]) -> None:
+    """fsync every regular file directly inside ``folder``, then the folder: what was written there is on
+    disk before a rename publishes the folder (a crash could otherwise leave the new name over empty files).
+
+    Raises:
+        OSError: a file could not be opened or fsynced.
+    """
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(folder)
+
+
 def _umask() -> int:
     """The process's umask, read without changing it (Linux: /proc); 0o022 where it cannot be read."""
     try:

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from blend.evals.plot import draw_methods, series
 from blend.evals.report import best_by_budget
 from blend.evals.results_schema import SchemaError, validate_results
+from blend.evals.rows import MAX_ROWS_BYTES
 from blend.evals.splits import items_caption
 from blend import safeio
 
@@ -53,11 +54,17 @@ def load_run(path: Path, label: str | None = None) -> Run:
         label: legend name; default ``"<passages> passages"``.
 
     Raises:
-        SchemaError: the file is not a valid results object (message names the file).
+        SchemaError: the file is not a valid results object, or not a regular file of JSON under
+            MAX_ROWS_BYTES (message names the file).
         FileNotFoundError: no results.json there.
     """
     f = path / "results.json" if path.is_dir() else path
-    results = json.loads(f.read_text(encoding="utf-8"))
+    try:  # a regular file under the rows' cap (a FIFO is refused, not waited on)
+        results = json.loads(safeio.read_regular(f, MAX_ROWS_BYTES, follow_symlinks=True).decode("utf-8"))
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, RecursionError) as e:  # not regular, too large; not UTF-8 or JSON; nested
+        raise SchemaError(f"{f}: cannot read it as results ({type(e).__name__}: {str(e)[:200]})") from None
     try:
         validate_results(results)
     except SchemaError as e:

@@ -27,7 +27,7 @@ from blend.defaults import DEFAULT_GUARD_MARGIN
 from blend.evals import metrics as M
 from blend.evals.harness import MAX_RUN_FILE_BYTES, RUN_FILE
 from blend.evals.methods import Method, MethodError, MethodKind, parse_method
-from blend.evals.rows import ItemRow, MethodRow, RowError, jsonl_lines
+from blend.evals.rows import MAX_ROWS_BYTES, ItemRow, MethodRow, RowError, jsonl_lines
 from blend.evals.splits import items_caption
 
 # what two rows of one item may differ by in their first pass's gap and still be the same first pass
@@ -150,8 +150,10 @@ def read_rows(run: Path) -> list[ItemRow]:
     path = run / "rows.jsonl"
     if not path.is_file():
         raise CurveError(f"{path} not found (a kvblend eval --out folder holds it)")
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # bounded, as the harness reads it back (a file past the cap is not read into memory at all)
+        text = safeio.read_regular(path, MAX_ROWS_BYTES, follow_symlinks=True).decode("utf-8")
+    except safeio.FileTooLargeError as e:
+        raise CurveError(f"{path}: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise CurveError(f"{path}: cannot read it as text ({type(e).__name__})") from None
     rows: dict[int, ItemRow] = {}

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import sys
 import time
@@ -86,16 +87,32 @@ def ref_key(engine: Engine, token_ids: list[int]) -> str:
     return h.hexdigest()[:32]
 
 
+REF_FILE_SLACK = 1 << 16  # a saved (V,) tensor's bytes beyond its values (torch.save's zip: names, pickle)
+
+
+def _cached_reference(path: Path, vocab: int) -> torch.Tensor | None:
+    """The logits saved at ``path`` if they are a finite float (V,) tensor, else None (absent; not a regular file;
+    larger than such a tensor saves to; not a tensor torch.load reads with ``weights_only``; another shape,
+    dtype or non-finite values): the caller computes them again and overwrites the file."""
+    try:
+        data = safeio.read_regular(path, vocab * 8 + REF_FILE_SLACK, follow_symlinks=True)
+        t = torch.load(io.BytesIO(data), weights_only=True)
+    except FileNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - OSError (a FIFO, oversized), and whatever torch.load raises on bad bytes
+        return None
+    ok = (isinstance(t, torch.Tensor) and t.shape == (vocab,) and t.is_floating_point()
+          and bool(torch.isfinite(t).all()))
+    return t if ok else None
+
+
 def reference_logits(engine: Engine, prompt, cache_dir: Path) -> torch.Tensor:
-    """Full prefill's first-token logits (V,), from ``cache_dir`` or computed and saved atomically."""
+    """Full prefill's first-token logits (V,), from ``cache_dir`` or computed and saved atomically (a cached
+    file that is not such logits is computed again)."""
     path = cache_dir / f"{ref_key(engine, list(prompt.token_ids))}.pt"
-    if path.exists():
-        try:
-            t = torch.load(path, weights_only=True)
-            if isinstance(t, torch.Tensor) and t.dim() == 1:
-                return t
-        except Exception:  # noqa: BLE001 - an unreadable cache file is recomputed
-            pass
+    cached = _cached_reference(path, engine.runner.dims.vocab)
+    if cached is not None:
+        return cached
     logits, _, _ = engine.prefill(prompt, ReusePolicy.one_pass())
     cache_dir.mkdir(parents=True, exist_ok=True)
     with safeio.atomic_file(path) as f:

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from blend import checkpoint
 from blend.defaults import DEFAULT_EMBED_MAX_LENGTH
 from blend.retrieval.corpus import RetrievalError
 
@@ -130,6 +131,10 @@ class Embedder:
 
         Returns:
             A ready embedder in eval mode.
+
+        Raises:
+            RetrievalError: the folder's files cannot be loaded, or its weight files lack a tensor the model
+                needs (transformers would have filled it with random values).
         """
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch  # noqa: F401  (imported lazily to keep module import light)
@@ -141,11 +146,18 @@ class Embedder:
         bar_was_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # keep the CLI's stderr to our own bar
         try:
+            checkpoint.check_files(d)  # a FIFO is refused, not waited on
             tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-            model = AutoModel.from_pretrained(str(d), local_files_only=True)
+            model, loading = AutoModel.from_pretrained(str(d), local_files_only=True, output_loading_info=True)
+        except Exception as e:  # noqa: BLE001 - CheckpointError, and whatever transformers' parsers raise
+            raise RetrievalError(f"embedding model {d}: cannot be loaded ({checkpoint.brief(e)})") from None
         finally:
             if bar_was_on:
                 hf_logging.enable_progress_bar()
+        lacking = sorted(loading.get("missing_keys") or ()) + sorted(map(str, loading.get("mismatched_keys") or ()))
+        if lacking:  # transformers filled them with random values: every vector would be noise
+            raise RetrievalError(f"embedding model {d}: the weight files lack {len(lacking)} tensor(s) it needs "
+                                 f"({', '.join(lacking[:3])})")
         model.eval()
         packaged = model_dir is None or _same_dir(d, default_model_dir())
         info = EmbedderInfo(MODEL_NAME, int(model.config.hidden_size), max_length,

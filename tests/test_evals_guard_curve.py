@@ -96,6 +96,17 @@ def test_a_resumed_runs_later_line_of_an_item_supersedes_the_earlier_one(tmp_pat
         G.read_rows(tmp_path)
 
 
+def test_a_rows_file_past_the_readers_cap_is_refused_unread(tmp_path, monkeypatch):
+    """read_rows read rows.jsonl whole whatever its size (the harness reading the same file back caps it)."""
+    text = "\n".join(json.dumps(r) for r in ROWS_JSON) + "\n"
+    (tmp_path / "rows.jsonl").write_text(text)
+    monkeypatch.setattr(G, "MAX_ROWS_BYTES", len(text) - 1)
+    with pytest.raises(G.CurveError, match=f"rows.jsonl: {len(text)} bytes, over the cap"):
+        G.read_rows(tmp_path)
+    monkeypatch.setattr(G, "MAX_ROWS_BYTES", len(text))
+    assert G.read_rows(tmp_path) == ROWS
+
+
 def test_an_eval_row_records_the_first_passs_gap_and_whether_the_guard_fired(tiny_engine):
     from blend.evals.harness import EvalConfig, evaluate_item
     from blend.evals.items import Document, Item

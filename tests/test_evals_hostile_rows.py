@@ -60,6 +60,32 @@ def test_compare_exits_2_on_a_results_json_with_a_huge_integer(tmp_path, capsys)
     assert compare_main([str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
 
 
+@pytest.mark.parametrize("damage", ["nested too deeply", "a FIFO", "not UTF-8"])
+def test_compare_exits_2_on_a_results_json_it_cannot_read(tmp_path, capsys, damage):
+    """Deep nesting raised RecursionError as a traceback; a FIFO was waited on for ever (read_text)."""
+    import os
+
+    path = tmp_path / "results.json"
+    if damage == "a FIFO":
+        os.mkfifo(path)
+    else:
+        path.write_bytes(b"[" * 100_000 if damage == "nested too deeply" else b'{"items": "\xff"}')
+    import threading
+
+    codes: list[int] = []
+    t = threading.Thread(target=lambda: codes.append(compare_main([str(tmp_path), "--out", str(tmp_path / "x.png")])),
+                         daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # waiting on the FIFO: a writer that opens and closes it ends the wait
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+        pytest.fail("compare waited on a FIFO")
+    assert codes == [2]
+    err = capsys.readouterr().err
+    assert err.startswith("compare: error: ") and "results.json" in err and "Traceback" not in err
+
+
 # a method row that is not an object was r.get() on a list: AttributeError
 def test_validate_results_refuses_a_method_row_that_is_not_an_object():
     res = make_results()

@@ -29,6 +29,35 @@ def test_the_reference_is_computed_once_and_a_corrupt_file_is_recomputed(tiny_en
     assert len(list(tmp_path.glob("*.pt"))) == 2  # another prompt, another key
 
 
+def _saved(t) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def test_a_cached_reference_of_another_shape_dtype_or_non_finite_is_recomputed(tiny_engine, tmp_path):
+    """Any tensor of one dimension was taken: a file of 5 logits (or NaN ones) under the key made every KL of
+    the item wrong (or NaN); a FIFO there was waited on for ever."""
+    import os
+
+    prompt = tiny_engine.build_prompt("Which one?", make_docs(3))
+    first = reference_logits(tiny_engine, prompt, tmp_path)
+    [path] = tmp_path.glob("*.pt")
+    nan = first.clone()
+    nan[3] = float("nan")
+    for bad in (_saved(torch.zeros(5)), _saved(torch.zeros(first.shape, dtype=torch.int64)), _saved(nan),
+                _saved({"logits": first}), b"\x00" * (first.numel() * 8 + (1 << 17))):
+        path.write_bytes(bad)
+        assert torch.equal(reference_logits(tiny_engine, prompt, tmp_path), first)
+        assert torch.equal(torch.load(path, weights_only=True), first)  # rewritten
+    path.unlink()
+    os.mkfifo(path)
+    assert torch.equal(reference_logits(tiny_engine, prompt, tmp_path), first)  # not waited on; replaced
+    assert path.is_file()
+
+
 def test_the_summary_splits_items_and_counts_wins():
     a, b = "blend@0.15:probe", "blend@0.15:v"
     rows = [SweepRow(i, m, kl, 1.0, 10.0, 0.15, 100) for i in (0, 1, 30)

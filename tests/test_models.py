@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from blend import models
+from blend import fingerprints, models
 from blend.engine import Engine
 from blend.errors import UnknownModelError
 from blend.policy import ReusePolicy
 from blend.tiny import TinyModel, build_tiny
+from _fake_gguf import fake_conversion
 from conftest import make_docs
 
 
@@ -63,15 +64,7 @@ def test_gguf_conversion_is_atomic_and_cached(tmp_path, home, monkeypatch):
 
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"GGUF" + bytes(100))
-    monkeypatch.setattr(models, "_gguf_source", lambda name: (fake.parent, fake.name))
-    calls = {"n": 0}
-
-    def fake_model(*a, **k):
-        calls["n"] += 1
-        return build_tiny(TinyModel.LLAMA)[0]
-
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_model)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: build_tiny(TinyModel.LLAMA)[1])
+    calls = fake_conversion(monkeypatch, fake)
     real_save = transformers.PreTrainedModel.save_pretrained
 
     def dying_save(self, *a, **k):
@@ -174,16 +167,11 @@ def test_a_fingerprint_file_left_in_a_folder_whose_weights_changed_is_not_believ
 
 
 def test_a_converted_folders_own_fingerprint_is_used_while_its_files_are_unchanged(tmp_path, home, monkeypatch):
-    import transformers
-
     fake = tmp_path / "m.gguf"
     fake.write_bytes(b"GGUF\x01" + bytes(100))
-    monkeypatch.setattr(models, "_gguf_source", lambda name: (fake.parent, fake.name))
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
-                        lambda *a, **k: build_tiny(TinyModel.LLAMA)[0])
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: build_tiny(TinyModel.LLAMA)[1])
+    fake_conversion(monkeypatch, fake)
     out = models.convert_gguf(models.SMOLLM2, progress=False)
-    assert models._read_fingerprint(out / models.FINGERPRINT_FILE, models._files_stamp(out)) is not None
+    assert fingerprints.read_fingerprint(out / models.FINGERPRINT_FILE, fingerprints.files_stamp(out)) is not None
 
     def never(_model):
         raise AssertionError("the folder's own fingerprint should have been used")

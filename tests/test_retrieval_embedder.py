@@ -82,3 +82,31 @@ def test_another_models_weights_or_truncation_change_the_fingerprint(emb: Embedd
     one = model_fingerprint(copy, 256, packaged=False)
     (copy / "pytorch_model.bin").write_bytes(b"weights two")
     assert model_fingerprint(copy, 256, packaged=False) != one
+
+
+@pytest.mark.parametrize("damage", ["a tensor missing", "truncated", "a FIFO for the tokenizer"])
+def test_a_damaged_embedding_model_folder_is_a_retrieval_error(tmp_path, damage) -> None:
+    """A folder lacking a tensor loaded with it filled at random (every vector noise, under a fingerprint of
+    its files, so the index took them); a truncated file raised safetensors' own error; a FIFO was waited on."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from blend.retrieval.corpus import RetrievalError
+    from blend.retrieval.embedder import default_model_dir
+
+    copy = tmp_path / "minilm"
+    shutil.copytree(default_model_dir(), copy)
+    weights = copy / "model.safetensors"
+    if damage == "a tensor missing":
+        sd = load_file(weights)
+        del sd[next(k for k in sorted(sd) if "encoder.layer.0.attention" in k)]
+        save_file(sd, weights, metadata={"format": "pt"})
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:100_000])
+    else:
+        (copy / "tokenizer.json").unlink()
+        os.mkfifo(copy / "tokenizer.json")
+    with pytest.raises(RetrievalError, match="embedding model"):
+        Embedder.load(copy)

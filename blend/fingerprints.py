@@ -1,0 +1,132 @@
+"""Fingerprints of what a model's KV depends on: its weights, its tokenizer, the files it came from.
+
+A weights fingerprint (sha256 over every tensor's name, dtype, shape and bytes) costs a pass over the
+weights (~1.7 s for SmolLM2 here), so it is cached: in a checkpoint folder's own ``FINGERPRINT_FILE``
+(what a GGUF conversion writes, valid while the folder's files are as the file's stamp recorded them) or
+under ``$KVBLEND_HOME/fingerprints``. Every cache file is read bounded and checked; one that is not a
+sha256 is a miss, computed again and rewritten atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from blend import safeio
+from blend.defaults import kvblend_home
+
+FINGERPRINT_FILE = "kvblend-fingerprint.json"
+
+log = logging.getLogger(__name__)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every parameter and buffer, sorted by name."""
+    h = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the tokenizer's full serialized rules, specials and chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:  # slow tokenizer: the vocabulary is the best we have
+        h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    h.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    return h.hexdigest()
+
+
+MAX_FINGERPRINT_BYTES = 1 << 16  # a fingerprint file is ~100 bytes
+_HEX = frozenset("0123456789abcdef")
+
+
+def read_record(path: Path) -> dict | None:
+    """A fingerprint file's row: a JSON object whose ``weights_sha256`` is 64 lowercase hex digits, or None
+    when the file is absent, not a regular file, oversized, not JSON or anything else (logged)."""
+    try:
+        data = safeio.read_regular(path, MAX_FINGERPRINT_BYTES, follow_symlinks=True)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # safeio.UnsafeFileError too
+        log.warning("ignoring the weights fingerprint %s (%s); computing it again", path, e)
+        return None
+    try:
+        row = json.loads(data)
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError too); nesting
+        row = None
+    fp = row.get("weights_sha256") if isinstance(row, dict) else None
+    if isinstance(fp, str) and len(fp) == 64 and set(fp) <= _HEX:
+        return row
+    log.warning("ignoring the malformed weights fingerprint %s; computing it again", path)
+    return None
+
+
+def read_fingerprint(path: Path, stamp: str | None = None) -> str | None:
+    """The ``weights_sha256`` a fingerprint file records (see :func:`read_record`), or None; given ``stamp``,
+    None too where the file records another ``stamp``."""
+    row = read_record(path)
+    if row is None or (stamp is not None and row.get("stamp") != stamp):
+        return None  # the folder's files changed since (or a file from before stamps): computed again
+    return row["weights_sha256"]
+
+
+def files_stamp(path: Path) -> str:
+    """A checkpoint folder's weight and config files as they are on disk: names, sizes, inodes, mtimes and
+    ctimes (the fingerprint file itself left out). Saving new weights into the folder, or copying the
+    folder, changes it."""
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json")
+                   and p.name != FINGERPRINT_FILE)
+    return hashlib.sha256("|".join(
+        f"{p.name}:{st.st_size}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+        for p, st in ((p, p.stat()) for p in files)).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, cached under KVBLEND_HOME by its path, size, inode, mtime and ctime."""
+    st = path.stat()
+    stamp = hashlib.sha256(f"{path.resolve()}|{st.st_size}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+                           .encode()).hexdigest()
+
+    def compute() -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        return h.hexdigest()
+
+    return cached_digest(f"file-{stamp}", path, compute)
+
+
+def cached_digest(name: str, path: Path, compute: Callable[[], str]) -> str:
+    """A sha256 cached under ``$KVBLEND_HOME/fingerprints/<name>.json``: read if the cache holds a valid one,
+    else computed and written atomically (a corrupt or hand-edited cache file is a miss).
+
+    Args:
+        name: the cache file's name, a stamp of what the digest is of.
+        path: what it is the digest of (recorded beside it, for people).
+        compute: makes the digest on a miss.
+
+    Returns:
+        64 lowercase hex digits.
+    """
+    cache = kvblend_home() / "fingerprints" / f"{name}.json"
+    cached = read_fingerprint(cache)
+    if cached is not None:
+        return cached
+    digest = compute()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    safeio.atomic_write_text(cache, json.dumps({"weights_sha256": digest, "path": str(path)}))
+    return digest
