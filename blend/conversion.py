@@ -7,8 +7,8 @@
 The GGUF files come inside installed packages (trusted as installed). What kvblend writes is not taken
 on trust: a conversion is built in a temporary folder, fsynced and renamed into place (its fingerprint
 file, written last, marks it complete), and :func:`checked_fingerprint` refuses a converted folder whose
-files no longer hold what was converted (truncated, zeroed, replaced), which the loader then discards
-and converts again.
+files no longer hold what was converted (truncated, zeroed, replaced, or a byte changed at rest under
+unchanged sizes and times), which the loader then discards and converts again.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 from blend import checkpoint, safeio
 from blend.defaults import CONVERSION_STALE_S, DEFAULT_MODEL, kvblend_home
 from blend.errors import CheckpointError, UnknownModelError
-from blend.fingerprints import (FINGERPRINT_FILE, file_sha256, files_stamp, read_record, tokenizer_fingerprint,
-                                weights_fingerprint)
+from blend.fingerprints import (CHECK_DIGEST_FIELD, FINGERPRINT_FILE, file_sha256, files_stamp, read_record,
+                                tokenizer_fingerprint, weights_check_digest, weights_fingerprint)
 
 SMOLLM2 = DEFAULT_MODEL
 QWEN_CODER = "qwen2.5-coder-0.5b"
@@ -131,8 +131,8 @@ def convert_gguf(name: str, progress: bool = True) -> Path:
         del model, tok
         # read back: what was written loads, and the record is of what a load of the folder gives
         saved, saved_tok = checkpoint.load_weights(tmp), checkpoint.load_tokenizer(tmp)
-        fp = {"weights_sha256": weights_fingerprint(saved), "source": fname, "stamp": files_stamp(tmp),
-              "tokenizer_sha256": tokenizer_fingerprint(saved_tok)}
+        fp = {"weights_sha256": weights_fingerprint(saved), CHECK_DIGEST_FIELD: weights_check_digest(saved),
+              "source": fname, "stamp": files_stamp(tmp), "tokenizer_sha256": tokenizer_fingerprint(saved_tok)}
         del saved, saved_tok
         (tmp / FINGERPRINT_FILE).write_text(json.dumps(fp))  # written last: marks completion
         safeio.fsync_files(tmp)  # the files' bytes on disk before the name that says they are complete
@@ -194,9 +194,10 @@ def _remove_stale(out: Path, now: float | None = None) -> None:
 def checked_fingerprint(out: Path, model: torch.nn.Module, tokenizer_sha256: str) -> str:
     """The weights fingerprint a conversion recorded, once its folder is found to hold what was converted.
 
-    While the folder's files are as the record's stamp says (names, sizes, inodes, mtimes, ctimes) the record
-    is taken as it is; otherwise (files touched, copied, restored, or changed) the loaded weights are
-    fingerprinted and must equal the record, which then gets the new stamp. The tokenizer is compared on
+    While the folder's files are as the record's stamp says (names, sizes, inodes, mtimes, ctimes) and the
+    loaded weights' XXH3 equals the record's, the record is taken as it is; otherwise (files touched, copied,
+    restored or changed, bytes changed at rest under an unchanged stamp, a record from before the XXH3) the
+    loaded weights are fingerprinted and must equal the record, which then gets the new stamp and XXH3. The tokenizer is compared on
     every load (its fingerprint is computed anyway). A record from before tokenizer fingerprints were kept
     gets one.
 
@@ -218,14 +219,15 @@ def checked_fingerprint(out: Path, model: torch.nn.Module, tokenizer_sha256: str
     recorded_tok = row.get("tokenizer_sha256")
     if recorded_tok is not None and recorded_tok != tokenizer_sha256:
         raise CheckpointError(f"{out}: its tokenizer files are not the ones converted")
-    stamp = files_stamp(out)
-    if row.get("stamp") == stamp and recorded_tok is not None:
+    stamp, check = files_stamp(out), weights_check_digest(model)
+    trusted = row.get("stamp") == stamp and row.get(CHECK_DIGEST_FIELD) == check
+    if trusted and recorded_tok is not None:
         return row["weights_sha256"]
-    if row.get("stamp") != stamp:
+    if not trusted:  # files touched or changed, bytes changed at rest, or a record from before the check digest
         checkpoint.check_finite(model, out)
         if weights_fingerprint(model) != row["weights_sha256"]:
             raise CheckpointError(f"{out}: its weights are not the ones converted (a file changed since)")
-    fresh = {**row, "stamp": stamp, "tokenizer_sha256": tokenizer_sha256}
+    fresh = {**row, "stamp": stamp, "tokenizer_sha256": tokenizer_sha256, CHECK_DIGEST_FIELD: check}
     try:
         safeio.atomic_write_text(out / FINGERPRINT_FILE, json.dumps(fresh))
     except OSError as e:  # a read-only cache still serves: checked again next time

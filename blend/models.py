@@ -27,8 +27,8 @@ import torch
 from blend import checkpoint
 from blend.conversion import QWEN_CODER, SMOLLM2, checked_fingerprint, convert_gguf, discard
 from blend.errors import CheckpointError, UnknownModelError
-from blend.fingerprints import (FINGERPRINT_FILE, cached_digest, files_stamp, read_fingerprint, tokenizer_fingerprint,
-                                weights_fingerprint)
+from blend.fingerprints import (CHECK_DIGEST_FIELD, FINGERPRINT_FILE, cached_digest, files_stamp, read_record,
+                                tokenizer_fingerprint, weights_check_digest, weights_fingerprint)
 from blend.tiny import TinyModel, build_tiny
 
 __all__ = ["FINGERPRINT_FILE", "QWEN_CODER", "SMOLLM2", "SUPPORTED_ARCHS", "LoadedModel", "convert_gguf",
@@ -68,23 +68,27 @@ def _dir_fingerprint(path: Path, model: torch.nn.Module) -> str:
     is computed again and the cache rewritten atomically. The folder's own fingerprint file (what
     :func:`convert_gguf` writes) is taken only while its recorded stamp still matches the folder's files:
     ``save_pretrained`` of other weights into the folder leaves that file behind, and the old value
-    would have keyed the new weights' KV as the old ones'. Weights fingerprinted here are checked finite
-    first (the pass over them is paid then; a cached fingerprint is of files already checked).
+    would have keyed the new weights' KV as the old ones'. Either cached value is taken only while the
+    weights' XXH3 (computed on every load) equals the one recorded with it: bytes changed at rest without
+    changing the files' stamp are fingerprinted again, not keyed as the weights they were. Weights
+    fingerprinted here are checked finite first (the pass over them is paid then; a cached fingerprint is
+    of files already checked).
 
     Raises:
         CheckpointError: a weight holds NaN or infinity.
     """
     files = files_stamp(path)
-    own = read_fingerprint(path / FINGERPRINT_FILE, files)
-    if own is not None:
-        return own
+    check = weights_check_digest(model)  # every load: the bytes a cached fingerprint was computed from
+    own = read_record(path / FINGERPRINT_FILE)
+    if own is not None and own.get("stamp") == files and own.get(CHECK_DIGEST_FIELD) == check:
+        return own["weights_sha256"]
     stamp = hashlib.sha256(f"{path.resolve()}|{files}".encode()).hexdigest()
 
     def compute() -> str:
         checkpoint.check_finite(model, path)
         return weights_fingerprint(model)
 
-    return cached_digest(stamp, path, compute)
+    return cached_digest(stamp, path, compute, check)
 
 
 def _read_dir(path: Path) -> tuple[torch.nn.Module, object]:

@@ -137,6 +137,64 @@ def test_a_converted_copy_touched_but_unchanged_is_kept_and_its_record_updated(f
     assert row is not None and row["stamp"] == fingerprints.files_stamp(out)
 
 
+def _flip_a_weight_bit(path: Path) -> None:
+    """Flip the lowest bit of one weight byte halfway through the tensor data (the value stays finite): what
+    the disk can do at rest, the file's size kept."""
+    blob = bytearray(path.read_bytes())
+    _, start = _header(bytes(blob))
+    at = start + (len(blob) - start) // 2
+    blob[at] ^= 0x01
+    path.write_bytes(bytes(blob))
+
+
+def test_a_converted_weight_changed_at_rest_under_its_old_stamp_is_converted_again(fake_gguf):
+    """A byte changed at rest leaves the files' names, sizes and times as the record saw them (simulated here by
+    giving the record the files' new stamp). The record was taken on trust: the flipped weights loaded under
+    the converted weights' fingerprint, and their KV was stored and served under that key."""
+    out = models.convert_gguf(models.SMOLLM2, progress=False)
+    models.load_model(models.SMOLLM2)
+    _flip_a_weight_bit(out / WEIGHTS)
+    row = fingerprints.read_record(out / models.FINGERPRINT_FILE)
+    (out / models.FINGERPRINT_FILE).write_text(json.dumps({**row, "stamp": fingerprints.files_stamp(out)}))
+    loaded = models.load_model(models.SMOLLM2)
+    assert fake_gguf["n"] == 2  # converted again
+    assert loaded.weights_sha256 == _tiny_weights_sha() == models.weights_fingerprint(loaded.model)
+
+
+def test_a_record_from_before_the_check_digest_is_checked_once_and_kept(fake_gguf):
+    """A conversion recorded before records kept the weights' XXH3: its weights are fingerprinted once (they
+    match: nothing converted again) and the record gains the XXH3."""
+    out = models.convert_gguf(models.SMOLLM2, progress=False)
+    row = fingerprints.read_record(out / models.FINGERPRINT_FILE)
+    del row[fingerprints.CHECK_DIGEST_FIELD]
+    (out / models.FINGERPRINT_FILE).write_text(json.dumps(row))
+    assert models.load_model(models.SMOLLM2).weights_sha256 == _tiny_weights_sha() and fake_gguf["n"] == 1
+    kept = fingerprints.read_record(out / models.FINGERPRINT_FILE)
+    assert kept[fingerprints.CHECK_DIGEST_FIELD] == fingerprints.weights_check_digest(build_tiny(TinyModel.LLAMA)[0])
+
+
+@pytest.mark.parametrize("record", ["cached under KVBLEND_HOME", "the folder's own fingerprint file"])
+def test_a_checkpoint_weight_changed_at_rest_is_fingerprinted_again(tmp_path, home, monkeypatch, record):
+    """A checkpoint folder's cached fingerprint (under $KVBLEND_HOME/fingerprints, or the folder's own record)
+    was taken while the files' stamp matched, whatever their bytes had become: the changed weights' KV was
+    keyed as the old weights'. The stamp is held fixed here, as bit rot leaves it."""
+    d = _checkpoint(tmp_path / "ckpt")
+    if record == "the folder's own fingerprint file":
+        model = build_tiny(TinyModel.LLAMA)[0]
+        (d / models.FINGERPRINT_FILE).write_text(json.dumps({
+            "weights_sha256": models.weights_fingerprint(model),
+            fingerprints.CHECK_DIGEST_FIELD: fingerprints.weights_check_digest(model),
+            "stamp": fingerprints.files_stamp(d)}))
+    first = models.load_model(str(d))
+    assert first.weights_sha256 == _tiny_weights_sha()
+    stamp = fingerprints.files_stamp(d)
+    _flip_a_weight_bit(d / WEIGHTS)
+    monkeypatch.setattr(models, "files_stamp", lambda path: stamp)
+    again = models.load_model(str(d))
+    assert again.weights_sha256 == models.weights_fingerprint(again.model) != first.weights_sha256
+    assert models.load_model(str(d)).weights_sha256 == again.weights_sha256  # cached as what it now is
+
+
 def test_a_folder_without_a_fingerprint_file_at_the_conversions_place_is_replaced(fake_gguf):
     """A folder there that is not a finished conversion (from before conversions were atomic, or not ours):
     the conversion's rename failed, the folder was loaded as it was."""

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from blend import fingerprints, models
+from blend import checkpoint, fingerprints, models
 from blend.engine import Engine
 from blend.errors import UnknownModelError
 from blend.policy import ReusePolicy
@@ -171,14 +171,14 @@ def test_a_converted_folders_own_fingerprint_is_used_while_its_files_are_unchang
     fake.write_bytes(b"GGUF\x01" + bytes(100))
     fake_conversion(monkeypatch, fake)
     out = models.convert_gguf(models.SMOLLM2, progress=False)
-    assert fingerprints.read_fingerprint(out / models.FINGERPRINT_FILE, fingerprints.files_stamp(out)) is not None
+    assert fingerprints.read_record(out / models.FINGERPRINT_FILE)["stamp"] == fingerprints.files_stamp(out)
 
     def never(_model):
         raise AssertionError("the folder's own fingerprint should have been used")
 
     real = models.weights_fingerprint
     monkeypatch.setattr(models, "weights_fingerprint", never)
-    assert models._dir_fingerprint(out, None)  # taken from the file, not computed
+    assert models._dir_fingerprint(out, checkpoint.load_weights(out))  # taken from the file, not computed
     monkeypatch.setattr(models, "weights_fingerprint", real)
     # another GGUF of the same name and size (a new revision of the package): converted again
     fake.write_bytes(b"GGUF\x02" + bytes(100))
