@@ -11,7 +11,8 @@ Here:
   never filled at random;
 - a config that declares more layers than the weight files hold is refused before the model is
   built (a config.json claiming 10**6 layers had transformers allocate and initialize every missing
-  one: memory and time without bound);
+  one: memory and time without bound); safetensors headers name the layers, pickled ``.bin`` weights
+  bound them by their size;
 - a file transformers would read that is a FIFO or a device is refused, not waited on.
 """
 
@@ -101,7 +102,10 @@ def check_layers(path: Path, config) -> None:
     """
     names = weight_names(path)
     declared = getattr(config, "num_hidden_layers", None)
-    if names is None or not isinstance(declared, int):
+    if not isinstance(declared, int):
+        return
+    if names is None:  # pickled weights: no header to list names without unpickling; their size bounds the layers
+        _check_layers_fit(path, declared, getattr(config, "hidden_size", None))
         return
     held = {int(m.group(1)) for m in map(_LAYER.search, names) if m is not None}
     if held != set(range(declared)):
@@ -110,12 +114,33 @@ def check_layers(path: Path, config) -> None:
                               "(a damaged or mismatched checkpoint)")
 
 
+MIN_LAYER_BYTES_PER_CHANNEL = 4  # a decoder layer's two RMSNorm weights at 2 bytes (fp16/bf16) per channel, at least
+
+
+def _check_layers_fit(path: Path, declared: int, hidden: object) -> None:
+    """Refuse ``declared`` layers of width ``hidden`` that the folder's ``.bin`` weight files are too small to
+    hold: each layer has at least its two norms' weights, :data:`MIN_LAYER_BYTES_PER_CHANNEL` bytes per
+    channel (a config claiming 10**6 layers over a small file would have transformers build every one).
+
+    Raises:
+        CheckpointError: the declared layers' norms alone need more bytes than the weight files have.
+    """
+    if not isinstance(hidden, int) or hidden <= 0:
+        return  # transformers refuses such a config itself
+    held = sum(f.stat().st_size for f in path.glob("*.bin"))
+    need = declared * hidden * MIN_LAYER_BYTES_PER_CHANNEL
+    if need > held:
+        raise CheckpointError(f"{path}: config.json declares {declared} layers of width {hidden}; their norms alone "
+                              f"need {need} bytes, the weight files hold {held} (a damaged or mismatched checkpoint)")
+
+
 def load_weights(path: Path) -> torch.nn.Module:
     """The folder's causal LM in fp32 and eval mode, every tensor it needs read from the weight files.
 
     Raises:
-        CheckpointError: the weight files cannot be read, or lack a tensor the model needs or hold one
-            at another shape (transformers would have filled it with random values).
+        CheckpointError: the weight files cannot be read, lack a tensor the model needs or hold one
+            at another shape (transformers would have filled it with random values), or hold decoder layers
+            the config does not declare (the model would have run without them).
     """
     from transformers import AutoModelForCausalLM
 
@@ -124,6 +149,10 @@ def load_weights(path: Path) -> torch.nn.Module:
     except Exception as e:  # noqa: BLE001 - SafetensorError, RuntimeError (sizes), OSError, ...
         raise CheckpointError(f"{path}: its weights cannot be loaded ({brief(e)})") from None
     lacking = sorted(info.get("missing_keys") or ()) + sorted(str(k) for k in info.get("mismatched_keys") or ())
+    beyond = sorted(k for k in info.get("unexpected_keys") or () if _LAYER.search(str(k)))
+    if beyond:  # layers the config leaves out would be dropped: the model would run without them
+        raise CheckpointError(f"{path}: the weight files hold decoder layers config.json does not declare "
+                              f"({beyond[0]}{f' and {len(beyond) - 1} more' if len(beyond) > 1 else ''})")
     if lacking:
         shown = ", ".join(lacking[:3]) + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
         raise CheckpointError(f"{path}: the weight files lack {len(lacking)} tensor(s) the model needs ({shown}); "

@@ -358,6 +358,25 @@ def test_a_damaged_checkpoint_folder_is_one_clear_error(tmp_path, home, damage):
             models.load_model(str(d))
 
 
+@pytest.mark.parametrize("layers", [10**6, 5, 3])
+def test_a_pickled_checkpoint_declaring_other_layers_than_it_holds_is_refused(tmp_path, home, layers):
+    """A pytorch_model.bin checkpoint has no header naming its layers, so a config claiming 10**6 layers had
+    transformers build and initialize every one (minutes, gigabytes) before anything was refused, and one
+    declaring 3 of its 4 layers loaded and ran without the fourth. Its size now bounds the layers (10**6 refused
+    before anything is built); a count it does not hold is refused by the load (5 of 4: a missing tensor; 3 of 4:
+    a layer the config leaves out)."""
+    model, tok = build_tiny(TinyModel.LLAMA)
+    d = tmp_path / "ckpt"
+    model.config.save_pretrained(d)
+    torch.save(model.state_dict(), d / "pytorch_model.bin")  # save_pretrained writes safetensors only
+    tok.save_pretrained(d)
+    assert models.load_model(str(d)).model.config.num_hidden_layers == model.config.num_hidden_layers
+    _config(d, num_hidden_layers=layers)
+    with bounded(max_bytes=256 << 20, seconds=30):
+        with pytest.raises(CheckpointError, match=str(d)):
+            models.load_model(str(d))
+
+
 @pytest.mark.parametrize("damage", ["weights truncated", "a tensor missing", "a tokenizer that is a list"])
 def test_kvblend_ask_over_a_damaged_checkpoint_is_one_line(tmp_path, home, damage, capsys):
     d = _checkpoint(tmp_path / "ckpt")
