@@ -83,7 +83,7 @@ def turn_summary(report, earlier: int) -> str:
     keeps a segment per turn), so their count comes from the conversation, not from the report."""
     loaded = sum(1 for s in report.segments if s.kind is SegmentKind.TURN and s.reuse_class is ReuseClass.EXACT)
     # the policy as asked; what ran only where it is another mode (a refused or exact-only blend)
-    ran = "" if report.policy.split("@")[0] == report.applied.value else f", ran {report.applied.value}"
+    ran = "" if report.applied is report.asked else f", ran {report.applied.value}"
     return (f"[ttft {report.timings.ttft_s * 1000:.0f} ms | reused {report.reused_tokens} of {report.prompt_tokens} "
             f"tokens | earlier turns loaded {loaded} of {earlier} | {report.policy}{ran}]")
 
