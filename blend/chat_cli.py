@@ -17,20 +17,26 @@ next piece of text) and brings the prompt back, as ollama's and llama.cpp's
 chats do. The conversation keeps what was printed of it: the next turn's
 prompt holds exactly that text as the answer, so its KV (computed from the
 prompt's tokens, never from the stopped decode) is the KV of what the history
-says. An answer stopped before any text was printed drops its question. A
-second Ctrl-C before the answer stopped (during a long prefill) ends the
-chat (exit 130); Ctrl-C or Ctrl-D at the prompt ends it with exit 0. When
-questions are piped in, Ctrl-C ends the chat, as it ends any command.
+says. Ctrl-C while the turn's prompt is prefilled (seconds for a long prompt
+on a CPU) stops the prefill before its next layer (:mod:`blend.cancel`): an
+answer stopped before any text was printed drops its question, and the next
+turn answers as if it had never been asked (the segments the prefill finished
+are stored whole; nothing of the one it was computing is). A second Ctrl-C
+before the turn stopped ends the chat (exit 130); Ctrl-C or Ctrl-D at the
+prompt ends it with exit 0. When questions are piped in, Ctrl-C ends the
+chat, as it ends any command.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
+from blend.cancel import PrefillCancelled, cancellable
 from blend.defaults import DEFAULT_MAX_NEW_TOKENS
 from blend.errors import InvalidRequestError, KVBlendError, PromptTooLongError
 from blend.exit_codes import ExitCode
@@ -51,8 +57,8 @@ Each answer is printed as it is decoded, then one line of what was reused.
 
   {RESET}   start a new conversation (same documents)
   {EXIT}    end the chat (as end of input, Ctrl-D, does)
-  Ctrl-C   at a terminal: stop the answer being printed (what was printed stays in the conversation);
-           at the prompt: end the chat
+  Ctrl-C   at a terminal: stop the answer being printed (what was printed stays in the conversation)
+           or the prompt's prefill (the question is dropped); at the prompt: end the chat
 
 Exit status: 0, 2 when a question was refused (its error on stderr; the chat went on), 130 interrupted."""
 
@@ -77,7 +83,7 @@ def turn_summary(report, earlier: int) -> str:
     keeps a segment per turn), so their count comes from the conversation, not from the report."""
     loaded = sum(1 for s in report.segments if s.kind is SegmentKind.TURN and s.reuse_class is ReuseClass.EXACT)
     # the policy as asked; what ran only where it is another mode (a refused or exact-only blend)
-    ran = "" if report.policy.split("@")[0] == report.applied.value else f", ran {report.applied.value}"
+    ran = "" if report.applied is report.asked else f", ran {report.applied.value}"
     return (f"[ttft {report.timings.ttft_s * 1000:.0f} ms | reused {report.reused_tokens} of {report.prompt_tokens} "
             f"tokens | earlier turns loaded {loaded} of {earlier} | {report.policy}{ran}]")
 
@@ -93,7 +99,8 @@ class Answered:
 
 def answer_turn(engine, prompt: Prompt, policy: ReusePolicy, config: GenerationConfig, out: TextIO,
                 stop: StopRequest) -> Answered:
-    """Stream one answer to ``out``, up to where ``stop`` was requested.
+    """Stream one answer to ``out``, up to where ``stop`` was requested. The prefill runs under ``stop.cancel``
+    (:func:`~blend.cancel.cancellable`): a Ctrl-C during it stops it before its next layer, nothing printed.
 
     Args:
         engine: the chat's engine.
@@ -105,12 +112,18 @@ def answer_turn(engine, prompt: Prompt, policy: ReusePolicy, config: GenerationC
 
     Returns:
         The answer stripped, as the next turn's prompt lays it out: the whole one with its report, or, once
-        Ctrl-C stopped it, the text printed before it stopped (what the reader saw) without a report.
+        Ctrl-C stopped it, the text printed before it stopped (what the reader saw; "" when it stopped the
+        prefill) without a report.
     """
     from blend.generation import stream
 
     g = stream(engine, prompt, policy, config)
-    shown = print_stream(g, out, stop=lambda: stop.requested)
+    try:
+        with cancellable(stop.cancel):  # the prefill (the quality gate's first run too) and the first token
+            first = next(g, "")  # (decoding never reads the flag: its steps do not run the prefill's layer loop)
+    except PrefillCancelled:  # its cache goes with it; each segment it stored is whole (see blend.cancel)
+        return Answered("", None)
+    shown = print_stream(itertools.chain([first], g), out, stop=lambda: stop.requested)
     if stop.requested:  # the answer's decoding (and its store flush) ends with g: the next turn flushes
         return Answered(shown.strip(), None)
     done = g.result()
@@ -158,8 +171,9 @@ def run_chat(args: argparse.Namespace, lines: TextIO | None = None, out: TextIO 
     """Answer each line of ``lines`` (default stdin) as the next turn of one conversation.
 
     At an interactive prompt (``lines`` a terminal), Ctrl-C during an answer stops it at its next piece of
-    text and the prompt comes back; what was printed of it stays in the conversation (an answer stopped
-    before any text drops its question). A second Ctrl-C before it stopped (a long prefill) ends the chat.
+    text and the prompt comes back; what was printed of it stays in the conversation. Ctrl-C during the
+    turn's prefill stops it before its next layer and drops the question, as an answer stopped before any
+    text does. A second Ctrl-C before the turn stopped ends the chat.
     Ctrl-C or Ctrl-D at the prompt ends it. A piped chat's Ctrl-C ends it (``KeyboardInterrupt``).
 
     Args:

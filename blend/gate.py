@@ -393,7 +393,7 @@ class QualityGate:
                 print(f"kvblend: first blend request for {engine.model_name}: running the quality gate "
                       "(kvblend check) once", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            result = run_gate(engine, progress=self.progress)
+            result = run_gate(engine, progress=self.progress)  # raising (Ctrl-C, blend.cancel): kept nowhere
             try:
                 record(engine, result)
             except OSError as e:  # a read-only home, a directory at the path: the verdict still holds here

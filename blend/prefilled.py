@@ -50,7 +50,7 @@ def build_report(done: Prefilled, policy: ReusePolicy, blended: bool, refused: s
     ratio = float(report_ratio(done, policy)) if blended else None
     spent = float(done.spent) if done.spent is not None else ratio
     return ReuseReport(
-        policy=policy.describe(), applied=done.applied, segments=done.segments,
+        policy=policy.describe(), applied=done.applied, asked=policy.mode, segments=done.segments,
         selector=policy.selector if blended else "", ratio=ratio, spent=spent, deviation=done.deviation,
         gate=refused, timings=timings, first_token_margin=done.margin if blended else None, guard=done.guard,
         check_rows=done.check_rows if blended else (),

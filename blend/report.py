@@ -79,9 +79,9 @@ class Timings:
 class ReuseReport:
     """Built once by the engine when the prefill is done.
 
-    ``policy`` is what the request asked for and ``applied`` what produced its KV: a refused reuse
-    (``gate`` says why) ran ``none``, a blend with nothing to re-position (no document, or every
-    document exact at its place) ran the exact path, ``exact``.
+    ``policy`` is what the request asked for (``asked``, its mode) and ``applied`` what produced its KV: a
+    refused reuse (``gate`` says why) ran ``none``, a blend with nothing to re-position (no document, or
+    every document exact at its place) ran the exact path, ``exact``.
     """
 
     # the request's policy (:meth:`~blend.policy.ReusePolicy.describe`), its ``auto`` precisions resolved; where
@@ -90,6 +90,7 @@ class ReuseReport:
     # the reuse mode that produced the request's KV: ``none`` (nothing looked up or stored: asked for, or
     # reuse refused), ``exact`` (the exact path, segment by segment) or ``blend`` (documents re-positioned)
     applied: ReuseMode
+    asked: ReuseMode  # the policy's mode (``policy``'s first word), what ``applied`` differs from where it does
     segments: tuple[SegmentReport, ...] = ()
     selector: str = ""
     ratio: float | None = None
@@ -134,6 +135,7 @@ class ReuseReport:
         return {
             "policy": self.policy,
             "applied": self.applied.value,
+            "asked": self.asked.value,
             "segments": [s.to_dict() for s in self.segments],
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,

@@ -10,8 +10,9 @@ are flushed at exit, and the command exits with ``ExitCode.TERMINATED``.
 and run the app's shutdown.)
 
 Under :func:`ctrl_c_requests_stop` a first Ctrl-C only sets a flag that the
-work reads where it can stop cleanly (``kvblend chat`` ends the answer being
-printed and returns to its prompt); a second one raises ``KeyboardInterrupt``.
+work reads where it can stop cleanly (``kvblend chat`` stops its turn's prefill
+before the next layer, or ends the answer being printed, and returns to its
+prompt); a second one raises ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -55,18 +56,21 @@ class StopRequest:
     Attributes:
         requested: a first Ctrl-C arrived: the work stops at its next safe point (a chat's answer at its next
             piece of text) instead of being interrupted wherever it was.
+        cancel: set with ``requested``: the flag a prefill runs under (:func:`blend.cancel.cancellable`), so
+            that it stops before its next layer.
     """
 
     def __init__(self) -> None:
         self.requested = False
+        self.cancel = threading.Event()
 
 
 @contextmanager
 def ctrl_c_requests_stop() -> Iterator[StopRequest]:
-    """Within the block, a first Ctrl-C (SIGINT) sets ``requested`` on the yielded :class:`StopRequest`
-    instead of raising; a second one raises ``KeyboardInterrupt`` as Python's default handler does (the
-    way out of work that reaches no safe point soon, such as a long prefill). llama.cpp's interactive
-    mode reads Ctrl-C the same way.
+    """Within the block, a first Ctrl-C (SIGINT) sets ``requested`` (and ``cancel``) on the yielded
+    :class:`StopRequest` instead of raising; a second one raises ``KeyboardInterrupt`` as Python's default
+    handler does (the way out of work that reaches no safe point soon). llama.cpp's interactive mode reads
+    Ctrl-C the same way.
 
     Raising ``KeyboardInterrupt`` at the first Ctrl-C would interrupt the engine anywhere: between a
     write-behind queue's count of a write and its queueing (every later flush then waited forever), or
@@ -83,7 +87,8 @@ def ctrl_c_requests_stop() -> Iterator[StopRequest]:
     def _first_requests_stop(signum, frame) -> None:
         if request.requested:
             raise KeyboardInterrupt
-        request.requested = True
+        request.requested = True  # first: a second Ctrl-C during ``set`` (which takes the event's lock) raises
+        request.cancel.set()  # instead of setting it again from inside the held lock (a deadlock)
 
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield request

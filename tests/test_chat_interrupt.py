@@ -24,22 +24,12 @@ import pytest
 
 import blend.chat_cli
 import blend.generation
+from _chat_util import QUESTIONS, Terminal, answers_of, reference_answer
 from blend.chat_cli import run_chat
 from blend.cli import build_parser
-from blend.generation import generate
-from blend.options import engine_from_args, policy_from_args
-from blend.generation_cli import generation_config_from_args
+from blend.options import engine_from_args
 from blend.prompt import Role, Turn
 from conftest import write_docs
-
-QUESTIONS = ["where is the quay?", "and the lamp?", "who lit it?"]
-
-
-class Terminal(io.StringIO):
-    """Typed questions: ``isatty`` is what makes the chat interactive."""
-
-    def isatty(self) -> bool:
-        return True
 
 
 @pytest.fixture
@@ -81,21 +71,6 @@ def _no_interrupt():
         yield
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C ended the chat (KeyboardInterrupt out of run_chat)")
-
-
-def answers_of(text: str) -> list[str]:
-    """The printed answers (an interactive chat's lines start with its prompt, '> ')."""
-    lines = [ln.removeprefix("> ") for ln in text.splitlines()]
-    return [ln[len("answer: "):] for ln in lines if ln.startswith("answer: ")]
-
-
-def reference_answer(args, question: str, history: list[Turn]) -> str:
-    """The answer a fresh engine (empty store, no hot prefix) gives with ``history``: what the chat's next turn
-    must answer when its history is what it says."""
-    engine = engine_from_args(args)
-    docs = [open(p).read() for p in args.doc]
-    prompt = engine.build_prompt(question, docs, args.system, history=history)
-    return generate(engine, prompt, policy_from_args(args), generation_config_from_args(args)).text.strip()
 
 
 def test_ctrl_c_stops_one_answer_and_the_conversation_keeps_what_was_printed(chat_args, ctrl_c_at):

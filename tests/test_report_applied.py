@@ -59,16 +59,16 @@ def test_a_blend_the_gate_refused_reports_that_it_ran_without_reuse(tiny_engine)
     asked = ReusePolicy.blend(ratio=0.2)
     ans = eng.generate(prompt, asked, max_new_tokens=1)
     rep = ans.report
-    assert rep.gate == REFUSED and rep.applied is ReuseMode.NONE
+    assert rep.gate == REFUSED and rep.applied is ReuseMode.NONE and rep.asked is ReuseMode.BLEND
     assert rep.policy.startswith("blend@0.2:probe:")  # what was asked, whole: its temperature too (a refused
     assert ":temp=1.05" in rep.policy  # blend's report dropped it, as if a blend had run and tempered nothing)
     d = rep.to_dict()
-    assert d["applied"] == "none" and d["policy"] == rep.policy and d["gate"] == REFUSED
-    assert list(d)[:2] == ["policy", "applied"]
+    assert d["applied"] == "none" and d["policy"] == rep.policy and d["gate"] == REFUSED and d["asked"] == "blend"
+    assert list(d)[:3] == ["policy", "applied", "asked"]  # (asked added 2026-12-07: after the two before it)
     assert documents(rep) == [ReuseClass.FALLBACK] * 3 and rep.reused_tokens == 0
     plain = eng.generate(prompt, ReusePolicy.none(), max_new_tokens=1)
     assert torch.equal(ans.first_logits, plain.first_logits)  # what ran: no reuse, as it says
-    assert plain.report.applied is ReuseMode.NONE and plain.report.policy == "none"
+    assert plain.report.applied is plain.report.asked is ReuseMode.NONE and plain.report.policy == "none"
     assert answer_json(eng, ans)["report"]["applied"] == "none"  # kvblend ask --json
     out = io.StringIO()
     print_report(ans, out)
@@ -98,13 +98,15 @@ def test_requests_that_were_not_refused_report_what_produced_their_kv(tiny_engin
     eng = tiny_engine
     three = eng.build_prompt("Which?", make_docs(3))
     exact = eng.generate(three, ReusePolicy.exact(), max_new_tokens=1)
-    assert exact.report.applied is ReuseMode.EXACT and exact.report.policy == "exact"
+    assert exact.report.applied is exact.report.asked is ReuseMode.EXACT and exact.report.policy == "exact"
     blend = eng.generate(three, ReusePolicy.blend(guard_margin=None), max_new_tokens=1)
-    assert blend.report.applied is ReuseMode.BLEND and blend.report.check_rows  # (cold: chunks computed, then blended)
+    assert blend.report.applied is blend.report.asked is ReuseMode.BLEND
+    assert blend.report.check_rows  # (cold: chunks computed, then blended)
     for prompt in (eng.build_prompt("Which?", []), eng.build_prompt("Which one?", make_docs(1))):
         asked = eng.generate(prompt, ReusePolicy.blend(), max_new_tokens=1)
         same = eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
         assert asked.report.applied is ReuseMode.EXACT and asked.report.policy.startswith("blend@")
+        assert asked.report.asked is ReuseMode.BLEND and asked.report.to_dict()["asked"] == "blend"
         assert torch.equal(asked.first_logits, same.first_logits) and not asked.report.gate
     taken = eng.generate(three, ReusePolicy.blend(take_exact=True), max_new_tokens=1)  # the exact entries above
     assert taken.report.applied is ReuseMode.EXACT and documents(taken.report) == [ReuseClass.EXACT] * 3
@@ -135,6 +137,7 @@ def test_the_server_returns_what_ran_beside_what_was_asked():
     assert refused.status_code == 200, refused.text
     rep = refused.json()["kvblend"]["report"]
     assert rep["applied"] == "none" and rep["policy"].startswith("blend@") and rep["gate"] == REFUSED
+    assert rep["asked"] == "blend" and exact.json()["kvblend"]["report"]["asked"] == "exact"
     assert refused.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert exact.json()["kvblend"]["report"]["applied"] == "exact"
     assert streamed.status_code == 200 and '"applied":"none"' in streamed.text
@@ -208,7 +211,7 @@ def test_exact_and_no_reuse_never_ask_the_gate(tiny_engine, mode):
     gate = CountingGate()
     eng = gated(tiny_engine, gate)
     rep = eng.generate(eng.build_prompt("Which?", make_docs(2)), ReusePolicy(mode=mode), max_new_tokens=1).report
-    assert gate.calls == 0 and rep.applied is mode and not rep.gate
+    assert gate.calls == 0 and rep.applied is rep.asked is mode and not rep.gate
 
 
 def test_the_chat_turn_line_names_what_ran_only_where_it_is_not_what_was_asked():
@@ -216,7 +219,10 @@ def test_the_chat_turn_line_names_what_ran_only_where_it_is_not_what_was_asked()
     from blend.policy_types import ReuseMode
     from blend.report import ReuseReport
 
-    assert turn_summary(ReuseReport(policy="exact", applied=ReuseMode.EXACT), 0).endswith("| exact]")
+    exact, none = ReuseReport(policy="exact", applied=ReuseMode.EXACT, asked=ReuseMode.EXACT), \
+        ReuseReport(policy="none", applied=ReuseMode.NONE, asked=ReuseMode.NONE)
+    assert turn_summary(exact, 0).endswith("| exact]") and turn_summary(none, 0).endswith("| none]")
     blend = "blend@0.15:probe:check=1"
-    assert turn_summary(ReuseReport(policy=blend, applied=ReuseMode.BLEND), 0).endswith(f"| {blend}]")
-    assert turn_summary(ReuseReport(policy=blend, applied=ReuseMode.EXACT), 0).endswith(f"| {blend}, ran exact]")
+    for ran, line in [(ReuseMode.BLEND, f"| {blend}]"), (ReuseMode.EXACT, f"| {blend}, ran exact]"),
+                      (ReuseMode.NONE, f"| {blend}, ran none]")]:
+        assert turn_summary(ReuseReport(policy=blend, applied=ran, asked=ReuseMode.BLEND), 0).endswith(line)

@@ -75,7 +75,8 @@ def test_the_printed_report_shows_a_non_streamed_answer_escaped_on_a_terminal():
     from blend.policy_types import ReuseMode
     from blend.report import ReuseReport
 
-    ans = SimpleNamespace(text="hi \x1b[2Jthere", ttft_s=0.01, report=ReuseReport(policy="exact", applied=ReuseMode.EXACT))
+    report = ReuseReport(policy="exact", applied=ReuseMode.EXACT, asked=ReuseMode.EXACT)
+    ans = SimpleNamespace(text="hi \x1b[2Jthere", ttft_s=0.01, report=report)
     tty = _Terminal()
     print_report(ans, tty)
     assert "\x1b" not in tty.getvalue() and "hi \\x1b[2Jthere" in tty.getvalue()
