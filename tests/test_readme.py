@@ -255,3 +255,19 @@ def test_the_fields_ask_json_prints_are_the_ones_readme_lists(tiny_engine):
     prompt = tiny_engine.build_prompt("Who?", make_docs(2))
     printed = cli.answer_json(tiny_engine, tiny_engine.generate(prompt, max_new_tokens=1))
     assert set(printed) == {*re.findall(r"`(\w+)`", listed), "report"}
+
+
+def test_the_set_up_is_two_commands_and_ci_runs_the_test_one():
+    """README's set-up block holds exactly its two commands, the main job and the tests; scripts/kvb takes
+    both, and .ci/run runs the test one as written (and the vLLM tests README's vLLM section names)."""
+    section = README.split("## Set-up on a fresh machine", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines() if line.split("#", 1)[0].strip()]
+    assert commands == ["bash scripts/kvb demo", "bash scripts/kvb test"]
+    kvb = (ROOT / "scripts" / "kvb").read_text(encoding="utf-8")
+    assert re.search(r"^\s*demo\)[^\n]*kvblend\" demo", kvb, re.M) and re.search(r"^\s*test\)", kvb, re.M)
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    assert "bash scripts/kvb test" in ci
+    runs = [c for c in ci if c.startswith("bash scripts/kvb")]
+    assert runs == ["bash scripts/kvb test", "bash scripts/kvb test-vllm"]
+    assert "`bash scripts/kvb test-vllm`" in README
