@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from blend.evals.bench_serve import demo_requests
+from blend.evals.demo_requests import demo_requests
 from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.policy import ReusePolicy
