@@ -44,6 +44,7 @@ import torch
 from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.data import load_item_range
+from blend.evals.environment import describe_environment
 from blend.evals.splits import parse_item_range
 from blend.evals.metrics import kl_divergence
 from blend.policy import ReusePolicy
@@ -166,7 +167,8 @@ def bench_exact_hit(model: str, repeats: int, prefix_tokens: int = 3500, profile
                 "in one short sentence that names each of the three items clearly and briefly. If a section "
                 "does not mention one of them, say which section would be the right place to look for it next.")
     prompt = eng.build_prompt(question, docs)
-    eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # warm-up
+    for policy in (ReusePolicy.exact(), ReusePolicy.one_pass()):  # warm-up: no first call is a ratio's sample
+        eng.generate(prompt, policy, max_new_tokens=1)
     full, cold, warm, hot = zip(*(_cold_warm_hot(eng, prompt) for _ in range(repeats)))
     if profile_rows:
         fresh = eng.with_store(MemoryStore())
@@ -195,6 +197,7 @@ class RagHitRow:
     cold_s: float  # median
     warm_ratio: float
     hot_ratio: float
+    full_s: float = 0.0  # median of the one-pass full prefills the ratios divide by
 
 
 def bench_rag_hit(model: str, data: str, items: range, repeats: int, passages: int = 6) -> RagHitRow:
@@ -204,17 +207,19 @@ def bench_rag_hit(model: str, data: str, items: range, repeats: int, passages: i
     eng = Engine.load(model, quality_gate=False)
     chosen = load_item_range(data, items, passages)
     prompts = [eng.build_prompt(it.question, it.document_texts()) for it in chosen]
-    eng.generate(prompts[0], ReusePolicy.exact(), max_new_tokens=1)  # warm-up
-    cold, warm, hot = [], [], []
+    for policy in (ReusePolicy.exact(), ReusePolicy.one_pass()):  # warm-up: no first call is a ratio's sample
+        eng.generate(prompts[0], policy, max_new_tokens=1)
+    cold, warm, hot, full = [], [], [], []
     for p in prompts:
         for _ in range(repeats):
             f, c, w, h = _cold_warm_hot(eng, p)
             cold.append(c)
+            full.append(f)
             warm.append(w / f)  # against the one-pass full prefill, not the cold exact request
             hot.append(h / f)
     return RagHitRow(len(prompts), passages, int(statistics.median(len(p) for p in prompts)),
                      int(statistics.median(len(p.question) for p in prompts)), statistics.median(cold),
-                     statistics.median(warm), statistics.median(hot))
+                     statistics.median(warm), statistics.median(hot), statistics.median(full))
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,12 @@ def bench_first_document(model: str, data: str, items: range, repeats: int, pass
     full, pre, exact, tokens, first = [], [], [], [], []
     policies = {"none": ReusePolicy.one_pass(), "pre": ReusePolicy.exact(prefix_limit=1), "exact": ReusePolicy.exact()}
     names = list(policies)
+    # warm-up on copies of the first item's documents (other tokens, so nothing the timed prompts could hit):
+    # every policy's first call, the first document's load included, is no sample
+    spare = [f"{t}\n(warm-up copy)" for t in chosen[0].document_texts()] if chosen else []
+    eng.precompute_chunks(spare)
+    for name in names:
+        eng.generate(eng.build_prompt(chosen[0].question, spare), policies[name], max_new_tokens=1)
     for it in chosen:
         texts = it.document_texts()
         eng.precompute_chunks(texts)  # ingest
@@ -246,8 +257,7 @@ def bench_first_document(model: str, data: str, items: range, repeats: int, pass
             for name in names[r % len(names):] + names[: r % len(names)]:  # rotated per repeat
                 ans = eng.generate(prompt, policies[name], max_new_tokens=1)
                 t[name] = ans.ttft_s
-                if name == "exact" and ans.report.segments[1].reuse_class is not ReuseClass.EXACT:
-                    raise RuntimeError("the first document was not reused")
+                _check_first_document(name, ans.report.segments)
             full.append(t["none"])
             pre.append(t["pre"] / t["none"])
             exact.append(t["exact"] / t["none"])
@@ -255,6 +265,23 @@ def bench_first_document(model: str, data: str, items: range, repeats: int, pass
             first.append(len(prompt.documents[0]))
     return FirstDocRow(len(chosen), int(statistics.median(tokens)), statistics.median(full),
                        statistics.median(pre), statistics.median(exact), int(statistics.median(first)))
+
+
+def _check_first_document(name: str, segments) -> None:
+    """What each arm of :func:`bench_first_document` claims to time: ``exact`` loads the preamble and the first
+    document and computes the rest; ``pre`` loads the preamble only.
+
+    Raises:
+        RuntimeError: the first document was not loaded, or a later one was (an order seen before, e.g. more
+            repeats than documents: the whole prefix stored, an exact hit timed as the first document's).
+    """
+    if name == "none":
+        return
+    docs = [s.reuse_class is ReuseClass.EXACT for s in segments[1:-1]]
+    if name == "exact" and not docs[0]:
+        raise RuntimeError("the first document was not reused")
+    if any(docs[1:]) or (name == "pre" and docs[0]):
+        raise RuntimeError(f"{name}: documents after the ones it claims were loaded (an order seen before)")
 
 
 FOLLOW_UP = "Which of the documents above says so? Answer with its title or its first words."
@@ -305,6 +332,9 @@ def bench_follow_up(model: str, data: str, items: range, repeats: int, passages:
         # exact reuse is bit-identical to no reuse (the same segment schedule, untimed here); the timed
         # reference is the one-pass full prefill, the fastest
         identity = eng.generate(same, ReusePolicy.none(), max_new_tokens=1).first_logits
+        if it is chosen[0]:  # warm-up: every arm's first call (the probe's bf16 weights, ...) is no sample
+            for name, (prompt, policy) in runs.items():
+                (loader if name.startswith("exact") else eng).generate(prompt, policy, max_new_tokens=1)
         for r in range(repeats):
             t, logits = {}, {}
             for name in names[r % len(names):] + names[: r % len(names)]:  # rotated per repeat
@@ -347,7 +377,7 @@ def main(argv=None) -> int:
                     help="hit: print the torch profiler's top ROWS operators of three hot requests")
     args = ap.parse_args(argv)
     cases = set(args.cases.split(","))
-    out: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    out: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__, "environment": describe_environment()}
     lo, hi = parse_item_range(args.items)
     items = range(lo, hi + 1)
     if "first-doc" in cases:
@@ -385,7 +415,8 @@ def main(argv=None) -> int:
     if "rag-hit" in cases:
         rh = bench_rag_hit(args.model, args.data, items, args.repeats)
         print(f"\nexact hits of RAG prompts: {rh.items} items x {args.repeats}, {rh.passages} passages, "
-              f"{rh.prompt_tokens} tokens ({rh.question_tokens} in the question); cold TTFT {rh.cold_s:.3f} s; "
+              f"{rh.prompt_tokens} tokens ({rh.question_tokens} in the question); cold TTFT {rh.cold_s:.3f} s, "
+              f"one-pass full prefill {rh.full_s:.3f} s; "
               f"against a one-pass full prefill: warm ratio {rh.warm_ratio:.4f}, hot ratio {rh.hot_ratio:.4f}",
               flush=True)
         out["rag_hit"] = asdict(rh)

@@ -13,24 +13,30 @@ from blend.engine import Engine
 ONE_OFF_S = 0.4  # far above any tiny-model request
 
 
+LONG_ONE_OFF_S = 1.5  # for benches whose tiny requests take ~0.2 s: a ratio with it inside is above 5
+
+
 @pytest.fixture
-def slow_first_calls(monkeypatch):
-    """Each engine's first prefill under each policy pays a one-off ONE_OFF_S (what lazy initialisation
-    costs a real first call); returns the set of (engine, policy) pairs that paid it."""
+def slow_first_calls(monkeypatch, request):
+    """Each engine's first prefill under each policy pays a one-off cost, ONE_OFF_S or the test's indirect
+    parameter (what lazy initialisation costs a real first call); returns the set of (engine, policy)
+    pairs that paid it."""
     paid: set = set()
     real = Engine.prefill
+    cost = getattr(request, "param", ONE_OFF_S)
 
     def prefill(self, prompt, policy, *a, **kw):
         key = (id(self), policy)
         if key not in paid:
             paid.add(key)
-            time.sleep(ONE_OFF_S)
+            time.sleep(cost)
         return real(self, prompt, policy, *a, **kw)
 
     monkeypatch.setattr(Engine, "prefill", prefill)
     return paid
 
 
+@pytest.mark.parametrize("slow_first_calls", [LONG_ONE_OFF_S], indirect=True)
 def test_bench_tiers_times_no_engines_first_request(tmp_path, slow_first_calls):
     """The overlap-off engines got no warm-up (their first request was repeat 0's sample) and neither did the
     full prefill every ratio divides by."""
@@ -41,7 +47,7 @@ def test_bench_tiers_times_no_engines_first_request(tmp_path, slow_first_calls):
                              "--repeats", "1", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert len(slow_first_calls) >= 5  # the full prefill's engine and four tier engines each paid once
-    assert res["full_ttft_s"] < ONE_OFF_S and all(r["ttft_s"] < ONE_OFF_S for r in res["rows"])
+    assert res["full_ttft_s"] < LONG_ONE_OFF_S and all(r["ttft_s"] < LONG_ONE_OFF_S for r in res["rows"])
     assert {(r["tier"], r["overlap"]) for r in res["rows"]} == {(t, o) for t in ("memory", "disk") for o in (1, 0)}
     assert res["threads"] >= 1 and "machine" in res["environment"]
 
@@ -56,3 +62,37 @@ def test_bench_tiers_stops_when_a_request_did_not_blend(tmp_path, monkeypatch):
     monkeypatch.setattr(blend.engine, "refusal_for", lambda engine, prompt, policy: Refusal("refused for the test"))
     with pytest.raises(RuntimeError, match="ran none, not a blend"):
         bench_tiers.main(["--model", "tiny-llama", "--data", "synthetic:single", "--passages", "3", "--repeats", "1"])
+
+
+def test_bench_prefill_exact_hits_divide_by_no_first_full_prefill(slow_first_calls):
+    """The one-pass full prefill every exact-hit ratio divides by got no warm-up: with --repeats 1 (the
+    published run's) the ratio's only denominator was its first call."""
+    from blend.evals.bench_prefill import bench_exact_hit, bench_rag_hit
+
+    hit = bench_exact_hit("tiny-llama", repeats=1, prefix_tokens=200)
+    assert hit.full_s < ONE_OFF_S and hit.warm_s < ONE_OFF_S and hit.hot_s < ONE_OFF_S
+    rag = bench_rag_hit("tiny-llama", "synthetic:single", range(0, 1), repeats=1, passages=2)
+    assert 0 < rag.full_s < ONE_OFF_S
+
+
+@pytest.mark.parametrize("slow_first_calls", [LONG_ONE_OFF_S], indirect=True)
+def test_bench_prefill_first_document_times_no_first_call_and_loads_only_what_it_claims(slow_first_calls):
+    """The case had no warm-up at all: each arm's first request (the first document's load included) was
+    the first item's sample."""
+    from blend.evals.bench_prefill import bench_first_document
+
+    row = bench_first_document("tiny-llama", "synthetic:single", range(0, 1), repeats=1, passages=2)
+    assert row.full_s < LONG_ONE_OFF_S and max(row.exact_ratio, row.preamble_only_ratio) < 5
+    # three orders of two documents: the third repeats the second, whose whole prefix the exact arm stored
+    with pytest.raises(RuntimeError, match="an order seen before"):
+        bench_first_document("tiny-llama", "synthetic:single", range(0, 1), repeats=3, passages=2)
+
+
+@pytest.mark.parametrize("slow_first_calls", [LONG_ONE_OFF_S], indirect=True)
+def test_bench_prefill_follow_up_times_no_first_call(slow_first_calls):
+    """The third turn's arms got no warm-up: the blend's first call, and the loader's, were item 0's samples."""
+    from blend.evals.bench_prefill import bench_follow_up
+
+    row = bench_follow_up("tiny-llama", "synthetic:single", range(0, 1), repeats=1, passages=2, answer_tokens=4)
+    assert row.full_s < LONG_ONE_OFF_S
+    assert max(row.exact_ratio, row.exact_documents_only_ratio, row.blend_ratio) < 5
