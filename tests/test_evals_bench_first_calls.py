@@ -91,7 +91,7 @@ def test_bench_prefill_first_document_times_no_first_call_and_loads_only_what_it
 @pytest.mark.parametrize("slow_first_calls", [LONG_ONE_OFF_S], indirect=True)
 def test_bench_prefill_follow_up_times_no_first_call(slow_first_calls):
     """The third turn's arms got no warm-up: the blend's first call, and the loader's, were item 0's samples."""
-    from blend.evals.bench_prefill import bench_follow_up
+    from blend.evals.follow_up import bench_follow_up
 
     row = bench_follow_up("tiny-llama", "synthetic:single", range(0, 1), repeats=1, passages=2, answer_tokens=4)
     assert row.full_s < LONG_ONE_OFF_S
