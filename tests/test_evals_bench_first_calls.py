@@ -96,3 +96,20 @@ def test_bench_prefill_follow_up_times_no_first_call(slow_first_calls):
     row = bench_follow_up("tiny-llama", "synthetic:single", range(0, 1), repeats=1, passages=2, answer_tokens=4)
     assert row.full_s < LONG_ONE_OFF_S
     assert max(row.exact_ratio, row.exact_documents_only_ratio, row.blend_ratio) < 5
+
+
+@pytest.mark.parametrize("slow_first_calls", [LONG_ONE_OFF_S], indirect=True)
+def test_bench_semantic_times_no_methods_first_call(slow_first_calls):
+    """The warm-up ran full and stale only: the semantic method's first call (the donor path) and fresh's
+    were the first item's samples, in a table of means."""
+    from argparse import Namespace
+
+    from blend.evals import bench_semantic as B
+    from blend.evals.data import Item, load_items
+
+    eng = Engine.load("tiny-llama", quality_gate=False, experimental_semantic=True)
+    items = [Item(it.id, it.question, it.documents[:2], it.answers) for it in load_items("synthetic:single", 1, None)]
+    vocab = sorted({w for it in items for d in it.documents for w in d.text.split(" ") if w.isalpha()})
+    rows = B.run_quality(eng, items, Namespace(ratio=0.3, seed=0, max_new_tokens=1), vocab,
+                         ["An extra sentence for the insert edit."])
+    assert {r.method for r in rows} == set(B.METHODS) and all(r.ttft_s < LONG_ONE_OFF_S for r in rows)
