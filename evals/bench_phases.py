@@ -56,9 +56,10 @@ from blend.evals.data import load_item_range
 from blend.evals.environment import describe_environment
 from blend.evals.metrics import percentile
 from blend.evals.methods import MethodKind, parse_methods
+from blend.evals.paths import check_blended
 from blend.evals.phases import Phase, PhaseClock, Work, work_floor
 from blend.evals.splits import parse_item_range
-from blend.policy import ReuseMode, ReusePolicy
+from blend.policy import ReusePolicy
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
 from blend import safeio
@@ -170,21 +171,6 @@ def fixed_overheads(engine: Engine, prompt) -> tuple[list[float], list[float], l
     return reuse, loaded, hot
 
 
-def check_path(method, report) -> None:
-    """Raise unless a timed request of ``method`` ran its own path: a reuse or blend method's report must say
-    ``blend`` (or ``exact`` where its near-tie guard recomputed on the exact path).
-
-    Raises:
-        RuntimeError: it was refused (``none``: a full prefill, e.g. a dynamic-NTK model past its trained
-            length) or had nothing to re-position (``exact``): its TTFT is not the method's.
-    """
-    if method.kind not in (MethodKind.BLEND, MethodKind.REUSE):
-        return
-    if report.applied is ReuseMode.NONE or (report.applied is ReuseMode.EXACT and not report.guard):
-        raise RuntimeError(f"{method.name} ran {report.applied.value}, not a blend "
-                           f"({report.gate or 'nothing to re-position'}): its TTFT would be another path's")
-
-
 def bench_size(engine: Engine, prompts: list, methods: list, repeats: int) -> tuple[list[PhaseRow], Overhead]:
     """Every method on every prompt, interleaved. Returns the rows and the fixed overheads."""
     policies = {m.name: m.policy() for m in methods}
@@ -203,7 +189,8 @@ def bench_size(engine: Engine, prompts: list, methods: list, repeats: int) -> tu
             plain, work, clocked_s = {}, {}, {}
             for m in methods[r % len(methods):] + methods[: r % len(methods)]:
                 ans = engine.generate(p, policies[m.name], max_new_tokens=1)
-                check_path(m, ans.report)
+                if m.kind in (MethodKind.BLEND, MethodKind.REUSE):
+                    check_blended(m.name, ans.report)
                 plain[m.name] = ans.ttft_s
                 with PhaseClock(check[m.name]) as clock:
                     clocked_s[m.name] = engine.generate(p, policies[m.name], max_new_tokens=1).ttft_s

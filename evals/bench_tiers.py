@@ -27,7 +27,8 @@ from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.environment import describe_environment
-from blend.policy import ReuseMode, ReusePolicy
+from blend.evals.paths import check_blended
+from blend.policy import ReusePolicy
 from blend.store.spec import open_store
 from blend import safeio
 
@@ -76,10 +77,7 @@ def main(argv=None) -> int:
         full.append(engine.generate(prompt, ReusePolicy.one_pass(), max_new_tokens=1).ttft_s)
         for (name, overlap), (ttfts, lookups, ratios) in samples.items():
             ans = engines[name, overlap].generate(prompt, policy, max_new_tokens=1)
-            rep = ans.report  # refused (none), or nothing re-positioned (exact, unguarded): no blend's loads
-            if rep.applied is ReuseMode.NONE or (rep.applied is ReuseMode.EXACT and not rep.guard):
-                raise RuntimeError(f"{name}: the request ran {rep.applied.value}, not a blend "
-                                   f"({rep.gate or 'nothing to re-position'})")
+            check_blended(f"blend@{args.ratio:g} from {name}", ans.report)  # a refused one loads nothing
             ttfts.append(ans.ttft_s)
             lookups.append(ans.report.timings.lookup_s)
             ratios.append(ans.ttft_s / full[-1])  # over this repeat's full prefill

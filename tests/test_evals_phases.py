@@ -117,6 +117,20 @@ def test_bench_bf16_scores_against_fp32_full_prefill():
         assert 0.0 < m["bf16 full"]["kl"] < 0.05  # bf16 rounding, not a different model
     assert "| bf16 blend@0.3 |" in bench_bf16.summarise(res) and "2 rounds" in bench_bf16.summarise(res)
     assert bench_bf16._methods([0.3])["bf16 reuse"][1].guard_margin is None  # the floor is never guarded
+    assert len(res["environment"]["machine"]["load_average"]) == 3
+
+
+def test_bench_bf16_stops_when_a_blend_did_not_blend(monkeypatch):
+    """A refused blend (a full prefill) was timed and scored as the bf16 or fp32 blend."""
+    import pytest
+
+    import blend.engine
+    from blend.evals import bench_bf16
+    from blend.refusals import Refusal
+
+    monkeypatch.setattr(blend.engine, "refusal_for", lambda engine, prompt, policy: Refusal("refused for the test"))
+    with pytest.raises(RuntimeError, match="ran none, not a blend"):
+        bench_bf16.run("tiny-llama", "synthetic:single", [0], 2, [0.3], repeats=1)
 
 
 def test_the_clock_counts_a_full_prefills_work_exactly(tiny_engine):
