@@ -27,6 +27,25 @@ def test_bench_burst_times_a_burst_with_and_without_decode_loop_prefills(capsys)
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "decode loop prefills too: TTFT p50" in out and "worker only: TTFT p50" in out
+    assert "load average" in out and "WARNING" not in out
+
+
+def test_bench_burst_warns_of_requests_that_ran_another_path(capsys, monkeypatch):
+    """A refused blend (a full prefill) was timed as the burst's blend request without a word."""
+    import blend.engine
+    from blend.evals.bench_burst import main
+    from blend.refusals import Refusal
+
+    real = blend.engine.refusal_for
+    monkeypatch.setattr(blend.engine, "refusal_for", lambda engine, prompt, policy: (
+        Refusal("refused for the test") if policy.mode.value == "blend" else real(engine, prompt, policy)))
+    threads = torch.get_num_threads()
+    try:
+        assert main(["blend", "--model", "tiny-llama", "--requests", "2", "--repeats", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "(WARNING: 2 of 2 requests ran another path than blend)" in out
 
 
 def test_bench_clients_count_the_requests_the_near_tie_guard_blended_again():
