@@ -9,7 +9,8 @@ recompute, no near-tie guard: the floor, as ``reuse`` elsewhere), bf16 blend at
 each ratio (default policy) and fp32 blend at the same ratios for comparison.
 An item's ratio is the median of its rounds. Quality is the first-token
 KL(fp32 full || method) and top-1 agreement (the same every round); chunk KV is
-precomputed.
+precomputed. A reuse or blend request whose report says it did not blend
+(refused, or nothing to re-position) stops the run.
 
     python -m blend.evals.bench_bf16 [--items 0-9,30-39] [--passages 5] [--ratios 0.15] [--repeats 2] --out DIR
 
@@ -29,9 +30,11 @@ import torch
 from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_items
+from blend.evals.environment import describe_environment
 from blend.evals.metrics import kl_cells, kl_divergence, top1_agree
+from blend.evals.paths import check_blended
 from blend.evals.splits import parse_item_range, split_of  # tuning 0-29, validation 30-99, other past them
-from blend.policy import ReusePolicy
+from blend.policy import ReuseMode, ReusePolicy
 from blend.store.memory import MemoryStore
 from blend import safeio
 
@@ -81,6 +84,8 @@ def run(model: str, data: str, items: list[int], passages: int, ratios: list[flo
             for name in names[r % len(names):] + names[: r % len(names)]:
                 dt, pol = methods[name]
                 got[name] = engines[dt].generate(prompts[dt], pol, max_new_tokens=1)
+                if pol.mode is ReuseMode.BLEND:
+                    check_blended(name, got[name].report)
             for name, a in got.items():
                 ttft[name].append(a.ttft_s)
                 ratio[name].append(a.ttft_s / got["fp32 full"].ttft_s)
@@ -94,7 +99,8 @@ def run(model: str, data: str, items: list[int], passages: int, ratios: list[flo
         print(f"[{n + 1}/{len(items)}] item {i}: " + ", ".join(
             f"{k} {v['kl']:.4f}/{v['ratio']:.3f}x" for k, v in rows[-1]["methods"].items()), file=sys.stderr, flush=True)
     return {"rows": rows, "methods": names, "threads": torch.get_num_threads(), "passages": passages,
-            "repeats": repeats, "gemm": {dt: e.runner.gemm.value for dt, e in engines.items()}}
+            "repeats": repeats, "gemm": {dt: e.runner.gemm.value for dt, e in engines.items()},
+            "environment": describe_environment(engines["float32"].device)}
 
 
 

@@ -14,7 +14,8 @@ import sys
 import threading
 import time
 
-from blend.evals.bench_serve import demo_requests
+from blend.evals.demo_requests import demo_requests
+from blend.evals.environment import describe_environment
 from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.policy import ReusePolicy
@@ -24,17 +25,20 @@ from blend.serve.jobs import EventKind
 from blend.serve.scheduler import Scheduler
 
 
-def burst(engine: Engine, prompts: list, policy: ReusePolicy, allowed: bool, n: int) -> tuple[float, float, float]:
-    """One burst of ``n`` requests into a fresh scheduler: (TTFT p50 s, TTFT max s, wall s)."""
+def burst(engine: Engine, prompts: list, policy: ReusePolicy, allowed: bool, n: int
+          ) -> tuple[float, float, float, int]:
+    """One burst of ``n`` requests into a fresh scheduler: (TTFT p50 s, TTFT max s, wall s, requests whose
+    report says another path than the policy's mode produced their KV: a refused blend ran none)."""
     sched = Scheduler(engine, SchedulerConfig(torch_threads=1, decode_loop_prefills=allowed))
     sched.start()
     time.sleep(0.2)  # every thread waiting
-    lock, ttft, done = threading.Lock(), [], threading.Semaphore(0)
+    lock, ttft, done, other = threading.Lock(), [], threading.Semaphore(0), [0]
 
     def sink(ev) -> None:
         if ev.kind is EventKind.STARTED:
             with lock:
                 ttft.append(ev.ttft_s)
+                other[0] += ev.report is not None and ev.report.applied is not policy.mode
         if ev.kind in (EventKind.DONE, EventKind.FAILED):
             done.release()
 
@@ -46,7 +50,7 @@ def burst(engine: Engine, prompts: list, policy: ReusePolicy, allowed: bool, n: 
         done.acquire()
     wall = time.perf_counter() - t0
     sched.close()
-    return statistics.median(ttft), max(ttft), wall
+    return statistics.median(ttft), max(ttft), wall, other[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,14 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(2):  # warm every chunk, then every prompt's hot prefix: each timed burst starts the same
         for p in prompts:
             engine.prefill(p, policy, 1)
-    res: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    res: dict[bool, list[tuple[float, float, float, int]]] = {True: [], False: []}
     for r in range(args.repeats):
         for allowed in ((True, False) if r % 2 == 0 else (False, True)):  # alternated per repeat
             res[allowed].append(burst(engine, prompts, policy, allowed, args.requests))
+    machine = describe_environment(engine.device)["machine"]
+    print(f"{machine['platform']}, {machine['cpu_count']} CPUs, load average {machine['load_average']}; "
+          f"{engine.dtype}, one intra-op thread per scheduler thread; medians of {args.repeats} bursts")
     for allowed, rows in res.items():
         p50, mx, wall = (statistics.median(r[i] for r in rows) for i in range(3))
         name = "decode loop prefills too" if allowed else "worker only"
-        print(f"{args.mode}, {args.requests} requests, {name}: TTFT p50 {p50:.2f} s, max {mx:.2f} s, wall {wall:.2f} s")
+        other = sum(r[3] for r in rows)
+        print(f"{args.mode}, {args.requests} requests, {name}: TTFT p50 {p50:.2f} s, max {mx:.2f} s, wall {wall:.2f} s"
+              + (f" (WARNING: {other} of {len(rows) * args.requests} requests ran another path than {args.mode})"
+                 if other else ""))
     return 0
 
 

@@ -75,7 +75,7 @@ def variants(shape: Shape) -> dict[str, Variant]:
 
 
 def run(shape: Shape, repeats: int = 5, seed: int = 0) -> dict[str, dict[str, float]]:
-    """Time every variant over one step's caches, interleaved.
+    """Time every variant over one step's caches, interleaved, after one untimed step of each.
 
     Args:
         shape: the step.
@@ -98,6 +98,9 @@ def run(shape: Shape, repeats: int = 5, seed: int = 0) -> dict[str, dict[str, fl
 
     steps = {**{name: per_sequence(fn) for name, fn in fns.items()}, **_pooled(shape, caches)}
     times: dict[str, list[float]] = {name: [] for name in steps}
+    for layer_step, _ in steps.values():  # warm-up, untimed: each variant's first calls are no sample
+        for layer in range(shape.layers):
+            layer_step(qs, layer)
     for _ in range(repeats):
         for name, (layer_step, _) in steps.items():
             t0 = time.perf_counter()

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from blend.evals.environment import describe_environment
 from blend.gemm import GemmBackend, linear, onednn_available, pack
 from blend import safeio
 
@@ -60,13 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, generator=g)
         packed = pack(w, GemmBackend.ONEDNN)
+        if not packed.is_mkldnn:  # linear() would run F.linear over it: both columns the same GEMM
+            print(f"the packed {name} weight is not in oneDNN's layout: its linear would be F.linear")
+            return 1
         for m in ROWS:
             x = torch.randn(m, k, generator=g)
             a, b = time_pair(x, w, packed, args.repeats)
             rows.append({"proj": name, "rows": m, "linear_ms": a * 1e3, "onednn_ms": b * 1e3, "speedup": a / b})
             print(f"{name:8s} {m:5d} {a * 1e3:9.3f} {b * 1e3:9.3f} {a / b:7.2f}x")
     if args.json:
-        safeio.atomic_write_text(args.json, json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
+        safeio.atomic_write_text(args.json, json.dumps({"threads": torch.get_num_threads(), "dtype": "float32",
+                                                        "environment": describe_environment(), "rows": rows},
+                                                       indent=1))
     return 0
 
 

@@ -15,6 +15,10 @@ formulations (the reference against SDPA with an explicit mask is the ratio the
 kernels issue asks for) and the error column comes from the Triton kernels run
 by the interpreter at a reduced shape (T=256). On CUDA, Triton is timed
 against torch with CUDA events and errors are taken at the full shapes.
+Each dispatched row is labelled with the implementation the dispatcher picks
+for its tensors (``dispatch: triton|torch|vllm-cpu``), and a kernel that does
+not run the claimed one (Triton on CUDA, vLLM's kernel under ``--vllm``) is
+printed as a warning and listed under ``fallbacks`` in the JSON.
 
 ``--vllm`` (CPU, where vLLM is installed) loads vLLM's compiled ops and adds
 vLLM's CPU attention kernel as kvblend's connector runs it
@@ -34,6 +38,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from blend.defaults import DEFAULT_RATIO
+from blend.evals.environment import describe_environment
+from blend.kernels.dispatch import KernelBackend
 from blend import safeio
 
 HKV, HQ, HEAD_DIM, ROPE_THETA = 3, 9, 64, 1e5  # SmolLM2-135M
@@ -198,6 +204,31 @@ def error_rows(t: int, ratio: float, dtype: torch.dtype, device: torch.device) -
     return rows
 
 
+def dispatched_backends(p: Problem) -> dict[str, KernelBackend]:
+    """The implementation each dispatched kernel runs on ``p``'s tensors, asked of the dispatcher itself (the
+    same calls :mod:`blend.kernels.dispatch` makes), so a row is labelled with what it timed."""
+    from blend.kernels.dispatch import attention_backend, kernel_backend
+
+    return {"rope_mix": kernel_backend(p.cached_k), "kv_deviation": kernel_backend(p.cached_k),
+            "sparse_query_attention": attention_backend(p.q, p.pos[p.fresh_idx], p.pos)}
+
+
+def expected_backend(kernel: str, device: torch.device, vllm: bool) -> KernelBackend:
+    """What the benchmark claims to time for a dispatched kernel: Triton on CUDA, vLLM's CPU kernel for
+    attention under ``--vllm``, torch elsewhere."""
+    if device.type == "cuda":
+        return KernelBackend.TRITON
+    return KernelBackend.VLLM_CPU if vllm and kernel == "sparse_query_attention" else KernelBackend.TORCH
+
+
+def fallbacks(backends: dict[str, KernelBackend], device: torch.device, vllm: bool) -> list[str]:
+    """One line per dispatched kernel that runs another implementation than the benchmark claims (e.g. Triton
+    missing on a GPU machine, ``KVBLEND_KERNELS=torch``, vLLM's ops not registered or failing their
+    self-check): its rows time that other implementation, and are labelled so."""
+    return [f"{kernel}: dispatched to {got.value}, not {expected_backend(kernel, device, vllm).value}"
+            for kernel, got in backends.items() if got is not expected_backend(kernel, device, vllm)]
+
+
 def timing_rows(t: int, ratio: float, dtype: torch.dtype, device: torch.device, repeats: int,
                 full_prefill: bool, vllm: bool = False) -> list[Timing]:
     from blend.kernels import kv_deviation, rope_mix, sparse_query_attention
@@ -210,26 +241,28 @@ def timing_rows(t: int, ratio: float, dtype: torch.dtype, device: torch.device, 
     k_rot, v_mix = rope_mix_ref(*p.mix_args)
     q_pos = p.pos[p.fresh_idx]
     fresh_all = p.cached_k + 0.1 * torch.randn_like(p.cached_k)
-    dispatched = "triton" if device.type == "cuda" else ("dispatch(vLLM CPU)" if vllm else "dispatch(torch)")
+    # each row labelled with the implementation the dispatcher picks for these tensors (not the one it
+    # would pick if everything were installed): a fallback to torch is timed as, and called, torch
+    ran = {k: f"dispatch: {b.value}" for k, b in dispatched_backends(p).items()}
     att = (p.q, q_pos, k_rot, v_mix, p.pos, scale)
 
     groups: dict[str, list[tuple[str, Callable[[], object]]]] = {
         "rope_mix": [("torch reference", lambda: rope_mix_ref(*p.mix_args)),
-                     (dispatched, lambda: rope_mix(*p.mix_args)),
+                     (ran["rope_mix"], lambda: rope_mix(*p.mix_args)),
                      ("unfused: scatter + HF rotate_half", lambda: unfused_mix(p))],
         "kv_deviation": [("torch reference", lambda: kv_deviation_ref(fresh_all, p.cached_k)),
-                         (dispatched, lambda: kv_deviation(fresh_all, p.cached_k)),
+                         (ran["kv_deviation"], lambda: kv_deviation(fresh_all, p.cached_k)),
                          ("naive pow/sum/sqrt", lambda: deviation_naive(fresh_all, p.cached_k))],
         "sparse_query_attention": [
             ("SDPA, repeat K/V, explicit bool mask", lambda: sdpa_explicit_mask(*att)),
             ("torch reference (SDPA gqa, bool mask)", lambda: sparse_query_attention_ref(*att)),
-            (dispatched, lambda: sparse_query_attention(*att)),
+            (ran["sparse_query_attention"], lambda: sparse_query_attention(*att)),
             ("SDPA gqa, additive float mask", lambda: sdpa_additive_mask(*att)),
         ],
         "mix+attention (blend layer step)": [
             ("unfused torch: scatter+rotate_half+repeat+SDPA mask",
              lambda: sdpa_explicit_mask(p.q, q_pos, *unfused_mix(p), p.pos, scale)),
-            (f"kernels path ({dispatched})",
+            (f"kernels path (rope_mix + attention: {ran['rope_mix'][10:]} + {ran['sparse_query_attention'][10:]})",
              lambda: sparse_query_attention(p.q, q_pos, *rope_mix(*p.mix_args), p.pos, scale)),
         ],
     }
@@ -309,12 +342,17 @@ def main(argv: list[str] | None = None) -> None:
         if device.type == "cuda":
             errors += error_rows(t, args.ratio, dtype, device)
         timings += timing_rows(t, args.ratio, dtype, device, repeats, not args.no_full_prefill, args.vllm)
+    backends = dispatched_backends(make_problem(64, args.ratio, dtype, device))
+    fell_back = fallbacks(backends, device, args.vllm)
     print(f"device={device} dtype={dtype} threads={torch.get_num_threads()} "
           f"Hkv={HKV} Hq={HQ} D={HEAD_DIM} ratio={args.ratio} best of {repeats}, ms\n")
+    for line in fell_back:
+        print(f"WARNING: {line}: the dispatched rows time that implementation")
     print_tables(errors, timings)
     if args.json:
         safeio.atomic_write_text(args.json, json.dumps({"device": str(device), "dtype": str(dtype),
-                       "threads": torch.get_num_threads(),
+                       "threads": torch.get_num_threads(), "environment": describe_environment(device),
+                       "dispatched": {k: b.value for k, b in backends.items()}, "fallbacks": fell_back,
                        "errors": [asdict(e) for e in errors], "timings": [asdict(r) for r in timings]}, indent=2))
 
 

@@ -4,7 +4,8 @@ For each size (~600 tokens: 5 passages cut short; ~3k: 5 passages; ~6k: 10
 passages of musique_dev) and item, every method runs interleaved in one
 process: an untimed warm-up, then per repeat one plain run (its TTFT is the
 figure; the ratio divides it by full prefill's plain TTFT of the same item
-and repeat) and one run under the :class:`~blend.evals.phases.PhaseClock`
+and repeat; a reuse or blend run whose report says it did not blend stops
+the bench) and one run under the :class:`~blend.evals.phases.PhaseClock`
 (its phase seconds; the remainder is "Python and the rest"). Chunk KV is
 precomputed, so reuse and blend read every document from the memory store.
 
@@ -55,6 +56,7 @@ from blend.evals.data import load_item_range
 from blend.evals.environment import describe_environment
 from blend.evals.metrics import percentile
 from blend.evals.methods import MethodKind, parse_methods
+from blend.evals.paths import check_blended
 from blend.evals.phases import Phase, PhaseClock, Work, work_floor
 from blend.evals.splits import parse_item_range
 from blend.policy import ReusePolicy
@@ -67,6 +69,7 @@ EXACT_DOCS_SALT = "bench-phases-exact-documents"  # keeps the exact-hit case's e
 EXACT_DOCS_STORE = ReusePolicy.exact(cache_salt=EXACT_DOCS_SALT)
 EXACT_DOCS_BLEND = ReusePolicy.blend(ratio=DEFAULT_RATIO, cache_salt=EXACT_DOCS_SALT, take_exact=True)  # the case
 OVERHEAD_REPEATS = 3
+P90_MIN_SAMPLES = 10  # under this many, a linearly interpolated p90 lies between the two largest samples
 SHORT_PASSAGE_CHARS = 480  # ~110 tokens: five of them make a ~630-token prompt
 
 
@@ -185,7 +188,10 @@ def bench_size(engine: Engine, prompts: list, methods: list, repeats: int) -> tu
         for r in range(repeats):
             plain, work, clocked_s = {}, {}, {}
             for m in methods[r % len(methods):] + methods[: r % len(methods)]:
-                plain[m.name] = engine.generate(p, policies[m.name], max_new_tokens=1).ttft_s
+                ans = engine.generate(p, policies[m.name], max_new_tokens=1)
+                if m.kind in (MethodKind.BLEND, MethodKind.REUSE):
+                    check_blended(m.name, ans.report)
+                plain[m.name] = ans.ttft_s
                 with PhaseClock(check[m.name]) as clock:
                     clocked_s[m.name] = engine.generate(p, policies[m.name], max_new_tokens=1).ttft_s
                 phases[m.name].append(clock.times.with_remainder(clocked_s[m.name]))
@@ -225,6 +231,9 @@ def write_markdown(rows: list[PhaseRow], overhead: dict[str, float], meta: dict,
         lines += [f"| {r.size} | {r.method} | {len(r.ratios)} | {percentile(r.ratios, 50):.3f} | "
                   f"{statistics.mean(r.ratios):.3f} | {percentile(r.ratios, 90):.3f} | {max(r.ratios):.3f} |"
                   for r in tails]
+        if any(len(r.ratios) < P90_MIN_SAMPLES for r in tails):
+            lines += ["", f"A p90 of fewer than {P90_MIN_SAMPLES} samples is interpolated between the two largest "
+                      "(numpy's linear percentile): read it as a max."]
     counted = [r for r in rows if r.method != "full" and r.rows_share > 0]  # (runs before the work count: none)
     if counted:
         lines += ["", "Work against the full prefill of the same prompt (medians): attention pairs (a query and a key "

@@ -35,19 +35,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
 from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.data import load_item_range
+from blend.evals.environment import describe_environment
+from blend.evals.follow_up import bench_follow_up
 from blend.evals.splits import parse_item_range
-from blend.evals.metrics import kl_divergence
 from blend.policy import ReusePolicy
-from blend.prompt import Prompt, Role, Turn
+from blend.prompt import Prompt
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
 from blend import safeio
@@ -166,7 +166,8 @@ def bench_exact_hit(model: str, repeats: int, prefix_tokens: int = 3500, profile
                 "in one short sentence that names each of the three items clearly and briefly. If a section "
                 "does not mention one of them, say which section would be the right place to look for it next.")
     prompt = eng.build_prompt(question, docs)
-    eng.generate(prompt, ReusePolicy.exact(), max_new_tokens=1)  # warm-up
+    for policy in (ReusePolicy.exact(), ReusePolicy.one_pass()):  # warm-up: no first call is a ratio's sample
+        eng.generate(prompt, policy, max_new_tokens=1)
     full, cold, warm, hot = zip(*(_cold_warm_hot(eng, prompt) for _ in range(repeats)))
     if profile_rows:
         fresh = eng.with_store(MemoryStore())
@@ -195,6 +196,7 @@ class RagHitRow:
     cold_s: float  # median
     warm_ratio: float
     hot_ratio: float
+    full_s: float = 0.0  # median of the one-pass full prefills the ratios divide by
 
 
 def bench_rag_hit(model: str, data: str, items: range, repeats: int, passages: int = 6) -> RagHitRow:
@@ -204,17 +206,19 @@ def bench_rag_hit(model: str, data: str, items: range, repeats: int, passages: i
     eng = Engine.load(model, quality_gate=False)
     chosen = load_item_range(data, items, passages)
     prompts = [eng.build_prompt(it.question, it.document_texts()) for it in chosen]
-    eng.generate(prompts[0], ReusePolicy.exact(), max_new_tokens=1)  # warm-up
-    cold, warm, hot = [], [], []
+    for policy in (ReusePolicy.exact(), ReusePolicy.one_pass()):  # warm-up: no first call is a ratio's sample
+        eng.generate(prompts[0], policy, max_new_tokens=1)
+    cold, warm, hot, full = [], [], [], []
     for p in prompts:
         for _ in range(repeats):
             f, c, w, h = _cold_warm_hot(eng, p)
             cold.append(c)
+            full.append(f)
             warm.append(w / f)  # against the one-pass full prefill, not the cold exact request
             hot.append(h / f)
     return RagHitRow(len(prompts), passages, int(statistics.median(len(p) for p in prompts)),
                      int(statistics.median(len(p.question) for p in prompts)), statistics.median(cold),
-                     statistics.median(warm), statistics.median(hot))
+                     statistics.median(warm), statistics.median(hot), statistics.median(full))
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,12 @@ def bench_first_document(model: str, data: str, items: range, repeats: int, pass
     full, pre, exact, tokens, first = [], [], [], [], []
     policies = {"none": ReusePolicy.one_pass(), "pre": ReusePolicy.exact(prefix_limit=1), "exact": ReusePolicy.exact()}
     names = list(policies)
+    # warm-up on copies of the first item's documents (other tokens, so nothing the timed prompts could hit):
+    # every policy's first call, the first document's load included, is no sample
+    spare = [f"{t}\n(warm-up copy)" for t in chosen[0].document_texts()] if chosen else []
+    eng.precompute_chunks(spare)
+    for name in names:
+        eng.generate(eng.build_prompt(chosen[0].question, spare), policies[name], max_new_tokens=1)
     for it in chosen:
         texts = it.document_texts()
         eng.precompute_chunks(texts)  # ingest
@@ -246,8 +256,7 @@ def bench_first_document(model: str, data: str, items: range, repeats: int, pass
             for name in names[r % len(names):] + names[: r % len(names)]:  # rotated per repeat
                 ans = eng.generate(prompt, policies[name], max_new_tokens=1)
                 t[name] = ans.ttft_s
-                if name == "exact" and ans.report.segments[1].reuse_class is not ReuseClass.EXACT:
-                    raise RuntimeError("the first document was not reused")
+                _check_first_document(name, ans.report.segments)
             full.append(t["none"])
             pre.append(t["pre"] / t["none"])
             exact.append(t["exact"] / t["none"])
@@ -257,78 +266,21 @@ def bench_first_document(model: str, data: str, items: range, repeats: int, pass
                        statistics.median(pre), statistics.median(exact), int(statistics.median(first)))
 
 
-FOLLOW_UP = "Which of the documents above says so? Answer with its title or its first words."
-FOLLOW_UP_2 = "Quote the sentence of that document that supports the answer."
+def _check_first_document(name: str, segments) -> None:
+    """What each arm of :func:`bench_first_document` claims to time: ``exact`` loads the preamble and the first
+    document and computes the rest; ``pre`` loads the preamble only.
 
-
-@dataclass(frozen=True)
-class FollowUpRow:
-    """Medians over items and repeats: seconds, and ratios to the third turn's full prefill."""
-
-    items: int
-    prompt_tokens: int
-    history_tokens: int  # the question segment: both earlier turns, their answers and the new question
-    computed_tokens: int  # of which the exact path computes (the last answer and the new question)
-    full_s: float
-    exact_ratio: float  # same documents: preamble, documents and both earlier turns an exact hit (loaded, not hot)
-    exact_documents_only_ratio: float  # the same, the question segment computed whole (before turns were stored)
-    blend_ratio: float  # documents reordered: blended at the default ratio
-    blend_kl_mean: float  # first-token KL of the blend to the reordered prompt's full prefill
-    blend_kl_max: float
-
-
-def bench_follow_up(model: str, data: str, items: range, repeats: int, passages: int = 5,
-                    answer_tokens: int = 32) -> FollowUpRow:
-    """A conversation's third turn over the first turn's documents (see the module docstring)."""
-    eng = Engine.load(model, quality_gate=False).with_store(MemoryStore())
-    # the exact arms run on an engine over the same store and weights whose hot-prefix cache keeps nothing: every
-    # repeat loads the stored turns (the first repeat's request would otherwise leave them hot for the others)
-    loader = eng.with_store(eng.store)
-    loader.segments.hot.budget_bytes = 0
-    chosen = load_item_range(data, items, passages)
-    full, exact, docs_only, blend, kls, tokens, hist, computed = [], [], [], [], [], [], [], []
-    for it in chosen:
-        texts = it.document_texts()
-        eng.precompute_chunks(texts)  # ingest: the documents' canonical chunk KV, as a RAG index holds it
-        history: tuple[Turn, ...] = ()
-        for question in (it.question, FOLLOW_UP):  # turns 1 and 2, answered under exact reuse (they store their turns)
-            ans = eng.generate(eng.build_prompt(question, texts, history=history), ReusePolicy.exact(),
-                               max_new_tokens=answer_tokens)
-            history += (Turn(Role.USER, question), Turn(Role.ASSISTANT, ans.text.strip() or "I do not know."))
-        same = eng.build_prompt(FOLLOW_UP_2, texts, history=history)
-        whole = Prompt((*same.segments[:-1], replace(same.question, turn_ends=())))  # no turn parts
-        moved = eng.build_prompt(FOLLOW_UP_2, texts[1:] + texts[:1], history=history)
-        runs = {"none": (same, ReusePolicy.one_pass()), "exact": (same, ReusePolicy.exact()),
-                "exact_docs": (whole, ReusePolicy.exact()),
-                "moved_none": (moved, ReusePolicy.one_pass()), "blend": (moved, ReusePolicy.blend(ratio=DEFAULT_RATIO))}
-        names = list(runs)
-        # exact reuse is bit-identical to no reuse (the same segment schedule, untimed here); the timed
-        # reference is the one-pass full prefill, the fastest
-        identity = eng.generate(same, ReusePolicy.none(), max_new_tokens=1).first_logits
-        for r in range(repeats):
-            t, logits = {}, {}
-            for name in names[r % len(names):] + names[: r % len(names)]:  # rotated per repeat
-                prompt, policy = runs[name]
-                ans = (loader if name.startswith("exact") else eng).generate(prompt, policy, max_new_tokens=1)
-                t[name], logits[name] = ans.ttft_s, ans.first_logits
-                if name.startswith("exact") and any(s.reuse_class is not ReuseClass.EXACT
-                                                    for s in ans.report.segments[:-1]):
-                    raise RuntimeError(f"{name}: the third turn's documents and earlier turns were not an exact hit")
-            if not torch.equal(logits["exact"], identity):
-                raise RuntimeError("the third turn's exact reuse is not bit-identical to its prefill without reuse")
-            full.append(t["none"])
-            exact.append(t["exact"] / t["none"])
-            docs_only.append(t["exact_docs"] / t["none"])
-            blend.append(t["blend"] / t["moved_none"])
-            kls.append(kl_divergence(logits["moved_none"], logits["blend"]))
-            tokens.append(len(same))
-            hist.append(len(same.question))
-            computed.append(len(same.question.parts()[-1]))
-        print(f"third turn of item {it.id}: full {full[-1]:.2f} s, exact {exact[-1]:.3f}x "
-              f"(documents only {docs_only[-1]:.3f}x), blend {blend[-1]:.3f}x", file=sys.stderr, flush=True)
-    return FollowUpRow(len(chosen), int(statistics.median(tokens)), int(statistics.median(hist)),
-                       int(statistics.median(computed)), statistics.median(full), statistics.median(exact),
-                       statistics.median(docs_only), statistics.median(blend), statistics.fmean(kls), max(kls))
+    Raises:
+        RuntimeError: the first document was not loaded, or a later one was (an order seen before, e.g. more
+            repeats than documents: the whole prefix stored, an exact hit timed as the first document's).
+    """
+    if name == "none":
+        return
+    docs = [s.reuse_class is ReuseClass.EXACT for s in segments[1:-1]]
+    if name == "exact" and not docs[0]:
+        raise RuntimeError("the first document was not reused")
+    if any(docs[1:]) or (name == "pre" and docs[0]):
+        raise RuntimeError(f"{name}: documents after the ones it claims were loaded (an order seen before)")
 
 
 def main(argv=None) -> int:
@@ -347,7 +299,7 @@ def main(argv=None) -> int:
                     help="hit: print the torch profiler's top ROWS operators of three hot requests")
     args = ap.parse_args(argv)
     cases = set(args.cases.split(","))
-    out: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    out: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__, "environment": describe_environment()}
     lo, hi = parse_item_range(args.items)
     items = range(lo, hi + 1)
     if "first-doc" in cases:
@@ -385,7 +337,8 @@ def main(argv=None) -> int:
     if "rag-hit" in cases:
         rh = bench_rag_hit(args.model, args.data, items, args.repeats)
         print(f"\nexact hits of RAG prompts: {rh.items} items x {args.repeats}, {rh.passages} passages, "
-              f"{rh.prompt_tokens} tokens ({rh.question_tokens} in the question); cold TTFT {rh.cold_s:.3f} s; "
+              f"{rh.prompt_tokens} tokens ({rh.question_tokens} in the question); cold TTFT {rh.cold_s:.3f} s, "
+              f"one-pass full prefill {rh.full_s:.3f} s; "
               f"against a one-pass full prefill: warm ratio {rh.warm_ratio:.4f}, hot ratio {rh.hot_ratio:.4f}",
               flush=True)
         out["rag_hit"] = asdict(rh)

@@ -58,9 +58,9 @@ import httpx
 import torch
 
 from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
-from blend.batch_decode import decode_batch
-from blend.decode_pool import DecodePool
 from blend.engine import Engine
+from blend.evals.decode_scaling import decode_scaling
+from blend.evals.demo_requests import demo_requests
 from blend.evals.metrics import percentile
 from blend.generation import generate
 from blend.policy import ReusePolicy
@@ -68,7 +68,6 @@ from blend.sampling import GenerationConfig
 from blend.serve.config import default_torch_threads
 from blend import safeio
 
-DEMO = Path(__file__).resolve().parents[1] / "blend" / "data" / "demo"
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,7 @@ class Sample:
     guarded: bool = False  # the near-tie guard blended this request again (its report says so)
     gaps_s: tuple[float, ...] = ()  # between consecutive text chunks of the stream (inter-token latency)
     exact_docs: bool = False  # the report says every document was exact (any mode; see the module docstring)
+    applied: str = ""  # the path that produced the prompt's KV, as the report says (none: reuse refused)
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,9 @@ class Row:
     exact_docs: int = 0
     ttft_max_ms: float = 0.0  # the largest sample (what the table shows for a tail of under 100 samples)
     e2e_max_ms: float = 0.0
+    # requests whose report says another path produced their KV than the mode's own (own_path): a blend the
+    # server's quality gate refused ran none, a full prefill, and was timed under the blend's name
+    other_path: int = 0
 
 
 # Under this many samples the table shows a tail as the max, not as p99. ``metrics.percentile`` is numpy's
@@ -119,26 +122,16 @@ def tail_cell(p99: float, largest: float, n: int) -> str:
     return f"max {largest:.0f}" if largest else f"{p99:.0f} (n={n})"
 
 
-def demo_requests() -> list[tuple[str, list[str]]]:
-    """(question, documents) pairs over the demo corpus; document order rotates."""
-    names = sorted(p.name for p in DEMO.iterdir() if p.suffix in (".txt", ".md"))
-    text = {n: (DEMO / n).read_text(encoding="utf-8") for n in names}
-    qs = json.loads((DEMO / "questions.json").read_text(encoding="utf-8"))["questions"]
-    out = []
-    for j in range(len(qs) * 3):
-        q = qs[j % len(qs)]
-        others = [n for n in names if n != q["source"]]
-        picked = [q["source"], others[j % len(others)], others[(j + 3) % len(others)]]
-        k = j // len(qs)
-        out.append((q["question"], [text[n] for n in picked[k:] + picked[:k]]))
-    return out
-
-
 def policy_body(mode: str) -> dict:
     if mode == "exact":
         return {"reuse": "exact"}
     ratio = float(mode.split("@", 1)[1]) if "@" in mode else DEFAULT_RATIO
     return {"reuse": "blend", "ratio": ratio}
+
+
+def own_path(mode: str) -> str:
+    """The path (a report's ``applied``) a mode's requests should run: ``exact`` or ``blend``."""
+    return policy_body(mode)["reuse"]
 
 
 def policy_of(mode: str) -> ReusePolicy:
@@ -155,7 +148,7 @@ def one_request(http: httpx.Client, model: str, question: str, docs: list[str], 
             # prompts (it would take them: an exact hit, not the blend being measured)
             "cache_salt": f"bench:{mode}"}
     t0 = time.perf_counter()
-    ttft, tokens, inside, guarded, exact_docs = None, 0, 0.0, False, False
+    ttft, tokens, inside, guarded, exact_docs, applied = None, 0, 0.0, False, False, ""
     text_at: list[float] = []
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -174,12 +167,13 @@ def one_request(http: httpx.Client, model: str, question: str, docs: list[str], 
                     inside = msg["kvblend"]["e2e_s"]
                     report = msg["kvblend"].get("report", {})
                     guarded = bool(report.get("guard"))
+                    applied = str(report.get("applied", ""))
                     docs = [g for g in report.get("segments", ()) if g.get("kind") == "document"]
                     exact_docs = bool(docs) and all(g.get("class") == "exact" for g in docs)
                 if any(c.get("delta", {}).get("content") for c in msg.get("choices", ())):
                     text_at.append(now)
     gaps = tuple(b - a for a, b in zip(text_at, text_at[1:]))
-    return Sample(ttft, time.perf_counter() - t0, tokens, inside, guarded, gaps, exact_docs)
+    return Sample(ttft, time.perf_counter() - t0, tokens, inside, guarded, gaps, exact_docs, applied)
 
 
 def run_clients(url: str, model: str, mode: str, clients: int, per_client: int, max_tokens: int,
@@ -216,7 +210,8 @@ def run_clients(url: str, model: str, mode: str, clients: int, per_client: int, 
     return Row(mode, clients, len(samples), len(samples) / wall, sum(s.tokens for s in samples) / wall,
                percentile(ttft, 50), percentile(ttft, 99), percentile(e2e, 50), percentile(e2e, 99),
                sum(s.guarded for s in samples), percentile(gaps, 50), percentile(gaps, 99), max(gaps),
-               sum(s.exact_docs for s in samples), max(ttft), max(e2e))
+               sum(s.exact_docs for s in samples), max(ttft), max(e2e),
+               sum(s.applied != own_path(mode) for s in samples))
 
 
 def start_server(model: str, port: int, max_concurrency: int, extra: list[str]) -> subprocess.Popen:
@@ -282,69 +277,6 @@ def measure_overhead(model: str, mode: str, n: int, max_tokens: int, port: int,
         proc.wait(30)
 
 
-def _split_step(runner, caches: list, tokens: list[int], helper: "ThreadPoolExecutor") -> None:
-    """One decode step as the server runs it with an idle prefill worker: the second half of the
-    sequences on a helper thread (its own single intra-op thread), the first half here."""
-    m = len(caches) - len(caches) // 2
-    tail = helper.submit(decode_batch, runner, caches[m:], tokens[m:])
-    decode_batch(runner, caches[:m], tokens[:m])
-    tail.result()
-
-
-def decode_scaling(model: str, batches: list[int], steps: int = 4) -> list[dict]:
-    """Decode steps alone (no HTTP, no prefill beside them), as the server's decode loop runs them on its
-    one intra-op thread: tokens/s of one batched step at each batch size over each sequence's own cache,
-    over slots of a decode pool (the server's default), and split over two threads (a decode share),
-    interleaved.
-
-    Args:
-        model: model name or path.
-        batches: batch sizes.
-        steps: timed steps per layout and batch size (the median is kept).
-
-    Returns:
-        One dict per batch size: step_ms / tok_per_s (own caches), pool_step_ms / pool_tok_per_s,
-        split_step_ms / split_tok_per_s.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    engine = Engine.load(model, quality_gate=False)
-    reqs = demo_requests()
-    d, runner = engine.runner.dims, engine.runner
-    out = []
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(1,)) as helper:
-            for b in batches:
-                def prefilled() -> list:
-                    return [engine.prefill(engine.build_prompt(*reqs[i % len(reqs)]), ReusePolicy.exact(),
-                                           3 * steps + 1)[1] for i in range(b)]
-                caches = prefilled()
-                pool = DecodePool(d.num_layers, d.num_kv_heads, d.head_dim, b, max(c.capacity for c in caches),
-                                  runner.dtype, runner.device)
-                slots = [pool.adopt(c) for c in prefilled()]
-                toks = [engine.tokenizer.eos_token_id or 0] * b
-                one, pooled, two = [], [], []
-                for _ in range(steps):
-                    for layout, times in ((caches, one), (slots, pooled)):
-                        t0 = time.perf_counter()
-                        decode_batch(runner, layout, toks)
-                        times.append(time.perf_counter() - t0)
-                    if b >= 2:
-                        t0 = time.perf_counter()
-                        _split_step(runner, caches, toks, helper)
-                        two.append(time.perf_counter() - t0)
-                step, pool_step = statistics.median(one), statistics.median(pooled)
-                split = statistics.median(two) if two else step
-                out.append({"batch": b, "step_ms": step * 1000, "tok_per_s": b / step,
-                            "pool_step_ms": pool_step * 1000, "pool_tok_per_s": b / pool_step,
-                            "split_step_ms": split * 1000, "split_tok_per_s": b / split})
-    finally:
-        torch.set_num_threads(before)
-    return out
-
-
 def markdown(rows: list[Row], overheads: list[dict], command: str, scaling: list[dict] | None = None,
              load: tuple[float, float] = (0.0, 0.0)) -> str:
     lines = [f"Command: `{command}`", "",
@@ -352,22 +284,26 @@ def markdown(rows: list[Row], overheads: list[dict], command: str, scaling: list
              "at the end (other jobs share the cores).", "",
              "| mode | clients | requests | req/s | out tok/s | TTFT p50 ms | TTFT p99 (or max) ms | e2e p50 ms "
              "| e2e p99 (or max) ms "
-             "| inter-token p50 / p99 / max ms | guarded | documents all exact |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| inter-token p50 / p99 / max ms | guarded | documents all exact | other path |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.mode} | {r.clients} | {r.requests} | {r.req_per_s:.2f} | {r.out_tok_per_s:.1f} | "
                      f"{r.ttft_p50_ms:.0f} | {tail_cell(r.ttft_p99_ms, r.ttft_max_ms, r.requests)} | "
                      f"{r.e2e_p50_ms:.0f} | {tail_cell(r.e2e_p99_ms, r.e2e_max_ms, r.requests)} | "
                      f"{r.itl_p50_ms:.0f} / {r.itl_p99_ms:.0f} / {r.itl_max_ms:.0f} | {r.guarded} | "
-                     f"{r.exact_docs} |")
+                     f"{r.exact_docs} | {r.other_path} |")
     lines += ["",
               "exact rows repeat the warm-up's prompts: every timed exact request finds its whole document "
               "prefix stored (all documents exact, only the question computed), the best case for exact reuse; "
               "blend rows reuse every document after the first at a new position (all exact only for orders "
               "refined while idle).",
+              "\"other path\": requests whose report says their KV came from another path than the mode's (a blend "
+              "refused by the server's quality gate ran none, a full prefill).",
               f"TTFT and e2e tails from fewer than {TAIL_MIN_SAMPLES} requests are shown as `max N` (the largest "
               "sample; a p99 of so few is an interpolated max); the JSON keeps the p99 and the max.",
               "", "Targets:"]
+    lines += [f"- WARNING: {r.mode} at {r.clients} clients: {r.other_path} of {r.requests} requests ran another "
+              f"path than {own_path(r.mode)} (their TTFT is not this mode's)" for r in rows if r.other_path]
     for mode in sorted({r.mode for r in rows}):
         by = {r.clients: r for r in rows if r.mode == mode}
         if 1 in by and 16 in by:

@@ -4,8 +4,10 @@ One musique prompt (5 passages, ~3.1k tokens) on the real model. Chunk KV is
 precomputed once into each tier (not timed); then, interleaved in one
 process: full prefill, and blend@RATIO with the KV read from each tier
 (disk and Redis without a memory tier in front, so every request really
-loads), with overlapped loading on and off. Reported as ratios to full
-prefill measured in the same run.
+loads), with overlapped loading on and off, after an untimed request on
+every engine and one full prefill. Reported as ratios to the full prefill
+of the same repeat (median over repeats); a request that did not blend
+(refused, or nothing to re-position) stops the run.
 
     python -m blend.evals.bench_tiers [--redis redis://127.0.0.1:6379/0] [--repeats 3] [--json OUT]
 """
@@ -19,9 +21,13 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 
+import torch
+
 from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.evals.data import load_items
+from blend.evals.environment import describe_environment
+from blend.evals.paths import check_blended
 from blend.policy import ReusePolicy
 from blend.store.spec import open_store
 from blend import safeio
@@ -32,7 +38,7 @@ class TierRow:
     tier: str
     overlap: bool
     ttft_s: float
-    ratio: float
+    ratio: float  # median over repeats of TTFT / that repeat's full prefill
     lookup_s: float  # time the request spent waiting for the store
 
 
@@ -63,17 +69,21 @@ def main(argv=None) -> int:
             cfg = dataclasses.replace(engine.config, overlap_loading=overlap)
             engines[name, overlap] = Engine(engine.runner, cfg, store)
         engines[name, True].precompute(prompt, policy)  # once per tier (untimed)
-        engines[name, True].generate(prompt, policy, max_new_tokens=1)  # warm-up
-    full, samples = [], {(n, o): ([], []) for n in stores for o in (True, False)}
+    engine.generate(prompt, ReusePolicy.one_pass(), max_new_tokens=1)  # warm-up: first calls are no sample
+    for eng in engines.values():
+        eng.generate(prompt, policy, max_new_tokens=1)
+    full, samples = [], {(n, o): ([], [], []) for n in stores for o in (True, False)}
     for _ in range(args.repeats):
         full.append(engine.generate(prompt, ReusePolicy.one_pass(), max_new_tokens=1).ttft_s)
-        for (name, overlap), (ttfts, lookups) in samples.items():
+        for (name, overlap), (ttfts, lookups, ratios) in samples.items():
             ans = engines[name, overlap].generate(prompt, policy, max_new_tokens=1)
+            check_blended(f"blend@{args.ratio:g} from {name}", ans.report)  # a refused one loads nothing
             ttfts.append(ans.ttft_s)
             lookups.append(ans.report.timings.lookup_s)
+            ratios.append(ans.ttft_s / full[-1])  # over this repeat's full prefill
     f = statistics.median(full)
-    rows = [TierRow(n, o, statistics.median(t), statistics.median(t) / f, statistics.median(lk))
-            for (n, o), (t, lk) in samples.items()]
+    rows = [TierRow(n, o, statistics.median(t), statistics.median(r), statistics.median(lk))
+            for (n, o), (t, lk, r) in samples.items()]
     print(f"prompt {len(prompt)} tokens; full prefill TTFT {f:.3f} s (median of {args.repeats})\n")
     print(f"| tier | overlapped loading | blend@{args.ratio} TTFT s | ratio to full | store wait s |")
     print("|---|---|---|---|---|")
@@ -81,6 +91,8 @@ def main(argv=None) -> int:
         print(f"| {r.tier} | {'on' if r.overlap else 'off'} | {r.ttft_s:.3f} | {r.ratio:.3f} | {r.lookup_s:.3f} |")
     if args.json:
         safeio.atomic_write_text(args.json, json.dumps({"full_ttft_s": f, "prompt_tokens": len(prompt),
+                       "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": str(engine.dtype),
+                       "environment": describe_environment(engine.device),
                        "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
     return 0
 

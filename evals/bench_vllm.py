@@ -44,9 +44,11 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_GUARD_MARGIN, DEFAULT_RATIO
+from blend.evals.metrics import percentile
 from blend.kernels import ENV_VAR as KERNELS_ENV
 from blend import safeio
 
@@ -62,6 +64,52 @@ def _orders(n_docs: int, k: int, seed: int) -> list[list[int]]:
         if o != list(range(n_docs)):
             out.append(o)
     return out
+
+
+P90_MIN_SAMPLES = 10  # under this many, numpy's linearly interpolated p90 lies between the two largest samples
+
+
+def ran_as(report: dict | None) -> str:
+    """What served a request's context, from its connector report: ``vllm`` (nothing claimed: vLLM computed
+    it all), ``error`` (a refused blend or a failed load: vLLM computed what it could not load), ``exact``
+    (vLLM's own stored blocks), or a blend's path as kvblend's report says (``blend``; ``none`` where
+    kvblend refused the blend and computed the context in full; ``exact`` where nothing was re-positioned)."""
+    if not report or "claim" not in report:
+        return "error" if report and "error" in report else "vllm"
+    if "error" in report:
+        return "error"
+    if report["claim"] == "blend":
+        return str(report.get("applied") or "blend")
+    return str(report["claim"])
+
+
+def mode_table(rows: list[dict], modes: list[str]) -> list[str]:
+    """The per-mode table of a run (``full`` first), with what served each mode's timed requests ("ran as"),
+    and a warning for a blend mode whose timed requests were not all blended (a refused or failed blend is
+    vLLM's own prefill, timed under the blend's name)."""
+    lines = ["| mode | tokens (median) | TTFT median s | ratio to full (median) | ratio mean | KL mean | KL p90 "
+             "| KL max | top-1 | guarded | ran as |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    warnings, few = [], False
+    for mode in ["full", *modes]:
+        rs = [x for x in rows if x["mode"] == mode]
+        kls = [x["kl"] for x in rs]
+        few = few or len(rs) < P90_MIN_SAMPLES
+        guarded = sum(1 for x in rs if (x.get("report") or {}).get("guard"))
+        served = Counter(ran_as(x.get("report")) for x in rs) if mode != "full" else Counter()
+        lines.append(f"| {mode} | {statistics.median(x['tokens'] for x in rs):.0f} "
+                     f"| {statistics.median(x['ttft_s'] for x in rs):.2f} | {statistics.median(x['ratio'] for x in rs):.3f} "
+                     f"| {statistics.mean(x['ratio'] for x in rs):.3f} "
+                     f"| {statistics.mean(kls):.4f} | {percentile(kls, 90):.4f} "
+                     f"| {max(kls):.4f} | {statistics.mean(x['top1'] for x in rs):.3f} | {guarded} of {len(rs)} "
+                     f"| {', '.join(f'{k} {v}' for k, v in sorted(served.items())) or '-'} |")
+        if mode.startswith("kvblend-blend") and set(served) - {"blend"}:
+            warnings.append(f"{mode}: {sum(v for k, v in served.items() if k != 'blend')} of {len(rs)} timed "
+                            "requests were not blended (see 'ran as'): their TTFT is another path's")
+    if few:
+        lines += ["", f"KL p90 over fewer than {P90_MIN_SAMPLES} requests is interpolated between the two largest "
+                  "KLs: read it as a max."]
+    return lines + ([""] + [f"WARNING: {w}" for w in warnings] if warnings else [])
 
 
 def plot(out: Path) -> Path | None:
@@ -149,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from blend.engine import Engine
     from blend.evals.data import load_items
-    from blend.evals.metrics import kl_divergence, percentile, top1_agree
+    from blend.evals.metrics import kl_divergence, top1_agree
     from blend.evals.splits import parse_item_range
     from blend.integrations.vllm import blend_request, prompt_spans
     from blend.integrations.vllm.engines import loaded_engines
@@ -239,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(dict(item=lo + n, repeat=r, mode="full", tokens=len(prompt), ttft_s=t_full, ratio=1.0,
                              kl=0.0, top1=1.0))
             for mode in modes:
-                _, t, _ = ask([request(mode, prompt)], dist=False)
-                got, _, rep = ask([request(mode, prompt)])
+                _, t, rep = ask([request(mode, prompt)], dist=False)  # the timed request's own report
+                got, _, _ = ask([request(mode, prompt)])
                 rows.append(dict(item=lo + n, repeat=r, mode=mode, tokens=len(prompt), ttft_s=t, ratio=t / t_full,
                                  kl=kl_divergence(ref[0], got[0]), top1=top1_agree(ref[0], got[0]),
                                  report=(rep[0] or {}).get("kvblend")))
@@ -272,23 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     safeio.atomic_write_text(out / f"{args.engine}.json",
                              json.dumps(dict(env=env, rows=rows, concurrent=conc), indent=1))
     lines = [f"{args.engine}: items {args.items}, {args.repeats} reordered requests per item and mode, "
-             f"{env['torch_threads']} torch threads", "",
-             "| mode | tokens (median) | TTFT median s | ratio to full (median) | ratio mean | KL mean | KL p90 "
-             "| KL max | top-1 | guarded |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for mode in ["full", *modes]:
-        rs = [x for x in rows if x["mode"] == mode]
-        kls = [x["kl"] for x in rs]
-        guarded = sum(1 for x in rs if (x.get("report") or {}).get("guard"))
-        lines.append(f"| {mode} | {statistics.median(x['tokens'] for x in rs):.0f} "
-                     f"| {statistics.median(x['ttft_s'] for x in rs):.2f} | {statistics.median(x['ratio'] for x in rs):.3f} "
-                     f"| {statistics.mean(x['ratio'] for x in rs):.3f} "
-                     f"| {statistics.mean(kls):.4f} | {percentile(kls, 90):.4f} "
-                     f"| {max(kls):.4f} | {statistics.mean(x['top1'] for x in rs):.3f} | {guarded} of {len(rs)} |")
+             f"{env['torch_threads']} torch threads", "", *mode_table(rows, modes)]
     if conc:
         lines += ["", f"{args.concurrent} concurrent requests (wall time of the batch = the slowest TTFT):", "",
-                  "| mode | wall s | ratio to full |", "|---|---|---|"]
-        lines += [f"| {c['mode']} | {c['wall_s']:.2f} | {c['ratio']:.3f} |" for c in conc]
+                  "| mode | wall s | ratio to full | ran as |", "|---|---|---|---|"]
+        lines += [f"| {c['mode']} | {c['wall_s']:.2f} | {c['ratio']:.3f} | "
+                  + (", ".join(f"{k} {v}" for k, v in sorted(Counter(map(ran_as, c.get("reports", []))).items()))
+                     or "-") + " |" for c in conc]
     text = "\n".join(lines)
     safeio.atomic_write_text(out / f"{args.engine}.md", text + "\n")
     print(text)

@@ -32,8 +32,16 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15-minute load averages (None where the OS does not report them)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def machine_info() -> dict[str, Any]:
-    """Platform, CPU count and accelerator (queried now, at run time, never at import)."""
+    """Platform, CPU count, threads, load average and accelerator (queried now, at run time, never at import)."""
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "machine": platform.machine(),
@@ -41,6 +49,8 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "accelerator": None,
+        # what else ran: the 1, 5 and 15-minute load averages when the results were written (None: unknown)
+        "load_average": load_average(),
     }
     try:
         import torch

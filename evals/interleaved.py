@@ -76,7 +76,9 @@ def interleaved_ab(engine: Engine, prompts: Sequence[Prompt], policy: ReusePolic
         modes: the modes' names, passed to ``set_mode``; the first is the baseline.
         repeats: timed rounds; odd rounds run the modes in reverse order.
         full_per_mode: time the full prefill in every mode (when the change touches it too) and
-            divide each mode's TTFT by its own; the reference logits are the first mode's.
+            divide each mode's TTFT by its own; the reference logits are the first mode's. The warm-up
+            then runs the full prefill once in every mode, so no mode's first full prefill (a new path's
+            packing or plans) is a timed sample.
 
     Returns:
         Ratios per mode, first-token logits per mode and full prefill's.
@@ -89,6 +91,8 @@ def interleaved_ab(engine: Engine, prompts: Sequence[Prompt], policy: ReusePolic
         res.reference.append(engine.generate(p, ReusePolicy.one_pass(), max_new_tokens=1).first_logits)
         for m in modes:
             set_mode(m)
+            if full_per_mode and m != modes[0]:  # the full prefill is timed in this mode too: its first call
+                engine.generate(p, ReusePolicy.one_pass(), max_new_tokens=1)  # (packing, plans) is not a sample
             res.logits[m].append(engine.generate(p, policy, max_new_tokens=1).first_logits)
     for rep in range(repeats):
         order = list(modes) if rep % 2 == 0 else list(reversed(modes))

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -63,6 +62,7 @@ from blend import safeio
 from blend.evals import answer_survival as S
 from blend.evals import guard_curve as G
 from blend.evals.methods import REFERENCE, MethodKind
+from blend.evals.report_warnings import applied_lines, thread_lines
 from blend.evals.rows import ItemRow
 from blend.evals.splits import SPLIT_DATA, TUNING, VALIDATION, items_caption, range_split
 
@@ -259,8 +259,8 @@ def markdown(results: dict[str, Any]) -> str:
             c = _cell(agg, field, fmt)
             cells.append(f"**{c}**" if name in best.get(field, set()) else c)
         lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {agg['n']} |")
-    lines += _thread_lines(methods, order)
-    lines += _applied_lines(rows, order)
+    lines += thread_lines(methods, order)
+    lines += applied_lines(rows, order, methods)
     lines += _budget_lines(methods)
     lines += _tail_lines(methods, order)
     lines += _worst_lines(methods, rows, order)
@@ -373,35 +373,6 @@ def _flip_lines(rows: list[ItemRow], order: list[str]) -> list[str]:
     return ["", "## First-token flips: item (full prefill's own top-2 gap, nats)", "",
             f"A near tie: full's gap under {NEAR_TIE_NATS} nats.", "",
             "| method | flips | near ties | items |", "|---|---|---|---|", *lines]
-
-
-def _applied_lines(rows: list[ItemRow], order: list[str]) -> list[str]:
-    """A warning naming each method that did not run the same path on every item (a blend refused, or with
-    nothing to blend, ran ``exact`` or ``none`` there: its figures mix a blend's rows with others')."""
-    lines = []
-    for name in order:
-        paths = Counter(r.methods[name].applied for r in rows if name in r.methods)
-        paths.pop(None, None)  # rows from before the field
-        if len(paths) > 1:
-            lines.append(f"`{name}`: " + ", ".join(f"{p or 'unrecorded'} on {n}" for p, n in sorted(paths.items())))
-    if not lines:
-        return []
-    return ["", "Methods that did not run the same path on every item (the reports' `applied`; figures mix "
-            "them): " + "; ".join(lines) + "."]
-
-
-def _thread_lines(methods: dict[str, dict[str, Any]], order: list[str]) -> list[str]:
-    """A warning when methods' TTFTs were timed with different thread counts (a resumed run)."""
-    groups: dict[tuple[int, ...], list[str]] = {}
-    for name in order:
-        groups.setdefault(tuple(methods[name].get("threads") or ()), []).append(name)
-    if len(groups) < 2:
-        return []
-    parts = [f"{'/'.join(map(str, t)) if t else 'unrecorded'}: " + ", ".join(f"`{n}`" for n in names)
-             for t, names in groups.items()]
-    return ["", "TTFT seconds were timed with different thread counts, so compare them only within a group; "
-            "every TTFT ratio is against full prefill timed beside it, so ratios compare across groups. "
-            "Threads: " + "; ".join(parts) + "."]
 
 
 def write_markdown(results: dict[str, Any], path: Path) -> None:

@@ -40,7 +40,7 @@ def test_rag_hit_case_times_exact_hits_of_the_data_prompts():
 
 
 def test_follow_up_case_reuses_the_documents_exactly_and_blends_them_reordered():
-    from blend.evals.bench_prefill import bench_follow_up
+    from blend.evals.follow_up import bench_follow_up
 
     row = bench_follow_up("tiny-llama", "synthetic:single", range(0, 2), repeats=2, passages=2)
     assert row.items == 2 and row.full_s > 0 and row.prompt_tokens > row.history_tokens > row.computed_tokens > 0

@@ -2,7 +2,7 @@
 
 import torch
 
-from blend.evals.bench_serve import decode_scaling
+from blend.evals.decode_scaling import decode_scaling
 
 
 def test_decode_scaling_times_the_step_alone_pooled_and_split_in_halves():
@@ -27,6 +27,25 @@ def test_bench_burst_times_a_burst_with_and_without_decode_loop_prefills(capsys)
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "decode loop prefills too: TTFT p50" in out and "worker only: TTFT p50" in out
+    assert "load average" in out and "WARNING" not in out
+
+
+def test_bench_burst_warns_of_requests_that_ran_another_path(capsys, monkeypatch):
+    """A refused blend (a full prefill) was timed as the burst's blend request without a word."""
+    import blend.engine
+    from blend.evals.bench_burst import main
+    from blend.refusals import Refusal
+
+    real = blend.engine.refusal_for
+    monkeypatch.setattr(blend.engine, "refusal_for", lambda engine, prompt, policy: (
+        Refusal("refused for the test") if policy.mode.value == "blend" else real(engine, prompt, policy)))
+    threads = torch.get_num_threads()
+    try:
+        assert main(["blend", "--model", "tiny-llama", "--requests", "2", "--repeats", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "(WARNING: 2 of 2 requests ran another path than blend)" in out
 
 
 def test_bench_clients_count_the_requests_the_near_tie_guard_blended_again():
@@ -42,5 +61,24 @@ def test_bench_clients_count_the_requests_the_near_tie_guard_blended_again():
     assert (blend.requests, blend.guarded) == (2, 2) and (exact.requests, exact.guarded) == (2, 0)
     for row in (blend, exact):  # six-token answers: gaps between a stream's text chunks
         assert 0 < row.itl_p50_ms <= row.itl_p99_ms <= row.itl_max_ms
+    assert blend.other_path == 0 and exact.other_path == 0  # each ran its own path
     table = markdown([blend, exact], [], "cmd")
-    assert "| guarded | documents all exact |" in table and " | 2 | 0 |\n" in table and "inter-token" in table
+    assert "| guarded | documents all exact | other path |" in table and " | 2 | 0 | 0 |\n" in table
+    assert "inter-token" in table and "WARNING" not in table
+
+
+def test_bench_clients_count_requests_that_ran_another_path_than_their_mode():
+    """A blend request the server refused (its quality gate, or here dynamic-NTK RoPE past its trained length,
+    which refuses any reuse) runs none, a full prefill; bench_serve timed it as the mode's request without a
+    word. The row now counts them and the table warns."""
+    from _serve_util import running_server, tiny_serve_engine
+    from blend.evals.bench_serve import markdown, run_clients
+    from blend.serve.config import ServeConfig
+    from blend.tiny import make_docs
+
+    model = "tiny-llama-rope-dynamic"  # dynamic NTK past 512 positions (its context: 2048)
+    reqs = [("Which word comes first?", make_docs(3, words=40))]  # ~800 byte tokens
+    with running_server(tiny_serve_engine(model), ServeConfig(model=model)) as srv:
+        blend = run_clients(srv.url, model, "blend@0.15", 2, 1, 2, reqs)
+    assert (blend.requests, blend.other_path) == (2, 2)
+    assert "- WARNING: blend@0.15 at 2 clients: 2 of 2 requests ran another path than blend" in markdown([blend], [], "c")

@@ -37,3 +37,27 @@ def test_the_concurrent_bars_say_how_many_clients_and_vanish_without_a_concurren
     ax = _figure(monkeypatch, tmp_path)
     assert not any("concurrent" in label for label in ax.get_legend_handles_labels()[1])
     assert len(ax.patches) == 1  # the one-request bar alone, no zero-height stand-in
+
+
+def test_the_table_says_what_served_each_timed_request_and_warns_of_a_blend_that_did_not_blend():
+    """A blend the connector refused (another model config, a malformed request) or kvblend refused (its
+    quality gate: ``applied`` none) is vLLM's or kvblend's full prefill, and was timed and tabled under the
+    blend's name without a word; the guarded count also came from the untimed log-prob request."""
+    from blend.evals.bench_vllm import mode_table, ran_as
+
+    def row(mode, report, ratio=0.3):
+        return dict(item=0, repeat=0, mode=mode, tokens=100, ttft_s=ratio, ratio=ratio, kl=0.01, top1=1.0,
+                    report=report)
+
+    blended = {"claim": "blend", "claimed_tokens": 90, "applied": "blend"}
+    assert ran_as(blended) == "blend" and ran_as(None) == "vllm" and ran_as({"error": "blend refused"}) == "error"
+    assert ran_as({**blended, "applied": "none"}) == "none" and ran_as({"claim": "exact"}) == "exact"
+    ok = mode_table([row("full", None, 1.0), row("kvblend-blend@0.15", blended)], ["kvblend-blend@0.15"])
+    assert "| blend 1 |" in ok[3] and not any("WARNING" in ln for ln in ok)
+    assert any("KL p90 over fewer than 10" in ln for ln in ok)
+    rows = [row("full", None, 1.0), row("kvblend-blend@0.15", blended),
+            row("kvblend-blend@0.15", {"error": "blend refused: another model config"}, 1.0),
+            row("kvblend-blend@0.15", {**blended, "applied": "none"}, 1.0)]
+    table = mode_table(rows, ["kvblend-blend@0.15"])
+    assert "| blend 1, error 1, none 1 |" in table[3]
+    assert any(ln.startswith("WARNING: kvblend-blend@0.15: 2 of 3 timed requests were not blended") for ln in table)

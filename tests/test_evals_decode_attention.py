@@ -25,3 +25,29 @@ def test_packed_heads_map_to_their_kv_head() -> None:
     for fn in variants(shape).values():
         out = fn(q, k, v.contiguous())  # (Hq, 1, D): uniform attention returns the KV head's value
         assert torch.allclose(out[:, 0, 0], want)
+
+
+def test_a_variants_first_call_is_not_a_timed_step(monkeypatch) -> None:
+    """Each variant's first step (kernel selection, first-touch of its buffers) was repeat 0's sample: with
+    --repeats 1 the only one."""
+    import time
+
+    from blend.evals import bench_decode_attention as B
+
+    real = B.variants
+    slow_s = 0.3
+
+    def with_a_slow_first_call(shape):
+        fns, first = real(shape), [True]
+
+        def slow(q, k, v):
+            if first[0]:
+                first[0] = False
+                time.sleep(slow_s)
+            return fns["sdpa"](q, k, v)
+
+        return {"sdpa_mask": fns["sdpa_mask"], "slow_first": slow}
+
+    monkeypatch.setattr(B, "variants", with_a_slow_first_call)
+    res = B.run(Shape(batch=2, tokens=16, layers=2), repeats=1)
+    assert res["slow_first"]["step_ms"] < slow_s * 1e3 / 2

@@ -40,6 +40,32 @@ def test_a_full_prefill_per_mode_divides_each_mode_by_its_own(tiny_engine, monke
     monkeypatch.setattr(Engine, "generate", generate)
     res = interleaved_ab(tiny_engine, prompts, unguarded_blend(ratio=0.3), lambda m: mode.__setitem__(0, m),
                          ("old", "new"), repeats=2, full_per_mode=True)
-    assert seen == ["old", "old", "new", "new", "old"]  # reference in the first mode, then one per mode and round
+    # warm-up: the reference in the first mode and an untimed one in the second; then one per mode and round
+    assert seen == ["old", "new", "old", "new", "new", "old"]
     assert all(len(res.full_s[m]) == 2 for m in ("old", "new"))
     assert "full prefill ms (median)" in res.summary()
+
+
+def test_a_modes_first_full_prefill_is_not_a_timed_sample(tiny_engine, monkeypatch):
+    """With a full prefill per mode, the second mode's first full prefill (a new path's one-off packing or
+    plans) was round 0's timed sample: the warm-up ran the full prefill in the first mode only."""
+    import time
+
+    from blend.engine import Engine
+
+    prompts = [tiny_engine.build_prompt("Which?", make_docs(3))]
+    mode, first_done = ["old"], set()
+    real = Engine.prefill
+    one_off_s = 0.5
+
+    def prefill(self, prompt, policy, *a, **kw):  # each mode's first full prefill pays a one-off cost
+        if policy == ReusePolicy.one_pass() and mode[0] not in first_done:
+            first_done.add(mode[0])
+            time.sleep(one_off_s)
+        return real(self, prompt, policy, *a, **kw)
+
+    monkeypatch.setattr(Engine, "prefill", prefill)
+    res = interleaved_ab(tiny_engine, prompts, unguarded_blend(ratio=0.3), lambda m: mode.__setitem__(0, m),
+                         ("old", "new"), repeats=2, full_per_mode=True)
+    assert first_done == {"old", "new"}
+    assert all(s < one_off_s for m in ("old", "new") for s in res.full_s[m])

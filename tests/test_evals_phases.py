@@ -82,6 +82,28 @@ def test_bench_phases_writes_a_table_a_plot_and_the_fixed_overhead(tmp_path):
     # (the tiny model's few layers: a blend there does more work than the full prefill, its probe included)
     assert 0 < reuse["rows_share"] < 1 and reuse["rows_share"] < blend["rows_share"] and 0 < reuse["floor"] < 1
     assert "| 600 | blend@0.3 | " in (out / "phases.md").read_text().split("work floor")[1]
+    # two samples per row: the p90 column is an interpolated max, and the table says so
+    assert "A p90 of fewer than 10 samples" in md
+    machine = res["meta"]["environment"]["machine"]  # what else ran: the load average beside the threads
+    assert len(machine["load_average"]) == 3 and machine["torch_threads"] == res["meta"]["threads"]
+
+
+def test_bench_phases_stops_when_a_blend_did_not_blend(tmp_path, monkeypatch):
+    """A blend refused (a dynamic-NTK model past its trained length, min_prompt_tokens) is a full prefill;
+    bench_phases timed it as the blend, its ratio near 1 and its phases a full prefill's, without a word."""
+    import pytest
+
+    import blend.engine
+    from blend.evals import bench_phases
+    from blend.refusals import Refusal
+
+    real = blend.engine.refusal_for
+    monkeypatch.setattr(blend.engine, "refusal_for", lambda engine, prompt, policy: (
+        Refusal("refused for the test") if policy.ratio == 0.3 and policy.mode.value == "blend"
+        else real(engine, prompt, policy)))
+    with pytest.raises(RuntimeError, match="blend@0.3 ran none, not a blend"):
+        bench_phases.main(["--model", "tiny-llama", "--data", "synthetic:single", "--items", "0-0", "--sizes", "600",
+                           "--repeats", "1", "--methods", "full,blend@0.3", "--out", str(tmp_path / "ph")])
 
 
 def test_bench_bf16_scores_against_fp32_full_prefill():
@@ -95,6 +117,20 @@ def test_bench_bf16_scores_against_fp32_full_prefill():
         assert 0.0 < m["bf16 full"]["kl"] < 0.05  # bf16 rounding, not a different model
     assert "| bf16 blend@0.3 |" in bench_bf16.summarise(res) and "2 rounds" in bench_bf16.summarise(res)
     assert bench_bf16._methods([0.3])["bf16 reuse"][1].guard_margin is None  # the floor is never guarded
+    assert len(res["environment"]["machine"]["load_average"]) == 3
+
+
+def test_bench_bf16_stops_when_a_blend_did_not_blend(monkeypatch):
+    """A refused blend (a full prefill) was timed and scored as the bf16 or fp32 blend."""
+    import pytest
+
+    import blend.engine
+    from blend.evals import bench_bf16
+    from blend.refusals import Refusal
+
+    monkeypatch.setattr(blend.engine, "refusal_for", lambda engine, prompt, policy: Refusal("refused for the test"))
+    with pytest.raises(RuntimeError, match="ran none, not a blend"):
+        bench_bf16.run("tiny-llama", "synthetic:single", [0], 2, [0.3], repeats=1)
 
 
 def test_the_clock_counts_a_full_prefills_work_exactly(tiny_engine):

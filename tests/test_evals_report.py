@@ -274,3 +274,20 @@ def test_markdown_names_a_method_that_did_not_run_the_same_path_on_every_item():
     res["items"][1]["methods"]["blend@0.3:v"]["applied"] = "exact"
     note = [ln for ln in markdown(res).splitlines() if "same path" in ln]
     assert len(note) == 1 and "`blend@0.3:v`: blend on 1, exact on 1." in note[0]
+
+
+def test_markdown_names_a_blend_that_ran_another_path_on_every_item():
+    """The warning only fired on mixed paths: a blend refused on every item (the quality gate failing, a
+    prompt under min_prompt_tokens) ran ``none``, a full prefill, everywhere, and its row was reported as the
+    blend without a word. A method's rows are now also held to its own path (from its spec)."""
+    res = make_results()
+    for it in res["items"]:
+        for name, r in it["methods"].items():
+            r["applied"] = "exact" if name == "full" else "blend"
+        it["methods"]["blend@0.3:k"]["applied"] = "none"
+    note = [ln for ln in markdown(res).splitlines() if "same path" in ln]
+    assert len(note) == 1 and "`blend@0.3:k`: none on 2." in note[0] and "`full`" not in note[0]
+    for it in res["items"]:
+        it["methods"]["blend@0.3:k"]["applied"] = "blend"
+        it["methods"]["full"]["applied"] = "blend"  # a full prefill that blended is not one
+    assert "`full`: blend on 2." in markdown(res)
