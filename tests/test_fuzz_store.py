@@ -63,19 +63,16 @@ def _join(table: Any, meta: Any, data: bytes, resign: bool) -> bytes:
     return struct.pack("<Q", len(hj)) + hj + data
 
 
-@st.composite
-def hostile_blobs(draw: st.DrawFn) -> tuple[bytes, KVEntry, str]:
+def damage(blob: bytes, data: st.DataObject) -> bytes:
     """A valid blob after one kind of damage: bit flips / a truncation / an extension of its bytes,
     or a JSON-keeping rewrite of the safetensors table or of the kvblend metadata (re-signed or not)."""
-    blob, entry, prov = draw(valid_blobs())
-    data = draw(st.data())
-    how = draw(st.sampled_from(["bytes", "table", "meta", "meta-resigned"]))
+    how = data.draw(st.sampled_from(["bytes", "table", "meta", "meta-resigned"]), label="damage")
     if how == "bytes":
         (n,) = struct.unpack("<Q", blob[:8])
-        return mutate_bytes(blob, data, header_end=8 + n), entry, prov
+        return mutate_bytes(blob, data, header_end=8 + n)
     table, meta, tensors = _split(blob)
     tensors_table = {"k": table["k"], "v": table["v"]}  # the kvblend metadata is rewritten on its own
-    for _ in range(draw(st.integers(1, 3))):
+    for _ in range(data.draw(st.integers(1, 3), label="rewrites")):
         if how == "table":
             tensors_table = mutate_json(tensors_table, data)
         else:
@@ -84,7 +81,14 @@ def hostile_blobs(draw: st.DrawFn) -> tuple[bytes, KVEntry, str]:
         table = {"__metadata__": table["__metadata__"], **tensors_table}
     else:
         table = tensors_table
-    return _join(table, meta, tensors, resign=how == "meta-resigned"), entry, prov
+    return _join(table, meta, tensors, resign=how == "meta-resigned")
+
+
+@st.composite
+def hostile_blobs(draw: st.DrawFn) -> tuple[bytes, KVEntry, str]:
+    """A valid blob of a small random entry after one kind of :func:`damage`."""
+    blob, entry, prov = draw(valid_blobs())
+    return damage(blob, draw(st.data())), entry, prov
 
 
 def _check_decode(blob: bytes, entry: KVEntry, prov: str) -> None:
