@@ -95,11 +95,13 @@ def validate_results(obj: Any) -> None:
         if key not in obj["model"]:
             raise SchemaError(f"results.model.{key}: missing")
     for key in ("name", "dtype"):
-        if not isinstance(obj["model"][key], str):
-            raise SchemaError(f"results.model.{key}: must be a string")
-    if not isinstance(obj["config"].get("data"), (str, type(None))):
-        raise SchemaError("results.config.data: must be a string or null")
+        if not is_str(obj["model"][key]):
+            raise SchemaError(f"results.model.{key}: must be a string (of valid Unicode)")
+    if not or_null(is_str)(obj["config"].get("data")):
+        raise SchemaError("results.config.data: must be a string (of valid Unicode) or null")
     names = list(obj["methods"])
+    if not all(is_str(n) for n in names):
+        raise SchemaError("results.methods: a method name is not valid Unicode (a lone surrogate)")
     if REFERENCE not in names:
         raise SchemaError("results.methods: the reference 'full' is missing")
     for name, agg in obj["methods"].items():
