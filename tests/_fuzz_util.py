@@ -178,3 +178,9 @@ def dumps_mutated(value: Any, data: st.DataObject) -> bytes:
         new = data.draw(hostile, label="text")
         text = _dumps_at(value, (), path, lambda _: new)
     return text.encode("utf-8", "surrogatepass")
+
+
+@st.composite
+def json_texts_of(draw: st.DrawFn, value: Any) -> bytes:
+    """A strategy: ``value``'s JSON text after one :func:`dumps_mutated` rewrite (for lists of lines)."""
+    return dumps_mutated(value, draw(st.data()))

@@ -23,7 +23,7 @@ from blend.store.base import EntryState, KVEntry, LookupStatus, Verdict, check_e
 from blend.store.codec import ChecksumKind, EntryError, EntryHeader, checksum, decode, decode_header, encode
 from blend.store.disk import DiskStore
 from blend.store.redis_store import RedisStore
-from _fuzz_util import FUZZ, ExampleHung, bounded, json_values, mutate_bytes, mutate_json
+from _fuzz_util import FUZZ, ExampleHung, bounded, dumps_mutated, json_values, mutate_bytes, mutate_json
 from _store_util import NS, RedisServer, key_for, make_prov, rand_entry, redis_url_for_tests, unique_prefix
 
 PROVS = {d: make_prov(d) for d in ("float32", "float16", "bfloat16")}
@@ -64,13 +64,23 @@ def _join(table: Any, meta: Any, data: bytes, resign: bool) -> bytes:
 
 
 def damage(blob: bytes, data: st.DataObject) -> bytes:
-    """A valid blob after one kind of damage: bit flips / a truncation / an extension of its bytes,
-    or a JSON-keeping rewrite of the safetensors table or of the kvblend metadata (re-signed or not)."""
-    how = data.draw(st.sampled_from(["bytes", "table", "meta", "meta-resigned"]), label="damage")
+    """A valid blob after one kind of damage: bit flips / a truncation / an extension of its bytes, a
+    JSON-keeping rewrite of the safetensors table or of the kvblend metadata (re-signed or not), or either
+    written as a JSON text json.dumps never writes (:func:`_fuzz_util.dumps_mutated`)."""
+    how = data.draw(st.sampled_from(["bytes", "table", "meta", "meta-resigned", "table-text", "meta-text"]),
+                    label="damage")
     if how == "bytes":
         (n,) = struct.unpack("<Q", blob[:8])
         return mutate_bytes(blob, data, header_end=8 + n)
     table, meta, tensors = _split(blob)
+    if how.endswith("-text"):  # a JSON text json.dumps never writes: too many digits, NaN, nesting, a key twice
+        if how == "meta-text":
+            kvblend = dumps_mutated(meta, data).decode("utf-8", "surrogatepass")
+            hj = json.dumps({**table, "__metadata__": {"kvblend": kvblend}}).encode()
+        else:
+            hj = dumps_mutated(table, data)
+        hj += b" " * (-len(hj) % 8)
+        return struct.pack("<Q", len(hj)) + hj + tensors
     tensors_table = {"k": table["k"], "v": table["v"]}  # the kvblend metadata is rewritten on its own
     for _ in range(data.draw(st.integers(1, 3), label="rewrites")):
         if how == "table":
