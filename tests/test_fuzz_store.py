@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from blend.keys import Namespace
@@ -23,6 +23,7 @@ from blend.store.base import EntryState, KVEntry, LookupStatus, Verdict, check_e
 from blend.store.codec import ChecksumKind, EntryError, EntryHeader, checksum, decode, decode_header, encode
 from blend.store.disk import DiskStore
 from blend.store.redis_store import RedisStore
+from blend.store.spec import StoreSpecError, TierKind, parse_store_spec
 from _fuzz_util import FUZZ, ExampleHung, bounded, dumps_mutated, json_values, mutate_bytes, mutate_json
 from _store_util import NS, RedisServer, key_for, make_prov, rand_entry, redis_url_for_tests, unique_prefix
 
@@ -220,3 +221,28 @@ def test_the_bounds_fail_a_hung_or_greedy_example(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="over the cap"):
         with bounded(max_bytes=1 << 20):
             bytearray(4 << 20)
+
+
+SPEC_PARTS = st.sampled_from([
+    "memory", "disk:/tmp/kv", "disk:/tmp/kv?max_bytes=1G", "redis://localhost:6379/0", "redis://u:pw@h:1/0?ttl=5",
+    "unix:///tmp/r.sock?db=2", "rediss://h/0?prefix=p", ",", "?", "=", "&", ":", "/", "max_bytes=", "ttl=", "db=",
+    "1e400", "nan", "-1", "0x10", "\x00", "\udcff", "%zz", "[", "]", "@", "#",
+])
+
+
+@FUZZ
+@given(spec=st.lists(SPEC_PARTS | st.text(max_size=8), max_size=6).map("".join))
+@example(spec="redis://localhost:6379/0?x=\udcff")  # a byte argv could not decode: UnicodeEncodeError escaped
+@example(spec="redis://u:p\udcff@h:1/0")
+def test_store_specs_of_any_text_parse_or_raise_store_spec_error(spec: str) -> None:
+    with bounded():
+        try:
+            tiers = parse_store_spec(spec)
+        except StoreSpecError as e:
+            assert "\udcff" not in str(e)  # printable on a UTF-8 terminal
+            return
+    for t in tiers:
+        if t.kind is TierKind.REDIS:
+            (t.location + t.prefix).encode("utf-8")  # what redis-py is handed: UTF-8 text
+        elif t.kind is TierKind.DISK:
+            assert t.location and (t.budget_bytes is None or 1 <= t.budget_bytes)
