@@ -41,6 +41,12 @@ FUZZ = settings(
 )
 
 
+def fuzz_budget(ci_examples: int) -> settings:
+    """:data:`FUZZ` with ``ci_examples`` examples in CI, for a property whose example costs more than most
+    (``KVBLEND_FUZZ_EXAMPLES`` still sets a longer search's count)."""
+    return settings(FUZZ, max_examples=ci_examples if EXAMPLES == CI_EXAMPLES else EXAMPLES)
+
+
 class ExampleHung(BaseException):
     """An example ran past EXAMPLE_TIMEOUT_S."""
 

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from blend import fingerprints, gate
 from blend.evals.ref_cache import reference_logits
 from blend.policy import ReusePolicy
 from conftest import make_docs
-from _fuzz_util import CI_EXAMPLES, EXAMPLES, FUZZ, bounded, dumps_mutated, mutate_bytes, mutate_json
+from _fuzz_util import bounded, dumps_mutated, fuzz_budget, mutate_bytes, mutate_json
 
 HEX = frozenset("0123456789abcdef")
 
@@ -58,7 +58,7 @@ def gate_record(engine):
     return json.loads(gate.gate_path(engine).read_text()), bounds
 
 
-@FUZZ
+@fuzz_budget(100)
 @given(data=st.data())
 def test_a_damaged_gate_record_is_no_record_or_a_consistent_one(engine, gate_record, data):
     value, bounds = gate_record
@@ -79,7 +79,7 @@ def test_a_damaged_gate_record_is_no_record_or_a_consistent_one(engine, gate_rec
 FINGERPRINT = {"weights_sha256": "ab" * 32, "stamp": "cd" * 32}
 
 
-@FUZZ
+@fuzz_budget(100)
 @given(data=st.data())
 def test_a_damaged_fingerprint_file_is_no_fingerprint_or_a_well_formed_one(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("fp") / fingerprints.FINGERPRINT_FILE
@@ -133,10 +133,7 @@ def test_a_cached_bare_tensor_as_files_before_the_digest_held_is_computed_again(
     assert path.read_bytes() == blob
 
 
-REF_FUZZ = settings(FUZZ, max_examples=40 if EXAMPLES == CI_EXAMPLES else EXAMPLES)  # ~90 ms an example
-
-
-@REF_FUZZ
+@fuzz_budget(30)  # ~0.1 s an example (a damaged file's logits are computed again)
 @given(data=st.data())
 def test_a_damaged_cached_reference_gives_full_prefills_logits(engine, reference, data):
     prompt, want, folder, blob = reference

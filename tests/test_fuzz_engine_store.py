@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from blend.keys import Namespace
@@ -24,12 +24,11 @@ from blend.store.codec import EntryError, decode
 from blend.store.disk import DiskStore
 from blend.store.memory import MemoryStore
 from conftest import make_docs
-from _fuzz_util import CI_EXAMPLES, EXAMPLES, FUZZ, bounded
+from _fuzz_util import bounded, fuzz_budget
 from test_fuzz_store import damage
 
 POLICIES = {"exact": ReusePolicy.exact(), "blend": ReusePolicy.blend(ratio=0.2)}
-# ~30 ms a request on the tiny model: 60 examples in CI (KVBLEND_FUZZ_EXAMPLES=N runs N)
-ENGINE_FUZZ = settings(FUZZ, max_examples=60 if EXAMPLES == CI_EXAMPLES else EXAMPLES)
+ENGINE_FUZZ = fuzz_budget(40)  # ~0.1 s an example (a request on the tiny model, a fresh engine over the tier)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from blend.evals import guard_curve as G
 from blend.evals import research_summary as R
 from blend.evals import sweep as S
 from blend.evals.rows import RowError
-from _fuzz_util import FUZZ, bounded, dumps_mutated, mutate_bytes, mutate_json
+from _fuzz_util import bounded, dumps_mutated, fuzz_budget, mutate_bytes, mutate_json
 from test_evals_guard_curve import GUARDED, OFF, ROWS_JSON
 from test_evals_row_files import _research_json, _sweep_json
 
@@ -110,7 +110,7 @@ def test_an_item_row_holding_a_lone_surrogate_is_refused(tmp_path, capsys):
 
 # ---- fuzz ---------------------------------------------------------------------------------------------
 
-@FUZZ
+@fuzz_budget(100)
 @given(data=st.data())
 def test_an_eval_runs_rows_are_read_or_refused_with_a_curve_error(tmp_path_factory, data):
     run = tmp_path_factory.mktemp("run")
@@ -127,7 +127,7 @@ def test_an_eval_runs_rows_are_read_or_refused_with_a_curve_error(tmp_path_facto
             pass
 
 
-@FUZZ
+@fuzz_budget(100)
 @given(data=st.data())
 def test_sweep_rows_are_read_or_refused_with_a_row_error(tmp_path_factory, capsys, data):
     rows = tmp_path_factory.mktemp("sweep") / "rows.jsonl"
@@ -141,7 +141,7 @@ def test_sweep_rows_are_read_or_refused_with_a_row_error(tmp_path_factory, capsy
     _no_traceback(capsys)
 
 
-@FUZZ
+@fuzz_budget(100)
 @given(data=st.data())
 def test_research_rows_are_read_or_refused_with_a_row_error(tmp_path_factory, capsys, data):
     rows = tmp_path_factory.mktemp("research") / "rows.jsonl"

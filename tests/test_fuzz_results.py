@@ -22,7 +22,7 @@ from blend.evals.compare import comparison_table, load_run, main as compare_main
 from blend.evals.plot import draw_methods, run_title, series
 from blend.evals.results_schema import SchemaError, validate_results
 from blend.evals.rows import RowError
-from _fuzz_util import FUZZ, bounded, mutate_json
+from _fuzz_util import bounded, fuzz_budget, mutate_json
 from test_evals_report import make_results
 
 
@@ -95,7 +95,7 @@ def _mutated(data: st.DataObject) -> Any:
     return results
 
 
-@FUZZ
+@fuzz_budget(100)
 @given(data=st.data())
 def test_a_mutated_results_json_is_refused_or_read_by_every_reader(tmp_path_factory, data):
     results = _mutated(data)
@@ -118,7 +118,7 @@ def _research_rows_or_row_error(path: Path) -> None:
         assert str(path) in str(e)
 
 
-@FUZZ
+@fuzz_budget(100)
 @given(data=st.data())
 def test_research_summary_reads_a_mutated_results_json_or_refuses_it_with_row_error(tmp_path_factory, data):
     """research_summary reads only the items and the method specs: it needs no valid results object, only
