@@ -166,6 +166,8 @@ def read_rows(run: Path) -> list[ItemRow]:
             raise CurveError(f"{path}:{n}: not JSON (nested too deeply)") from None
         except RowError as e:
             raise CurveError(f"{path}:{n}: not an item row ({str(e)[:200]})") from e
+        except ValueError as e:  # an integer of more digits than int() converts
+            raise CurveError(f"{path}:{n}: not JSON ({type(e).__name__}: {str(e)[:80]})") from None
         rows[row.index] = row  # a later line of the same item supersedes an earlier one
     return [rows[i] for i in sorted(rows)]
 

@@ -22,7 +22,8 @@ from blend import safeio
 from blend.evals import metrics as M
 from blend.evals.methods import MethodKind
 from blend.evals.rows import (
-    MAX_ROWS_BYTES, FieldTypes, ItemRow, RowError, brief, brief_list, check_fields, is_count, is_number, read_jsonl,
+    MAX_ROWS_BYTES, FieldTypes, ItemRow, RowError, brief, brief_list, check_fields, is_count, is_number, is_str,
+    read_jsonl,
 )
 from blend.evals.splits import ItemRangeError, parse_item_range, range_split
 
@@ -31,8 +32,8 @@ _FIGURES = ("kl", "top1", "share")  # a research row's {variant: figure} maps
 # a research row's fields read here (it holds others too: id, prompt_tokens, residual, ...; kept unchecked)
 RESEARCH_ROW_TYPES: FieldTypes = {
     "index": (is_count, "a non-negative integer"),
-    **{f: (lambda x: isinstance(x, dict) and all(is_number(v) for v in x.values()),
-           "an object of finite numbers") for f in _FIGURES},
+    **{f: (lambda x: isinstance(x, dict) and all(is_str(k) and is_number(v) for k, v in x.items()),
+           "an object of finite numbers (names of valid Unicode)") for f in _FIGURES},
 }
 
 

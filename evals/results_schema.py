@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from blend import safeio
-from blend.evals.methods import REFERENCE
-from blend.evals.rows import ItemRow, RowError, brief, brief_list
+from blend.evals.methods import REFERENCE, MethodKind
+from blend.evals.rows import (
+    FieldTypes, ItemRow, RowError, brief, brief_list, check_fields, is_count, is_number, is_str, list_of, or_null,
+)
 from blend.numeric import finite_real
 
 AGG_NUMBERS = (
@@ -35,6 +37,24 @@ ROW_INTS_SINCE = ("same_tokens",)  # written since 2026-12-06 (17); checked when
 TOP_LEVEL = {
     "schema_version": int, "config": dict, "model": dict, "versions": dict, "machine": dict,
     "reference": str, "methods": dict, "items": list,
+}
+_KINDS = frozenset(k.value for k in MethodKind)
+_NUMBER_OR_NULL = (or_null(is_number), "a finite number or null")
+_STR_OR_NULL = (or_null(is_str), "a string or null")
+# a method's ``spec`` (evals.methods.Method.to_dict), as far as the readers of results.json use it (compare's
+# plot and table, research_summary); a spec written before an option existed lacks it, and fields written since
+# are kept unchecked
+SPEC_TYPES: FieldTypes = {
+    "kind": (lambda x: isinstance(x, str) and x in _KINDS, f"one of {sorted(_KINDS)}"),
+    "ratio": _NUMBER_OR_NULL, "selector": _STR_OR_NULL,
+    "check_layers": (or_null(list_of(is_count)), "a list of layer numbers or null"),
+    "auto": (or_null(lambda x: isinstance(x, bool)), "true, false or null"), "auto_target": _NUMBER_OR_NULL,
+    "probe_precision": _STR_OR_NULL,
+    "guard": (or_null(lambda x: isinstance(x, list) and len(x) == 2 and all(or_null(is_number)(v) for v in x)),
+              "[margin, ratio] (numbers or null) or null"),
+    "candidates": (or_null(lambda x: x == "off" or is_number(x)), "a finite number, \"off\" or null"),
+    "temperature": _NUMBER_OR_NULL, "guard_mode": _STR_OR_NULL, "attention_precision": _STR_OR_NULL,
+    "linear_precision": _STR_OR_NULL,
 }
 # Metrics in [0, 1].
 UNIT = ("f1", "em", "rouge_l", "contains", "agreement", "top1", "tf_agreement", "recomputed_frac", "computed_frac")
@@ -74,7 +94,14 @@ def validate_results(obj: Any) -> None:
     for key in ("name", "dtype", "provenance"):
         if key not in obj["model"]:
             raise SchemaError(f"results.model.{key}: missing")
+    for key in ("name", "dtype"):
+        if not is_str(obj["model"][key]):
+            raise SchemaError(f"results.model.{key}: must be a string (of valid Unicode)")
+    if not or_null(is_str)(obj["config"].get("data")):
+        raise SchemaError("results.config.data: must be a string (of valid Unicode) or null")
     names = list(obj["methods"])
+    if not all(is_str(n) for n in names):
+        raise SchemaError("results.methods: a method name is not valid Unicode (a lone surrogate)")
     if REFERENCE not in names:
         raise SchemaError("results.methods: the reference 'full' is missing")
     for name, agg in obj["methods"].items():
@@ -100,6 +127,7 @@ def validate_results(obj: Any) -> None:
                 raise SchemaError(f"{where}.{f}: must be [low, high] or null")
         if not isinstance(agg.get("n"), int) or agg["n"] < 0:
             raise SchemaError(f"{where}.n: must be a non-negative integer")
+        _check_spec(agg.get("spec"), f"{where}.spec")
     for i, row in enumerate(obj["items"]):
         where = f"results.items[{i}]"
         if not isinstance(row, dict):
@@ -140,6 +168,22 @@ def validate_results(obj: Any) -> None:
     for name, agg in obj["methods"].items():
         if agg["n"] != sum(1 for row in obj["items"] if name in row["methods"]):
             raise SchemaError(f"results.methods[{brief(name)}].n: does not match the item rows")
+
+
+def _check_spec(spec: Any, where: str) -> None:
+    """A method's ``spec``: absent (None here), or an object of :data:`SPEC_TYPES`, a blend's with its ratio.
+
+    Raises:
+        SchemaError: naming the field under ``where``.
+    """
+    if spec is None:
+        return
+    try:
+        check_fields(spec, SPEC_TYPES, where, optional=frozenset(SPEC_TYPES) - {"kind"}, others=True)
+    except RowError as e:
+        raise SchemaError(str(e)) from None
+    if spec["kind"] == MethodKind.BLEND.value and not (is_number(spec.get("ratio")) and 0 <= spec["ratio"] <= 1):
+        raise SchemaError(f"{where}.ratio: a blend's must be a number in [0, 1]")
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:

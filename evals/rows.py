@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 from blend import json_text, safeio
 from blend.numeric import finite_real
+from blend.prompt import is_unicode
 
 MAX_ROWS_BYTES = 1 << 30  # the largest rows file a reader reads (a run of 10k items is ~100 MB)
 
@@ -100,8 +101,9 @@ def is_real(x: Any) -> bool:
 
 
 def is_str(x: Any) -> bool:
-    """A string."""
-    return isinstance(x, str)
+    """A string of valid Unicode (JSON's ``\\ud800`` escape reads as a lone surrogate, which no UTF-8 file or
+    terminal takes: a summary that printed or wrote it raised UnicodeEncodeError)."""
+    return isinstance(x, str) and is_unicode(x)
 
 
 def or_null(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
@@ -193,7 +195,8 @@ def check_fields(d: Any, types: FieldTypes, where: str,
             if name not in optional:
                 raise RowError(f"{where}.{name}: missing")
         elif not check(d[name]):
-            raise RowError(f"{where}.{name}: not {what}")
+            lone = isinstance(d[name], str) and not is_unicode(d[name])
+            raise RowError(f"{where}.{name}: " + ("not valid Unicode (a lone surrogate)" if lone else f"not {what}"))
     return dict(d)
 
 
@@ -375,7 +378,7 @@ _ITEM_TYPES: FieldTypes = {
     "item_sha256": (_STR, "a string"), "answers": (list_of(_STR), "a list of strings"),
     "prompt_tokens": (_INT, "a non-negative integer"), "full_answer": (_STR, "a string"),
     "ref_margin": (_NUM, "a finite number or null"),
-    "methods": (lambda x: isinstance(x, dict) and all(isinstance(k, str) for k in x), "an object"),
+    "methods": (lambda x: isinstance(x, dict) and all(is_str(k) for k in x), "an object (names of valid Unicode)"),
 }
 
 

@@ -30,8 +30,6 @@ prefill) stay out of the samples. TTFT ratios of record come from ``kvblend eval
 from __future__ import annotations
 
 import argparse
-import hashlib
-import io
 import json
 import sys
 import time
@@ -45,6 +43,7 @@ from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_item_range
 from blend.evals.methods import MethodKind, Method, parse_method, split_specs
+from blend.evals.ref_cache import reference_logits
 from blend.evals.metrics import kl_cells, kl_divergence, mean, median, percentile, top1_agree
 from blend.evals.report import NEAR_TIE_NATS
 from blend.evals.rows import (
@@ -80,44 +79,6 @@ class SweepRow:
 SWEEP_STORE_BYTES = 2 << 30  # chunk KV kept across items (LRU)
 
 
-def ref_key(engine: Engine, token_ids: list[int]) -> str:
-    """Cache key of a full-prefill reference: the engine's provenance and the prompt's tokens."""
-    h = hashlib.sha256(engine.provenance_json.encode())
-    h.update(json.dumps(token_ids).encode())
-    return h.hexdigest()[:32]
-
-
-REF_FILE_SLACK = 1 << 16  # a saved (V,) tensor's bytes beyond its values (torch.save's zip: names, pickle)
-
-
-def _cached_reference(path: Path, vocab: int) -> torch.Tensor | None:
-    """The logits saved at ``path`` if they are a finite float (V,) tensor, else None (absent; not a regular file;
-    larger than such a tensor saves to; not a tensor torch.load reads with ``weights_only``; another shape,
-    dtype or non-finite values): the caller computes them again and overwrites the file."""
-    try:
-        data = safeio.read_regular(path, vocab * 8 + REF_FILE_SLACK, follow_symlinks=True)
-        t = torch.load(io.BytesIO(data), weights_only=True)
-    except FileNotFoundError:
-        return None
-    except Exception:  # noqa: BLE001 - OSError (a FIFO, oversized), and whatever torch.load raises on bad bytes
-        return None
-    ok = (isinstance(t, torch.Tensor) and t.shape == (vocab,) and t.is_floating_point()
-          and bool(torch.isfinite(t).all()))
-    return t if ok else None
-
-
-def reference_logits(engine: Engine, prompt, cache_dir: Path) -> torch.Tensor:
-    """Full prefill's first-token logits (V,), from ``cache_dir`` or computed and saved atomically (a cached
-    file that is not such logits is computed again)."""
-    path = cache_dir / f"{ref_key(engine, list(prompt.token_ids))}.pt"
-    cached = _cached_reference(path, engine.runner.dims.vocab)
-    if cached is not None:
-        return cached
-    logits, _, _ = engine.prefill(prompt, ReusePolicy.one_pass())
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with safeio.atomic_file(path) as f:
-        torch.save(logits.clone(), f)
-    return logits
 
 
 def request_ms(report: ReuseReport) -> float:

@@ -18,6 +18,7 @@ randomized search.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import tracemalloc
@@ -38,6 +39,12 @@ FUZZ = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
 )
+
+
+def fuzz_budget(ci_examples: int) -> settings:
+    """:data:`FUZZ` with ``ci_examples`` examples in CI, for a property whose example costs more than most
+    (``KVBLEND_FUZZ_EXAMPLES`` still sets a longer search's count)."""
+    return settings(FUZZ, max_examples=ci_examples if EXAMPLES == CI_EXAMPLES else EXAMPLES)
 
 
 class ExampleHung(BaseException):
@@ -133,3 +140,53 @@ def mutate_bytes(blob: bytes, data: st.DataObject, header_end: int | None = None
     if bytes(out) == blob and blob:  # always some damage
         out[data.draw(st.integers(0, hi - 1 if hi else len(out) - 1), label="flip") % len(out)] ^= 1
     return bytes(out)
+
+
+# JSON texts that json.dumps never writes but a file or a client may hold, each a trap for a decoder or for
+# the code after it: more digits than int() converts (ValueError, not JSONDecodeError), integers and exponents
+# no float holds, NaN and infinities, nesting past the decoder's recursion limit (RecursionError) and just
+# under it, a lone surrogate escape (a str that cannot be encoded back to UTF-8).
+HOSTILE_JSON_TEXTS = (
+    "1" + "0" * 5000, "-" + "9" * 400, "1e999", "-1e999", "1E400", "4.9e-324", "-0", "NaN", "Infinity",
+    "-Infinity", "[" * 100_000 + "]" * 100_000, '{"a": ' * 3000 + "0" + "}" * 3000, "[" * 900 + "]" * 900,
+    '"\\ud800"', '"a\\u0000b"', '""', "[]", "{}", "null", "true",
+)
+
+
+def _dumps_at(value: Any, path: tuple, at: tuple, fn: Any) -> str:
+    """``value``'s JSON text, the node at ``at`` written by ``fn(node)`` instead."""
+    if path == at:
+        return fn(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {_dumps_at(v, path + (k,), at, fn)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_dumps_at(v, path + (i,), at, fn) for i, v in enumerate(value)) + "]"
+    return json.dumps(value)
+
+
+def dumps_mutated(value: Any, data: st.DataObject) -> bytes:
+    """``value`` as JSON text after one rewrite json.dumps cannot make, at a node drawn from the whole tree:
+    the node's text replaced by one of :data:`HOSTILE_JSON_TEXTS`, or (an object) one of its keys written twice,
+    the other value first or last (Python's json keeps the last; another decoder may keep the first)."""
+    path = data.draw(st.sampled_from(node_paths(value)), label="node")
+    hostile = st.sampled_from(HOSTILE_JSON_TEXTS)
+    node = value
+    for k in path:
+        node = node[k]
+    if isinstance(node, dict) and node and data.draw(st.booleans(), label="duplicate a key"):
+        key = data.draw(st.sampled_from(sorted(node)), label="key")
+        other = data.draw(hostile | json_values.map(json.dumps), label="other value")
+        pairs = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in node.items()]
+        extra = f"{json.dumps(key)}: {other}"
+        pairs = [extra, *pairs] if data.draw(st.booleans(), label="first") else [*pairs, extra]
+        text = _dumps_at(value, (), path, lambda _: "{" + ", ".join(pairs) + "}")
+    else:
+        new = data.draw(hostile, label="text")
+        text = _dumps_at(value, (), path, lambda _: new)
+    return text.encode("utf-8", "surrogatepass")
+
+
+@st.composite
+def json_texts_of(draw: st.DrawFn, value: Any) -> bytes:
+    """A strategy: ``value``'s JSON text after one :func:`dumps_mutated` rewrite (for lists of lines)."""
+    return dumps_mutated(value, draw(st.data()))

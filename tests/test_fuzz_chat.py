@@ -22,7 +22,7 @@ from blend.integrations.vllm.chat import chat_to_completion, is_kvblend_chat
 from blend.integrations.vllm.middleware import DocumentsMiddleware
 from blend.integrations.vllm.plan import PARAMS_KEY
 from blend.tiny import byte_tokenizer
-from _fuzz_util import FUZZ, bounded, json_values, mutate_bytes, mutate_json
+from _fuzz_util import FUZZ, bounded, dumps_mutated, json_values, mutate_bytes, mutate_json
 from test_vllm_chat import FakeSamplingParams, request_body
 
 TOK = byte_tokenizer()
@@ -76,9 +76,12 @@ def _post(raw: bytes) -> int:
 
 
 @FUZZ
-@given(data=st.data(), structural=st.booleans())
-def test_the_middleware_answers_every_body_with_vllms_answer_or_a_400(data, structural):
-    raw = json.dumps(mutate_json(json.loads(RAW), data)).encode() if structural else mutate_bytes(RAW, data)
+@given(data=st.data(), how=st.sampled_from(["json", "text", "bytes"]))
+def test_the_middleware_answers_every_body_with_vllms_answer_or_a_400(data, how):
+    if how == "json":
+        raw = json.dumps(mutate_json(json.loads(RAW), data)).encode()
+    else:
+        raw = dumps_mutated(json.loads(RAW), data) if how == "text" else mutate_bytes(RAW, data)
     with bounded():
         assert _post(raw) in (200, 400)
 

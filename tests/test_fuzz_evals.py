@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from blend.evals.data import DataError, Item, load_file, parse_record
-from _fuzz_util import FUZZ, bounded, json_values, mutate_bytes, mutate_json
+from _fuzz_util import FUZZ, bounded, dumps_mutated, json_values, mutate_bytes, mutate_json
 
 MUSIQUE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "musique_dev.json"
 SAMPLE = {"ctxs": [{"title": "Ferry", "text": "The ferry leaves at noon."}, {"title": "", "text": "Bruno."}],
@@ -67,7 +67,12 @@ def test_mutated_musique_records(data: st.DataObject) -> None:
 def test_files_of_mutated_bytes(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject, jsonl: bool) -> None:
     recs = RECORDS[:2]
     text = "\n".join(json.dumps(r) for r in recs) if jsonl else json.dumps(recs)
-    blob = mutate_bytes(text.encode(), data) if data.draw(st.booleans()) else data.draw(st.binary(max_size=256))
+    how = data.draw(st.sampled_from(["bytes", "text", "random"]))
+    if how == "text":  # one record (or the list) written as a JSON text json.dumps never writes
+        blob = (b"\n".join(dumps_mutated(r, data) if i == 0 else json.dumps(r).encode() for i, r in enumerate(recs))
+                if jsonl else dumps_mutated(recs, data))
+    else:
+        blob = mutate_bytes(text.encode(), data) if how == "bytes" else data.draw(st.binary(max_size=256))
     path = tmp_path_factory.mktemp("data") / ("d.jsonl" if jsonl else "d.json")
     path.write_bytes(blob)
     with bounded():

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from blend.retrieval.catalog import Catalog
 from blend.retrieval.corpus import RetrievalError, read_file
 from blend.retrieval.testing import HashEmbedder, tiny_index
-from _fuzz_util import FUZZ, bounded, json_values, mutate_bytes, mutate_json
+from _fuzz_util import FUZZ, bounded, dumps_mutated, json_values, mutate_bytes, mutate_json
 
 DOCS = {
     "a.txt": "Anna keeps bees on the hill. The hives face south. Honey is sold on Fridays.",
@@ -65,8 +65,10 @@ def test_json_files_of_the_index(base: tuple[Path, list], tmp_path_factory: pyte
                                  data: st.DataObject, name: str, random: bool) -> None:
     idx, gen = _copy(base[0], tmp_path_factory)
     value = json.loads((gen / name).read_text())
-    new = data.draw(json_values) if random else mutate_json(value, data)
-    raw = json.dumps(new).encode()
+    if not random and data.draw(st.booleans()):
+        raw = dumps_mutated(value, data)  # too many digits, NaN, nesting, a key twice...
+    else:
+        raw = json.dumps(data.draw(json_values) if random else mutate_json(value, data)).encode()
     if data.draw(st.booleans()):
         raw = mutate_bytes(raw, data)
     (gen / name).write_bytes(raw)
@@ -80,9 +82,11 @@ def test_chunk_table(base: tuple[Path, list], tmp_path_factory: pytest.TempPathF
     idx, gen = _copy(base[0], tmp_path_factory)
     lines = (gen / "chunks.jsonl").read_bytes().splitlines()
     i = data.draw(st.integers(0, len(lines) - 1))
-    how = data.draw(st.sampled_from(["json", "bytes", "drop", "duplicate"]))
+    how = data.draw(st.sampled_from(["json", "text", "bytes", "drop", "duplicate"]))
     if how == "json":
         lines[i] = json.dumps(mutate_json(json.loads(lines[i]), data)).encode()
+    elif how == "text":
+        lines[i] = dumps_mutated(json.loads(lines[i]), data)
     elif how == "bytes":
         lines[i] = mutate_bytes(lines[i], data)
     elif how == "drop":

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from blend.keys import Namespace
@@ -23,7 +23,8 @@ from blend.store.base import EntryState, KVEntry, LookupStatus, Verdict, check_e
 from blend.store.codec import ChecksumKind, EntryError, EntryHeader, checksum, decode, decode_header, encode
 from blend.store.disk import DiskStore
 from blend.store.redis_store import RedisStore
-from _fuzz_util import FUZZ, ExampleHung, bounded, json_values, mutate_bytes, mutate_json
+from blend.store.spec import StoreSpecError, TierKind, parse_store_spec
+from _fuzz_util import FUZZ, ExampleHung, bounded, dumps_mutated, json_values, mutate_bytes, mutate_json
 from _store_util import NS, RedisServer, key_for, make_prov, rand_entry, redis_url_for_tests, unique_prefix
 
 PROVS = {d: make_prov(d) for d in ("float32", "float16", "bfloat16")}
@@ -63,19 +64,26 @@ def _join(table: Any, meta: Any, data: bytes, resign: bool) -> bytes:
     return struct.pack("<Q", len(hj)) + hj + data
 
 
-@st.composite
-def hostile_blobs(draw: st.DrawFn) -> tuple[bytes, KVEntry, str]:
-    """A valid blob after one kind of damage: bit flips / a truncation / an extension of its bytes,
-    or a JSON-keeping rewrite of the safetensors table or of the kvblend metadata (re-signed or not)."""
-    blob, entry, prov = draw(valid_blobs())
-    data = draw(st.data())
-    how = draw(st.sampled_from(["bytes", "table", "meta", "meta-resigned"]))
+def damage(blob: bytes, data: st.DataObject) -> bytes:
+    """A valid blob after one kind of damage: bit flips / a truncation / an extension of its bytes, a
+    JSON-keeping rewrite of the safetensors table or of the kvblend metadata (re-signed or not), or either
+    written as a JSON text json.dumps never writes (:func:`_fuzz_util.dumps_mutated`)."""
+    how = data.draw(st.sampled_from(["bytes", "table", "meta", "meta-resigned", "table-text", "meta-text"]),
+                    label="damage")
     if how == "bytes":
         (n,) = struct.unpack("<Q", blob[:8])
-        return mutate_bytes(blob, data, header_end=8 + n), entry, prov
+        return mutate_bytes(blob, data, header_end=8 + n)
     table, meta, tensors = _split(blob)
+    if how.endswith("-text"):  # a JSON text json.dumps never writes: too many digits, NaN, nesting, a key twice
+        if how == "meta-text":
+            kvblend = dumps_mutated(meta, data).decode("utf-8", "surrogatepass")
+            hj = json.dumps({**table, "__metadata__": {"kvblend": kvblend}}).encode()
+        else:
+            hj = dumps_mutated(table, data)
+        hj += b" " * (-len(hj) % 8)
+        return struct.pack("<Q", len(hj)) + hj + tensors
     tensors_table = {"k": table["k"], "v": table["v"]}  # the kvblend metadata is rewritten on its own
-    for _ in range(draw(st.integers(1, 3))):
+    for _ in range(data.draw(st.integers(1, 3), label="rewrites")):
         if how == "table":
             tensors_table = mutate_json(tensors_table, data)
         else:
@@ -84,7 +92,14 @@ def hostile_blobs(draw: st.DrawFn) -> tuple[bytes, KVEntry, str]:
         table = {"__metadata__": table["__metadata__"], **tensors_table}
     else:
         table = tensors_table
-    return _join(table, meta, tensors, resign=how == "meta-resigned"), entry, prov
+    return _join(table, meta, tensors, resign=how == "meta-resigned")
+
+
+@st.composite
+def hostile_blobs(draw: st.DrawFn) -> tuple[bytes, KVEntry, str]:
+    """A valid blob of a small random entry after one kind of :func:`damage`."""
+    blob, entry, prov = draw(valid_blobs())
+    return damage(blob, draw(st.data())), entry, prov
 
 
 def _check_decode(blob: bytes, entry: KVEntry, prov: str) -> None:
@@ -206,3 +221,28 @@ def test_the_bounds_fail_a_hung_or_greedy_example(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="over the cap"):
         with bounded(max_bytes=1 << 20):
             bytearray(4 << 20)
+
+
+SPEC_PARTS = st.sampled_from([
+    "memory", "disk:/tmp/kv", "disk:/tmp/kv?max_bytes=1G", "redis://localhost:6379/0", "redis://u:pw@h:1/0?ttl=5",
+    "unix:///tmp/r.sock?db=2", "rediss://h/0?prefix=p", ",", "?", "=", "&", ":", "/", "max_bytes=", "ttl=", "db=",
+    "1e400", "nan", "-1", "0x10", "\x00", "\udcff", "%zz", "[", "]", "@", "#",
+])
+
+
+@FUZZ
+@given(spec=st.lists(SPEC_PARTS | st.text(max_size=8), max_size=6).map("".join))
+@example(spec="redis://localhost:6379/0?x=\udcff")  # a byte argv could not decode: UnicodeEncodeError escaped
+@example(spec="redis://u:p\udcff@h:1/0")
+def test_store_specs_of_any_text_parse_or_raise_store_spec_error(spec: str) -> None:
+    with bounded():
+        try:
+            tiers = parse_store_spec(spec)
+        except StoreSpecError as e:
+            assert "\udcff" not in str(e)  # printable on a UTF-8 terminal
+            return
+    for t in tiers:
+        if t.kind is TierKind.REDIS:
+            (t.location + t.prefix).encode("utf-8")  # what redis-py is handed: UTF-8 text
+        elif t.kind is TierKind.DISK:
+            assert t.location and (t.budget_bytes is None or 1 <= t.budget_bytes)

@@ -29,7 +29,7 @@ from blend.errors import CheckpointError, UnknownModelError
 from blend.exit_codes import ExitCode
 from blend.tiny import TinyModel, build_tiny
 from _fake_gguf import fake_conversion
-from _fuzz_util import CI_EXAMPLES, EXAMPLES, FUZZ, bounded, mutate_bytes, mutate_json
+from _fuzz_util import CI_EXAMPLES, EXAMPLES, FUZZ, bounded, dumps_mutated, mutate_bytes, mutate_json
 
 WEIGHTS = "model.safetensors"
 
@@ -426,10 +426,16 @@ FOLDER_FUZZ = settings(FUZZ, max_examples=60 if EXAMPLES == CI_EXAMPLES else EXA
 def test_a_mutated_checkpoint_file_loads_or_is_a_checkpoint_error(tmp_path_factory, home, pristine, data, target):
     d = _copy(pristine, tmp_path_factory.mktemp("m"))
     blob = (d / target).read_bytes()
-    if target == WEIGHTS:
+    if target == WEIGHTS and data.draw(st.booleans(), label="header rewritten"):  # dtype, shape, offsets, names
+        header, end = _header(blob)
+        tensor = data.draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")), label="tensor")
+        new = _with_header(blob, {**header, tensor: mutate_json(header[tensor], data)})
+    elif target == WEIGHTS:
         new = mutate_bytes(blob, data, header_end=_header(blob)[1])
     elif data.draw(st.booleans(), label="as json"):
         new = json.dumps(mutate_json(json.loads(blob), data)).encode()
+    elif data.draw(st.booleans(), label="as json text"):
+        new = dumps_mutated(json.loads(blob), data)
     else:
         new = mutate_bytes(blob, data)
     (d / target).write_bytes(new)

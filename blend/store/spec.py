@@ -22,6 +22,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from blend.defaults import DEFAULT_MEMORY_BUDGET, DEFAULT_WRITE_BEHIND, kvblend_home
+from blend.prompt import is_unicode
 from blend.store.base import InspectableStore
 from blend.store.disk import DiskStore
 from blend.store.memory import MemoryStore
@@ -95,6 +96,8 @@ def _parse_one(part: str) -> TierSpec:
         budget = parse_size(opts["max_bytes"]) if "max_bytes" in opts else None
         return TierSpec(TierKind.DISK, path, budget_bytes=budget)
     if part.startswith(("redis://", "rediss://", "unix://")):
+        if not is_unicode(part):  # a byte the locale could not decode (argv and the environment keep it escaped)
+            raise StoreSpecError(f"{redacted_url(part)!a}: a Redis URL must be UTF-8 text")
         u = urlsplit(part)
         query = parse_qsl(u.query)
         _check_database(part, u.path if u.scheme != "unix" else "", [v for k, v in query if k == "db"])
