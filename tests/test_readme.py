@@ -29,7 +29,7 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 # vLLM's own flags, shown in README's vLLM section: no kvblend parser takes them
 VLLM_FLAGS = frozenset({"--kv-transfer-config", "--enforce-eager", "--middleware", "--distributed-executor-backend"})
 # the eval and benchmark modules README runs with ``python -m blend.evals.NAME``
-EVAL_MODULES = ("compare", "guard_curve", "bench_phases", "bench_prefill", "bench_serve")
+EVAL_MODULES = ("compare", "guard_curve", "bench_phases", "bench_prefill", "bench_serve", "sweep")
 FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 METAVAR = re.compile(r"[A-Z][A-Z0-9_-]*(\.\.\.)?")  # FILE, SPEC, N, RUN_DIR...: a placeholder, not a value
 
