@@ -10,26 +10,30 @@ import pytest
 
 from blend.engine import Engine
 
-ONE_OFF_S = 0.4  # far above any tiny-model request
-
-
-LONG_ONE_OFF_S = 1.5  # for benches whose tiny requests take ~0.2 s: a ratio with it inside is above 5
+# a first call's one-off cost, on a virtual clock: every ``time.perf_counter`` (which each bench and the engine's
+# own TTFT read) jumps this far ahead at each first call instead of sleeping, so a timed sample that holds a
+# first call is at least this long, whatever the machine's load, and the tests cost no waiting
+ONE_OFF_S = 1000.0
+LONG_ONE_OFF_S = ONE_OFF_S  # (kept for the tests' parameters: one cost serves all)
 
 
 @pytest.fixture
 def slow_first_calls(monkeypatch, request):
     """Each engine's first prefill under each policy pays a one-off cost, ONE_OFF_S or the test's indirect
-    parameter (what lazy initialisation costs a real first call); returns the set of (engine, policy)
-    pairs that paid it."""
+    parameter (what lazy initialisation costs a real first call), on a virtual clock that only moves
+    forward; returns the set of (engine, policy) pairs that paid it."""
     paid: set = set()
     real = Engine.prefill
     cost = getattr(request, "param", ONE_OFF_S)
+    ahead = [0.0]
+    clock = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + ahead[0])
 
     def prefill(self, prompt, policy, *a, **kw):
         key = (id(self), policy)
         if key not in paid:
             paid.add(key)
-            time.sleep(cost)
+            ahead[0] += cost
         return real(self, prompt, policy, *a, **kw)
 
     monkeypatch.setattr(Engine, "prefill", prefill)
