@@ -113,6 +113,19 @@ def check_same_answer(spec: Spec, got: Outcome, ref: Outcome, bits: bool, ctx: s
     assert shape == [(s["kind"], s["tokens"], s["start"]) for s in r["segments"]], where
 
 
+def check_stop_cut(spec: Spec, stopped: Outcome, unstopped: Outcome, ctx: str) -> None:
+    """Stop strings cut the answer the request gets without them at the first one's start: the same tokens up to
+    there (a few more may have been sampled before a stop string was decided), the text up to it."""
+    where = f"{ctx}: {spec.describe()}"
+    assert unstopped.status == 200 and unstopped.error is None, (where, unstopped)
+    ids, all_ids = stopped.ext["answer_token_ids"], unstopped.ext["answer_token_ids"]
+    assert all_ids[:len(ids)] == ids, (where, ids, all_ids)
+    hits = [i for s in spec.body["stop"] if (i := unstopped.text.find(s)) >= 0]
+    cut = min(hits) if hits else None
+    assert stopped.text == unstopped.text[:cut], (where, stopped.text, unstopped.text)
+    assert stopped.finish == ("stop" if cut is not None else unstopped.finish), (where, stopped, unstopped)
+
+
 def check_report(spec: Spec, out: Outcome, ctx: str) -> None:
     """The reuse report of an answer says what a request of its policy can have run."""
     if out.ext is None:
@@ -164,14 +177,18 @@ def check_idle(srv, engine, caches: LiveCaches, caplog, ctx: str) -> None:
         with book.cond:
             return book.active, len(book.waiting), list(book.incoming), book.prefilling, set(book.prefilling_jobs)
 
+    def pending() -> int:  # KV buffers given back that something other than a hot prefix still views
+        return engine.runner.kv_pool.stats().pending_bytes - engine.segments.hot.held_bytes
+
     # the last requests retired a moment ago may still be on their way out (a prefill worker leaving the request,
     # the decode step that finished it returning): idle within seconds, or stuck
     try:
-        wait_until(lambda: state() == (0, 0, [], 0, set()) and caches.alive(caplog) == 0, timeout=30)
+        wait_until(lambda: state() == (0, 0, [], 0, set()) and caches.alive(caplog) == 0 and pending() <= 0,
+                   timeout=30)
     except AssertionError:
-        raise AssertionError(f"{ctx}: not idle: {state()}, {caches.alive(caplog)} KV caches alive") from None
+        raise AssertionError(f"{ctx}: not idle: {state()}, {caches.alive(caplog)} KV caches alive, "
+                             f"{pending()} bytes of KV buffers viewed beyond hot prefixes") from None
     assert caches.made, ctx
-    assert engine.runner.kv_pool.stats().pending_bytes <= engine.segments.hot.held_bytes, ctx
     assert engine.store.claimed() == 0, ctx
     if sched.pool is not None:
         assert sched.pool.free_slots == sched.pool.slots, ctx

@@ -65,6 +65,11 @@ class Spec:
         body = {k: v for k, v in self.body.items() if k not in ("stream", "stream_options")}
         return Spec(self.index, self.path, body, self.whole().client)
 
+    def without_stop(self) -> "Spec":
+        """The same request without its stop strings, unstreamed, read to its end."""
+        body = {k: v for k, v in self.unstreamed().body.items() if k != "stop"}
+        return Spec(self.index, self.path, body, self.whole().client)
+
     def describe(self) -> str:
         return f"#{self.index} {self.client.value} {self.leave.value} {self.path} {json.dumps(self.body)}"
 

@@ -33,7 +33,9 @@ import threading
 import pytest
 
 from _serve_util import TINY, one_torch_thread, running_server, tiny_serve_engine  # noqa: F401
-from _stress_checks import LiveCaches, check_counts, check_idle, check_report, check_same_answer
+from _stress_checks import (
+    LiveCaches, check_counts, check_idle, check_report, check_same_answer, check_stop_cut,
+)
 from _stress_util import CHAT, COMPLETIONS, Client, Lane, Leave, Outcome, Spec, send_all_async
 from blend.batch_decode import DecodeBatching
 from blend.serve.config import SchedulerConfig, ServeConfig
@@ -43,8 +45,10 @@ from conftest import make_docs
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SEED = int(os.environ.get("KVBLEND_STRESS_SEED", "20281"))
+REQUESTS = int(os.environ.get("KVBLEND_STRESS_REQUESTS", "32"))  # more for a longer run by hand
 DOCS = make_docs(4, words=9, seed=5)
 ORDERS = ((0, 1, 2), (1, 0, 2), (0, 1))
+STOPS = ["CC", "U\ufffd", "\ufffd", "\ufffdC"]
 QUESTIONS = ("which river?", "who keeps the lantern?", "where is the harbor?")
 FAIL_PREFILL, FAIL_DECODE = "FAIL-PREFILL", "FAIL-DECODE"  # questions whose request fails (injected)
 INVALID = [  # (changes to a valid body, the status and the error's param)
@@ -63,6 +67,8 @@ def _body(rng: random.Random, path: str) -> dict:
         docs = [DOCS[i] for i in rng.choice(ORDERS)]
     else:  # the same chunks in other orders and company: blends' canonical hits, exact misses
         docs = rng.sample(DOCS, rng.randint(0 if path == COMPLETIONS else 1, 3))
+        if docs and rng.random() < 0.15:  # one document twice in a prompt
+            docs.insert(rng.randint(0, len(docs)), docs[0])
     question = rng.choice(QUESTIONS)
     body: dict = {"model": TINY, "max_tokens": rng.randint(1, 16), "stream": rng.random() < 0.5}
     if path == CHAT:
@@ -91,8 +97,9 @@ def _body(rng: random.Random, path: str) -> dict:
         body["kvblend"] = opts
     elif reuse != "default":
         body["kvblend"] = {"reuse": reuse}
-    if rng.random() < 0.3:
-        body["stop"] = rng.sample(string.ascii_letters + " ", rng.randint(1, 3))
+    if rng.random() < 0.3:  # letters, and strings the tiny model's answers hold across tokens (U+FFFD: bytes that are
+        # not UTF-8, or a character still incomplete)
+        body["stop"] = rng.sample(string.ascii_letters + " ", rng.randint(0, 2)) + rng.sample(STOPS, rng.randint(0, 2))
     if rng.random() < 0.3:
         if path == CHAT:
             body.update(logprobs=True, top_logprobs=rng.randint(0, 3))
@@ -190,8 +197,10 @@ class Admissions:
 CONFIGS = {
     "invariant": SchedulerConfig(max_concurrency=4, max_queue=64, prefill_workers=2, torch_threads=1,
                                  batching=DecodeBatching.INVARIANT),
+    # decode shares from two sequences on; slots that the longer prompts (three documents) do not fit, so that
+    # steps mix pooled caches and caches of their own
     "throughput": SchedulerConfig(max_concurrency=4, max_queue=64, prefill_workers=2, torch_threads=1,
-                                  share_decode_min_batch=2, decode_loop_prefill_share=0.5),
+                                  share_decode_min_batch=2, decode_loop_prefill_share=0.5, decode_pool_tokens=320),
 }
 
 
@@ -232,22 +241,25 @@ def run_concurrently(url: str, specs: list[Spec], threads: int = 3, tasks: int =
     return out
 
 
-def run_alone(url: str, specs: list[Spec]) -> tuple[dict[int, Outcome], dict[int, Outcome]]:
+def run_alone(url: str, specs: list[Spec]) -> tuple[dict[int, Outcome], dict[int, Outcome], dict[int, Outcome]]:
     """Each request read whole, one at a time, in reverse order (so the store's state differs from the run's).
 
     Returns:
-        The outcomes by request index, and those of each streamed request sent again unstreamed.
+        The outcomes by request index, those of each streamed request sent again unstreamed, and those of each
+        request with stop strings sent again without them.
     """
     lane = Lane(url)
-    alone, unstreamed = {}, {}
+    alone, unstreamed, unstopped = {}, {}, {}
     try:
         for s in reversed(specs):
             alone[s.index] = lane.send(s.whole())
             if s.body.get("stream"):
                 unstreamed[s.index] = lane.send(s.unstreamed())
+            if s.body.get("stop"):
+                unstopped[s.index] = lane.send(s.without_stop())
     finally:
         lane.close()
-    return alone, unstreamed
+    return alone, unstreamed, unstopped
 
 
 FINAL = {"model": TINY, "messages": [{"role": "user", "content": "which river?"}], "documents": DOCS[:3],
@@ -257,9 +269,9 @@ FINAL = {"model": TINY, "messages": [{"role": "user", "content": "which river?"}
 @pytest.mark.parametrize("mode", list(CONFIGS))
 def test_a_mixed_workload_answers_as_each_request_alone(mode, monkeypatch, caplog):
     bits = CONFIGS[mode].batching is DecodeBatching.INVARIANT
-    specs = schedule(SEED, 32, greedy=not bits)  # bits: every answer to the bit; else greedy, to a near tie
+    specs = schedule(SEED, REQUESTS, greedy=not bits)  # bits: every answer to the bit; else greedy, to a near tie
     final = Spec(len(specs), CHAT, FINAL, Client.HTTPX)
-    ctx = f"seed {SEED} (set KVBLEND_STRESS_SEED to rerun), {mode}"
+    ctx = f"seed {SEED} (KVBLEND_STRESS_SEED={SEED} KVBLEND_STRESS_REQUESTS={REQUESTS} to rerun), {mode}"
     config = ServeConfig(model=TINY, scheduler=CONFIGS[mode])
     engine = tiny_serve_engine()
     inject_failures(engine, monkeypatch)
@@ -276,7 +288,7 @@ def test_a_mixed_workload_answers_as_each_request_alone(mode, monkeypatch, caplo
     reference = tiny_serve_engine()
     inject_failures(reference, monkeypatch)
     with running_server(reference, config) as ref_srv:
-        ref, unstreamed = run_alone(ref_srv.url, [*specs, final])
+        ref, unstreamed, unstopped = run_alone(ref_srv.url, [*specs, final])
     for spec in [*specs, final]:
         out = got[spec.index]
         if spec.leave is Leave.EARLY:  # timing decides what it got, if anything: only the server's state is checked
@@ -286,7 +298,26 @@ def test_a_mixed_workload_answers_as_each_request_alone(mode, monkeypatch, caplo
             assert (out.status, out.error["param"]) == spec.refused, (ctx, spec.describe(), out)
         check_report(spec, out, ctx)
         check_report(spec, ref[spec.index], ctx)
-        whole = unstreamed.get(spec.index)
-        if whole is not None and ref[spec.index].status == 200 and ref[spec.index].error is None:
-            check_same_answer(spec, ref[spec.index], whole, True, ctx + ", streamed and not")
+        answered = ref[spec.index].status == 200 and ref[spec.index].error is None
+        if spec.index in unstreamed and answered:
+            check_same_answer(spec, ref[spec.index], unstreamed[spec.index], True, ctx + ", streamed and not")
+        if spec.index in unstopped and answered:
+            check_stop_cut(spec, ref[spec.index], unstopped[spec.index], ctx)
     assert got[final.index].status == 200 and got[final.index].error is None, ctx
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_holding_u_fffd_cuts_the_answer_where_its_text_holds_one(stream):
+    """Found by the stress test's stop-string oracle: a stop string holding U+FFFD matched the stand-in of a
+    character whose bytes were still coming, so this answer ("ȅ" is bytes C8 85 on the byte-level tiny model)
+    ended empty after C8, where its text holds no U+FFFD. It is now cut where its text does."""
+    body = {"model": TINY, "messages": [{"role": "user", "content": "q?"}], "documents": DOCS[:2], "max_tokens": 12,
+            "temperature": 1.0, "seed": 7}
+    with running_server(tiny_serve_engine(), ServeConfig(model=TINY, scheduler=CONFIGS["invariant"])) as srv:
+        lane = Lane(srv.url)
+        unstopped = lane.send(Spec(0, CHAT, body, Client.HTTPX))
+        spec = Spec(1, CHAT, {**body, "stop": ["\ufffd"], "stream": stream}, Client.HTTPX)
+        stopped = lane.send(spec)
+        lane.close()
+    assert unstopped.text.index("\ufffd") > 0 and unstopped.ext["answer_token_ids"][0] >= 0xC2  # a character first
+    check_stop_cut(spec, stopped, unstopped, "pinned")
