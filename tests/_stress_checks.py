@@ -224,6 +224,7 @@ def check_counts(srv, specs: list[Spec], got: dict[int, Outcome], admitted: int,
     http = statuses()
     m = metric_samples(srv.url)
     assert m[("kvblend_e2e_seconds_count", ())] == sched.completed, ctx
+    assert sched.completed <= m[("kvblend_ttft_seconds_count", ())] <= admitted, ctx  # each first token once
     assert m[("kvblend_interrupted_prefills_total", ())] == sched.interrupted_prefills, ctx
     expected = Counter(got[s.index].status for s in whole)
     leavers = http - expected

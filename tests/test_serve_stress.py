@@ -1,30 +1,38 @@
 """A randomized mixed workload through the real server: every answer equals the same request run alone.
 
-A seeded schedule of requests (``KVBLEND_STRESS_SEED`` picks another; the seed is in every failure message) is sent
-by several client threads and async tasks at once, through the openai client, httpx and raw sockets: chat and
-completions, streamed and not, exact, blend (guarded and not, several ratios) and no reuse, the same documents in
-different orders (store and hot-prefix hits and misses, two requests computing one chunk at once), stop
-sequences, 1-16 tokens, logprobs, seeded sampling, conversations and system prompts, cache salts, clients that
-leave mid-stream or before their first token, invalid requests, and requests that fail in their prefill or
-their decode (injected).
+A seeded schedule of requests (``KVBLEND_STRESS_SEED`` picks another, ``KVBLEND_STRESS_REQUESTS`` a longer one; both
+are in every failure message) is sent by three client threads and three async tasks at once, through the openai
+client, httpx and raw sockets: chat and completions, streamed and not, exact, blend (guarded and not, ratios 0-1)
+and no reuse, the same documents in orders that come back and in others (store and hot-prefix hits and misses,
+two requests computing one chunk at once, a document twice in a prompt), stop strings (some holding U+FFFD),
+1-16 tokens, logprobs, seeded sampling, conversations and system prompts, cache salts, clients that leave
+mid-stream or right after sending, invalid requests, and requests that fail in their prefill or their decode
+(injected).
 
 Oracles:
   * every request read to its end equals the same request sent alone, in reverse order, to a fresh server of the
     same settings (status, text, token ids, logprobs, finish reason, usage, the logits hashes, the report's
-    policy and figures; an error's body); a stream its client left is a prefix of that answer;
-  * each report is consistent with what ran (classes per policy, cached tokens = reused rows, ...);
-  * afterwards the server is idle: no request active, queued or prefilling, every decode-pool slot and
+    policy and figures; an error's body and the field it names); a stream its client left is a prefix of that
+    answer; alone, a streamed answer equals the unstreamed one, and one with stop strings equals the answer
+    without them cut at the first;
+  * each reuse report is consistent with its policy (classes, cached tokens = reused rows, offsets);
+  * afterwards the server is idle within seconds: no request active, queued, prefilling or between the two, no
+    KV cache alive (the KV pool's pending buffers only those hot prefixes view), every decode-pool slot and
     single-flight claim back, the gauges at 0, every thread alive; a last request gets its right answer;
   * the counters add up: admitted = completed + failed + cancelled, failed = the injected failures, completed
-    between the answers read whole and those plus the ones whose client left; one HTTP status counted per request.
+    between the answers read whole and those plus the ones whose client left, one first-token time per answer
+    at most, one HTTP status (200 or 499 for those that left) per request.
 
-With batch-invariant decoding every answer is bit-identical to the one alone; in throughput mode (decode pool,
-decode shares) the first token's logits are (prefills are never batched) and the tokens are equal, logprobs
-within float rounding (as tests/test_serve_scheduler.py holds for uniform requests).
+With batch-invariant decoding every answer is bit-identical to the one alone (seeded sampling included). In
+throughput mode (decode pool with slots some prompts do not fit, decode shares) a step's logits move with the
+batch by float rounding, so the requests are greedy: the first token's logits are bit-identical (prefills are
+never batched), logprobs within float rounding, and the tokens equal but where the two likeliest tie within
+:data:`~_stress_checks.NEAR_TIE`, after which nothing is compared.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import string
@@ -157,6 +165,12 @@ def _question(prompt) -> str:
     return prompt.question.text
 
 
+def fails(spec: Spec) -> bool:
+    """Whether a failure is injected into the request (see :func:`inject_failures`)."""
+    question = spec.body["prompt"] if spec.path == COMPLETIONS else spec.body["messages"][-1]["content"]
+    return question in (FAIL_PREFILL, FAIL_DECODE)
+
+
 def inject_failures(engine, monkeypatch) -> None:
     """A prompt whose question is FAIL_PREFILL fails in its prefill; FAIL_DECODE at its third decode step."""
     real_prefill = engine.prefill
@@ -224,7 +238,6 @@ def run_concurrently(url: str, specs: list[Spec], threads: int = 3, tasks: int =
             client.close()
 
     def async_lane() -> None:
-        import asyncio
         try:
             out.update(asyncio.run(send_all_async(url, by_async, tasks)))
         except BaseException as e:  # noqa: BLE001
@@ -236,6 +249,7 @@ def run_concurrently(url: str, specs: list[Spec], threads: int = 3, tasks: int =
         w.start()
     for w in workers:
         w.join(120)
+    assert not any(w.is_alive() for w in workers), "a client still waits for its answer: a request is stuck"
     if errors:
         raise errors[0]
     return out
@@ -301,7 +315,7 @@ def test_a_mixed_workload_answers_as_each_request_alone(mode, monkeypatch, caplo
         answered = ref[spec.index].status == 200 and ref[spec.index].error is None
         if spec.index in unstreamed and answered:
             check_same_answer(spec, ref[spec.index], unstreamed[spec.index], True, ctx + ", streamed and not")
-        if spec.index in unstopped and answered:
+        if spec.index in unstopped and answered and not fails(spec):  # (without its stop, one may fail later)
             check_stop_cut(spec, ref[spec.index], unstopped[spec.index], ctx)
     assert got[final.index].status == 200 and got[final.index].error is None, ctx
 
