@@ -151,7 +151,10 @@ class TokenStream:
         if cfg.logprobs is not None:
             self.logprobs.append(token_logprob(logits, tok, cfg.logprobs))
         full = self._text.push(tok)
-        cut = self._stop_index(full)
+        # a stop string is looked for in text no later token can change: a trailing U+FFFD may be a character
+        # still incomplete (a stop string holding U+FFFD matched it, and a character the next token completed
+        # ended the answer before it); it is looked for there once decided, at the latest when the answer ends
+        cut = self._stop_index(full[: self._settled_end(full)])
         if cut is not None:
             return self._finish(FinishReason.STOP, full[:cut])
         if len(self.tokens) >= cfg.max_tokens:
@@ -182,11 +185,17 @@ class TokenStream:
         hits = [i for s in self.config.stop if (i := full.find(s, max(0, len(self.text) - len(s)))) >= 0]
         return min(hits) if hits else None
 
-    def _safe_end(self, full: str) -> int:
-        """End of the text that no later token can change or cut."""
+    def _settled_end(self, full: str) -> int:
+        """End of the text that no later token can change: before trailing U+FFFDs not shown yet (the bytes of
+        a multi-byte character may still be incomplete)."""
         end = len(full)
         while end > len(self.text) and full[end - 1] == REPLACEMENT:
-            end -= 1  # an incomplete multi-byte character
+            end -= 1
+        return end
+
+    def _safe_end(self, full: str) -> int:
+        """End of the text that no later token can change or cut."""
+        end = self._settled_end(full)
         hold = 0
         for s in self.config.stop:  # the longest suffix that may still grow into a stop string
             for k in range(min(len(s) - 1, end), 0, -1):
@@ -207,7 +216,11 @@ class TokenStream:
         A trailing U+FFFD stays: the answer's last tokens are bytes of a character it ended inside
         (max_tokens, EOS, the context's end), and the text reads as ``decode(token_ids)`` does (as
         transformers' TextStreamer flushes it, and as ``Engine.generate`` answers). Dropping it left
-        tokens counted in usage and listed in logprobs (text_offset past the end) with no text."""
+        tokens counted in usage and listed in logprobs (text_offset past the end) with no text. The text's last
+        U+FFFDs are final then, so a stop string that holds them cuts the answer there (a stop, not a length)."""
+        cut = self._stop_index(final)
+        if cut is not None:
+            reason, final = FinishReason.STOP, final[:cut]
         self.finish_reason = reason
         return self._emit(final)
 

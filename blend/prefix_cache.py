@@ -82,6 +82,12 @@ class PrefixCache:
             got = self._data.get(bytes(key))
             return got is not None and got.length == length
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of K and V the held prefixes keep alive (the whole buffers their views are of)."""
+        with self._lock:
+            return self._bytes
+
     def __contains__(self, key: StoreKey) -> bool:
         with self._lock:
             return bytes(key) in self._data

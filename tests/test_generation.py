@@ -196,3 +196,19 @@ def test_the_eos_set_takes_the_generation_configs_end_of_turn_tokens_too():
     assert eos_ids(model, SimpleNamespace(eos_token_id=151643)) == {151643, 151645}
     bare = SimpleNamespace(config=SimpleNamespace(eos_token_id=None))
     assert eos_ids(bare, SimpleNamespace(eos_token_id=2)) == {2}
+
+
+@pytest.mark.parametrize("data, stop, text, finish", [
+    # U+FFFD stands in for a character whose bytes are still coming: "ȅ" is C8 85. A stop string holding U+FFFD
+    # matched that stand-in after C8 and ended the answer empty, before 85 made it a character
+    (b"\xc8\x85x", ("\ufffd",), "\u0205x", FinishReason.LENGTH),
+    (b"a\xc8\x85\xaa b", ("\ufffd",), "a\u0205", FinishReason.STOP),  # AA starts no character: a real U+FFFD
+    (b"ok\xe6\x97\xa5!", ("k\ufffd",), "ok\u65e5!", FinishReason.LENGTH),
+    # the answer ends inside a character: its U+FFFD is final, and no answer's text holds a stop string
+    (b"ab\xe6", ("\ufffd",), "ab", FinishReason.STOP),
+])
+def test_a_stop_string_never_matches_a_character_still_incomplete(data, stop, text, finish):
+    s, deltas = run(data, stop=stop, max_tokens=len(data))
+    assert (s.text, s.finish_reason) == (text, finish) and "".join(deltas) == text
+    s, _ = run(data, eos=True, stop=stop)  # ended by an EOS (inside a character, in the last case)
+    assert s.finish_reason is FinishReason.STOP and not any(x in s.text for x in stop)
