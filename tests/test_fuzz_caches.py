@@ -85,10 +85,9 @@ def test_a_damaged_fingerprint_file_is_no_fingerprint_or_a_well_formed_one(tmp_p
     path = tmp_path_factory.mktemp("fp") / fingerprints.FINGERPRINT_FILE
     path.write_bytes(_json_damage(FINGERPRINT, data))
     with bounded():
-        got = fingerprints.read_fingerprint(path, FINGERPRINT["stamp"])
         row = fingerprints.read_record(path)
+    got = row["weights_sha256"] if row is not None else None
     assert got is None or (isinstance(got, str) and len(got) == 64 and set(got) <= HEX)
-    assert row is None or set(row["weights_sha256"]) <= HEX
 
 
 # ---- the sweep's reference logits --------------------------------------------------------------------
