@@ -516,15 +516,29 @@ def _status_count(app, code: str) -> float:
                if line.startswith("kvblend_requests_total{") and f'status="{code}"' in line)
 
 
+def test_stream_options_without_stream_is_a_400_naming_the_field(engine):
+    """The check spans two fields, so pydantic located its error at the body and ``param`` was null, while every
+    other malformed field is named there (README says so)."""
+    from starlette.testclient import TestClient
+
+    client = TestClient(create_app(engine, ServeConfig(model=TINY)))
+    for stream in (False, None):
+        body = {**chat(stream_options={"include_usage": True}), **({} if stream is None else {"stream": stream})}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+
+
 def test_a_lone_surrogate_is_a_400_naming_its_field_and_an_unhandled_error_is_a_counted_500(engine, monkeypatch):
     from starlette.testclient import TestClient
 
     app = create_app(engine, ServeConfig(model=TINY))
     client = TestClient(app, raise_server_exceptions=False)
-    for body in (chat("which \ud800 river?"), {**chat(), "documents": ["a \udfff b"]}, {**chat(), "stop": "\ud800"}):
+    for body, field in ((chat("which \ud800 river?"), "messages.0.content"),
+                        ({**chat(), "documents": ["a \udfff b"]}, "documents.0"), ({**chat(), "stop": "\ud800"}, "stop")):
         raw = json.dumps(body).encode()  # JSON escapes the surrogate: valid JSON, not valid text
         r = client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == field, r.text  # (it was null: a request-level check has no field)
     import blend.serve.app as app_module
 
     def broken(*_a, **_kw):

@@ -63,7 +63,7 @@ INVALID = [  # (changes to a valid body, the status and the error's param)
     ({"n": 2}, 400, "n"), ({"temperature": -1.0}, 400, "temperature"), ({"max_tokens": 0}, 400, "max_tokens"),
     ({"kvblend": {"reuse": "blend", "ratio": 1.5}}, 400, "kvblend.ratio"),
     ({"kvblend": {"reuse": "exact", "ratio": 0.3}}, 400, "kvblend"), ({"model": "not-served"}, 404, "model"),
-    ({"stream_options": {"include_usage": True}, "stream": False}, 400, None),  # (a check of the whole body)
+    ({"stream_options": {"include_usage": True}, "stream": False}, 400, "stream_options"),
     ({"kvblend": {"reuse": "sideways"}}, 400, "kvblend.reuse"), ({"seed": 2 ** 70}, 400, "seed"),
 ]
 

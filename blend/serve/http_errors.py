@@ -14,6 +14,7 @@ from blend.errors import KVBlendError
 from blend.serve.intake import ApiError
 from blend.serve.jobs import ShuttingDownError
 from blend.serve.protocol import ErrorType, error_body
+from blend.serve.schemas import FieldError
 
 log = logging.getLogger("blend.serve.app")  # the server's records keep one logger name
 
@@ -64,6 +65,9 @@ def validation_error(exc: RequestValidationError) -> ApiError:
             return ApiError(400, "the request body must be a JSON object" + (
                 " (it is empty)" if err.get("type") == "missing" else ""))
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldError) and not loc:  # a request-level check that names its field
+            loc = cause.param
         params.append(loc or None)
         parts.append(f"{loc or 'body'}: {err.get('msg')}")
     return ApiError(400, "invalid request: " + "; ".join(parts), param=params[0] if params else None)

@@ -46,6 +46,15 @@ GuardModeName = Literal[GUARD_MODE_NAMES]  # type: ignore[valid-type]
 FiniteNumber = Annotated[StrictFloat, AllowInfNan(False)]
 
 
+class FieldError(ValueError):
+    """A request-level check's failure that names its field (a model validator's error has no field of its
+    own: pydantic locates it at the body), so the 400's ``param`` can name it as a field check's does."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param  # the field's path, dotted as pydantic writes locations ("messages.1.content")
+
+
 class Document(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -232,7 +241,8 @@ class _Common(BaseModel):
         # JSON may carry a lone UTF-16 surrogate ("\ud800"), which no tokenizer takes: a 400, not a 500
         for where, text in self._texts():
             if not is_unicode(text):
-                raise ValueError(f"{where} is not valid Unicode text (it holds a lone surrogate)")
+                raise FieldError(where.replace("[", ".").replace("]", ""),
+                                 f"{where} is not valid Unicode text (it holds a lone surrogate)")
         return self
 
     def _texts(self):
@@ -254,7 +264,7 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:  # OpenAI and vLLM answer 400 too
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
         return self
 
     def refused_field(self) -> str | None:
