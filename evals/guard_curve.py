@@ -27,7 +27,7 @@ from blend.defaults import DEFAULT_GUARD_MARGIN
 from blend.evals import metrics as M
 from blend.evals.harness import MAX_RUN_FILE_BYTES, RUN_FILE
 from blend.evals.methods import Method, MethodError, MethodKind, parse_method
-from blend.evals.rows import MAX_ROWS_BYTES, ItemRow, MethodRow, RowError, jsonl_lines
+from blend.evals.rows import MAX_ROWS_BYTES, ItemRow, MethodRow, RowError, read_jsonl
 from blend.evals.splits import items_caption
 
 # what two rows of one item may differ by in their first pass's gap and still be the same first pass
@@ -150,25 +150,16 @@ def read_rows(run: Path) -> list[ItemRow]:
     path = run / "rows.jsonl"
     if not path.is_file():
         raise CurveError(f"{path} not found (a kvblend eval --out folder holds it)")
-    try:  # bounded, as the harness reads it back (a file past the cap is not read into memory at all)
-        text = safeio.read_regular(path, MAX_ROWS_BYTES, follow_symlinks=True).decode("utf-8")
-    except safeio.FileTooLargeError as e:
-        raise CurveError(f"{path}: {e}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CurveError(f"{path}: cannot read it as text ({type(e).__name__})") from None
     rows: dict[int, ItemRow] = {}
-    for n, line in jsonl_lines(text):  # split at "\n" only (not at a U+2028 in a string)
-        try:
-            row = ItemRow.from_json(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise CurveError(f"{path}:{n}: not JSON ({e.msg})") from e
-        except RecursionError:
-            raise CurveError(f"{path}:{n}: not JSON (nested too deeply)") from None
-        except RowError as e:
-            raise CurveError(f"{path}:{n}: not an item row ({str(e)[:200]})") from e
-        except ValueError as e:  # an integer of more digits than int() converts
-            raise CurveError(f"{path}:{n}: not JSON ({type(e).__name__}: {str(e)[:80]})") from None
-        rows[row.index] = row  # a later line of the same item supersedes an earlier one
+    try:  # bounded, as the harness reads it back; lines split at "\n" only (not at a U+2028 in a string)
+        for where, value in read_jsonl(path, MAX_ROWS_BYTES):
+            try:
+                row = ItemRow.from_json(value)
+            except RowError as e:
+                raise CurveError(f"{where}: not an item row ({str(e)[:200]})") from e
+            rows[row.index] = row  # a later line of the same item supersedes an earlier one
+    except RowError as e:  # the file (absent meanwhile, not regular, over the cap, not UTF-8) or a line not JSON
+        raise CurveError(str(e)) from None
     return [rows[i] for i in sorted(rows)]
 
 

@@ -155,6 +155,8 @@ def read_jsonl(path: Path, max_bytes: int = MAX_ROWS_BYTES) -> Iterator[tuple[st
     """
     try:
         text = safeio.read_regular(path, max_bytes, follow_symlinks=True).decode("utf-8")
+    except safeio.FileTooLargeError as e:  # its size against the cap, unread
+        raise RowError(f"{path}: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RowError(f"{path}: cannot read it ({type(e).__name__}: {str(e)[:200]})") from None
     for n, line in jsonl_lines(text):
