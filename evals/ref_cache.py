@@ -44,9 +44,7 @@ def _cached_reference(path: Path, vocab: int) -> torch.Tensor | None:
     try:
         data = safeio.read_regular(path, vocab * 8 + REF_FILE_SLACK, follow_symlinks=True)
         rec = torch.load(io.BytesIO(data), weights_only=True)
-    except FileNotFoundError:
-        return None
-    except Exception:  # noqa: BLE001 - OSError (a FIFO, oversized), and whatever torch.load raises on bad bytes
+    except Exception:  # noqa: BLE001 - OSError (absent, a FIFO, oversized), and whatever torch.load raises on bad bytes
         return None
     t = rec.get("logits") if isinstance(rec, dict) else None
     ok = (isinstance(t, torch.Tensor) and t.shape == (vocab,) and t.is_floating_point()

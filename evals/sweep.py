@@ -79,8 +79,6 @@ class SweepRow:
 SWEEP_STORE_BYTES = 2 << 30  # chunk KV kept across items (LRU)
 
 
-
-
 def request_ms(report: ReuseReport) -> float:
     """A request's TTFT in milliseconds, as its reuse report timed it (``timings.ttft_s``: the
     prefill itself, without the quality gate's one-off run or the KV cache's allocation)."""
