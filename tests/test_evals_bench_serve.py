@@ -1,8 +1,17 @@
 """bench_serve's decode-step measurement: one thread, pooled caches, and the split a decode share makes."""
 
+import pytest
 import torch
 
 from blend.evals.decode_scaling import decode_scaling
+
+
+@pytest.fixture
+def keeps_torch_threads():
+    """bench_burst's schedulers set torch's thread count for the process: the test's is restored after."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_decode_scaling_times_the_step_alone_pooled_and_split_in_halves():
@@ -17,20 +26,16 @@ def test_decode_scaling_times_the_step_alone_pooled_and_split_in_halves():
     assert rows[0]["split_step_ms"] == rows[0]["step_ms"]  # one sequence is never split
 
 
-def test_bench_burst_times_a_burst_with_and_without_decode_loop_prefills(capsys):
+def test_bench_burst_times_a_burst_with_and_without_decode_loop_prefills(capsys, keeps_torch_threads):
     from blend.evals.bench_burst import main
 
-    threads = torch.get_num_threads()
-    try:
-        assert main(["exact", "--model", "tiny-llama", "--requests", "3", "--repeats", "1"]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert main(["exact", "--model", "tiny-llama", "--requests", "3", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "decode loop prefills too: TTFT p50" in out and "worker only: TTFT p50" in out
     assert "load average" in out and "WARNING" not in out
 
 
-def test_bench_burst_warns_of_requests_that_ran_another_path(capsys, monkeypatch):
+def test_bench_burst_warns_of_requests_that_ran_another_path(capsys, monkeypatch, keeps_torch_threads):
     """A refused blend (a full prefill) was timed as the burst's blend request without a word."""
     import blend.engine
     from blend.evals.bench_burst import main
@@ -39,11 +44,7 @@ def test_bench_burst_warns_of_requests_that_ran_another_path(capsys, monkeypatch
     real = blend.engine.refusal_for
     monkeypatch.setattr(blend.engine, "refusal_for", lambda engine, prompt, policy: (
         Refusal("refused for the test") if policy.mode.value == "blend" else real(engine, prompt, policy)))
-    threads = torch.get_num_threads()
-    try:
-        assert main(["blend", "--model", "tiny-llama", "--requests", "2", "--repeats", "1"]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert main(["blend", "--model", "tiny-llama", "--requests", "2", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "(WARNING: 2 of 2 requests ran another path than blend)" in out
 
