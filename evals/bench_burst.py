@@ -16,6 +16,7 @@ import time
 
 from blend.evals.demo_requests import demo_requests
 from blend.evals.environment import describe_environment
+from blend.evals.paths import ran_own_path
 from blend.defaults import DEFAULT_MODEL, DEFAULT_RATIO
 from blend.engine import Engine
 from blend.policy import ReusePolicy
@@ -38,7 +39,8 @@ def burst(engine: Engine, prompts: list, policy: ReusePolicy, allowed: bool, n: 
         if ev.kind is EventKind.STARTED:
             with lock:
                 ttft.append(ev.ttft_s)
-                other[0] += ev.report is not None and ev.report.applied is not policy.mode
+                other[0] += ev.report is not None and not ran_own_path(policy.mode, ev.report.applied,
+                                                                      bool(ev.report.guard))
         if ev.kind in (EventKind.DONE, EventKind.FAILED):
             done.release()
 

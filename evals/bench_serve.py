@@ -62,8 +62,9 @@ from blend.engine import Engine
 from blend.evals.decode_scaling import decode_scaling
 from blend.evals.demo_requests import demo_requests
 from blend.evals.metrics import percentile
+from blend.evals.paths import ran_own_path
 from blend.generation import generate
-from blend.policy import ReusePolicy
+from blend.policy import ReuseMode, ReusePolicy
 from blend.sampling import GenerationConfig
 from blend.serve.config import default_torch_threads
 from blend import safeio
@@ -102,7 +103,7 @@ class Row:
     exact_docs: int = 0
     ttft_max_ms: float = 0.0  # the largest sample (what the table shows for a tail of under 100 samples)
     e2e_max_ms: float = 0.0
-    # requests whose report says another path produced their KV than the mode's own (own_path): a blend the
+    # requests whose report says another path produced their KV than the mode's own (ran_own): a blend the
     # server's quality gate refused ran none, a full prefill, and was timed under the blend's name
     other_path: int = 0
 
@@ -132,6 +133,16 @@ def policy_body(mode: str) -> dict:
 def own_path(mode: str) -> str:
     """The path (a report's ``applied``) a mode's requests should run: ``exact`` or ``blend``."""
     return policy_body(mode)["reuse"]
+
+
+def ran_own(mode: str, sample: Sample) -> bool:
+    """Whether a request ran its mode's own path (:func:`blend.evals.paths.ran_own_path`: a blend that its
+    near-tie guard recomputed on the exact path ran its own; a request without a report did not)."""
+    try:
+        applied = ReuseMode(sample.applied)
+    except ValueError:
+        return False
+    return ran_own_path(ReuseMode(own_path(mode)), applied, sample.guarded)
 
 
 def policy_of(mode: str) -> ReusePolicy:
@@ -211,7 +222,7 @@ def run_clients(url: str, model: str, mode: str, clients: int, per_client: int, 
                percentile(ttft, 50), percentile(ttft, 99), percentile(e2e, 50), percentile(e2e, 99),
                sum(s.guarded for s in samples), percentile(gaps, 50), percentile(gaps, 99), max(gaps),
                sum(s.exact_docs for s in samples), max(ttft), max(e2e),
-               sum(s.applied != own_path(mode) for s in samples))
+               sum(not ran_own(mode, s) for s in samples))
 
 
 def start_server(model: str, port: int, max_concurrency: int, extra: list[str]) -> subprocess.Popen:

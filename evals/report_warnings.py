@@ -7,29 +7,45 @@ from collections import Counter
 from typing import Any, Sequence
 
 from blend.evals.methods import MethodKind
-from blend.evals.rows import ItemRow
+from blend.evals.paths import ran_own_path
+from blend.evals.rows import ItemRow, MethodRow
+from blend.policy import ReuseMode
 
-# the paths (a report's ``applied``) a method's own rows run: a full prefill runs the exact schedule in one
-# pass (``none`` in runs from before the one-pass reference); reuse and blends re-position documents. A
-# blend's row that ran ``none`` was refused (quality gate, length, dynamic NTK) and computed in full; one that
-# ran ``exact`` had nothing to re-position, or its near-tie guard recomputed it on the exact path.
-OWN_PATHS = {MethodKind.FULL: frozenset({"exact", "none"}), MethodKind.PREFIX: frozenset({"exact"}),
-             MethodKind.REUSE: frozenset({"blend"}), MethodKind.BLEND: frozenset({"blend"})}
+# the mode a method's rows ask for (``evals.paths.ran_own_path`` holds which paths are its own): a full prefill
+# asks none (it runs the exact schedule in one pass); a prefix method exact; reuse and blends blend (a blend's
+# near-tie guard may recompute it on the exact path: its own too). A blend's row that ran ``none`` was refused
+# (quality gate, length, dynamic NTK) and computed in full; one that ran ``exact`` unguarded had nothing to
+# re-position.
+ASKED = {MethodKind.FULL: ReuseMode.NONE, MethodKind.PREFIX: ReuseMode.EXACT,
+         MethodKind.REUSE: ReuseMode.BLEND, MethodKind.BLEND: ReuseMode.BLEND}
 
 
-def own_paths(spec: dict[str, Any] | None) -> frozenset[str] | None:
-    """The paths a method's rows should run, from its recorded spec (None: unknown, nothing checked)."""
+def asked_mode(spec: dict[str, Any] | None) -> ReuseMode | None:
+    """The mode a method's rows ask for, from its recorded spec (None: unknown, only mixed paths checked)."""
     try:
-        return OWN_PATHS[MethodKind((spec or {}).get("kind"))]
+        return ASKED[MethodKind((spec or {}).get("kind"))]
     except ValueError:
         return None
 
 
+def _own(asked: ReuseMode, row: MethodRow) -> bool:
+    try:
+        applied = ReuseMode(row.applied)
+    except ValueError:  # a path this version does not know: not the method's
+        return False
+    return ran_own_path(asked, applied, row.guarded)
+
+
+def _label(row: MethodRow) -> str:
+    return f"{row.applied} (guarded)" if row.guarded and row.applied == ReuseMode.EXACT.value else str(row.applied)
+
+
 def applied_lines(rows: Sequence[ItemRow], order: Sequence[str],
                   methods: dict[str, dict[str, Any]] | None = None) -> list[str]:
-    """A warning naming each method whose rows did not all run one path, or (from its spec in ``methods``)
-    ran a path that is not its own on any item: a blend refused on every item ran ``none`` (a full
-    prefill) there, and its figures are a full prefill's, not a blend's.
+    """A warning naming each method with a row that ran a path that is not its own (from its spec in
+    ``methods``; :func:`blend.evals.paths.ran_own_path`), or, for a method without a spec, whose rows did not
+    all run one path: a blend refused on every item ran ``none`` (a full prefill) there, and its figures are a
+    full prefill's, not a blend's.
 
     Args:
         rows: the run's item rows.
@@ -41,16 +57,21 @@ def applied_lines(rows: Sequence[ItemRow], order: Sequence[str],
     """
     lines = []
     for name in order:
-        paths = Counter(r.methods[name].applied for r in rows if name in r.methods)
-        paths.pop(None, None)  # rows from before the field
-        own = own_paths((methods or {}).get(name, {}).get("spec"))
-        if len(paths) > 1 or (own is not None and paths and not set(paths) <= own):
+        mine = [r.methods[name] for r in rows if name in r.methods and r.methods[name].applied is not None]
+        asked = asked_mode((methods or {}).get(name, {}).get("spec"))
+        if asked is None:
+            bad = len({m.applied for m in mine}) > 1
+        else:
+            bad = not all(_own(asked, m) for m in mine)
+        if bad:
+            paths = Counter(_label(m) for m in mine)
             lines.append(f"`{name}`: " + ", ".join(f"{p or 'unrecorded'} on {n}" for p, n in sorted(paths.items())))
     if not lines:
         return []
     return ["", "Methods that did not run the same path on every item, or not their own (the reports' `applied`: "
-            "a blend refused ran `none`, a full prefill; one guarded, or with nothing to re-position, `exact`; "
-            "their figures are not all the method's): " + "; ".join(lines) + "."]
+            "a blend refused ran `none`, a full prefill; one with nothing to re-position, `exact`; one its "
+            "near-tie guard recomputed on the exact path, `exact (guarded)`, is its own; their figures are not "
+            "all the method's): " + "; ".join(lines) + "."]
 
 
 def thread_lines(methods: dict[str, dict[str, Any]], order: Sequence[str]) -> list[str]:
