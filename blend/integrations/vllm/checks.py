@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from blend.store.base import Lookup, LookupStatus
+from blend.store.codec import all_finite
 
 
 def skip_reason(request: Any) -> str:
@@ -46,7 +45,7 @@ def unusable(got: Lookup, want: tuple[int, ...]) -> str:
         return f"{got.status.value} {got.reason}".strip()
     if tuple(entry.k.shape) != want:
         return f"shape {tuple(entry.k.shape)}, want {want}"
-    if not bool(torch.isfinite(entry.k).all() and torch.isfinite(entry.v).all()):
+    if not (all_finite(entry.k) and all_finite(entry.v)):  # from the memory tier (a persistent one rejects them)
         return "non-finite values"
     return ""
 

@@ -27,6 +27,7 @@ from blend.integrations.vllm.step_meta import KVBlendMeta, KVBlendWorkerMeta, Lo
 from blend.keys import Namespace
 from blend.kvcache import KVEntry
 from blend.store.base import LookupStatus
+from blend.store.codec import all_finite
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -154,7 +155,7 @@ class WorkerSide:
         def rows(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             k, v = cache.view(layer, spec.end)  # (Hkv, end, D) K after RoPE
             k, v = k[:, spec.start:], v[:, spec.start:]  # (Hkv, end - start, D)
-            if not bool(torch.isfinite(k).all() and torch.isfinite(v).all()):  # never injected: vLLM recomputes
+            if not (all_finite(k) and all_finite(v)):  # never injected: vLLM recomputes
                 raise KVBlendError(f"non-finite values in the blended KV of layer {layer}")
             return k, v
 
