@@ -22,6 +22,7 @@ from conftest import make_docs
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 N = 10  # answer tokens compared
+LONG = 32  # answer tokens of requests meant to decode in shared steps (long enough to overlap)
 CASES = [(f"question {i}?", make_docs(1 + i % 3, words=8 + 5 * i, seed=20 + i)) for i in range(4)]
 
 
@@ -94,21 +95,21 @@ def concurrently(client, requests: list[dict]) -> list:
 
 def test_greedy_is_transformers_continuation_cold_reused_and_batched_in_the_pool(srv, client):
     engine, sched = srv.engine, srv.scheduler
-    refs = [hf_greedy(engine, prompt_ids(engine, i), N) for i in range(len(CASES))]
+    refs = [hf_greedy(engine, prompt_ids(engine, i), LONG) for i in range(len(CASES))]
     question, docs = CASES[0]
     api = generate(engine, engine.build_prompt(question, docs), ReusePolicy.exact(),
-                   GenerationConfig(max_tokens=N, ignore_eos=True))
+                   GenerationConfig(max_tokens=LONG, ignore_eos=True))
     assert api.token_ids == refs[0]
     for i in range(len(CASES)):  # alone; the second time its preamble and documents are exact hits
-        cold, warm = (client.chat.completions.create(**chat_kw(i)) for _ in range(2))
+        cold, warm = (client.chat.completions.create(**chat_kw(i, max_tokens=LONG)) for _ in range(2))
         assert tokens_of(cold) == tokens_of(warm) == refs[i], i
         assert warm.usage.prompt_tokens_details.cached_tokens > 0
-        assert cold.choices[0].finish_reason == "length" and cold.usage.completion_tokens == N
+        assert cold.choices[0].finish_reason == "length" and cold.usage.completion_tokens == LONG
     steps, adopted = sched.steps, sched.pool.adopted
-    together = concurrently(client, [chat_kw(i) for i in range(len(CASES))])
+    together = concurrently(client, [chat_kw(i, max_tokens=LONG) for i in range(len(CASES))])
     assert [tokens_of(r) for r in together] == refs
     assert sched.pool.adopted - adopted == len(CASES)  # each decoded from a pool slot
-    assert sched.steps - steps < len(CASES) * (N - 1)  # in shared steps
+    assert sched.steps - steps < len(CASES) * (LONG - 1)  # in shared steps
 
 
 # ---- sampling: the distribution drawn from, seeds ----
@@ -152,14 +153,16 @@ def test_draws_follow_that_distribution_and_a_seed_fixes_them():
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(srv, client, tiny_engine_factory):
-    sampled = [chat_kw(i, temperature=t, top_p=p, seed=s, max_tokens=12)
+    sampled = [chat_kw(i, temperature=t, top_p=p, seed=s, max_tokens=LONG)
                for i, (t, p, s) in enumerate([(1.0, 1.0, 1), (2.0, 0.95, -5), (0.7, 0.5, 2**63 - 1), (1.5, 1.0, 0)])]
     alone = [tokens_of(client.chat.completions.create(**kw)) for kw in sampled]
+    steps = srv.scheduler.steps
     together = [tokens_of(r) for r in concurrently(client, sampled)]
     assert together == alone
+    assert srv.scheduler.steps - steps < len(sampled) * (LONG - 1)  # drawn in shared steps
     fresh = tiny_engine_factory()  # another engine, its own store: the same seed draws the same answer
     question, docs = CASES[1]
-    cfg = GenerationConfig(max_tokens=12, temperature=2.0, top_p=0.95, seed=-5, ignore_eos=True)
+    cfg = GenerationConfig(max_tokens=LONG, temperature=2.0, top_p=0.95, seed=-5, ignore_eos=True)
     assert generate(fresh, fresh.build_prompt(question, docs), ReusePolicy.exact(), cfg).token_ids == alone[1]
     assert len({tuple(t) for t in alone}) == len(alone)
 
