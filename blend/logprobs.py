@@ -1,10 +1,11 @@
 """Log-probabilities of the answer's tokens (OpenAI's ``logprobs``).
 
 A token's log-probability is read from the model's own distribution for that
-step: ``log_softmax`` of the logits row it was sampled from, before
-temperature, top-k or top-p (vLLM's default, "raw" log-probabilities), so a
+step: ``log_softmax`` of the logits row it was sampled from, before penalties,
+logit_bias, temperature, top-k or top-p (vLLM's default, "raw" log-probabilities), so a
 blended answer's log-probabilities compare directly with an exact one's. The
-alternatives are that row's most likely tokens, most likely first.
+alternatives are that row's most likely tokens, most likely first (equal values
+in token-id order, so a greedy answer's token, the argmax, comes first).
 
 A token's bytes (OpenAI's ``bytes``) are its own UTF-8 bytes, so that a
 character spread over several tokens can be put back together, whereas its
@@ -45,11 +46,34 @@ def token_logprob(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogpr
         The token's entry.
     """
     logp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
-    top: tuple[tuple[int, float], ...] = ()
-    if top_n > 0:
-        vals, ids = torch.topk(logp, min(top_n, logp.shape[0]))  # (n,) each
-        top = tuple(zip(ids.tolist(), vals.tolist()))
+    top = top_alternatives(logp, top_n) if top_n > 0 else ()
     return TokenLogprob(int(token_id), float(logp[token_id]), top)
+
+
+def top_alternatives(logp: torch.Tensor, n: int) -> tuple[tuple[int, float], ...]:
+    """The ``n`` most likely tokens of a row, most likely first, equal values in token-id order.
+
+    ``torch.topk`` orders equal values arbitrarily (and picks arbitrarily among those tied at the n-th
+    place): a greedy answer's token (``argmax``: the lowest id of the tied best) was then not always the
+    first alternative, and the same row could list its ties in another order. Ties are common in a bf16
+    engine's logits (8 bits of mantissa).
+
+    Args:
+        logp: (V,) float32 log-probabilities.
+        n: alternatives to keep (>= 1).
+
+    Returns:
+        (token id, log-probability) pairs.
+    """
+    vals, ids = torch.topk(logp, min(n, logp.shape[0]))  # (n,) each
+    last = vals[-1]
+    above = torch.nonzero(logp > last).flatten()  # (a,) ids, ascending
+    tied = torch.nonzero(logp == last).flatten()[: vals.shape[0] - above.shape[0]]  # (n - a,) the lowest ids
+    if above.shape[0] + tied.shape[0] != vals.shape[0]:  # a NaN row orders nothing: topk's own pick
+        return tuple(zip(ids.tolist(), vals.tolist()))
+    ids = torch.cat([above, tied])  # (n,)
+    vals, order = torch.sort(logp[ids], descending=True, stable=True)  # (n,) each; equal values keep id order
+    return tuple(zip(ids[order].tolist(), vals.tolist()))
 
 
 @functools.lru_cache(maxsize=1)

@@ -215,6 +215,32 @@ def sample(logits: torch.Tensor, config: GenerationConfig, generator: torch.Gene
     logits = adjust_logits(logits.detach().float().cpu(), config, counts)  # (V,)
     if config.greedy:
         return int(torch.argmax(logits))
+    return int(torch.multinomial(_truncated_softmax(logits, config), 1, generator=generator))
+
+
+def sampling_distribution(logits: torch.Tensor, config: GenerationConfig,
+                          counts: dict[int, int] | None = None) -> torch.Tensor:
+    """The distribution :func:`sample` draws the next token from.
+
+    Args:
+        logits: next-token logits (V,), any float dtype (computed in float32).
+        config: penalties, logit bias, temperature / top_k / top_p.
+        counts: the answer's token counts so far (for the penalties).
+
+    Returns:
+        (V,) float32 probabilities (their sum is 1 up to rounding): softmax of the adjusted logits over
+        the temperature, cut to the top-k and then to the nucleus; greedy: all of it on the argmax.
+    """
+    logits = adjust_logits(logits.detach().float().cpu(), config, counts)  # (V,)
+    if config.greedy:
+        return torch.zeros_like(logits).index_fill_(0, torch.argmax(logits).reshape(1), 1.0)  # (V,)
+    probs = _truncated_softmax(logits, config)  # (V,)
+    return probs / probs.sum()
+
+
+def _truncated_softmax(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
+    """Probabilities of adjusted logits (V,) under temperature, top-k and top-p, not renormalized after
+    the nucleus cut (multinomial takes weights)."""
     scaled = logits / config.temperature  # (V,)
     if 0 < config.top_k < scaled.shape[0]:
         kth = torch.topk(scaled, config.top_k).values[-1]
@@ -227,4 +253,4 @@ def sample(logits: torch.Tensor, config: GenerationConfig, generator: torch.Gene
         drop[0] = False  # and always the most likely token (top_p 0 keeps only it)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_p)  # (V,)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs

@@ -94,10 +94,11 @@ class LogprobFormat:
     """OpenAI's ``logprobs`` object of one response, chunk by chunk (its text offsets run on).
 
     Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
-    "refusal": null}``; completions: ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
-    "text_offset"}``. A token's text is its own decoding (a piece of a multi-byte character decodes
-    to U+FFFD), ``bytes`` the token's own bytes (:func:`~blend.logprobs.token_bytes`: a character's
-    pieces join up to it).
+    "refusal": null}`` (``top_logprobs``: the N most likely); completions: ``{"tokens", "token_logprobs",
+    "top_logprobs": [{token: logprob}], "text_offset"}`` (each dict: the N most likely and the sampled
+    token). A token's text is its own decoding (a piece of a multi-byte character decodes to U+FFFD),
+    ``bytes`` the token's own bytes (:func:`~blend.logprobs.token_bytes`: a character's pieces join up
+    to it).
 
     Args:
         endpoint: which shape.
@@ -146,8 +147,11 @@ class LogprobFormat:
             offsets.append(offset)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 # keyed by text, as OpenAI's format is: pieces of one multi-byte character all read U+FFFD,
-                # so the first (most likely) alternative of each text is kept
-                "top_logprobs": [_first_per_text((self._text(t), lp) for t, lp in e.top) for e in entries],
+                # so the first (most likely) alternative of each text is kept. The sampled token is in it too,
+                # as OpenAI's (and vLLM's) are: "up to logprobs+1 elements" (a sampled token outside the top N
+                # was missing from it)
+                "top_logprobs": [_first_per_text([*((self._text(t), lp) for t, lp in e.top), (token, e.logprob)])
+                                 for token, e in zip(tokens, entries)],
                 "text_offset": offsets}
 
 
