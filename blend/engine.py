@@ -204,7 +204,7 @@ class Engine:
         limit = self.dims.max_positions
         if len(prompt) + extra_capacity > limit:
             raise PromptTooLongError(f"prompt of {len(prompt)} tokens plus {extra_capacity} new tokens exceeds "
-                                     f"the model's context of {limit}")
+                                     f"the model's context of {limit} ({self.dims.context_from})")
         if policy.mode is ReuseMode.BLEND:  # the report says what ran: AUTO becomes bf16 or compute
             policy = resolve_precisions(policy, self.runner.dtype, self.runner.device)
         refusal = refusal_for(self, prompt, policy)

@@ -42,6 +42,7 @@ class ModelDims:
     act: str
     vocab: int
     max_positions: int
+    context_from: str  # the config field(s) that set max_positions (named by the error that refuses a longer prompt)
 
     @property
     def scale(self) -> float:
@@ -49,44 +50,80 @@ class ModelDims:
 
 
 def dims_of(config) -> ModelDims:
-    """Read the model config into :class:`ModelDims`."""
+    """Read the model config into :class:`ModelDims`.
+
+    Args:
+        config: a transformers Llama/Qwen2/Mistral config.
+
+    Returns:
+        Its dims.
+
+    Raises:
+        UnknownModelError: query heads that do not split evenly over the K/V heads (transformers' own
+            attention fails on every forward of such a model).
+    """
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise UnknownModelError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}: "
+                                "grouped-query attention needs each K/V head to serve the same number of query heads")
+    limit, context_from = context_length(config)
     return ModelDims(
         num_layers=config.num_hidden_layers,
         num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         hidden=config.hidden_size,
         intermediate=config.intermediate_size,
         eps=config.rms_norm_eps,
         act=config.hidden_act,
         vocab=config.vocab_size,
-        max_positions=context_length(config),
+        max_positions=limit,
+        context_from=context_from,
     )
 
 
 def sliding_window(config) -> int | None:
-    """The attention window of a config that uses one (Mistral's ``sliding_window``; Qwen2's where
-    ``use_sliding_window`` turns it on), else None."""
+    """The attention window transformers' attention applies for this config, else None.
+
+    Mistral: ``sliding_window`` on every layer. Qwen2: ``sliding_window`` on the layers its ``layer_types``
+    mark ``sliding_attention`` (transformers derives them from ``use_sliding_window`` and
+    ``max_window_layers``; with none of them, or ``use_sliding_window`` off, there is no window). Llama: none,
+    whatever its config carries (its attention reads no window). Another type's window is taken as given.
+    """
     window = getattr(config, "sliding_window", None)
-    qwen2_off = getattr(config, "model_type", "") == "qwen2" and not getattr(config, "use_sliding_window", False)
-    if not window or qwen2_off:
+    model_type = getattr(config, "model_type", "")
+    if not window or model_type == "llama":
         return None
+    if model_type == "qwen2":
+        types = getattr(config, "layer_types", None)
+        if not getattr(config, "use_sliding_window", False) or (types is not None and "sliding_attention" not in types):
+            return None
     return int(window)
 
 
-def context_length(config) -> int:
+def context_length(config) -> tuple[int, str]:
     """Longest sequence the model serves: ``max_position_embeddings``, times the
     factor for dynamic-NTK RoPE (which rescales past the trained length by design), at most a
     sliding attention window: the engine attends to every earlier key, which is the windowed
-    model's attention only while a sequence fits in its window."""
+    model's attention only while a sequence fits in its window.
+
+    Returns:
+        The length, and the config field(s) that set it (for the error that refuses a longer prompt).
+    """
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     n = int(config.max_position_embeddings)
+    source = f"max_position_embeddings={n}"
     if isinstance(rope, dict) and "dynamic" in str(rope.get("rope_type", rope.get("type", ""))):
-        n = int(n * float(rope.get("factor", 1.0)))
+        factor = float(rope.get("factor", 1.0))
+        n = int(n * factor)
+        source += f" x the dynamic-NTK RoPE factor {factor:g}"
     window = sliding_window(config)
-    return n if window is None else min(n, window)
+    if window is not None and window < n:
+        return window, (f"sliding_window={window}: kvblend attends to every earlier key, which is the model's "
+                        "windowed attention only while a sequence fits in the window")
+    return n, source
 
 
 def extract_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> LayerWeights:

@@ -44,7 +44,7 @@ from blend.kvpool import KVBufferPool
 from blend.layer_weights import LayerWeights, ModelDims, dims_of, extract_layer
 from blend.errors import UnknownModelError
 from blend.models import LoadedModel
-from blend.rope import RopeTables, apply_rope
+from blend.rope import RopeTables, apply_rope, partial_rotary_factor
 
 
 # ---- the steps of one layer -------------------------------------------------------------
@@ -280,9 +280,9 @@ class ModelRunner:
         self.rope = RopeTables(base.rotary_emb.to(device), device)
         width = self.rope(torch.zeros(1, dtype=torch.long, device=device))[0].shape[-1]
         if width != self.dims.head_dim:  # partial rotary: these families' attention rotates every dim
-            raise UnknownModelError(f"rotary tables {width} wide for heads of {self.dims.head_dim} (a partial rotary "
-                                    "factor) are not supported: transformers' attention for this architecture "
-                                    "rotates the whole head")
+            raise UnknownModelError(f"partial_rotary_factor={partial_rotary_factor(hf.config)} (rotary tables {width} "
+                                    f"wide for heads of {self.dims.head_dim}) is not supported: transformers' "
+                                    f"attention for {hf.config.model_type} rotates the whole head")
         self._gemm_copies: dict[torch.dtype, list[LayerWeights]] = {}  # dtype -> layers (lazy)
         self._copies_lock = threading.Lock()  # one build per dtype when concurrent requests first need it
         self.kv_pool = KVBufferPool()  # every cache's K/V buffers, recycled between requests

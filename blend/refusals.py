@@ -7,6 +7,7 @@ report's ``applied`` is ``none`` and ``gate`` says why) where:
   depends on the request's length, so nothing is reused or stored (any mode but ``none``);
 - a blend's prompt is one segment (a lone question: nothing to blend, no preamble to key);
 - a blend's prompt is shorter than its ``min_prompt_tokens``;
+- the model has too few layers for the quality gate's blends to run (a blend that would consult it);
 - the model's quality gate refuses blending. The engine asks the gate (:func:`consults_gate`) only for
   a blend that is not forced, that no rule above refused and that has a document to blend: without
   one a blend is the exact path, which the gate has nothing to refuse (its first run takes seconds).
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from blend.defaults import DEFAULT_CHECK_LAYERS
 from blend.errors import InvalidPolicyError
 from blend.model import ModelRunner
 from blend.policy import ReuseMode, ReusePolicy
@@ -92,7 +94,7 @@ def consults_gate(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> bool
     Raises:
         InvalidPolicyError: a policy the engine refuses (as :func:`rule_refusal`).
     """
-    return _gate_decides(engine, prompt, policy) and \
+    return _gate_decides(engine, prompt, policy) and not gate_cannot_run(engine.runner) and \
         not rule_refusal(engine.runner, prompt, policy, engine.config.experimental_semantic).reason
 
 
@@ -114,8 +116,30 @@ def refusal_for(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> Refusa
     refusal = rule_refusal(engine.runner, prompt, policy, engine.config.experimental_semantic)
     if refusal.reason or not _gate_decides(engine, prompt, policy):
         return refusal
+    cannot = gate_cannot_run(engine.runner)
+    if cannot:
+        return replace(refusal, reason=cannot)
     verdict = engine.gate.verdict(engine)
     return replace(refusal, reason=verdict.refused, gate_s=verdict.ran_s)
+
+
+def gate_cannot_run(runner: ModelRunner) -> str:
+    """Why the quality gate cannot run on this model ("" where it can): every blend it runs checks at the
+    default check layers, which a model of fewer layers lacks (its run raised an error about check layers the
+    request never asked for, on every blend request).
+
+    Args:
+        runner: the engine's model.
+
+    Returns:
+        The refusal's reason, or "".
+    """
+    n = runner.dims.num_layers
+    if DEFAULT_CHECK_LAYERS[-1] < n:
+        return ""
+    return (f"the quality gate's blends check at layer(s) {DEFAULT_CHECK_LAYERS}, which a model of {n} layer(s) "
+            f"(num_hidden_layers={n}) lacks: the gate cannot run; computed fully; force blending with "
+            "--force-blend / ReusePolicy.blend(force=True)")
 
 
 def _gate_decides(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> bool:

@@ -45,18 +45,22 @@ class RopeTables:
         self._lock = threading.Lock()
 
     def _build(self, n: int) -> None:
-        if self.dynamic:
-            # transformers' dynamic module keeps the largest scaling it has seen (stateful);
-            # reset it so the tables are a function of n alone
-            emb = self.rotary_emb
-            if hasattr(emb, "original_inv_freq"):
-                # a copy: LongRoPE writes its long factors into inv_freq in place, which would overwrite the
-                # short ones kept in original_inv_freq if the two were one tensor (.to() on its own device)
-                emb.register_buffer("inv_freq", emb.original_inv_freq.to(self.device).clone(), persistent=False)
-                emb.max_seq_len_cached = emb.original_max_seq_len
-        pos = torch.arange(n, device=self.device)[None]  # (1, n)
-        dummy = torch.zeros(1, device=self.device, dtype=torch.float32)
-        cos, sin = self.rotary_emb(dummy, pos)  # (1, n, R) fp32
+        # outside inference mode: the module is the transformers model's own, and what its forward stores
+        # on it here (LongRoPE's inv_freq and long factors) must stay normal tensors, or the model's next
+        # forward outside inference mode fails on LongRoPE's in-place update of inv_freq
+        with torch.inference_mode(False), torch.no_grad():
+            if self.dynamic:
+                # transformers' dynamic module keeps the largest scaling it has seen (stateful);
+                # reset it so the tables are a function of n alone
+                emb = self.rotary_emb
+                if hasattr(emb, "original_inv_freq"):
+                    # a copy: LongRoPE writes its long factors into inv_freq in place, which would overwrite
+                    # the short ones kept in original_inv_freq if the two were one tensor (.to() on its device)
+                    emb.register_buffer("inv_freq", emb.original_inv_freq.to(self.device).clone(), persistent=False)
+                    emb.max_seq_len_cached = emb.original_max_seq_len
+            pos = torch.arange(n, device=self.device)[None]  # (1, n)
+            dummy = torch.zeros(1, device=self.device, dtype=torch.float32)
+            cos, sin = self.rotary_emb(dummy, pos)  # (1, n, R) fp32
         self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()  # (n, R)
 
     @contextlib.contextmanager
@@ -163,6 +167,20 @@ def apply_rope_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: 
         cos, sin: (T, R) fp32 tables.
     """
     _rotate_into(out, x, cos.to(x.dtype), sin.to(x.dtype))
+
+
+def partial_rotary_factor(config) -> float | None:
+    """The config's ``partial_rotary_factor`` (transformers moves a top-level one into ``rope_parameters``).
+
+    Args:
+        config: a transformers model config.
+
+    Returns:
+        The factor, or None where the config sets none.
+    """
+    params = getattr(config, "rope_parameters", None)
+    value = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return value if value is not None else getattr(config, "partial_rotary_factor", None)
 
 
 def rope_config_json(config) -> str:

@@ -106,9 +106,22 @@ def build_tiny(kind: TinyModel, seed: int = 0):
     Returns:
         (model, tokenizer), model in fp32 eval mode.
     """
+    return build_from_config(tiny_config(kind), seed)
+
+
+def build_from_config(cfg, seed: int = 0):
+    """Build a random model of any small config deterministically, as the tiny models are (tests of config
+    variants: GQA ratios, head dims, RoPE types...).
+
+    Args:
+        cfg: a transformers config (vocab 259 for the byte tokenizer); its ``initializer_range`` is set here.
+        seed: RNG seed for the weights.
+
+    Returns:
+        (model, tokenizer), model in fp32 eval mode.
+    """
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(kind)
     cfg.initializer_range = 0.08  # sharper logits than the default 0.02
     saved = torch.random.get_rng_state()
     torch.manual_seed(seed)

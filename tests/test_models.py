@@ -208,7 +208,7 @@ def test_quantized_checkpoints_and_partial_rotary_are_refused_not_computed_wrong
                        rope_scaling={"rope_type": "linear", "factor": 2.0})
     AutoModelForCausalLM.from_config(conf).save_pretrained(p)
     build_tiny(TinyModel.LLAMA)[1].save_pretrained(p)
-    with pytest.raises(UnknownModelError, match="rotary"):
+    with pytest.raises(UnknownModelError, match="partial_rotary_factor=0.5"):
         Engine.load(str(p), quality_gate=False)
 
 

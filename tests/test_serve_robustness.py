@@ -234,6 +234,7 @@ def test_a_prompt_over_the_context_is_a_400_context_length_exceeded(engine, endp
     err = _refusal(engine, body, endpoint)
     param = "messages" if endpoint is Endpoint.CHAT else "prompt"
     assert (err.status, err.code, err.param) == (400, "context_length_exceeded", param)
+    assert f"(max_position_embeddings={engine.dims.max_positions})" in str(err)  # what sets the limit
     err = _refusal(engine, body, endpoint, max_prompt_tokens=1000)  # the server's own limit stays a 413
     assert (err.status, err.kind.value) == (413, "request_too_large")
 

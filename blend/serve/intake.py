@@ -187,7 +187,8 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
                            f"{server_limit} tokens", ErrorType.TOO_LARGE, "documents")
         if least >= context:
             raise ApiError(400, f"the conversation's texts alone are {least} tokens: no room in the model's "
-                           f"context of {context} tokens", param=prompt_param, code="context_length_exceeded")
+                           f"context of {context} tokens ({engine.dims.context_from})", param=prompt_param,
+                           code="context_length_exceeded")
     try:
         if endpoint is Endpoint.COMPLETIONS and question == "":  # OpenAI's empty prompt: generate from BOS
             if docs:
@@ -204,13 +205,14 @@ def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRe
     room = context - len(prompt)  # answer tokens the context still holds
     if room < 1:
         raise ApiError(400, f"prompt of {len(prompt)} tokens (system, documents and question) leaves no room in "
-                       f"the model's context of {context} tokens", param=prompt_param,
+                       f"the model's context of {context} tokens ({engine.dims.context_from})", param=prompt_param,
                        code="context_length_exceeded")
     if asked is None:  # the server's default budget, cut to the room left
         gen = replace(gen, max_tokens=min(gen.max_tokens, room))
     elif asked > room:
         raise ApiError(400, f"prompt of {len(prompt)} tokens plus {budget_param}={asked} exceeds the model's "
-                       f"context of {context} tokens", param=budget_param, code="context_length_exceeded")
+                       f"context of {context} tokens ({engine.dims.context_from})", param=budget_param,
+                       code="context_length_exceeded")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Job(prompt, policy, gen, bool(body.stream), include_usage, opts.return_tokens)
 
