@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from blend.defaults import DEFAULT_BOOTSTRAP_RESAMPLES, DEFAULT_BOOTSTRAP_SEED
 from blend.divergence import kl_divergence, top1_agree  # noqa: F401 - the evals' metrics, defined once
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
@@ -224,8 +225,8 @@ def kl_cells(values: Sequence[float]) -> str:
 def bootstrap_ci(
     values: Sequence[float | None],
     stat: Callable[[np.ndarray], float] = np.mean,
-    n: int = 1000,
-    seed: int = 0,
+    n: int = DEFAULT_BOOTSTRAP_RESAMPLES,
+    seed: int = DEFAULT_BOOTSTRAP_SEED,
     level: float = 0.95,
 ) -> tuple[float, float] | None:
     """Percentile bootstrap confidence interval of ``stat`` over items.

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from blend import safeio
+from blend.defaults import DEFAULT_BOOTSTRAP_RESAMPLES, DEFAULT_BOOTSTRAP_SEED
 from blend.evals import answer_survival as S
 from blend.evals import guard_curve as G
 from blend.evals.methods import REFERENCE, MethodKind
@@ -265,7 +266,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _tail_lines(methods, order)
     lines += _worst_lines(methods, rows, order)
     lines += _flip_lines(rows, order)
-    lines += S.markdown_lines(rows, order, cfg.get("max_new_tokens"))
+    lines += S.markdown_lines(rows, order, cfg.get("max_new_tokens"), cfg.get("bootstrap", DEFAULT_BOOTSTRAP_RESAMPLES),
+                              cfg.get("seed", DEFAULT_BOOTSTRAP_SEED))  # the run's own, as aggregate's CIs
     lines += _guard_lines(list(methods), rows)
     return "\n".join(lines) + "\n"
 
