@@ -152,3 +152,10 @@ def test_bench_bf16_does_not_call_items_past_99_validation():
     row = {"index": 150, "tokens": 10, "methods": {"fp32 full": {"kl": 0.0, "top1": 1.0, "ttft_s": 1.0, "ratio": 1.0}}}
     md = bench_bf16.summarise({"rows": [row], "methods": ["fp32 full"], "threads": 1, "passages": 5})
     assert "validation" not in md
+
+
+def test_kl_cells_gives_the_statistics_asked_for_in_their_order():
+    vals = [0.4, 0.1, 0.2, 0.3]
+    assert M.kl_cells(vals) == "0.2500 | 0.2500 | 0.3700 | 0.4000"  # mean, median (even: 0.2 and 0.3), p90, max
+    assert M.kl_cells(vals, ("max", "mean")) == "0.4000 | 0.2500"
+    assert M.kl_cells([math.inf, 0.1], ("mean", "p90", "max")) == "– | – | – (1 not finite)"
