@@ -248,7 +248,9 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "Sorted by KL(full ‖ method) of the first answer token. **Bold**: best in column "
         "(columns measured against full prefill, and the TTFT ratio, exclude `full`). "
-        "Brackets: 95% bootstrap CI over items.",
+        "Brackets: 95% bootstrap CI over items. TTFT ratio: the median over items of each item's ratio "
+        "(the method's median TTFT over full prefill's, timed beside it), not a ratio of mean TTFTs; "
+        "results.json's `ttft_ratio_mean` is the mean of the same ratios.",
         "",
         "| method | " + " | ".join(c[0] for c in COLUMNS) + " | n |",
         "|---|" + "---|" * len(COLUMNS) + "---|",
@@ -317,6 +319,15 @@ def _tail_lines(methods: dict[str, dict[str, Any]], order: list[str]) -> list[st
     return lines
 
 
+def _judged(methods: dict[str, dict[str, Any]]) -> tuple[list[str], str]:
+    """The methods whose mean KL ranks the worst items, and what results.md calls them: the blend methods, or
+    every method but full where the run has no blend."""
+    blend = [n for n, a in methods.items() if (a.get("spec") or {}).get("kind") == MethodKind.BLEND.value]
+    if blend:
+        return blend, "the blend methods"
+    return [n for n in methods if n != REFERENCE], "every method but full (the run has no blend)"
+
+
 def worst_items(methods: dict[str, dict[str, Any]], rows: Sequence[ItemRow], k: int = WORST_ITEMS) -> list[ItemRow]:
     """The ``k`` items with the highest mean KL over the blend methods (over every non-reference method
     when there is no blend method), worst first.
@@ -329,8 +340,7 @@ def worst_items(methods: dict[str, dict[str, Any]], rows: Sequence[ItemRow], k: 
     Returns:
         Their item rows.
     """
-    blend = [n for n, a in methods.items() if (a.get("spec") or {}).get("kind") == MethodKind.BLEND.value]
-    judged = blend or [n for n in methods if n != REFERENCE]
+    judged, _ = _judged(methods)
 
     def badness(row: ItemRow) -> float:
         got = [row.methods[n].kl for n in judged if n in row.methods]
@@ -346,7 +356,8 @@ def _worst_lines(methods: dict[str, dict[str, Any]], rows: list[ItemRow], order:
     shown = [n for n in order if n != REFERENCE]
     if not worst or not shown:
         return []
-    lines = ["", f"## The {len(worst)} worst items (highest mean KL over the blend methods): KL under each method", "",
+    lines = ["", f"## The {len(worst)} worst items (highest mean KL over {_judged(methods)[1]}): KL under each method",
+             "", "Ties: the lower item index first. An infinite or NaN KL (–) ranks its item worst.", "",
              "| item | id | " + " | ".join(f"`{n}`" for n in shown) + " |",
              "|---|---|" + "---|" * len(shown)]
     for r in worst:
