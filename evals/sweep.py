@@ -49,7 +49,7 @@ from blend.evals.report import NEAR_TIE_NATS
 from blend.evals.rows import (
     FieldTypes, RowError, check_fields, is_count, is_real, is_str, or_null, read_jsonl,
 )
-from blend.evals.splits import has_splits, items_caption, parse_item_range, split_of
+from blend.evals.splits import ItemRangeError, has_splits, items_caption, parse_item_range, split_of
 from blend.policy import ReusePolicy
 from blend.probe import top2_margin
 from blend.report import ReuseReport
@@ -325,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(m.kind in (MethodKind.FULL, MethodKind.PREFIX) for m in methods):
         print("sweep: full and prefix are the reference and exact path; list blend or reuse methods", file=sys.stderr)
         return 2
-    lo, hi = parse_item_range(args.items)
+    try:
+        lo, hi = parse_item_range(args.items)
+    except ItemRangeError as e:
+        print(f"sweep: {e}", file=sys.stderr)
+        return 2
     items = load_item_range(args.data, range(lo, hi + 1), args.passages)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

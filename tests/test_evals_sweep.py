@@ -285,3 +285,10 @@ def test_a_method_missing_items_says_so_and_counts_wins_over_the_items_it_shares
     line = {ln.split(" | ")[0][2:]: ln for ln in summarise(rows, [a, b]).splitlines() if ln.startswith("| blend@")}
     assert f"{a} (2 of 3 items)" in line and line[f"{a} (2 of 3 items)"].startswith(f"| {a} (2 of 3 items) | 0.2000 |")
     assert line[b].endswith("| 2/2 |")  # beats the first method on both items they share
+
+
+def test_a_bad_item_range_is_a_clear_error(tmp_path, capsys):
+    """``--items 9-3`` raised ItemRangeError's traceback."""
+    assert main(["--items", "9-3", "--methods", "blend@0.15:v", "--out", str(tmp_path / "o"),
+                 "--ref-cache", str(tmp_path / "ref")]) == 2
+    assert "first item 9 is after the last 3" in capsys.readouterr().err
