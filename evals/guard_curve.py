@@ -228,7 +228,7 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def table_lines(points: Sequence[CurvePoint]) -> list[str]:
     """The curve as a markdown table, a row per margin."""
-    lines = ["| margin (nats) | guarded | mean KL | p90 | max | top-1 | TTFT median / mean / p90 |",
+    lines = ["| margin (nats) | guarded | mean KL | p90 | max | top-1 | TTFT / full prefill: median / mean / p90 |",
              "|---|---|---|---|---|---|---|"]
     for p in points:
         lines.append(f"| {p.margin:g} | {p.guarded:.3f} | {p.kl_mean:.4f} | {p.kl_p90:.4f} | {p.kl_max:.4f} | "

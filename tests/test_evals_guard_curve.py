@@ -186,3 +186,9 @@ def test_the_plot_says_its_ttft_axis_is_a_mean_of_per_item_ratios(tmp_path, monk
     monkeypatch.setattr(safeio, "save_figure", lambda fig, path, **kw: figures.append(fig))
     assert G.main(["--run", str(tmp_path), "--guarded", GUARDED, "--off", OFF, "--margins", "0,1,2"]) == 0
     assert {ax.get_xlabel() for ax in figures[0].axes} == {"TTFT / full prefill (same item), mean over items"}
+
+
+def test_the_table_says_its_ttft_columns_are_ratios_to_full_prefill():
+    """The header read "TTFT median / mean / p90" over values like 0.279: ratios to full prefill, not seconds."""
+    points = G.curve(typed(ROWS_JSON), GUARDED, OFF, [0.0, 1.0])
+    assert G.table_lines(points)[0].endswith("| TTFT / full prefill: median / mean / p90 |")
