@@ -17,6 +17,10 @@ DEFAULT_MODEL = "smollm2-135m"
 TORCH_THP_ENV = ("THP_MEM_ALLOC_ENABLE", "1")
 # the evaluations' and benches' questions (CacheBlend's musique_dev records), relative to the repository root
 DEFAULT_EVAL_DATA = "../shared/data/musique_dev.json"
+# the evaluations' percentile bootstrap CIs over items: resamples and the resampling seed (kvblend eval's
+# --bootstrap and --seed; every CI of a run, results.md's answer survival included, uses the run's own)
+DEFAULT_BOOTSTRAP_RESAMPLES = 1000
+DEFAULT_BOOTSTRAP_SEED = 0
 # a GGUF conversion's temporary (or discarded) folder under $KVBLEND_HOME/models that nothing has written for this
 # long is a killed conversion's leftover (hundreds of MB to GBs): the next conversion removes it. A conversion in
 # progress writes its files continuously (SmolLM2: about a minute here, the 0.5B Qwen a few)

@@ -14,13 +14,13 @@ token after the shorter one.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from blend import safeio
-from blend.evals.metrics import bootstrap_ci
+from blend.defaults import DEFAULT_BOOTSTRAP_RESAMPLES, DEFAULT_BOOTSTRAP_SEED
+from blend.evals.metrics import bootstrap_ci, median
 from blend.evals.methods import REFERENCE
 from blend.evals.plot import run_title
 from blend.evals.rows import ItemRow
@@ -74,7 +74,8 @@ def _shares(got: Sequence[tuple[int, int, int]], ks: Sequence[int]) -> tuple[flo
     return tuple(sum(same_through(s, a, b, k) for s, a, b in got) / len(got) for k in ks)
 
 
-def survival(rows: Sequence[ItemRow], method: str, ks: Sequence[int] = SURVIVAL_TOKENS) -> Survival | None:
+def survival(rows: Sequence[ItemRow], method: str, ks: Sequence[int] = SURVIVAL_TOKENS,
+             n_boot: int = DEFAULT_BOOTSTRAP_RESAMPLES, seed: int = DEFAULT_BOOTSTRAP_SEED) -> Survival | None:
     """A method's survival over a run's item rows.
 
     Args:
@@ -82,6 +83,8 @@ def survival(rows: Sequence[ItemRow], method: str, ks: Sequence[int] = SURVIVAL_
             :meth:`ItemRow.from_json`).
         method: a method name in them.
         ks: the answer lengths to give a share for.
+        n_boot: bootstrap resamples of the whole-answer share's CI (a run's ``--bootstrap``).
+        seed: their seed (a run's ``--seed``).
 
     Returns:
         The survival, or None where no row of ``method`` records ``same_tokens``.
@@ -91,7 +94,7 @@ def survival(rows: Sequence[ItemRow], method: str, ks: Sequence[int] = SURVIVAL_
         return None
     whole_each = [float(s == a == b) for s, a, b in got]  # (n,) 1.0 where the whole answer is full's
     return Survival(method, len(got), _shares(got, ks), tuple(ks), sum(whole_each) / len(got),
-                    float(statistics.median(s for s, _, _ in got)), bootstrap_ci(whole_each))
+                    median([s for s, _, _ in got]), bootstrap_ci(whole_each, n=n_boot, seed=seed))
 
 
 def curve_points(rows: Sequence[ItemRow], method: str, longest: int) -> list[float]:
@@ -115,19 +118,23 @@ def table_lines(survivals: Sequence[Survival]) -> list[str]:
     return lines
 
 
-def markdown_lines(rows: Sequence[ItemRow], order: Sequence[str], max_new_tokens: int | None = None) -> list[str]:
+def markdown_lines(rows: Sequence[ItemRow], order: Sequence[str], max_new_tokens: int | None = None,
+                   n_boot: int = DEFAULT_BOOTSTRAP_RESAMPLES, seed: int = DEFAULT_BOOTSTRAP_SEED) -> list[str]:
     """results.md's section: every method but full, in ``order``; none where no row records the field.
 
     Args:
         rows: the run's item rows.
         order: method names, in the table's order.
+        max_new_tokens: the run's decoding budget (no share past it).
+        n_boot: bootstrap resamples of the CIs (the run's ``--bootstrap``, as every other CI of the run).
+        seed: their seed (the run's ``--seed``).
 
     Returns:
         Markdown lines (a blank line first), or none.
     """
     # a share past the decoding budget would count answers cut at the budget as full's for tokens never decoded
     ks = [k for k in SURVIVAL_TOKENS if max_new_tokens is None or k <= max_new_tokens] or [1]
-    survivals = [s for s in (survival(rows, n, ks) for n in order if n != REFERENCE) if s is not None]
+    survivals = [s for s in (survival(rows, n, ks, n_boot, seed) for n in order if n != REFERENCE) if s is not None]
     if not survivals:
         return []
     return ["", "## How long the answer stays full prefill's: share of items whose first k answer tokens are full's",

@@ -48,7 +48,7 @@ from collections import Counter
 from pathlib import Path
 
 from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_GUARD_MARGIN, DEFAULT_RATIO
-from blend.evals.metrics import percentile
+from blend.evals.metrics import kl_cells
 from blend.kernels import ENV_VAR as KERNELS_ENV
 from blend import safeio
 
@@ -100,8 +100,8 @@ def mode_table(rows: list[dict], modes: list[str]) -> list[str]:
         lines.append(f"| {mode} | {statistics.median(x['tokens'] for x in rs):.0f} "
                      f"| {statistics.median(x['ttft_s'] for x in rs):.2f} | {statistics.median(x['ratio'] for x in rs):.3f} "
                      f"| {statistics.mean(x['ratio'] for x in rs):.3f} "
-                     f"| {statistics.mean(kls):.4f} | {percentile(kls, 90):.4f} "
-                     f"| {max(kls):.4f} | {statistics.mean(x['top1'] for x in rs):.3f} | {guarded} of {len(rs)} "
+                     f"| {kl_cells(kls, ('mean', 'p90', 'max'))} "
+                     f"| {statistics.mean(x['top1'] for x in rs):.3f} | {guarded} of {len(rs)} "
                      f"| {', '.join(f'{k} {v}' for k, v in sorted(served.items())) or '-'} |")
         if mode.startswith("kvblend-blend") and set(served) - {"blend"}:
             warnings.append(f"{mode}: {sum(v for k, v in served.items() if k != 'blend')} of {len(rs)} timed "

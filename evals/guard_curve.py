@@ -35,6 +35,8 @@ from blend.evals.splits import items_caption
 MARGIN_TOLERANCE = 1e-4
 # the margins a results.md shows (those up to the guarded method's own, and that one)
 MARGIN_STEPS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0)
+# the plot's x: the mean over items of each item's TTFT ratio (CurvePoint.ttft_mean), not mean TTFT over mean full
+PLOT_X_LABEL = "TTFT / full prefill (same item), mean over items"
 
 
 class CurveError(ValueError):
@@ -226,7 +228,7 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def table_lines(points: Sequence[CurvePoint]) -> list[str]:
     """The curve as a markdown table, a row per margin."""
-    lines = ["| margin (nats) | guarded | mean KL | p90 | max | top-1 | TTFT median / mean / p90 |",
+    lines = ["| margin (nats) | guarded | mean KL | p90 | max | top-1 | TTFT / full prefill: median / mean / p90 |",
              "|---|---|---|---|---|---|---|"]
     for p in points:
         lines.append(f"| {p.margin:g} | {p.guarded:.3f} | {p.kl_mean:.4f} | {p.kl_p90:.4f} | {p.kl_max:.4f} | "
@@ -244,8 +246,8 @@ def write_markdown(points: Sequence[CurvePoint], items: str, guarded: str, off: 
 
 
 def write_plot(points: Sequence[CurvePoint], path: Path, items: str = "") -> None:
-    """``guard_curve.png``: top-1 and mean KL against mean TTFT ratio, each point labelled by its margin, under
-    a title naming ``items`` (:func:`run_caption`) where given."""
+    """``guard_curve.png``: top-1 and mean KL against the mean over items of the TTFT ratio, each point labelled
+    by its margin, under a title naming ``items`` (:func:`run_caption`) where given."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -262,7 +264,7 @@ def write_plot(points: Sequence[CurvePoint], path: Path, items: str = "") -> Non
             labels.setdefault((x, y), []).append(f"{p.margin:g}")
         for (x, y), names in labels.items():
             ax.annotate(",".join(names), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        ax.set_xlabel("mean TTFT / full prefill")
+        ax.set_xlabel(PLOT_X_LABEL)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     fig.suptitle("near-tie guard: points labelled by margin (nats)" + (f"\n{items}" if items else ""), fontsize=10)

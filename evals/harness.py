@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from blend import safeio
+from blend.defaults import DEFAULT_BOOTSTRAP_RESAMPLES
 from blend.evals import metrics as M
 from blend.evals.aggregate import aggregate
 from blend.evals.data import Item
@@ -77,7 +78,7 @@ class EvalConfig:
     warmup: int = 1
     seed: int = 0
     system: str | None = None
-    bootstrap: int = 1000
+    bootstrap: int = DEFAULT_BOOTSTRAP_RESAMPLES
     items: str | None = None  # item range "A-B" of the data (overrides limit), e.g. the validation split
 
     def to_dict(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from blend.defaults import DEFAULT_BOOTSTRAP_RESAMPLES, DEFAULT_BOOTSTRAP_SEED
 from blend.divergence import kl_divergence, top1_agree  # noqa: F401 - the evals' metrics, defined once
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
@@ -212,20 +213,35 @@ def median(values: Sequence[float | None]) -> float | None:
     return percentile(values, 50.0)
 
 
-def kl_cells(values: Sequence[float]) -> str:
-    """Markdown cells ``mean | median | p90 | max`` of per-item KLs (the tail beside the mean); an inf or NaN
-    KL makes every cell "–" with the count (dropping it would flatter the method, as in aggregate.py)."""
+# the statistics :func:`kl_cells` can give, by the name a table's header calls them
+KL_STATS: dict[str, Callable[[Sequence[float]], float | None]] = {
+    "mean": mean, "median": median, "p90": lambda v: percentile(v, 90.0), "max": lambda v: max(v),
+}
+
+
+def kl_cells(values: Sequence[float], stats: Sequence[str] = ("mean", "median", "p90", "max")) -> str:
+    """Markdown cells (``mean | median | p90 | max`` by default) of per-item KLs (the tail beside the mean);
+    an inf or NaN KL makes every cell "–" with the count (dropping it would flatter the method, as in
+    aggregate.py). Every table of KLs (sweep, benches) goes through here, so they agree.
+
+    Args:
+        values: one KL per item (or request).
+        stats: which cells, in order: names of :data:`KL_STATS`.
+
+    Returns:
+        The cells joined by `` | `` (no outer bars).
+    """
     bad = len(values) - len(finite(values))
     if bad:
-        return f"– | – | – | – ({bad} not finite)"
-    return f"{mean(values):.4f} | {median(values):.4f} | {percentile(values, 90):.4f} | {max(values):.4f}"
+        return " | ".join("–" for _ in stats) + f" ({bad} not finite)"
+    return " | ".join(f"{KL_STATS[s](values):.4f}" for s in stats)
 
 
 def bootstrap_ci(
     values: Sequence[float | None],
     stat: Callable[[np.ndarray], float] = np.mean,
-    n: int = 1000,
-    seed: int = 0,
+    n: int = DEFAULT_BOOTSTRAP_RESAMPLES,
+    seed: int = DEFAULT_BOOTSTRAP_SEED,
     level: float = 0.95,
 ) -> tuple[float, float] | None:
     """Percentile bootstrap confidence interval of ``stat`` over items.

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from blend import safeio
+from blend.defaults import DEFAULT_BOOTSTRAP_RESAMPLES, DEFAULT_BOOTSTRAP_SEED
 from blend.evals import answer_survival as S
 from blend.evals import guard_curve as G
 from blend.evals.methods import REFERENCE, MethodKind
@@ -247,7 +248,9 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "Sorted by KL(full ‖ method) of the first answer token. **Bold**: best in column "
         "(columns measured against full prefill, and the TTFT ratio, exclude `full`). "
-        "Brackets: 95% bootstrap CI over items.",
+        "Brackets: 95% bootstrap CI over items. TTFT ratio: the median over items of each item's ratio "
+        "(the method's median TTFT over full prefill's, timed beside it), not a ratio of mean TTFTs; "
+        "results.json's `ttft_ratio_mean` is the mean of the same ratios.",
         "",
         "| method | " + " | ".join(c[0] for c in COLUMNS) + " | n |",
         "|---|" + "---|" * len(COLUMNS) + "---|",
@@ -265,7 +268,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _tail_lines(methods, order)
     lines += _worst_lines(methods, rows, order)
     lines += _flip_lines(rows, order)
-    lines += S.markdown_lines(rows, order, cfg.get("max_new_tokens"))
+    lines += S.markdown_lines(rows, order, cfg.get("max_new_tokens"), cfg.get("bootstrap", DEFAULT_BOOTSTRAP_RESAMPLES),
+                              cfg.get("seed", DEFAULT_BOOTSTRAP_SEED))  # the run's own, as aggregate's CIs
     lines += _guard_lines(list(methods), rows)
     return "\n".join(lines) + "\n"
 
@@ -315,6 +319,15 @@ def _tail_lines(methods: dict[str, dict[str, Any]], order: list[str]) -> list[st
     return lines
 
 
+def _judged(methods: dict[str, dict[str, Any]]) -> tuple[list[str], str]:
+    """The methods whose mean KL ranks the worst items, and what results.md calls them: the blend methods, or
+    every method but full where the run has no blend."""
+    blend = [n for n, a in methods.items() if (a.get("spec") or {}).get("kind") == MethodKind.BLEND.value]
+    if blend:
+        return blend, "the blend methods"
+    return [n for n in methods if n != REFERENCE], "every method but full (the run has no blend)"
+
+
 def worst_items(methods: dict[str, dict[str, Any]], rows: Sequence[ItemRow], k: int = WORST_ITEMS) -> list[ItemRow]:
     """The ``k`` items with the highest mean KL over the blend methods (over every non-reference method
     when there is no blend method), worst first.
@@ -327,8 +340,7 @@ def worst_items(methods: dict[str, dict[str, Any]], rows: Sequence[ItemRow], k: 
     Returns:
         Their item rows.
     """
-    blend = [n for n, a in methods.items() if (a.get("spec") or {}).get("kind") == MethodKind.BLEND.value]
-    judged = blend or [n for n in methods if n != REFERENCE]
+    judged, _ = _judged(methods)
 
     def badness(row: ItemRow) -> float:
         got = [row.methods[n].kl for n in judged if n in row.methods]
@@ -344,7 +356,8 @@ def _worst_lines(methods: dict[str, dict[str, Any]], rows: list[ItemRow], order:
     shown = [n for n in order if n != REFERENCE]
     if not worst or not shown:
         return []
-    lines = ["", f"## The {len(worst)} worst items (highest mean KL over the blend methods): KL under each method", "",
+    lines = ["", f"## The {len(worst)} worst items (highest mean KL over {_judged(methods)[1]}): KL under each method",
+             "", "Ties: the lower item index first. An infinite or NaN KL (–) ranks its item worst.", "",
              "| item | id | " + " | ".join(f"`{n}`" for n in shown) + " |",
              "|---|---|" + "---|" * len(shown)]
     for r in worst:

@@ -16,8 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from blend import safeio
 from blend.evals import metrics as M
 from blend.evals.methods import MethodKind
@@ -160,8 +158,25 @@ def _spec(path: Path, methods: dict[str, Any], name: str) -> dict[str, Any]:
     return spec
 
 
+def partial_variants(rows: list[dict]) -> dict[str, int]:
+    """The variants some rows lack, each with the count of rows that hold it (what ``--all`` would show them
+    over); the summary leaves them out by default, and :func:`main` names them."""
+    names = sorted({k for r in rows for k in r["kl"]})
+    counts = {n: sum(1 for r in rows if n in r["kl"]) for n in names}
+    return {n: c for n, c in counts.items() if c < len(rows)}
+
+
 def summarise(rows: list[dict], common_only: bool = True) -> list[dict]:
-    """One dict per variant (name, n, mean, ci, median, p90, max, top1, share), by mean KL."""
+    """One dict per variant (name, n, mean, ci, median, p90, max, top1, share), by mean KL: the harness's own
+    statistics (:mod:`blend.evals.metrics`: linear percentiles, its bootstrap at its default resamples/seed).
+
+    Args:
+        rows: research rows (:func:`load_rows`).
+        common_only: only the variants every row holds (the others' figures would be over other items).
+
+    Returns:
+        The summaries, lowest mean KL first.
+    """
     names = sorted({k for r in rows for k in r["kl"]})
     if common_only:
         names = [n for n in names if all(n in r["kl"] for r in rows)]
@@ -169,10 +184,10 @@ def summarise(rows: list[dict], common_only: bool = True) -> list[dict]:
     for n in names:
         kl = [r["kl"][n] for r in rows if n in r["kl"]]
         out.append({
-            "name": n, "n": len(kl), "mean": float(np.mean(kl)), "ci": M.bootstrap_ci(kl, n=1000),
-            "median": float(np.median(kl)), "p90": float(np.percentile(kl, 90)), "max": float(np.max(kl)),
-            "top1": float(np.mean([r["top1"][n] for r in rows if n in r["kl"]])),
-            "share": float(np.mean([r["share"][n] for r in rows if n in r["kl"]])),
+            "name": n, "n": len(kl), "mean": M.mean(kl), "ci": M.bootstrap_ci(kl),
+            "median": M.median(kl), "p90": M.percentile(kl, 90.0), "max": max(kl),
+            "top1": M.mean([r["top1"][n] for r in rows if n in r["kl"]]),
+            "share": M.mean([r["share"][n] for r in rows if n in r["kl"]]),
         })
     return sorted(out, key=lambda s: s["mean"])
 
@@ -207,14 +222,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"research_summary: error: {e}", file=sys.stderr)
         return 2
     stats = summarise(rows, common_only=not a.all)
-    if a.only:
-        keep = a.only.split(",")
+    keep = a.only.split(",") if a.only else None
+    if keep:
         if a.complete:
             rows = [r for r in rows if all(k in r["kl"] for k in keep)]
             stats = summarise(rows, common_only=True)
         stats = sorted([s for s in stats if s["name"] in keep], key=lambda s: keep.index(s["name"]))
     print(f"{len(rows)} items of {lo}-{hi}, {range_split(lo, hi)} split")
     print(table(stats))
+    shown = {s["name"] for s in stats}
+    partial = {n: c for n, c in partial_variants(rows).items() if n not in shown and (keep is None or n in keep)}
+    if partial:  # a variant on fewer items (a null KL in a harness run, rows not merged) is not silently gone
+        print("Left out, not on every item (--all summarises each over its own items): "
+              + ", ".join(f"`{n}` ({c} of {len(rows)})" for n, c in partial.items()))
     return 0
 
 

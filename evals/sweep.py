@@ -49,7 +49,7 @@ from blend.evals.report import NEAR_TIE_NATS
 from blend.evals.rows import (
     FieldTypes, RowError, check_fields, is_count, is_real, is_str, or_null, read_jsonl,
 )
-from blend.evals.splits import has_splits, items_caption, parse_item_range, split_of
+from blend.evals.splits import ItemRangeError, has_splits, items_caption, parse_item_range, split_of
 from blend.policy import ReusePolicy
 from blend.probe import top2_margin
 from blend.report import ReuseReport
@@ -143,6 +143,10 @@ def read_rows(paths: list[Path]) -> list[SweepRow]:
 def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> str:
     """Markdown tables per split: KL mean / median / p90 / max, top-1, ms, wins against the first method.
 
+    A method without rows on some of the split's items (merged runs, one that stopped early) is summarised
+    over its own items, and its name says so (``(29 of 30 items)``): its figures are then not over the same
+    items as the others'. Its wins count the items it shares with the method it is compared with.
+
     Args:
         rows: the sweep's rows.
         methods: method names, the first is the one others are compared with.
@@ -166,11 +170,13 @@ def summarise(rows: list[SweepRow], methods: list[str], splits: bool = True) -> 
                 continue
             kls = [r.kl for r in rs]
             first = first_of_budget(m, methods)
-            wins = sum(1 for r in rs if (r.item, first) in by and r.kl < by[(r.item, first)].kl)
+            paired = [r for r in rs if (r.item, first) in by]  # the items both were run on
+            wins = sum(1 for r in paired if r.kl < by[(r.item, first)].kl)
             share = mean([r.share for r in rs])
             spent = mean([r.share if r.spent is None else r.spent for r in rs])
-            line = (f"| {m} | {kl_cells(kls)} | {mean([r.top1 for r in rs]):.3f} | {_cell(share)} | {_cell(spent)} "
-                    f"| {median([r.ms for r in rs]):.0f} | {wins}/{len(rs)} |")
+            name = m if len(rs) == len(items) else f"{m} ({len(rs)} of {len(items)} items)"
+            line = (f"| {name} | {kl_cells(kls)} | {mean([r.top1 for r in rs]):.3f} | {_cell(share)} | {_cell(spent)} "
+                    f"| {median([r.ms for r in rs]):.0f} | {wins}/{len(paired)} |")
             if timed:
                 ratios = [r.ms / r.full_ms for r in rs]
                 line += f" {median(ratios):.3f} | {mean(ratios):.3f} | {percentile(ratios, 90):.3f} |"
@@ -319,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(m.kind in (MethodKind.FULL, MethodKind.PREFIX) for m in methods):
         print("sweep: full and prefix are the reference and exact path; list blend or reuse methods", file=sys.stderr)
         return 2
-    lo, hi = parse_item_range(args.items)
+    try:
+        lo, hi = parse_item_range(args.items)
+    except ItemRangeError as e:
+        print(f"sweep: {e}", file=sys.stderr)
+        return 2
     items = load_item_range(args.data, range(lo, hi + 1), args.passages)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -58,3 +58,31 @@ def test_table_lines_give_a_column_per_length_and_the_whole_answer():
     lines = S.table_lines([S.survival([row(0, 4, 2, 4)], B, ks=(1, 4))])
     assert lines[0] == "| method | n | first 1 | first 4 | whole answer [95% CI] | median tokens in common |"
     assert lines[2] == f"| `{B}` | 1 | 1.000 | 0.000 | 0.000 [0.000, 0.000] | 2 |"
+
+
+def test_the_whole_answer_ci_uses_the_runs_own_bootstrap_resamples_and_seed():
+    """results.md's survival CI is a CI of the run: ``--bootstrap`` and ``--seed`` as for every other CI (it
+    was always 1000 resamples, seed 0)."""
+    rows = [row(i, 10, 10 if i % 3 else 2, 10) for i in range(12)]
+    whole = [0.0 if i % 3 == 0 else 1.0 for i in range(12)]
+    s = S.survival(rows, B, n_boot=7, seed=3)
+    assert s.whole_ci == M.bootstrap_ci(whole, n=7, seed=3) != M.bootstrap_ci(whole)
+    ci = M.bootstrap_ci(whole, n=7, seed=3)
+    lines = S.markdown_lines(rows, ["full", B], 8, n_boot=7, seed=3)
+    assert f"[{ci[0]:.3f}, {ci[1]:.3f}]" in "\n".join(lines)
+
+
+def test_results_md_gives_the_survival_ci_of_the_runs_bootstrap(tmp_path):
+    from blend.evals.report import markdown
+    from test_evals_report import make_results
+
+    res = make_results()
+    res["config"].update(bootstrap=5, seed=11)
+    rows = [row(i, 10, 10 if i % 3 else 2, 10) for i in range(12)]
+    res["items"] = [r.to_json() for r in rows]
+    res["methods"] = {"full": res["methods"]["full"], B: {**res["methods"]["blend@0.1:v"], "n": 12}}
+    res["methods"]["full"]["n"] = 12
+    whole = [0.0 if i % 3 == 0 else 1.0 for i in range(12)]
+    ci = M.bootstrap_ci(whole, n=5, seed=11)
+    assert ci != M.bootstrap_ci(whole)
+    assert f"0.667 [{ci[0]:.3f}, {ci[1]:.3f}]" in markdown(res)

@@ -61,3 +61,23 @@ def test_the_table_says_what_served_each_timed_request_and_warns_of_a_blend_that
     table = mode_table(rows, ["kvblend-blend@0.15"])
     assert "| blend 1, error 1, none 1 |" in table[3]
     assert any(ln.startswith("WARNING: kvblend-blend@0.15: 2 of 3 timed requests were not blended") for ln in table)
+
+
+def test_a_non_finite_kl_dashes_the_kl_cells_wherever_it_sits():
+    """An inf KL (the method put no mass on full's token) was kept in the mean and max but dropped from the
+    p90, and a NaN's effect on the max depended on where it sat; the cells are dashes with the count now,
+    as every other KL table (metrics.kl_cells)."""
+    import math
+
+    from blend.evals.bench_vllm import mode_table
+
+    def row(mode, kl):
+        return dict(item=0, repeat=0, mode=mode, tokens=100, ttft_s=0.3, ratio=0.3, kl=kl, top1=1.0,
+                    report={"claim": "blend", "claimed_tokens": 90, "applied": "blend"})
+
+    for kls in ([0.1, math.inf, 0.2], [math.nan, 0.1, 0.2], [0.1, 0.2, math.nan]):
+        table = mode_table([row("full", 0.0)] + [row("kvblend-blend@0.15", k) for k in kls], ["kvblend-blend@0.15"])
+        assert "| – | – | – (1 not finite) |" in table[3]
+    table = mode_table([row("full", 0.0)] + [row("kvblend-blend@0.15", k) for k in (0.1, 0.2, 0.4)],
+                       ["kvblend-blend@0.15"])
+    assert "| 0.2333 | 0.3600 | 0.4000 |" in table[3]  # mean, p90 (linear: 0.2 + 0.8 * 0.2), max

@@ -175,3 +175,20 @@ def test_the_table_and_plot_name_the_runs_items_and_split(tmp_path, monkeypatch)
     (tmp_path / "run.json").write_text("[not a run")  # unreadable settings: the count alone, no guessed split
     assert G.main(["--run", str(tmp_path), "--guarded", GUARDED, "--off", OFF, "--margins", "0,1,2"]) == 0
     assert (tmp_path / "guard_curve.md").read_text().startswith("# The near-tie guard by margin (4 items)")
+
+
+def test_the_plot_says_its_ttft_axis_is_a_mean_of_per_item_ratios(tmp_path, monkeypatch):
+    """The x axis read "mean TTFT / full prefill" (a ratio of means); it is the mean of each item's ratio."""
+    from blend import safeio
+
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS_JSON) + "\n")
+    figures = []
+    monkeypatch.setattr(safeio, "save_figure", lambda fig, path, **kw: figures.append(fig))
+    assert G.main(["--run", str(tmp_path), "--guarded", GUARDED, "--off", OFF, "--margins", "0,1,2"]) == 0
+    assert {ax.get_xlabel() for ax in figures[0].axes} == {"TTFT / full prefill (same item), mean over items"}
+
+
+def test_the_table_says_its_ttft_columns_are_ratios_to_full_prefill():
+    """The header read "TTFT median / mean / p90" over values like 0.279: ratios to full prefill, not seconds."""
+    points = G.curve(typed(ROWS_JSON), GUARDED, OFF, [0.0, 1.0])
+    assert G.table_lines(points)[0].endswith("| TTFT / full prefill: median / mean / p90 |")

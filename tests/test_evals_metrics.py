@@ -152,3 +152,27 @@ def test_bench_bf16_does_not_call_items_past_99_validation():
     row = {"index": 150, "tokens": 10, "methods": {"fp32 full": {"kl": 0.0, "top1": 1.0, "ttft_s": 1.0, "ratio": 1.0}}}
     md = bench_bf16.summarise({"rows": [row], "methods": ["fp32 full"], "threads": 1, "passages": 5})
     assert "validation" not in md
+
+
+def test_kl_cells_gives_the_statistics_asked_for_in_their_order():
+    vals = [0.4, 0.1, 0.2, 0.3]
+    assert M.kl_cells(vals) == "0.2500 | 0.2500 | 0.3700 | 0.4000"  # mean, median (even: 0.2 and 0.3), p90, max
+    assert M.kl_cells(vals, ("max", "mean")) == "0.4000 | 0.2500"
+    assert M.kl_cells([math.inf, 0.1], ("mean", "p90", "max")) == "– | – | – (1 not finite)"
+
+
+def test_the_committed_guard_widen_summary_takes_the_harness_p90():
+    """docs/results/issue14/guard_widen/summarize.py took a nearest-rank p90 (its BENCHMARKS.md table's p90s
+    were 0.0494 where the harness's linear p90 of the same rows is 0.0506); it uses metrics.percentile now."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "docs/results/issue14/guard_widen/summarize.py"
+    if not path.is_file():
+        pytest.skip("no docs/results in this checkout")
+    spec = importlib.util.spec_from_file_location("guard_widen_summarize", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    xs = [0.5, 0.1, 0.4, 0.2, 0.3, 0.6]  # p90 linear: 0.55; nearest-rank: 0.6
+    assert mod.q(xs, 0.9) == pytest.approx(M.percentile(xs, 90)) == pytest.approx(0.55)
+    assert mod.q(xs, 0.5) == pytest.approx(M.median(xs)) == pytest.approx(0.35)

@@ -291,3 +291,28 @@ def test_markdown_names_a_blend_that_ran_another_path_on_every_item():
         it["methods"]["blend@0.3:k"]["applied"] = "blend"
         it["methods"]["full"]["applied"] = "blend"  # a full prefill that blended is not one
     assert "`full`: blend on 2." in markdown(res)
+
+
+def test_results_md_says_which_ttft_ratio_its_column_is():
+    """The column is the median over items of per-item ratios; a reader could take it for a ratio of means."""
+    md = markdown(make_results())
+    assert "TTFT ratio: the median over items of each item's ratio" in md and "not a ratio of mean TTFTs" in md
+
+
+def test_the_worst_items_say_which_methods_rank_them_and_how_ties_go():
+    from blend.evals.report import worst_items
+    from blend.evals.rows import ItemRow
+
+    res = make_results()
+    for i, it in enumerate(res["items"]):  # two items whose blends tie at the same mean KL
+        for n, m in it["methods"].items():
+            m["kl"] = 0.0 if n == "full" else 0.2
+    assert "over the blend methods" in markdown(res) and "Ties: the lower item index first" in markdown(res)
+    rows = [ItemRow.from_json(r) for r in reversed(res["items"])]
+    assert [r.index for r in worst_items(res["methods"], rows)] == [0, 1]
+    for name in ("blend@0.1:v", "blend@0.3:v", "blend@0.3:k"):  # a run without a blend: reuse ranks them
+        res["methods"].pop(name)
+        for it in res["items"]:
+            it["methods"].pop(name)
+    md = markdown(res)
+    assert "over every method but full (the run has no blend)" in md and "over the blend methods" not in md

@@ -274,3 +274,21 @@ def test_the_sweep_figures_name_the_split_of_their_items(tmp_path, monkeypatch):
     assert main(["--methods", "blend@0.15:probe,blend@0.15:v", "--from-rows", str(tmp_path / "a.jsonl"),
                  "--data", "../shared/data/musique_dev.json", "--out", str(tmp_path / "s"), "--plot"]) == 0
     assert "items 0-1 (2 items), tuning split" in figures[0].get_suptitle()
+
+
+def test_a_method_missing_items_says_so_and_counts_wins_over_the_items_it_shares():
+    """Merged rows where one method lacks an item: its mean was over other items than its neighbours' with
+    nothing in the table saying so, and an item the first method lacked counted as a loss."""
+    a, b = "blend@0.15:probe", "blend@0.15:v"
+    rows = [SweepRow(i, a, 0.2, 1.0, 10.0, 0.15, 100) for i in (30, 31)]
+    rows += [SweepRow(i, b, 0.1, 1.0, 10.0, 0.15, 100) for i in (30, 31, 32)]
+    line = {ln.split(" | ")[0][2:]: ln for ln in summarise(rows, [a, b]).splitlines() if ln.startswith("| blend@")}
+    assert f"{a} (2 of 3 items)" in line and line[f"{a} (2 of 3 items)"].startswith(f"| {a} (2 of 3 items) | 0.2000 |")
+    assert line[b].endswith("| 2/2 |")  # beats the first method on both items they share
+
+
+def test_a_bad_item_range_is_a_clear_error(tmp_path, capsys):
+    """``--items 9-3`` raised ItemRangeError's traceback."""
+    assert main(["--items", "9-3", "--methods", "blend@0.15:v", "--out", str(tmp_path / "o"),
+                 "--ref-cache", str(tmp_path / "ref")]) == 2
+    assert "first item 9 is after the last 3" in capsys.readouterr().err

@@ -1,5 +1,7 @@
 import json, sys
 
+from blend.evals.metrics import percentile  # linear, as every p90 of the project (until 2026-12-08: floor index)
+
 def spearmanr(a, b):
     import torch
     ra = torch.tensor(a).argsort().argsort().double(); rb = torch.tensor(b).argsort().argsort().double()
@@ -15,6 +17,6 @@ for r in rows:
     flip = r[B]["top"][0] != r["full"]["top"][0]
     print(r["item"], "gap", round(r[B]["gap"], 3), "err", round(err, 3), "delta", round(delta, 3), "ratio", round(err / max(delta, 1e-9), 3), "FLIP" if flip else "")
 print("spearman err~delta", spearmanr(xs, ys))
-rat = sorted(y / max(x, 1e-9) for x, y in zip(xs, ys))
-print("err/delta quantiles", [round(rat[int(q * (len(rat) - 1))], 3) for q in (0.5, 0.75, 0.9, 1.0)])
-errs = sorted(ys); print("err quantiles", [round(errs[int(q * (len(errs) - 1))], 3) for q in (0.5, 0.75, 0.9, 1.0)])
+rat = [y / max(x, 1e-9) for x, y in zip(xs, ys)]
+print("err/delta quantiles", [round(percentile(rat, 100 * q), 3) for q in (0.5, 0.75, 0.9, 1.0)])
+print("err quantiles", [round(percentile(ys, 100 * q), 3) for q in (0.5, 0.75, 0.9, 1.0)])

@@ -13,6 +13,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from blend.evals.metrics import percentile
+
 HERE = Path(__file__).parent
 DEFAULT = "blend@0.15:probe"  # restart, the default before this run
 METHODS = {DEFAULT: "restart (default before)", "blend@0.15:probe:gmode=widen": "widen",
@@ -20,8 +22,9 @@ METHODS = {DEFAULT: "restart (default before)", "blend@0.15:probe:gmode=widen": 
 
 
 def q(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
+    """The ``p`` quantile, linearly interpolated: the harness's own (:func:`blend.evals.metrics.percentile`).
+    Until 2026-12-08 this was nearest-rank, unlike every other p90 of the project."""
+    return percentile(xs, 100.0 * p)
 
 
 def table(rows: list[dict], title: str) -> list[str]:
