@@ -33,7 +33,7 @@ from blend.evals.data import load_items
 from blend.evals.environment import describe_environment
 from blend.evals.metrics import kl_cells, kl_divergence, top1_agree
 from blend.evals.paths import check_blended
-from blend.evals.splits import parse_item_range, split_of  # tuning 0-29, validation 30-99, other past them
+from blend.evals.splits import item_range_arg, parse_item_range, split_of  # tuning 0-29, validation 30-99, other past them
 from blend.policy import ReuseMode, ReusePolicy
 from blend.store.memory import MemoryStore
 from blend import safeio
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m blend.evals.bench_bf16", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--data", default=DEFAULT_EVAL_DATA)
-    ap.add_argument("--items", default="0-9,30-39", help="comma list of ranges A-B (tuning 0-29, validation 30-99)")
+    ap.add_argument("--items", type=item_range_arg, default="0-9,30-39", help="comma list of ranges A-B (tuning 0-29, validation 30-99)")
     ap.add_argument("--passages", type=int, default=5)
     ap.add_argument("--ratios", default="0.15")
     ap.add_argument("--repeats", type=int, default=2, help="timed rounds per item, order rotated (default: 2)")

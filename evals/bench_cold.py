@@ -28,7 +28,7 @@ from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_MODEL
 from blend.engine import Engine
 from blend.evals.data import load_items
 from blend.evals.environment import describe_environment
-from blend.evals.splits import parse_item_range
+from blend.evals.splits import item_range_arg, parse_item_range
 from blend.generation import generate
 from blend.policy import ReusePolicy
 from blend.sampling import GenerationConfig
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--data", default=DEFAULT_EVAL_DATA)
-    ap.add_argument("--items", default="0-2")
+    ap.add_argument("--items", type=item_range_arg, default="0-2")
     ap.add_argument("--passages", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=16)

@@ -58,7 +58,7 @@ from blend.evals.metrics import percentile
 from blend.evals.methods import MethodKind, parse_methods
 from blend.evals.paths import check_blended
 from blend.evals.phases import Phase, PhaseClock, Work, work_floor
-from blend.evals.splits import parse_item_range
+from blend.evals.splits import item_range_arg, parse_item_range
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
 from blend.store.memory import MemoryStore
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--data", default=DEFAULT_EVAL_DATA)
-    ap.add_argument("--items", default="0-2", help="item range A-B of the data (timing only)")
+    ap.add_argument("--items", type=item_range_arg, default="0-2", help="item range A-B of the data (timing only)")
     ap.add_argument("--sizes", default="600,3k,6k")
     ap.add_argument("--methods", default="full,reuse,blend@0.15")
     ap.add_argument("--repeats", type=int, default=3)

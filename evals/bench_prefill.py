@@ -45,7 +45,7 @@ from blend.engine import Engine
 from blend.evals.data import load_item_range
 from blend.evals.environment import describe_environment
 from blend.evals.follow_up import bench_follow_up
-from blend.evals.splits import parse_item_range
+from blend.evals.splits import item_range_arg, parse_item_range
 from blend.policy import ReusePolicy
 from blend.prompt import Prompt
 from blend.report import ReuseClass
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="prefill,hit,first-doc",
                     help="which of prefill, hit, rag-hit, first-doc, follow-up")
     ap.add_argument("--data", default=DEFAULT_EVAL_DATA, help="rag-hit, first-doc, follow-up: the questions")
-    ap.add_argument("--items", default="30-39", help="rag-hit, first-doc, follow-up: item range A-B")
+    ap.add_argument("--items", type=item_range_arg, default="30-39", help="rag-hit, first-doc, follow-up: item range A-B")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
                     help="hit: print the torch profiler's top ROWS operators of three hot requests")

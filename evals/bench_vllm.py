@@ -49,6 +49,7 @@ from pathlib import Path
 
 from blend.defaults import DEFAULT_EVAL_DATA, DEFAULT_GUARD_MARGIN, DEFAULT_RATIO
 from blend.evals.metrics import kl_cells
+from blend.evals.splits import item_range_arg
 from blend.kernels import ENV_VAR as KERNELS_ENV
 from blend import safeio
 
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m blend.evals.bench_vllm", description=__doc__.split("\n")[0])
     ap.add_argument("--engine", choices=("vllm", "kvblend"), default="kvblend")
     ap.add_argument("--data", default=DEFAULT_EVAL_DATA)
-    ap.add_argument("--items", default="0-4")
+    ap.add_argument("--items", type=item_range_arg, default="0-4")
     ap.add_argument("--repeats", type=int, default=2, help="reordered requests per item and mode")
     ap.add_argument("--ratio", type=float, default=DEFAULT_RATIO)
     ap.add_argument("--guard", choices=("both", "on", "off"), default="both",

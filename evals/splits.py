@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 from typing import Sequence
@@ -39,6 +40,27 @@ def parse_item_range(text: str) -> tuple[int, int]:
     if lo > hi:
         raise ItemRangeError(f"--items {text!r}: first item {lo} is after the last {hi}")
     return lo, hi
+
+
+def item_range_arg(text: str) -> str:
+    """An argparse ``type`` for a bench's ``--items``: the text, checked as one range or a comma list of them,
+    so a bad value is argparse's usage error (exit 2), not a traceback after the model loaded.
+
+    Args:
+        text: e.g. ``30-99`` or ``0-9,30-39``.
+
+    Returns:
+        ``text`` unchanged.
+
+    Raises:
+        argparse.ArgumentTypeError: a part that :func:`parse_item_range` refuses.
+    """
+    try:
+        for part in text.split(","):
+            parse_item_range(part)
+    except ItemRangeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def split_of(item: int) -> str:
