@@ -10,10 +10,14 @@ report's ``applied`` is ``none`` and ``gate`` says why) where:
 - the model's quality gate refuses blending. The engine asks the gate (:func:`consults_gate`) only for
   a blend that is not forced, that no rule above refused and that has a document to blend: without
   one a blend is the exact path, which the gate has nothing to refuse (its first run takes seconds).
+
+The server's scheduler decides a request's refusal once, ahead of its prefill (:func:`refusal_for`, the gate's
+first run outside the request's TTFT), and hands it to :meth:`~blend.engine.Engine.prefill`.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -78,8 +82,7 @@ def rule_refusal(runner: ModelRunner, prompt: Prompt, policy: ReusePolicy, seman
 def consults_gate(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> bool:
     """Whether the engine's prefill of ``prompt`` under ``policy`` asks its quality gate: a blend, not forced,
     on an engine with a gate, that no rule refuses first (:func:`rule_refusal`) and that has a document to
-    blend. A caller that times the gate's first run apart from the request's (the server's scheduler) asks
-    the gate first where this says so.
+    blend.
 
     Args:
         engine: the engine (its gate, model and configuration).
@@ -96,14 +99,16 @@ def consults_gate(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> bool
         not rule_refusal(engine.runner, prompt, policy, engine.config.experimental_semantic).reason
 
 
-def refusal_for(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> Refusal:
+def refusal_for(engine: "Engine", prompt: Prompt, policy: ReusePolicy,
+                gate_lock: AbstractContextManager | None = None) -> Refusal:
     """Whether ``policy``'s reuse is refused for ``prompt``: the rules, then the quality gate where
-    :func:`consults_gate` says it is asked.
+    :func:`consults_gate` says it is asked (each decided once).
 
     Args:
         engine: the engine (its gate, model and configuration).
         prompt: the request's prompt.
         policy: its policy.
+        gate_lock: held while the gate is asked (the server's scheduler serializes its questions); None: none.
 
     Returns:
         The refusal (``reason`` "" where reuse may run), with the seconds the gate ran for this request.
@@ -114,7 +119,8 @@ def refusal_for(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> Refusa
     refusal = rule_refusal(engine.runner, prompt, policy, engine.config.experimental_semantic)
     if refusal.reason or not _gate_decides(engine, prompt, policy):
         return refusal
-    verdict = engine.gate.verdict(engine)
+    with gate_lock or nullcontext():
+        verdict = engine.gate.verdict(engine)
     return replace(refusal, reason=verdict.refused, gate_s=verdict.ran_s)
 
 
