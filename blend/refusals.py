@@ -8,8 +8,11 @@ report's ``applied`` is ``none`` and ``gate`` says why) where:
 - a blend's prompt is one segment (a lone question: nothing to blend, no preamble to key);
 - a blend's prompt is shorter than its ``min_prompt_tokens``;
 - the model's quality gate refuses blending. The engine asks the gate (:func:`consults_gate`) only for
-  a blend that is not forced, that no rule above refused and that has a document to blend: without
-  one a blend is the exact path, which the gate has nothing to refuse (its first run takes seconds).
+  a blend that is not forced, that no rule above refused and that has a document to re-position: two
+  documents or more, or one under semantic reuse (a donor's KV for it is approximate). Without one a
+  blend is the exact path (the first document sits where its canonical KV was computed: that KV is its
+  exact KV), which the gate has nothing to refuse: a refusal computed the same logits without reuse,
+  reported a fallback and ran the gate's first run (seconds; minutes on a real model) for nothing.
 
 The server's scheduler decides a request's refusal once, ahead of its prefill (:func:`refusal_for`, the gate's
 first run outside the request's TTFT), and hands it to :meth:`~blend.engine.Engine.prefill`.
@@ -82,7 +85,7 @@ def rule_refusal(runner: ModelRunner, prompt: Prompt, policy: ReusePolicy, seman
 def consults_gate(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> bool:
     """Whether the engine's prefill of ``prompt`` under ``policy`` asks its quality gate: a blend, not forced,
     on an engine with a gate, that no rule refuses first (:func:`rule_refusal`) and that has a document to
-    blend.
+    re-position (see the module's docstring).
 
     Args:
         engine: the engine (its gate, model and configuration).
@@ -125,6 +128,9 @@ def refusal_for(engine: "Engine", prompt: Prompt, policy: ReusePolicy,
 
 
 def _gate_decides(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> bool:
-    """A blend, not forced, on an engine with a gate, with a document to blend (without one a blend is the
-    exact path: nothing the gate could refuse)."""
-    return engine.gate is not None and policy.mode is ReuseMode.BLEND and not policy.force and bool(prompt.documents)
+    """A blend, not forced, on an engine with a gate, with a document to re-position: two or more, or one under
+    semantic reuse (a donor's KV). A lone document sits where its canonical KV was computed: the blend is the
+    exact path, whatever the gate says (its refusal computed the same logits without reuse)."""
+    if engine.gate is None or policy.mode is not ReuseMode.BLEND or policy.force:
+        return False
+    return len(prompt.documents) > 1 or (policy.semantic and bool(prompt.documents))

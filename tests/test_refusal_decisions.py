@@ -3,6 +3,10 @@
 - The server's scheduler decided a request's refusal ahead of its prefill (to run the gate's first run
   outside it), then the engine decided it again: the rules ran twice for every blend request. The
   scheduler now hands its decision to the prefill.
+- A blend of one document asked the quality gate although it runs the exact path whatever the gate says
+  (the document sits where its canonical KV was computed: that KV is its exact KV). The gate's first run
+  (seconds; minutes on a real model) was paid for nothing, and a failed gate computed the same logits
+  with no reuse at all and reported the document as a quality fallback.
 """
 
 from __future__ import annotations
@@ -98,3 +102,40 @@ def test_a_server_request_decides_its_refusal_once(one_torch_thread, counted_rul
         assert report["applied"] == "none" and report["gate"] == REFUSED and gate.calls == 2
     else:
         assert report["applied"] == "none" and "no document to blend" in report["gate"] and gate.calls == 0
+
+
+# ---- 4. a one-document blend is the exact path: the gate is not asked -------------------------------------------
+
+def test_a_one_document_blend_runs_the_exact_path_without_asking_the_gate(tiny_engine):
+    """Whatever the gate would say, the logits are the exact path's: a passing gate ran the exact path, a
+    failing one computed the same logits without reuse. Neither is asked now: the request reuses what
+    exact reuse would, and no first run of the gate is paid for it."""
+    prompt = tiny_engine.build_prompt("Which?", make_docs(1))
+    exact = gated(tiny_engine, Gate()).generate(prompt, ReusePolicy.exact(), max_new_tokens=1)
+    for verdict in ("", REFUSED):
+        gate = Gate(verdict)
+        eng = gated(tiny_engine, gate)
+        for warm in (False, True):
+            ans = eng.generate(prompt, ReusePolicy.blend(), max_new_tokens=1)
+            rep = ans.report
+            assert gate.calls == 0 and not rep.gate and not rep.gate_ran
+            assert rep.applied is ReuseMode.EXACT and torch.equal(ans.first_logits, exact.first_logits)
+            classes = [s.reuse_class for s in rep.segments if s.kind is not SegmentKind.QUESTION]
+            assert classes == ([ReuseClass.EXACT] * 2 if warm else [ReuseClass.COMPUTED] * 2), classes
+        assert not blend.refusals.consults_gate(eng, prompt, ReusePolicy.blend())
+
+
+def test_blends_the_gate_could_refuse_still_ask_it(tiny_engine):
+    """Two documents (the second re-positioned), or one under semantic reuse (a donor's KV for it is
+    approximate): the gate decides."""
+    gate = Gate(REFUSED)
+    eng = gated(tiny_engine, gate)
+    two = eng.build_prompt("Which?", make_docs(2))
+    rep = eng.generate(two, ReusePolicy.blend(), max_new_tokens=1).report
+    assert gate.calls == 1 and rep.gate == REFUSED and rep.applied is ReuseMode.NONE
+    assert [s.reuse_class for s in rep.segments if s.kind is SegmentKind.DOCUMENT] == [ReuseClass.FALLBACK] * 2
+    semantic = Engine(tiny_engine.runner, dataclasses.replace(tiny_engine.config, experimental_semantic=True),
+                      MemoryStore(), gate)
+    one = semantic.build_prompt("Which?", make_docs(1))
+    assert blend.refusals.consults_gate(semantic, one, ReusePolicy.blend(semantic=True))
+    assert not blend.refusals.consults_gate(semantic, one, ReusePolicy.blend())
