@@ -74,7 +74,7 @@ def rule_refusal(runner: ModelRunner, prompt: Prompt, policy: ReusePolicy, seman
         return Refusal()
     n = runner.dims.num_layers
     if policy.check_layers[-1] >= n:
-        raise InvalidPolicyError(f"check layers {policy.check_layers} outside the model's {n} layers (0..{n - 1})")
+        raise InvalidPolicyError(f"check_layers {policy.check_layers} outside the model's {n} layers (0..{n - 1})")
     if len(prompt.segments) < 2:  # a lone question (bos_prompt): nothing to blend, no preamble to key
         return Refusal("a prompt of one segment has no document to blend")
     if len(prompt) < policy.min_prompt_tokens:
