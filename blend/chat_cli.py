@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
 from blend.cancel import PrefillCancelled, cancellable
+from blend.cli_messages import flag_names, in_flag_words, named_fields
 from blend.defaults import DEFAULT_MAX_NEW_TOKENS
 from blend.errors import InvalidRequestError, KVBlendError, PromptTooLongError
 from blend.exit_codes import ExitCode
@@ -217,7 +218,9 @@ def run_chat(args: argparse.Namespace, lines: TextIO | None = None, out: TextIO 
             except KVBlendError as e:  # e.g. the conversation outgrew the model's context
                 outgrown = history and isinstance(e, PromptTooLongError)
                 hint = f" ({RESET} starts a new conversation)" if outgrown else ""
-                print(f"kvblend: error: {e}{hint}", file=err)  # as every other user error: not in the answers
+                parser = getattr(args, "parser", None)  # a setting's field named as the flag a user typed
+                msg = in_flag_words(str(e), flag_names(parser), named_fields(e)) if parser is not None else str(e)
+                print(f"kvblend: error: {msg}{hint}", file=err)  # as every other user error: not in the answers
                 refused += 1
                 continue
             if ans.report is not None:

@@ -26,7 +26,7 @@ import sys
 from typing import Callable, Sequence, TextIO
 
 from blend import json_text
-from blend.cli_messages import OneLineParser, flag_names, in_flag_words
+from blend.cli_messages import OneLineParser, flag_names, in_flag_words, named_fields
 from blend.defaults import DEFAULT_GATE_ITEMS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K
 from blend.errors import InvalidRequestError, KVBlendError
 from blend.generation_cli import add_sampling_arguments, generate_answer, generation_config_from_args, stream_answer
@@ -232,7 +232,7 @@ def _run(argv: Sequence[str] | None) -> int:
     except BrokenPipeError:
         raise  # main's: not an OSError of the command's
     except (KVBlendError, ValueError, OSError) as e:  # OSError, ValueError: the store/eval/retrieval layers'
-        print(f"kvblend: error: {in_flag_words(str(e), flag_names(parser))}", file=sys.stderr)
+        print(f"kvblend: error: {in_flag_words(str(e), flag_names(parser), named_fields(e))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("kvblend: interrupted", file=sys.stderr)

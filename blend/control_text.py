@@ -29,21 +29,23 @@ _MARKERS = re.compile(f"[{OPEN}{CLOSE}]")
 
 @dataclass(frozen=True)
 class ControlTokens:
-    """A tokenizer's control tokens as patterns."""
+    """A tokenizer's control tokens as patterns, and whether it adds special tokens of its own."""
 
     strings: tuple[str, ...]  # the added tokens' strings, longest first
     find: re.Pattern  # any of them
     split: re.Pattern  # OPEN token CLOSE (captured) or a lone marker (captures None)
+    adds_special: bool  # encoding with special tokens adds some (a BOS in front): see blend.prompt.adds_special_tokens
     literal: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)  # string -> its ids as text
 
 
+SPECIAL_PROBE = "a"  # a text encoded with and without special tokens: do they differ (ControlTokens.adds_special)
 _cache: "weakref.WeakKeyDictionary[object, ControlTokens]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
 def control_tokens(tokenizer) -> ControlTokens:
-    """The strings ``tokenizer`` matches whole as added tokens (made once per tokenizer: tokens added to it
-    later are not seen).
+    """The strings ``tokenizer`` matches whole as added tokens, and whether it adds special tokens (made once
+    per tokenizer: tokens added to it, or a post-processor set on it, later are not seen).
 
     Args:
         tokenizer: a transformers tokenizer.
@@ -68,7 +70,8 @@ def _build(tokenizer) -> ControlTokens:
     ordered = tuple(sorted((s for s in strings if s), key=len, reverse=True))
     find = re.compile("|".join(map(re.escape, ordered)) or "(?!)")  # (?!) never matches
     split = re.compile(f"{OPEN}({find.pattern}){CLOSE}|[{OPEN}{CLOSE}]")
-    return ControlTokens(ordered, find, split)
+    adds = list(tokenizer(SPECIAL_PROBE)["input_ids"]) != list(_plain(tokenizer, SPECIAL_PROBE))
+    return ControlTokens(ordered, find, split, adds)
 
 
 def holds_control(tokenizer, text: str) -> bool:

@@ -182,8 +182,8 @@ class Engine:
 
     # ---- prefill --------------------------------------------------------------------------
 
-    def prefill(self, prompt: Prompt, policy: ReusePolicy, extra_capacity: int = 0, question: bool = True
-                ) -> tuple[torch.Tensor | None, KVCache, ReuseReport]:
+    def prefill(self, prompt: Prompt, policy: ReusePolicy, extra_capacity: int = 0, question: bool = True,
+                refusal: Refusal | None = None) -> tuple[torch.Tensor | None, KVCache, ReuseReport]:
         """Run the prompt under ``policy``.
 
         Args:
@@ -194,6 +194,8 @@ class Engine:
                 context's KV (the vLLM connector): a blend then stops the question's rows after
                 its check layer, its cache ends before the question and its logits are None
                 (other modes compute the whole prompt as usual).
+            refusal: :func:`blend.refusals.refusal_for` of this prompt and policy, decided by the caller
+                ahead (the server's scheduler: the gate's first run outside the prefill); None: decided here.
 
         Returns:
             first-token logits (V,) float32 (None as above), the filled cache, the report. What the
@@ -207,7 +209,7 @@ class Engine:
                                      f"the model's context of {limit} ({self.dims.context_from})")
         if policy.mode is ReuseMode.BLEND:  # the report says what ran: AUTO becomes bf16 or compute
             policy = resolve_precisions(policy, self.runner.dtype, self.runner.device)
-        refusal = refusal_for(self, prompt, policy)
+        refusal = refusal_for(self, prompt, policy) if refusal is None else refusal
         cache = self.runner.new_cache(len(prompt) + extra_capacity)
         t0 = time.perf_counter()
         with torch.inference_mode():

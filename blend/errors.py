@@ -23,4 +23,15 @@ class PromptTooLongError(InvalidRequestError):
 
 
 class InvalidPolicyError(KVBlendError):
-    pass
+    """A reuse policy refused.
+
+    Args:
+        message: what is wrong, naming the settings (the policy's field names).
+        fields: the one-word fields (``ratio``, ``selector``, ``candidates``...) the message names: each
+            whole word of it that spells one is that field, so a command line writes its flag there
+            (:mod:`blend.cli_messages`; a multi-word name such as ``max_ratio`` is found by its shape).
+    """
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = fields

@@ -130,7 +130,7 @@ class ReusePolicy:
             return not finite_real(r) or not 0.0 <= r <= 1.0
 
         if not isinstance(self.mode, ReuseMode):  # a plain string would fall through to the blend path
-            raise InvalidPolicyError(f"mode must be a ReuseMode, got {self.mode!r:.60}")
+            raise InvalidPolicyError(f"mode must be a ReuseMode, got {self.mode!r:.60}", ("mode",))
         if self.prefix_limit is not None and not integral(self.prefix_limit):
             raise InvalidPolicyError(f"prefix_limit must be an integer >= 0 or None, got {shown(self.prefix_limit)}")
         if not isinstance(self.check_layers, (tuple, list)) or not all(map(integral, self.check_layers)):
@@ -139,29 +139,31 @@ class ReusePolicy:
             raise InvalidPolicyError(f"layer_ratios must be a sequence or None, got {self.layer_ratios!r:.80}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < MAX_SEED:
             # torch.Generator.manual_seed (the random selector) takes a Python int, not numpy's
-            raise InvalidPolicyError(f"seed must be an integer in [0, 2**63), got {shown(self.seed)}")
+            raise InvalidPolicyError(f"seed must be an integer in [0, 2**63), got {shown(self.seed)}", ("seed",))
         for name in ("force", "semantic", "take_exact"):
             if not isinstance(getattr(self, name), bool):  # "false" is truthy: it would switch it on
-                raise InvalidPolicyError(f"{name} must be true or false, got {getattr(self, name)!r:.40}")
+                raise InvalidPolicyError(f"{name} must be true or false, got {getattr(self, name)!r:.40}", (name,))
         for name in ("ratio", "max_ratio", "guard_ratio", "auto_target", "reused_temperature"):
             if not finite_real(getattr(self, name)):
-                raise InvalidPolicyError(f"{name} must be a finite number, got {shown(getattr(self, name))}")
+                raise InvalidPolicyError(f"{name} must be a finite number, got {shown(getattr(self, name))}", (name,))
         for name in ("threshold", "guard_margin", "candidates"):
             if getattr(self, name) is not None and not finite_real(getattr(self, name)):
-                raise InvalidPolicyError(f"{name} must be a finite number or None, got {shown(getattr(self, name))}")
+                raise InvalidPolicyError(f"{name} must be a finite number or None, got {shown(getattr(self, name))}",
+                                         (name,))
         if self.layer_ratios is not None and not all(map(finite_real, self.layer_ratios)):
             raise InvalidPolicyError(f"layer_ratios must be finite numbers, got {self.layer_ratios!r:.80}")
 
         if bad_ratio(self.ratio):
-            raise InvalidPolicyError(f"recompute ratio must be in [0, 1], got {self.ratio}")
+            raise InvalidPolicyError(f"ratio must be in [0, 1], got {self.ratio}", ("ratio",))
         if bad_ratio(self.max_ratio):
             raise InvalidPolicyError(f"max_ratio must be in [0, 1], got {self.max_ratio}")
         if self.selector not in SELECTOR_NAMES:
-            raise InvalidPolicyError(f"unknown selector {self.selector!r}; known: {', '.join(SELECTOR_NAMES)}")
+            raise InvalidPolicyError(f"unknown selector {self.selector!r}; known: {', '.join(SELECTOR_NAMES)}",
+                                     ("selector",))
         if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
             raise InvalidPolicyError(f"check_layers must be a non-empty increasing list, got {self.check_layers}")
         if any(c < 0 for c in self.check_layers):
-            raise InvalidPolicyError(f"check layers must be >= 0, got {self.check_layers}")
+            raise InvalidPolicyError(f"check_layers must be >= 0, got {self.check_layers}")
         if self.layer_ratios is not None:
             if len(self.layer_ratios) != len(self.check_layers) or any(map(bad_ratio, self.layer_ratios)):
                 raise InvalidPolicyError("layer_ratios needs one ratio in [0, 1] per check layer")
@@ -171,7 +173,8 @@ class ReusePolicy:
         if self.guard_margin is not None and self.guard_margin < 0:
             raise InvalidPolicyError(f"guard_margin must be >= 0 or None, got {self.guard_margin}")
         if self.candidates is not None and self.candidates < 1:
-            raise InvalidPolicyError(f"candidates must be a factor >= 1 or None, got {self.candidates}")
+            raise InvalidPolicyError(f"candidates must be a factor >= 1 or None, got {self.candidates}",
+                                     ("candidates",))
         t = self.reused_temperature
         lo, hi = REUSED_TEMPERATURE_RANGE
         if not lo <= t <= hi:
@@ -179,11 +182,11 @@ class ReusePolicy:
         if bad_ratio(self.guard_ratio):
             raise InvalidPolicyError(f"guard_ratio must be in [0, 1], got {self.guard_ratio}")
         if self.threshold is not None and self.threshold < 0:
-            raise InvalidPolicyError(f"threshold must be >= 0, got {self.threshold}")
+            raise InvalidPolicyError(f"threshold must be >= 0, got {self.threshold}", ("threshold",))
         if not integral(self.min_prompt_tokens) or self.min_prompt_tokens < 0:
             raise InvalidPolicyError(f"min_prompt_tokens must be an integer >= 0, got {self.min_prompt_tokens}")
         if not isinstance(self.budget, BudgetMode):
-            raise InvalidPolicyError(f"budget must be a BudgetMode, got {self.budget!r}")
+            raise InvalidPolicyError(f"budget must be a BudgetMode, got {self.budget!r}", ("budget",))
         if self.auto_target < 0:
             raise InvalidPolicyError(f"auto_target must be >= 0, got {self.auto_target}")
         if self.layer_ratios is not None and (self.budget is BudgetMode.AUTO or self.threshold is not None):

@@ -87,7 +87,8 @@ def check_no_blend_settings(p: "ReusePolicy") -> None:
     for name in BLEND_ONLY_FIELDS:
         if _changed(p, name):
             raise InvalidPolicyError(f"{name} is a blend setting: it would be ignored under mode "
-                                     f"{p.mode.value!r} (use ReusePolicy.blend(...))")
+                                     f"{p.mode.value!r} (use ReusePolicy.blend(...))",
+                                     (name, "mode"))
 
 
 def check_blend_rules(p: "ReusePolicy") -> None:
@@ -103,13 +104,13 @@ def check_blend_rules(p: "ReusePolicy") -> None:
     if 0 in p.check_layers and ranks_deviation:
         raise InvalidPolicyError(
             "check layer 0 cannot rank by K/V deviation: layer 0's K/V depend on the token alone, so fresh "
-            "and cached rows are equal there and every deviation is 0; use a check layer >= 1, or the "
-            "probe_attn, query, lead or random selector at a fixed ratio")
+            "and cached rows are equal there and every deviation is 0; use check_layers >= 1, or selector "
+            "probe_attn, query, lead or random at a fixed ratio", ("selector",))
     if p.budget is BudgetMode.AUTO and p.selector != "probe":
         raise InvalidPolicyError(f"the adaptive budget ranks rows by the probe score (selector probe); "
-                                 f"selector {p.selector!r} would be ignored")
+                                 f"selector {p.selector!r} would be ignored", ("selector",))
     if p.budget is BudgetMode.AUTO and p.threshold is not None:
-        raise InvalidPolicyError("an adaptive budget and a threshold are two stopping rules: give one")
+        raise InvalidPolicyError("budget auto and threshold are two stopping rules: give one", ("budget", "threshold"))
     if p.prefix_limit is not None:
         raise InvalidPolicyError("prefix_limit is an exact-reuse setting: a blend looks up every document "
                                  "(use ReusePolicy.exact(prefix_limit=...))")
@@ -126,17 +127,17 @@ def _check_budget_settings(p: "ReusePolicy") -> None:
         raise InvalidPolicyError(
             f"ratio={p.ratio:g} is a fixed budget: {rule} picks each prompt's share itself, up to "
             f"max_ratio={p.max_ratio:g}, and would ignore it (to cap the share at {p.ratio:g}, set "
-            f"max_ratio={p.ratio:g} instead)")
+            f"max_ratio={p.ratio:g} instead)", ("ratio",))
     if p.layer_ratios is not None and p.ratio not in (defaults["ratio"], p.layer_ratios[0]):
         raise InvalidPolicyError(f"ratio={p.ratio:g} beside layer_ratios {tuple(p.layer_ratios)}: the first "
-                                 f"check layer recomputes layer_ratios[0] and would ignore it")
+                                 f"check layer recomputes layer_ratios[0] and would ignore it", ("ratio",))
     if not per_prompt and p.max_ratio != defaults["max_ratio"]:
         raise InvalidPolicyError(
             f"max_ratio caps an adaptive budget or a threshold; a fixed ratio ({p.ratio:g}) is its own "
             f"budget and would ignore max_ratio={p.max_ratio:g}")
     if p.budget is not BudgetMode.AUTO and p.auto_target != defaults["auto_target"]:
-        raise InvalidPolicyError(f"auto_target is the adaptive budget's stopping target (budget auto); "
-                                 f"a {p.budget.value} budget would ignore it")
+        raise InvalidPolicyError(f"auto_target is the stopping target of budget auto: budget {p.budget.value} "
+                                 f"would ignore it", ("budget",))
 
 
 def check_guard_and_probe_settings(p: "ReusePolicy") -> None:
@@ -161,4 +162,4 @@ def check_guard_and_probe_settings(p: "ReusePolicy") -> None:
             if _changed(p, name):
                 raise InvalidPolicyError(f"{name} is a setting of the query probe, which selector {p.selector!r} "
                                          f"never runs (only {' and '.join(PROBE_SELECTORS)} do): it would be "
-                                         f"ignored")
+                                         f"ignored", (name, "selector"))

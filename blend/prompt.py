@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
-from blend.control_text import OPEN, encode_marked, encode_user_text, holds_control, mark, unmark
+from blend.control_text import OPEN, control_tokens, encode_marked, encode_user_text, holds_control, mark, unmark
 from blend.errors import InvalidRequestError
 
 DEFAULT_SYSTEM = (
@@ -172,7 +172,8 @@ def tokenize_segment(tokenizer, text: str) -> tuple[int, ...]:
 def adds_special_tokens(tokenizer) -> bool:
     """Whether the tokenizer adds tokens of its own to a text it encodes with special tokens (a BOS in front, as
     Llama's and Mistral's do; SmolLM2's and Qwen2's add none). The layout never asks for them: its special
-    tokens are the chat template's (see :func:`tokenize_segment`).
+    tokens are the chat template's (see :func:`tokenize_segment`). Probed once per tokenizer, with its other
+    derived state (:func:`blend.control_text.control_tokens`), not on every request that asks.
 
     Args:
         tokenizer: a transformers tokenizer.
@@ -180,7 +181,7 @@ def adds_special_tokens(tokenizer) -> bool:
     Returns:
         True if ``tokenizer(text)`` differs from ``tokenizer(text, add_special_tokens=False)``.
     """
-    return list(tokenizer("a")["input_ids"]) != list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    return control_tokens(tokenizer).adds_special
 
 
 def document_ids(tokenizer, doc: str) -> tuple[int, ...]:

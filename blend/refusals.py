@@ -9,12 +9,19 @@ report's ``applied`` is ``none`` and ``gate`` says why) where:
 - a blend's prompt is shorter than its ``min_prompt_tokens``;
 - the model has too few layers for the quality gate's blends to run (a blend that would consult it);
 - the model's quality gate refuses blending. The engine asks the gate (:func:`consults_gate`) only for
-  a blend that is not forced, that no rule above refused and that has a document to blend: without
-  one a blend is the exact path, which the gate has nothing to refuse (its first run takes seconds).
+  a blend that is not forced, that no rule above refused and that has a document to re-position: two
+  documents or more, or one under semantic reuse (a donor's KV for it is approximate). Without one a
+  blend is the exact path (the first document sits where its canonical KV was computed: that KV is its
+  exact KV), which the gate has nothing to refuse: a refusal computed the same logits without reuse,
+  reported a fallback and ran the gate's first run (seconds; minutes on a real model) for nothing.
+
+The server's scheduler decides a request's refusal once, ahead of its prefill (:func:`refusal_for`, the gate's
+first run outside the request's TTFT), and hands it to :meth:`~blend.engine.Engine.prefill`.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -69,7 +76,7 @@ def rule_refusal(runner: ModelRunner, prompt: Prompt, policy: ReusePolicy, seman
         return Refusal()
     n = runner.dims.num_layers
     if policy.check_layers[-1] >= n:
-        raise InvalidPolicyError(f"check layers {policy.check_layers} outside the model's {n} layers (0..{n - 1})")
+        raise InvalidPolicyError(f"check_layers {policy.check_layers} outside the model's {n} layers (0..{n - 1})")
     if len(prompt.segments) < 2:  # a lone question (bos_prompt): nothing to blend, no preamble to key
         return Refusal("a prompt of one segment has no document to blend")
     if len(prompt) < policy.min_prompt_tokens:
@@ -80,8 +87,7 @@ def rule_refusal(runner: ModelRunner, prompt: Prompt, policy: ReusePolicy, seman
 def consults_gate(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> bool:
     """Whether the engine's prefill of ``prompt`` under ``policy`` asks its quality gate: a blend, not forced,
     on an engine with a gate, that no rule refuses first (:func:`rule_refusal`) and that has a document to
-    blend. A caller that times the gate's first run apart from the request's (the server's scheduler) asks
-    the gate first where this says so.
+    re-position (see the module's docstring).
 
     Args:
         engine: the engine (its gate, model and configuration).
@@ -98,14 +104,16 @@ def consults_gate(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> bool
         not rule_refusal(engine.runner, prompt, policy, engine.config.experimental_semantic).reason
 
 
-def refusal_for(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> Refusal:
+def refusal_for(engine: "Engine", prompt: Prompt, policy: ReusePolicy,
+                gate_lock: AbstractContextManager | None = None) -> Refusal:
     """Whether ``policy``'s reuse is refused for ``prompt``: the rules, then the quality gate where
-    :func:`consults_gate` says it is asked.
+    :func:`consults_gate` says it is asked (each decided once).
 
     Args:
         engine: the engine (its gate, model and configuration).
         prompt: the request's prompt.
         policy: its policy.
+        gate_lock: held while the gate is asked (the server's scheduler serializes its questions); None: none.
 
     Returns:
         The refusal (``reason`` "" where reuse may run), with the seconds the gate ran for this request.
@@ -119,7 +127,8 @@ def refusal_for(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> Refusa
     cannot = gate_cannot_run(engine.runner)
     if cannot:
         return replace(refusal, reason=cannot)
-    verdict = engine.gate.verdict(engine)
+    with gate_lock or nullcontext():
+        verdict = engine.gate.verdict(engine)
     return replace(refusal, reason=verdict.refused, gate_s=verdict.ran_s)
 
 
@@ -143,6 +152,9 @@ def gate_cannot_run(runner: ModelRunner) -> str:
 
 
 def _gate_decides(engine: "Engine", prompt: Prompt, policy: ReusePolicy) -> bool:
-    """A blend, not forced, on an engine with a gate, with a document to blend (without one a blend is the
-    exact path: nothing the gate could refuse)."""
-    return engine.gate is not None and policy.mode is ReuseMode.BLEND and not policy.force and bool(prompt.documents)
+    """A blend, not forced, on an engine with a gate, with a document to re-position: two or more, or one under
+    semantic reuse (a donor's KV). A lone document sits where its canonical KV was computed: the blend is the
+    exact path, whatever the gate says (its refusal computed the same logits without reuse)."""
+    if engine.gate is None or policy.mode is not ReuseMode.BLEND or policy.force:
+        return False
+    return len(prompt.documents) > 1 or (policy.semantic and bool(prompt.documents))

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import blend
 from blend import json_text
-from blend.cli_messages import flag_names, in_flag_words
+from blend.cli_messages import flag_names, in_flag_words, named_fields
 from blend.exit_codes import ExitCode
 from blend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_DEMO_TOP_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_RATIO, kvblend_home
 from blend.errors import KVBlendError
@@ -61,7 +61,8 @@ def _guard(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace,
     except USER_ERRORS as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         parser = getattr(args, "parser", None)
-        msg = in_flag_words(msg, flag_names(parser)) if parser is not None else msg  # the flag a user typed
+        if parser is not None:  # the flag a user typed
+            msg = in_flag_words(msg, flag_names(parser), named_fields(e))
         print(f"kvblend: error: {shown(msg)}", file=sys.stderr)  # an index's recorded names may hold escapes
         return ExitCode.USER_ERROR
     except KeyboardInterrupt:

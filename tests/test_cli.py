@@ -100,7 +100,7 @@ def test_cold_equals_warm_across_processes_in_redis(docs, tmp_path, redis_url):
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--guard-margin", "off",
       "--guard-mode", "widen"], "--guard-mode is a setting of the near-tie guard"),
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--selector", "v",
-      "--candidates", "off"], "candidates is a setting of the query probe, which selector 'v' never runs"),
+      "--candidates", "off"], "--candidates is a setting of the query probe, which --selector 'v' never runs"),
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--selector", "v",
       "--probe-precision", "bf16"], "--probe-precision is a setting of the query probe"),
     (["ask", "q", "--doc", "{doc}", "--model", "tiny-llama", "--reuse", "blend", "--min-prompt-tokens", "-5"],
@@ -157,7 +157,7 @@ def test_the_printed_report_says_the_blend_ratio_its_gap_and_the_guard(tiny_engi
 
 @pytest.mark.parametrize("extra, message", [
     (["--reuse", "blend", "--semantic"], "semantic reuse is experimental"),
-    (["--reuse", "blend", "--check-layers", "99"], "check layers"),
+    (["--reuse", "blend", "--check-layers", "99"], "--check-layers (99,) outside the model's"),
     (["--reuse", "exact", "--semantic"], "only applies with --reuse blend"),  # not dropped without a word
     (["--reuse", "none", "--semantic"], "only applies with --reuse blend"),
 ])

@@ -38,12 +38,18 @@ def test_bench_burst_times_a_burst_with_and_without_decode_loop_prefills(capsys,
 def test_bench_burst_warns_of_requests_that_ran_another_path(capsys, monkeypatch, keeps_torch_threads):
     """A refused blend (a full prefill) was timed as the burst's blend request without a word."""
     import blend.engine
+    import blend.serve.scheduler
     from blend.evals.bench_burst import main
     from blend.refusals import Refusal
 
     real = blend.engine.refusal_for
-    monkeypatch.setattr(blend.engine, "refusal_for", lambda engine, prompt, policy: (
-        Refusal("refused for the test") if policy.mode.value == "blend" else real(engine, prompt, policy)))
+
+    def refusing(engine, prompt, policy, *lock):
+        return Refusal("refused for the test") if policy.mode.value == "blend" else real(engine, prompt, policy, *lock)
+
+    # the warm-up's direct prefills decide in the engine, the burst's requests in the scheduler (once, ahead)
+    monkeypatch.setattr(blend.engine, "refusal_for", refusing)
+    monkeypatch.setattr(blend.serve.scheduler, "refusal_for", refusing)
     assert main(["blend", "--model", "tiny-llama", "--requests", "2", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "(WARNING: 2 of 2 requests ran another path than blend)" in out

@@ -146,9 +146,9 @@ def test_a_cap_or_a_target_on_a_fixed_budget_is_refused():
     """A fixed ratio is its own budget: blend(0.4, max_ratio=0.3) recomputed 0.4."""
     with pytest.raises(InvalidPolicyError, match="max_ratio caps an adaptive budget or a threshold"):
         ReusePolicy.blend(0.4, max_ratio=0.3)
-    with pytest.raises(InvalidPolicyError, match="auto_target is the adaptive budget's"):
+    with pytest.raises(InvalidPolicyError, match="auto_target is the stopping target of budget auto"):
         ReusePolicy.blend(0.15, auto_target=0.01)
-    with pytest.raises(InvalidPolicyError, match="auto_target is the adaptive budget's"):
+    with pytest.raises(InvalidPolicyError, match="auto_target is the stopping target of budget auto"):
         ReusePolicy.blend(0.15, threshold=0.1, auto_target=0.01)
 
 

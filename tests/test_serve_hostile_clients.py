@@ -149,6 +149,35 @@ def test_add_special_tokens_true_is_refused_only_where_the_tokenizer_would_add_o
             assert client.post(endpoint, json=body).status_code == 200
 
 
+def test_add_special_tokens_is_probed_once_per_tokenizer_not_per_request(monkeypatch):
+    """Each request sending add_special_tokens: true tokenized a probe text twice to learn what the
+    tokenizer does; that is a property of the tokenizer, now probed once with its other derived state (its
+    control tokens). Every such request is still refused where the tokenizer adds a BOS."""
+    from tokenizers import processors
+
+    engine = tiny_serve_engine()
+    tok = engine.tokenizer = copy.deepcopy(engine.tokenizer)  # a tokenizer of its own, which adds a BOS
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    probes = []  # calls of this tokenizer that ask for its special tokens (the layout never does)
+    real = type(tok).__call__
+
+    def counting(self, *args, **kw):
+        if self is tok and kw.get("add_special_tokens", True):
+            probes.append(args)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(type(tok), "__call__", counting)
+    with TestClient(create_app(engine, ServeConfig(model=TINY))) as client:
+        for _ in range(3):
+            for endpoint, body in (("/v1/chat/completions", chat()),
+                                   ("/v1/completions", {"model": TINY, "prompt": "which river?", "max_tokens": 2})):
+                r = client.post(endpoint, json={**body, "add_special_tokens": True})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens", r.text
+                assert client.post(endpoint, json={**body, "add_special_tokens": False}).status_code == 200
+    assert len(probes) == 1, probes  # six requests asked; one probe
+
+
 # ---- bodies that are not JSON: a 400 that says why ---------------------------------------------------------------
 
 @pytest.mark.parametrize("content, headers, needle", [

@@ -43,7 +43,6 @@ import logging
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import replace
 
 import torch
 
@@ -54,7 +53,7 @@ from blend.generation import TokenStream
 from blend.policy import ReusePolicy
 from blend.prefix_fill import PrefixFill
 from blend.prompt import Prompt
-from blend.refusals import consults_gate
+from blend.refusals import refusal_for
 from blend.sampling import GenerationConfig
 from blend.serve.config import SchedulerConfig
 from blend.serve.decode_loop import DecodeLoop
@@ -319,13 +318,12 @@ class Scheduler:
                 if job.cancelled.is_set():  # its client left while it waited: no prefill for nobody
                     book.retire(job, Ending.CANCELLED)
                     return
-            gate_s = 0.0  # the first blend request may run the quality gate (once): not its TTFT, said in its report
-            if consults_gate(engine, job.prompt, job.policy):  # (not a blend with no document to blend)
-                with self._gate_lock:
-                    gate_s = engine.gate.verdict(engine).ran_s
+            # decided once, before the prefill: the first blend request the gate decides runs its first run here,
+            # holding no prefill slot and never cancelled half-way; not its TTFT, said in its report (gate_s)
+            refusal = refusal_for(engine, job.prompt, job.policy, self._gate_lock)
             # a request cancelled while it prefills (its client left, the server closes) stops at the next layer
             with book.prefill_running(), self._exclusive or nullcontext(), cancellable(job.cancelled):
-                first, cache, report = engine.prefill(job.prompt, job.policy, job.config.max_tokens)
+                first, cache, report = engine.prefill(job.prompt, job.policy, job.config.max_tokens, refusal=refusal)
         except PrefillCancelled:  # its cache goes with it; the segments it finished are stored, complete
             book.interrupted_prefill()  # (retired below, once its claims are released, as cancelled)
             if self.metrics is not None:
@@ -338,9 +336,7 @@ class Scheduler:
         if job.cancelled.is_set():  # its client left while it prefilled: nobody to answer; its KV is freed now,
             book.retire(job, Ending.CANCELLED)  # not copied into a decode-pool slot first (nor a 1-token answer done)
             return
-        job.ttft_s = time.perf_counter() - job.submitted - gate_s
-        if gate_s:  # the engine found the verdict this run recorded: the run was this request's
-            report = replace(report, timings=replace(report.timings, gate_s=gate_s))
+        job.ttft_s = time.perf_counter() - job.submitted - refusal.gate_s
         job.first_logits, job.cache, job.report = first, cache, report
         job.stream = TokenStream(engine.tokenizer, engine.eos_ids, job.config)
         text = job.stream.step(first)
