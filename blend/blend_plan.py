@@ -191,6 +191,13 @@ def plan_blend(model: ModelRunner, prompt: Prompt, blended: list[ChunkKV], n_exa
         n_exact: documents already in the cache as an exact prefix (the first and the exact run after it).
         e: rows already in the cache.
         policy: the blend policy (its check layers and ratios).
+
+    Returns:
+        The plan of rows [e, T): each blended document's KV, its new positions and rotary tables, the
+        token ids, and the check layers with their ratios (none under full reuse).
+
+    Raises:
+        ValueError: a blended document's K is already rotated (an EXACT entry holds one placement only).
     """
     dev = model.device
     q = prompt.question

@@ -53,5 +53,12 @@ class CalibrationItem:
 
 
 def calibration_items(n: int) -> list[CalibrationItem]:
-    """The first ``n`` calibration prompts (at most six)."""
+    """The first ``n`` calibration prompts (at most six).
+
+    Args:
+        n: how many prompts; past six, all six.
+
+    Returns:
+        The items, in order, each a question and its documents' texts.
+    """
     return [CalibrationItem(q, tuple(DOCUMENTS[i] for i in order)) for q, order in QUESTIONS[:n]]

@@ -68,5 +68,9 @@ def cancellable(flag: threading.Event | None) -> Iterator[None]:
 
 
 def cancel_flag() -> threading.Event | None:
-    """The flag of the innermost :func:`cancellable` block this thread runs in (None outside any)."""
+    """The flag of the innermost :func:`cancellable` block this thread runs in (None outside any).
+
+    Returns:
+        The flag (set once the request is cancelled), or None outside any cancellable block.
+    """
     return _FLAG.get()

@@ -65,7 +65,11 @@ Exit status: 0, 2 when a question was refused (its error on stderr; the chat wen
 
 
 def add_chat_command(sub: argparse._SubParsersAction) -> None:
-    """Register ``kvblend chat`` on the top-level sub-parsers."""
+    """Register ``kvblend chat`` on the top-level sub-parsers.
+
+    Args:
+        sub: the top-level parser's sub-parsers (``kvblend``'s commands).
+    """
     p = sub.add_parser("chat", help="a conversation over documents, questions from standard input",
                        description=CHAT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--doc", action="append", default=[], metavar="FILE", help="a document (repeatable)")
@@ -81,7 +85,15 @@ def add_chat_command(sub: argparse._SubParsersAction) -> None:
 def turn_summary(report, earlier: int) -> str:
     """One line: TTFT, reused and computed tokens, and how many of the ``earlier`` turns (question and
     answer pairs) were loaded. A blend computes them inside its question segment (only the exact path
-    keeps a segment per turn), so their count comes from the conversation, not from the report."""
+    keeps a segment per turn), so their count comes from the conversation, not from the report.
+
+    Args:
+        report: the turn's :class:`~blend.report.ReuseReport`.
+        earlier: the question and answer pairs before this turn.
+
+    Returns:
+        The bracketed summary line (no newline).
+    """
     loaded = sum(1 for s in report.segments if s.kind is SegmentKind.TURN and s.reuse_class is ReuseClass.EXACT)
     # the policy as asked; what ran only where it is another mode (a refused or exact-only blend)
     ran = "" if report.applied is report.asked else f", ran {report.applied.value}"
@@ -132,7 +144,14 @@ def answer_turn(engine, prompt: Prompt, policy: ReusePolicy, config: GenerationC
 
 
 def interrupted_note(kept: str) -> str:
-    """The line printed where Ctrl-C stopped an answer: what of the turn the conversation keeps."""
+    """The line printed where Ctrl-C stopped an answer: what of the turn the conversation keeps.
+
+    Args:
+        kept: the text of the answer written before the interrupt ("" if none).
+
+    Returns:
+        The note, without a newline.
+    """
     if kept:
         return "(interrupted: the answer so far stays in the conversation)"
     return "(interrupted before the answer began: the question is not kept)"
@@ -140,7 +159,19 @@ def interrupted_note(kept: str) -> str:
 
 def read_question(lines: TextIO, out: TextIO, interactive: bool) -> str | None:
     """The next line of input, or None at its end: end of input, or Ctrl-C at an interactive prompt (a
-    piped chat's Ctrl-C interrupts the command, as any other's)."""
+    piped chat's Ctrl-C interrupts the command, as any other's).
+
+    Args:
+        lines: where questions are read, one per line (standard input).
+        out: where the ``> `` prompt is written (interactive only).
+        interactive: whether ``lines`` is a terminal: a prompt is shown and Ctrl-C ends the chat.
+
+    Returns:
+        The line as read (its newline kept), or None at the end of input.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C while reading piped input.
+    """
     if interactive:
         out.write("> ")
         out.flush()
@@ -158,7 +189,11 @@ def read_question(lines: TextIO, out: TextIO, interactive: bool) -> str | None:
 def reconfigured_stdin() -> TextIO:
     """Standard input, its undecodable bytes read as lone surrogates (as a C locale reads them), so that one
     line that is not UTF-8 is refused on its own (the prompt refuses lone surrogates) instead of ending the
-    chat: a strict decoder failed on the first read of a chunk, before any question of it was answered."""
+    chat: a strict decoder failed on the first read of a chunk, before any question of it was answered.
+
+    Returns:
+        ``sys.stdin``, reconfigured where it could be; None where Python started with it closed.
+    """
     if sys.stdin is not None and hasattr(sys.stdin, "reconfigure") and sys.stdin.errors == "strict":
         try:
             sys.stdin.reconfigure(errors="surrogateescape")

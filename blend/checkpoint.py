@@ -34,7 +34,14 @@ MAX_ERROR_CHARS = 200
 
 
 def brief(e: BaseException) -> str:
-    """``TypeName: message`` on one line, cut to :data:`MAX_ERROR_CHARS` (transformers' messages span tables)."""
+    """``TypeName: message`` on one line, cut to :data:`MAX_ERROR_CHARS` (transformers' messages span tables).
+
+    Args:
+        e: the exception to describe.
+
+    Returns:
+        The one-line description, with ``...`` where it was cut.
+    """
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:MAX_ERROR_CHARS]}{'...' if len(text) > MAX_ERROR_CHARS else ''}"
 
@@ -42,6 +49,9 @@ def brief(e: BaseException) -> str:
 def check_files(path: Path) -> None:
     """Refuse a folder where a file transformers would open is not a regular file (a FIFO is waited on for
     ever, a device read without end). Symbolic links to regular files (a hub cache's blobs) are fine.
+
+    Args:
+        path: the checkpoint folder.
 
     Raises:
         CheckpointError: naming the file and what it is.
@@ -58,6 +68,12 @@ def check_files(path: Path) -> None:
 def load_config(path: Path):
     """The folder's transformers config.
 
+    Args:
+        path: the checkpoint folder.
+
+    Returns:
+        The ``PretrainedConfig`` transformers reads from ``config.json``.
+
     Raises:
         CheckpointError: ``config.json`` absent or unreadable, or one transformers refuses.
     """
@@ -73,6 +89,12 @@ def load_config(path: Path):
 def weight_names(path: Path) -> set[str] | None:
     """The tensor names the folder's safetensors files hold (their headers only), or None where it has none
     (a ``pytorch_model.bin`` checkpoint: transformers reads it with ``weights_only``).
+
+    Args:
+        path: the checkpoint folder.
+
+    Returns:
+        The names of every tensor across its ``*.safetensors`` files, or None where there are none.
 
     Raises:
         CheckpointError: a safetensors file whose header cannot be read.
@@ -96,6 +118,10 @@ def check_layers(path: Path, config) -> None:
     """Refuse a config whose decoder layers are not the ones the weight files hold, before any is built
     (more: transformers would build and fill the missing ones at random; fewer: the model would run
     without the rest).
+
+    Args:
+        path: the checkpoint folder.
+        config: its transformers config (a ``num_hidden_layers`` that is not an int: nothing is checked).
 
     Raises:
         CheckpointError: the config's ``num_hidden_layers`` and the layers the safetensors files hold differ.
@@ -137,6 +163,12 @@ def _check_layers_fit(path: Path, declared: int, hidden: object) -> None:
 def load_weights(path: Path) -> torch.nn.Module:
     """The folder's causal LM in fp32 and eval mode, every tensor it needs read from the weight files.
 
+    Args:
+        path: the checkpoint folder.
+
+    Returns:
+        The model, in eval mode.
+
     Raises:
         CheckpointError: the weight files cannot be read, lack a tensor the model needs or hold one
             at another shape (transformers would have filled it with random values), or hold decoder layers
@@ -163,6 +195,10 @@ def load_weights(path: Path) -> torch.nn.Module:
 def check_finite(model: torch.nn.Module, path: Path) -> None:
     """Refuse weights holding NaN or infinity (a damaged file whose header still parses).
 
+    Args:
+        model: the loaded model (its floating-point parameters are checked).
+        path: its checkpoint folder (named in the error).
+
     Raises:
         CheckpointError: naming the first such parameter.
     """
@@ -174,6 +210,12 @@ def check_finite(model: torch.nn.Module, path: Path) -> None:
 
 def load_tokenizer(path: Path):
     """The folder's tokenizer.
+
+    Args:
+        path: the checkpoint folder.
+
+    Returns:
+        The tokenizer transformers builds from the folder's files.
 
     Raises:
         CheckpointError: its files are absent, not JSON, or of a shape transformers refuses.

@@ -51,7 +51,16 @@ AREA_COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def answer_json(engine, ans) -> dict:
-    """The JSON object ``kvblend ask --json`` prints."""
+    """The JSON object ``kvblend ask --json`` prints.
+
+    Args:
+        engine: the engine that answered (its model name and provenance are recorded).
+        ans: the :class:`~blend.generation.Completion`, its report included.
+
+    Returns:
+        The answer's text and token ids, the prompt's token ids, TTFT in seconds, the logits' sha256, the
+        model, the provenance digest and the reuse report, as JSON types.
+    """
     return {
         "answer": ans.text,
         "answer_token_ids": ans.token_ids,
@@ -66,7 +75,13 @@ def answer_json(engine, ans) -> dict:
 
 def print_report(ans, out: TextIO | None = None, with_answer: bool = True) -> None:
     """Human-readable answer (unless it was streamed already) and reuse report (to ``out``, default the
-    standard output of the moment)."""
+    standard output of the moment).
+
+    Args:
+        ans: the :class:`~blend.generation.Completion`, its report included.
+        out: where to print; None: ``sys.stdout`` as it is at the call.
+        with_answer: whether to print the answer's text first (False where it was streamed).
+    """
     out = sys.stdout if out is None else out
     r = ans.report
     if with_answer:
@@ -91,6 +106,18 @@ def print_report(ans, out: TextIO | None = None, with_answer: bool = True) -> No
 
 
 def run_ask(args: argparse.Namespace) -> int:
+    """``kvblend ask``: answer a question over ``--doc`` files (or an ``--index``), streaming the answer and
+    printing its reuse report, or printing one JSON object with ``--json``.
+
+    Args:
+        args: the parsed ``ask`` arguments.
+
+    Returns:
+        The exit status: 0 (every failure raises).
+
+    Raises:
+        InvalidRequestError: neither ``--doc`` nor ``--index`` was given.
+    """
     if args.index:
         from blend.retrieval.cli import ask_over_index  # faiss and the index load only for --index
 
@@ -110,7 +137,14 @@ def run_ask(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """``kvblend check``: run, record and print the gate; exit 1 when it fails."""
+    """``kvblend check``: run, record and print the gate; exit 1 when it fails.
+
+    Args:
+        args: the parsed ``check`` arguments (``--items``, ``--json``, the engine's flags).
+
+    Returns:
+        The exit status: 0 if the gate passed, 1 if it failed.
+    """
     from blend.gate import AT_LEAST, check_items, record, run_gate
 
     check_items(args.items, "--items")  # before the engine loads
@@ -185,7 +219,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvblend`` console script."""
+    """Entry point of the ``kvblend`` console script.
+
+    Args:
+        argv: the command line after the program's name; None: ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: the command's (0 on success), :class:`~blend.exit_codes.ExitCode` ``USER_ERROR``
+        for an error a user caused (one line on stderr), ``INTERRUPTED``, ``TERMINATED`` or ``BROKEN_PIPE``.
+    """
     printable_output()
     try:
         try:

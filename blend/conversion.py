@@ -88,7 +88,17 @@ def _assemble(parts: list[Path], out: Path) -> None:
 
 def converted_dir(name: str) -> Path:
     """Where :func:`convert_gguf` keeps ``name``'s conversion: named by the GGUF's content (another file of
-    the same name and size, a new revision of the package, converts again)."""
+    the same name and size, a new revision of the package, converts again).
+
+    Args:
+        name: a real model's name (``smollm2-135m``, ...).
+
+    Returns:
+        ``$KVBLEND_HOME/models/<name>-<first 16 hex digits of the GGUF's sha256>`` (it may not exist yet).
+
+    Raises:
+        UnknownModelError: the name is not a real model's, or the package holding its GGUF is not installed.
+    """
     src_dir, fname = _gguf_source(name)
     tag = file_sha256(src_dir / fname)[:16]
     return kvblend_home() / "models" / f"{name}-{tag}"
@@ -167,7 +177,11 @@ def _install(tmp: Path, out: Path) -> None:
 
 def discard(out: Path) -> None:
     """Remove a converted folder found damaged: renamed aside first (a reader sees it whole or not at all;
-    a process converting again can rename its own into place at once), then deleted."""
+    a process converting again can rename its own into place at once), then deleted.
+
+    Args:
+        out: the converted folder (already gone: nothing happens).
+    """
     trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-discarded-"))
     try:
         os.rename(out, trash / "old")

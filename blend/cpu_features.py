@@ -75,18 +75,29 @@ def cpu_vendor(cpuinfo: str | None = None) -> str:
 
     Args:
         cpuinfo: /proc/cpuinfo's text, or None to read it (other systems give "").
+
+    Returns:
+        The first ``vendor_id`` field, or "" where there is none.
     """
     return cpuinfo_field("vendor_id", cpuinfo) or ""
 
 
 @functools.lru_cache(maxsize=1)
 def this_cpu_flags() -> frozenset[str] | None:
-    """This machine's CPU flags, read once per process (per-request decisions read them)."""
+    """This machine's CPU flags, read once per process (per-request decisions read them).
+
+    Returns:
+        The flags of :func:`cpu_flags`, or None where /proc/cpuinfo does not list them.
+    """
     return cpu_flags()
 
 
 def native_on_cpu(dtype: torch.dtype, flags: frozenset[str] | None) -> bool | None:
     """Whether ``dtype`` arithmetic is native on a CPU with these flags.
+
+    Args:
+        dtype: the arithmetic's dtype.
+        flags: the CPU's flags (:func:`this_cpu_flags`), or None where unknown.
 
     Returns:
         True for float32/float64 or a flag that gives it; False where none does; None if the

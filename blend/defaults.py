@@ -112,7 +112,11 @@ DEFAULT_GATE_ITEMS = 6
 
 
 def kvblend_home() -> Path:
-    """Cache root: ``$KVBLEND_HOME`` or ``~/.cache/kvblend``."""
+    """Cache root: ``$KVBLEND_HOME`` or ``~/.cache/kvblend``.
+
+    Returns:
+        The folder (``~`` expanded; it may not exist yet).
+    """
     return Path(os.environ.get("KVBLEND_HOME") or Path.home() / ".cache" / "kvblend").expanduser()
 # hot prefixes (blend.prefix_cache): bytes of assembled, rotated prefix KV an engine keeps in process so
 # that a prefix found stored again is attached instead of loaded (issue 18's fixed overhead); 0: off

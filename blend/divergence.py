@@ -38,5 +38,13 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 
 def top1_agree(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """1.0 when both logit vectors have the same argmax, else 0.0."""
+    """1.0 when both logit vectors have the same argmax, else 0.0.
+
+    Args:
+        p_logits: one position's logits, (V,).
+        q_logits: the other run's logits at that position, (V,).
+
+    Returns:
+        1.0 or 0.0, to be averaged over positions.
+    """
     return float(int(torch.argmax(p_logits)) == int(torch.argmax(q_logits)))

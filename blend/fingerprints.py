@@ -50,7 +50,14 @@ def _hash_weights(model: torch.nn.Module, h) -> str:
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """sha256 over (name, dtype, shape, bytes) of every parameter and buffer, sorted by name: the weights'
-    identity in every provenance key."""
+    identity in every provenance key.
+
+    Args:
+        model: the loaded model.
+
+    Returns:
+        The digest, 64 lowercase hex digits.
+    """
     return _hash_weights(model, hashlib.sha256())
 
 
@@ -68,7 +75,14 @@ def weights_check_digest(model: torch.nn.Module) -> str:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 over the tokenizer's full serialized rules, specials and chat template."""
+    """sha256 over the tokenizer's full serialized rules, specials and chat template.
+
+    Args:
+        tokenizer: a transformers tokenizer (a slow one is hashed by its vocabulary).
+
+    Returns:
+        The digest, 64 lowercase hex digits.
+    """
     h = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if backend is not None:
@@ -86,7 +100,14 @@ _HEX = frozenset("0123456789abcdef")
 
 def read_record(path: Path) -> dict | None:
     """A fingerprint file's row: a JSON object whose ``weights_sha256`` is 64 lowercase hex digits, or None
-    when the file is absent, not a regular file, oversized, not JSON or anything else (logged)."""
+    when the file is absent, not a regular file, oversized, not JSON or anything else (logged).
+
+    Args:
+        path: the fingerprint file (a symbolic link is followed).
+
+    Returns:
+        The row as read, or None.
+    """
     try:
         data = safeio.read_regular(path, MAX_FINGERPRINT_BYTES, follow_symlinks=True)
     except FileNotFoundError:
@@ -108,7 +129,14 @@ def read_record(path: Path) -> dict | None:
 def files_stamp(path: Path) -> str:
     """A checkpoint folder's weight and config files as they are on disk: names, sizes, inodes, mtimes and
     ctimes (the fingerprint file itself left out). Saving new weights into the folder, or copying the
-    folder, changes it."""
+    folder, changes it.
+
+    Args:
+        path: the checkpoint folder.
+
+    Returns:
+        A sha256 of the files' stamps, 64 lowercase hex digits.
+    """
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json")
                    and p.name != FINGERPRINT_FILE)
     return hashlib.sha256("|".join(
@@ -117,7 +145,14 @@ def files_stamp(path: Path) -> str:
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes, cached under KVBLEND_HOME by its path, size, inode, mtime and ctime."""
+    """sha256 of a file's bytes, cached under KVBLEND_HOME by its path, size, inode, mtime and ctime.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The digest, 64 lowercase hex digits.
+    """
     st = path.stat()
     stamp = hashlib.sha256(f"{path.resolve()}|{st.st_size}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}"
                            .encode()).hexdigest()

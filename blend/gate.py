@@ -68,12 +68,29 @@ AT_LEAST = frozenset({CheckName.FIDELITY_TOP1})  # checks whose figure must reac
 
 
 def passes(name: CheckName, figure: float, bound: float) -> bool:
-    """Whether a check's figure is within its bound (False for NaN)."""
+    """Whether a check's figure is within its bound (False for NaN).
+
+    Args:
+        name: the check (:data:`AT_LEAST` checks must reach their bound, the others stay under it).
+        figure: what the check measured.
+        bound: its bound (:func:`check_bounds`).
+
+    Returns:
+        Whether the check passed.
+    """
     return figure >= bound if name in AT_LEAST else figure <= bound
 
 
 def check_bounds(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> dict[CheckName, float]:
-    """Each check's bound for an engine computing in ``dtype`` and keeping KV in ``kv_dtype``."""
+    """Each check's bound for an engine computing in ``dtype`` and keeping KV in ``kv_dtype``.
+
+    Args:
+        dtype: the engine's compute dtype.
+        kv_dtype: the dtype its KV is kept in; None: ``dtype``.
+
+    Returns:
+        Each check's bound: the mechanical checks' from :func:`gate_tol`, the fidelity checks' fixed ones.
+    """
     tol = gate_tol(dtype, kv_dtype)
     return {CheckName.REFERENCE: tol.logits, CheckName.ROPE: tol.rope, CheckName.RATIO_ONE: tol.logits,
             CheckName.FIDELITY_KL: KL_BOUND, CheckName.FIDELITY_TOP1: TOP1_BOUND}
@@ -190,6 +207,10 @@ def run_gate(engine: "Engine", items: int = DEFAULT_GATE_ITEMS, progress: bool =
 def check_items(items: object, name: str = "items") -> None:
     """Refuse a count of calibration prompts the fidelity check cannot run (1 to six).
 
+    Args:
+        items: the count as given (anything: it is checked here).
+        name: what the count is called in the error.
+
     Raises:
         InvalidRequestError: naming ``name`` (the CLI passes its flag).
     """
@@ -201,7 +222,15 @@ def check_items(items: object, name: str = "items") -> None:
 def gate_tol(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> Tol:
     """The mechanical bounds of an engine computing in ``dtype`` and keeping KV in ``kv_dtype``: those of
     the less precise (a float32 engine with bf16 KV rounds every stored row to bf16, which float32's
-    absolute bounds refused: every blend fell back)."""
+    absolute bounds refused: every blend fell back).
+
+    Args:
+        dtype: the engine's compute dtype.
+        kv_dtype: the dtype its KV is kept in; None: ``dtype``.
+
+    Returns:
+        The :data:`~blend.kernels.tolerances.TOL` row of the coarser of the two.
+    """
     coarse = max((dtype, kv_dtype or dtype), key=lambda d: _COARSENESS[d])
     return TOL[coarse]
 
@@ -300,6 +329,14 @@ def gate_fingerprint(items: int = DEFAULT_GATE_ITEMS, dtype: torch.dtype = torch
 
     A record is only valid for the same fingerprint, so a release that changes a default blend
     setting or a bound runs the gate again once instead of trusting a verdict measured otherwise.
+
+    Args:
+        items: how many calibration prompts the fidelity check runs.
+        dtype: the engine's compute dtype.
+        kv_dtype: the dtype its KV is kept in; None: ``dtype``.
+
+    Returns:
+        The first 16 hex digits of a sha256 over those settings.
     """
     tol = gate_tol(dtype, kv_dtype)
     prompts = [[c.question, list(c.documents)] for c in calibration_items(items)]  # the text, not only the count
@@ -311,7 +348,15 @@ def gate_fingerprint(items: int = DEFAULT_GATE_ITEMS, dtype: torch.dtype = torch
 
 
 def gate_path(engine: "Engine", items: int = DEFAULT_GATE_ITEMS) -> Path:
-    """Where the gate result of the engine's provenance (under :func:`gate_fingerprint`) is recorded."""
+    """Where the gate result of the engine's provenance (under :func:`gate_fingerprint`) is recorded.
+
+    Args:
+        engine: the engine (its provenance, dtype and KV dtype name the file).
+        items: how many calibration prompts the result was measured over.
+
+    Returns:
+        ``$KVBLEND_HOME/gate/<provenance hex>-<fingerprint>.json`` (it may not exist).
+    """
     fingerprint = gate_fingerprint(items, engine.dtype, engine.kv_dtype)
     return kvblend_home() / "gate" / f"{engine.provenance.digest().hex()}-{fingerprint}.json"
 
@@ -322,6 +367,12 @@ def load_record(engine: "Engine") -> GateResult | None:
     A record that is absent, unreadable (not a regular file, over :data:`MAX_RECORD_BYTES`), not
     JSON, malformed (see :meth:`GateResult.from_dict`) or for another provenance is no record:
     the gate runs again and rewrites it. Only an absent one goes without a warning.
+
+    Args:
+        engine: the engine whose gate result is looked up (default calibration prompts).
+
+    Returns:
+        The result, or None where there is no valid record.
     """
     path = gate_path(engine)
     try:
@@ -348,7 +399,16 @@ def load_record(engine: "Engine") -> GateResult | None:
 
 
 def record(engine: "Engine", result: GateResult, items: int = DEFAULT_GATE_ITEMS) -> None:
-    """Write the result (of a run over ``items`` calibration prompts) atomically."""
+    """Write the result (of a run over ``items`` calibration prompts) atomically.
+
+    Args:
+        engine: the engine the result was measured on (it names the file, :func:`gate_path`).
+        result: the gate's result.
+        items: how many calibration prompts it ran over.
+
+    Raises:
+        OSError: the file could not be written (nothing is left half-written).
+    """
     path = gate_path(engine, items)
     path.parent.mkdir(parents=True, exist_ok=True)
     safeio.atomic_write_text(path, json.dumps(result.to_dict(), indent=1))

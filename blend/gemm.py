@@ -39,7 +39,11 @@ class GemmBackend(Enum):
 
 
 def onednn_available() -> bool:
-    """Whether this torch build has oneDNN's packed linear (x86 and Arm CPU builds do)."""
+    """Whether this torch build has oneDNN's packed linear (x86 and Arm CPU builds do).
+
+    Returns:
+        True where both ``torch.ops.mkldnn`` ops exist and mkldnn is available.
+    """
     ops = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
             and hasattr(ops, "_reorder_linear_weight"))
@@ -82,6 +86,9 @@ def packs_natively(dtype: torch.dtype, flags: frozenset[str] | None = None) -> b
     Args:
         dtype: the matrices' dtype.
         flags: CPU flags (default: this machine's).
+
+    Returns:
+        True only for bfloat16 on a CPU with native bf16 arithmetic and oneDNN available.
     """
     from blend.cpu_features import native_on_cpu, this_cpu_flags
 
@@ -91,14 +98,29 @@ def packs_natively(dtype: torch.dtype, flags: frozenset[str] | None = None) -> b
 
 
 def pack(w: torch.Tensor, backend: GemmBackend) -> torch.Tensor:
-    """A (N, K) weight in the backend's layout (the tensor itself for torch)."""
+    """A (N, K) weight in the backend's layout (the tensor itself for torch).
+
+    Args:
+        w: the weight, (N, K).
+        backend: the GEMM backend the weight is used with.
+
+    Returns:
+        ``w`` itself for :attr:`GemmBackend.TORCH`; for oneDNN a packed (N, K) copy in its opaque layout.
+    """
     if backend is GemmBackend.TORCH:
         return w
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT)  # (N, K), oneDNN layout
 
 
 def dense(w: torch.Tensor) -> torch.Tensor:
-    """The plain (N, K) weight of a packed one (the tensor itself if it is plain): the same values."""
+    """The plain (N, K) weight of a packed one (the tensor itself if it is plain): the same values.
+
+    Args:
+        w: a weight, (N, K), packed (mkldnn) or plain.
+
+    Returns:
+        A plain strided (N, K) tensor.
+    """
     return w.to_dense() if w.is_mkldnn else w
 
 

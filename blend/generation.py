@@ -330,18 +330,46 @@ def stream(engine, prompt: Prompt, policy: ReusePolicy | None = None, config: Ge
     """Stream an answer: ``for text in stream(engine, prompt): print(text, end="")``.
 
     See :class:`Generation`; ``.result()`` gives the :class:`Completion` afterwards.
+
+    Args:
+        engine: a :class:`blend.engine.Engine`.
+        prompt: from ``engine.build_prompt``.
+        policy: reuse policy; None: exact reuse.
+        config: sampling and stop settings; None: greedy, 32 tokens.
+        batching: decode GEMM mode (the server's, to get its exact numbers).
+
+    Returns:
+        The :class:`Generation`; nothing runs until its first ``next()``.
     """
     return Generation(engine, prompt, policy, config, batching)
 
 
 def generate(engine, prompt: Prompt, policy: ReusePolicy | None = None, config: GenerationConfig | None = None,
              batching: DecodeBatching = DecodeBatching.THROUGHPUT) -> Completion:
-    """Generate a whole answer (see :func:`stream`)."""
+    """Generate a whole answer (see :func:`stream`).
+
+    Args:
+        engine: a :class:`blend.engine.Engine`.
+        prompt: from ``engine.build_prompt``.
+        policy: reuse policy; None: exact reuse.
+        config: sampling and stop settings; None: greedy, 32 tokens.
+        batching: decode GEMM mode (the server's, to get its exact numbers).
+
+    Returns:
+        The finished :class:`Completion`: text, token ids, finish reason, timings and reuse report.
+    """
     return Generation(engine, prompt, policy, config, batching).result()
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    """Normalize OpenAI's ``stop`` (a string, a list, or null) to a tuple."""
+    """Normalize OpenAI's ``stop`` (a string, a list, or null) to a tuple.
+
+    Args:
+        stop: one stop string, a sequence of them, or None.
+
+    Returns:
+        The stop strings, in order (empty for None).
+    """
     if stop is None:
         return ()
     if isinstance(stop, str):

@@ -31,7 +31,11 @@ if TYPE_CHECKING:
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    """--temperature, --top-p, --seed, --stop, --multiline."""
+    """--temperature, --top-p, --seed, --stop, --multiline.
+
+    Args:
+        p: the command's parser.
+    """
     p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
                    help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="nucleus sampling (default: %(default)s: off)")
@@ -41,7 +45,17 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def generation_config_from_args(args: argparse.Namespace) -> "GenerationConfig":
-    """The :class:`GenerationConfig` of parsed ``ask`` arguments."""
+    """The :class:`GenerationConfig` of parsed ``ask`` arguments.
+
+    Args:
+        args: parsed arguments holding :func:`add_sampling_arguments`' flags and ``max_new_tokens``.
+
+    Returns:
+        The config.
+
+    Raises:
+        InvalidSettingError: a setting out of range (checked before any model loads).
+    """
     from blend.sampling import GenerationConfig
 
     return GenerationConfig(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -52,7 +66,18 @@ def generation_config_from_args(args: argparse.Namespace) -> "GenerationConfig":
 def stream_answer(engine, prompt: "Prompt", policy: "ReusePolicy", config: "GenerationConfig",
                   out: TextIO | None = None) -> "Completion":
     """Print ``answer: ...`` as the tokens come (leading whitespace dropped; to ``out``, default the standard
-    output of the moment) and return the completion."""
+    output of the moment) and return the completion.
+
+    Args:
+        engine: a :class:`blend.engine.Engine`.
+        prompt: from ``engine.build_prompt``.
+        policy: the reuse policy.
+        config: sampling and stop settings.
+        out: where the answer is printed; None: ``sys.stdout`` as it is at the call.
+
+    Returns:
+        The finished :class:`~blend.generation.Completion` (its text unstripped).
+    """
     from blend.generation import stream
 
     g = stream(engine, prompt, policy, config)
@@ -113,7 +138,17 @@ def _end_line(out: TextIO) -> None:
 
 
 def generate_answer(engine, prompt: "Prompt", policy: "ReusePolicy", config: "GenerationConfig") -> "Completion":
-    """The whole answer at once, its text stripped as ``kvblend ask --json`` reports it."""
+    """The whole answer at once, its text stripped as ``kvblend ask --json`` reports it.
+
+    Args:
+        engine: a :class:`blend.engine.Engine`.
+        prompt: from ``engine.build_prompt``.
+        policy: the reuse policy.
+        config: sampling and stop settings.
+
+    Returns:
+        The finished :class:`~blend.generation.Completion`, its text stripped of surrounding whitespace.
+    """
     import dataclasses
 
     from blend.generation import generate

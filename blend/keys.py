@@ -91,7 +91,14 @@ class Provenance:
 
 
 def provenance_digest(canonical_json: str) -> bytes:
-    """:meth:`Provenance.digest` from the canonical JSON alone (what a component given only the JSON holds)."""
+    """:meth:`Provenance.digest` from the canonical JSON alone (what a component given only the JSON holds).
+
+    Args:
+        canonical_json: :meth:`Provenance.canonical_json`'s text.
+
+    Returns:
+        Its sha256, 32 bytes.
+    """
     return hashlib.sha256(canonical_json.encode()).digest()
 
 
@@ -101,7 +108,14 @@ def _tokens_bytes(token_ids: Sequence[int]) -> bytes:
 
 
 def token_digest(token_ids: Sequence[int]) -> bytes:
-    """sha256 over token ids as little-endian uint32 with a length prefix."""
+    """sha256 over token ids as little-endian uint32 with a length prefix.
+
+    Args:
+        token_ids: the tokens (each below 2**32).
+
+    Returns:
+        The digest, 32 bytes.
+    """
     h = hashlib.sha256()
     h.update(len(token_ids).to_bytes(8, "little"))
     h.update(_tokens_bytes(token_ids))
@@ -157,10 +171,20 @@ def canonical_key_of(prov_digest: bytes, preamble_digest: bytes, chunk_digest: b
         prov_digest: :meth:`Provenance.digest`.
         preamble_digest, chunk_digest: :func:`token_digest` of the preamble and of the chunk.
         salt: the request's cache salt ("" = none).
+
+    Returns:
+        The key :func:`canonical_key` gives for the same provenance, preamble, chunk and salt.
     """
     return StoreKey(hashlib.sha256(_salted(b"canonical" + prov_digest, salt) + preamble_digest + chunk_digest).digest())
 
 
 def key_hex(key: StoreKey) -> str:
-    """Printable form of a key."""
+    """Printable form of a key.
+
+    Args:
+        key: a store key.
+
+    Returns:
+        Its bytes in lowercase hex (64 digits for a sha256 key).
+    """
     return bytes(key).hex()

@@ -91,6 +91,12 @@ def sliding_window(config) -> int | None:
     mark ``sliding_attention`` (transformers derives them from ``use_sliding_window`` and
     ``max_window_layers``; with none of them, or ``use_sliding_window`` off, there is no window). Llama: none,
     whatever its config carries (its attention reads no window). Another type's window is taken as given.
+
+    Args:
+        config: a transformers config.
+
+    Returns:
+        The window, in tokens, or None where the model's attention has none.
     """
     window = getattr(config, "sliding_window", None)
     model_type = getattr(config, "model_type", "")
@@ -108,6 +114,9 @@ def context_length(config) -> tuple[int, str]:
     factor for dynamic-NTK RoPE (which rescales past the trained length by design), at most a
     sliding attention window: the engine attends to every earlier key, which is the windowed
     model's attention only while a sequence fits in its window.
+
+    Args:
+        config: a transformers config (``max_position_embeddings`` required).
 
     Returns:
         The length, and the config field(s) that set it (for the error that refuses a longer prompt).
@@ -127,7 +136,19 @@ def context_length(config) -> tuple[int, str]:
 
 
 def extract_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> LayerWeights:
-    """Copy one transformers decoder layer's weights into a :class:`LayerWeights`."""
+    """Copy one transformers decoder layer's weights into a :class:`LayerWeights`.
+
+    Args:
+        layer: one decoder layer of a transformers Llama-family model.
+        dtype: the dtype of the copies.
+        device: where the copies live.
+
+    Returns:
+        Its weights, q/k/v and gate/up fused, contiguous.
+
+    Raises:
+        UnknownModelError: a projection that is not a plain ``torch.nn.Linear``, or a bias other than q/k/v's.
+    """
     att, mlp = layer.self_attn, layer.mlp
 
     def cast(t: torch.Tensor) -> torch.Tensor:

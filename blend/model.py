@@ -50,7 +50,16 @@ from blend.rope import RopeTables, apply_rope, partial_rotary_factor
 # ---- the steps of one layer -------------------------------------------------------------
 
 def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, as transformers does. h: (S, C) -> (S, C)."""
+    """RMSNorm computed in fp32, as transformers does. h: (S, C) -> (S, C).
+
+    Args:
+        h: hidden rows, (S, C).
+        weight: the norm's scale, (C,).
+        eps: the config's epsilon, added to the mean square.
+
+    Returns:
+        The normalized rows, (S, C) in ``h``'s dtype (times ``weight``, in its dtype's promotion).
+    """
     dtype = h.dtype
     x = h.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -78,6 +87,11 @@ def project_qkv(w: LayerWeights, dims: ModelDims, x: torch.Tensor) -> tuple[torc
 
 def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """Additive mask: 0 where key j is visible to query i (k_pos[j] <= q_pos[i]), -inf elsewhere.
+
+    Args:
+        q_pos: the queries' absolute positions, (S,).
+        k_pos: the keys' absolute positions, (T,).
+        dtype: the mask's dtype (the attention scores').
 
     Returns:
         (S, T) mask in ``dtype``, or None when every key is visible to every query.
@@ -121,19 +135,44 @@ def attend_suffix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def attn_out(w: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """Residual add of the attention output projection. (S, C)."""
+    """Residual add of the attention output projection. (S, C).
+
+    Args:
+        w: the layer's weights (``w_o``).
+        h: the hidden rows before the attention block, (S, C).
+        attn: their attention output, (S, Hq D).
+
+    Returns:
+        ``h`` plus the projected attention, (S, C) in ``h``'s dtype.
+    """
     return h + linear(attn.to(w.w_o.dtype), w.w_o).to(h.dtype)
 
 
 @lru_cache(maxsize=None)
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The activation function a config names (transformers' ``ACT2FN``), looked up once: ``ACT2FN[name]``
-    builds a new module at every lookup, ~8 us a layer on the request path."""
+    builds a new module at every lookup, ~8 us a layer on the request path.
+
+    Args:
+        name: the config's ``hidden_act`` (``silu``, ``gelu_pytorch_tanh``, ...).
+
+    Returns:
+        The function, elementwise on a tensor of any shape.
+    """
     return ACT2FN[name].forward
 
 
 def mlp_block(w: LayerWeights, dims: ModelDims, h: torch.Tensor) -> torch.Tensor:
-    """Residual SwiGLU MLP: h + down(act(gate(x)) * up(x)), x = norm(h). (S, C)."""
+    """Residual SwiGLU MLP: h + down(act(gate(x)) * up(x)), x = norm(h). (S, C).
+
+    Args:
+        w: the layer's weights (``post_norm``, ``w_gate_up``, ``w_down``).
+        dims: the model's shapes (its norm epsilon and activation).
+        h: the hidden rows after the attention block, (S, C).
+
+    Returns:
+        The layer's output rows, (S, C) in ``h``'s dtype.
+    """
     x = rms_norm(h, w.post_norm, dims.eps).to(w.w_gate_up.dtype)  # (S, C) in the weights' dtype
     gate, up = linear(x, w.w_gate_up).chunk(2, dim=-1)  # (S, I), (S, I)
     return h + linear(activation(dims.act)(gate) * up, w.w_down).to(h.dtype)
@@ -174,12 +213,33 @@ def _attention_rows(w: LayerWeights, dims: ModelDims, layer: int, h: torch.Tenso
 
 def layer_attention_only(w: LayerWeights, dims: ModelDims, layer: int, h: torch.Tensor, rows: LayerRows) -> None:
     """A layer's K/V and attention over the hidden rows h (A, C), without the output projection and
-    MLP: for a pass that only reads what its rows attend to at its last layer (the query probe)."""
+    MLP: for a pass that only reads what its rows attend to at its last layer (the query probe).
+
+    Args:
+        w: the layer's weights.
+        dims: the model's shapes.
+        layer: the layer's index.
+        h: the active hidden rows, (A, C).
+        rows: where the fresh K/V go and what the queries attend to (their attention is read there).
+    """
     _attention_rows(w, dims, layer, h, rows)
 
 
 def layer_forward(w: LayerWeights, dims: ModelDims, layer: int, h: torch.Tensor, rows: LayerRows) -> torch.Tensor:
-    """One decoder layer over the active hidden rows h (A, C) -> (A', C)."""
+    """One decoder layer over the active hidden rows h (A, C) -> (A', C).
+
+    Args:
+        w: the layer's weights.
+        dims: the model's shapes.
+        layer: the layer's index.
+        h: the active hidden rows, (A, C).
+        rows: where the fresh K/V go and what the queries attend to; its ``gemm_tile`` (an int) runs the
+            GEMMs on tiles of that many rows.
+
+    Returns:
+        The hidden rows that go on, (A', C): all of them, or the subset ``rows.store_kv`` keeps (a blend's
+        check layer).
+    """
     tile = rows.gemm_tile
     if tile is None:
         h, attn = _attention_rows(w, dims, layer, h, rows)  # (A', C), (A', Hq D)

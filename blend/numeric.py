@@ -17,6 +17,12 @@ def finite_real(x: object) -> bool:
     """Whether ``x`` is a real number (not a bool) whose float is finite.
 
     NaN, infinity and an integer too large for a float are not; numpy's scalars are real numbers too.
+
+    Args:
+        x: any value (untrusted input).
+
+    Returns:
+        Whether it is a finite real number.
     """
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         return False
@@ -27,12 +33,26 @@ def finite_real(x: object) -> bool:
 
 
 def integral(x: object) -> bool:
-    """Whether ``x`` is an integer (numpy's included), not a bool."""
+    """Whether ``x`` is an integer (numpy's included), not a bool.
+
+    Args:
+        x: any value (untrusted input).
+
+    Returns:
+        Whether it is an integer.
+    """
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def shown(x: object) -> str:
-    """``repr`` of a rejected value, short (an integer of thousands of digits by its size)."""
+    """``repr`` of a rejected value, short (an integer of thousands of digits by its size).
+
+    Args:
+        x: the rejected value.
+
+    Returns:
+        Its ``repr`` cut to 60 characters, or ``an integer of N bits`` past :data:`HUGE_INT_SHOWN`.
+    """
     if isinstance(x, int) and not isinstance(x, bool) and abs(x) > HUGE_INT_SHOWN:
         return f"an integer of {x.bit_length()} bits"
     return f"{x!r:.60}"

@@ -41,7 +41,18 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def read_document(path: str) -> str:
-    """Read a UTF-8 text document, with a clear error for missing or non-UTF-8 files."""
+    """Read a UTF-8 text document, with a clear error for missing or non-UTF-8 files.
+
+    Args:
+        path: the document's file (a symbolic link is followed).
+
+    Returns:
+        The document's text.
+
+    Raises:
+        InvalidRequestError: the path is a folder, missing, not a regular file, unreadable, over
+            :data:`MAX_DOCUMENT_BYTES`, not UTF-8, or blank.
+    """
     p = Path(path)
     if p.is_dir():
         raise InvalidRequestError(f"document {path}: is a directory (give a file; `kvblend ingest` takes folders)")
@@ -65,7 +76,11 @@ def read_document(path: str) -> str:
 
 
 def add_store_argument(parser: argparse.ArgumentParser) -> None:
-    """Add ``--store SPEC`` to a command that computes (or inspects) KV."""
+    """Add ``--store SPEC`` to a command that computes (or inspects) KV.
+
+    Args:
+        parser: the command's parser.
+    """
     parser.add_argument(
         "--store", default=None, metavar="SPEC",
         help="memory | disk:PATH[?max_bytes=20G] | redis://HOST:PORT/DB[?prefix=P&ttl=S] | a comma chain "
@@ -74,13 +89,21 @@ def add_store_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--model and --dtype."""
+    """--model and --dtype.
+
+    Args:
+        p: the command's parser.
+    """
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name or checkpoint directory (default: %(default)s)")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --kv-dtype, --store: shared by every command that computes."""
+    """--model, --dtype, --kv-dtype, --store: shared by every command that computes.
+
+    Args:
+        p: the command's parser.
+    """
     add_model_arguments(p)
     p.add_argument("--kv-dtype", default=None, choices=DTYPE_NAMES, help="dtype KV is stored at (default: --dtype)")
     p.add_argument("--gemm", default=DEFAULT_GEMM, choices=GEMM_CHOICES,
@@ -126,7 +149,11 @@ def _temperature(text: str) -> float:
 
 
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:
-    """--reuse and the blend knobs."""
+    """--reuse and the blend knobs.
+
+    Args:
+        p: the command's parser.
+    """
     p.add_argument("--reuse", default=ReuseMode.EXACT.value, choices=REUSE_CHOICES,
                    help="exact prefix reuse (default), blended reuse (opt-in), or none")
     p.add_argument("--ratio", type=float, default=DEFAULT_RATIO,
@@ -189,7 +216,18 @@ _NOT_POLICY_FLAGS = frozenset({"semantic", "seed"})
 
 
 def policy_from_args(args: argparse.Namespace) -> ReusePolicy:
-    """The request's :class:`ReusePolicy` from parsed arguments (missing blend knobs take their defaults)."""
+    """The request's :class:`ReusePolicy` from parsed arguments (missing blend knobs take their defaults).
+
+    Args:
+        args: parsed arguments (a command without :func:`add_policy_arguments`' flags gets exact reuse).
+
+    Returns:
+        The policy: ``none``, ``exact`` or a blend with every knob read from ``args``.
+
+    Raises:
+        InvalidPolicyError: ``--semantic`` outside a blend or without ``--experimental-semantic``, or a blend
+            setting changed under another ``--reuse``; the policy's own checks raise theirs on a bad value.
+    """
     mode = ReuseMode(getattr(args, "reuse", ReuseMode.EXACT.value))
     if mode is not ReuseMode.BLEND and getattr(args, "semantic", False):
         # semantic reuse is never dropped without a word (the server and ReusePolicy refuse it too);
@@ -250,7 +288,15 @@ def load_engine(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, store: A
 
 
 def engine_from_args(args: argparse.Namespace) -> "Engine":
-    """Load the engine a command's arguments describe."""
+    """Load the engine a command's arguments describe.
+
+    Args:
+        args: parsed arguments (``--model``, ``--dtype``, ``--kv-dtype``, ``--gemm``, ``--store``,
+            ``--experimental-semantic``; an absent one takes its default).
+
+    Returns:
+        The engine (see :func:`load_engine`).
+    """
     return load_engine(getattr(args, "model", DEFAULT_MODEL), getattr(args, "dtype", DEFAULT_DTYPE),
                        getattr(args, "store", None), kv_dtype=getattr(args, "kv_dtype", None),
                        gemm=getattr(args, "gemm", DEFAULT_GEMM),

@@ -46,7 +46,14 @@ PROBE_FIELDS = ("candidates", "probe_precision")
 
 @lru_cache(maxsize=None)
 def field_defaults(cls: type) -> dict[str, Any]:
-    """Each field's default as the dataclass ``cls`` declares it (what the rules compare settings with)."""
+    """Each field's default as the dataclass ``cls`` declares it (what the rules compare settings with).
+
+    Args:
+        cls: a dataclass type (:class:`~blend.policy.ReusePolicy`, ...).
+
+    Returns:
+        Field name to default (``dataclasses.MISSING`` for a field without one, or with a default factory).
+    """
     return {f.name: f.default for f in fields(cls)}
 
 

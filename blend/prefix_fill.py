@@ -32,7 +32,14 @@ from blend.segments import SegmentCache
 
 
 def order_segments(prompt: Prompt) -> tuple[Segment, ...]:
-    """The segments whose exact KV makes a blend of ``prompt`` exact: preamble and documents, in order."""
+    """The segments whose exact KV makes a blend of ``prompt`` exact: preamble and documents, in order.
+
+    Args:
+        prompt: the request's prompt.
+
+    Returns:
+        The preamble, then every document in prompt order.
+    """
     return (prompt.preamble, *prompt.documents)
 
 

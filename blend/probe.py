@@ -54,7 +54,17 @@ def probe_weight(attn: torch.Tensor, first: int = 0, reduce: LayerReduce = Layer
 
 
 def probe_score(weight: torch.Tensor, dev_v: torch.Tensor, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
-    """weight^alpha * dev_v^beta (beta = 0: attention alone). (N,)."""
+    """weight^alpha * dev_v^beta (beta = 0: attention alone). (N,).
+
+    Args:
+        weight: the probe's attention weight per candidate row (:func:`probe_weight`), (N,).
+        dev_v: each row's V deviation at the check layer, (N,).
+        alpha: the attention's exponent.
+        beta: the deviation's exponent (0: the deviation is left out).
+
+    Returns:
+        The score per row, (N,); negative inputs count as 0.
+    """
     return weight.clamp_min(0).pow(alpha) * (dev_v.clamp_min(0).pow(beta) if beta else 1.0)
 
 
@@ -88,7 +98,15 @@ def dilate(score: torch.Tensor, doc: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def top(score: torch.Tensor, budget: int) -> torch.Tensor:
-    """Positions of the ``budget`` largest scores (stable ties), unsorted."""
+    """Positions of the ``budget`` largest scores (stable ties), unsorted.
+
+    Args:
+        score: one score per row, (N,).
+        budget: how many rows (clamped to [0, N]).
+
+    Returns:
+        Their positions, (min(budget, N),) int64, highest score first.
+    """
     return torch.argsort(score, descending=True, stable=True)[: max(0, min(budget, score.numel()))]
 
 
@@ -128,7 +146,16 @@ def doc_budgets(mass: torch.Tensor, counts: torch.Tensor, budget: int, floor: fl
 
 
 def select_by_doc(score: torch.Tensor, doc: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
-    """The top ``budgets[d]`` rows of each document ``d`` by ``score``. Returns positions, sorted."""
+    """The top ``budgets[d]`` rows of each document ``d`` by ``score``. Returns positions, sorted.
+
+    Args:
+        score: one score per candidate row, (N,).
+        doc: each row's document index, (N,) int64.
+        budgets: rows to pick per document, (n_docs,) int (:func:`doc_budgets`).
+
+    Returns:
+        The picked rows' positions, (sum of budgets, at most,) int64, ascending.
+    """
     picked = []
     for d in range(budgets.numel()):
         idx = torch.nonzero(doc == d).flatten()  # (N_d,)
@@ -137,7 +164,16 @@ def select_by_doc(score: torch.Tensor, doc: torch.Tensor, budgets: torch.Tensor)
 
 
 def with_sinks(picked: torch.Tensor, offset: torch.Tensor, sinks: int) -> torch.Tensor:
-    """``picked`` plus every row with offset < ``sinks`` (the first rows of each document). Sorted, distinct."""
+    """``picked`` plus every row with offset < ``sinks`` (the first rows of each document). Sorted, distinct.
+
+    Args:
+        picked: positions already selected, (P,) int64.
+        offset: each candidate row's offset inside its document, (N,) int64.
+        sinks: how many first rows of each document to add (0: none).
+
+    Returns:
+        The positions, (P',) int64, ascending, without repeats.
+    """
     extra = torch.nonzero(offset < sinks).flatten()
     return torch.unique(torch.cat([picked, extra]))
 
@@ -177,13 +213,27 @@ def stop_count(score: torch.Tensor, target: float, min_count: int, max_count: in
 
 def entropy(logits: torch.Tensor) -> float:
     """Entropy (nats) of the softmax of a (V,) logit vector (the adaptive budget's sensitivity factor:
-    a peaked first-token distribution barely moves under a small logit error)."""
+    a peaked first-token distribution barely moves under a small logit error).
+
+    Args:
+        logits: one position's logits, (V,).
+
+    Returns:
+        The entropy in nats (computed in float64).
+    """
     lp = torch.log_softmax(logits.double(), dim=-1)  # (V,)
     return float(-(lp.exp() * lp).sum())
 
 
 def top2_margin(logits: torch.Tensor) -> float:
     """Log-probability gap (nats) between the two most likely tokens of a (V,) logit vector (the
-    near-tie guard's signal: a small gap is where a small logit error flips the first token)."""
+    near-tie guard's signal: a small gap is where a small logit error flips the first token).
+
+    Args:
+        logits: one position's logits, (V,) (at least two entries).
+
+    Returns:
+        The gap in nats, >= 0 (computed in float64).
+    """
     top = torch.topk(logits.double(), 2).values  # (2,)
     return float(top[0] - top[1])  # log-softmax differences equal logit differences

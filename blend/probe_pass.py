@@ -50,6 +50,9 @@ def bf16_pays(compute: torch.dtype, device: torch.device | None = None,
         compute: the engine's compute dtype.
         device: the engine's device (None: a CPU).
         flags: CPU flags (default: this machine's).
+
+    Returns:
+        True only for a float32 engine on a CPU whose flags give native bf16.
     """
     if compute != torch.float32 or (device is not None and device.type != "cpu"):
         return False
@@ -79,7 +82,17 @@ def resolve_recompute_precision(precision: RecomputePrecision, compute: torch.dt
                                 flags: frozenset[str] | None = None) -> RecomputePrecision:
     """What a blend's ``attention_precision`` or ``linear_precision`` means on this engine: AUTO becomes
     BF16 or COMPUTE (:func:`bf16_pays`); BF16 on a bf16 engine is COMPUTE (nothing to cast). Args as for
-    :func:`resolve_probe_precision`."""
+    :func:`resolve_probe_precision`.
+
+    Args:
+        precision: the policy's :class:`RecomputePrecision`.
+        compute: the engine's compute dtype.
+        device: the engine's device (AUTO picks bf16 on CPUs only).
+        flags: CPU flags for AUTO (default: this machine's).
+
+    Returns:
+        BF16 or COMPUTE.
+    """
     if precision is RecomputePrecision.AUTO:
         return RecomputePrecision.BF16 if bf16_pays(compute, device, flags) else RecomputePrecision.COMPUTE
     if precision is RecomputePrecision.BF16 and compute == torch.bfloat16:
@@ -113,13 +126,31 @@ def resolve_precisions(policy: ReusePolicy, compute: torch.dtype, device: torch.
 
 def recompute_dtype(precision: RecomputePrecision, compute: torch.dtype) -> torch.dtype:
     """The dtype a blend's recomputed rows attend in (or run their linear layers in) above its last check
-    layer (``precision`` resolved)."""
+    layer (``precision`` resolved).
+
+    Args:
+        precision: the resolved precision (:func:`resolve_recompute_precision`).
+        compute: the engine's compute dtype.
+
+    Returns:
+        ``torch.bfloat16`` for BF16, else ``compute``.
+    """
     return torch.bfloat16 if precision is RecomputePrecision.BF16 else compute
 
 
 def probe_gemm_dtype(precision: ProbePrecision, compute: torch.dtype, device: torch.device | None = None,
                      flags: frozenset[str] | None = None) -> torch.dtype:
-    """The dtype the probe's GEMMs run in (args as for :func:`resolve_probe_precision`)."""
+    """The dtype the probe's GEMMs run in (args as for :func:`resolve_probe_precision`).
+
+    Args:
+        precision: the policy's :class:`ProbePrecision`.
+        compute: the engine's compute dtype.
+        device: the engine's device (AUTO picks bf16 on CPUs only).
+        flags: CPU flags for AUTO (default: this machine's).
+
+    Returns:
+        ``torch.bfloat16`` where the precision resolves to BF16, else ``compute``.
+    """
     if resolve_probe_precision(precision, compute, device, flags) is ProbePrecision.BF16:
         return torch.bfloat16
     return compute

@@ -14,7 +14,14 @@ from typing import Callable, TextIO
 
 
 def format_duration(seconds: float | None) -> str:
-    """``h:mm:ss`` or ``m:ss``; ``?`` when unknown, negative or infinite."""
+    """``h:mm:ss`` or ``m:ss``; ``?`` when unknown, negative or infinite.
+
+    Args:
+        seconds: the duration (None, NaN, negative or infinite: unknown).
+
+    Returns:
+        The duration rounded to whole seconds, or ``?``.
+    """
     if seconds is None or seconds != seconds or seconds < 0 or seconds == float("inf"):
         return "?"
     s = int(round(seconds))

@@ -165,7 +165,15 @@ def _conversation_parts(tokenizer, system: str, history: Sequence[Turn], questio
 
 
 def tokenize_segment(tokenizer, text: str) -> tuple[int, ...]:
-    """Token ids of one segment, with no special tokens added."""
+    """Token ids of one segment, with no special tokens added.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        text: the segment's text, as rendered.
+
+    Returns:
+        Its token ids.
+    """
     return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -233,7 +241,19 @@ def document_text(doc: str) -> str:
 
 
 def preamble_segment(tokenizer, system: str | None) -> Segment:
-    """The preamble: chat head with the system prompt and the user turn's opening."""
+    """The preamble: chat head with the system prompt and the user turn's opening.
+
+    Args:
+        tokenizer: a transformers tokenizer (without a chat template: the system prompt and a blank line).
+        system: the system prompt; None: :data:`DEFAULT_SYSTEM`.
+
+    Returns:
+        The :attr:`SegmentKind.PREAMBLE` segment.
+
+    Raises:
+        InvalidRequestError: the preamble holds no token (an empty system prompt under a template that puts
+            nothing before the user's turn).
+    """
     head, _ = _template_parts(tokenizer, _user(tokenizer, DEFAULT_SYSTEM if system is None else system))
     return _preamble(tokenizer, head)
 

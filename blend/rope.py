@@ -114,7 +114,14 @@ def _length_dependent_after(rotary_emb: torch.nn.Module, rope_type: str) -> int 
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) over the last dim."""
+    """(x1, x2) -> (-x2, x1) over the last dim.
+
+    Args:
+        x: any tensor whose last dimension is even, (..., R).
+
+    Returns:
+        The rotated halves, (..., R).
+    """
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -184,7 +191,15 @@ def partial_rotary_factor(config) -> float | None:
 
 
 def rope_config_json(config) -> str:
-    """Canonical JSON of everything in a model config that shapes its RoPE."""
+    """Canonical JSON of everything in a model config that shapes its RoPE.
+
+    Args:
+        config: a transformers config.
+
+    Returns:
+        Sorted JSON of the RoPE fields the config sets (unset ones left out; a value JSON cannot hold
+        is written as its ``str``).
+    """
     fields = {}
     for name in ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor",
                  "max_position_embeddings", "head_dim"):

@@ -51,7 +51,14 @@ class FileTooLargeError(UnsafeFileError):
 
 
 def file_kind(mode: int) -> str:
-    """``"a FIFO"``, ``"a directory"``, ... for a non-regular ``st_mode``."""
+    """``"a FIFO"``, ``"a directory"``, ... for a non-regular ``st_mode``.
+
+    Args:
+        mode: an ``os.stat`` result's ``st_mode``.
+
+    Returns:
+        A phrase naming the kind of file, for an error message.
+    """
     for test, name in _KINDS:
         if test(mode):
             return name
@@ -59,7 +66,15 @@ def file_kind(mode: int) -> str:
 
 
 def is_regular(path: str | os.PathLike[str], follow_symlinks: bool = True) -> bool:
-    """Whether ``path`` is a regular file (False if absent or unreadable)."""
+    """Whether ``path`` is a regular file (False if absent or unreadable).
+
+    Args:
+        path: the file.
+        follow_symlinks: whether a symbolic link is judged by its target (False: a link is not regular).
+
+    Returns:
+        Whether it is a regular file.
+    """
     try:
         return stat.S_ISREG(os.stat(path, follow_symlinks=follow_symlinks).st_mode)
     except OSError:
@@ -106,7 +121,16 @@ def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, follow_
 
 
 def pread_exact(fd: int, n: int, offset: int) -> bytes:
-    """Up to ``n`` bytes at ``offset`` (fewer only at the end of the file)."""
+    """Up to ``n`` bytes at ``offset`` (fewer only at the end of the file).
+
+    Args:
+        fd: an open file descriptor.
+        n: bytes wanted.
+        offset: where to read from, in bytes.
+
+    Returns:
+        The bytes read (read in pieces of at most 16 MiB, so a huge ``n`` allocates no more than the file holds).
+    """
     parts, got = [], 0
     while got < n:
         chunk = os.pread(fd, min(n - got, 1 << 24), offset + got)
@@ -119,6 +143,14 @@ def pread_exact(fd: int, n: int, offset: int) -> bytes:
 
 def read_regular(path: str | os.PathLike[str], max_bytes: int, follow_symlinks: bool = False) -> bytes:
     """The whole of a regular file of at most ``max_bytes``.
+
+    Args:
+        path: the file.
+        max_bytes: the largest size accepted.
+        follow_symlinks: whether a symbolic link is followed (False: a link is refused as not regular).
+
+    Returns:
+        The file's bytes (at most ``max_bytes``, should it grow while read).
 
     Raises:
         FileNotFoundError: absent.
@@ -146,7 +178,11 @@ TMP_SUFFIX = ".tmp"  # atomic_file's temporary files: .NAME.XXXXXXXX.tmp beside 
 
 def fsync_dir(folder: str | os.PathLike[str]) -> None:
     """fsync a directory so a rename inside it survives power loss (best effort: some file
-    systems and platforms cannot open or fsync a directory; that is not an error)."""
+    systems and platforms cannot open or fsync a directory; that is not an error).
+
+    Args:
+        folder: the directory.
+    """
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
     except OSError:
@@ -162,6 +198,9 @@ def fsync_dir(folder: str | os.PathLike[str]) -> None:
 def fsync_files(folder: str | os.PathLike[str]) -> None:
     """fsync every regular file directly inside ``folder``, then the folder: what was written there is on
     disk before a rename publishes the folder (a crash could otherwise leave the new name over empty files).
+
+    Args:
+        folder: the directory (subfolders and symbolic links in it are left alone).
 
     Raises:
         OSError: a file could not be opened or fsynced.
@@ -301,7 +340,17 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | bytearray | m
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, *, encoding: str = "utf-8",
                       fsync: bool = True) -> None:
-    """:func:`atomic_write_bytes` of ``text`` encoded (UTF-8 by default)."""
+    """:func:`atomic_write_bytes` of ``text`` encoded (UTF-8 by default).
+
+    Args:
+        path: the file to replace (its folder must exist).
+        text: the new contents.
+        encoding: the text's encoding.
+        fsync: fsync the file and its folder (durable across power loss).
+
+    Raises:
+        OSError: the write or the rename failed (the old file is left as it was).
+    """
     atomic_write_bytes(path, text.encode(encoding), fsync=fsync)
 
 

@@ -80,7 +80,14 @@ def prefix_namespaces(segments: Sequence[Segment]) -> list[Namespace]:
     """Where each segment of a prompt's prefix is stored (:meth:`~blend.segments.SegmentCache.prefix_keys`, without
     keys): the first document right after the preamble under CANONICAL, every other segment under
     EXACT. A schedule without the store computes each segment in its namespace's form too, so turning
-    the store off changes no bit (with a lower storage dtype the two forms round differently)."""
+    the store off changes no bit (with a lower storage dtype the two forms round differently).
+
+    Args:
+        segments: the prefix's segments, in prompt order.
+
+    Returns:
+        One namespace per segment, in the same order.
+    """
     out = [Namespace.EXACT] * len(segments)
     if len(segments) > 1 and segments[0].kind is SegmentKind.PREAMBLE and segments[1].kind is SegmentKind.DOCUMENT:
         out[1] = Namespace.CANONICAL

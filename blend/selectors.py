@@ -140,7 +140,16 @@ def select(name: str, inp: SelectionInputs, budget: int) -> torch.Tensor:
 
 
 def select_threshold(inp: SelectionInputs, threshold: float, cap: int) -> torch.Tensor:
-    """Every candidate whose relative V deviation exceeds ``threshold``, at most ``cap`` (largest first)."""
+    """Every candidate whose relative V deviation exceeds ``threshold``, at most ``cap`` (largest first).
+
+    Args:
+        inp: the check layer's per-candidate signals (its ``rel_v``).
+        threshold: the relative V deviation a row must exceed.
+        cap: the most rows taken (``max_ratio`` x reused tokens).
+
+    Returns:
+        (K,) int64 positions into the candidate list, sorted ascending.
+    """
     over = torch.nonzero(inp.rel_v > threshold).flatten()  # (M,)
     if over.numel() > cap:
         over = over[_top(inp.rel_v[over], cap)]
@@ -153,8 +162,17 @@ def select_auto(inp: SelectionInputs, target: float, cap: int, sensitivity: floa
     the probe's first-token distribution: a peaked answer barely moves) x the sum of
     probe_attn x ||dV|| over the rows not taken, over the mean ||V_cached||.
 
+    Args:
+        inp: the check layer's per-candidate signals (``probe_attn`` needed; no ``v_norm``: nothing taken).
+        target: the acceptable left-over estimate.
+        cap: the most rows taken (``max_ratio`` x reused tokens).
+        sensitivity: the estimate's factor (the probe's first-token entropy; 1: none).
+
     Returns:
         (K,) int64 positions into the candidate list, sorted ascending.
+
+    Raises:
+        ValueError: ``inp`` carries no probe attention.
     """
     score = _probe_score(inp)  # (N,)
     if inp.v_norm is None or score.numel() == 0:

@@ -69,7 +69,14 @@ def _has_records(tier: RecordLog, name: str) -> bool:
 
 
 def donor_log_name(provenance_json: str) -> str:
-    """The record log of one provenance's donors (its keys only resolve under it)."""
+    """The record log of one provenance's donors (its keys only resolve under it).
+
+    Args:
+        provenance_json: the provenance's canonical JSON.
+
+    Returns:
+        ``donors-`` and the first 16 hex digits of its digest.
+    """
     return "donors-" + provenance_digest(provenance_json).hex()[:16]
 
 
@@ -107,7 +114,15 @@ class Alignment:
 
 def match_pairs(donor_ids: Sequence[int], new_ids: Sequence[int]) -> int:
     """The work of aligning two token lists: sum over token ids of (count in one) x (count in the other),
-    the candidate matches difflib's matcher walks (its time follows this, not the lengths' product)."""
+    the candidate matches difflib's matcher walks (its time follows this, not the lengths' product).
+
+    Args:
+        donor_ids: the donor chunk's token ids.
+        new_ids: the new chunk's token ids.
+
+    Returns:
+        The number of equal-token pairs between the two lists.
+    """
     donor_counts = Counter(donor_ids)
     return sum(n * donor_counts[t] for t, n in Counter(new_ids).items())
 

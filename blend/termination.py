@@ -35,7 +35,11 @@ def _raise_terminated(signum, frame) -> None:
 def sigterm_unwinds() -> Iterator[None]:
     """Within the block, SIGTERM raises :class:`Terminated` in the main thread; the previous handler is
     restored after it (a second SIGTERM while the process flushes at exit then ends it at once).
-    Outside the main thread, or where handlers cannot be set, the block runs unchanged."""
+    Outside the main thread, or where handlers cannot be set, the block runs unchanged.
+
+    Yields:
+        Nothing; a SIGTERM during the block raises :class:`Terminated` where the main thread is.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -28,7 +28,16 @@ PSEUDO_WORDS = ("alpha beta gamma delta river stone harbor lantern copper meadow
 
 
 def make_docs(n: int, words: int = 40, seed: int = 0) -> list[str]:
-    """Deterministic pseudo-documents for the byte-level tiny models (tests, the device check)."""
+    """Deterministic pseudo-documents for the byte-level tiny models (tests, the device check).
+
+    Args:
+        n: how many documents.
+        words: pseudo-words per document.
+        seed: the random generator's seed (the same seed, the same documents).
+
+    Returns:
+        ``n`` documents, each ending ``(doc i)``.
+    """
     rng = random.Random(seed)
     return [" ".join(rng.choice(PSEUDO_WORDS) for _ in range(words)) + f" (doc {i})" for i in range(n)]
 
@@ -42,7 +51,12 @@ class TinyModel(Enum):
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer: ids 0..255 are bytes, then the chat specials."""
+    """A byte-level tokenizer: ids 0..255 are bytes, then the chat specials.
+
+    Returns:
+        A fast tokenizer of 259 ids (256 bytes, ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``) with a
+        ChatML chat template.
+    """
     table = byte_level_chars()
     vocab = {table[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -59,7 +73,17 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_config(kind: TinyModel):
-    """The config of a tiny test model (vocab 259 = bytes + 3 specials)."""
+    """The config of a tiny test model (vocab 259 = bytes + 3 specials).
+
+    Args:
+        kind: which tiny model.
+
+    Returns:
+        A transformers ``LlamaConfig`` or ``Qwen2Config`` (4 layers, GQA with 2 KV heads).
+
+    Raises:
+        UnknownModelError: ``kind`` is not a :class:`TinyModel`.
+    """
     common = dict(
         vocab_size=259,
         hidden_size=64,

@@ -202,7 +202,15 @@ def _header(scope: Scope, name: bytes) -> str:
 def playground_headers(page: str) -> dict[str, str]:
     """The playground page's security headers: only its own inline script runs (by hash), it talks only to
     this server, and no other site may frame it (a click through an invisible frame asked with the key the
-    user had typed)."""
+    user had typed).
+
+    Args:
+        page: the playground's HTML (each ``<script>`` body in it is allowed by its sha256).
+
+    Returns:
+        Header name to value: Content-Security-Policy, X-Frame-Options, X-Content-Type-Options and
+        Referrer-Policy.
+    """
     hashes = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(body.encode()).digest()).decode()}'"
                       for body in re.findall(r"<script>(.*?)</script>", page, flags=re.S))
     return {

@@ -48,7 +48,11 @@ def _port(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvblend serve`` parser (defaults from :mod:`blend.serve.config`)."""
+    """The ``kvblend serve`` parser (defaults from :mod:`blend.serve.config`).
+
+    Returns:
+        The parser; it reports a bad flag in one line and exits with status 2.
+    """
     lim, sch = _DEFAULT.limits, _DEFAULT.scheduler
     p = OneLineParser(prog="kvblend serve",
                                 description="OpenAI-compatible HTTP server with KV reuse of explicit documents")
@@ -131,7 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    """The :class:`ServeConfig` the parsed arguments describe."""
+    """The :class:`ServeConfig` the parsed arguments describe.
+
+    Args:
+        args: the parsed ``kvblend serve`` arguments.
+
+    Returns:
+        The server's config (``--torch-threads`` unset: the cores shared out by :func:`default_torch_threads`).
+
+    Raises:
+        ValueError: a setting the config's own checks refuse (it names the field).
+    """
     return ServeConfig(
         host=args.host, port=args.port, model=args.model, dtype=args.dtype, store=args.store,
         api_key=resolve_api_key(args.api_key), experimental_semantic=args.experimental_semantic,
@@ -162,7 +176,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def build_engine(config: ServeConfig) -> Engine:
-    """The engine a server runs: its store wrapped for single-flight claims."""
+    """The engine a server runs: its store wrapped for single-flight claims.
+
+    Args:
+        config: the server's config (model, dtype, store spec, semantic reuse, linear precision).
+
+    Returns:
+        The loaded engine, its blend weight copies prepared.
+    """
     store = FlightStore(open_store(config.store))
     engine = Engine.load(config.model, dtype=config.dtype, store=store,
                          experimental_semantic=config.experimental_semantic)
@@ -172,7 +193,14 @@ def build_engine(config: ServeConfig) -> Engine:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the server until interrupted."""
+    """Run the server until interrupted.
+
+    Args:
+        argv: the arguments after ``serve``; None: ``sys.argv[1:]``.
+
+    Returns:
+        0 once the server has shut down (a bad flag or setting exits with status 2, argparse's usage error).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

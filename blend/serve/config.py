@@ -148,7 +148,14 @@ class SchedulerConfig:
 
 
 def default_torch_threads(prefill_workers: int) -> int:
-    """Cores shared out between the prefill workers and the decode loop (at least one each)."""
+    """Cores shared out between the prefill workers and the decode loop (at least one each).
+
+    Args:
+        prefill_workers: the number of prefill threads.
+
+    Returns:
+        Intra-op threads per worker and for the decode loop: the cores over ``prefill_workers + 1``, at least 1.
+    """
     return max(1, (os.cpu_count() or 1) // (prefill_workers + 1))
 
 
@@ -214,7 +221,14 @@ def default_allowed_hosts(host: str, api_key: str | None, extra: str | None) -> 
 
 
 def host_name(header: str) -> str:
-    """The name in a Host header ("[::1]:8000" -> "::1", "Example.com:80" -> "example.com")."""
+    """The name in a Host header ("[::1]:8000" -> "::1", "Example.com:80" -> "example.com").
+
+    Args:
+        header: the Host header's value.
+
+    Returns:
+        The host, lowercased, without its port or IPv6 brackets.
+    """
     header = header.strip().lower()
     if header.startswith("["):
         return header[1:header.find("]")] if "]" in header else header
@@ -222,6 +236,13 @@ def host_name(header: str) -> str:
 
 
 def resolve_api_key(explicit: str | None) -> str | None:
-    """``--api-key`` if given, else ``$KVBLEND_API_KEY``; empty means none."""
+    """``--api-key`` if given, else ``$KVBLEND_API_KEY``; empty means none.
+
+    Args:
+        explicit: the ``--api-key`` value, or None where it was not given.
+
+    Returns:
+        The key, or None where the server takes requests without one.
+    """
     key = explicit if explicit is not None else os.environ.get(API_KEY_ENV)
     return key or None

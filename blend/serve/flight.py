@@ -32,7 +32,18 @@ FlightKey = tuple[Namespace, bytes]
 
 def request_keys(engine, prompt: Prompt, policy: ReusePolicy) -> list[FlightKey]:
     """The store keys a prefill of ``prompt`` under ``policy`` looks up (and stores on a miss),
-    derived by the engine's own segment cache."""
+    derived by the engine's own segment cache.
+
+    Args:
+        engine: the server's engine (its segment cache derives the keys).
+        prompt: the request's prompt.
+        policy: the request's policy (its mode, prefix limit and cache salt).
+
+    Returns:
+        (namespace, key bytes) pairs: none without reuse or for a lone question; under exact reuse the
+        prefix's segments (a conversation's earlier turns too); under a blend the preamble's exact key and
+        each document's canonical key.
+    """
     segments, salt = engine.segments, policy.cache_salt
     if policy.mode is ReuseMode.NONE or len(prompt.segments) < 2:  # one segment: the question, never stored
         return []

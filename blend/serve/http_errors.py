@@ -56,7 +56,14 @@ def error_for(error: BaseException) -> ApiError:
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
-    """One 400 naming every offending field (``param``: the first)."""
+    """One 400 naming every offending field (``param``: the first).
+
+    Args:
+        exc: FastAPI's validation error of a request body.
+
+    Returns:
+        The 400 error: malformed JSON, a body that is not an object, or every field error joined.
+    """
     parts, params = [], []
     for err in exc.errors():
         if err.get("type") == "json_invalid":

@@ -103,6 +103,15 @@ def policy_for(opts: KvblendOptions, salt: str, take_exact: bool = False,
 def prepare(engine, cfg: ServeConfig, body: ChatCompletionRequest | CompletionRequest, endpoint: Endpoint) -> Job:
     """Check ``body`` against the server's limits and build its prompt, policy and sampling settings.
 
+    Args:
+        engine: the server's engine (its tokenizer, dims and config).
+        cfg: the server's config (its limits, model id, default temperature, precisions).
+        body: the parsed request body.
+        endpoint: which endpoint received it (chat or completions).
+
+    Returns:
+        The :class:`Job`: prompt, policy, generation config and response options.
+
     Raises:
         ApiError: 400 (bad value; ``context_length_exceeded``: the prompt, or the prompt and the asked
             budget, over the model's context), 404 (unknown model), 413 (too many documents, prompt over

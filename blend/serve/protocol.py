@@ -55,7 +55,18 @@ class ResponseHead:
 
 
 def kvblend_extension(c: Completion, prompt: Prompt, tokenizer, return_tokens: bool) -> dict:
-    """The ``kvblend`` field of a response."""
+    """The ``kvblend`` field of a response.
+
+    Args:
+        c: the finished completion.
+        prompt: its prompt (the documents' tokens, for ``return_tokens``).
+        tokenizer: the engine's tokenizer.
+        return_tokens: whether to add each document's tokens as text.
+
+    Returns:
+        The reuse report, logits and steps digests, TTFT and end-to-end seconds, seed, answer token ids and
+        finish reason (and ``documents`` if asked), as JSON types.
+    """
     ext = {
         "report": c.report.to_dict(),
         "logits_sha256": c.logits_sha256(),
@@ -173,7 +184,17 @@ def _first_per_text(pairs) -> dict[str, float]:
 
 
 def full_body(head: ResponseHead, c: Completion, ext: dict, logprobs: LogprobFormat) -> dict:
-    """A non-streamed response (non-finite floats written as null)."""
+    """A non-streamed response (non-finite floats written as null).
+
+    Args:
+        head: the response's id, model, endpoint and creation time.
+        c: the finished completion.
+        ext: its ``kvblend`` field (:func:`kvblend_extension`).
+        logprobs: the response's logprobs formatter.
+
+    Returns:
+        The chat or completions response object, JSON-ready.
+    """
     lp = logprobs.format(c.logprobs)
     if head.endpoint is Endpoint.CHAT:
         choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
@@ -197,7 +218,14 @@ def _choice(head: ResponseHead, text: str | None, finish: str | None, first: boo
 
 
 def sse(data: dict | str) -> str:
-    """One server-sent event."""
+    """One server-sent event.
+
+    Args:
+        data: the event's payload: an object (written as compact JSON) or text as it is (``[DONE]``).
+
+    Returns:
+        ``data: <payload>`` and a blank line.
+    """
     payload = data if isinstance(data, str) else json_text.dumps(data, separators=(",", ":"))  # NaN: null
     return f"data: {payload}\n\n"
 
@@ -245,7 +273,15 @@ def final_chunk(head: ResponseHead, c: Completion, ext: dict, logprobs: dict | N
 
 
 def usage_chunk(head: ResponseHead, c: Completion) -> str:
-    """``stream_options.include_usage``: a last chunk with no choices and the usage."""
+    """``stream_options.include_usage``: a last chunk with no choices and the usage.
+
+    Args:
+        head: the response's id, model, endpoint and creation time.
+        c: the finished completion.
+
+    Returns:
+        The chunk as one server-sent event.
+    """
     return sse({**head.base(chunk=True), "choices": [], "usage": c.usage.to_dict()})
 
 
@@ -262,5 +298,15 @@ class ErrorType(Enum):
 
 
 def error_body(message: str, kind: ErrorType, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error object."""
+    """OpenAI's error object.
+
+    Args:
+        message: what went wrong, for people.
+        kind: the error's type.
+        param: the offending field, or None.
+        code: a machine-readable code (``context_length_exceeded``, ...), or None.
+
+    Returns:
+        ``{"error": {"message", "type", "param", "code"}}``.
+    """
     return {"error": {"message": message, "type": kind.value, "param": param, "code": code}}

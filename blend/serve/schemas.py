@@ -114,7 +114,14 @@ class ChatMessage(BaseModel):
 
 
 def document_text_of(doc: Union[Document, str]) -> str:
-    """A document's text as it goes into the prompt; a title becomes its first line."""
+    """A document's text as it goes into the prompt; a title becomes its first line.
+
+    Args:
+        doc: a document object or a plain string.
+
+    Returns:
+        The string as it is, or the document's text (after its title's line where it has one).
+    """
     if isinstance(doc, str):
         return doc
     return f"{doc.title}\n{doc.text}" if doc.title else doc.text
@@ -126,6 +133,9 @@ def conversation(messages: list[ChatMessage]) -> tuple[str | None, tuple[Turn, .
     System and developer messages are joined into the system prompt; the last message must be
     the user's (the question); the user and assistant messages before it are the conversation's
     history, in order.
+
+    Args:
+        messages: the chat's messages, in order.
 
     Returns:
         (system prompt, or None without a system message; history turns oldest first; question).
@@ -146,6 +156,13 @@ def conversation(messages: list[ChatMessage]) -> tuple[str | None, tuple[Turn, .
 
 def logprob_alternatives(logprobs: bool | None, top_logprobs: int | None) -> int | None:
     """A chat request's alternatives per answer token (None: no logprobs), as OpenAI reads the pair.
+
+    Args:
+        logprobs: the request's ``logprobs``.
+        top_logprobs: the request's ``top_logprobs`` (None: not given).
+
+    Returns:
+        The number of alternatives per token (0: the sampled token's logprob only), or None.
 
     Raises:
         ValueError: ``top_logprobs`` without ``logprobs: true`` (OpenAI refuses it).

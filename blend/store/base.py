@@ -88,7 +88,14 @@ class KVStore(Protocol):
 
 
 def counters_of(stats: StoreStats) -> StoreStats:
-    """A copy of a tier's own counters (entries and bytes left 0), for :meth:`KVStore.counters`."""
+    """A copy of a tier's own counters (entries and bytes left 0), for :meth:`KVStore.counters`.
+
+    Args:
+        stats: the tier's live stats.
+
+    Returns:
+        A new :class:`StoreStats` with the lookup, put and eviction counters (``extra`` copied).
+    """
     return StoreStats(hits=stats.hits, misses=stats.misses, rejected=stats.rejected, puts=stats.puts,
                       evictions=stats.evictions, extra=dict(stats.extra))
 
@@ -169,6 +176,12 @@ def entry_problem(entry: KVEntry) -> str:
     The tensors must be (L, Hkv, T, D) of one dtype, and that dtype must be the
     ``kv_dtype`` its provenance claims: reduced-precision KV stored under a
     full-precision provenance would be served as full precision.
+
+    Args:
+        entry: the entry to check.
+
+    Returns:
+        A short reason, or "" for a well-formed entry.
     """
     if entry.k.shape != entry.v.shape or entry.k.dim() != 4:
         return f"bad shapes k={tuple(entry.k.shape)} v={tuple(entry.v.shape)}"
@@ -182,7 +195,14 @@ def entry_problem(entry: KVEntry) -> str:
 
 
 def check_put(entry: KVEntry) -> None:
-    """Raise ``ValueError`` for an entry no tier may store (see :func:`entry_problem`)."""
+    """Raise ``ValueError`` for an entry no tier may store (see :func:`entry_problem`).
+
+    Args:
+        entry: the entry about to be stored.
+
+    Raises:
+        ValueError: naming what is malformed.
+    """
     why = entry_problem(entry)
     if why:
         raise ValueError(f"refusing to store a malformed KV entry: {why}")
@@ -240,7 +260,15 @@ def presence(store: KVStore, ns: Namespace, key: StoreKey) -> Presence:
 
 
 def check_entry(entry: KVEntry, provenance: str) -> str:
-    """Return why ``entry`` cannot serve ``provenance`` ('' if it can)."""
+    """Return why ``entry`` cannot serve ``provenance`` ('' if it can).
+
+    Args:
+        entry: an entry read from a tier.
+        provenance: the canonical JSON of the provenance the reader needs.
+
+    Returns:
+        ``provenance mismatch``, what :func:`entry_problem` finds, or "".
+    """
     if entry.provenance != provenance:
         return "provenance mismatch"
     return entry_problem(entry)

@@ -77,7 +77,14 @@ def add_store_commands(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_store_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``store`` (see :func:`add_store_commands`) with :func:`run_store_command` as its action."""
+    """Register ``store`` (see :func:`add_store_commands`) with :func:`run_store_command` as its action.
+
+    Args:
+        subparsers: the result of ``parser.add_subparsers(dest="command")``.
+
+    Returns:
+        The ``store`` parser.
+    """
     p = add_store_commands(subparsers)
     p.set_defaults(func=run_store_command)
     return p
@@ -287,7 +294,14 @@ def run_store_command(args: argparse.Namespace, out: TextIO | None = None) -> in
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m blend.store.cli stats``) until blend/cli.py wires it."""
+    """Stand-alone entry point (``python -m blend.store.cli stats``) until blend/cli.py wires it.
+
+    Args:
+        argv: the arguments after the program's name; None: ``sys.argv[1:]``.
+
+    Returns:
+        The exit status of :func:`run_store_command` (a usage error exits with status 2, argparse's).
+    """
     parser = argparse.ArgumentParser(prog="kvblend")
     add_store_commands(parser.add_subparsers(dest="command", required=True))
     return run_store_command(parser.parse_args(argv))

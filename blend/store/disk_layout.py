@@ -60,8 +60,8 @@ def entry_files(root: Path, ns: Namespace) -> Iterator[Path]:
         root: the store's folder.
         ns: the namespace listed.
 
-    Returns:
-        An iterator over the ``*.safetensors`` paths (listed lazily, shard by shard).
+    Yields:
+        Each ``*.safetensors`` path (listed lazily, shard by shard).
     """
     for shard in _shards(root, ns):
         yield from shard.glob(f"*{SUFFIX}")

@@ -211,7 +211,14 @@ class DiskRecordLogs:
 
 
 def complete_lines(data: bytes) -> list[bytes]:
-    """A record log's non-blank lines; the part after the last newline is torn and dropped."""
+    """A record log's non-blank lines; the part after the last newline is torn and dropped.
+
+    Args:
+        data: the log's bytes as read.
+
+    Returns:
+        Each whole line without its newline, in order, blank ones left out.
+    """
     return [ln for ln in data.split(b"\n")[:-1] if ln.strip()]
 
 

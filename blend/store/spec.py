@@ -59,6 +59,12 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 def parse_size(text: str) -> int:
     """Bytes in ``text``: a whole number with an optional K, M, G or T (powers of 1024, ``iB``/``B`` allowed).
 
+    Args:
+        text: the size as written (``500M``, ``20GiB``, ``1.5G``, ...).
+
+    Returns:
+        The size in bytes, rounded down, from 1 to :data:`MAX_SIZE`.
+
     Raises:
         StoreSpecError: not a positive size.
     """
@@ -79,6 +85,12 @@ def parse_size(text: str) -> int:
 
 
 def default_spec() -> str:
+    """The store spec used where none is given: ``$KVBLEND_STORE``, else the disk store under
+    ``$KVBLEND_HOME/store``.
+
+    Returns:
+        The spec, as :func:`open_store` reads it.
+    """
     return os.environ.get("KVBLEND_STORE") or f"disk:{kvblend_home() / 'store'}"
 
 

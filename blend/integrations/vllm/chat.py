@@ -61,7 +61,15 @@ _DOCUMENTS = TypeAdapter(list[Document | str])
 
 
 def is_kvblend_chat(body: Any) -> bool:
-    """Whether a chat body asks kvblend to lay out its documents (``documents`` plus a ``kvblend`` entry)."""
+    """Whether a chat body asks kvblend to lay out its documents (``documents`` plus a ``kvblend`` entry).
+
+    Args:
+        body: the request's parsed JSON body (any value: untrusted).
+
+    Returns:
+        True for an object with non-empty ``documents`` and a ``kv_transfer_params`` object holding
+        :data:`~blend.integrations.vllm.plan.PARAMS_KEY`.
+    """
     if not isinstance(body, dict) or not body.get("documents"):
         return False
     params = body.get("kv_transfer_params")

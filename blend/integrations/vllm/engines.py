@@ -302,7 +302,15 @@ _ENGINES_LOCK = threading.Lock()
 
 
 def shared_engine(cfg: ConnectorConfig, block_size: int) -> SharedEngine:
-    """This process's engine for ``cfg`` (made on first use)."""
+    """This process's engine for ``cfg`` (made on first use).
+
+    Args:
+        cfg: the connector's config.
+        block_size: vLLM's block size (engines of two block sizes are two engines).
+
+    Returns:
+        The one :class:`SharedEngine` of this process for that pair.
+    """
     with _ENGINES_LOCK:
         key = (cfg, block_size)
         if key not in _ENGINES:
@@ -311,6 +319,10 @@ def shared_engine(cfg: ConnectorConfig, block_size: int) -> SharedEngine:
 
 
 def loaded_engines() -> list[SharedEngine]:
-    """The engines made in this process so far (tests and tools reach the connector's engine here)."""
+    """The engines made in this process so far (tests and tools reach the connector's engine here).
+
+    Returns:
+        A copy of the list, in the order they were made.
+    """
     with _ENGINES_LOCK:
         return list(_ENGINES.values())

@@ -114,7 +114,16 @@ def calibrate(writer: BlockWriter, kv_heads: int, block_size: int, head_dim: int
 
 
 def standard_layout(kv_heads: int, block_size: int, head_dim: int) -> BlockLayout:
-    """The plain layout: K rows (B, D) then V rows (B, D) per (block, head). The reference for tests."""
+    """The plain layout: K rows (B, D) then V rows (B, D) per (block, head). The reference for tests.
+
+    Args:
+        kv_heads: KV heads per layer (Hkv).
+        block_size: rows per block (B).
+        head_dim: the head dimension (D).
+
+    Returns:
+        The layout: K of head h at ``h * 2BD + row * D + d``, V a further ``BD`` on, (Hkv, B, D) int64 each.
+    """
     h, b, d = kv_heads, block_size, head_dim
     base = (torch.arange(h) * (2 * b * d))[:, None, None]  # (Hkv, 1, 1)
     rows = (torch.arange(b) * d)[None, :, None] + torch.arange(d)[None, None, :]  # (1, B, D)

@@ -56,7 +56,14 @@ _TOKENIZERS_LOCK = threading.Lock()
 
 
 def served_tokenizer(path: str):
-    """The served model's tokenizer, loaded once per process (as kvblend's engine loads it)."""
+    """The served model's tokenizer, loaded once per process (as kvblend's engine loads it).
+
+    Args:
+        path: the served model's folder (vLLM's ``--model``).
+
+    Returns:
+        The transformers tokenizer, the same object on every later call for ``path``.
+    """
     with _TOKENIZERS_LOCK:
         if path not in _TOKENIZERS:
             from transformers import AutoTokenizer

@@ -114,7 +114,17 @@ def vllm_provenance(engine_prov: Provenance, backend: str, block_size: int, kv_d
 
 
 def block_keys(prov: Provenance, token_ids: Sequence[int], block_size: int, salt: str = "") -> list[StoreKey]:
-    """Prefix-chained keys of every whole block of ``token_ids`` (key i commits to blocks 0..i)."""
+    """Prefix-chained keys of every whole block of ``token_ids`` (key i commits to blocks 0..i).
+
+    Args:
+        prov: the provenance of the KV (vLLM's: :func:`vllm_provenance`).
+        token_ids: the prompt's token ids (a partial last block has no key).
+        block_size: vLLM's block size, in tokens.
+        salt: the request's cache salt ("" = none).
+
+    Returns:
+        One key per whole block, in order.
+    """
     n = len(token_ids) // block_size
     return exact_chain(prov, [token_ids[i * block_size:(i + 1) * block_size] for i in range(n)], salt)
 
@@ -140,7 +150,16 @@ def exact_claim(present: Sequence[bool], num_prompt: int, num_computed: int, blo
 
 def blend_claim(params: BlendParams, num_computed: int, block_size: int) -> int:
     """Tokens a blend claim adds: every row before the question (its last block may be partial:
-    vLLM writes the question's first rows into the rest of it)."""
+    vLLM writes the question's first rows into the rest of it).
+
+    Args:
+        params: the request's blend parameters.
+        num_computed: prompt tokens vLLM already holds (its local prefix cache).
+        block_size: vLLM's block size (unused: the claim may end inside a block).
+
+    Returns:
+        Rows from ``num_computed`` up to the question's first row (0 where vLLM holds them already).
+    """
     return max(0, params.question_start - num_computed)
 
 
@@ -267,6 +286,15 @@ def prompt_spans(segment_lengths: Sequence[int]) -> list[tuple[int, int]]:
     """Document spans of a kvblend prompt from its segment lengths (preamble, documents..., question).
 
     E.g. ``prompt_spans([len(s) for s in prompt.segments])`` for ``Engine.build_prompt``'s prompt.
+
+    Args:
+        segment_lengths: tokens per segment, in prompt order.
+
+    Returns:
+        Each document's ``[start, end)`` in the prompt's tokens, contiguous, in order.
+
+    Raises:
+        InvalidRequestError: fewer than three segments.
     """
     if len(segment_lengths) < 3:
         raise InvalidRequestError("a blended prompt needs a preamble, at least one document and a question")
@@ -284,6 +312,17 @@ def blend_salt(params: dict[str, Any], prompt_token_ids: Sequence[int], tenant: 
     approximate and depend on the blend policy *and on the whole prompt* (the probe ranks rows by
     the question's attention), so they must live under a salt that commits to both: only the same
     prompt under the same policy may reuse them. ``tenant``: the caller's own salt, kept in front.
+
+    Args:
+        params: the request's ``kv_transfer_params`` (its ``kvblend`` entry is parsed).
+        prompt_token_ids: the whole prompt's token ids.
+        tenant: the caller's own cache salt ("" = none).
+
+    Returns:
+        ``<tenant>|<the blend's suffix>``: the policy, the document spans and a digest of the prompt.
+
+    Raises:
+        InvalidRequestError: ``params`` asks for no blend, or its ``kvblend`` entry is malformed.
     """
     p = parse_blend_params(params, len(prompt_token_ids))
     if p is None:
@@ -301,7 +340,16 @@ def _blend_suffix(params: BlendParams, prompt_token_ids: Sequence[int]) -> str:
 
 
 def salt_allows_blend(salt: str | None, params: BlendParams, prompt_token_ids: Sequence[int]) -> bool:
-    """Whether ``salt`` keeps this blend's blocks apart from every other prompt's (see :func:`blend_salt`)."""
+    """Whether ``salt`` keeps this blend's blocks apart from every other prompt's (see :func:`blend_salt`).
+
+    Args:
+        salt: the request's ``cache_salt`` (None or "": no salt, which never allows a blend).
+        params: the request's parsed blend parameters.
+        prompt_token_ids: the whole prompt's token ids.
+
+    Returns:
+        Whether the salt ends with this blend's suffix.
+    """
     return bool(salt) and salt.endswith(_blend_suffix(params, prompt_token_ids))
 
 
