@@ -47,7 +47,11 @@ USER_ERRORS: tuple[type[BaseException], ...] = (RetrievalError, FileNotFoundErro
 
 
 def demo_dir() -> Path:
-    """The demo corpus shipped in the package (``blend/data/demo``)."""
+    """The demo corpus shipped in the package (``blend/data/demo``).
+
+    Returns:
+        The folder inside the installed ``blend`` package.
+    """
     return Path(blend.__file__).resolve().parent / "data" / "demo"
 
 
@@ -71,7 +75,14 @@ def _guard(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace,
 
 
 def add_ingest_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``ingest`` on the main CLI's subparsers."""
+    """Register ``ingest`` on the main CLI's subparsers.
+
+    Args:
+        subparsers: the result of ``parser.add_subparsers(dest="command")``.
+
+    Returns:
+        The ``ingest`` parser.
+    """
     p = subparsers.add_parser("ingest", help="chunk, embed, index and precompute KV for a corpus")
     p.add_argument("paths", nargs="+", metavar="PATH", help=".txt, .md, .jsonl files or folders")
     p.add_argument("--index", required=True, metavar="DIR", help="index folder (created if absent)")
@@ -98,7 +109,14 @@ def add_ingest_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_demo_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``demo`` on the main CLI's subparsers."""
+    """Register ``demo`` on the main CLI's subparsers.
+
+    Args:
+        subparsers: the result of ``parser.add_subparsers(dest="command")``.
+
+    Returns:
+        The ``demo`` parser.
+    """
     d = subparsers.add_parser("demo", help="ingest the bundled corpus and answer its questions with KV reuse")
     add_store_argument(d)
     add_model_arguments(d)
@@ -113,7 +131,15 @@ def add_demo_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_ingest(args: argparse.Namespace) -> int:
-    """``kvblend ingest PATH... --index DIR [--store SPEC]``."""
+    """``kvblend ingest PATH... --index DIR [--store SPEC]``.
+
+    Args:
+        args: the parsed ``ingest`` arguments.
+
+    Returns:
+        The exit status: 0; 1 when a file had an issue or some chunk KV was not saved; 2 for an error a user
+        caused (one line on stderr); 130 on Ctrl-C (finished files are kept).
+    """
     return _guard(_ingest, args, RESUMABLE)
 
 
@@ -134,7 +160,14 @@ def _ingest(args: argparse.Namespace) -> int:
 
 
 def ask_over_index(args: argparse.Namespace) -> int:
-    """``kvblend ask QUESTION --index DIR --top-k K --reuse exact|blend``."""
+    """``kvblend ask QUESTION --index DIR --top-k K --reuse exact|blend``.
+
+    Args:
+        args: the parsed ``ask`` arguments (``--index`` given).
+
+    Returns:
+        The exit status: 0; 2 for an error a user caused (one line on stderr); 130 on Ctrl-C.
+    """
     return _guard(_ask, args)
 
 
@@ -176,7 +209,15 @@ def _print_chunks(ans: Any, indent: str = "  ") -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """``kvblend demo``: ingest the bundled corpus, answer its questions, compare TTFT."""
+    """``kvblend demo``: ingest the bundled corpus, answer its questions, compare TTFT.
+
+    Args:
+        args: the parsed ``demo`` arguments.
+
+    Returns:
+        The exit status: 0 when every answer holds an accepted string, else 1; 2 for an error a user caused;
+        130 on Ctrl-C.
+    """
     return _guard(_demo, args, RESUMABLE)  # its ingest resumes as ingest's does
 
 
@@ -223,6 +264,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def answer_matches(answer: str, accepted: list[str]) -> bool:
-    """Whether any accepted string occurs in the answer (case- and space-insensitive)."""
+    """Whether any accepted string occurs in the answer (case- and space-insensitive).
+
+    Args:
+        answer: the model's answer (``*`` marks ignored).
+        accepted: the accepted answers.
+
+    Returns:
+        Whether one of them occurs in it.
+    """
     norm = " ".join(answer.lower().replace("*", "").split())
     return any(" ".join(a.lower().split()) in norm for a in accepted)

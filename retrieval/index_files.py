@@ -122,7 +122,18 @@ def _json_file(path: Path) -> Any:
 
 
 def read_generation(root: Path) -> Path:
-    """The folder ``CURRENT`` names: a ``gen-NNNNNN`` directory inside ``root``."""
+    """The folder ``CURRENT`` names: a ``gen-NNNNNN`` directory inside ``root``.
+
+    Args:
+        root: the index folder.
+
+    Returns:
+        The generation's folder.
+
+    Raises:
+        RetrievalError: ``CURRENT`` missing or unreadable, not a generation name, or naming something
+            that is not a folder inside ``root`` (a symbolic link leading out).
+    """
     cur = root / "CURRENT"
     raw = _read(cur)
     try:
@@ -193,6 +204,18 @@ def _index_meta(d: Any, path: Path) -> IndexMeta:
 
 
 def read_chunk_table(path: Path) -> dict[str, ChunkRecord]:
+    """``chunks.jsonl``: every chunk row of a generation, each checked (blank lines skipped).
+
+    Args:
+        path: the chunk table.
+
+    Returns:
+        Chunk id -> its :class:`ChunkRecord`.
+
+    Raises:
+        RetrievalError: naming the file (and the line): missing, not a regular file, unreadable, over
+            ``MAX_INDEX_FILE_BYTES``, a line that is not a chunk row, or a chunk id that appears twice.
+    """
     records: dict[str, ChunkRecord] = {}
     for lineno, raw in enumerate(_read(path).split(b"\n"), start=1):
         if not raw.strip():
@@ -293,6 +316,12 @@ def _gc_list(d: Any, path: Path) -> dict[str, str]:
 def read_meta(path: Path) -> IndexMeta:
     """``meta.json``: what the index was built with.
 
+    Args:
+        path: the generation's ``meta.json``.
+
+    Returns:
+        The index's settings.
+
     Raises:
         RetrievalError: naming the file, for anything but a well-typed IndexMeta.
     """
@@ -302,6 +331,12 @@ def read_meta(path: Path) -> IndexMeta:
 def read_manifest(path: Path) -> tuple[dict[str, FileEntry], int]:
     """``files.json``: (path -> FileEntry, the next free vector slot).
 
+    Args:
+        path: the generation's ``files.json``.
+
+    Returns:
+        Each ingested file's entry by its path, and the next free vector slot.
+
     Raises:
         RetrievalError: naming the file, for anything but a well-typed manifest.
     """
@@ -310,6 +345,12 @@ def read_manifest(path: Path) -> tuple[dict[str, FileEntry], int]:
 
 def read_gc_list(path: Path) -> dict[str, str]:
     """``gc.json``: chunk id -> text of chunks whose KV awaits deletion.
+
+    Args:
+        path: the generation's ``gc.json``.
+
+    Returns:
+        Chunk id -> chunk text.
 
     Raises:
         RetrievalError: naming the file, for anything but an object of strings.

@@ -36,7 +36,15 @@ from blend.terminal_text import shown
 
 
 def chunking_signature(tokenizer_fp: str, config: ChunkerConfig) -> str:
-    """sha256 over everything that decides a file's chunks besides its bytes (the chunker's version too)."""
+    """sha256 over everything that decides a file's chunks besides its bytes (the chunker's version too).
+
+    Args:
+        tokenizer_fp: the chunking tokenizer's fingerprint.
+        config: the chunker's settings.
+
+    Returns:
+        The digest, 64 lowercase hex digits.
+    """
     return hashlib.sha256(f"{tokenizer_fp}\x00{config.fingerprint()}\x00v{CHUNKER_VERSION}".encode()).hexdigest()
 
 
@@ -296,7 +304,14 @@ class _Run:
 
 
 def nothing_to_ingest(issues) -> str:
-    """The error of a run with no corpus file to read (and, for an existing index, none that went)."""
+    """The error of a run with no corpus file to read (and, for an existing index, none that went).
+
+    Args:
+        issues: the :class:`CorpusIssue` of each path that gave no file (none: no paths were given).
+
+    Returns:
+        The message, naming each issue.
+    """
     why = "; ".join(str(i) for i in issues) or "no paths given"
     return f"nothing to ingest (.txt, .md, .jsonl): {why}"
 
@@ -336,7 +351,12 @@ def _write_kv(kv_writer: KVWriter, texts: list[str], batch: int,
 
 
 def print_issues(issues: Iterable[CorpusIssue], stream: TextIO | None = None) -> None:
-    """Print one ``warning: path:line: kind: message`` line per issue."""
+    """Print one ``warning: path:line: kind: message`` line per issue.
+
+    Args:
+        issues: the issues to print.
+        stream: where to print; None: ``sys.stderr`` as it is at the call.
+    """
     out = stream if stream is not None else sys.stderr
     for issue in issues:
         out.write(f"warning: {shown(str(issue))}\n")  # a file name may hold escape sequences

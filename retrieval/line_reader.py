@@ -43,8 +43,8 @@ def bounded_lines(path: str | os.PathLike[str], max_bytes: int, max_line: int) -
         max_bytes: the largest file read.
         max_line: the longest line returned.
 
-    Returns:
-        An iterator of (line number, line or None).
+    Yields:
+        (line number, line or None), in order.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
@@ -88,8 +88,8 @@ def lines_of(path: Path, max_bytes: int, texts: Iterable[str]) -> Iterator[tuple
         max_bytes: the largest file read.
         texts: the texts asked about.
 
-    Returns:
-        An iterator of (line number, line).
+    Yields:
+        (line number, line), in order.
 
     Raises:
         As :func:`bounded_lines`.
