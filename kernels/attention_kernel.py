@@ -120,6 +120,21 @@ def sparse_query_attention_triton(
     Any strides are accepted for q/k/v (passed to the kernel, no copies);
     position vectors are made contiguous. Head dims that are not powers of two
     are padded to BLOCK_D with masks (minimum 16, the smallest ``tl.dot`` tile).
+
+    Args:
+        q: (Hq, S, D) queries after RoPE, any strides.
+        q_pos: (S,) int64 absolute positions of the queries.
+        k: (Hkv, T, D) keys after RoPE, same dtype as ``q``; Hq % Hkv == 0.
+        v: (Hkv, T, D) values, same dtype as ``q``.
+        k_pos: (T,) int64 absolute positions of the keys.
+        scale: softmax scale (usually ``D ** -0.5``).
+
+    Returns:
+        (Hq, S, D) in q's dtype; a query that sees no key gets zeros.
+
+    Raises:
+        ValueError: as :func:`check_attention`; a launch the kernel cannot run (a CPU tensor without
+            ``TRITON_INTERPRET=1``, another device) or a view whose tile offsets overflow int32.
     """
     shp = check_attention(q, q_pos, k, v, k_pos, scale)
     interp = require_runnable(_sparse_attn_kernel, q, "attention")

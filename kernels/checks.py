@@ -16,7 +16,14 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def nondecreasing(x: torch.Tensor) -> bool:
-    """Whether 1-D positions are in order (the blend path's layout, which the fast CPU paths need)."""
+    """Whether 1-D positions are in order (the blend path's layout, which the fast CPU paths need).
+
+    Args:
+        x: (N,) positions.
+
+    Returns:
+        Whether each is >= the one before (True for fewer than two).
+    """
     return x.numel() < 2 or bool((x[1:] >= x[:-1]).all())
 
 
@@ -75,6 +82,22 @@ def check_rope_mix(
 
     ``trusted_indices`` skips the range/duplicate check of ``fresh_idx`` (and its
     host sync): for callers that build the indices themselves (the engine).
+
+    Args:
+        cached_k: (Hkv, T, D) keys before RoPE, a float dtype.
+        cached_v: (Hkv, T, D) values, same dtype as ``cached_k``.
+        cos: (T, R) rotary table, R even, 0 < R <= D, a float dtype.
+        sin: (T, R) likewise, same dtype as ``cos``.
+        fresh_idx: (S,) int64 row indices.
+        fresh_k: (Hkv, S, D) recomputed keys, same dtype as ``cached_k``.
+        fresh_v: (Hkv, S, D) recomputed values, same dtype as ``cached_k``.
+        trusted_indices: skip the range and duplicate check of ``fresh_idx``.
+
+    Returns:
+        The sizes: Hkv, T, D, R and S.
+
+    Raises:
+        ValueError: a shape, dtype or device mismatch, or (unless trusted) an index out of [0, T) or repeated.
     """
     _require(cached_k.dim() == 3, f"cached_k must be (Hkv, T, D), got {tuple(cached_k.shape)}")
     hkv, t, d = cached_k.shape
@@ -104,7 +127,15 @@ def check_rope_mix(
 
 
 def check_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> None:
-    """Validate ``kv_deviation`` arguments. Raises ValueError."""
+    """Validate ``kv_deviation`` arguments. Raises ValueError.
+
+    Args:
+        fresh: (H, S, D), a float dtype.
+        cached: (H, S, D), a float dtype (may differ from ``fresh``'s), on ``fresh``'s device.
+
+    Raises:
+        ValueError: a shape or device mismatch, or a non-float input.
+    """
     _require(fresh.dim() == 3, f"fresh must be (H, S, D), got {tuple(fresh.shape)}")
     _require(cached.shape == fresh.shape, f"cached {tuple(cached.shape)} must match fresh {tuple(fresh.shape)}")
     _float("fresh", fresh)
@@ -129,7 +160,22 @@ def check_attention(
     k_pos: torch.Tensor,
     scale: float,
 ) -> AttentionShape:
-    """Validate ``sparse_query_attention`` arguments; returns the sizes. Raises ValueError."""
+    """Validate ``sparse_query_attention`` arguments; returns the sizes. Raises ValueError.
+
+    Args:
+        q: (Hq, S, D) queries, a float dtype.
+        q_pos: (S,) int64 positions of the queries.
+        k: (Hkv, T, D) keys, same dtype as ``q``; Hq % Hkv == 0.
+        v: (Hkv, T, D) values, same dtype as ``q``.
+        k_pos: (T,) int64 positions of the keys.
+        scale: softmax scale, a Python number (not a bool).
+
+    Returns:
+        The sizes: Hq, Hkv, S, T and D.
+
+    Raises:
+        ValueError: a shape, dtype, device or type mismatch.
+    """
     _require(q.dim() == 3, f"q must be (Hq, S, D), got {tuple(q.shape)}")
     _require(k.dim() == 3, f"k must be (Hkv, T, D), got {tuple(k.shape)}")
     hq, s, d = q.shape
@@ -150,7 +196,17 @@ def check_attention(
 
 def check_rope_mix_out(out: tuple[torch.Tensor, torch.Tensor] | None, cached_k: torch.Tensor,
                        cached_v: torch.Tensor) -> None:
-    """Validate ``rope_mix``'s ``out`` (two (Hkv, T, D) tensors, e.g. views of a KV cache). Raises ValueError."""
+    """Validate ``rope_mix``'s ``out`` (two (Hkv, T, D) tensors, e.g. views of a KV cache). Raises ValueError.
+
+    Args:
+        out: ``(k_out, v_out)``, or None (nothing to check).
+        cached_k: (Hkv, T, D) the keys ``k_out`` must match in shape, dtype and device.
+        cached_v: (Hkv, T, D) the values ``v_out`` must match.
+
+    Raises:
+        ValueError: not a pair, another shape, dtype or device, not contiguous along D, or the two with
+            different strides.
+    """
     if out is None:
         return
     if not (isinstance(out, tuple) and len(out) == 2):

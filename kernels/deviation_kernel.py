@@ -49,6 +49,17 @@ def kv_deviation_triton(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tens
     """Launcher of the Triton ``kv_deviation`` (contract: ``blend.kernels.kv_deviation``).
 
     Any strides are accepted; the two inputs may have different float dtypes.
+
+    Args:
+        fresh: (H, S, D) any float dtype, any strides.
+        cached: (H, S, D) any float dtype, any strides.
+
+    Returns:
+        (S,) float32: ``sqrt(sum over h, d of (fresh - cached)**2)``, computed in fp32.
+
+    Raises:
+        ValueError: as :func:`check_deviation`; a launch the kernel cannot run (a CPU tensor without
+            ``TRITON_INTERPRET=1``, another device) or a view whose tile offsets overflow int32.
     """
     check_deviation(fresh, cached)
     interp = require_runnable(_kv_deviation_kernel, fresh, "kv_deviation")

@@ -54,7 +54,11 @@ class BackendPolicy(enum.Enum):
 
 @lru_cache(maxsize=1)
 def triton_available() -> bool:
-    """Whether Triton can be imported (checked without importing it)."""
+    """Whether Triton can be imported (checked without importing it).
+
+    Returns:
+        Whether a ``triton`` package is installed (cached for the process).
+    """
     try:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):
@@ -63,6 +67,9 @@ def triton_available() -> bool:
 
 def backend_policy() -> BackendPolicy:
     """The policy currently set by ``KVBLEND_KERNELS`` (default ``auto``).
+
+    Returns:
+        The :class:`BackendPolicy` (read at every call).
 
     Raises:
         ValueError: the variable holds something other than auto|torch|triton|vllm.

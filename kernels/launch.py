@@ -86,7 +86,14 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 def next_pow2(n: int) -> int:
-    """Smallest power of two >= max(n, 1)."""
+    """Smallest power of two >= max(n, 1).
+
+    Args:
+        n: a size (0 or less counts as 1).
+
+    Returns:
+        The power of two.
+    """
     return 1 << max(n - 1, 0).bit_length()
 
 

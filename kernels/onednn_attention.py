@@ -70,6 +70,9 @@ def attention_gemm_policy() -> AttentionGemm:
     path's numbers depend on it, so an engine's provenance names it (:func:`attention_label`) and it must
     not change under a loaded engine (tests change it with ``attention_gemm_policy.cache_clear()``).
 
+    Returns:
+        The :class:`AttentionGemm` (default AUTO).
+
     Raises:
         ValueError: another value.
     """
@@ -81,12 +84,20 @@ def onednn_route_default() -> bool:
     """Whether ``auto`` takes the oneDNN route: on AMD CPUs, where MKL's sgemm (inside torch's flash op)
     runs its AVX2 path and oneDNN's runs 2x faster. Intel CPUs keep the flash op: MKL has its AVX-512
     path there, and on a 2-core AMX Xeon the route measured 1.5-2.4x slower than the flash op
-    (``docs/results/attention_onednn/micro_amx_xeon.txt``)."""
+    (``docs/results/attention_onednn/micro_amx_xeon.txt``).
+
+    Returns:
+        True on an AMD CPU whose torch build has oneDNN's packed linear (cached for the process).
+    """
     return onednn_available() and cpu_vendor() == "AuthenticAMD"
 
 
 def onednn_route_on() -> bool:
-    """Whether this process's policy takes the oneDNN route at all (where the sizes call for it)."""
+    """Whether this process's policy takes the oneDNN route at all (where the sizes call for it).
+
+    Returns:
+        False under FLASH; under ONEDNN whether oneDNN is available; under AUTO :func:`onednn_route_default`.
+    """
     policy = attention_gemm_policy()
     if policy is AttentionGemm.FLASH:
         return False
@@ -97,7 +108,11 @@ def onednn_route_on() -> bool:
 
 def attention_label() -> str:
     """The exact path's attention as an engine's provenance names it (its ``backend`` field): which GEMMs
-    a chunked prefill runs on and from which sizes, since that changes the stored KV's last bits."""
+    a chunked prefill runs on and from which sizes, since that changes the stored KV's last bits.
+
+    Returns:
+        ``attn-flash``, or ``attn-onednn-<min keys>k<min queries>q<block rows>r``.
+    """
     if not onednn_route_on():
         return "attn-flash"
     return f"attn-onednn-{SUFFIX_MIN_KEYS}k{SUFFIX_MIN_QUERIES}q{SUFFIX_BLOCK_ROWS}r"
@@ -105,12 +120,30 @@ def attention_label() -> str:
 
 def use_onednn(keys: int, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
     """Whether a blend's blocked attention call over ``keys`` keys on ``device`` runs on oneDNN's GEMMs
-    (float32 GEMMs: a bf16 / fp16 engine keeps the flash op in its own dtype, as its prefill does)."""
+    (float32 GEMMs: a bf16 / fp16 engine keeps the flash op in its own dtype, as its prefill does).
+
+    Args:
+        keys: the call's key rows (T).
+        device: the tensors' device (oneDNN's route is CPU only).
+        dtype: the call's dtype (float32 only).
+
+    Returns:
+        Whether the call takes the route: CPU, float32, at least :data:`ONEDNN_MIN_KEYS` keys, and the policy on.
+    """
     return device.type == "cpu" and dtype == torch.float32 and keys >= ONEDNN_MIN_KEYS and onednn_route_on()
 
 
 def use_onednn_suffix(q: torch.Tensor, keys: int) -> bool:
-    """Whether a chunked prefill of q's (Hq, S, D) queries after ``keys - S`` cached rows runs on oneDNN."""
+    """Whether a chunked prefill of q's (Hq, S, D) queries after ``keys - S`` cached rows runs on oneDNN.
+
+    Args:
+        q: (Hq, S, D) the chunk's queries.
+        keys: the keys they attend over (T, cached rows and the chunk's own).
+
+    Returns:
+        Whether the call takes the route: CPU, float32, at least :data:`SUFFIX_MIN_QUERIES` queries and
+        :data:`SUFFIX_MIN_KEYS` keys, and the policy on.
+    """
     return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[1] >= SUFFIX_MIN_QUERIES
             and keys >= SUFFIX_MIN_KEYS and onednn_route_on())
 

@@ -42,6 +42,11 @@ def default_blocks(queries: int, keys: int, onednn: bool) -> int:
         queries: S; keys: T.
         onednn: the blocks run as oneDNN GEMMs (AMD CPUs), which mask only each block's span: one per
             :data:`BLOCK_ROWS` queries, as measured there.
+
+    Returns:
+        The number of blocks: oneDNN, one per :data:`BLOCK_ROWS` queries; the flash op, one per
+        ``max(BLOCK_ROWS, keys // FLASH_KEYS_PER_ROW)`` queries; each clamped to its minimum
+        (:data:`BLOCKS_MIN`, :data:`FLASH_BLOCKS_MIN`) and :data:`BLOCKS_MAX`.
     """
     if onednn:
         return min(BLOCKS_MAX, max(BLOCKS_MIN, queries // BLOCK_ROWS))

@@ -51,6 +51,24 @@ def rope_mix_ref(
     Rotates every cached row straight into the output, then rotates the fresh
     rows at their rows' positions and scatters them over: one full pass over K
     instead of copy-then-rotate.
+
+    Args:
+        cached_k: (Hkv, T, D) keys before RoPE.
+        cached_v: (Hkv, T, D) values, same dtype as ``cached_k``.
+        cos: (T, R) rotary table at each row's new absolute position; R even, R <= D.
+        sin: (T, R) likewise.
+        fresh_idx: (S,) int64 distinct row indices in [0, T), any order.
+        fresh_k: (Hkv, S, D) recomputed keys before RoPE.
+        fresh_v: (Hkv, S, D) recomputed values.
+        trusted_indices: the caller guarantees ``fresh_idx`` is in range and duplicate-free (no check).
+        out: ``(k_out, v_out)``, (Hkv, T, D) each, written instead of allocating; None: new tensors.
+
+    Returns:
+        ``(k_rot, v)``: (Hkv, T, D) keys after RoPE and (Hkv, T, D) values, new contiguous tensors in the
+        inputs' dtype (or ``out``); the inputs are not modified.
+
+    Raises:
+        ValueError: as :func:`check_rope_mix` and :func:`check_rope_mix_out`.
     """
     shp = check_rope_mix(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices)
     check_rope_mix_out(out, cached_k, cached_v)
@@ -78,7 +96,18 @@ def rope_mix_ref(
 def rope_rows_ref(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of ``blend.kernels.rope_rows``: :func:`rope_mix_ref` with no fresh rows, bit for
-    bit, without its argument checks."""
+    bit, without its argument checks.
+
+    Args:
+        k: (H, T, D) keys before RoPE.
+        v: (H, T, D) values.
+        cos: (T, R) rotary table.
+        sin: (T, R) likewise.
+        out: ``(k_out, v_out)``, (H, T, D) each, written instead of allocating; None: K into a new tensor.
+
+    Returns:
+        ``(k_rot, v)``: K after RoPE (new, or ``out[0]``) and V (``v`` itself, or ``out[1]`` holding a copy).
+    """
     k_out = out[0] if out is not None else torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (H, T, D)
     _rotate_into_fp32(k_out, k, cos.float(), sin.float())
     if out is None:
@@ -88,7 +117,18 @@ def rope_rows_ref(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torc
 
 
 def kv_deviation_ref(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
-    """Torch reference of ``blend.kernels.kv_deviation`` (same contract)."""
+    """Torch reference of ``blend.kernels.kv_deviation`` (same contract).
+
+    Args:
+        fresh: (H, S, D) any float dtype.
+        cached: (H, S, D) any float dtype.
+
+    Returns:
+        (S,) float32: ``sqrt(sum over h, d of (fresh - cached)**2)``, computed in fp32.
+
+    Raises:
+        ValueError: as :func:`check_deviation`.
+    """
     check_deviation(fresh, cached)
     diff = fresh.float() - cached.float()  # (H, S, D)
     return torch.linalg.vector_norm(diff, dim=(0, 2))  # (S,)
@@ -106,6 +146,20 @@ def sparse_query_attention_ref(
 
     SDPA with an explicit boolean (S, T) mask and native GQA; fp16/bf16 inputs
     are upcast so the oracle accumulates in fp32 on every backend.
+
+    Args:
+        q: (Hq, S, D) queries after RoPE, any strides.
+        q_pos: (S,) int64 absolute positions of the queries.
+        k: (Hkv, T, D) keys after RoPE, same dtype as ``q``; Hq % Hkv == 0.
+        v: (Hkv, T, D) values, same dtype as ``q``.
+        k_pos: (T,) int64 absolute positions of the keys.
+        scale: softmax scale (usually ``D ** -0.5``).
+
+    Returns:
+        (Hq, S, D) in q's dtype; a query that sees no key gets zeros.
+
+    Raises:
+        ValueError: as :func:`check_attention`.
     """
     shp = check_attention(q, q_pos, k, v, k_pos, scale)
     if shp.queries == 0 or shp.keys == 0:

@@ -110,6 +110,26 @@ def rope_mix_triton(
 
     Any strides are accepted (passed to the kernel, no copies); ``fresh_idx``
     may be unsorted; duplicates raise ValueError.
+
+    Args:
+        cached_k: (Hkv, T, D) keys before RoPE.
+        cached_v: (Hkv, T, D) values, same dtype as ``cached_k``.
+        cos: (T, R) rotary table at each row's new absolute position; R even, R <= D.
+        sin: (T, R) likewise.
+        fresh_idx: (S,) int64 distinct row indices in [0, T), any order.
+        fresh_k: (Hkv, S, D) recomputed keys before RoPE.
+        fresh_v: (Hkv, S, D) recomputed values.
+        trusted_indices: the caller guarantees ``fresh_idx`` is in range and duplicate-free (no check).
+        out: ``(k_out, v_out)``, (Hkv, T, D) each, written instead of allocating; None: new tensors.
+
+    Returns:
+        ``(k_rot, v)``: (Hkv, T, D) keys after RoPE and (Hkv, T, D) values, new contiguous tensors in the
+        inputs' dtype (or ``out``); the inputs are not modified.
+
+    Raises:
+        ValueError: as :func:`check_rope_mix` and :func:`check_rope_mix_out`; a launch the kernel cannot run
+            (a CPU tensor without ``TRITON_INTERPRET=1``, another device) or a view whose tile offsets
+            overflow int32.
     """
     shp = check_rope_mix(cached_k, cached_v, cos, sin, fresh_idx, fresh_k, fresh_v, trusted_indices)
     interp = require_runnable(_rope_mix_kernel, cached_k, "rope_mix")

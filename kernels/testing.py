@@ -30,7 +30,18 @@ class Layout(enum.Enum):
 
 def randn3(h: int, t: int, d: int, dtype: torch.dtype, layout: Layout, gen: torch.Generator,
            device: str | torch.device = "cpu") -> torch.Tensor:
-    """(h, t, d) standard-normal tensor in the given memory layout."""
+    """(h, t, d) standard-normal tensor in the given memory layout.
+
+    Args:
+        h: heads; t: rows; d: head dim.
+        dtype: the tensor's dtype (drawn in float32, then cast).
+        layout: its memory layout (token-major and dim-strided ones are transposed views).
+        gen: the random generator (CPU).
+        device: where the tensor lives.
+
+    Returns:
+        (h, t, d) in ``dtype`` on ``device``.
+    """
     if layout is Layout.TOKEN_MAJOR:
         return torch.randn(t, h, d, generator=gen).to(device=device, dtype=dtype).transpose(0, 1)
     if layout is Layout.DIM_STRIDED:
@@ -40,7 +51,17 @@ def randn3(h: int, t: int, d: int, dtype: torch.dtype, layout: Layout, gen: torc
 
 def rotary_tables(positions: torch.Tensor, rot_dim: int, base: float = 10000.0,
                   attention_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default (HF Llama) RoPE tables: (T,) positions -> cos, sin (T, rot_dim) fp32."""
+    """Default (HF Llama) RoPE tables: (T,) positions -> cos, sin (T, rot_dim) fp32.
+
+    Args:
+        positions: (T,) absolute positions.
+        rot_dim: R, the rotary dim (even).
+        base: RoPE's theta.
+        attention_scaling: factor both tables are multiplied by.
+
+    Returns:
+        ``(cos, sin)``, (T, R) float32 each (computed in float64).
+    """
     inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)  # (R/2,)
     freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # (T, R/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, R)
@@ -64,7 +85,20 @@ class RopeMixInputs:
 def make_rope_mix_inputs(hkv: int, t: int, d: int, rot_dim: int, fresh_idx: torch.Tensor,
                          dtype: torch.dtype, layout: Layout = Layout.CONTIGUOUS, seed: int = 0,
                          device: str | torch.device = "cpu", pos_offset: int = 100) -> RopeMixInputs:
-    """Random rope_mix inputs; rows move to positions ``pos_offset + t`` (a re-positioned chunk)."""
+    """Random rope_mix inputs; rows move to positions ``pos_offset + t`` (a re-positioned chunk).
+
+    Args:
+        hkv: KV heads; t: rows (T); d: head dim (D); rot_dim: R.
+        fresh_idx: (S,) rows that get fresh K/V.
+        dtype: the K/V tensors' dtype (the tables are float32).
+        layout: the K/V tensors' memory layout (non-contiguous layouts make the tables non-contiguous too).
+        seed: the random generator's seed.
+        device: where the tensors live.
+        pos_offset: the new position of row 0.
+
+    Returns:
+        The inputs: (Hkv, T, D) cached K/V, (T, R) tables, (S,) int64 indices, (Hkv, S, D) fresh K/V.
+    """
     gen = torch.Generator().manual_seed(seed)
     s = fresh_idx.numel()
     cos, sin = rotary_tables(torch.arange(t) + pos_offset, rot_dim)
@@ -96,7 +130,20 @@ class AttentionInputs:
 def make_attention_inputs(hkv: int, group: int, t: int, d: int, q_rows: torch.Tensor, dtype: torch.dtype,
                           layout: Layout = Layout.CONTIGUOUS, seed: int = 0,
                           device: str | torch.device = "cpu", k_pos: torch.Tensor | None = None) -> AttentionInputs:
-    """Random attention inputs; queries sit at the positions of key rows ``q_rows``."""
+    """Random attention inputs; queries sit at the positions of key rows ``q_rows``.
+
+    Args:
+        hkv: KV heads; group: query heads per KV head (Hq = hkv x group); t: key rows (T); d: head dim (D).
+        q_rows: (S,) the key rows whose positions the queries take.
+        dtype: q/k/v's dtype.
+        layout: their memory layout.
+        seed: the random generator's seed.
+        device: where the tensors live.
+        k_pos: (T,) int64 key positions; None: ``7 .. T + 6``.
+
+    Returns:
+        The inputs: (Hq, S, D) q, (S,) q_pos, (Hkv, T, D) k and v, (T,) k_pos, scale ``D ** -0.5``.
+    """
     gen = torch.Generator().manual_seed(seed)
     k_pos = (torch.arange(t) + 7) if k_pos is None else k_pos  # (T,) absolute positions
     q_rows = q_rows.to(torch.int64)
@@ -111,7 +158,16 @@ def make_attention_inputs(hkv: int, group: int, t: int, d: int, q_rows: torch.Te
 
 
 def assert_close_tol(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-    """``torch.testing.assert_close`` with ``TOL[dtype]`` (dtype defaults to ``expected.dtype``)."""
+    """``torch.testing.assert_close`` with ``TOL[dtype]`` (dtype defaults to ``expected.dtype``).
+
+    Args:
+        actual: the kernel's result.
+        expected: the reference's.
+        dtype: whose tolerance row applies; None: ``expected.dtype``.
+
+    Raises:
+        AssertionError: the two differ beyond the tolerance.
+    """
     tol = TOL[dtype or expected.dtype]
     torch.testing.assert_close(actual, expected, atol=tol.atol, rtol=tol.rtol)
 

@@ -45,7 +45,11 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def ops_registered() -> bool:
-    """Whether vLLM's CPU attention ops are registered in this process (vLLM has loaded its ``_C``)."""
+    """Whether vLLM's CPU attention ops are registered in this process (vLLM has loaded its ``_C``).
+
+    Returns:
+        Whether ``torch.ops._C`` has every op of :data:`OPS`.
+    """
     ns = torch.ops._C
     return all(hasattr(ns, op) for op in OPS)
 
@@ -61,7 +65,16 @@ def _isa(head_dim: int) -> str | None:
 
 def covers(q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     """Whether this kernel takes the call (else the torch path does): CPU, fp32/bf16, a head size
-    vLLM's vectorised kernel handles, sorted positions (the blend path's layout)."""
+    vLLM's vectorised kernel handles, sorted positions (the blend path's layout).
+
+    Args:
+        q: (Hq, S, D) queries.
+        q_pos: (S,) query positions.
+        k_pos: (T,) key positions.
+
+    Returns:
+        Whether all of that holds.
+    """
     return (q.device.type == "cpu" and q.dtype in DTYPES and _isa(q.shape[-1]) is not None
             and nondecreasing(q_pos) and nondecreasing(k_pos))
 
@@ -144,6 +157,12 @@ def usable(dtype: torch.dtype) -> bool:
     dtype, on a small problem with runs, single queries and a query that sees nothing).
 
     A mismatch or an error (another vLLM's op schema) is logged once and the torch path is used.
+
+    Args:
+        dtype: the call's dtype.
+
+    Returns:
+        Whether the ops may serve calls in ``dtype``.
     """
     return ops_registered() and dtype in DTYPES and _self_check(dtype)
 
