@@ -8,6 +8,7 @@ imports under ``if TYPE_CHECKING:`` never run and are not edges.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -212,6 +213,112 @@ def test_the_defaults_are_written_once():
             if isinstance(node, ast.Constant) and not isinstance(node.value, bool) and node.value in defaults:
                 found.append(f"{mod}:{node.lineno} writes {node.value!r} (use blend.defaults.{defaults[node.value]})")
     assert not found, "\n".join(found)
+
+
+# DESIGN.md: "Args/Returns docstrings on public functions". Held to it: every public (no leading underscore)
+# module-level function of the library's folders (evals/ is the harness, not the library). No entry point is
+# exempt: an argparse ``main(argv)`` documents ``argv`` and its exit status like any other function.
+DOCUMENTED_FOLDERS = ("blend", "retrieval", "kernels")
+# TEMPORARY (s29): files another engineer was changing while these sections were written. The lead documents
+# them after merging both branches, then deletes this set (only codec.py has gaps today; the others are
+# being rewritten). An entry exempts one file, and must name a file that exists.
+PENDING_FILES = frozenset({"blend/store/redis_store.py", "blend/store/redis_link.py", "blend/store/redis_logs.py",
+                           "blend/store/codec.py", "blend/store/tiered.py"})
+
+
+def _own_nodes(fn: ast.FunctionDef | ast.AsyncFunctionDef):
+    """The nodes of ``fn``'s body, not those of functions, lambdas or classes defined inside it."""
+    stack = list(fn.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def docstring_gaps(path: Path, name: str) -> list[str]:
+    """``name:line function lacks Args:`` (or ``Returns:``, ``Yields:``) for each public module-level function
+    of the file that takes parameters without an ``Args:`` section, or gives a value (a ``return <value>``, a
+    return annotation other than None) without a ``Returns:`` one (a generator: ``Yields:``)."""
+    gaps = []
+    for fn in ast.parse(path.read_text()).body:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(fn) or ""
+        has = {h for h in ("Args", "Returns", "Yields") if re.search(rf"^\s*{h}:\s*$", doc, re.M)}
+        a = fn.args
+        need = {"Args"} if a.posonlyargs or a.args or a.vararg or a.kwonlyargs or a.kwarg else set()
+        body = list(_own_nodes(fn))
+        if any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in body):
+            need.add("Yields")
+        elif (any(isinstance(n, ast.Return) and n.value is not None
+                  and not (isinstance(n.value, ast.Constant) and n.value.value is None) for n in body)
+              or (fn.returns is not None and ast.unparse(fn.returns) not in ("None", "NoReturn"))):
+            need.add("Returns")
+        gaps += [f"{name}:{fn.lineno} {fn.name} lacks {h}:" for h in sorted(need - has)]
+    return gaps
+
+
+def test_public_functions_document_their_arguments_and_results():
+    gaps = []
+    for folder in DOCUMENTED_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel not in PENDING_FILES:
+                gaps += docstring_gaps(path, rel)
+    assert not gaps, "\n".join(gaps)
+    gone = sorted(f for f in PENDING_FILES if not (ROOT / f).is_file())
+    assert not gone, f"PENDING_FILES names files that are gone: {gone}"
+
+
+def test_the_docstring_check_sees_each_missing_section(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('''
+def takes(x):
+    """No sections."""
+
+def gives() -> int:
+    """No sections."""
+    return 1
+
+def gives_late(x):
+    """Args: in prose is not a section."""
+    def inner():
+        return 2
+    if inner():
+        return inner()
+
+def streams():
+    """Returns:
+        not what a generator needs.
+    """
+    yield 1
+
+def fine(x, *, y=None) -> "int | None":
+    """Fine.
+
+    Args:
+        x: an x.
+        y: a y.
+
+    Returns:
+        Something.
+    """
+    return None if y is None else x
+
+def _private(x):
+    return x
+
+def nothing() -> None:
+    """No parameters, no value."""
+    def inner():
+        return 1
+    return
+''')
+    assert docstring_gaps(src, "m") == [
+        "m:2 takes lacks Args:", "m:5 gives lacks Returns:", "m:9 gives_late lacks Args:",
+        "m:9 gives_late lacks Returns:",
+        "m:16 streams lacks Yields:"]
 
 
 def test_the_kernels_folder_never_shadows_a_top_level_kernels_package(tmp_path):
