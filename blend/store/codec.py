@@ -49,7 +49,14 @@ _ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"`` (the spelling Provenance uses)."""
+    """``torch.float32`` -> ``"float32"`` (the spelling Provenance uses).
+
+    Args:
+        dtype: a torch dtype.
+
+    Returns:
+        Its name without the ``torch.`` prefix.
+    """
     return str(dtype).removeprefix("torch.")
 
 
@@ -131,6 +138,14 @@ def checksum(meta: EntryHeader, *data: memoryview) -> str:
 
     Covering the claims too means a header edited to another shape of the same
     byte count, another provenance or another key fails the check.
+
+    Args:
+        meta: the entry's header (its ``checksum`` field is left out of what is hashed; its
+            ``checksum_kind`` picks XXH3-128 or sha256).
+        data: the tensor bytes, in order (K's, then V's).
+
+    Returns:
+        The checksum as lowercase hex.
     """
     claims = replace(meta, checksum="").to_json().encode()
     h = hashlib.sha256(claims) if meta.checksum_kind is ChecksumKind.SHA256 else xxhash.xxh3_128(claims)
@@ -185,12 +200,30 @@ def encode_parts(ns: Namespace, key: StoreKey, entry: KVEntry) -> list[memoryvie
 
 
 def encode(ns: Namespace, key: StoreKey, entry: KVEntry) -> bytes:
-    """One contiguous blob (see :func:`encode_parts`)."""
+    """One contiguous blob (see :func:`encode_parts`).
+
+    Args:
+        ns, key: where the entry is stored (named in its header, checked on decode).
+        entry: the KV to encode.
+
+    Returns:
+        The blob: length field, JSON header, K bytes, V bytes.
+    """
     return b"".join(encode_parts(ns, key, entry))
 
 
 def header_length(prefix: bytes | bytearray | memoryview) -> int:
-    """Bytes taken by the length field plus the JSON header, from the first 8 bytes."""
+    """Bytes taken by the length field plus the JSON header, from the first 8 bytes.
+
+    Args:
+        prefix: at least the blob's first 8 bytes.
+
+    Returns:
+        8 plus the header's length: the offset of the header's end.
+
+    Raises:
+        EntryError: fewer than 8 bytes (truncated), or a header longer than ``MAX_HEADER_BYTES``.
+    """
     if len(prefix) < 8:
         raise EntryError(EntryErrorKind.TRUNCATED, f"{len(prefix)} bytes, no length field")
     (n,) = struct.unpack("<Q", bytes(prefix[:8]))
@@ -300,7 +333,14 @@ def decode_header(blob: bytes | bytearray | memoryview) -> tuple[EntryHeader, di
 
 
 def blob_size(hdr: EntryHeader, start: int) -> int:
-    """Bytes of the whole blob a header claims (length field, header, k and v)."""
+    """Bytes of the whole blob a header claims (length field, header, k and v).
+
+    Args:
+        hdr: the decoded header; start: where its tensor bytes start (:func:`header_length`).
+
+    Returns:
+        The blob's size in bytes.
+    """
     return start + hdr.tensor_bytes
 
 
