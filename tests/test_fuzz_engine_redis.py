@@ -1,0 +1,259 @@
+"""Fuzz, engine level: a damaged entry in the Redis tier is a miss, and the answer is cold's.
+
+The Redis twin of ``test_fuzz_engine_store.py``. Whatever a hostile or broken peer left under one key of a
+request (its bytes mutated as ``test_fuzz_store.damage`` does, re-signed or not; a header claiming a huge
+shape, another dtype or a header longer than the value; another Redis type: a list, a hash, a set, a sorted
+set; the value deleted, retyped, grown, shrunk or swapped between the probe and the read), an engine over
+that tier answers with cold's first-token logits bit for bit, the segment that key held is ``rejected`` or
+``computed`` (never reused), the good entries around it still hit, and the tier never raised: exact mode
+(prefix-chained entries) and blend mode (canonical chunk entries) both. Garbage in the tier's record logs
+(the donor index's list) is no donors, never an error; a value of several hundred MB is rejected without
+being fetched whole; a server that dies or stalls mid-request is a miss within the socket timeout.
+
+Runs against ``$KVBLEND_TEST_REDIS`` (a private server otherwise, skipped if neither); every test keeps its
+keys under its own prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import pytest
+import redis
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from blend.keys import Namespace
+from blend.policy import ReusePolicy
+from blend.report import REUSED_CLASSES, ReuseClass
+from blend.store.codec import MAX_HEADER_BYTES, EntryError, decode
+from blend.store.memory import MemoryStore
+from blend.store.redis_store import RedisStore
+from conftest import make_docs
+from _fuzz_util import bounded, fuzz_budget
+from _store_util import unique_prefix
+from test_fuzz_store import _join, _split, damage
+
+POLICIES = {"exact": ReusePolicy.exact(), "blend": ReusePolicy.blend(ratio=0.2)}
+ENGINE_FUZZ = fuzz_budget(40)  # ~0.1 s an example (a request on the tiny model, a fresh engine over the tier)
+HUNDREDS_OF_MB = 400 << 20
+
+
+@dataclass(repr=False)  # a failing example names its fixture: not its blobs
+class Warm:
+    eng: Any
+    prompt: Any
+    cold: dict  # mode -> cold answer
+    warm: dict  # mode -> answer over the intact tier
+    url: str
+    prefix: str
+    raw: redis.Redis  # a plain client: what a hostile peer writes with
+    pristine: dict[bytes, bytes]  # every key of the tier as filled -> its value
+
+    def restore(self) -> None:
+        """Undo an earlier example's damage (and the recomputed entries its request wrote back)."""
+        pipe = self.raw.pipeline(transaction=False)
+        for rk in self.raw.scan_iter(match=f"{self.prefix}:*", count=1000):
+            if rk not in self.pristine:
+                pipe.delete(rk)
+        for rk, blob in self.pristine.items():
+            pipe.delete(rk)
+            pipe.set(rk, blob)
+        pipe.execute()
+
+    def store(self, **kw: Any) -> RedisStore:
+        return RedisStore(self.url, prefix=self.prefix, **kw)
+
+    def read_by(self, mode: str) -> list[bytes]:
+        """The keys whose entries the warm request of ``mode`` reused (a damaged one is read, not skipped)."""
+        used = {s.key for s in self.warm[mode].report.segments if s.reuse_class in REUSED_CLASSES}
+        return sorted(rk for rk in self.pristine if rk.rsplit(b":", 1)[1].decode() in used)
+
+
+@pytest.fixture(scope="module")
+def warm(tiny_engine_factory, redis_url) -> Iterator[Warm]:
+    eng = tiny_engine_factory()
+    prompt = eng.build_prompt("Which of these is listed?", make_docs(2))
+    cold = {mode: eng.with_store(MemoryStore()).generate(prompt, p, max_new_tokens=1) for mode, p in POLICIES.items()}
+    prefix = unique_prefix()
+    store = RedisStore(redis_url, prefix=prefix)
+    filler = eng.with_store(store)
+    for p in POLICIES.values():
+        filler.generate(prompt, p, max_new_tokens=1)
+    filler.close()
+    raw = redis.Redis.from_url(redis_url)
+    pristine = {rk: raw.get(rk) for rk in raw.scan_iter(match=f"{prefix}:*")}
+    namespaces = {rk.split(b":")[1] for rk in pristine}
+    assert namespaces >= {Namespace.EXACT.value.encode(), Namespace.CANONICAL.value.encode()}, namespaces
+    w = Warm(eng, prompt, cold, {}, redis_url, prefix, raw, pristine)
+    for mode, p in POLICIES.items():  # the tier as filled serves every segment but the question
+        again = _answer(w, mode)
+        assert torch.equal(again.first_logits, cold[mode].first_logits)
+        assert ReuseClass.COMPUTED not in [s.reuse_class for s in again.report.segments[:-1]], mode
+        w.warm[mode] = again
+    yield w
+    store.clear()
+    store.close()
+
+
+def _answer(w: Warm, mode: str, store: RedisStore | None = None) -> Any:
+    own = store is None
+    store = store or w.store()
+    eng = w.eng.with_store(store)
+    try:
+        return eng.generate(w.prompt, POLICIES[mode], max_new_tokens=1)
+    finally:
+        eng.close()
+        if own:
+            store.close()
+
+
+def _still_the_entry(blob: bytes, pristine: bytes) -> bool:
+    """Whether the damaged blob decodes to the tensors (and provenance) the pristine one holds."""
+    try:
+        got = decode(bytearray(blob))
+    except EntryError:
+        return False
+    want = decode(bytearray(pristine))
+    return got.provenance == want.provenance and torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+
+
+def _check(w: Warm, mode: str, ans: Any, target: bytes, may_hit: bool) -> None:
+    """Cold's answer; the target's segment never reused (unless ``may_hit``), every other one as warm."""
+    assert torch.equal(ans.first_logits, w.cold[mode].first_logits)
+    assert ans.token_ids == w.cold[mode].token_ids
+    hexkey = target.rsplit(b":", 1)[1].decode()
+    for seg, was in zip(ans.report.segments, w.warm[mode].report.segments):
+        if seg.key == hexkey:
+            if not may_hit:
+                assert seg.reuse_class in (ReuseClass.REJECTED, ReuseClass.COMPUTED), seg
+        elif was.reuse_class in REUSED_CLASSES:  # the good entries around the damaged one still hit
+            assert seg.reuse_class is was.reuse_class, (seg, was)
+
+
+# ---- damage written in place --------------------------------------------------------------------------
+
+
+def _reclaim(blob: bytes, data: st.DataObject) -> bytes:
+    """The header's claims rewritten and re-signed: a huge shape, another dtype, a header length past the value."""
+    how = data.draw(st.sampled_from(["tokens", "dims", "dtype", "header length", "provenance"]), label="claim")
+    if how == "header length":
+        n = data.draw(st.sampled_from([len(blob), MAX_HEADER_BYTES, MAX_HEADER_BYTES + 1, 2**63, 2**64 - 1]),
+                      label="n")
+        return struct.pack("<Q", n) + blob[8:]
+    table, meta, tensors = _split(blob)
+    if how == "provenance":  # another engine's (one field changed), or this one's with another kv_dtype
+        prov = json.loads(meta["provenance"])
+        field = data.draw(st.sampled_from(sorted(prov)), label="field")
+        prov[field] = "float16" if field == "kv_dtype" else f"{prov[field]}x"
+        meta = {**meta, "provenance": json.dumps(prov, sort_keys=True, separators=(",", ":"))}
+        return _join(table, meta, tensors, resign=True)
+    L, H, T, D = meta["shape"]
+    if how == "tokens":  # several hundred MB claimed over a few KB of value
+        shape = [L, H, HUNDREDS_OF_MB // (2 * L * H * D * 4), D]
+    elif how == "dims":
+        shape = data.draw(st.sampled_from([[2**20 + 1, H, T, D], [L, 2**40, T, D], [L, H, 2**31 + 1, D],
+                                           [2**20, 2**20, 2**20, 2**20], [0, H, T, D], [L, H, -1, D]]), label="dims")
+    else:
+        meta = {**meta, "dtype": data.draw(st.sampled_from(["float16", "bfloat16", "float64", "int8"]), label="dtype")}
+        shape = [L, H, T, D]
+    meta = {**meta, "shape": shape}
+    n = 1
+    for d in shape:
+        n *= d
+    st_dtype = {"float16": "F16", "bfloat16": "BF16"}.get(meta["dtype"], "F32")
+    size = n * (2 if st_dtype != "F32" else 4)
+    tensors_table = {name: {"dtype": st_dtype, "shape": shape, "data_offsets": [i * size, (i + 1) * size]}
+                     for i, name in enumerate(("k", "v"))}
+    return _join({**table, **tensors_table}, meta, tensors, resign=True)
+
+
+def _plant(w: Warm, target: bytes, data: st.DataObject) -> bytes | None:
+    """Damage the value at ``target``; the bytes now there (None: no string value)."""
+    how = data.draw(st.sampled_from(["bytes", "claim", "type", "empty"]), label="how")
+    pristine = w.pristine[target]
+    if how == "bytes":
+        blob = damage(pristine, data)
+    elif how == "claim":
+        blob = _reclaim(pristine, data)
+    elif how == "empty":
+        blob = b""
+    else:
+        kind = data.draw(st.sampled_from(["list", "hash", "set", "zset", "stream"]), label="type")
+        w.raw.delete(target)
+        {"list": lambda: w.raw.rpush(target, pristine[:100], b"x"),
+         "hash": lambda: w.raw.hset(target, mapping={b"k": pristine[:100]}),
+         "set": lambda: w.raw.sadd(target, pristine[:100]),
+         "zset": lambda: w.raw.zadd(target, {pristine[:100]: 1.0}),
+         "stream": lambda: w.raw.xadd(target, {b"k": pristine[:100]})}[kind]()
+        return None
+    w.raw.set(target, blob)
+    return blob
+
+
+@ENGINE_FUZZ
+@given(data=st.data(), mode=st.sampled_from(sorted(POLICIES)))
+def test_a_damaged_entry_in_redis_is_a_miss_and_the_answer_is_colds(warm, data, mode):
+    w = warm
+    w.restore()
+    target = data.draw(st.sampled_from(w.read_by(mode)), label="entry")
+    blob = _plant(w, target, data)
+    with bounded(max_bytes=64 << 20):
+        ans = _answer(w, mode)
+    _check(w, mode, ans, target, may_hit=blob is not None and _still_the_entry(blob, w.pristine[target]))
+
+
+# ---- damage between the probe and the read ---------------------------------------------------------------
+
+
+class _Racer:
+    """Wraps a store's client: the first GETRANGE after a probe of ``target`` runs ``change`` before it reads
+    (another writer's command landing between the tier's two round trips)."""
+
+    def __init__(self, client: redis.Redis, target: bytes, change: Callable[[], None]) -> None:
+        self.client, self.target, self.change, self.fired = client, target, change, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def getrange(self, key: bytes, start: int, end: int) -> Any:
+        if key == self.target and not self.fired:
+            self.fired = True
+            self.change()
+        return self.client.getrange(key, start, end)
+
+
+@ENGINE_FUZZ
+@given(data=st.data(), mode=st.sampled_from(sorted(POLICIES)))
+def test_a_value_that_changes_between_probe_and_read_is_never_used(warm, data, mode):
+    w = warm
+    w.restore()
+    target = data.draw(st.sampled_from(w.read_by(mode)), label="entry")
+    pristine = w.pristine[target]
+    other = data.draw(st.sampled_from(sorted(rk for rk in w.pristine if rk != target)), label="other")
+    how = data.draw(st.sampled_from(["delete", "list", "grow", "shrink", "another entry", "flip", "same"]),
+                    label="change")
+    at = data.draw(st.integers(0, len(pristine) - 1), label="at")  # where it flips a bit, or shrinks to
+    grow = data.draw(st.integers(1, 1 << 16), label="grow by")
+    change = {  # run by the tier's prefetch thread: nothing drawn there
+        "delete": lambda: w.raw.delete(target),
+        "list": lambda: (w.raw.delete(target), w.raw.rpush(target, b"x")),
+        "grow": lambda: w.raw.append(target, b"\0" * grow),
+        "shrink": lambda: w.raw.set(target, pristine[:at]),
+        "another entry": lambda: w.raw.set(target, w.pristine[other]),
+        "flip": lambda: w.raw.setrange(target, at, bytes([pristine[at] ^ 0x10])),
+        "same": lambda: w.raw.set(target, pristine),
+    }[how]
+    store = w.store()
+    store._link.client = racer = _Racer(store._link.client, target, change)
+    try:
+        with bounded(max_bytes=64 << 20):
+            ans = _answer(w, mode, store)
+    finally:
+        store.close()
+    assert racer.fired  # the change landed between the probe and the read
+    _check(w, mode, ans, target, may_hit=how == "same")
