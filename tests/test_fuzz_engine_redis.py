@@ -17,9 +17,14 @@ keys under its own prefix.
 from __future__ import annotations
 
 import json
+import logging
+import socket
 import struct
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -27,15 +32,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blend.keys import Namespace
+from blend.keys import Namespace, StoreKey
 from blend.policy import ReusePolicy
 from blend.report import REUSED_CLASSES, ReuseClass
+from blend.store.base import Lookup
 from blend.store.codec import MAX_HEADER_BYTES, EntryError, decode
 from blend.store.memory import MemoryStore
 from blend.store.redis_store import RedisStore
 from conftest import make_docs
 from _fuzz_util import bounded, fuzz_budget
-from _store_util import unique_prefix
+from _store_util import RedisServer, own_redis_server, unique_prefix
 from test_fuzz_store import _join, _split, damage
 
 POLICIES = {"exact": ReusePolicy.exact(), "blend": ReusePolicy.blend(ratio=0.2)}
@@ -257,3 +263,145 @@ def test_a_value_that_changes_between_probe_and_read_is_never_used(warm, data, m
         store.close()
     assert racer.fired  # the change landed between the probe and the read
     _check(w, mode, ans, target, may_hit=how == "same")
+
+
+# ---- a server that goes away, stalls or drips mid-request ----------------------------------------------------
+
+
+class _SlowProxy:
+    """A TCP proxy before a Redis server: requests pass at once; replies pass at once until :attr:`mode` is set,
+    then ``stall`` holds them (the server seems hung) and ``drip`` sends them ``DRIP`` bytes at a time, one
+    piece every ``DRIP_S`` (each wait under any socket timeout, the whole reply far over it)."""
+
+    DRIP, DRIP_S = 1024, 0.02  # ~50 KB/s: a 280 KB entry takes 5.6 s
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.mode = ""
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pass, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pass, args=(server, client, True), daemon=True).start()
+
+    def _pass(self, src: socket.socket, dst: socket.socket, reply: bool) -> None:
+        try:
+            while not self.closed.is_set() and (data := src.recv(65536)):
+                while reply and self.mode == "stall" and not self.closed.is_set():
+                    time.sleep(0.01)
+                step = self.DRIP if reply and self.mode == "drip" else len(data)
+                for i in range(0, len(data), step):
+                    if step != len(data):
+                        time.sleep(self.DRIP_S)
+                    dst.sendall(data[i : i + step])
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                s.close()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.sock.close()
+
+
+def _outage_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "unreachable" in r.getMessage()]
+
+
+@pytest.mark.parametrize("mode", ["stall", "drip"])
+def test_a_stalled_or_dripping_server_is_a_miss_within_the_deadline(warm, mode, caplog):
+    """A drip kept every wait for bytes under the socket timeout: the request took as long as the server liked
+    (5-20 s here, under a 0.3 s timeout). Now each call has a deadline (the socket timeout plus its bytes at
+    ``min_rate``): the request is cold's, answered in about the timeout, with one line saying why."""
+    w = warm
+    w.restore()
+    where = urlsplit(w.url)
+    if where.scheme != "redis" or where.port is None:
+        pytest.skip("the proxy needs a redis://HOST:PORT server")
+    proxy = _SlowProxy(where.hostname or "127.0.0.1", where.port)
+    store = RedisStore(f"redis://127.0.0.1:{proxy.port}{where.path}", prefix=w.prefix, socket_timeout_s=0.3,
+                       retry_after_s=60)
+    try:
+        assert store.available and store.contains(*_first_key(w, "exact"))  # through the proxy, at full speed
+        proxy.mode = mode
+        with caplog.at_level(logging.WARNING, logger="blend.store"):
+            t0 = time.perf_counter()
+            ans = _answer(w, "exact", store)
+            took = time.perf_counter() - t0
+    finally:
+        proxy.close()
+        store.close()
+    assert torch.equal(ans.first_logits, w.cold["exact"].first_logits)
+    assert all(s.reuse_class is ReuseClass.COMPUTED for s in ans.report.segments), ans.report.segments
+    assert took < 2.0, took
+    (line,) = _outage_warnings(caplog)
+    assert "during get" in line
+    if mode == "drip":
+        assert "no whole answer within" in line and "MiB/s" in line
+
+
+def _first_key(w: Warm, mode: str) -> tuple[Namespace, StoreKey]:
+    """(namespace, key) of the first entry the warm request of ``mode`` reused."""
+    seg = next(s for s in w.warm[mode].report.segments if s.reuse_class in REUSED_CLASSES)
+    rk = next(rk for rk in w.pristine if rk.endswith(seg.key.encode()))
+    return Namespace(rk.split(b":")[-2].decode()), StoreKey(bytes.fromhex(seg.key))
+
+
+class _DyingStore(RedisStore):
+    """A Redis tier whose server is shut down right after its ``after``-th lookup."""
+
+    def __init__(self, server: RedisServer, after: int, **kw: Any) -> None:
+        super().__init__(server.url, **kw)
+        self.server, self.after, self.lookups = server, after, 0
+        self.lock = threading.Lock()
+
+    def get(self, ns: Namespace, key: StoreKey, provenance: str) -> Lookup:
+        with self.lock:  # the prefetcher looks up from two threads
+            self.lookups += 1
+            if self.lookups == self.after + 1:
+                self.server.stop()
+        return super().get(ns, key, provenance)
+
+
+@pytest.mark.parametrize("mode", sorted(POLICIES))
+@pytest.mark.parametrize("after", [0, 1], ids=["between-store-and-load", "mid-request"])
+def test_a_server_gone_mid_request_is_a_miss_and_the_answer_is_colds(warm, mode, after, caplog):
+    """Shut down between the store and the load (or after the request's first lookup): cold's answer, the
+    segments looked up after the shutdown computed, one warning, no wait; the server back, the tier is too."""
+    server = own_redis_server()  # this test kills its server, so it never uses a shared one
+    try:
+        prefix = unique_prefix()
+        filler = w_eng = warm.eng.with_store(RedisStore(server.url, prefix=prefix))
+        filler.generate(warm.prompt, POLICIES[mode], max_new_tokens=1)
+        filler.close()
+        store = _DyingStore(server, after, prefix=prefix, retry_after_s=0.2)
+        with caplog.at_level(logging.WARNING, logger="blend.store"):
+            t0 = time.perf_counter()
+            ans = _answer(warm, mode, store)
+            took = time.perf_counter() - t0
+        assert torch.equal(ans.first_logits, warm.cold[mode].first_logits)
+        assert ans.token_ids == warm.cold[mode].token_ids
+        classes = [s.reuse_class for s in ans.report.segments]
+        assert ReuseClass.COMPUTED in classes[after:-1], classes
+        assert took < 2.0, took
+        assert len(_outage_warnings(caplog)) == 1, caplog.text
+        server.start()  # same port, empty (no persistence): the next request computes and stores again
+        time.sleep(0.25)  # past the back-off
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="blend.store"):
+            again = w_eng.with_store(store).generate(warm.prompt, POLICIES[mode], max_new_tokens=1)
+        assert torch.equal(again.first_logits, warm.cold[mode].first_logits)
+        assert "reachable again" in caplog.text
+        store.close()
+    finally:
+        server.stop()

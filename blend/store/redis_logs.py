@@ -72,7 +72,7 @@ class RedisRecordLogs:
     def append(self, name: str, line: bytes) -> None:
         """Append one record to the list ``<prefix>:log:<name>`` (RPUSH; no TTL: logs are tiny)."""
         rk = self.key(name)
-        self.link.call("append_record", lambda: self.link.client.rpush(rk, line), None)
+        self.link.call("append_record", lambda: self.link.client.rpush(rk, line), None, nbytes=len(line))
 
     def rewrite(self, name: str, expected: list[bytes], lines: list[bytes]) -> bool:
         """Replace the list with ``lines`` if it still holds exactly ``expected``
@@ -94,7 +94,8 @@ class RedisRecordLogs:
                 except redis.WatchError:
                     return False
 
-        return bool(self.link.call("rewrite_records", swap, False))
+        moved = sum(map(len, expected)) + sum(map(len, lines))
+        return bool(self.link.call("rewrite_records", swap, False, nbytes=moved))
 
     def read(self, name: str) -> list[bytes]:
         """Every record of the list (empty when absent or the server is down: it is read in pages, and
@@ -134,9 +135,9 @@ class RedisRecordLogs:
                 start += LOG_PAGE
 
         try:
-            got = self.link.call("read_records", bounded, None)
+            got = self.link.call("read_records", bounded, None, nbytes=MAX_LOG_BYTES)
         except OversizedLogError as e:
-            kept = self.link.call("read_records", lambda: trim_log(client, rk), [])
+            kept = self.link.call("read_records", lambda: trim_log(client, rk), [], nbytes=OVERSIZED_KEEP_BYTES)
             log.warning("redis store %s: log %s holds %d bytes, over %d: kept its newest %d records; older records "
                         "were dropped", self.link.url, name, e.size, MAX_LOG_BYTES, len(kept))
             return kept, False
@@ -151,7 +152,7 @@ class RedisRecordLogs:
         """Delete every record log of this store."""
         logs = self.keys()
         if logs:
-            self.link.call("clear", lambda: self.link.client.delete(*logs), 0)
+            self.link.call("clear", lambda: self.link.client.delete(*logs), 0, nbytes=None)
 
 
 def trim_log(client: redis.Redis, name: bytes) -> list[bytes]:
