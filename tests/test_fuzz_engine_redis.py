@@ -7,8 +7,9 @@ set; the value deleted, retyped, grown, shrunk or swapped between the probe and 
 that tier answers with cold's first-token logits bit for bit, the segment that key held is ``rejected`` or
 ``computed`` (never reused), the good entries around it still hit, and the tier never raised: exact mode
 (prefix-chained entries) and blend mode (canonical chunk entries) both. Garbage in the tier's record logs
-(the donor index's list) is no donors, never an error; a value of several hundred MB is rejected without
-being fetched whole; a server that dies or stalls mid-request is a miss within the socket timeout.
+(the donor index's list) is no donor, never an error; a value of several hundred MB that its header backs is
+read once (under the tier's cap) and rejected; a server that dies, stalls or drips its replies mid-request is a
+miss within the call's deadline, with one warning.
 
 Runs against ``$KVBLEND_TEST_REDIS`` (a private server otherwise, skipped if neither); every test keeps its
 keys under its own prefix.
@@ -16,6 +17,7 @@ keys under its own prefix.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -32,15 +34,18 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import blend.store.redis_logs as redis_logs
+from blend.donor_records import DonorRecordError, parse_record
+from blend.engine import Engine
 from blend.keys import Namespace, StoreKey
 from blend.policy import ReusePolicy
 from blend.report import REUSED_CLASSES, ReuseClass
-from blend.store.base import Lookup
+from blend.store.base import Lookup, LookupStatus
 from blend.store.codec import MAX_HEADER_BYTES, EntryError, decode
 from blend.store.memory import MemoryStore
 from blend.store.redis_store import RedisStore
 from conftest import make_docs
-from _fuzz_util import bounded, fuzz_budget
+from _fuzz_util import bounded, dumps_mutated, fuzz_budget, mutate_bytes, mutate_json
 from _store_util import RedisServer, own_redis_server, unique_prefix
 from test_fuzz_store import _join, _split, damage
 
@@ -59,6 +64,9 @@ class Warm:
     prefix: str
     raw: redis.Redis  # a plain client: what a hostile peer writes with
     pristine: dict[bytes, bytes]  # every key of the tier as filled -> its value
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # how hypothesis shows a failing example's fixture
+        printer.text(f"Warm(prefix={self.prefix!r})")
 
     def restore(self) -> None:
         """Undo an earlier example's damage (and the recomputed entries its request wrote back)."""
@@ -104,6 +112,7 @@ def warm(tiny_engine_factory, redis_url) -> Iterator[Warm]:
     yield w
     store.clear()
     store.close()
+    raw.close()
 
 
 def _answer(w: Warm, mode: str, store: RedisStore | None = None) -> Any:
@@ -208,9 +217,30 @@ def test_a_damaged_entry_in_redis_is_a_miss_and_the_answer_is_colds(warm, data, 
     w.restore()
     target = data.draw(st.sampled_from(w.read_by(mode)), label="entry")
     blob = _plant(w, target, data)
+    may_hit = blob is not None and _still_the_entry(blob, w.pristine[target])
     with bounded(max_bytes=64 << 20):
+        _check_tier(w, target, may_hit)
         ans = _answer(w, mode)
-    _check(w, mode, ans, target, may_hit=blob is not None and _still_the_entry(blob, w.pristine[target]))
+    _check(w, mode, ans, target, may_hit)
+
+
+def _check_tier(w: Warm, target: bytes, may_hit: bool) -> None:
+    """The tier itself: a lookup of the damaged key is no hit, ``verify`` says it is not valid, and ``info``
+    answers or raises ``EntryError`` (never another exception)."""
+    ns, key = Namespace(target.split(b":")[-2].decode()), StoreKey(bytes.fromhex(target.rsplit(b":", 1)[1].decode()))
+    store = w.store()
+    try:
+        got = store.get(ns, key, decode(bytearray(w.pristine[target])).provenance)
+        assert may_hit or got.status is not LookupStatus.HIT
+        if got.status is LookupStatus.REJECTED and got.reason != "provenance mismatch":  # verify knows no provenance
+            assert store.verify(ns, key).invalid
+        try:
+            store.info(ns, key)
+        except EntryError:
+            pass
+        assert store.check_reachable() == ""  # every call reached the server: no miss came from an outage
+    finally:
+        store.close()
 
 
 # ---- damage between the probe and the read ---------------------------------------------------------------
@@ -263,6 +293,38 @@ def test_a_value_that_changes_between_probe_and_read_is_never_used(warm, data, m
         store.close()
     assert racer.fired  # the change landed between the probe and the read
     _check(w, mode, ans, target, may_hit=how == "same")
+
+
+def test_a_value_of_hundreds_of_mb_is_rejected_within_the_cap(warm):
+    """A value that really is several hundred MB, its header claiming exactly that (this engine's provenance,
+    a shape of 300 MB): under the tier's cap (2 GiB), so it is read, once, and rejected (its checksum); the
+    answer is cold's. With another provenance, or a claim the value's length does not back, nothing past the
+    header is read (the property tests above)."""
+    w = warm
+    w.restore()
+    target = w.read_by("exact")[0]
+    table, meta, _ = _split(w.pristine[target])
+    L, H, _, D = meta["shape"]
+    shape = [L, H, HUNDREDS_OF_MB * 3 // 4 // (2 * L * H * D * 4), D]
+    n = L * H * shape[2] * D * 4
+    table = {**table, **{name: {**table[name], "shape": shape, "data_offsets": [i * n, (i + 1) * n]}
+                         for i, name in enumerate(("k", "v"))}}
+    head = _join(table, {**meta, "shape": shape}, b"", resign=False)
+    try:
+        w.raw.set(target, head)
+        w.raw.setrange(target, len(head) + 2 * n - 1, b"\0")  # zeros up to the claimed size, made by the server
+    except redis.ResponseError as e:  # a server with a memory limit
+        pytest.skip(f"the server will not hold {2 * n >> 20} MB: {e}")
+    try:
+        t0 = time.perf_counter()
+        with bounded(max_bytes=5 * n, seconds=30):  # the value and one copy of it
+            ans = _answer(w, "exact")
+        took = time.perf_counter() - t0
+    finally:
+        w.raw.delete(target)
+    _check(w, "exact", ans, target, may_hit=False)
+    assert ReuseClass.REJECTED in [s.reuse_class for s in ans.report.segments]
+    assert took < 20, took
 
 
 # ---- a server that goes away, stalls or drips mid-request ----------------------------------------------------
@@ -405,3 +467,128 @@ def test_a_server_gone_mid_request_is_a_miss_and_the_answer_is_colds(warm, mode,
         store.close()
     finally:
         server.stop()
+
+
+# ---- garbage in the record log the tier keeps (the donor index's) ------------------------------------------
+
+SEMANTIC = ReusePolicy.blend(ratio=0.2, semantic=True)
+LOG_FUZZ = fuzz_budget(15)  # ~0.2 s an example (a fresh semantic engine reads the log, then a request)
+
+
+@dataclass(repr=False)
+class Donors:
+    eng: Any  # an engine with semantic reuse on (the same weights)
+    prompt: Any  # one document edited: its KV comes from a donor the log names
+    with_donor: Any  # the answer over the intact log
+    without: Any  # the answer with no log (the edited document computed)
+    prefix: str
+    log_key: bytes
+    records: list[bytes]  # the intact log
+    entries: dict[bytes, bytes] = dataclasses.field(default_factory=dict)  # every entry key -> its value
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(f"Donors(prefix={self.prefix!r})")
+
+
+@pytest.fixture(scope="module")
+def donors(warm: Warm) -> Iterator[Donors]:
+    eng = Engine(warm.eng.runner, dataclasses.replace(warm.eng.config, experimental_semantic=True))
+    docs = make_docs(2)
+    words = docs[1].split(" ")
+    words[5] = "zebra"
+    edited = eng.build_prompt("Which of these is listed?", [docs[0], " ".join(words)])
+    prefix = unique_prefix()
+    store = RedisStore(warm.url, prefix=prefix)
+    filler = eng.with_store(store)
+    filler.generate(eng.build_prompt("Which of these is listed?", docs), SEMANTIC, max_new_tokens=1)
+    filler.close()
+    (log_key,) = list(warm.raw.scan_iter(match=f"{prefix}:log:*"))
+    records = warm.raw.lrange(log_key, 0, -1)
+    entries = {rk: warm.raw.get(rk) for rk in warm.raw.scan_iter(match=f"{prefix}:*") if rk != log_key}
+    d = Donors(eng, edited, None, None, prefix, log_key, records, entries)
+    d.with_donor = _semantic_answer(warm, d, entries)
+    assert ReuseClass.SEMANTIC in [s.reuse_class for s in d.with_donor.report.segments]
+    d.without = _semantic_answer(warm, d, entries, log=[])
+    assert ReuseClass.SEMANTIC not in [s.reuse_class for s in d.without.report.segments]
+    yield d
+    store.clear()
+    store.close()
+
+
+def _semantic_answer(w: Warm, d: Donors, entries: dict[bytes, bytes], log: list[bytes] | None = None,
+                     plant: Callable[[], None] | None = None) -> Any:
+    """The edited prompt's answer from a fresh semantic engine over the tier: its entries as filled, its log
+    ``log`` (default: as filled) or whatever ``plant`` writes there."""
+    pipe = w.raw.pipeline(transaction=False)
+    for rk in w.raw.scan_iter(match=f"{d.prefix}:*"):
+        pipe.delete(rk)
+    for rk, blob in entries.items():
+        pipe.set(rk, blob)
+    lines = d.records if log is None else log
+    if lines and plant is None:
+        pipe.rpush(d.log_key, *lines)
+    pipe.execute()
+    if plant is not None:
+        plant()
+    store = RedisStore(w.url, prefix=d.prefix)
+    eng = d.eng.with_store(store)
+    try:
+        return eng.generate(d.prompt, SEMANTIC, max_new_tokens=1)
+    finally:
+        eng.close()
+        store.close()
+
+
+def _garbage_record(record: bytes, data: st.DataObject) -> bytes:
+    how = data.draw(st.sampled_from(["bytes", "json", "text", "binary", "empty"]), label="record")
+    if how == "bytes":
+        return mutate_bytes(record, data)
+    if how == "json":
+        return json.dumps(mutate_json(json.loads(record), data)).encode()
+    if how == "text":
+        return dumps_mutated(json.loads(record), data)
+    return b"" if how == "empty" else data.draw(st.binary(min_size=1, max_size=64), label="bytes")
+
+
+@LOG_FUZZ
+@given(data=st.data())
+def test_garbage_in_the_donor_log_is_no_donor_never_an_error(warm, donors, data):
+    """Whatever the log's key holds (another type, garbage records among the good ones, a log over its cap), a
+    semantic request answers as with the intact log or as with none, bit for bit; where every garbage
+    record is unparsable, the good ones still serve (as with the intact log)."""
+    w, d = warm, donors
+    how = data.draw(st.sampled_from(["type", "records", "oversized"]), label="log")
+    lines = list(d.records)
+    unparsable = True
+    if how == "type":
+        kind = data.draw(st.sampled_from(["string", "hash", "set", "zset"]), label="type")
+        blob = data.draw(st.binary(max_size=64), label="value") or b"x"
+        plant = {"string": lambda: w.raw.set(d.log_key, blob), "hash": lambda: w.raw.hset(d.log_key, b"k", blob),
+                 "set": lambda: w.raw.sadd(d.log_key, blob), "zset": lambda: w.raw.zadd(d.log_key, {blob: 1})}[kind]
+        unparsable = False  # no records at all: no donor
+    else:
+        for _ in range(data.draw(st.integers(1, 3), label="garbage")):
+            bad = _garbage_record(data.draw(st.sampled_from(d.records), label="of"), data)
+            if how == "oversized":
+                bad += b" " * (64 << 10)  # over the log cap set below: the log is trimmed to its newest records
+            try:
+                parse_record(bad)
+                unparsable = False
+            except DonorRecordError:
+                pass
+            lines.insert(data.draw(st.integers(0, len(lines)), label="at"), bad)
+        unparsable = unparsable and how == "records"  # a trim may drop the good records
+
+        def plant() -> None:
+            w.raw.rpush(d.log_key, *lines)
+
+    with pytest.MonkeyPatch.context() as mp, bounded(max_bytes=64 << 20):
+        if how == "oversized":
+            mp.setattr(redis_logs, "MAX_LOG_BYTES", 32 << 10)
+            mp.setattr(redis_logs, "LOG_OVERHEAD_BYTES", 0)
+            mp.setattr(redis_logs, "OVERSIZED_KEEP_BYTES", 16 << 10)
+        ans = _semantic_answer(w, d, d.entries, plant=plant)
+    same = [torch.equal(ans.first_logits, ref.first_logits) for ref in (d.with_donor, d.without)]
+    assert any(same), "neither the intact log's answer nor the no-log answer"
+    if unparsable:
+        assert same[0]

@@ -4,6 +4,7 @@ outages (down, dying mid-request, hung) and recovery, promotion to memory."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -258,6 +259,27 @@ def test_record_log_reads_in_pages_and_trims_an_oversized_list_to_its_newest_rec
     monkeypatch.setattr(redis_logs, "MAX_LOG_BYTES", 1 << 20)
     assert store.read_records("donors") == lines[-1:]  # the list itself was trimmed
     assert store.available  # an oversized log is not an outage
+
+
+def test_the_deadline_watchdog_fires_late_alarms_only_and_survives_a_fork() -> None:
+    from blend.store.redis_deadline import Watchdog
+
+    dog, fired = Watchdog(), []
+    early = dog.arm(0.05, lambda: fired.append("early"))
+    kept = dog.arm(0.3, lambda: fired.append("disarmed"))
+    assert dog.disarm(kept) is False
+    time.sleep(0.15)
+    assert dog.disarm(early) is True and fired == ["early"]
+    time.sleep(0.25)
+    assert fired == ["early"]  # a disarmed alarm never fires
+    pid = os.fork()
+    if pid == 0:  # the child's watchdog starts a thread of its own (the parent's is not there)
+        got: list[int] = []
+        dog.arm(0.02, lambda: got.append(1))
+        time.sleep(0.3)
+        os._exit(0 if got else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
 
 
 def _peak(fn):

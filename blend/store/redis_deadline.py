@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -43,6 +44,10 @@ class Watchdog:
     """
 
     def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)  # a forked child has no watchdog thread (and a fresh lock)
+
+    def _reset(self) -> None:
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int, Alarm]] = []
         self._seq = itertools.count()  # orders alarms of one deadline (an Alarm does not compare)
