@@ -9,9 +9,9 @@ compactions bounded it, or grown by many appenders between them) is trimmed to
 its newest records within ``OVERSIZED_KEEP_BYTES`` (:func:`trim_log`; the server
 measures the records, so none is read to learn that it does not fit): records
 are self-contained and a later record only overrides earlier ones, so the newest
-replay as they did. A rewrite reads no more than the records it expects. Failures are logged, never raised: the logs only point at
-entries of a cache. The disk tier's logs are
-in ``record_logs.py``.
+replay as they did. A rewrite reads no more than the records it expects.
+Failures are logged, never raised: the logs only point at entries of a cache.
+The disk tier's logs are in ``record_logs.py``.
 """
 
 from __future__ import annotations
