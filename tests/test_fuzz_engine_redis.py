@@ -116,6 +116,7 @@ def warm(tiny_engine_factory, redis_url) -> Iterator[Warm]:
 
 
 def _answer(w: Warm, mode: str, store: RedisStore | None = None) -> Any:
+    """The prompt's answer under ``mode`` from a fresh engine over ``store`` (default: a fresh tier of its own)."""
     own = store is None
     store = store or w.store()
     eng = w.eng.with_store(store)
@@ -443,8 +444,8 @@ def test_a_server_gone_mid_request_is_a_miss_and_the_answer_is_colds(warm, mode,
     server = own_redis_server()  # this test kills its server, so it never uses a shared one
     try:
         prefix = unique_prefix()
-        filler = w_eng = warm.eng.with_store(RedisStore(server.url, prefix=prefix))
-        filler.generate(warm.prompt, POLICIES[mode], max_new_tokens=1)
+        filler = RedisStore(server.url, prefix=prefix)
+        _answer(warm, mode, filler)  # stores the request's entries
         filler.close()
         store = _DyingStore(server, after, prefix=prefix, retry_after_s=0.2)
         with caplog.at_level(logging.WARNING, logger="blend.store"):
@@ -461,7 +462,7 @@ def test_a_server_gone_mid_request_is_a_miss_and_the_answer_is_colds(warm, mode,
         time.sleep(0.25)  # past the back-off
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="blend.store"):
-            again = w_eng.with_store(store).generate(warm.prompt, POLICIES[mode], max_new_tokens=1)
+            again = _answer(warm, mode, store)
         assert torch.equal(again.first_logits, warm.cold[mode].first_logits)
         assert "reachable again" in caplog.text
         store.close()
