@@ -128,6 +128,15 @@ DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 DEFAULT_KV_POOL_BYTES = 1 << 30
 KV_POOL_ROW_QUANTUM = 256
 KV_POOL_SLACK = 2
+# the Redis tier (blend.store.redis_link): a dead host costs at most the connect timeout, each wait for bytes on
+# an established connection at most the socket timeout, and after a failure calls skip the server this long
+DEFAULT_REDIS_CONNECT_TIMEOUT_S = 0.2
+DEFAULT_REDIS_SOCKET_TIMEOUT_S = 2.0
+DEFAULT_REDIS_RETRY_AFTER_S = 5.0
+# ... and a whole call at most the socket timeout plus its bytes at this rate (bytes/s): a server that answers
+# slower (a reply dripped a few bytes at a time, each within the socket timeout) is down. A local server moves
+# a 27.6 MB chunk at ~750 MB/s, 1 Gb Ethernet at ~110 MB/s.
+DEFAULT_REDIS_MIN_RATE = 32 << 20
 # write-behind (blend.store.write_behind): a store chain writes its persistent tiers (disk, Redis) on a
 # background thread, off the request's time to first token; requests wait for their writes before they
 # finish. At most this many writes wait in the queue before a producer waits for room.

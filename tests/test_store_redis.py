@@ -4,9 +4,11 @@ outages (down, dying mid-request, hung) and recovery, promotion to memory."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
+import tracemalloc
 from typing import Iterator
 
 import pytest
@@ -257,6 +259,91 @@ def test_record_log_reads_in_pages_and_trims_an_oversized_list_to_its_newest_rec
     monkeypatch.setattr(redis_logs, "MAX_LOG_BYTES", 1 << 20)
     assert store.read_records("donors") == lines[-1:]  # the list itself was trimmed
     assert store.available  # an oversized log is not an outage
+
+
+def test_the_deadline_watchdog_fires_late_alarms_only_and_survives_a_fork() -> None:
+    from blend.store.redis_deadline import Watchdog
+
+    dog, fired = Watchdog(), []
+    early = dog.arm(0.05, lambda: fired.append("early"))
+    kept = dog.arm(0.3, lambda: fired.append("disarmed"))
+    assert dog.disarm(kept) is False
+    time.sleep(0.15)
+    assert dog.disarm(early) is True and fired == ["early"]
+    time.sleep(0.25)
+    assert fired == ["early"]  # a disarmed alarm never fires
+    pid = os.fork()
+    if pid == 0:  # the child's watchdog starts a thread of its own (the parent's is not there)
+        got: list[int] = []
+        dog.arm(0.02, lambda: got.append(1))
+        time.sleep(0.3)
+        os._exit(0 if got else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+
+
+def _peak(fn):
+    """(fn(), the most bytes Python held at once while it ran)."""
+    tracemalloc.start()
+    try:
+        return fn(), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+READ_BUFFER = 1 << 20  # the client's socket read size: every call may hold this much
+
+
+def test_trimming_an_oversized_log_never_reads_the_records_it_drops(
+        store: RedisStore, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log of a few huge records (a hostile peer's, or a broken writer's) was read whole, page by page, to
+    find that none of them fit: 17 MB read under a 1 MB cap. The server now measures them; only the kept
+    record is read."""
+    raw = redis.Redis.from_url(redis_url)
+    rk = f"{store.prefix}:log:donors-x".encode()
+    raw.rpush(rk, b"x" * (8 << 20), b"y" * (8 << 20), b'{"newest":1}')
+    monkeypatch.setattr(redis_logs, "MAX_LOG_BYTES", 1 << 20)
+    monkeypatch.setattr(redis_logs, "OVERSIZED_KEEP_BYTES", 256 << 10)
+    got, peak = _peak(lambda: store.read_records("donors-x"))
+    assert got == [b'{"newest":1}'] and peak < 2 * READ_BUFFER, peak
+    assert raw.lrange(rk, 0, -1) == [b'{"newest":1}']  # the list trimmed to it
+    raw.close()
+
+
+def test_an_oversized_log_on_a_server_without_scripts_is_deleted_unread(
+        store: RedisStore, redis_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    raw = redis.Redis.from_url(redis_url)
+    rk = f"{store.prefix}:log:donors-x".encode()
+    raw.rpush(rk, b"x" * (8 << 20), b'{"newest":1}')
+    monkeypatch.setattr(redis_logs, "MAX_LOG_BYTES", 1 << 20)
+    monkeypatch.setattr(redis_logs, "_LENGTHS", "this is not lua")  # EVAL fails as where scripting is off
+    with caplog.at_level(logging.WARNING, logger="blend.store"):
+        got, peak = _peak(lambda: store.read_records("donors-x"))
+    assert got == [] and peak < 2 * READ_BUFFER, peak
+    assert not raw.exists(rk) and "cannot measure the records" in caplog.text
+    raw.close()
+
+
+def test_a_log_rewrite_reads_no_more_than_the_records_it_expects(store: RedisStore, redis_url: str) -> None:
+    """The compare-and-swap read the whole list to compare it: another writer's huge record (pushed since the
+    log was read, or a hostile peer's) was read whole. Now its length, the server's size figure and the
+    pages are compared in turn."""
+    raw = redis.Redis.from_url(redis_url)
+    rk = f"{store.prefix}:log:donors-x".encode()
+    small = [b'{"n":%d}' % i for i in range(3)]
+    raw.rpush(rk, *small, b"x" * (8 << 20))  # one record more than expected
+    ok, peak = _peak(lambda: store.rewrite_records("donors-x", small, [b"new"]))
+    assert ok is False and peak < 2 * READ_BUFFER, peak
+    raw.delete(rk)
+    raw.rpush(rk, *small[:2], b"x" * (8 << 20))  # as many records, one of them huge
+    ok, peak = _peak(lambda: store.rewrite_records("donors-x", small, [b"new"]))
+    assert ok is False and peak < 2 * READ_BUFFER, peak
+    assert raw.llen(rk) == 3
+    raw.delete(rk)
+    raw.rpush(rk, *small)
+    assert store.rewrite_records("donors-x", small, [b"new"]) is True
+    assert raw.lrange(rk, 0, -1) == [b"new"]
+    raw.close()
 
 
 def test_a_put_the_server_refuses_is_counted_not_raised(caplog) -> None:

@@ -2,9 +2,13 @@
 
 The store is a cache, so an unreachable server is a miss, never an error::
 
-    up ──(connection error / timeout)──► down: warn once, every call returns
-     ▲                                   MISS / no-op without touching the network
+    up ──(connection error / timeout / late)──► down: warn once, every call returns
+     ▲                                          MISS / no-op without touching the network
      └────(first call after retry_after_s succeeds: log "reachable again")
+
+A call is late when it is not done within ``socket_timeout_s`` plus the bytes it moves at
+``min_rate`` (bytes/s): the socket timeout alone bounds each wait for bytes, not a call, so a
+server that dripped its reply held the request for as long as it liked (``redis_deadline.py``).
 
 A server that answers with an error (e.g. ``OOM`` at maxmemory) is not down:
 the call is refused, counted in ``refused_calls`` and logged once per cause
@@ -24,7 +28,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from blend.defaults import (
+    DEFAULT_REDIS_CONNECT_TIMEOUT_S,
+    DEFAULT_REDIS_MIN_RATE,
+    DEFAULT_REDIS_RETRY_AFTER_S,
+    DEFAULT_REDIS_SOCKET_TIMEOUT_S,
+)
 from blend.store.base import StoreStats
+from blend.store.redis_deadline import WATCHDOG, Alarm
 
 REFUSAL_LOG_S = 600  # a refusal (a full server) is logged again after this long, once per cause
 log = logging.getLogger("blend.store.redis_store")  # the Redis tier logs under one name, whichever module speaks
@@ -78,12 +89,21 @@ class RedisLink:
         connect_timeout_s: TCP connect timeout; a dead host costs at most this.
         socket_timeout_s: per-read/write timeout on an established connection.
         retry_after_s: after a failure, calls skip the server for this long.
+        min_rate: a call that moves n bytes is late (the server down) after ``socket_timeout_s`` plus
+            n / ``min_rate`` seconds.
     """
 
-    def __init__(self, url: str, stats: StoreStats, lock: threading.Lock, *, connect_timeout_s: float,
-                 socket_timeout_s: float, retry_after_s: float) -> None:
+    def __init__(self, url: str, stats: StoreStats, lock: threading.Lock, *,
+                 connect_timeout_s: float = DEFAULT_REDIS_CONNECT_TIMEOUT_S,
+                 socket_timeout_s: float = DEFAULT_REDIS_SOCKET_TIMEOUT_S,
+                 retry_after_s: float = DEFAULT_REDIS_RETRY_AFTER_S,
+                 min_rate: float = DEFAULT_REDIS_MIN_RATE) -> None:
+        if not (socket_timeout_s > 0 and min_rate > 0):  # NaN refused too
+            raise ValueError(f"socket_timeout_s and min_rate must be > 0, got {socket_timeout_s} and {min_rate}")
         self.url = redacted_url(url)  # what logs and messages show: the password never leaves the process
         self.retry_after_s = retry_after_s
+        self.socket_timeout_s = socket_timeout_s
+        self.min_rate = min_rate
         self.client = redis.Redis.from_url(
             url,
             socket_connect_timeout=connect_timeout_s,
@@ -108,13 +128,23 @@ class RedisLink:
         with self._lock:
             return time.monotonic() >= self._down_until
 
-    def call(self, what: str, fn: Callable[[], T], default: T) -> T:
-        """Run ``fn`` against the server; on an outage warn once and return ``default``.
+    def deadline_s(self, nbytes: int) -> float:
+        """Seconds a call that moves ``nbytes`` may take before it is late."""
+        return self.socket_timeout_s + nbytes / self.min_rate
+
+    def _cut(self) -> None:
+        """A call is late: disconnect every connection, in use or idle, so its blocked read fails now."""
+        self.client.connection_pool.disconnect(inuse_connections=True)
+
+    def call(self, what: str, fn: Callable[[], T], default: T, nbytes: int | None = 0) -> T:
+        """Run ``fn`` against the server; on an outage (or a late answer) warn once and return ``default``.
 
         Args:
             what: the operation, as logs name it (``get``, ``put``, ``scan``...).
             fn: the call; it uses :attr:`client`.
             default: the result when the server is down or refuses the call.
+            nbytes: the most bytes the call moves, for its deadline (:meth:`deadline_s`); None: no deadline
+                but the socket timeout's on each wait (a scan of every key, whose length nobody knows).
 
         Returns:
             ``fn()``'s result, or ``default``.
@@ -127,6 +157,8 @@ class RedisLink:
                 self._stats.extra["skipped_calls"] = self._stats.extra.get("skipped_calls", 0) + 1
                 self._failed_calls += 1
             return default
+        limit = None if nbytes is None else self.deadline_s(nbytes)
+        alarm: Alarm | None = None if limit is None else WATCHDOG.arm(limit, self._cut)
         try:
             result = fn()
         except RefusedData:  # the server answered; the data is refused, not the server
@@ -146,18 +178,24 @@ class RedisLink:
                 log.debug("redis store %s: %s failed: %s", self.url, what, e)
             return default
         except Exception as e:  # noqa: BLE001 -- connection loss, timeouts, or a server redis-py cannot parse
+            late = alarm is not None and alarm.fired
             with self._lock:
                 self._down_until = time.monotonic() + self.retry_after_s
                 self._failed_calls += 1
                 first = not self._outage
                 self._outage = True
                 self._stats.extra["outages"] = self._stats.extra.get("outages", 0) + (1 if first else 0)
+                if late:
+                    self._stats.extra["late_calls"] = self._stats.extra.get("late_calls", 0) + 1
             if first:
-                log.warning(
-                    "redis store %s unreachable during %s (%s: %s); serving misses, retrying every %.1fs",
-                    self.url, what, type(e).__name__, e, self.retry_after_s,
-                )
+                why = (f"no whole answer within {limit:.3g} s: the server is stalled or slower than "
+                       f"{self.min_rate / 2**20:g} MiB/s" if late else f"{type(e).__name__}: {e}")
+                log.warning("redis store %s unreachable during %s (%s); serving misses, retrying every %.1fs",
+                            self.url, what, why, self.retry_after_s)
             return default
+        finally:
+            if alarm is not None:
+                WATCHDOG.disarm(alarm)
         with self._lock:
             recovered, self._outage = self._outage, False
         if recovered:
@@ -174,7 +212,7 @@ class RedisLink:
             The keys found; empty when the server is down.
         """
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in head) + "*"
-        return self.call("scan", lambda: list(self.client.scan_iter(match=pattern, count=1000)), [])
+        return self.call("scan", lambda: list(self.client.scan_iter(match=pattern, count=1000)), [], nbytes=None)
 
     def check_reachable(self) -> str:
         """'' if the server answers PING and no call failed since the last check, else why not."""

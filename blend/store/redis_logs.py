@@ -6,11 +6,12 @@ a concurrent append aborts it and no record is lost. A log is untrusted data:
 none larger than ``MAX_LOG_BYTES`` is read whole (the server's size figure is
 checked first, then the list is read in pages). Such a list (written before
 compactions bounded it, or grown by many appenders between them) is trimmed to
-its newest records within ``OVERSIZED_KEEP_BYTES`` (:func:`trim_log`): records
+its newest records within ``OVERSIZED_KEEP_BYTES`` (:func:`trim_log`; the server
+measures the records, so none is read to learn that it does not fit): records
 are self-contained and a later record only overrides earlier ones, so the newest
-replay as they did. Failures are logged, never raised: the logs only point at
-entries of a cache. The disk tier's logs are
-in ``record_logs.py``.
+replay as they did. A rewrite reads no more than the records it expects.
+Failures are logged, never raised: the logs only point at entries of a cache.
+The disk tier's logs are in ``record_logs.py``.
 """
 
 from __future__ import annotations
@@ -72,18 +73,21 @@ class RedisRecordLogs:
     def append(self, name: str, line: bytes) -> None:
         """Append one record to the list ``<prefix>:log:<name>`` (RPUSH; no TTL: logs are tiny)."""
         rk = self.key(name)
-        self.link.call("append_record", lambda: self.link.client.rpush(rk, line), None)
+        self.link.call("append_record", lambda: self.link.client.rpush(rk, line), None, nbytes=len(line))
 
     def rewrite(self, name: str, expected: list[bytes], lines: list[bytes]) -> bool:
         """Replace the list with ``lines`` if it still holds exactly ``expected``
-        (WATCH + MULTI: a concurrent RPUSH aborts the swap). Returns whether it was replaced."""
+        (WATCH + MULTI: a concurrent RPUSH aborts the swap). Returns whether it was replaced.
+
+        The list is compared without reading more than ``expected``'s bytes: its length first, then the
+        server's size figure, then page by page (another writer may have pushed a huge record since)."""
         rk = self.key(name)
 
         def swap() -> bool:
             with self.link.client.pipeline(transaction=True) as pipe:
                 try:
                     pipe.watch(rk)
-                    if [bytes(x) for x in pipe.lrange(rk, 0, -1)] != list(expected):
+                    if not _holds(pipe, rk, expected):
                         return False
                     pipe.multi()
                     pipe.delete(rk)
@@ -94,7 +98,8 @@ class RedisRecordLogs:
                 except redis.WatchError:
                     return False
 
-        return bool(self.link.call("rewrite_records", swap, False))
+        moved = sum(map(len, expected)) + sum(map(len, lines))
+        return bool(self.link.call("rewrite_records", swap, False, nbytes=moved))
 
     def read(self, name: str) -> list[bytes]:
         """Every record of the list (empty when absent or the server is down: it is read in pages, and
@@ -134,9 +139,9 @@ class RedisRecordLogs:
                 start += LOG_PAGE
 
         try:
-            got = self.link.call("read_records", bounded, None)
+            got = self.link.call("read_records", bounded, None, nbytes=MAX_LOG_BYTES)
         except OversizedLogError as e:
-            kept = self.link.call("read_records", lambda: trim_log(client, rk), [])
+            kept = self.link.call("read_records", lambda: trim_log(client, rk), [], nbytes=OVERSIZED_KEEP_BYTES)
             log.warning("redis store %s: log %s holds %d bytes, over %d: kept its newest %d records; older records "
                         "were dropped", self.link.url, name, e.size, MAX_LOG_BYTES, len(kept))
             return kept, False
@@ -151,12 +156,61 @@ class RedisRecordLogs:
         """Delete every record log of this store."""
         logs = self.keys()
         if logs:
-            self.link.call("clear", lambda: self.link.client.delete(*logs), 0)
+            self.link.call("clear", lambda: self.link.client.delete(*logs), 0, nbytes=None)
+
+
+def _holds(pipe: redis.client.Pipeline, rk: bytes, expected: list[bytes]) -> bool:
+    """Whether the list ``rk`` holds exactly ``expected``, read in pages and at most ``expected``'s bytes
+    (plus one page's difference: a page is compared before the next is read)."""
+    if pipe.llen(rk) != len(expected):
+        return False
+    want = sum(map(len, expected))
+    try:
+        size = pipe.memory_usage(rk, samples=0) or 0
+    except redis.ResponseError:  # a Redis-compatible server without MEMORY: the pages' lengths still tell
+        size = 0
+    if size > want + LOG_OVERHEAD_BYTES:
+        return False
+    for start in range(0, len(expected), LOG_PAGE):
+        if [bytes(x) for x in pipe.lrange(rk, start, start + LOG_PAGE - 1)] != expected[start : start + LOG_PAGE]:
+            return False
+    return True
+
+
+# the lengths of a list's elements ARGV[1]..ARGV[2] (negative indices, oldest first), measured by the server:
+# an element is never sent to learn whether it fits
+_LENGTHS = """
+local n = redis.call('LLEN', KEYS[1])
+local out = {}
+for i = tonumber(ARGV[1]), tonumber(ARGV[2]) do
+  if -i <= n then out[#out + 1] = string.len(redis.call('LINDEX', KEYS[1], i)) end
+end
+return out
+"""
+
+
+def _newest_within(pipe: redis.client.Pipeline, name: bytes, budget: int) -> int:
+    """How many of the list's newest records fit in ``budget`` bytes together, measured by the server."""
+    count, total, end = 0, 0, -1
+    while True:
+        lengths = [int(n) for n in pipe.eval(_LENGTHS, 1, name, end - LOG_PAGE + 1, end)]
+        for n in reversed(lengths):
+            if total + n > budget:
+                return count
+            total += n
+            count += 1
+        if len(lengths) < LOG_PAGE:
+            return count
+        end -= LOG_PAGE
 
 
 def trim_log(client: redis.Redis, name: bytes) -> list[bytes]:
-    """The newest records of the list ``name`` within ``OVERSIZED_KEEP_BYTES``, read from its end in pages,
-    and the list trimmed to them (WATCH + MULTI: an append meanwhile leaves it as it is, for the next read).
+    """The newest records of the list ``name`` within ``OVERSIZED_KEEP_BYTES``, and the list trimmed to them
+    (WATCH + MULTI: an append meanwhile leaves it as it is, for the next read).
+
+    The server measures the records from the end (a script), so only the kept ones are read: a list of a few
+    huge records (written by another process, or a hostile one) was read whole, page by page, to find that
+    none fit. A server that runs no scripts has the list deleted instead (its records only point at entries).
 
     Args:
         client: the server.
@@ -169,18 +223,13 @@ def trim_log(client: redis.Redis, name: bytes) -> list[bytes]:
     with client.pipeline(transaction=True) as pipe:
         try:
             pipe.watch(name)  # from here until multi() the pipeline's commands run at once
-            total, end, full = 0, -1, False
-            while not full:
-                page = [bytes(x) for x in pipe.lrange(name, end - LOG_PAGE + 1, end)]
-                for line in reversed(page):
-                    total += len(line)
-                    if total > OVERSIZED_KEEP_BYTES:
-                        full = True
-                        break
-                    kept.append(line)
-                full = full or len(page) < LOG_PAGE
-                end -= LOG_PAGE
-            kept.reverse()
+            try:
+                count = _newest_within(pipe, name, OVERSIZED_KEEP_BYTES)
+            except redis.ResponseError as e:  # scripting off (or another type at the key): nothing is kept
+                log.warning("redis store: cannot measure the records of %r (%s); deleting it", name, e)
+                count = 0
+            for start in range(-count, 0, LOG_PAGE):
+                kept += [bytes(x) for x in pipe.lrange(name, start, min(start + LOG_PAGE, 0) - 1)]
             pipe.multi()
             if kept:
                 pipe.ltrim(name, -len(kept), -1)

@@ -7,7 +7,9 @@ is atomic: concurrent writers of one key leave one complete blob.
 Reads are bounded: a lookup first fetches the value's length and its first
 ``HEADER_PROBE`` bytes (one pipelined round trip), checks the length against
 the header's claim and ``max_entry_bytes``, and only then GETs the value (a
-second round trip), so a hostile value is rejected before it is allocated.
+second round trip), so a hostile value is rejected before it is allocated. Every
+call is bounded in time too: one not done within the socket timeout plus its
+bytes at ``min_rate`` finds the server down (``redis_link.py``).
 
 The store is a cache, so an unreachable server is a miss, never an error: the
 connection and its outage handling are in ``redis_link.py``, the record logs
@@ -20,6 +22,12 @@ import logging
 import threading
 from typing import Iterator
 
+from blend.defaults import (
+    DEFAULT_REDIS_CONNECT_TIMEOUT_S,
+    DEFAULT_REDIS_MIN_RATE,
+    DEFAULT_REDIS_RETRY_AFTER_S,
+    DEFAULT_REDIS_SOCKET_TIMEOUT_S,
+)
 from blend.keys import Namespace, StoreKey, key_hex
 from blend.store.base import (
     ABSENT,
@@ -65,6 +73,8 @@ class RedisStore:
         connect_timeout_s: TCP connect timeout; a dead host costs at most this.
         socket_timeout_s: per-read/write timeout on an established connection.
         retry_after_s: after a failure, calls skip the server for this long.
+        min_rate: bytes/s; a call that moves n bytes and is not done within ``socket_timeout_s`` plus
+            n / ``min_rate`` seconds finds the server down (a lookup waits no longer for a slow server).
         max_entry_bytes: the largest value read or written (a larger one is
             rejected before it is fetched).
     """
@@ -77,9 +87,10 @@ class RedisStore:
         prefix: str = "kvblend",
         ttl_s: int | None = None,
         *,
-        connect_timeout_s: float = 0.2,
-        socket_timeout_s: float = 2.0,
-        retry_after_s: float = 5.0,
+        connect_timeout_s: float = DEFAULT_REDIS_CONNECT_TIMEOUT_S,
+        socket_timeout_s: float = DEFAULT_REDIS_SOCKET_TIMEOUT_S,
+        retry_after_s: float = DEFAULT_REDIS_RETRY_AFTER_S,
+        min_rate: float = DEFAULT_REDIS_MIN_RATE,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
         if ttl_s is not None and ttl_s < 1:  # Redis refuses SET ... EX 0 (and below): every put would fail
@@ -91,7 +102,7 @@ class RedisStore:
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self._link = RedisLink(url, self._stats, self._lock, connect_timeout_s=connect_timeout_s,
-                               socket_timeout_s=socket_timeout_s, retry_after_s=retry_after_s)
+                               socket_timeout_s=socket_timeout_s, retry_after_s=retry_after_s, min_rate=min_rate)
         self.url = self._link.url  # what logs and messages show: the password never leaves the process
         self._logs = RedisRecordLogs(self._link, prefix)
 
@@ -145,7 +156,7 @@ class RedisStore:
             pipe.getrange(rk, 0, HEADER_PROBE - 1)
             return pipe.execute(raise_on_error=False)
 
-        got = self._link.call(what, probe, None)
+        got = self._link.call(what, probe, None, nbytes=HEADER_PROBE)
         if got is None or not got[0]:
             return None
         if isinstance(got[1], Exception) or isinstance(got[2], Exception):  # e.g. WRONGTYPE: a list at the key
@@ -153,7 +164,8 @@ class RedisStore:
         size, head = int(got[1]), bytes(got[2])
         start = header_length(head)
         if start > len(head) and size >= start:  # a header longer than the probe (never written by put)
-            head += bytes(self._link.call(what, lambda: self._link.client.getrange(rk, len(head), start - 1), b"") or b"")
+            head += bytes(self._link.call(what, lambda: self._link.client.getrange(rk, len(head), start - 1), b"",
+                                          nbytes=start) or b"")
         return size, head[:start]
 
     def _fetch(self, ns: Namespace, key: StoreKey) -> bytes | None:
@@ -175,7 +187,7 @@ class RedisStore:
         # bounded: GETRANGE of at most want + 1 bytes, never a GET of whatever the value became since
         # the probe (another writer may SET a larger one between the round trips); one byte more than
         # claimed tells a value that grew from the one probed
-        blob = self._link.call("get", lambda: self._link.client.getrange(rk, 0, want), None)
+        blob = self._link.call("get", lambda: self._link.client.getrange(rk, 0, want), None, nbytes=want + 1)
         if blob is None:
             return None  # the server went down
         if not isinstance(blob, (bytes, bytearray, memoryview)):
@@ -214,7 +226,8 @@ class RedisStore:
                         entry.nbytes, self.max_entry_bytes)
             return
         blob = b"".join(encode_parts(ns, key, entry))
-        ok = self._link.call("put", lambda: self._link.client.set(self.rkey(ns, key), blob, ex=self.ttl_s), None)
+        ok = self._link.call("put", lambda: self._link.client.set(self.rkey(ns, key), blob, ex=self.ttl_s), None,
+                             nbytes=len(blob))
         if ok:
             self._count("puts")
         else:
@@ -223,7 +236,8 @@ class RedisStore:
 
     def put_raw(self, ns: Namespace, key: StoreKey, blob: bytes) -> None:
         """Store arbitrary bytes under (ns, key): for tests and repair tools only."""
-        self._link.call("put", lambda: self._link.client.set(self.rkey(ns, key), blob, ex=self.ttl_s), None)
+        self._link.call("put", lambda: self._link.client.set(self.rkey(ns, key), blob, ex=self.ttl_s), None,
+                        nbytes=len(blob))
 
     def contains(self, ns: Namespace, key: StoreKey) -> bool:
         return bool(self._link.call("exists", lambda: self._link.client.exists(self.rkey(ns, key)), 0))
@@ -270,7 +284,7 @@ class RedisStore:
                 # a key holding another type (WRONGTYPE) answers with an error: skip it, not the namespace
                 return [n for n in pipe.execute(raise_on_error=False) if isinstance(n, int)]
 
-            lengths = self._link.call("stats", sizes, [])
+            lengths = self._link.call("stats", sizes, [], nbytes=None)
             s.entries += sum(1 for n in lengths if n)
             s.bytes += sum(lengths)
         s.extra["available"] = float(self.available)
@@ -306,7 +320,7 @@ class RedisStore:
             rks = self._rkeys(space)
             for i in range(0, len(rks), 1000):
                 batch = rks[i : i + 1000]
-                n += int(self._link.call("clear", lambda b=batch: self._link.client.delete(*b), 0))
+                n += int(self._link.call("clear", lambda b=batch: self._link.client.delete(*b), 0, nbytes=None))
         if ns is None:  # everything: the record logs too (they only point at entries)
             self._logs.clear()
         return n
