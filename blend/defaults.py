@@ -135,8 +135,9 @@ DEFAULT_REDIS_SOCKET_TIMEOUT_S = 2.0
 DEFAULT_REDIS_RETRY_AFTER_S = 5.0
 # ... and a whole call at most the socket timeout plus its bytes at this rate (bytes/s): a server that answers
 # slower (a reply dripped a few bytes at a time, each within the socket timeout) is down. A local server moves
-# a 27.6 MB chunk at ~750 MB/s, 1 Gb Ethernet at ~110 MB/s.
-DEFAULT_REDIS_MIN_RATE = 32 << 20
+# a 27.6 MB chunk at ~750 MB/s, 1 Gb Ethernet at ~110 MB/s; 8 MiB/s leaves a 100 Mb link (~12 MB/s) up, and
+# still bounds a dripped 27.6 MB reply to ~5.5 s.
+DEFAULT_REDIS_MIN_RATE = 8 << 20
 # write-behind (blend.store.write_behind): a store chain writes its persistent tiers (disk, Redis) on a
 # background thread, off the request's time to first token; requests wait for their writes before they
 # finish. At most this many writes wait in the queue before a producer waits for room.

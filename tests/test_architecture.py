@@ -219,11 +219,6 @@ def test_the_defaults_are_written_once():
 # module-level function of the library's folders (evals/ is the harness, not the library). No entry point is
 # exempt: an argparse ``main(argv)`` documents ``argv`` and its exit status like any other function.
 DOCUMENTED_FOLDERS = ("blend", "retrieval", "kernels")
-# TEMPORARY (s29): files another engineer was changing while these sections were written. The lead documents
-# them after merging both branches, then deletes this set (only codec.py has gaps today; the others are
-# being rewritten). An entry exempts one file, and must name a file that exists.
-PENDING_FILES = frozenset({"blend/store/redis_store.py", "blend/store/redis_link.py", "blend/store/redis_logs.py",
-                           "blend/store/tiered.py"})
 
 
 def _own_nodes(fn: ast.FunctionDef | ast.AsyncFunctionDef):
@@ -263,12 +258,8 @@ def test_public_functions_document_their_arguments_and_results():
     gaps = []
     for folder in DOCUMENTED_FOLDERS:
         for path in sorted((ROOT / folder).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
-            if rel not in PENDING_FILES:
-                gaps += docstring_gaps(path, rel)
+            gaps += docstring_gaps(path, path.relative_to(ROOT).as_posix())
     assert not gaps, "\n".join(gaps)
-    gone = sorted(f for f in PENDING_FILES if not (ROOT / f).is_file())
-    assert not gone, f"PENDING_FILES names files that are gone: {gone}"
 
 
 def test_the_docstring_check_sees_each_missing_section(tmp_path):
