@@ -36,22 +36,17 @@ between M=1 and M=5. Two modes:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Sequence
 
 import torch
 
+from blend.decode_batching import DecodeBatching
 from blend.decode_pool import DecodePool, PoolSlotCache
 from blend.kvcache import KVCache
 from blend.model import ModelRunner, attend, causal_mask, layer_forward
 from blend.rope import apply_rope
 
 INVARIANT_TILE = 16  # rows per GEMM in INVARIANT mode (a size every tested BLAS treats alike at any row)
-
-
-class DecodeBatching(Enum):
-    THROUGHPUT = "throughput"  # one GEMM over the batch; equal to one-at-a-time within float rounding
-    INVARIANT = "invariant"  # fixed-size GEMM tiles; bit-identical to one-at-a-time
 
 
 def _padded(n: int, batching: DecodeBatching) -> int:

@@ -37,8 +37,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import NewType, Sequence
 
-import numpy as np
-
 StoreKey = NewType("StoreKey", bytes)  # 32 raw sha256 bytes
 
 STORE_FORMAT_VERSION = 1
@@ -104,6 +102,8 @@ def provenance_digest(canonical_json: str) -> bytes:
 
 def _tokens_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32 (raises on ids outside [0, 2**32))."""
+    import numpy as np  # on use: the store's inspection commands read keys without hashing tokens
+
     return np.asarray(token_ids, dtype="<u4").tobytes()
 
 

@@ -7,7 +7,7 @@ and stored beside the rows, so attention masks come from positions, not
 from row order.
 
 K before RoPE is never kept here: the store holds it (for re-positioning),
-the cache holds what attention reads. :class:`KVEntry` is that stored form
+the cache holds what attention reads. :class:`~blend.kv_entry.KVEntry` is that stored form
 of one segment (K, V, all layers): what a computed segment leaves behind and
 what a store returns. Its K is before RoPE, except in an entry whose
 ``rotated`` flag says it is after RoPE at the positions it was computed at
@@ -22,34 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from blend.kv_entry import KVEntry
 from blend.kvpool import KVBufferPool
 
-
-@dataclass(frozen=True)
-class KVEntry:
-    """KV rows of one segment, all layers.
-
-    Attributes:
-        k: keys, (L, Hkv, T, D): before RoPE, or after it where ``rotated``.
-        v: values, (L, Hkv, T, D).
-        provenance: canonical JSON of the producing :class:`~blend.keys.Provenance`.
-        rotated: k is after RoPE at the positions the entry was computed at: it can only be
-            loaded there (a copy). Not stored: a store's namespace says it
-            (:attr:`~blend.keys.Namespace.k_after_rope`), and the segment cache sets it on lookup.
-    """
-
-    k: torch.Tensor  # (L, Hkv, T, D)
-    v: torch.Tensor  # (L, Hkv, T, D)
-    provenance: str = ""  # "" until the segment cache stamps it for the store
-    rotated: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.k.shape[2])
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+__all__ = ["KVCache", "KVEntry", "RotatedPrefix"]  # KVEntry lives in blend.kv_entry (no torch import)
 
 
 @dataclass(frozen=True)

@@ -12,18 +12,13 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from blend.defaults import DEFAULT_DTYPE, DEFAULT_MODEL
-from blend.evals.answer_survival import write_plot as write_survival
 from blend.evals.data import DataError, load_items
-from blend.evals.harness import EvalConfig, ResumeError, run_harness
+from blend.evals.eval_config import EvalConfig
 from blend.evals.splits import parse_item_range
 from blend.evals.methods import DEFAULT_METHODS, MethodError, parse_methods
-from blend.evals.plot import write_pareto
 from blend.progress import Progress
 from blend.exit_codes import ExitCode
 from blend.termination import Terminated
-from blend.evals.report import markdown, write_markdown
-from blend.evals.results_schema import write_json
-
 
 
 def _config_default(name: str) -> Any:
@@ -145,6 +140,13 @@ def run_eval(
         Exit status: 0 on success, 2 on bad input (data, methods, resume mismatch, an
         engine error such as an unknown model or an over-long prompt; rows done so far are kept).
     """
+    # the harness, its metrics (torch) and the plots load here: `kvblend --help` and eval's parser stay light
+    from blend.evals.answer_survival import write_plot as write_survival
+    from blend.evals.harness import ResumeError, run_harness
+    from blend.evals.plot import write_pareto
+    from blend.evals.report import markdown, write_markdown
+    from blend.evals.results_schema import write_json
+
     try:
         methods = parse_methods(args.methods)
         config = config_from_args(args)

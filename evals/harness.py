@@ -32,16 +32,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from blend import safeio
-from blend.defaults import DEFAULT_BOOTSTRAP_RESAMPLES
 from blend.evals import metrics as M
 from blend.evals.aggregate import aggregate
 from blend.evals.data import Item
 from blend.evals.environment import describe_environment, provenance_dict
+from blend.evals.eval_config import RESUME_FREE, EvalConfig
 from blend.evals.methods import REFERENCE, Method, MethodKind
 from blend.evals.rows import MAX_ROWS_BYTES, ItemRow, MethodRow, RowError, jsonl_lines
 from blend.probe import top2_margin
@@ -52,44 +51,8 @@ RUN_FILE = "run.json"
 MAX_RUN_FILE_BYTES = 1 << 20  # a run.json larger than this is not a run's settings
 SCHEMA_VERSION = 1
 
-# Config fields that may differ between an interrupted run and its --resume
-# (they change timings or the amount of work, never an item's quality row).
-# ``methods`` may grow: a resumed run adds the new methods to the items done.
-_RESUME_FREE = ("limit", "items", "store", "repeats", "warmup", "bootstrap", "methods")
-
-
 class ResumeError(ValueError):
     """--resume over an output folder written with different settings or data."""
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """Everything that defines a run (recorded in results.json and run.json)."""
-
-    data: str
-    limit: int
-    passages: int
-    methods: tuple[str, ...]
-    model: str
-    dtype: str
-    store: str | None = None
-    max_new_tokens: int = 32
-    repeats: int = 3
-    warmup: int = 1
-    seed: int = 0
-    system: str | None = None
-    bootstrap: int = DEFAULT_BOOTSTRAP_RESAMPLES
-    items: str | None = None  # item range "A-B" of the data (overrides limit), e.g. the validation split
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        d = dataclasses.asdict(self)
-        d["methods"] = list(self.methods)
-        return d
-
-    def identity(self) -> dict[str, Any]:
-        """The fields that must match for --resume."""
-        return {k: v for k, v in self.to_dict().items() if k not in _RESUME_FREE}
 
 
 def rotated(seq: Sequence[Method], shift: int) -> list[Method]:
@@ -363,7 +326,7 @@ def _resumed_rows(out: Path, config: EvalConfig, items: Sequence[Item], first_in
     done: dict[int, ItemRow] = {}
     old = json.loads(safeio.read_regular(run_path, MAX_RUN_FILE_BYTES).decode("utf-8"))
     # fields free to differ are ignored on both sides (folders written before a field became free)
-    old_id = {k: v for k, v in old.get("identity", {}).items() if k not in _RESUME_FREE}
+    old_id = {k: v for k, v in old.get("identity", {}).items() if k not in RESUME_FREE}
     if old_id != config.identity():
         diff = sorted(
             k for k in set(old_id) | set(config.identity()) if old_id.get(k) != config.identity().get(k)

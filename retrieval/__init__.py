@@ -21,7 +21,7 @@ _EXPORTS = {
     "IngestSummary": "ingest_options", "IngestOptions": "ingest_options", "KVSync": "ingest_options",
     "ChunkerConfig": "chunker", "chunk_text": "chunker",
     "Embedder": "embedder",
-    "Catalog": "catalog", "IndexKind": "index", "VectorIndex": "index",
+    "Catalog": "catalog", "IndexKind": "index_kind", "VectorIndex": "index",
     "CorpusIssue": "corpus", "RetrievalError": "corpus",
 }
 __all__ = sorted(_EXPORTS)

@@ -23,7 +23,10 @@ import blend
 from blend import json_text
 from blend.cli_messages import flag_names, in_flag_words, named_fields
 from blend.exit_codes import ExitCode
-from blend.defaults import DEFAULT_CHUNK_TOKENS, DEFAULT_DEMO_TOP_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_RATIO, kvblend_home
+from blend.defaults import (
+    DEFAULT_APPROX_THRESHOLD, DEFAULT_CHUNK_TOKENS, DEFAULT_DEMO_TOP_K, DEFAULT_MAX_NEW_TOKENS, DEFAULT_RATIO,
+    kvblend_home,
+)
 from blend.errors import KVBlendError
 from blend.generation_cli import generation_config_from_args, print_stream
 from blend.options import (
@@ -33,15 +36,12 @@ from blend.options import (
 from blend.policy import ReuseMode, ReusePolicy
 from blend.retrieval.chunker import ChunkerConfig
 from blend.retrieval.corpus import RetrievalError, expand_paths
-from blend.retrieval.embedder import Embedder
-from blend.retrieval.index import DEFAULT_APPROX_THRESHOLD, IndexKind
-from blend.retrieval.catalog import Catalog
-from blend.retrieval.ingest import ingest, nothing_to_ingest, print_issues
-from blend.retrieval.ingest_options import IngestOptions
-from blend.retrieval.engine_kv import engine_kv_sync
-from blend.retrieval.pipeline import RAG
+from blend.retrieval.index_kind import IndexKind
 from blend.store.spec import default_spec, redacted_spec
 from blend.terminal_text import shown
+
+# The index (faiss), the embedder, ingestion and the RAG pipeline (torch) load in the run_* functions that use
+# them: registering these commands (`kvblend --help`, an argument error) imports none of them.
 
 USER_ERRORS: tuple[type[BaseException], ...] = (RetrievalError, FileNotFoundError, ValueError, KVBlendError)
 
@@ -144,6 +144,12 @@ def run_ingest(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
+    from blend.retrieval.catalog import Catalog
+    from blend.retrieval.embedder import Embedder
+    from blend.retrieval.engine_kv import engine_kv_sync
+    from blend.retrieval.ingest import ingest, nothing_to_ingest, print_issues
+    from blend.retrieval.ingest_options import IngestOptions
+
     files, issues = expand_paths(args.paths)
     if not files and not Catalog.exists(Path(args.index).expanduser()):  # fail before loading any model
         raise RetrievalError(nothing_to_ingest(issues))  # (an existing index may still lose files that went)
@@ -172,6 +178,8 @@ def ask_over_index(args: argparse.Namespace) -> int:
 
 
 def _ask(args: argparse.Namespace) -> int:
+    from blend.retrieval.pipeline import RAG
+
     rag = RAG.open(args.index, system=args.system)  # a missing index fails before any model loads
     policy = policy_from_args(args)
     config = generation_config_from_args(args)  # --temperature, --top-p, --seed, --stop, --multiline: before the load
@@ -222,6 +230,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from blend.retrieval.embedder import Embedder
+    from blend.retrieval.engine_kv import engine_kv_sync
+    from blend.retrieval.ingest import ingest, print_issues
+    from blend.retrieval.pipeline import RAG
+
     policy = policy_from_args(args)  # every setting checked before the minutes of loading and ingesting
     if args.top_k < 1:
         raise ValueError(f"--top-k must be >= 1, got {args.top_k}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 import faiss
@@ -29,19 +28,11 @@ from blend import safeio
 from blend.defaults import DEFAULT_APPROX_THRESHOLD
 from blend.retrieval.corpus import RetrievalError
 from blend.retrieval.faiss_layout import Layout, LayoutError, check_layout
+from blend.retrieval.index_kind import IndexKind
 from blend.retrieval.npy_file import load_npy
 
 MAX_INDEX_FILE_BYTES = 8 << 30  # the largest index file read (vectors of ~5M chunks at dim 384)
 MAX_DIM = 1 << 16  # the largest embedding dimension an index may claim
-
-
-class IndexKind(Enum):
-    """Which faiss structure backs the index."""
-
-    AUTO = "auto"
-    EXACT = "exact"
-    HNSW = "hnsw"
-    IVF = "ivf"
 
 
 @dataclass(frozen=True)

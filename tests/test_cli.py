@@ -397,12 +397,12 @@ def test_ask_help_explains_its_own_arguments(capsys):
 def test_ctrl_c_during_ask_over_an_index_says_interrupted_not_resume(tmp_path, monkeypatch, capsys):
     """`kvblend ask --index` shared ingest's guard, so its Ctrl-C said 'finished files are saved; re-run to
     resume': an ask saves nothing and has nothing to resume."""
-    import blend.retrieval.cli
+    import blend.retrieval.pipeline
     from blend.cli import main
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(blend.retrieval.cli.RAG, "open", interrupted)
+    monkeypatch.setattr(blend.retrieval.pipeline.RAG, "open", interrupted)
     assert main(["ask", "q", "--index", str(tmp_path), "--model", "tiny-llama"]) == 130
     assert capsys.readouterr().err == "kvblend: interrupted\n"

@@ -12,26 +12,25 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import uvicorn
-
-from blend.batch_decode import DecodeBatching
+from blend.decode_batching import DecodeBatching
 from blend.defaults import (
     DEFAULT_ATTENTION_PRECISION, DEFAULT_LINEAR_PRECISION, DEFAULT_LOG_LEVEL, DTYPE_NAMES, LOG_LEVELS,
 )
-from blend.engine import Engine
-from blend.serve.app import create_app
 from blend.serve.config import (
     API_KEY_ENV, Limits, SchedulerConfig, ServeConfig, default_allowed_hosts, default_torch_threads, resolve_api_key,
 )
 from blend.cli_messages import OneLineParser, flag_names, in_flag_words
-from blend.serve.connection import uvicorn_options
-from blend.serve.shutdown import DrainingServer
-from blend.serve.flight import FlightStore
 from blend.options import add_store_argument
 from blend.policy import RECOMPUTE_PRECISION_NAMES, RecomputePrecision
 from blend.store.spec import open_store
+
+if TYPE_CHECKING:
+    from blend.engine import Engine
+
+# The engine (torch, transformers), the app (FastAPI) and uvicorn load in build_engine and main: the parser
+# alone (`kvblend serve --help`, a bad flag) imports none of them.
 
 _DEFAULT = ServeConfig()
 
@@ -184,6 +183,9 @@ def build_engine(config: ServeConfig) -> Engine:
     Returns:
         The loaded engine, its blend weight copies prepared.
     """
+    from blend.engine import Engine
+    from blend.serve.flight import FlightStore
+
     store = FlightStore(open_store(config.store))
     engine = Engine.load(config.model, dtype=config.dtype, store=store,
                          experimental_semantic=config.experimental_semantic)
@@ -207,6 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as e:  # a setting's own check names its field: say the flag
         parser.error(str(e))
+    import uvicorn
+
+    from blend.serve.app import create_app
+    from blend.serve.connection import uvicorn_options
+    from blend.serve.shutdown import DrainingServer
+
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = build_engine(config)
     app = create_app(engine, config)

@@ -9,7 +9,7 @@ from blend.defaults import (
     DEFAULT_ATTENTION_PRECISION, DEFAULT_DTYPE, DEFAULT_GRACEFUL_SHUTDOWN_S, DEFAULT_LINEAR_PRECISION, DEFAULT_MODEL,
     DEFAULT_SERVE_TEMPERATURE,
 )
-from blend.batch_decode import DecodeBatching
+from blend.decode_batching import DecodeBatching
 from blend.policy import RECOMPUTE_PRECISION_FIELDS, RECOMPUTE_PRECISION_NAMES
 
 API_KEY_ENV = "KVBLEND_API_KEY"

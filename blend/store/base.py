@@ -16,12 +16,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterator, Protocol, runtime_checkable
 
-import torch
-
 from blend.keys import Namespace, StoreKey
-from blend.kvcache import KVEntry
+from blend.kv_entry import KVEntry
 
-__all__ = ["KVEntry"]  # the entry type lives with the cache; tiers import it from here
+__all__ = ["KVEntry"]  # the entry type (blend.kv_entry: no torch import); tiers import it from here
 
 
 class LookupStatus(Enum):

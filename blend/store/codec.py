@@ -24,13 +24,15 @@ import json
 import struct
 from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
 import xxhash
 
 from blend.keys import STORE_FORMAT_VERSION, Namespace, StoreKey, key_hex
 from blend.store.base import KVEntry
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_TAG = "kvblend-kv"
 MAX_HEADER_BYTES = 1 << 20  # a real header is ~1 KB; anything larger is corrupt
@@ -39,13 +41,9 @@ MAX_DIM = 1 << 20  # layers, KV heads, head dim: each in [1, MAX_DIM] (real mode
 MAX_TOKENS = 1 << 31  # tokens of one entry: [0, MAX_TOKENS]
 MAX_ELEMENTS = 1 << 48  # L x Hkv x max(T, 1) x D: what a view's strides span, whatever T (an empty entry too)
 
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-}
-_DTYPES_BY_NAME = {str(d).removeprefix("torch."): d for d in _ST_DTYPES}
-_ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+# by dtype name (the header's spelling): reading and checking headers needs no torch (``kvblend store ls``)
+_ST_DTYPES: dict[str, str] = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # -> safetensors' name
+_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -120,7 +118,7 @@ class EntryHeader:
     def tensor_bytes(self) -> int:
         """Bytes of k and v together."""
         L, H, T, D = self.shape
-        return 2 * L * H * T * D * _ITEMSIZE[_DTYPES_BY_NAME[self.dtype]]
+        return 2 * L * H * T * D * _ITEMSIZE[self.dtype]
 
     def to_json(self) -> str:
         d = {f: v for f, v in asdict(self).items() if f not in ("checksum", "checksum_kind")}
@@ -156,6 +154,8 @@ def checksum(meta: EntryHeader, *data: memoryview) -> str:
 
 def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor in memory order, without a copy when contiguous."""
+    import torch  # a tensor exists: torch is loaded already
+
     t = t.detach().to("cpu").contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # (numel * itemsize,), also when empty
 
@@ -171,7 +171,7 @@ def encode_parts(ns: Namespace, key: StoreKey, entry: KVEntry) -> list[memoryvie
     Returns:
         Buffers whose concatenation is the blob; write them in order.
     """
-    if entry.k.dtype not in _ST_DTYPES:
+    if dtype_name(entry.k.dtype) not in _ST_DTYPES:
         raise ValueError(f"unsupported KV dtype {entry.k.dtype}")
     if entry.k.shape != entry.v.shape or entry.k.dim() != 4 or entry.k.dtype != entry.v.dtype:
         raise ValueError(f"k/v must share a 4-d shape and dtype: {entry.k.shape} {entry.v.shape}")
@@ -187,7 +187,7 @@ def encode_parts(ns: Namespace, key: StoreKey, entry: KVEntry) -> list[memoryvie
         checksum_kind=WRITE_CHECKSUM,
     )
     meta = replace(meta, checksum=checksum(meta, kb, vb))
-    st = _ST_DTYPES[entry.k.dtype]
+    st = _ST_DTYPES[meta.dtype]
     shape = list(meta.shape)
     header = {
         "__metadata__": {"kvblend": meta.to_json()},
@@ -266,7 +266,7 @@ def _entry_header(meta: object) -> EntryHeader:
     for name in (*_STR_FIELDS, named[0]):
         if not isinstance(meta[name], str):
             raise EntryError(EntryErrorKind.BAD_HEADER, f"kvblend field {name!r} is not a string")
-    if meta["dtype"] not in _DTYPES_BY_NAME:
+    if meta["dtype"] not in _ST_DTYPES:
         raise EntryError(EntryErrorKind.DTYPE, f"unsupported dtype {meta['dtype']!r:.40}")
     shape = _ints(meta["shape"], 4, "shape")
     _check_dims(shape)
@@ -316,7 +316,7 @@ def decode_header(blob: bytes | bytearray | memoryview) -> tuple[EntryHeader, di
     if not isinstance(md, dict) or not isinstance(md.get("kvblend"), str):
         raise EntryError(EntryErrorKind.BAD_HEADER, "not a kvblend entry (no kvblend metadata)")
     hdr = _entry_header(_json(md["kvblend"], "kvblend metadata"))
-    st_dtype = _ST_DTYPES[_DTYPES_BY_NAME[hdr.dtype]]
+    st_dtype = _ST_DTYPES[hdr.dtype]
     nbytes = hdr.tensor_bytes // 2
     for i, name in enumerate(("k", "v")):
         info = table.get(name)
@@ -398,7 +398,9 @@ def decode(
     if checksum(hdr, memoryview(blob)[start:]) != hdr.checksum:
         raise EntryError(EntryErrorKind.CHECKSUM, f"{hdr.checksum_kind.value} over the header claims and tensor "
                                                   "bytes differs")
-    dtype = _DTYPES_BY_NAME[hdr.dtype]
+    import torch  # here, not at import: reading headers (``kvblend store ls``) needs no torch
+
+    dtype = getattr(torch, hdr.dtype)  # one of _ST_DTYPES' names: float32, float16, bfloat16
     nbytes = hdr.tensor_bytes // 2
     try:
         k = _view(blob, start, nbytes, dtype, hdr.shape)  # (L, Hkv, T, D)
@@ -426,12 +428,16 @@ def all_finite(t: torch.Tensor) -> bool:
     Returns:
         True when every element is finite.
     """
+    import torch  # a tensor exists: torch is loaded already
+
     if t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float32))):
         return True
     return bool(torch.isfinite(t).all())  # (...) bool: a NaN or an infinity, or only finite values too large to sum
 
 
 def _view(blob: bytearray | bytes | memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    import torch  # decode's caller loaded it
+
     if nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     if isinstance(blob, bytes):  # read-only buffer: torch would warn; copy once

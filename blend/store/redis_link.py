@@ -22,7 +22,6 @@ import math
 import threading
 import time
 from typing import Callable, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -36,6 +35,7 @@ from blend.defaults import (
 )
 from blend.store.base import StoreStats
 from blend.store.redis_deadline import WATCHDOG, Alarm
+from blend.store.redis_url import redacted_url
 
 REFUSAL_LOG_S = 600  # a refusal (a full server) is logged again after this long, once per cause
 log = logging.getLogger("blend.store.redis_store")  # the Redis tier logs under one name, whichever module speaks
@@ -49,33 +49,6 @@ class RefusedData(Exception):
     Raised inside a call, it passes through :meth:`RedisLink.call` untouched: it is neither an
     outage nor a refusal by the server.
     """
-
-
-def redacted_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``: the ``user:PASS@`` part and a ``?password=`` argument
-    (redis-py logs in with either).
-
-    Args:
-        url: a Redis URL.
-
-    Returns:
-        The URL as logs and messages may show it.
-    """
-    try:
-        parts = urlsplit(url)
-        out = url
-        if parts.password is not None:
-            host = parts.hostname or ""
-            host = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets
-            netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
-            out = urlunsplit(parts._replace(netloc=netloc))
-        if parts.query:  # the rest of the URL as written (urlunsplit would respell unix:///path as unix:/path)
-            query = "&".join(f"{pair.partition('=')[0]}=***" if pair.partition("=")[0].lower() == "password"
-                             else pair for pair in parts.query.split("&"))
-            out = out.replace("?" + parts.query, "?" + query, 1)
-        return out
-    except ValueError:  # a port that is not a number, brackets: show nothing of it rather than a secret
-        return "redis://<unparsable url>"
 
 
 class RedisLink:

@@ -26,8 +26,7 @@ from blend.prompt import is_unicode
 from blend.store.base import InspectableStore
 from blend.store.disk import DiskStore
 from blend.store.memory import MemoryStore
-from blend.store.redis_link import redacted_url
-from blend.store.redis_store import RedisStore
+from blend.store.redis_url import redacted_url
 from blend.store.tiered import TieredStore
 
 _REDIS_OPTIONS = ("prefix", "ttl")
@@ -175,6 +174,8 @@ def _build(t: TierSpec, memory_budget_bytes: int | None) -> InspectableStore:
         return MemoryStore(memory_budget_bytes)
     if t.kind is TierKind.DISK:
         return DiskStore(t.location, budget_bytes=t.budget_bytes)
+    from blend.store.redis_store import RedisStore  # redis-py loads only for a spec that names a Redis tier
+
     return RedisStore(t.location, prefix=t.prefix, ttl_s=t.ttl_s)
 
 
