@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from blend.generation import Completion
     from blend.policy import ReusePolicy
     from blend.prompt import Prompt
-    from blend.sampling import GenerationConfig
+    from blend.generation_config import GenerationConfig
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def generation_config_from_args(args: argparse.Namespace) -> "GenerationConfig":
     Raises:
         InvalidSettingError: a setting out of range (checked before any model loads).
     """
-    from blend.sampling import GenerationConfig
+    from blend.generation_config import GenerationConfig
 
     return GenerationConfig(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, stop=tuple(args.stop),

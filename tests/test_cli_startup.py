@@ -37,7 +37,7 @@ def run_fresh(argv: list[str], home: Path) -> tuple[int, list[str], str]:
     env = {**os.environ, "KVBLEND_HOME": str(home)}
     env.pop("KVBLEND_STORE", None)
     out = subprocess.run([sys.executable, "-c", RUN, *argv], capture_output=True, text=True, cwd=ROOT, env=env,
-                         timeout=300)
+                         stdin=subprocess.DEVNULL, timeout=300)
     rc, loaded = json.loads(out.stderr.strip().splitlines()[-1])
     return rc, loaded, out.stdout
 
@@ -59,6 +59,15 @@ def test_help_and_argument_errors_import_no_model_stack(argv, status, tmp_path):
     rc, loaded, _ = run_fresh(argv, tmp_path)
     assert rc == status
     assert loaded == []
+
+
+def test_a_bad_sampling_setting_is_refused_without_the_model_stack(tmp_path):
+    """The sampling settings check themselves (blend.generation_config) before anything loads."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The bakery opens at six.")
+    for argv in (["ask", "q", "--doc", str(doc), "--temperature", "9"], ["chat", "--doc", str(doc), "--top-p", "3"]):
+        rc, loaded, _ = run_fresh(argv, tmp_path)
+        assert (rc, loaded) == (2, [])
 
 
 def test_store_ls_and_stats_read_headers_without_torch(tmp_path):
