@@ -12,7 +12,6 @@ The kvblend header carries the format version, namespace, key, provenance
 JSON, shape, dtype and a checksum over those claims and the tensor bytes
 (:class:`ChecksumKind`: XXH3-128 since 2026-12-06, sha256 before; both are read). Any file a
 safetensors reader opens is accepted here only if every one of those agrees
-and its K and V hold no NaN or infinity (a checksum cannot tell a writer's bad numbers);
 otherwise :func:`decode` raises :class:`EntryError` with a typed reason, which
 the tiers turn into a ``REJECTED`` lookup.
 """
@@ -68,7 +67,6 @@ class EntryErrorKind(Enum):
     KEY_MISMATCH = "key mismatch"  # the blob names another key or namespace
     TOO_LARGE = "too large"  # claims more bytes than a reader may allocate
     NOT_A_BLOB = "not a blob"  # a FIFO, device, directory or symlink (disk), a list (Redis) where an entry belongs
-    NOT_FINITE = "not finite"  # a NaN or an infinity in K or V: under a valid checksum, a writer's bad numbers
 
 
 class EntryError(Exception):
@@ -387,7 +385,7 @@ def decode(
 
     Raises:
         EntryError: truncated, bad header, other format version, shape, dtype,
-            checksum, key mismatch, over the cap, or a NaN or an infinity in K or V; never another exception.
+            checksum, key mismatch or over the cap; never another exception.
     """
     hdr, _, start = decode_header(blob)
     if ns is not None and hdr.namespace != ns.value:
@@ -408,9 +406,6 @@ def decode(
     except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # a shape torch cannot lay out
         raise EntryError(EntryErrorKind.SHAPE, f"shape {list(hdr.shape)} is not a tensor "
                                                f"({type(e).__name__}: {str(e)[:80]})") from None
-    for name, t in (("K", k), ("V", v)):
-        if not all_finite(t):
-            raise EntryError(EntryErrorKind.NOT_FINITE, f"{name} holds a NaN or an infinity")
     return KVEntry(k=k, v=v, provenance=hdr.provenance)
 
 
