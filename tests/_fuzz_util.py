@@ -24,8 +24,11 @@ import signal
 import tracemalloc
 from typing import Any, Iterator
 
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+
+from blend.store.codec import EntryError, decode
 
 CI_EXAMPLES = 200
 EXAMPLES = int(os.environ.get("KVBLEND_FUZZ_EXAMPLES", CI_EXAMPLES))
@@ -190,3 +193,14 @@ def dumps_mutated(value: Any, data: st.DataObject) -> bytes:
 def json_texts_of(draw: st.DrawFn, value: Any) -> bytes:
     """A strategy: ``value``'s JSON text after one :func:`dumps_mutated` rewrite (for lists of lines)."""
     return dumps_mutated(value, draw(st.data()))
+
+
+def still_the_entry(blob: bytes, pristine: bytes) -> bool:
+    """Whether a damaged store blob decodes to the tensors (and provenance) the pristine one holds: damage
+    that leaves the entry as stored (a flipped bit in the header's padding) may be reused."""
+    try:
+        got = decode(bytearray(blob))
+    except EntryError:
+        return False
+    want = decode(bytearray(pristine))
+    return got.provenance == want.provenance and torch.equal(got.k, want.k) and torch.equal(got.v, want.v)

@@ -45,7 +45,7 @@ from blend.store.codec import MAX_HEADER_BYTES, EntryError, decode
 from blend.store.memory import MemoryStore
 from blend.store.redis_store import RedisStore
 from conftest import make_docs
-from _fuzz_util import bounded, dumps_mutated, fuzz_budget, mutate_bytes, mutate_json
+from _fuzz_util import bounded, dumps_mutated, fuzz_budget, mutate_bytes, mutate_json, still_the_entry
 from _store_util import RedisServer, own_redis_server, unique_prefix
 from test_fuzz_store import _join, _split, damage
 
@@ -128,16 +128,6 @@ def _answer(w: Warm, mode: str, store: RedisStore | None = None) -> Any:
             store.close()
 
 
-def _still_the_entry(blob: bytes, pristine: bytes) -> bool:
-    """Whether the damaged blob decodes to the tensors (and provenance) the pristine one holds."""
-    try:
-        got = decode(bytearray(blob))
-    except EntryError:
-        return False
-    want = decode(bytearray(pristine))
-    return got.provenance == want.provenance and torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
-
-
 def _check(w: Warm, mode: str, ans: Any, target: bytes, may_hit: bool) -> None:
     """Cold's answer; the target's segment never reused (unless ``may_hit``), every other one as warm."""
     assert torch.equal(ans.first_logits, w.cold[mode].first_logits)
@@ -218,7 +208,7 @@ def test_a_damaged_entry_in_redis_is_a_miss_and_the_answer_is_colds(warm, data, 
     w.restore()
     target = data.draw(st.sampled_from(w.read_by(mode)), label="entry")
     blob = _plant(w, target, data)
-    may_hit = blob is not None and _still_the_entry(blob, w.pristine[target])
+    may_hit = blob is not None and still_the_entry(blob, w.pristine[target])
     with bounded(max_bytes=64 << 20):
         _check_tier(w, target, may_hit)
         ans = _answer(w, mode)

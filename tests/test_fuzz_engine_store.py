@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from blend.keys import Namespace
 from blend.policy import ReusePolicy
 from blend.report import ReuseClass
-from blend.store.codec import EntryError, all_finite, decode
+from blend.store.codec import all_finite
 from blend.store.disk import DiskStore
 from blend.store.memory import MemoryStore
 from conftest import make_docs
-from _fuzz_util import bounded, fuzz_budget
+from _fuzz_util import bounded, fuzz_budget, still_the_entry
 from test_fuzz_store import damage
 
 POLICIES = {"exact": ReusePolicy.exact(), "blend": ReusePolicy.blend(ratio=0.2)}
@@ -51,16 +51,6 @@ def warm(tiny_engine_factory, tmp_path_factory):
     return eng, prompt, cold, root, files
 
 
-def _still_the_entry(blob: bytes, pristine: bytes) -> bool:
-    """Whether the damaged blob decodes to the tensors (and provenance) the pristine one holds."""
-    try:
-        got = decode(bytearray(blob))
-    except EntryError:
-        return False
-    want = decode(bytearray(pristine))
-    return got.provenance == want.provenance and torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
-
-
 @ENGINE_FUZZ
 @given(data=st.data(), mode=st.sampled_from(sorted(POLICIES)))
 def test_a_damaged_entry_on_disk_is_a_miss_and_the_answer_is_colds(warm, data, mode):
@@ -75,7 +65,7 @@ def test_a_damaged_entry_on_disk_is_a_miss_and_the_answer_is_colds(warm, data, m
     assert torch.equal(ans.first_logits, cold[mode].first_logits)
     assert ans.token_ids == cold[mode].token_ids
     held = [s for s in ans.report.segments if s.key == target.stem]
-    if not _still_the_entry(blob, files[target]):
+    if not still_the_entry(blob, files[target]):
         assert all(s.reuse_class in (ReuseClass.REJECTED, ReuseClass.COMPUTED) for s in held), held
 
 
