@@ -81,8 +81,7 @@ def resolve_recompute_precision(precision: RecomputePrecision, compute: torch.dt
                                 device: torch.device | None = None,
                                 flags: frozenset[str] | None = None) -> RecomputePrecision:
     """What a blend's ``attention_precision`` or ``linear_precision`` means on this engine: AUTO becomes
-    BF16 or COMPUTE (:func:`bf16_pays`); BF16 on a bf16 engine is COMPUTE (nothing to cast). Args as for
-    :func:`resolve_probe_precision`.
+    BF16 or COMPUTE (:func:`bf16_pays`); BF16 on a bf16 engine is COMPUTE (nothing to cast).
 
     Args:
         precision: the policy's :class:`RecomputePrecision`.
